@@ -1,0 +1,75 @@
+"""loragen: convert PyTorch models into LoRA models and train them fast, in peft's format.
+
+Three ways in, one core:
+
+* ``get_lora_model(model, config)`` converts any ``nn.Module`` at run time;
+* ``@lora_convert`` generates explicit conversion code for a class from its source;
+* ``loragen rewrite`` (``rewrite_source``) rewrites a model's source file into a LoRA model file.
+
+Adapters are read and written in peft's on-disk format (``save_adapter`` / ``load_adapter``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from loragen.config import LoraConfig, LoraConfigError
+from loragen.convert import (
+    LoraConversionError,
+    get_lora_model,
+    mark_trainable,
+    merge_adapter,
+    merge_and_unload,
+    print_trainable_parameters,
+    unmerge_adapter,
+)
+from loragen.layers import LoraConv1d, LoraConv1D, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
+
+__version__ = "0.1.0"
+
+# Heavier entry points (libcst, jinja2, safetensors) are imported on first use.
+_LAZY = {
+    "save_adapter": "loragen.io",
+    "load_adapter": "loragen.io",
+    "lora_convert": "loragen.decorator",
+    "rewrite_source": "loragen.rewrite",
+    "RewriteResult": "loragen.rewrite",
+}
+
+__all__ = [
+    "LoraConfig",
+    "LoraConfigError",
+    "LoraConversionError",
+    "LoraLayer",
+    "LoraLinear",
+    "LoraEmbedding",
+    "LoraConv1d",
+    "LoraConv2d",
+    "LoraConv1D",
+    "get_lora_model",
+    "mark_trainable",
+    "merge_adapter",
+    "unmerge_adapter",
+    "merge_and_unload",
+    "print_trainable_parameters",
+    *_LAZY,
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from loragen.decorator import lora_convert
+    from loragen.io import load_adapter, save_adapter
+    from loragen.rewrite import RewriteResult, rewrite_source
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loragen' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,104 @@
+"""Atomic writes: every file loragen writes goes to a temporary name in the target folder first.
+
+A crash or an exception at any point leaves either the old content or the new one in place, never a
+half-written file. Folders (an adapter, a sharded checkpoint) are built in a temporary sibling folder and
+swapped in with renames.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_file", "atomic_dir"]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not supported on every platform / filesystem
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is fsynced and renamed onto ``path``.
+
+    The caller writes the temporary file however it likes (``safetensors.torch.save_file`` takes a path).
+    On an exception the temporary file is removed and ``path`` is untouched.
+    """
+    del mode  # the caller opens the file itself; kept for readability at call sites
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, then ``os.replace``)."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` atomically; see :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Build a folder atomically: yield an empty temporary folder beside ``path``, swap it in on success.
+
+    If ``path`` already exists it is replaced only after the new folder is complete: it is first renamed
+    aside, the new folder renamed into place, then the old one deleted. On an exception the temporary
+    folder is removed and ``path`` keeps its old content.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for child in tmp.iterdir():
+        if child.is_file():
+            with open(child, "rb") as fh:
+                os.fsync(fh.fileno())
+    if target.exists():
+        if not target.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FileExistsError(f"{target} exists and is not a folder; refusing to replace it")
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        old.rmdir()
+        os.replace(target, old)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            os.replace(old, target)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    _fsync_dir(target.parent)

@@ -1,0 +1,1 @@
+"""Subcommands of the ``loragen`` command line, one module each."""

@@ -1,0 +1,348 @@
+"""LoraConfig: the adapter configuration, with peft's field names and semantics.
+
+A :class:`LoraConfig` is validated when it is created; every error names the field and the value and
+says what would be accepted. :meth:`LoraConfig.from_peft` and :meth:`LoraConfig.to_peft` convert to and
+from peft's ``adapter_config.json`` dictionaries. Target matching (which module paths a config selects)
+lives here too, because the runtime converter, the decorator and the source rewriter must agree on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal, Union
+
+__all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "ALL_LINEAR"]
+
+ALL_LINEAR = "all-linear"
+BiasMode = Literal["none", "all", "lora_only"]
+InitMode = Union[bool, Literal["gaussian"]]
+_BIAS_MODES = ("none", "all", "lora_only")
+
+# peft fields that carry no meaning for a LoRA adapter's math (metadata), accepted and dropped.
+_PEFT_METADATA_FIELDS = frozenset(
+    {"peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+     "inference_mode", "megatron_core"}
+)
+# peft features loragen does not implement: accepted only at their "off" value, refused otherwise, because
+# ignoring them would silently change the adapter's output.
+_PEFT_UNSUPPORTED_DEFAULTS: Mapping[str, Any] = {
+    "use_dora": False, "lora_bias": False, "use_qalora": False, "layer_replication": None,
+    "megatron_config": None, "trainable_token_indices": None, "loftq_config": {}, "eva_config": None,
+    "corda_config": None, "lora_ga_config": None, "velora_config": None, "alora_invocation_tokens": None,
+    "monteclora_config": None, "target_parameters": None, "use_bdlora": None, "arrow_config": None,
+    "kasa_config": None, "qalora_group_size": 16, "ensure_weight_tying": False,
+}
+
+
+class LoraConfigError(ValueError):
+    """A LoRA configuration value is invalid; the message names the field and the value."""
+
+
+class LoraConfigWarning(UserWarning):
+    """A peft configuration field loragen does not know was ignored."""
+
+
+def _freeze_names(field: str, value: Any) -> str | tuple[str, ...] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
+        names = tuple(value)
+        if all(isinstance(n, str) and n for n in names):
+            # peft stores target_modules as a set: keep a stable order for reproducible configs.
+            return tuple(sorted(set(names))) if isinstance(value, (set, frozenset)) else names
+    raise LoraConfigError(f"{field}={value!r}: expected None, a regex string, or a list of module names")
+
+
+def _freeze_pattern(field: str, value: Any, kind: type) -> Mapping[str, Any]:
+    if value is None:
+        return MappingProxyType({})
+    if not isinstance(value, Mapping):
+        raise LoraConfigError(f"{field}={value!r}: expected a dict mapping module-name patterns to values")
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            raise LoraConfigError(f"{field}: key {key!r} must be a non-empty pattern string")
+        _check_regex(f"{field}[{key!r}]", key)
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or (kind is int and item != int(item)):
+            raise LoraConfigError(f"{field}[{key!r}]={item!r}: expected a {kind.__name__}")
+        if kind is int and item <= 0:
+            raise LoraConfigError(f"{field}[{key!r}]={item!r}: the rank must be a positive integer")
+    return MappingProxyType({k: kind(v) for k, v in value.items()})
+
+
+def _check_regex(field: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise LoraConfigError(f"{field}={pattern!r} is not a valid regular expression: {exc}") from None
+
+
+def _name_matches(names: str | tuple[str, ...], path: str) -> bool:
+    """peft's rule: a string is a full-match regex; a list matches a name exactly or as a dotted suffix."""
+    if isinstance(names, str):
+        return re.fullmatch(names, path) is not None
+    return any(path == n or path.endswith("." + n) for n in names)
+
+
+def _pattern_lookup(patterns: Mapping[str, Any], path: str) -> str | None:
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", path):
+            return key
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapter configuration with peft's field names, defaults and semantics.
+
+    Attributes:
+        r: default rank (> 0).
+        lora_alpha: default alpha; ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with use_rslora).
+        lora_dropout: dropout probability on the LoRA branch's input, ``0 <= p < 1``.
+        target_modules: a list of module names (exact path or dotted suffix), a regex string (full match
+            on the module path), or ``"all-linear"`` (every Linear / Conv1D except the output head).
+        exclude_modules: same forms as ``target_modules``; matching modules are never converted.
+        modules_to_save: modules trained fully beside the adapter (hybrid mode), saved with it.
+        bias: which biases train: ``"none"``, ``"all"``, or ``"lora_only"`` (biases of LoRA layers).
+        use_rslora: rank-stabilised scaling ``lora_alpha / sqrt(r)``.
+        init_lora_weights: ``True`` (A kaiming-uniform, B zeros), ``"gaussian"`` (A normal(0, 1/r),
+            B zeros) or ``False`` (both random: the adapter is not a no-op at start).
+        rank_pattern / alpha_pattern: per-module overrides, ``{pattern: value}``; a pattern matches a
+            module path when ``re.match(rf"(.*\\.)?({pattern})$", path)`` does (first key wins).
+        layers_to_transform: only convert modules in these layer indices (with a list ``target_modules``).
+        layers_pattern: the name of the layer list (e.g. ``"layers"``, ``"h"``) used to find the index.
+        fan_in_fan_out: the targeted base weights are stored ``(in, out)`` (transformers ``Conv1D``
+            sets this per layer automatically).
+
+    Raises:
+        LoraConfigError: on any invalid value; the message names the field and the value.
+    """
+
+    r: int = 8
+    lora_alpha: float = 8
+    lora_dropout: float = 0.0
+    target_modules: str | Sequence[str] | None = None
+    exclude_modules: str | Sequence[str] | None = None
+    modules_to_save: Sequence[str] | None = None
+    bias: BiasMode = "none"
+    use_rslora: bool = False
+    init_lora_weights: InitMode = True
+    rank_pattern: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    layers_to_transform: int | Sequence[int] | None = None
+    layers_pattern: str | Sequence[str] | None = None
+    fan_in_fan_out: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            raise LoraConfigError(f"r={self.r!r}: the rank must be a positive integer")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not math.isfinite(
+            self.lora_alpha
+        ):
+            raise LoraConfigError(f"lora_alpha={self.lora_alpha!r}: expected a finite number")
+        if (
+            isinstance(self.lora_dropout, bool)
+            or not isinstance(self.lora_dropout, (int, float))
+            or not 0.0 <= self.lora_dropout < 1.0
+        ):
+            raise LoraConfigError(f"lora_dropout={self.lora_dropout!r}: expected a probability with 0 <= p < 1")
+        if self.bias not in _BIAS_MODES:
+            raise LoraConfigError(f"bias={self.bias!r}: expected one of {', '.join(map(repr, _BIAS_MODES))}")
+        for name in ("use_rslora", "fan_in_fan_out"):
+            if not isinstance(getattr(self, name), bool):
+                raise LoraConfigError(f"{name}={getattr(self, name)!r}: expected True or False")
+        if self.init_lora_weights not in (True, False, "gaussian") or (
+            not isinstance(self.init_lora_weights, (bool, str))
+        ):
+            raise LoraConfigError(
+                f"init_lora_weights={self.init_lora_weights!r}: expected True, False or 'gaussian' "
+                "(peft's other schemes - pissa, olora, loftq, eva, corda - are not supported)"
+            )
+        for name in ("target_modules", "exclude_modules"):
+            value = _freeze_names(name, getattr(self, name))
+            if isinstance(value, str) and value != ALL_LINEAR:
+                _check_regex(name, value)
+            set_(self, name, value)
+        if self.exclude_modules == ALL_LINEAR:
+            raise LoraConfigError("exclude_modules='all-linear': 'all-linear' is only valid for target_modules")
+        mts = _freeze_names("modules_to_save", self.modules_to_save)
+        if isinstance(mts, str):
+            raise LoraConfigError(f"modules_to_save={mts!r}: expected a list of module names, not a string")
+        set_(self, "modules_to_save", mts)
+        set_(self, "rank_pattern", _freeze_pattern("rank_pattern", self.rank_pattern, int))
+        set_(self, "alpha_pattern", _freeze_pattern("alpha_pattern", self.alpha_pattern, float))
+        layers = self.layers_to_transform
+        if layers is not None:
+            items = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+            if not isinstance(items, Iterable) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items
+            ):
+                raise LoraConfigError(
+                    f"layers_to_transform={layers!r}: expected a non-negative int or a list of them"
+                )
+            set_(self, "layers_to_transform", layers if isinstance(layers, int) else tuple(items))
+            if isinstance(self.target_modules, str):
+                raise LoraConfigError(
+                    "layers_to_transform cannot be used when target_modules is a regex string "
+                    f"({self.target_modules!r}); put the layer indices into the regex instead"
+                )
+        if self.layers_pattern is not None:
+            if layers is None:
+                raise LoraConfigError(
+                    f"layers_pattern={self.layers_pattern!r} is only meaningful with layers_to_transform"
+                )
+            set_(self, "layers_pattern", _freeze_names("layers_pattern", self.layers_pattern))
+
+    # ---- per-module values -------------------------------------------------------------------
+
+    def rank_for(self, path: str) -> int:
+        """The rank for the module at ``path`` (``rank_pattern`` override or ``r``)."""
+        key = _pattern_lookup(self.rank_pattern, path)
+        return self.r if key is None else int(self.rank_pattern[key])
+
+    def alpha_for(self, path: str) -> float:
+        """The alpha for the module at ``path`` (``alpha_pattern`` override or ``lora_alpha``)."""
+        key = _pattern_lookup(self.alpha_pattern, path)
+        return self.lora_alpha if key is None else self.alpha_pattern[key]
+
+    def scaling_for(self, path: str) -> float:
+        """``alpha / r`` (or ``alpha / sqrt(r)`` with ``use_rslora``) for the module at ``path``."""
+        r = self.rank_for(path)
+        return self.alpha_for(path) / (math.sqrt(r) if self.use_rslora else r)
+
+    # ---- matching -------------------------------------------------------------------------------
+
+    def is_excluded(self, path: str) -> bool:
+        """Whether ``exclude_modules`` or ``modules_to_save`` rule the module at ``path`` out.
+
+        A module to save is trained fully, so neither it nor anything inside it gets a LoRA adapter.
+        """
+        if self.exclude_modules is not None and _name_matches(self.exclude_modules, path):
+            return True
+        return any(
+            re.match(rf"(^|.*\.){re.escape(name)}($|\..*)", path) for name in self.modules_to_save or ()
+        )
+
+    def matches_target(self, path: str, target_modules: str | Sequence[str] | None = None) -> bool:
+        """Whether the module at ``path`` is a target (before type checks), with peft's rules.
+
+        ``target_modules`` overrides the config's (the converter passes the resolved ``all-linear`` list).
+        """
+        targets = self.target_modules if target_modules is None else target_modules
+        if targets is None or self.is_excluded(path):
+            return False
+        if isinstance(targets, str):
+            return re.fullmatch(targets, path) is not None
+        if not _name_matches(tuple(targets), path):
+            return False
+        if self.layers_to_transform is None or (
+            not isinstance(self.layers_to_transform, int) and len(self.layers_to_transform) == 0
+        ):
+            return True
+        index = self.layer_index(path)
+        if index is None:
+            return False
+        if isinstance(self.layers_to_transform, int):
+            return index == self.layers_to_transform
+        return index in self.layers_to_transform
+
+    def layer_index(self, path: str) -> int | None:
+        """The layer index of ``path`` as peft finds it (the first numbered segment after a layer list)."""
+        patterns = self.layers_pattern
+        if not patterns:
+            m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)
+        else:
+            m = None
+            for pattern in (patterns,) if isinstance(patterns, str) else patterns:
+                m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path)
+                if m is not None:
+                    break
+        return None if m is None else int(m.group("idx"))
+
+    def is_module_to_save(self, path: str) -> bool:
+        """Whether the module at ``path`` is listed in ``modules_to_save`` (exact name or dotted suffix)."""
+        return bool(self.modules_to_save) and _name_matches(tuple(self.modules_to_save or ()), path)
+
+    # ---- peft interop -----------------------------------------------------------------------------
+
+    def replace(self, **changes: Any) -> LoraConfig:
+        """A copy with ``changes`` applied (validated like a new config)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_peft(self) -> dict[str, Any]:
+        """The ``adapter_config.json`` dictionary peft writes for this configuration.
+
+        ``peft_type`` is ``"LORA"`` and ``inference_mode`` is true, as in a saved peft adapter.
+        """
+        out: dict[str, Any] = {
+            "peft_type": "LORA",
+            "task_type": None,
+            "base_model_name_or_path": None,
+            "revision": None,
+            "inference_mode": True,
+        }
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            out[f.name] = value
+        out["use_dora"] = False
+        out["lora_bias"] = False
+        return out
+
+    @classmethod
+    def from_peft(cls, data: Mapping[str, Any], *, source: str = "adapter_config.json") -> LoraConfig:
+        """Build a config from a peft ``adapter_config.json`` dictionary.
+
+        Metadata fields (``task_type``, ``base_model_name_or_path``, ...) are accepted and dropped. peft
+        features loragen does not implement (DoRA, ``lora_bias``, LoftQ, ...) are refused unless they are
+        at their "off" value. Fields loragen does not know at all are reported with a
+        :class:`LoraConfigWarning` naming them.
+
+        Raises:
+            LoraConfigError: not a LoRA config, an unsupported feature switched on, or an invalid value;
+                the message names ``source`` and the field.
+        """
+        if not isinstance(data, Mapping):
+            raise LoraConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        peft_type = data.get("peft_type", "LORA")
+        peft_type = getattr(peft_type, "value", peft_type)  # peft's PeftType enum in an in-memory dict
+        if str(peft_type).upper() != "LORA":
+            raise LoraConfigError(f"{source}: peft_type={peft_type!r}: loragen reads LoRA adapters only ('LORA')")
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        unknown: list[str] = []
+        for key, value in data.items():
+            if key in known:
+                kwargs[key] = value
+            elif key in _PEFT_METADATA_FIELDS:
+                continue
+            elif key in _PEFT_UNSUPPORTED_DEFAULTS:
+                off = _PEFT_UNSUPPORTED_DEFAULTS[key]
+                if value != off and not (off is None and value in ({}, [], False)):
+                    raise LoraConfigError(
+                        f"{source}: {key}={value!r} is not supported by loragen (only {off!r}); "
+                        "loading it would give different outputs than peft"
+                    )
+            else:
+                unknown.append(key)
+        if unknown:
+            warnings.warn(
+                f"{source}: ignoring peft fields loragen does not know: {', '.join(sorted(unknown))}",
+                LoraConfigWarning,
+                stacklevel=2,
+            )
+        if isinstance(kwargs.get("init_lora_weights"), str) and kwargs["init_lora_weights"] != "gaussian":
+            # a saved adapter's init scheme no longer matters once its weights are loaded
+            kwargs["init_lora_weights"] = True
+        try:
+            return cls(**kwargs)
+        except LoraConfigError as exc:
+            raise LoraConfigError(f"{source}: {exc}") from None

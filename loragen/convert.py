@@ -1,0 +1,288 @@
+"""The runtime path: convert any ``nn.Module`` into a LoRA model, with peft's semantics.
+
+:func:`get_lora_model` replaces the targeted layers in place with LoRA layers that share the base
+weights, freezes everything but the LoRA factors (plus ``modules_to_save`` and biases per ``bias``) and
+returns the same model object. :func:`merge_adapter`, :func:`unmerge_adapter` and
+:func:`merge_and_unload` act on every LoRA layer of a model, whichever way it was made (converted here,
+rewritten by ``loragen rewrite`` or expanded by ``@lora_convert``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import TextIO, TypeVar
+
+from torch import nn
+
+from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.layers import LoraLayer
+from loragen.registry import REGISTRY, spec_for, supported_type_names
+
+__all__ = [
+    "LoraConversionError",
+    "get_lora_model",
+    "plan_conversion",
+    "convert_module",
+    "mark_trainable",
+    "find_lora_layers",
+    "merge_adapter",
+    "unmerge_adapter",
+    "merge_and_unload",
+    "count_parameters",
+    "print_trainable_parameters",
+    "resolve_target_modules",
+    "set_submodule",
+]
+
+M = TypeVar("M", bound=nn.Module)
+CONFIG_ATTR = "loragen_config"
+_SHOWN_NAMES = 20
+
+
+class LoraConversionError(ValueError):
+    """A model cannot be converted as asked; the message names the module paths involved."""
+
+
+def find_lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
+    """All LoRA layers of ``model`` by module path, in ``named_modules`` order."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    """Replace the submodule at dotted ``path`` (works inside ``ModuleList`` / ``Sequential`` too)."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, new)
+
+
+def _output_head_names(model: nn.Module) -> set[str]:
+    """Paths of the output head that ``all-linear`` leaves out (transformers' output embeddings)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        return set()
+    return {name for name, m in model.named_modules() if m is head}
+
+
+def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[str, ...]:
+    """``config.target_modules`` with ``"all-linear"`` expanded to the model's linear-layer paths.
+
+    ``all-linear`` means every ``nn.Linear`` / transformers ``Conv1D`` except the output head (the
+    module returned by ``get_output_embeddings()`` on transformers models), as in peft.
+
+    Raises:
+        LoraConversionError: ``target_modules`` is not set.
+    """
+    targets = config.target_modules
+    if targets is None:
+        raise LoraConversionError(
+            "LoraConfig.target_modules is None: name the modules to adapt, e.g. "
+            "target_modules=['q_proj', 'v_proj'], a regex, or 'all-linear' "
+            "(loragen has no per-architecture defaults)"
+        )
+    if targets != ALL_LINEAR:
+        return targets
+    linear_types = tuple(t for spec in REGISTRY if spec.linear and (t := spec.base_type()) is not None)
+    heads = _output_head_names(model)
+    return tuple(
+        name for name, m in model.named_modules() if name and type(m) in linear_types and name not in heads
+    )
+
+
+def _module_name_sample(model: nn.Module) -> str:
+    leaves = [name for name, m in model.named_modules() if name and not list(m.children())]
+    shown = ", ".join(leaves[:_SHOWN_NAMES])
+    more = f", ... ({len(leaves) - _SHOWN_NAMES} more)" if len(leaves) > _SHOWN_NAMES else ""
+    return f"{shown}{more}" if leaves else "(the model has no submodules)"
+
+
+def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
+    """The modules ``config`` targets in ``model``, by path, without changing anything.
+
+    Raises:
+        LoraConversionError: the model already has LoRA layers; a targeted module's type is not
+            supported (every such path and type is listed, with the supported types); or nothing matches
+            (the patterns are repeated and some of the model's module names shown).
+    """
+    existing = find_lora_layers(model)
+    if existing:
+        paths = ", ".join(list(existing)[:5]) + (" ..." if len(existing) > 5 else "")
+        raise LoraConversionError(
+            f"the model already has LoRA layers ({paths}); converting it again would stack adapters. "
+            "Use loragen.mark_trainable(model, config) to set which parameters train, load_adapter() to "
+            "load weights into it, or merge_and_unload() first to start from plain layers"
+        )
+    targets = resolve_target_modules(model, config)
+    planned: dict[str, nn.Module] = {}
+    unsupported: list[str] = []
+    for path, module in model.named_modules():
+        if not path or not config.matches_target(path, targets):
+            continue
+        if spec_for(module) is None:
+            unsupported.append(f"{path} ({type(module).__module__}.{type(module).__qualname__})")
+        else:
+            planned[path] = module
+    if unsupported:
+        raise LoraConversionError(
+            "target_modules matched modules loragen cannot adapt: " + "; ".join(unsupported)
+            + ". Supported layer types (exact types, not subclasses): " + ", ".join(supported_type_names())
+            + ". Narrow target_modules (or add these to exclude_modules)"
+        )
+    if not planned:
+        patterns = config.target_modules if isinstance(config.target_modules, str) else list(targets)
+        extra = ""
+        if config.layers_to_transform is not None:
+            extra = f" with layers_to_transform={config.layers_to_transform!r}"
+            if config.layers_pattern is not None:
+                extra += f", layers_pattern={config.layers_pattern!r}"
+        raise LoraConversionError(
+            f"target_modules={patterns!r}{extra} matched no module of {type(model).__name__}. "
+            f"Its modules include: {_module_name_sample(model)}"
+        )
+    return planned
+
+
+def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLayer:
+    """The LoRA layer for ``module`` at ``path``, with the rank and alpha ``config`` gives that path.
+
+    Raises:
+        LoraConversionError: the module's type is not supported, or a per-module value is invalid.
+    """
+    spec = spec_for(module)
+    if spec is None:
+        raise LoraConversionError(
+            f"{path}: {type(module).__qualname__} is not supported; supported: {', '.join(supported_type_names())}"
+        )
+    try:
+        return spec.lora_type().from_module(  # type: ignore[attr-defined,no-any-return]
+            module,
+            r=config.rank_for(path),
+            lora_alpha=config.alpha_for(path),
+            lora_dropout=config.lora_dropout,
+            use_rslora=config.use_rslora,
+            init_lora_weights=config.init_lora_weights,
+        )
+    except ValueError as exc:
+        raise LoraConversionError(f"{path}: {exc}") from exc
+
+
+def mark_trainable(model: nn.Module, config: LoraConfig) -> None:
+    """Freeze every parameter except LoRA factors, ``modules_to_save`` and the biases ``config.bias`` names.
+
+    ``bias="all"`` follows peft: every parameter whose name contains ``"bias"`` trains.
+    """
+    lora_layers = find_lora_layers(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in lora_layers.values():
+        for p in layer.lora_parameters().values():
+            p.requires_grad_(True)
+    if config.bias == "all":
+        for name, p in model.named_parameters():
+            if "bias" in name:
+                p.requires_grad_(True)
+    elif config.bias == "lora_only":
+        for layer in lora_layers.values():
+            if getattr(layer, "bias", None) is not None:
+                layer.bias.requires_grad_(True)
+    for path, module in model.named_modules():
+        if path and config.is_module_to_save(path):
+            for p in module.parameters():
+                p.requires_grad_(True)
+
+
+def get_lora_model(model: M, config: LoraConfig) -> M:
+    """Convert ``model`` in place into a LoRA model and return it.
+
+    Every module ``config`` targets is replaced by the LoRA layer of its type, sharing the base weight
+    and bias (no copy; a base checkpoint still loads into the model). All parameters are frozen except
+    the LoRA factors, the modules in ``modules_to_save`` (trained fully: hybrid LoRA + full fine-tuning)
+    and the biases selected by ``bias``. The config is kept as ``model.loragen_config`` for saving.
+
+    A model that already contains LoRA layers is refused (see :func:`plan_conversion`): loragen keeps one
+    adapter per layer, and stacking a second silently is never what a user meant.
+
+    Raises:
+        TypeError: ``config`` is not a :class:`~loragen.config.LoraConfig`.
+        LoraConversionError: see :func:`plan_conversion`; nothing is changed when it raises.
+    """
+    if not isinstance(config, LoraConfig):
+        raise TypeError(
+            f"config must be a loragen.LoraConfig, got {type(config).__name__}; "
+            "for a peft config use LoraConfig.from_peft(peft_config.to_dict())"
+        )
+    planned = plan_conversion(model, config)
+    # build every LoRA layer before replacing any, so a failure leaves the model untouched
+    replacements = {path: convert_module(module, config, path) for path, module in planned.items()}
+    for path, layer in replacements.items():
+        set_submodule(model, path, layer)
+    mark_trainable(model, config)
+    setattr(model, CONFIG_ATTR, config)
+    return model
+
+
+def _require_lora_layers(model: nn.Module, action: str) -> dict[str, LoraLayer]:
+    layers = find_lora_layers(model)
+    if not layers:
+        raise LoraConversionError(f"cannot {action}: {type(model).__name__} has no LoRA layers")
+    return layers
+
+
+def merge_adapter(model: nn.Module) -> None:
+    """Merge every LoRA layer's update into its base weight, in place. Safe to repeat.
+
+    Raises:
+        LoraConversionError: the model has no LoRA layers.
+    """
+    for layer in _require_lora_layers(model, "merge").values():
+        layer.merge()
+
+
+def unmerge_adapter(model: nn.Module) -> None:
+    """Undo :func:`merge_adapter` on every LoRA layer, in place. Safe to repeat.
+
+    Raises:
+        LoraConversionError: the model has no LoRA layers.
+    """
+    for layer in _require_lora_layers(model, "unmerge").values():
+        layer.unmerge()
+
+
+def merge_and_unload(model: M) -> M:
+    """Merge every LoRA layer and replace it with the plain torch layer; returns the same model.
+
+    Raises:
+        LoraConversionError: the model has no LoRA layers.
+    """
+    layers = _require_lora_layers(model, "merge and unload")
+    for layer in layers.values():
+        layer.merge()
+    for path, layer in layers.items():
+        set_submodule(model, path, layer.to_base())
+    if hasattr(model, CONFIG_ATTR):
+        delattr(model, CONFIG_ATTR)
+    return model
+
+
+def count_parameters(params: Iterable[nn.Parameter]) -> tuple[int, int]:
+    """``(trainable, total)`` element counts over ``params``, each shared tensor counted once."""
+    seen: set[int] = set()
+    trainable = total = 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+    return trainable, total
+
+
+def print_trainable_parameters(model: nn.Module, file: TextIO | None = None) -> tuple[int, int]:
+    """Print ``trainable params: T || all params: N || trainable%: P`` (as peft does); return ``(T, N)``."""
+    trainable, total = count_parameters(model.parameters())
+    share = 100.0 * trainable / total if total else 0.0
+    print(f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}",
+          file=file or sys.stdout)
+    return trainable, total

@@ -1,0 +1,125 @@
+"""LoraConfig: validation messages, peft round trips, and matching rules equal to peft's."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import peft
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from peft.tuners.tuners_utils import check_target_module_exists
+
+from loragen import LoraConfig, LoraConfigError
+from loragen.config import LoraConfigWarning
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"r": 0}, r"^r=0: the rank must be a positive integer$"),
+        ({"r": True}, r"^r=True"),
+        ({"lora_alpha": "16"}, r"^lora_alpha='16': expected a finite number$"),
+        ({"lora_dropout": -0.1}, r"^lora_dropout=-0.1: expected a probability with 0 <= p < 1$"),
+        ({"lora_dropout": 1}, r"^lora_dropout=1:"),
+        ({"bias": "some"}, r"^bias='some': expected one of 'none', 'all', 'lora_only'$"),
+        ({"use_rslora": "yes"}, r"^use_rslora='yes': expected True or False$"),
+        ({"init_lora_weights": "pissa"}, r"^init_lora_weights='pissa'.*not supported"),
+        ({"target_modules": ["q", 3]}, r"^target_modules=\['q', 3\]: expected None, a regex string, or a list"),
+        ({"target_modules": "q_proj("}, r"^target_modules='q_proj\(' is not a valid regular expression"),
+        ({"exclude_modules": "all-linear"}, r"exclude_modules='all-linear'"),
+        ({"modules_to_save": "lm_head"}, r"^modules_to_save='lm_head': expected a list"),
+        ({"rank_pattern": {"q": 0}}, r"^rank_pattern\['q'\]=0: the rank must be a positive integer$"),
+        ({"rank_pattern": {"q": 2.5}}, r"^rank_pattern\['q'\]=2.5: expected a int$"),
+        ({"alpha_pattern": ["q"]}, r"^alpha_pattern=\['q'\]: expected a dict"),
+        ({"alpha_pattern": {"(": 2}}, r"alpha_pattern\['\('\]='\(' is not a valid regular expression"),
+        ({"layers_to_transform": [-1]}, r"^layers_to_transform=\[-1\]: expected a non-negative int"),
+        ({"layers_to_transform": [0], "target_modules": "q.*"}, r"layers_to_transform cannot be used when target_modules is a regex"),
+        ({"layers_pattern": "layers"}, r"^layers_pattern='layers' is only meaningful with layers_to_transform$"),
+    ],
+)
+def test_validation_names_field_and_value(kwargs: dict, message: str) -> None:
+    with pytest.raises(LoraConfigError, match=message):
+        LoraConfig(**kwargs)
+
+
+def test_frozen_and_immutable_collections() -> None:
+    cfg = LoraConfig(target_modules=["q", "v"], rank_pattern={"q": 2})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.r = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        cfg.rank_pattern["v"] = 3  # type: ignore[index]
+    assert cfg.target_modules == ("q", "v")
+
+
+def test_to_peft_loads_in_peft_and_round_trips() -> None:
+    cfg = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
+                     modules_to_save=["lm_head"], bias="lora_only", use_rslora=True, init_lora_weights="gaussian",
+                     rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 4}, layers_to_transform=[0, 1],
+                     layers_pattern="layers")
+    data = cfg.to_peft()
+    assert data["peft_type"] == "LORA" and data["inference_mode"] is True
+    theirs = peft.LoraConfig.from_peft_type(**data)
+    assert theirs.r == 4 and theirs.use_rslora and set(theirs.target_modules) == {"q_proj", "v_proj"}
+    assert theirs.rank_pattern == {"q_proj": 2} and theirs.layers_to_transform == [0, 1]
+    assert LoraConfig.from_peft(data) == cfg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert LoraConfig.from_peft(theirs.to_dict()) == cfg.replace(target_modules=("q_proj", "v_proj"))
+
+
+def test_from_peft_reports_unknown_fields() -> None:
+    data = LoraConfig(target_modules=["q"]).to_peft() | {"shiny_new_option": 3, "other": None}
+    with pytest.warns(LoraConfigWarning, match=r"adapter_config\.json: ignoring peft fields loragen does not know: other, shiny_new_option"):
+        LoraConfig.from_peft(data)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("use_dora", True), ("lora_bias", True), ("layer_replication", [[0, 2]])]
+)
+def test_from_peft_refuses_features_it_would_silently_drop(field: str, value) -> None:
+    data = LoraConfig(target_modules=["q"]).to_peft() | {field: value}
+    with pytest.raises(LoraConfigError, match=rf"^cfg\.json: {field}=.* is not supported by loragen"):
+        LoraConfig.from_peft(data, source="cfg.json")
+
+
+def test_from_peft_names_the_source_and_field() -> None:
+    with pytest.raises(LoraConfigError, match=r"^a/adapter_config\.json: r=-2: the rank must be a positive integer$"):
+        LoraConfig.from_peft({"peft_type": "LORA", "r": -2}, source="a/adapter_config.json")
+    with pytest.raises(LoraConfigError, match=r"peft_type='IA3': loragen reads LoRA adapters only"):
+        LoraConfig.from_peft({"peft_type": "IA3"})
+
+
+def test_rank_and_alpha_patterns() -> None:
+    cfg = LoraConfig(r=8, lora_alpha=16, rank_pattern={"q_proj": 2, r"layers\.1\..*v_proj": 4},
+                     alpha_pattern={"v_proj": 3}, use_rslora=True)
+    assert cfg.rank_for("model.layers.0.self_attn.q_proj") == 2
+    assert cfg.rank_for("model.layers.1.self_attn.v_proj") == 4
+    assert cfg.rank_for("model.layers.0.self_attn.v_proj") == 8
+    assert cfg.alpha_for("model.layers.0.self_attn.v_proj") == 3
+    assert cfg.scaling_for("model.layers.1.self_attn.v_proj") == pytest.approx(3 / 2)
+
+
+# ---- matching equals peft's check_target_module_exists -----------------------------------------
+
+names = st.sampled_from(["q_proj", "v_proj", "o_proj", "mlp", "up_proj", "layers", "h", "attn", "0", "1", "2", "11"])
+paths = st.lists(names, min_size=1, max_size=5).map(".".join)
+
+
+@given(
+    path=paths,
+    targets=st.one_of(st.lists(names, min_size=1, max_size=3), st.sampled_from([r".*q_proj", r".*\.1\..*", "mlp"])),
+    exclude=st.one_of(st.none(), st.lists(names, min_size=1, max_size=2)),
+    layers=st.one_of(st.none(), st.lists(st.integers(0, 12), min_size=1, max_size=3)),
+    pattern=st.one_of(st.none(), st.sampled_from(["layers", "h"])),
+)
+def test_target_matching_equals_peft(path, targets, exclude, layers, pattern) -> None:
+    if isinstance(targets, str) and layers is not None:
+        layers = None
+    if layers is None:
+        pattern = None
+    cfg = dict(target_modules=targets, exclude_modules=exclude, layers_to_transform=layers, layers_pattern=pattern)
+    theirs = bool(check_target_module_exists(peft.LoraConfig(**cfg), path))
+    theirs = theirs and type(check_target_module_exists(peft.LoraConfig(**cfg), path)).__name__ != "_ExcludedModule"
+    assert LoraConfig(**cfg).matches_target(path) == theirs
