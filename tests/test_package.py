@@ -1,0 +1,62 @@
+"""The wheel carries templates/ and kernels/, and loragen reads them from the installed wheel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        check=True, capture_output=True, text=True,
+    )
+    (path,) = out.glob("loragen-*.whl")
+    return path
+
+
+def test_wheel_contains_templates_kernels_and_cli(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    repo_templates = sorted(p.name for p in (ROOT / "templates").glob("*.j2"))
+    repo_kernels = sorted(p.name for p in (ROOT / "kernels").glob("*.j2"))
+    assert repo_templates and repo_kernels, "templates/ and kernels/ must hold Jinja templates"
+    for name in repo_templates:
+        assert f"loragen/_templates/{name}" in names
+    for name in repo_kernels:
+        assert f"loragen/_kernels/{name}" in names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "loragen = loragen.cli:main" in entry_points
+
+
+def test_resources_are_read_from_the_installed_wheel(wheel: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    # -S: no site-packages processing, so the editable install of the source tree is invisible; the
+    # unpacked wheel comes first and third-party packages are reachable after it.
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1]]; sys.path.append(sys.argv[2]);"
+        "import loragen, loragen.resources as r;"
+        "assert loragen.__file__.startswith(sys.argv[1]), loragen.__file__;"
+        "t = str(r.templates_dir()); k = str(r.kernels_dir());"
+        "assert t.startswith(sys.argv[1]) and k.startswith(sys.argv[1]), (t, k);"
+        "names = r.list_kernels(); assert names, 'no kernels';"
+        "assert r.read_kernel(names[0]).strip();"
+        "print(len(names))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(site), sysconfig.get_paths()["purelib"]],
+        capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.strip()) >= 1
