@@ -170,7 +170,8 @@ def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLaye
 def mark_trainable(model: nn.Module, config: LoraConfig) -> None:
     """Freeze every parameter except LoRA factors, ``modules_to_save`` and the biases ``config.bias`` names.
 
-    ``bias="all"`` follows peft: every parameter whose name contains ``"bias"`` trains.
+    ``bias="all"`` follows peft: every parameter named ``bias`` trains (not, say, T5's
+    ``relative_attention_bias.weight``).
     """
     lora_layers = find_lora_layers(model)
     for p in model.parameters():
@@ -180,7 +181,7 @@ def mark_trainable(model: nn.Module, config: LoraConfig) -> None:
             p.requires_grad_(True)
     if config.bias == "all":
         for name, p in model.named_parameters():
-            if "bias" in name:
+            if name == "bias" or name.endswith(".bias"):
                 p.requires_grad_(True)
     elif config.bias == "lora_only":
         for layer in lora_layers.values():

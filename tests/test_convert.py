@@ -32,6 +32,7 @@ CASES = {
     "bert-hybrid": ("bert", dict(target_modules=["query", "value"], modules_to_save=["classifier"], bias="lora_only")),
     "bert-bias-all": ("bert", dict(target_modules=["key", "dense"], bias="all")),
     "t5": ("t5", dict(target_modules=["q", "v", "wo"], modules_to_save=["final_layer_norm"])),
+    "t5-bias-all": ("t5", dict(target_modules=["q", "v"], bias="all")),
 }
 
 
