@@ -1,0 +1,71 @@
+"""loragen's CUDA path: LoRA kernels rendered from Jinja templates, compiled by NVRTC, launched on
+PyTorch's current stream.
+
+========== ==============================================================================
+module     concern
+========== ==============================================================================
+specs      the kernels, their variants (dtype, rank bucket, alignment), tiles and grids
+render     kernels/*.cu.j2 -> CUDA C (Jinja, StrictUndefined; every decision in specs)
+nvrtc      CUDA C -> cubin per architecture; errors carry the kernel, parameters and log
+cache      cubins in memory and on disk (atomic entries, checksummed, rebuilt if corrupt)
+launch     the driver side: module loading and launches in PyTorch's primary context
+function   the autograd Function and :func:`lora_linear_cuda`
+========== ==============================================================================
+
+cuda-python is an optional extra (``pip install 'loragen[cuda]'``). Nothing here imports
+``cuda.bindings`` or touches the driver unless :func:`is_available` is true and a CUDA tensor arrives;
+compiling (``nvrtc``) needs no GPU and no driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+__all__ = [
+    "CudaLoraError",
+    "KernelCompileError",
+    "is_available",
+    "lora_linear_cuda",
+    "unsupported_reason",
+]
+
+_LAZY = {
+    "lora_linear_cuda": "loragen.cuda.function",
+    "unsupported_reason": "loragen.cuda.function",
+    "CudaLoraError": "loragen.cuda.function",
+    "KernelCompileError": "loragen.cuda.nvrtc",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from loragen.cuda.function import CudaLoraError, lora_linear_cuda, unsupported_reason
+    from loragen.cuda.nvrtc import KernelCompileError
+
+
+def is_available() -> bool:
+    """True when PyTorch sees a CUDA device and cuda-python's bindings are installed.
+
+    Checks PyTorch first, so on a machine without a GPU nothing from ``cuda.bindings`` is imported.
+    """
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):  # a namespace "cuda" without the bindings
+        return False
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loragen.cuda' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

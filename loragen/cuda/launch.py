@@ -1,0 +1,194 @@
+"""Load compiled kernels and launch them: in PyTorch's primary context, on PyTorch's current stream.
+
+``cuda.bindings.driver`` is imported only inside :class:`DriverLauncher` methods, which run only for
+CUDA tensors: without a GPU and driver, importing it raises or, worse, later calls can hang, so nothing
+here touches the driver at import time.
+
+Autograd runs backward on its own thread, where no CUDA context may be current; every launch therefore
+makes PyTorch's primary context current first (``cuCtxSetCurrent`` is cheap). Kernels launched on a
+capturing stream are recorded into the CUDA graph like any other; modules must be loaded before the
+capture starts (run one step first, as PyTorch's own graph warm-up does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from loragen.cuda.cache import KernelCache, default_cache
+from loragen.cuda.render import render_kernel
+from loragen.cuda.specs import KernelSpec, Variant, render_params
+
+__all__ = ["CudaDriverError", "DriverLauncher", "KernelLauncher", "default_launcher", "pack_arguments"]
+
+_SCALAR_CTYPES: dict[str, type] = {
+    "int": ctypes.c_int,
+    "unsigned": ctypes.c_uint,
+    "float": ctypes.c_float,
+    "u64": ctypes.c_uint64,
+}
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; the message names the call, the error and the kernel."""
+
+
+class KernelLauncher(Protocol):
+    """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests."""
+
+    def target_blocks(self, device: torch.device) -> int:
+        """About two blocks per multiprocessor: how many blocks a grid should have to fill the device."""
+        ...
+
+    def launch(
+        self,
+        spec: KernelSpec,
+        variant: Variant,
+        grid: tuple[int, int],
+        args: Sequence[object],
+        device: torch.device,
+    ) -> None:
+        """Launch ``spec`` for ``variant`` on ``grid`` with ``spec.threads(variant)`` threads per block."""
+        ...
+
+
+def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
+    """``args`` as ctypes values in the order of ``spec.params``: tensors (or None) for pointers.
+
+    Raises:
+        TypeError: wrong number of arguments, or a non-tensor for a pointer parameter.
+    """
+    if len(args) != len(spec.params):
+        raise TypeError(
+            f"loragen.cuda: kernel {spec.name} takes {len(spec.params)} arguments, got {len(args)}"
+        )
+    packed: list[Any] = []
+    for param, value in zip(spec.params, args):
+        if param.ctype.endswith("*"):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"loragen.cuda: kernel {spec.name} parameter {param.name} needs a tensor, got {value!r}"
+                )
+            packed.append(ctypes.c_void_p(0 if value is None else value.data_ptr()))
+        else:
+            packed.append(_SCALAR_CTYPES[param.ctype](value))  # type: ignore[arg-type]
+    return packed
+
+
+class DriverLauncher:
+    """Launches kernels through the CUDA driver API; modules are loaded once per device and variant."""
+
+    def __init__(self, cache: KernelCache | None = None) -> None:
+        self._cache = cache
+        self._lock = threading.Lock()
+        self._contexts: dict[int, Any] = {}
+        self._functions: dict[tuple[int, str, Variant, str], Any] = {}
+        self._sm_counts: dict[int, int] = {}
+
+    @staticmethod
+    def _driver() -> Any:
+        from cuda.bindings import driver
+
+        return driver
+
+    def _check(self, result: tuple, call: str, kernel: str = "") -> tuple:
+        driver = self._driver()
+        status = result[0]
+        if status != driver.CUresult.CUDA_SUCCESS:
+            _, name = driver.cuGetErrorName(status)
+            _, text = driver.cuGetErrorString(status)
+            where = f" (kernel {kernel})" if kernel else ""
+            raise CudaDriverError(f"loragen.cuda: {call} failed{where}: {name.decode()}: {text.decode()}")
+        return result[1:]
+
+    def _context(self, index: int) -> Any:
+        """PyTorch's primary context of device ``index`` (retained once, kept for the process)."""
+        ctx = self._contexts.get(index)
+        if ctx is None:
+            torch.cuda.init()  # PyTorch creates the primary context; the driver API then shares it
+            driver = self._driver()
+            self._check(driver.cuInit(0), "cuInit")
+            (device,) = self._check(driver.cuDeviceGet(index), "cuDeviceGet")
+            (ctx,) = self._check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+            self._contexts[index] = ctx
+        return ctx
+
+    def target_blocks(self, device: torch.device) -> int:
+        index = _index(device)
+        count = self._sm_counts.get(index)
+        if count is None:
+            count = self._sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return 2 * count
+
+    def _function(self, spec: KernelSpec, variant: Variant, index: int) -> Any:
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = f"sm_{major}{minor}"
+        key = (index, spec.name, variant, arch)
+        function = self._functions.get(key)
+        if function is None:
+            kernel = render_kernel(spec.name, render_params(spec, variant))
+            compiled = (self._cache or default_cache()).get(kernel, arch)
+            driver = self._driver()
+            (module,) = self._check(
+                driver.cuModuleLoadData(compiled.cubin), "cuModuleLoadData", kernel.description
+            )
+            (function,) = self._check(
+                driver.cuModuleGetFunction(module, spec.name.encode()),
+                "cuModuleGetFunction",
+                kernel.description,
+            )
+            self._functions[key] = function
+        return function
+
+    def launch(
+        self,
+        spec: KernelSpec,
+        variant: Variant,
+        grid: tuple[int, int],
+        args: Sequence[object],
+        device: torch.device,
+    ) -> None:
+        index = _index(device)
+        driver = self._driver()
+        with self._lock:
+            self._check(driver.cuCtxSetCurrent(self._context(index)), "cuCtxSetCurrent", spec.name)
+            function = self._function(spec, variant, index)
+        values = pack_arguments(spec, args)
+        pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        self._check(
+            driver.cuLaunchKernel(
+                function,
+                grid[0],
+                grid[1],
+                1,
+                spec.threads(variant),
+                1,
+                1,
+                0,
+                stream,
+                ctypes.addressof(pointers),
+                0,
+            ),
+            "cuLaunchKernel",
+            f"{spec.name} {variant.label} grid={grid}",
+        )
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_default: DriverLauncher | None = None
+
+
+def default_launcher() -> DriverLauncher:
+    """The process-wide :class:`DriverLauncher` (kernels cached in :func:`~loragen.cuda.cache.default_cache`)."""
+    global _default
+    if _default is None:
+        _default = DriverLauncher()
+    return _default

@@ -1,0 +1,286 @@
+"""The LoRA kernels loragen compiles, their variants, tile shapes and grids.
+
+Every decision about a kernel is made here, in Python: the templates in ``kernels/`` only substitute
+the values this module computes. A kernel is rendered per :class:`Variant` -- (dtype, rank bucket,
+aligned) -- with a tile shape derived from it, and compiled per GPU architecture.
+
+Kernels (see each template's header comment for the exact formulas):
+
+============== ============================================ =====================================
+kernel         computes                                     reads / writes (large tensors)
+============== ============================================ =====================================
+lora_down      h = dropout(x) A^T, float32 (N, R)            x once
+lora_up        out = bias + s h B^T                          out once (then cuBLAS adds x W^T)
+lora_grad_out  dh = s g B,  dB = s g^T h                     g once
+lora_grad_in   dA = dh^T dropout(x),  (dh A) * mask / (1-p)  x once, grad_x once (then += g W)
+============== ============================================ =====================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "ARCHS",
+    "DTYPES",
+    "KERNELS",
+    "MAX_RANK",
+    "RANK_BUCKETS",
+    "DownPlan",
+    "KernelSpec",
+    "Param",
+    "SplitPlan",
+    "Variant",
+    "all_variants",
+    "plan_down",
+    "plan_grad_in",
+    "plan_grad_out",
+    "plan_up",
+    "rank_bucket",
+    "render_params",
+]
+
+# torch dtype name -> the kernels' storage type (defined in kernels/lora_common.cuh.j2)
+DTYPES: dict[str, str] = {"float32": "float", "float16": "f16_t", "bfloat16": "bf16_t"}
+ELEMENT_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+RANK_BUCKETS: tuple[int, ...] = (8, 16, 32, 64)
+MAX_RANK = RANK_BUCKETS[-1]
+ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
+WARP = 32
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kernel parameter, with its C type exactly as the template's signature spells it."""
+
+    name: str
+    ctype: str
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a kernel is rendered for (the GPU architecture is chosen at compile time)."""
+
+    dtype: str  # a key of DTYPES
+    rank_bucket: int  # one of RANK_BUCKETS
+    aligned: bool  # every row length % 8 == 0 and every pointer 16-byte aligned: vector accesses
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"loragen.cuda: dtype {self.dtype!r} has no kernels; supported: {', '.join(DTYPES)}"
+            )
+        if self.rank_bucket not in RANK_BUCKETS:
+            raise ValueError(
+                f"loragen.cuda: rank bucket {self.rank_bucket} is not one of {', '.join(map(str, RANK_BUCKETS))}"
+            )
+
+    @property
+    def label(self) -> str:
+        """A short readable name, used in cache file names: ``bfloat16-r16-aligned``."""
+        return f"{self.dtype}-r{self.rank_bucket}-{'aligned' if self.aligned else 'unaligned'}"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel template, its parameter list and how its tile shape follows from a variant."""
+
+    name: str  # the extern "C" function name; the template is kernels/<name>.cu.j2
+    params: tuple[Param, ...]
+    tile: Callable[[Variant], dict[str, int]]
+
+    @property
+    def template(self) -> str:
+        return f"{self.name}.cu.j2"
+
+    def threads(self, variant: Variant) -> int:
+        """Threads per block."""
+        return self.tile(variant)["warps"] * WARP
+
+
+def _params(*pairs: tuple[str, str]) -> tuple[Param, ...]:
+    return tuple(Param(name, ctype) for ctype, name in pairs)
+
+
+_DROPOUT = (("u64", "seed"), ("u64", "offset"), ("unsigned", "threshold"), ("float", "keep_scale"))
+
+# Register budget: each thread keeps at most 64 accumulators (and, in the backward kernels, 64 more
+# values of A or B^T), so ranks trade rows or columns per thread against the rank bucket.
+_ACCUMULATORS = 64
+
+LORA_DOWN = KernelSpec(
+    "lora_down",
+    _params(
+        ("const scalar_t*", "x"),
+        ("const float*", "lora_a"),
+        ("float*", "h_part"),
+        ("int", "rows"),
+        ("int", "cols"),
+        ("int", "rank"),
+        ("int", "cols_per_split"),
+        *_DROPOUT,
+    ),
+    lambda v: {"warps": 4, "min_blocks": 2, "rows_per_warp": _ACCUMULATORS // v.rank_bucket},
+)
+LORA_UP = KernelSpec(
+    "lora_up",
+    _params(
+        ("const float*", "h"),
+        ("const float*", "lora_bt"),
+        ("const scalar_t*", "bias"),
+        ("scalar_t*", "out"),
+        ("int", "rows"),
+        ("int", "cols"),
+        ("int", "rank"),
+        ("float", "scaling"),
+    ),
+    lambda v: {"warps": 4, "min_blocks": 2, "rows_per_thread": _ACCUMULATORS // 8},
+)
+LORA_GRAD_OUT = KernelSpec(
+    "lora_grad_out",
+    _params(
+        ("const scalar_t*", "grad"),
+        ("const float*", "h"),
+        ("const float*", "lora_bt"),
+        ("float*", "dh_part"),
+        ("float*", "db_part"),
+        ("int", "rows"),
+        ("int", "cols"),
+        ("int", "rank"),
+        ("int", "rows_per_split"),
+        ("float", "scaling"),
+    ),
+    lambda v: {
+        "warps": 4,
+        "min_blocks": 2,
+        "cols_per_lane": min(8, _ACCUMULATORS // v.rank_bucket),
+        "rows_per_step": max(1, WARP // v.rank_bucket),
+    },
+)
+LORA_GRAD_IN = KernelSpec(
+    "lora_grad_in",
+    _params(
+        ("const scalar_t*", "x"),
+        ("const float*", "dh"),
+        ("const float*", "lora_a"),
+        ("scalar_t*", "grad_x_lora"),
+        ("float*", "da_part"),
+        ("int", "rows"),
+        ("int", "cols"),
+        ("int", "rank"),
+        ("int", "rows_per_split"),
+        *_DROPOUT,
+    ),
+    lambda v: {"warps": 4, "min_blocks": 2, "cols_per_lane": min(8, _ACCUMULATORS // v.rank_bucket)},
+)
+
+KERNELS: dict[str, KernelSpec] = {k.name: k for k in (LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN)}
+
+
+def rank_bucket(rank: int) -> int:
+    """The smallest rank bucket holding ``rank``.
+
+    Raises:
+        ValueError: ``rank`` < 1 or > :data:`MAX_RANK`.
+    """
+    for bucket in RANK_BUCKETS:
+        if 1 <= rank <= bucket:
+            return bucket
+    raise ValueError(
+        f"loragen.cuda: LoRA rank r={rank} is not supported by the CUDA kernels; expected 1 <= r <= {MAX_RANK}"
+    )
+
+
+def render_params(spec: KernelSpec, variant: Variant) -> dict[str, object]:
+    """Everything the template of ``spec`` substitutes, for ``variant``."""
+    params: dict[str, object] = {
+        "scalar_t": DTYPES[variant.dtype],
+        "rank_bucket": variant.rank_bucket,
+        "aligned": variant.aligned,
+        **spec.tile(variant),
+    }
+    summary = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
+    params["variant"] = f"Rendered by loragen.cuda.render for {variant.dtype}:\n// {summary}."
+    return params
+
+
+def all_variants() -> Iterator[tuple[KernelSpec, Variant]]:
+    """Every (kernel, variant) pair loragen can render: what CI compiles."""
+    for spec in KERNELS.values():
+        for dtype in DTYPES:
+            for bucket in RANK_BUCKETS:
+                for aligned in (True, False):
+                    yield spec, Variant(dtype, bucket, aligned)
+
+
+# ---- grids --------------------------------------------------------------------------------------------
+# ``target_blocks`` is about two blocks per multiprocessor. Split reductions write float32 partial sums
+# that torch adds up afterwards (deterministic, no atomics); the splits are capped so the partials stay
+# a small fraction of the pass's main traffic.
+
+
+@dataclass(frozen=True)
+class DownPlan:
+    grid: tuple[int, int]
+    splits: int
+    cols_per_split: int
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    grid: tuple[int, int]
+    col_blocks: int
+    splits: int
+    rows_per_split: int
+
+
+def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> DownPlan:
+    """Grid of ``lora_down`` for x of (rows, cols): row tiles x column splits."""
+    tile = LORA_DOWN.tile(variant)
+    row_blocks = math.ceil(rows / (tile["warps"] * tile["rows_per_warp"]))
+    lane_cols = WARP * 8  # columns a warp covers per step
+    splits = min(math.ceil(cols / lane_cols), max(1, math.ceil(target_blocks / row_blocks)))
+    cols_per_split = math.ceil(cols / splits / lane_cols) * lane_cols
+    splits = math.ceil(cols / cols_per_split)
+    return DownPlan((row_blocks, splits), splits, cols_per_split)
+
+
+def plan_up(rows: int, cols: int, variant: Variant) -> tuple[int, int]:
+    """Grid of ``lora_up`` for out of (rows, cols): row tiles x 256-column tiles."""
+    tile = LORA_UP.tile(variant)
+    return math.ceil(rows / (tile["warps"] * tile["rows_per_thread"])), math.ceil(cols / (WARP * 8))
+
+
+def _row_splits(
+    rows: int, col_blocks: int, target_blocks: int, max_splits: int, step: int
+) -> tuple[int, int]:
+    splits = max(1, min(max_splits, math.ceil(target_blocks / col_blocks), math.ceil(rows / step)))
+    rows_per_split = math.ceil(math.ceil(rows / splits) / step) * step
+    return math.ceil(rows / rows_per_split) if rows else 1, max(rows_per_split, step)
+
+
+def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
+    """Grid of ``lora_grad_out`` for g of (rows, cols): column blocks x row splits.
+
+    The dB partials (splits x cols x R float32) are kept under a quarter of g's bytes.
+    """
+    tile = LORA_GRAD_OUT.tile(variant)
+    col_blocks = math.ceil(cols / (tile["warps"] * WARP * tile["cols_per_lane"]))
+    max_splits = rows * ELEMENT_BYTES[variant.dtype] // (16 * variant.rank_bucket)
+    splits, rows_per_split = _row_splits(rows, col_blocks, target_blocks, max_splits, tile["rows_per_step"])
+    return SplitPlan((col_blocks, splits), col_blocks, splits, rows_per_split)
+
+
+def plan_grad_in(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
+    """Grid of ``lora_grad_in`` for x of (rows, cols): column blocks x row splits.
+
+    The dA partials (splits x R x cols float32) are kept under a quarter of the bytes of x plus grad_x.
+    """
+    tile = LORA_GRAD_IN.tile(variant)
+    col_blocks = math.ceil(cols / (tile["warps"] * WARP * tile["cols_per_lane"]))
+    max_splits = rows * ELEMENT_BYTES[variant.dtype] // (8 * variant.rank_bucket)
+    step = 8 // tile["cols_per_lane"]
+    splits, rows_per_split = _row_splits(rows, col_blocks, target_blocks, max_splits, step)
+    return SplitPlan((col_blocks, splits), col_blocks, splits, rows_per_split)

@@ -1,0 +1,46 @@
+"""float64 reference for the CUDA LoRA op tests (emulated and on a GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from loragen import philox
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def make_inputs(n, k, o, r, dtype, *, bias=True, fan_in_fan_out=False, seed=0, device="cpu"):
+    """Fresh random inputs in ``dtype`` on ``device`` (leaves with grads) and float64 CPU copies."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g)
+    w = torch.randn(o, k, generator=g) / k**0.5
+    b = torch.randn(o, generator=g) if bias else None
+    a = torch.randn(r, k, generator=g) / k**0.5
+    bb = torch.randn(o, r, generator=g)
+    if fan_in_fan_out:
+        w = w.t().contiguous()
+    low = [None if t is None else t.to(device=device, dtype=dtype).requires_grad_() for t in (x, w, b, a, bb)]
+    high = [None if t is None else t.detach().cpu().double().requires_grad_() for t in low]
+    return low, high
+
+
+def reference(x, w, b, a, bb, scaling, keep, fan_in_fan_out):
+    """float64 LoRA linear; ``keep`` is the dropout mask already divided by (1 - p), or None."""
+    base = x @ (w if fan_in_fan_out else w.t())
+    if b is not None:
+        base = base + b
+    xd = x if keep is None else x * keep
+    return base + scaling * (xd @ a.t()) @ bb.t()
+
+
+def mask_for(rng_state, shape, p):
+    """The scaled mask lora_linear_cuda draws when torch's CPU RNG is in ``rng_state`` (None if p == 0)."""
+    if p == 0:
+        return None
+    torch.set_rng_state(rng_state)
+    return philox.dropout_keep_mask(shape, p, philox.random_seed()).double() / (1 - p)
+
+
+def relative_error(got, want):
+    """||got - want|| / ||want|| in float64 on the CPU (NaN stays NaN and fails every bound)."""
+    return ((got.detach().cpu().double() - want.detach()).norm() / want.detach().norm()).item()

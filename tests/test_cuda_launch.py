@@ -1,0 +1,129 @@
+"""loragen.cuda.launch against a fake driver: the primary context is made current before every launch,
+modules load once per device and variant, and the kernel-parameter array holds exactly the values
+the kernel's signature asks for. (The real driver is exercised by tests/test_cuda_gpu.py.)"""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loragen.cuda import launch, specs
+from loragen.cuda.cache import KernelCache
+from loragen.cuda.nvrtc import CompiledKernel
+
+_READ = {"int": ctypes.c_int, "unsigned": ctypes.c_uint, "float": ctypes.c_float, "u64": ctypes.c_uint64}
+
+
+class FakeDriver:
+    """The handful of cuda.bindings.driver calls DriverLauncher makes; records them."""
+
+    CUresult = SimpleNamespace(CUDA_SUCCESS=0)
+
+    def __init__(self, spec: specs.KernelSpec) -> None:
+        self.spec = spec
+        self.calls: list[tuple] = []
+        self.fail_launch = False
+
+    def cuInit(self, flags):
+        self.calls.append(("cuInit",))
+        return (0,)
+
+    def cuDeviceGet(self, index):
+        return (0, f"device{index}")
+
+    def cuDevicePrimaryCtxRetain(self, device):
+        self.calls.append(("retain", device))
+        return (0, f"ctx:{device}")
+
+    def cuCtxSetCurrent(self, ctx):
+        self.calls.append(("current", ctx))
+        return (0,)
+
+    def cuModuleLoadData(self, image):
+        self.calls.append(("load", bytes(image)))
+        return (0, "module")
+
+    def cuModuleGetFunction(self, module, name):
+        return (0, ("function", name))
+
+    def CUstream(self, handle):
+        return ("stream", handle)
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        pointers = (ctypes.c_void_p * len(self.spec.params)).from_address(params)
+        values = []
+        for param, address in zip(self.spec.params, pointers):
+            kind = ctypes.c_void_p if param.ctype.endswith("*") else _READ[param.ctype]
+            values.append(kind.from_address(address).value)
+        self.calls.append(("launch", function, (gx, gy, gz), (bx, by, bz), shared, stream, values))
+        return (700 if self.fail_launch else 0,)
+
+    def cuGetErrorName(self, status):
+        return (0, b"CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    def cuGetErrorString(self, status):
+        return (0, b"an illegal memory access was encountered")
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    spec = specs.KERNELS["lora_up"]
+    driver = FakeDriver(spec)
+    monkeypatch.setattr(launch.DriverLauncher, "_driver", staticmethod(lambda: driver))
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(multi_processor_count=132)
+    )
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=4242))
+
+    def compiler(kernel, arch):
+        return CompiledKernel(kernel.name, arch, f"cubin for {kernel.name} {arch}".encode(), "")
+
+    launcher = launch.DriverLauncher(KernelCache(tmp_path, compiler=compiler, nvrtc=(13, 5)))
+    return SimpleNamespace(driver=driver, launcher=launcher, spec=spec)
+
+
+def test_launch_sets_context_loads_once_and_packs_arguments(fake):
+    variant = specs.Variant("bfloat16", 16, True)
+    h = torch.zeros(5, 16)
+    bt = torch.zeros(4, 16)
+    out = torch.zeros(5, 16, dtype=torch.bfloat16)
+    device = torch.device("cuda", 1)
+    args = (h, bt, None, out, 5, 16, 4, 0.5)
+    fake.launcher.launch(fake.spec, variant, (3, 2), args, device)
+    fake.launcher.launch(fake.spec, variant, (3, 2), args, device)
+
+    kinds = [call[0] for call in fake.driver.calls]
+    assert kinds == ["cuInit", "retain", "current", "load", "launch", "current", "launch"]
+    assert ("current", "ctx:device1") in fake.driver.calls
+    loads = [call for call in fake.driver.calls if call[0] == "load"]
+    assert loads == [("load", b"cubin for lora_up sm_90")]  # the device's architecture, loaded once
+    _, function, grid, block, shared, stream, values = fake.driver.calls[-1]
+    assert function == ("function", b"lora_up") and grid == (3, 2, 1) and block == (128, 1, 1)
+    assert shared == 0 and stream == ("stream", 4242)
+    assert values == [h.data_ptr(), bt.data_ptr(), None, out.data_ptr(), 5, 16, 4, 0.5]
+    assert fake.launcher.target_blocks(device) == 264
+
+
+def test_launch_error_names_the_call_and_kernel(fake):
+    fake.driver.fail_launch = True
+    args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
+    with pytest.raises(
+        launch.CudaDriverError,
+        match=r"cuLaunchKernel failed \(kernel lora_up float32-r8-aligned grid=\(1, 1\)\): CUDA_ERROR_ILLEGAL_ADDRESS",
+    ):
+        fake.launcher.launch(
+            fake.spec, specs.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 0)
+        )
+
+
+def test_pack_arguments_checks_the_signature():
+    spec = specs.KERNELS["lora_up"]
+    with pytest.raises(TypeError, match=r"kernel lora_up takes 8 arguments, got 2"):
+        launch.pack_arguments(spec, (None, None))
+    with pytest.raises(TypeError, match=r"kernel lora_up parameter h needs a tensor, got 3"):
+        launch.pack_arguments(spec, (3, None, None, None, 1, 1, 1, 1.0))
