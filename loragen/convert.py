@@ -20,6 +20,7 @@ from loragen.layers import LoraLayer
 from loragen.registry import REGISTRY, spec_for, supported_type_names
 
 __all__ = [
+    "CONFIG_ATTR",
     "LoraConversionError",
     "get_lora_model",
     "plan_conversion",
