@@ -24,12 +24,15 @@ from loragen.convert import (
     print_trainable_parameters,
     unmerge_adapter,
 )
-from loragen.layers import LoraConv1d, LoraConv1D, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
+from loragen.layers import LoraConv1d, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
 
 __version__ = "0.1.0"
 
 # Heavier entry points (libcst, jinja2, safetensors) are imported on first use.
 _LAZY = {
+    "LoraConv1D": "loragen.layers",  # imports transformers
+    "make_optimizer": "loragen.optim",
+    "AdamW8bit": "loragen.optim",
     "save_adapter": "loragen.io",
     "load_adapter": "loragen.io",
     "lora_convert": "loragen.decorator",
@@ -46,7 +49,6 @@ __all__ = [
     "LoraEmbedding",
     "LoraConv1d",
     "LoraConv2d",
-    "LoraConv1D",
     "get_lora_model",
     "mark_trainable",
     "merge_adapter",
@@ -57,6 +59,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from loragen.layers import LoraConv1D
+    from loragen.optim import AdamW8bit, make_optimizer
     from loragen.decorator import lora_convert
     from loragen.io import load_adapter, save_adapter
     from loragen.rewrite import RewriteResult, rewrite_source

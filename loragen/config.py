@@ -13,10 +13,9 @@ import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, Literal, Union
 
-__all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "ALL_LINEAR"]
+__all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "ALL_LINEAR", "FrozenDict"]
 
 ALL_LINEAR = "all-linear"
 BiasMode = Literal["none", "all", "lora_only"]
@@ -37,6 +36,22 @@ _PEFT_UNSUPPORTED_DEFAULTS: Mapping[str, Any] = {
     "monteclora_config": None, "target_parameters": None, "use_bdlora": None, "arrow_config": None,
     "kasa_config": None, "qalora_group_size": 16, "ensure_weight_tying": False,
 }
+
+
+class FrozenDict(dict):  # type: ignore[type-arg]
+    """A read-only dict: ``rank_pattern`` / ``alpha_pattern`` of a frozen config cannot change under it.
+
+    Unlike ``types.MappingProxyType`` it pickles and deep-copies, so models holding a config do too.
+    """
+
+    def _readonly(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("LoraConfig patterns are read-only; use config.replace(rank_pattern=...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
+    __ior__ = _readonly  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self),))
 
 
 class LoraConfigError(ValueError):
@@ -60,7 +75,7 @@ def _freeze_names(field: str, value: Any) -> str | tuple[str, ...] | None:
 
 def _freeze_pattern(field: str, value: Any, kind: type) -> Mapping[str, Any]:
     if value is None:
-        return MappingProxyType({})
+        return FrozenDict()
     if not isinstance(value, Mapping):
         raise LoraConfigError(f"{field}={value!r}: expected a dict mapping module-name patterns to values")
     for key, item in value.items():
@@ -71,7 +86,7 @@ def _freeze_pattern(field: str, value: Any, kind: type) -> Mapping[str, Any]:
             raise LoraConfigError(f"{field}[{key!r}]={item!r}: expected a {kind.__name__}")
         if kind is int and item <= 0:
             raise LoraConfigError(f"{field}[{key!r}]={item!r}: the rank must be a positive integer")
-    return MappingProxyType({k: kind(v) for k, v in value.items()})
+    return FrozenDict({k: kind(v) for k, v in value.items()})
 
 
 def _check_regex(field: str, pattern: str) -> None:
@@ -238,6 +253,8 @@ class LoraConfig:
             return False
         if isinstance(targets, str):
             return re.fullmatch(targets, path) is not None
+        if path in targets:
+            return True  # a module named by its exact path is taken whatever layers_to_transform says (as peft)
         if not _name_matches(tuple(targets), path):
             return False
         if self.layers_to_transform is None or (

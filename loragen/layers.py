@@ -593,16 +593,18 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
 
 
 # ---- transformers Conv1D ------------------------------------------------------------------------
-
-try:  # transformers is optional
-    from transformers.pytorch_utils import Conv1D as _HFConv1D
-except ImportError:  # pragma: no cover - exercised only without transformers
-    _HFConv1D = None
+# transformers is optional and slow to import: LoraConv1D is built on first use (module __getattr__).
 
 
-if _HFConv1D is not None:
+def _build_lora_conv1d() -> type[LoraLayer]:
+    try:
+        from transformers.pytorch_utils import Conv1D as HFConv1D
+    except ImportError as exc:
+        raise ImportError(
+            "LoraConv1D wraps transformers' Conv1D: install transformers (pip install transformers)"
+        ) from exc
 
-    class LoraConv1D(_HFConv1D, LoraLayer):  # type: ignore[valid-type,misc]
+    class LoraConv1D(HFConv1D, LoraLayer):  # type: ignore[valid-type,misc]
         """transformers' ``Conv1D`` (GPT-2's c_attn, c_proj, c_fc) with a LoRA adapter.
 
         ``Conv1D(nf, nx)`` stores its weight as (nx, nf) = (in, out); the LoRA factors keep the Linear
@@ -657,7 +659,7 @@ if _HFConv1D is not None:
 
         def forward(self, x: Tensor) -> Tensor:
             if self.merged:
-                return _HFConv1D.forward(self, x)
+                return HFConv1D.forward(self, x)
             fn = lora_linear if self.fused else lora_linear_reference
             return fn(
                 x, self.weight, self.bias, self.lora_A, self.lora_B, self.scaling, self.lora_dropout_p,
@@ -666,26 +668,36 @@ if _HFConv1D is not None:
 
         def delta_weight(self) -> Tensor:
             # (nx, nf): the transposed Linear-orientation update
-            return (self.lora_B.to(self._merge_dtype()) @ self.lora_A.to(self._merge_dtype())).t() * self.scaling
+            dtype = self._merge_dtype()
+            return (self.lora_B.to(dtype) @ self.lora_A.to(dtype)).t() * self.scaling
 
         def to_base(self) -> nn.Module:
             nx, nf = self.weight.shape
-            return _plain_copy(_HFConv1D, self, nf, nx)
+            return _plain_copy(HFConv1D, self, nf, nx)
 
         __repr__ = nn.Module.__repr__  # Conv1D's own __repr__ would hide the LoRA settings
 
         def extra_repr(self) -> str:
             return f"nf={self.nf}, nx={self.nx}, {self.lora_extra_repr()}"
 
-else:  # pragma: no cover
+    LoraConv1D.__module__ = __name__
+    LoraConv1D.__qualname__ = "LoraConv1D"
+    return LoraConv1D
 
-    class LoraConv1D(LoraLayer):  # type: ignore[no-redef]
-        """Placeholder raising a clear error when transformers is not installed."""
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            raise ImportError("LoraConv1D wraps transformers' Conv1D: install transformers (pip install transformers)")
+def __getattr__(name: str) -> Any:
+    if name == "LoraConv1D":
+        cls = _build_lora_conv1d()
+        globals()[name] = cls  # built once; later lookups are plain module attributes
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def lora_layer_types() -> Sequence[type[LoraLayer]]:
-    """All concrete LoRA layer classes."""
-    return (LoraLinear, LoraEmbedding, LoraConv1d, LoraConv2d, LoraConv1D)
+    """All concrete LoRA layer classes (LoraConv1D only when transformers is installed)."""
+    types: list[type[LoraLayer]] = [LoraLinear, LoraEmbedding, LoraConv1d, LoraConv2d]
+    try:
+        types.append(__getattr__("LoraConv1D"))
+    except ImportError:
+        pass
+    return tuple(types)

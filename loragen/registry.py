@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from functools import cache
 
 from torch import nn
@@ -38,7 +39,13 @@ class LayerSpec:
         return (self.base_qualname, *self.aliases)
 
     def base_type(self) -> type[nn.Module] | None:
-        """The base class, or None when its package (e.g. transformers) is not installed."""
+        """The base class, or None when its package is not installed or not imported yet.
+
+        A package that is not imported cannot have built any module of ours to convert, so looking a
+        module up never pays for importing transformers.
+        """
+        if self.base_qualname.partition(".")[0] not in sys.modules:
+            return None
         return _import_qualname(self.base_qualname)
 
     def lora_type(self) -> type[nn.Module]:

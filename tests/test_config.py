@@ -53,6 +53,18 @@ def test_frozen_and_immutable_collections() -> None:
     assert cfg.target_modules == ("q", "v")
 
 
+def test_config_pickles_and_deep_copies() -> None:
+    import copy
+    import pickle
+
+    cfg = LoraConfig(target_modules=["q"], rank_pattern={"q": 2}, alpha_pattern={"q": 3})
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    clone = copy.deepcopy(cfg)
+    assert clone == cfg and clone.rank_pattern == {"q": 2}
+    with pytest.raises(TypeError, match="read-only"):
+        clone.alpha_pattern.update({"v": 1})
+
+
 def test_to_peft_loads_in_peft_and_round_trips() -> None:
     cfg = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
                      modules_to_save=["lm_head"], bias="lora_only", use_rslora=True, init_lora_weights="gaussian",

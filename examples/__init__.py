@@ -1,0 +1,1 @@
+"""Runnable examples; ``digits_model.py`` is the model file ``loragen demo`` rewrites and trains."""

@@ -1,0 +1,525 @@
+"""Optimizers for LoRA training: AdamW over the trainable parameters only, and an 8-bit AdamW.
+
+A LoRA model freezes almost everything, so the optimizer should only see what trains:
+:func:`make_optimizer` builds AdamW (fp32 states, or 8-bit ones) over the parameters with
+``requires_grad``. In the hybrid case (LoRA plus fully trained ``modules_to_save`` such as an ``lm_head``)
+AdamW's two fp32 moments per element dominate memory; :class:`AdamW8bit` keeps both moments as one byte
+per element.
+
+How the 8-bit states work (block-wise dynamic quantization, the scheme of Dettmers et al.,
+"8-bit Optimizers via Block-wise Quantization", 2022, used by bitsandbytes):
+
+* each moment tensor is cut into blocks of ``block_size`` elements; a block stores one fp32 scale (its
+  largest magnitude) and one byte per element;
+* the byte indexes a fixed table of 256 values in ``[-1, 1]`` (``[0, 1]`` for the second moment, which is
+  never negative) whose spacing is *dynamic*: the table covers seven decades, and each decade gets twice
+  the entries of the one below it, so small values keep their relative precision instead of collapsing to
+  zero as they would on a linear grid;
+* a step dequantizes a parameter's moments to fp32, runs the ordinary AdamW update with them, and
+  quantizes the new moments again (nearest table entry).
+
+Tensors smaller than ``min_8bit_size`` elements (biases, norms, small LoRA factors) keep fp32 moments, as
+in bitsandbytes: they cost little and quantizing them saves little.
+
+The update runs in plain torch ops on any device. :func:`adamw8bit_update_` is the single function a
+fused GPU kernel would replace (same arguments, updates in place).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "AdamW8bit",
+    "adamw8bit_update_",
+    "dequantize_blockwise",
+    "dynamic_code",
+    "make_optimizer",
+    "optimizer_state_bytes",
+    "quantize_blockwise",
+    "trainable_parameters",
+]
+
+_DECADES = 7  # the dynamic table spans magnitudes from about 1e-7 to 1
+_CHUNK_ELEMENTS = 1 << 20  # elements per chunk of an 8-bit update (bounds the fp32 temporaries)
+
+
+def dynamic_code(signed: bool) -> torch.Tensor:
+    """The 256-entry dynamic quantization table, sorted ascending, float32.
+
+    Decade ``d`` (0 = smallest) holds magnitudes ``10**(d - 6) * f`` where the fractions ``f`` are the
+    centres of an even split of ``[0.1, 1]`` into ``2**d`` parts (``2**(d + 1)`` parts when unsigned: the
+    sign bit is spent on precision instead). The table also holds exactly ``0`` and ``1`` so that zeros
+    and each block's largest magnitude are stored without error.
+
+    Args:
+        signed: ``True`` for values in ``[-1, 1]`` (first moment), ``False`` for ``[0, 1]`` (second moment).
+
+    Returns:
+        A new tensor of shape ``(256,)``, dtype float32, strictly increasing.
+    """
+    return _build_dynamic_code(signed).clone()
+
+
+@functools.cache
+def _build_dynamic_code(signed: bool) -> torch.Tensor:
+    magnitudes: list[float] = []
+    for decade in range(_DECADES):
+        parts = 2**decade if signed else 2 ** (decade + 1)
+        edges = torch.linspace(0.1, 1.0, parts + 1, dtype=torch.float64)
+        centres = (edges[:-1] + edges[1:]) / 2
+        magnitudes.extend((centres * 10.0 ** (decade - _DECADES + 1)).tolist())
+    values = magnitudes + [0.0, 1.0]
+    if signed:
+        values += [-m for m in magnitudes]
+    table = torch.tensor(sorted(values), dtype=torch.float32)
+    if table.numel() != 256 or not bool((table[1:] > table[:-1]).all()):
+        raise RuntimeError("internal error: the dynamic quantization table must hold 256 distinct values")
+    return table
+
+
+_LUT_SHIFT = 15  # buckets of 2**15 float32 bit patterns: relative width 2**-8, below the table's spacing
+_LUT_MASK = (1 << (32 - _LUT_SHIFT)) - 1  # keeps the sign bit as the bucket number's top bit
+
+
+@functools.cache
+def _lookup(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables (on ``device``) for finding the nearest :func:`dynamic_code` entry of a value in ``[-1, 1]`` fast.
+
+    A float32's bit pattern, read as an integer, orders values of one sign by magnitude, so its top
+    bits name a narrow bucket of values. ``first[bucket]`` is the nearest entry for the bucket's lowest
+    value (the most negative one for negative buckets). Buckets are narrower than the gap between two
+    midpoints of the table, so the nearest entry of any value in the bucket is ``first[bucket]`` or the
+    next one up: one comparison with the midpoint between them decides.
+
+    Returns:
+        ``(first, midpoints)``: int32 per bucket, and the table's 255 midpoints padded with ``inf``.
+    """
+    code = _build_dynamic_code(signed)
+    midpoints = torch.cat(((code[1:] + code[:-1]) / 2, torch.tensor([math.inf])))
+    patterns = torch.arange(_LUT_MASK + 1, dtype=torch.int64) << _LUT_SHIFT
+    lowest = patterns.to(torch.int32).view(torch.float32)  # a bucket's first pattern: its smallest magnitude
+    highest = (patterns + (1 << _LUT_SHIFT) - 1).to(torch.int32).view(torch.float32)
+    lower, upper = torch.minimum(lowest, highest), torch.maximum(lowest, highest)
+    usable = torch.minimum(lower.abs(), upper.abs()) <= 1.0  # the others hold no normalized value
+    first = torch.where(usable, torch.bucketize(lower, midpoints[:-1]), torch.zeros((), dtype=torch.int64))
+    spans = torch.bucketize(upper, midpoints[:-1]) - first
+    if int(spans[usable].max()) > 1:
+        raise RuntimeError("internal error: a lookup bucket spans two midpoints of the dynamic table")
+    return first.to(device=device, dtype=torch.int32), midpoints.to(device)
+
+
+def _dynamic_indices(normalized: torch.Tensor, signed: bool, keep_nonzero: bool) -> torch.Tensor:
+    """Index of the nearest :func:`dynamic_code` entry for each value of ``normalized`` (in [-1, 1]).
+
+    A binary search over the 256 entries (``torch.bucketize``) costs 100-200 ns per element on a CPU;
+    the bucket table of :func:`_lookup` needs two gathers and a comparison.
+    """
+    first, midpoints = _lookup(signed, normalized.device)
+    buckets = ((normalized.view(torch.int32) >> _LUT_SHIFT) & _LUT_MASK).view(-1)
+    below = torch.index_select(first, 0, buckets)  # index_select: much faster than t[idx] on a CPU
+    nearest = below + (normalized.view(-1) > torch.index_select(midpoints, 0, below))
+    if keep_nonzero:
+        # A second moment rounded to zero under a non-zero first moment would make the step m / eps.
+        zero = 127 if signed else 0
+        values = normalized.view(-1)
+        step = (values > 0).to(torch.int32) - (values < 0).to(torch.int32)
+        nearest = torch.where(nearest == zero, nearest + step, nearest)
+    return nearest.view(normalized.shape)
+
+
+def _dynamic_kind(code: torch.Tensor) -> bool | None:
+    """``True`` / ``False`` when ``code`` is the signed / unsigned :func:`dynamic_code`, else ``None``."""
+    table = code.detach().cpu()
+    for signed in (True, False):
+        if torch.equal(table, _build_dynamic_code(signed)):
+            return signed
+    return None
+
+
+def _quantize_blocks(
+    blocks: torch.Tensor, code: torch.Tensor, dynamic: bool | None, keep_nonzero: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``(n_blocks, block_size)`` values; ``dynamic`` is :func:`_dynamic_kind` of ``code``."""
+    absmax = blocks.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    normalized = blocks / scale[:, None]
+    if dynamic is not None:
+        codes = _dynamic_indices(normalized, dynamic, keep_nonzero)
+    else:  # any other sorted table: nearest entry by comparing with the midpoints between entries
+        codes = torch.bucketize(normalized, (code[1:] + code[:-1]) / 2)
+        if keep_nonzero:
+            zero = int(torch.argmin(code.abs()))
+            codes = torch.where((codes == zero) & (normalized != 0), codes + normalized.sign().long(), codes)
+    return codes.to(torch.uint8), absmax
+
+
+def quantize_blockwise(
+    values: torch.Tensor, code: torch.Tensor, block_size: int, *, keep_nonzero: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``values`` block by block to indices into ``code`` (nearest entry).
+
+    Args:
+        values: float tensor of any shape; it is flattened and zero-padded to whole blocks.
+        code: sorted table of 256 values in ``[-1, 1]`` (see :func:`dynamic_code`), on ``values``' device.
+        block_size: elements per block (> 0).
+        keep_nonzero: round non-zero values that are nearest to ``0.0`` to the smallest entry of their
+            sign instead (used for the second moment).
+
+    Returns:
+        ``(codes, absmax)``: uint8 tensor ``(n_blocks, block_size)`` and float32 tensor ``(n_blocks,)``
+        holding each block's largest magnitude. An all-zero block gets scale 0 and code ``0.0``.
+
+    Raises:
+        ValueError: ``block_size`` is not positive.
+    """
+    if block_size <= 0:
+        raise ValueError(f"quantize_blockwise: block_size must be a positive integer, got {block_size}")
+    flat = values.detach().reshape(-1).float()
+    padding = (-flat.numel()) % block_size
+    if padding:
+        flat = torch.nn.functional.pad(flat, (0, padding))
+    return _quantize_blocks(flat.view(-1, block_size), code, _dynamic_kind(code), keep_nonzero)
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: torch.Size | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`.
+
+    Args:
+        codes: uint8 tensor ``(n_blocks, block_size)``.
+        absmax: float32 tensor ``(n_blocks,)``.
+        code: the table the codes index into.
+        shape: if given, the padding is dropped and the result reshaped to it.
+
+    Returns:
+        float32 tensor ``(n_blocks, block_size)``, or ``shape`` when given.
+    """
+    blocks = (
+        torch.index_select(code, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape) * absmax[:, None]
+    )
+    if shape is None:
+        return blocks
+    numel = math.prod(shape)
+    return blocks.reshape(-1)[:numel].reshape(shape)
+
+
+def adamw8bit_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    *,
+    signed_code: torch.Tensor,
+    unsigned_code: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """One AdamW step for ``param`` with block-wise 8-bit moments, in place.
+
+    ``state`` holds ``exp_avg_codes`` / ``exp_avg_sq_codes`` (uint8, ``(n_blocks, block_size)``) and
+    ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (float32, ``(n_blocks,)``), updated in place. The
+    parameter update uses the fp32 moments *before* requantization, so the rounding only affects later
+    steps. Work proceeds in chunks of blocks, so the fp32 temporaries stay small for large parameters.
+    This is the function a fused GPU kernel replaces.
+    """
+    m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
+    v_codes, v_absmax = state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"]
+    n_blocks, block_size = m_codes.shape
+    numel = param.numel()
+    in_place = param.dtype == torch.float32 and param.is_contiguous()
+    flat_param = param.detach().view(-1) if in_place else param.detach().reshape(-1).float()
+    flat_grad = grad.detach().reshape(-1)
+    step_size = lr / (1.0 - beta1**step)
+    sqrt_correction2 = math.sqrt(1.0 - beta2**step)
+    chunk = max(1, _CHUNK_ELEMENTS // block_size)
+    signed_dynamic, unsigned_dynamic = _dynamic_kind(signed_code), _dynamic_kind(unsigned_code)
+    for first in range(0, n_blocks, chunk):
+        last = min(first + chunk, n_blocks)
+        start, stop = first * block_size, min(last * block_size, numel)
+        g = flat_grad[start:stop].float()
+        padding = (last - first) * block_size - g.numel()
+        if padding:
+            g = torch.nn.functional.pad(g, (0, padding))
+        g = g.view(-1, block_size)
+        m = dequantize_blockwise(m_codes[first:last], m_absmax[first:last], signed_code)
+        v = dequantize_blockwise(v_codes[first:last], v_absmax[first:last], unsigned_code)
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        update = (m / (v.sqrt() / sqrt_correction2).add_(eps)).view(-1)[: stop - start]
+        target = flat_param[start:stop]
+        if weight_decay:
+            target.mul_(1.0 - lr * weight_decay)
+        target.add_(update, alpha=-step_size)
+        m_codes[first:last], m_absmax[first:last] = _quantize_blocks(m, signed_code, signed_dynamic)
+        v_codes[first:last], v_absmax[first:last] = _quantize_blocks(
+            v, unsigned_code, unsigned_dynamic, keep_nonzero=True
+        )
+    if not in_place:
+        with torch.no_grad():
+            param.copy_(flat_param.view(param.shape))
+
+
+def _adamw_fp32_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    grad32 = grad.float()
+    exp_avg.lerp_(grad32, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad32, grad32, value=1.0 - beta2)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2 = 1.0 - beta2**step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    with torch.no_grad():
+        work = param.float() if param.dtype != torch.float32 else param
+        if weight_decay:
+            work.mul_(1.0 - lr * weight_decay)
+        work.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        if work is not param:
+            param.copy_(work)
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW whose two moments are stored block-wise quantized to 8 bits (see the module docstring).
+
+    Drop-in for ``torch.optim.AdamW`` (same hyper-parameters and defaults, decoupled weight decay, bias
+    correction). Per quantized parameter element it stores 2 bytes plus ``8 / block_size`` bytes of block
+    scales, against 8 bytes for fp32 AdamW: about 74% less with the default ``block_size=256``.
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``weight_decay`` defaults to 0.01 there too).
+        block_size: elements per quantization block (one fp32 scale each).
+        min_8bit_size: parameters with fewer elements keep fp32 moments.
+
+    Raises:
+        ValueError: a hyper-parameter is out of range (the message names it and the accepted range).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"AdamW8bit: lr must be >= 0, got {lr}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"AdamW8bit: betas must each lie in [0, 1), got {betas}")
+        if not eps >= 0.0:
+            raise ValueError(f"AdamW8bit: eps must be >= 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"AdamW8bit: weight_decay must be >= 0, got {weight_decay}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"AdamW8bit: block_size must be a positive integer, got {block_size!r}")
+        if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            raise ValueError(
+                f"AdamW8bit: min_8bit_size must be a non-negative integer, got {min_8bit_size!r}"
+            )
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.block_size = block_size
+        self.min_8bit_size = min_8bit_size
+        self._codes: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._codes:
+            self._codes[device] = (dynamic_code(True).to(device), dynamic_code(False).to(device))
+        return self._codes[device]
+
+    def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
+        if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor":
+            raise TypeError(
+                "AdamW8bit does not support sharded (DTensor) parameters such as FSDP2's: its blocks "
+                "would straddle shards. Use torch.optim.AdamW (make_optimizer(..., eight_bit=False))"
+            )
+        state["step"] = 0
+        if param.numel() < self.min_8bit_size:
+            state["exp_avg"] = torch.zeros_like(
+                param, dtype=torch.float32, memory_format=torch.preserve_format
+            )
+            state["exp_avg_sq"] = torch.zeros_like(
+                param, dtype=torch.float32, memory_format=torch.preserve_format
+            )
+            return
+        n_blocks = -(-param.numel() // self.block_size)
+        for name in ("exp_avg", "exp_avg_sq"):
+            # Code index of 0.0 in each table; an all-zero block has scale 0, so any index decodes to 0.
+            state[f"{name}_codes"] = torch.zeros(
+                n_blocks, self.block_size, dtype=torch.uint8, device=param.device
+            )
+            state[f"{name}_absmax"] = torch.zeros(n_blocks, dtype=torch.float32, device=param.device)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step; ``closure`` re-evaluates the loss, as for any torch optimizer.
+
+        Raises:
+            RuntimeError: a parameter has a sparse gradient (not supported).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError(
+                        "AdamW8bit does not support sparse gradients; use torch.optim.SparseAdam"
+                    )
+                state = self.state[param]
+                if not state:
+                    self._init_state(param, state)
+                state["step"] += 1
+                hyper = {
+                    "lr": group["lr"],
+                    "beta1": beta1,
+                    "beta2": beta2,
+                    "eps": group["eps"],
+                    "weight_decay": group["weight_decay"],
+                    "step": state["step"],
+                }
+                if "exp_avg" in state:
+                    _adamw_fp32_update_(param, param.grad, state, **hyper)
+                else:
+                    signed_code, unsigned_code = self._tables(param.device)
+                    adamw8bit_update_(
+                        param,
+                        param.grad,
+                        state,
+                        signed_code=signed_code,
+                        unsigned_code=unsigned_code,
+                        **hyper,
+                    )
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`, keeping the saved dtypes.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts every floating or integer state tensor to the
+        parameter's dtype, which would turn the uint8 codes into floats and round the fp32 block scales
+        of a bf16 parameter; the saved tensors are put back with their own dtypes afterwards.
+        """
+        saved_state = {index: dict(entry) for index, entry in state_dict["state"].items()}
+        saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
+        super().load_state_dict(state_dict)
+        params = [param for group in self.param_groups for param in group["params"]]
+        for index, param in zip(saved_ids, params):
+            for key, value in saved_state.get(index, {}).items():
+                if torch.is_tensor(value):
+                    self.state[param][key] = value.to(device=param.device)
+                else:
+                    self.state[param][key] = value
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by an optimizer's per-parameter state tensors (moments, codes, scales, step counters).
+
+    For :class:`AdamW8bit` the two shared 256-entry tables are counted too. Works for any torch
+    optimizer; this is the figure the 8-bit benchmark compares.
+    """
+    total = 0
+    for entry in optimizer.state.values():
+        for value in entry.values():
+            if torch.is_tensor(value):
+                total += value.numel() * value.element_size()
+    if isinstance(optimizer, AdamW8bit):
+        for tables in optimizer._codes.values():
+            total += sum(t.numel() * t.element_size() for t in tables)
+    return total
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for every parameter of ``model`` with ``requires_grad``, in module order.
+
+    Parameters shared between modules appear once (under their first name).
+    """
+    return [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+
+
+def make_optimizer(
+    model: nn.Module,
+    lr: float,
+    *,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    eight_bit: bool = False,
+    decay_1d: bool = False,
+    **eight_bit_options: Any,
+) -> torch.optim.Optimizer:
+    """AdamW over only the trainable parameters of ``model`` (fp32 states, or 8-bit with ``eight_bit``).
+
+    With ``weight_decay > 0`` parameters of dimension <= 1 (biases, norm weights) go to a group without
+    weight decay, the usual practice, unless ``decay_1d`` is true. LoRA factors are 2-D (or 4-D for
+    convolutions) and are decayed.
+
+    Args:
+        model: a model after ``get_lora_model`` (or any module; frozen parameters are left out).
+        lr: learning rate.
+        weight_decay, betas, eps: AdamW hyper-parameters.
+        eight_bit: build :class:`AdamW8bit` instead of ``torch.optim.AdamW``.
+        decay_1d: also decay biases and other 1-D parameters.
+        **eight_bit_options: ``block_size`` / ``min_8bit_size`` for :class:`AdamW8bit`.
+
+    Raises:
+        ValueError: ``model`` has no trainable parameter (e.g. nothing matched ``target_modules``), or
+            8-bit options are given without ``eight_bit=True``.
+    """
+    named = trainable_parameters(model)
+    if not named:
+        total = sum(1 for _ in model.parameters())
+        raise ValueError(
+            f"make_optimizer: {type(model).__name__} has no trainable parameter ({total} parameters, all "
+            "frozen); convert it with loragen.get_lora_model and check that target_modules matched a layer"
+        )
+    if eight_bit_options and not eight_bit:
+        raise ValueError(
+            f"make_optimizer: {sorted(eight_bit_options)} only apply with eight_bit=True "
+            "(accepted: block_size, min_8bit_size)"
+        )
+    if weight_decay > 0 and not decay_1d:
+        decayed = [p for _, p in named if p.ndim > 1]
+        plain = [p for _, p in named if p.ndim <= 1]
+        groups: list[dict[str, Any]] = [{"params": decayed, "weight_decay": weight_decay}]
+        if plain:
+            groups.append({"params": plain, "weight_decay": 0.0})
+        groups = [g for g in groups if g["params"]]
+    else:
+        groups = [{"params": [p for _, p in named], "weight_decay": weight_decay}]
+    if eight_bit:
+        unknown = set(eight_bit_options) - {"block_size", "min_8bit_size"}
+        if unknown:
+            raise ValueError(
+                f"make_optimizer: unknown 8-bit option(s) {sorted(unknown)}; "
+                "accepted: block_size, min_8bit_size"
+            )
+        return AdamW8bit(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **eight_bit_options)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
