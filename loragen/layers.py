@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, Union
+
+from typing_extensions import Self
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,6 @@ __all__ = [
 ]
 
 InitMode = Union[bool, Literal["gaussian"]]
-_L = TypeVar("_L", bound="LoraLayer")
 
 
 class LoraMergeError(RuntimeError):
@@ -442,6 +443,28 @@ class _LoraConvNd(LoraLayer):
             "padding_mode": self.padding_mode,
         }
 
+    @classmethod
+    def from_module(
+        cls,
+        base: nn.Module,
+        *,
+        r: int = 8,
+        lora_alpha: float = 8,
+        lora_dropout: float = 0.0,
+        use_rslora: bool = False,
+        init_lora_weights: InitMode = True,
+    ) -> Self:
+        """Wrap an existing ``nn.Conv1d`` / ``nn.Conv2d``, sharing its weight and bias parameters."""
+        with torch.device("meta"):
+            layer = cls(  # type: ignore[call-arg]
+                base.in_channels, base.out_channels, base.kernel_size, stride=base.stride, padding=base.padding,
+                dilation=base.dilation, groups=base.groups, bias=base.bias is not None,
+                padding_mode=base.padding_mode, r=r,
+            )
+        _share_base_params(layer, base)
+        layer._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        return layer
+
     def _composed_weight(self) -> Tensor:
         """``B @ A`` reshaped to the base weight's shape (cout, cin // groups, *k), in the adapter dtype."""
         a, b = self.lora_A, self.lora_B
@@ -470,18 +493,6 @@ class _LoraConvNd(LoraLayer):
 
     def to_base(self) -> nn.Module:
         return _plain_copy(self._base_cls, self, **self._conv_args())
-
-
-def _conv_from_module(cls: type[_L], base: nn.Module, lora_kwargs: dict[str, Any]) -> _L:
-    with torch.device("meta"):
-        layer = cls(
-            base.in_channels, base.out_channels, base.kernel_size, stride=base.stride, padding=base.padding,
-            dilation=base.dilation, groups=base.groups, bias=base.bias is not None, padding_mode=base.padding_mode,
-            r=lora_kwargs["r"],
-        )
-    _share_base_params(layer, base)
-    layer._setup_lora(**lora_kwargs)
-    return layer
 
 
 class LoraConv1d(nn.Conv1d, _LoraConvNd):
@@ -515,21 +526,6 @@ class LoraConv1d(nn.Conv1d, _LoraConvNd):
             device, dtype,
         )
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
-
-    @classmethod
-    def from_module(
-        cls,
-        base: nn.Conv1d,
-        *,
-        r: int = 8,
-        lora_alpha: float = 8,
-        lora_dropout: float = 0.0,
-        use_rslora: bool = False,
-        init_lora_weights: InitMode = True,
-    ) -> LoraConv1d:
-        """Wrap an existing ``nn.Conv1d``, sharing its weight and bias parameters."""
-        return _conv_from_module(cls, base, dict(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                                                 use_rslora=use_rslora, init_lora_weights=init_lora_weights))
 
     # the torch conv class comes first in the MRO; take the LoRA forward explicitly
     forward = _LoraConvNd.forward
@@ -569,21 +565,6 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
             device, dtype,
         )
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
-
-    @classmethod
-    def from_module(
-        cls,
-        base: nn.Conv2d,
-        *,
-        r: int = 8,
-        lora_alpha: float = 8,
-        lora_dropout: float = 0.0,
-        use_rslora: bool = False,
-        init_lora_weights: InitMode = True,
-    ) -> LoraConv2d:
-        """Wrap an existing ``nn.Conv2d``, sharing its weight and bias parameters."""
-        return _conv_from_module(cls, base, dict(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                                                 use_rslora=use_rslora, init_lora_weights=init_lora_weights))
 
     # the torch conv class comes first in the MRO; take the LoRA forward explicitly
     forward = _LoraConvNd.forward
