@@ -90,7 +90,9 @@ def test_quantize_roundtrip_error_is_bounded_by_the_block_maximum(
     # The widest gap in either table is in its top decade: 0.9 / 64 for signed, 0.9 / 128 unsigned.
     half_gap = (0.9 / 64 if signed else 0.9 / 128) / 2
     per_element_max = absmax.repeat_interleave(block_size)[:numel]
-    assert bool(((restored - values).abs() <= half_gap * per_element_max * (1 + 1e-5)).all())
+    # a value on a midpoint may round either way; allow a few float32 ulps of the block maximum for that
+    slack = 4 * torch.finfo(torch.float32).eps * per_element_max
+    assert bool(((restored - values).abs() <= half_gap * per_element_max + slack).all())
     # The element holding each block's maximum magnitude is exact when positive.
     block_of_max = values.abs().max()
     if values[values.abs().argmax()] > 0:
