@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks (loragen vs peft vs the frozen base); see BENCHMARKS.md."""

@@ -1,0 +1,129 @@
+"""A tiny Llama training step: frozen model vs peft vs loragen (fused op and plain composition) vs full
+fine-tuning, side by side.
+
+Model from config (no download): hidden 512, intermediate 1376, 4 layers, 8 heads, vocab 1000; batch
+4 x seq 256, fp32; LoRA r=16, alpha 32 on q, k, v, o, gate, up, down; AdamW step on what trains. The
+frozen model trains nothing and takes gradients to its input embeddings only.
+
+    python -m benchmarks.bench_llama                  # dropout 0 and 0.05
+    python -m benchmarks.bench_llama --quick          # tiny sizes, a smoke test
+    loragen bench llama [...]                         # the same through the CLI
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .harness import Variant, format_table, machine_summary, module_tensors, run_variants
+
+__all__ = ["TARGETS", "add_arguments", "build_variants", "main", "run"]
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _llama(hidden: int, intermediate: int, layers: int, heads: int, vocab: int, seq: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                         max_position_embeddings=max(seq, 16))
+    return LlamaForCausalLM(config)
+
+
+def build_variants(
+    *,
+    hidden: int = 512,
+    intermediate: int = 1376,
+    layers: int = 4,
+    heads: int = 8,
+    vocab: int = 1000,
+    batch: int = 4,
+    seq: int = 256,
+    dropout: float = 0.0,
+    r: int = 16,
+    alpha: float = 32,
+) -> list[Variant]:
+    """The contestants, each on its own copy of one randomly initialised model."""
+    import peft
+
+    import loragen
+
+    torch.manual_seed(0)
+    base = _llama(hidden, intermediate, layers, heads, vocab, seq).train()
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+    def make(name: str, model: nn.Module) -> Variant:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4) if trainable else None
+
+        def forward() -> torch.Tensor:
+            return model(input_ids=ids, labels=ids).loss
+
+        def step() -> None:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            forward().backward()
+            if optimizer is not None:
+                optimizer.step()
+
+        return Variant(name, step, forward, module_tensors(model))
+
+    frozen = copy.deepcopy(base).requires_grad_(False)
+    frozen.enable_input_require_grads()  # gradients flow to the input embeddings and nowhere else
+    peft_model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS))
+    config = loragen.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS)
+    fused = loragen.get_lora_model(copy.deepcopy(base), config)
+    unfused = loragen.get_lora_model(copy.deepcopy(base), config)
+    for layer in loragen.convert.find_lora_layers(unfused).values():
+        layer.fused = False
+    return [
+        make("frozen", frozen),
+        make("peft", peft_model),
+        make("loragen", fused),
+        make("loragen unfused", unfused),
+        make("full fine-tuning", copy.deepcopy(base)),
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of this benchmark (shared with ``loragen bench llama``)."""
+    parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.05], help="LoRA dropout values")
+    parser.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test")
+
+
+def run(args: argparse.Namespace) -> str:
+    """Run the benchmark for every dropout value; returns the Markdown tables."""
+    sizes: dict[str, int] = {}
+    rounds, warmup = args.rounds, args.warmup
+    if args.quick:
+        sizes = {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 4, "vocab": 100, "batch": 2, "seq": 16}
+        rounds, warmup = 3, 1
+    shape = sizes or {"hidden": 512, "intermediate": 1376, "layers": 4, "heads": 8, "vocab": 1000, "batch": 4,
+                     "seq": 256}
+    tables = [f"machine: {machine_summary()}"]
+    for p in args.dropout:
+        results = run_variants(build_variants(dropout=p, **sizes), rounds, warmup)
+        title = (f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
+                 f"layers, batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
+                 f"training step with AdamW")
+        tables.append(format_table(results, title, ratio_to=["frozen", "peft"]))
+    return "\n\n".join(tables)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_llama", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    print(run(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
