@@ -21,8 +21,9 @@ How the 8-bit states work (block-wise dynamic quantization, the scheme of Dettme
 Tensors smaller than ``min_8bit_size`` elements (biases, norms, small LoRA factors) keep fp32 moments, as
 in bitsandbytes: they cost little and quantizing them saves little.
 
-The update runs in plain torch ops on any device. :func:`adamw8bit_update_` is the single function a
-fused GPU kernel would replace (same arguments, updates in place).
+The update runs in plain torch ops on any device; on CUDA, :func:`adamw8bit_update_` hands supported
+tensors to one fused kernel (``kernels/adamw8bit.cu.j2``, compiled by NVRTC like the LoRA kernels) that
+reproduces the torch path's codes exactly.
 """
 
 from __future__ import annotations
@@ -231,8 +232,27 @@ def adamw8bit_update_(
     ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (float32, ``(n_blocks,)``), updated in place. The
     parameter update uses the fp32 moments *before* requantization, so the rounding only affects later
     steps. Work proceeds in chunks of blocks, so the fp32 temporaries stay small for large parameters.
-    This is the function a fused GPU kernel replaces.
+    On a CUDA device with loragen's kernels available, one kernel launch does the update
+    (:func:`loragen.cuda.optim.adamw8bit_update_cuda`); inputs it does not take run the torch code below.
     """
+    if param.is_cuda:
+        from loragen import cuda
+        from loragen.cuda.optim import adamw8bit_update_cuda
+
+        if cuda.is_available() and adamw8bit_update_cuda(
+            param,
+            grad,
+            state,
+            signed_code=signed_code,
+            unsigned_code=unsigned_code,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            step=step,
+        ):
+            return
     m_codes, m_absmax = state["exp_avg_codes"], state["exp_avg_absmax"]
     v_codes, v_absmax = state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"]
     n_blocks, block_size = m_codes.shape

@@ -5,10 +5,12 @@
 // A thread that returns drops out of its barriers, as exited threads do on the GPU.
 //
 // Only what the kernels need is here: full-warp shuffles, __syncthreads, __umulhi, float/bit casts,
-// int min/max, uint2/uint4. Included ahead of the kernel source with g++ -include.
+// int min/max, uint2/uint4, the correctly rounded float intrinsics (__fadd_rn, ...). Included ahead of
+// the kernel source with g++ -include.
 #pragma once
 
 #include <barrier>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -103,3 +105,9 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
+
+// Correctly rounded float arithmetic (g++ contracts nothing into FMAs at -O1 without -mfma).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }

@@ -13,7 +13,11 @@ lora_down      h = dropout(x) A^T, float32 (N, R)            x once
 lora_up        out = bias + s h B^T                          out once (then cuBLAS adds x W^T)
 lora_grad_out  dh = s g B,  dB = s g^T h                     g once
 lora_grad_in   dA = dh^T dropout(x),  (dh A) * mask / (1-p)  x once, grad_x once (then += g W)
+adamw8bit      one 8-bit AdamW step (loragen.optim)         param, grad, codes once each
 ============== ============================================ =====================================
+
+``adamw8bit`` varies by dtype only (:data:`OPTIMIZER_KERNELS`, :func:`optimizer_variants`); it is not
+part of :data:`KERNELS`, whose variants also vary by rank bucket and alignment.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 __all__ = [
+    "ADAMW8BIT",
     "ARCHS",
     "DTYPES",
     "KERNELS",
     "MAX_RANK",
+    "OPTIMIZER_KERNELS",
     "RANK_BUCKETS",
     "DownPlan",
     "KernelSpec",
@@ -34,6 +40,8 @@ __all__ = [
     "SplitPlan",
     "Variant",
     "all_variants",
+    "max_optimizer_block",
+    "optimizer_variants",
     "plan_down",
     "plan_grad_in",
     "plan_grad_out",
@@ -90,6 +98,7 @@ class KernelSpec:
     name: str  # the extern "C" function name; the template is kernels/<name>.cu.j2
     params: tuple[Param, ...]
     tile: Callable[[Variant], dict[str, int]]
+    by_rank: bool = True  # False: the template takes neither rank_bucket nor aligned (dtype-only variants)
 
     @property
     def template(self) -> str:
@@ -178,6 +187,35 @@ LORA_GRAD_IN = KernelSpec(
 
 KERNELS: dict[str, KernelSpec] = {k.name: k for k in (LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN)}
 
+# One block of 8 warps per quantization block; each thread keeps PER_THREAD elements' moments in
+# registers between the block-max reduction and the requantization, so blocks of up to
+# 256 * 8 = 2048 elements run on the GPU (loragen.optim falls back to torch for larger ones).
+ADAMW8BIT = KernelSpec(
+    "adamw8bit",
+    _params(
+        ("scalar_t*", "param"),
+        ("const scalar_t*", "grad"),
+        ("unsigned char*", "m_codes"),
+        ("float*", "m_absmax"),
+        ("unsigned char*", "v_codes"),
+        ("float*", "v_absmax"),
+        ("const float*", "signed_code"),
+        ("const float*", "unsigned_code"),
+        ("u64", "numel"),
+        ("int", "block_size"),
+        ("float", "lerp_weight"),
+        ("float", "beta2"),
+        ("float", "one_minus_beta2"),
+        ("float", "eps"),
+        ("float", "sqrt_correction2"),
+        ("float", "decay"),
+        ("float", "neg_step_size"),
+    ),
+    lambda v: {"warps": 8, "min_blocks": 2, "per_thread": 8},
+    by_rank=False,
+)
+OPTIMIZER_KERNELS: dict[str, KernelSpec] = {ADAMW8BIT.name: ADAMW8BIT}
+
 
 def rank_bucket(rank: int) -> int:
     """The smallest rank bucket holding ``rank``.
@@ -195,12 +233,10 @@ def rank_bucket(rank: int) -> int:
 
 def render_params(spec: KernelSpec, variant: Variant) -> dict[str, object]:
     """Everything the template of ``spec`` substitutes, for ``variant``."""
-    params: dict[str, object] = {
-        "scalar_t": DTYPES[variant.dtype],
-        "rank_bucket": variant.rank_bucket,
-        "aligned": variant.aligned,
-        **spec.tile(variant),
-    }
+    params: dict[str, object] = {"scalar_t": DTYPES[variant.dtype]}
+    if spec.by_rank:
+        params.update(rank_bucket=variant.rank_bucket, aligned=variant.aligned)
+    params.update(spec.tile(variant))
     summary = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
     params["variant"] = f"Rendered by loragen.cuda.render for {variant.dtype}:\n// {summary}."
     return params
@@ -213,6 +249,23 @@ def all_variants() -> Iterator[tuple[KernelSpec, Variant]]:
             for bucket in RANK_BUCKETS:
                 for aligned in (True, False):
                     yield spec, Variant(dtype, bucket, aligned)
+
+
+def optimizer_variants() -> Iterator[tuple[KernelSpec, Variant]]:
+    """Every (kernel, variant) pair of :data:`OPTIMIZER_KERNELS`: one per dtype.
+
+    These kernels ignore the rank bucket and alignment; their variants carry the smallest bucket and
+    ``aligned=True`` as fixed placeholders, so each dtype has exactly one variant (and cache entry).
+    """
+    for spec in OPTIMIZER_KERNELS.values():
+        for dtype in DTYPES:
+            yield spec, Variant(dtype, RANK_BUCKETS[0], True)
+
+
+def max_optimizer_block(spec: KernelSpec) -> int:
+    """The largest quantization block ``spec`` handles: threads per block times elements per thread."""
+    tile = spec.tile(Variant("float32", RANK_BUCKETS[0], True))
+    return tile["warps"] * WARP * tile["per_thread"]
 
 
 # ---- grids --------------------------------------------------------------------------------------------

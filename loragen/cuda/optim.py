@@ -1,0 +1,121 @@
+"""The 8-bit AdamW step on CUDA: :func:`loragen.optim.adamw8bit_update_` as one kernel launch.
+
+The kernel (``kernels/adamw8bit.cu.j2``) runs one CUDA block per quantization block and reproduces the
+torch path's arithmetic operation by operation (see the template's header), so both paths store the same
+codes for the same inputs; the only differences are float32 roundings of the parameter update and codes
+of values that sit exactly on a midpoint of the table up to those roundings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from loragen.cuda.launch import KernelLauncher, default_launcher
+from loragen.cuda.specs import ADAMW8BIT, RANK_BUCKETS, Variant, max_optimizer_block
+
+__all__ = ["adamw8bit_update_cuda", "kernel_supports"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_STATE_DTYPES = {
+    "exp_avg_codes": torch.uint8,
+    "exp_avg_absmax": torch.float32,
+    "exp_avg_sq_codes": torch.uint8,
+    "exp_avg_sq_absmax": torch.float32,
+}
+
+
+def kernel_supports(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    signed_code: torch.Tensor,
+    unsigned_code: torch.Tensor,
+) -> bool:
+    """Whether the kernel can run this update (else the torch path does it). Never synchronizes.
+
+    It needs a contiguous float32/float16/bfloat16 parameter, a gradient of the same dtype and shape,
+    contiguous states of the layout :class:`loragen.optim.AdamW8bit` creates with blocks of at most
+    :func:`~loragen.cuda.specs.max_optimizer_block` elements, and two float32 tables of 256 entries, all
+    on the parameter's device.
+    """
+    if param.dtype not in _DTYPE_NAMES or grad.dtype != param.dtype or grad.shape != param.shape:
+        return False
+    if not param.is_contiguous() or grad.is_sparse:
+        return False
+    tensors = [grad, signed_code, unsigned_code]
+    for key, dtype in _STATE_DTYPES.items():
+        value = state.get(key)
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype or not value.is_contiguous():
+            return False
+        tensors.append(value)
+    if any(t.device != param.device for t in tensors):
+        return False
+    for table in (signed_code, unsigned_code):
+        if table.dtype != torch.float32 or table.shape != (256,) or not table.is_contiguous():
+            return False
+    codes = state["exp_avg_codes"]
+    if codes.dim() != 2 or state["exp_avg_sq_codes"].shape != codes.shape:
+        return False
+    n_blocks, block_size = codes.shape
+    return (
+        0 < block_size <= max_optimizer_block(ADAMW8BIT)
+        and n_blocks == -(-param.numel() // block_size)
+        and state["exp_avg_absmax"].shape == (n_blocks,)
+        and state["exp_avg_sq_absmax"].shape == (n_blocks,)
+    )
+
+
+def adamw8bit_update_cuda(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    *,
+    signed_code: torch.Tensor,
+    unsigned_code: torch.Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    launcher: KernelLauncher | None = None,
+) -> bool:
+    """One AdamW step with 8-bit moments as one kernel launch on PyTorch's current stream, in place.
+
+    Same arguments and state layout as :func:`loragen.optim.adamw8bit_update_`. ``launcher`` defaults
+    to the process-wide driver launcher (CUDA tensors); tests pass an emulator for CPU tensors.
+
+    Returns:
+        ``True`` when the kernel ran, ``False`` (nothing changed) when :func:`kernel_supports` refuses
+        the inputs and the caller should run the torch path.
+    """
+    if not kernel_supports(param, grad, state, signed_code, unsigned_code):
+        return False
+    n_blocks, block_size = state["exp_avg_codes"].shape
+    if n_blocks == 0:
+        return True
+    variant = Variant(_DTYPE_NAMES[param.dtype], RANK_BUCKETS[0], True)
+    args = (
+        param.detach(),
+        grad.detach().contiguous(),
+        state["exp_avg_codes"],
+        state["exp_avg_absmax"],
+        state["exp_avg_sq_codes"],
+        state["exp_avg_sq_absmax"],
+        signed_code,
+        unsigned_code,
+        param.numel(),
+        block_size,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        math.sqrt(1.0 - beta2**step),
+        1.0 - lr * weight_decay if weight_decay else 1.0,
+        -(lr / (1.0 - beta1**step)),
+    )
+    (launcher or default_launcher()).launch(ADAMW8BIT, variant, (n_blocks, 1), args, param.device)
+    return True
