@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import sys
 import time
 import types
 from importlib import resources
@@ -327,7 +328,9 @@ def _train_loop(
     if description is not None:
         from tqdm.auto import tqdm
 
-        bar = tqdm(bar, desc=description, unit="step", dynamic_ncols=True, mininterval=0.25)
+        # on a terminal the bar redraws 4 times a second; in a log (piped) a line every few seconds is enough
+        interval = 0.25 if sys.stderr.isatty() else 5.0
+        bar = tqdm(bar, desc=description, unit="step", dynamic_ncols=True, mininterval=interval)
     losses: list[float] = []
     start = time.perf_counter()
     for step in bar:
