@@ -566,35 +566,49 @@ def _tensor_for_file(t: torch.Tensor) -> torch.Tensor:
 
 
 def adapter_state_dict(
-    model: nn.Module, config: LoraConfig, *, save_embedding_layers: bool | Literal["auto"] = "auto"
+    model: nn.Module,
+    config: LoraConfig,
+    *,
+    save_embedding_layers: bool | Literal["auto"] = "auto",
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors of ``model``'s adapter under peft's file keys (contiguous CPU copies).
 
     LoRA factors, the state of every module in ``config.modules_to_save`` under its own key, biases per
     ``config.bias``, and with ``save_embedding_layers`` (``"auto"``: when ``target_modules`` names
     ``embed_tokens`` or ``lm_head``, as peft does) the base weights of LoRA-adapted input/output embeddings.
+
+    Args:
+        state_dict: take the tensors from this mapping of the model's own state-dict keys instead of from
+            its modules (FSDP2 shards parameters; its gathered full state is passed here). It must hold
+            every tensor the adapter saves.
+
+    Raises:
+        AdapterError: ``state_dict`` lacks a tensor the adapter saves (every such key is listed).
     """
+    full = model.state_dict(keep_vars=True) if state_dict is None else state_dict
     layers = find_lora_layers(model)
-    out: dict[str, torch.Tensor] = {}
+    wanted: dict[str, str] = {}  # peft file key -> model key
     for path, layer in layers.items():
         for attr, suffix in layer.peft_key_suffixes().items():
-            out[f"{PEFT_PREFIX}{path}.{suffix}"] = _tensor_for_file(getattr(layer, attr))
+            wanted[f"{PEFT_PREFIX}{path}.{suffix}"] = f"{path}.{attr}"
 
     if config.bias == "all":  # as peft: every state-dict entry named "bias"
-        for name, tensor in model.state_dict(keep_vars=True).items():
+        for name in full:
             if name == "bias" or name.endswith(".bias"):
                 module, _, param = name.rpartition(".")
                 infix = ".base_layer" if module in layers else ""
-                out[f"{PEFT_PREFIX}{module}{infix}.{param}"] = _tensor_for_file(tensor)
+                wanted[f"{PEFT_PREFIX}{module}{infix}.{param}"] = name
     elif config.bias == "lora_only":
         for path, layer in layers.items():
             if layer.bias is not None:
-                out[f"{PEFT_PREFIX}{path}.base_layer.bias"] = _tensor_for_file(layer.bias)
+                wanted[f"{PEFT_PREFIX}{path}.base_layer.bias"] = f"{path}.bias"
 
-    for path, module in model.named_modules():
+    for path, _ in model.named_modules():
         if path and config.is_module_to_save(path):
-            for name, tensor in module.state_dict(keep_vars=True).items():
-                out[f"{PEFT_PREFIX}{path}.{name}"] = _tensor_for_file(tensor)
+            for name in full:
+                if name.startswith(path + "."):
+                    wanted[f"{PEFT_PREFIX}{name}"] = name
 
     if save_embedding_layers == "auto":
         save_embedding_layers = _embedding_targeted(model, config)
@@ -605,8 +619,12 @@ def adapter_state_dict(
             embeddings.append(fn() if callable(fn) else None)
         for path, layer in layers.items():
             if any(layer is e for e in embeddings):
-                out[f"{PEFT_PREFIX}{path}.base_layer.weight"] = _tensor_for_file(layer.weight)
-    return out
+                wanted[f"{PEFT_PREFIX}{path}.base_layer.weight"] = f"{path}.weight"
+
+    missing = sorted(model_key for model_key in wanted.values() if model_key not in full)
+    if missing:
+        raise AdapterError(f"the state dict given to save the adapter lacks: {', '.join(missing)}")
+    return {file_key: _tensor_for_file(full[model_key]) for file_key, model_key in wanted.items()}
 
 
 def _carry_over(old: Path, new: Path) -> None:
@@ -638,6 +656,7 @@ def save_adapter(
     path: str | os.PathLike[str],
     *,
     save_embedding_layers: bool | Literal["auto"] = "auto",
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``model``'s adapter to the folder ``path`` in peft's format; returns the folder.
 
@@ -646,14 +665,20 @@ def save_adapter(
     built beside ``path`` and renamed into place only when complete, so an error or a crash never leaves
     a half-written adapter; other files already in the folder are kept.
 
+    ``state_dict`` (model keys -> tensors) supplies the tensors instead of the model's modules: see
+    :func:`adapter_state_dict` (FSDP2 models save their gathered state this way).
+
     Raises:
-        AdapterError: the model has no LoRA layers, or its config disagrees with its layers.
+        AdapterError: the model has no LoRA layers, its config disagrees with its layers, or
+            ``state_dict`` lacks a tensor the adapter saves.
         OSError: the folder cannot be written (the old one is then untouched).
     """
     from safetensors.torch import save_file
 
     config = adapter_config_for(model)
-    tensors = adapter_state_dict(model, config, save_embedding_layers=save_embedding_layers)
+    tensors = adapter_state_dict(
+        model, config, save_embedding_layers=save_embedding_layers, state_dict=state_dict
+    )
     config_text = json.dumps(config.to_peft(), indent=2, sort_keys=True) + "\n"
     target = Path(path)
     if target.exists() and not target.is_dir():

@@ -196,48 +196,6 @@ def _gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=options)
 
 
-def _write_adapter_from_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
-    """Write an adapter folder for ``model`` taking its tensors from ``state`` (model keys -> tensors).
-
-    FSDP2 shards parameters as DTensors and re-shards a module whenever its ``state_dict()`` is taken,
-    so ``save_adapter`` cannot read them from the model; the gathered full state is used instead, under
-    the same peft keys ``loragen.io.adapter_state_dict`` writes (the FSDP test checks they agree).
-    """
-    import json
-
-    from safetensors.torch import save_file
-
-    from loragen._atomic import atomic_dir
-    from loragen.convert import find_lora_layers
-    from loragen.io import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, PEFT_PREFIX, adapter_config_for
-
-    config = adapter_config_for(model)
-    layers = find_lora_layers(model)
-    tensors: dict[str, torch.Tensor] = {}
-    for layer_path, layer in layers.items():
-        for attr, suffix in layer.peft_key_suffixes().items():
-            tensors[f"{PEFT_PREFIX}{layer_path}.{suffix}"] = state[f"{layer_path}.{attr}"]
-    for key, value in state.items():
-        module_path, _, name = key.rpartition(".")
-        if module_path in layers and name in layers[module_path].peft_key_suffixes():
-            continue
-        if any(config.is_module_to_save(prefix) for prefix in _prefixes(module_path)):
-            tensors[f"{PEFT_PREFIX}{key}"] = value
-        elif name == "bias" and config.bias != "none":
-            infix = ".base_layer" if module_path in layers else ""
-            tensors[f"{PEFT_PREFIX}{module_path}{infix}.bias"] = value
-    tensors = {key: value.detach().cpu().contiguous().clone() for key, value in tensors.items()}
-    with atomic_dir(path) as tmp:
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
-        text = json.dumps(config.to_peft(), indent=2, sort_keys=True) + "\n"
-        (tmp / ADAPTER_CONFIG_NAME).write_text(text, encoding="utf-8")
-
-
-def _prefixes(module_path: str) -> list[str]:
-    parts = module_path.split(".")
-    return [".".join(parts[: i + 1]) for i in range(len(parts))] if module_path else []
-
-
 def save_adapter_main_process(
     model: nn.Module, path: str | os.PathLike[str], **save_kwargs: Any
 ) -> Path | None:
@@ -273,7 +231,7 @@ def save_adapter_main_process(
             if gathered is None:
                 loragen.save_adapter(inner, target, **save_kwargs)
             else:
-                _write_adapter_from_state(inner, gathered, target)
+                loragen.save_adapter(inner, target, state_dict=gathered)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised here
             failure = exc
     if dist.is_available() and dist.is_initialized():
