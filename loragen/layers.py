@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen import siblings
 from loragen.config import LoraConfigError
 from loragen.ops import lora_linear, lora_linear_reference
 
@@ -233,8 +234,9 @@ def _plain_copy(cls: type[nn.Module], layer: nn.Module, *args: Any, **kwargs: An
 class LoraLinear(nn.Linear, LoraLayer):
     """``nn.Linear`` with a LoRA adapter. Shapes: x (..., in) -> y (..., out).
 
-    The forward runs the fused LoRA op (:func:`loragen.ops.lora_linear`); set ``fused = False`` to run
-    the plain-autograd reference instead.
+    The forward runs the fused LoRA op (:func:`loragen.ops.lora_linear`), sharing the rank-r
+    down-projection with sibling layers that read the same input (:mod:`loragen.siblings`); set
+    ``fused = False`` to run the plain-autograd reference instead.
     """
 
     fused: bool = True
@@ -280,6 +282,10 @@ class LoraLinear(nn.Linear, LoraLayer):
     def forward(self, x: Tensor) -> Tensor:
         if self.merged:
             return F.linear(x, self.weight, self.bias)
+        if self.fused:
+            y = siblings.forward(self, x)  # shares its down-projection with siblings reading x
+            if y is not None:
+                return y
         fn = lora_linear if self.fused else lora_linear_reference
         return fn(
             x, self.weight, self.bias, self.lora_A, self.lora_B, self.scaling, self.lora_dropout_p, self.training
@@ -641,6 +647,10 @@ def _build_lora_conv1d() -> type[LoraLayer]:
         def forward(self, x: Tensor) -> Tensor:
             if self.merged:
                 return HFConv1D.forward(self, x)
+            if self.fused:
+                y = siblings.forward(self, x)
+                if y is not None:
+                    return y
             fn = lora_linear if self.fused else lora_linear_reference
             return fn(
                 x, self.weight, self.bias, self.lora_A, self.lora_B, self.scaling, self.lora_dropout_p,
