@@ -1,5 +1,5 @@
-"""A tiny Llama training step: frozen model vs peft vs loragen (fused op and plain composition) vs full
-fine-tuning, side by side.
+"""A tiny Llama training step: frozen model vs peft vs loragen (fused op with and without sibling fusion,
+and the plain composition) vs full fine-tuning, side by side.
 
 Model from config (no download): hidden 512, intermediate 1376, 4 layers, 8 heads, vocab 1000; batch
 4 x seq 256, fp32; LoRA r=16, alpha 32 on q, k, v, o, gate, up, down; AdamW step on what trains. The
@@ -52,17 +52,19 @@ def build_variants(
     import peft
 
     import loragen
+    import loragen.siblings
 
     torch.manual_seed(0)
     base = _llama(hidden, intermediate, layers, heads, vocab, seq).train()
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
 
-    def make(name: str, model: nn.Module) -> Variant:
+    def make(name: str, model: nn.Module, siblings: bool = True) -> Variant:
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-4) if trainable else None
 
         def forward() -> torch.Tensor:
-            return model(input_ids=ids, labels=ids).loss
+            with loragen.siblings.use_sibling_fusion(siblings):
+                return model(input_ids=ids, labels=ids).loss
 
         def step() -> None:
             if optimizer is not None:
@@ -86,6 +88,7 @@ def build_variants(
         make("frozen", frozen),
         make("peft", peft_model),
         make("loragen", fused),
+        make("loragen, no sibling fusion", copy.deepcopy(fused), siblings=False),
         make("loragen unfused", unfused),
         make("full fine-tuning", copy.deepcopy(base)),
     ]

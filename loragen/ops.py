@@ -1,6 +1,7 @@
 """The LoRA linear op: ``y = x W^T + b + scaling * (dropout(x) A^T) B^T``.
 
-:func:`lora_linear` is what :class:`~loragen.layers.LoraLinear` and ``LoraConv1D`` call. On the CPU it
+:func:`lora_linear` is what :class:`~loragen.layers.LoraLinear` and ``LoraConv1D`` call (unless
+:mod:`loragen.siblings` runs the layer together with siblings reading the same input). On the CPU it
 runs one ``torch.autograd.Function`` (:class:`LoraLinearFunction`) with a hand-written backward; x is
 (N, in) after flattening the batch dimensions, s = scaling, m the dropout keep-mask:
 

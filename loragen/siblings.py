@@ -1,21 +1,24 @@
-"""Sibling fusion: LoRA linears that read the same input share their rank-r down-projections.
+"""Sibling fusion: LoRA linears that read the same input run as one autograd node.
 
 Attention's q, k and v projections read one tensor, and so do an MLP's gate and up projections. Each
 LoRA layer on its own reads that input three more times than the frozen layer does: ``h = x A^T`` in
 forward, ``dA = gh^T x`` and ``dx += gh A`` in backward. The first and last are rank-r GEMMs whose cost
 is one pass over an (N, in) tensor, and the middle one reads x back from memory long after forward;
-on a CPU these passes, not the arithmetic, are what LoRA costs (BENCHMARKS.md, issue 5). Siblings
-stacked into one GEMM pay each pass once for the whole group:
+on a CPU these passes, not the arithmetic, are what LoRA costs (BENCHMARKS.md, issue 5). A group of k
+siblings runs as one node (:class:`_GroupFunction`) that pays each pass once:
 
-leader    H  = x [A_1; ...; A_k]^T              (N, r_1 + ... + r_k): its own h_1 and its siblings'
-          y1 = b1 + h_1 (s_1 B_1^T) + x W_1^T   as :class:`loragen.ops.LoraLinearFunction`
-sibling i yi = bi + h_i (s_i B_i^T) + x W_i^T   h_i handed over from the leader, x not saved again
-backward  dB_i = s_i h_i^T g_i,  gh_i = s_i g_i B_i          in each layer's own node
-          dA   = [gh_1 ... gh_k]^T x            one pass over x, split into dA_1..dA_k
-          dx   = [gh_1 ... gh_k] [A_1; ...; A_k] + g_1 W_1       in the leader's node; each sibling
-                                                                 adds its base term g_i W_i
+forward   H    = x [A_1; ...; A_k]^T                 (N, r_1 + ... + r_k): every h_i in one GEMM
+          y_i  = b_i + h_i (s_i B_i^T) + x W_i^T     for each member, as the single-layer op computes it
+backward  dB_i = s_i h_i^T g_i,   gh_i = s_i g_i B_i
+          dA   = [gh_1 ... gh_k]^T x                 one pass over x, split into dA_1..dA_k
+          dx   = [gh_1 ... gh_k] [A_1; ...; A_k] + g_1 W_1 + ... + g_k W_k
+                                                     one buffer: the rank-r term, then every base GEMM
+                                                     accumulating onto it (beta = 1)
 
-The math is the unfused op's, term for term (only the order of the sums inside a GEMM changes).
+Every output is computed when the first member (the leader) is called; the others find theirs waiting.
+Because dx of the whole group is summed inside the node, autograd also skips the k - 1 additions of
+(N, in) gradients that separate layers -- frozen ones too -- cost. The math is the single-layer op's,
+term for term (only the order of the sums inside a GEMM changes).
 
 **Which layers are siblings** is decided once per layer, statically, from source code: on its first
 call a LoRA layer finds the module that called it (walking up the Python stack to the frame whose
@@ -24,13 +27,13 @@ call a LoRA layer finds the module that called it (walking up the Python stack t
 variable in between, form a group; the first in source order leads. The decision never changes
 afterwards, so a forward pass and its recomputation under ``torch.utils.checkpoint`` always take the
 same path. Sources that cannot be read, layers called from outside their parent, and anything
-unexpected mean "no group": the layer runs the plain fused op.
+unexpected mean "no group": the layer runs the single-layer op.
 
-**At run time** the grouping is only a plan. The leader hands out h_i only while the sibling is
-eligible (fused, not merged, no active dropout, same dtype and in_features), and a sibling takes it
-only if it is called with *the very tensor object* the leader saw, at the same version counter, with
-the same ``lora_A`` -- otherwise it computes its own h (the leader's work for it is wasted, and its
-gradient contribution is zero). Correctness never depends on the plan being right.
+**At run time** the grouping is only a plan. The leader computes a member's output only while that
+member is eligible (fused, not merged, no active dropout, the input's dtype, plain tensors), and a
+member takes it only if it is called with *the very tensor object* the leader saw, at the same version
+counter, with the same parameters at the same versions -- otherwise it computes its own output (the
+leader's work for it is wasted; no gradient flows through it). Correctness never depends on the plan.
 
 Not fused: dropout in training (each layer draws its own mask, so the inputs differ), autocast,
 ``torch.compile``, devices other than the CPU, inputs whose dtype differs from the adapter's, and
@@ -49,7 +52,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -296,14 +299,19 @@ def fused_groups(model: nn.Module) -> list[tuple[str, ...]]:
 
 @dataclass
 class _Handout:
-    """Down-projections the leader computed for its followers on one input tensor."""
+    """Outputs the leader computed for its followers on one input tensor."""
 
     x: weakref.ReferenceType[Tensor]
     version: int
-    h: dict[int, tuple[Tensor, Tensor, int]] = field(default_factory=dict)  # id(layer) -> (h, A, A version)
+    # id(layer) -> (its output, the tensors it was computed from with their versions, its scaling)
+    outputs: dict[int, tuple[Tensor, tuple[tuple[Tensor | None, int], ...], float]] = field(default_factory=dict)
 
 
 _local = threading.local()
+
+
+def _inputs_of(layer: Any) -> tuple[tuple[Tensor | None, int], ...]:
+    return tuple((t, -1 if t is None else t._version) for t in (layer.weight, layer.bias, layer.lora_A, layer.lora_B))
 
 
 def _eligible(layer: Any, x: Tensor) -> bool:
@@ -316,7 +324,13 @@ def _eligible(layer: Any, x: Tensor) -> bool:
         and lora_a.dtype == x.dtype
         and layer.weight.dtype == x.dtype
         and lora_a.device == x.device
+        # plain tensors only: a sharded (DTensor) or otherwise wrapped factor runs the layer's own op
+        and type(lora_a) in _PLAIN
+        and type(layer.weight) in _PLAIN
     )
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def forward(layer: Any, x: Tensor) -> Tensor | None:
@@ -343,14 +357,13 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
 
 
 def _as_leader(layer: Any, x: Tensor, followers: list[Any]) -> Tensor:
-    ffo = _fan_in_fan_out(layer)
-    outputs = _LeaderFunction.apply(
-        x, layer.weight, layer.bias, layer.lora_A, layer.lora_B, layer.scaling, ffo,
-        *(f.lora_A for f in followers),
-    )
+    members = [layer, *followers]
+    spec = tuple((m.scaling, _fan_in_fan_out(m)) for m in members)
+    tensors = [t for m in members for t in (m.weight, m.bias, m.lora_A, m.lora_B)]
+    outputs = _GroupFunction.apply(x, spec, *tensors)
     handout = _Handout(weakref.ref(x), x._version)
-    for follower, h in zip(followers, outputs[1:]):
-        handout.h[id(follower)] = (h, follower.lora_A, follower.lora_A._version)
+    for follower, y in zip(followers, outputs[1:]):
+        handout.outputs[id(follower)] = (y, _inputs_of(follower), follower.scaling)
     _local.handout = handout
     return outputs[0]
 
@@ -359,106 +372,87 @@ def _as_follower(layer: Any, x: Tensor) -> Tensor | None:
     handout: _Handout | None = getattr(_local, "handout", None)
     if handout is None or handout.x() is not x or handout.version != x._version:
         return None
-    entry = handout.h.pop(id(layer), None)
-    if not handout.h:
+    entry = handout.outputs.pop(id(layer), None)
+    if not handout.outputs:
         _local.handout = None
     if entry is None:
         return None
-    h, lora_a, a_version = entry
-    if lora_a is not layer.lora_A or a_version != lora_a._version:
-        return None
-    ffo = _fan_in_fan_out(layer)
-    return _FollowerFunction.apply(x, layer.weight, layer.bias, h, layer.lora_B, layer.scaling, ffo)
+    y, inputs, scaling = entry
+    if scaling != layer.scaling or any(
+        a is not b or version != (-1 if b is None else b._version)
+        for (a, version), b in zip(inputs, (layer.weight, layer.bias, layer.lora_A, layer.lora_B))
+    ):
+        return None  # changed since the leader ran: compute afresh
+    return y
 
 
-# ---- the two autograd nodes ----------------------------------------------------------------------------
+# ---- the group's autograd node ---------------------------------------------------------------------------
 
 
-def _base_forward(x2: Tensor, weight: Tensor, bias: Tensor | None, h: Tensor, lora_B: Tensor, scaling: float,
-                  ffo: bool) -> Tensor:
-    """``b + h (s B^T) + x W^T``, the rank-r term first and the base GEMM accumulating onto it."""
-    y = torch.addmm(bias, h, lora_B.t(), alpha=scaling) if bias is not None else torch.mm(h * scaling, lora_B.t())
-    return y.addmm_(x2, weight if ffo else weight.t())
+class _GroupFunction(torch.autograd.Function):
+    """Every member of a group as one node: ``apply(x, spec, W_1, b_1, A_1, B_1, ..., W_k, b_k, A_k, B_k)``
+    -> ``(y_1, ..., y_k)`` with ``spec = ((scaling_i, fan_in_fan_out_i), ...)``.
 
-
-def _base_grads(ctx: Any, g2: Tensor, x2: Tensor | None, need_w: bool, need_bias: bool) -> tuple[Tensor | None, ...]:
-    grad_w = grad_bias = None
-    if need_w:
-        assert x2 is not None
-        grad_w = torch.mm(x2.t(), g2) if ctx.ffo else torch.mm(g2.t(), x2)
-    if need_bias and ctx.has_bias:
-        grad_bias = g2.sum(0)
-    return grad_w, grad_bias
-
-
-class _LeaderFunction(torch.autograd.Function):
-    """The leader's LoRA linear plus its followers' h_i: ``apply(x, W, b, A, B, s, ffo, *A_i)`` ->
-    ``(y, *h_i)``."""
+    One node rather than one per layer: backward sums every member's dx into one buffer (each base GEMM
+    accumulating onto it with beta = 1), where separate nodes would leave autograd k - 1 additions of an
+    (N, in) tensor.
+    """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, lora_A: Tensor, lora_B: Tensor, scaling: float,
-        ffo: bool, *follower_As: Tensor,
-    ) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, x: Tensor, spec: tuple[tuple[float, bool], ...], *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
         x2 = x.reshape(-1, x.shape[-1])
-        ranks = [lora_A.shape[0], *(a.shape[0] for a in follower_As)]
-        a_all = torch.cat([lora_A, *follower_As])  # (R, in): R = r_1 + ... + r_k, a few KiB
-        h_all = torch.mm(x2, a_all.t())  # (N, R): one pass over x for the whole group
-        parts = h_all.split(ranks, dim=1)
-        y = _base_forward(x2, weight, bias, parts[0], lora_B, scaling, ffo)
-        need_x = ctx.needs_input_grad[0]
-        ctx.scaling, ctx.ffo, ctx.ranks, ctx.x_shape, ctx.has_bias = scaling, ffo, ranks, x.shape, bias is not None
-        ctx.save_for_backward(x2, weight if need_x else None, a_all, lora_B, parts[0])
-        return (y.view(*x.shape[:-1], y.shape[-1]), *parts[1:])
+        weights, biases = cast(list[Tensor], tensors[0::4]), tensors[1::4]
+        factors_a, factors_b = cast(list[Tensor], tensors[2::4]), cast(list[Tensor], tensors[3::4])
+        ranks = [a.shape[0] for a in factors_a]
+        h_all = torch.mm(x2, torch.cat(factors_a).t())  # (N, r_1 + ... + r_k): one pass over x for all
+        ys = []
+        for (scaling, ffo), w, b, h, lora_b in zip(spec, weights, biases, h_all.split(ranks, dim=1), factors_b):
+            # b + h (s B^T) first, then the base GEMM accumulates onto it (beta = 1), as the single op does
+            y = torch.addmm(b, h, lora_b.t(), alpha=scaling) if b is not None else torch.mm(h * scaling, lora_b.t())
+            ys.append(y.addmm_(x2, w if ffo else w.t()).view(*x.shape[:-1], -1))
+        ctx.spec, ctx.ranks, ctx.x_shape = spec, ranks, x.shape
+        ctx.set_materialize_grads(False)  # a follower that never ran gets None: its terms are skipped
+        # parameters cost nothing to keep; x2 is a view of x
+        ctx.save_for_backward(x2, h_all, *weights, *factors_a, *factors_b)
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor, *grad_hs: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x2, weight, a_all, lora_B, h = ctx.saved_tensors
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x2, h_all, *params = ctx.saved_tensors
+        k, rows = len(ctx.spec), x2.shape[0]
+        weights, factors_a, factors_b = params[:k], params[k : 2 * k], params[2 * k :]
         need = ctx.needs_input_grad
-        need_x, need_w, need_bias, need_a, need_b = need[:5]
-        need_follower_a = need[7:]
-        s, rows = ctx.scaling, x2.shape[0]
-        g2 = grad_out.reshape(rows, grad_out.shape[-1])
-        grad_b = torch.mm(h.t(), g2).mul_(s).t() if need_b else None
-        grad_as: list[Tensor | None] = [None] * len(ctx.ranks)
+        need_x = need[0]
+        need_w, need_bias, need_a, need_b = need[2::4], need[3::4], need[4::4], need[5::4]
+        g2s = [None if g is None else g.reshape(rows, g.shape[-1]) for g in grads]
+        hs = h_all.split(ctx.ranks, dim=1)
+        grad_w: list[Tensor | None] = [None] * k
+        grad_bias: list[Tensor | None] = [None] * k
+        grad_a: list[Tensor | None] = [None] * k
+        grad_b: list[Tensor | None] = [None] * k
         grad_x = None
-        if need_x or need_a or any(need_follower_a):
-            gh = torch.mm(g2, lora_B).mul_(s)
-            gh_all = torch.cat([gh, *(g.reshape(rows, -1) for g in grad_hs)], dim=1)  # (N, R)
-            if need_a or any(need_follower_a):
+        for i, ((scaling, ffo), g) in enumerate(zip(ctx.spec, g2s)):
+            if g is None:
+                continue
+            if need_b[i]:
+                grad_b[i] = torch.mm(hs[i].t(), g).mul_(scaling).t()  # (out, r); h^T g is the faster layout
+            if need_w[i]:
+                grad_w[i] = torch.mm(x2.t(), g) if ffo else torch.mm(g.t(), x2)
+            if need_bias[i]:
+                grad_bias[i] = g.sum(0)
+        if need_x or any(need_a):
+            gh_all = torch.cat([
+                torch.zeros(rows, r, dtype=h_all.dtype) if g is None else torch.mm(g, lora_b).mul_(scaling)
+                for (scaling, _), g, lora_b, r in zip(ctx.spec, g2s, factors_b, ctx.ranks)
+            ], dim=1)  # (N, R)
+            if any(need_a):
                 split = torch.mm(gh_all.t(), x2).split(ctx.ranks)  # one pass over x for every dA
-                grad_as = [g if wanted else None for g, wanted in zip(split, (need_a, *need_follower_a))]
+                grad_a = [g if wanted else None for g, wanted in zip(split, need_a)]
             if need_x:
-                w = weight.t() if ctx.ffo else weight
-                grad_x = torch.mm(gh_all, a_all).addmm_(g2, w).view(ctx.x_shape)
-        grad_w, grad_bias = _base_grads(ctx, g2, x2, need_w, need_bias)
-        return (grad_x, grad_w, grad_bias, grad_as[0], grad_b, None, None, *grad_as[1:])
-
-
-class _FollowerFunction(torch.autograd.Function):
-    """A follower's LoRA linear on the leader's h: ``apply(x, W, b, h, B, s, ffo)`` -> y. Its gradient
-    for h flows back to the leader, which adds the rank-r part of dx and computes dA."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, h: Tensor, lora_B: Tensor, scaling: float,
-        ffo: bool,
-    ) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        y = _base_forward(x2, weight, bias, h, lora_B, scaling, ffo)
-        need_x, need_w = ctx.needs_input_grad[:2]
-        ctx.scaling, ctx.ffo, ctx.x_shape, ctx.has_bias = scaling, ffo, x.shape, bias is not None
-        ctx.save_for_backward(x2 if need_w else None, weight if need_x else None, h, lora_B)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x2, weight, h, lora_B = ctx.saved_tensors
-        need_x, need_w, need_bias, need_h, need_b = ctx.needs_input_grad[:5]
-        s = ctx.scaling
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_b = torch.mm(h.t(), g2).mul_(s).t() if need_b else None
-        grad_h = torch.mm(g2, lora_B).mul_(s) if need_h else None
-        grad_x = torch.mm(g2, weight.t() if ctx.ffo else weight).view(ctx.x_shape) if need_x else None
-        grad_w, grad_bias = _base_grads(ctx, g2, x2, need_w, need_bias)
-        return grad_x, grad_w, grad_bias, grad_h, grad_b, None, None
+                grad_x = torch.mm(gh_all, torch.cat(factors_a))  # the rank-r term first...
+                for (_, ffo), g, w in zip(ctx.spec, g2s, weights):
+                    if g is not None:  # ...then every member's base GEMM accumulates onto it
+                        grad_x.addmm_(g, w.t() if ffo else w)
+                grad_x = grad_x.view(ctx.x_shape)
+        per_member = [t for i in range(k) for t in (grad_w[i], grad_bias[i], grad_a[i], grad_b[i])]
+        return (grad_x, None, *per_member)

@@ -36,7 +36,16 @@ def test_bench_llama_quick_writes_markdown(tmp_path, capsys) -> None:
     assert main(["bench", "llama", "--quick", "--dropout", "0", "--threads", "1", "-o", str(out_file)]) == 0
     printed = capsys.readouterr().out
     assert out_file.read_text().strip() == printed.strip()
-    assert set(_rows(printed)) == {"frozen", "peft", "loragen", "loragen unfused", "full fine-tuning"}
+    assert set(_rows(printed)) == {"frozen", "peft", "loragen", "loragen, no sibling fusion", "loragen unfused",
+                                   "full fine-tuning"}
+
+
+def test_bench_decoder_quick(capsys) -> None:
+    assert main(["bench", "decoder", "--quick", "--threads", "1"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert set(rows) == {"frozen", "peft", "loragen", "loragen, no sibling fusion", "loragen unfused"}
+    saved = {name: float(cells[3]) for name, cells in rows.items()}
+    assert saved["loragen"] <= saved["peft"]
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_kept_tensors() -> None:

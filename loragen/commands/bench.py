@@ -1,7 +1,7 @@
 """``loragen bench``: the side-by-side benchmarks (loragen vs peft vs the frozen base).
 
 The benchmark code lives in the repository's ``benchmarks/`` folder (``benchmarks.bench_layer``,
-``benchmarks.bench_llama``); a wheel that ships it as ``loragen._benchmarks`` is used first.
+``benchmarks.bench_llama``, ``benchmarks.bench_decoder``); a wheel that ships it as ``loragen._benchmarks`` is used first.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __all__ = ["BENCHMARKS", "BenchmarksNotFound", "load_benchmark", "register", "ru
 BENCHMARKS: dict[str, str] = {
     "layer": "one nn.Linear(4096, 4096), 4096 tokens, dropout 0 and 0.1: forward + backward",
     "llama": "tiny Llama from config, batch 4 x 256, r=16 on q,k,v,o,gate,up,down: AdamW training step",
+    "decoder": "one decoder layer of that Llama: forward + backward, with and without sibling fusion",
 }
 
 
@@ -26,7 +27,7 @@ class BenchmarksNotFound(RuntimeError):
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """Import benchmark ``name`` ("layer" or "llama").
+    """Import benchmark ``name`` ("layer", "llama" or "decoder").
 
     Raises:
         BenchmarksNotFound: neither ``loragen._benchmarks`` nor ``<checkout>/benchmarks`` exists.

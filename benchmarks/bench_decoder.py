@@ -1,0 +1,124 @@
+"""One tiny-Llama decoder layer, forward + backward: frozen vs peft vs loragen with and without sibling
+fusion (loragen.siblings) vs loragen's plain composition, side by side.
+
+The layer of ``bench_llama`` (hidden 512, intermediate 1376, 8 heads; batch 4 x seq 256, fp32; LoRA r=16,
+alpha 32 on q, k, v, o, gate, up, down), without the embedding, the head and the optimizer. A step is
+~0.1 s instead of ~0.6 s, so many more interleaved rounds fit in a minute and differences of a few
+milliseconds -- what sibling fusion is worth -- stand out of a shared machine's noise.
+
+    python -m benchmarks.bench_decoder            # dropout 0, 100 rounds
+    loragen bench decoder [...]                   # the same through the CLI
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .harness import Variant, format_table, machine_summary, module_tensors, run_variants
+
+__all__ = ["add_arguments", "build_variants", "main", "run"]
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class _Layer(nn.Module):
+    """A decoder layer with its rotary embeddings fixed: ``forward(x) -> hidden states``."""
+
+    def __init__(self, layer: nn.Module, position_embeddings: tuple[Tensor, Tensor]) -> None:
+        super().__init__()
+        self.layer = layer
+        self.position_embeddings = position_embeddings
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.layer(x, position_embeddings=self.position_embeddings, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def build_variants(
+    *, hidden: int = 512, intermediate: int = 1376, heads: int = 8, batch: int = 4, seq: int = 256,
+    dropout: float = 0.0, r: int = 16, alpha: float = 32,
+) -> list[Variant]:
+    """The contestants, each on its own copy of one randomly initialised decoder layer."""
+    import peft
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    import loragen
+    import loragen.siblings
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq)
+    config._attn_implementation = "sdpa"
+    x = torch.randn(batch, seq, hidden)
+    rotary = LlamaRotaryEmbedding(config)
+    position_embeddings = rotary(x, torch.arange(seq)[None].expand(batch, -1))
+    base = _Layer(LlamaDecoderLayer(config, 0).train(), position_embeddings)
+    grad_out = torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(1))
+
+    def make(name: str, model: nn.Module, siblings: bool = True) -> Variant:
+        def forward() -> Tensor:
+            with loragen.siblings.use_sibling_fusion(siblings):
+                return model(x.detach().requires_grad_(True))
+
+        def step() -> None:
+            for p in model.parameters():
+                p.grad = None
+            forward().backward(grad_out)
+
+        return Variant(name, step, forward, module_tensors(model))
+
+    config_kwargs = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": TARGETS}
+    lora = loragen.get_lora_model(copy.deepcopy(base), loragen.LoraConfig(**config_kwargs))
+    unfused = copy.deepcopy(lora)
+    for layer in loragen.convert.find_lora_layers(unfused).values():
+        layer.fused = False
+    return [
+        make("frozen", copy.deepcopy(base).requires_grad_(False)),
+        make("peft", peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**config_kwargs))),
+        make("loragen", lora),
+        make("loragen, no sibling fusion", copy.deepcopy(lora), siblings=False),
+        make("loragen unfused", unfused),
+    ]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of this benchmark (shared with ``loragen bench decoder``)."""
+    parser.add_argument("--dropout", type=float, nargs="+", default=[0.0], help="LoRA dropout values")
+    parser.add_argument("--rounds", type=int, default=100, help="timed interleaved rounds (default 100)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    parser.add_argument("--quick", action="store_true", help="hidden 32, seq 8 and 3 rounds: a smoke test")
+
+
+def run(args: argparse.Namespace) -> str:
+    """Run the benchmark for every dropout value; returns the Markdown tables."""
+    sizes: dict[str, int] = {}
+    rounds, warmup = args.rounds, args.warmup
+    if args.quick:
+        sizes = {"hidden": 32, "intermediate": 64, "heads": 4, "batch": 2, "seq": 8}
+        rounds, warmup = 3, 1
+    shape = {"hidden": 512, "intermediate": 1376, "batch": 4, "seq": 256, **sizes}
+    tables = [f"machine: {machine_summary()}"]
+    for p in args.dropout:
+        results = run_variants(build_variants(dropout=p, **sizes), rounds, warmup)
+        title = (f"one Llama decoder layer (hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
+                 f"batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
+                 f"forward + backward")
+        tables.append(format_table(results, title, ratio_to=["frozen", "peft"]))
+    return "\n\n".join(tables)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_decoder", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    print(run(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
