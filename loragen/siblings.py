@@ -431,20 +431,23 @@ class _GroupFunction(torch.autograd.Function):
         grad_a: list[Tensor | None] = [None] * k
         grad_b: list[Tensor | None] = [None] * k
         grad_x = None
+        need_gh = need_x or any(need_a)
+        ghs: list[Tensor | None] = [None] * k
         for i, ((scaling, ffo), g) in enumerate(zip(ctx.spec, g2s)):
             if g is None:
                 continue
+            # both rank-r products of g_i back to back, while g_i is in cache
+            if need_gh:
+                ghs[i] = torch.mm(g, factors_b[i]).mul_(scaling)
             if need_b[i]:
                 grad_b[i] = torch.mm(hs[i].t(), g).mul_(scaling).t()  # (out, r); h^T g is the faster layout
             if need_w[i]:
                 grad_w[i] = torch.mm(x2.t(), g) if ffo else torch.mm(g.t(), x2)
             if need_bias[i]:
                 grad_bias[i] = g.sum(0)
-        if need_x or any(need_a):
-            gh_all = torch.cat([
-                torch.zeros(rows, r, dtype=h_all.dtype) if g is None else torch.mm(g, lora_b).mul_(scaling)
-                for (scaling, _), g, lora_b, r in zip(ctx.spec, g2s, factors_b, ctx.ranks)
-            ], dim=1)  # (N, R)
+        if need_gh:
+            gh_all = torch.cat([torch.zeros(rows, r, dtype=h_all.dtype) if gh is None else gh
+                                for gh, r in zip(ghs, ctx.ranks)], dim=1)  # (N, R); None: never called
             if any(need_a):
                 split = torch.mm(gh_all.t(), x2).split(ctx.ranks)  # one pass over x for every dA
                 grad_a = [g if wanted else None for g, wanted in zip(split, need_a)]
