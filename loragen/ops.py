@@ -39,6 +39,12 @@ that generator) recomputes the same mask:
                       CUDA kernels' for the same torch RNG state; nothing is saved, the mask is
                       regenerated in backward.
 
+With dropout in float32, the three masked products (h in forward, dA and the dx term in backward) run
+as compiled AVX-512 kernels (:mod:`loragen.cpu_kernels`) that read the packed bits where they use them:
+x is read once per product, no masked copy is made, and all threads work. Where they cannot be built
+(no C compiler, no AVX-512) the numpy/BLAS row-block path below computes the same products from the
+same bits.
+
 Other devices go to :func:`loragen.cuda.lora_linear_cuda` (CUDA with loragen's kernels) or to the
 plain composition :func:`lora_linear_reference`, as do autocast, ``torch.compile`` with dropout and
 ``use_fused(False)`` (see :func:`fallback_reason`).
@@ -56,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loragen import philox
+from loragen import cpu_kernels, philox
 
 __all__ = [
     "DropoutRng",
@@ -303,10 +309,16 @@ class LoraLinearFunction(torch.autograd.Function):
         rows = x2.shape[0]
         dtype = lora_A.dtype  # the LoRA branch runs in the adapter's dtype, as in peft
         bits = None
+        compiled = False
         if dropout_p > 0.0:
             if seed is None:
                 seed = philox.random_seed()
             bits = _make_keep_bits(rows * in_features, dropout_p, seed, rng)
+            compiled = x.dtype == dtype and cpu_kernels.available(dtype, lora_A.shape[0])
+        if compiled:  # the mask read where it is used: no masked copy of x (loragen.cpu_kernels)
+            assert bits is not None
+            h = cpu_kernels.masked_down(x2.contiguous(), bits, lora_A, 1.0 / (1.0 - dropout_p))
+        elif bits is not None:
             keep = _Keep(bits, in_features, dtype)
             h = torch.empty(rows, lora_A.shape[0], dtype=dtype)
             buffer = torch.empty(min(rows, _block_rows(in_features)), in_features, dtype=dtype)
@@ -331,6 +343,7 @@ class LoraLinearFunction(torch.autograd.Function):
         need_x, need_w, _, need_a, need_b = ctx.needs_input_grad[:5]
         ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out = scaling, dropout_p, fan_in_fan_out
         ctx.rng, ctx.seed, ctx.x_shape, ctx.rows, ctx.has_bias = rng, seed, x.shape, rows, bias is not None
+        ctx.compiled = compiled
         ctx.save_for_backward(
             x2 if need_a or need_w else None,
             weight if need_x else None,
@@ -352,7 +365,8 @@ class LoraLinearFunction(torch.autograd.Function):
         if p > 0.0:
             if bits is None:
                 bits = _make_keep_bits(rows * in_features, p, ctx.seed, ctx.rng)
-            keep = _Keep(bits, in_features, dtype)
+            if not ctx.compiled:
+                keep = _Keep(bits, in_features, dtype)
 
         g2 = grad_out.reshape(rows, grad_out.shape[-1])
         g_lora = g2 if g2.dtype == dtype else g2.to(dtype)
@@ -361,7 +375,13 @@ class LoraLinearFunction(torch.autograd.Function):
             grad_b = torch.mm(h.t(), g_lora).mul_(s).t()  # (out, r); h^T g is the faster layout
         if need_x or need_a:
             gh = torch.mm(g_lora, lora_B).mul_(s / (1.0 - p))  # (N, r)
-            if keep is None:
+            if ctx.compiled:
+                if need_a:
+                    grad_a = cpu_kernels.masked_grad_a(x2.contiguous(), bits, gh)
+                if need_x:
+                    w = weight.t() if ffo else weight
+                    grad_x = cpu_kernels.masked_grad_x(gh, lora_A, bits).addmm_(g2, w)
+            elif keep is None:
                 if need_a:
                     grad_a = torch.mm(gh.t(), x2 if x2.dtype == dtype else x2.to(dtype))
                 if need_x:

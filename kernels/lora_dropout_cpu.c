@@ -1,0 +1,203 @@
+/* CPU kernels for the dropout path of the LoRA linear op (loragen/cpu_kernels.py builds and loads them).
+ *
+ * With dropout, the rank-r products read x (or write dx) through a keep-mask stored as packed bits:
+ * element i of the flattened (N, in) tensor is bit i % 8 of byte i / 8. Done with numpy and BLAS, each
+ * product is an unpack pass, a masked copy and a GEMM, with numpy on one core. These kernels turn 16
+ * bits of the mask into an AVX-512 lane mask where they use them, so x is read once per product and no
+ * masked copy exists:
+ *
+ *   lora_masked_down    h  = scale * (x * m) A^T        (N, r)   forward; at = A^T (in, r)
+ *   lora_masked_grad_a  at = (x * m)^T gh               (in, r)  backward; dA = at^T
+ *   lora_masked_grad_x  dx = (gh A) * m                 (N, in)  backward; the base GEMM adds g W after
+ *
+ * float32, row-major, contiguous; r a multiple of 16 (the caller pads), so a row of h or gh is RV = r/16
+ * vector registers. Each kernel keeps its accumulators in registers: down and grad_x work on four rows
+ * at a time (four independent FMA chains sharing every load of A), grad_a on a block of 16 / RV columns
+ * of x for all rows (the block's rows of at never leave the registers). Work is split over OpenMP
+ * threads by rows (down, grad_x) or column blocks (grad_a: each thread owns its rows of at).
+ *
+ * nbytes is the mask buffer's size: no byte past it is read. Built only where the compiler targets AVX-512 (lora_kernels_isa() returns 512);
+ * elsewhere the library reports 0 and loragen keeps its numpy/BLAS path.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+int lora_kernels_isa(void) { return 512; }
+
+/* The 16 keep flags of elements [first, first + 16) as a lane mask; bytes past last (the mask's last
+ * byte) are not read. */
+static inline __mmask16 keep16(const uint8_t *restrict bits, int64_t first, int64_t last) {
+    const int64_t b = first >> 3;
+    uint32_t word = bits[b];
+    if (b + 1 <= last) word |= (uint32_t)bits[b + 1] << 8;
+    if (b + 2 <= last) word |= (uint32_t)bits[b + 2] << 16;
+    return (__mmask16)(word >> (first & 7));
+}
+
+/* The flags of elements [first, first + count), count < 16, as a lane mask. */
+static inline __mmask16 keep_tail(const uint8_t *restrict bits, int64_t first, int64_t count, int64_t last) {
+    return (__mmask16)(keep16(bits, first, last) & ((1u << count) - 1u));
+}
+
+/* ---- h = scale * (x * m) A^T ------------------------------------------------------------------------ */
+
+#define MAX_RV 16 /* r <= 256 */
+
+static inline __attribute__((always_inline)) void down_rows(const float *restrict x, const uint8_t *restrict bits, const float *restrict at,
+                      float *restrict h, int64_t row0, int64_t rows, int64_t in, int rv, float scale,
+                      int64_t last) {
+    __m512 acc[4][MAX_RV];
+    for (int i = 0; i < 4; ++i)
+        for (int v = 0; v < rv; ++v) acc[i][v] = _mm512_setzero_ps();
+    float xm[4][16] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < in; j += 16) {
+        const int64_t count = in - j < 16 ? in - j : 16;
+        for (int i = 0; i < 4; ++i) {
+            if (i < rows) {
+                const int64_t first = (row0 + i) * in + j;
+                __mmask16 k = count == 16 ? keep16(bits, first, last) : keep_tail(bits, first, count, last);
+                _mm512_store_ps(xm[i], _mm512_maskz_loadu_ps(k, x + first));
+            } else {
+                _mm512_store_ps(xm[i], _mm512_setzero_ps());
+            }
+        }
+        for (int64_t l = 0; l < count; ++l) {
+            const float *a = at + (j + l) * rv * 16;
+            for (int v = 0; v < rv; ++v) {
+                const __m512 av = _mm512_loadu_ps(a + 16 * v);
+                acc[0][v] = _mm512_fmadd_ps(_mm512_set1_ps(xm[0][l]), av, acc[0][v]);
+                acc[1][v] = _mm512_fmadd_ps(_mm512_set1_ps(xm[1][l]), av, acc[1][v]);
+                acc[2][v] = _mm512_fmadd_ps(_mm512_set1_ps(xm[2][l]), av, acc[2][v]);
+                acc[3][v] = _mm512_fmadd_ps(_mm512_set1_ps(xm[3][l]), av, acc[3][v]);
+            }
+        }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < rv; ++v) _mm512_storeu_ps(h + (row0 + i) * rv * 16 + 16 * v, _mm512_mul_ps(s, acc[i][v]));
+}
+
+void lora_masked_down(const float *x, const uint8_t *bits, const float *at, float *h, int64_t n, int64_t in,
+                      int64_t r, float scale, int64_t nbytes, int threads) {
+    const int64_t last = nbytes - 1;
+    const int rv = (int)(r / 16);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row0 = 0; row0 < n; row0 += 4) {
+        const int64_t rows = n - row0 < 4 ? n - row0 : 4;
+        switch (rv) { /* literal rv: the register loops unroll */
+            case 1: down_rows(x, bits, at, h, row0, rows, in, 1, scale, last); break;
+            case 2: down_rows(x, bits, at, h, row0, rows, in, 2, scale, last); break;
+            case 4: down_rows(x, bits, at, h, row0, rows, in, 4, scale, last); break;
+            default: down_rows(x, bits, at, h, row0, rows, in, rv, scale, last);
+        }
+    }
+}
+
+/* ---- at = (x * m)^T gh ------------------------------------------------------------------------------ */
+
+/* Columns [j0, j0 + cols) of x, cols * rv <= 16: at[j, :] for those columns stays in registers while
+ * every row goes by. */
+static inline __attribute__((always_inline)) void grad_a_block(const float *restrict x,
+                                                               const uint8_t *restrict bits,
+                                                               const float *restrict gh, float *restrict at,
+                                                               int64_t n, int64_t in, int rv, int64_t j0,
+                                                               int cols, int64_t last) {
+    __m512 acc[16];
+    for (int c = 0; c < cols * rv; ++c) acc[c] = _mm512_setzero_ps();
+    float xm[16] __attribute__((aligned(64)));
+    const __mmask16 lanes = (__mmask16)((1u << cols) - 1u);
+    for (int64_t row = 0; row < n; ++row) {
+        const int64_t first = row * in + j0;
+        const __mmask16 k = (__mmask16)(keep16(bits, first, last) & lanes);
+        _mm512_store_ps(xm, _mm512_maskz_loadu_ps(k, x + first));
+        const float *g = gh + row * rv * 16;
+        for (int v = 0; v < rv; ++v) {
+            const __m512 gv = _mm512_loadu_ps(g + 16 * v);
+            for (int c = 0; c < cols; ++c)
+                acc[c * rv + v] = _mm512_fmadd_ps(_mm512_set1_ps(xm[c]), gv, acc[c * rv + v]);
+        }
+    }
+    for (int c = 0; c < cols; ++c)
+        for (int v = 0; v < rv; ++v) _mm512_storeu_ps(at + (j0 + c) * rv * 16 + 16 * v, acc[c * rv + v]);
+}
+
+void lora_masked_grad_a(const float *x, const uint8_t *bits, const float *gh, float *at, int64_t n, int64_t in,
+                        int64_t r, int64_t nbytes, int threads) {
+    const int64_t last = nbytes - 1;
+    const int rv = (int)(r / 16);
+    const int cols = 16 / rv;
+    const int64_t blocks = (in + cols - 1) / cols;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t j0 = b * cols;
+        const int width = (int)(in - j0 < cols ? in - j0 : cols);
+        if (width == cols && rv == 1)
+            grad_a_block(x, bits, gh, at, n, in, 1, j0, 16, last);
+        else if (width == cols && rv == 2)
+            grad_a_block(x, bits, gh, at, n, in, 2, j0, 8, last);
+        else if (width == cols && rv == 4)
+            grad_a_block(x, bits, gh, at, n, in, 4, j0, 4, last);
+        else
+            grad_a_block(x, bits, gh, at, n, in, rv, j0, width, last);
+    }
+}
+
+/* ---- dx = (gh A) * m ---------------------------------------------------------------------------------- */
+
+static void grad_x_rows(const float *restrict gh, const float *restrict a, const uint8_t *restrict bits,
+                        float *restrict dx, int64_t row0, int64_t rows, int64_t in, int64_t r, int64_t last) {
+    for (int64_t j = 0; j < in; j += 16) {
+        const int64_t count = in - j < 16 ? in - j : 16;
+        const __mmask16 lanes = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        const float *g0 = gh + row0 * r;
+        const float *g1 = rows > 1 ? g0 + r : g0, *g2 = rows > 2 ? g0 + 2 * r : g0, *g3 = rows > 3 ? g0 + 3 * r : g0;
+        for (int64_t k = 0; k < r; ++k) {
+            const __m512 av = _mm512_maskz_loadu_ps(lanes, a + k * in + j);
+            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[k]), av, acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(g1[k]), av, acc1);
+            acc2 = _mm512_fmadd_ps(_mm512_set1_ps(g2[k]), av, acc2);
+            acc3 = _mm512_fmadd_ps(_mm512_set1_ps(g3[k]), av, acc3);
+        }
+        const __m512 accs[4] = {acc0, acc1, acc2, acc3};
+        for (int i = 0; i < rows; ++i) {
+            const int64_t first = (row0 + i) * in + j;
+            const __mmask16 k = (__mmask16)(keep16(bits, first, last) & lanes);
+            _mm512_mask_storeu_ps(dx + first, lanes, _mm512_maskz_mov_ps(k, accs[i]));
+        }
+    }
+}
+
+void lora_masked_grad_x(const float *gh, const float *a, const uint8_t *bits, float *dx, int64_t n, int64_t in,
+                        int64_t r, int64_t nbytes, int threads) {
+    const int64_t last = nbytes - 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row0 = 0; row0 < n; row0 += 4) grad_x_rows(gh, a, bits, dx, row0, n - row0 < 4 ? n - row0 : 4, in, r, last);
+}
+
+#else /* no AVX-512: report it; loragen keeps its numpy/BLAS path */
+
+int lora_kernels_isa(void) { return 0; }
+
+void lora_masked_down(const float *x, const uint8_t *bits, const float *at, float *h, int64_t n, int64_t in,
+                      int64_t r, float scale, int64_t nbytes, int threads) {
+    (void)nbytes, (void)x, (void)bits, (void)at, (void)h, (void)n, (void)in, (void)r, (void)scale, (void)threads;
+}
+
+void lora_masked_grad_a(const float *x, const uint8_t *bits, const float *gh, float *at, int64_t n, int64_t in,
+                        int64_t r, int64_t nbytes, int threads) {
+    (void)nbytes, (void)x, (void)bits, (void)gh, (void)at, (void)n, (void)in, (void)r, (void)threads;
+}
+
+void lora_masked_grad_x(const float *gh, const float *a, const uint8_t *bits, float *dx, int64_t n, int64_t in,
+                        int64_t r, int64_t nbytes, int threads) {
+    (void)nbytes, (void)gh, (void)a, (void)bits, (void)dx, (void)n, (void)in, (void)r, (void)threads;
+}
+
+#endif
