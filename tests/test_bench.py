@@ -48,6 +48,19 @@ def test_bench_decoder_quick(capsys) -> None:
     assert saved["loragen"] <= saved["peft"]
 
 
+def test_bench_cpu_kernels_smoke() -> None:
+    from loragen import cpu_kernels
+
+    bench = load_benchmark("layer").__name__.rsplit(".", 1)[0]
+    run = __import__(f"{bench}.bench_cpu_kernels", fromlist=["run"]).run
+    text = run(rounds=1)
+    if not cpu_kernels.available():
+        assert text.startswith("compiled kernels unavailable")
+        return
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "product" not in line]
+    assert len(rows) == 6 and all(float(cell) > 0 for row in rows for cell in row.strip("|").split("|")[2:])
+
+
 def test_saved_bytes_counts_each_storage_once_and_skips_kept_tensors() -> None:
     harness = load_benchmark("layer").__name__.rsplit(".", 1)[0]
     saved_bytes = __import__(f"{harness}.harness", fromlist=["saved_bytes"]).saved_bytes
