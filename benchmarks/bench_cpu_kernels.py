@@ -47,12 +47,19 @@ def run(rounds: int = 40) -> str:
     if not cpu_kernels.available():
         return f"compiled kernels unavailable: {cpu_kernels.status()}"
     flush = torch.empty(64 << 20)  # 256 MiB
-    lines = [f"{torch.get_num_threads()} threads, N = 1024, r = 16, p = 0.05, float32; medians of {rounds}", "",
-             "| product | in | hot: kernel ms | hot: numpy + BLAS ms | cold: kernel ms | cold: numpy + BLAS ms |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"{torch.get_num_threads()} threads, N = 1024, r = 16, p = 0.05, float32; medians of {rounds}",
+        "",
+        "| product | in | hot: kernel ms | hot: numpy + BLAS ms | cold: kernel ms | cold: numpy + BLAS ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for width in (512, 1376):
         g = torch.Generator().manual_seed(0)
-        x, a, gh = torch.randn(1024, width, generator=g), torch.randn(16, width, generator=g), torch.randn(1024, 16)
+        x, a, gh = (
+            torch.randn(1024, width, generator=g),
+            torch.randn(16, width, generator=g),
+            torch.randn(1024, 16),
+        )
         bits = ops.dropout_keep_bits(x.numel(), 0.05, 1)
         kernels, fallback = _kernel_products(x, bits, a, gh), _numpy_products(x, bits, a, gh)
         for name in kernels:
@@ -73,8 +80,9 @@ def run(rounds: int = 40) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_cpu_kernels",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_cpu_kernels", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rounds", type=int, default=40, help="timed repetitions (default 40)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args(argv)

@@ -40,8 +40,15 @@ class _Layer(nn.Module):
 
 
 def build_variants(
-    *, hidden: int = 512, intermediate: int = 1376, heads: int = 8, batch: int = 4, seq: int = 256,
-    dropout: float = 0.0, r: int = 16, alpha: float = 32,
+    *,
+    hidden: int = 512,
+    intermediate: int = 1376,
+    heads: int = 8,
+    batch: int = 4,
+    seq: int = 256,
+    dropout: float = 0.0,
+    r: int = 16,
+    alpha: float = 32,
 ) -> list[Variant]:
     """The contestants, each on its own copy of one randomly initialised decoder layer."""
     import peft
@@ -52,8 +59,14 @@ def build_variants(
     import loragen.siblings
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq,
+    )
     config._attn_implementation = "sdpa"
     x = torch.randn(batch, seq, hidden)
     rotary = LlamaRotaryEmbedding(config)
@@ -106,15 +119,19 @@ def run(args: argparse.Namespace) -> str:
     tables = [f"machine: {machine_summary()}"]
     for p in args.dropout:
         results = run_variants(build_variants(dropout=p, **sizes), rounds, warmup)
-        title = (f"one Llama decoder layer (hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
-                 f"batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
-                 f"forward + backward")
+        title = (
+            f"one Llama decoder layer (hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
+            f"batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
+            f"forward + backward"
+        )
         tables.append(format_table(results, title, ratio_to=["frozen", "peft"]))
     return "\n\n".join(tables)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_decoder", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_decoder", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     print(run(parser.parse_args(argv)))
     return 0

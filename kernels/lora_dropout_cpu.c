@@ -16,8 +16,9 @@
  * of x for all rows (the block's rows of at never leave the registers). Work is split over OpenMP
  * threads by rows (down, grad_x) or column blocks (grad_a: each thread owns its rows of at).
  *
- * nbytes is the mask buffer's size: no byte past it is read. Built only where the compiler targets AVX-512 (lora_kernels_isa() returns 512);
- * elsewhere the library reports 0 and loragen keeps its numpy/BLAS path.
+ * nbytes is the mask buffer's size: no byte past it is read. Built only where the compiler targets
+ * AVX-512 (lora_kernels_isa() returns 512); elsewhere the library reports 0 and loragen keeps its
+ * numpy/BLAS path.
  */
 #include <stdint.h>
 #include <string.h>
@@ -49,9 +50,11 @@ static inline __mmask16 keep_tail(const uint8_t *restrict bits, int64_t first, i
 
 #define MAX_RV 16 /* r <= 256 */
 
-static inline __attribute__((always_inline)) void down_rows(const float *restrict x, const uint8_t *restrict bits, const float *restrict at,
-                      float *restrict h, int64_t row0, int64_t rows, int64_t in, int rv, float scale,
-                      int64_t last) {
+static inline __attribute__((always_inline)) void down_rows(const float *restrict x,
+                                                            const uint8_t *restrict bits,
+                                                            const float *restrict at, float *restrict h,
+                                                            int64_t row0, int64_t rows, int64_t in, int rv,
+                                                            float scale, int64_t last) {
     __m512 acc[4][MAX_RV];
     for (int i = 0; i < 4; ++i)
         for (int v = 0; v < rv; ++v) acc[i][v] = _mm512_setzero_ps();
@@ -80,7 +83,8 @@ static inline __attribute__((always_inline)) void down_rows(const float *restric
     }
     const __m512 s = _mm512_set1_ps(scale);
     for (int i = 0; i < rows; ++i)
-        for (int v = 0; v < rv; ++v) _mm512_storeu_ps(h + (row0 + i) * rv * 16 + 16 * v, _mm512_mul_ps(s, acc[i][v]));
+        for (int v = 0; v < rv; ++v)
+            _mm512_storeu_ps(h + (row0 + i) * rv * 16 + 16 * v, _mm512_mul_ps(s, acc[i][v]));
 }
 
 void lora_masked_down(const float *x, const uint8_t *bits, const float *at, float *h, int64_t n, int64_t in,
@@ -157,7 +161,10 @@ static void grad_x_rows(const float *restrict gh, const float *restrict a, const
         const __mmask16 lanes = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
         __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
         const float *g0 = gh + row0 * r;
-        const float *g1 = rows > 1 ? g0 + r : g0, *g2 = rows > 2 ? g0 + 2 * r : g0, *g3 = rows > 3 ? g0 + 3 * r : g0;
+        /* rows past the last real one repeat it; their results are not stored */
+        const float *g1 = rows > 1 ? g0 + r : g0;
+        const float *g2 = rows > 2 ? g0 + 2 * r : g0;
+        const float *g3 = rows > 3 ? g0 + 3 * r : g0;
         for (int64_t k = 0; k < r; ++k) {
             const __m512 av = _mm512_maskz_loadu_ps(lanes, a + k * in + j);
             acc0 = _mm512_fmadd_ps(_mm512_set1_ps(g0[k]), av, acc0);
@@ -178,7 +185,8 @@ void lora_masked_grad_x(const float *gh, const float *a, const uint8_t *bits, fl
                         int64_t r, int64_t nbytes, int threads) {
     const int64_t last = nbytes - 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t row0 = 0; row0 < n; row0 += 4) grad_x_rows(gh, a, bits, dx, row0, n - row0 < 4 ? n - row0 : 4, in, r, last);
+    for (int64_t row0 = 0; row0 < n; row0 += 4)
+        grad_x_rows(gh, a, bits, dx, row0, n - row0 < 4 ? n - row0 : 4, in, r, last);
 }
 
 #else /* no AVX-512: report it; loragen keeps its numpy/BLAS path */
@@ -187,7 +195,8 @@ int lora_kernels_isa(void) { return 0; }
 
 void lora_masked_down(const float *x, const uint8_t *bits, const float *at, float *h, int64_t n, int64_t in,
                       int64_t r, float scale, int64_t nbytes, int threads) {
-    (void)nbytes, (void)x, (void)bits, (void)at, (void)h, (void)n, (void)in, (void)r, (void)scale, (void)threads;
+    (void)nbytes, (void)x, (void)bits, (void)at, (void)h, (void)n, (void)in, (void)r, (void)scale;
+    (void)threads;
 }
 
 void lora_masked_grad_a(const float *x, const uint8_t *bits, const float *gh, float *at, int64_t n, int64_t in,

@@ -39,7 +39,13 @@ from torch import Tensor
 from loragen import resources
 
 __all__ = [
-    "MAX_RANK", "SOURCE", "available", "masked_down", "masked_grad_a", "masked_grad_x", "status",
+    "MAX_RANK",
+    "SOURCE",
+    "available",
+    "masked_down",
+    "masked_grad_a",
+    "masked_grad_x",
+    "status",
     "use_cpu_kernels",
 ]
 
@@ -86,8 +92,12 @@ def _compiler() -> str | None:
 
 
 def _build(source: str, compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=False).stdout
-    key = hashlib.sha256("\0".join([source, *FLAGS, version, _cpu_flags(), platform.machine()]).encode()).hexdigest()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([source, *FLAGS, version, _cpu_flags(), platform.machine()]).encode()
+    ).hexdigest()
     target = _cache_dir() / f"lora_dropout_cpu.{key[:16]}.so"
     if target.is_file():
         return target
@@ -96,8 +106,8 @@ def _build(source: str, compiler: str) -> Path:
         src = Path(work) / SOURCE
         src.write_text(source, encoding="utf-8")
         built = Path(work) / target.name
-        done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(src)], capture_output=True, text=True, check=False,
-                              timeout=300)
+        command = [compiler, *FLAGS, "-o", str(built), str(src)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} {' '.join(FLAGS)} {SOURCE} failed:\n{done.stderr.strip()}")
         os.replace(built, target)  # atomic: a reader sees the whole library or none
@@ -153,7 +163,7 @@ def _rank16(r: int) -> int:
 
 
 def status() -> str:
-    """"loaded", "disabled", or why the kernels could not be built or loaded (compiles on first call)."""
+    """ "loaded", "disabled", or why the kernels could not be built or loaded (compiles on first call)."""
     if not _enabled:
         return "disabled"
     return "loaded" if _load() is not None else str(_status)
@@ -170,8 +180,10 @@ def _check(name: str, **tensors: Tensor) -> None:
     for arg, t in tensors.items():
         expected = torch.uint8 if arg == "bits" else torch.float32
         if t.dtype != expected or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"loragen.cpu_kernels.{name}: {arg} must be a contiguous CPU {expected} tensor, "
-                             f"got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+            raise ValueError(
+                f"loragen.cpu_kernels.{name}: {arg} must be a contiguous CPU {expected} tensor, "
+                f"got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})"
+            )
 
 
 def _check_bits(name: str, bits: Tensor, numel: int) -> None:
@@ -187,8 +199,18 @@ def masked_down(x: Tensor, bits: Tensor, lora_A: Tensor, scale: float) -> Tensor
     _check("masked_down", x=x, bits=bits)
     _check_bits("masked_down", bits, n * width)
     h = torch.empty(n, r16, dtype=torch.float32)
-    _lib().lora_masked_down(x.data_ptr(), bits.data_ptr(), at.data_ptr(), h.data_ptr(), n, width, r16, scale,
-                            bits.numel(), torch.get_num_threads())
+    _lib().lora_masked_down(
+        x.data_ptr(),
+        bits.data_ptr(),
+        at.data_ptr(),
+        h.data_ptr(),
+        n,
+        width,
+        r16,
+        scale,
+        bits.numel(),
+        torch.get_num_threads(),
+    )
     return h if r16 == r else h[:, :r].contiguous()
 
 
@@ -200,8 +222,17 @@ def masked_grad_a(x: Tensor, bits: Tensor, gh: Tensor) -> Tensor:
     _check("masked_grad_a", x=x, bits=bits, gh=gh)
     _check_bits("masked_grad_a", bits, n * width)
     at = torch.empty(width, r16, dtype=torch.float32)
-    _lib().lora_masked_grad_a(x.data_ptr(), bits.data_ptr(), gh.data_ptr(), at.data_ptr(), n, width, r16,
-                              bits.numel(), torch.get_num_threads())
+    _lib().lora_masked_grad_a(
+        x.data_ptr(),
+        bits.data_ptr(),
+        gh.data_ptr(),
+        at.data_ptr(),
+        n,
+        width,
+        r16,
+        bits.numel(),
+        torch.get_num_threads(),
+    )
     return at[:, :r].t().contiguous()
 
 
@@ -213,6 +244,15 @@ def masked_grad_x(gh: Tensor, lora_A: Tensor, bits: Tensor) -> Tensor:
     (n, r), width = gh.shape, lora_A.shape[1]
     _check_bits("masked_grad_x", bits, n * width)
     dx = torch.empty(n, width, dtype=torch.float32)
-    _lib().lora_masked_grad_x(gh.data_ptr(), lora_A.data_ptr(), bits.data_ptr(), dx.data_ptr(), n, width, r,
-                              bits.numel(), torch.get_num_threads())
+    _lib().lora_masked_grad_x(
+        gh.data_ptr(),
+        lora_A.data_ptr(),
+        bits.data_ptr(),
+        dx.data_ptr(),
+        n,
+        width,
+        r,
+        bits.numel(),
+        torch.get_num_threads(),
+    )
     return dx

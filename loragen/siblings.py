@@ -261,7 +261,9 @@ def _resolve(layer: nn.Module, frame: FrameType | None) -> _Role:
     parent, code = found
     children = parent._modules
     for names in call_groups(code):
-        lora: list[tuple[str, Any]] = [(n, children.get(n)) for n in names if _is_lora_linear(children.get(n))]
+        lora: list[tuple[str, Any]] = [
+            (n, children.get(n)) for n in names if _is_lora_linear(children.get(n))
+        ]
         if not any(m is layer for _, m in lora):
             continue
         # members must agree on in_features with the leader; others are left to run alone
@@ -304,14 +306,18 @@ class _Handout:
     x: weakref.ReferenceType[Tensor]
     version: int
     # id(layer) -> (its output, the tensors it was computed from with their versions, its scaling)
-    outputs: dict[int, tuple[Tensor, tuple[tuple[Tensor | None, int], ...], float]] = field(default_factory=dict)
+    outputs: dict[int, tuple[Tensor, tuple[tuple[Tensor | None, int], ...], float]] = field(
+        default_factory=dict
+    )
 
 
 _local = threading.local()
 
 
 def _inputs_of(layer: Any) -> tuple[tuple[Tensor | None, int], ...]:
-    return tuple((t, -1 if t is None else t._version) for t in (layer.weight, layer.bias, layer.lora_A, layer.lora_B))
+    return tuple(
+        (t, -1 if t is None else t._version) for t in (layer.weight, layer.bias, layer.lora_A, layer.lora_B)
+    )
 
 
 def _eligible(layer: Any, x: Tensor) -> bool:
@@ -399,16 +405,24 @@ class _GroupFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, spec: tuple[tuple[float, bool], ...], *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(
+        ctx: Any, x: Tensor, spec: tuple[tuple[float, bool], ...], *tensors: Tensor | None
+    ) -> tuple[Tensor, ...]:  # type: ignore[override]
         x2 = x.reshape(-1, x.shape[-1])
         weights, biases = cast(list[Tensor], tensors[0::4]), tensors[1::4]
         factors_a, factors_b = cast(list[Tensor], tensors[2::4]), cast(list[Tensor], tensors[3::4])
         ranks = [a.shape[0] for a in factors_a]
         h_all = torch.mm(x2, torch.cat(factors_a).t())  # (N, r_1 + ... + r_k): one pass over x for all
         ys = []
-        for (scaling, ffo), w, b, h, lora_b in zip(spec, weights, biases, h_all.split(ranks, dim=1), factors_b):
+        for (scaling, ffo), w, b, h, lora_b in zip(
+            spec, weights, biases, h_all.split(ranks, dim=1), factors_b
+        ):
             # b + h (s B^T) first, then the base GEMM accumulates onto it (beta = 1), as the single op does
-            y = torch.addmm(b, h, lora_b.t(), alpha=scaling) if b is not None else torch.mm(h * scaling, lora_b.t())
+            y = (
+                torch.addmm(b, h, lora_b.t(), alpha=scaling)
+                if b is not None
+                else torch.mm(h * scaling, lora_b.t())
+            )
             ys.append(y.addmm_(x2, w if ffo else w.t()).view(*x.shape[:-1], -1))
         ctx.spec, ctx.ranks, ctx.x_shape = spec, ranks, x.shape
         ctx.set_materialize_grads(False)  # a follower that never ran gets None: its terms are skipped
@@ -446,8 +460,13 @@ class _GroupFunction(torch.autograd.Function):
             if need_bias[i]:
                 grad_bias[i] = g.sum(0)
         if need_gh:
-            gh_all = torch.cat([torch.zeros(rows, r, dtype=h_all.dtype) if gh is None else gh
-                                for gh, r in zip(ghs, ctx.ranks)], dim=1)  # (N, R); None: never called
+            gh_all = torch.cat(
+                [
+                    torch.zeros(rows, r, dtype=h_all.dtype) if gh is None else gh
+                    for gh, r in zip(ghs, ctx.ranks)
+                ],
+                dim=1,
+            )  # (N, R); None: never called
             if any(need_a):
                 split = torch.mm(gh_all.t(), x2).split(ctx.ranks)  # one pass over x for every dA
                 grad_a = [g if wanted else None for g, wanted in zip(split, need_a)]

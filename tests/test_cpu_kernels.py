@@ -34,11 +34,17 @@ def _reference(x: torch.Tensor, bits: torch.Tensor, a: torch.Tensor, gh: torch.T
 )
 def test_products_equal_the_float64_reference(n, width, r, p, generator, seed) -> None:
     g = torch.Generator().manual_seed(seed)
-    x, a, gh = torch.randn(n, width, generator=g), torch.randn(r, width, generator=g), torch.randn(n, r, generator=g)
+    x, a, gh = (
+        torch.randn(n, width, generator=g),
+        torch.randn(r, width, generator=g),
+        torch.randn(n, r, generator=g),
+    )
     make = ops.dropout_keep_bits if generator == "bits" else ops.philox_keep_bits
     bits = make(n * width, p, seed)
     h, grad_a, grad_x = _reference(x, bits, a, gh)
-    torch.testing.assert_close(cpu_kernels.masked_down(x, bits, a, 1.5).double(), 1.5 * h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_kernels.masked_down(x, bits, a, 1.5).double(), 1.5 * h, rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(cpu_kernels.masked_grad_a(x, bits, gh).double(), grad_a, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cpu_kernels.masked_grad_x(gh, a, bits).double(), grad_x, rtol=1e-5, atol=1e-5)
 
@@ -52,9 +58,15 @@ def test_large_shapes_and_one_thread() -> None:
     for threads in (1, 2):
         torch.set_num_threads(threads)
         try:
-            torch.testing.assert_close(cpu_kernels.masked_down(x, bits, a, 1.0).double(), h, rtol=1e-4, atol=1e-3)
-            torch.testing.assert_close(cpu_kernels.masked_grad_a(x, bits, gh).double(), grad_a, rtol=1e-4, atol=1e-3)
-            torch.testing.assert_close(cpu_kernels.masked_grad_x(gh, a, bits).double(), grad_x, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                cpu_kernels.masked_down(x, bits, a, 1.0).double(), h, rtol=1e-4, atol=1e-3
+            )
+            torch.testing.assert_close(
+                cpu_kernels.masked_grad_a(x, bits, gh).double(), grad_a, rtol=1e-4, atol=1e-3
+            )
+            torch.testing.assert_close(
+                cpu_kernels.masked_grad_x(gh, a, bits).double(), grad_x, rtol=1e-4, atol=1e-4
+            )
         finally:
             torch.set_num_threads(previous)
 
@@ -101,7 +113,9 @@ def test_bad_arguments_are_refused_with_the_argument_named() -> None:
 
 def test_a_failing_compiler_is_reported_with_its_output(tmp_path, monkeypatch) -> None:
     compiler = tmp_path / "cc"
-    compiler.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'error: out of luck' >&2\nexit 1\n")
+    compiler.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'error: out of luck' >&2\nexit 1\n"
+    )
     compiler.chmod(0o755)
     monkeypatch.setenv("LORAGEN_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"lora_dropout_cpu.c failed:\nerror: out of luck"):

@@ -59,8 +59,10 @@ def test_llama_attention_and_mlp_sources_give_qkv_and_gate_up() -> None:
         # keyword arguments, expressions and nested attributes are not plain single-input calls
         ("def f(self, x):\n    return self.a(x=x) + self.b(x) + self.c(x + 1) + self.d.e(x)\n", ()),
         # other variables make other groups; a name called twice counts once
-        ("def f(me, x, z):\n    return me.a(x) + me.b(z) + me.c(x) + me.d(z) + me.a(x)\n",
-         (("a", "c"), ("b", "d"))),
+        (
+            "def f(me, x, z):\n    return me.a(x) + me.b(z) + me.c(x) + me.d(z) + me.a(x)\n",
+            (("a", "c"), ("b", "d")),
+        ),
     ],
 )
 def test_call_groups_from_source(source: str, expected: tuple) -> None:
@@ -86,7 +88,11 @@ class _Siblings(nn.Module):
 
             self.q, self.k, self.v = Conv1D(d, d), Conv1D(d + 1, d), Conv1D(d, d)
         else:
-            self.q, self.k, self.v = nn.Linear(d, d, bias=bias), nn.Linear(d, d + 1, bias=bias), nn.Linear(d, d)
+            self.q, self.k, self.v = (
+                nn.Linear(d, d, bias=bias),
+                nn.Linear(d, d + 1, bias=bias),
+                nn.Linear(d, d),
+            )
         self.o = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +103,9 @@ class _Siblings(nn.Module):
 
 
 def _lora(model: nn.Module, **kwargs) -> nn.Module:
-    config = loragen.LoraConfig(r=kwargs.pop("r", 3), lora_alpha=5, target_modules=["q", "k", "v", "o"], **kwargs)
+    config = loragen.LoraConfig(
+        r=kwargs.pop("r", 3), lora_alpha=5, target_modules=["q", "k", "v", "o"], **kwargs
+    )
     lora = loragen.get_lora_model(model, config)
     torch.manual_seed(1)
     for name, p in lora.named_parameters():
@@ -147,7 +155,9 @@ def test_gradcheck_through_the_fused_group(conv1d: bool) -> None:
     model.q.weight.requires_grad_(True)  # hybrid: a trainable base weight in the leader
     model.v.bias.requires_grad_(True)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
-    params = [p.detach().clone().requires_grad_(True) for name, p in model.named_parameters() if p.requires_grad]
+    params = [
+        p.detach().clone().requires_grad_(True) for name, p in model.named_parameters() if p.requires_grad
+    ]
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
 
     def f(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
@@ -162,11 +172,18 @@ def test_tiny_llama_fuses_qkv_and_gate_up_and_equals_peft(make_tiny_model) -> No
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     base = make_tiny_model("llama").train()
-    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
-    ours = loragen.get_lora_model(copy.deepcopy(base), loragen.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    their_layers = {n.removeprefix("base_model.model."): m for n, m in theirs.named_modules()
-                    if isinstance(m, peft.tuners.lora.Linear)}
+    theirs = peft.get_peft_model(
+        copy.deepcopy(base),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False),
+    )
+    ours = loragen.get_lora_model(
+        copy.deepcopy(base), loragen.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
+    their_layers = {
+        n.removeprefix("base_model.model."): m
+        for n, m in theirs.named_modules()
+        if isinstance(m, peft.tuners.lora.Linear)
+    }
     our_layers = {n: m for n, m in ours.named_modules() if isinstance(m, loragen.LoraLinear)}
     with torch.no_grad():
         for name, layer in our_layers.items():
@@ -178,13 +195,18 @@ def test_tiny_llama_fuses_qkv_and_gate_up_and_equals_peft(make_tiny_model) -> No
             model.zero_grad(set_to_none=True)
             model(input_ids=ids, labels=ids).loss.backward()
         for name, layer in our_layers.items():
-            for ours_p, theirs_p in ((layer.lora_A, their_layers[name].lora_A["default"].weight),
-                                     (layer.lora_B, their_layers[name].lora_B["default"].weight)):
+            for ours_p, theirs_p in (
+                (layer.lora_A, their_layers[name].lora_A["default"].weight),
+                (layer.lora_B, their_layers[name].lora_B["default"].weight),
+            ):
                 torch.testing.assert_close(ours_p.grad, theirs_p.grad, rtol=0, atol=1e-6, msg=name)
     groups = fused_groups(ours)
     assert len(groups) == 4
-    assert ("model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
-            "model.layers.1.self_attn.v_proj") in groups
+    assert (
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.k_proj",
+        "model.layers.1.self_attn.v_proj",
+    ) in groups
     assert ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj") in groups
 
 
