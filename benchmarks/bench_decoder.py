@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .harness import Variant, format_table, machine_summary, module_tensors, run_variants
+from .harness import Variant, format_table, machine_summary, module_tensors, plain_composition, run_variants
 
 __all__ = ["add_arguments", "build_variants", "main", "run"]
 
@@ -88,15 +88,12 @@ def build_variants(
 
     config_kwargs = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": TARGETS}
     lora = loragen.get_lora_model(copy.deepcopy(base), loragen.LoraConfig(**config_kwargs))
-    unfused = copy.deepcopy(lora)
-    for layer in loragen.convert.find_lora_layers(unfused).values():
-        layer.fused = False
     return [
         make("frozen", copy.deepcopy(base).requires_grad_(False)),
         make("peft", peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**config_kwargs))),
         make("loragen", lora),
         make("loragen, no sibling fusion", copy.deepcopy(lora), siblings=False),
-        make("loragen unfused", unfused),
+        make("loragen unfused", plain_composition(lora)),
     ]
 
 

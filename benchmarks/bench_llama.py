@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .harness import Variant, format_table, machine_summary, module_tensors, run_variants
+from .harness import Variant, format_table, machine_summary, module_tensors, plain_composition, run_variants
 
 __all__ = ["TARGETS", "add_arguments", "build_variants", "main", "run"]
 
@@ -81,15 +81,12 @@ def build_variants(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS))
     config = loragen.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS)
     fused = loragen.get_lora_model(copy.deepcopy(base), config)
-    unfused = loragen.get_lora_model(copy.deepcopy(base), config)
-    for layer in loragen.convert.find_lora_layers(unfused).values():
-        layer.fused = False
     return [
         make("frozen", frozen),
         make("peft", peft_model),
         make("loragen", fused),
         make("loragen, no sibling fusion", copy.deepcopy(fused), siblings=False),
-        make("loragen unfused", unfused),
+        make("loragen unfused", plain_composition(fused)),
         make("full fine-tuning", copy.deepcopy(base)),
     ]
 

@@ -10,6 +10,7 @@ buffers (they live regardless of training).
 
 from __future__ import annotations
 
+import copy
 import platform
 import statistics
 import time
@@ -19,7 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MiB", "Result", "Variant", "format_table", "machine_summary", "run_variants", "saved_bytes"]
+__all__ = [
+    "MiB", "Result", "Variant", "format_table", "machine_summary", "plain_composition", "run_variants", "saved_bytes",
+]
 
 MiB = float(1 << 20)
 
@@ -77,6 +80,16 @@ def saved_bytes(forward: Callable[[], Tensor], keep: Iterable[Tensor] = ()) -> i
         out = forward()
     del out
     return sum(seen.values())
+
+
+def plain_composition(model: nn.Module) -> nn.Module:
+    """A copy of a loragen model whose LoRA layers run peft's plain composition (``fused = False``)."""
+    import loragen
+
+    unfused = copy.deepcopy(model)
+    for layer in loragen.convert.find_lora_layers(unfused).values():
+        layer.fused = False
+    return unfused
 
 
 def module_tensors(*modules: nn.Module) -> list[Tensor]:

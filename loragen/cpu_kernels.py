@@ -10,9 +10,9 @@ copy exists and both cores work (OpenMP, ``torch.get_num_threads()`` threads):
 ``masked_grad_x(gh, A, bits)``       ``(gh A) * m``            (N, in)
 
 The source is compiled on first use with the C compiler (``$CC``, else ``cc``) as
-``-O3 -march=native -fopenmp -shared -fPIC`` and cached on disk (``$LORAGEN_CACHE_DIR`` or
-``~/.cache/loragen``, under ``cpu/``), keyed by the source, the flags, the compiler's version and the
-CPU's feature flags; the file is written atomically. Without a compiler, when compiling or loading
+``-O3 -march=native -fopenmp -shared -fPIC`` and cached on disk in the ``cpu/`` folder of
+:func:`loragen.cuda.cache.default_cache_dir` (``$LORAGEN_CACHE_DIR``, else ``~/.cache/loragen/kernels``),
+keyed by the source, the flags, the compiler's version and the CPU's feature flags; the file is written atomically. Without a compiler, when compiling or loading
 fails, for dtypes other than float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and
 :mod:`loragen.ops` runs its numpy/BLAS path, which computes the same products (results agree to float32
 rounding; the masks are the same bits).
@@ -72,11 +72,9 @@ def use_cpu_kernels(enabled: bool) -> Iterator[None]:
 
 
 def _cache_dir() -> Path:
-    explicit = os.environ.get("LORAGEN_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser() / "cpu"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "loragen" / "cpu"
+    from loragen.cuda.cache import default_cache_dir  # the one place that reads LORAGEN_CACHE_DIR
+
+    return default_cache_dir() / "cpu"
 
 
 def _cpu_flags() -> str:

@@ -331,11 +331,7 @@ class LoraLinearFunction(torch.autograd.Function):
 
         w_t = weight if fan_in_fan_out else weight.t()  # (in, out)
         if dtype == x.dtype:
-            if bias is not None:
-                y = torch.addmm(bias, h, lora_B.t(), alpha=scaling)
-            else:
-                y = torch.mm(h * scaling, lora_B.t())  # scaling the (N, r) factor, not the (N, out) result
-            y.addmm_(x2, w_t)
+            y = lora_output(x2, w_t, bias, h, lora_B, scaling)
         else:  # as peft: the base in x's dtype, the term in the adapter's, added and rounded once
             y = torch.addmm(bias, x2, w_t) if bias is not None else torch.mm(x2, w_t)
             y.add_(torch.mm(h, lora_B.t()), alpha=scaling)
@@ -395,6 +391,16 @@ class LoraLinearFunction(torch.autograd.Function):
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape)
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None, None
+
+
+def lora_output(x2: Tensor, w_t: Tensor, bias: Tensor | None, h: Tensor, lora_B: Tensor, scaling: float) -> Tensor:
+    """``b + h (s B^T) + x W^T`` for x2 (N, in), w_t (in, out), h (N, r), all of one dtype: the rank-r
+    term first, then the base GEMM accumulates onto it (beta = 1; the module docstring says why)."""
+    if bias is not None:
+        y = torch.addmm(bias, h, lora_B.t(), alpha=scaling)
+    else:
+        y = torch.mm(h * scaling, lora_B.t())  # scaling the (N, r) factor, not the (N, out) result
+    return y.addmm_(x2, w_t)
 
 
 def _grad_input(g2: Tensor, weight: Tensor, gh: Tensor, lora_A: Tensor, ffo: bool) -> Tensor:

@@ -417,13 +417,8 @@ class _GroupFunction(torch.autograd.Function):
         for (scaling, ffo), w, b, h, lora_b in zip(
             spec, weights, biases, h_all.split(ranks, dim=1), factors_b
         ):
-            # b + h (s B^T) first, then the base GEMM accumulates onto it (beta = 1), as the single op does
-            y = (
-                torch.addmm(b, h, lora_b.t(), alpha=scaling)
-                if b is not None
-                else torch.mm(h * scaling, lora_b.t())
-            )
-            ys.append(y.addmm_(x2, w if ffo else w.t()).view(*x.shape[:-1], -1))
+            y = ops.lora_output(x2, w if ffo else w.t(), b, h, lora_b, scaling)
+            ys.append(y.view(*x.shape[:-1], -1))
         ctx.spec, ctx.ranks, ctx.x_shape = spec, ranks, x.shape
         ctx.set_materialize_grads(False)  # a follower that never ran gets None: its terms are skipped
         # parameters cost nothing to keep; x2 is a view of x
