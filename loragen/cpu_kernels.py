@@ -11,7 +11,7 @@ copy exists and both cores work (OpenMP, ``torch.get_num_threads()`` threads):
 
 The source is compiled on first use with the C compiler (``$CC``, else ``cc``) as
 ``-O3 -march=native -fopenmp -shared -fPIC`` and cached on disk in the ``cpu/`` folder of
-:func:`loragen.cuda.cache.default_cache_dir` (``$LORAGEN_CACHE_DIR``, else ``~/.cache/loragen/kernels``),
+:func:`loragen.resources.kernel_cache_dir` (``$LORAGEN_CACHE_DIR``, else ``~/.cache/loragen/kernels``),
 keyed by the source, the flags, the compiler's version and the CPU's feature flags; the file is written atomically. Without a compiler, when compiling or loading
 fails, for dtypes other than float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and
 :mod:`loragen.ops` runs its numpy/BLAS path, which computes the same products (results agree to float32
@@ -72,9 +72,7 @@ def use_cpu_kernels(enabled: bool) -> Iterator[None]:
 
 
 def _cache_dir() -> Path:
-    from loragen.cuda.cache import default_cache_dir  # the one place that reads LORAGEN_CACHE_DIR
-
-    return default_cache_dir() / "cpu"
+    return resources.kernel_cache_dir() / "cpu"
 
 
 def _cpu_flags() -> str:

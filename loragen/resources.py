@@ -7,10 +7,12 @@ read them through this module so that code works the same from a checkout and fr
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from importlib.resources.abc import Traversable
+from pathlib import Path
 
-__all__ = ["templates_dir", "kernels_dir", "read_template", "read_kernel", "list_kernels"]
+__all__ = ["kernel_cache_dir", "kernels_dir", "list_kernels", "read_kernel", "read_template", "templates_dir"]
 
 
 def templates_dir() -> Traversable:
@@ -52,3 +54,14 @@ def read_kernel(name: str) -> str:
 def list_kernels() -> list[str]:
     """Names of all CUDA kernel templates shipped with loragen, sorted."""
     return sorted(p.name for p in kernels_dir().iterdir() if p.name.endswith(".cu.j2"))
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled kernels (CUDA cubins, the CPU kernels' library) are cached:
+    ``$LORAGEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/loragen/kernels``, else
+    ``~/.cache/loragen/kernels``. Not created here."""
+    explicit = os.environ.get("LORAGEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "loragen" / "kernels"

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from loragen import resources
 from loragen._atomic import atomic_write_bytes
 from loragen.cuda.nvrtc import NVRTC_OPTIONS, CompiledKernel, compile_kernel, nvrtc_version, parse_ptxas_log
 from loragen.cuda.render import RenderedKernel
@@ -38,11 +39,7 @@ Compiler = Callable[[RenderedKernel, str], CompiledKernel]
 
 def default_cache_dir() -> Path:
     """Where compiled kernels are stored by default (see the module docstring)."""
-    explicit = os.environ.get("LORAGEN_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "loragen" / "kernels"
+    return resources.kernel_cache_dir()
 
 
 def cache_key(kernel: RenderedKernel, arch: str, nvrtc: tuple[int, int]) -> str:
