@@ -4,7 +4,7 @@ Attention's q, k and v projections read one tensor, and so do an MLP's gate and 
 LoRA layer on its own reads that input three more times than the frozen layer does: ``h = x A^T`` in
 forward, ``dA = gh^T x`` and ``dx += gh A`` in backward. The first and last are rank-r GEMMs whose cost
 is one pass over an (N, in) tensor, and the middle one reads x back from memory long after forward;
-on a CPU these passes, not the arithmetic, are what LoRA costs (BENCHMARKS.md, issue 5). A group of k
+on a CPU these passes cost about as much as the arithmetic (BENCHMARKS.md, issue 5). A group of k
 siblings runs as one node (:class:`_GroupFunction`) that pays each pass once:
 
 forward   H    = x [A_1; ...; A_k]^T                 (N, r_1 + ... + r_k): every h_i in one GEMM

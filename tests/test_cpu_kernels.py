@@ -4,6 +4,8 @@ and anything the kernels cannot serve falls back or fails with a message."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 from hypothesis import given
@@ -121,3 +123,27 @@ def test_a_failing_compiler_is_reported_with_its_output(tmp_path, monkeypatch) -
     with pytest.raises(RuntimeError, match=r"lora_dropout_cpu.c failed:\nerror: out of luck"):
         cpu_kernels._build("int x;", str(compiler))
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written is left to be loaded
+
+
+@pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler")
+def test_a_build_without_avx512_falls_back_to_the_numpy_path(tmp_path, monkeypatch) -> None:
+    # the same source built for a CPU without AVX-512 (x86-64-v3: AVX2, FMA) must compile, say so and be
+    # refused, and the op must still run -- on the numpy/BLAS path, with the same masks
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    flags = tuple("-march=x86-64-v3" if flag == "-march=native" else flag for flag in cpu_kernels.FLAGS)
+    monkeypatch.setattr(cpu_kernels, "FLAGS", (*flags, "-mno-avx512f"))
+    monkeypatch.setenv("LORAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setattr(cpu_kernels, "_status", None)
+    monkeypatch.setattr(cpu_kernels, "_enabled", True)
+    assert cpu_kernels.status() == "the CPU has no AVX-512 (the numpy/BLAS path is as fast without it)"
+    assert not cpu_kernels.available()
+    assert list((tmp_path / "cache").rglob("*.so"))  # it was built, loaded, asked and refused
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 24, requires_grad=True), torch.randn(8, 24)
+    a, b = torch.randn(4, 24, requires_grad=True), torch.randn(8, 4, requires_grad=True)
+    y = ops.lora_linear(x, w, None, a, b, 2.0, 0.25, True, seed=3)
+    keep = ops.unpack_keep_mask(ops.dropout_keep_bits(x.numel(), 0.25, 3), x.numel()).view(5, 24)
+    expected = x @ w.t() + 2.0 * ((x * keep / 0.75) @ a.t()) @ b.t()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
