@@ -1,4 +1,4 @@
-"""The dropout path's three masked rank-r products, compiled kernels (loragen.cpu_kernels) vs numpy +
+"""The dropout path's three masked rank-r products, compiled kernels (loragen.ops.cpu_kernels) vs numpy +
 BLAS (loragen.ops' fallback), on the tiny Llama's shapes: N = 1024 rows, in = 512 and 1376, r = 16,
 p = 0.05, float32.
 
@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from loragen import cpu_kernels, ops
+from loragen import ops
+from loragen.ops import cpu_kernels
 
 __all__ = ["main", "run"]
 

@@ -1,5 +1,5 @@
 """One tiny-Llama decoder layer, forward + backward: frozen vs peft vs loragen with and without sibling
-fusion (loragen.siblings) vs loragen's plain composition, side by side.
+fusion (loragen.ops.siblings) vs loragen's plain composition, side by side.
 
 The layer of ``bench_llama`` (hidden 512, intermediate 1376, 8 heads; batch 4 x seq 256, fp32; LoRA r=16,
 alpha 32 on q, k, v, o, gate, up, down), without the embedding, the head and the optimizer. A step is
@@ -56,7 +56,7 @@ def build_variants(
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     import loragen
-    import loragen.siblings
+    import loragen.ops.siblings
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -76,7 +76,7 @@ def build_variants(
 
     def make(name: str, model: nn.Module, siblings: bool = True) -> Variant:
         def forward() -> Tensor:
-            with loragen.siblings.use_sibling_fusion(siblings):
+            with loragen.ops.siblings.use_sibling_fusion(siblings):
                 return model(x.detach().requires_grad_(True))
 
         def step() -> None:

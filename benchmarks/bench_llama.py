@@ -52,7 +52,7 @@ def build_variants(
     import peft
 
     import loragen
-    import loragen.siblings
+    import loragen.ops.siblings
 
     torch.manual_seed(0)
     base = _llama(hidden, intermediate, layers, heads, vocab, seq).train()
@@ -63,7 +63,7 @@ def build_variants(
         optimizer = torch.optim.AdamW(trainable, lr=1e-4) if trainable else None
 
         def forward() -> torch.Tensor:
-            with loragen.siblings.use_sibling_fusion(siblings):
+            with loragen.ops.siblings.use_sibling_fusion(siblings):
                 return model(input_ids=ids, labels=ids).loss
 
         def step() -> None:

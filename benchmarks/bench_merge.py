@@ -129,7 +129,7 @@ print(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHW
 LORAGEN_MERGE = (
     """
 import argparse, sys
-from loragen.commands import merge
+from loragen.cli import merge
 parser = argparse.ArgumentParser(prog="loragen")
 merge.register(parser.add_subparsers())
 args = parser.parse_args(sys.argv[1:])
@@ -186,7 +186,7 @@ def main() -> None:
         for label, layers in (("small", args.small_layers), ("large", args.large_layers)):
             sizes[label] = write_checkpoint(work / label, layers)
             write_adapter(work / f"{label}-adapter", layers)
-        baseline, _ = peak_rss([sys.executable, "-c", "import torch, loragen.merge" + REPORT_PEAK])
+        baseline, _ = peak_rss([sys.executable, "-c", "import torch, loragen.adapters.merge" + REPORT_PEAK])
         results: dict[str, list[tuple[float, float]]] = {"small": [], "large": []}
         for _ in range(args.repeats):
             for label in ("small", "large"):
@@ -214,7 +214,7 @@ def main() -> None:
 
         largest = max(math.prod(s) for n, s in checkpoint_layout(1) if "layers" in n) * 2 / 2**20
         print(
-            f"python + torch + loragen.merge imported: {baseline:.0f} MiB peak RSS; "
+            f"python + torch + loragen.adapters.merge imported: {baseline:.0f} MiB peak RSS; "
             f"largest merged tensor {largest:.0f} MiB (bf16)"
         )
         print("| checkpoint | layers | size | merged tensors | peak RSS (median) | wall (median) |")

@@ -25,7 +25,7 @@ import time
 import torch
 
 import loragen
-from loragen.demo import (
+from loragen._examples.demo import (
     DemoOptions,
     bundled_model_file,
     demo_config,
@@ -34,7 +34,7 @@ from loragen.demo import (
     load_model_class,
     pretrain_base,
 )
-from loragen.optim import AdamW8bit, make_optimizer, optimizer_state_bytes
+from loragen.training.optim import AdamW8bit, make_optimizer, optimizer_state_bytes
 
 
 def smooth(values: list[float], window: int = 20) -> list[float]:

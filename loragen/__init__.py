@@ -31,13 +31,13 @@ __version__ = "0.1.0"
 # Heavier entry points (libcst, jinja2, safetensors) are imported on first use.
 _LAZY = {
     "LoraConv1D": "loragen.layers",  # imports transformers
-    "make_optimizer": "loragen.optim",
-    "AdamW8bit": "loragen.optim",
-    "save_adapter": "loragen.io",
-    "load_adapter": "loragen.io",
-    "lora_convert": "loragen.decorator",
-    "rewrite_source": "loragen.rewrite",
-    "RewriteResult": "loragen.rewrite",
+    "make_optimizer": "loragen.training.optim",
+    "AdamW8bit": "loragen.training.optim",
+    "save_adapter": "loragen.adapters.io",
+    "load_adapter": "loragen.adapters.io",
+    "lora_convert": "loragen.source.decorator",
+    "rewrite_source": "loragen.source.rewrite",
+    "RewriteResult": "loragen.source.rewrite",
 }
 
 __all__ = [
@@ -60,10 +60,10 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from loragen.layers import LoraConv1D
-    from loragen.optim import AdamW8bit, make_optimizer
-    from loragen.decorator import lora_convert
-    from loragen.io import load_adapter, save_adapter
-    from loragen.rewrite import RewriteResult, rewrite_source
+    from loragen.training.optim import AdamW8bit, make_optimizer
+    from loragen.source.decorator import lora_convert
+    from loragen.adapters.io import load_adapter, save_adapter
+    from loragen.source.rewrite import RewriteResult, rewrite_source
 
 
 def __getattr__(name: str) -> Any:

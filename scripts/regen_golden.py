@@ -106,7 +106,7 @@ def _rewrite_llama() -> str:
 
 
 def _expand_user_block() -> str:
-    from loragen.decorator import expansion_source
+    from loragen.source.decorator import expansion_source
 
     return expansion_source(load_user_model().Block)
 
@@ -114,7 +114,7 @@ def _expand_user_block() -> str:
 def _expand_gpt2_attention() -> str:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 
-    from loragen.decorator import expansion_source
+    from loragen.source.decorator import expansion_source
 
     return expansion_source(GPT2Attention)
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from loragen._atomic import atomic_write_text
+    from loragen.atomic import atomic_write_text
 
     stale = 0
     for case in cases():

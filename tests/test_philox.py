@@ -162,7 +162,7 @@ def device_mask_code(tmp_path_factory) -> ctypes.CDLL:
     work = tmp_path_factory.mktemp("philox_device")
     (work / COMMON_HEADER).write_text(render_common_header())
     (work / "harness.cpp").write_text(HARNESS)
-    emulation = Path(__file__).with_name("cuda_emulation.h")
+    emulation = Path(__file__).parent / "cuda" / "cuda_emulation.h"
     subprocess.run(
         [
             cxx,

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loragen import resources
-from loragen._atomic import atomic_write_bytes
+from loragen.atomic import atomic_write_bytes
 from loragen.cuda.nvrtc import NVRTC_OPTIONS, CompiledKernel, compile_kernel, nvrtc_version, parse_ptxas_log
 from loragen.cuda.render import RenderedKernel
 

@@ -12,8 +12,8 @@
 
 from transformers.pytorch_utils import Conv1D
 
-from loragen import decorator as _lora
 from loragen.layers import LoraConv1D
+from loragen.source import decorator as _lora
 
 # the config given to @lora_convert(config), used when get_lora_model() is called without one
 DEFAULT_CONFIG = None

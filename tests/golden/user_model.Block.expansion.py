@@ -14,8 +14,8 @@
 
 from torch import nn
 
-from loragen import decorator as _lora
 from loragen.layers import LoraEmbedding, LoraLinear
+from loragen.source import decorator as _lora
 
 # the config given to @lora_convert(config), used when get_lora_model() is called without one
 DEFAULT_CONFIG = None

@@ -1,0 +1,1 @@
+"""Adapters on disk: safetensors reading, peft keys, save/load, the streaming merge and summaries."""

@@ -1,0 +1,241 @@
+"""What an adapter folder holds: target modules, ranks, alphas and scales, sizes, dtypes.
+
+Only the config and the safetensors header are read (no tensor data), so inspecting is instant for
+adapters of any size. :func:`inspect_adapter` returns an :class:`AdapterSummary`; :func:`format_summary`
+renders it as the table ``loragen inspect`` prints, and :meth:`AdapterSummary.to_json` as JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from loragen.adapters.io import (
+    ADAPTER_PICKLE_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    AdapterError,
+    parse_adapter_key,
+    read_adapter,
+    read_adapter_config,
+    read_safetensors_header,
+)
+
+__all__ = ["ModuleSummary", "TensorSummary", "AdapterSummary", "inspect_adapter", "format_summary"]
+
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_CONFIG_FIELDS = (
+    "peft_type",
+    "base_model_name_or_path",
+    "task_type",
+    "target_modules",
+    "exclude_modules",
+    "r",
+    "lora_alpha",
+    "use_rslora",
+    "lora_dropout",
+    "bias",
+    "modules_to_save",
+    "fan_in_fan_out",
+    "rank_pattern",
+    "alpha_pattern",
+    "layers_to_transform",
+    "layers_pattern",
+)
+
+
+@dataclass(frozen=True)
+class ModuleSummary:
+    """One LoRA-adapted module: ``kind`` is linear, embedding, conv1d, conv2d (from the factor shapes)."""
+
+    module: str
+    kind: str
+    r: int
+    alpha: float
+    scale: float
+    in_features: int
+    out_features: int
+    params: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TensorSummary:
+    """A tensor saved in full (a module to save, a trained bias, a saved embedding base weight)."""
+
+    key: str
+    shape: tuple[int, ...]
+    params: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    """Everything ``loragen inspect`` shows."""
+
+    folder: str
+    weights_file: str
+    file_size: int
+    config: dict[str, Any]
+    modules: tuple[ModuleSummary, ...]
+    full_tensors: tuple[TensorSummary, ...]
+
+    @property
+    def lora_params(self) -> int:
+        return sum(m.params for m in self.modules)
+
+    @property
+    def full_params(self) -> int:
+        return sum(t.params for t in self.full_tensors)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted({m.dtype for m in self.modules} | {t.dtype for t in self.full_tensors}))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dictionary (the output of ``loragen inspect --json``)."""
+        return {
+            "folder": self.folder,
+            "weights_file": self.weights_file,
+            "file_size": self.file_size,
+            "config": self.config,
+            "totals": {
+                "modules": len(self.modules),
+                "lora_params": self.lora_params,
+                "full_params": self.full_params,
+                "params": self.lora_params + self.full_params,
+                "dtypes": list(self.dtypes),
+            },
+            "modules": [asdict(m) for m in self.modules],
+            "full_tensors": [{**asdict(t), "shape": list(t.shape)} for t in self.full_tensors],
+        }
+
+
+def _kind(factor_a_shape: tuple[int, ...], embedding: bool) -> str:
+    if embedding:
+        return "embedding"
+    return {2: "linear", 3: "conv1d", 4: "conv2d"}.get(len(factor_a_shape), f"conv{len(factor_a_shape) - 2}d")
+
+
+def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> AdapterSummary:
+    """Summarise the adapter folder ``path`` from its config and weights header.
+
+    Raises:
+        AdapterError: missing files, a truncated or corrupt weights file, a pickle without
+            ``allow_pickle=True``.
+        LoraConfigError: an invalid or unsupported config field.
+    """
+    folder = Path(path)
+    config, raw = read_adapter_config(folder)
+    weights = folder / ADAPTER_WEIGHTS_NAME
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    if weights.is_file():
+        header = read_safetensors_header(weights)
+        shapes = {k: (e.shape, _DTYPE_NAMES.get(e.dtype, e.dtype.lower())) for k, e in header.tensors.items()}
+    elif (folder / ADAPTER_PICKLE_NAME).is_file():
+        adapter = read_adapter(folder, allow_pickle=allow_pickle)  # refuses the pickle unless allowed
+        weights = adapter.weights_path
+        shapes = {
+            k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in adapter.tensors.items()
+        }
+    else:
+        raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS_NAME} (nor {ADAPTER_PICKLE_NAME})")
+
+    factors: dict[str, dict[str, str]] = {}
+    full: list[TensorSummary] = []
+    for key in sorted(shapes):
+        info = parse_adapter_key(key)
+        if info is None:
+            continue
+        if info.is_lora:
+            factors.setdefault(info.module, {})[info.name] = key
+        else:
+            shape, dtype = shapes[key]
+            full.append(TensorSummary(key, shape, math.prod(shape), dtype))
+
+    modules = []
+    for module, names in factors.items():
+        embedding = "lora_embedding_A" in names
+        key_a = names.get("lora_embedding_A" if embedding else "lora_A")
+        key_b = names.get("lora_embedding_B" if embedding else "lora_B")
+        if key_a is None or key_b is None:
+            raise AdapterError(f"{weights}: {module} has {sorted(names)}, expected both LoRA factors")
+        (a_shape, dtype), (b_shape, _) = shapes[key_a], shapes[key_b]
+        modules.append(
+            ModuleSummary(
+                module=module,
+                kind=_kind(a_shape, embedding),
+                r=a_shape[0],
+                alpha=config.alpha_for(module),
+                scale=config.scaling_for(module),
+                in_features=math.prod(a_shape[1:]),
+                out_features=b_shape[0],
+                params=math.prod(a_shape) + math.prod(b_shape),
+                dtype=dtype,
+            )
+        )
+    shown = {name: raw.get(name) for name in _CONFIG_FIELDS if name in raw}
+    return AdapterSummary(
+        str(folder), str(weights), weights.stat().st_size, shown, tuple(modules), tuple(full)
+    )
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def format_summary(summary: AdapterSummary) -> str:
+    """The human-readable report ``loragen inspect`` prints: config, one row per module, totals."""
+    lines = [f"adapter: {summary.folder}"]
+    lines.append(f"weights: {summary.weights_file} ({_size(summary.file_size)})")
+    for name, value in summary.config.items():
+        if value not in (None, {}, [], False) or name in ("use_rslora", "r", "lora_alpha"):
+            lines.append(f"  {name}: {value}")
+    lines.append("")
+    rows = [
+        [
+            m.module,
+            m.kind,
+            str(m.r),
+            f"{m.alpha:g}",
+            f"{m.scale:.4g}",
+            f"{m.in_features}->{m.out_features}",
+            f"{m.params:,}",
+            m.dtype,
+        ]
+        for m in summary.modules
+    ]
+    lines += _table(
+        ["module", "type", "r", "alpha", "scale", "in->out", "params", "dtype"], rows, {2, 3, 4, 6}
+    )
+    if summary.full_tensors:
+        lines += ["", "saved in full:"]
+        lines += _table(
+            ["key", "shape", "params", "dtype"],
+            [[t.key, "x".join(map(str, t.shape)), f"{t.params:,}", t.dtype] for t in summary.full_tensors],
+            {2},
+        )
+    lines += [
+        "",
+        f"{len(summary.modules)} LoRA modules, {summary.lora_params:,} LoRA parameters"
+        + (f" + {summary.full_params:,} saved in full" if summary.full_tensors else "")
+        + f"; dtype {', '.join(summary.dtypes) or '-'}; file {_size(summary.file_size)}",
+    ]
+    return "\n".join(lines)

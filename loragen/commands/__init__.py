@@ -1,1 +1,0 @@
-"""Subcommands of the ``loragen`` command line, one module each."""

@@ -1,0 +1,195 @@
+"""The part every LoRA layer shares: its LoRA factors, their init, merging and unmerging."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Union
+
+import torch
+from torch import Tensor, nn
+
+from loragen.config import LoraConfigError
+
+__all__ = ["InitMode", "LoraLayer", "LoraMergeError", "adapter_dtype_for", "share_base_params", "plain_copy"]
+
+InitMode = Union[bool, Literal["gaussian"]]
+
+
+class LoraMergeError(RuntimeError):
+    """The layer cannot be merged exactly (e.g. an Embedding with ``max_norm``)."""
+
+
+def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
+    """The dtype LoRA factors get for a base weight of ``base_dtype``.
+
+    Half-precision bases (fp16, bf16) get float32 adapters, as peft does by default: the factors are
+    small and their updates would lose most of their bits in 8 significant bits. Other floating dtypes
+    are kept.
+    """
+    if base_dtype in (torch.float16, torch.bfloat16) or not base_dtype.is_floating_point:
+        return torch.float32
+    return base_dtype
+
+
+def _check_lora_args(r: int, lora_alpha: float, lora_dropout: float, init_lora_weights: Any) -> None:
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise LoraConfigError(f"r={r!r}: the rank must be a positive integer")
+    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not math.isfinite(lora_alpha):
+        raise LoraConfigError(f"lora_alpha={lora_alpha!r}: expected a finite number")
+    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
+        raise LoraConfigError(f"lora_dropout={lora_dropout!r}: expected a probability with 0 <= p < 1")
+    if init_lora_weights not in (True, False, "gaussian") or not isinstance(init_lora_weights, (bool, str)):
+        raise LoraConfigError(f"init_lora_weights={init_lora_weights!r}: expected True, False or 'gaussian'")
+
+
+class LoraLayer(nn.Module):
+    """Common state and behaviour of all LoRA layers (a mixin; the concrete classes also subclass a
+    torch layer, which comes first in the MRO so its ``forward``-related attributes are the real ones).
+
+    Attributes:
+        r: rank. lora_alpha: alpha. scaling: the factor applied to the LoRA branch.
+        lora_dropout_p: dropout probability on the branch's input. use_rslora: rank-stabilised scaling.
+        merged: whether ``scaling * B @ A`` is currently added into ``weight``.
+    """
+
+    # attribute name of the factor applied first / second, and their keys in peft's files
+    _factor_names: tuple[str, str] = ("lora_A", "lora_B")
+    _peft_suffixes: tuple[str, str] = ("lora_A.weight", "lora_B.weight")
+
+    weight: nn.Parameter
+    r: int
+    lora_alpha: float
+    scaling: float
+    lora_dropout_p: float
+    use_rslora: bool
+    merged: bool
+
+    def _setup_lora(
+        self,
+        r: int,
+        lora_alpha: float,
+        lora_dropout: float,
+        use_rslora: bool,
+        init_lora_weights: InitMode,
+    ) -> None:
+        _check_lora_args(r, lora_alpha, lora_dropout, init_lora_weights)
+        self.r = r
+        self.lora_alpha = lora_alpha
+        self.use_rslora = bool(use_rslora)
+        self.scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
+        self.lora_dropout_p = float(lora_dropout)
+        self.merged = False
+        factory = {"device": self.weight.device, "dtype": adapter_dtype_for(self.weight.dtype)}
+        a_shape, b_shape = self._factor_shapes()
+        first, second = self._factor_names
+        setattr(self, first, nn.Parameter(torch.empty(a_shape, **factory)))
+        setattr(self, second, nn.Parameter(torch.empty(b_shape, **factory)))
+        if self.weight.device.type != "meta":
+            self.reset_lora_parameters(init_lora_weights)
+
+    def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        raise NotImplementedError(f"{type(self).__name__} must define the shapes of its LoRA factors")
+
+    # ---- factors -----------------------------------------------------------------------------
+
+    @property
+    def factor_a(self) -> nn.Parameter:
+        """The first LoRA factor (``lora_A``, or ``lora_embedding_A``)."""
+        return getattr(self, self._factor_names[0])
+
+    @property
+    def factor_b(self) -> nn.Parameter:
+        """The second LoRA factor (``lora_B``, or ``lora_embedding_B``)."""
+        return getattr(self, self._factor_names[1])
+
+    def lora_parameters(self) -> dict[str, nn.Parameter]:
+        """The LoRA parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}``."""
+        return {name: getattr(self, name) for name in self._factor_names}
+
+    def peft_key_suffixes(self) -> dict[str, str]:
+        """Attribute name -> the key suffix peft uses in ``adapter_model.safetensors``.
+
+        ``{"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}`` for Linear / Conv / Conv1D, and
+        ``{"lora_embedding_A": "lora_embedding_A", ...}`` for Embedding.
+        """
+        return dict(zip(self._factor_names, self._peft_suffixes))
+
+    def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
+        """(Re)initialise A and B as peft does.
+
+        ``True``: A kaiming-uniform(a=sqrt(5)), B zeros (the adapter starts as a no-op);
+        ``"gaussian"``: A normal(0, 1/r), B zeros; ``False``: both kaiming-uniform (not a no-op).
+        """
+        with torch.no_grad():
+            a, b = self.factor_a, self.factor_b
+            if init_lora_weights == "gaussian":
+                nn.init.normal_(a, std=1.0 / self.r)
+            else:
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            if init_lora_weights is False:
+                nn.init.kaiming_uniform_(b, a=math.sqrt(5))
+            else:
+                nn.init.zeros_(b)
+
+    # ---- merging --------------------------------------------------------------------------------
+
+    def _merge_dtype(self) -> torch.dtype:
+        """float32, or float64 for float64 weights: merges never compute in less than float32."""
+        return torch.promote_types(self.weight.dtype, torch.float32)
+
+    def delta_weight(self) -> Tensor:
+        """``scaling * B @ A`` in the base weight's layout, in float32 (float64 for float64 weights)."""
+        raise NotImplementedError
+
+    def _check_mergeable(self) -> None:
+        """Raise :class:`LoraMergeError` if merged and unmerged outputs could not agree."""
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add ``scaling * B @ A`` into ``weight`` (float32 math, rounded once). A no-op if merged."""
+        if self.merged:
+            return
+        self._check_mergeable()
+        w = self.weight
+        w.copy_((w.to(self._merge_dtype()) + self.delta_weight()).to(w.dtype))
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the LoRA update from ``weight`` again. A no-op if not merged.
+
+        In float32 the original weight comes back up to rounding; in fp16/bf16 each merge/unmerge
+        round trip can move a weight by up to one unit in its last place.
+        """
+        if not self.merged:
+            return
+        w = self.weight
+        w.copy_((w.to(self._merge_dtype()) - self.delta_weight()).to(w.dtype))
+        self.merged = False
+
+    def to_base(self) -> nn.Module:
+        """A plain torch layer holding this layer's current (possibly merged) weight and bias.
+
+        The returned layer shares the ``weight`` / ``bias`` parameters (no copy).
+        """
+        raise NotImplementedError
+
+    def lora_extra_repr(self) -> str:
+        return (
+            f"r={self.r}, lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}, "
+            f"lora_dropout={self.lora_dropout_p:g}" + (", merged" if self.merged else "")
+        )
+
+
+def share_base_params(layer: nn.Module, base: nn.Module) -> None:
+    """Point ``layer``'s weight and bias at ``base``'s parameters (no copy) and copy its mode."""
+    layer.weight = base.weight
+    layer.bias = base.bias
+    layer.train(base.training)
+
+
+def plain_copy(cls: type[nn.Module], layer: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    with torch.device("meta"):
+        plain = cls(*args, **kwargs)
+    share_base_params(plain, layer)
+    return plain

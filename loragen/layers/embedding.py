@@ -1,0 +1,124 @@
+"""``LoraEmbedding``: ``nn.Embedding`` with a LoRA adapter (peft's embedding semantics)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from loragen.layers.base import InitMode, LoraLayer, LoraMergeError
+
+__all__ = ["LoraEmbedding"]
+
+
+class LoraEmbedding(nn.Embedding, LoraLayer):
+    """``nn.Embedding`` with a LoRA adapter. Shapes: ids (...) -> y (..., embedding_dim).
+
+    As in peft, the LoRA branch of an embedding has no dropout (``lora_dropout`` is accepted and
+    ignored) and its factors are initialised A = 0, B ~ normal(0, 1). The branch looks up ids with the
+    base's ``padding_idx`` (that row of A gets no gradient). ``max_norm`` renormalises looked-up rows,
+    which is not linear: such a layer trains, but cannot be merged exactly and refuses to.
+    """
+
+    _factor_names = ("lora_embedding_A", "lora_embedding_B")
+    _peft_suffixes = ("lora_embedding_A", "lora_embedding_B")
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Tensor | None = None,
+        _freeze: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        r: int = 8,
+        lora_alpha: float = 8,
+        lora_dropout: float = 0.0,
+        use_rslora: bool = False,
+        init_lora_weights: InitMode = True,
+    ) -> None:
+        super().__init__(
+            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
+            _weight, _freeze, device, dtype,
+        )
+        self.bias = None  # embeddings have no bias; keeps the LoraLayer interface uniform
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+
+    def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (self.r, self.num_embeddings), (self.embedding_dim, self.r)
+
+    @classmethod
+    def from_module(
+        cls,
+        base: nn.Embedding,
+        *,
+        r: int = 8,
+        lora_alpha: float = 8,
+        lora_dropout: float = 0.0,
+        use_rslora: bool = False,
+        init_lora_weights: InitMode = True,
+    ) -> LoraEmbedding:
+        """Wrap an existing ``nn.Embedding``, sharing its weight parameter."""
+        with torch.device("meta"):
+            layer = cls(
+                base.num_embeddings, base.embedding_dim, base.padding_idx, base.max_norm, base.norm_type,
+                base.scale_grad_by_freq, base.sparse, r=r,
+            )
+        layer.weight = base.weight
+        layer.train(base.training)
+        layer._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        return layer
+
+    def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
+        """peft's embedding init: A zeros, B normal(0, 1); ``False``: both standard normal."""
+        with torch.no_grad():
+            if init_lora_weights is False:
+                nn.init.normal_(self.lora_embedding_A)
+            else:
+                nn.init.zeros_(self.lora_embedding_A)
+            nn.init.normal_(self.lora_embedding_B)
+
+    def _lookup(self, ids: Tensor, table: Tensor) -> Tensor:
+        return F.embedding(
+            ids, table, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
+
+    def forward(self, ids: Tensor) -> Tensor:
+        result = self._lookup(ids, self.weight)
+        if self.merged:
+            return result
+        # (..., r): row lookup in A^T is A[:, ids]^T, exactly the one-hot product A @ onehot(ids)
+        after_a = F.embedding(ids, self.lora_embedding_A.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq,
+                              self.sparse)
+        lora = after_a @ self.lora_embedding_B.t()  # (..., embedding_dim)
+        return (result + lora * self.scaling).to(result.dtype)
+
+    def delta_weight(self) -> Tensor:
+        # (num_embeddings, embedding_dim), the layout of the embedding table
+        return (self.lora_embedding_B.to(self._merge_dtype()) @ self.lora_embedding_A.to(self._merge_dtype())).t() * self.scaling
+
+    def _check_mergeable(self) -> None:
+        if self.max_norm is not None:
+            raise LoraMergeError(
+                f"cannot merge a LoRA Embedding with max_norm={self.max_norm}: the renormalisation of looked-up "
+                "rows is not linear, so merged and unmerged outputs would differ"
+            )
+
+    def to_base(self) -> nn.Embedding:
+        with torch.device("meta"):
+            plain = nn.Embedding(
+                self.num_embeddings, self.embedding_dim, self.padding_idx, self.max_norm, self.norm_type,
+                self.scale_grad_by_freq, self.sparse,
+            )
+        plain.weight = self.weight
+        plain.train(self.training)
+        return plain
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {self.lora_extra_repr()}"

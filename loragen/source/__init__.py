@@ -1,0 +1,1 @@
+"""Source code work: the libcst scanner, the @lora_convert decorator, the source rewriter and template rendering."""

@@ -1,0 +1,1 @@
+"""Training helpers: optimizers, gradient checkpointing and accumulation, distributed training."""

@@ -1,0 +1,171 @@
+"""The CUDA LoRA op end to end on the CPU: the rendered kernels, built with g++ against
+tests/cuda_emulation.h, run thread by thread under loragen.cuda.function's real autograd Function.
+
+This checks the kernels' arithmetic, indexing, warp shuffles, split reductions and Philox masks against a
+float64 reference without a GPU; tests/test_cuda_gpu.py repeats the numeric checks on a real device.
+Built kernel libraries are kept in pytest's cache folder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loragen import philox
+from loragen.cuda.function import CudaLoraError, lora_linear_cuda
+
+from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
+from tests.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
+
+pytestmark = pytest.mark.skipif(CXX is None, reason="g++ is needed to build the emulated kernels")
+
+
+@pytest.fixture(scope="session")
+def launcher(request) -> EmulatedLauncher:
+    return EmulatedLauncher(request.config.cache.mkdir("loragen-emulated-kernels"), target_blocks=4)
+
+
+CASES = [
+    # n, k, o, r, dtype, p, bias, fan_in_fan_out
+    pytest.param(37, 48, 40, 5, torch.float32, 0.3, True, False, id="f32-r5-dropout"),
+    pytest.param(29, 45, 37, 8, torch.float32, 0.25, True, True, id="f32-r8-unaligned-fifo"),
+    pytest.param(70, 264, 296, 1, torch.float32, 0.0, True, False, id="f32-r1-split-grids"),
+    pytest.param(33, 64, 24, 16, torch.bfloat16, 0.1, True, False, id="bf16-r16-dropout"),
+    pytest.param(21, 24, 16, 64, torch.float16, 0.2, False, False, id="f16-r64-nobias"),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "o", "r", "dtype", "p", "bias", "fifo"), CASES)
+def test_matches_float64_reference(launcher, n, k, o, r, dtype, p, bias, fifo):
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(n, k, o, r, dtype, bias=bias, fan_in_fan_out=fifo)
+    state = torch.get_rng_state()
+    y = lora_linear_cuda(x, w, b, a, bb, 0.7, p, True, fan_in_fan_out=fifo, launcher=launcher)
+    want = reference(xr, wr, br, ar, bbr, 0.7, mask_for(state, (n, k), p), fifo)
+    assert y.dtype == dtype and y.shape == (n, o)
+    assert relative_error(y, want) < TOLERANCE[dtype]
+
+    grad = torch.randn(n, o, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y.backward(grad.to(dtype))
+    want.backward(grad)
+    for name, got, expected in (
+        ("x", x, xr),
+        ("weight", w, wr),
+        ("bias", b, br),
+        ("A", a, ar),
+        ("B", bb, bbr),
+    ):
+        if got is not None:
+            assert relative_error(got.grad, expected.grad) < TOLERANCE[dtype], name
+
+
+def test_partial_sums_are_exercised(launcher):
+    """The split-grids case must really split its reductions (target_blocks is small on purpose)."""
+    from loragen.cuda import specs
+
+    variant = specs.Variant("float32", 8, True)
+    assert specs.plan_down(70, 264, variant, 4).splits == 2
+    assert specs.plan_grad_out(70, 296, variant, 4).splits == 2
+    assert specs.plan_grad_in(70, 264, variant, 4).splits > 1
+
+
+def test_mask_is_the_cpu_philox_mask(launcher):
+    """With A = B = identity and no base weight, y = x * keep / (1 - p): the kernel's mask, exactly."""
+    n, k, p = 13, 8, 0.4
+    x = torch.rand(n, k) + 0.5  # no zeros
+    eye = torch.eye(k)
+    torch.manual_seed(11)
+    y = lora_linear_cuda(x, torch.zeros(k, k), None, eye, eye, 1.0, p, True, launcher=launcher)
+    torch.manual_seed(11)
+    expected = philox.dropout_keep_mask((n, k), p, philox.random_seed())
+    assert torch.equal(y != 0, expected)
+    torch.testing.assert_close(y[expected], x[expected] / (1 - p))
+
+
+def test_grads_accumulate_across_micro_batches(launcher):
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(24, 16, 8, 4, torch.float32)
+    w.requires_grad_(False)
+    wr.requires_grad_(False)
+    for micro in range(2):
+        part = slice(12 * micro, 12 * micro + 12)
+        state = torch.get_rng_state()
+        lora_linear_cuda(x[part], w, b, a, bb, 2.0, 0.2, True, launcher=launcher).square().sum().backward()
+        keep = mask_for(state, (12, 16), 0.2)
+        reference(xr[part], wr, br, ar, bbr, 2.0, keep, False).square().sum().backward()
+    for got, want in ((a, ar), (bb, bbr), (b, br), (x, xr)):
+        assert relative_error(got.grad, want.grad) < 1e-5
+    assert w.grad is None
+
+
+def test_same_seed_same_bits_and_checkpoint_recomputes_the_mask(launcher):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(use_checkpoint: bool):
+        (x, w, b, a, bb), _ = make_inputs(20, 16, 8, 4, torch.float32, seed=3)
+        torch.manual_seed(123)
+        if use_checkpoint:
+            y = checkpoint(
+                lora_linear_cuda, x, w, b, a, bb, 1.5, 0.5, True, use_reentrant=False, launcher=launcher
+            )
+        else:
+            y = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.5, True, launcher=launcher)
+        y.sum().backward()
+        return y.detach(), a.grad, x.grad
+
+    first, second, checkpointed = run(False), run(False), run(True)
+    for got, want in zip(second, first):
+        assert torch.equal(got, want)  # deterministic: no atomics anywhere
+    for got, want in zip(checkpointed, first):
+        assert torch.equal(got, want)
+
+
+def test_explicit_seed_fixes_the_mask(launcher):
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(16, 24, 8, 4, torch.float32, seed=4)
+    y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.5, True, seed=2**64 - 5, launcher=launcher)
+    keep = philox.dropout_keep_mask((16, 24), 0.5, 2**64 - 5).double() * 2
+    assert relative_error(y, reference(xr, wr, br, ar, bbr, 1.0, keep, False)) < 1e-5
+    with pytest.raises(CudaLoraError, match=r"seed=-1; expected an unsigned 64-bit integer"):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.5, True, seed=-1, launcher=launcher)
+
+
+def test_eval_mode_has_no_dropout_and_empty_batches_work(launcher):
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(9, 16, 8, 4, torch.float32)
+    y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.5, False, launcher=launcher)
+    assert relative_error(y, reference(xr, wr, br, ar, bbr, 1.0, None, False)) < 1e-5
+
+    empty = x[:0].detach().requires_grad_()
+    out = lora_linear_cuda(empty, w, b, a, bb, 1.0, 0.5, True, launcher=launcher)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert torch.count_nonzero(a.grad) == 0 and empty.grad.shape == (0, 16)
+
+
+def test_batched_input_shape_is_kept(launcher):
+    (x, w, b, a, bb), _ = make_inputs(12, 16, 8, 4, torch.float32)
+    y = lora_linear_cuda(x.view(3, 4, 16), w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+    assert y.shape == (3, 4, 8)
+    y.sum().backward()
+    assert x.grad.shape == (12, 16)
+
+
+def test_unsupported_rank_falls_back_to_the_composition(launcher):
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(5, 8, 8, 65, torch.float32)
+    before = len(launcher.launches)
+    y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+    assert len(launcher.launches) == before
+    assert relative_error(y, reference(xr, wr, br, ar, bbr, 1.0, None, False)) < 1e-5
+
+
+def test_bad_inputs_name_the_argument(launcher):
+    (x, w, b, a, bb), _ = make_inputs(5, 8, 6, 2, torch.float32)
+    with pytest.raises(CudaLoraError, match=r"lora_linear_cuda: all tensors must be on one CUDA device"):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True)
+    with pytest.raises(CudaLoraError, match=r"dropout_p=1\.0; expected 0 <= p < 1"):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 1.0, True, launcher=launcher)
+    with pytest.raises(CudaLoraError, match=r"lora_B \(6, 3\); expected \(6, 2\) for r=2"):
+        lora_linear_cuda(x, w, b, a, torch.zeros(6, 3), 1.0, 0.0, True, launcher=launcher)
+    with pytest.raises(
+        CudaLoraError, match=r"weight \(6, 8\) is not \(in, out\) with fan_in_fan_out for x \(\.\.\., 8\)"
+    ):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, fan_in_fan_out=True, launcher=launcher)
+    with pytest.raises(CudaLoraError, match=r"bias \(5,\); expected \(6,\)"):
+        lora_linear_cuda(x, w, torch.zeros(5), a, bb, 1.0, 0.0, True, launcher=launcher)

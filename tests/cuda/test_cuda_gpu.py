@@ -1,0 +1,192 @@
+"""loragen's CUDA kernels on a real GPU (skipped without CUDA and cuda-python).
+
+Fresh random inputs every check, outputs compared with a float64 CPU reference by relative error with
+per-dtype bounds; the CUDA caching allocator is filled with NaN before each run, so an output element no
+kernel wrote shows up as NaN. Odd sizes (rows, in and out not multiples of any tile), ranks 1, 8, 16, 64.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import loragen.cuda
+from loragen import philox
+
+from tests.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not loragen.cuda.is_available(), reason="needs a CUDA device and cuda-python"),
+]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocator():
+    """Leave NaN in the caching allocator's free blocks, where the op's outputs will be carved from."""
+    torch.cuda.synchronize()
+    poison = torch.full((256 << 20,), float("nan"), device="cuda")  # 1 GiB of float32 NaN
+    del poison
+    yield
+    torch.cuda.synchronize()
+
+
+def run(x, w, b, a, bb, scaling, p, training=True, fan_in_fan_out=False):
+    from loragen.cuda import lora_linear_cuda
+
+    return lora_linear_cuda(x, w, b, a, bb, scaling, p, training, fan_in_fan_out=fan_in_fan_out)
+
+
+SHAPES = [(1, 8, 8), (37, 200, 72), (515, 1000, 1032), (129, 4104, 520), (300, 45, 37)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("r", [1, 8, 16, 64])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_matches_float64_reference(dtype, r, shape, p):
+    n, k, o = shape
+    seed = zlib.crc32(repr((dtype, r, shape, p)).encode())
+    fifo = (n + r) % 3 == 0
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(
+        n, k, o, r, dtype, bias=n % 2 == 1, fan_in_fan_out=fifo, seed=seed, device="cuda"
+    )
+    state = torch.get_rng_state()
+    y = run(x, w, b, a, bb, 0.5, p, fan_in_fan_out=fifo)
+    want = reference(xr, wr, br, ar, bbr, 0.5, mask_for(state, (n, k), p), fifo)
+    assert y.dtype == dtype and y.shape == (n, o)
+    assert relative_error(y, want) < TOLERANCE[dtype]
+
+    grad = torch.randn(n, o, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    y.backward(grad.to(device="cuda", dtype=dtype))
+    want.backward(grad)
+    for name, got, expected in (
+        ("x", x, xr),
+        ("weight", w, wr),
+        ("bias", b, br),
+        ("A", a, ar),
+        ("B", bb, bbr),
+    ):
+        if got is not None:
+            assert relative_error(got.grad, expected.grad) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("shape", [(13, 8), (1000, 64), (4097, 40)])
+def test_mask_is_bit_identical_to_the_cpu(shape):
+    n, k = shape
+    p = 0.3
+    x = (torch.rand(n, k) + 0.5).cuda()
+    eye = torch.eye(k, device="cuda")
+    torch.manual_seed(21)
+    y = run(x, torch.zeros(k, k, device="cuda"), None, eye, eye, 1.0, p)
+    torch.manual_seed(21)
+    expected = philox.dropout_keep_mask((n, k), p, philox.random_seed())
+    assert torch.equal((y != 0).cpu(), expected)
+
+
+def test_lora_params_in_float32_with_a_bf16_base():
+    """peft's default for 16-bit models: base in bf16, adapter in float32."""
+    (x, w, b, _, _), (xr, wr, br, _, _) = make_inputs(
+        300, 512, 264, 16, torch.bfloat16, seed=5, device="cuda"
+    )
+    (_, _, _, a, bb), (_, _, _, ar, bbr) = make_inputs(
+        300, 512, 264, 16, torch.float32, seed=6, device="cuda"
+    )
+    y = run(x, w, b, a, bb, 2.0, 0.0)
+    want = reference(xr, wr, br, ar, bbr, 2.0, None, False)
+    assert y.dtype == torch.bfloat16 and relative_error(y, want) < TOLERANCE[torch.bfloat16]
+    y.float().square().sum().backward()
+    want.square().sum().backward()
+    assert a.grad.dtype == torch.float32 and relative_error(a.grad, ar.grad) < 2e-2
+
+
+def test_grads_accumulate_across_micro_batches():
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(
+        256, 264, 136, 8, torch.float32, seed=7, device="cuda"
+    )
+    for micro in range(4):
+        part = slice(64 * micro, 64 * micro + 64)
+        state = torch.get_rng_state()
+        run(x[part], w, b, a, bb, 1.0, 0.2).square().sum().backward()
+        reference(
+            xr[part], wr, br, ar, bbr, 1.0, mask_for(state, (64, 264), 0.2), False
+        ).square().sum().backward()
+    for got, want in ((a, ar), (bb, bbr), (x, xr), (w, wr)):
+        assert relative_error(got.grad, want.grad) < 1e-5
+
+
+def test_runs_are_bitwise_deterministic():
+    def once():
+        (x, w, b, a, bb), _ = make_inputs(777, 1024, 512, 16, torch.bfloat16, seed=9, device="cuda")
+        torch.manual_seed(0)
+        y = run(x, w, b, a, bb, 1.0, 0.1)
+        y.float().sum().backward()
+        return y, a.grad, bb.grad, x.grad
+
+    for first, second in zip(once(), once()):
+        assert torch.equal(first, second)
+
+
+def test_ops_dispatches_cuda_tensors_here():
+    from loragen import ops
+
+    (x, w, b, a, bb), _ = make_inputs(64, 128, 64, 8, torch.float16, seed=3, device="cuda")
+    with torch.no_grad():
+        assert torch.equal(ops.lora_linear(x, w, b, a, bb, 1.0, 0.0, False), run(x, w, b, a, bb, 1.0, 0.0))
+
+
+def test_autocast_computes_in_the_autocast_dtype():
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(
+        64, 256, 128, 8, torch.float32, seed=4, device="cuda"
+    )
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = run(x, w, b, a, bb, 1.0, 0.0)
+    assert y.dtype == torch.bfloat16
+    assert relative_error(y, reference(xr, wr, br, ar, bbr, 1.0, None, False)) < TOLERANCE[torch.bfloat16]
+
+
+def test_cuda_graph_capture_and_replay():
+    (x, w, b, a, bb), _ = make_inputs(128, 256, 64, 16, torch.bfloat16, seed=8, device="cuda")
+    static_x = x.detach().clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):  # warm-up: renders, compiles and loads the kernels outside the capture
+            run(static_x, w, b, a, bb, 1.0, 0.0, training=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_y = run(static_x, w, b, a, bb, 1.0, 0.0, training=False)
+    fresh = torch.randn_like(static_x)
+    static_x.copy_(fresh)
+    graph.replay()
+    with torch.no_grad():
+        assert torch.equal(static_y, run(fresh, w, b, a, bb, 1.0, 0.0, training=False))
+
+
+def test_dropout_under_graph_capture_is_refused():
+    (x, w, b, a, bb), _ = make_inputs(64, 64, 64, 8, torch.float32, seed=2, device="cuda")
+    with torch.no_grad():
+        run(x, w, b, a, bb, 1.0, 0.1)  # load the kernels first
+    graph = torch.cuda.CUDAGraph()
+    refused = pytest.raises(
+        RuntimeError, match=r"LoRA dropout is active while a CUDA graph is being captured"
+    )
+    with refused, torch.cuda.graph(graph), torch.no_grad():
+        run(x, w, b, a, bb, 1.0, 0.1)
+
+
+def test_lora_linear_layer_trains_on_the_gpu():
+    from loragen.layers import LoraLinear
+
+    torch.manual_seed(0)
+    layer = LoraLinear(96, 40, r=8, lora_alpha=16, lora_dropout=0.0).cuda()
+    torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(33, 96, device="cuda")
+    y = layer(x)
+    expected = x @ layer.weight.t() + layer.bias + layer.scaling * (x @ layer.lora_A.t()) @ layer.lora_B.t()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    assert layer.lora_A.grad is not None and torch.isfinite(layer.lora_A.grad).all()

@@ -1,0 +1,297 @@
+"""Sibling fusion (loragen.ops.siblings): static grouping from source, and fused results that equal the
+per-layer op in values and gradients, under checkpointing, hooks, copies and every base setting."""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import loragen
+from loragen.ops import siblings
+from loragen.ops.siblings import call_groups, fused_groups, use_sibling_fusion
+
+from tests.conftest import tiny_inputs
+
+
+def _groups(source: str) -> tuple[tuple[str, ...], ...]:
+    return siblings._groups_from_source(textwrap.dedent(source))
+
+
+def _node_names(output: torch.Tensor) -> set[str]:
+    seen, stack, names = set(), [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+# ---- grouping from source ------------------------------------------------------------------------------
+
+
+def test_llama_attention_and_mlp_sources_give_qkv_and_gate_up() -> None:
+    from transformers.models.llama import modeling_llama
+
+    attention = call_groups(modeling_llama.LlamaAttention.forward.__code__)
+    mlp = call_groups(modeling_llama.LlamaMLP.forward.__code__)
+    assert attention == (("q_proj", "k_proj", "v_proj"),)
+    assert mlp == (("gate_proj", "up_proj"),)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f(self, x):\n    return self.a(x) + self.b(x) + self.c(x)\n", (("a", "b", "c"),)),
+        # an assignment to x between two calls separates them
+        ("def f(self, x):\n    y = self.a(x)\n    x = x + 1\n    return y + self.b(x)\n", ()),
+        ("def f(self, x):\n    x = self.a(x)\n    return self.b(x)\n", ()),
+        ("def f(self, x):\n    x += 1\n    y = self.a(x)\n    return y + self.b(x)\n", (("a", "b"),)),
+        # calls in different branches never run together
+        ("def f(self, x, c):\n    if c:\n        return self.a(x)\n    return self.b(x)\n", ()),
+        # keyword arguments, expressions and nested attributes are not plain single-input calls
+        ("def f(self, x):\n    return self.a(x=x) + self.b(x) + self.c(x + 1) + self.d.e(x)\n", ()),
+        # other variables make other groups; a name called twice counts once
+        (
+            "def f(me, x, z):\n    return me.a(x) + me.b(z) + me.c(x) + me.d(z) + me.a(x)\n",
+            (("a", "c"), ("b", "d")),
+        ),
+    ],
+)
+def test_call_groups_from_source(source: str, expected: tuple) -> None:
+    assert _groups(source) == expected
+
+
+def test_unreadable_source_gives_no_groups() -> None:
+    code = compile("def f(self, x):\n    return self.a(x) + self.b(x)\n", "<no file>", "exec")
+    function_code = next(c for c in code.co_consts if hasattr(c, "co_code"))
+    assert call_groups(function_code) == ()
+
+
+# ---- fused results equal the per-layer op ----------------------------------------------------------------
+
+
+class _Siblings(nn.Module):
+    """q, k, v read x; o reads something else; a Conv1D pair reads x too."""
+
+    def __init__(self, d: int = 6, conv1d: bool = False, bias: bool = True) -> None:
+        super().__init__()
+        if conv1d:
+            from transformers.pytorch_utils import Conv1D
+
+            self.q, self.k, self.v = Conv1D(d, d), Conv1D(d + 1, d), Conv1D(d, d)
+        else:
+            self.q, self.k, self.v = (
+                nn.Linear(d, d, bias=bias),
+                nn.Linear(d, d + 1, bias=bias),
+                nn.Linear(d, d),
+            )
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        k = self.k(x)
+        v = self.v(x)
+        return self.o(q * v) + k[..., :-1].tanh()
+
+
+def _lora(model: nn.Module, **kwargs) -> nn.Module:
+    config = loragen.LoraConfig(
+        r=kwargs.pop("r", 3), lora_alpha=5, target_modules=["q", "k", "v", "o"], **kwargs
+    )
+    lora = loragen.get_lora_model(model, config)
+    torch.manual_seed(1)
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.3)  # B = 0 at init would hide the rank-r terms
+    return lora
+
+
+def _run(model: nn.Module, x: torch.Tensor, fuse: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    with use_sibling_fusion(fuse):
+        y = model(x)
+        (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return torch.cat([y.detach().flatten(), x.grad.flatten()]), grads
+
+
+@pytest.mark.parametrize("conv1d", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("trainable_base", [False, True])
+def test_fused_equals_unfused_values_and_gradients(conv1d: bool, bias: bool, trainable_base: bool) -> None:
+    torch.manual_seed(0)
+    model = _lora(_Siblings(conv1d=conv1d, bias=bias))
+    if trainable_base:
+        for layer in (model.q, model.k):
+            layer.weight.requires_grad_(True)
+            if layer.bias is not None:
+                layer.bias.requires_grad_(True)
+    x = torch.randn(2, 5, 6)
+    for _ in range(2):  # the first call resolves the groups and already fuses
+        fused_out, fused_grads = _run(model, x, True)
+        assert "_GroupFunctionBackward" in _node_names(model(x))
+        plain_out, plain_grads = _run(model, x, False)
+        torch.testing.assert_close(fused_out, plain_out, atol=1e-6, rtol=1e-5)
+        assert fused_grads.keys() == plain_grads.keys()
+        for name in plain_grads:
+            torch.testing.assert_close(fused_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert fused_groups(model) == [("q", "k", "v")]
+    assert getattr(siblings._local, "handout", None) is None  # every hand-out was taken
+
+
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_gradcheck_through_the_fused_group(conv1d: bool) -> None:
+    torch.manual_seed(0)
+    model = _lora(_Siblings(d=4, conv1d=conv1d)).double()
+    model.q.weight.requires_grad_(True)  # hybrid: a trainable base weight in the leader
+    model.v.bias.requires_grad_(True)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    params = [
+        p.detach().clone().requires_grad_(True) for name, p in model.named_parameters() if p.requires_grad
+    ]
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, dict(zip(names, ps)), (x,))
+
+    assert "_GroupFunctionBackward" in _node_names(f(x, *params))
+    assert torch.autograd.gradcheck(f, (x, *params))
+
+
+def test_tiny_llama_fuses_qkv_and_gate_up_and_equals_peft(make_tiny_model) -> None:
+    import peft
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    base = make_tiny_model("llama").train()
+    theirs = peft.get_peft_model(
+        copy.deepcopy(base),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False),
+    )
+    ours = loragen.get_lora_model(
+        copy.deepcopy(base), loragen.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
+    their_layers = {
+        n.removeprefix("base_model.model."): m
+        for n, m in theirs.named_modules()
+        if isinstance(m, peft.tuners.lora.Linear)
+    }
+    our_layers = {n: m for n, m in ours.named_modules() if isinstance(m, loragen.LoraLinear)}
+    with torch.no_grad():
+        for name, layer in our_layers.items():
+            layer.lora_A.copy_(their_layers[name].lora_A["default"].weight)
+            layer.lora_B.copy_(their_layers[name].lora_B["default"].weight)
+    ids = tiny_inputs("llama")["input_ids"]
+    for _ in range(2):
+        for model in (ours, theirs):
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+        for name, layer in our_layers.items():
+            for ours_p, theirs_p in (
+                (layer.lora_A, their_layers[name].lora_A["default"].weight),
+                (layer.lora_B, their_layers[name].lora_B["default"].weight),
+            ):
+                torch.testing.assert_close(ours_p.grad, theirs_p.grad, rtol=0, atol=1e-6, msg=name)
+    groups = fused_groups(ours)
+    assert len(groups) == 4
+    assert (
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.k_proj",
+        "model.layers.1.self_attn.v_proj",
+    ) in groups
+    assert ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj") in groups
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointing_from_the_first_step_and_across_two_forwards(use_reentrant: bool) -> None:
+    """The grouping is fixed before the first fused call, so a forward and its recomputation agree even
+    when two forwards share one backward (non-reentrant checkpointing checks that)."""
+    torch.manual_seed(0)
+    model = _lora(_Siblings())
+    reference = copy.deepcopy(model)
+    # reentrant checkpointing passes gradients only when an input requires them
+    x1, x2 = torch.randn(2, 3, 6, requires_grad=True), torch.randn(2, 3, 6, requires_grad=True)
+
+    def loss(m: nn.Module, x: torch.Tensor, checkpoint: bool) -> torch.Tensor:
+        if checkpoint:
+            return torch.utils.checkpoint.checkpoint(m, x, use_reentrant=use_reentrant).square().sum()
+        return m(x).square().sum()
+
+    for _ in range(2):
+        for m, checkpoint in ((model, True), (reference, False)):
+            m.zero_grad(set_to_none=True)
+            with use_sibling_fusion(m is model):
+                (loss(m, x1, checkpoint) + loss(m, x2, checkpoint)).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert fused_groups(model) == [("q", "k", "v")]
+
+
+def test_a_sibling_called_with_another_tensor_computes_its_own() -> None:
+    """A forward pre-hook replaces k's input: the plan says "sibling", the run time says no."""
+    torch.manual_seed(0)
+    model = _lora(_Siblings())
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.k.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    x = torch.randn(4, 6)
+    fused_out, fused_grads = _run(model, x, True)
+    plain_out, plain_grads = _run(reference, x, False)
+    torch.testing.assert_close(fused_out, plain_out, atol=1e-6, rtol=1e-5)
+    for name in plain_grads:
+        torch.testing.assert_close(fused_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_an_input_modified_in_place_between_calls_is_not_shared() -> None:
+    class InPlace(_Siblings):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.q(x)
+            x.mul_(3)  # same tensor object, new version: k must not use q's h
+            return q + self.k(x)[..., :-1] + self.v(x)
+
+    torch.manual_seed(0)
+    model = _lora(InPlace())
+    x = torch.randn(4, 6)
+    with use_sibling_fusion(True):
+        fused = model(x.clone())
+    with use_sibling_fusion(False):
+        plain = model(x.clone())
+    torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-5)
+
+
+def test_dropout_in_training_runs_alone_and_eval_fuses() -> None:
+    torch.manual_seed(0)
+    model = _lora(_Siblings(), lora_dropout=0.1)
+    x = torch.randn(4, 6)
+    assert "_GroupFunctionBackward" not in _node_names(model.train()(x))
+    assert "_GroupFunctionBackward" in _node_names(model.eval()(x.requires_grad_(True)))
+
+
+def test_direct_calls_copies_and_switches() -> None:
+    torch.manual_seed(0)
+    model = _lora(_Siblings())
+    x = torch.randn(4, 6, requires_grad=True)
+    model.k(x)  # called from outside its parent first: runs alone, nothing resolved yet
+    assert fused_groups(model) == []
+    model(x)
+    assert fused_groups(model) == [("q", "k", "v")]
+
+    clone = copy.deepcopy(model)  # the plan lives outside the modules: a copy resolves its own
+    clone(x).sum().backward()
+    assert fused_groups(clone) == [("q", "k", "v")]
+    assert all(p.grad is None for p in model.parameters())  # nothing of the original in the copy's graph
+
+    for switch in (use_sibling_fusion(False), loragen.ops.use_fused(False)):
+        with switch:
+            assert "_GroupFunctionBackward" not in _node_names(model(x))
+    model.k.fused = False  # a sibling that opts out is left out; q and v still share
+    assert "_GroupFunctionBackward" in _node_names(model(x))
