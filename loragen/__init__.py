@@ -14,15 +14,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from loragen.config import LoraConfig, LoraConfigError
+from loragen.config import LoraConfig
 from loragen.convert import (
-    LoraConversionError,
     get_lora_model,
     mark_trainable,
     merge_adapter,
     merge_and_unload,
     print_trainable_parameters,
     unmerge_adapter,
+)
+from loragen.errors import (
+    AdapterError,
+    LoraConfigError,
+    LoraConversionError,
+    LoraError,
+    LoraMergeError,
+    MergeError,
 )
 from loragen.layers import LoraConv1d, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
 
@@ -42,8 +49,12 @@ _LAZY = {
 
 __all__ = [
     "LoraConfig",
+    "LoraError",
     "LoraConfigError",
     "LoraConversionError",
+    "LoraMergeError",
+    "AdapterError",
+    "MergeError",
     "LoraLayer",
     "LoraLinear",
     "LoraEmbedding",
@@ -59,11 +70,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from loragen.layers import LoraConv1D
-    from loragen.training.optim import AdamW8bit, make_optimizer
-    from loragen.source.decorator import lora_convert
     from loragen.adapters.io import load_adapter, save_adapter
+    from loragen.layers import LoraConv1D
+    from loragen.source.decorator import lora_convert
     from loragen.source.rewrite import RewriteResult, rewrite_source
+    from loragen.training.optim import AdamW8bit, make_optimizer
 
 
 def __getattr__(name: str) -> Any:

@@ -15,11 +15,13 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Union
 
+from loragen.errors import LoraConfigError
+from loragen.validation import InitMode, check_alpha, check_dropout, check_flag, check_init, check_rank
+
 __all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "ALL_LINEAR", "FrozenDict"]
 
 ALL_LINEAR = "all-linear"
 BiasMode = Literal["none", "all", "lora_only"]
-InitMode = Union[bool, Literal["gaussian"]]
 _BIAS_MODES = ("none", "all", "lora_only")
 
 # peft fields that carry no meaning for a LoRA adapter's math (metadata), accepted and dropped.
@@ -54,10 +56,6 @@ class FrozenDict(dict):  # type: ignore[type-arg]
         return (type(self), (dict(self),))
 
 
-class LoraConfigError(ValueError):
-    """A LoRA configuration value is invalid; the message names the field and the value."""
-
-
 class LoraConfigWarning(UserWarning):
     """A peft configuration field loragen does not know was ignored."""
 
@@ -84,8 +82,8 @@ def _freeze_pattern(field: str, value: Any, kind: type) -> Mapping[str, Any]:
         _check_regex(f"{field}[{key!r}]", key)
         if isinstance(item, bool) or not isinstance(item, (int, float)) or (kind is int and item != int(item)):
             raise LoraConfigError(f"{field}[{key!r}]={item!r}: expected a {kind.__name__}")
-        if kind is int and item <= 0:
-            raise LoraConfigError(f"{field}[{key!r}]={item!r}: the rank must be a positive integer")
+        if kind is int:
+            check_rank(item, f"{field}[{key!r}]")
     return FrozenDict({k: kind(v) for k, v in value.items()})
 
 
@@ -154,30 +152,14 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
-            raise LoraConfigError(f"r={self.r!r}: the rank must be a positive integer")
-        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float)) or not math.isfinite(
-            self.lora_alpha
-        ):
-            raise LoraConfigError(f"lora_alpha={self.lora_alpha!r}: expected a finite number")
-        if (
-            isinstance(self.lora_dropout, bool)
-            or not isinstance(self.lora_dropout, (int, float))
-            or not 0.0 <= self.lora_dropout < 1.0
-        ):
-            raise LoraConfigError(f"lora_dropout={self.lora_dropout!r}: expected a probability with 0 <= p < 1")
+        check_rank(self.r)
+        check_alpha(self.lora_alpha)
+        check_dropout(self.lora_dropout)
         if self.bias not in _BIAS_MODES:
             raise LoraConfigError(f"bias={self.bias!r}: expected one of {', '.join(map(repr, _BIAS_MODES))}")
-        for name in ("use_rslora", "fan_in_fan_out"):
-            if not isinstance(getattr(self, name), bool):
-                raise LoraConfigError(f"{name}={getattr(self, name)!r}: expected True or False")
-        if self.init_lora_weights not in (True, False, "gaussian") or (
-            not isinstance(self.init_lora_weights, (bool, str))
-        ):
-            raise LoraConfigError(
-                f"init_lora_weights={self.init_lora_weights!r}: expected True, False or 'gaussian' "
-                "(peft's other schemes - pissa, olora, loftq, eva, corda - are not supported)"
-            )
+        check_flag(self.use_rslora, "use_rslora")
+        check_flag(self.fan_in_fan_out, "fan_in_fan_out")
+        check_init(self.init_lora_weights)
         for name in ("target_modules", "exclude_modules"):
             value = _freeze_names(name, getattr(self, name))
             if isinstance(value, str) and value != ALL_LINEAR:

@@ -16,8 +16,9 @@ from typing import TextIO, TypeVar
 from torch import nn
 
 from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.errors import LoraConversionError
 from loragen.layers import LoraLayer
-from loragen.registry import REGISTRY, spec_for, supported_type_names
+from loragen.registry import linear_base_types, spec_for, supported_type_names
 
 __all__ = [
     "CONFIG_ATTR",
@@ -39,10 +40,6 @@ __all__ = [
 M = TypeVar("M", bound=nn.Module)
 CONFIG_ATTR = "loragen_config"
 _SHOWN_NAMES = 20
-
-
-class LoraConversionError(ValueError):
-    """A model cannot be converted as asked; the message names the module paths involved."""
 
 
 def find_lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
@@ -84,7 +81,7 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[
         )
     if targets != ALL_LINEAR:
         return targets
-    linear_types = tuple(t for spec in REGISTRY if spec.linear and (t := spec.base_type()) is not None)
+    linear_types = linear_base_types()
     heads = _output_head_names(model)
     return tuple(
         name for name, m in model.named_modules() if name and type(m) in linear_types and name not in heads

@@ -1,8 +1,19 @@
-"""The one table that maps a torch layer type to its LoRA layer class.
+"""The registry: every fact loragen knows per layer type, in one table.
 
-The runtime converter looks types up here; the decorator and the source rewriter match constructor
-calls against the qualified names here. Adding a layer type is one LoRA class in :mod:`loragen.layers`
-plus one :class:`LayerSpec` below.
+A :class:`LayerSpec` says, for one base layer type (``torch.nn.Linear``, transformers' ``Conv1D``, a
+user's own layer):
+
+* how a module or a constructor call is matched: the qualified names of the base type (the decorator and
+  the rewriter match calls by qualified name; the runtime converter by type), and whether subclasses of
+  the base type are converted too;
+* which LoRA class replaces it, by importable qualified name (generated code imports it from there);
+* the :class:`Layout` of its LoRA factors: their attribute names, peft's key suffixes, and how the update
+  ``B @ A`` lines up with the stored base weight (used by merges, in memory and streaming);
+* whether it counts as a linear layer for ``target_modules="all-linear"``.
+
+The layer modules register loragen's own types when :mod:`loragen.layers` is imported;
+:func:`loragen.register_layer` adds a user's. Everything else (conversion, the decorator, the rewriter,
+adapter save/load, ``loragen merge``, ``loragen inspect``, sibling fusion) reads these facts from here.
 """
 
 from __future__ import annotations
@@ -10,49 +21,142 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+import threading
+from collections.abc import Iterator
 from functools import cache
 
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["LayerSpec", "REGISTRY", "lora_class_for", "spec_for", "supported_type_names", "spec_by_qualname"]
+__all__ = [
+    "Layout",
+    "PLAIN",
+    "TRANSPOSED",
+    "EMBEDDING",
+    "LAYOUTS",
+    "LayerSpec",
+    "register",
+    "unregister",
+    "specs",
+    "spec_for",
+    "spec_for_qualname",
+    "spec_for_lora_type",
+    "supported_type_names",
+    "linear_base_types",
+    "factor_suffixes",
+]
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a layer's two LoRA factors are named, stored in peft's files, and merged into its weight.
+
+    Attributes:
+        name: ``"plain"`` (weight ``(out, in, *kernel)``: Linear, ConvNd), ``"transposed"`` (weight
+            ``(in, out)``: transformers' ``Conv1D``) or ``"embedding"`` (table ``(num_embeddings, dim)``).
+        factor_names: the attribute names of A and B on a loragen layer.
+        peft_suffixes: the key suffixes of A and B in peft's ``adapter_model.safetensors``.
+    """
+
+    name: str
+    factor_names: tuple[str, str]
+    peft_suffixes: tuple[str, str]
+
+    def weight_shape(self, a: Shape, b: Shape) -> Shape:
+        """The shape of the base weight that factors of shapes ``a`` (A) and ``b`` (B) update."""
+        if self.name == "plain":
+            return (b[0], *a[1:])
+        return (a[1], b[0])  # transposed (in, out) and embedding (num_embeddings, dim)
+
+    def delta(self, a: Tensor, b: Tensor) -> Tensor:
+        """``B @ A`` in the base weight's layout (unscaled), in the factors' dtype."""
+        product = b.flatten(1) @ a.flatten(1)  # (out, in * prod(kernel)) or (dim, num_embeddings)
+        if self.name == "plain":
+            return product.view(self.weight_shape(tuple(a.shape), tuple(b.shape)))
+        return product.t()
+
+    def delta_rows(self, a: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` of :meth:`delta` (its first dimension), computed from those rows only:
+        what a streaming merge adds to one block of a stored weight, flattened to ``(rows, -1)``."""
+        if self.name == "plain":
+            return b[start:stop].flatten(1) @ a.flatten(1)
+        return a[:, start:stop].t() @ b.t()
+
+
+PLAIN = Layout("plain", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
+TRANSPOSED = Layout("transposed", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
+EMBEDDING = Layout("embedding", ("lora_embedding_A", "lora_embedding_B"), ("lora_embedding_A", "lora_embedding_B"))
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PLAIN, TRANSPOSED, EMBEDDING)}
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """One convertible layer type.
+    """One convertible base layer type and everything loragen knows about it.
 
     Attributes:
-        base_qualname: the public qualified name of the torch layer (``"torch.nn.Linear"``).
-        lora_name: the LoRA class's name, importable as ``from loragen import <lora_name>``.
-        aliases: other qualified names the same class is reachable under (its defining module, re-exports).
+        base_qualname: the public qualified name of the base type (``"torch.nn.Linear"``).
+        lora_qualname: where the LoRA class is imported from (``"loragen.layers.LoraLinear"``).
+        aliases: other qualified names the base type is reachable under (its defining module, re-exports).
+        layout: the LoRA factors' names, peft key suffixes and merge layout.
         linear: whether the layer counts as "linear" for ``target_modules="all-linear"``.
+        subclasses: whether subclasses of the base type are converted too (their own ``forward`` computes
+            the base output); otherwise only the exact type matches.
+        lora_class: the LoRA class itself, when it is already imported (saves the import by name).
     """
 
     base_qualname: str
-    lora_name: str
+    lora_qualname: str
     aliases: tuple[str, ...] = ()
+    layout: Layout = PLAIN
     linear: bool = False
+    subclasses: bool = False
+    lora_class: type[nn.Module] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def qualnames(self) -> tuple[str, ...]:
         """Every qualified name that denotes the base layer type."""
         return (self.base_qualname, *self.aliases)
 
+    @property
+    def lora_name(self) -> str:
+        """The LoRA class's name (the last part of :attr:`lora_qualname`)."""
+        return self.lora_qualname.rpartition(".")[2]
+
+    @property
+    def lora_module(self) -> str:
+        """The module the LoRA class is imported from."""
+        return self.lora_qualname.rpartition(".")[0]
+
     def base_type(self) -> type[nn.Module] | None:
         """The base class, or None when its package is not installed or not imported yet.
 
-        A package that is not imported cannot have built any module of ours to convert, so looking a
-        module up never pays for importing transformers.
+        A package that is not imported cannot have built any module to convert, so looking a module up
+        never pays for importing, say, transformers.
         """
         if self.base_qualname.partition(".")[0] not in sys.modules:
             return None
         return _import_qualname(self.base_qualname)
 
     def lora_type(self) -> type[nn.Module]:
-        """The LoRA class."""
-        from loragen import layers
+        """The LoRA class.
 
-        return getattr(layers, self.lora_name)
+        Raises:
+            ImportError: it cannot be imported from :attr:`lora_qualname`.
+        """
+        if self.lora_class is not None:
+            return self.lora_class
+        found = _import_qualname(self.lora_qualname)
+        if found is None:
+            raise ImportError(f"the LoRA class {self.lora_qualname} for {self.base_qualname} cannot be imported")
+        return found
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether this spec converts ``module``: its exact type, or a subclass when :attr:`subclasses`."""
+        base = self.base_type()
+        if base is None:
+            return False
+        return type(module) is base or (self.subclasses and isinstance(module, base))
 
 
 @cache
@@ -65,48 +169,90 @@ def _import_qualname(qualname: str) -> type[nn.Module] | None:
     return getattr(module, attr, None)
 
 
-REGISTRY: tuple[LayerSpec, ...] = (
-    LayerSpec("torch.nn.Linear", "LoraLinear", ("torch.nn.modules.linear.Linear",), linear=True),
-    LayerSpec("torch.nn.Embedding", "LoraEmbedding", ("torch.nn.modules.sparse.Embedding",)),
-    LayerSpec("torch.nn.Conv1d", "LoraConv1d", ("torch.nn.modules.conv.Conv1d",)),
-    LayerSpec("torch.nn.Conv2d", "LoraConv2d", ("torch.nn.modules.conv.Conv2d",)),
-    LayerSpec(
-        "transformers.pytorch_utils.Conv1D",
-        "LoraConv1D",
-        ("transformers.modeling_utils.Conv1D", "transformers.Conv1D"),
-        linear=True,
-    ),
-)
+_lock = threading.Lock()
+_specs: dict[str, LayerSpec] = {}
+
+
+def register(spec: LayerSpec, *, replace: bool = False) -> LayerSpec:
+    """Add ``spec`` to the registry and return it.
+
+    Raises:
+        ValueError: a spec for the same base type is registered already (and ``replace`` is False).
+    """
+    with _lock:
+        existing = _specs.get(spec.base_qualname)
+        if existing is not None and existing != spec and not replace:
+            raise ValueError(
+                f"{spec.base_qualname} is registered already (LoRA class {existing.lora_qualname}); "
+                "pass replace=True to replace it"
+            )
+        _specs[spec.base_qualname] = spec
+        spec_for_lora_type.cache_clear()
+        _import_qualname.cache_clear()
+    return spec
+
+
+def unregister(base_qualname: str) -> None:
+    """Remove the spec of ``base_qualname`` (a no-op when none is registered)."""
+    with _lock:
+        _specs.pop(base_qualname, None)
+        spec_for_lora_type.cache_clear()
+
+
+def specs() -> tuple[LayerSpec, ...]:
+    """Every registered spec, in registration order."""
+    return tuple(_specs.values())
 
 
 def spec_for(module: nn.Module) -> LayerSpec | None:
-    """The spec whose base type is exactly ``type(module)``.
-
-    Subclasses are not matched: a subclass may override ``forward`` (or, like the output projection of
-    ``nn.MultiheadAttention``, be used through its weight without calling ``forward``), and a LoRA layer
-    built from its base class would silently change what the model computes.
-    """
-    for spec in REGISTRY:
+    """The spec that converts ``module``: an exact type match first, then the spec of the most
+    specific registered base class among those that accept subclasses."""
+    subclass_matches: list[tuple[int, LayerSpec]] = []
+    for spec in _specs.values():
         base = spec.base_type()
-        if base is not None and type(module) is base:
+        if base is None:
+            continue
+        if type(module) is base:
             return spec
-    return None
+        if spec.subclasses and isinstance(module, base):
+            subclass_matches.append((type(module).__mro__.index(base), spec))
+    return min(subclass_matches, key=lambda item: item[0])[1] if subclass_matches else None
 
 
-def lora_class_for(module: nn.Module) -> type[nn.Module] | None:
-    """The LoRA class that replaces ``module``, or None if its type is not supported."""
-    spec = spec_for(module)
-    return None if spec is None else spec.lora_type()
-
-
-def spec_by_qualname(qualname: str) -> LayerSpec | None:
+def spec_for_qualname(qualname: str) -> LayerSpec | None:
     """The spec a qualified name (``"torch.nn.Conv2d"``, ``"transformers.pytorch_utils.Conv1D"``) denotes."""
-    for spec in REGISTRY:
+    for spec in _specs.values():
         if qualname in spec.qualnames:
             return spec
     return None
 
 
+@cache
+def spec_for_lora_type(lora_type: type[nn.Module]) -> LayerSpec | None:
+    """The spec whose LoRA class is ``lora_type`` or one of its bases (LoRA classes made for
+    subclasses of a base type derive from that type's LoRA class)."""
+    for cls in lora_type.__mro__:
+        for spec in _specs.values():
+            if spec.lora_class is cls or (
+                spec.lora_class is None and f"{cls.__module__}.{cls.__qualname__}" == spec.lora_qualname
+            ):
+                return spec
+    return None
+
+
 def supported_type_names() -> list[str]:
     """The qualified names of all supported base layer types, for error messages."""
-    return [spec.base_qualname for spec in REGISTRY]
+    return [spec.base_qualname + (" (and subclasses)" if spec.subclasses else "") for spec in _specs.values()]
+
+
+def linear_base_types() -> tuple[type[nn.Module], ...]:
+    """The imported base types that ``target_modules="all-linear"`` selects."""
+    return tuple(t for spec in _specs.values() if spec.linear and (t := spec.base_type()) is not None)
+
+
+def factor_suffixes() -> Iterator[tuple[str, Layout, int]]:
+    """``(peft key suffix, layout, factor index)`` for every factor of every layout: index 0 is A, 1 is B."""
+    for layout in LAYOUTS.values():
+        for index, suffix in enumerate(layout.peft_suffixes):
+            yield suffix, layout, index
+

@@ -41,6 +41,7 @@ from loragen.convert import (
     plan_conversion,
     set_submodule,
 )
+from loragen.errors import AdapterError
 from loragen.layers import LoraLayer
 
 __all__ = [
@@ -105,10 +106,6 @@ _ST_DTYPES: dict[str, tuple[int, str | None]] = {
 }
 # A header larger than this is not a real safetensors header (the format's own limit is 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
-
-
-class AdapterError(ValueError):
-    """An adapter folder cannot be read, or does not fit the model; the message names the file or key."""
 
 
 # ---- safetensors headers ----------------------------------------------------------------------

@@ -26,7 +26,6 @@ from typing import BinaryIO, Literal
 
 import torch
 
-from loragen.atomic import atomic_dir, atomic_file
 from loragen.adapters.io import (
     Adapter,
     AdapterError,
@@ -36,6 +35,8 @@ from loragen.adapters.io import (
     read_adapter,
     read_safetensors_header,
 )
+from loragen.atomic import atomic_dir, atomic_file
+from loragen.errors import MergeError
 
 __all__ = [
     "MergeError",
@@ -54,10 +55,6 @@ _MERGEABLE_DTYPES = ("F16", "BF16", "F32", "F64")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 # Untouched bytes are copied, and merged tensors computed, in blocks of about this many bytes.
 _BLOCK_BYTES = 4 << 20
-
-
-class MergeError(ValueError):
-    """The adapter does not fit the checkpoint, or the output cannot be written; names keys and paths."""
 
 
 # ---- the checkpoint ---------------------------------------------------------------------------------

@@ -46,9 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``loragen merge``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
-    from loragen.config import LoraConfigError
     from loragen.adapters.io import AdapterError
     from loragen.adapters.merge import MergeError, merge_checkpoint
+    from loragen.config import LoraConfigError
 
     try:
         report = merge_checkpoint(

@@ -26,6 +26,7 @@ from loragen.layers.base import InitMode, LoraLayer, LoraMergeError, adapter_dty
 from loragen.layers.conv import LoraConv1d, LoraConv2d
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear
+from loragen.registry import TRANSPOSED, LayerSpec, register
 
 __all__ = [
     "InitMode",
@@ -38,6 +39,17 @@ __all__ = [
     "LoraMergeError",
     "adapter_dtype_for",
 ]
+
+# transformers' Conv1D: the LoRA class is built on first use (it imports transformers)
+register(
+    LayerSpec(
+        "transformers.pytorch_utils.Conv1D",
+        "loragen.layers.LoraConv1D",
+        ("transformers.modeling_utils.Conv1D", "transformers.Conv1D"),
+        TRANSPOSED,
+        linear=True,
+    )
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from loragen.config import LoraConfigError
+from loragen.errors import LoraMergeError
+from loragen.registry import Layout, spec_for_lora_type
+from loragen.validation import InitMode, check_lora_args
 
 __all__ = ["InitMode", "LoraLayer", "LoraMergeError", "adapter_dtype_for", "share_base_params", "plain_copy"]
-
-InitMode = Union[bool, Literal["gaussian"]]
-
-
-class LoraMergeError(RuntimeError):
-    """The layer cannot be merged exactly (e.g. an Embedding with ``max_norm``)."""
-
 
 def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
     """The dtype LoRA factors get for a base weight of ``base_dtype``.
@@ -31,17 +26,6 @@ def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
     return base_dtype
 
 
-def _check_lora_args(r: int, lora_alpha: float, lora_dropout: float, init_lora_weights: Any) -> None:
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise LoraConfigError(f"r={r!r}: the rank must be a positive integer")
-    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not math.isfinite(lora_alpha):
-        raise LoraConfigError(f"lora_alpha={lora_alpha!r}: expected a finite number")
-    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
-        raise LoraConfigError(f"lora_dropout={lora_dropout!r}: expected a probability with 0 <= p < 1")
-    if init_lora_weights not in (True, False, "gaussian") or not isinstance(init_lora_weights, (bool, str)):
-        raise LoraConfigError(f"init_lora_weights={init_lora_weights!r}: expected True, False or 'gaussian'")
-
-
 class LoraLayer(nn.Module):
     """Common state and behaviour of all LoRA layers (a mixin; the concrete classes also subclass a
     torch layer, which comes first in the MRO so its ``forward``-related attributes are the real ones).
@@ -51,10 +35,6 @@ class LoraLayer(nn.Module):
         lora_dropout_p: dropout probability on the branch's input. use_rslora: rank-stabilised scaling.
         merged: whether ``scaling * B @ A`` is currently added into ``weight``.
     """
-
-    # attribute name of the factor applied first / second, and their keys in peft's files
-    _factor_names: tuple[str, str] = ("lora_A", "lora_B")
-    _peft_suffixes: tuple[str, str] = ("lora_A.weight", "lora_B.weight")
 
     weight: nn.Parameter
     r: int
@@ -72,7 +52,7 @@ class LoraLayer(nn.Module):
         use_rslora: bool,
         init_lora_weights: InitMode,
     ) -> None:
-        _check_lora_args(r, lora_alpha, lora_dropout, init_lora_weights)
+        check_lora_args(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
         self.r = r
         self.lora_alpha = lora_alpha
         self.use_rslora = bool(use_rslora)
@@ -81,11 +61,26 @@ class LoraLayer(nn.Module):
         self.merged = False
         factory = {"device": self.weight.device, "dtype": adapter_dtype_for(self.weight.dtype)}
         a_shape, b_shape = self._factor_shapes()
-        first, second = self._factor_names
+        first, second = self.layout.factor_names
         setattr(self, first, nn.Parameter(torch.empty(a_shape, **factory)))
         setattr(self, second, nn.Parameter(torch.empty(b_shape, **factory)))
         if self.weight.device.type != "meta":
             self.reset_lora_parameters(init_lora_weights)
+
+    @property
+    def layout(self) -> Layout:
+        """The registry's layout of this layer type: factor names, peft key suffixes, merge layout.
+
+        Raises:
+            TypeError: the class is not registered (see :func:`loragen.register_layer`).
+        """
+        spec = spec_for_lora_type(type(self))
+        if spec is None:
+            raise TypeError(
+                f"{type(self).__qualname__} is not a registered LoRA layer class; "
+                "register it with loragen.register_layer(base_type, lora_class=...)"
+            )
+        return spec.layout
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError(f"{type(self).__name__} must define the shapes of its LoRA factors")
@@ -95,16 +90,16 @@ class LoraLayer(nn.Module):
     @property
     def factor_a(self) -> nn.Parameter:
         """The first LoRA factor (``lora_A``, or ``lora_embedding_A``)."""
-        return getattr(self, self._factor_names[0])
+        return getattr(self, self.layout.factor_names[0])
 
     @property
     def factor_b(self) -> nn.Parameter:
         """The second LoRA factor (``lora_B``, or ``lora_embedding_B``)."""
-        return getattr(self, self._factor_names[1])
+        return getattr(self, self.layout.factor_names[1])
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         """The LoRA parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}``."""
-        return {name: getattr(self, name) for name in self._factor_names}
+        return {name: getattr(self, name) for name in self.layout.factor_names}
 
     def peft_key_suffixes(self) -> dict[str, str]:
         """Attribute name -> the key suffix peft uses in ``adapter_model.safetensors``.
@@ -112,7 +107,8 @@ class LoraLayer(nn.Module):
         ``{"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}`` for Linear / Conv / Conv1D, and
         ``{"lora_embedding_A": "lora_embedding_A", ...}`` for Embedding.
         """
-        return dict(zip(self._factor_names, self._peft_suffixes))
+        layout = self.layout
+        return dict(zip(layout.factor_names, layout.peft_suffixes))
 
     def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
         """(Re)initialise A and B as peft does.
@@ -139,7 +135,8 @@ class LoraLayer(nn.Module):
 
     def delta_weight(self) -> Tensor:
         """``scaling * B @ A`` in the base weight's layout, in float32 (float64 for float64 weights)."""
-        raise NotImplementedError
+        dtype = self._merge_dtype()
+        return self.layout.delta(self.factor_a.to(dtype), self.factor_b.to(dtype)) * self.scaling
 
     def _check_mergeable(self) -> None:
         """Raise :class:`LoraMergeError` if merged and unmerged outputs could not agree."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from typing_extensions import Self
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from loragen.layers.base import InitMode, LoraLayer, plain_copy, share_base_params
+from loragen.registry import PLAIN, LayerSpec, register
 
 __all__ = ["LoraConv1d", "LoraConv2d"]
 
@@ -87,10 +87,6 @@ class _LoraConvNd(LoraLayer):
             # A grouped weight cannot be factored through r channels; convolve with the composed weight.
             lora = self._conv_forward(x_lora, self._composed_weight(), None)  # type: ignore[attr-defined]
         return (result + lora * self.scaling).to(result.dtype)
-
-    def delta_weight(self) -> Tensor:
-        a, b = self.lora_A.to(self._merge_dtype()), self.lora_B.to(self._merge_dtype())
-        return (b.flatten(1) @ a.flatten(1)).view(self.weight.shape) * self.scaling
 
     def to_base(self) -> nn.Module:
         return plain_copy(self._base_cls, self, **self._conv_args())
@@ -172,3 +168,11 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
 
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self.lora_extra_repr()}"
+
+
+register(
+    LayerSpec("torch.nn.Conv1d", "loragen.layers.LoraConv1d", ("torch.nn.modules.conv.Conv1d",), PLAIN, lora_class=LoraConv1d)
+)
+register(
+    LayerSpec("torch.nn.Conv2d", "loragen.layers.LoraConv2d", ("torch.nn.modules.conv.Conv2d",), PLAIN, lora_class=LoraConv2d)
+)

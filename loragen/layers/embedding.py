@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loragen.layers.base import InitMode, LoraLayer, LoraMergeError
+from loragen.registry import EMBEDDING, LayerSpec, register
 
 __all__ = ["LoraEmbedding"]
 
@@ -19,9 +20,6 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
     base's ``padding_idx`` (that row of A gets no gradient). ``max_norm`` renormalises looked-up rows,
     which is not linear: such a layer trains, but cannot be merged exactly and refuses to.
     """
-
-    _factor_names = ("lora_embedding_A", "lora_embedding_B")
-    _peft_suffixes = ("lora_embedding_A", "lora_embedding_B")
 
     def __init__(
         self,
@@ -99,10 +97,6 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         lora = after_a @ self.lora_embedding_B.t()  # (..., embedding_dim)
         return (result + lora * self.scaling).to(result.dtype)
 
-    def delta_weight(self) -> Tensor:
-        # (num_embeddings, embedding_dim), the layout of the embedding table
-        return (self.lora_embedding_B.to(self._merge_dtype()) @ self.lora_embedding_A.to(self._merge_dtype())).t() * self.scaling
-
     def _check_mergeable(self) -> None:
         if self.max_norm is not None:
             raise LoraMergeError(
@@ -122,3 +116,11 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.lora_extra_repr()}"
+
+
+register(
+    LayerSpec(
+        "torch.nn.Embedding", "loragen.layers.LoraEmbedding", ("torch.nn.modules.sparse.Embedding",), EMBEDDING,
+        lora_class=LoraEmbedding,
+    )
+)

@@ -88,11 +88,6 @@ def build_lora_conv1d() -> type[LoraLayer]:
                 self.training, fan_in_fan_out=True,
             )
 
-        def delta_weight(self) -> Tensor:
-            # (nx, nf): the transposed Linear-orientation update
-            dtype = self._merge_dtype()
-            return (self.lora_B.to(dtype) @ self.lora_A.to(dtype)).t() * self.scaling
-
         def to_base(self) -> nn.Module:
             nx, nf = self.weight.shape
             return plain_copy(HFConv1D, self, nf, nx)

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from loragen.layers.base import InitMode, LoraLayer, plain_copy, share_base_params
 from loragen.ops import lora_linear, lora_linear_reference, siblings
+from loragen.registry import PLAIN, LayerSpec, register
 
 __all__ = ["LoraLinear"]
 
@@ -72,11 +73,16 @@ class LoraLinear(nn.Linear, LoraLayer):
             x, self.weight, self.bias, self.lora_A, self.lora_B, self.scaling, self.lora_dropout_p, self.training
         )
 
-    def delta_weight(self) -> Tensor:
-        return (self.lora_B.to(self._merge_dtype()) @ self.lora_A.to(self._merge_dtype())) * self.scaling
-
     def to_base(self) -> nn.Linear:
         return plain_copy(nn.Linear, self, self.in_features, self.out_features, bias=self.bias is not None)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.lora_extra_repr()}"
+
+
+register(
+    LayerSpec(
+        "torch.nn.Linear", "loragen.layers.LoraLinear", ("torch.nn.modules.linear.Linear",), PLAIN, linear=True,
+        lora_class=LoraLinear,
+    )
+)

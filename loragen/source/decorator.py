@@ -30,11 +30,12 @@ from typing import Any, TypeVar, overload
 
 from torch import nn
 
-from loragen.source.codegen import is_identifier, render
 from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR, convert_module, mark_trainable, plan_conversion
+from loragen.errors import LoraConvertError
 from loragen.layers import LoraLayer
-from loragen.registry import REGISTRY, LayerSpec
+from loragen.registry import LayerSpec, specs
+from loragen.source.codegen import is_identifier, render
 from loragen.source.scan import ClassScan, LayerField, ScanError, ScanResult, scan_source
 
 __all__ = [
@@ -59,10 +60,6 @@ GENERATED_METHODS = (
     "merge_weights",
     "unmerge_weights",
 )
-
-
-class LoraConvertError(TypeError):
-    """``@lora_convert`` cannot expand a class (no source, not a module, a name clash); says why."""
 
 
 @overload
@@ -205,7 +202,7 @@ def _base_expression(spec: LayerSpec, imports: dict[str, set[str]]) -> str:
 
 
 def _render(cls: type, scan: ClassScan) -> str:
-    specs = {spec.base_qualname: spec for spec in REGISTRY}
+    by_name = {spec.base_qualname: spec for spec in specs()}
     imports: dict[str, set[str]] = {"loragen.source": {"decorator as _lora"}, "loragen.layers": set()}
     short = Path(scan.location.filename).name
     branches: list[dict[str, Any]] = []
@@ -217,7 +214,7 @@ def _render(cls: type, scan: ClassScan) -> str:
         if len(segments) > 2 or (field.attribute, field.layer, container) in seen:
             continue  # deeper nesting goes through the runtime path; one branch per attribute and type
         seen.add((field.attribute, field.layer, container))
-        spec = specs[field.layer]
+        spec = by_name[field.layer]
         base = _base_expression(spec, imports)
         imports["loragen.layers"].add(spec.lora_name)
         name = repr(field.attribute).replace("'", '"')

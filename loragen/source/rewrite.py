@@ -35,6 +35,8 @@ from pathlib import Path
 
 import libcst as cst
 
+from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.source.codegen import py_literal
 from loragen.source.edits import (
     Editor,
     edit_call,
@@ -43,10 +45,8 @@ from loragen.source.edits import (
     lora_keywords,
     top_level_bindings,
 )
-from loragen.source.targets import PRETRAINED, Targets, instances
-from loragen.source.codegen import py_literal
-from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.source.scan import LayerField, ScanError, ScannedModule, scan_module
+from loragen.source.targets import PRETRAINED, Targets, instances
 
 __all__ = ["Diagnostic", "RewriteResult", "RewrittenCall", "module_name_for_path", "rewrite_source"]
 

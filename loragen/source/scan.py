@@ -32,6 +32,8 @@ import libcst as cst
 import libcst.metadata as md
 from libcst.helpers.module import ModuleNameAndPackage
 
+from loragen.errors import ScanError
+
 __all__ = [
     "ClassScan",
     "LayerField",
@@ -45,17 +47,6 @@ __all__ = [
     "scan_module",
     "scan_source",
 ]
-
-
-class ScanError(ValueError):
-    """The source cannot be scanned (it is not valid Python); the message starts with ``file:line:``."""
-
-    def __init__(self, message: str, *, filename: str, line: int, column: int = 0) -> None:
-        super().__init__(f"{filename}:{line}: {message}")
-        self.filename = filename
-        self.line = line
-        self.column = column
-        self.reason = message
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,9 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 
-from loragen.source.codegen import py_literal
 from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.registry import REGISTRY
+from loragen.registry import spec_for_qualname
+from loragen.source.codegen import py_literal
 from loragen.source.scan import LayerField, ScanResult
 
 __all__ = ["PRETRAINED", "Decision", "Targets", "instances"]
@@ -94,7 +94,8 @@ class Targets:
 
     def matches(self, field: LayerField, path: str) -> bool:
         if self.config.target_modules == ALL_LINEAR:
-            spec = next(s for s in REGISTRY if s.base_qualname == field.layer)
+            spec = spec_for_qualname(field.layer)
+            assert spec is not None  # the scanner only reports registered layer types
             return self.config.matches_target(path, (path,) if spec.linear else ())
         return self.config.matches_target(path)
 

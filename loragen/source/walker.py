@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 import libcst as cst
 import libcst.metadata as md
 
-from loragen.registry import REGISTRY, LayerSpec
+from loragen.registry import LayerSpec, specs
 from loragen.source.scan import (
     ClassScan,
     LayerField,
@@ -78,7 +78,7 @@ class ModuleScanner:
         self.positions = wrapper.resolve(md.PositionProvider)
         self.module_prefix = (module or "__scanned__") + "."
         self.layer_names: dict[str, tuple[LayerSpec, bool]] = {}
-        for spec in REGISTRY:
+        for spec in specs():
             for qualname in spec.qualnames:
                 self.layer_names[qualname] = (spec, False)
             self.layer_names[f"loragen.{spec.lora_name}"] = (spec, True)

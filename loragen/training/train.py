@@ -29,6 +29,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from loragen.errors import TrainingSetupError
+
 __all__ = [
     "TrainingSetupError",
     "checkpoint_modules",
@@ -38,10 +40,6 @@ __all__ = [
     "unwrap_model",
     "wrap_ddp",
 ]
-
-
-class TrainingSetupError(ValueError):
-    """A training helper was given a model or module it cannot work with; the message says why."""
 
 
 def _make_output_require_grad(module: nn.Module, inputs: Any, output: Any) -> None:

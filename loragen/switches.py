@@ -1,0 +1,132 @@
+"""loragen's process-wide switches, all with one naming scheme.
+
+Each switch is a :class:`Switch` object here, named like what it turns on. Its value:
+
+* starts from the environment variable ``LORAGEN_<NAME>`` (``LORAGEN_FUSED=0``) or its default;
+* is read with ``switches.<name>.get()``;
+* is changed for a block with ``with switches.<name>.using(value): ...`` (restored afterwards, also on
+  an exception).
+
+Switches are process-wide, not per thread, as torch's own global flags are.
+
+================= ================= ======================================================================
+switch             values            what it controls
+================= ================= ======================================================================
+fused              True / False      LoRA linears run loragen's fused op (True) or peft's plain composition
+sibling_fusion     True / False      LoRA linears reading one input share one autograd node
+cpu_kernels        True / False      the compiled AVX-512 kernels of the CPU dropout path
+dropout_rng        "bits"/"philox"   the generator of CPU dropout masks
+cuda_kernels       "check"/"trust"/  loragen's CUDA kernels: checked against the torch path on first use
+                   "torch"           (default), used unchecked, or never used (the torch path instead)
+================= ================= ======================================================================
+
+Environment values: ``1/0``, ``true/false``, ``on/off``, ``yes/no`` for the boolean switches; one of the
+listed strings for the others. A value that is not understood raises :class:`ValueError` naming the
+variable when the switch is first read.
+
+Example::
+
+    from loragen import switches
+
+    with switches.fused.using(False):   # compare against peft's composition
+        loss = model(x).sum()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+__all__ = ["Switch", "fused", "sibling_fusion", "cpu_kernels", "dropout_rng", "cuda_kernels", "all_switches"]
+
+T = TypeVar("T", bool, str)
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+class Switch(Generic[T]):
+    """A process-wide setting with an environment default.
+
+    Args:
+        name: the switch's name; its environment variable is ``LORAGEN_<NAME>``.
+        default: the value when the environment does not set one.
+        choices: the accepted values of a string switch (``()`` for a boolean switch).
+        doc: one line saying what the switch controls.
+    """
+
+    def __init__(self, name: str, default: T, choices: tuple[str, ...] = (), doc: str = "") -> None:
+        self.name = name
+        self.default = default
+        self.choices = choices
+        self.doc = doc
+        self._value: T | None = None
+
+    @property
+    def env_var(self) -> str:
+        """The environment variable that sets the starting value."""
+        return f"LORAGEN_{self.name.upper()}"
+
+    def _parse(self, raw: object, source: str) -> T:
+        if isinstance(self.default, bool):
+            if isinstance(raw, bool):
+                return raw  # type: ignore[return-value]
+            text = str(raw).strip().lower()
+            if text in _TRUE:
+                return True  # type: ignore[return-value]
+            if text in _FALSE:
+                return False  # type: ignore[return-value]
+            raise ValueError(f"{source}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+        if raw not in self.choices:
+            raise ValueError(f"{source}={raw!r}: expected one of {', '.join(map(repr, self.choices))}")
+        return raw  # type: ignore[return-value]
+
+    def get(self) -> T:
+        """The current value.
+
+        Raises:
+            ValueError: the environment variable holds a value this switch does not accept.
+        """
+        if self._value is None:
+            raw = os.environ.get(self.env_var)
+            self._value = self.default if raw is None else self._parse(raw, self.env_var)
+        return self._value
+
+    @contextlib.contextmanager
+    def using(self, value: T) -> Iterator[None]:
+        """Within the block the switch has ``value``; the previous value comes back afterwards.
+
+        Raises:
+            ValueError: ``value`` is not one this switch accepts.
+        """
+        new = self._parse(value, f"loragen.switches.{self.name}")
+        previous = self.get()
+        self._value = new
+        try:
+            yield
+        finally:
+            self._value = previous
+
+    def __repr__(self) -> str:
+        return f"Switch({self.name}={self.get()!r}, env {self.env_var})"
+
+
+fused: Switch[bool] = Switch("fused", True, doc="LoRA linears run loragen's fused op (False: peft's composition)")
+sibling_fusion: Switch[bool] = Switch(
+    "sibling_fusion", True, doc="LoRA linears reading one input share one autograd node"
+)
+cpu_kernels: Switch[bool] = Switch("cpu_kernels", True, doc="the compiled AVX-512 kernels of the CPU dropout path")
+dropout_rng: Switch[str] = Switch("dropout_rng", "bits", ("bits", "philox"), doc="the CPU dropout mask generator")
+cuda_kernels: Switch[str] = Switch(
+    "cuda_kernels",
+    "check",
+    ("check", "trust", "torch"),
+    doc="CUDA kernels: self-checked on first use, trusted unchecked, or replaced by the torch path",
+)
+
+
+def all_switches() -> tuple[Switch[bool] | Switch[str], ...]:
+    """Every switch, for documentation and diagnostics."""
+    return (fused, sibling_fusion, cpu_kernels, dropout_rng, cuda_kernels)
