@@ -15,7 +15,7 @@ from loragen import philox
 from loragen.cuda.function import CudaLoraError, lora_linear_cuda
 
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
-from tests.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
+from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="g++ is needed to build the emulated kernels")
 

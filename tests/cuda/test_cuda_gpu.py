@@ -15,7 +15,7 @@ import torch
 import loragen.cuda
 from loragen import philox
 
-from tests.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
+from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
 pytestmark = [
     pytest.mark.gpu,
