@@ -31,7 +31,7 @@ from loragen.errors import (
     LoraMergeError,
     MergeError,
 )
-from loragen.layers import LoraConv1d, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear
+from loragen.layers import LoraConv1d, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear, register_layer
 
 __version__ = "0.1.0"
 
@@ -66,6 +66,7 @@ __all__ = [
     "unmerge_adapter",
     "merge_and_unload",
     "print_trainable_parameters",
+    "register_layer",
     *_LAZY,
 ]
 

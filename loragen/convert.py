@@ -16,9 +16,9 @@ from typing import TextIO, TypeVar
 from torch import nn
 
 from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.errors import LoraConversionError
-from loragen.layers import LoraLayer
-from loragen.registry import linear_base_types, spec_for, supported_type_names
+from loragen.errors import LoraConversionError, LoraMergeError
+from loragen.layers import LoraLayer, lora_class_for
+from loragen.registry import refusal_for, spec_for, supported_type_names
 
 __all__ = [
     "CONFIG_ATTR",
@@ -80,11 +80,13 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[
             "(loragen has no per-architecture defaults)"
         )
     if targets != ALL_LINEAR:
-        return targets
-    linear_types = linear_base_types()
+        return targets if isinstance(targets, str) else tuple(targets)
     heads = _output_head_names(model)
     return tuple(
-        name for name, m in model.named_modules() if name and type(m) in linear_types and name not in heads
+        name
+        for name, m in model.named_modules()
+        if name and name not in heads and not isinstance(m, LoraLayer) and (spec := spec_for(m)) is not None
+        and spec.linear
     )
 
 
@@ -114,18 +116,28 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
     targets = resolve_target_modules(model, config)
     planned: dict[str, nn.Module] = {}
     unsupported: list[str] = []
+    refused: list[str] = []
     for path, module in model.named_modules():
         if not path or not config.matches_target(path, targets):
             continue
-        if spec_for(module) is None:
+        refusal = refusal_for(type(module))
+        if refusal is not None:
+            refused.append(f"{path} ({type(module).__module__}.{type(module).__qualname__}): {refusal}")
+        elif spec_for(module) is None:
             unsupported.append(f"{path} ({type(module).__module__}.{type(module).__qualname__})")
         else:
             planned[path] = module
+    if refused:
+        raise LoraConversionError(
+            "target_modules matched modules loragen will not adapt: " + "; ".join(refused)
+            + ". Narrow target_modules (or add these to exclude_modules)"
+        )
     if unsupported:
         raise LoraConversionError(
             "target_modules matched modules loragen cannot adapt: " + "; ".join(unsupported)
-            + ". Supported layer types (exact types, not subclasses): " + ", ".join(supported_type_names())
-            + ". Narrow target_modules (or add these to exclude_modules)"
+            + ". Supported layer types: " + ", ".join(supported_type_names())
+            + ". Narrow target_modules (or add these to exclude_modules), or teach loragen the type with "
+            "loragen.register_layer(...)"
         )
     if not planned:
         patterns = config.target_modules if isinstance(config.target_modules, str) else list(targets)
@@ -147,13 +159,12 @@ def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLaye
     Raises:
         LoraConversionError: the module's type is not supported, or a per-module value is invalid.
     """
-    spec = spec_for(module)
-    if spec is None:
-        raise LoraConversionError(
-            f"{path}: {type(module).__qualname__} is not supported; supported: {', '.join(supported_type_names())}"
-        )
     try:
-        return spec.lora_type().from_module(  # type: ignore[attr-defined,no-any-return]
+        lora_class = lora_class_for(type(module))
+    except LoraConversionError as exc:
+        raise LoraConversionError(f"{path}: {exc}") from None
+    try:
+        return lora_class.from_module(
             module,
             r=config.rank_for(path),
             lora_alpha=config.alpha_for(path),
@@ -228,14 +239,27 @@ def _require_lora_layers(model: nn.Module, action: str) -> dict[str, LoraLayer]:
     return layers
 
 
+def _merge_all(layers: dict[str, LoraLayer]) -> None:
+    """Merge every layer, after checking that every one can be merged (so a refusal changes nothing)."""
+    for path, layer in layers.items():
+        if not layer.merged:
+            try:
+                layer._check_mergeable()
+            except LoraMergeError as exc:
+                raise LoraMergeError(f"{path}: {exc}") from None
+    for layer in layers.values():
+        layer.merge()
+
+
 def merge_adapter(model: nn.Module) -> None:
     """Merge every LoRA layer's update into its base weight, in place. Safe to repeat.
 
     Raises:
         LoraConversionError: the model has no LoRA layers.
+        LoraMergeError: a layer cannot be merged exactly (the message names its path and why); nothing
+            is merged then.
     """
-    for layer in _require_lora_layers(model, "merge").values():
-        layer.merge()
+    _merge_all(_require_lora_layers(model, "merge"))
 
 
 def unmerge_adapter(model: nn.Module) -> None:
@@ -255,8 +279,7 @@ def merge_and_unload(model: M) -> M:
         LoraConversionError: the model has no LoRA layers.
     """
     layers = _require_lora_layers(model, "merge and unload")
-    for layer in layers.values():
-        layer.merge()
+    _merge_all(layers)
     for path, layer in layers.items():
         set_submodule(model, path, layer.to_base())
     if hasattr(model, CONFIG_ATTR):

@@ -38,7 +38,10 @@ __all__ = [
     "unregister",
     "specs",
     "spec_for",
+    "spec_for_type",
     "spec_for_qualname",
+    "refuse",
+    "refusal_for",
     "spec_for_lora_type",
     "supported_type_names",
     "linear_base_types",
@@ -103,6 +106,8 @@ class LayerSpec:
         subclasses: whether subclasses of the base type are converted too (their own ``forward`` computes
             the base output); otherwise only the exact type matches.
         lora_class: the LoRA class itself, when it is already imported (saves the import by name).
+        base_class: the base class itself, for types that cannot be imported by name (defined in a
+            function, or in ``__main__`` of another process).
     """
 
     base_qualname: str
@@ -112,6 +117,7 @@ class LayerSpec:
     linear: bool = False
     subclasses: bool = False
     lora_class: type[nn.Module] | None = dataclasses.field(default=None, compare=False, repr=False)
+    base_class: type[nn.Module] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def qualnames(self) -> tuple[str, ...]:
@@ -134,6 +140,8 @@ class LayerSpec:
         A package that is not imported cannot have built any module to convert, so looking a module up
         never pays for importing, say, transformers.
         """
+        if self.base_class is not None:
+            return self.base_class
         if self.base_qualname.partition(".")[0] not in sys.modules:
             return None
         return _import_qualname(self.base_qualname)
@@ -181,13 +189,18 @@ def register(spec: LayerSpec, *, replace: bool = False) -> LayerSpec:
     """
     with _lock:
         existing = _specs.get(spec.base_qualname)
+        base = spec.base_type()
+        if existing is None and base is not None:  # the same class registered under another name
+            existing = next((s for s in _specs.values() if s.base_type() is base), None)
         if existing is not None and existing != spec and not replace:
             raise ValueError(
-                f"{spec.base_qualname} is registered already (LoRA class {existing.lora_qualname}); "
+                f"{existing.base_qualname} is registered already (LoRA class {existing.lora_qualname}); "
                 "pass replace=True to replace it"
             )
+        if existing is not None:
+            _specs.pop(existing.base_qualname, None)
         _specs[spec.base_qualname] = spec
-        spec_for_lora_type.cache_clear()
+        _by_lora_type.clear()
         _import_qualname.cache_clear()
     return spec
 
@@ -196,7 +209,7 @@ def unregister(base_qualname: str) -> None:
     """Remove the spec of ``base_qualname`` (a no-op when none is registered)."""
     with _lock:
         _specs.pop(base_qualname, None)
-        spec_for_lora_type.cache_clear()
+        _by_lora_type.clear()
 
 
 def specs() -> tuple[LayerSpec, ...]:
@@ -205,18 +218,45 @@ def specs() -> tuple[LayerSpec, ...]:
 
 
 def spec_for(module: nn.Module) -> LayerSpec | None:
-    """The spec that converts ``module``: an exact type match first, then the spec of the most
+    """The spec that converts ``module`` (see :func:`spec_for_type`); None also for a refused type."""
+    if refusal_for(type(module)) is not None:
+        return None
+    return spec_for_type(type(module))
+
+
+def spec_for_type(module_type: type[nn.Module]) -> LayerSpec | None:
+    """The spec for modules of ``module_type``: an exact type match first, then the spec of the most
     specific registered base class among those that accept subclasses."""
     subclass_matches: list[tuple[int, LayerSpec]] = []
     for spec in _specs.values():
         base = spec.base_type()
         if base is None:
             continue
-        if type(module) is base:
+        if module_type is base:
             return spec
-        if spec.subclasses and isinstance(module, base):
-            subclass_matches.append((type(module).__mro__.index(base), spec))
+        if spec.subclasses and issubclass(module_type, base):
+            subclass_matches.append((module_type.__mro__.index(base), spec))
     return min(subclass_matches, key=lambda item: item[0])[1] if subclass_matches else None
+
+
+_refusals: dict[str, str] = {
+    "torch.nn.modules.linear.NonDynamicallyQuantizableLinear": (
+        "it is nn.MultiheadAttention's out_proj: MultiheadAttention reads out_proj.weight directly "
+        "(F.multi_head_attention_forward) and never calls its forward, so a LoRA branch there would be "
+        "silently skipped; target the attention's other layers, or exclude it"
+    ),
+}
+
+
+def refuse(qualname: str, reason: str) -> None:
+    """Never convert modules whose exact type is ``qualname`` (even where a spec accepts subclasses);
+    ``reason`` says why, in conversion errors."""
+    _refusals[qualname] = reason
+
+
+def refusal_for(module_type: type[nn.Module]) -> str | None:
+    """Why modules of exactly ``module_type`` are never converted, or None."""
+    return _refusals.get(f"{module_type.__module__}.{module_type.__qualname__}")
 
 
 def spec_for_qualname(qualname: str) -> LayerSpec | None:
@@ -227,17 +267,29 @@ def spec_for_qualname(qualname: str) -> LayerSpec | None:
     return None
 
 
-@cache
-def spec_for_lora_type(lora_type: type[nn.Module]) -> LayerSpec | None:
+_by_lora_type: dict[type, LayerSpec | None] = {}
+
+
+def spec_for_lora_type(lora_type: type) -> LayerSpec | None:
     """The spec whose LoRA class is ``lora_type`` or one of its bases (LoRA classes made for
-    subclasses of a base type derive from that type's LoRA class)."""
+    subclasses of a base type derive from that type's LoRA class). Cached per class."""
+    if lora_type in _by_lora_type:
+        return _by_lora_type[lora_type]
+    found = None
     for cls in lora_type.__mro__:
-        for spec in _specs.values():
-            if spec.lora_class is cls or (
-                spec.lora_class is None and f"{cls.__module__}.{cls.__qualname__}" == spec.lora_qualname
-            ):
-                return spec
-    return None
+        found = next(
+            (
+                spec
+                for spec in _specs.values()
+                if spec.lora_class is cls
+                or (spec.lora_class is None and f"{cls.__module__}.{cls.__qualname__}" == spec.lora_qualname)
+            ),
+            None,
+        )
+        if found is not None:
+            break
+    _by_lora_type[lora_type] = found
+    return found
 
 
 def supported_type_names() -> list[str]:

@@ -59,7 +59,7 @@ class Switch(Generic[T]):
 
     def __init__(self, name: str, default: T, choices: tuple[str, ...] = (), doc: str = "") -> None:
         self.name = name
-        self.default = default
+        self.default: T = default
         self.choices = choices
         self.doc = doc
         self._value: T | None = None
@@ -72,16 +72,16 @@ class Switch(Generic[T]):
     def _parse(self, raw: object, source: str) -> T:
         if isinstance(self.default, bool):
             if isinstance(raw, bool):
-                return raw  # type: ignore[return-value]
+                return raw
             text = str(raw).strip().lower()
             if text in _TRUE:
-                return True  # type: ignore[return-value]
+                return True
             if text in _FALSE:
-                return False  # type: ignore[return-value]
+                return False
             raise ValueError(f"{source}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
         if raw not in self.choices:
             raise ValueError(f"{source}={raw!r}: expected one of {', '.join(map(repr, self.choices))}")
-        return raw  # type: ignore[return-value]
+        return raw
 
     def get(self) -> T:
         """The current value.

@@ -62,7 +62,7 @@ def check_init(value: Any, field: str = "init_lora_weights") -> InitMode:
             f"{field}={value!r}: expected True, False or 'gaussian' "
             "(peft's other schemes - pissa, olora, loftq, eva, corda - are not supported)"
         )
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def check_lora_args(r: Any, lora_alpha: Any, lora_dropout: Any, use_rslora: Any, init_lora_weights: Any) -> None:

@@ -24,20 +24,25 @@ from typing import Any
 
 from loragen.layers.base import InitMode, LoraLayer, LoraMergeError, adapter_dtype_for
 from loragen.layers.conv import LoraConv1d, LoraConv2d
+from loragen.layers.derived import lora_class_for
 from loragen.layers.embedding import LoraEmbedding
-from loragen.layers.linear import LoraLinear
+from loragen.layers.linear import LoraLinear, LoraLinearMixin
+from loragen.layers.registration import register_layer
 from loragen.registry import TRANSPOSED, LayerSpec, register
 
 __all__ = [
     "InitMode",
     "LoraLayer",
     "LoraLinear",
+    "LoraLinearMixin",
     "LoraEmbedding",
     "LoraConv1d",
     "LoraConv2d",
     "LoraConv1D",
     "LoraMergeError",
     "adapter_dtype_for",
+    "lora_class_for",
+    "register_layer",
 ]
 
 # transformers' Conv1D: the LoRA class is built on first use (it imports transformers)

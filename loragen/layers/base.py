@@ -1,18 +1,27 @@
-"""The part every LoRA layer shares: its LoRA factors, their init, merging and unmerging."""
+"""The part every LoRA layer shares: its LoRA factors, their init, merging and unmerging.
+
+A LoRA class derives from :class:`LoraLayer` and from the base layer class it replaces (``nn.Linear``,
+``nn.Embedding``, ...), so a LoRA layer keeps the base layer's ``weight`` / ``bias`` under their usual
+state-dict keys. :meth:`LoraLayer.from_module` makes one from an existing module by taking over that
+module's state (:mod:`loragen.layers.cloning`), and :meth:`LoraLayer.to_base` gives the base layer back.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from typing_extensions import Self
 
 from loragen.errors import LoraMergeError
+from loragen.layers.cloning import clone_as, strip_to
 from loragen.registry import Layout, spec_for_lora_type
 from loragen.validation import InitMode, check_lora_args
 
-__all__ = ["InitMode", "LoraLayer", "LoraMergeError", "adapter_dtype_for", "share_base_params", "plain_copy"]
+__all__ = ["InitMode", "LoraLayer", "LoraMergeError", "adapter_dtype_for"]
 
 def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
     """The dtype LoRA factors get for a base weight of ``base_dtype``.
@@ -27,8 +36,8 @@ def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
 
 
 class LoraLayer(nn.Module):
-    """Common state and behaviour of all LoRA layers (a mixin; the concrete classes also subclass a
-    torch layer, which comes first in the MRO so its ``forward``-related attributes are the real ones).
+    """Common state and behaviour of all LoRA layers (a mixin; each concrete class also derives from the
+    base layer class it replaces, named by :attr:`base_class`).
 
     Attributes:
         r: rank. lora_alpha: alpha. scaling: the factor applied to the LoRA branch.
@@ -36,7 +45,12 @@ class LoraLayer(nn.Module):
         merged: whether ``scaling * B @ A`` is currently added into ``weight``.
     """
 
-    weight: nn.Parameter
+    # the class this LoRA class replaces; to_base() returns an object of it
+    base_class: ClassVar[type[nn.Module]]
+    # instance attributes the LoRA setup adds (besides the factors): removed again by to_base()
+    _lora_attributes: ClassVar[tuple[str, ...]] = ("r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "merged")
+
+    weight: Tensor
     r: int
     lora_alpha: float
     scaling: float
@@ -59,11 +73,11 @@ class LoraLayer(nn.Module):
         self.scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
         self.lora_dropout_p = float(lora_dropout)
         self.merged = False
-        factory = {"device": self.weight.device, "dtype": adapter_dtype_for(self.weight.dtype)}
+        device, dtype = self.weight.device, adapter_dtype_for(self.weight.dtype)
         a_shape, b_shape = self._factor_shapes()
         first, second = self.layout.factor_names
-        setattr(self, first, nn.Parameter(torch.empty(a_shape, **factory)))
-        setattr(self, second, nn.Parameter(torch.empty(b_shape, **factory)))
+        setattr(self, first, nn.Parameter(torch.empty(a_shape, device=device, dtype=dtype)))
+        setattr(self, second, nn.Parameter(torch.empty(b_shape, device=device, dtype=dtype)))
         if self.weight.device.type != "meta":
             self.reset_lora_parameters(init_lora_weights)
 
@@ -84,6 +98,30 @@ class LoraLayer(nn.Module):
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError(f"{type(self).__name__} must define the shapes of its LoRA factors")
+
+    @classmethod
+    def from_module(
+        cls,
+        base: nn.Module,
+        *,
+        r: int = 8,
+        lora_alpha: float = 8,
+        lora_dropout: float = 0.0,
+        use_rslora: bool = False,
+        init_lora_weights: InitMode = True,
+    ) -> Self:
+        """The LoRA layer for an existing ``base`` module: it takes over ``base``'s state (the same
+        weight and bias parameters, buffers, hooks and attributes; nothing is copied) and adds LoRA
+        factors initialised as ``init_lora_weights`` says.
+
+        Raises:
+            LoraConfigError: an invalid LoRA argument (the message names it).
+            LoraConversionError: ``base``'s forward is replaced on the instance (see
+                :func:`loragen.layers.cloning.clone_as`).
+        """
+        layer = clone_as(base, cls)
+        layer._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        return layer
 
     # ---- factors -----------------------------------------------------------------------------
 
@@ -140,6 +178,11 @@ class LoraLayer(nn.Module):
 
     def _check_mergeable(self) -> None:
         """Raise :class:`LoraMergeError` if merged and unmerged outputs could not agree."""
+        if parametrize.is_parametrized(self, "weight"):
+            raise LoraMergeError(
+                f"cannot merge into the weight of this {type(self).__qualname__}: a parametrization computes "
+                "it (torch.nn.utils.parametrize), so there is no stored weight to add the update to"
+            )
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -165,28 +208,12 @@ class LoraLayer(nn.Module):
         self.merged = False
 
     def to_base(self) -> nn.Module:
-        """A plain torch layer holding this layer's current (possibly merged) weight and bias.
-
-        The returned layer shares the ``weight`` / ``bias`` parameters (no copy).
-        """
-        raise NotImplementedError
+        """The base layer again (an object of :attr:`base_class`) holding this layer's current, possibly
+        merged, weight and bias: the same parameter objects and every other state, minus the LoRA parts."""
+        return strip_to(self, self.base_class, self.layout.factor_names, (), self._lora_attributes)
 
     def lora_extra_repr(self) -> str:
         return (
             f"r={self.r}, lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}, "
             f"lora_dropout={self.lora_dropout_p:g}" + (", merged" if self.merged else "")
         )
-
-
-def share_base_params(layer: nn.Module, base: nn.Module) -> None:
-    """Point ``layer``'s weight and bias at ``base``'s parameters (no copy) and copy its mode."""
-    layer.weight = base.weight
-    layer.bias = base.bias
-    layer.train(base.training)
-
-
-def plain_copy(cls: type[nn.Module], layer: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-    with torch.device("meta"):
-        plain = cls(*args, **kwargs)
-    share_base_params(plain, layer)
-    return plain

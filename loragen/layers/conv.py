@@ -2,77 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from typing_extensions import Self
 
-from loragen.layers.base import InitMode, LoraLayer, plain_copy, share_base_params
+from loragen.layers.base import InitMode, LoraLayer
 from loragen.registry import PLAIN, LayerSpec, register
 
 __all__ = ["LoraConv1d", "LoraConv2d"]
+
+PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
 
 
 class _LoraConvNd(LoraLayer):
     """Shared code of :class:`LoraConv1d` and :class:`LoraConv2d` (mixed into the torch conv class)."""
 
     _conv = staticmethod(F.conv2d)
-    _base_cls: type[nn.Module] = nn.Conv2d
 
     in_channels: int
     out_channels: int
     kernel_size: tuple[int, ...]
     groups: int
-    bias: nn.Parameter | None
+    bias: Tensor | None
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    _conv_forward: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # the torch conv class's
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         ones = (1,) * len(self.kernel_size)
         return (self.r, self.in_channels // self.groups, *self.kernel_size), (self.out_channels, self.r, *ones)
-
-    def _conv_args(self) -> dict[str, Any]:
-        return {
-            "in_channels": self.in_channels,
-            "out_channels": self.out_channels,
-            "kernel_size": self.kernel_size,
-            "stride": self.stride,
-            "padding": self.padding,
-            "dilation": self.dilation,
-            "groups": self.groups,
-            "bias": self.bias is not None,
-            "padding_mode": self.padding_mode,
-        }
-
-    @classmethod
-    def from_module(
-        cls,
-        base: nn.Module,
-        *,
-        r: int = 8,
-        lora_alpha: float = 8,
-        lora_dropout: float = 0.0,
-        use_rslora: bool = False,
-        init_lora_weights: InitMode = True,
-    ) -> Self:
-        """Wrap an existing ``nn.Conv1d`` / ``nn.Conv2d``, sharing its weight and bias parameters."""
-        with torch.device("meta"):
-            layer = cls(  # type: ignore[call-arg]
-                base.in_channels, base.out_channels, base.kernel_size, stride=base.stride, padding=base.padding,
-                dilation=base.dilation, groups=base.groups, bias=base.bias is not None,
-                padding_mode=base.padding_mode, r=r,
-            )
-        share_base_params(layer, base)
-        layer._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
-        return layer
 
     def _composed_weight(self) -> Tensor:
         """``B @ A`` reshaped to the base weight's shape (cout, cin // groups, *k), in the adapter dtype."""
         a, b = self.lora_A, self.lora_B
         return (b.flatten(1) @ a.flatten(1)).view(self.out_channels, *a.shape[1:])
 
-    def forward(self, x: Tensor) -> Tensor:
-        result = self._conv_forward(x, self.weight, self.bias)  # type: ignore[attr-defined]
+    def forward(self, input: Tensor) -> Tensor:
+        x = input
+        result = self._conv_forward(x, self.weight, self.bias)
         if self.merged:
             return result
         x_lora = x.to(self.lora_A.dtype)
@@ -81,22 +51,19 @@ class _LoraConvNd(LoraLayer):
         if self.groups == 1:
             # A with every base setting (stride, padding, dilation, padding mode), then B as a 1x1 conv:
             # the same linear map as convolving with B @ A, through an r-channel bottleneck.
-            hidden = self._conv_forward(x_lora, self.lora_A, None)  # type: ignore[attr-defined]
+            hidden = self._conv_forward(x_lora, self.lora_A, None)
             lora = self._conv(hidden, self.lora_B)
         else:
             # A grouped weight cannot be factored through r channels; convolve with the composed weight.
-            lora = self._conv_forward(x_lora, self._composed_weight(), None)  # type: ignore[attr-defined]
+            lora = self._conv_forward(x_lora, self._composed_weight(), None)
         return (result + lora * self.scaling).to(result.dtype)
-
-    def to_base(self) -> nn.Module:
-        return plain_copy(self._base_cls, self, **self._conv_args())
 
 
 class LoraConv1d(nn.Conv1d, _LoraConvNd):
     """``nn.Conv1d`` with a LoRA adapter. Shapes: x (N, C_in, L) -> y (N, C_out, L_out)."""
 
     _conv = staticmethod(F.conv1d)
-    _base_cls = nn.Conv1d
+    base_class = nn.Conv1d
 
     def __init__(
         self,
@@ -108,7 +75,7 @@ class LoraConv1d(nn.Conv1d, _LoraConvNd):
         dilation: int | tuple[int] = 1,
         groups: int = 1,
         bias: bool = True,
-        padding_mode: str = "zeros",
+        padding_mode: PaddingMode = "zeros",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
@@ -135,7 +102,7 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
     """``nn.Conv2d`` with a LoRA adapter. Shapes: x (N, C_in, H, W) -> y (N, C_out, H_out, W_out)."""
 
     _conv = staticmethod(F.conv2d)
-    _base_cls = nn.Conv2d
+    base_class = nn.Conv2d
 
     def __init__(
         self,
@@ -147,7 +114,7 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
         dilation: int | tuple[int, int] = 1,
         groups: int = 1,
         bias: bool = True,
-        padding_mode: str = "zeros",
+        padding_mode: PaddingMode = "zeros",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,

@@ -21,6 +21,12 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
     which is not linear: such a layer trains, but cannot be merged exactly and refuses to.
     """
 
+    lora_embedding_A: nn.Parameter
+    lora_embedding_B: nn.Parameter
+
+    base_class = nn.Embedding
+    bias = None  # embeddings have no bias; keeps the LoraLayer interface uniform
+
     def __init__(
         self,
         num_embeddings: int,
@@ -45,33 +51,10 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
             num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
             _weight, _freeze, device, dtype,
         )
-        self.bias = None  # embeddings have no bias; keeps the LoraLayer interface uniform
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.r, self.num_embeddings), (self.embedding_dim, self.r)
-
-    @classmethod
-    def from_module(
-        cls,
-        base: nn.Embedding,
-        *,
-        r: int = 8,
-        lora_alpha: float = 8,
-        lora_dropout: float = 0.0,
-        use_rslora: bool = False,
-        init_lora_weights: InitMode = True,
-    ) -> LoraEmbedding:
-        """Wrap an existing ``nn.Embedding``, sharing its weight parameter."""
-        with torch.device("meta"):
-            layer = cls(
-                base.num_embeddings, base.embedding_dim, base.padding_idx, base.max_norm, base.norm_type,
-                base.scale_grad_by_freq, base.sparse, r=r,
-            )
-        layer.weight = base.weight
-        layer.train(base.training)
-        layer._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
-        return layer
 
     def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
         """peft's embedding init: A zeros, B normal(0, 1); ``False``: both standard normal."""
@@ -103,16 +86,6 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
                 f"cannot merge a LoRA Embedding with max_norm={self.max_norm}: the renormalisation of looked-up "
                 "rows is not linear, so merged and unmerged outputs would differ"
             )
-
-    def to_base(self) -> nn.Embedding:
-        with torch.device("meta"):
-            plain = nn.Embedding(
-                self.num_embeddings, self.embedding_dim, self.padding_idx, self.max_norm, self.norm_type,
-                self.scale_grad_by_freq, self.sparse,
-            )
-        plain.weight = self.weight
-        plain.train(self.training)
-        return plain
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.lora_extra_repr()}"
