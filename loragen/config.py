@@ -108,6 +108,42 @@ def _pattern_lookup(patterns: Mapping[str, Any], path: str) -> str | None:
     return None
 
 
+# peft init schemes that only choose starting values: once a saved adapter's weights are loaded it is a
+# plain LoRA adapter on the unchanged base, trained in both factors, so it loads as init_lora_weights=True.
+_VALUES_ONLY_INITS = ("eva", "orthogonal")
+# peft init schemes that change the base model's weights when the adapter is created: the saved factors
+# reproduce the trained model only on those changed weights, which loragen does not have.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
+
+
+def _loaded_init(init: str, source: str) -> bool:
+    """The init mode a saved adapter with peft's ``init_lora_weights=init`` is loaded with.
+
+    Raises:
+        LoraConfigError: the scheme changes what the adapter computes or what trains, which loragen does
+            not reproduce; the message says what to do instead.
+    """
+    if init in _VALUES_ONLY_INITS:
+        return True
+    if init.startswith(_BASE_CHANGING_INITS):
+        raise LoraConfigError(
+            f"{source}: init_lora_weights={init!r}: peft changed the base model's weights when it created this "
+            "adapter, so its factors reproduce the trained model only on those changed weights. Convert it "
+            "to a plain LoRA adapter with peft first (save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=...)), then load the converted folder"
+        )
+    if init == "mica":
+        raise LoraConfigError(
+            f"{source}: init_lora_weights='mica': peft trains only lora_A of a MiCA adapter (lora_B stays frozen), "
+            "and loragen does not implement that; loading it would train both factors. Load it with peft, or "
+            "train a plain LoRA adapter"
+        )
+    raise LoraConfigError(
+        f"{source}: init_lora_weights={init!r} is not a scheme loragen knows; expected True, False, "
+        f"'gaussian', or one of peft's {', '.join(map(repr, _VALUES_ONLY_INITS))}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapter configuration with peft's field names, defaults and semantics.
@@ -338,9 +374,9 @@ class LoraConfig:
                 LoraConfigWarning,
                 stacklevel=2,
             )
-        if isinstance(kwargs.get("init_lora_weights"), str) and kwargs["init_lora_weights"] != "gaussian":
-            # a saved adapter's init scheme no longer matters once its weights are loaded
-            kwargs["init_lora_weights"] = True
+        init = kwargs.get("init_lora_weights")
+        if isinstance(init, str) and init != "gaussian":
+            kwargs["init_lora_weights"] = _loaded_init(init, source)
         try:
             return cls(**kwargs)
         except LoraConfigError as exc:

@@ -135,3 +135,25 @@ def test_target_matching_equals_peft(path, targets, exclude, layers, pattern) ->
     theirs = bool(check_target_module_exists(peft.LoraConfig(**cfg), path))
     theirs = theirs and type(check_target_module_exists(peft.LoraConfig(**cfg), path)).__name__ != "_ExcludedModule"
     assert LoraConfig(**cfg).matches_target(path) == theirs
+
+
+@pytest.mark.parametrize("init", ["eva", "orthogonal"])
+def test_from_peft_loads_values_only_inits_as_plain_lora(init):
+    config = LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": init})
+    assert config.init_lora_weights is True
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_16", "olora", "corda", "lora_ga", "loftq"])
+def test_from_peft_refuses_inits_that_changed_the_base_weights(init):
+    with pytest.raises(LoraConfigError, match=rf"init_lora_weights='{init}': peft changed the base model's weights"):
+        LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": init})
+
+
+def test_from_peft_refuses_mica_because_it_trains_only_a():
+    with pytest.raises(LoraConfigError, match=r"'mica': peft trains only lora_A"):
+        LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": "mica"})
+
+
+def test_from_peft_refuses_unknown_init_schemes_by_name():
+    with pytest.raises(LoraConfigError, match=r"init_lora_weights='sparkle' is not a scheme loragen knows"):
+        LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": "sparkle"})
