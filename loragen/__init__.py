@@ -40,8 +40,8 @@ _LAZY = {
     "LoraConv1D": "loragen.layers",  # imports transformers
     "make_optimizer": "loragen.training.optim",
     "AdamW8bit": "loragen.training.optim",
-    "save_adapter": "loragen.adapters.io",
-    "load_adapter": "loragen.adapters.io",
+    "save_adapter": "loragen.adapters.save",
+    "load_adapter": "loragen.adapters.load",
     "lora_convert": "loragen.source.decorator",
     "rewrite_source": "loragen.source.rewrite",
     "RewriteResult": "loragen.source.rewrite",
@@ -71,7 +71,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from loragen.adapters.io import load_adapter, save_adapter
+    from loragen.adapters.load import load_adapter
+    from loragen.adapters.save import save_adapter
     from loragen.layers import LoraConv1D
     from loragen.source.decorator import lora_convert
     from loragen.source.rewrite import RewriteResult, rewrite_source

@@ -72,6 +72,16 @@ class Layout:
             return (b[0], *a[1:])
         return (a[1], b[0])  # transposed (in, out) and embedding (num_embeddings, dim)
 
+    def fits(self, a: Shape, b: Shape) -> bool:
+        """Whether factors of shapes ``a`` (A) and ``b`` (B) are a pair of this layout: they share the rank
+        (``a[0] == b[1]``); ``"plain"``: A ``(r, in, *kernel)`` and B ``(out, r, 1, ...)`` with as many
+        dimensions; the others: both 2-D."""
+        if len(a) < 2 or len(b) < 2 or a[0] != b[1]:
+            return False
+        if self.name == "plain":
+            return len(a) == len(b) and all(d == 1 for d in b[2:])
+        return len(a) == len(b) == 2
+
     def delta(self, a: Tensor, b: Tensor) -> Tensor:
         """``B @ A`` in the base weight's layout (unscaled), in the factors' dtype."""
         product = b.flatten(1) @ a.flatten(1)  # (out, in * prod(kernel)) or (dim, num_embeddings)

@@ -13,15 +13,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loragen.adapters.io import (
+from loragen.adapters.folder import (
     ADAPTER_PICKLE_NAME,
     ADAPTER_WEIGHTS_NAME,
-    AdapterError,
-    parse_adapter_key,
     read_adapter,
     read_adapter_config,
-    read_safetensors_header,
 )
+from loragen.adapters.keys import AdapterKey, group_lora_keys, parse_adapter_key
+from loragen.adapters.safetensors_file import read_safetensors_header
+from loragen.errors import AdapterError
+from loragen.registry import EMBEDDING
 
 __all__ = ["ModuleSummary", "TensorSummary", "AdapterSummary", "inspect_adapter", "format_summary"]
 
@@ -143,30 +144,29 @@ def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False)
     else:
         raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS_NAME} (nor {ADAPTER_PICKLE_NAME})")
 
-    factors: dict[str, dict[str, str]] = {}
+    lora_keys: list[AdapterKey] = []
     full: list[TensorSummary] = []
     for key in sorted(shapes):
         info = parse_adapter_key(key)
         if info is None:
             continue
         if info.is_lora:
-            factors.setdefault(info.module, {})[info.name] = key
+            lora_keys.append(info)
         else:
             shape, dtype = shapes[key]
             full.append(TensorSummary(key, shape, math.prod(shape), dtype))
 
     modules = []
-    for module, names in factors.items():
-        embedding = "lora_embedding_A" in names
-        key_a = names.get("lora_embedding_A" if embedding else "lora_A")
-        key_b = names.get("lora_embedding_B" if embedding else "lora_B")
-        if key_a is None or key_b is None:
-            raise AdapterError(f"{weights}: {module} has {sorted(names)}, expected both LoRA factors")
-        (a_shape, dtype), (b_shape, _) = shapes[key_a], shapes[key_b]
+    for module, factors in group_lora_keys(lora_keys, weights).items():
+        if factors.key_a is None or factors.key_b is None:
+            raise AdapterError(
+                f"{weights}: {module} has only {', '.join(factors.keys)}, expected both LoRA factors"
+            )
+        (a_shape, dtype), (b_shape, _) = shapes[factors.key_a], shapes[factors.key_b]
         modules.append(
             ModuleSummary(
                 module=module,
-                kind=_kind(a_shape, embedding),
+                kind=_kind(a_shape, EMBEDDING in factors.layouts),
                 r=a_shape[0],
                 alpha=config.alpha_for(module),
                 scale=config.scaling_for(module),

@@ -32,9 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``loragen inspect``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
-    from loragen.adapters.io import AdapterError
     from loragen.adapters.summary import format_summary, inspect_adapter
-    from loragen.config import LoraConfigError
+    from loragen.errors import AdapterError, LoraConfigError
 
     try:
         summary = inspect_adapter(args.adapter, allow_pickle=args.allow_pickle)

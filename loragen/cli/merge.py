@@ -14,11 +14,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "merge",
         help="merge a peft/loragen adapter into a safetensors checkpoint (file or shard folder)",
         description=(
-            "Merge a LoRA adapter folder (peft's format) into a safetensors checkpoint, tensor by tensor, "
-            "without loading the model. BASE is a .safetensors file or a folder of shards with "
-            "model.safetensors.index.json; OUT gets the same layout. Untouched tensors are copied byte for "
-            "byte; merged ones keep their dtype (computed in fp32, rounded once)."
+            "Merge a LoRA adapter folder (peft's format) into a safetensors checkpoint, tensor by tensor,\n"
+            "without loading the model. BASE is a .safetensors file or a folder of shards with\n"
+            "model.safetensors.index.json; OUT gets the same layout. Untouched tensors are copied byte\n"
+            "for byte; merged ones keep their dtype (computed in fp32, rounded once).\n\n"
+            "Each adapter tensor must find its own checkpoint tensor. By default the adapter's paths\n"
+            "(peft's base_model.model. removed) are used as they are or under the checkpoint's known\n"
+            "wrapper: the base_model_prefix of the architecture its config.json names ('model.' for\n"
+            "LlamaForCausalLM, whose checkpoint stores model.layers.* while LlamaModel's stores layers.*).\n"
+            "Any other naming needs --key-map / --strip-prefix. On any error nothing is written."
         ),
+        epilog=(
+            "examples:\n"
+            "  loragen merge --base llama --adapter adapter -o merged\n"
+            "  loragen merge --base ckpt.safetensors --adapter adapter -o out.safetensors "
+            "--key-map blocks=model.layers --dry-run"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--base", required=True, metavar="BASE", help="checkpoint: .safetensors file or shard folder"
@@ -28,6 +40,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "-o", "--output", required=True, metavar="OUT", help="output file or folder (not BASE)"
+    )
+    parser.add_argument(
+        "--key-map",
+        action="append",
+        type=_key_map_rule,
+        default=[],
+        metavar="OLD=NEW",
+        help=(
+            "rewrite adapter paths that are OLD or begin with OLD. to begin with NEW instead (whole path "
+            "components; OLD empty: add NEW in front of every path); repeatable, the longest OLD wins; "
+            "replaces the default mapping"
+        ),
+    )
+    parser.add_argument(
+        "--strip-prefix",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="remove PREFIX from the front of adapter paths (same as --key-map PREFIX=); repeatable",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything and print which checkpoint tensor each adapter tensor changes; write nothing",
     )
     parser.add_argument(
         "--allow-pickle",
@@ -44,20 +80,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _key_map_rule(text: str) -> tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r} is not OLD=NEW (e.g. blocks=model.layers)")
+    return old, new
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``loragen merge``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
-    from loragen.adapters.io import AdapterError
-    from loragen.adapters.merge import MergeError, merge_checkpoint
-    from loragen.config import LoraConfigError
+    from loragen.adapters.merge import merge_checkpoint
+    from loragen.errors import AdapterError, LoraConfigError, MergeError
 
+    key_map = dict(args.key_map)
+    if len(key_map) < len(args.key_map):
+        print("loragen merge: error: --key-map gives the same OLD twice", file=sys.stderr)
+        return 1
     try:
         report = merge_checkpoint(
-            args.base, args.adapter, args.output, allow_pickle=args.allow_pickle, progress=args.progress
+            args.base,
+            args.adapter,
+            args.output,
+            key_map=key_map,
+            strip_prefix=args.strip_prefix,
+            allow_pickle=args.allow_pickle,
+            progress=args.progress,
+            dry_run=args.dry_run,
         )
     except (MergeError, AdapterError, LoraConfigError, OSError) as exc:
         print(f"loragen merge: error: {exc}", file=sys.stderr)
         return 1
-    if not args.quiet:
+    if args.dry_run:
+        for path, key in report.keys.items():
+            print(f"{path} -> {key}")
+        print(
+            f"would merge {len(report.merged)} tensors, replace {len(report.replaced)}, copy {report.copied} "
+            f"unchanged into {report.output} ({report.mapping}); nothing written"
+        )
+    elif not args.quiet:
         replaced = f", replaced {len(report.replaced)}" if report.replaced else ""
         print(
             f"merged {len(report.merged)} tensors{replaced}, copied {report.copied} unchanged "

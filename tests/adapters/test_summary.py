@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from loragen.adapters.summary import format_summary, inspect_adapter
-from loragen.adapters.io import AdapterError
-from tests.adapters.test_io import CASES, loragen_adapter, peft_adapter
+from loragen.errors import AdapterError
+from tests.adapters.helpers import CASES, loragen_adapter, peft_adapter
 
 
 def main(argv: list[str]) -> int:

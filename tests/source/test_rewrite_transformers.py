@@ -2,7 +2,7 @@
 
 Each rewritten file is imported from a temporary folder and must be a drop-in: same class names, the
 original model's state dict loads with only LoRA keys missing, a peft adapter loads with
-``loragen.adapters.io.load_adapter``, and the outputs equal peft's and the runtime path's for that adapter.
+``loragen.adapters.load.load_adapter``, and the outputs equal peft's and the runtime path's for that adapter.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ peft = pytest.importorskip("peft")
 
 import loragen
 from loragen import LoraConfig, rewrite_source
+from loragen.adapters.load import load_adapter
 from loragen.convert import find_lora_layers
-from loragen.adapters.io import load_adapter
 from loragen.source.rewrite import module_name_for_path
 
 SMALL = {

@@ -26,129 +26,21 @@ from loragen import (
     get_lora_model,
     merge_adapter,
 )
+from loragen.adapters.load import load_adapter
+from loragen.adapters.save import adapter_state_dict, save_adapter
 from loragen.convert import find_lora_layers
-from loragen.adapters.io import AdapterError, adapter_state_dict, load_adapter, read_safetensors_header, save_adapter
-from tests.conftest import TINY_MODELS, tiny_inputs
-
-WEIGHTS = "adapter_model.safetensors"
-
-
-class ConvNet(nn.Module):
-    """A non-transformers model with every layer type loragen adapts (Conv1D aside)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(20, 8)
-        self.conv1 = nn.Conv1d(8, 12, 3, padding=1)
-        self.conv2 = nn.Conv2d(3, 6, 3, stride=2)
-        self.head = nn.Linear(6, 4)
-
-    def forward(self, ids: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-        text = self.conv1(self.emb(ids).transpose(1, 2)).mean(dim=(1, 2))  # (N,)
-        return self.head(self.conv2(image).mean(dim=(2, 3))) + text[:, None]  # (N, 4)
-
-
-MODELS: dict[str, Callable[[], nn.Module]] = {**TINY_MODELS, "convnet": ConvNet}
-
-# case -> (model kind, LoraConfig / peft.LoraConfig keyword arguments)
-CASES: dict[str, tuple[str, dict]] = {
-    "llama-patterns-rslora": (
-        "llama",
-        dict(
-            r=4,
-            lora_alpha=8,
-            target_modules=["q_proj", "v_proj"],
-            use_rslora=True,
-            rank_pattern={"layers.0.self_attn.q_proj": 2},
-            alpha_pattern={"v_proj": 3},
-        ),
-    ),
-    "llama-embedding-modules-to-save": (
-        "llama",
-        dict(r=4, target_modules=["embed_tokens", "q_proj"], modules_to_save=["lm_head"]),
-    ),
-    "gpt2-conv1d-bias": ("gpt2", dict(r=4, target_modules=["c_attn", "c_proj", "c_fc"], bias="lora_only")),
-    "bert-modules-to-save": (
-        "bert",
-        dict(r=4, lora_alpha=16, target_modules=["query", "value"], modules_to_save=["classifier"]),
-    ),
-    "t5-embedding": ("t5", dict(r=4, target_modules=["q", "v", "shared"])),
-    "bert-bias-all": ("bert", dict(r=4, target_modules=["query", "value"], bias="all")),
-    "t5-bias-all": ("t5", dict(r=4, target_modules=["q", "v"], bias="all")),
-    "convnet": ("convnet", dict(r=2, lora_alpha=4, target_modules=["emb", "conv1", "conv2", "head"])),
-}
-
-
-def make_model(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The same freshly initialised model for the same ``kind`` every time."""
-    torch.manual_seed(0)
-    return MODELS[kind]().eval().to(dtype)
-
-
-def model_inputs(kind: str) -> dict[str, torch.Tensor]:
-    if kind == "convnet":
-        g = torch.Generator().manual_seed(0)
-        return {
-            "ids": torch.randint(0, 20, (2, 5), generator=g),
-            "image": torch.randn(2, 3, 9, 9, generator=g),
-        }
-    return tiny_inputs(kind)
-
-
-@torch.no_grad()
-def run_model(model: nn.Module, kind: str) -> torch.Tensor:
-    out = model(**model_inputs(kind))
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
-@torch.no_grad()
-def perturb_trainable(model: nn.Module, seed: int) -> None:
-    """Move every trainable parameter (LoRA factors, modules to save, biases) off its initial value."""
-    g = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.add_((torch.randn(p.shape, generator=g) * 0.1).to(p.dtype))
-
-
-def peft_adapter(kind: str, kwargs: dict, folder: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A trained-looking peft adapter for ``kind`` saved in ``folder``; returns the peft model."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = peft.get_peft_model(
-            make_model(kind, dtype), peft.LoraConfig(**kwargs), autocast_adapter_dtype=dtype == torch.float32
-        )
-        perturb_trainable(model, seed=1)
-        model.save_pretrained(str(folder))
-    return model.eval()
-
-
-def loragen_adapter(kind: str, kwargs: dict, folder: Path) -> nn.Module:
-    """A trained-looking loragen adapter for ``kind`` saved in ``folder``; returns the loragen model."""
-    model = get_lora_model(make_model(kind), LoraConfig(**kwargs))
-    perturb_trainable(model, seed=2)
-    save_adapter(model, folder)
-    return model
-
-
-def model_state(model: nn.Module) -> dict:
-    """Everything load_adapter could change: tensors, module types, requires_grad, the stored config."""
-    return {
-        "tensors": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "types": {name: type(m) for name, m in model.named_modules()},
-        "grad": {name: p.requires_grad for name, p in model.named_parameters()},
-        "config": model.__dict__.get("loragen_config"),
-    }
-
-
-def assert_same_state(model: nn.Module, before: dict) -> None:
-    after = model_state(model)
-    assert after["types"] == before["types"]
-    assert after["grad"] == before["grad"]
-    assert after["config"] is before["config"]
-    assert after["tensors"].keys() == before["tensors"].keys()
-    for key, value in before["tensors"].items():
-        assert torch.equal(after["tensors"][key], value), key
-
+from loragen.errors import AdapterError
+from tests.adapters.helpers import (
+    CASES,
+    WEIGHTS,
+    assert_same_state,
+    loragen_adapter,
+    make_model,
+    model_state,
+    peft_adapter,
+    perturb_trainable,
+    run_model,
+)
 
 # ---- interop with peft ----------------------------------------------------------------------------
 
@@ -545,7 +437,7 @@ def test_failure_while_applying_restores_the_model(converted: bool, tmp_path: Pa
     def fail(*args, **kwargs):
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr("loragen.adapters.io.mark_trainable", fail)
+    monkeypatch.setattr("loragen.adapters.load.mark_trainable", fail)
     with pytest.raises(RuntimeError, match="interrupted"):
         load_adapter(model, tmp_path, trainable=True)  # fails after every tensor was copied in
     assert_same_state(model, before)
@@ -556,15 +448,3 @@ def test_failure_while_applying_restores_the_model(converted: bool, tmp_path: Pa
 def test_missing_folder_is_named(tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match=r"nowhere does not exist: an adapter is a folder"):
         load_adapter(make_model("llama"), tmp_path / "nowhere")
-
-
-def test_header_reader_checks_offsets(tmp_path: Path) -> None:
-    save_file({"a": torch.zeros(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}, tmp_path / "x.safetensors")
-    header = read_safetensors_header(tmp_path / "x.safetensors")
-    assert header.tensors["a"].shape == (2, 3) and header.tensors["b"].dtype == "BF16"
-    assert header.file_size == (tmp_path / "x.safetensors").stat().st_size
-
-    data = bytearray((tmp_path / "x.safetensors").read_bytes())
-    (tmp_path / "y.safetensors").write_bytes(bytes(data) + b"junk")
-    with pytest.raises(AdapterError, match=r"y\.safetensors: corrupt safetensors file: 4 trailing bytes"):
-        read_safetensors_header(tmp_path / "y.safetensors")

@@ -1,0 +1,222 @@
+"""Loading an adapter folder into a model, all or nothing.
+
+A plain model is first converted per the adapter's config; a model with LoRA layers is loaded into.
+Every adapter tensor is matched to the model tensor it loads into, and every problem (missing,
+unexpected, misshapen keys, wrong ranks) is reported together before the model is touched; a failure
+while applying puts the model back exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from loragen.adapters.folder import Adapter, read_adapter
+from loragen.adapters.keys import PEFT_PREFIX
+from loragen.convert import (
+    CONFIG_ATTR,
+    convert_module,
+    find_lora_layers,
+    mark_trainable,
+    plan_conversion,
+    set_submodule,
+)
+from loragen.errors import AdapterError
+from loragen.layers import LoraLayer
+
+__all__ = ["load_adapter"]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    # tied parameters appear under every name they have, as in a state dict
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def _plan_load(
+    model: nn.Module, adapter: Adapter, layers: Mapping[str, LoraLayer], strict: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Match every adapter tensor to the model tensor it loads into; raise listing every problem.
+
+    ``layers`` are the LoRA layers the model has, or will have once converted (they share the base
+    parameters, so ``model``'s own tensors stand for everything else). Returns ``(model tensor, value)``
+    pairs, values already in the target's dtype and on its device.
+    """
+    named = _named_tensors(model)
+    config = adapter.config
+    plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    mismatched: list[str] = []
+    wrong_rank: list[str] = []
+    unexpected: list[str] = []
+    found: set[str] = set()
+    for key, info in sorted(adapter.keys.items()):
+        layer = layers.get(info.module) if info.is_lora else None
+        target: torch.Tensor | None
+        if info.is_lora:
+            target = layer.lora_parameters().get(info.name) if layer is not None else None
+            if layer is not None and target is None:
+                mismatched.append(
+                    f"{key}: {info.module} is a {type(layer).__name__}, whose factors are "
+                    f"{' and '.join(layer.lora_parameters())}, not {info.name}"
+                )
+                continue
+        else:
+            target = named.get(info.model_key)
+        if target is None:
+            unexpected.append(key)
+            continue
+        found.add(info.model_key)
+        value = adapter.tensors[key]
+        if tuple(value.shape) != tuple(target.shape):
+            mismatched.append(f"{key}: expected shape {tuple(target.shape)}, found {tuple(value.shape)}")
+        elif layer is not None and config.rank_for(info.module) != layer.r:
+            wrong_rank.append(
+                f"{key}: the adapter config gives {info.module} rank {config.rank_for(info.module)}, "
+                f"the file and the model's layer have rank {layer.r}"
+            )
+        else:
+            plan[id(target)] = (target, value)
+
+    # model key -> file key of everything the adapter must provide
+    expected = {
+        f"{path}.{attr}": f"{PEFT_PREFIX}{path}.{suffix}"
+        for path, layer in layers.items()
+        for attr, suffix in layer.peft_key_suffixes().items()
+    }
+    for path, module in model.named_modules():
+        if path and config.is_module_to_save(path):
+            expected.update({f"{path}.{name}": f"{PEFT_PREFIX}{path}.{name}" for name in module.state_dict()})
+    missing = sorted(file_key for model_key, file_key in expected.items() if model_key not in found)
+
+    problems = []
+    if mismatched:
+        problems.append("shape mismatch:\n    " + "\n    ".join(mismatched))
+    if wrong_rank:
+        problems.append("rank mismatch:\n    " + "\n    ".join(wrong_rank))
+    if missing and strict:
+        problems.append(
+            f"missing keys ({len(missing)}; the model expects them, the file lacks them):\n    "
+            + "\n    ".join(missing)
+        )
+    if unexpected and strict:
+        problems.append(
+            f"unexpected keys ({len(unexpected)}; nothing in the model takes them - pass strict=False "
+            "to ignore them):\n    " + "\n    ".join(unexpected)
+        )
+    if problems:
+        raise AdapterError(
+            f"{adapter.weights_path} does not fit {type(model).__name__}:\n  " + "\n  ".join(problems)
+        )
+    return [(target, value.to(device=target.device, dtype=target.dtype)) for target, value in plan.values()]
+
+
+class _Snapshot:
+    """What loading may change in a model, saved so that a failure can put it back exactly."""
+
+    def __init__(self, model: nn.Module, overwritten: list[torch.Tensor], layers: Mapping[str, LoraLayer]):
+        self.model = model
+        self.values = [(t, t.detach().clone()) for t in overwritten]
+        self.requires_grad = [(p, p.requires_grad) for p in model.parameters()]
+        self.scaling = {
+            layer: (layer.lora_alpha, layer.use_rslora, layer.scaling) for layer in layers.values()
+        }
+        self.config = model.__dict__.get(CONFIG_ATTR, _MISSING)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for tensor, saved in self.values:
+            tensor.copy_(saved)
+        for p, flag in self.requires_grad:
+            p.requires_grad_(flag)
+        for layer, (alpha, rslora, scaling) in self.scaling.items():
+            layer.lora_alpha, layer.use_rslora, layer.scaling = alpha, rslora, scaling
+        if self.config is _MISSING:
+            self.model.__dict__.pop(CONFIG_ATTR, None)
+        else:
+            setattr(self.model, CONFIG_ATTR, self.config)
+
+
+_MISSING = object()
+
+
+def load_adapter(
+    model: M,
+    path: str | os.PathLike[str],
+    *,
+    trainable: bool = False,
+    strict: bool = True,
+    allow_pickle: bool = False,
+) -> M:
+    """Load the adapter folder ``path`` (peft's format) into ``model``; returns the same model.
+
+    A model without LoRA layers is first converted per the saved config (targets, ``rank_pattern``,
+    ``alpha_pattern``, ``use_rslora`` all honoured). A model that has LoRA layers (converted, rewritten
+    or decorated) is loaded into: its layers must have the adapter's ranks, and take the adapter's alpha
+    and ``use_rslora``. ``trainable=False`` freezes every parameter (inference); ``True`` sets
+    ``requires_grad`` as :func:`~loragen.get_lora_model` does. The config is kept as
+    ``model.loragen_config``.
+
+    All or nothing: everything is checked before the model is touched, and on any error the model is
+    left exactly as it was.
+
+    Raises:
+        AdapterError: a missing folder or file; a truncated or corrupt weights file (names it); a pickled
+            ``adapter_model.bin`` without ``allow_pickle=True``; tensors whose shapes do not fit (key,
+            expected and found shape); keys the model expects but the file lacks (all listed); keys
+            nothing in the model takes (all listed); with ``strict=False`` missing and unexpected keys
+            are ignored. Also a model whose LoRA layers are merged.
+        LoraConfigError: an invalid or unsupported field in ``adapter_config.json`` (names the field).
+        LoraConversionError: the config's targets match nothing in the model (names the targets), or
+            match layers loragen cannot adapt.
+    """
+    adapter = read_adapter(path, allow_pickle=allow_pickle)
+    config = adapter.config
+    existing = find_lora_layers(model)
+    originals: dict[str, nn.Module] = {}  # path -> the plain module a new LoRA layer replaces
+    new_layers: dict[str, LoraLayer] = {}
+    if existing:
+        merged = [p for p, layer in existing.items() if layer.merged]
+        if merged:
+            raise AdapterError(
+                f"cannot load an adapter into merged LoRA layers ({', '.join(merged)}): "
+                "call loragen.unmerge_adapter(model) first"
+            )
+        layers = existing
+    else:
+        originals = plan_conversion(model, config)
+        # the new layers share the base parameters but are not installed yet: the model is unchanged
+        new_layers = {p: convert_module(module, config, p) for p, module in originals.items()}
+        layers = new_layers
+    plan = _plan_load(model, adapter, layers, strict)
+
+    # the factors of new layers need no backup: on failure the layers are dropped
+    fresh = {id(t) for layer in new_layers.values() for t in layer.lora_parameters().values()}
+    snapshot = _Snapshot(model, [t for t, _ in plan if id(t) not in fresh], existing)
+    try:
+        for p, layer in new_layers.items():
+            set_submodule(model, p, layer)
+        with torch.no_grad():
+            for target, value in plan:
+                target.copy_(value)
+        for p, layer in existing.items():
+            layer.lora_alpha = config.alpha_for(p)
+            layer.use_rslora = config.use_rslora
+            layer.scaling = config.scaling_for(p)
+        setattr(model, CONFIG_ATTR, config)
+        if trainable:
+            mark_trainable(model, config)
+        else:
+            model.requires_grad_(False)
+    except BaseException:
+        for p, module in originals.items():
+            set_submodule(model, p, module)
+        snapshot.restore()
+        raise
+    return model

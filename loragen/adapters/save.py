@@ -1,0 +1,244 @@
+"""Writing a model's adapter in peft's format: the config, the tensors under peft's keys, the folder.
+
+:func:`adapter_config_for` is the ``adapter_config.json`` a model gets, :func:`adapter_state_dict` the
+tensors of ``adapter_model.safetensors`` under peft's keys (see :mod:`loragen.adapters.keys`), and
+:func:`save_adapter` writes both as a folder, atomically (:mod:`loragen.atomic`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from loragen.adapters.folder import ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME, ADAPTER_WEIGHTS_NAME
+from loragen.adapters.keys import PEFT_PREFIX
+from loragen.atomic import atomic_dir
+from loragen.config import LoraConfig
+from loragen.convert import CONFIG_ATTR, find_lora_layers
+from loragen.errors import AdapterError
+from loragen.layers import LoraLayer
+from loragen.registry import TRANSPOSED
+
+__all__ = ["adapter_config_for", "adapter_state_dict", "save_adapter"]
+
+# peft saves the base weights of a targeted input/output embedding, because their rows may have been
+# resized; "auto" does the same, so both write the same keys for the same model.
+_EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
+
+
+def _most_common(values: list[Any]) -> Any:
+    counts = Counter(values)
+    return max(counts, key=lambda v: (counts[v], -values.index(v)))
+
+
+def _derived_config(model: nn.Module, layers: Mapping[str, LoraLayer]) -> LoraConfig:
+    """A config that reproduces ``layers`` (for models with no stored config, e.g. rewritten ones)."""
+    rslora = {layer.use_rslora for layer in layers.values()}
+    if len(rslora) > 1:
+        mixed = ", ".join(p for p, layer in layers.items() if layer.use_rslora)
+        raise AdapterError(
+            f"the model mixes use_rslora=True ({mixed}) and False layers; peft's adapter_config.json "
+            "has one use_rslora for all layers"
+        )
+    r = _most_common([layer.r for layer in layers.values()])
+    alpha = _most_common([layer.lora_alpha for layer in layers.values()])
+    leaf_names = sorted({path.rpartition(".")[2] for path in layers})
+    selected = {
+        path
+        for path, _ in model.named_modules()
+        if path and any(path == n or path.endswith("." + n) for n in leaf_names)
+    }
+    # leaf names are what people write; full paths when the names would also select other modules
+    targets = leaf_names if selected == set(layers) else list(layers)
+    return LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=_most_common([layer.lora_dropout_p for layer in layers.values()]),
+        target_modules=targets,
+        use_rslora=rslora.pop(),
+        rank_pattern={path: layer.r for path, layer in layers.items() if layer.r != r},
+        alpha_pattern={path: layer.lora_alpha for path, layer in layers.items() if layer.lora_alpha != alpha},
+    )
+
+
+def adapter_config_for(model: nn.Module) -> LoraConfig:
+    """The config :func:`save_adapter` writes for ``model``.
+
+    The config stored by ``get_lora_model`` (``model.loragen_config``) when there is one, else one
+    derived from the LoRA layers (ranks and alphas per path go to ``rank_pattern`` / ``alpha_pattern``).
+    Models whose LoRA layers are all transformers ``Conv1D`` get ``fan_in_fan_out=True``, as peft
+    writes for them (tools that merge without the model need it for square weights).
+
+    Raises:
+        AdapterError: the model has no LoRA layers, or the config disagrees with a layer's rank or
+            scaling (names the layer).
+    """
+    layers = find_lora_layers(model)
+    if not layers:
+        raise AdapterError(f"{type(model).__name__} has no LoRA layers: nothing to save")
+    config = getattr(model, CONFIG_ATTR, None)
+    if not isinstance(config, LoraConfig):
+        config = _derived_config(model, layers)
+    for path, layer in layers.items():
+        if config.rank_for(path) != layer.r or not math.isclose(config.scaling_for(path), layer.scaling):
+            raise AdapterError(
+                f"{path}: the layer has r={layer.r}, scaling={layer.scaling:g} but the model's config gives "
+                f"r={config.rank_for(path)}, scaling={config.scaling_for(path):g}; delete "
+                f"model.{CONFIG_ATTR} to save a config derived from the layers"
+            )
+    # peft's fan_in_fan_out means "weights stored (in, out)": the transposed layout
+    if all(layer.layout is TRANSPOSED for layer in layers.values()) and not config.fan_in_fan_out:
+        config = config.replace(fan_in_fan_out=True)
+    return config
+
+
+def _embedding_targeted(model: nn.Module, config: LoraConfig) -> bool:
+    targets = config.target_modules
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return False
+        return any(
+            config.matches_target(path)
+            for path, _ in model.named_modules()
+            if path.rpartition(".")[2] in _EMBEDDING_LAYER_NAMES
+        )
+    return any(name in (targets or ()) for name in _EMBEDDING_LAYER_NAMES)
+
+
+def _tensor_for_file(t: torch.Tensor) -> torch.Tensor:
+    # a contiguous CPU copy: no storage shared with the model or with another saved tensor
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def adapter_state_dict(
+    model: nn.Module,
+    config: LoraConfig,
+    *,
+    save_embedding_layers: bool | Literal["auto"] = "auto",
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``model``'s adapter under peft's file keys (contiguous CPU copies).
+
+    LoRA factors, the state of every module in ``config.modules_to_save`` under its own key, biases per
+    ``config.bias``, and with ``save_embedding_layers`` (``"auto"``: when ``target_modules`` names
+    ``embed_tokens`` or ``lm_head``, as peft does) the base weights of LoRA-adapted input/output embeddings.
+
+    Args:
+        state_dict: take the tensors from this mapping of the model's own state-dict keys instead of from
+            its modules (FSDP2 shards parameters; its gathered full state is passed here). It must hold
+            every tensor the adapter saves.
+
+    Raises:
+        AdapterError: ``state_dict`` lacks a tensor the adapter saves (every such key is listed).
+    """
+    full = model.state_dict(keep_vars=True) if state_dict is None else state_dict
+    layers = find_lora_layers(model)
+    wanted: dict[str, str] = {}  # peft file key -> model key
+    for path, layer in layers.items():
+        for attr, suffix in layer.peft_key_suffixes().items():
+            wanted[f"{PEFT_PREFIX}{path}.{suffix}"] = f"{path}.{attr}"
+
+    if config.bias == "all":  # as peft: every state-dict entry named "bias"
+        for name in full:
+            if name == "bias" or name.endswith(".bias"):
+                module, _, param = name.rpartition(".")
+                infix = ".base_layer" if module in layers else ""
+                wanted[f"{PEFT_PREFIX}{module}{infix}.{param}"] = name
+    elif config.bias == "lora_only":
+        for path, layer in layers.items():
+            if layer.bias is not None:
+                wanted[f"{PEFT_PREFIX}{path}.base_layer.bias"] = f"{path}.bias"
+
+    for path, _ in model.named_modules():
+        if path and config.is_module_to_save(path):
+            for name in full:
+                if name.startswith(path + "."):
+                    wanted[f"{PEFT_PREFIX}{name}"] = name
+
+    if save_embedding_layers == "auto":
+        save_embedding_layers = _embedding_targeted(model, config)
+    if save_embedding_layers:
+        embeddings = []
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            fn = getattr(model, getter, None)
+            embeddings.append(fn() if callable(fn) else None)
+        for path, layer in layers.items():
+            if any(layer is e for e in embeddings):
+                wanted[f"{PEFT_PREFIX}{path}.base_layer.weight"] = f"{path}.weight"
+
+    missing = sorted(model_key for model_key in wanted.values() if model_key not in full)
+    if missing:
+        raise AdapterError(f"the state dict given to save the adapter lacks: {', '.join(missing)}")
+    return {file_key: _tensor_for_file(full[model_key]) for file_key, model_key in wanted.items()}
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Keep files that are not the adapter's own (a README, tokenizer files) when replacing a folder.
+
+    Hard links where possible: nothing is copied, and the old folder can then be deleted.
+    """
+    ours = {ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, ADAPTER_PICKLE_NAME}
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    for item in old.iterdir():
+        if item.name in ours:
+            continue
+        if item.is_dir() and not item.is_symlink():
+            shutil.copytree(item, new / item.name, copy_function=link_or_copy, symlinks=True)
+        elif item.is_symlink():
+            os.symlink(os.readlink(item), new / item.name)
+        else:
+            link_or_copy(str(item), str(new / item.name))
+
+
+def save_adapter(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    save_embedding_layers: bool | Literal["auto"] = "auto",
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``model``'s adapter to the folder ``path`` in peft's format; returns the folder.
+
+    The folder gets ``adapter_config.json`` (see :func:`adapter_config_for`) and
+    ``adapter_model.safetensors`` (see :func:`adapter_state_dict`; metadata ``{"format": "pt"}``). It is
+    built beside ``path`` and renamed into place only when complete, so an error or a crash never leaves
+    a half-written adapter; other files already in the folder are kept.
+
+    ``state_dict`` (model keys -> tensors) supplies the tensors instead of the model's modules: see
+    :func:`adapter_state_dict` (FSDP2 models save their gathered state this way).
+
+    Raises:
+        AdapterError: the model has no LoRA layers, its config disagrees with its layers, or
+            ``state_dict`` lacks a tensor the adapter saves.
+        OSError: the folder cannot be written (the old one is then untouched).
+    """
+    config = adapter_config_for(model)
+    tensors = adapter_state_dict(
+        model, config, save_embedding_layers=save_embedding_layers, state_dict=state_dict
+    )
+    config_text = json.dumps(config.to_peft(), indent=2, sort_keys=True) + "\n"
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise AdapterError(f"{target} exists and is not a folder; an adapter is saved as a folder")
+    with atomic_dir(target) as tmp:
+        if target.is_dir():
+            _carry_over(target, tmp)
+        safetensors.torch.save_file(tensors, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG_NAME).write_text(config_text, encoding="utf-8")
+    return target
