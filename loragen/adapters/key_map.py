@@ -99,13 +99,17 @@ def explicit_key_map(
     ``strip_prefix`` prefixes to remove (``P`` is the rule ``P -> ""``); ``None`` when neither is given.
 
     Raises:
-        MergeError: a prefix that is not a dotted path, or the same ``OLD`` given twice.
+        MergeError: a prefix that is not a dotted path, a rule that changes nothing, or the same ``OLD``
+            given twice.
     """
     strips = [strip_prefix] if isinstance(strip_prefix, str) else list(strip_prefix or ())
     pairs = [(_path(p, "strip_prefix"), "") for p in strips]
     pairs += [(_path(old, "key_map"), _path(new, "key_map")) for old, new in (key_map or {}).items()]
     if not pairs:
         return None
+    idle = [old for old, new in pairs if old == new]
+    if idle:
+        raise MergeError(f"the key map rule {idle[0]!r} -> {idle[0]!r} changes nothing; leave it out")
     olds = [old for old, _ in pairs]
     twice = sorted({old for old in olds if olds.count(old) > 1})
     if twice:
@@ -222,7 +226,9 @@ def resolve_keys(
     best, problems = min(results, key=lambda item: len(item[1]))
     lines = "\n  ".join(problems)
     others = "".join(
-        f"\nalso tried: {m.describe()}: {len(p)} problem{'s' * (len(p) > 1)}" for m, p in results if m is not best
+        f"\nalso tried: {m.describe()}: {len(p)} problem{'s' * (len(p) > 1)}"
+        for m, p in results
+        if m is not best
     )
     wrapper = f"\nthe checkpoint's wrapper: {note}" if note else ""
     raise MergeError(

@@ -308,6 +308,8 @@ def test_rule_that_matches_nothing_is_refused(tmp_path: Path) -> None:
         merge_checkpoint(
             base, tmp_path / "adapter", tmp_path / "o.safetensors", key_map={"model..layers": "x"}
         )
+    with pytest.raises(MergeError, match=r"rule '' -> '' changes nothing"):
+        merge_checkpoint(base, tmp_path / "adapter", tmp_path / "o.safetensors", strip_prefix=".")
     with pytest.raises(MergeError, match=r"rewrites 'model' more than once"):
         merge_checkpoint(
             base,
@@ -356,6 +358,7 @@ _path = st.lists(_part, min_size=1, max_size=4).map(".".join)
 def test_resolved_keys_are_one_to_one_or_refused(
     targets: set[str], names: set[str], rules: dict[str, str], complete: bool
 ) -> None:
+    rules = {old: new for old, new in rules.items() if old != new}  # a rule that changes nothing is refused
     explicit = explicit_key_map(rules) if rules else None
     if complete:  # the checkpoint holds every mapped path (two may still land on one tensor)
         names = names | {(explicit or KeyMap()).apply(t) for t in targets}

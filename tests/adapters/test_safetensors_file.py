@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loragen.adapters.safetensors_file import read_safetensors_header
+from loragen.adapters.safetensors_file import SafetensorsReader, read_safetensors_header
 from loragen.errors import AdapterError
 
 
@@ -22,3 +22,25 @@ def test_header_reader_checks_offsets(tmp_path: Path) -> None:
     (tmp_path / "y.safetensors").write_bytes(bytes(data) + b"junk")
     with pytest.raises(AdapterError, match=r"y\.safetensors: corrupt safetensors file: 4 trailing bytes"):
         read_safetensors_header(tmp_path / "y.safetensors")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_reader_reads_tensors_and_row_ranges_from_disk(tmp_path: Path, dtype: torch.dtype) -> None:
+    tensors = {
+        "w": torch.arange(30).reshape(5, 3, 2).to(dtype),
+        "scalar": torch.tensor(7).to(dtype),
+        "empty": torch.zeros(0, 4, dtype=dtype),
+    }
+    save_file(tensors, tmp_path / "x.safetensors")
+    reader = SafetensorsReader(read_safetensors_header(tmp_path / "x.safetensors"))
+
+    assert sorted(reader) == ["empty", "scalar", "w"] and len(reader) == 3
+    for name, value in tensors.items():
+        assert reader[name].dtype == dtype and torch.equal(reader[name], value), name
+    assert torch.equal(reader.rows("w", 1, 4), tensors["w"][1:4])
+    assert reader.rows("w", 2, 2).shape == (0, 3, 2)
+
+    cut = reader.header.tensors["w"].start + 4  # the file now ends inside "w"
+    (tmp_path / "x.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes()[:cut])
+    with pytest.raises(AdapterError, match=r"x\.safetensors: file ended while reading 'w'"):
+        reader.rows("w", 0, 5)
