@@ -92,9 +92,15 @@ class Layout:
     def delta_rows(self, a: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
         """Rows ``start:stop`` of :meth:`delta` (its first dimension), computed from those rows only:
         what a streaming merge adds to one block of a stored weight, flattened to ``(rows, -1)``."""
+        left, right = self.delta_row_factors(a, b, start, stop)
+        return left @ right
+
+    def delta_row_factors(self, a: Tensor, b: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Two matrices whose product is :meth:`delta_rows`, ``(rows, r)`` and ``(r, -1)``: a caller adds
+        them to a block in place, never materialising the delta (``block.addmm_(*factors, alpha=s)``)."""
         if self.name == "plain":
-            return b[start:stop].flatten(1) @ a.flatten(1)
-        return a[:, start:stop].t() @ b.t()
+            return b[start:stop].flatten(1), a.flatten(1)
+        return a[:, start:stop].t(), b.t()
 
 
 PLAIN = Layout("plain", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))

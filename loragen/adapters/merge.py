@@ -5,7 +5,7 @@ every change is decided before writing (:mod:`loragen.adapters.merge_plan`). Eac
 input's header verbatim (merging keeps every tensor's name, dtype and shape, so every byte offset stays
 the same) and its data section is streamed in file order: untouched byte ranges are copied as they are,
 and each tensor the adapter touches is merged a block of rows at a time, in fp32 (``W + scaling * B @ A``
-in the weight's layout, ``Layout.delta_rows``) and rounded once to its dtype. Peak memory is a few
+in the weight's layout, ``Layout.delta_row_factors``) and rounded once to its dtype. Peak memory is a few
 blocks plus one module's LoRA factors, whatever the size of the checkpoint or of its tensors. The output
 appears atomically (:mod:`loragen.atomic`), only once complete.
 """
@@ -92,8 +92,10 @@ def _merge_tensor(
             if op.kind == "replace":
                 work.copy_(_rows(adapter.tensors, op.source_keys[0], start, stop))
                 continue
-            a, b = factors[op]  # rows of W (flattened to (n, -1)) += s * the same rows of B @ A
-            work.view(stop - start, -1).add_(op.layout.delta_rows(a, b, start, stop), alpha=op.scaling)
+            a, b = factors[op]  # rows of W (flattened to (n, -1)) += s * the same rows of B @ A, fused
+            work.view(stop - start, -1).addmm_(
+                *op.layout.delta_row_factors(a, b, start, stop), alpha=op.scaling
+            )
         out = work.to(dtype).contiguous()
         # the raw little-endian bytes (through uint8: numpy has no bfloat16)
         dst.write(out.view(-1).view(torch.uint8).numpy().data if out.numel() else b"")

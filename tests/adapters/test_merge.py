@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from loragen.adapters.merge import MergeError, merge_checkpoint
+from loragen.registry import LAYOUTS
 from tests.adapters.helpers import CASES, loragen_adapter, make_model, peft_adapter, run_model
 
 HF_CASES = [case for case, (kind, _) in CASES.items() if kind != "convnet"]
@@ -291,3 +292,35 @@ def test_folder_with_one_file_and_no_index(tmp_path: Path) -> None:
     )
     reference = merge_checkpoint(single, tmp_path / "adapter", tmp_path / "single.safetensors")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == reference.output.read_bytes()
+
+
+@given(
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    r=st.integers(1, 4),
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 9),
+    kernel=st.sampled_from([(), (3,), (2, 2)]),
+    block=st.integers(1, 9),
+)
+def test_row_blocks_of_every_layout_add_up_to_its_delta(
+    layout: str, r: int, rows: int, cols: int, kernel: tuple[int, ...], block: int
+) -> None:
+    """The streaming merge adds ``Layout.delta_row_factors`` block by block: together, exactly ``delta``."""
+    lay = LAYOUTS[layout]
+    kernel = kernel if lay.name == "plain" else ()
+    g = torch.Generator().manual_seed(r * 100 + rows)
+    if lay.name == "plain":  # A (r, in, *kernel), B (out, r, 1, ...); rows of W are its out
+        a, b = (
+            torch.randn(r, cols, *kernel, generator=g),
+            torch.randn(rows, r, *[1] * len(kernel), generator=g),
+        )
+    else:  # A (r, rows), B (cols, r); rows of W are A's columns
+        a, b = torch.randn(r, rows, generator=g), torch.randn(cols, r, generator=g)
+    assert lay.fits(tuple(a.shape), tuple(b.shape))
+    delta = lay.delta(a, b)
+    assert tuple(delta.shape) == lay.weight_shape(tuple(a.shape), tuple(b.shape))
+    for start in range(0, delta.shape[0], block):
+        stop = min(start + block, delta.shape[0])
+        left, right = lay.delta_row_factors(a, b, start, stop)
+        torch.testing.assert_close(left @ right, delta[start:stop].flatten(1))
+        torch.testing.assert_close(lay.delta_rows(a, b, start, stop), delta[start:stop].flatten(1))
