@@ -52,7 +52,7 @@ def checkpoint_layout(layers: int) -> list[tuple[str, tuple[int, ...]]]:
             (f"model.layers.{i}.input_layernorm.weight", (HIDDEN,)),
             (f"model.layers.{i}.post_attention_layernorm.weight", (HIDDEN,)),
         ]
-    return names + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
+    return [*names, ("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
 
 
 def write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], seed: int) -> None:
