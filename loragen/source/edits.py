@@ -11,7 +11,7 @@ import libcst as cst
 
 from loragen.config import LoraConfig
 from loragen.source.codegen import py_literal, render
-from loragen.source.scan import absolute_module
+from loragen.source.syntax import absolute_module
 
 __all__ = ["Editor", "edit_call", "has_lora_hook", "insert_import", "lora_keywords", "top_level_bindings"]
 

@@ -1,0 +1,207 @@
+"""What the scanner reports: layer fields, submodules, unresolved constructions, per class and per file.
+
+These plain data classes are shared by the scanner (:mod:`loragen.source.scan`), which fills them, and
+the code generators (:mod:`loragen.source.decorator`, :mod:`loragen.source.rewrite`), which read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import libcst as cst
+
+__all__ = [
+    "ClassScan",
+    "LayerField",
+    "ScanResult",
+    "ScannedModule",
+    "SourceLocation",
+    "SubmoduleField",
+    "Unresolved",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLocation:
+    """Where a node starts: ``file:line:column`` (line 1-based, column 0-based)."""
+
+    filename: str
+    line: int
+    column: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerField:
+    """A layer built in ``__init__`` and stored under a module path of its class.
+
+    Attributes:
+        owner: qualified name of the class in its module (``"LlamaAttention"``, ``"Outer.Inner"``).
+        attribute: the attribute of ``self`` that holds it or its container (``"layers"``).
+        path: module path relative to an instance of ``owner``; ``{i}`` stands for a list index and
+            ``{key}`` for a dictionary key only known at run time (``"layers.{i}.0"``).
+        layer: qualified name of the base layer type (``"torch.nn.Linear"``).
+        lora_name: the loragen class that replaces it (``"LoraLinear"``).
+        location: position of the constructor call.
+        conditional: built under ``if``/``else``, a conditional expression, ``try`` or a loop body.
+        container: ``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when built inside one.
+        is_lora: the call already builds the loragen layer (a rewritten file).
+    """
+
+    owner: str
+    attribute: str
+    path: str
+    layer: str
+    lora_name: str
+    location: SourceLocation
+    conditional: bool = False
+    container: str | None = None
+    is_lora: bool = False
+
+    @property
+    def pattern(self) -> str:
+        """The path with run-time indices and keys as ``*`` (``"layers.*"``)."""
+        return re.sub(r"\{(i|key)\}", "*", self.path)
+
+    def describe(self) -> str:
+        """One line for summaries: ``layers.* (torch.nn.Linear, model.py:12, in ModuleList)``."""
+        notes = [self.layer, str(self.location)]
+        if self.container:
+            notes.append(f"in {self.container}")
+        if self.conditional:
+            notes.append("conditional")
+        return f"{self.pattern} ({', '.join(notes)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmoduleField:
+    """A child module built from a class constructor that is not a layer (``self.mlp = LlamaMLP(config)``).
+
+    ``callee`` is the qualified name of the constructor; ``local_class`` the qualified name of the class
+    in the scanned module when it is defined there (used to follow containment inside one file).
+    """
+
+    owner: str
+    attribute: str
+    path: str
+    callee: str
+    location: SourceLocation
+    local_class: str | None = None
+    conditional: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Unresolved:
+    """Something the scanner saw but cannot resolve statically, with the reason."""
+
+    owner: str | None
+    attribute: str | None
+    location: SourceLocation
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassScan:
+    """What the scanner found in one class."""
+
+    name: str
+    location: SourceLocation
+    local_bases: tuple[str, ...]
+    base_names: tuple[str, ...]
+    fields: tuple[LayerField, ...]
+    submodules: tuple[SubmoduleField, ...]
+    unresolved: tuple[Unresolved, ...]
+    has_init: bool
+    output_head: tuple[str, ...] | None = None
+
+    # ``output_head``: what ``get_output_embeddings`` returns when the class defines it: ``("lm_head",)``
+    # for ``return self.lm_head``, ``()`` for ``return None`` or anything not a ``self.<path>``; None when
+    # the class does not define it.
+
+    def attributes(self) -> list[str]:
+        """The attributes that hold layer fields, in source order, each once."""
+        return list(dict.fromkeys(f.attribute for f in self.fields))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanResult:
+    """What the scanner found in a module: its classes, and what it could not resolve anywhere."""
+
+    filename: str
+    module: str | None
+    classes: tuple[ClassScan, ...]
+    unresolved: tuple[Unresolved, ...]
+
+    def get(self, name: str) -> ClassScan | None:
+        """The class with qualified name ``name``, or None."""
+        return next((c for c in self.classes if c.name == name), None)
+
+    @property
+    def fields(self) -> list[LayerField]:
+        """All layer fields of all classes, in source order."""
+        return [f for c in self.classes for f in c.fields]
+
+    def contexts(self, name: str, *, limit: int = 64) -> list[tuple[str, str]]:
+        """Where instances of class ``name`` appear, following containment in this file.
+
+        Returns ``(root class, path prefix)`` pairs: the fields of ``name`` sit at ``prefix + field.path``
+        inside an instance of the root class. ``(name, "")`` (the class on its own) comes first. For
+        ``LlamaAttention`` in ``modeling_llama.py``: ``("LlamaAttention", "")``,
+        ``("LlamaDecoderLayer", "self_attn.")``, ``("LlamaModel", "layers.{i}.self_attn.")``,
+        ``("LlamaForCausalLM", "model.layers.{i}.self_attn.")``, ... Subclasses defined in the file run
+        their base's ``__init__``, so they share its placements.
+        """
+        subclasses: dict[str, set[str]] = {c.name: set() for c in self.classes}
+        for c in self.classes:
+            for base in c.local_bases:
+                subclasses.setdefault(base, set()).add(c.name)
+
+        def family(cls: str) -> set[str]:  # cls and its local subclasses: they all run cls.__init__
+            seen, todo = set(), [cls]
+            while todo:
+                item = todo.pop()
+                if item not in seen:
+                    seen.add(item)
+                    todo.extend(subclasses.get(item, ()))
+            return seen
+
+        result: list[tuple[str, str]] = []
+
+        def walk(cls: str, suffix: str, stack: tuple[str, ...]) -> None:
+            members = family(cls)
+            for member in [cls, *sorted(members - {cls})]:  # a subclass instance holds the same fields
+                if (member, suffix) not in result:
+                    result.append((member, suffix))
+            if len(result) >= limit or cls in stack:
+                return
+            for owner in self.classes:
+                for sub in owner.submodules:
+                    if sub.local_class in members:
+                        # the owner's subclasses run the owner's __init__ and hold the child too
+                        for holder in [owner.name, *sorted(family(owner.name) - {owner.name})]:
+                            walk(holder, f"{sub.path}.{suffix}", (*stack, cls))
+
+        walk(name, "", ())
+        return result
+
+
+@dataclasses.dataclass
+class ScannedModule:
+    """A parsed module and its scan, kept together for the rewriter.
+
+    ``tree`` is the full syntax tree; ``calls`` maps ``id(call node)`` of every followed layer constructor
+    call in it to the fields that call builds, and ``call_nodes`` the id to the node.
+    """
+
+    tree: cst.Module
+    result: ScanResult
+    calls: dict[int, list[LayerField]]
+    call_nodes: dict[int, cst.Call]
+
+

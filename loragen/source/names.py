@@ -1,0 +1,192 @@
+"""Name resolution for the scanner: what a name in a module denotes, and where a node is.
+
+:class:`Resolver` answers, for a parsed module, the qualified names a ``Name`` / ``Attribute`` denotes
+(``nn.Linear``, ``torch.nn.Linear`` and ``from torch.nn import Linear as L`` all give
+``torch.nn.Linear``), which registered layer type a constructor call builds (read from
+:mod:`loragen.registry`), the classes and functions the module defines, and ``file:line`` positions, also
+inside function bodies that the skeleton stubbed out (:mod:`loragen.source.parse`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import libcst as cst
+import libcst.metadata as md
+from libcst.helpers.module import ModuleNameAndPackage
+
+import loragen
+from loragen.registry import LayerSpec, specs
+from loragen.source.fields import SourceLocation
+from loragen.source.syntax import absolute_module, code_of, dotted_name, nested_statements
+
+__all__ = ["CONTAINERS", "LayerMatch", "Resolver"]
+
+CONTAINERS = {
+    "ModuleList": ("torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"),
+    "Sequential": ("torch.nn.Sequential", "torch.nn.modules.container.Sequential"),
+    "ModuleDict": ("torch.nn.ModuleDict", "torch.nn.modules.container.ModuleDict"),
+}
+_COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
+
+# (spec, whether the call already builds the LoRA class)
+LayerMatch = tuple[LayerSpec, bool]
+
+
+def _layer_names() -> dict[str, LayerMatch]:
+    """Every qualified name a registered base type or its LoRA class is reachable under."""
+    names: dict[str, LayerMatch] = {}
+    for spec in specs():
+        for qualname in spec.qualnames:
+            names[qualname] = (spec, False)
+        names[spec.lora_qualname] = (spec, True)
+        if spec.lora_module.startswith("loragen.") and spec.lora_name in loragen.__all__:
+            names[f"loragen.{spec.lora_name}"] = (spec, True)  # loragen re-exports its own layers
+    return names
+
+
+class Resolver:
+    """Names, definitions and positions of one parsed module (see the module docstring).
+
+    Args:
+        tree: the full module; ``skeleton`` / ``stubs``: its skeleton and stubbed functions.
+        filename: for locations. ``module``: the module's dotted name (None: ``__scanned__``).
+        package: the module's package, to resolve relative imports (None: keep them relative).
+    """
+
+    def __init__(
+        self,
+        tree: cst.Module,
+        skeleton: cst.Module,
+        stubs: dict[int, cst.FunctionDef],
+        filename: str,
+        module: str | None,
+        package: str | None,
+    ) -> None:
+        self.tree = tree
+        self.stubs = stubs
+        self.filename = filename
+        self.package = package
+        self.module_prefix = (module or "__scanned__") + "."
+        cache = {}
+        if package is not None:
+            cache[md.FullyQualifiedNameProvider] = ModuleNameAndPackage(module or "__scanned__", package)
+        wrapper = md.MetadataWrapper(skeleton, unsafe_skip_copy=True, cache=cache)  # type: ignore[arg-type]
+        names: Mapping[cst.CSTNode, Collection[md.QualifiedName]] | None = None
+        if package is not None:
+            try:
+                names = wrapper.resolve(md.FullyQualifiedNameProvider)
+            except ImportError:  # a relative import reaching above the given package: keep it relative
+                names = None
+        # QualifiedNameProvider gives local names without the module: add it so both providers agree
+        self.local_prefix = "" if names is not None else self.module_prefix
+        self.names = names if names is not None else wrapper.resolve(md.QualifiedNameProvider)
+        scope = wrapper.resolve(md.ScopeProvider)[wrapper.module]
+        assert scope is not None  # libcst gives every module a global scope
+        self.global_scope = scope
+        self.skeleton = wrapper.module
+        self.positions = wrapper.resolve(md.PositionProvider)
+        self.layer_names = _layer_names()
+        self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
+        # qualified name -> ClassDef / FunctionDef, with Python-style qualnames ("f.<locals>.C")
+        self.class_defs: dict[str, cst.ClassDef] = {}
+        self.function_defs: dict[str, cst.FunctionDef] = {}
+        self.star_imports: list[str] = []
+        self._index_classes(self.skeleton.body, "")
+        self._index_functions(tree.body, "")
+
+    # ---- definitions ---------------------------------------------------------------------------------
+
+    def _index_classes(self, body: Sequence[cst.CSTNode], prefix: str) -> None:
+        """Classes of the skeleton by qualified name, and the module's star imports."""
+        for stmt in body:
+            if isinstance(stmt, cst.ClassDef):
+                qualname = prefix + stmt.name.value
+                self.class_defs[qualname] = stmt
+                self._index_classes(stmt.body.body, qualname + ".")
+            elif isinstance(stmt, cst.FunctionDef):
+                self._index_classes(stmt.body.body, prefix + stmt.name.value + ".<locals>.")
+            elif isinstance(stmt, _COMPOUND):
+                self._index_classes(nested_statements(stmt), prefix)
+            elif isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    if isinstance(small, cst.ImportFrom) and isinstance(small.names, cst.ImportStar):
+                        self.star_imports.append(code_of(small.module) if small.module else ".")
+
+    def _index_functions(self, body: Sequence[cst.CSTNode], prefix: str) -> None:
+        """Functions and methods of the full tree (their bodies intact) by qualified name."""
+        for stmt in body:
+            if isinstance(stmt, cst.ClassDef):
+                self._index_functions(stmt.body.body, prefix + stmt.name.value + ".")
+            elif isinstance(stmt, cst.FunctionDef):
+                self.function_defs[prefix + stmt.name.value] = stmt
+                self._index_functions(stmt.body.body, prefix + stmt.name.value + ".<locals>.")
+            elif isinstance(stmt, _COMPOUND):
+                self._index_functions(nested_statements(stmt), prefix)
+
+    def local_class(self, node: cst.CSTNode) -> str | None:
+        """The qualified name (in this module) of the class ``node`` denotes when the module defines it."""
+        return self._local(node, self.class_defs)
+
+    def local_function(self, node: cst.CSTNode) -> str | None:
+        """The qualified name of the function ``node`` denotes when the module defines it."""
+        return self._local(node, self.function_defs)
+
+    def _local(self, node: cst.CSTNode, defs: Mapping[str, cst.CSTNode]) -> str | None:
+        for name in self.qualnames(node):
+            if name.startswith(self.module_prefix) and name[len(self.module_prefix) :] in defs:
+                return name[len(self.module_prefix) :]
+        return None
+
+    # ---- names -----------------------------------------------------------------------------------------
+
+    def qualnames(self, node: cst.CSTNode) -> set[str]:
+        """The absolute qualified names ``node`` may denote (relative ones when no package is known)."""
+        found = self.names.get(node)
+        if found is None:  # in a stubbed body: resolve the dotted name at module level
+            dotted = dotted_name(node)
+            at_top = self.global_scope.get_qualified_names_for(dotted) if dotted else ()
+            return {self._normalise(q, relative=True) for q in at_top}
+        if callable(found):  # QualifiedNameProvider computes lazily
+            found = found()
+        return {self._normalise(q, relative=False) for q in found}
+
+    def _normalise(self, q: md.QualifiedName, relative: bool) -> str:
+        if q.source is md.QualifiedNameSource.LOCAL:
+            return (self.module_prefix if relative else self.local_prefix) + q.name
+        if relative and q.name.startswith(".") and self.package is not None:
+            level = len(q.name) - len(q.name.lstrip("."))
+            return absolute_module(self.package, level, q.name.lstrip(".")) or q.name
+        return q.name
+
+    def layer(self, call: cst.Call) -> LayerMatch | None:
+        """The registered layer type ``call`` constructs (and whether it is already the LoRA class)."""
+        for name in sorted(self.qualnames(call.func)):
+            hit = self.layer_names.get(name)
+            if hit is not None:
+                return hit
+        return None
+
+    def container_kind(self, call: cst.Call) -> str | None:
+        """``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when ``call`` builds one."""
+        names = self.qualnames(call.func)
+        return next((kind for kind, qualnames in CONTAINERS.items() if names & set(qualnames)), None)
+
+    # ---- positions -------------------------------------------------------------------------------------
+
+    def loc(self, node: cst.CSTNode, within: cst.FunctionDef | None = None) -> SourceLocation:
+        """Position of ``node``; ``within`` is the enclosing function when its body was stubbed."""
+        pos = self.positions.get(node)
+        if pos is None and within is not None:
+            return self._loc_in_stubbed(node, within)
+        if pos is None:
+            return SourceLocation(self.filename, 1, 0)
+        return SourceLocation(self.filename, pos.start.line, pos.start.column)
+
+    def _loc_in_stubbed(self, node: cst.CSTNode, func: cst.FunctionDef) -> SourceLocation:
+        stub = self.stubs.get(id(func))
+        if stub is None or stub not in self.positions:
+            return SourceLocation(self.filename, 1, 0)
+        mini = md.MetadataWrapper(cst.Module(body=[func]), unsafe_skip_copy=True).resolve(md.PositionProvider)
+        offset = mini[node].start.line - mini[func].start.line
+        return SourceLocation(self.filename, self.positions[stub].start.line + offset, mini[node].start.column)
