@@ -108,7 +108,7 @@ def _rewrite_llama() -> str:
 def _expand_user_block() -> str:
     from loragen.source.decorator import expansion_source
 
-    return expansion_source(load_user_model().Block)
+    return expansion_source(load_user_model().Block, user_model_config())
 
 
 def _expand_gpt2_attention() -> str:
@@ -124,7 +124,7 @@ def cases() -> list[GoldenCase]:
     return [
         GoldenCase("rewrite of a user model", GOLDEN / "user_model.rewritten.py", _rewrite_user_model),
         GoldenCase(
-            "@lora_convert of user_model.Block", GOLDEN / "user_model.Block.expansion.py", _expand_user_block
+            "@lora_convert(config) of user_model.Block", GOLDEN / "user_model.Block.expansion.py", _expand_user_block
         ),
         GoldenCase(
             "rewrite of transformers' modeling_llama.py",

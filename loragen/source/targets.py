@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.registry import spec_for_qualname
 from loragen.source.codegen import py_literal
-from loragen.source.scan import LayerField, ScanResult
+from loragen.source.fields import LayerField, ScanResult
 
 __all__ = ["PRETRAINED", "Decision", "Targets", "instances"]
 
@@ -92,12 +92,39 @@ class Targets:
             todo.extend(cls.local_bases)
         return False
 
-    def matches(self, field: LayerField, path: str) -> bool:
+    def matches(self, field: LayerField, path: str, target: str | None = None) -> bool:
+        """Whether the config (or only its list entry ``target``) selects ``field`` at module path ``path``."""
         if self.config.target_modules == ALL_LINEAR:
             spec = spec_for_qualname(field.layer)
-            assert spec is not None  # the scanner only reports registered layer types
-            return self.config.matches_target(path, (path,) if spec.linear else ())
-        return self.config.matches_target(path)
+            linear = spec is not None and spec.linear
+            return self.config.matches_target(path, (path,) if linear else ())
+        return self.config.matches_target(path, None if target is None else (target,))
+
+    def paths(self, field: LayerField) -> Iterator[tuple[str, str]]:
+        """``(root class, sample module path)`` for ``field`` under every context the file gives its class."""
+        for root, prefix in self.contexts.get(field.owner, [(field.owner, "")]):
+            for path in instances(prefix + field.path, self.extra_keys):
+                yield root, path
+
+    def selects(self, field: LayerField) -> bool:
+        """Whether the config selects ``field`` under some context (the decorator's test for a branch)."""
+        return any(self.matches(field, path) for _, path in self.paths(field))
+
+    def unmatched(self) -> tuple[str, ...]:
+        """The entries of ``target_modules`` that select no layer field of the file under any context:
+        list entries by name, or the whole regex / ``"all-linear"`` string."""
+        targets = self.config.target_modules
+        if targets is None:
+            return ()
+        entries: tuple[str | None, ...] = (None,) if isinstance(targets, str) else tuple(targets)
+        found = [
+            entry
+            for entry in entries
+            if not any(self.matches(f, path, entry) for f in self.result.fields for _, path in self.paths(f))
+        ]
+        if isinstance(targets, str):
+            return (targets,) if found else ()
+        return tuple(str(entry) for entry in found)
 
     def decide(self, field: LayerField) -> Decision:
         config = self.config
@@ -107,10 +134,8 @@ class Targets:
         ):
             return Decision(False)  # the output head of some model in the file: all-linear leaves it out
         by_root: dict[str, list[tuple[str, bool]]] = {}
-        for root, prefix in contexts:
-            template = prefix + field.path
-            for path in instances(template, self.extra_keys):
-                by_root.setdefault(root, []).append((path, self.matches(field, path)))
+        for root, path in self.paths(field):
+            by_root.setdefault(root, []).append((path, self.matches(field, path)))
         where = f"{field.owner}.{field.pattern}"
         chosen: list[str] = []
         for root, results in by_root.items():

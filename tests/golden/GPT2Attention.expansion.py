@@ -7,16 +7,14 @@
 #   c_attn  transformers.pytorch_utils.Conv1D -> LoraConv1D  modeling_gpt2.py:106 (conditional)
 #   c_proj  transformers.pytorch_utils.Conv1D -> LoraConv1D  modeling_gpt2.py:107
 #
-# Every other child module converts through its own generated code when its class is decorated,
-# and through loragen's runtime path (loragen.get_lora_model) otherwise.
+# The fields below convert here; every other targeted module converts through its own generated code
+# when its class is decorated, and through loragen's runtime path (loragen.get_lora_model) otherwise.
 
 from transformers.pytorch_utils import Conv1D
 
+from loragen.convert import mark_trainable, plan_conversion
 from loragen.layers import LoraConv1D
-from loragen.source import decorator as _lora
-
-# the config given to @lora_convert(config), used when get_lora_model() is called without one
-DEFAULT_CONFIG = None
+from loragen.source import runtime
 
 
 def get_lora_model(self, config=None):
@@ -26,12 +24,14 @@ def get_lora_model(self, config=None):
     per-module rank and alpha, the same parameter names, the same trainable parameters.
 
     Raises:
+        TypeError: no config (this class was decorated without one), or not a LoraConfig.
         LoraConversionError: as ``loragen.get_lora_model`` (no match, unsupported type, already LoRA).
     """
-    config = _lora.config_or_default(config, DEFAULT_CONFIG, "GPT2Attention")
-    planned = _lora.plan(self, config)
+    config = runtime.require_config(config, "GPT2Attention")
+    planned = plan_conversion(self, config)
     self._lora_convert(config, planned, "")
-    _lora.finish(self, config)
+    mark_trainable(self, config)
+    self.loragen_config = config
     return self
 
 
@@ -39,7 +39,7 @@ def _lora_convert(self, config, planned, prefix):
     """Replace every layer of ``planned`` (module path -> layer) found below ``prefix``, in module order."""
     for name, child in list(self.named_children()):
         path = prefix + name
-        if name == "c_attn" and type(child) is Conv1D:  # transformers.pytorch_utils.Conv1D, modeling_gpt2.py:103, 106
+        if name == "c_attn" and type(child) is Conv1D:  # modeling_gpt2.py:103, 106
             if path in planned:
                 self.c_attn = LoraConv1D.from_module(
                     child,
@@ -49,7 +49,7 @@ def _lora_convert(self, config, planned, prefix):
                     use_rslora=config.use_rslora,
                     init_lora_weights=config.init_lora_weights,
                 )
-        elif name == "q_attn" and type(child) is Conv1D:  # transformers.pytorch_utils.Conv1D, modeling_gpt2.py:104
+        elif name == "q_attn" and type(child) is Conv1D:  # modeling_gpt2.py:104
             if path in planned:
                 self.q_attn = LoraConv1D.from_module(
                     child,
@@ -59,7 +59,7 @@ def _lora_convert(self, config, planned, prefix):
                     use_rslora=config.use_rslora,
                     init_lora_weights=config.init_lora_weights,
                 )
-        elif name == "c_proj" and type(child) is Conv1D:  # transformers.pytorch_utils.Conv1D, modeling_gpt2.py:107
+        elif name == "c_proj" and type(child) is Conv1D:  # modeling_gpt2.py:107
             if path in planned:
                 self.c_proj = LoraConv1D.from_module(
                     child,
@@ -70,7 +70,7 @@ def _lora_convert(self, config, planned, prefix):
                     init_lora_weights=config.init_lora_weights,
                 )
         else:
-            _lora.convert_child(self, name, config, planned, path)
+            runtime.convert_child(self, name, config, planned, path)
 
 
 def _lora_layers(self, prefix):
@@ -84,7 +84,7 @@ def _lora_layers(self, prefix):
         elif name == "c_proj" and isinstance(child, LoraConv1D):
             yield path, child
         else:
-            yield from _lora.lora_layers_of(child, path + ".")
+            yield from runtime.lora_layers_of(child, path + ".")
 
 
 def get_tensors(self):

@@ -6,34 +6,43 @@
 #   experts.*  torch.nn.Linear -> LoraLinear        user_model.py:47 (in ModuleList)
 #   fc1        torch.nn.Linear -> LoraLinear        user_model.py:49 (conditional)
 #   fc1        torch.nn.Linear -> LoraLinear        user_model.py:51 (conditional)
-#   fc2        torch.nn.Linear -> LoraLinear        user_model.py:52
-#   head       torch.nn.Linear -> LoraLinear        user_model.py:54
+#   fc2        torch.nn.Linear -> LoraLinear        user_model.py:52 (not targeted by LORA_CONFIG)
+#   head       torch.nn.Linear -> LoraLinear        user_model.py:54 (not targeted by LORA_CONFIG)
 #
-# Every other child module converts through its own generated code when its class is decorated,
-# and through loragen's runtime path (loragen.get_lora_model) otherwise.
+# The fields below convert here; every other targeted module converts through its own generated code
+# when its class is decorated, and through loragen's runtime path (loragen.get_lora_model) otherwise.
 
 from torch import nn
 
+from loragen import LoraConfig
+from loragen.convert import mark_trainable, plan_conversion
 from loragen.layers import LoraEmbedding, LoraLinear
-from loragen.source import decorator as _lora
+from loragen.source import runtime
 
-# the config given to @lora_convert(config), used when get_lora_model() is called without one
-DEFAULT_CONFIG = None
+# The config given to @lora_convert: get_lora_model() converts with it unless given another.
+LORA_CONFIG = LoraConfig(
+    lora_alpha=16,
+    lora_dropout=0.05,
+    target_modules=r"(.*\.)?(q_proj|v_proj|fc1|emb|experts\.\d+)",
+    rank_pattern={"fc1": 4},
+)
 
 
-def get_lora_model(self, config=None):
+def get_lora_model(self, config=LORA_CONFIG):
     """Convert the targeted layers of this Block to LoRA layers in place and return it.
 
     The result equals ``loragen.get_lora_model(self, config)``: the same LoRA layers with the same
     per-module rank and alpha, the same parameter names, the same trainable parameters.
 
     Raises:
+        TypeError: no config, or not a LoraConfig.
         LoraConversionError: as ``loragen.get_lora_model`` (no match, unsupported type, already LoRA).
     """
-    config = _lora.config_or_default(config, DEFAULT_CONFIG, "Block")
-    planned = _lora.plan(self, config)
+    config = runtime.require_config(config, "Block")
+    planned = plan_conversion(self, config)
     self._lora_convert(config, planned, "")
-    _lora.finish(self, config)
+    mark_trainable(self, config)
+    self.loragen_config = config
     return self
 
 
@@ -41,7 +50,7 @@ def _lora_convert(self, config, planned, prefix):
     """Replace every layer of ``planned`` (module path -> layer) found below ``prefix``, in module order."""
     for name, child in list(self.named_children()):
         path = prefix + name
-        if name == "emb" and type(child) is nn.Embedding:  # torch.nn.Embedding, user_model.py:45
+        if name == "emb" and type(child) is nn.Embedding:  # user_model.py:45
             if path in planned:
                 self.emb = LoraEmbedding.from_module(
                     child,
@@ -51,7 +60,7 @@ def _lora_convert(self, config, planned, prefix):
                     use_rslora=config.use_rslora,
                     init_lora_weights=config.init_lora_weights,
                 )
-        elif name == "fc1" and type(child) is nn.Linear:  # torch.nn.Linear, user_model.py:49, 51
+        elif name == "fc1" and type(child) is nn.Linear:  # user_model.py:49, 51
             if path in planned:
                 self.fc1 = LoraLinear.from_module(
                     child,
@@ -61,42 +70,23 @@ def _lora_convert(self, config, planned, prefix):
                     use_rslora=config.use_rslora,
                     init_lora_weights=config.init_lora_weights,
                 )
-        elif name == "fc2" and type(child) is nn.Linear:  # torch.nn.Linear, user_model.py:52
-            if path in planned:
-                self.fc2 = LoraLinear.from_module(
-                    child,
-                    r=config.rank_for(path),
-                    lora_alpha=config.alpha_for(path),
-                    lora_dropout=config.lora_dropout,
-                    use_rslora=config.use_rslora,
-                    init_lora_weights=config.init_lora_weights,
-                )
-        elif name == "head" and type(child) is nn.Linear:  # torch.nn.Linear, user_model.py:54
-            if path in planned:
-                self.head = LoraLinear.from_module(
-                    child,
-                    r=config.rank_for(path),
-                    lora_alpha=config.alpha_for(path),
-                    lora_dropout=config.lora_dropout,
-                    use_rslora=config.use_rslora,
-                    init_lora_weights=config.init_lora_weights,
-                )
-        elif name == "experts":  # torch.nn.Linear in ModuleList, user_model.py:47
+        elif name == "experts":  # in ModuleList, user_model.py:47
             for key, item in list(child.named_children()):
                 item_path = f"{path}.{key}"
                 if type(item) is nn.Linear and item_path in planned:
-                    setattr(child, key, LoraLinear.from_module(
+                    layer = LoraLinear.from_module(
                         item,
                         r=config.rank_for(item_path),
                         lora_alpha=config.alpha_for(item_path),
                         lora_dropout=config.lora_dropout,
                         use_rslora=config.use_rslora,
                         init_lora_weights=config.init_lora_weights,
-                    ))
+                    )
+                    setattr(child, key, layer)
                 else:
-                    _lora.convert_child(child, key, config, planned, item_path)
+                    runtime.convert_child(child, key, config, planned, item_path)
         else:
-            _lora.convert_child(self, name, config, planned, path)
+            runtime.convert_child(self, name, config, planned, path)
 
 
 def _lora_layers(self, prefix):
@@ -107,18 +97,14 @@ def _lora_layers(self, prefix):
             yield path, child
         elif name == "fc1" and isinstance(child, LoraLinear):
             yield path, child
-        elif name == "fc2" and isinstance(child, LoraLinear):
-            yield path, child
-        elif name == "head" and isinstance(child, LoraLinear):
-            yield path, child
         elif name == "experts":
             for key, item in child.named_children():
                 if isinstance(item, LoraLinear):
                     yield f"{path}.{key}", item
                 else:
-                    yield from _lora.lora_layers_of(item, f"{path}.{key}.")
+                    yield from runtime.lora_layers_of(item, f"{path}.{key}.")
         else:
-            yield from _lora.lora_layers_of(child, path + ".")
+            yield from runtime.lora_layers_of(child, path + ".")
 
 
 def get_tensors(self):

@@ -107,7 +107,7 @@ def test_generated_conversion_equals_get_lora_model(conv: bool):
         p: (type(m).__name__, m.r, m.lora_alpha) for p, m in find_lora_layers(runtime).items()
     }
     assert layers["mlp.up"].r == 2 and layers["blocks.2"].lora_alpha == 3.0  # per-path values at conversion
-    assert generated.loragen_config is CONFIG
+    assert generated.loragen_config == CONFIG
     randomise_lora(generated)
     randomise_lora(runtime)
     ids = torch.randint(0, 10, (2, 5))
@@ -176,14 +176,14 @@ def test_fields_and_readable_source():
         ("fc", "LoraLinear", True),
     ]
     source = Net.__lora_source__
-    assert source == expansion_source(Net)
+    assert source == expansion_source(Net, CONFIG)
     assert "self.q_proj = LoraLinear.from_module(\n                    child,\n" in source
     assert 'elif name == "fc" and type(child) is nn.Conv1d:' in source
     compile(source, "<check>", "exec")
     assert Net.get_lora_model.__qualname__ == "Net.get_lora_model"
     import inspect
 
-    assert "def get_lora_model(self, config=None):" in inspect.getsource(Net.get_lora_model)
+    assert "def get_lora_model(self, config=LORA_CONFIG):" in inspect.getsource(Net.get_lora_model)
 
 
 def test_a_second_conversion_is_refused_like_the_runtime():

@@ -1,0 +1,152 @@
+"""The Python that :func:`loragen.lora_convert` generates for a class, rendered from
+``templates/decorator.py.j2``.
+
+Every decision is made here: one branch per layer field (attribute and layer type) that the code
+converts explicitly, the imports it needs, the config literal, the comments that list what the scanner
+found. A field gets no branch (the runtime path converts it when a config targets it) when:
+
+* the decorator's config does not target it under any placement of the class in its file;
+* it is nested deeper than one container (``blocks.0.proj``);
+* its base type or its LoRA class cannot be imported by name (defined inside a function, or its name is
+  taken by another import of the generated code).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loragen.config import LoraConfig
+from loragen.convert import CONFIG_ATTR
+from loragen.registry import LayerSpec, spec_for_qualname
+from loragen.source.codegen import config_literal, is_identifier, py_literal, render
+from loragen.source.fields import ClassScan, LayerField, ScanResult
+from loragen.source.targets import Targets
+
+__all__ = ["CONFIG_NAME", "render_expansion"]
+
+CONFIG_NAME = "LORA_CONFIG"  # the module-level name of the decorator's config in the generated code
+
+
+def _importable(qualname: str, obj: object) -> bool:
+    """Whether ``from <module> import <name>`` of ``qualname`` gives ``obj``."""
+    module_name, _, name = qualname.rpartition(".")
+    if not module_name or "<locals>" in qualname or obj is None:
+        return False
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    return getattr(module, name, None) is obj
+
+
+class _Imports:
+    """The generated code's ``from <module> import <name>`` lines; refuses a name bound twice."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}  # bound name -> module
+
+    def add(self, module: str, name: str) -> bool:
+        bound = self.names.setdefault(name, module)
+        return bound == module
+
+    def lines(self, loragen: bool) -> list[str]:
+        by_module: dict[str, list[str]] = {}
+        for name, module in self.names.items():
+            if module.startswith("loragen") == loragen:
+                by_module.setdefault(module, []).append(name)
+        return [f"from {m} import {', '.join(sorted(by_module[m]))}" for m in sorted(by_module)]
+
+
+def _spellings(spec: LayerSpec, imports: _Imports) -> tuple[str, str] | None:
+    """How the generated code names the base type and the LoRA class (importing them), or None when
+    either cannot be imported by name."""
+    try:
+        lora_ok = _importable(spec.lora_qualname, spec.lora_type())
+    except ImportError:
+        lora_ok = False
+    if not lora_ok or not _importable(spec.base_qualname, spec.base_type()):
+        return None
+    module, _, name = spec.base_qualname.rpartition(".")
+    if module == "torch.nn":  # as model code spells it: nn.Linear
+        base_ok, base = imports.add("torch", "nn"), f"nn.{name}"
+    else:
+        base_ok, base = imports.add(module, name), name
+    if not (base_ok and imports.add(spec.lora_module, spec.lora_name)):
+        return None
+    return base, spec.lora_name
+
+
+def _table(rows: Sequence[tuple[str, str, str]]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: LoraConfig | None) -> str:
+    """The generated Python for ``cls`` (scanned as ``scan`` in ``result``), with ``config`` as the default
+    of ``get_lora_model()`` when given."""
+    imports = _Imports()
+    imports.add("loragen.convert", "mark_trainable")
+    imports.add("loragen.convert", "plan_conversion")
+    imports.add("loragen.source", "runtime")
+    if config is not None:
+        imports.add("loragen", "LoraConfig")
+    targets = Targets(config, result) if config is not None else None
+    short = Path(scan.location.filename).name
+    branches: list[dict[str, Any]] = []
+    notes: dict[int, str] = {}
+    # one branch per attribute, layer type and depth (0: the field itself, 1: in a container, 2: deeper)
+    groups: dict[tuple[str, str, int], list[LayerField]] = {}
+    for field in scan.fields:
+        groups.setdefault((field.attribute, field.layer, min(field.path.count("."), 2)), []).append(field)
+    for (attribute, layer, depth), fields in groups.items():
+        spec = spec_for_qualname(layer)
+        container = depth == 1
+        if targets is not None and not any(targets.selects(f) for f in fields):
+            reason = f"not targeted by {CONFIG_NAME}"
+        elif depth > 1:
+            reason = "runtime path: nested in more than one container"
+        elif spec is None or (spelled := _spellings(spec, imports)) is None:
+            reason = "runtime path: its classes cannot be imported by name"
+        else:
+            base, lora = spelled
+            name = py_literal(attribute)
+            lines = ", ".join(str(line) for line in sorted({f.location.line for f in fields}))
+            branches.append(
+                {
+                    "attribute": name,
+                    "container": container,
+                    "base": base,
+                    "lora": lora,
+                    "target": f"self.{attribute}" if is_identifier(attribute) else f"self._modules[{name}]",
+                    "comment": (f"in {fields[0].container}, " if container else "") + f"{short}:{lines}",
+                }
+            )
+            continue
+        for f in fields:
+            notes[id(f)] = reason
+    branches.sort(key=lambda b: b["container"])  # a container branch must not shadow a direct one
+    rows: list[tuple[str, str, str]] = []
+    for f in scan.fields:
+        extra = [n for n in (f"in {f.container}" if f.container else "", "conditional" if f.conditional else "",
+                             notes.get(id(f), "")) if n]
+        where = f"{short}:{f.location.line}" + (f" ({', '.join(extra)})" if extra else "")
+        rows.append((f.pattern, f"{f.layer} -> {f.lora_name}", where))
+    return render(
+        "decorator.py.j2",
+        qualified_class=f"{cls.__module__}.{cls.__qualname__}",
+        class_name=cls.__name__,
+        location=f"{short}:{scan.location.line}",
+        field_rows=_table(rows),
+        unresolved_rows=[f"{short}:{u.location.line}: {u.reason}" for u in scan.unresolved],
+        imports=imports.lines(loragen=False),
+        loragen_imports=imports.lines(loragen=True),
+        config_name=CONFIG_NAME,
+        config=None if config is None else config_literal(config, column=len(CONFIG_NAME) + 3),
+        config_attr=CONFIG_ATTR,
+        branches=branches,
+    )
