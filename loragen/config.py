@@ -200,6 +200,12 @@ class LoraConfig:
             value = _freeze_names(name, getattr(self, name))
             if isinstance(value, str) and value != ALL_LINEAR:
                 _check_regex(name, value)
+                if "," in re.sub(r"\{\d*,\d*\}", "", value):  # a comma outside {m,n}: meant as a list
+                    names = [n.strip() for n in value.split(",") if n.strip()]
+                    raise LoraConfigError(
+                        f"{name}={value!r}: a string is one regular expression matched against whole module paths, "
+                        f"where a comma matches only a comma; to name several modules pass a list: {name}={names!r}"
+                    )
             set_(self, name, value)
         if self.exclude_modules == ALL_LINEAR:
             raise LoraConfigError("exclude_modules='all-linear': 'all-linear' is only valid for target_modules")

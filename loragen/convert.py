@@ -27,6 +27,7 @@ __all__ = [
     "plan_conversion",
     "convert_module",
     "mark_trainable",
+    "carried_config",
     "find_lora_layers",
     "merge_adapter",
     "unmerge_adapter",
@@ -176,12 +177,46 @@ def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLaye
         raise LoraConversionError(f"{path}: {exc}") from exc
 
 
-def mark_trainable(model: nn.Module, config: LoraConfig) -> None:
+def carried_config(model: nn.Module) -> LoraConfig:
+    """The LoRA config ``model`` carries: ``model.loragen_config`` (set by :func:`get_lora_model`,
+    ``load_adapter`` and a decorated class's ``get_lora_model``; a rewritten class's ``LORA_CONFIG``), else the
+    one config its submodules carry (a rewritten class inside a model written by hand).
+
+    Raises:
+        LoraConversionError: the model carries none, or its submodules carry different ones.
+    """
+    own = getattr(model, CONFIG_ATTR, None)
+    if isinstance(own, LoraConfig):
+        return own
+    found: dict[str, LoraConfig] = {}  # the first module path carrying each distinct config
+    for path, module in model.named_modules():
+        config = getattr(module, CONFIG_ATTR, None)
+        if isinstance(config, LoraConfig) and config not in found.values():
+            found[path] = config
+    if len(found) == 1:
+        return next(iter(found.values()))
+    if found:
+        raise LoraConversionError(
+            f"the modules of {type(model).__name__} carry different LoRA configs (at {', '.join(found)}); "
+            "pass the one to use: mark_trainable(model, config)"
+        )
+    raise LoraConversionError(
+        f"{type(model).__name__} carries no LoRA config (model.{CONFIG_ATTR} is set by get_lora_model, "
+        "load_adapter, @lora_convert and loragen rewrite); pass one: mark_trainable(model, config)"
+    )
+
+
+def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
     """Freeze every parameter except LoRA factors, ``modules_to_save`` and the biases ``config.bias`` names.
 
-    ``bias="all"`` follows peft: every parameter named ``bias`` trains (not, say, T5's
-    ``relative_attention_bias.weight``).
+    ``config`` None means the config the model carries (:func:`carried_config`). ``bias="all"`` follows
+    peft: every parameter named ``bias`` trains (not, say, T5's ``relative_attention_bias.weight``).
+
+    Raises:
+        LoraConversionError: ``config`` is None and the model carries no config (or different ones).
     """
+    if config is None:
+        config = carried_config(model)
     lora_layers = find_lora_layers(model)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -282,8 +317,7 @@ def merge_and_unload(model: M) -> M:
     _merge_all(layers)
     for path, layer in layers.items():
         set_submodule(model, path, layer.to_base())
-    if hasattr(model, CONFIG_ATTR):
-        delattr(model, CONFIG_ATTR)
+    model.__dict__.pop(CONFIG_ATTR, None)  # a rewritten class's own config (a class attribute) stays
     return model
 
 

@@ -157,3 +157,11 @@ def test_from_peft_refuses_mica_because_it_trains_only_a():
 def test_from_peft_refuses_unknown_init_schemes_by_name():
     with pytest.raises(LoraConfigError, match=r"init_lora_weights='sparkle' is not a scheme loragen knows"):
         LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": "sparkle"})
+
+
+def test_a_comma_in_a_target_string_gets_a_hint_to_pass_a_list() -> None:
+    with pytest.raises(LoraConfigError, match=r"target_modules='q_proj,v_proj'.*pass a list: target_modules=\['q_proj', 'v_proj'\]"):
+        LoraConfig(target_modules="q_proj,v_proj")
+    with pytest.raises(LoraConfigError, match=r"exclude_modules='a, b'.*pass a list"):
+        LoraConfig(target_modules=["a"], exclude_modules="a, b")
+    assert LoraConfig(target_modules=r".*\.layers\.\d{1,2}\.q_proj").target_modules == r".*\.layers\.\d{1,2}\.q_proj"

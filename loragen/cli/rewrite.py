@@ -5,31 +5,48 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from loragen.atomic import atomic_write_text
+from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.errors import LoraConfigError
+from loragen.source.rewrite import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
+
 __all__ = ["EXIT_FILE_ERRORS", "EXIT_OK", "EXIT_USAGE", "register", "run"]
 
 EXIT_OK = 0
-EXIT_FILE_ERRORS = 1  # some file could not be rewritten (invalid Python, a config it cannot express)
+EXIT_FILE_ERRORS = 1  # some file could not be rewritten, or a target matches nothing; nothing is written
 EXIT_USAGE = 2  # bad arguments, missing files, an unreadable config
 
-DESCRIPTION = """\
+_DEFAULTS = LoraConfig()
+_REGEX_CHARACTERS = re.compile(r"[\\^$*+?{}\[\]()|]")
+
+DESCRIPTION = f"""\
 Rewrite the constructor calls of targeted layer fields into loragen LoRA layers: only the callee
 changes and LoRA keywords are added (nn.Linear(a, b, bias=False) -> LoraLinear(a, b, bias=False,
-r=8, lora_alpha=16)), plus one `from loragen import ...` line; formatting and comments are kept.
-A file inside an installed package (e.g. transformers' modeling_llama.py) written elsewhere gets
-absolute imports, so the output is standalone. Rewriting is idempotent.
+r={_DEFAULTS.r}, lora_alpha={_DEFAULTS.lora_alpha:g})). The file also gets the loragen imports and its config as
+LORA_CONFIG = LoraConfig(...), which the classes holding LoRA layers carry as `loragen_config`, so
+loragen.mark_trainable(model) needs no config. Formatting and comments are kept. A file inside an
+installed package (e.g. transformers' modeling_llama.py) written elsewhere gets absolute imports, so
+the output is standalone. Rewriting is idempotent.
+
+Targets follow peft's LoraConfig.target_modules: --target-modules takes module names (an exact path
+or a dotted suffix, comma-separated) or all-linear; --target-regex takes one regular expression that
+must match a whole module path (peft's rule for a string). A target that matches no layer field in any
+of the files is an error.
 
 Without -o/--in-place/--diff the rewritten file is printed (one SRC file only). A per-file summary
-and warnings go to stderr. Exit status: 0 done, 1 some file could not be rewritten (nothing is
-written then; each error as file:line: message), 2 usage error.
+and warnings go to stderr. Exit status: 0 done, 1 some file could not be rewritten or a target matches
+nothing (nothing is written then; each error as file:line: message), 2 usage error.
 """
 
-EPILOG = """\
+EPILOG = f"""\
 examples:
-  loragen rewrite model.py --target-modules q_proj,v_proj --r 8 --lora-alpha 16 -o model_lora.py
+  loragen rewrite model.py --target-modules q_proj,v_proj --r {_DEFAULTS.r} --lora-alpha {_DEFAULTS.lora_alpha:g} -o model_lora.py
+  loragen rewrite model.py --target-regex '.*\\.layers\\.\\d+\\.(q_proj|v_proj)' --diff
   loragen rewrite src/models/ --config adapter_config.json --in-place
   loragen rewrite "$(python -c 'import transformers.models.llama.modeling_llama as m; print(m.__file__)')" \\
       --target-modules all-linear -o modeling_llama_lora.py
@@ -62,62 +79,64 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "sources", nargs="+", metavar="SRC", type=Path, help="Python files or folders (*.py inside)"
-    )
+    parser.add_argument("sources", nargs="+", metavar="SRC", type=Path, help="Python files or folders (*.py inside)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
-        "-o",
-        "--output",
-        type=Path,
-        metavar="OUT",
-        help="write here: a file for one SRC file, else a folder mirroring the sources",
+        "-o", "--output", type=Path, metavar="OUT", help="write here: a file for one SRC file, else a folder mirroring the sources"
     )
     where.add_argument("--in-place", action="store_true", help="replace the source files (atomically)")
     where.add_argument("--diff", action="store_true", help="print a unified diff instead of writing")
+    targets = parser.add_mutually_exclusive_group()
+    targets.add_argument(
+        "--target-modules", metavar="A,B", help="module names, comma-separated (exact path or dotted suffix), or all-linear"
+    )
+    targets.add_argument(
+        "--target-regex", metavar="REGEX", help="target_modules as one regular expression matching whole module paths"
+    )
+    parser.add_argument("--r", type=_positive_int, metavar="N", help=f"LoRA rank (default {_DEFAULTS.r}, or the --config value)")
     parser.add_argument(
-        "--target-modules",
-        metavar="A,B",
-        help="comma-separated module names (exact or dotted suffix), or all-linear",
+        "--lora-alpha", type=_float, metavar="A", help=f"LoRA alpha (default {_DEFAULTS.lora_alpha:g}, or the --config value)"
     )
     parser.add_argument(
-        "--r", type=_positive_int, metavar="N", help="LoRA rank (default 8, or the --config value)"
+        "--lora-dropout", type=_float, metavar="P", help=f"LoRA dropout (default {_DEFAULTS.lora_dropout:g}, or the --config value)"
     )
     parser.add_argument(
-        "--lora-alpha", type=_float, metavar="A", help="LoRA alpha (default 8, or the --config value)"
-    )
-    parser.add_argument("--lora-dropout", type=_float, metavar="P", help="LoRA dropout (default 0)")
-    parser.add_argument(
-        "--config",
-        type=Path,
-        metavar="JSON",
-        help="a peft adapter_config.json (or the adapter folder); flags override its values",
+        "--config", type=Path, metavar="JSON", help="a peft adapter_config.json (or the adapter folder); flags override its values"
     )
     parser.add_argument(
-        "--package",
-        metavar="PKG",
-        help="the package the sources belong to (default: found from __init__.py files)",
+        "--package", metavar="PKG", help="the package the sources belong to (default: found from __init__.py files)"
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no summary or warnings on stderr")
     parser.set_defaults(func=run)
 
 
-def _config(args: argparse.Namespace) -> Any:
-    """The LoraConfig from --config and the flags; raises ValueError with a message for the user."""
-    from loragen.config import ALL_LINEAR, LoraConfig, LoraConfigError
+def _target_names(text: str) -> str | list[str]:
+    """``--target-modules``: ``"all-linear"`` or the list of names; raises ValueError for a regex."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--target-modules is empty; give names like q_proj,v_proj or all-linear")
+    if names == [ALL_LINEAR]:
+        return ALL_LINEAR
+    for name in names:
+        if _REGEX_CHARACTERS.search(name):
+            raise ValueError(
+                f"--target-modules {name!r} is not a module name: it looks like a regular expression. "
+                f"Pass it as --target-regex {text!r} (it must then match whole module paths, as in peft), "
+                "or name the modules (an exact path or a dotted suffix such as self_attn.q_proj)"
+            )
+    return names
 
+
+def _config(args: argparse.Namespace) -> LoraConfig:
+    """The LoraConfig from --config and the flags; raises ValueError with a message for the user."""
     changes: dict[str, Any] = {}
     if args.target_modules is not None:
-        names = [n.strip() for n in args.target_modules.split(",") if n.strip()]
-        if not names:
-            raise ValueError("--target-modules is empty; give names like q_proj,v_proj or all-linear")
-        changes["target_modules"] = ALL_LINEAR if names == [ALL_LINEAR] else names
-    if args.r is not None:
-        changes["r"] = args.r
-    if args.lora_alpha is not None:
-        changes["lora_alpha"] = args.lora_alpha
-    if args.lora_dropout is not None:
-        changes["lora_dropout"] = args.lora_dropout
+        changes["target_modules"] = _target_names(args.target_modules)
+    if args.target_regex is not None:
+        changes["target_modules"] = args.target_regex
+    for flag in ("r", "lora_alpha", "lora_dropout"):
+        if getattr(args, flag) is not None:
+            changes[flag] = getattr(args, flag)
     try:
         if args.config is not None:
             path = args.config / "adapter_config.json" if args.config.is_dir() else args.config
@@ -128,13 +147,15 @@ def _config(args: argparse.Namespace) -> Any:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
             config = LoraConfig.from_peft(data, source=str(path))
-            return config.replace(**changes) if changes else config
-        config = LoraConfig(**changes)
+            config = config.replace(**changes) if changes else config
+        else:
+            config = LoraConfig(**changes)
     except LoraConfigError as exc:
         raise ValueError(str(exc)) from None
     if config.target_modules is None:
         raise ValueError(
-            "no target modules: pass --target-modules a,b (or all-linear) or --config adapter_config.json"
+            "no target modules: pass --target-modules a,b (or all-linear), --target-regex REGEX, "
+            "or --config adapter_config.json"
         )
     return config
 
@@ -158,10 +179,36 @@ def _collect(sources: list[Path]) -> list[tuple[Path, Path]]:
     return files
 
 
+def _read(path: Path) -> tuple[str, str | None]:
+    """The file's text (newlines kept as they are), or an error message."""
+    try:
+        with open(path, encoding="utf-8", newline="") as fh:
+            return fh.read(), None
+    except (OSError, UnicodeDecodeError) as exc:
+        return "", f"cannot read: {exc}"
+
+
+def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
+    """One message per target entry that selects no layer field in any of the files."""
+    readable = [r for r in results if not r.errors]
+    if not readable:
+        return []
+    unmatched = set.intersection(*(set(r.unmatched_targets) for r in readable))
+    if not unmatched:
+        return []
+    found = list(dict.fromkeys(f.pattern for r in readable for f in r.fields))
+    shown = ", ".join(found[:20]) + (", ..." if len(found) > 20 else "") if found else "none"
+    messages = []
+    for entry in sorted(unmatched):
+        what = "target_modules regex" if isinstance(config.target_modules, str) else "target_modules entry"
+        messages.append(
+            f"{what} {entry!r} matches no layer field in {len(readable)} file(s); layer fields found: {shown}"
+        )
+    return messages
+
+
 def run(args: argparse.Namespace) -> int:
     """Rewrite the sources; returns the exit status (0 done, 1 some file failed, 2 usage error)."""
-    from loragen.atomic import atomic_write_text
-    from loragen.source.rewrite import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
 
     def fail(message: str) -> int:
         print(f"loragen rewrite: error: {message}", file=sys.stderr)
@@ -186,35 +233,30 @@ def run(args: argparse.Namespace) -> int:
 
     results: list[tuple[Path, Path, str, RewriteResult]] = []
     for path, relative in files:
-        try:
-            with open(path, encoding="utf-8", newline="") as fh:
-                code = fh.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            failed = RewriteResult(
-                "", False, str(path), errors=(Diagnostic(str(path), 1, f"cannot read: {exc}"),)
-            )
-            results.append((path, relative, "", failed))
+        code, problem = _read(path)
+        if problem is not None:
+            results.append((path, relative, "", RewriteResult("", False, str(path), errors=(Diagnostic(str(path), 1, problem),))))
             continue
         package = args.package or module_name_for_path(path)[1]
-        result = rewrite_source(
-            code, config, filename=str(path), package=package, absolute_imports=standalone
-        )
+        result = rewrite_source(code, config, filename=str(path), package=package, absolute_imports=standalone)
         results.append((path, relative, code, result))
 
+    unmatched = _unmatched(config, [r for *_, r in results])
     failed = [r for *_, r in results if r.errors]
-    if not args.quiet or failed:
+    if not args.quiet or failed or unmatched:
         for *_, result in results:
             for error in result.errors:
-                print(f"{error.filename}:{error.line}: {error.message}", file=sys.stderr)
+                print(str(error), file=sys.stderr)
             if not args.quiet:
                 for warning in result.warnings:
                     print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
-                print(result.summary(), file=sys.stderr)
-    if failed:
-        print(
-            f"loragen rewrite: {len(failed)} of {len(results)} files could not be rewritten; nothing was written",
-            file=sys.stderr,
-        )
+                if result.fields or result.errors or len(results) == 1:  # files without layers: nothing to say
+                    print(result.summary(), file=sys.stderr)
+        for message in unmatched:
+            print(f"loragen rewrite: error: {message}", file=sys.stderr)
+    if failed or unmatched:
+        what = f"{len(failed)} of {len(results)} files could not be rewritten" if failed else "a target matches nothing"
+        print(f"loragen rewrite: {what}; nothing was written", file=sys.stderr)
         return EXIT_FILE_ERRORS
 
     for path, relative, code, result in results:
@@ -223,16 +265,12 @@ def run(args: argparse.Namespace) -> int:
         elif args.diff:
             sys.stdout.writelines(
                 difflib.unified_diff(
-                    code.splitlines(keepends=True),
-                    result.code.splitlines(keepends=True),
-                    fromfile=str(path),
-                    tofile=str(path),
+                    code.splitlines(keepends=True), result.code.splitlines(keepends=True), fromfile=str(path), tofile=str(path)
                 )
             )
         elif args.in_place:
             if result.changed:
                 atomic_write_text(path, result.code)
         else:
-            target = args.output if single_file_output else args.output / relative
-            atomic_write_text(target, result.code)
+            atomic_write_text(args.output if single_file_output else args.output / relative, result.code)
     return EXIT_OK

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import importlib
 import keyword
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +23,7 @@ import jinja2
 from loragen.config import LoraConfig
 from loragen.resources import read_template
 
-__all__ = ["config_literal", "environment", "is_identifier", "py_literal", "render"]
+__all__ = ["config_literal", "environment", "importable", "is_identifier", "py_literal", "render"]
 
 _WIDTH = 100  # a generated line longer than this is split, one argument per line
 
@@ -110,3 +111,15 @@ def config_literal(config: LoraConfig, *, indent: str = "", column: int = 0) -> 
 def is_identifier(name: str) -> bool:
     """Whether ``name`` can be written as a Python attribute name."""
     return name.isidentifier() and not keyword.iskeyword(name)
+
+
+def importable(qualname: str, obj: object) -> bool:
+    """Whether ``from <module> import <name>`` of ``qualname`` gives ``obj`` (generated code can name it)."""
+    module_name, _, name = qualname.rpartition(".")
+    if not module_name or "<locals>" in qualname or obj is None:
+        return False
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    return getattr(module, name, None) is obj

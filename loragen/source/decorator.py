@@ -35,6 +35,7 @@ from torch import nn
 
 from loragen.config import LoraConfig
 from loragen.errors import LoraConvertError
+from loragen.registry import LayerSpec, specs
 from loragen.source.expansion import CONFIG_NAME, render_expansion
 from loragen.source.fields import ClassScan, ScanResult
 from loragen.source.scan import ScanError, scan_source
@@ -165,7 +166,7 @@ def _scan_class(cls: type) -> tuple[ClassScan, ScanResult]:
         raise _no_source(cls, f"{filename} cannot be read")
     package = getattr(module, "__package__", None) or None
     try:
-        result = _scan_file(filename, "".join(lines), cls.__module__, package)
+        result = _scan_file(filename, "".join(lines), cls.__module__, package, specs())
     except ScanError as exc:
         raise LoraConvertError(f"cannot scan the source of {cls.__qualname__}: {exc}") from None
     scan = result.get(cls.__qualname__)
@@ -175,6 +176,10 @@ def _scan_class(cls: type) -> tuple[ClassScan, ScanResult]:
 
 
 @functools.lru_cache(maxsize=32)
-def _scan_file(filename: str, text: str, module: str, package: str | None) -> ScanResult:
-    """Scans are cached by file content: decorating several classes of one file parses it once."""
+def _scan_file(
+    filename: str, text: str, module: str, package: str | None, registered: tuple[LayerSpec, ...]
+) -> ScanResult:
+    """Scans are cached by file content and the registered layer types (which the scanner matches):
+    decorating several classes of one file parses it once."""
+    del registered  # part of the cache key only
     return scan_source(text, filename=filename, module=module, package=package)

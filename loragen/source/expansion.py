@@ -13,7 +13,6 @@ found. A field gets no branch (the runtime path converts it when a config target
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,25 +20,13 @@ from typing import Any
 from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR
 from loragen.registry import LayerSpec, spec_for_qualname
-from loragen.source.codegen import config_literal, is_identifier, py_literal, render
+from loragen.source.codegen import config_literal, importable, is_identifier, py_literal, render
 from loragen.source.fields import ClassScan, LayerField, ScanResult
 from loragen.source.targets import Targets
 
 __all__ = ["CONFIG_NAME", "render_expansion"]
 
 CONFIG_NAME = "LORA_CONFIG"  # the module-level name of the decorator's config in the generated code
-
-
-def _importable(qualname: str, obj: object) -> bool:
-    """Whether ``from <module> import <name>`` of ``qualname`` gives ``obj``."""
-    module_name, _, name = qualname.rpartition(".")
-    if not module_name or "<locals>" in qualname or obj is None:
-        return False
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return False
-    return getattr(module, name, None) is obj
 
 
 class _Imports:
@@ -64,10 +51,10 @@ def _spellings(spec: LayerSpec, imports: _Imports) -> tuple[str, str] | None:
     """How the generated code names the base type and the LoRA class (importing them), or None when
     either cannot be imported by name."""
     try:
-        lora_ok = _importable(spec.lora_qualname, spec.lora_type())
+        lora_ok = importable(spec.lora_qualname, spec.lora_type())
     except ImportError:
         lora_ok = False
-    if not lora_ok or not _importable(spec.base_qualname, spec.base_type()):
+    if not lora_ok or not importable(spec.base_qualname, spec.base_type()):
         return None
     module, _, name = spec.base_qualname.rpartition(".")
     if module == "torch.nn":  # as model code spells it: nn.Linear

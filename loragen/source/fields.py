@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 
 import libcst as cst
+from libcst.metadata import CodeRange
 
 __all__ = [
     "ClassScan",
@@ -66,15 +68,6 @@ class LayerField:
         """The path with run-time indices and keys as ``*`` (``"layers.*"``)."""
         return re.sub(r"\{(i|key)\}", "*", self.path)
 
-    def describe(self) -> str:
-        """One line for summaries: ``layers.* (torch.nn.Linear, model.py:12, in ModuleList)``."""
-        notes = [self.layer, str(self.location)]
-        if self.container:
-            notes.append(f"in {self.container}")
-        if self.conditional:
-            notes.append("conditional")
-        return f"{self.pattern} ({', '.join(notes)})"
-
 
 @dataclasses.dataclass(frozen=True)
 class SubmoduleField:
@@ -108,7 +101,17 @@ class Unresolved:
 
 @dataclasses.dataclass(frozen=True)
 class ClassScan:
-    """What the scanner found in one class."""
+    """What the scanner found in one class.
+
+    Attributes:
+        name: the class's qualified name in its module; ``location``: where it is defined.
+        local_bases: the classes of the same file it derives from; ``base_names``: the qualified names of
+            all its bases.
+        fields / submodules / unresolved: what its ``__init__`` builds, and what could not be followed.
+        output_head: what ``get_output_embeddings`` returns when the class defines it: ``("lm_head",)``
+            for ``return self.lm_head``, ``()`` for ``return None`` or anything not a ``self.<path>``; None
+            when the class does not define it.
+    """
 
     name: str
     location: SourceLocation
@@ -117,16 +120,7 @@ class ClassScan:
     fields: tuple[LayerField, ...]
     submodules: tuple[SubmoduleField, ...]
     unresolved: tuple[Unresolved, ...]
-    has_init: bool
     output_head: tuple[str, ...] | None = None
-
-    # ``output_head``: what ``get_output_embeddings`` returns when the class defines it: ``("lm_head",)``
-    # for ``return self.lm_head``, ``()`` for ``return None`` or anything not a ``self.<path>``; None when
-    # the class does not define it.
-
-    def attributes(self) -> list[str]:
-        """The attributes that hold layer fields, in source order, each once."""
-        return list(dict.fromkeys(f.attribute for f in self.fields))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,12 +190,14 @@ class ScannedModule:
     """A parsed module and its scan, kept together for the rewriter.
 
     ``tree`` is the full syntax tree; ``calls`` maps ``id(call node)`` of every followed layer constructor
-    call in it to the fields that call builds, and ``call_nodes`` the id to the node.
+    call in it to the fields that call builds, and ``call_nodes`` the id to the node; ``positions`` gives
+    the source range of the nodes inside those calls (they all lie in ``__init__`` bodies).
     """
 
     tree: cst.Module
     result: ScanResult
     calls: dict[int, list[LayerField]]
     call_nodes: dict[int, cst.Call]
+    positions: Mapping[cst.CSTNode, CodeRange]
 
 

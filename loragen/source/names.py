@@ -15,10 +15,9 @@ import libcst as cst
 import libcst.metadata as md
 from libcst.helpers.module import ModuleNameAndPackage
 
-import loragen
 from loragen.registry import LayerSpec, specs
 from loragen.source.fields import SourceLocation
-from loragen.source.syntax import absolute_module, code_of, dotted_name, nested_statements
+from loragen.source.syntax import absolute_module, class_definitions, code_of, dotted_name, nested_statements
 
 __all__ = ["CONTAINERS", "LayerMatch", "Resolver"]
 
@@ -40,8 +39,8 @@ def _layer_names() -> dict[str, LayerMatch]:
         for qualname in spec.qualnames:
             names[qualname] = (spec, False)
         names[spec.lora_qualname] = (spec, True)
-        if spec.lora_module.startswith("loragen.") and spec.lora_name in loragen.__all__:
-            names[f"loragen.{spec.lora_name}"] = (spec, True)  # loragen re-exports its own layers
+        if spec.lora_module.startswith("loragen."):
+            names[f"loragen.{spec.lora_name}"] = (spec, True)  # ``from loragen import LoraLinear``
     return names
 
 
@@ -89,25 +88,19 @@ class Resolver:
         self.layer_names = _layer_names()
         self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
         # qualified name -> ClassDef / FunctionDef, with Python-style qualnames ("f.<locals>.C")
-        self.class_defs: dict[str, cst.ClassDef] = {}
+        self.class_defs = class_definitions(self.skeleton.body)
         self.function_defs: dict[str, cst.FunctionDef] = {}
         self.star_imports: list[str] = []
-        self._index_classes(self.skeleton.body, "")
+        self._index_star_imports(self.skeleton.body)
         self._index_functions(tree.body, "")
 
     # ---- definitions ---------------------------------------------------------------------------------
 
-    def _index_classes(self, body: Sequence[cst.CSTNode], prefix: str) -> None:
-        """Classes of the skeleton by qualified name, and the module's star imports."""
+    def _index_star_imports(self, body: Sequence[cst.CSTNode]) -> None:
+        """``from x import *`` at module level (also inside ``if`` / ``try``: Python allows no others)."""
         for stmt in body:
-            if isinstance(stmt, cst.ClassDef):
-                qualname = prefix + stmt.name.value
-                self.class_defs[qualname] = stmt
-                self._index_classes(stmt.body.body, qualname + ".")
-            elif isinstance(stmt, cst.FunctionDef):
-                self._index_classes(stmt.body.body, prefix + stmt.name.value + ".<locals>.")
-            elif isinstance(stmt, _COMPOUND):
-                self._index_classes(nested_statements(stmt), prefix)
+            if isinstance(stmt, _COMPOUND):
+                self._index_star_imports(nested_statements(stmt))
             elif isinstance(stmt, cst.SimpleStatementLine):
                 for small in stmt.body:
                     if isinstance(small, cst.ImportFrom) and isinstance(small.names, cst.ImportStar):

@@ -99,7 +99,7 @@ def scan_module(
     report_unclaimed(names, found)
     unresolved = sorted(found.unresolved, key=lambda u: (u.location.line, u.location.column))
     result = ScanResult(filename, module, tuple(classes), tuple(unresolved))
-    return ScannedModule(tree, result, found.calls, found.call_nodes)
+    return ScannedModule(tree, result, found.calls, found.call_nodes, names.positions)
 
 
 def _scan_class(names: Resolver, found: Findings, name: str, node: cst.ClassDef) -> ClassScan:
@@ -115,7 +115,6 @@ def _scan_class(names: Resolver, found: Findings, name: str, node: cst.ClassDef)
         fields=tuple(walker.fields),
         submodules=tuple(walker.submodules),
         unresolved=tuple(walker.unresolved),
-        has_init=init is not None,
         output_head=_output_head(node),
     )
 

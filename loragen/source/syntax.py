@@ -9,6 +9,7 @@ import libcst as cst
 
 __all__ = [
     "absolute_module",
+    "class_definitions",
     "calls_in",
     "code_of",
     "dotted_name",
@@ -103,3 +104,18 @@ def nodes_of(node: cst.CSTNode, kind: type[cst.CSTNode]) -> list[cst.CSTNode]:
 def calls_in(node: cst.CSTNode) -> Sequence[cst.Call]:
     """Every call inside ``node``, in source order."""
     return [call for call in nodes_of(node, cst.Call) if isinstance(call, cst.Call)]
+
+
+def class_definitions(body: Sequence[cst.CSTNode], prefix: str = "") -> dict[str, cst.ClassDef]:
+    """The classes defined in ``body`` (and nested in them, in functions, in compound statements) by
+    qualified name, as Python spells it: ``"Outer.Inner"``, ``"make.<locals>.Local"``."""
+    found: dict[str, cst.ClassDef] = {}
+    for stmt in body:
+        if isinstance(stmt, cst.ClassDef):
+            found[prefix + stmt.name.value] = stmt
+            found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}."))
+        elif isinstance(stmt, cst.FunctionDef):
+            found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}.<locals>."))
+        elif isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)):
+            found.update(class_definitions(nested_statements(stmt), prefix))
+    return found

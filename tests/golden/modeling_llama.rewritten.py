@@ -43,7 +43,13 @@ from transformers.utils import TransformersKwargs, auto_docstring, can_return_tu
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 from transformers.models.llama.configuration_llama import LlamaConfig
-from loragen import LoraLayer, LoraLinear
+
+from loragen import LoraConfig
+from loragen.layers import LoraLayer, LoraLinear
+
+# Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.
+# Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).
+LORA_CONFIG = LoraConfig(r=4, target_modules="all-linear")
 
 
 logger = logging.get_logger(__name__)
@@ -151,6 +157,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 
 
 class LlamaMLP(nn.Module):
+    loragen_config = LORA_CONFIG  # added by loragen rewrite
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -207,6 +215,8 @@ def eager_attention_forward(
 class LlamaAttention(nn.Module):
     """Multi-headed attention from 'Attention Is All You Need' paper"""
 
+    loragen_config = LORA_CONFIG  # added by loragen rewrite
+
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -218,16 +228,20 @@ class LlamaAttention(nn.Module):
         self.is_causal = True
 
         self.q_proj = LoraLinear(
-            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias, r=4, lora_alpha=8
+            config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias,
+            r=4, lora_alpha=8
         )
         self.k_proj = LoraLinear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias, r=4, lora_alpha=8
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias,
+            r=4, lora_alpha=8
         )
         self.v_proj = LoraLinear(
-            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias, r=4, lora_alpha=8
+            config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias,
+            r=4, lora_alpha=8
         )
         self.o_proj = LoraLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias, r=4, lora_alpha=8
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias,
+            r=4, lora_alpha=8
         )
 
     def forward(
@@ -316,6 +330,7 @@ class LlamaDecoderLayer(GradientCheckpointingLayer):
 
 @auto_docstring
 class LlamaPreTrainedModel(PreTrainedModel):
+    loragen_config = LORA_CONFIG  # added by loragen rewrite
     config: LlamaConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

@@ -10,11 +10,24 @@ import math
 import torch
 from torch import nn
 from torch.nn import Linear as Dense
-from loragen import LoraEmbedding, LoraLinear
+
+from loragen import LoraConfig
+from loragen.layers import LoraEmbedding, LoraLinear
+
+# Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.
+# Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).
+LORA_CONFIG = LoraConfig(
+    lora_alpha=16,
+    lora_dropout=0.05,
+    target_modules=r"(.*\.)?(q_proj|v_proj|fc1|emb|experts\.\d+)",
+    rank_pattern={"fc1": 4},
+)
 
 
 class Attention(nn.Module):
     """Multi-head self-attention with separate projections."""
+
+    loragen_config = LORA_CONFIG  # added by loragen rewrite
 
     def __init__(self, dim: int, heads: int, *, bias: bool = False) -> None:
         super().__init__()
@@ -43,6 +56,8 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     """Embedding, attention and a gated MLP; the experts are a ModuleList built by a comprehension."""
+
+    loragen_config = LORA_CONFIG  # added by loragen rewrite
 
     def __init__(self, vocab: int, dim: int, heads: int, experts: int = 2, gated: bool = True) -> None:
         super().__init__()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -12,9 +13,10 @@ import torch
 from torch import nn
 
 import loragen
-from loragen import LoraConfig, LoraConversionError
+from loragen import LoraConfig, LoraConversionError, registry
 from loragen.convert import find_lora_layers
 from loragen.source.decorator import GENERATED_METHODS, LoraConvertError, expansion_source, lora_convert
+from tests.source.toy_layers import ToyLinear, ToyLoraLinear
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = LoraConfig(
@@ -181,9 +183,89 @@ def test_fields_and_readable_source():
     assert 'elif name == "fc" and type(child) is nn.Conv1d:' in source
     compile(source, "<check>", "exec")
     assert Net.get_lora_model.__qualname__ == "Net.get_lora_model"
-    import inspect
-
     assert "def get_lora_model(self, config=LORA_CONFIG):" in inspect.getsource(Net.get_lora_model)
+
+
+def test_lora_source_is_the_code_that_runs_with_the_config_as_a_literal():
+    source = Net.__lora_source__
+    assert "DEFAULT_CONFIG" not in source and "LORA_CONFIG = LoraConfig(" in source
+    namespace: dict = {"__name__": "check"}
+    exec(compile(source, "<check>", "exec"), namespace)  # the literal alone rebuilds the config
+    assert namespace["LORA_CONFIG"] == CONFIG
+    assert Net.get_lora_model.__code__.co_filename == f"<loragen.lora_convert {Net.__module__}.Net>"
+    assert inspect.getsource(Net.get_lora_model) in source
+    # shorter: CONFIG does not target v_proj, so there is no branch for it
+    assert 'name == "v_proj"' not in source and 'name == "q_proj"' in source
+    (row,) = [line for line in source.splitlines() if line.startswith("#   v_proj ")]
+    assert row.endswith("(not targeted by LORA_CONFIG)")
+    assert "LORA_CONFIG" not in MLP.__lora_source__ and "def get_lora_model(self, config=None):" in MLP.__lora_source__
+
+
+def test_fields_without_a_branch_convert_through_the_runtime_path():
+    other = CONFIG.replace(target_modules=["v_proj", "down"], rank_pattern={}, alpha_pattern={})
+    generated, runtime = twin()
+    torch.manual_seed(1)
+    generated.get_lora_model(other)
+    torch.manual_seed(1)
+    loragen.get_lora_model(runtime, other)
+    assert sorted(find_lora_layers(generated)) == ["mlp.down", "v_proj"]
+    mine, theirs = generated.state_dict(), runtime.state_dict()
+    assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_converted_model_knows_its_config():
+    model = Net().get_lora_model()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    model.requires_grad_(True)
+    loragen.mark_trainable(model)  # no config repeated
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable
+    with pytest.raises(LoraConversionError, match=r"Net carries no LoRA config .*mark_trainable\(model, config\)"):
+        loragen.mark_trainable(Net())
+
+
+class ToyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = ToyLinear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.proj(x))
+
+
+@pytest.fixture
+def toy_registered():
+    spec = loragen.register_layer(ToyLinear, ToyLoraLinear)
+    yield spec
+    registry.unregister(spec.base_qualname)
+
+
+def test_a_layer_type_registered_from_a_user_module(toy_registered, decorate):
+    config = LoraConfig(r=2, target_modules=["proj", "out"])
+    decorate(ToyNet, config=config)
+    source = ToyNet.__lora_source__
+    assert "from tests.source.toy_layers import ToyLinear, ToyLoraLinear\n" in source
+    assert 'if name == "proj" and type(child) is ToyLinear:' in source
+    torch.manual_seed(0)
+    generated = ToyNet()
+    runtime = copy.deepcopy(generated)
+    torch.manual_seed(1)
+    generated.get_lora_model()
+    torch.manual_seed(1)
+    loragen.get_lora_model(runtime, config)
+    assert type(generated.proj) is ToyLoraLinear and generated.proj.r == 2
+    mine, theirs = generated.state_dict(), runtime.state_dict()
+    assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    randomise_lora(generated)
+    randomise_lora(runtime)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(generated.eval()(x), runtime.eval()(x))
+    assert sorted(generated.get_tensors()) == [
+        "base_model.model.out.lora_A.weight",
+        "base_model.model.out.lora_B.weight",
+        "base_model.model.proj.lora_A.weight",
+        "base_model.model.proj.lora_B.weight",
+    ]
 
 
 def test_a_second_conversion_is_refused_like_the_runtime():
@@ -195,7 +277,7 @@ def test_a_second_conversion_is_refused_like_the_runtime():
 def test_missing_or_wrong_config():
     with pytest.raises(TypeError, match=r"MLP\.get_lora_model\(\) needs a LoraConfig"):
         MLP(4).get_lora_model()
-    with pytest.raises(TypeError, match="config must be a loragen.LoraConfig, got dict"):
+    with pytest.raises(TypeError, match=r"config must be a loragen\.LoraConfig, got dict"):
         MLP(4).get_lora_model({"r": 8})
     with pytest.raises(LoraConversionError, match="matched no module"):
         MLP(4).get_lora_model(LoraConfig(target_modules=["nothing"]))
@@ -205,7 +287,7 @@ def test_missing_or_wrong_config():
 
 def test_classes_without_source_are_refused_with_a_pointer_to_the_runtime_path():
     namespace: dict = {"nn": nn}
-    exec(  # noqa: S102 - a class without source is the point of this test
+    exec(
         "class Made(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.q = nn.Linear(1, 1)\n",
         namespace,
     )
@@ -216,7 +298,7 @@ def test_classes_without_source_are_refused_with_a_pointer_to_the_runtime_path()
 
 
 def test_refusals():
-    with pytest.raises(LoraConvertError, match="applies to nn.Module subclasses"):
+    with pytest.raises(LoraConvertError, match=r"applies to nn\.Module subclasses"):
         lora_convert(int)
 
     class Clashing(nn.Module):

@@ -3,23 +3,16 @@ idempotence and locality (hypothesis), golden files, and equality with the runti
 
 from __future__ import annotations
 
-import argparse
-import ast
-import difflib
 import importlib.util
-import os
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 import loragen
 from loragen import LoraConfig, rewrite_source
-from loragen.cli import rewrite as rewrite_command
 from loragen.source.rewrite import module_name_for_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,9 +39,17 @@ PAIRS = [
         """,
         """\
         from torch import nn
-        from loragen import LoraLinear
+
+        from loragen import LoraConfig
+        from loragen.layers import LoraLinear
+
+        # Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.
+        # Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).
+        LORA_CONFIG = LoraConfig(lora_alpha=16, target_modules=["q"])
 
         class M(nn.Module):
+            loragen_config = LORA_CONFIG  # added by loragen rewrite
+
             def __init__(self):
                 super().__init__()
                 self.q = LoraLinear(4, 8, bias=False, r=8, lora_alpha=16)  # keep this comment
@@ -77,9 +78,17 @@ PAIRS = [
         """\
         import torch
         from torch.nn import Linear as L, Embedding
-        from loragen import LoraEmbedding, LoraLinear
+
+        from loragen import LoraConfig
+        from loragen.layers import LoraEmbedding, LoraLinear
+
+        # Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.
+        # Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).
+        LORA_CONFIG = LoraConfig(r=4, lora_dropout=0.1, target_modules=["a", "b", "emb"])
 
         class M(torch.nn.Module):
+            loragen_config = LORA_CONFIG  # added by loragen rewrite
+
             def __init__(self, d):
                 super().__init__()
                 self.a = LoraLinear(
@@ -92,7 +101,9 @@ PAIRS = [
                 self.b = LoraLinear(
                     d, d, r=4, lora_alpha=8, lora_dropout=0.1
                 )
-                self.emb = LoraEmbedding(10, d, padding_idx=0, r=4, lora_alpha=8, lora_dropout=0.1)
+                self.emb = LoraEmbedding(
+                    10, d, padding_idx=0, r=4, lora_alpha=8, lora_dropout=0.1
+                )
         """,
         {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": ["a", "b", "emb"]},
         id="multiline-formatting-kept",
@@ -114,12 +125,20 @@ PAIRS = [
         """\
         '''Docstring.'''
         from torch import nn
-        from loragen import LoraConv2d
+
+        from loragen import LoraConfig
+        from loragen.layers import LoraConv2d
+
+        # Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.
+        # Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).
+        LORA_CONFIG = LoraConfig(target_modules=r".*(proj|convs\\.\\d+)")
 
         class Linear(nn.Module):
             pass
 
         class M(nn.Module):
+            loragen_config = LORA_CONFIG  # added by loragen rewrite
+
             def __init__(self):
                 super().__init__()
                 self.proj = Linear()
@@ -139,10 +158,16 @@ PAIRS = [
                 self.q = LoraLinear(4, 4, r=8, lora_alpha=8, lora_dropout=0.1)
         """,
         """\
-        from loragen import LoraLinear
+        from loragen import LoraConfig, LoraLinear
         from torch import nn
 
+        # Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.
+        # Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).
+        LORA_CONFIG = LoraConfig(r=16, lora_alpha=32, target_modules=["q"])
+
         class M(nn.Module):
+            loragen_config = LORA_CONFIG  # added by loragen rewrite
+
             def __init__(self):
                 super().__init__()
                 self.q = LoraLinear(4, 4, r=16, lora_alpha=32, lora_dropout=0)
@@ -162,9 +187,14 @@ def test_before_after(before: str, after: str, config: dict):
 def test_windows_line_endings_and_tabs_are_kept():
     code = "from torch import nn\r\n\r\nclass M(nn.Module):\r\n\tdef __init__(self):\r\n\t\tself.q = nn.Linear(1, 2)\r\n"
     out = rewrite_source(code, LoraConfig(target_modules=["q"])).code
-    assert out == code.replace(
-        "from torch import nn\r\n", "from torch import nn\r\nfrom loragen import LoraLinear\r\n"
-    ).replace("nn.Linear(1, 2)", "LoraLinear(1, 2, r=8, lora_alpha=8)")
+    assert out == (
+        "from torch import nn\r\n\r\nfrom loragen import LoraConfig\r\nfrom loragen.layers import LoraLinear\r\n\r\n"
+        "# Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.\r\n"
+        "# Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).\r\n"
+        'LORA_CONFIG = LoraConfig(target_modules=["q"])\r\n\r\n'
+        "class M(nn.Module):\r\n\tloragen_config = LORA_CONFIG  # added by loragen rewrite\r\n\r\n"
+        "\tdef __init__(self):\r\n\t\tself.q = LoraLinear(1, 2, r=8, lora_alpha=8)\r\n"
+    )
 
 
 # ---- config semantics ----------------------------------------------------------------------------------
@@ -273,24 +303,29 @@ def test_user_errors_are_returned_never_raised():
     )
     assert [str(e) for e in clash.errors] == [
         (
-            "clash.py:1: the name LoraLinear is already bound in this module to something other than loragen's; "
-            "rename it first"
+            "clash.py:1: the name LoraLinear is already bound in this module to something other than "
+            "loragen.layers.LoraLinear; rename it first"
         )
     ]
 
 
-def test_warnings_for_unresolvable_layers_and_no_match():
+def test_unresolvable_layers_are_warned_about_and_unmatched_targets_listed():
     code = (
         "from torch import nn\n\ndef mlp():\n    return nn.Linear(2, 2)\n\nclass M(nn.Module):\n"
         "    def __init__(self):\n        self.q = nn.Linear(2, 2)\n"
     )
-    result = rewrite_source(code, LoraConfig(target_modules=["k"]), filename="w.py")
+    result = rewrite_source(code, LoraConfig(target_modules=["k", "q"], exclude_modules=["q"]), filename="w.py")
     assert result.ok and not result.changed and result.code == code
     assert [str(w) for w in result.warnings] == [
-        "w.py:1: no layer field matches target_modules=('k',)",
         "w.py:4: nn.Linear(...) in mlp() is not assigned to a module field the scanner can follow; not converted",
     ]
-    assert result.summary() == "w.py: no targeted layers, 2 warnings"
+    assert result.unmatched_targets == ("k", "q")  # q is excluded: it selects nothing either
+    assert result.summary() == "w.py: no targeted layers, 1 warning"
+    regex = rewrite_source(code, LoraConfig(target_modules=r".*\.k"), filename="w.py")
+    assert regex.unmatched_targets == (r".*\.k",)
+    assert rewrite_source(code, LoraConfig(target_modules=["q", "k"]), filename="w.py").unmatched_targets == ("k",)
+    empty = rewrite_source("", LoraConfig(target_modules=["q"]), filename="__init__.py")
+    assert empty.ok and not empty.warnings and empty.summary() == "__init__.py: no layer fields"
 
 
 def test_relative_imports_become_absolute_only_for_standalone_output():
@@ -315,7 +350,7 @@ def test_transformers_models_get_the_lora_init_hook_once():
         "        self.fc = nn.Linear(2, 2)\n"
     )
     out = rewrite_source(code, LoraConfig(target_modules=["fc"]), filename="hf.py").code
-    assert "from loragen import LoraLayer, LoraLinear\n" in out
+    assert "from loragen import LoraConfig\nfrom loragen.layers import LoraLayer, LoraLinear\n" in out
     assert out.count("module.reset_lora_parameters(True)") == 2
     assert (
         "    base_model_prefix = 'model'\n\n    def _init_weights(self, module):\n        super()._init_weights(module)\n"
@@ -376,227 +411,108 @@ def test_rewritten_user_model_is_a_drop_in_equal_to_the_runtime_path(tmp_path: P
     assert {p: (m.r, m.lora_alpha, m.lora_dropout_p) for p, m in layers.items()} == {
         p: (m.r, m.lora_alpha, m.lora_dropout_p) for p, m in loragen.convert.find_lora_layers(runtime).items()
     }
-
-
-# ---- hypothesis: idempotent, and nothing outside targeted calls changes -------------------------------
-
-NAMES = ["q_proj", "k_proj", "dense", "fc1", "emb", "conv", "head", "norm"]
-CTORS = {
-    "nn.Linear": ("(4, 8{kw})", True),
-    "torch.nn.Linear": ("(4, 8{kw})", True),
-    "Dense": ("(4, 8{kw})", True),
-    "nn.Embedding": ("(10, 4{kw})", True),
-    "nn.Conv1d": ("(4, 4, 3{kw})", True),
-    "Linear": ("({kw0})", False),  # the user's own class
-    "nn.LayerNorm": ("(4{kw})", False),
-}
-STYLES = ["flat", "spaced", "multiline", "trailing-comma"]
-
-
-def _call_text(ctor: str, style: str, kw: bool) -> str:
-    args, _ = CTORS[ctor]
-    flat = args.format(kw=", bias=False" if kw and "Linear" in ctor else "", kw0="")
-    inner = flat[1:-1]
-    if style == "spaced":
-        return f"{ctor}( {inner} )"
-    if style == "multiline":
-        return f"{ctor}(\n            {inner}\n        )"
-    if style == "trailing-comma" and inner:
-        parts = [p.strip() for p in inner.split(",")]
-        return f"{ctor}(\n" + "".join(f"            {p},\n" for p in parts) + "        )"
-    return f"{ctor}{flat}"
-
-
-@st.composite
-def model_sources(draw):
-    fields = draw(
-        st.lists(
-            st.tuples(
-                st.sampled_from(NAMES),
-                st.sampled_from(sorted(CTORS)),
-                st.sampled_from(STYLES),
-                st.booleans(),
-                st.booleans(),
-            ),
-            min_size=1,
-            max_size=6,
-            unique_by=lambda f: f[0],
-        )
-    )
-    targets = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4, unique=True))
-    lines = [
-        "import torch",
-        "from torch import nn",
-        "from torch.nn import Linear as Dense",
-        "",
-        "",
-        "class Linear(nn.Module):",
-        "    pass",
-        "",
-        "",
-        "class M(nn.Module):",
-        "    def __init__(self):",
-        "        super().__init__()",
+    # the rewritten model knows its config: mark_trainable needs none
+    assert model.loragen_config == config == rewritten.LORA_CONFIG
+    loragen.mark_trainable(model)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        n for n, p in runtime.named_parameters() if p.requires_grad
     ]
-    spans: list[tuple[int, int, bool]] = []  # (first line, last line, should change), 1-based
-    for name, ctor, style, kw, comment in fields:
-        text = f"        self.{name} = {_call_text(ctor, style, kw)}" + ("  # note" if comment else "")
-        start = len(lines) + 1
-        lines.extend(text.split("\n"))
-        spans.append((start, len(lines), name in targets and CTORS[ctor][1]))
-    lines += ["", "    def forward(self, x):", "        return x  # nn.Linear(1, 2) in a comment", ""]
-    return "\n".join(lines), targets, spans
+    loragen.merge_and_unload(model)  # the class's config stays with the class
+    assert not loragen.convert.find_lora_layers(model) and rewritten.Block.loragen_config == config
 
 
-def _normalise(code: str) -> str:
-    """The AST with loragen's additions undone: LoRA callees back to a marker, LoRA keywords removed."""
-    tree = ast.parse(code)
-    tree.body = [s for s in tree.body if not (isinstance(s, ast.ImportFrom) and s.module == "loragen")]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            callee = ast.unparse(node.func)
-            if callee.startswith("Lora") or callee in (
-                "nn.Linear",
-                "torch.nn.Linear",
-                "Dense",
-                "nn.Embedding",
-                "nn.Conv1d",
-            ):
-                node.func = ast.Name("LAYER")
-                node.keywords = [k for k in node.keywords if k.arg not in ("r", "lora_alpha", "lora_dropout")]
-    return ast.dump(tree)
+def test_a_model_built_around_a_rewritten_class_finds_its_config(tmp_path: Path):
+    config = LoraConfig(target_modules=["q_proj"], bias="lora_only")
+    out = tmp_path / "attention_lora.py"
+    out.write_text(rewrite_source(NESTED, config, filename="attention.py").code)
+    rewritten = _import_file(out, "attention_lora")
+    model = torch.nn.Sequential(rewritten.Attention(4), torch.nn.Linear(4, 4))
+    loragen.mark_trainable(model)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        "0.q_proj.bias", "0.q_proj.lora_A", "0.q_proj.lora_B"
+    ]
+    converted = loragen.get_lora_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), LoraConfig(target_modules=["0"]))
+    other = torch.nn.Sequential(model, converted)
+    with pytest.raises(loragen.LoraConversionError, match=r"carry different LoRA configs \(at 0\.0, 1\)"):
+        loragen.mark_trainable(other)
 
 
-@given(model_sources(), st.integers(1, 16), st.sampled_from([4, 8, 16.0, 0.5]))
-def test_rewrite_is_idempotent_and_changes_only_targeted_calls(source, r, alpha):
-    code, targets, spans = source
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets)
-    first = rewrite_source(code, config, filename="gen.py")
-    assert first.ok, [str(e) for e in first.errors]
-    second = rewrite_source(first.code, config, filename="gen.py")
-    assert second.code == first.code and not second.changed
-    assert _normalise(first.code) == _normalise(code)
-
-    expected = [span for span in spans if span[2]]
-    assert len(first.rewritten) == len(expected)
-    old_lines, new_lines = code.split("\n"), first.code.split("\n")
-    import_line = f"from loragen import {', '.join(sorted({c.lora_name for c in first.rewritten}))}"
-    changed_spans = [(s, e) for s, e, changed in spans if changed]
-    touched: set[int] = set()  # 1-based lines of the input that were edited
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
-        a=old_lines, b=new_lines, autojunk=False
-    ).get_opcodes():
-        if tag == "equal":
-            continue
-        if tag == "insert":
-            if new_lines[j1:j2] == [import_line]:
-                continue
-            assert any(s <= i1 < e for s, e in changed_spans), new_lines[j1:j2]  # keywords on their own lines
-            touched.add(i1)
-        else:
-            touched.update(range(i1 + 1, i2 + 1))
-    for start, end, changed in spans:
-        assert bool(touched & set(range(start, end + 1))) == changed, (start, end, changed)
-    assert touched <= {line for s, e in changed_spans for line in range(s, e + 1)}
+TOY_SOURCE = """\
+from torch import nn
+from tests.source.toy_layers import ToyLinear
 
 
-# ---- the CLI -------------------------------------------------------------------------------------------
+class ToyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = ToyLinear(4, 4)
+        self.out = nn.Linear(4, 2)
 
-
-def run_cli(*args: str) -> int:
-    parser = argparse.ArgumentParser(prog="loragen")
-    rewrite_command.register(parser.add_subparsers())
-    parsed = parser.parse_args(["rewrite", *args])
-    return parsed.func(parsed)
+    def forward(self, x):
+        return self.out(self.proj(x))
+"""
 
 
 @pytest.fixture
-def sources(tmp_path: Path) -> Path:
-    folder = tmp_path / "src"
-    (folder / "sub").mkdir(parents=True)
-    (folder / "a.py").write_text(
-        "from torch import nn\n\nclass A(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-        "        self.q = nn.Linear(2, 2)\n"
-    )
-    (folder / "sub" / "b.py").write_text(
-        "from torch import nn\n\nclass B(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-        "        self.v = nn.Linear(2, 2)\n        self.k = nn.Linear(2, 2)\n"
-    )
-    return folder
+def toy_registered():
+    from tests.source.toy_layers import ToyLinear, ToyLoraLinear
+
+    spec = loragen.register_layer(ToyLinear, ToyLoraLinear)
+    yield spec
+    loragen.registry.unregister(spec.base_qualname)
 
 
-def test_cli_single_file_to_stdout_with_summary(sources: Path, capsys):
-    assert run_cli(str(sources / "a.py"), "--target-modules", "q", "--r", "4", "--lora-alpha", "8") == 0
-    out, err = capsys.readouterr()
-    assert "self.q = LoraLinear(2, 2, r=4, lora_alpha=8)" in out
-    assert err == f"{sources / 'a.py'}: 1 layer -> LoRA (q)\n"
+def test_a_registered_layer_type_gets_its_own_lora_class_and_signature_defaults(toy_registered, tmp_path: Path):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["proj", "out"])
+    result = rewrite_source(TOY_SOURCE, config, filename="toy_net.py")
+    assert result.ok, [str(e) for e in result.errors]
+    assert "from tests.source.toy_layers import ToyLinear, ToyLoraLinear\n" in result.code
+    # ToyLoraLinear's own default dropout is 0.1, LoraLinear's 0: only the first needs the keyword
+    assert "self.proj = ToyLoraLinear(4, 4, r=4, lora_alpha=8, lora_dropout=0)\n" in result.code
+    assert "self.out = LoraLinear(4, 2, r=4, lora_alpha=8)\n" in result.code
+    (tmp_path / "toy_net.py").write_text(TOY_SOURCE)
+    (tmp_path / "toy_net_lora.py").write_text(result.code)
+    torch.manual_seed(0)
+    runtime = loragen.get_lora_model(_import_file(tmp_path / "toy_net.py", "toy_net").ToyNet(), config)
+    torch.manual_seed(0)
+    model = _import_file(tmp_path / "toy_net_lora.py", "toy_net_lora").ToyNet()
+    assert sorted(model.state_dict()) == sorted(runtime.state_dict())
+    model.load_state_dict(runtime.state_dict())
+    assert {p: (type(m), m.r, m.lora_dropout_p) for p, m in loragen.convert.find_lora_layers(model).items()} == {
+        p: (type(m), m.r, m.lora_dropout_p) for p, m in loragen.convert.find_lora_layers(runtime).items()
+    }
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model.eval()(x), runtime.eval()(x))
 
 
-def test_cli_folder_to_output_folder_and_in_place(sources: Path, tmp_path: Path, capsys):
-    out = tmp_path / "out"
-    assert run_cli(str(sources), "-o", str(out), "--target-modules", "q,v", "-q") == 0
-    assert capsys.readouterr() == ("", "")
-    assert "LoraLinear(2, 2, r=8, lora_alpha=8)" in (out / "a.py").read_text()
-    assert (out / "sub" / "b.py").read_text().count("LoraLinear(") == 1
-    before = (sources / "sub" / "b.py").read_text()
-    assert run_cli(str(sources), "--in-place", "--target-modules", "k") == 0
-    after = (sources / "sub" / "b.py").read_text()
-    assert after != before and "self.k = LoraLinear(2, 2, r=8, lora_alpha=8)" in after
-    assert not any(p.name.endswith(".tmp") for p in sources.rglob("*"))
-
-
-def test_cli_diff_and_config_file(sources: Path, tmp_path: Path, capsys):
-    config = tmp_path / "adapter_config.json"
-    config.write_text(
-        '{"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": null}'
-    )
-    assert run_cli(str(sources / "a.py"), "--diff", "--config", str(config), "--lora-alpha", "6") == 0
-    out, _ = capsys.readouterr()
-    assert "-        self.q = nn.Linear(2, 2)\n+        self.q = LoraLinear(2, 2, r=2, lora_alpha=6)\n" in out
-    assert (sources / "a.py").read_text().count("nn.Linear(2, 2)") == 1  # --diff writes nothing
-
-
-def test_cli_invalid_python_exits_nonzero_with_file_line_and_writes_nothing(
-    sources: Path, tmp_path: Path, capsys
-):
-    (sources / "broken.py").write_text("import torch\n\nclass A(:\n    pass\n")
-    originals = {p: p.read_bytes() for p in sources.rglob("*.py")}
-    assert run_cli(str(sources), "--in-place", "--target-modules", "q") == rewrite_command.EXIT_FILE_ERRORS
-    err = capsys.readouterr().err
-    assert f"{sources / 'broken.py'}:3: invalid syntax\n" in err
-    assert "nothing was written" in err
-    assert {p: p.read_bytes() for p in sources.rglob("*.py")} == originals
-    assert run_cli(str(sources), "-o", str(tmp_path / "o"), "--target-modules", "q") == 1
-    assert not (tmp_path / "o").exists()
+def test_rewriting_again_with_another_config_replaces_the_recorded_config():
+    first = rewrite_source(NESTED, LoraConfig(target_modules=["q_proj"]), filename="n.py").code
+    second = rewrite_source(first, LoraConfig(r=16, target_modules=["q_proj"]), filename="n.py").code
+    assert 'LORA_CONFIG = LoraConfig(r=16, target_modules=["q_proj"])\n' in second
+    assert second.count("LORA_CONFIG = ") == 1 and second.count("loragen_config = LORA_CONFIG") == 1
+    assert "self.q_proj = LoraLinear(d, d, r=16, lora_alpha=8)" in second
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("line", "match"),
     [
-        (["missing.py", "--target-modules", "q"], "missing.py: no such file or folder"),
-        (["{src}/a.py"], "no target modules"),
-        (["{src}", "--target-modules", "q"], "2 files to rewrite: use -o FOLDER, --in-place or --diff"),
-        (["{src}/a.py", "--target-modules", "q", "--lora-dropout", "2"], "lora_dropout=2.0"),
-        (["{src}/a.py", "--config", "{src}/a.py"], "not valid JSON"),
+        ("LORA_CONFIG = {}\n", "the name LORA_CONFIG is already bound"),
+        ("from peft import LoraConfig\n", "the name LoraConfig is already bound in this module to something other"),
     ],
 )
-def test_cli_usage_errors(sources: Path, capsys, args: list[str], message: str):
-    assert run_cli(*[a.format(src=sources) for a in args]) == rewrite_command.EXIT_USAGE
-    assert message in capsys.readouterr().err
+def test_names_the_rewrite_adds_must_be_free(line: str, match: str):
+    result = rewrite_source(NESTED + line, LoraConfig(target_modules=["q_proj"]), filename="n.py")
+    assert not result.ok and result.code == NESTED + line
+    assert match in str(result.errors[0])
 
 
-def test_in_place_never_damages_the_input_when_the_write_fails(sources: Path, monkeypatch):
-    target = sources / "a.py"
-    before = target.read_bytes()
-
-    def broken_replace(src, dst):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
-        run_cli(str(target), "--in-place", "--target-modules", "q")
-    assert target.read_bytes() == before
-    assert [p.name for p in sources.iterdir() if p.is_file()] == ["a.py"]
+def test_a_class_that_sets_loragen_config_itself_is_not_rewritten():
+    code = NESTED.replace("class Attention(nn.Module):\n", "class Attention(nn.Module):\n    loragen_config = None\n")
+    result = rewrite_source(code, LoraConfig(target_modules=["q_proj"]), filename="n.py")
+    assert [str(e) for e in result.errors] == [
+        "n.py:3: class Attention sets loragen_config = None itself; a rewrite records its config there "
+        "(loragen_config = LORA_CONFIG): remove that line first"
+    ]
 
 
 # ---- golden files --------------------------------------------------------------------------------------

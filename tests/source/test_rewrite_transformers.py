@@ -20,11 +20,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-import loragen
-from loragen import LoraConfig, rewrite_source
-from loragen.adapters.load import load_adapter
-from loragen.convert import find_lora_layers
-from loragen.source.rewrite import module_name_for_path
+import loragen  # noqa: E402
+from loragen import LoraConfig, rewrite_source  # noqa: E402
+from loragen.adapters.load import load_adapter  # noqa: E402
+from loragen.convert import find_lora_layers  # noqa: E402
+from loragen.source.rewrite import module_name_for_path  # noqa: E402
 
 SMALL = {
     "hidden_size": 32,
@@ -187,6 +187,12 @@ def test_rewritten_model_matches_get_lora_model_layer_for_layer(rewritten):
         p: (type(m).__name__, m.r, m.scaling) for p, m in theirs.items()
     }
     assert "lm_head" not in mine  # all-linear leaves the output head out, as peft does
+    assert model.loragen_config == runtime.loragen_config  # the file's PreTrainedModel class carries it
+    model.requires_grad_(True)
+    loragen.mark_trainable(model)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        n for n, p in runtime.named_parameters() if p.requires_grad
+    ]
 
 
 def test_from_pretrained_on_a_base_checkpoint_initialises_lora_like_peft(rewritten, tmp_path):

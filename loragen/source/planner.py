@@ -1,0 +1,277 @@
+"""What a rewrite changes in one scanned file, and the rewritten code.
+
+:class:`RewritePlanner` decides, for every layer constructor call the scanner followed, whether the config
+targets it (:mod:`loragen.source.targets`) and with which LoRA class and keywords (:mod:`loragen.source.edits`);
+which classes record the config (``loragen_config = LORA_CONFIG``) and which get the transformers init hook;
+which imports the file needs (:mod:`loragen.source.preamble`). It reports what cannot be rewritten as errors
+(with ``file:line``) and changes nothing then.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.registry import spec_for_qualname
+from loragen.source.codegen import config_literal, importable, py_literal
+from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
+from loragen.source.fields import LayerField, ScannedModule
+from loragen.source.preamble import CONFIG_NAME, add_preamble, top_level_bindings
+from loragen.source.results import Diagnostic, RewriteResult, RewrittenCall
+from loragen.source.syntax import class_definitions, code_of
+from loragen.source.targets import PRETRAINED, Targets, instances
+
+__all__ = ["RewritePlanner"]
+
+# names the rewritten file imports besides the LoRA classes: (module, name)
+_CONFIG_IMPORT = ("loragen", "LoraConfig")
+_HOOK_IMPORT = ("loragen.layers", "LoraLayer")
+
+
+class RewritePlanner:
+    """Plans and applies the rewrite of one scanned file (see the module docstring).
+
+    ``package`` (or None) makes relative imports absolute in the output.
+    """
+
+    def __init__(
+        self, code: str, config: LoraConfig, filename: str, package: str | None, scanned: ScannedModule
+    ) -> None:
+        self.code = code
+        self.config = config
+        self.filename = filename
+        self.package = package
+        self.scanned = scanned
+        self.result = scanned.result
+        self.targets = Targets(config, scanned.result)
+        self.errors: list[Diagnostic] = []
+        self.warnings = [Diagnostic(filename, u.location.line, u.reason) for u in scanned.result.unresolved]
+        self.lines = [line.rstrip("\r") for line in code.split("\n")]
+        # the line length the file keeps to, as far as its longest line tells (between 88 and 120)
+        self.width = min(120, max(88, *(len(line) for line in self.lines)))
+        self.imports: dict[str, set[str]] = {}
+        self.edits: dict[int, tuple[str | None, dict[str, str], str | None]] = {}
+        self.rewritten: list[RewrittenCall] = []
+
+    def _error(self, line: int, message: str) -> None:
+        self.errors.append(Diagnostic(self.filename, line, message))
+
+    def run(self) -> RewriteResult:
+        """The rewritten code and what was done; the input unchanged when there are errors."""
+        for call_id, fields in self.scanned.calls.items():
+            self._plan_call(call_id, fields)
+        self.rewritten.sort(key=lambda c: (c.field.location.line, c.field.location.column))
+        self._warn_non_layer_targets()
+        hooks: dict[int, str] = {}
+        config_classes: set[int] = set()
+        if self.rewritten:
+            hooks, config_classes = self._class_edits()
+            self.imports.setdefault(_CONFIG_IMPORT[0], set()).add(_CONFIG_IMPORT[1])
+            if hooks:
+                self.imports.setdefault(_HOOK_IMPORT[0], set()).add(_HOOK_IMPORT[1])
+        missing = self._missing_imports()
+        if self.errors:
+            return self._result(self.code)
+        editor = Editor(self.edits, self.package, hooks, config_classes)
+        tree = self.scanned.tree.visit(editor)
+        for message in editor.import_errors:
+            self._error(1, message)
+        if self.errors:
+            return self._result(self.code)
+        if self.rewritten:
+            tree = add_preamble(tree, missing, config_literal(self.config, column=len(CONFIG_NAME) + 3))
+        return self._result(tree.code)
+
+    def _plan_call(self, call_id: int, fields: list[LayerField]) -> None:
+        """Decide one constructor call (built for one or several fields)."""
+        call = self.scanned.call_nodes[call_id]
+        decisions = [(f, self.targets.decide(f)) for f in fields]
+        for f, d in decisions:
+            if d.error:
+                self._error(f.location.line, d.error)
+            if d.warning:
+                self.warnings.append(Diagnostic(self.filename, f.location.line, d.warning))
+        if any(d.error for _, d in decisions):
+            return
+        chosen = [(f, d) for f, d in decisions if d.targeted]
+        if not chosen:
+            if any(f.is_lora for f in fields):
+                f = fields[0]
+                self.warnings.append(
+                    Diagnostic(
+                        self.filename,
+                        f.location.line,
+                        f"{f.owner}.{f.pattern} is already a LoRA layer but is not targeted by this config; "
+                        "left as it is",
+                    )
+                )
+            return
+        field, decision = chosen[0]
+        if len(chosen) != len(decisions) or len({(d.r, d.alpha) for _, d in chosen}) > 1:
+            paths = ", ".join(f"{f.owner}.{f.pattern}" for f, _ in decisions)
+            self._error(
+                field.location.line,
+                f"one layer object is stored under several fields ({paths}) that the config treats "
+                "differently; cannot rewrite it",
+            )
+            return
+        spec = spec_for_qualname(field.layer)
+        try:
+            usable = spec is not None and importable(spec.lora_qualname, spec.lora_type())
+        except ImportError:
+            usable = False
+        if spec is None or not usable:
+            self._error(
+                field.location.line,
+                f"{field.owner}.{field.pattern}: the LoRA class for {field.layer} cannot be imported by name"
+                + (f" ({spec.lora_qualname})" if spec else "")
+                + ", so a rewritten file could not use it; register a LoRA class defined at a module's top level",
+            )
+            return
+        existing = {a.keyword.value for a in call.args if a.keyword is not None}
+        keywords = lora_keywords(spec, decision.r, decision.alpha, self.config, existing)
+        lora_name = None if field.is_lora else spec.lora_name
+        wrap = self._wrap(call, lora_name, {k: v for k, v in keywords.items() if k not in existing})
+        changed = not edit_call(call, lora_name, keywords, wrap).deep_equals(call)
+        if changed:
+            self.edits[call_id] = (lora_name, keywords, wrap)
+        if lora_name is not None:
+            self.imports.setdefault(spec.lora_module, set()).add(lora_name)
+        self.rewritten.append(RewrittenCall(field, spec.lora_name, decision.r, decision.alpha, changed))
+
+    def _wrap(self, call: cst.Call, lora_name: str | None, added: dict[str, str]) -> str | None:
+        """The indentation of ``call``'s statement when the added keywords would make its last line longer
+        than the file's width (see :func:`~loragen.source.edits.edit_call`), else None."""
+        start = self.scanned.positions.get(call)
+        end = self.scanned.positions.get(call.args[-1].value) if call.args else None
+        if not added or start is None or end is None:
+            return None
+        grow = sum(len(f", {k}={v}") for k, v in added.items())
+        if lora_name is not None and start.start.line == end.end.line:
+            grow += len(lora_name) - len(code_of(call.func))
+        first = self.lines[start.start.line - 1]
+        rest = first[start.end.column :].strip() if start.start.line == start.end.line else ""
+        if rest and not rest.startswith("#"):
+            return None  # a one-line call inside a longer expression: relaying it out would read worse
+        last = self.lines[end.end.line - 1]
+        code = first[: start.end.column] if rest.startswith("#") else last  # a trailing comment may stick out
+        if len(code) + grow <= self.width:
+            return None
+        return first[: len(first) - len(first.lstrip())]
+
+    def _class_edits(self) -> tuple[dict[int, str], set[int]]:
+        """The classes that get the transformers init hook, and those that get ``loragen_config``: the
+        owners of rewritten fields and the hook's class, each unless it inherits it from one of them."""
+        nodes = class_definitions(self.scanned.tree.body)
+        hooks: dict[int, str] = {}
+        holders = {c.field.owner for c in self.rewritten}
+        for scan in self.result.classes:
+            # the topmost PreTrainedModel subclass of the file gets the hook; its subclasses inherit it
+            if not any(b in PRETRAINED for b in scan.base_names) or any(
+                self.targets.is_pretrained(base) for base in scan.local_bases
+            ):
+                continue
+            node = nodes.get(scan.name)
+            if node is not None:
+                holders.add(scan.name)
+                if not has_lora_hook(node):
+                    hooks[id(node)] = py_literal(self.config.init_lora_weights)
+        config_classes: set[int] = set()
+        for name in sorted(holders):
+            node = nodes.get(name)
+            if node is None or self._inherits(name, holders):
+                continue
+            current = config_attribute(node)
+            if current is None:
+                config_classes.add(id(node))
+            elif current != CONFIG_NAME:
+                holder = self.result.get(name)
+                self._error(
+                    holder.location.line if holder else 1,
+                    f"class {name} sets loragen_config = {current} itself; a rewrite records its config there "
+                    f"(loragen_config = {CONFIG_NAME}): remove that line first",
+                )
+        return hooks, config_classes
+
+    def _inherits(self, name: str, holders: set[str]) -> bool:
+        """Whether class ``name`` derives (through the file's classes) from another class of ``holders``."""
+        seen: set[str] = set()
+        scan = self.result.get(name)
+        todo = list(scan.local_bases) if scan else []
+        while todo:
+            base = todo.pop()
+            if base in holders:
+                return True
+            scan = self.result.get(base)
+            if scan is not None and base not in seen:
+                seen.add(base)
+                todo.extend(scan.local_bases)
+        return False
+
+    def _missing_imports(self) -> dict[str, list[str]]:
+        """The needed names the file does not import yet; a needed name bound to something else is an error."""
+        bindings = top_level_bindings(self.scanned.tree)
+        missing: dict[str, list[str]] = {}
+        wanted = [(module, name) for module, names in self.imports.items() for name in names]
+        if self.rewritten:
+            wanted.append(("<loragen rewrite>", CONFIG_NAME))
+        for module, name in sorted(wanted):
+            bound = bindings.get(name)
+            if bound is None:
+                if module != "<loragen rewrite>":
+                    missing.setdefault(module, []).append(name)
+            elif not bound.imports(module, name):
+                self._error(
+                    1,
+                    f"the name {name} is already bound in this module to something other than "
+                    f"{module}.{name}; rename it first",
+                )
+        return missing
+
+    def _warn_non_layer_targets(self) -> None:
+        """Targets naming a container or a submodule: the runtime path refuses those, say so here."""
+        if self.config.target_modules == ALL_LINEAR:
+            return
+        for scan in self.result.classes:
+            candidates: dict[str, tuple[str, int]] = {}
+            for sub in scan.submodules:
+                if sub.path != sub.attribute:
+                    candidates.setdefault(sub.attribute, ("a module container", sub.location.line))
+                candidates.setdefault(
+                    sub.path, (f"a module of class {sub.callee.rpartition('.')[2]}", sub.location.line)
+                )
+            for f in scan.fields:
+                if f.container:
+                    candidates.setdefault(f.attribute, (f"a {f.container}", f.location.line))
+            for path, (kind, line) in candidates.items():
+                hit = next(
+                    (
+                        full
+                        for _, prefix in self.targets.contexts.get(scan.name, [(scan.name, "")])
+                        for full in instances(prefix + path, self.targets.extra_keys)
+                        if self.config.matches_target(full)
+                    ),
+                    None,
+                )
+                if hit is not None:
+                    self.warnings.append(
+                        Diagnostic(
+                            self.filename,
+                            line,
+                            f"target_modules matches {hit}: {scan.name}.{path} is {kind}, not a layer; it is left "
+                            "as it is (loragen.get_lora_model would refuse it): name the layers inside it instead",
+                        )
+                    )
+
+    def _result(self, code: str) -> RewriteResult:
+        errors = tuple(sorted(set(self.errors), key=lambda d: d.line))
+        return RewriteResult(
+            code=self.code if errors else code,
+            changed=not errors and code != self.code,
+            filename=self.filename,
+            rewritten=tuple(self.rewritten),
+            fields=tuple(self.result.fields),
+            unmatched_targets=self.targets.unmatched(),
+            warnings=tuple(sorted(set(self.warnings), key=lambda d: d.line)),
+            errors=errors,
+        )

@@ -1,0 +1,163 @@
+"""``loragen rewrite``: files, folders, stdout / -o / --in-place / --diff, exit statuses, targets that match
+nothing, regex targets, flag names."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from loragen.cli import rewrite as rewrite_command
+from loragen.config import LoraConfig
+
+
+def run_cli(*args: str) -> int:
+    parser = argparse.ArgumentParser(prog="loragen")
+    rewrite_command.register(parser.add_subparsers())
+    parsed = parser.parse_args(["rewrite", *args])
+    return parsed.func(parsed)
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    folder = tmp_path / "src"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.py").write_text(
+        "from torch import nn\n\nclass A(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.q = nn.Linear(2, 2)\n"
+    )
+    (folder / "sub" / "b.py").write_text(
+        "from torch import nn\n\nclass B(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.v = nn.Linear(2, 2)\n        self.k = nn.Linear(2, 2)\n"
+    )
+    return folder
+
+
+def test_cli_single_file_to_stdout_with_summary(sources: Path, capsys):
+    assert run_cli(str(sources / "a.py"), "--target-modules", "q", "--r", "4", "--lora-alpha", "8") == 0
+    out, err = capsys.readouterr()
+    assert "self.q = LoraLinear(2, 2, r=4, lora_alpha=8)" in out
+    assert 'LORA_CONFIG = LoraConfig(r=4, target_modules=["q"])' in out
+    assert err == f"{sources / 'a.py'}: 1 layer -> LoRA (q)\n"
+
+
+def test_cli_folder_to_output_folder_and_in_place(sources: Path, tmp_path: Path, capsys):
+    out = tmp_path / "out"
+    assert run_cli(str(sources), "-o", str(out), "--target-modules", "q,v", "-q") == 0
+    assert capsys.readouterr() == ("", "")
+    assert "LoraLinear(2, 2, r=8, lora_alpha=8)" in (out / "a.py").read_text()
+    assert (out / "sub" / "b.py").read_text().count("LoraLinear(") == 1
+    before = (sources / "sub" / "b.py").read_text()
+    assert run_cli(str(sources), "--in-place", "--target-modules", "k") == 0
+    after = (sources / "sub" / "b.py").read_text()
+    assert after != before and "self.k = LoraLinear(2, 2, r=8, lora_alpha=8)" in after
+    assert not any(p.name.endswith(".tmp") for p in sources.rglob("*"))
+
+
+def test_cli_diff_and_config_file(sources: Path, tmp_path: Path, capsys):
+    config = tmp_path / "adapter_config.json"
+    config.write_text(
+        '{"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q"], "task_type": null}'
+    )
+    assert run_cli(str(sources / "a.py"), "--diff", "--config", str(config), "--lora-alpha", "6") == 0
+    out, _ = capsys.readouterr()
+    assert "-        self.q = nn.Linear(2, 2)\n+        self.q = LoraLinear(2, 2, r=2, lora_alpha=6)\n" in out
+    assert (sources / "a.py").read_text().count("nn.Linear(2, 2)") == 1  # --diff writes nothing
+
+
+def test_cli_invalid_python_exits_nonzero_with_file_line_and_writes_nothing(
+    sources: Path, tmp_path: Path, capsys
+):
+    (sources / "broken.py").write_text("import torch\n\nclass A(:\n    pass\n")
+    originals = {p: p.read_bytes() for p in sources.rglob("*.py")}
+    assert run_cli(str(sources), "--in-place", "--target-modules", "q") == rewrite_command.EXIT_FILE_ERRORS
+    err = capsys.readouterr().err
+    assert f"{sources / 'broken.py'}:3: invalid syntax\n" in err
+    assert "nothing was written" in err
+    assert {p: p.read_bytes() for p in sources.rglob("*.py")} == originals
+    assert run_cli(str(sources), "-o", str(tmp_path / "o"), "--target-modules", "q") == 1
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.py", "--target-modules", "q"], "missing.py: no such file or folder"),
+        (["{src}/a.py"], "no target modules"),
+        (["{src}/a.py", "--target-modules", r".*\.q"], "looks like a regular expression. Pass it as --target-regex"),
+        (["{src}/a.py", "--target-modules", ","], "--target-modules is empty"),
+        (["{src}", "--target-modules", "q"], "2 files to rewrite: use -o FOLDER, --in-place or --diff"),
+        (["{src}/a.py", "--target-modules", "q", "--lora-dropout", "2"], "lora_dropout=2.0"),
+        (["{src}/a.py", "--config", "{src}/a.py"], "not valid JSON"),
+    ],
+)
+def test_cli_usage_errors(sources: Path, capsys, args: list[str], message: str):
+    assert run_cli(*[a.format(src=sources) for a in args]) == rewrite_command.EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_in_place_never_damages_the_input_when_the_write_fails(sources: Path, monkeypatch):
+    target = sources / "a.py"
+    before = target.read_bytes()
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        run_cli(str(target), "--in-place", "--target-modules", "q")
+    assert target.read_bytes() == before
+    assert [p.name for p in sources.iterdir() if p.is_file()] == ["a.py"]
+
+
+def test_a_target_that_matches_nothing_is_an_error_naming_it(sources: Path, tmp_path: Path, capsys):
+    out = tmp_path / "out"
+    status = run_cli(str(sources), "-o", str(out), "--target-modules", "q,q_prj,k")
+    assert status == rewrite_command.EXIT_FILE_ERRORS
+    err = capsys.readouterr().err
+    assert (
+        "loragen rewrite: error: target_modules entry 'q_prj' matches no layer field in 2 file(s); "
+        "layer fields found: q, v, k\n"
+    ) in err
+    assert "nothing was written" in err and not out.exists()
+    # one entry matching in any file is enough: q and k each match in one of the two
+    assert run_cli(str(sources), "-o", str(out), "--target-modules", "q,k", "-q") == 0
+
+
+def test_regex_targets_match_whole_module_paths(sources: Path, tmp_path: Path, capsys):
+    out = tmp_path / "out"
+    assert run_cli(str(sources), "-o", str(out), "--target-regex", "q|k", "-q") == 0
+    assert "self.q = LoraLinear(" in (out / "a.py").read_text()
+    b = (out / "sub" / "b.py").read_text()
+    assert "self.k = LoraLinear(" in b and "self.v = nn.Linear(2, 2)" in b
+    assert 'LORA_CONFIG = LoraConfig(target_modules="q|k")' in b
+    status = run_cli(str(sources), "--diff", "--target-regex", "q_pr.*")
+    assert status == rewrite_command.EXIT_FILE_ERRORS
+    assert "target_modules regex 'q_pr.*' matches no layer field in 2 file(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one or the other
+        run_cli(str(sources), "--diff", "--target-regex", "q", "--target-modules", "k")
+
+
+def test_folders_say_nothing_about_files_without_layers(sources: Path, tmp_path: Path, capsys):
+    (sources / "__init__.py").write_text("")
+    (sources / "sub" / "__init__.py").write_text('"""A package."""\n')
+    (sources / "util.py").write_text("def helper():\n    return 1\n")
+    assert run_cli(str(sources), "-o", str(tmp_path / "out"), "--target-modules", "q,v") == 0
+    err = capsys.readouterr().err
+    assert "__init__" not in err and "util.py" not in err and "warning" not in err
+    assert err.count("-> LoRA") == 2
+    assert (tmp_path / "out" / "__init__.py").read_text() == ""
+
+
+def test_flags_are_peft_field_names_and_the_help_shows_the_defaults():
+    subparsers = argparse.ArgumentParser(prog="loragen").add_subparsers()
+    rewrite_command.register(subparsers)
+    text = subparsers.choices["rewrite"].format_help()
+    for flag in ("--r N", "--lora-alpha A", "--lora-dropout P", "--target-modules A,B", "--target-regex REGEX"):
+        assert flag in text
+    assert "--rank" not in text
+    defaults = LoraConfig()
+    assert f"--r {defaults.r} --lora-alpha {defaults.lora_alpha:g} -o" in text  # the example uses the defaults
+    assert f"lora_alpha={defaults.lora_alpha:g})" in text
