@@ -13,7 +13,7 @@ import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from loragen.errors import LoraConfigError
 from loragen.validation import InitMode, check_alpha, check_dropout, check_flag, check_init, check_rank
@@ -40,7 +40,7 @@ _PEFT_UNSUPPORTED_DEFAULTS: Mapping[str, Any] = {
 }
 
 
-class FrozenDict(dict):  # type: ignore[type-arg]
+class FrozenDict(dict):
     """A read-only dict: ``rank_pattern`` / ``alpha_pattern`` of a frozen config cannot change under it.
 
     Unlike ``types.MappingProxyType`` it pickles and deep-copies, so models holding a config do too.
@@ -261,7 +261,8 @@ class LoraConfig:
 
         A module to save is trained fully, so neither it nor anything inside it gets a LoRA adapter.
         """
-        if self.exclude_modules is not None and _name_matches(self.exclude_modules, path):
+        excluded = self.exclude_modules
+        if excluded is not None and _name_matches(excluded if isinstance(excluded, str) else tuple(excluded), path):
             return True
         return any(
             re.match(rf"(^|.*\.){re.escape(name)}($|\..*)", path) for name in self.modules_to_save or ()

@@ -81,16 +81,16 @@ def lora_convert(target: Any = None, config: LoraConfig | None = None) -> Any:
 
     Raises:
         LoraConvertError: the class's source cannot be read (made by ``exec``, in a REPL), it is not an
-            ``nn.Module`` subclass, or it defines one of the generated names itself.
-        TypeError: ``config`` is not a :class:`~loragen.config.LoraConfig`.
+            ``nn.Module`` subclass, it defines one of the generated names itself, or ``config`` is not a
+            :class:`~loragen.config.LoraConfig` (a ``TypeError`` too).
     """
     if isinstance(target, LoraConfig) or target is None:
         if config is not None:
-            raise TypeError("lora_convert(config) takes one config; use lora_convert(cls, config) for a class")
+            raise LoraConvertError("lora_convert(config) takes one config; use lora_convert(cls, config) for a class")
         default = target
         return lambda cls: _expand(cls, default)
     if not isinstance(target, type):
-        raise TypeError(
+        raise LoraConvertError(
             f"lora_convert expects a class or a LoraConfig, got {type(target).__name__}; "
             "use @lora_convert, @lora_convert(config) or lora_convert(SomeModule)"
         )
@@ -112,7 +112,7 @@ def _expand(cls: C, config: LoraConfig | None) -> C:
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise LoraConvertError(f"@lora_convert applies to nn.Module subclasses, not {cls!r}")
     if config is not None and not isinstance(config, LoraConfig):
-        raise TypeError(f"config must be a loragen.LoraConfig, got {type(config).__name__}")
+        raise LoraConvertError(f"config must be a loragen.LoraConfig, got {type(config).__name__}")
     for name in GENERATED_METHODS:
         existing = vars(cls).get(name)
         if existing is not None and not getattr(existing, "__lora_generated__", False):

@@ -13,6 +13,7 @@ from torch import nn
 
 from loragen.config import LoraConfig
 from loragen.convert import convert_module
+from loragen.errors import LoraConvertError
 from loragen.layers import LoraLayer
 
 __all__ = ["convert_child", "lora_layers_of", "require_config"]
@@ -22,16 +23,16 @@ def require_config(config: object, owner: str) -> LoraConfig:
     """``config``, checked to be a :class:`~loragen.config.LoraConfig`.
 
     Raises:
-        TypeError: ``config`` is None (the class was decorated without a config) or not a LoraConfig; the
-            message names ``owner`` and what to pass.
+        LoraConvertError: ``config`` is None (the class was decorated without a config) or not a LoraConfig
+            (a ``TypeError`` too); the message names ``owner`` and what to pass.
     """
     if config is None:
-        raise TypeError(
+        raise LoraConvertError(
             f"{owner}.get_lora_model() needs a LoraConfig: pass one, or decorate the class with "
             "@lora_convert(LoraConfig(...)) to give it a default"
         )
     if not isinstance(config, LoraConfig):
-        raise TypeError(
+        raise LoraConvertError(
             f"config must be a loragen.LoraConfig, got {type(config).__name__}; "
             "for a peft config use LoraConfig.from_peft(peft_config.to_dict())"
         )

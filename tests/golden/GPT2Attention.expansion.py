@@ -24,7 +24,7 @@ def get_lora_model(self, config=None):
     per-module rank and alpha, the same parameter names, the same trainable parameters.
 
     Raises:
-        TypeError: no config (this class was decorated without one), or not a LoraConfig.
+        LoraConvertError: no config (this class was decorated without one), or not a LoraConfig.
         LoraConversionError: as ``loragen.get_lora_model`` (no match, unsupported type, already LoRA).
     """
     config = runtime.require_config(config, "GPT2Attention")

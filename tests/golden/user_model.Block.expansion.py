@@ -35,7 +35,7 @@ def get_lora_model(self, config=LORA_CONFIG):
     per-module rank and alpha, the same parameter names, the same trainable parameters.
 
     Raises:
-        TypeError: no config, or not a LoraConfig.
+        LoraConvertError: no config, or not a LoraConfig.
         LoraConversionError: as ``loragen.get_lora_model`` (no match, unsupported type, already LoRA).
     """
     config = runtime.require_config(config, "Block")

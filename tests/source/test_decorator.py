@@ -275,14 +275,17 @@ def test_a_second_conversion_is_refused_like_the_runtime():
 
 
 def test_missing_or_wrong_config():
-    with pytest.raises(TypeError, match=r"MLP\.get_lora_model\(\) needs a LoraConfig"):
+    with pytest.raises(LoraConvertError, match=r"MLP\.get_lora_model\(\) needs a LoraConfig"):
         MLP(4).get_lora_model()
-    with pytest.raises(TypeError, match=r"config must be a loragen\.LoraConfig, got dict"):
+    with pytest.raises(LoraConvertError, match=r"config must be a loragen\.LoraConfig, got dict"):
         MLP(4).get_lora_model({"r": 8})
     with pytest.raises(LoraConversionError, match="matched no module"):
         MLP(4).get_lora_model(LoraConfig(target_modules=["nothing"]))
-    with pytest.raises(TypeError, match="expects a class or a LoraConfig, got int"):
+    with pytest.raises(LoraConvertError, match="expects a class or a LoraConfig, got int"):
         lora_convert(3)
+    with pytest.raises(LoraConvertError, match=r"config must be a loragen\.LoraConfig, got dict"):
+        lora_convert(MLP, {"r": 8})  # type: ignore[arg-type]
+    assert issubclass(LoraConvertError, loragen.LoraError) and issubclass(LoraConvertError, TypeError)
 
 
 def test_classes_without_source_are_refused_with_a_pointer_to_the_runtime_path():
