@@ -1,8 +1,8 @@
 """Regenerate, or check, the golden files that pin loragen's generated code.
 
 The golden files in tests/golden/ hold what the code generators produce today: rewritten model files
-(``loragen rewrite``) and class expansions (``@lora_convert``). tests/test_rewrite.py and
-tests/test_decorator.py compare fresh output with them, so any change to generated code shows up as a
+(``loragen rewrite``) and class expansions (``@lora_convert``). tests/source/test_rewrite.py and
+tests/source/test_decorator.py compare fresh output with them, so any change to generated code shows up as a
 reviewable diff. When a change is intended, regenerate them on purpose and commit the diff:
 
     python scripts/regen_golden.py            # rewrite the golden files that changed

@@ -222,11 +222,7 @@ class ValueFollower:
         names = self.names.qualnames(func)
         local = self.names.local_class(func)
         if local is not None:
-            self.submodules.append(
-                SubmoduleField(
-                    self.owner, site.attribute, site.path, local, self.names.loc(call), local, site.conditional
-                )
-            )
+            self._submodule(site, call, local, local, site.conditional)
             return
         if isinstance(func, cst.Call) and _GETATTR in self.names.qualnames(func.func):
             self.report(
@@ -240,11 +236,7 @@ class ValueFollower:
             classes = self.alias_classes(func.value)
             if classes is not None:  # attention_class = CrossAttention if cross else SelfAttention
                 for local in classes:
-                    self.submodules.append(
-                        SubmoduleField(
-                            self.owner, site.attribute, site.path, local, self.names.loc(call), local, True
-                        )
-                    )
+                    self._submodule(site, call, local, local, True)
                 return
         if isinstance(func, cst.Name) and (func.value in self.params or func.value in self.locals):
             what = "a parameter of __init__" if func.value in self.params else "a local variable"
@@ -264,17 +256,13 @@ class ValueFollower:
             return
         external = sorted(n for n in names if not n.startswith(self.names.module_prefix))
         if external and _looks_like_class(external[0]):
-            self.submodules.append(
-                SubmoduleField(
-                    self.owner,
-                    site.attribute,
-                    site.path,
-                    external[0],
-                    self.names.loc(call),
-                    None,
-                    site.conditional,
-                )
-            )
+            self._submodule(site, call, external[0], None, site.conditional)
+
+    def _submodule(self, site: Site, call: cst.Call, callee: str, local: str | None, conditional: bool) -> None:
+        location = self.names.loc(call)
+        self.submodules.append(
+            SubmoduleField(self.owner, site.attribute, site.path, callee, location, local, conditional)
+        )
 
     def alias_classes(self, name: str) -> list[str] | None:
         """The local classes a local variable may hold (``cls = A if c else B``), or None if not only those."""

@@ -1,7 +1,7 @@
 """A small transformer block written the way people write models: the golden input of the code generators.
 
 scripts/regen_golden.py rewrites this file (user_model.rewritten.py) and expands the Block class with
-@lora_convert (user_model.Block.expansion.py); tests/test_rewrite.py and tests/test_decorator.py check
+@lora_convert (user_model.Block.expansion.py); tests/source/test_rewrite.py and test_decorator.py check
 that the generated code still matches.
 """
 
