@@ -16,7 +16,7 @@ from loragen.errors import LoraConfigError
 __all__ = ["register", "run"]
 
 DESCRIPTION = """\
-The main job end to end, offline, in about a minute on a laptop CPU (--quick: about 20 s):
+The main job end to end, offline, in about a minute on a laptop CPU (--quick: less than half of that):
 rewrite the bundled model file (examples/digits_model.py) with `loragen rewrite` and show the diff;
 pretrain it on upright handwritten digits (scikit-learn's dataset); LoRA-fine-tune it on the same
 digits rotated by 90 degrees (LoRA on the convolutions and hidden layer, the head trained fully);
