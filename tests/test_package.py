@@ -1,7 +1,9 @@
-"""The wheel carries templates/ and kernels/, and loragen reads them from the installed wheel."""
+"""The wheel carries templates/, kernels/, the examples and the benchmarks, and loragen reads and runs them
+from the installed wheel."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,7 +60,36 @@ def test_resources_are_read_from_the_installed_wheel(wheel: Path, tmp_path: Path
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
         [sys.executable, "-S", "-c", code, str(site), sysconfig.get_paths()["purelib"]],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
+        check=False, capture_output=True, text=True, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) >= 1
+
+
+def test_bench_and_demo_run_from_the_installed_wheel(wheel: Path, tmp_path: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("__init__", "run", "training", "plot", "report"):
+        assert f"loragen/_examples/demo/{module}.py" in names
+    assert "loragen/_examples/digits_model.py" in names and "loragen/_benchmarks/harness.py" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    # as in the test above: the unpacked wheel first, third-party packages after it, no editable install
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1]]; sys.path.append(sys.argv[2]);"
+        "import loragen; assert loragen.__file__.startswith(sys.argv[1]), loragen.__file__;"
+        "from loragen._examples.demo import bundled_model_file;"
+        "assert str(bundled_model_file()).startswith(sys.argv[1]), bundled_model_file();"
+        "from loragen.cli import main;"
+        "sys.exit(main(['bench', 'layer', '--quick', '--dropout', '0', '--threads', '1', '--json']))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(site), sysconfig.get_paths()["purelib"]],
+        check=False, capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [v["name"] for v in report["tables"][0]["variants"]] == [
+        "frozen", "peft", "loragen", "loragen unfused", "full"
+    ]
+    assert "bench: table 1: round 3/3" in result.stderr
