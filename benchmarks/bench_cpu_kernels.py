@@ -20,13 +20,14 @@ from torch import Tensor
 
 from loragen import ops
 from loragen.ops import cpu_kernels
+from loragen.ops.masks import KeepMask
 
 __all__ = ["main", "run"]
 
 
 def _numpy_products(x: Tensor, bits: Tensor, a: Tensor, gh: Tensor) -> dict[str, Callable[[], Tensor]]:
     n, width = x.shape
-    keep = ops._Keep(bits, width, torch.float32)
+    keep = KeepMask(bits, width, torch.float32)
     buffer = torch.empty(n, width)
     return {
         "h = (x*m) A^T": lambda: torch.mm(keep.apply(x, keep.block(0, n), buffer), a.t()),

@@ -76,7 +76,7 @@ def build_variants(
 
     def make(name: str, model: nn.Module, siblings: bool = True) -> Variant:
         def forward() -> Tensor:
-            with loragen.ops.siblings.use_sibling_fusion(siblings):
+            with loragen.switches.sibling_fusion.using(siblings):
                 return model(x.detach().requires_grad_(True))
 
         def step() -> None:

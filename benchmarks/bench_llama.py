@@ -63,7 +63,7 @@ def build_variants(
         optimizer = torch.optim.AdamW(trainable, lr=1e-4) if trainable else None
 
         def forward() -> torch.Tensor:
-            with loragen.ops.siblings.use_sibling_fusion(siblings):
+            with loragen.switches.sibling_fusion.using(siblings):
                 return model(input_ids=ids, labels=ids).loss
 
         def step() -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
+from loragen.ops.sibling_plan import plan_siblings
 from loragen.registry import refusal_for, spec_for, supported_type_names
 
 __all__ = [
@@ -211,6 +212,8 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
 
     ``config`` None means the config the model carries (:func:`carried_config`). ``bias="all"`` follows
     peft: every parameter named ``bias`` trains (not, say, T5's ``relative_attention_bias.weight``).
+    As the last step of every conversion (``get_lora_model``, ``load_adapter``, rewritten and decorated
+    models), it also plans sibling fusion (:func:`loragen.ops.sibling_plan.plan_siblings`).
 
     Raises:
         LoraConversionError: ``config`` is None and the model carries no config (or different ones).
@@ -235,6 +238,8 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
         if path and config.is_module_to_save(path):
             for p in module.parameters():
                 p.requires_grad_(True)
+    # the model is complete now: plan which LoRA linears share their input (sibling fusion)
+    plan_siblings(model)
 
 
 def get_lora_model(model: M, config: LoraConfig) -> M:

@@ -48,7 +48,9 @@ class LoraLayer(nn.Module):
     # the class this LoRA class replaces; to_base() returns an object of it
     base_class: ClassVar[type[nn.Module]]
     # instance attributes the LoRA setup adds (besides the factors): removed again by to_base()
-    _lora_attributes: ClassVar[tuple[str, ...]] = ("r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "merged")
+    _lora_attributes: ClassVar[tuple[str, ...]] = (
+        "r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "merged", "_sibling_role"
+    )
 
     weight: Tensor
     r: int

@@ -20,7 +20,6 @@ rounding; the masks are the same bits).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -30,13 +29,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from loragen import resources
+from loragen import resources, switches
 
 __all__ = [
     "MAX_RANK",
@@ -46,7 +44,6 @@ __all__ = [
     "masked_grad_a",
     "masked_grad_x",
     "status",
-    "use_cpu_kernels",
 ]
 
 SOURCE = "lora_dropout_cpu.c"
@@ -56,19 +53,7 @@ _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _status: str | None = None  # None: not tried yet; "" loaded; otherwise why not
-_enabled = os.environ.get("LORAGEN_CPU_KERNELS", "1") != "0"
 
-
-@contextlib.contextmanager
-def use_cpu_kernels(enabled: bool) -> Iterator[None]:
-    """Within the block the dropout path uses the compiled kernels (``True``, when they load) or the
-    numpy/BLAS path (``False``). Process-wide."""
-    global _enabled
-    previous, _enabled = _enabled, bool(enabled)
-    try:
-        yield
-    finally:
-        _enabled = previous
 
 
 def _cache_dir() -> Path:
@@ -142,7 +127,7 @@ MAX_RANK = 256
 def available(dtype: torch.dtype = torch.float32, rank: int = 16) -> bool:
     """Whether the compiled kernels serve tensors of ``dtype`` (float32 only) and this rank (at most
     :data:`MAX_RANK`); compiles on first call."""
-    return _enabled and dtype == torch.float32 and 0 < rank <= MAX_RANK and _load() is not None
+    return switches.cpu_kernels.get() and dtype == torch.float32 and 0 < rank <= MAX_RANK and _load() is not None
 
 
 def _pad_rank(t: Tensor, r16: int) -> Tensor:
@@ -160,7 +145,7 @@ def _rank16(r: int) -> int:
 
 def status() -> str:
     """ "loaded", "disabled", or why the kernels could not be built or loaded (compiles on first call)."""
-    if not _enabled:
+    if not switches.cpu_kernels.get():
         return "disabled"
     return "loaded" if _load() is not None else str(_status)
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loragen import ops
+from loragen import ops, switches
 from loragen.ops import cpu_kernels
 
 needs_kernels = pytest.mark.skipif(
@@ -86,7 +86,7 @@ def test_the_op_gives_the_same_values_and_gradients_with_and_without_them(rng: s
     grad = torch.randn(3, 37, 24)
     results = []
     for compiled in (True, False):
-        with cpu_kernels.use_cpu_kernels(compiled):
+        with switches.cpu_kernels.using(compiled):
             y = ops.lora_linear(x, w, b, a, bb, 2.0, 0.2, True, rng=rng, seed=11)
             inputs = [t for t in (x, w, b, a, bb) if t is not None]
             results.append((y, *torch.autograd.grad(y, inputs, grad)))
@@ -95,7 +95,7 @@ def test_the_op_gives_the_same_values_and_gradients_with_and_without_them(rng: s
 
 
 def test_switch_and_status() -> None:
-    with cpu_kernels.use_cpu_kernels(False):
+    with switches.cpu_kernels.using(False):
         assert not cpu_kernels.available()
         assert cpu_kernels.status() == "disabled"
     assert not cpu_kernels.available(torch.float64)
@@ -137,7 +137,6 @@ def test_a_build_without_avx512_falls_back_to_the_numpy_path(tmp_path, monkeypat
     monkeypatch.setenv("LORAGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_kernels, "_library", None)
     monkeypatch.setattr(cpu_kernels, "_status", None)
-    monkeypatch.setattr(cpu_kernels, "_enabled", True)
     assert cpu_kernels.status() == "the CPU has no AVX-512 (the numpy/BLAS path is as fast without it)"
     assert not cpu_kernels.available()
     assert list((tmp_path / "cache").rglob("*.so"))  # it was built, loaded, asked and refused

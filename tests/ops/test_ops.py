@@ -17,7 +17,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import loragen
-from loragen import LoraConv1D, LoraLinear, ops, philox
+from loragen import LoraConv1D, LoraLinear, ops, philox, switches
+from loragen.ops import masks
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -240,10 +241,10 @@ def test_masks_keep_with_probability_one_minus_p(generator, p: float) -> None:
 
 
 def test_bits_generator_rounds_p_like_philox() -> None:
-    assert ops._keep_fraction(0.05) == (65536 - 3277, 16)
-    assert ops._keep_fraction(0.5) == (1, 1)  # one random word per 64 elements
-    assert ops._keep_fraction(0.25) == (3, 2)
-    assert ops._keep_fraction(1e-9) == (1, 0)  # rounds to "keep all"
+    assert masks._keep_fraction(0.05) == (65536 - 3277, 16)
+    assert masks._keep_fraction(0.5) == (1, 1)  # one random word per 64 elements
+    assert masks._keep_fraction(0.25) == (3, 2)
+    assert masks._keep_fraction(1e-9) == (1, 0)  # rounds to "keep all"
     assert torch.equal(ops.dropout_keep_bits(100, 1e-9, 1), torch.full((16,), 255, dtype=torch.uint8))
 
 
@@ -481,7 +482,7 @@ def test_saves_x_itself_h_and_at_most_a_bit_mask(rng: str) -> None:
 # ---- switches and errors -------------------------------------------------------------------------
 
 
-def test_use_fused_and_the_layer_flag_select_the_composition() -> None:
+def test_the_fused_switch_and_the_layer_flag_select_the_composition() -> None:
     layer = LoraLinear(8, 6, r=2)
     x = torch.randn(3, 8, requires_grad=True)
 
@@ -489,14 +490,14 @@ def test_use_fused_and_the_layer_flag_select_the_composition() -> None:
         return y.grad_fn.name() if y.grad_fn.name() != "ViewBackward0" else y.grad_fn.next_functions[0][0].name()
 
     assert node(layer(x)) == "LoraLinearFunctionBackward"
-    assert ops.fused_enabled()
-    with ops.use_fused(False):
-        assert not ops.fused_enabled()
+    assert switches.fused.get()
+    with switches.fused.using(False):
+        assert not switches.fused.get()
         assert node(layer(x)) != "LoraLinearFunctionBackward"
-    assert ops.fused_enabled()
-    with pytest.raises(RuntimeError, match="boom"), ops.use_fused(False):
+    assert switches.fused.get()
+    with pytest.raises(RuntimeError, match="boom"), switches.fused.using(False):
         raise RuntimeError("boom")
-    assert ops.fused_enabled()  # restored after an exception
+    assert switches.fused.get()  # restored after an exception
     layer.fused = False
     assert node(layer(x)) != "LoraLinearFunctionBackward"
 
@@ -509,10 +510,10 @@ def test_autocast_runs_the_composition() -> None:
     assert y.dtype == torch.bfloat16  # what F.linear gives under autocast
 
 
-def test_use_dropout_rng_switches_the_default() -> None:
+def test_the_dropout_rng_switch_sets_the_default() -> None:
     x, w, a, bb = _identity_setup(12, 40)
     state = torch.get_rng_state()
-    with ops.use_dropout_rng("philox"):
+    with switches.dropout_rng.using("philox"):
         y = ops.lora_linear(x, w, None, a, bb, 1.0, 0.5, True)
     torch.set_rng_state(state)
     assert torch.equal(y != 0, philox.dropout_keep_mask((12, 40), 0.5, philox.random_seed()))
@@ -535,7 +536,7 @@ def test_invalid_arguments(kwargs: dict, message: str) -> None:
 
 
 def test_invalid_generator_arguments() -> None:
-    with pytest.raises(ValueError, match=r"dropout rng='x'"), ops.use_dropout_rng("x"):  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"loragen.switches.dropout_rng='x'"), switches.dropout_rng.using("x"):
         pass
     with pytest.raises(ValueError, match=r"philox_keep_bits: seed=-1"):
         ops.philox_keep_bits(10, 0.1, -1)

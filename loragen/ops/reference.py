@@ -1,0 +1,35 @@
+"""peft's composition of a LoRA linear, in plain autograd: the reference the fused op is checked
+against, and what runs where the fused op does not (see :func:`loragen.ops.dispatch.fallback_reason`)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["lora_linear_reference"]
+
+
+def lora_linear_reference(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    fan_in_fan_out: bool = False,
+) -> Tensor:
+    """Plain-autograd LoRA linear, composed as peft composes it (``F.linear`` and ``F.dropout``).
+
+    Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, bias (out,) or None,
+    lora_A (r, in), lora_B (out, r) -> (..., out). The LoRA branch runs in the adapter's dtype and the
+    sum is cast back to the base result's dtype.
+    """
+    result = F.linear(x, weight.t() if fan_in_fan_out else weight, bias)
+    x_lora = x.to(lora_A.dtype)
+    if dropout_p > 0 and training:
+        x_lora = F.dropout(x_lora, dropout_p, True)
+    lora = F.linear(F.linear(x_lora, lora_A), lora_B)
+    return (result + lora * scaling).to(result.dtype)
