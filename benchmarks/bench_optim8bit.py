@@ -34,7 +34,8 @@ from loragen._examples.demo import (
     load_model_class,
     pretrain_base,
 )
-from loragen.training.optim import AdamW8bit, make_optimizer, optimizer_state_bytes
+from loragen.training.adamw8bit import AdamW8bit
+from loragen.training.optimizers import make_optimizer, optimizer_state_bytes
 
 
 def smooth(values: list[float], window: int = 20) -> list[float]:

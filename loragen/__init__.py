@@ -38,8 +38,8 @@ __version__ = "0.1.0"
 # Heavier entry points (libcst, jinja2, safetensors) are imported on first use.
 _LAZY = {
     "LoraConv1D": "loragen.layers",  # imports transformers
-    "make_optimizer": "loragen.training.optim",
-    "AdamW8bit": "loragen.training.optim",
+    "make_optimizer": "loragen.training.optimizers",
+    "AdamW8bit": "loragen.training.adamw8bit",
     "save_adapter": "loragen.adapters.save",
     "load_adapter": "loragen.adapters.load",
     "lora_convert": "loragen.source.decorator",
@@ -76,7 +76,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from loragen.layers import LoraConv1D
     from loragen.source.decorator import lora_convert
     from loragen.source.rewrite import RewriteResult, rewrite_source
-    from loragen.training.optim import AdamW8bit, make_optimizer
+    from loragen.training.adamw8bit import AdamW8bit
+    from loragen.training.optimizers import make_optimizer
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from loragen import LoraConfig, get_lora_model, make_optimizer
-from loragen.training.optim import optimizer_state_bytes
+from loragen.training.optimizers import optimizer_state_bytes
 
 from .data import DigitsData
 from .options import DemoOptions

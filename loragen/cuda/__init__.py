@@ -10,7 +10,7 @@ nvrtc      CUDA C -> cubin per architecture; errors carry the kernel, parameters
 cache      cubins in memory and on disk (atomic entries, checksummed, rebuilt if corrupt)
 launch     the driver side: module loading and launches in PyTorch's primary context
 function   the autograd Function and :func:`lora_linear_cuda`
-optim      the 8-bit AdamW step (:func:`loragen.training.optim.adamw8bit_update_` on CUDA tensors)
+optim      the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
 ========== ==============================================================================
 
 cuda-python is an optional extra (``pip install 'loragen[cuda]'``). Nothing here imports

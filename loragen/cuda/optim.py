@@ -1,4 +1,4 @@
-"""The 8-bit AdamW step on CUDA: :func:`loragen.training.optim.adamw8bit_update_` as one kernel launch.
+"""The 8-bit AdamW step on CUDA: :func:`loragen.training.adamw8bit.adamw8bit_update_` as one kernel launch.
 
 The kernel (``kernels/adamw8bit.cu.j2``) runs one CUDA block per quantization block and reproduces the
 torch path's arithmetic operation by operation (see the template's header), so both paths store the same
@@ -37,7 +37,7 @@ def kernel_supports(
     """Whether the kernel can run this update (else the torch path does it). Never synchronizes.
 
     It needs a contiguous float32/float16/bfloat16 parameter, a gradient of the same dtype and shape,
-    contiguous states of the layout :class:`loragen.training.optim.AdamW8bit` creates with blocks of at most
+    contiguous states of the layout :class:`loragen.training.adamw8bit.AdamW8bit` creates with blocks of at most
     :func:`~loragen.cuda.specs.max_optimizer_block` elements, and two float32 tables of 256 entries, all
     on the parameter's device.
     """
@@ -85,7 +85,7 @@ def adamw8bit_update_cuda(
 ) -> bool:
     """One AdamW step with 8-bit moments as one kernel launch on PyTorch's current stream, in place.
 
-    Same arguments and state layout as :func:`loragen.training.optim.adamw8bit_update_`. ``launcher`` defaults
+    Same arguments and state layout as :func:`loragen.training.adamw8bit.adamw8bit_update_`. ``launcher`` defaults
     to the process-wide driver launcher (CUDA tensors); tests pass an emulator for CPU tensors.
 
     Returns:

@@ -13,7 +13,7 @@ lora_down      h = dropout(x) A^T, float32 (N, R)            x once
 lora_up        out = bias + s h B^T                          out once (then cuBLAS adds x W^T)
 lora_grad_out  dh = s g B,  dB = s g^T h                     g once
 lora_grad_in   dA = dh^T dropout(x),  (dh A) * mask / (1-p)  x once, grad_x once (then += g W)
-adamw8bit      one 8-bit AdamW step (loragen.training.optim)         param, grad, codes once each
+adamw8bit      one 8-bit AdamW step (loragen.training.adamw8bit)     param, grad, codes once each
 ============== ============================================ =====================================
 
 ``adamw8bit`` varies by dtype only (:data:`OPTIMIZER_KERNELS`, :func:`optimizer_variants`); it is not
@@ -189,7 +189,7 @@ KERNELS: dict[str, KernelSpec] = {k.name: k for k in (LORA_DOWN, LORA_UP, LORA_G
 
 # One block of 8 warps per quantization block; each thread keeps PER_THREAD elements' moments in
 # registers between the block-max reduction and the requantization, so blocks of up to
-# 256 * 8 = 2048 elements run on the GPU (loragen.training.optim falls back to torch for larger ones).
+# 256 * 8 = 2048 elements run on the GPU (loragen.training.adamw8bit falls back to torch for larger ones).
 ADAMW8BIT = KernelSpec(
     "adamw8bit",
     _params(

@@ -13,7 +13,6 @@ import torch
 
 from loragen import philox
 from loragen.cuda.function import CudaLoraError, lora_linear_cuda
-
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 

@@ -14,7 +14,6 @@ import torch
 
 import loragen.cuda
 from loragen import philox
-
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""The 8-bit AdamW kernel (kernels/adamw8bit.cu.j2) against the torch path of loragen.training.optim.
+"""The 8-bit AdamW kernel (kernels/adamw8bit.cu.j2) against the torch path of loragen.training.adamw8bit.
 
 Without a GPU: every variant compiles with NVRTC for sm_80 and sm_90 without spills, and the rendered
 kernel, built with g++ against tests/cuda_emulation.h, reproduces ``adamw8bit_update_`` step by step:
@@ -14,9 +14,10 @@ import torch
 import loragen.cuda
 from loragen.cuda import specs
 from loragen.cuda.optim import adamw8bit_update_cuda, kernel_supports
-from loragen.training.optim import AdamW8bit, adamw8bit_update_, dequantize_blockwise, dynamic_code
-
+from loragen.training.adamw8bit import AdamW8bit, adamw8bit_update_
+from loragen.training.quantization import dequantize_blockwise, dynamic_code
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
+
 from .test_cuda_compile import nvrtc_available, rendered  # noqa: F401 (a fixture persistent_cache uses)
 from .test_cuda_compile import persistent_cache as _shared_cubin_cache
 

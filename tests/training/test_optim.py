@@ -1,4 +1,4 @@
-"""Tests for loragen.training.optim: the dynamic table, block-wise quantization, AdamW8bit, make_optimizer."""
+"""loragen.training: the dynamic table, block-wise quantization, AdamW8bit, make_optimizer."""
 
 from __future__ import annotations
 
@@ -10,15 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from loragen.training.optim import (
-    AdamW8bit,
-    dequantize_blockwise,
-    dynamic_code,
-    make_optimizer,
-    optimizer_state_bytes,
-    quantize_blockwise,
-    trainable_parameters,
-)
+from loragen.training.adamw8bit import AdamW8bit
+from loragen.training.optimizers import make_optimizer, optimizer_state_bytes, trainable_parameters
+from loragen.training.quantization import dequantize_blockwise, dynamic_code, quantize_blockwise
 
 
 def _regression_model(seed: int = 0, width: int = 96) -> nn.Module:

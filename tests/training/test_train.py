@@ -11,16 +11,10 @@ from torch.nn import functional as F
 
 import loragen
 from loragen.convert import find_lora_layers
-from loragen.training.optim import make_optimizer
-from loragen.training.train import (
-    TrainingSetupError,
-    checkpoint_modules,
-    enable_input_require_grads,
-    is_main_process,
-    save_adapter_main_process,
-    unwrap_model,
-    wrap_ddp,
-)
+from loragen.errors import TrainingSetupError
+from loragen.training.checkpointing import checkpoint_modules, enable_input_require_grads
+from loragen.training.distributed import is_main_process, save_adapter_main_process, unwrap_model, wrap_ddp
+from loragen.training.optimizers import make_optimizer
 
 
 class Block(nn.Module):
@@ -177,7 +171,7 @@ def test_checkpoint_modules_errors() -> None:
     with pytest.raises(TrainingSetupError, match="TinyLM has no submodule ''"):
         checkpoint_modules(model, [""])
     checkpoint_modules(model, ["blocks.0"])
-    with pytest.raises(TrainingSetupError, match="'blocks.0' is already checkpointed"):
+    with pytest.raises(TrainingSetupError, match=r"'blocks\.0' is already checkpointed"):
         checkpoint_modules(model, ["blocks.0"])
 
 
@@ -345,7 +339,7 @@ def test_single_process_helpers(tmp_path) -> None:
     compiled_like = nn.Module()
     compiled_like._orig_mod = model
     assert unwrap_model(compiled_like) is model
-    with pytest.raises(TrainingSetupError, match="torch.distributed is not initialized"):
+    with pytest.raises(TrainingSetupError, match=r"torch\.distributed is not initialized"):
         wrap_ddp(model)
     assert save_adapter_main_process(model, tmp_path / "adapter") == tmp_path / "adapter"
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

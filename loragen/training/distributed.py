@@ -1,131 +1,32 @@
-"""Small helpers for training LoRA models the way users train them.
+"""Distributed training of LoRA models: DDP, FSDP2, and saving once from rank 0.
 
-* :func:`enable_input_require_grads` — reentrant gradient checkpointing only back-propagates into a
-  checkpointed block if one of its *inputs* requires grad. With a frozen embedding nothing does, the
-  LoRA weights inside the blocks silently get no gradient (torch only warns "None of the inputs have
-  requires_grad=True"). The hook makes the embedding output require grad.
-* :func:`checkpoint_modules` — gradient checkpointing for any ``nn.Module`` (transformers models have
-  ``gradient_checkpointing_enable()``; plain torch models do not).
 * :func:`wrap_ddp` — ``DistributedDataParallel`` for a LoRA model: checks that something trains, keeps
   ``find_unused_parameters=False`` (frozen base parameters are not part of DDP's reducer, so LoRA plus
   ``modules_to_save`` needs no unused-parameter search), and declares a static graph when reentrant
   checkpointing is on (otherwise DDP sees each checkpointed parameter "ready twice").
 * :func:`unwrap_model`, :func:`is_main_process`, :func:`save_adapter_main_process` — saving once, from
-  rank 0, from a wrapped model.
+  rank 0, from a wrapped model (DDP, ``torch.compile``, FSDP2's sharded parameters gathered first).
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 import os
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from loragen.adapters.save import save_adapter
 from loragen.errors import TrainingSetupError
 
 __all__ = [
-    "TrainingSetupError",
-    "checkpoint_modules",
-    "enable_input_require_grads",
     "is_main_process",
     "save_adapter_main_process",
     "unwrap_model",
     "wrap_ddp",
 ]
-
-
-def _make_output_require_grad(module: nn.Module, inputs: Any, output: Any) -> None:
-    del module, inputs
-    if isinstance(output, torch.Tensor) and output.is_floating_point():
-        output.requires_grad_(True)
-
-
-def enable_input_require_grads(model: nn.Module, module: nn.Module | None = None) -> RemovableHandle:
-    """Make the output of ``module`` (default: ``model.get_input_embeddings()``) require grad.
-
-    Needed for *reentrant* gradient checkpointing (``use_reentrant=True``, e.g.
-    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})``) on a
-    model whose input embedding is frozen, which is every LoRA model that does not train its embedding.
-
-    Args:
-        model: the (LoRA) model.
-        module: the module whose output feeds the checkpointed blocks; defaults to the model's input
-            embedding as transformers defines it.
-
-    Returns:
-        The hook handle; ``handle.remove()`` undoes it.
-
-    Raises:
-        TrainingSetupError: no ``module`` was given and ``model`` has no ``get_input_embeddings()``.
-    """
-    if module is None:
-        getter = getattr(model, "get_input_embeddings", None)
-        module = getter() if callable(getter) else None
-        if not isinstance(module, nn.Module):
-            raise TrainingSetupError(
-                f"enable_input_require_grads: {type(model).__name__} has no get_input_embeddings(); pass "
-                "module=<the layer whose output enters the checkpointed blocks>, e.g. model.embed"
-            )
-    return module.register_forward_hook(_make_output_require_grad)
-
-
-def _checkpointed_forward(forward: Callable[..., Any], use_reentrant: bool, *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    if use_reentrant and kwargs:
-        # Reentrant checkpointing takes positional inputs only; keyword arguments (attention masks,
-        # position ids) are bound to the function instead, as transformers does.
-        return torch.utils.checkpoint.checkpoint(
-            functools.partial(forward, **kwargs), *args, use_reentrant=True
-        )
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=use_reentrant, **kwargs)
-
-
-def checkpoint_modules(model: nn.Module, names: Iterable[str], *, use_reentrant: bool = False) -> list[str]:
-    """Run each named submodule under ``torch.utils.checkpoint`` (activations recomputed in backward).
-
-    Args:
-        model: the model; it is changed in place (each selected module's ``forward`` is wrapped).
-        names: submodule paths as in ``model.named_modules()`` (``"blocks.0"``, ``"blocks.1"``, ...).
-        use_reentrant: the checkpoint flavour. With ``True``, call :func:`enable_input_require_grads`
-            on the layer feeding the first checkpointed module if that layer is frozen; keyword
-            arguments of the wrapped forward are then bound to it (reentrant checkpointing passes only
-            positional inputs), so gradients flow only through the positional ones.
-
-    A checkpointed module runs its forward twice (again during backward), so it must not mutate state
-    across calls: turn key/value caches off while training (``use_cache=False`` for transformers models).
-
-    Returns:
-        The paths that were wrapped, in the order given.
-
-    Raises:
-        TrainingSetupError: a name is not a submodule of ``model`` (the message lists close names), or a
-            module is already checkpointed.
-    """
-    modules = dict(model.named_modules())
-    wrapped: list[str] = []
-    for name in names:
-        if name not in modules or name == "":
-            nearby = difflib.get_close_matches(name, [n for n in modules if n], n=5, cutoff=0.6)
-            raise TrainingSetupError(
-                f"checkpoint_modules: {type(model).__name__} has no submodule {name!r}"
-                + (f"; did you mean one of {nearby}?" if nearby else "")
-            )
-        module = modules[name]
-        if getattr(module, "_loragen_checkpointed", False):
-            raise TrainingSetupError(f"checkpoint_modules: {name!r} is already checkpointed")
-        module.forward = functools.partial(_checkpointed_forward, module.forward, use_reentrant)
-        module._loragen_checkpointed = True
-        wrapped.append(name)
-    return wrapped
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -191,7 +92,8 @@ def _gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def save_adapter_main_process(
@@ -212,7 +114,6 @@ def save_adapter_main_process(
         TrainingSetupError: on ranks other than 0 when rank 0 failed to save (rank 0 raises its own
             error); ``save_kwargs`` given for an FSDP2 model.
     """
-    import loragen  # imported here: the adapter I/O sits above this module in the package layout
 
     inner = unwrap_model(model)
     sharded = bool(_fsdp2_modules(inner))
@@ -227,10 +128,10 @@ def save_adapter_main_process(
         target = Path(path)
         try:
             if gathered is None:
-                loragen.save_adapter(inner, target, **save_kwargs)
+                save_adapter(inner, target, **save_kwargs)
             else:
-                loragen.save_adapter(inner, target, state_dict=gathered)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below, then raised here
+                save_adapter(inner, target, state_dict=gathered)
+        except Exception as exc:
             failure = exc
     if dist.is_available() and dist.is_initialized():
         # Tell every rank whether rank 0 succeeded, instead of leaving them waiting at a barrier.

@@ -1,0 +1,103 @@
+"""``make_optimizer``: AdamW over only what trains.
+
+A LoRA model freezes almost everything, so the optimizer should only see what trains: AdamW with fp32
+states, or :class:`loragen.training.adamw8bit.AdamW8bit` when the hybrid case (LoRA plus fully trained
+``modules_to_save`` such as an ``lm_head``) makes AdamW's two fp32 moments per element dominate memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from loragen.training.adamw8bit import AdamW8bit
+
+__all__ = ["make_optimizer", "optimizer_state_bytes", "trainable_parameters"]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by an optimizer's per-parameter state tensors (moments, codes, scales, step counters).
+
+    For :class:`AdamW8bit` the two shared 256-entry tables are counted too. Works for any torch
+    optimizer; this is the figure the 8-bit benchmark compares.
+    """
+    total = 0
+    for entry in optimizer.state.values():
+        for value in entry.values():
+            if torch.is_tensor(value):
+                total += value.numel() * value.element_size()
+    if isinstance(optimizer, AdamW8bit):
+        for tables in optimizer._codes.values():
+            total += sum(t.numel() * t.element_size() for t in tables)
+    return total
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for every parameter of ``model`` with ``requires_grad``, in module order.
+
+    Parameters shared between modules appear once (under their first name).
+    """
+    return [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+
+
+def make_optimizer(
+    model: nn.Module,
+    lr: float,
+    *,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    eight_bit: bool = False,
+    decay_1d: bool = False,
+    **eight_bit_options: Any,
+) -> torch.optim.Optimizer:
+    """AdamW over only the trainable parameters of ``model`` (fp32 states, or 8-bit with ``eight_bit``).
+
+    With ``weight_decay > 0`` parameters of dimension <= 1 (biases, norm weights) go to a group without
+    weight decay, the usual practice, unless ``decay_1d`` is true. LoRA factors are 2-D (or 4-D for
+    convolutions) and are decayed.
+
+    Args:
+        model: a model after ``get_lora_model`` (or any module; frozen parameters are left out).
+        lr: learning rate.
+        weight_decay, betas, eps: AdamW hyper-parameters.
+        eight_bit: build :class:`AdamW8bit` instead of ``torch.optim.AdamW``.
+        decay_1d: also decay biases and other 1-D parameters.
+        **eight_bit_options: ``block_size`` / ``min_8bit_size`` for :class:`AdamW8bit`.
+
+    Raises:
+        ValueError: ``model`` has no trainable parameter (e.g. nothing matched ``target_modules``), or
+            8-bit options are given without ``eight_bit=True``.
+    """
+    named = trainable_parameters(model)
+    if not named:
+        total = sum(1 for _ in model.parameters())
+        raise ValueError(
+            f"make_optimizer: {type(model).__name__} has no trainable parameter ({total} parameters, all "
+            "frozen); convert it with loragen.get_lora_model and check that target_modules matched a layer"
+        )
+    if eight_bit_options and not eight_bit:
+        raise ValueError(
+            f"make_optimizer: {sorted(eight_bit_options)} only apply with eight_bit=True "
+            "(accepted: block_size, min_8bit_size)"
+        )
+    if weight_decay > 0 and not decay_1d:
+        decayed = [p for _, p in named if p.ndim > 1]
+        plain = [p for _, p in named if p.ndim <= 1]
+        groups: list[dict[str, Any]] = [{"params": decayed, "weight_decay": weight_decay}]
+        if plain:
+            groups.append({"params": plain, "weight_decay": 0.0})
+        groups = [g for g in groups if g["params"]]
+    else:
+        groups = [{"params": [p for _, p in named], "weight_decay": weight_decay}]
+    if eight_bit:
+        unknown = set(eight_bit_options) - {"block_size", "min_8bit_size"}
+        if unknown:
+            raise ValueError(
+                f"make_optimizer: unknown 8-bit option(s) {sorted(unknown)}; "
+                "accepted: block_size, min_8bit_size"
+            )
+        return AdamW8bit(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **eight_bit_options)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
