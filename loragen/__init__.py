@@ -45,6 +45,7 @@ _LAZY = {
     "lora_convert": "loragen.source.decorator",
     "rewrite_source": "loragen.source.rewrite",
     "RewriteResult": "loragen.source.rewrite",
+    "LoraTrainerCallback": "loragen.training.trainer",  # imports transformers
 }
 
 __all__ = [

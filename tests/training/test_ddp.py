@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -132,21 +131,20 @@ def _run_fsdp2(rank: int, out: Path) -> dict[str, str]:
     return returned
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, store_port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=60),
-    )
+    # the rendezvous store lives in the parent, which outlives both ranks: a rank never loses the store
+    # while the other still talks to it (with the store in rank 0, rank 1 could, and abort with
+    # "terminate called without an active exception")
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
     out = Path(out_dir)
     try:
         returned = _run_ddp(rank, out)
         if _has_fully_shard():
             returned.update(_run_fsdp2(rank, out))
         (out / f"returned-rank{rank}.json").write_text(json.dumps(returned))
+        dist.barrier()  # neither rank tears down the group while the other still uses it
     finally:
         dist.destroy_process_group()
 
@@ -159,19 +157,16 @@ def _has_fully_shard() -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Spawn the two ranks once (DDP runs, then FSDP2); returns the folder they wrote to."""
     out_dir = tmp_path_factory.mktemp("distributed")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # port 0: the operating system picks a free port while the store binds it (no window for another
+    # process to take a port chosen in advance)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     context = mp.start_processes(
-        _worker, args=(_free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        _worker, args=(store.port, str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -183,6 +178,7 @@ def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             if process.is_alive():
                 process.kill()
                 process.join()
+        del store
     return out_dir
 
 

@@ -1,0 +1,130 @@
+"""``LoraTrainerCallback`` with transformers' Trainer and TRL's SFTTrainer: every checkpoint holds the peft
+adapter, the adapter loads in peft, and ``resume_from_checkpoint`` continues exactly where an
+uninterrupted run would be — also when checkpoints keep only the adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import loragen
+from loragen import LoraConfig
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=32,
+    )
+    return loragen.get_lora_model(transformers.LlamaForCausalLM(config), CONFIG)
+
+
+def _dataset(n: int = 16) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(1, 64, (12,), generator=g).tolist() for _ in range(n)]
+    return [{"input_ids": ids, "labels": ids} for ids in rows]
+
+
+def _args(output_dir: Path, max_steps: int) -> transformers.TrainingArguments:
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=1e-2, max_steps=max_steps,
+        save_steps=2, logging_steps=100, report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, lr_scheduler_type="constant",
+    )
+
+
+def _lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def _train(output_dir: Path, max_steps: int, *, adapter_only: bool = False, resume: bool = False) -> torch.nn.Module:
+    model = _model()
+    trainer = transformers.Trainer(
+        model=model, args=_args(output_dir, max_steps), train_dataset=_dataset(),
+        callbacks=[loragen.LoraTrainerCallback(adapter_only=adapter_only)],
+    )
+    trainer.train(resume_from_checkpoint=str(output_dir / "checkpoint-2") if resume else None)
+    return model
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    return out, _lora_state(_train(out, 4))
+
+
+def test_every_checkpoint_holds_the_peft_adapter(uninterrupted) -> None:
+    out, final = uninterrupted
+    for step in (2, 4):
+        folder = out / f"checkpoint-{step}"
+        assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
+        assert (folder / "model.safetensors").is_file() and (folder / "trainer_state.json").is_file()
+        assert json.loads((folder / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    saved = load_file(str(out / "checkpoint-4" / "adapter_model.safetensors"))
+    assert saved["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].equal(
+        final["model.layers.0.self_attn.q_proj.lora_A"]
+    )
+    peft = pytest.importorskip("peft")
+    base = transformers.LlamaForCausalLM(_model().config)
+    loaded = peft.PeftModel.from_pretrained(base, str(out / "checkpoint-4"))
+    assert loaded.base_model.model.model.layers[1].self_attn.v_proj.lora_B["default"].weight.equal(
+        final["model.layers.1.self_attn.v_proj.lora_B"]
+    )
+
+
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(uninterrupted, tmp_path: Path, adapter_only) -> None:
+    _, expected = uninterrupted
+    _train(tmp_path, 2, adapter_only=adapter_only)
+    folder = tmp_path / "checkpoint-2"
+    weights = load_file(str(folder / "model.safetensors"))
+    assert all("lora_" in key for key in weights) is adapter_only  # adapter_only: what trains, nothing else
+    assert (folder / "optimizer.pt").is_file()
+    resumed = _lora_state(_train(tmp_path, 4, adapter_only=adapter_only, resume=True))
+    assert resumed.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(resumed[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{chr(c): c - 95 for c in range(97, 123)}, " ": 28}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+
+
+def test_trl_sft_trainer_checkpoints_hold_the_adapter(tmp_path: Path) -> None:
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    model = _model()
+    texts = ["the quick brown fox", "jumps over the lazy dog", "lora adapters train fast", "small and exact"]
+    dataset = datasets.Dataset.from_dict({"text": texts * 2})
+    config = trl.SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, save_steps=2, learning_rate=1e-2,
+        report_to=[], use_cpu=True, disable_tqdm=True, max_length=32, logging_steps=100,
+    )
+    before = _lora_state(model)
+    trainer = trl.SFTTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=_tokenizer(),
+        callbacks=[loragen.LoraTrainerCallback()],
+    )
+    trainer.train()
+    folder = tmp_path / "checkpoint-2"
+    assert (folder / "adapter_model.safetensors").is_file()
+    after = _lora_state(model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # it trained
+    fresh = transformers.LlamaForCausalLM(model.config)
+    loragen.load_adapter(fresh, folder)
+    for key, value in after.items():
+        torch.testing.assert_close(fresh.state_dict()[key], value)
