@@ -3,6 +3,10 @@
 A crash or an exception at any point leaves either the old content or the new one in place, never a
 half-written file. Folders (an adapter, a sharded checkpoint) are built in a temporary sibling folder and
 swapped in with renames.
+
+Modes: the temporary files ``tempfile`` makes are private (0600 / 0700); before the rename each gets the
+mode a plain ``open()`` / ``mkdir()`` would have given it under the process umask, or, when it replaces
+an existing file or folder, that one's mode (so rewriting a script in place keeps its executable bit).
 """
 
 from __future__ import annotations
@@ -15,6 +19,28 @@ from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_file", "atomic_dir"]
+
+
+def _umask() -> int:
+    """The process umask (read without changing it where the platform allows)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read it by setting it, and put it back at once
+    os.umask(mask)
+    return mask
+
+
+def _final_mode(target: Path, is_dir: bool) -> int:
+    """The mode of the existing ``target`` if there is one, else what the umask gives a new one."""
+    try:
+        return target.stat().st_mode & 0o7777
+    except OSError:
+        return (0o777 if is_dir else 0o666) & ~_umask()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -32,7 +58,8 @@ def _fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is fsynced and renamed onto ``path``.
+    """Yield a temporary path beside ``path``; on success it is fsynced, given its final mode (the
+    replaced file's, else the umask's) and renamed onto ``path``.
 
     The caller writes the temporary file however it likes (``safetensors.torch.save_file`` takes a path).
     On an exception the temporary file is removed and ``path`` is untouched.
@@ -47,6 +74,7 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[Path
         yield tmp
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, _final_mode(target, is_dir=False))
         os.replace(tmp, target)
         _fsync_dir(target.parent)
     except BaseException:
@@ -85,6 +113,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         if child.is_file():
             with open(child, "rb") as fh:
                 os.fsync(fh.fileno())
+    os.chmod(tmp, _final_mode(target, is_dir=True))
     if target.exists():
         if not target.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

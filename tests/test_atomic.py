@@ -1,0 +1,61 @@
+"""Atomic writes keep sensible file modes: the umask's for new files and folders (not tempfile's private
+0600 / 0700), the replaced file's for an existing one — so ``loragen rewrite --in-place`` keeps a
+script's executable bit — and a failed write leaves the old content."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from loragen.atomic import atomic_dir, atomic_write_text
+from loragen.cli import main as cli_main
+
+
+@pytest.fixture(params=[0o022, 0o077, 0o002])
+def umask(request):
+    previous = os.umask(request.param)
+    yield request.param
+    os.umask(previous)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_new_files_and_folders_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
+    atomic_write_text(tmp_path / "new.txt", "x")
+    assert _mode(tmp_path / "new.txt") == 0o666 & ~umask
+    with atomic_dir(tmp_path / "adapter") as folder:
+        (folder / "a.json").write_text("{}")
+    assert _mode(tmp_path / "adapter") == 0o777 & ~umask
+
+
+def test_replacing_a_file_keeps_its_mode(tmp_path: Path, umask: int) -> None:
+    script = tmp_path / "run.py"
+    script.write_text("old")
+    os.chmod(script, 0o751)
+    atomic_write_text(script, "new")
+    assert script.read_text() == "new" and _mode(script) == 0o751
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "keep.txt"
+    target.write_text("old")
+    with pytest.raises(RuntimeError, match="boom"), atomic_dir(tmp_path / "d"):
+        raise RuntimeError("boom")
+    assert target.read_text() == "old" and not (tmp_path / "d").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_rewrite_in_place_keeps_the_executable_bit(tmp_path: Path, umask: int) -> None:
+    model = tmp_path / "model.py"
+    model.write_text(
+        "#!/usr/bin/env python\nfrom torch import nn\n\n\nclass M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.q = nn.Linear(4, 4)\n"
+    )
+    os.chmod(model, 0o755)
+    assert cli_main(["rewrite", str(model), "--in-place", "--target-modules", "q"]) == 0
+    assert "LoraLinear" in model.read_text() and _mode(model) == 0o755
