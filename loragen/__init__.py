@@ -68,7 +68,15 @@ __all__ = [
     "merge_and_unload",
     "print_trainable_parameters",
     "register_layer",
-    *_LAZY,
+    "LoraConv1D",
+    "make_optimizer",
+    "AdamW8bit",
+    "save_adapter",
+    "load_adapter",
+    "lora_convert",
+    "rewrite_source",
+    "RewriteResult",
+    "LoraTrainerCallback",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,6 +87,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from loragen.source.rewrite import RewriteResult, rewrite_source
     from loragen.training.adamw8bit import AdamW8bit
     from loragen.training.optimizers import make_optimizer
+    from loragen.training.trainer import LoraTrainerCallback
 
 
 def __getattr__(name: str) -> Any:

@@ -8,7 +8,7 @@ would be accepted.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from loragen.errors import LoraConfigError
 
@@ -23,7 +23,7 @@ __all__ = [
     "check_lora_args",
 ]
 
-InitMode = Union[bool, Literal["gaussian"]]
+InitMode = bool | Literal["gaussian"]
 INIT_MODES: tuple[InitMode, ...] = (True, False, "gaussian")
 
 

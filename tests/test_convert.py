@@ -41,10 +41,9 @@ def _peft_trainable_names(peft_model: nn.Module) -> set[str]:
     for name, p in peft_model.named_parameters():
         if not p.requires_grad:
             continue
-        name = name.removeprefix("base_model.model.")
-        name = re.sub(r"\.(lora_\w+)\.default(\.weight)?$", r".\1", name)
-        name = name.replace(".modules_to_save.default.", ".").replace(".base_layer.", ".")
-        names.add(name)
+        key = name.removeprefix("base_model.model.")
+        key = re.sub(r"\.(lora_\w+)\.default(\.weight)?$", r".\1", key)
+        names.add(key.replace(".modules_to_save.default.", ".").replace(".base_layer.", "."))
     return names
 
 

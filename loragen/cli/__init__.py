@@ -1,4 +1,5 @@
-"""The ``loragen`` command line: one subcommand per module in :mod:`loragen.cli`.
+"""The ``loragen`` command line: one subcommand per module in :mod:`loragen.cli` (:data:`SUBCOMMANDS`
+maps each command to its module; ``inspect`` lives in ``inspect_adapter``, not to shadow the stdlib).
 
 Each subcommand module defines ``register(subparsers)``, which adds its parser and sets
 ``func=run``, and ``run(args) -> int`` (the exit status).
@@ -11,9 +12,18 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from loragen import __version__
+
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
-SUBCOMMANDS: tuple[str, ...] = ("rewrite", "merge", "inspect", "bench", "demo")
+# command -> module in loragen.cli
+SUBCOMMANDS: dict[str, str] = {
+    "rewrite": "rewrite",
+    "merge": "merge",
+    "inspect": "inspect_adapter",
+    "bench": "bench",
+    "demo": "demo",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,12 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="loragen",
         description="Convert PyTorch models into LoRA models, train them fast, read and write peft adapters.",
     )
-    from loragen import __version__
-
     parser.add_argument("--version", action="version", version=f"loragen {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        module = importlib.import_module(f"loragen.cli.{name}")
+    for module_name in SUBCOMMANDS.values():
+        module = importlib.import_module(f"loragen.cli.{module_name}")
         module.register(subparsers)
     return parser
 

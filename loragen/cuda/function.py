@@ -32,6 +32,7 @@ from loragen import philox
 from loragen.cuda import specs
 from loragen.cuda.launch import KernelLauncher, default_launcher
 from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, Variant
+from loragen.reference import lora_linear_reference
 
 __all__ = ["CudaLoraError", "LoraLinearCudaFunction", "lora_linear_cuda", "unsupported_reason"]
 
@@ -136,7 +137,7 @@ class LoraLinearCudaFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: Tensor,
         weight: Tensor,
@@ -186,7 +187,7 @@ class LoraLinearCudaFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight, lora_A, lora_B, h = ctx.saved_tensors
         need_x, need_w, need_b, need_a, need_bb = ctx.needs_input_grad[:5]
         plan: _Plan = ctx.plan
@@ -301,7 +302,7 @@ def lora_linear_cuda(
     dtype; dropout (probability ``dropout_p``, only when ``training``) on the LoRA branch only, with
     inverted scaling and the Philox mask of :mod:`loragen.philox`. Under autocast, x, weight and bias
     are cast to the autocast dtype first, as ``F.linear`` would. Inputs the kernels do not take (see
-    :func:`unsupported_reason`) run through :func:`loragen.ops.lora_linear_reference` instead.
+    :func:`unsupported_reason`) run through :func:`loragen.reference.lora_linear_reference` instead.
 
     Args:
         seed: fixes the dropout mask (unsigned 64-bit); None draws one from torch's CPU generator.
@@ -320,8 +321,6 @@ def lora_linear_cuda(
         bias = None if bias is None else bias.to(dtype)
     reason = unsupported_reason(x, weight, bias, lora_A, lora_B, fan_in_fan_out=fan_in_fan_out)
     if reason is not None:
-        from loragen.ops import lora_linear_reference
-
         return lora_linear_reference(
             x, weight, bias, lora_A, lora_B, scaling, dropout_p, training, fan_in_fan_out=fan_in_fan_out
         )

@@ -75,7 +75,7 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
                 )
             packed.append(ctypes.c_void_p(0 if value is None else value.data_ptr()))
         else:
-            packed.append(_SCALAR_CTYPES[param.ctype](value))  # type: ignore[arg-type]
+            packed.append(_SCALAR_CTYPES[param.ctype](value))
     return packed
 
 

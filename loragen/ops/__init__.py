@@ -5,7 +5,7 @@ module        concern
 ============ ==========================================================================================
 dispatch      :func:`lora_linear`: the fused CPU op, loragen's CUDA kernels or peft's composition, per call
 function      the CPU autograd Function with its hand-written backward (the math is in its docstring)
-reference     peft's plain-autograd composition, the oracle and the fallback
+(reference    peft's plain-autograd composition: loragen.reference, shared with the CUDA path)
 masks         dropout keep-masks as packed bits ("bits" and "philox" generators), row blocks
 cpu_kernels   compiled AVX-512 kernels for the masked rank-r products
 siblings      LoRA linears reading one input run as one autograd node (planned at conversion)
@@ -20,7 +20,7 @@ from __future__ import annotations
 from loragen.ops.dispatch import fallback_reason, lora_linear
 from loragen.ops.function import LoraLinearFunction, lora_output
 from loragen.ops.masks import DropoutRng, dropout_keep_bits, philox_keep_bits, unpack_keep_mask
-from loragen.ops.reference import lora_linear_reference
+from loragen.reference import lora_linear_reference
 
 __all__ = [
     "DropoutRng",

@@ -11,7 +11,7 @@ from torch import Tensor
 from loragen import cuda, switches
 from loragen.ops.function import LoraLinearFunction
 from loragen.ops.masks import DropoutRng, check_rng
-from loragen.ops.reference import lora_linear_reference
+from loragen.reference import lora_linear_reference
 
 __all__ = ["fallback_reason", "lora_linear"]
 

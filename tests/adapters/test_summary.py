@@ -24,10 +24,10 @@ def main(argv: list[str]) -> int:
     try:
         cli.build_parser()
     except ModuleNotFoundError:
-        from loragen.cli import inspect
+        from loragen.cli import inspect_adapter
 
         parser = argparse.ArgumentParser(prog="loragen")
-        inspect.register(parser.add_subparsers())
+        inspect_adapter.register(parser.add_subparsers())
         args = parser.parse_args(argv)
         return args.func(args)
     return cli.main(argv)

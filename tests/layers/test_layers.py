@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from loragen import LoraConfigError, LoraConv1d, LoraConv1D, LoraConv2d, LoraEmbedding, LoraLinear
+from loragen import LoraConfigError, LoraConv1D, LoraConv1d, LoraConv2d, LoraEmbedding, LoraLinear
 from loragen.layers import LoraMergeError, adapter_dtype_for
 
 LORA_CLASSES = {nn.Linear: LoraLinear, nn.Embedding: LoraEmbedding, nn.Conv1d: LoraConv1d, nn.Conv2d: LoraConv2d,
@@ -195,7 +195,7 @@ def _any_layer(kind: str, dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor]:
 @given(st.sampled_from(sorted(BASES)), st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
        st.integers(1, 4))
 def test_merge_unmerge_restores_weights(kind: str, dtype: torch.dtype, times: int) -> None:
-    layer, x = _any_layer(kind, dtype)
+    layer, _ = _any_layer(kind, dtype)
     before = layer.weight.detach().clone()
     for _ in range(times):
         layer.merge()  # repeated merges are no-ops
@@ -232,7 +232,7 @@ def test_train_and_eval_never_merge() -> None:
 
 def test_embedding_with_max_norm_refuses_to_merge() -> None:
     layer = LoraEmbedding(10, 4, max_norm=1.0, r=2)
-    with pytest.raises(LoraMergeError, match="max_norm=1.0"):
+    with pytest.raises(LoraMergeError, match=r"max_norm=1\.0"):
         layer.merge()
     assert not layer.merged
 

@@ -1,5 +1,6 @@
-"""peft's composition of a LoRA linear, in plain autograd: the reference the fused op is checked
-against, and what runs where the fused op does not (see :func:`loragen.ops.dispatch.fallback_reason`)."""
+"""peft's composition of a LoRA linear, in plain autograd: the reference the fused op and the CUDA
+kernels are checked against, and what runs where neither does (see
+:func:`loragen.ops.dispatch.fallback_reason` and :func:`loragen.cuda.unsupported_reason`)."""
 
 from __future__ import annotations
 
