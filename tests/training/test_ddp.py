@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -265,3 +267,26 @@ def test_fsdp2_fully_shard_with_lora_matches_a_single_process(distributed_run: P
     assert json.loads((out_dir / "adapter-fsdp" / "adapter_config.json").read_text()) == json.loads(
         (tmp_path / "single" / "adapter_config.json").read_text()
     )
+
+
+def test_process_group_is_not_pinned_by_default_arguments(tmp_path: Path) -> None:
+    """Importing loragen's distributed helpers first keeps torch.distributed.nn's ``group=WORLD`` defaults
+    empty, so the default group dies with destroy_process_group and not at interpreter exit (where its
+    teardown raced gloo's threads: the "terminate called without an active exception" aborts)."""
+    script = tmp_path / "pinned.py"
+    script.write_text(
+        "import inspect\n"
+        "import loragen.training.distributed\n"
+        "import torch.distributed as dist\n"
+        "store = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+        "dist.init_process_group('gloo', store=store, rank=0, world_size=1)\n"
+        "from torch.distributed.checkpoint.state_dict import get_model_state_dict\n"
+        "import torch.distributed.nn.functional as functional\n"
+        "print(inspect.signature(functional.broadcast).parameters['group'].default)\n"
+        "dist.destroy_process_group()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"
