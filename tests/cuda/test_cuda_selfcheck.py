@@ -31,6 +31,11 @@ from tests.cuda.test_cuda_launch import FakeDriver
 KNOWN_ARCHS = ("sm_80", "sm_86", "sm_90")
 
 
+def run_twice(launcher, **kwargs):
+    run_and_compare(launcher, **kwargs)
+    run_and_compare(launcher, **kwargs)
+
+
 def run_and_compare(launcher, dtype=torch.float32, n=29, k=45, o=37, r=5, p=0.25, fifo=False):
     """lora_linear_cuda forward + backward through ``launcher``, checked against the float64 reference."""
     (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(n, k, o, r, dtype, fan_in_fan_out=fifo, seed=n)
@@ -229,8 +234,7 @@ def test_a_launch_error_after_the_check_moves_the_variant_to_the_torch_path():
     kernels = Counting(TorchKernels(), fail_at=6)  # the check's four pass, then the forward's up fails
     checker = selfcheck.CheckedLauncher(kernels)
     with pytest.warns(RuntimeWarning, match=r"float32-r8-unaligned on cpu .*launch \(lora_up\)") as record:
-        run_and_compare(checker)
-        run_and_compare(checker)
+        run_twice(checker)
     assert len(fallback_warnings(record)) == 1
     assert len(kernels.launches) == 6  # nothing launched on the kernels after the failure
 
@@ -292,8 +296,7 @@ def test_planted_wrong_result_gives_one_warning_and_the_torch_path(emulated):
     with pytest.warns(
         RuntimeWarning, match=r"float32-r8-aligned on cpu .*numeric: lora_grad_in dx differs"
     ) as rec:
-        run_and_compare(checker, n=20, k=48, o=40, r=6)
-        run_and_compare(checker, n=20, k=48, o=40, r=6)
+        run_twice(checker, n=20, k=48, o=40, r=6)
     assert len(fallback_warnings(rec)) == 1
 
 
