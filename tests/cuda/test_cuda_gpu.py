@@ -310,3 +310,13 @@ def test_launch_on_another_device_leaves_the_current_device():
     thread.start()
     thread.join()
     assert seen[0] == seen[1]
+
+
+def test_default_checker_checks_in_a_child_process_first():
+    from loragen.cuda.selfcheck import CheckedLauncher
+    from loragen.cuda.specs import Variant
+
+    checker = CheckedLauncher()  # the driver launcher: isolated check on CUDA devices
+    with switches.cuda_kernels.using("check"):
+        checker.route(Variant("bfloat16", 16, True), torch.device("cuda", torch.cuda.current_device()))
+    assert set(checker.outcomes().values()) == {"ok"}, checker.outcomes()
