@@ -32,6 +32,13 @@ def _tail(text: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
+def _child_environment() -> dict[str, str]:
+    """The caller's environment, with its module search path: the child imports what the caller does."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
 def check_in_child(
     variant: Variant, device: torch.device, launcher: str = DRIVER_LAUNCHER, timeout: float = TIMEOUT_S
 ) -> str | None:
@@ -57,7 +64,7 @@ def check_in_child(
     ]
     try:
         done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, check=False, env=dict(os.environ)
+            command, capture_output=True, text=True, timeout=timeout, check=False, env=_child_environment()
         )
     except subprocess.TimeoutExpired:
         return f"crashed: the isolated self-check did not finish in {timeout:.0f} s"

@@ -316,18 +316,16 @@ class Aborting:
         os.abort()
 
 
-def test_isolated_check_runs_in_a_child_process(monkeypatch):
+def test_isolated_check_runs_in_a_child_process():
     from loragen.cuda.isolated import check_in_child
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
     variant = specs.Variant("float32", 8, False)
     assert check_in_child(variant, torch.device("cpu"), "loragen.cuda.torch_kernels:TorchKernels") is None
     reason = check_in_child(variant, torch.device("cpu"), "tests.cuda.test_cuda_selfcheck:Aborting")
     assert reason.startswith("crashed: the isolated self-check's process exited with status")
 
 
-def test_a_kernel_that_kills_the_process_only_kills_the_child(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(sys.path))
+def test_a_kernel_that_kills_the_process_only_kills_the_child():
     kernels = Counting(TorchKernels())
     checker = selfcheck.CheckedLauncher(
         kernels, isolate=True, child_launcher="tests.cuda.test_cuda_selfcheck:Aborting"
