@@ -50,8 +50,10 @@ from loragen.cuda.torch_kernels import TorchKernels
 __all__ = ["OK", "CheckedLauncher", "check_variant", "child_main", "default_checker"]
 
 OK = "ok"
-# largest |kernel - torch path| relative to the largest |torch path| value, by output dtype
-BOUNDS = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+# largest |kernel - torch path| relative to the largest |torch path| value, by output dtype. Both sides
+# read the same inputs and accumulate in float32, so they differ by summation order (float32 outputs)
+# or by one rounding step of a 16-bit output (2**-8 for bfloat16, 2**-11 for float16): two steps allowed.
+BOUNDS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 _TORCH_DTYPES = {name: dtype for dtype, name in passes.DTYPE_NAMES.items()}
 _SEED = 0x0123_4567_89AB_CDEF  # both key words non-zero
 _P = 0.25
