@@ -1,7 +1,7 @@
 """Composite models through ``loragen rewrite``: sub-models built with ``AutoModel.from_config``.
 
 Gemma 3 builds its text model (defined in modeling_gemma3.py) and its SigLIP vision tower (another file) with
-``AutoModel.from_config``; LLaVA builds both (CLIP, Llama) from other files. The rewritten files build them
+``AutoModel.from_config``; LLaVA builds both (CLIP, Llama) from other files; Qwen3-VL both from its own. The rewritten files build them
 through ``LoraAutoModel = lora_auto_class(AutoModel, [...], LORA_CONFIG)``: the file's own rewritten class
 when the config selects one, transformers' class converted at build time otherwise. Each call is reported at
 its line. With one peft adapter's A/B values the rewritten composites give peft's outputs and LoRA gradients.
@@ -224,3 +224,54 @@ def test_lora_auto_class_builds_own_classes_and_converts_others():
     assert find_lora_layers(untouched) == {}
     with pytest.raises(TypeError, match="LoraConfig"):
         lora_auto_class(transformers.AutoModel, [], {"r": 8})  # type: ignore[arg-type]
+
+
+def qwen3_vl_config() -> Any:
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    return transformers.Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 8, "rope_parameters": rope},
+        vision_config={"depth": 1, "hidden_size": 32, "num_heads": 4, "intermediate_size": 64, "patch_size": 4,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 32,
+                       "deepstack_visual_indexes": [0], "num_position_embeddings": 16},
+        image_token_id=299,
+        video_token_id=298,
+        vision_start_token_id=297,
+    )
+
+
+def test_qwen3_vl_builds_both_sub_models_from_the_rewritten_file(tmp_path):
+    source = MODELS / "qwen3_vl" / "modeling_qwen3_vl.py"
+    targets = ["q_proj", "v_proj", "qkv"]
+    result = rewrite_source(
+        source.read_text(), LoraConfig(r=4, lora_alpha=8, target_modules=targets), filename=str(source),
+        package=module_name_for_path(source)[1],
+    )
+    assert result.ok and "[Qwen3VLVisionModel, Qwen3VLTextModel]" in result.code
+    name = "transformers.models.qwen3_vl.modeling_qwen3_vl_lora"
+    (tmp_path / "modeling_qwen3_vl_lora.py").write_text(result.code)
+    spec = importlib.util.spec_from_file_location(name, tmp_path / "modeling_qwen3_vl_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        torch.manual_seed(0)
+        original = transformers.Qwen3VLForConditionalGeneration(qwen3_vl_config()).eval()
+        model = module.Qwen3VLForConditionalGeneration(qwen3_vl_config()).eval()
+        assert type(model.model.visual) is module.Qwen3VLVisionModel
+        assert type(model.model.language_model) is module.Qwen3VLTextModel
+        runtime = loragen.get_lora_model(copy.deepcopy(original), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        assert sorted(find_lora_layers(model)) == sorted(find_lora_layers(runtime)) and len(find_lora_layers(model)) == 5
+        assert sorted(model.state_dict()) == sorted(runtime.state_dict())
+        model.load_state_dict(original.state_dict(), strict=False)
+        peft_model = peft.get_peft_model(
+            copy.deepcopy(original), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        ).eval()
+        peft_model.save_pretrained(tmp_path / "adapter")
+        load_adapter(model, tmp_path / "adapter")
+        ids = torch.randint(0, 290, (2, 7), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected = peft_model(input_ids=ids).logits
+            assert not torch.allclose(expected, original(input_ids=ids).logits, atol=1e-3)
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        sys.modules.pop(name, None)
