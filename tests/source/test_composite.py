@@ -1,10 +1,11 @@
 """Composite models through ``loragen rewrite``: sub-models built with ``AutoModel.from_config``.
 
 Gemma 3 builds its text model (defined in modeling_gemma3.py) and its SigLIP vision tower (another file) with
-``AutoModel.from_config``; LLaVA builds both (CLIP, Llama) from other files; Qwen3-VL both from its own. The rewritten files build them
-through ``LoraAutoModel = lora_auto_class(AutoModel, [...], LORA_CONFIG)``: the file's own rewritten class
-when the config selects one, transformers' class converted at build time otherwise. Each call is reported at
-its line. With one peft adapter's A/B values the rewritten composites give peft's outputs and LoRA gradients.
+``AutoModel.from_config``; LLaVA builds both (CLIP, Llama) from other files, Qwen3-VL both from its own. The
+rewritten files build them through ``LoraAutoModel = lora_auto_class(AutoModel, [...], LORA_CONFIG)``: the
+file's own rewritten class when the config selects one, transformers' class converted at build time
+otherwise. Each call is reported at its line. With one peft adapter's A/B values the rewritten composites
+give peft's outputs and LoRA gradients.
 """
 
 from __future__ import annotations
