@@ -23,6 +23,7 @@ from loragen.registry import refusal_for, spec_for, supported_type_names
 
 __all__ = [
     "CONFIG_ATTR",
+    "ADAPTER_CONFIGS_ATTR",
     "LoraConversionError",
     "get_lora_model",
     "plan_conversion",
@@ -41,6 +42,8 @@ __all__ = [
 
 M = TypeVar("M", bound=nn.Module)
 CONFIG_ATTR = "loragen_config"
+# several named adapters: {name: config}, the model's first adapter first (loragen.adapters.named)
+ADAPTER_CONFIGS_ATTR = "loragen_adapter_configs"
 _SHOWN_NAMES = 20
 
 
@@ -294,6 +297,8 @@ def _merge_all(layers: dict[str, LoraLayer]) -> None:
 def merge_adapter(model: nn.Module) -> None:
     """Merge every LoRA layer's update into its base weight, in place. Safe to repeat.
 
+    With several named adapters, the active one is merged (see :func:`loragen.set_adapter`).
+
     Raises:
         LoraConversionError: the model has no LoRA layers.
         LoraMergeError: a layer cannot be merged exactly (the message names its path and why); nothing
@@ -315,6 +320,8 @@ def unmerge_adapter(model: nn.Module) -> None:
 def merge_and_unload(model: M) -> M:
     """Merge every LoRA layer and replace it with the plain torch layer; returns the same model.
 
+    With several named adapters, the active one is merged and the others are dropped (as peft does).
+
     Raises:
         LoraConversionError: the model has no LoRA layers.
     """
@@ -323,6 +330,7 @@ def merge_and_unload(model: M) -> M:
     for path, layer in layers.items():
         set_submodule(model, path, layer.to_base())
     model.__dict__.pop(CONFIG_ATTR, None)  # a rewritten class's own config (a class attribute) stays
+    model.__dict__.pop(ADAPTER_CONFIGS_ATTR, None)
     return model
 
 
