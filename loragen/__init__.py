@@ -56,6 +56,7 @@ _LAZY = {
     "disable_adapter": "loragen.adapters.named",
     "list_adapters": "loragen.adapters.named",
     "active_adapter": "loragen.adapters.named",
+    "add_weighted_adapter": "loragen.adapters.weighted",
     "mixed_batch": "loragen.layers.mixed_batch",
 }
 
@@ -94,6 +95,7 @@ __all__ = [
     "disable_adapter",
     "list_adapters",
     "active_adapter",
+    "add_weighted_adapter",
     "mixed_batch",
     "AdapterNameError",
     "AdapterMixError",
@@ -111,6 +113,7 @@ if TYPE_CHECKING:  # pragma: no cover
         set_adapter,
     )
     from loragen.adapters.save import save_adapter
+    from loragen.adapters.weighted import add_weighted_adapter
     from loragen.layers import LoraConv1D
     from loragen.layers.mixed_batch import mixed_batch
     from loragen.source.decorator import lora_convert

@@ -65,6 +65,7 @@ __all__ = [
     "require_adapter",
     "add_adapter",
     "set_adapter",
+    "set_trainable",
     "delete_adapter",
     "disable_adapter",
 ]
@@ -263,10 +264,15 @@ def set_adapter(model: nn.Module, adapter_name: str, *, inference_mode: bool = F
             warnings.warn(f"{path}: set_adapter unmerges the merged layer first", stacklevel=2)
             layer.unmerge()
         set_active(layer, adapter_name)
+    set_trainable(model, None if inference_mode else adapter_name)
+
+
+def set_trainable(model: nn.Module, adapter_name: str | None) -> None:
+    """Make adapter ``adapter_name``'s factors require grad and every other adapter's not (None: none)."""
+    for layer in find_lora_layers(model).values():
         for name in adapter_names(layer):
-            trains = name == adapter_name and not inference_mode
             for p in adapter_factors(layer, name).lora_parameters().values():
-                p.requires_grad_(trains)
+                p.requires_grad_(name == adapter_name)
 
 
 def delete_adapter(model: nn.Module, adapter_name: str) -> None:

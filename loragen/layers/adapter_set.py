@@ -78,6 +78,8 @@ class Factors(Protocol):
 
     def lora_parameters(self) -> dict[str, nn.Parameter]: ...
 
+    def peft_key_suffixes(self) -> dict[str, str]: ...
+
 
 class AdapterFactors(nn.Module):
     """A further named adapter of one LoRA layer: its two factors under the layer's factor names, and its
