@@ -18,6 +18,7 @@ from torch import nn
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
+from loragen.layers.adapter_set import adapter_factors, has_adapter
 from loragen.ops.sibling_plan import plan_siblings
 from loragen.registry import refusal_for, spec_for, supported_type_names
 
@@ -227,8 +228,10 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in lora_layers.values():
-        for p in layer.lora_parameters().values():
-            p.requires_grad_(True)
+        active = layer.active_adapter  # with several adapters, the active one trains (as in peft)
+        if active is not None and has_adapter(layer, active):
+            for p in adapter_factors(layer, active).lora_parameters().values():
+                p.requires_grad_(True)
     if config.bias == "all":
         for name, p in model.named_parameters():
             if name == "bias" or name.endswith(".bias"):

@@ -8,6 +8,7 @@ the root, the others in subfolders) and loads that folder into loragen adapter b
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -238,3 +239,23 @@ def test_merge_merges_the_active_adapter(pair: tuple[str, peft.PeftModel, nn.Mod
     assert not loragen.convert.find_lora_layers(plain_ours)
     assert not any("lora" in k for k in plain_ours.state_dict())
     _close(_run(plain_ours, kind), _run(plain_theirs, kind))
+
+
+def test_loading_a_further_adapter_is_all_or_nothing(tmp_path: Path) -> None:
+    _peft_model("llama", tmp_path / "peft")
+    model = load_adapter(make_model("llama"), tmp_path / "peft")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = {name: type(m) for name, m in model.named_modules()}
+    with pytest.raises(loragen.AdapterError, match="shape mismatch"):
+        # "other"'s file under a config of another rank: the factors do not fit
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        (bad / "adapter_model.safetensors").write_bytes((tmp_path / "peft/other/adapter_model.safetensors").read_bytes())
+        config = LoraConfig(**{**CASES["llama"]["other"], "r": 3}).to_peft()
+        (bad / "adapter_config.json").write_text(json.dumps(config))
+        load_adapter(model, bad, adapter_name="other")
+    assert loragen.list_adapters(model) == ["default"]
+    assert {name: type(m) for name, m in model.named_modules()} == types
+    assert model.state_dict().keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(model.state_dict()[key], value), key

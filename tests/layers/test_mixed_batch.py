@@ -131,7 +131,7 @@ def test_unknown_name_lists_the_known_ones() -> None:
 def test_training_mode_and_merged_layers_are_refused() -> None:
     model = _block_model()
     model.train()
-    with pytest.raises(loragen.MixedBatchError, match="model.eval"):
+    with pytest.raises(loragen.MixedBatchError, match=r"model\.eval"):
         with loragen.mixed_batch(model, ["a"]):
             pass  # pragma: no cover
     model.eval()

@@ -114,7 +114,7 @@ def test_named_adapter_errors() -> None:
         loragen.add_adapter(model, LoraConfig(r=2, target_modules=["lin"], bias="all"), "c")
     with pytest.raises(loragen.LoraConfigError, match="modules_to_save"):
         loragen.add_adapter(model, LoraConfig(r=2, target_modules=["lin"], modules_to_save=["conv"]), "c")
-    with pytest.raises(loragen.AdapterNameError, match="without '.'"):
+    with pytest.raises(loragen.AdapterNameError, match=r"without '\.'"):
         loragen.add_adapter(model, LoraConfig(r=2, target_modules=["lin"]), "a.b")
     with pytest.raises(loragen.LoraConversionError, match="matched no module"):
         loragen.add_adapter(model, LoraConfig(r=2, target_modules=["nothing"]), "c")
