@@ -102,7 +102,9 @@ def _run(
     plan = passes.Plan(x, g.shape[1], rank, launcher)
     if plan.variant != variant:  # pragma: no cover - the problem is built for the variant
         raise AssertionError(f"self-check problem has variant {plan.variant.label}, not {variant.label}")
-    x2, g2, a32, bt32 = plan.prepare(x), plan.prepare(g), plan.prepare(data["a"]), plan.prepare(data["bt"])
+    x2, g2 = plan.prepare(x), plan.prepare(g)
+    a32 = plan.prepare(passes.pad_rank(data["a"], variant))  # as the op passes them: (R, in), (R, out)
+    bt32 = plan.prepare(passes.pad_rank(data["bt"], variant))
     dropout = (_SEED, 0, philox.keep_threshold(_P), philox.keep_scale(_P))
     h = passes.down(plan, x2, a32, dropout)
     h_in = h if given is None else given["h"]
