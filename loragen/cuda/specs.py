@@ -54,6 +54,7 @@ __all__ = [
     "plan_up",
     "rank_bucket",
     "rank_tiles",
+    "uses_mma",
     "render_params",
 ]
 
@@ -130,15 +131,35 @@ _ACCUMULATORS = 64
 CHUNK = 8  # columns per lane and row: 16 bytes of a 16-bit dtype, one Philox call
 
 
+def uses_mma(v: Variant) -> bool:
+    """Whether ``lora_down`` runs on tensor cores for ``v``: 16-bit x, vector accesses, R >= 32.
+
+    Below R = 32 the CUDA cores keep up with HBM (r FLOP per byte of x, about 20 at the ridge).
+    """
+    return v.aligned and ELEMENT_BYTES[v.dtype] == 2 and v.rank_bucket >= 32
+
+
 def _down_tile(v: Variant) -> dict[str, int]:
+    if uses_mma(v):
+        row_tiles = _ACCUMULATORS // (v.rank_bucket // 2)  # R / 2 accumulators per 16-row tile
+        return {
+            "warps": 4,
+            "min_blocks": 2,
+            "mma": True,
+            "rank_tile": v.rank_bucket,
+            "rows_per_warp": 16 * row_tiles,
+            "steps": 4 // row_tiles,  # 2 * row_tiles * steps = 8 loads of 16 bytes of x in flight per lane
+        }
     rank_tile = min(v.rank_bucket, 16)
     rows_per_warp = _ACCUMULATORS // rank_tile
     return {
         "warps": 4,
         "min_blocks": 2,
+        "mma": False,
         "rank_tile": rank_tile,
         "rows_per_warp": rows_per_warp,
-        "steps": max(1, 8 // rows_per_warp),  # rows x steps = 8 loads of 16 bytes in flight per lane
+        # rows x steps = 8 row chunks in flight per lane (scalar loads of unaligned rows need the registers)
+        "steps": max(1, 8 // rows_per_warp) if v.aligned else 1,
     }
 
 
@@ -173,7 +194,7 @@ LORA_UP = KernelSpec(
         ("int", "rank"),
         ("float", "scaling"),
     ),
-    lambda v: {"warps": 4, "min_blocks": 2, "rows_per_thread": _ACCUMULATORS // CHUNK, "rank_step": 8},
+    lambda v: {"warps": 4, "min_blocks": 2, "rows_per_thread": _ACCUMULATORS // CHUNK, "rank_step": 4},
 )
 LORA_GRAD_OUT = KernelSpec(
     "lora_grad_out",
@@ -331,7 +352,7 @@ def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> Dow
     """Grid of ``lora_down`` for x of (rows, cols): (row tiles x rank tiles) x column splits."""
     tile = LORA_DOWN.tile(variant)
     row_blocks = math.ceil(rows / (tile["warps"] * tile["rows_per_warp"])) * rank_tiles(LORA_DOWN, variant)
-    lane_cols = WARP * CHUNK * tile["steps"]  # columns a warp covers per step
+    lane_cols = (32 if tile["mma"] else WARP * CHUNK) * tile["steps"]  # columns a warp covers per step
     splits = min(math.ceil(cols / lane_cols), max(1, math.ceil(target_blocks / row_blocks)))
     cols_per_split = math.ceil(cols / splits / lane_cols) * lane_cols
     splits = math.ceil(cols / cols_per_split)
@@ -352,11 +373,17 @@ def _row_splits(
     return math.ceil(rows / rows_per_split) if rows else 1, max(rows_per_split, step)
 
 
-def _split_plan(spec: KernelSpec, rows: int, cols: int, variant: Variant, target_blocks: int, max_splits: int) -> SplitPlan:
+def _split_plan(
+    spec: KernelSpec, rows: int, cols: int, variant: Variant, target_blocks: int, max_splits: int
+) -> SplitPlan:
     tile = spec.tile(variant)
-    col_blocks = math.ceil(cols / (tile["warps"] * WARP * CHUNK))
+    # lora_grad_out: every lane of the block has its own columns; lora_grad_in: the warps share 256
+    # columns and take turns over the rows, ROWS_PER_STEP each
+    shared = spec is LORA_GRAD_IN
+    col_blocks = math.ceil(cols / ((1 if shared else tile["warps"]) * WARP * CHUNK))
     blocks = col_blocks * rank_tiles(spec, variant)
-    splits, rows_per_split = _row_splits(rows, blocks, target_blocks, max_splits, tile["rows_per_step"])
+    step = tile["rows_per_step"] * (tile["warps"] if shared else 1)
+    splits, rows_per_split = _row_splits(rows, blocks, target_blocks, max_splits, step)
     return SplitPlan((blocks, splits), col_blocks, splits, rows_per_split)
 
 

@@ -3,12 +3,14 @@
 // Rendered by loragen.cuda.render for bfloat16:
 // scalar_t=bf16_t, rank_bucket=16, aligned=true, warps=4, min_blocks=2, rank_tile=8, rows_per_step=4.
 //
-// dh already carries the LoRA scaling. Each thread owns 8 consecutive columns (one 16-byte load of x
-// per row for 16-bit x, at every rank) and one tile of RANK_TILE ranks, and walks a split of the rows
-// ROWS_PER_STEP at a time; all the rows' loads of a step are issued before the first is used. dA for
-// its columns and tile stays in registers for the whole split. grad_x needs every rank: the rank tiles
-// of a column block (neighbours in blockIdx.x, so x comes from L2 after the first) take turns, tile t
-// writing grad_x for the steps s with s % RANK_TILES == t, streaming A at its columns for all ranks.
+// dh already carries the LoRA scaling. A block owns 256 columns (each lane 8 consecutive ones: one
+// 16-byte load of x per row for 16-bit x, at every rank) and one tile of RANK_TILE ranks; its warps
+// walk a split of the rows in turn, ROWS_PER_STEP rows per step, and all the rows' loads of a step are
+// issued before the first is used. dA for the lane's columns and tile stays in registers for the whole
+// split; the warps' sums are added in shared memory at the end, in a fixed order. grad_x needs every
+// rank: the rank tiles of a column block (neighbours in blockIdx.x, so x comes from L2 after the first)
+// take turns, tile t writing grad_x for the steps s with s % RANK_TILES == t, streaming A at its columns
+// for all ranks -- the same 256 columns for the block's warps, so A is read from L1 after the first.
 // The base GEMM accumulates onto grad_x_lora afterwards (cuBLAS, beta = 1).
 //
 // A arrives padded to RANK_BUCKET rows (rows past the rank are zero): no load depends on the rank.
@@ -27,7 +29,7 @@ constexpr bool ALIGNED = true;  // cols % 8 == 0, x, A and grad_x_lora 16-byte a
 constexpr int THREADS = WARPS * 32;
 constexpr int MIN_BLOCKS = 2;  // blocks per multiprocessor the register budget must allow
 constexpr int CHUNK = 8;  // columns per thread: one Philox call per row
-constexpr int BLOCK_COLS = THREADS * CHUNK;
+constexpr int BLOCK_COLS = 32 * CHUNK;  // the warps share the columns and split the rows
 
 // x (rows, cols); dh (rows, R) and lora_a (R, cols, rows >= rank zero) float32; grad_x_lora (rows,
 // cols) or null. For the columns of column block c and the rows of split s = blockIdx.y it writes
@@ -40,9 +42,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) lora_grad_in(
     int rows, int cols, int rank, int rows_per_split,
     u64 seed, u64 offset, unsigned threshold, float keep_scale)
 {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
     const int tile = blockIdx.x % RANK_TILES;
-    const int col = blockIdx.x / RANK_TILES * BLOCK_COLS + threadIdx.x * CHUNK;
-    if (col >= cols) return;  // no barriers or shuffles below
+    const int col_lane = blockIdx.x / RANK_TILES * BLOCK_COLS + lane * CHUNK;
+    const bool col_ok = col_lane < cols;  // lanes past the end stay for the final barrier
+    const int col = col_ok ? col_lane : (cols - 1) / CHUNK * CHUNK;  // the last chunk, read and never stored
     const int count = min(CHUNK, cols - col);  // this thread's columns inside x
     const int row_begin = blockIdx.y * rows_per_split;
     const int row_end = min(rows, row_begin + rows_per_split);
@@ -50,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) lora_grad_in(
     const unsigned all_kept = (1u << CHUNK) - 1u;
 
     float da[RANK_TILE][CHUNK] = {};
-    for (int row0 = row_begin; row0 < row_end; row0 += ROWS_PER_STEP) {
+    for (int row0 = row_begin + warp * ROWS_PER_STEP; row0 < row_end; row0 += WARPS * ROWS_PER_STEP) {
         // 1. every load of the step: x and this tile's dh for ROWS_PER_STEP rows
         int row_at[ROWS_PER_STEP];
         float xv[ROWS_PER_STEP][CHUNK];
@@ -68,7 +73,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) lora_grad_in(
         unsigned keep[ROWS_PER_STEP];
 #pragma unroll
         for (int m = 0; m < ROWS_PER_STEP; ++m) {
-            keep[m] = row0 + m < row_end ? all_kept : 0u;
+            keep[m] = col_ok && row0 + m < row_end ? all_kept : 0u;
             if (threshold != 0) {  // the same for the whole grid
                 const u64 first = static_cast<u64>(row_at[m]) * cols + col;
                 keep[m] &= ALIGNED ? keep_bits8(drop, first >> 3) : keep_bits_span(drop, first, count);
@@ -84,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) lora_grad_in(
         // 3. grad_x, every rank, on this tile's turn (the same for the whole block)
         if (grad_x_lora != nullptr && (row0 / ROWS_PER_STEP) % RANK_TILES == tile) {
             float gx[ROWS_PER_STEP][CHUNK] = {};
-#pragma unroll
+#pragma unroll 2  // a rank loop: A and dh come from L1, two rank steps' loads in flight
             for (int j0 = 0; j0 < RANK_BUCKET; j0 += 4) {
                 float d4[ROWS_PER_STEP][4];
                 float a[4][CHUNK];
@@ -109,18 +114,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) lora_grad_in(
             for (int m = 0; m < ROWS_PER_STEP; ++m) {
 #pragma unroll
                 for (int e = 0; e < CHUNK; ++e) gx[m][e] = (keep[m] >> e) & 1u ? gx[m][e] * keep_scale : 0.0f;
-                if (row0 + m < row_end) {
+                if (col_ok && row0 + m < row_end) {
                     store_guarded<CHUNK, ALIGNED>(grad_x_lora + static_cast<u64>(row0 + m) * cols + col, count, gx[m]);
                 }
             }
         }
     }
 
+    // the warps' dA sums, added by warp 0 in a fixed order (deterministic)
+    __shared__ float warp_da[WARPS - 1][RANK_TILE][BLOCK_COLS];
+    if (warp > 0) {
+#pragma unroll
+        for (int j = 0; j < RANK_TILE; ++j) {
+#pragma unroll
+            for (int e = 0; e < CHUNK; ++e) warp_da[warp - 1][j][lane * CHUNK + e] = da[j][e];
+        }
+    }
+    __syncthreads();
+    if (warp > 0 || !col_ok) return;
 #pragma unroll
     for (int j = 0; j < RANK_TILE; ++j) {
         float v[CHUNK];
 #pragma unroll
-        for (int e = 0; e < CHUNK; ++e) v[e] = keep_scale * da[j][e];
+        for (int e = 0; e < CHUNK; ++e) {
+            float sum = da[j][e];
+#pragma unroll
+            for (int w = 0; w < WARPS - 1; ++w) sum += warp_da[w][j][lane * CHUNK + e];
+            v[e] = keep_scale * sum;
+        }
         store_guarded<CHUNK, ALIGNED>(da_part + (static_cast<u64>(blockIdx.y) * RANK_BUCKET + tile * RANK_TILE + j) * cols + col,
                                       count, v);
     }
