@@ -54,6 +54,7 @@ __all__ = [
     "plan_up",
     "rank_bucket",
     "rank_tiles",
+    "up_uses_mma",
     "uses_mma",
     "render_params",
 ]
@@ -163,6 +164,24 @@ def _down_tile(v: Variant) -> dict[str, int]:
     }
 
 
+def up_uses_mma(v: Variant) -> bool:
+    """Whether ``lora_up`` runs on tensor cores for ``v``: bf16 (h is rounded to bf16, whose range is
+    float32's), vector accesses, R >= 32."""
+    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 32
+
+
+def _up_tile(v: Variant) -> dict[str, int]:
+    if up_uses_mma(v):  # rows_per_thread: 16-row tiles per warp; rank_step: unused by the mma pass
+        return {"warps": 4, "min_blocks": 2, "mma": True, "rows_per_thread": 2, "rank_step": 4}
+    return {
+        "warps": 4,
+        "min_blocks": 2,
+        "mma": False,
+        "rows_per_thread": _ACCUMULATORS // CHUNK,
+        "rank_step": 4,
+    }
+
+
 def _backward_tile(v: Variant) -> dict[str, int]:
     rank_tile = min(v.rank_bucket, _ACCUMULATORS // CHUNK)
     return {"warps": 4, "min_blocks": 2, "rank_tile": rank_tile, "rows_per_step": 4}
@@ -194,7 +213,7 @@ LORA_UP = KernelSpec(
         ("int", "rank"),
         ("float", "scaling"),
     ),
-    lambda v: {"warps": 4, "min_blocks": 2, "rows_per_thread": _ACCUMULATORS // CHUNK, "rank_step": 4},
+    _up_tile,
 )
 LORA_GRAD_OUT = KernelSpec(
     "lora_grad_out",
@@ -360,8 +379,10 @@ def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> Dow
 
 
 def plan_up(rows: int, cols: int, variant: Variant) -> tuple[int, int]:
-    """Grid of ``lora_up`` for out of (rows, cols): row tiles x 256-column tiles."""
+    """Grid of ``lora_up`` for out of (rows, cols): row tiles x column tiles (256 columns, 32 with mma)."""
     tile = LORA_UP.tile(variant)
+    if tile["mma"]:  # a warp: 32 columns x rows_per_thread tiles of 16 rows
+        return math.ceil(rows / (tile["warps"] * 16 * tile["rows_per_thread"])), math.ceil(cols / WARP)
     return math.ceil(rows / (tile["warps"] * tile["rows_per_thread"])), math.ceil(cols / (WARP * CHUNK))
 
 
