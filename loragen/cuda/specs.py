@@ -172,13 +172,23 @@ def up_uses_mma(v: Variant) -> bool:
 
 def _up_tile(v: Variant) -> dict[str, int]:
     if up_uses_mma(v):  # rows_per_thread: 16-row tiles per warp; rank_step: unused by the mma pass
-        return {"warps": 4, "min_blocks": 2, "mma": True, "rows_per_thread": 2, "rank_step": 4}
+        # a block: 128 rows x 256 columns, so h and B^T are each read from L2 about R / 64 times per byte
+        # of out (8 chunks of 32 columns per warp, B^T from L1 for the block's other warps)
+        return {
+            "warps": 4,
+            "min_blocks": 2,
+            "mma": True,
+            "rows_per_thread": 2,
+            "rank_step": 4,
+            "col_chunks": 8,
+        }
     return {
         "warps": 4,
         "min_blocks": 2,
         "mma": False,
         "rows_per_thread": _ACCUMULATORS // CHUNK,
         "rank_step": 4,
+        "col_chunks": 1,  # the mma pass only
     }
 
 
@@ -368,21 +378,26 @@ def rank_tiles(spec: KernelSpec, variant: Variant) -> int:
 
 
 def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> DownPlan:
-    """Grid of ``lora_down`` for x of (rows, cols): (row tiles x rank tiles) x column splits."""
+    """Grid of ``lora_down`` for x of (rows, cols): (row tiles x rank tiles) x column splits.
+
+    The h partials (splits x rows x R float32, written and read back) are kept under a quarter of x's bytes.
+    """
     tile = LORA_DOWN.tile(variant)
     row_blocks = math.ceil(rows / (tile["warps"] * tile["rows_per_warp"])) * rank_tiles(LORA_DOWN, variant)
     lane_cols = (32 if tile["mma"] else WARP * CHUNK) * tile["steps"]  # columns a warp covers per step
-    splits = min(math.ceil(cols / lane_cols), max(1, math.ceil(target_blocks / row_blocks)))
+    max_splits = max(1, cols * ELEMENT_BYTES[variant.dtype] // (32 * variant.rank_bucket))
+    splits = min(math.ceil(cols / lane_cols), max_splits, max(1, math.ceil(target_blocks / row_blocks)))
     cols_per_split = math.ceil(cols / splits / lane_cols) * lane_cols
     splits = math.ceil(cols / cols_per_split)
     return DownPlan((row_blocks, splits), splits, cols_per_split)
 
 
 def plan_up(rows: int, cols: int, variant: Variant) -> tuple[int, int]:
-    """Grid of ``lora_up`` for out of (rows, cols): row tiles x column tiles (256 columns, 32 with mma)."""
+    """Grid of ``lora_up`` for out of (rows, cols): row tiles x column tiles of 256 columns."""
     tile = LORA_UP.tile(variant)
-    if tile["mma"]:  # a warp: 32 columns x rows_per_thread tiles of 16 rows
-        return math.ceil(rows / (tile["warps"] * 16 * tile["rows_per_thread"])), math.ceil(cols / WARP)
+    if tile["mma"]:  # a warp: rows_per_thread tiles of 16 rows x col_chunks chunks of 32 columns
+        rows_per_block = tile["warps"] * 16 * tile["rows_per_thread"]
+        return math.ceil(rows / rows_per_block), math.ceil(cols / (WARP * tile["col_chunks"]))
     return math.ceil(rows / (tile["warps"] * tile["rows_per_thread"])), math.ceil(cols / (WARP * CHUNK))
 
 
