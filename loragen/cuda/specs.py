@@ -133,23 +133,26 @@ CHUNK = 8  # columns per lane and row: 16 bytes of a 16-bit dtype, one Philox ca
 
 
 def uses_mma(v: Variant) -> bool:
-    """Whether ``lora_down`` runs on tensor cores for ``v``: 16-bit x, vector accesses, R >= 32.
+    """Whether ``lora_down`` runs on tensor cores for ``v``: 16-bit x, vector accesses, R >= 16.
 
-    Below R = 32 the CUDA cores keep up with HBM (r FLOP per byte of x, about 20 at the ridge).
+    At R = 8 the CUDA cores keep up with HBM (R FLOP per byte of x against a ridge of about 20, less
+    the issue slots of Philox, shuffles and address arithmetic).
     """
-    return v.aligned and ELEMENT_BYTES[v.dtype] == 2 and v.rank_bucket >= 32
+    return v.aligned and ELEMENT_BYTES[v.dtype] == 2 and v.rank_bucket >= 16
 
 
 def _down_tile(v: Variant) -> dict[str, int]:
     if uses_mma(v):
-        row_tiles = _ACCUMULATORS // (v.rank_bucket // 2)  # R / 2 accumulators per 16-row tile
+        row_tiles = min(4, _ACCUMULATORS // (v.rank_bucket // 2))  # R / 2 accumulators per 16-row tile
         return {
             "warps": 4,
             "min_blocks": 2,
             "mma": True,
             "rank_tile": v.rank_bucket,
             "rows_per_warp": 16 * row_tiles,
-            "steps": 4 // row_tiles,  # 2 * row_tiles * steps = 8 loads of 16 bytes of x in flight per lane
+            "steps": max(
+                1, 4 // row_tiles
+            ),  # 2 * row_tiles * steps = 8 loads of 16 bytes of x in flight per lane
         }
     rank_tile = min(v.rank_bucket, 16)
     rows_per_warp = _ACCUMULATORS // rank_tile
