@@ -41,11 +41,10 @@ from pathlib import Path
 
 from loragen.cuda import specs
 
-# ---- the machine (H100 SXM5) and the assumptions, each used once below ---------------------------------
+# ---- the machine (H100 SXM5) and the assumptions ----------------------------------------------------------
 HBM = 3.35e12  # bytes/s
 SMS = 132
-CLOCK = 1.98e9  # boost clock; 132 SMs x 128 FP32 lanes x 2 FLOP x 1.98 GHz = 67 TFLOP/s
-FP32_FMA = 67e12  # FLOP/s, CUDA cores
+FP32_FMA = 67e12  # FLOP/s, CUDA cores: 132 SMs x 128 FP32 lanes x 2 FLOP x 1.98 GHz
 TENSOR_DENSE = 989e12  # FLOP/s, bf16 dense (wgmma): the tensor FLOP floor
 MMA_SYNC = 0.6 * TENSOR_DENSE  # assumed: mma.sync m16n8k16 reaches about 60% of the wgmma peak
 L2 = 5.5e12  # bytes/s, assumed L2 hit bandwidth (conservative)
@@ -60,10 +59,10 @@ TOKENS = (4096, 16384, 65536)
 # ptxas registers per thread (sm_90, bf16, aligned) recorded with NVRTC 13.5 on 2026-11-24: used when
 # NVRTC is not installed.
 RECORDED: dict[tuple[str, int], int] = {
-    **{("lora_down", r): n for r, n in ((8, 254), (16, 238), (32, 168), (64, 214))},
-    **{("lora_up", r): n for r, n in ((8, 168), (16, 255), (32, 254), (64, 235))},
+    **{("lora_down", r): n for r, n in ((8, 254), (16, 126), (32, 168), (64, 214))},
+    **{("lora_up", r): n for r, n in ((8, 168), (16, 225), (32, 80), (64, 142))},
     **{("lora_grad_out", r): 255 for r in specs.RANK_BUCKETS},
-    **{("lora_grad_in", r): n for r, n in ((8, 192), (16, 227), (32, 227), (64, 227))},
+    **{("lora_grad_in", r): n for r, n in ((8, 219), (16, 239), (32, 239), (64, 239))},
 }
 
 
