@@ -15,19 +15,11 @@ from torch import Tensor
 
 from loragen.cuda import specs
 from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, Variant
+from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, Variant, pad_rank
 
 __all__ = ["DTYPE_NAMES", "Plan", "add_base", "down", "grad_in", "grad_out", "pad_rank", "up"]
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def pad_rank(adapter: Tensor, variant: Variant) -> Tensor:
-    """``adapter`` (r, features) as a fresh contiguous (R, features) tensor, R = the variant's rank
-    bucket, rows r..R-1 zero: the kernels may read every rank of the bucket."""
-    padded = adapter.new_zeros(variant.rank_bucket, adapter.shape[1])
-    padded[: adapter.shape[0]] = adapter
-    return padded
 
 
 def _aligned16(t: Tensor) -> Tensor:
