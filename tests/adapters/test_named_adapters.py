@@ -246,13 +246,13 @@ def test_loading_a_further_adapter_is_all_or_nothing(tmp_path: Path) -> None:
     model = load_adapter(make_model("llama"), tmp_path / "peft")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     types = {name: type(m) for name, m in model.named_modules()}
+    # "other"'s file under a config of another rank: the factors do not fit
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_model.safetensors").write_bytes((tmp_path / "peft/other/adapter_model.safetensors").read_bytes())
+    config = LoraConfig(**{**CASES["llama"]["other"], "r": 3}).to_peft()
+    (bad / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(loragen.AdapterError, match="shape mismatch"):
-        # "other"'s file under a config of another rank: the factors do not fit
-        bad = tmp_path / "bad"
-        bad.mkdir()
-        (bad / "adapter_model.safetensors").write_bytes((tmp_path / "peft/other/adapter_model.safetensors").read_bytes())
-        config = LoraConfig(**{**CASES["llama"]["other"], "r": 3}).to_peft()
-        (bad / "adapter_config.json").write_text(json.dumps(config))
         load_adapter(model, bad, adapter_name="other")
     assert loragen.list_adapters(model) == ["default"]
     assert {name: type(m) for name, m in model.named_modules()} == types
