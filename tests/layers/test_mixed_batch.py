@@ -159,3 +159,12 @@ def test_sibling_fusion_gives_the_same_outputs_whatever_adapter_each_layer_runs(
                     loragen.set_adapter(model, name)
                     outputs.append(model(x))
         torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
+
+
+def test_disable_adapter_wins_over_a_mixed_batch() -> None:
+    model = _block_model()
+    x = torch.randn(2, 8)
+    with loragen.disable_adapter(model):
+        base = model(x)
+    with loragen.mixed_batch(model, ["a", "b"]), loragen.disable_adapter(model):
+        torch.testing.assert_close(model(x), base, atol=0, rtol=0)
