@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen.layers import dora
 from loragen.layers.base import InitMode, LoraLayer
 from loragen.registry import PLAIN, LayerSpec, register
 
@@ -21,6 +22,7 @@ class _LoraConvNd(LoraLayer):
     """Shared code of :class:`LoraConv1d` and :class:`LoraConv2d` (mixed into the torch conv class)."""
 
     _conv = staticmethod(F.conv2d)
+    supports_dora = True  # loragen.layers.dora
 
     in_channels: int
     out_channels: int
@@ -29,6 +31,7 @@ class _LoraConvNd(LoraLayer):
     bias: Tensor | None
     lora_A: nn.Parameter
     lora_B: nn.Parameter
+    lora_magnitude_vector: nn.Parameter  # with use_dora only: (1, cout, 1, ...)
     _conv_forward: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # the torch conv class's
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -46,8 +49,9 @@ class _LoraConvNd(LoraLayer):
         if self.merged:
             return result
         x_lora = x.to(self.lora_A.dtype)
-        if self.lora_dropout_p > 0:
-            x_lora = F.dropout(x_lora, self.lora_dropout_p, self.training)
+        dropout = self.lora_dropout_p > 0 and self.training
+        if dropout:
+            x_lora = F.dropout(x_lora, self.lora_dropout_p, True)
         if self.groups == 1:
             # A with every base setting (stride, padding, dilation, padding mode), then B as a 1x1 conv:
             # the same linear map as convolving with B @ A, through an r-channel bottleneck.
@@ -56,7 +60,22 @@ class _LoraConvNd(LoraLayer):
         else:
             # A grouped weight cannot be factored through r channels; convolve with the composed weight.
             lora = self._conv_forward(x_lora, self._composed_weight(), None)
+        if self.use_dora:
+            return self._dora_output(result, x_lora, lora, dropout)
         return (result + lora * self.scaling).to(result.dtype)
+
+    def _dora_output(self, result: Tensor, x_lora: Tensor, lora: Tensor, dropout: bool) -> Tensor:
+        """peft's DoRA for convolutions: ``result + (c - 1) * base + c * s * lora`` with
+        ``c = m / ||W + s B A||`` per output channel (detached), shaped (1, cout, 1, ...); ``base`` is the
+        convolution without bias of the input, or of the dropped-out input with dropout."""
+        c = self.lora_magnitude_vector / dora.weight_norm(self)
+        if dropout:
+            base = self._conv_forward(x_lora, self.weight.to(x_lora.dtype), None)
+        elif self.bias is not None:
+            base = result - self.bias.view(1, -1, *([1] * (result.dim() - 2)))
+        else:
+            base = result
+        return (result + (c - 1) * base + c * lora * self.scaling).to(result.dtype)
 
 
 class LoraConv1d(nn.Conv1d, _LoraConvNd):
@@ -84,12 +103,13 @@ class LoraConv1d(nn.Conv1d, _LoraConvNd):
         lora_dropout: float = 0.0,
         use_rslora: bool = False,
         init_lora_weights: InitMode = True,
+        use_dora: bool = False,
     ) -> None:
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
             device, dtype,
         )
-        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     # the torch conv class comes first in the MRO; take the LoRA forward explicitly
     forward = _LoraConvNd.forward
@@ -123,12 +143,13 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
         lora_dropout: float = 0.0,
         use_rslora: bool = False,
         init_lora_weights: InitMode = True,
+        use_dora: bool = False,
     ) -> None:
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
             device, dtype,
         )
-        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     # the torch conv class comes first in the MRO; take the LoRA forward explicitly
     forward = _LoraConvNd.forward

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen.layers import dora
 from loragen.layers.base import InitMode, LoraLayer, LoraMergeError
 from loragen.registry import EMBEDDING, LayerSpec, register
 
@@ -23,8 +24,10 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
     lora_embedding_A: nn.Parameter
     lora_embedding_B: nn.Parameter
+    lora_magnitude_vector: nn.Parameter  # with use_dora only: (embedding_dim,)
 
     base_class = nn.Embedding
+    supports_dora = True  # loragen.layers.dora
     bias = None  # embeddings have no bias; keeps the LoraLayer interface uniform
 
     def __init__(
@@ -46,12 +49,13 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         lora_dropout: float = 0.0,
         use_rslora: bool = False,
         init_lora_weights: InitMode = True,
+        use_dora: bool = False,
     ) -> None:
         super().__init__(
             num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
             _weight, _freeze, device, dtype,
         )
-        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.r, self.num_embeddings), (self.embedding_dim, self.r)
@@ -78,6 +82,9 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         after_a = F.embedding(ids, self.lora_embedding_A.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq,
                               self.sparse)
         lora = after_a @ self.lora_embedding_B.t()  # (..., embedding_dim)
+        if self.use_dora:  # peft: c * (table row + s * lora row), c = m / ||W + s (B A)^T|| per column, detached
+            c = self.lora_magnitude_vector / dora.weight_norm(self)
+            return (c * result + c * lora * self.scaling).to(result.dtype)
         return (result + lora * self.scaling).to(result.dtype)
 
     def _check_mergeable(self) -> None:
