@@ -271,3 +271,15 @@ def test_stray_magnitudes_and_streaming_merge_are_refused(tmp_path: Path, capsys
     save_file(tensors, plain / WEIGHTS)
     with pytest.raises(AdapterError, match=r"q_proj\.lora_magnitude_vector: a DoRA magnitude .* use_dora=false"):
         read_adapter(plain)
+
+
+def test_a_rewritten_dora_model_saves_use_dora(tmp_path: Path) -> None:
+    """A model built from LoRA layers by hand (as ``loragen rewrite`` writes it) carries no config: the saved
+    one is derived from the layers, use_dora included; mixing DoRA and plain layers is refused by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LoraLinear(6, 5, r=2, use_dora=True), nn.ReLU(), LoraLinear(5, 3, r=2, use_dora=True))
+    save_adapter(model, tmp_path / "a")
+    assert read_adapter(tmp_path / "a").config.use_dora
+    model[2] = LoraLinear(5, 3, r=2)
+    with pytest.raises(AdapterError, match=r"the model mixes DoRA layers \(0\) and plain LoRA layers"):
+        save_adapter(model, tmp_path / "b")
