@@ -151,8 +151,7 @@ def kernel_benchmark(
     tokens: int, features: int, rank: int, dropout: float, rounds: int, copy_GBps: float
 ) -> list[dict]:
     from loragen import philox
-    from loragen.cuda import function as F
-    from loragen.cuda import specs
+    from loragen.cuda import passes, specs
     from loragen.cuda.launch import default_launcher
 
     torch.manual_seed(0)
@@ -162,14 +161,14 @@ def kernel_benchmark(
     g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16)
     a32 = torch.randn(rank, k, device="cuda") / k**0.5
     bt32 = torch.randn(rank, o, device="cuda")
-    plan = F._Plan(x, o, rank, default_launcher())
+    plan = passes.Plan(x, o, rank, default_launcher())
     drop = (
         (philox.random_seed(), 0, philox.keep_threshold(dropout), philox.keep_scale(dropout))
         if dropout
         else (0, 0, 0, 1.0)
     )
-    h = F._down(plan, x, a32, drop)
-    dh, _ = F._grad_out(plan, g, h, bt32, 1.0)
+    h = passes.down(plan, x, a32, drop)
+    dh, _ = passes.grad_out(plan, g, h, bt32, 1.0)
     out = torch.empty(n, o, device="cuda", dtype=torch.bfloat16)
     R = plan.variant.rank_bucket
 
@@ -185,16 +184,16 @@ def kernel_benchmark(
     # minimum bytes: each large operand read or written once (partial sums and small operands included)
     kernels = {
         "lora_down  (h = drop(x) A^T)": (
-            lambda: F._down(plan, x, a32, drop),
+            lambda: passes.down(plan, x, a32, drop),
             n * k * b + n * R * 4 + rank * k * 4,
         ),
         "lora_up    (y0 = s h B^T)": (up, n * o * b + n * R * 4 + rank * o * 4),
         "lora_grad_out (dh, dB)": (
-            lambda: F._grad_out(plan, g, h, bt32, 1.0),
+            lambda: passes.grad_out(plan, g, h, bt32, 1.0),
             n * o * b + 2 * n * R * 4 + o * R * 4,
         ),
         "lora_grad_in  (dA, gx0)": (
-            lambda: F._grad_in(plan, x, dh, a32, drop, True),
+            lambda: passes.grad_in(plan, x, dh, a32, drop, True),
             2 * n * k * b + n * R * 4 + R * k * 4,
         ),
     }

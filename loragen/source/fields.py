@@ -51,6 +51,9 @@ class LayerField:
         conditional: built under ``if``/``else``, a conditional expression, ``try`` or a loop body.
         container: ``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when built inside one.
         is_lora: the call already builds the loragen layer (a rewritten file).
+        subclass: for a layer subclass defined in the scanned file (``FalconLinear``), its name; ``layer`` is
+            then the registered type it derives from and ``lora_name`` the name the file binds its LoRA
+            class to (``LoraFalconLinear = lora_class_for(FalconLinear)``).
     """
 
     owner: str
@@ -62,6 +65,7 @@ class LayerField:
     conditional: bool = False
     container: str | None = None
     is_lora: bool = False
+    subclass: str | None = None
 
     @property
     def pattern(self) -> str:
@@ -192,6 +196,7 @@ class ScannedModule:
     ``tree`` is the full syntax tree; ``calls`` maps ``id(call node)`` of every followed layer constructor
     call in it to the fields that call builds, and ``call_nodes`` the id to the node; ``positions`` gives
     the source range of the nodes inside those calls (they all lie in ``__init__`` bodies).
+    ``lora_bindings`` holds the module-level ``Name = lora_class_for(Subclass)`` lines (name -> subclass).
     """
 
     tree: cst.Module
@@ -199,5 +204,6 @@ class ScannedModule:
     calls: dict[int, list[LayerField]]
     call_nodes: dict[int, cst.Call]
     positions: Mapping[cst.CSTNode, CodeRange]
+    lora_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
 
 

@@ -13,11 +13,13 @@ import libcst as cst
 
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.registry import spec_for_qualname
+from loragen.source.additions import ModuleLine, add_module_lines
 from loragen.source.codegen import config_literal, importable, py_literal
 from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
 from loragen.source.fields import LayerField, ScannedModule
 from loragen.source.preamble import CONFIG_NAME, add_preamble, top_level_bindings
 from loragen.source.results import Diagnostic, RewriteResult, RewrittenCall
+from loragen.source.subclasses import LORA_CLASS_FOR
 from loragen.source.syntax import class_definitions, code_of
 from loragen.source.targets import PRETRAINED, Targets, instances
 
@@ -52,6 +54,7 @@ class RewritePlanner:
         self.imports: dict[str, set[str]] = {}
         self.edits: dict[int, tuple[str | None, dict[str, str], str | None]] = {}
         self.rewritten: list[RewrittenCall] = []
+        self.derived: dict[str, str] = {}  # layer subclass of the file -> the name its LoRA class gets
 
     def _error(self, line: int, message: str) -> None:
         self.errors.append(Diagnostic(self.filename, line, message))
@@ -80,7 +83,21 @@ class RewritePlanner:
             return self._result(self.code)
         if self.rewritten:
             tree = add_preamble(tree, missing, config_literal(self.config, column=len(CONFIG_NAME) + 3))
+        tree = add_module_lines(tree, self._module_lines())
         return self._result(tree.code)
+
+    def _module_lines(self) -> list[ModuleLine]:
+        """The module-level lines the rewrite adds: the LoRA classes of the file's layer subclasses."""
+        return [
+            ModuleLine(
+                name,
+                f"lora_class_for({subclass})",
+                f"# Added by loragen rewrite: {subclass} with a LoRA adapter (its own forward computes the base output).",
+                after=subclass,
+            )
+            for subclass, name in sorted(self.derived.items())
+            if name not in self.scanned.lora_bindings
+        ]
 
     def _plan_call(self, call_id: int, fields: list[LayerField]) -> None:
         """Decide one constructor call (built for one or several fields)."""
@@ -130,14 +147,18 @@ class RewritePlanner:
             return
         existing = {a.keyword.value for a in call.args if a.keyword is not None}
         keywords = lora_keywords(spec, decision.r, decision.alpha, self.config, existing)
-        lora_name = None if field.is_lora else spec.lora_name
+        lora_name = None if field.is_lora else field.lora_name
         wrap = self._wrap(call, lora_name, {k: v for k, v in keywords.items() if k not in existing})
         changed = not edit_call(call, lora_name, keywords, wrap).deep_equals(call)
         if changed:
             self.edits[call_id] = (lora_name, keywords, wrap)
-        if lora_name is not None:
+        if field.subclass is not None:  # LoraFalconLinear = lora_class_for(FalconLinear), after the class
+            self.derived[field.subclass] = field.lora_name
+            if field.lora_name not in self.scanned.lora_bindings:
+                self.imports.setdefault(LORA_CLASS_FOR[0], set()).add(LORA_CLASS_FOR[1])
+        elif lora_name is not None:
             self.imports.setdefault(spec.lora_module, set()).add(lora_name)
-        self.rewritten.append(RewrittenCall(field, spec.lora_name, decision.r, decision.alpha, changed))
+        self.rewritten.append(RewrittenCall(field, field.lora_name, decision.r, decision.alpha, changed))
 
     def _wrap(self, call: cst.Call, lora_name: str | None, added: dict[str, str]) -> str | None:
         """The indentation of ``call``'s statement when the added keywords would make its last line longer
@@ -215,6 +236,13 @@ class RewritePlanner:
         wanted = [(module, name) for module, names in self.imports.items() for name in names]
         if self.rewritten:
             wanted.append(("<loragen rewrite>", CONFIG_NAME))
+        for subclass, name in sorted(self.derived.items()):
+            if name in bindings and name not in self.scanned.lora_bindings:
+                self._error(
+                    1,
+                    f"the name {name} is already bound in this module; the rewrite binds it to the LoRA class of "
+                    f"{subclass} ({name} = lora_class_for({subclass})): rename it first",
+                )
         for module, name in sorted(wanted):
             bound = bindings.get(name)
             if bound is None:

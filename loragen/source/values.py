@@ -102,17 +102,17 @@ class ValueFollower:
             return
         hit = self.names.layer(node)
         if hit is not None:
-            spec, is_lora = hit
             field = LayerField(
                 owner=self.owner,
                 attribute=site.attribute,
                 path=site.path,
-                layer=spec.base_qualname,
-                lora_name=spec.lora_name,
+                layer=hit.spec.base_qualname,
+                lora_name=hit.lora_name or hit.spec.lora_name,
                 location=self.names.loc(node),
                 conditional=site.conditional,
                 container=site.container,
-                is_lora=is_lora,
+                is_lora=hit.is_lora,
+                subclass=hit.subclass,
             )
             self.fields.append(field)
             self.found.claimed.add(id(node))
