@@ -109,6 +109,13 @@ class _Holder(nn.Module):
         return self.layer(x)
 
 
+class _OwnForwardLinear(nn.Linear):
+    """An nn.Linear subclass with its own forward (as Falcon's FalconLinear): DoRA on the base's output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight) + self.bias
+
+
 def _conv1d() -> nn.Module:
     from transformers.pytorch_utils import Conv1D
 
@@ -116,7 +123,10 @@ def _conv1d() -> nn.Module:
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "composition"])
-@pytest.mark.parametrize("make_base", [lambda: nn.Linear(12, 10), _conv1d], ids=["linear", "conv1d"])
+@pytest.mark.parametrize(
+    "make_base", [lambda: nn.Linear(12, 10), _conv1d, lambda: _OwnForwardLinear(12, 10)],
+    ids=["linear", "conv1d", "own-forward"],
+)
 def test_dropout_under_the_same_mask_equals_peft(make_base, fused: bool) -> None:
     torch.manual_seed(0)
     base, p = make_base(), 0.3
@@ -138,7 +148,7 @@ def test_dropout_under_the_same_mask_equals_peft(make_base, fused: bool) -> None
 
     torch.manual_seed(7)  # the fused op draws its mask seed from torch's generator: the same draw here
     keep = unpack_keep_mask(make_keep_bits(x.numel(), p, random_seed(), "bits"), x.numel()).view(x.shape)
-    if not fused:  # the composition draws with torch's F.dropout: take its mask
+    if not fused or isinstance(base, _OwnForwardLinear):  # the composition draws with torch's F.dropout: take its mask
         torch.manual_seed(7)
         keep = torch.nn.functional.dropout(torch.ones_like(x), p, True) != 0
     peft_model.base_model.model.layer.lora_dropout["default"] = _FixedDropout(keep, p)
