@@ -39,12 +39,20 @@ class LoraLayer(Protocol):
     @property
     def layout(self) -> Layout: ...
 
+    def _merge_dtype(self) -> torch.dtype: ...
+
+
+class Adapter(Protocol):
+    """One adapter's factors and scaling: a LoRA layer (its first adapter) or a further adapter's
+    :class:`loragen.layers.adapter_set.AdapterFactors`; its magnitude is the attribute :data:`MAGNITUDE`."""
+
+    scaling: float
+
     @property
     def factor_a(self) -> nn.Parameter: ...
 
-    def _merge_dtype(self) -> torch.dtype: ...
-
-    def delta_weight(self) -> Tensor: ...
+    @property
+    def factor_b(self) -> nn.Parameter: ...
 
 
 def _norm_of(layer: LoraLayer, full: Tensor) -> Tensor:
@@ -63,11 +71,18 @@ def _factor_view(layer: LoraLayer, factor: Tensor) -> Tensor:
     return flat.view(1, -1)
 
 
-def weight_norm(layer: LoraLayer) -> Tensor:
-    """``||W + s B A||`` per output feature, detached, shaped and typed like the magnitude."""
+def _directed(layer: LoraLayer, adapter: Adapter) -> Tensor:
+    """``W + s B A`` in the weight's layout, in float32 (float64 for float64 weights)."""
+    dtype = layer._merge_dtype()
+    delta = layer.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
+    return layer.weight.to(dtype) + delta
+
+
+def weight_norm(layer: LoraLayer, adapter: Adapter) -> Tensor:
+    """``||W + s B A||`` of ``adapter`` per output feature, detached, shaped like the magnitude, in the
+    adapter's dtype."""
     with torch.no_grad():
-        full = layer.weight.to(layer._merge_dtype()) + layer.delta_weight()
-        return _norm_of(layer, full).to(layer.factor_a.dtype)
+        return _norm_of(layer, _directed(layer, adapter)).to(adapter.factor_a.dtype)
 
 
 def check_dora_supported(layer: LoraLayer, implemented: bool) -> None:
@@ -98,31 +113,32 @@ def check_dora_supported(layer: LoraLayer, implemented: bool) -> None:
         )
 
 
-def init_magnitude(layer: LoraLayer) -> None:
-    """Create (or reset) ``lora_magnitude_vector`` as the current norm of ``W + s B A``, as peft does
-    (on the meta device: the shape only)."""
-    norm = weight_norm(layer)
-    existing = getattr(layer, MAGNITUDE, None)
+def init_magnitude(layer: LoraLayer, adapter: Adapter) -> None:
+    """Give ``adapter`` (the layer itself, or a further adapter's module) its ``lora_magnitude_vector``: the
+    current norm of ``W + s B A``, as peft does (on the meta device: the shape only)."""
+    norm = weight_norm(layer, adapter)
+    existing = getattr(adapter, MAGNITUDE, None)
     if isinstance(existing, nn.Parameter) and existing.shape == norm.shape and norm.device.type != "meta":
         with torch.no_grad():
             existing.copy_(norm)
         return
-    setattr(layer, MAGNITUDE, nn.Parameter(norm.clone()))
+    setattr(adapter, MAGNITUDE, nn.Parameter(norm.clone()))
 
 
 @torch.no_grad()
-def dora_merge(layer: LoraLayer) -> None:
-    """``W <- (m / n) * (W + s B A)`` in float32 (float64 for float64 weights), rounded once; keeps ``n``."""
+def dora_merge(layer: LoraLayer, adapter: Adapter) -> None:
+    """``W <- (m / n) * (W + s B A)`` with ``n = ||W + s B A||``, in float32 (float64 for float64 weights),
+    rounded once; keeps ``n`` on the layer for :func:`dora_unmerge`."""
     w = layer.weight
-    full = w.to(layer._merge_dtype()) + layer.delta_weight()
+    full = _directed(layer, adapter)
     norm = _norm_of(layer, full)
-    factor = getattr(layer, MAGNITUDE).to(full.dtype) / norm
+    factor = getattr(adapter, MAGNITUDE).to(full.dtype) / norm
     w.copy_((_factor_view(layer, factor) * full).to(w.dtype))
-    setattr(layer, _MERGED_NORM, norm)
+    layer.__dict__[_MERGED_NORM] = norm
 
 
 @torch.no_grad()
-def dora_unmerge(layer: LoraLayer) -> None:
+def dora_unmerge(layer: LoraLayer, adapter: Adapter) -> None:
     """Undo :func:`dora_merge`: ``W <- W / (m / n) - s B A`` with the ``n`` merging used.
 
     Raises:
@@ -136,5 +152,7 @@ def dora_unmerge(layer: LoraLayer) -> None:
             "known (the layer was not merged in this process); reload the base weights instead"
         )
     w = layer.weight
-    factor = getattr(layer, MAGNITUDE).to(norm.dtype) / norm
-    w.copy_((w.to(norm.dtype) / _factor_view(layer, factor) - layer.delta_weight()).to(w.dtype))
+    dtype = layer._merge_dtype()
+    factor = getattr(adapter, MAGNITUDE).to(norm.dtype) / norm
+    delta = layer.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
+    w.copy_((w.to(norm.dtype) / _factor_view(layer, factor) - delta).to(w.dtype))

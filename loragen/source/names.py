@@ -17,6 +17,7 @@ import libcst.metadata as md
 from libcst.helpers.module import ModuleNameAndPackage
 
 from loragen.registry import LayerSpec, specs
+from loragen.source.factories import AutoFactory, auto_bindings, auto_factory
 from loragen.source.fields import SourceLocation
 from loragen.source.subclasses import derived_lora_name, layer_subclasses, lora_bindings
 from loragen.source.syntax import absolute_module, class_definitions, code_of, dotted_name, nested_statements
@@ -104,6 +105,7 @@ class Resolver:
         # LoRA classes (LoraFalconLinear -> FalconLinear), see loragen.source.subclasses
         self.layer_subclasses = layer_subclasses(self.class_defs, self.layer_names, self.qualnames, self.local_class)
         self.lora_bindings = lora_bindings(list(self.skeleton.body), self.layer_subclasses, self.qualnames)
+        self.auto_bindings = auto_bindings(list(self.skeleton.body), self.qualnames)
         self.star_imports: list[str] = []
         self._index_star_imports(self.skeleton.body)
         self._index_functions(tree.body, "")
@@ -185,6 +187,10 @@ class Resolver:
             if hit is not None:
                 return LayerMatch(*hit)
         return None
+
+    def auto_factory(self, call: cst.Call) -> AutoFactory | None:
+        """``(auto class, already LoRA)`` when ``call`` builds a sub-model with a transformers auto class."""
+        return auto_factory(call, self.qualnames, self._local, self.auto_bindings)
 
     def container_kind(self, call: cst.Call) -> str | None:
         """``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when ``call`` builds one."""

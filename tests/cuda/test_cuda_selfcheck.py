@@ -10,13 +10,17 @@ single rounding and its fresh (in-place safe) output are checked bit for bit wit
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loragen import philox, switches
 from loragen.cuda import launch, selfcheck, specs
@@ -96,6 +100,53 @@ def test_keep_mask_is_philox_mask_from_any_element(start, numel):
     full = philox.dropout_keep_mask((start + numel,), p, seed, offset=7)
     got = keep_mask(start, numel, philox.keep_threshold(p), seed, 7, torch.device("cpu"))
     assert torch.equal(got, full[start:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    start=st.integers(0, 5000),
+    numel=st.integers(0, 300),
+    p=st.floats(0.0, 0.95),
+    seed=st.integers(0, 2**64 - 1),
+    offset=st.integers(0, 2**64 - 1),
+)
+def test_keep_mask_property(start, numel, p, seed, offset):
+    full = philox.dropout_keep_mask((start + numel,), p, seed, offset)
+    got = keep_mask(start, numel, philox.keep_threshold(p), seed, offset, torch.device("cpu"))
+    assert got.shape == (numel,) and torch.equal(got, full[start:])
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    k=st.integers(1, 70),
+    o=st.integers(1, 70),
+    r=st.integers(1, 64),
+    p=st.sampled_from([0.0, 0.1, 0.5]),
+    fifo=st.booleans(),
+)
+def test_torch_path_property(n, k, o, r, p, fifo):
+    """Any shape, rank and dropout: the torch path is the float64 composition (with the Philox mask)."""
+    if n == 0:
+        (x, w, b, a, bb), _ = make_inputs(1, k, o, r, torch.float32, fan_in_fan_out=fifo)
+        y = lora_linear_cuda(x[:0], w, b, a, bb, 0.5, p, True, fan_in_fan_out=fifo, launcher=TorchKernels())
+        assert y.shape == (0, o)
+        return
+    run_and_compare(TorchKernels(), torch.float32, n, k, o, r, p, fifo)
+
+
+def test_environment_sets_the_switch():
+
+    code = "from loragen import switches; print(switches.cuda_kernels.get())"
+    env = {**os.environ, "LORAGEN_CUDA_KERNELS": "torch"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert done.stdout.strip() == "torch"
+    env["LORAGEN_CUDA_KERNELS"] = "off"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert (
+        done.returncode != 0
+        and "LORAGEN_CUDA_KERNELS='off': expected one of 'check', 'trust', 'torch'" in done.stderr
+    )
 
 
 # ---- failures staged with the fake driver -------------------------------------------------------------
@@ -253,6 +304,35 @@ def test_switch_value_is_checked(monkeypatch):
     with pytest.raises(ValueError, match=r"loragen.switches.cuda_kernels='on': expected one of"):
         with switches.cuda_kernels.using("on"):
             pass
+
+
+class Aborting:
+    """Kernels that fault the way a sticky CUDA error does: the process dies."""
+
+    def target_blocks(self, device):
+        return 1
+
+    def launch(self, spec, variant, grid, args, device):
+        os.abort()
+
+
+def test_isolated_check_runs_in_a_child_process():
+    from loragen.cuda.isolated import check_in_child
+
+    variant = specs.Variant("float32", 8, False)
+    assert check_in_child(variant, torch.device("cpu"), "loragen.cuda.torch_kernels:TorchKernels") is None
+    reason = check_in_child(variant, torch.device("cpu"), "tests.cuda.test_cuda_selfcheck:Aborting")
+    assert reason.startswith("crashed: the isolated self-check's process exited with status")
+
+
+def test_a_kernel_that_kills_the_process_only_kills_the_child():
+    kernels = Counting(TorchKernels())
+    checker = selfcheck.CheckedLauncher(
+        kernels, isolate=True, child_launcher="tests.cuda.test_cuda_selfcheck:Aborting"
+    )
+    with pytest.warns(RuntimeWarning, match=r"float32-r8-unaligned on cpu runs on the torch path .*crashed"):
+        run_and_compare(checker)
+    assert kernels.launches == []  # the variant never ran here
 
 
 # ---- with the emulated kernels ------------------------------------------------------------------------

@@ -293,3 +293,59 @@ def test_a_rewritten_dora_model_saves_use_dora(tmp_path: Path) -> None:
     model[2] = LoraLinear(5, 3, r=2)
     with pytest.raises(AdapterError, match=r"the model mixes DoRA layers \(0\) and plain LoRA layers"):
         save_adapter(model, tmp_path / "b")
+
+
+def test_several_dora_adapters_equal_peft(tmp_path: Path) -> None:
+    """Named adapters: a second DoRA adapter keeps its own magnitude (``lora_adapters.<name>.``), and
+    switching, disabling, merging and saving give peft's results."""
+    import loragen
+
+    kind, kwargs = CASES["llama"]
+    second = {**kwargs, "r": 2, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = peft.get_peft_model(make_model(kind), peft.LoraConfig(**kwargs, use_dora=True))
+        peft_model.add_adapter("other", peft.LoraConfig(**second, use_dora=True))
+    perturb_trainable(peft_model, seed=1)
+    with torch.no_grad():  # every adapter off its initial values (perturb moves only the trainable ones)
+        for name, p in peft_model.named_parameters():
+            if ".other" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    model = get_lora_model(make_model(kind), LoraConfig(**kwargs, use_dora=True))
+    loragen.add_adapter(model, LoraConfig(**second, use_dora=True), "other")
+    ours = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".default" in name and "lora_" in name:
+                ours[_loragen_name(name)].copy_(p)
+            elif ".other" in name:
+                path, _, rest = name.removeprefix("base_model.model.").partition(".lora_")
+                attr = "lora_" + rest.split(".")[0]
+                ours[f"{path}.lora_adapters.other.{attr}"].copy_(p)
+    assert "model.layers.0.self_attn.q_proj.lora_adapters.other.lora_magnitude_vector" in ours
+    with torch.no_grad():
+        torch.testing.assert_close(_output(model, kind), _output(peft_model, kind), rtol=1e-5, atol=1e-5)
+        loragen.set_adapter(model, "other")
+        peft_model.set_adapter("other")
+        expected = _output(peft_model, kind)
+        torch.testing.assert_close(_output(model, kind), expected, rtol=1e-5, atol=1e-5)
+        with loragen.disable_adapter(model):
+            torch.testing.assert_close(_output(model, kind), _output(make_model(kind), kind), rtol=1e-5, atol=1e-5)
+        merge_adapter(model)
+        torch.testing.assert_close(_output(model, kind), expected, rtol=1e-5, atol=1e-5)
+        loragen.unmerge_adapter(model)
+        torch.testing.assert_close(_output(model, kind), expected, rtol=1e-5, atol=1e-5)
+
+    with pytest.raises(loragen.MixedBatchError, match=r"adapter\(s\) 'other' use DoRA"):
+        with loragen.mixed_batch(model, ["other", "__base__"]):
+            pass
+    with pytest.raises(loragen.AdapterMixError, match=r"use DoRA; a weighted sum"):
+        loragen.add_weighted_adapter(model, ["default", "other"], [1.0, 1.0], "mix", combination_type="cat")
+
+    save_adapter(model, tmp_path / "both")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = peft.PeftModel.from_pretrained(make_model(kind), str(tmp_path / "both" / "other"),
+                                                adapter_name="other")
+    with torch.no_grad():
+        torch.testing.assert_close(_output(loaded, kind), expected, rtol=1e-5, atol=1e-5)

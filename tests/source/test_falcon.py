@@ -176,3 +176,8 @@ def test_falcon_equals_peft_in_outputs_gradients_keys_and_merges(entry, architec
         torch.testing.assert_close(model(input_ids=ids).logits, unmerged, atol=1e-5, rtol=1e-5)
         loragen.unmerge_adapter(model)
         torch.testing.assert_close(model(input_ids=ids).logits, unmerged, atol=1e-5, rtol=1e-5)
+        plain = loragen.merge_and_unload(model)
+        torch.testing.assert_close(plain(input_ids=ids).logits, unmerged, atol=1e-5, rtol=1e-5)
+    assert find_lora_layers(plain) == {}
+    assert type(plain.transformer.h[0].self_attention.query_key_value).__name__ == "FalconLinear"
+    assert sorted(plain.state_dict()) == sorted(original.state_dict())
