@@ -106,6 +106,12 @@ def _plan_load(
     missing = sorted(file_key for model_key, file_key in expected.items() if model_key not in found)
 
     problems = []
+    dora_mismatch = [path for path, layer in layers.items() if layer.use_dora != config.use_dora]
+    if dora_mismatch:
+        problems.append(
+            f"the adapter config has use_dora={config.use_dora} but these LoRA layers have use_dora="
+            f"{not config.use_dora}:\n    " + "\n    ".join(dora_mismatch)
+        )
     if mismatched:
         problems.append("shape mismatch:\n    " + "\n    ".join(mismatched))
     if wrong_rank:

@@ -248,7 +248,7 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
             factors = add_factors(
                 module, adapter_name, r=config.rank_for(path), lora_alpha=config.alpha_for(path),
                 lora_dropout=config.lora_dropout, use_rslora=config.use_rslora,
-                init_lora_weights=config.init_lora_weights,
+                init_lora_weights=config.init_lora_weights, use_dora=config.use_dora,
             )
             factors.requires_grad_(False)
     record_config(model, adapter_name, config)

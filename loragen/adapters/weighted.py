@@ -70,7 +70,7 @@ def add_weighted_adapter(
         AdapterNameError: an unknown adapter in ``adapters`` (the known ones are listed), or
             ``adapter_name`` exists already (peft returns silently then; loragen says so).
         AdapterMixError: ``weights`` and ``adapters`` differ in length, a weight is not a finite number, an
-            unknown ``combination_type``, ``"linear"`` over adapters of different ranks, or target_modules
+            unknown ``combination_type``, ``"linear"`` over adapters of different ranks, DoRA adapters, or target_modules
             that mix a regex and a list (the adapters and what differs are named).
     """
     names = list(adapters)
@@ -96,6 +96,12 @@ def add_weighted_adapter(
     if len(names) == 1:
         combination_type = "linear"
     configs = adapter_configs(model)
+    dora = [n for n in names if (c := configs.get(n)) is not None and c.use_dora]
+    if dora:
+        raise AdapterMixError(
+            f"add_weighted_adapter: adapter(s) {', '.join(map(repr, dora))} use DoRA; a weighted sum of factors "
+            "leaves out each adapter's magnitude, so loragen does not combine DoRA adapters"
+        )
     ranks = {name: _max_rank(model, name, configs.get(name)) for name in names}
     if combination_type == "linear" and len(set(ranks.values())) > 1:
         described = ", ".join(f"{n!r} r={r}" for n, r in ranks.items())

@@ -8,7 +8,8 @@ when ``layer._lora_detour`` is set:
 * adapters are off (``active_adapter`` is None), the active adapter is one the layer does not hold, or the
   layer is merged: the base layer's forward alone;
 * the active adapter is a further one: the base output plus that adapter's term -- for a layer whose base
-  computes ``x W^T + b`` through the same fused op (:func:`loragen.ops.lora_linear`) as the first adapter.
+  computes ``x W^T + b`` through the same fused op (:func:`loragen.ops.lora_linear`) as the first adapter;
+  a DoRA adapter through :func:`loragen.ops.dora_linear` (or the layer's DoRA composition).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from torch import Tensor
 
 from loragen.layers import mixed_batch
 from loragen.layers.adapter_set import adapter_factors, has_adapter
-from loragen.ops import lora_linear, lora_linear_reference
+from loragen.layers.dora import MAGNITUDE
+from loragen.ops import dora_linear, dora_linear_reference, lora_linear, lora_linear_reference
 from loragen.registry import TRANSPOSED
 
 __all__ = ["forward"]
@@ -34,6 +36,14 @@ def forward(layer: Any, x: Tensor) -> Tensor:
     if layer.merged or name is None or not has_adapter(layer, name):
         return layer._base_output(x)  # type: ignore[no-any-return, unused-ignore]
     factors = adapter_factors(layer, name)
+    if factors.use_dora:  # DoRA (loragen.layers.dora): the fused DoRA op, or the layer's DoRA composition
+        if getattr(layer, "fused_base", False):
+            dora = dora_linear if layer.fused else dora_linear_reference
+            return dora(
+                x, layer.weight, layer.bias, factors.factor_a, factors.factor_b, getattr(factors, MAGNITUDE),
+                factors.scaling, factors.lora_dropout_p, layer.training, fan_in_fan_out=layer.layout is TRANSPOSED,
+            )
+        return layer._dora_output(x, factors, layer._base_output(x))  # type: ignore[no-any-return, unused-ignore]
     if getattr(layer, "fused_base", False):
         fn = lora_linear if layer.fused else lora_linear_reference
         return fn(
