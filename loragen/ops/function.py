@@ -61,7 +61,28 @@ from loragen import philox
 from loragen.ops import cpu_kernels
 from loragen.ops.masks import KeepMask, block_rows, make_keep_bits, row_blocks
 
-__all__ = ["LoraLinearFunction", "lora_output"]
+__all__ = ["LoraLinearFunction", "input_layout", "lora_output", "shaped_like_input"]
+
+
+def input_layout(x: Tensor) -> tuple[int, ...] | None:
+    """The strides ``x``'s gradient should have: None when x is contiguous (the gradient is made
+    contiguous), else the strides ``torch.empty_like(x)`` would give (x's own when they are dense).
+
+    torch's linear returns a non-contiguous input's gradient in the input's layout, and some of torch's
+    CPU backward kernels rely on that: BatchNorm2d's eval backward gives wrong gradients for a
+    (1, C, H, W) gradient with channels-last strides and a batch stride that is not C*H*W -- what a
+    contiguous (1, H*W, C) gradient becomes through CvT's ``view(...).permute(0, 2, 1)``.
+    """
+    return None if x.is_contiguous() else torch.empty_like(x, device="meta").stride()
+
+
+def shaped_like_input(grad_x: Tensor, shape: torch.Size, layout: tuple[int, ...] | None) -> Tensor:
+    """The (N, in) gradient ``grad_x`` as x's gradient: x's shape and :func:`input_layout`'s strides
+    (one copy, only for an input that was not contiguous)."""
+    grad = grad_x.view(shape)
+    if layout is None:
+        return grad
+    return torch.empty_strided(shape, layout, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -128,7 +149,7 @@ class LoraLinearFunction(torch.autograd.Function):
         need_x, need_w, _, need_a, need_b = ctx.needs_input_grad[:5]
         ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out = scaling, dropout_p, fan_in_fan_out
         ctx.rng, ctx.seed, ctx.x_shape, ctx.rows, ctx.has_bias = rng, seed, x.shape, rows, bias is not None
-        ctx.compiled = compiled
+        ctx.compiled, ctx.x_layout = compiled, input_layout(x)
         ctx.save_for_backward(
             x2 if need_a or need_w else None,
             weight if need_x else None,
@@ -178,7 +199,7 @@ class LoraLinearFunction(torch.autograd.Function):
         if need_bias and ctx.has_bias:
             grad_bias = g2.sum(0)
         if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape)
+            grad_x = shaped_like_input(grad_x, ctx.x_shape, ctx.x_layout)
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None, None
 
 

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from loragen import switches
-from loragen.ops.function import lora_output
+from loragen.ops.function import input_layout, lora_output, shaped_like_input
 from loragen.ops.sibling_plan import role_of, transposed
 
 __all__ = ["forward"]
@@ -171,7 +171,7 @@ class _GroupFunction(torch.autograd.Function):
             y = torch.empty(*x.shape[:-1], w_t.shape[1], dtype=x.dtype, device=x.device)  # final shape: no view escapes
             lora_output(x2, w_t, b, h, lora_b, scaling, out=y.view(-1, w_t.shape[1]))
             ys.append(y)
-        ctx.spec, ctx.ranks, ctx.x_shape = spec, ranks, x.shape
+        ctx.spec, ctx.ranks, ctx.x_shape, ctx.x_layout = spec, ranks, x.shape, input_layout(x)
         ctx.set_materialize_grads(False)  # a follower that never ran gets None: its terms are skipped
         # parameters cost nothing to keep; x2 is a view of x
         ctx.save_for_backward(x2, h_all, *weights, *factors_a, *factors_b)
@@ -222,6 +222,6 @@ class _GroupFunction(torch.autograd.Function):
                 for (_, ffo), g, w in zip(ctx.spec, g2s, weights):
                     if g is not None:  # ...then every member's base GEMM accumulates onto it
                         grad_x.addmm_(g, w.t() if ffo else w)
-                grad_x = grad_x.view(ctx.x_shape)
+                grad_x = shaped_like_input(grad_x, ctx.x_shape, ctx.x_layout)  # x's layout (function.input_layout)
         per_member = [t for i in range(k) for t in (grad_w[i], grad_bias[i], grad_a[i], grad_b[i])]
         return (grad_x, None, *per_member)

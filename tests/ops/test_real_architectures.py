@@ -72,6 +72,14 @@ def _higgs_audio_v2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return transformers.HiggsAudioV2Model(config), {"input_ids": torch.randint(3, 100, (2, 6)), "use_cache": False}
 
 
+def _cvt() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    # a batch of one: a LoRA layer's input is a permuted view, and BatchNorm2d's eval backward further up
+    # gave wrong input gradients when loragen returned that input's gradient contiguous (sweep: cvt)
+    config = transformers.CvtConfig(embed_dim=[8, 16, 16], num_heads=[1, 2, 2], depth=[1, 2, 3], drop_path_rate=[0.0] * 3)
+    # depth[i] > i: transformers indexes stage i's drop-path rates by i
+    return transformers.CvtModel(config), {"pixel_values": torch.randn(1, 3, 32, 32)}
+
+
 MODELS: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
     "led": _led,
     "longformer": _longformer,
@@ -79,6 +87,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, dict[str, torch.Tensor]]]] = {
     "swinv2": _swinv2,
     "swin2sr": _swin2sr,
     "higgs_audio_v2": _higgs_audio_v2,
+    "cvt": _cvt,
 }
 
 
@@ -158,3 +167,24 @@ def test_zero_rows_run_forward_and_backward_in_every_path() -> None:
                 y.sum().backward()
                 assert y.shape == (*x.shape[:-1], 4) and x.grad.shape == x.shape
                 assert torch.count_nonzero(layer.lora_A.grad) == 0
+
+
+def test_a_non_contiguous_input_gets_its_gradient_in_its_own_layout() -> None:
+    # A (1, HW, C) view of a (1, C, H, W) map gets its gradient in that layout (channels-last when viewed
+    # back). A contiguous one views back with a batch stride of C, for which BatchNorm2d's eval backward on
+    # the CPU gives wrong input gradients (torch 2.13; torch's own linear trips it too at this shape):
+    # CvT's key/value path (sweep: cvt).
+    torch.manual_seed(0)
+    layer = loragen.LoraLinear(64, 64, r=2, init_lora_weights=False)
+    norm = nn.BatchNorm2d(64).eval()  # unit scale and variance: d norm(m) / dm = 1 / sqrt(1 + eps)
+    maps = torch.randn(1, 64, 4, 4, requires_grad=True)
+    x = norm(maps).view(1, 64, 16).permute(0, 2, 1)
+    seen = []
+    x.register_hook(seen.append)
+    y = layer(x)
+    weights = torch.linspace(-1, 1, y.numel()).view(y.shape)
+    (y * weights).sum().backward()
+    merged = (layer.weight + layer.scaling * layer.lora_B @ layer.lora_A).detach()
+    expected = (weights @ merged).permute(0, 2, 1).reshape(1, 64, 4, 4) / (1 + norm.eps) ** 0.5
+    assert seen[0].stride() == x.stride()
+    torch.testing.assert_close(maps.grad, expected, rtol=1e-4, atol=1e-5)

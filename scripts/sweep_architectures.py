@@ -1,0 +1,375 @@
+"""Sweep transformers architectures: convert each with ``target_modules="all-linear"`` into peft and loragen.
+
+For every model type transformers registers a base model for (``MODEL_MAPPING_NAMES``; the causal LM class
+where there is no base model), the script builds a tiny model from the config class (hidden 32, 1 layer,
+2 heads, vocabulary 64 where the config has those fields), converts two copies of the same seed-initialised
+base into peft (``peft.get_peft_model``) and loragen (``loragen.get_lora_model``), copies peft's LoRA A/B
+values into loragen's (B random, so the LoRA terms show), runs forward and backward on a tiny input, and
+compares the first output and every LoRA gradient (fp32, 1e-5). Where the base model accepts a zero-size
+batch, loragen must too; ``model.train()`` with ``lora_dropout=0.1`` must run.
+
+Results: ``ok``, ``loragen crash``, ``mismatch``, ``peft also fails``, ``skipped`` (the base model cannot be
+built or run offline from a tiny config; the reason is given). Each model runs in a worker process under a
+per-model time limit; a worker that hangs is killed and the model recorded as ``timeout``.
+
+    OMP_NUM_THREADS=1 python scripts/sweep_architectures.py --out /work/scratch/sweep_results.md [--only llama,bert]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+SMALL = {
+    "hidden_size": 32, "d_model": 32, "n_embd": 32, "embed_dim": 32, "dim": 32, "n_embed": 32, "d_embed": 32,
+    "hidden_dim": 32, "model_dim": 32, "text_hidden_size": 32, "projection_dim": 32,
+    "intermediate_size": 64, "ffn_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64,
+    "n_inner": 64, "ffn_hidden_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+    "num_hidden_layers": 1, "n_layer": 1, "n_layers": 1, "num_layers": 1, "encoder_layers": 1,
+    "decoder_layers": 1, "num_decoder_layers": 1, "num_encoder_layers": 1,
+    "num_attention_heads": 2, "n_head": 2, "n_heads": 2, "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2, "num_heads": 2, "num_key_value_heads": 1, "num_kv_heads": 1,
+    "head_dim": 16, "d_kv": 16, "kv_channels": 16,
+    "vocab_size": 64, "max_position_embeddings": 64, "n_positions": 64, "max_seq_len": 64,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "image_size": 32, "patch_size": 8, "num_channels": 3,
+}
+VOCAB = 64
+SEQ = 6
+
+
+def _shrink(config: Any, depth: int = 0) -> None:
+    """Set the size fields of ``config`` (and of its sub-configs) that it has to tiny values."""
+    from transformers import PretrainedConfig
+
+    for key, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig) and depth < 3:
+            _shrink(value, depth + 1)
+        elif key in SMALL and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            setattr(config, key, min(value, SMALL[key]) if key not in ("vocab_size",) else SMALL[key])
+    for key in ("layer_types", "mlp_only_layers"):
+        if isinstance(getattr(config, key, None), list):
+            n = getattr(config, "num_hidden_layers", 1)
+            setattr(config, key, getattr(config, key)[:n])
+    # token ids the tiny vocabulary can hold
+    for key, value in list(vars(config).items()):
+        if key.endswith("token_id") and isinstance(value, int) and value >= VOCAB:
+            setattr(config, key, VOCAB - 1 - (hash(key) % 8))
+
+
+def _model_class(model_type: str) -> Any:
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    for mapping in (auto.MODEL_MAPPING_NAMES, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        name = mapping.get(model_type)
+        if isinstance(name, (tuple, list)):
+            name = name[0]
+        if name:
+            return getattr(transformers, name)
+    raise LookupError("no base or causal-LM class")
+
+
+def _inputs(model: Any, config: Any) -> dict[str, Any]:
+    import torch
+
+    params = inspect.signature(model.forward).parameters
+    generator = torch.Generator().manual_seed(2)
+    inputs: dict[str, Any] = {}
+    main = getattr(model, "main_input_name", "input_ids")
+    if main == "input_ids" or ("input_ids" in params and main not in params):
+        inputs["input_ids"] = torch.randint(3, VOCAB - 10, (2, SEQ), generator=generator)
+    elif main == "pixel_values":
+        vision = getattr(config, "vision_config", config)
+        size = getattr(vision, "image_size", 32)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        channels = getattr(vision, "num_channels", 3)
+        inputs["pixel_values"] = torch.randn(1, channels, size, size, generator=generator)
+    elif main == "input_values":
+        inputs["input_values"] = torch.randn(1, 1600, generator=generator)
+    elif main == "input_features":
+        bins = getattr(config, "num_mel_bins", getattr(config, "feature_size", 80))
+        inputs["input_features"] = torch.randn(1, bins, 3000 if "whisper" in config.model_type else 64, generator=generator)
+    elif main == "inputs_embeds":
+        inputs["inputs_embeds"] = torch.randn(2, SEQ, getattr(config, "hidden_size", 32), generator=generator)
+    else:
+        raise LookupError(f"main input {main!r} not handled")
+    if ("decoder_input_ids" in params and "input_ids" in inputs) or ("decoder_input_ids" in params and main in ("input_features",)):
+        inputs["decoder_input_ids"] = torch.randint(3, VOCAB - 10, (inputs[main].shape[0], 4), generator=generator)
+    if "use_cache" in params:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _first_float(output: Any) -> Any:
+    import torch
+
+    values = output.to_tuple() if hasattr(output, "to_tuple") else output
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+        if isinstance(value, (tuple, list)):
+            for inner in value:
+                if isinstance(inner, torch.Tensor) and inner.is_floating_point():
+                    return inner
+    raise LookupError("no floating output")
+
+
+def _build(model_type: str, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+    import torch
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    _shrink(config)
+    config._attn_implementation = "eager"
+    cls = _model_class(model_type)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    return model, _inputs(model, config)
+
+
+def _run(model: Any, inputs: dict[str, Any]) -> Any:
+    return _first_float(model(**inputs))
+
+
+def _lora_key(name: str) -> str:
+    return name.removeprefix("base_model.model.").replace(".default.weight", "")
+
+
+def check(model_type: str) -> dict[str, Any]:
+    """Check one model type; return ``{"status": ..., "detail": ...}``."""
+    import peft
+    import torch
+
+    import loragen
+
+    # the base model alone: built and run, else skipped
+    try:
+        base, inputs = _build(model_type)
+        _run(base, inputs)
+    except Exception as error:
+        return {"status": "skipped", "detail": f"base: {type(error).__name__}: {str(error)[:160]}"}
+
+    config = loragen.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    try:
+        theirs, _ = _build(model_type)
+        theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        peft_out = _run(theirs, inputs)
+    except Exception as error:
+        peft_error = f"{type(error).__name__}: {str(error)[:160]}"
+        try:
+            ours, _ = _build(model_type)
+            loragen.get_lora_model(ours, config)
+            _run(ours, inputs)
+            return {"status": "peft also fails", "detail": f"peft: {peft_error}; loragen runs"}
+        except Exception as ours_error:
+            return {"status": "peft also fails", "detail": f"peft: {peft_error}; loragen: {type(ours_error).__name__}: {str(ours_error)[:120]}"}
+
+    stage = "convert"
+    notes: list[str] = []
+    try:
+        ours, _ = _build(model_type)
+        loragen.get_lora_model(ours, config)
+        ours_params = dict(ours.named_parameters())
+        peft_keys = {_lora_key(n) for n, _ in theirs.named_parameters() if ".lora_A.default." in n or ".lora_B.default." in n}
+        ours_keys = {n for n in ours_params if n.endswith((".lora_A", ".lora_B"))}
+        if peft_keys != ours_keys:
+            # note the difference, then compare on loragen's layers (peft given them as an explicit list)
+            notes.append(f"targets differ: peft only {sorted(peft_keys - ours_keys)[:3]}, loragen only {sorted(ours_keys - peft_keys)[:3]}")
+            targets = sorted(loragen.convert.find_lora_layers(ours))
+            theirs, _ = _build(model_type)
+            theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        generator = torch.Generator().manual_seed(1)
+        for name, p in theirs.named_parameters():
+            if ".lora_A.default." in name or ".lora_B.default." in name:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+                    ours_params[_lora_key(name)].copy_(p)
+        stage = "forward"
+        peft_out = _run(theirs, inputs)
+        ours_out = _run(ours, inputs)
+        stage = "backward"
+        weights = torch.linspace(-1, 1, peft_out.numel()).view(peft_out.shape)
+        (peft_out * weights).sum().backward()
+        (ours_out * weights).sum().backward()
+    except Exception as error:
+        return {"status": "loragen crash", "detail": f"{stage}: {type(error).__name__}: {str(error)[:200]}",
+                "traceback": traceback.format_exc()[-1500:]}
+    try:
+        # fp32, 1e-5 relative to the largest entry: models whose activations reach 1e3 round at 1e-4
+        torch.testing.assert_close(ours_out, peft_out, rtol=1e-5, atol=1e-5 * max(1.0, peft_out.abs().max().item()))
+        for name, p in theirs.named_parameters():
+            if p.grad is not None and (".lora_A." in name or ".lora_B." in name):
+                grad = ours_params[_lora_key(name)].grad
+                if grad is None:
+                    raise AssertionError(f"{_lora_key(name)}: no loragen grad")
+                scale = max(1.0, p.grad.abs().max().item())  # 1e-5 relative to the largest gradient entry
+                torch.testing.assert_close(grad, p.grad, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, k=name: f"grad {_lora_key(k)}: {m[:120]}")
+    except AssertionError as error:
+        return {"status": "mismatch", "detail": "; ".join([*notes, str(error).replace("\n", " ")[:240]])}
+
+    # zero-size batch, where the base model takes one
+    empty = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    try:
+        _run(base, empty)
+    except Exception:
+        notes.append("empty batch: base refuses")
+    else:
+        try:
+            out = _run(ours, empty)
+            if out.requires_grad:
+                out.sum().backward()
+        except Exception as error:
+            return {"status": "loragen crash", "detail": f"empty batch: {type(error).__name__}: {str(error)[:200]}",
+                    "traceback": traceback.format_exc()[-1500:]}
+    # training mode with dropout
+    try:
+        trained, _ = _build(model_type)
+        loragen.get_lora_model(trained, config.replace(lora_dropout=0.1)).train()
+        _run(trained, inputs).float().sum().backward()
+    except Exception as error:
+        try:
+            plain, _ = _build(model_type)
+            _run(plain.train(), inputs).float().sum().backward()
+        except Exception:
+            notes.append("train mode: base fails too")
+        else:
+            return {"status": "loragen crash", "detail": f"train+dropout: {type(error).__name__}: {str(error)[:200]}",
+                    "traceback": traceback.format_exc()[-1500:]}
+    targets_differ = any(note.startswith("targets differ") for note in notes)
+    return {"status": "targets differ" if targets_differ else "ok", "detail": "; ".join(notes)}
+
+
+def _worker(model_types: list[str], limit: int) -> None:
+    """Check each model type in turn, one JSON line per result on stdout."""
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"over {limit} s")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    for model_type in model_types:
+        start = time.monotonic()
+        signal.alarm(limit)
+        try:
+            result = check(model_type)
+        except TimeoutError as error:
+            result = {"status": "timeout", "detail": str(error)}
+        except Exception as error:
+            result = {"status": "skipped", "detail": f"harness: {type(error).__name__}: {str(error)[:160]}"}
+        finally:
+            signal.alarm(0)
+        result.update(model_type=model_type, seconds=round(time.monotonic() - start, 1))
+        print(json.dumps(result), flush=True)
+
+
+class _Watchdog:
+    """Kill the worker when it reports nothing for ``seconds`` (a hang the alarm cannot interrupt)."""
+
+    def __init__(self, process: subprocess.Popen[str], seconds: float) -> None:
+        import threading
+
+        self.process, self.seconds, self.last, self.done = process, seconds, time.monotonic(), False
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def reset(self) -> None:
+        """A result arrived."""
+        self.last = time.monotonic()
+
+    def stop(self) -> None:
+        """The worker ended."""
+        self.done = True
+
+    def _watch(self) -> None:
+        while not self.done and self.process.poll() is None:
+            if time.monotonic() - self.last > self.seconds:
+                self.process.kill()
+                return
+            time.sleep(1)
+
+
+def _all_types() -> list[str]:
+    from transformers.models.auto import modeling_auto as auto
+
+    return sorted(set(auto.MODEL_MAPPING_NAMES) | set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+
+
+def _table(results: list[dict[str, Any]], command: str) -> str:
+    counts: dict[str, int] = {}
+    for result in results:
+        counts[result["status"]] = counts.get(result["status"], 0) + 1
+    lines = [
+        "# loragen vs peft on transformers architectures", "",
+        f"Command: `{command}`", "",
+        "Counts: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + f" (total {len(results)})", "",
+        "| model type | status | detail |", "|---|---|---|",
+    ]
+    order = {"loragen crash": 0, "mismatch": 1, "timeout": 2, "targets differ": 3, "peft also fails": 4, "ok": 5, "skipped": 6}
+    for result in sorted(results, key=lambda r: (order.get(r["status"], 9), r["model_type"])):
+        detail = result.get("detail", "").replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {result['model_type']} | {result['status']} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Run the sweep in worker processes; write the results table and a JSON-lines log."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="sweep_results.md")
+    parser.add_argument("--only", default="", help="comma-separated model types")
+    parser.add_argument("--limit", type=int, default=60, help="seconds per model")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("types", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.types, args.limit)
+        return
+    todo = [t for t in args.only.split(",") if t] or _all_types()
+    log = Path(args.out).with_suffix(".jsonl")
+    done: dict[str, dict[str, Any]] = {}
+    while len(done) < len(todo):
+        pending = [t for t in todo if t not in done]
+        process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--limit", str(args.limit), *pending],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert process.stdout is not None
+        watchdog = _Watchdog(process, 3 * args.limit)
+        for line in process.stdout:
+            watchdog.reset()
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[result["model_type"]] = result
+            with log.open("a") as f:
+                f.write(line)
+            print(f"{result['model_type']:32} {result['status']:16} {result.get('detail', '')[:100]}", flush=True)
+        process.wait()
+        watchdog.stop()
+        stuck = next((t for t in todo if t not in done), None)
+        if stuck is not None:  # the worker died on this one (segfault, hang past the alarm)
+            done[stuck] = {"model_type": stuck, "status": "timeout", "detail": f"worker died (rc {process.returncode})"}
+    command = "OMP_NUM_THREADS=1 python scripts/sweep_architectures.py " + " ".join(sys.argv[1:])
+    Path(args.out).write_text(_table(list(done.values()), command))
+
+
+if __name__ == "__main__":
+    main()
