@@ -17,7 +17,14 @@ from torch import nn
 
 from loragen.adapters.folder import Adapter, read_adapter
 from loragen.adapters.keys import PEFT_PREFIX
-from loragen.adapters.named import add_adapter, delete_adapter, list_adapters, record_config, set_trainable
+from loragen.adapters.named import (
+    add_adapter,
+    check_adapter_name,
+    delete_adapter,
+    list_adapters,
+    record_config,
+    set_trainable,
+)
 from loragen.convert import (
     ADAPTER_CONFIGS_ATTR,
     CONFIG_ATTR,
@@ -193,6 +200,7 @@ def load_adapter(
         LoraConversionError: the config's targets match nothing in the model (names the targets), or
             match layers loragen cannot adapt.
     """
+    check_adapter_name(adapter_name)
     adapter = read_adapter(path, allow_pickle=allow_pickle)
     config = adapter.config
     existing_layers = find_lora_layers(model)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from loragen.adapters.named import adapter_configs, record_config, require_adapter
+from loragen.adapters.named import adapter_configs, check_adapter_name, record_config, require_adapter
 from loragen.config import LoraConfig
 from loragen.convert import find_lora_layers
 from loragen.errors import AdapterMixError, AdapterNameError
@@ -87,8 +87,7 @@ def add_weighted_adapter(
         raise AdapterMixError(f"add_weighted_adapter: weights must be finite numbers, got {bad!r}")
     if isinstance(adapter_name, str) and adapter_name in adapter_configs(model):
         raise AdapterNameError(f"add_weighted_adapter: an adapter {adapter_name!r} exists already; pick another name")
-    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name or adapter_name == "__base__":
-        raise AdapterNameError(f"adapter_name={adapter_name!r}: expected a non-empty name without '.'")
+    check_adapter_name(adapter_name)
     if combination_type not in COMBINATIONS:
         raise AdapterMixError(
             f"add_weighted_adapter: combination_type={combination_type!r}; loragen implements "

@@ -15,7 +15,8 @@ backward  dh, dB = lora_grad_out(g)                 one pass over g (dh carries 
 Split reductions come back as float32 partial sums that torch adds up (deterministic: no atomics).
 LoRA parameters may be float32 (peft's default for 16-bit models) or x's dtype; the kernels read them
 as float32 and accumulate in float32, and the output is rounded once into x's dtype: the rank-r term is
-never rounded to 16 bits before the base product is added. The output is a fresh tensor (never a view),
+never rounded to 16 bits before the base product is added. (In backward, lora_grad_in writes the LoRA
+part of grad_x in x's dtype and cuBLAS adds g W to it: two roundings there, as in peft's composition.) The output is a fresh tensor (never a view),
 so callers may modify it in place.
 
 Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which
@@ -141,8 +142,9 @@ class LoraLinearCudaFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         plan = Plan(x2, out_features, lora_A.shape[0], launcher)
         x2 = plan.prepare(x2)
-        a32 = plan.prepare(lora_A.detach().float())  # (r, in)
-        bt32 = plan.prepare(lora_B.detach().float().t())  # (r, out)
+        # (R, in) and (R, out), padded to the rank bucket: rows r..R-1 are zero
+        a32 = plan.prepare(passes.pad_rank(lora_A.detach().float(), plan.variant))
+        bt32 = plan.prepare(passes.pad_rank(lora_B.detach().float().t(), plan.variant))
         dropout = (
             (seed, 0, philox.keep_threshold(dropout_p), philox.keep_scale(dropout_p))
             if dropout_p > 0

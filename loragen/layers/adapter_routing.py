@@ -3,8 +3,8 @@
 A layer's usual forward (the fused op, sibling fusion) computes its first adapter. It comes here instead
 when ``layer._lora_detour`` is set:
 
-* a mixed batch is under way (:func:`loragen.mixed_batch`): each row gets its own adapter
-  (:func:`loragen.layers.mixed_batch.forward`);
+* a mixed batch is under way (:func:`loragen.mixed_batch`) and adapters are not off: each row gets its
+  own adapter (:func:`loragen.layers.mixed_batch.forward`);
 * adapters are off (``active_adapter`` is None), the active adapter is one the layer does not hold, or the
   layer is merged: the base layer's forward alone;
 * the active adapter is a further one: the base output plus that adapter's term -- for a layer whose base
@@ -29,10 +29,10 @@ __all__ = ["forward"]
 
 def forward(layer: Any, x: Tensor) -> Tensor:
     """``layer``'s output for ``x`` with the routing its adapter state asks for (see the module docstring)."""
-    route = layer.__dict__.get("_mixed_route")
-    if route is not None:
-        return mixed_batch.forward(layer, x, route)
     name = layer.active_adapter
+    route = layer.__dict__.get("_mixed_route")
+    if route is not None and name is not None:  # adapters off (disable_adapter) win, as in peft
+        return mixed_batch.forward(layer, x, route)
     if layer.merged or name is None or not has_adapter(layer, name):
         return layer._base_output(x)  # type: ignore[no-any-return, unused-ignore]
     factors = adapter_factors(layer, name)

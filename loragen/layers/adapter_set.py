@@ -18,7 +18,7 @@ itself, so code that reads an adapter's factors and settings takes either the la
 first adapter, ``<path>.lora_adapters.<name>.lora_magnitude_vector`` for the others.
 
 Deleting a layer's first adapter moves the next one (in insertion order) into the layer's own attributes
-(the same parameter objects: optimizer state stays valid, only their state-dict keys change); deleting a
+(every parameter of its ``AdapterFactors`` and the :data:`SETTINGS`; the same parameter objects: optimizer state stays valid, only their state-dict keys change); deleting a
 layer's last adapter is the caller's business (:func:`loragen.delete_adapter` turns the layer back into
 its base layer).
 
@@ -47,6 +47,8 @@ from loragen.validation import InitMode, check_flag, check_lora_args
 __all__ = [
     "ADAPTERS_ATTR",
     "DEFAULT_ADAPTER",
+    "EXTRA_PARAMETERS",
+    "SETTINGS",
     "AdapterFactors",
     "Factors",
     "adapter_names",
@@ -60,6 +62,11 @@ __all__ = [
 
 DEFAULT_ADAPTER = "default"
 ADAPTERS_ATTR = "lora_adapters"  # the ModuleDict of a layer's further adapters
+# Per-adapter parameters besides the two factors (a variant's, such as DoRA's magnitude): a layer's first
+# adapter holds them as its own parameters, a further adapter on its AdapterFactors, under these names.
+EXTRA_PARAMETERS: tuple[str, ...] = (dora.MAGNITUDE,)
+# Per-adapter settings, on the layer (first adapter) and on each AdapterFactors alike.
+SETTINGS: tuple[str, ...] = ("r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "use_dora")
 
 
 class Factors(Protocol):
@@ -235,9 +242,6 @@ def add_factors(
     return factors
 
 
-_SETTINGS = ("r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "use_dora")
-
-
 def remove_factors(layer: Any, name: str) -> bool:
     """Remove ``layer``'s adapter ``name``; returns whether the layer still holds an adapter.
 
@@ -259,11 +263,13 @@ def remove_factors(layer: Any, name: str) -> bool:
         successor_name = next(iter(further.keys()))
         successor: AdapterFactors = further[successor_name]  # type: ignore[assignment]
         del further[successor_name]
-        layer._parameters.pop(dora.MAGNITUDE, None)  # the old first adapter's, if it had DoRA
-        for attr, param in successor.lora_parameters().items():
+        for attr in EXTRA_PARAMETERS:
+            layer._parameters.pop(attr, None)
+        for attr, param in successor._parameters.items():  # the factors and any extra parameter
             layer._parameters[attr] = param
-        for attr in _SETTINGS:
-            setattr(layer, attr, getattr(successor, attr))
+        for attr in SETTINGS:
+            if hasattr(successor, attr):
+                setattr(layer, attr, getattr(successor, attr))
         layer.adapter_name = successor_name
     if further is not None and not len(further):
         del layer._modules[ADAPTERS_ATTR]

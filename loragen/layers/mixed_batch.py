@@ -19,7 +19,10 @@ base GEMM. Concatenated factors and masks are cached per layer for the duration 
 the factors' versions. Embedding and convolution layers gather each adapter's rows (``index_select``) and
 add their term back (``index_add_``).
 
-As in peft, a mixed batch is for inference: the model must be in eval mode, and no layer may be merged.
+As in peft, a mixed batch is for inference: the model must be in eval mode, and no layer may be merged;
+inside :func:`loragen.disable_adapter` every row gets the base model. The names are state on the model's
+layers for the duration of the block: two threads running one model with different names at once need
+one model each.
 """
 
 from __future__ import annotations
