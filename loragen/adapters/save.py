@@ -27,6 +27,7 @@ from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
 from loragen.layers import LoraLayer
+from loragen.layers.experts import LoraParametersLayer, scaling_owners
 from loragen.registry import TRANSPOSED
 
 __all__ = ["adapter_config_for", "adapter_state_dict", "save_adapter"]
@@ -43,6 +44,12 @@ def _most_common(values: list[Any]) -> Any:
 
 def _derived_config(model: nn.Module, layers: Mapping[str, LoraLayer]) -> LoraConfig:
     """A config that reproduces ``layers`` (for models with no stored config, e.g. rewritten ones)."""
+    adapted = [p for p, layer in layers.items() if isinstance(layer, LoraParametersLayer)]
+    if adapted:
+        raise AdapterError(
+            f"{', '.join(adapted)}: LoRA on parameters, but the model carries no config (model.{CONFIG_ATTR}) "
+            "saying how they were targeted; set it to the LoraConfig used (target_parameters=...)"
+        )
     rslora = {layer.use_rslora for layer in layers.values()}
     if len(rslora) > 1:
         mixed = ", ".join(p for p, layer in layers.items() if layer.use_rslora)
@@ -90,12 +97,13 @@ def adapter_config_for(model: nn.Module) -> LoraConfig:
     if not isinstance(config, LoraConfig):
         config = _derived_config(model, layers)
     for path, layer in layers.items():
-        if config.rank_for(path) != layer.r or not math.isclose(config.scaling_for(path), layer.scaling):
-            raise AdapterError(
-                f"{path}: the layer has r={layer.r}, scaling={layer.scaling:g} but the model's config gives "
-                f"r={config.rank_for(path)}, scaling={config.scaling_for(path):g}; delete "
-                f"model.{CONFIG_ATTR} to save a config derived from the layers"
-            )
+        for key, owner in scaling_owners(path, layer):
+            if config.rank_for(key) != owner.r or not math.isclose(config.scaling_for(key), owner.scaling):
+                raise AdapterError(
+                    f"{key}: the layer has r={owner.r}, scaling={owner.scaling:g} but the model's config gives "
+                    f"r={config.rank_for(key)}, scaling={config.scaling_for(key):g}; delete "
+                    f"model.{CONFIG_ATTR} to save a config derived from the layers"
+                )
     # peft's fan_in_fan_out means "weights stored (in, out)": the transposed layout
     if all(layer.layout is TRANSPOSED for layer in layers.values()) and not config.fan_in_fan_out:
         config = config.replace(fan_in_fan_out=True)
