@@ -231,3 +231,10 @@ def test_transposed_experts_follow_peft() -> None:
     twin = peft_twin(base, model, config)
     x = torch.randn(3, 6)
     torch.testing.assert_close(model(x), twin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_alone_need_no_target_modules() -> None:
+    model = loragen.get_lora_model(make("olmoe"), loragen.LoraConfig(target_parameters=["down_proj"]))
+    adapted = loragen.convert.find_lora_layers(model)
+    assert list(adapted) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(list(layer.parameter_targets) == ["down_proj"] for layer in adapted.values())
