@@ -28,7 +28,7 @@ elements fewer held per adapted parameter between forward and backward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,11 +68,30 @@ class _Recipe:
         return self.value
 
 
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that were active around :func:`recompute_on_backward`."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
+def _outer_hooks() -> tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None:
+    """The saved-tensor hooks active now (activation checkpointing's, ``save_on_cpu``'s), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        return top(False) if top is not None else None
+    except TypeError:  # older signature
+        return None
+
+
 @contextlib.contextmanager
 def recompute_on_backward(recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, float, ParameterLayout]]) -> Iterator[None]:
     """While active, tensors autograd saves that live in the storage of one of the effective weights
     (``recipes``' keys: the weight itself, an expert's slice, a transpose) are saved as a recipe and rebuilt
-    when the backward unpacks them, instead of being kept alive.
+    when the backward unpacks them, instead of being kept alive. Every other saved tensor goes to the hooks
+    that were active outside (activation checkpointing still drops it), or is saved as usual.
 
     ``recipes`` maps each effective weight to ``(W, A, B, scaling, layout)``, the arguments of
     :func:`effective_weight` that made it. The factors must not change between forward and backward (an
@@ -82,16 +101,19 @@ def recompute_on_backward(recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, fl
     by_storage = {
         w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _Recipe(*args)) for w, args in recipes.items()
     }
+    outer = _outer_hooks()
 
     def pack(t: Tensor) -> Any:
-        if t.layout != torch.strided or t.device.type == "meta":
-            return t
-        found = by_storage.get(t.untyped_storage().data_ptr())
+        found = None
+        if t.layout == torch.strided and t.device.type != "meta":
+            found = by_storage.get(t.untyped_storage().data_ptr())
         if found is None or t.dtype != found[0]:
-            return t
+            return t if outer is None else _Outer(outer[0](t))
         return (found[2], tuple(t.shape), tuple(t.stride()), t.storage_offset() - found[1])
 
     def unpack(packed: Any) -> Tensor:
+        if isinstance(packed, _Outer):
+            return outer[1](packed.packed) if outer is not None else packed.packed
         if not isinstance(packed, tuple):
             return packed
         recipe, size, stride, offset = packed

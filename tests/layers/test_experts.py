@@ -238,3 +238,20 @@ def test_parameters_alone_need_no_target_modules() -> None:
     adapted = loragen.convert.find_lora_layers(model)
     assert list(adapted) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert all(list(layer.parameter_targets) == ["down_proj"] for layer in adapted.values())
+
+
+def test_gradient_checkpointing_and_outer_hooks_still_apply() -> None:
+    base = make("qwen3_moe")
+    config = _config()
+    model = loragen.get_lora_model(copy.deepcopy(base), config)
+    twin = peft_twin(base, model, config)
+    for m in (model, twin):
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = tokens()
+    with torch.autograd.graph.save_on_cpu():
+        _loss(model, ids).backward()
+    _loss(twin, ids).backward()
+    expected = peft_grads(twin)
+    for key, grad in lora_grads(model).items():
+        torch.testing.assert_close(grad, expected[key], rtol=1e-5, atol=1e-6, msg=key)
