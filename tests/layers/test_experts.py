@@ -255,3 +255,20 @@ def test_gradient_checkpointing_and_outer_hooks_still_apply() -> None:
     expected = peft_grads(twin)
     for key, grad in lora_grads(model).items():
         torch.testing.assert_close(grad, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_bf16_experts_follow_peft() -> None:
+    """A bf16 base keeps float32 factors (as peft does by default); the update is folded in bf16, as in peft."""
+    base = make("mixtral").to(torch.bfloat16)
+    config = _config()
+    model = loragen.get_lora_model(copy.deepcopy(base), config)
+    factor = model.model.layers[0].mlp.experts.lora_targets.gate_up_proj.lora_A
+    assert factor.dtype == torch.float32
+    twin = peft_twin(base, model, config)
+    ids = tokens()
+    _loss(model, ids).backward()
+    _loss(twin, ids).backward()
+    torch.testing.assert_close(model(ids).logits, twin(ids).logits, rtol=0, atol=0)
+    expected = peft_grads(twin)
+    for key, grad in lora_grads(model).items():
+        torch.testing.assert_close(grad, expected[key], rtol=1e-2, atol=1e-4, msg=key)
