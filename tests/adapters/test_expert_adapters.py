@@ -12,6 +12,7 @@ import torch
 
 import loragen
 from loragen.adapters.merge import MergeError, merge_checkpoint
+from loragen.cli import main
 from loragen.errors import AdapterError
 from tests.layers.experts_models import make, peft, tokens
 
@@ -96,6 +97,19 @@ def test_loragen_merge_refuses_expert_adapters_by_key_and_writes_nothing(tmp_pat
         merge_checkpoint(tmp_path / "base.safetensors", tmp_path / "adapter", out)
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.safetensors"]
+
+
+def test_the_merge_command_refuses_them_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = make("olmoe")
+    safetensors.torch.save_file({k: v.contiguous() for k, v in base.state_dict().items()}, tmp_path / "base.safetensors")
+    loragen.save_adapter(_loragen_model("olmoe"), tmp_path / "adapter")
+    argv = ["merge", "--base", str(tmp_path / "base.safetensors"), "--adapter", str(tmp_path / "adapter"),
+            "-o", str(tmp_path / "out.safetensors")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "loragen merge: error: the adapter adapts parameters directly" in err
+    assert "model.layers.0.mlp.experts.lora_B.weight" in err and "(2 more)" in err and "nothing was written" in err
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_save_without_a_config_is_refused() -> None:
