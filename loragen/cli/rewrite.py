@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.quiet:
                 for warning in result.warnings:
                     print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
-                if result.fields or result.errors or len(results) == 1:  # files without layers: nothing to say
+                if result.fields or result.sub_models or result.errors or len(results) == 1:  # files without layers: nothing to say
                     print(result.summary(), file=sys.stderr)
         for message in unmatched:
             print(f"loragen rewrite: error: {message}", file=sys.stderr)

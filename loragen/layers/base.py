@@ -17,6 +17,7 @@ from torch.nn.utils import parametrize
 from typing_extensions import Self
 
 from loragen.errors import LoraMergeError
+from loragen.layers.adapter_set import ADAPTERS_ATTR, DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter
 from loragen.layers.cloning import clone_as, strip_to
 from loragen.registry import Layout, spec_for_lora_type
 from loragen.validation import InitMode, check_lora_args
@@ -43,14 +44,21 @@ class LoraLayer(nn.Module):
         r: rank. lora_alpha: alpha. scaling: the factor applied to the LoRA branch.
         lora_dropout_p: dropout probability on the branch's input. use_rslora: rank-stabilised scaling.
         merged: whether ``scaling * B @ A`` is currently added into ``weight``.
+        adapter_name: the name of the adapter in the layer's own factors; active_adapter: the adapter the
+        forward adds (``None``: none). Further named adapters: :mod:`loragen.layers.adapter_set`.
     """
 
     # the class this LoRA class replaces; to_base() returns an object of it
     base_class: ClassVar[type[nn.Module]]
     # instance attributes the LoRA setup adds (besides the factors): removed again by to_base()
     _lora_attributes: ClassVar[tuple[str, ...]] = (
-        "r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "merged", "_sibling_role"
+        "r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "merged", "_sibling_role",
+        "adapter_name", "active_adapter", "_lora_detour", "_mixed_route", "_merged_adapter",
     )
+    # several named adapters (loragen.layers.adapter_set); instances set these when they differ
+    adapter_name: str = DEFAULT_ADAPTER
+    active_adapter: str | None = DEFAULT_ADAPTER
+    _lora_detour: bool = False  # the forward goes through loragen.layers.adapter_routing
 
     weight: Tensor
     r: int
@@ -173,10 +181,12 @@ class LoraLayer(nn.Module):
         """float32, or float64 for float64 weights: merges never compute in less than float32."""
         return torch.promote_types(self.weight.dtype, torch.float32)
 
-    def delta_weight(self) -> Tensor:
-        """``scaling * B @ A`` in the base weight's layout, in float32 (float64 for float64 weights)."""
+    def delta_weight(self, adapter: str | None = None) -> Tensor:
+        """``scaling * B @ A`` of adapter ``adapter`` (None: the layer's own, first adapter) in the base
+        weight's layout, in float32 (float64 for float64 weights)."""
+        factors: Factors = self if adapter is None else adapter_factors(self, adapter)
         dtype = self._merge_dtype()
-        return self.layout.delta(self.factor_a.to(dtype), self.factor_b.to(dtype)) * self.scaling
+        return self.layout.delta(factors.factor_a.to(dtype), factors.factor_b.to(dtype)) * factors.scaling
 
     def _check_mergeable(self) -> None:
         """Raise :class:`LoraMergeError` if merged and unmerged outputs could not agree."""
@@ -188,12 +198,18 @@ class LoraLayer(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Add ``scaling * B @ A`` into ``weight`` (float32 math, rounded once). A no-op if merged."""
+        """Add the active adapter's ``scaling * B @ A`` into ``weight`` (float32 math, rounded once). A no-op
+        if merged; with no active adapter, or one the layer does not hold, ``weight`` stays as it is."""
         if self.merged:
             return
         self._check_mergeable()
-        w = self.weight
-        w.copy_((w.to(self._merge_dtype()) + self.delta_weight()).to(w.dtype))
+        name = self.active_adapter
+        if name is not None and has_adapter(self, name):
+            w = self.weight
+            w.copy_((w.to(self._merge_dtype()) + self.delta_weight(name)).to(w.dtype))
+            self.__dict__["_merged_adapter"] = name
+        else:
+            self.__dict__["_merged_adapter"] = None
         self.merged = True
 
     @torch.no_grad()
@@ -205,14 +221,28 @@ class LoraLayer(nn.Module):
         """
         if not self.merged:
             return
-        w = self.weight
-        w.copy_((w.to(self._merge_dtype()) - self.delta_weight()).to(w.dtype))
+        name = self.__dict__.pop("_merged_adapter", self.adapter_name)
+        if name is not None:
+            w = self.weight
+            w.copy_((w.to(self._merge_dtype()) - self.delta_weight(name)).to(w.dtype))
         self.merged = False
 
     def to_base(self) -> nn.Module:
         """The base layer again (an object of :attr:`base_class`) holding this layer's current, possibly
         merged, weight and bias: the same parameter objects and every other state, minus the LoRA parts."""
-        return strip_to(self, self.base_class, self.layout.factor_names, (), self._lora_attributes)
+        return strip_to(self, self.base_class, self.layout.factor_names, (ADAPTERS_ATTR,), self._lora_attributes)
+
+    # ---- several adapters (loragen.layers.adapter_routing) -------------------------------------------
+
+    def _base_output(self, x: Tensor) -> Tensor:
+        """The base layer's forward on this layer's (possibly merged) weight."""
+        result: Tensor = self.base_class.forward(self, x)
+        return result
+
+    def _lora_term(self, x: Tensor, factors: Factors) -> Tensor:
+        """``scaling * B A dropout(x)`` of one adapter (``factors``), in the adapter's dtype, shaped like the
+        base output. Layer types without it hold one adapter only."""
+        raise NotImplementedError(f"{type(self).__qualname__} holds one adapter only")
 
     def lora_extra_repr(self) -> str:
         return (

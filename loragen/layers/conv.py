@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen.layers import adapter_routing
+from loragen.layers.adapter_set import Factors
 from loragen.layers.base import InitMode, LoraLayer
 from loragen.registry import PLAIN, LayerSpec, register
 
@@ -35,28 +37,34 @@ class _LoraConvNd(LoraLayer):
         ones = (1,) * len(self.kernel_size)
         return (self.r, self.in_channels // self.groups, *self.kernel_size), (self.out_channels, self.r, *ones)
 
-    def _composed_weight(self) -> Tensor:
-        """``B @ A`` reshaped to the base weight's shape (cout, cin // groups, *k), in the adapter dtype."""
-        a, b = self.lora_A, self.lora_B
+    def _composed_weight(self, factors: Factors | None = None) -> Tensor:
+        """``B @ A`` (of ``factors``, default the layer's own) reshaped to the base weight's shape
+        (cout, cin // groups, *k), in the adapter dtype."""
+        a, b = (self.lora_A, self.lora_B) if factors is None else (factors.factor_a, factors.factor_b)
         return (b.flatten(1) @ a.flatten(1)).view(self.out_channels, *a.shape[1:])
 
     def forward(self, input: Tensor) -> Tensor:
         x = input
+        if self._lora_detour:  # another adapter active, adapters off, or a mixed batch
+            return adapter_routing.forward(self, x)
         result = self._conv_forward(x, self.weight, self.bias)
         if self.merged:
             return result
-        x_lora = x.to(self.lora_A.dtype)
-        if self.lora_dropout_p > 0:
-            x_lora = F.dropout(x_lora, self.lora_dropout_p, self.training)
+        return (result + self._lora_term(x, self)).to(result.dtype)
+
+    def _lora_term(self, x: Tensor, factors: Factors) -> Tensor:
+        x_lora = x.to(factors.factor_a.dtype)
+        if factors.lora_dropout_p > 0:
+            x_lora = F.dropout(x_lora, factors.lora_dropout_p, self.training)
         if self.groups == 1:
             # A with every base setting (stride, padding, dilation, padding mode), then B as a 1x1 conv:
             # the same linear map as convolving with B @ A, through an r-channel bottleneck.
-            hidden = self._conv_forward(x_lora, self.lora_A, None)
-            lora = self._conv(hidden, self.lora_B)
+            hidden = self._conv_forward(x_lora, factors.factor_a, None)
+            lora = self._conv(hidden, factors.factor_b)
         else:
             # A grouped weight cannot be factored through r channels; convolve with the composed weight.
-            lora = self._conv_forward(x_lora, self._composed_weight(), None)
-        return (result + lora * self.scaling).to(result.dtype)
+            lora = self._conv_forward(x_lora, self._composed_weight(factors), None)
+        return lora * factors.scaling
 
 
 class LoraConv1d(nn.Conv1d, _LoraConvNd):

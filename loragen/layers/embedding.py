@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen.layers import adapter_routing
+from loragen.layers.adapter_set import Factors
 from loragen.layers.base import InitMode, LoraLayer, LoraMergeError
 from loragen.registry import EMBEDDING, LayerSpec, register
 
@@ -71,14 +73,18 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         )
 
     def forward(self, ids: Tensor) -> Tensor:
+        if self._lora_detour:  # another adapter active, adapters off, or a mixed batch
+            return adapter_routing.forward(self, ids)
         result = self._lookup(ids, self.weight)
         if self.merged:
             return result
+        return (result + self._lora_term(ids, self)).to(result.dtype)
+
+    def _lora_term(self, ids: Tensor, factors: Factors) -> Tensor:
         # (..., r): row lookup in A^T is A[:, ids]^T, exactly the one-hot product A @ onehot(ids)
-        after_a = F.embedding(ids, self.lora_embedding_A.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq,
+        after_a = F.embedding(ids, factors.factor_a.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq,
                               self.sparse)
-        lora = after_a @ self.lora_embedding_B.t()  # (..., embedding_dim)
-        return (result + lora * self.scaling).to(result.dtype)
+        return (after_a @ factors.factor_b.t()) * factors.scaling  # (..., embedding_dim)
 
     def _check_mergeable(self) -> None:
         if self.max_norm is not None:

@@ -23,7 +23,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -108,14 +108,24 @@ class LoraParametersLayer(LoraLayer):
     each :class:`ParameterLora` holds its own.
     """
 
-    _lora_attributes: ClassVar[tuple[str, ...]] = (
-        "r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "merged"
-    )
-
     @property
     def layout(self) -> Layout:
         """PLAIN: the factors' names and peft suffixes (the per-parameter layout is each target's)."""
         return PLAIN
+
+    @property
+    def factor_a(self) -> nn.Parameter:
+        """Not one tensor here: every targeted parameter has its own (:attr:`parameter_targets`).
+
+        Raises:
+            LoraConversionError: always; a further named adapter cannot be added to targeted parameters.
+        """
+        raise LoraConversionError(
+            f"{type(self).__qualname__} holds LoRA on parameters ({', '.join(self.parameter_targets)}), one "
+            "adapter only: a further named adapter cannot target them"
+        )
+
+    factor_b = factor_a
 
     @property
     def parameter_targets(self) -> dict[str, ParameterLora]:
@@ -171,7 +181,7 @@ class LoraParametersLayer(LoraLayer):
     # ---- forward ----------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.merged:
+        if self.merged or self.active_adapter != self.adapter_name:  # merged, disabled, or another adapter's turn
             return super().forward(*args, **kwargs)
         effective = {}
         for name, target in self.parameter_targets.items():
@@ -201,7 +211,10 @@ class LoraParametersLayer(LoraLayer):
         if self.merged:
             return
         self._check_mergeable()
-        self._add_deltas(1.0)
+        active = self.active_adapter == self.adapter_name  # otherwise (disabled, another adapter) nothing to add
+        if active:
+            self._add_deltas(1.0)
+        self.__dict__["_merged_adapter"] = self.adapter_name if active else None
         self.merged = True
 
     @torch.no_grad()
@@ -209,7 +222,8 @@ class LoraParametersLayer(LoraLayer):
         """Subtract the updates again. A no-op if not merged."""
         if not self.merged:
             return
-        self._add_deltas(-1.0)
+        if self.__dict__.pop("_merged_adapter", self.adapter_name) is not None:
+            self._add_deltas(-1.0)
         self.merged = False
 
     def _add_deltas(self, sign: float) -> None:
@@ -275,7 +289,7 @@ def _rebuild(base_type: type[nn.Module]) -> LoraParametersLayer:
     return cls.__new__(cls)
 
 
-def scaling_owners(path: str, layer: LoraLayer) -> Sequence[tuple[str, Any]]:
+def scaling_owners(path: str, layer: Any) -> Sequence[tuple[str, Any]]:
     """``(config key, object holding r / lora_alpha / use_rslora / scaling)`` for each adapted part of the
     layer at ``path``: the layer itself, or each targeted parameter (keyed ``<path>.<name>``, the name
     ``rank_pattern`` and ``alpha_pattern`` match, as in peft)."""

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loragen.errors import LoraMergeError
+from loragen.layers import adapter_routing
+from loragen.layers.adapter_set import Factors
 from loragen.layers.base import InitMode, LoraLayer
 from loragen.ops import lora_linear, lora_linear_reference, siblings
 from loragen.registry import PLAIN, TRANSPOSED, LayerSpec, register
@@ -71,6 +73,8 @@ class LoraLinearMixin(LoraLayer):
         return (self.r, in_features), (out_features, self.r)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._lora_detour:  # another adapter active, adapters off, or a mixed batch
+            return adapter_routing.forward(self, x)
         if not self.fused_base:
             return self._forward_with_branch(x)
         transposed = self.layout is TRANSPOSED
@@ -91,11 +95,13 @@ class LoraLinearMixin(LoraLayer):
         result: Tensor = super().forward(x)  # the base class's forward, next in the MRO
         if self.merged:
             return result
-        x_lora = x.to(self.lora_A.dtype)
-        if self.lora_dropout_p > 0 and self.training:
-            x_lora = F.dropout(x_lora, self.lora_dropout_p, True)
-        lora = F.linear(F.linear(x_lora, self.lora_A), self.lora_B)
-        return (result + lora * self.scaling).to(result.dtype)
+        return (result + self._lora_term(x, self)).to(result.dtype)
+
+    def _lora_term(self, x: Tensor, factors: Factors) -> Tensor:
+        x_lora = x.to(factors.factor_a.dtype)
+        if factors.lora_dropout_p > 0 and self.training:
+            x_lora = F.dropout(x_lora, factors.lora_dropout_p, True)
+        return F.linear(F.linear(x_lora, factors.factor_a), factors.factor_b) * factors.scaling
 
     def _check_mergeable(self) -> None:
         super()._check_mergeable()

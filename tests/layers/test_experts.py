@@ -272,3 +272,26 @@ def test_bf16_experts_follow_peft() -> None:
     expected = peft_grads(twin)
     for key, grad in lora_grads(model).items():
         torch.testing.assert_close(grad, expected[key], rtol=1e-2, atol=1e-4, msg=key)
+
+
+def test_named_adapters_leave_expert_parameters_alone_when_another_adapter_runs() -> None:
+    base = make("mixtral")
+    model = loragen.get_lora_model(copy.deepcopy(base), _config(target_modules=["q_proj"]))
+    loragen.add_adapter(model, loragen.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False), "other")
+    ids = tokens()
+    with torch.no_grad():
+        with_experts = model(ids).logits
+        with loragen.disable_adapter(model):
+            torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
+        loragen.set_adapter(model, "other")
+        only_q = copy.deepcopy(base)
+        loragen.get_lora_model(only_q, loragen.LoraConfig(r=2, target_modules=["q_proj"]))
+        for path, layer in loragen.convert.find_lora_layers(only_q).items():
+            source = model.get_submodule(path).lora_adapters["other"]
+            layer.lora_A.copy_(source.lora_A)
+            layer.lora_B.copy_(source.lora_B)
+        torch.testing.assert_close(model(ids).logits, only_q(ids).logits, rtol=1e-5, atol=1e-6)
+        loragen.set_adapter(model, "default")
+        torch.testing.assert_close(model(ids).logits, with_experts, rtol=0, atol=0)
+    with pytest.raises(LoraConfigError, match=r"target_parameters=\['gate_up_proj', 'down_proj'\]: LoRA on parameters"):
+        loragen.add_adapter(model, _config(), "third")
