@@ -181,16 +181,21 @@ class LoraParametersLayer(LoraLayer):
     # ---- forward ----------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.merged or self.active_adapter != self.adapter_name:  # merged, disabled, or another adapter's turn
+        """The module's own forward, reading ``W + scaling * B_e @ A_e`` for each targeted parameter ``W``.
+
+        Merged, disabled (``active_adapter`` None) or another adapter's turn: the stored parameters.
+        """
+        if self.merged or self.active_adapter != self.adapter_name:
             return super().forward(*args, **kwargs)
-        effective = {}
-        for name, target in self.parameter_targets.items():
-            weight = self._parameters[name]
-            assert weight is not None  # checked at conversion
-            effective[name] = (weight, target.lora_A, target.lora_B, target.scaling, target.layout)
-        made = {name: effective_weight(*args_) for name, args_ in effective.items()}
-        saving = recompute_on_backward({made[n]: effective[n] for n in made}) if switches.fused.get() \
-            else contextlib.nullcontext()
+        recipes = {
+            name: (cast(Tensor, self._parameters[name]), target.lora_A, target.lora_B, target.scaling, target.layout)
+            for name, target in self.parameter_targets.items()
+        }
+        made = {name: effective_weight(*recipe) for name, recipe in recipes.items()}
+        saving = (
+            recompute_on_backward({made[name]: recipe for name, recipe in recipes.items()})
+            if switches.fused.get() else contextlib.nullcontext()
+        )
         with saving, _shadowed(self, made):
             return super().forward(*args, **kwargs)
 
@@ -228,8 +233,7 @@ class LoraParametersLayer(LoraLayer):
 
     def _add_deltas(self, sign: float) -> None:
         for name, target in self.parameter_targets.items():
-            w = self._parameters[name]
-            assert w is not None
+            w = cast(Tensor, self._parameters[name])
             w.copy_((w.to(torch.promote_types(w.dtype, torch.float32)) + sign * target.delta(w)).to(w.dtype))
 
     def to_base(self) -> nn.Module:
