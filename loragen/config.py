@@ -33,7 +33,7 @@ _PEFT_METADATA_FIELDS = frozenset(
 # peft features loragen does not implement: accepted only at their "off" value, refused otherwise, because
 # ignoring them would silently change the adapter's output.
 _PEFT_UNSUPPORTED_DEFAULTS: Mapping[str, Any] = {
-    "use_dora": False, "lora_bias": False, "use_qalora": False, "layer_replication": None,
+    "lora_bias": False, "use_qalora": False, "layer_replication": None,
     "megatron_config": None, "trainable_token_indices": None, "loftq_config": {}, "eva_config": None,
     "corda_config": None, "lora_ga_config": None, "velora_config": None, "alora_invocation_tokens": None,
     "monteclora_config": None, "use_bdlora": None, "arrow_config": None,
@@ -169,6 +169,8 @@ class LoraConfig:
             sets this per layer automatically).
         target_parameters: parameters adapted directly, e.g. MoE experts stored as 3-D parameters, by full
             name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.experts`).
+        use_dora: DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude per output
+            feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.dora`).
 
     Raises:
         LoraConfigError: on any invalid value; the message names the field and the value.
@@ -189,6 +191,7 @@ class LoraConfig:
     layers_pattern: str | Sequence[str] | None = None
     fan_in_fan_out: bool = False
     target_parameters: Sequence[str] | None = None
+    use_dora: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -199,6 +202,7 @@ class LoraConfig:
             raise LoraConfigError(f"bias={self.bias!r}: expected one of {', '.join(map(repr, _BIAS_MODES))}")
         check_flag(self.use_rslora, "use_rslora")
         check_flag(self.fan_in_fan_out, "fan_in_fan_out")
+        check_flag(self.use_dora, "use_dora")
         check_init(self.init_lora_weights)
         set_(self, "target_parameters", validation.check_parameter_targets(self.target_parameters, self))
         for name in ("target_modules", "exclude_modules"):
@@ -340,7 +344,6 @@ class LoraConfig:
             elif isinstance(value, Mapping):
                 value = dict(value)
             out[f.name] = value
-        out["use_dora"] = False
         out["lora_bias"] = False
         return out
 
@@ -349,7 +352,7 @@ class LoraConfig:
         """Build a config from a peft ``adapter_config.json`` dictionary.
 
         Metadata fields (``task_type``, ``base_model_name_or_path``, ...) are accepted and dropped. peft
-        features loragen does not implement (DoRA, ``lora_bias``, LoftQ, ...) are refused unless they are
+        features loragen does not implement (``lora_bias``, LoftQ, ...) are refused unless they are
         at their "off" value. Fields loragen does not know at all are reported with a
         :class:`LoraConfigWarning` naming them.
 

@@ -198,6 +198,7 @@ def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLaye
             lora_dropout=config.lora_dropout,
             use_rslora=config.use_rslora,
             init_lora_weights=config.init_lora_weights,
+            use_dora=config.use_dora,
         )
     except ValueError as exc:
         raise LoraConversionError(f"{path}: {exc}") from exc

@@ -99,6 +99,9 @@ def check_parameter_targets(value: Any, config: Any) -> tuple[str, ...] | None:
             f"{field}={names!r} with lora_dropout={lora_dropout!r}: LoRA on a parameter adds scaling * B @ A to "
             "the weight, where no input is there to drop out; set lora_dropout=0 (peft refuses it too)"
         )
+    if names and getattr(config, "use_dora", False):
+        raise LoraConfigError(f"{field}={names!r} with use_dora=True: DoRA on targeted parameters is not supported "
+                              "(peft refuses it too); set use_dora=False")
     if names and fan_in_fan_out:
         raise LoraConfigError(
             f"{field}={names!r} with fan_in_fan_out=True: a targeted parameter's layout comes from its shape "

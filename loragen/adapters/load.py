@@ -17,7 +17,14 @@ from torch import nn
 
 from loragen.adapters.folder import Adapter, read_adapter
 from loragen.adapters.keys import PEFT_PREFIX
-from loragen.adapters.named import add_adapter, delete_adapter, list_adapters, record_config, set_trainable
+from loragen.adapters.named import (
+    add_adapter,
+    check_adapter_name,
+    delete_adapter,
+    list_adapters,
+    record_config,
+    set_trainable,
+)
 from loragen.convert import (
     ADAPTER_CONFIGS_ATTR,
     CONFIG_ATTR,
@@ -120,6 +127,12 @@ def _plan_load(
     missing = sorted(file_key for model_key, file_key in expected.items() if model_key not in found)
 
     problems = []
+    dora_mismatch = [path for path, layer in layers.items() if layer.use_dora != config.use_dora]
+    if dora_mismatch:
+        problems.append(
+            f"the adapter config has use_dora={config.use_dora} but these LoRA layers have use_dora="
+            f"{not config.use_dora}:\n    " + "\n    ".join(dora_mismatch)
+        )
     if mismatched:
         problems.append("shape mismatch:\n    " + "\n    ".join(mismatched))
     if wrong_rank:
@@ -209,6 +222,7 @@ def load_adapter(
         LoraConversionError: the config's targets match nothing in the model (names the targets), or
             match layers loragen cannot adapt.
     """
+    check_adapter_name(adapter_name)
     adapter = read_adapter(path, allow_pickle=allow_pickle)
     config = adapter.config
     existing_layers = find_lora_layers(model)

@@ -63,6 +63,7 @@ __all__ = [
     "adapter_configs",
     "record_config",
     "require_adapter",
+    "check_adapter_name",
     "add_adapter",
     "set_adapter",
     "set_trainable",
@@ -166,11 +167,22 @@ def _targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
     return found
 
 
-def _check_new_adapter(model: nn.Module, config: LoraConfig, name: str) -> None:
+def check_adapter_name(name: object) -> str:
+    """``name`` if it can name an adapter: a non-empty string without ``.`` (it is a key component), other
+    than ``"__base__"`` (the mixed-batch name for no adapter).
+
+    Raises:
+        AdapterNameError: it cannot.
+    """
     if not isinstance(name, str) or not name or "." in name or name == "__base__":
         raise AdapterNameError(
             f"adapter_name={name!r}: expected a non-empty name without '.', other than '__base__'"
         )
+    return name
+
+
+def _check_new_adapter(model: nn.Module, config: LoraConfig, name: str) -> None:
+    check_adapter_name(name)
     known = list_adapters(model)
     if name in known:
         raise AdapterNameError(f"{type(model).__name__} holds an adapter {name!r} already; pick another name")
@@ -210,8 +222,7 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
         raise TypeError(f"config must be a loragen.LoraConfig, got {type(config).__name__}")
     existing = find_lora_layers(model)
     if not existing:
-        if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name:
-            raise AdapterNameError(f"adapter_name={adapter_name!r}: expected a non-empty name without '.'")
+        check_adapter_name(adapter_name)
         get_lora_model(model, config)
         for layer in find_lora_layers(model).values():
             layer.adapter_name = adapter_name
@@ -242,7 +253,7 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
             factors = add_factors(
                 module, adapter_name, r=config.rank_for(path), lora_alpha=config.alpha_for(path),
                 lora_dropout=config.lora_dropout, use_rslora=config.use_rslora,
-                init_lora_weights=config.init_lora_weights,
+                init_lora_weights=config.init_lora_weights, use_dora=config.use_dora,
             )
             factors.requires_grad_(False)
     record_config(model, adapter_name, config)

@@ -58,6 +58,13 @@ def _derived_config(model: nn.Module, layers: Mapping[str, Factors]) -> LoraConf
             f"the model mixes use_rslora=True ({mixed}) and False layers; peft's adapter_config.json "
             "has one use_rslora for all layers"
         )
+    dora = {layer.use_dora for layer in layers.values()}
+    if len(dora) > 1:
+        mixed = ", ".join(p for p, layer in layers.items() if layer.use_dora)
+        raise AdapterError(
+            f"the model mixes DoRA layers ({mixed}) and plain LoRA layers; peft's adapter_config.json has one "
+            "use_dora for all layers"
+        )
     r = _most_common([layer.r for layer in layers.values()])
     alpha = _most_common([layer.lora_alpha for layer in layers.values()])
     leaf_names = sorted({path.rpartition(".")[2] for path in layers})
@@ -74,6 +81,7 @@ def _derived_config(model: nn.Module, layers: Mapping[str, Factors]) -> LoraConf
         lora_dropout=_most_common([layer.lora_dropout_p for layer in layers.values()]),
         target_modules=targets,
         use_rslora=rslora.pop(),
+        use_dora=dora.pop(),
         rank_pattern={path: layer.r for path, layer in layers.items() if layer.r != r},
         alpha_pattern={path: layer.lora_alpha for path, layer in layers.items() if layer.lora_alpha != alpha},
     )
@@ -89,8 +97,8 @@ def adapter_config_for(model: nn.Module, adapter_name: str | None = None) -> Lor
     which of several adapters (default: the model's first).
 
     Raises:
-        AdapterError: the model has no LoRA layers, or the config disagrees with a layer's rank or
-            scaling (names the layer).
+        AdapterError: the model has no LoRA layers, the config disagrees with a layer's rank, scaling or
+            DoRA setting (names the layer), or a derived config would mix DoRA and plain layers.
     """
     all_layers = find_lora_layers(model)
     if not all_layers:
@@ -101,6 +109,11 @@ def adapter_config_for(model: nn.Module, adapter_name: str | None = None) -> Lor
     if not isinstance(config, LoraConfig):
         config = _derived_config(model, layers)
     for path, layer in layers.items():
+        if layer.use_dora != config.use_dora:
+            raise AdapterError(
+                f"{path}: the layer has use_dora={layer.use_dora} but the model's config has "
+                f"use_dora={config.use_dora}; delete model.{CONFIG_ATTR} to save a config derived from the layers"
+            )
         for key, owner in scaling_owners(path, layer):
             if config.rank_for(key) != owner.r or not math.isclose(config.scaling_for(key), owner.scaling):
                 raise AdapterError(

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from loragen.adapters.named import adapter_configs, record_config, require_adapter
+from loragen.adapters.named import adapter_configs, check_adapter_name, record_config, require_adapter
 from loragen.config import LoraConfig
 from loragen.convert import find_lora_layers
 from loragen.errors import AdapterMixError, AdapterNameError
@@ -70,7 +70,7 @@ def add_weighted_adapter(
         AdapterNameError: an unknown adapter in ``adapters`` (the known ones are listed), or
             ``adapter_name`` exists already (peft returns silently then; loragen says so).
         AdapterMixError: ``weights`` and ``adapters`` differ in length, a weight is not a finite number, an
-            unknown ``combination_type``, ``"linear"`` over adapters of different ranks, or target_modules
+            unknown ``combination_type``, ``"linear"`` over adapters of different ranks, DoRA adapters, or target_modules
             that mix a regex and a list (the adapters and what differs are named).
     """
     names = list(adapters)
@@ -87,8 +87,7 @@ def add_weighted_adapter(
         raise AdapterMixError(f"add_weighted_adapter: weights must be finite numbers, got {bad!r}")
     if isinstance(adapter_name, str) and adapter_name in adapter_configs(model):
         raise AdapterNameError(f"add_weighted_adapter: an adapter {adapter_name!r} exists already; pick another name")
-    if not isinstance(adapter_name, str) or not adapter_name or "." in adapter_name or adapter_name == "__base__":
-        raise AdapterNameError(f"adapter_name={adapter_name!r}: expected a non-empty name without '.'")
+    check_adapter_name(adapter_name)
     if combination_type not in COMBINATIONS:
         raise AdapterMixError(
             f"add_weighted_adapter: combination_type={combination_type!r}; loragen implements "
@@ -97,6 +96,12 @@ def add_weighted_adapter(
     if len(names) == 1:
         combination_type = "linear"
     configs = adapter_configs(model)
+    dora = [n for n in names if (c := configs.get(n)) is not None and c.use_dora]
+    if dora:
+        raise AdapterMixError(
+            f"add_weighted_adapter: adapter(s) {', '.join(map(repr, dora))} use DoRA; a weighted sum of factors "
+            "leaves out each adapter's magnitude, so loragen does not combine DoRA adapters"
+        )
     ranks = {name: _max_rank(model, name, configs.get(name)) for name in names}
     if combination_type == "linear" and len(set(ranks.values())) > 1:
         described = ", ".join(f"{n!r} r={r}" for n, r in ranks.items())

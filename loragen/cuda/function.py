@@ -141,8 +141,9 @@ class LoraLinearCudaFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         plan = Plan(x2, out_features, lora_A.shape[0], launcher)
         x2 = plan.prepare(x2)
-        a32 = plan.prepare(lora_A.detach().float())  # (r, in)
-        bt32 = plan.prepare(lora_B.detach().float().t())  # (r, out)
+        # (R, in) and (R, out), padded to the rank bucket: rows r..R-1 are zero
+        a32 = plan.prepare(passes.pad_rank(lora_A.detach().float(), plan.variant))
+        bt32 = plan.prepare(passes.pad_rank(lora_B.detach().float().t(), plan.variant))
         dropout = (
             (seed, 0, philox.keep_threshold(dropout_p), philox.keep_scale(dropout_p))
             if dropout_p > 0

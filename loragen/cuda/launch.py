@@ -60,7 +60,12 @@ class CudaDriverError(RuntimeError):
 
 
 class KernelLauncher(Protocol):
-    """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests."""
+    """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests.
+
+    Optional methods others look for: ``arch(device) -> "sm_90"`` (the self-check refuses bfloat16
+    before sm_80 without compiling) and ``route(variant, device) -> KernelLauncher``
+    (:class:`loragen.cuda.selfcheck.CheckedLauncher`: which launcher runs a variant).
+    """
 
     def target_blocks(self, device: torch.device) -> int:
         """About two blocks per multiprocessor: how many blocks a grid should have to fill the device."""

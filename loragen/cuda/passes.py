@@ -15,9 +15,9 @@ from torch import Tensor
 
 from loragen.cuda import specs
 from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, Variant
+from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, Variant, pad_rank
 
-__all__ = ["DTYPE_NAMES", "Plan", "add_base", "down", "grad_in", "grad_out", "up"]
+__all__ = ["DTYPE_NAMES", "Plan", "add_base", "down", "grad_in", "grad_out", "pad_rank", "up"]
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

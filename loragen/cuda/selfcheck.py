@@ -50,10 +50,11 @@ from loragen.cuda.torch_kernels import TorchKernels
 __all__ = ["OK", "CheckedLauncher", "check_variant", "child_main", "default_checker"]
 
 OK = "ok"
-# largest |kernel - torch path| relative to the largest |torch path| value, by output dtype. Both sides
-# read the same inputs and accumulate in float32, so they differ by summation order (float32 outputs)
-# or by one rounding step of a 16-bit output (2**-8 for bfloat16, 2**-11 for float16): two steps allowed.
-BOUNDS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# largest |kernel - torch path| relative to the largest |torch path| value, by the variant's dtype. Both
+# sides read the same inputs and accumulate in float32; they differ by summation order, by the rounding
+# of 16-bit outputs (2**-8 for bfloat16, 2**-11 for float16), and where a kernel runs on tensor cores,
+# by A or B^T rounded to the 16-bit dtype (seen: 1.5e-3 for bfloat16, 2.3e-4 for float16 at R = 32-64).
+BOUNDS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 _TORCH_DTYPES = {name: dtype for dtype, name in passes.DTYPE_NAMES.items()}
 _SEED = 0x0123_4567_89AB_CDEF  # both key words non-zero
 _P = 0.25
@@ -102,7 +103,9 @@ def _run(
     plan = passes.Plan(x, g.shape[1], rank, launcher)
     if plan.variant != variant:  # pragma: no cover - the problem is built for the variant
         raise AssertionError(f"self-check problem has variant {plan.variant.label}, not {variant.label}")
-    x2, g2, a32, bt32 = plan.prepare(x), plan.prepare(g), plan.prepare(data["a"]), plan.prepare(data["bt"])
+    x2, g2 = plan.prepare(x), plan.prepare(g)
+    a32 = plan.prepare(passes.pad_rank(data["a"], variant))  # as the op passes them: (R, in), (R, out)
+    bt32 = plan.prepare(passes.pad_rank(data["bt"], variant))
     dropout = (_SEED, 0, philox.keep_threshold(_P), philox.keep_scale(_P))
     h = passes.down(plan, x2, a32, dropout)
     h_in = h if given is None else given["h"]
@@ -183,13 +186,13 @@ def check_variant(
             if name in ("h", "dh"):
                 continue
             actual = got[name].float()
-            bound = BOUNDS[got[name].dtype]
+            bound = BOUNDS[_TORCH_DTYPES[variant.dtype]]
             scale = expected.float().abs().max().item()
             error = (actual - expected.float()).abs().max().item() / max(scale, 1e-30)
             if not error <= bound:  # NaN fails too
                 return (
                     f"numeric: {name} differs from the torch path by {error:.3g} of its largest value "
-                    f"(bound {bound:g} for {got[name].dtype}) on the check problem "
+                    f"(bound {bound:g} for {variant.dtype}) on the check problem "
                     f"{'x'.join(map(str, _shape(variant)))} (rows x in x out x rank)"
                 )
     return None

@@ -18,7 +18,7 @@ itself, so code that reads an adapter's factors and settings takes either the la
 first adapter, ``<path>.lora_adapters.<name>.lora_magnitude_vector`` for the others.
 
 Deleting a layer's first adapter moves the next one (in insertion order) into the layer's own attributes
-(the same parameter objects: optimizer state stays valid, only their state-dict keys change); deleting a
+(every parameter of its ``AdapterFactors`` and the :data:`SETTINGS`; the same parameter objects: optimizer state stays valid, only their state-dict keys change); deleting a
 layer's last adapter is the caller's business (:func:`loragen.delete_adapter` turns the layer back into
 its base layer).
 
@@ -40,12 +40,15 @@ import torch
 from torch import Tensor, nn
 
 from loragen.errors import AdapterNameError
+from loragen.layers import dora
 from loragen.registry import EMBEDDING, Layout
-from loragen.validation import InitMode, check_lora_args
+from loragen.validation import InitMode, check_flag, check_lora_args
 
 __all__ = [
     "ADAPTERS_ATTR",
     "DEFAULT_ADAPTER",
+    "EXTRA_PARAMETERS",
+    "SETTINGS",
     "AdapterFactors",
     "Factors",
     "adapter_names",
@@ -59,6 +62,11 @@ __all__ = [
 
 DEFAULT_ADAPTER = "default"
 ADAPTERS_ATTR = "lora_adapters"  # the ModuleDict of a layer's further adapters
+# Per-adapter parameters besides the two factors (a variant's, such as DoRA's magnitude): a layer's first
+# adapter holds them as its own parameters, a further adapter on its AdapterFactors, under these names.
+EXTRA_PARAMETERS: tuple[str, ...] = (dora.MAGNITUDE,)
+# Per-adapter settings, on the layer (first adapter) and on each AdapterFactors alike.
+SETTINGS: tuple[str, ...] = ("r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "use_dora")
 
 
 class Factors(Protocol):
@@ -69,6 +77,7 @@ class Factors(Protocol):
     scaling: float
     lora_dropout_p: float
     use_rslora: bool
+    use_dora: bool
 
     @property
     def factor_a(self) -> nn.Parameter: ...
@@ -96,9 +105,11 @@ class AdapterFactors(nn.Module):
         lora_alpha: float,
         lora_dropout: float,
         use_rslora: bool,
+        use_dora: bool = False,
     ) -> None:
         super().__init__()
         self.layout = layout
+        self.use_dora = use_dora  # with DoRA, loragen.layers.dora.init_magnitude adds lora_magnitude_vector
         self.r = r
         self.lora_alpha = lora_alpha
         self.use_rslora = bool(use_rslora)
@@ -119,12 +130,16 @@ class AdapterFactors(nn.Module):
         return getattr(self, self.layout.factor_names[1])
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
-        """The factors by attribute name, as :meth:`loragen.LoraLayer.lora_parameters`."""
-        return {name: getattr(self, name) for name in self.layout.factor_names}
+        """The factors by attribute name (and DoRA's magnitude), as :meth:`loragen.LoraLayer.lora_parameters`."""
+        names = (*self.layout.factor_names, dora.MAGNITUDE) if self.use_dora else self.layout.factor_names
+        return {name: getattr(self, name) for name in names}
 
     def peft_key_suffixes(self) -> dict[str, str]:
         """Attribute name -> peft's key suffix, as :meth:`loragen.LoraLayer.peft_key_suffixes`."""
-        return dict(zip(self.layout.factor_names, self.layout.peft_suffixes))
+        suffixes = dict(zip(self.layout.factor_names, self.layout.peft_suffixes))
+        if self.use_dora:
+            suffixes[dora.MAGNITUDE] = dora.MAGNITUDE
+        return suffixes
 
     def extra_repr(self) -> str:
         return f"r={self.r}, lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}, lora_dropout={self.lora_dropout_p:g}"
@@ -189,17 +204,23 @@ def add_factors(
     lora_dropout: float = 0.0,
     use_rslora: bool = False,
     init_lora_weights: InitMode = True,
+    use_dora: bool = False,
 ) -> AdapterFactors:
     """Give ``layer`` a further adapter ``name`` (factors shaped like its first adapter's at rank ``r``,
-    initialised as peft does, on the first factor's device and dtype). It is not made active.
+    initialised as peft does, on the first factor's device and dtype; with ``use_dora`` also DoRA's
+    magnitude, the norm of ``W + s B A``). It is not made active.
 
     Raises:
         AdapterNameError: the layer holds an adapter ``name`` already.
         LoraConfigError: an invalid LoRA argument.
+        LoraConversionError: ``use_dora`` on a layer where DoRA is not supported (names the type).
     """
     if has_adapter(layer, name):
         raise AdapterNameError(f"{type(layer).__name__} holds an adapter {name!r} already")
     check_lora_args(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+    check_flag(use_dora, "use_dora")
+    if use_dora:
+        dora.check_dora_supported(layer, type(layer).supports_dora)
     first_a, first_b = layer.factor_a, layer.factor_b
     a = first_a.new_empty((r, *first_a.shape[1:]))
     b = first_b.new_empty((first_b.shape[0], r, *first_b.shape[2:]))
@@ -207,8 +228,11 @@ def add_factors(
     if a.device.type != "meta":
         _init_factors(layout, a, b, r, init_lora_weights)
     factors = AdapterFactors(
-        layout, a, b, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_rslora=use_rslora
+        layout, a, b, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_rslora=use_rslora,
+        use_dora=use_dora,
     )
+    if use_dora:
+        dora.init_magnitude(layer, factors)
     further = _further(layer)
     if further is None:
         further = nn.ModuleDict()
@@ -216,9 +240,6 @@ def add_factors(
     further[name] = factors
     update_route(layer)
     return factors
-
-
-_SETTINGS = ("r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora")
 
 
 def remove_factors(layer: Any, name: str) -> bool:
@@ -242,10 +263,13 @@ def remove_factors(layer: Any, name: str) -> bool:
         successor_name = next(iter(further.keys()))
         successor: AdapterFactors = further[successor_name]  # type: ignore[assignment]
         del further[successor_name]
-        for attr, param in successor.lora_parameters().items():
+        for attr in EXTRA_PARAMETERS:
+            layer._parameters.pop(attr, None)
+        for attr, param in successor._parameters.items():  # the factors and any extra parameter
             layer._parameters[attr] = param
-        for attr in _SETTINGS:
-            setattr(layer, attr, getattr(successor, attr))
+        for attr in SETTINGS:
+            if hasattr(successor, attr):
+                setattr(layer, attr, getattr(successor, attr))
         layer.adapter_name = successor_name
     if further is not None and not len(further):
         del layer._modules[ADAPTERS_ATTR]

@@ -31,7 +31,7 @@ from torch.nn.utils import parametrize
 from typing_extensions import Self
 
 from loragen import switches
-from loragen.errors import LoraConversionError, LoraMergeError
+from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.base import LoraLayer, adapter_dtype_for
 from loragen.layers.cloning import clone_as, strip_to
 from loragen.ops.experts import effective_weight, recompute_on_backward
@@ -184,7 +184,15 @@ class LoraParametersLayer(LoraLayer):
         """The module's own forward, reading ``W + scaling * B_e @ A_e`` for each targeted parameter ``W``.
 
         Merged, disabled (``active_adapter`` None) or another adapter's turn: the stored parameters.
+
+        Raises:
+            MixedBatchError: inside ``loragen.mixed_batch`` (rows cannot take different weight updates).
         """
+        if self.__dict__.get("_mixed_route") is not None:
+            raise MixedBatchError(
+                f"{type(self).__qualname__}: a mixed batch (loragen.mixed_batch) cannot route rows through LoRA on "
+                "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
+            )
         if self.merged or self.active_adapter != self.adapter_name:
             return super().forward(*args, **kwargs)
         recipes = {

@@ -19,7 +19,10 @@ base GEMM. Concatenated factors and masks are cached per layer for the duration 
 the factors' versions. Embedding and convolution layers gather each adapter's rows (``index_select``) and
 add their term back (``index_add_``).
 
-As in peft, a mixed batch is for inference: the model must be in eval mode, and no layer may be merged.
+As in peft, a mixed batch is for inference: the model must be in eval mode, and no layer may be merged;
+inside :func:`loragen.disable_adapter` every row gets the base model. The names are state on the model's
+layers for the duration of the block: two threads running one model with different names at once need
+one model each.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def mixed_batch(model: nn.Module, names: Sequence[str]) -> Iterator[nn.Module]:
 
     Raises:
         MixedBatchError: ``names`` is not a sequence of strings, names an adapter the model does
-            not hold (the message lists the ones it holds), the model is in training mode or has merged
+            not hold (the message lists the ones it holds) or a DoRA adapter, the model is in training mode or has merged
             layers; later, a batch whose length differs from ``len(adapter_names)`` (names the layer).
     """
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
@@ -84,6 +87,13 @@ def mixed_batch(model: nn.Module, names: Sequence[str]) -> Iterator[nn.Module]:
         )
     if model.training:
         raise MixedBatchError("mixed_batch is for inference: call model.eval() first (peft refuses it in training too)")
+    dora = sorted({n for layer in layers.values() for n in set(names) & set(adapter_names(layer))
+                   if adapter_factors(layer, n).use_dora})
+    if dora:
+        raise MixedBatchError(
+            f"mixed_batch: adapter(s) {', '.join(map(repr, dora))} use DoRA; a mixed batch with DoRA adapters is "
+            "not supported (peft refuses adapter_names with DoRA too)"
+        )
     merged = [path for path, layer in layers.items() if layer.merged]
     if merged:
         raise MixedBatchError(

@@ -103,7 +103,8 @@ class Resolver:
         self.function_defs: dict[str, cst.FunctionDef] = {}
         # the file's own layer subclasses (FalconLinear -> nn.Linear's spec) and the names bound to their
         # LoRA classes (LoraFalconLinear -> FalconLinear), see loragen.source.subclasses
-        self.layer_subclasses = layer_subclasses(self.class_defs, self.layer_names, self.qualnames, self.local_class)
+        top_level = {s.name.value: s for s in self.skeleton.body if isinstance(s, cst.ClassDef)}
+        self.layer_subclasses = layer_subclasses(top_level, self.layer_names, self.qualnames, self.local_class)
         self.lora_bindings = lora_bindings(list(self.skeleton.body), self.layer_subclasses, self.qualnames)
         self.auto_bindings = auto_bindings(list(self.skeleton.body), self.qualnames)
         self.star_imports: list[str] = []

@@ -43,14 +43,14 @@ def layer_subclasses(
     qualnames: Qualnames,
     local_class: LocalClass,
 ) -> dict[str, LayerSpec]:
-    """The top-level classes of the file that are layer types: class name -> the spec of the registered base
-    type they derive from (only specs that accept subclasses; LoRA classes do not count)."""
+    """The classes of ``class_defs`` (the file's top-level classes) that are layer types: class name -> the spec
+    of the registered base type they derive from (only specs that accept subclasses; LoRA classes do not count)."""
     found: dict[str, LayerSpec] = {}
     changed = True
     while changed:  # a subclass of a subclass of the file: repeat until nothing new is found
         changed = False
         for name, node in class_defs.items():
-            if "." in name or name in found:
+            if name in found:
                 continue
             for base in node.bases:
                 spec = _base_spec(base.value, found, layer_names, qualnames, local_class)

@@ -259,3 +259,24 @@ def test_loading_a_further_adapter_is_all_or_nothing(tmp_path: Path) -> None:
     assert model.state_dict().keys() == before.keys()
     for key, value in before.items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_training_the_active_adapter_gives_peft_gradients(pair: tuple[str, peft.PeftModel, nn.Module]) -> None:
+    kind, theirs, ours = pair
+    theirs.set_adapter("other")
+    loragen.set_adapter(ours, "other")
+    for model in (theirs, ours):
+        out = model(**_inputs(kind))
+        (out if isinstance(out, torch.Tensor) else out.logits).pow(2).mean().backward()
+    trained = 0
+    for path, layer in loragen.convert.find_lora_layers(ours).items():
+        peft_layer = theirs.base_model.model.get_submodule(path)
+        for name in loragen.layers.adapter_set.adapter_names(layer):
+            factors = loragen.layers.adapter_set.adapter_factors(layer, name)
+            peft_a, peft_b = peft_layer.lora_A[name].weight, peft_layer.lora_B[name].weight
+            assert factors.factor_a.requires_grad == peft_a.requires_grad == (name == "other")
+            if name == "other":
+                _close(factors.factor_a.grad, peft_a.grad)
+                _close(factors.factor_b.grad, peft_b.grad)
+                trained += 1
+    assert trained == len([m for m in theirs.modules() if hasattr(m, "lora_A") and "other" in m.lora_A])

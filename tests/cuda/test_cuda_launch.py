@@ -190,7 +190,9 @@ def test_launch_from_a_thread_without_a_context_leaves_none(fake):
 
     def work():
         args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
-        fake.launcher.launch(fake.spec, specs.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 1))
+        fake.launcher.launch(
+            fake.spec, specs.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 1)
+        )
         seen.append(_current(fake.driver))
 
     thread = threading.Thread(target=work)
@@ -210,5 +212,19 @@ def test_integer_arguments_outside_their_c_type_are_refused():
     spec = specs.KERNELS["lora_down"]
     ok = (None, None, None, 2**31 - 1, 8, 1, 8, 2**64 - 1, 0, 2**32 - 1, 1.0)
     assert launch.pack_arguments(spec, ok)[3].value == 2**31 - 1
-    with pytest.raises(launch.KernelArgumentRangeError, match=r"parameter seed=-1 does not fit its C type u64"):
+    with pytest.raises(
+        launch.KernelArgumentRangeError, match=r"parameter seed=-1 does not fit its C type u64"
+    ):
         launch.pack_arguments(spec, (*ok[:7], -1, *ok[8:]))
+
+
+def test_row_counts_past_int32_take_the_plain_composition():
+    from loragen.cuda.function import unsupported_reason
+
+    x = torch.zeros(1, 8).expand(2**31, 8)  # 2**31 rows, no memory
+    w, a, bb = torch.zeros(4, 8), torch.zeros(2, 8), torch.zeros(4, 2)
+    assert (
+        unsupported_reason(x, w, None, a, bb)
+        == "2**31 or more rows (the kernels take row counts as 32-bit int)"
+    )
+    assert unsupported_reason(x[: 2**31 - 1], w, None, a, bb) is None

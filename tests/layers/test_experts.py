@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import loragen
 from loragen import switches
-from loragen.errors import LoraConfigError, LoraConversionError
+from loragen.errors import LoraConfigError, LoraConversionError, MixedBatchError
 from loragen.layers.experts import LoraParametersLayer
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED
 from tests.layers.experts_models import lora_grads, make, peft_grads, peft_twin, tokens
@@ -295,3 +295,16 @@ def test_named_adapters_leave_expert_parameters_alone_when_another_adapter_runs(
         torch.testing.assert_close(model(ids).logits, with_experts, rtol=0, atol=0)
     with pytest.raises(LoraConfigError, match=r"target_parameters=\['gate_up_proj', 'down_proj'\]: LoRA on parameters"):
         loragen.add_adapter(model, _config(), "third")
+
+
+def test_a_mixed_batch_is_refused_on_expert_parameters() -> None:
+    model = loragen.get_lora_model(make("mixtral"), _config(target_modules=["q_proj"]))
+    loragen.add_adapter(model, loragen.LoraConfig(r=2, target_modules=["q_proj"]), "other")
+    with pytest.raises(MixedBatchError, match="LoraMixtralExperts: a mixed batch"), \
+            loragen.mixed_batch(model, ["default", "other"]), torch.no_grad():
+        model(tokens())
+
+
+def test_dora_on_parameters_is_refused() -> None:
+    with pytest.raises(LoraConfigError, match="use_dora=True: DoRA on targeted parameters"):
+        _config(use_dora=True)

@@ -142,3 +142,29 @@ def test_training_mode_and_merged_layers_are_refused() -> None:
     with pytest.raises(loragen.MixedBatchError, match="list of adapter names"):
         with loragen.mixed_batch(model, "a"):
             pass  # pragma: no cover
+
+
+def test_sibling_fusion_gives_the_same_outputs_whatever_adapter_each_layer_runs() -> None:
+    model = _block_model()
+    assert loragen.ops.sibling_plan.fused_groups(model) == [("q", "k", "v")]
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    for name in [*NAMES, None]:
+        outputs = []
+        for fused in (True, False):
+            with loragen.switches.sibling_fusion.using(fused), torch.no_grad():
+                if name is None:
+                    with loragen.disable_adapter(model):
+                        outputs.append(model(x))
+                else:
+                    loragen.set_adapter(model, name)
+                    outputs.append(model(x))
+        torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
+
+
+def test_disable_adapter_wins_over_a_mixed_batch() -> None:
+    model = _block_model()
+    x = torch.randn(2, 8)
+    with loragen.disable_adapter(model):
+        base = model(x)
+    with loragen.mixed_batch(model, ["a", "b"]), loragen.disable_adapter(model):
+        torch.testing.assert_close(model(x), base, atol=0, rtol=0)

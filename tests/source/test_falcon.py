@@ -181,3 +181,19 @@ def test_falcon_equals_peft_in_outputs_gradients_keys_and_merges(entry, architec
     assert find_lora_layers(plain) == {}
     assert type(plain.transformer.h[0].self_attention.query_key_value).__name__ == "FalconLinear"
     assert sorted(plain.state_dict()) == sorted(original.state_dict())
+
+
+def test_from_pretrained_on_a_base_checkpoint_initialises_the_subclass_lora_factors(rewritten, tmp_path):
+    module, _ = rewritten
+    torch.manual_seed(0)
+    original = transformers.FalconForCausalLM(falcon_config("new")).eval()
+    original.save_pretrained(tmp_path / "base")
+    model = module.FalconForCausalLM.from_pretrained(tmp_path / "base").eval()
+    layers = find_lora_layers(model)
+    assert len(layers) == 8 and all(isinstance(layer, module.FalconLinear) for layer in layers.values())
+    for layer in layers.values():
+        assert torch.count_nonzero(layer.lora_B) == 0
+        assert torch.isfinite(layer.lora_A).all() and 0 < layer.lora_A.abs().max() < 1.0
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, original(input_ids=ids).logits)

@@ -170,3 +170,24 @@ def test_the_decorator_converts_subclass_fields_explicitly_like_the_runtime():
         "base_model.model.b.lora_A.weight", "base_model.model.b.lora_B.weight",
     ]
 
+
+
+def test_only_classes_at_the_top_level_of_the_module_count():
+    code = textwrap.dedent(
+        """\
+        from torch import nn
+
+        try:
+            class Guarded(nn.Linear):
+                pass
+        except ImportError:
+            Guarded = None
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.g = Guarded(2, 2)
+        """
+    )
+    result = rewrite_source(code, LoraConfig(target_modules="all-linear"), filename="m.py")
+    assert result.ok and not result.rewritten and "lora_class_for" not in result.code
