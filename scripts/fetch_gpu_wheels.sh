@@ -4,12 +4,12 @@
 #   scripts/fetch_gpu_wheels.sh [--dir DIR] [--python 3.12] [--cuda]
 #
 #   --dir DIR       where the wheels go (default: .gpu-wheels, which git ignores)
-#   --python X.Y    the GPU machine's Python (default: 3.12, the device image's)
-#   --cuda          also cuda-bindings, cuda-pathfinder and nvidia-cuda-nvrtc (about 64 MB; the device
-#                   image already has them, a bare CUDA machine may not)
+#   --python X.Y    the GPU machine's Python (default: 3.12)
+#   --cuda          also cuda-bindings, cuda-pathfinder and nvidia-cuda-nvrtc (about 64 MB; many CUDA
+#                   images already have them, a bare one may not)
 #
-# By default only what the device image lacks: libcst (loragen's source tools). Then carry the folder
-# with the working tree (the device tool's `carry: [".gpu-wheels"]`) and run scripts/first_gpu_run.sh.
+# By default only libcst (loragen's source tools), which GPU images with torch often lack. Then copy the
+# folder along with the checkout to the GPU machine and run scripts/first_gpu_run.sh there.
 set -eu
 DIR=.gpu-wheels
 PY=3.12

@@ -15,7 +15,8 @@ backward  dh, dB = lora_grad_out(g)                 one pass over g (dh carries 
 Split reductions come back as float32 partial sums that torch adds up (deterministic: no atomics).
 LoRA parameters may be float32 (peft's default for 16-bit models) or x's dtype; the kernels read them
 as float32 and accumulate in float32, and the output is rounded once into x's dtype: the rank-r term is
-never rounded to 16 bits before the base product is added. The output is a fresh tensor (never a view),
+never rounded to 16 bits before the base product is added. (In backward, lora_grad_in writes the LoRA
+part of grad_x in x's dtype and cuBLAS adds g W to it: two roundings there, as in peft's composition.) The output is a fresh tensor (never a view),
 so callers may modify it in place.
 
 Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which

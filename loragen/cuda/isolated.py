@@ -24,7 +24,7 @@ from loragen.cuda.specs import Variant
 __all__ = ["DRIVER_LAUNCHER", "check_in_child"]
 
 DRIVER_LAUNCHER = "loragen.cuda.launch:DriverLauncher"
-TIMEOUT_S = 900.0
+TIMEOUT_S = 300.0  # imports, CUDA start, five NVRTC compiles and tiny launches: a hung kernel is a failure
 
 
 def _tail(text: str) -> str:
