@@ -9,7 +9,8 @@ The steps users know from peft, with the same semantics, for a model loaded with
 3. with gradient checkpointing asked for on a quantized model: make the input embeddings' output require
    gradients (reentrant checkpointing, transformers' default, passes gradients only through segments
    whose inputs require them, and with a frozen embedding none does), then turn checkpointing on with
-   transformers' ``gradient_checkpointing_enable``.
+   transformers' ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` before
+   transformers 5), with transformers' default options unless ``gradient_checkpointing_kwargs`` says.
 
 loragen's LoRA op draws its dropout seed from torch's CPU generator, which checkpointing restores
 before recomputing a segment: the recomputed forward uses the same dropout mask.
@@ -17,6 +18,8 @@ before recomputing a segment: the recomputed forward uses the same dropout mask.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -69,6 +72,32 @@ def _enable_input_grads(model: nn.Module) -> None:
     embeddings.register_forward_hook(require_grads)
 
 
+def _call_with(function: Callable[..., Any], keyword: str, value: Any) -> None:
+    function(**{keyword: value})
+
+
+def _checkpointing_switch(model: nn.Module) -> Callable[[dict[str, Any] | None], None]:
+    """A function that turns on transformers' checkpointing with the given ``torch.utils.checkpoint``
+    options (None: transformers' default): ``activation_checkpointing_enable``, or
+    ``gradient_checkpointing_enable`` before transformers 5.
+
+    Raises:
+        TrainingSetupError: the model has neither.
+    """
+    for method, keyword in (
+        ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+        ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
+    ):
+        enable = getattr(model, method, None)
+        if callable(enable):
+            return functools.partial(_call_with, enable, keyword)
+    raise TrainingSetupError(
+        f"prepare_model_for_kbit_training: {type(model).__name__} has no gradient_checkpointing_enable() "
+        "(a transformers model has); pass use_gradient_checkpointing=False and wrap its blocks in "
+        "torch.utils.checkpoint yourself"
+    )
+
+
 def prepare_model_for_kbit_training(
     model: M,
     use_gradient_checkpointing: bool = True,
@@ -99,16 +128,10 @@ def prepare_model_for_kbit_training(
         if param.dtype in _HALF_DTYPES and not _is_quantized_parameter(param):
             param.data = param.data.to(torch.float32)
     if use_gradient_checkpointing and is_quantized(model):
-        enable_checkpointing = getattr(model, "gradient_checkpointing_enable", None)
-        if not callable(enable_checkpointing):
-            raise TrainingSetupError(
-                f"prepare_model_for_kbit_training: {type(model).__name__} has no gradient_checkpointing_enable() "
-                "(a transformers model has); pass use_gradient_checkpointing=False and wrap its blocks in "
-                "torch.utils.checkpoint yourself"
-            )
+        enable_checkpointing = _checkpointing_switch(model)
         if kwargs.get("use_reentrant", True):
             _enable_input_grads(model)
-        enable_checkpointing(gradient_checkpointing_kwargs=kwargs)
+        enable_checkpointing(kwargs or None)
     if find_lora_layers(model):
         mark_trainable(model)
     return model
