@@ -273,3 +273,17 @@ def test_loragen_imports_without_bitsandbytes() -> None:
                           check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "refused"
+
+
+def test_constructors_are_the_bitsandbytes_ones_plus_lora_keywords() -> None:
+    from loragen.layers.bnb import LoraLinear4bit, LoraLinear8bitLt
+
+    torch.manual_seed(0)
+    layer4 = LoraLinear4bit(64, 32, quant_type="nf4", compute_dtype=torch.float32, r=4, lora_alpha=8).to("cpu")
+    layer8 = LoraLinear8bitLt(64, 32, has_fp16_weights=False, r=4).to("cpu")
+    x = torch.randn(5, 64)
+    for layer in (layer4, layer8):
+        layer.train()
+        assert layer.lora_A.shape == (4, 64) and layer.lora_B.shape == (32, 4) and layer.scaling == 2.0
+        assert layer(x).shape == (5, 32)
+    assert layer4.weight.dtype == torch.uint8 and layer8.weight.dtype == torch.int8
