@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from loragen.errors import LoraMergeError, RequantizationWarning
+from loragen.layers.adapter_set import has_adapter
 from loragen.layers.base import InitMode, LoraLayer
 from loragen.layers.linear import LoraLinearMixin
 from loragen.ops.branch import lora_branch, lora_branch_reference
@@ -84,14 +85,19 @@ class QuantizedLoraMixin(LoraLinearMixin):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Dequantize the weight, add ``scaling * B @ A`` in float32 and quantize the sum again in the
-        layer's format; warns (:class:`RequantizationWarning`) with the rounding that adds. A no-op if
+        """Dequantize the weight, add the active adapter's ``scaling * B @ A`` in float32 and quantize the
+        sum again in the layer's format; warns (:class:`RequantizationWarning`) with the rounding that adds. A no-op if
         merged. :meth:`unmerge` restores the original quantized weight exactly."""
         if self.merged:
             return
         self._check_mergeable()
+        name = self.active_adapter
+        self.__dict__["_merged_adapter"] = name if name is not None and has_adapter(self, name) else None
+        if self.__dict__["_merged_adapter"] is None:  # no active adapter here: the weight stays as it is
+            self.merged = True
+            return
         snapshot = self._snapshot()
-        delta = self.delta_weight().float()
+        delta = self.delta_weight(name).float()
         exact = self.dequantized_weight().add_(delta)
         self._quantize_into(exact)
         error = (self.dequantized_weight() - exact).abs().max().item() if exact.numel() else 0.0
@@ -114,6 +120,9 @@ class QuantizedLoraMixin(LoraLinearMixin):
         """Put back the quantized weight held before :meth:`merge`, bit for bit (peft instead
         re-quantizes the merged weight minus the update, a second rounding). A no-op if not merged."""
         if not self.merged:
+            return
+        if self.__dict__.pop("_merged_adapter", self.adapter_name) is None:
+            self.merged = False
             return
         if self._unmerged_state is None:
             raise LoraMergeError(
