@@ -287,3 +287,28 @@ def test_constructors_are_the_bitsandbytes_ones_plus_lora_keywords() -> None:
         assert layer.lora_A.shape == (4, 64) and layer.lora_B.shape == (32, 4) and layer.scaling == 2.0
         assert layer(x).shape == (5, 32)
     assert layer4.weight.dtype == torch.uint8 and layer8.weight.dtype == torch.int8
+
+
+def test_named_adapters_on_a_quantized_model(llama_dir: Path) -> None:
+    """disable_adapter gives bitsandbytes' own output; a second adapter merges (re-quantized) and unmerges
+    exactly; switching back gives the first adapter's output again."""
+    plain = load_quantized(llama_dir, FORMATS[0]).train()
+    model = loragen.get_lora_model(
+        load_quantized(llama_dir, FORMATS[0]), loragen.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    ).train()
+    x = tokens(9)
+    with torch.no_grad():
+        first = model(x).logits
+        with loragen.disable_adapter(model):
+            assert torch.equal(model(x).logits, plain(x).logits)
+        loragen.add_adapter(model, loragen.LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False), "two")
+        loragen.set_adapter(model, "two")
+        second = model(x).logits
+        assert not torch.allclose(second, first)
+    with pytest.warns(RequantizationWarning):
+        loragen.merge_adapter(model)
+    with torch.no_grad():
+        loragen.unmerge_adapter(model)
+        assert torch.equal(model(x).logits, second)
+        loragen.set_adapter(model, "default")
+        assert torch.equal(model(x).logits, first)
