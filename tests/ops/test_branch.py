@@ -31,7 +31,9 @@ def _expected(x, base, a, b, scaling, p, seed, rng):
 @pytest.mark.parametrize("rng", ["bits", "philox"])
 @given(p=st.sampled_from([0.0, 0.1, 0.5]), seed=st.integers(0, 2**32))
 def test_branch_matches_formula_with_the_same_mask(dtype: torch.dtype, rng: str, p: float, seed: int) -> None:
-    tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    # float32: values of magnitude ~10 (sums of products of unit normals), summed in another order by the
+    # compiled kernels (their reduction order depends on the thread count)
+    tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
     x, base_in, a, b = _inputs(dtype, seed=seed % 100)
     out = lora_branch(base_in * 1.0, x, a, b, 0.75, p, True, rng=rng, seed=seed)
     grad = torch.randn_like(out)
