@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -239,7 +240,18 @@ def main(argv: list[str] | None = None) -> int:
         for arch in args.arch or specs.ARCHS:
             report = report_variant(spec, variant, arch, cache)
             rows.append({"kernel": spec.name, "variant": variant.label, **dataclasses.asdict(report)})
-    text = json.dumps({"generated_by": "python -m tests.cuda.sass", "kernels": rows}, indent=1)
+    from loragen import resources
+    from loragen.cuda.nvrtc import nvrtc_version
+
+    names = [*resources.list_kernels(), "lora_common.cuh.j2"]
+    digest = hashlib.sha256(repr([resources.read_kernel(n) for n in names]).encode()).hexdigest()
+    header = {
+        "generated_by": "python -m tests.cuda.sass --json benchmarks/kernel_sass.json",
+        "nvrtc": list(nvrtc_version()),
+        "templates_sha256": digest[:16],  # of kernels/*.j2: regenerate when it no longer matches
+        "limits": ARCH_LIMITS,
+    }
+    text = json.dumps({**header, "kernels": rows}, indent=1)
     if args.json:
         args.json.write_text(text + "\n")
     else:
