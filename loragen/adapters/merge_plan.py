@@ -103,8 +103,14 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
         MergeError: adapter tensors with no checkpoint tensor or sharing one (all listed, by key), shape
             or rank mismatches, non-float target weights; nothing has been written.
     """
-    used_map, keys = resolve_keys(_targets(adapter), checkpoint, key_map)
     config = adapter.config
+    if config.use_dora:
+        raise MergeError(
+            f"{adapter.folder}: a DoRA adapter (use_dora=true) cannot be merged by streaming: each output's "
+            "scale m / ||W + s B A|| needs the whole weight. Load it (loragen.load_adapter) and call "
+            "loragen.merge_and_unload, then save the model"
+        )
+    used_map, keys = resolve_keys(_targets(adapter), checkpoint, key_map)
     ops: dict[str, list[MergeOp]] = {}
     problems: list[str] = []
     for key, info in sorted(adapter.keys.items()):

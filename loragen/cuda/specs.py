@@ -25,10 +25,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
     "ADAMW8BIT",
     "ARCHS",
+    "CHUNK",
     "DTYPES",
     "KERNELS",
     "MAX_RANK",
@@ -42,11 +47,15 @@ __all__ = [
     "all_variants",
     "max_optimizer_block",
     "optimizer_variants",
+    "pad_rank",
     "plan_down",
     "plan_grad_in",
     "plan_grad_out",
     "plan_up",
     "rank_bucket",
+    "rank_tiles",
+    "up_uses_mma",
+    "uses_mma",
     "render_params",
 ]
 
@@ -116,8 +125,80 @@ def _params(*pairs: tuple[str, str]) -> tuple[Param, ...]:
 _DROPOUT = (("u64", "seed"), ("u64", "offset"), ("unsigned", "threshold"), ("float", "keep_scale"))
 
 # Register budget: each thread keeps at most 64 accumulators (and, in the backward kernels, 64 more
-# values of A or B^T), so ranks trade rows or columns per thread against the rank bucket.
+# values of B^T or of x), so the kernels tile the rank: a block covers RANK_TILE ranks, the tiles of one
+# row or column block are neighbours in the grid (their repeated reads of x or g come from L2), and
+# every lane keeps 8 columns -- one 16-byte load of 16-bit x or g per row -- at every rank.
 _ACCUMULATORS = 64
+CHUNK = 8  # columns per lane and row: 16 bytes of a 16-bit dtype, one Philox call
+
+
+def uses_mma(v: Variant) -> bool:
+    """Whether ``lora_down`` runs on tensor cores for ``v``: 16-bit x, vector accesses, R >= 16.
+
+    At R = 8 the CUDA cores keep up with HBM (R FLOP per byte of x against a ridge of about 20, less
+    the issue slots of Philox, shuffles and address arithmetic).
+    """
+    return v.aligned and ELEMENT_BYTES[v.dtype] == 2 and v.rank_bucket >= 16
+
+
+def _down_tile(v: Variant) -> dict[str, int]:
+    if uses_mma(v):
+        row_tiles = min(4, _ACCUMULATORS // (v.rank_bucket // 2))  # R / 2 accumulators per 16-row tile
+        return {
+            "warps": 4,
+            "min_blocks": 2,
+            "mma": True,
+            "rank_tile": v.rank_bucket,
+            "rows_per_warp": 16 * row_tiles,
+            "steps": max(
+                1, 4 // row_tiles
+            ),  # 2 * row_tiles * steps = 8 loads of 16 bytes of x in flight per lane
+        }
+    rank_tile = min(v.rank_bucket, 16)
+    rows_per_warp = _ACCUMULATORS // rank_tile
+    return {
+        "warps": 4,
+        "min_blocks": 2,
+        "mma": False,
+        "rank_tile": rank_tile,
+        "rows_per_warp": rows_per_warp,
+        # rows x steps = 8 row chunks in flight per lane (scalar loads of unaligned rows need the registers)
+        "steps": max(1, 8 // rows_per_warp) if v.aligned else 1,
+    }
+
+
+def up_uses_mma(v: Variant) -> bool:
+    """Whether ``lora_up`` runs on tensor cores for ``v``: bf16 (h is rounded to bf16, whose range is
+    float32's), vector accesses, R >= 32."""
+    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 32
+
+
+def _up_tile(v: Variant) -> dict[str, int]:
+    if up_uses_mma(v):  # rows_per_thread: 16-row tiles per warp; rank_step: unused by the mma pass
+        # a block: 128 rows x 256 columns, so h and B^T are each read from L2 about R / 64 times per byte
+        # of out (8 chunks of 32 columns per warp, B^T from L1 for the block's other warps)
+        return {
+            "warps": 4,
+            "min_blocks": 2,
+            "mma": True,
+            "rows_per_thread": 2,
+            "rank_step": 4,
+            "col_chunks": 8,
+        }
+    return {
+        "warps": 4,
+        "min_blocks": 2,
+        "mma": False,
+        "rows_per_thread": _ACCUMULATORS // CHUNK,
+        "rank_step": 4,
+        "col_chunks": 1,  # the mma pass only
+    }
+
+
+def _backward_tile(v: Variant) -> dict[str, int]:
+    rank_tile = min(v.rank_bucket, _ACCUMULATORS // CHUNK)
+    return {"warps": 4, "min_blocks": 2, "rank_tile": rank_tile, "rows_per_step": 4}
+
 
 LORA_DOWN = KernelSpec(
     "lora_down",
@@ -131,7 +212,7 @@ LORA_DOWN = KernelSpec(
         ("int", "cols_per_split"),
         *_DROPOUT,
     ),
-    lambda v: {"warps": 4, "min_blocks": 2, "rows_per_warp": _ACCUMULATORS // v.rank_bucket},
+    _down_tile,
 )
 LORA_UP = KernelSpec(
     "lora_up",
@@ -145,7 +226,7 @@ LORA_UP = KernelSpec(
         ("int", "rank"),
         ("float", "scaling"),
     ),
-    lambda v: {"warps": 4, "min_blocks": 2, "rows_per_thread": _ACCUMULATORS // 8},
+    _up_tile,
 )
 LORA_GRAD_OUT = KernelSpec(
     "lora_grad_out",
@@ -161,12 +242,7 @@ LORA_GRAD_OUT = KernelSpec(
         ("int", "rows_per_split"),
         ("float", "scaling"),
     ),
-    lambda v: {
-        "warps": 4,
-        "min_blocks": 2,
-        "cols_per_lane": min(8, _ACCUMULATORS // v.rank_bucket),
-        "rows_per_step": max(1, WARP // v.rank_bucket),
-    },
+    _backward_tile,
 )
 LORA_GRAD_IN = KernelSpec(
     "lora_grad_in",
@@ -182,7 +258,7 @@ LORA_GRAD_IN = KernelSpec(
         ("int", "rows_per_split"),
         *_DROPOUT,
     ),
-    lambda v: {"warps": 4, "min_blocks": 2, "cols_per_lane": min(8, _ACCUMULATORS // v.rank_bucket)},
+    _backward_tile,
 )
 
 KERNELS: dict[str, KernelSpec] = {k.name: k for k in (LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN)}
@@ -229,6 +305,16 @@ def rank_bucket(rank: int) -> int:
     raise ValueError(
         f"loragen.cuda: LoRA rank r={rank} is not supported by the CUDA kernels; expected 1 <= r <= {MAX_RANK}"
     )
+
+
+def pad_rank(adapter: Tensor, variant: Variant) -> Tensor:
+    """``adapter`` (r, features) as a fresh contiguous (R, features) tensor, R = the rank bucket.
+
+    The kernels read A and B^T for every rank of the bucket with no rank test: rows r..R-1 are zero.
+    """
+    padded = adapter.new_zeros(variant.rank_bucket, adapter.shape[1])
+    padded[: adapter.shape[0]] = adapter
+    return padded
 
 
 def render_params(spec: KernelSpec, variant: Variant) -> dict[str, object]:
@@ -289,21 +375,33 @@ class SplitPlan:
     rows_per_split: int
 
 
+def rank_tiles(spec: KernelSpec, variant: Variant) -> int:
+    """How many rank tiles ``spec`` splits the rank bucket of ``variant`` into (blocks per row/column block)."""
+    return variant.rank_bucket // spec.tile(variant)["rank_tile"]
+
+
 def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> DownPlan:
-    """Grid of ``lora_down`` for x of (rows, cols): row tiles x column splits."""
+    """Grid of ``lora_down`` for x of (rows, cols): (row tiles x rank tiles) x column splits.
+
+    The h partials (splits x rows x R float32, written and read back) are kept under a quarter of x's bytes.
+    """
     tile = LORA_DOWN.tile(variant)
-    row_blocks = math.ceil(rows / (tile["warps"] * tile["rows_per_warp"]))
-    lane_cols = WARP * 8  # columns a warp covers per step
-    splits = min(math.ceil(cols / lane_cols), max(1, math.ceil(target_blocks / row_blocks)))
+    row_blocks = math.ceil(rows / (tile["warps"] * tile["rows_per_warp"])) * rank_tiles(LORA_DOWN, variant)
+    lane_cols = (32 if tile["mma"] else WARP * CHUNK) * tile["steps"]  # columns a warp covers per step
+    max_splits = max(1, cols * ELEMENT_BYTES[variant.dtype] // (32 * variant.rank_bucket))
+    splits = min(math.ceil(cols / lane_cols), max_splits, max(1, math.ceil(target_blocks / row_blocks)))
     cols_per_split = math.ceil(cols / splits / lane_cols) * lane_cols
     splits = math.ceil(cols / cols_per_split)
     return DownPlan((row_blocks, splits), splits, cols_per_split)
 
 
 def plan_up(rows: int, cols: int, variant: Variant) -> tuple[int, int]:
-    """Grid of ``lora_up`` for out of (rows, cols): row tiles x 256-column tiles."""
+    """Grid of ``lora_up`` for out of (rows, cols): row tiles x column tiles of 256 columns."""
     tile = LORA_UP.tile(variant)
-    return math.ceil(rows / (tile["warps"] * tile["rows_per_thread"])), math.ceil(cols / (WARP * 8))
+    if tile["mma"]:  # a warp: rows_per_thread tiles of 16 rows x col_chunks chunks of 32 columns
+        rows_per_block = tile["warps"] * 16 * tile["rows_per_thread"]
+        return math.ceil(rows / rows_per_block), math.ceil(cols / (WARP * tile["col_chunks"]))
+    return math.ceil(rows / (tile["warps"] * tile["rows_per_thread"])), math.ceil(cols / (WARP * CHUNK))
 
 
 def _row_splits(
@@ -314,26 +412,33 @@ def _row_splits(
     return math.ceil(rows / rows_per_split) if rows else 1, max(rows_per_split, step)
 
 
+def _split_plan(
+    spec: KernelSpec, rows: int, cols: int, variant: Variant, target_blocks: int, max_splits: int
+) -> SplitPlan:
+    tile = spec.tile(variant)
+    # lora_grad_out: every lane of the block has its own columns; lora_grad_in: the warps share 256
+    # columns and take turns over the rows, ROWS_PER_STEP each
+    shared = spec is LORA_GRAD_IN
+    col_blocks = math.ceil(cols / ((1 if shared else tile["warps"]) * WARP * CHUNK))
+    blocks = col_blocks * rank_tiles(spec, variant)
+    step = tile["rows_per_step"] * (tile["warps"] if shared else 1)
+    splits, rows_per_split = _row_splits(rows, blocks, target_blocks, max_splits, step)
+    return SplitPlan((blocks, splits), col_blocks, splits, rows_per_split)
+
+
 def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
-    """Grid of ``lora_grad_out`` for g of (rows, cols): column blocks x row splits.
+    """Grid of ``lora_grad_out`` for g of (rows, cols): (column blocks x rank tiles) x row splits.
 
     The dB partials (splits x cols x R float32) are kept under a quarter of g's bytes.
     """
-    tile = LORA_GRAD_OUT.tile(variant)
-    col_blocks = math.ceil(cols / (tile["warps"] * WARP * tile["cols_per_lane"]))
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // (16 * variant.rank_bucket)
-    splits, rows_per_split = _row_splits(rows, col_blocks, target_blocks, max_splits, tile["rows_per_step"])
-    return SplitPlan((col_blocks, splits), col_blocks, splits, rows_per_split)
+    return _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
 
 
 def plan_grad_in(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
-    """Grid of ``lora_grad_in`` for x of (rows, cols): column blocks x row splits.
+    """Grid of ``lora_grad_in`` for x of (rows, cols): (column blocks x rank tiles) x row splits.
 
     The dA partials (splits x R x cols float32) are kept under a quarter of the bytes of x plus grad_x.
     """
-    tile = LORA_GRAD_IN.tile(variant)
-    col_blocks = math.ceil(cols / (tile["warps"] * WARP * tile["cols_per_lane"]))
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // (8 * variant.rank_bucket)
-    step = 8 // tile["cols_per_lane"]
-    splits, rows_per_split = _row_splits(rows, col_blocks, target_blocks, max_splits, step)
-    return SplitPlan((col_blocks, splits), col_blocks, splits, rows_per_split)
+    return _split_plan(LORA_GRAD_IN, rows, cols, variant, target_blocks, max_splits)

@@ -202,6 +202,7 @@ class Editor(cst.CSTTransformer):
         package: make relative imports absolute inside this package (None: leave them).
         hooks: ``id(class node)`` -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
         config_classes: ``id(class node)`` of the classes that get ``loragen_config = LORA_CONFIG``.
+        factories: ``id(call node)`` -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
     """
 
     def __init__(
@@ -210,14 +211,19 @@ class Editor(cst.CSTTransformer):
         package: str | None,
         hooks: dict[int, str],
         config_classes: set[int],
+        factories: dict[int, str] | None = None,
     ) -> None:
         self.calls = calls
+        self.factories = factories or {}
         self.package = package
         self.hooks = hooks
         self.config_classes = config_classes
         self.import_errors: list[str] = []
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        factory = self.factories.get(id(original_node))
+        if factory is not None and isinstance(updated_node.func, cst.Attribute):  # LoraAutoModel.from_config(...)
+            return updated_node.with_changes(func=updated_node.func.with_changes(value=cst.Name(factory)))
         edit = self.calls.get(id(original_node))
         if edit is None:
             return updated_node

@@ -31,6 +31,8 @@ CASES = [
     pytest.param(70, 264, 296, 1, torch.float32, 0.0, True, False, id="f32-r1-split-grids"),
     pytest.param(33, 64, 24, 16, torch.bfloat16, 0.1, True, False, id="bf16-r16-dropout"),
     pytest.param(21, 24, 16, 64, torch.float16, 0.2, False, False, id="f16-r64-nobias"),
+    pytest.param(45, 96, 40, 40, torch.bfloat16, 0.2, True, False, id="bf16-r40-mma-split"),
+    pytest.param(19, 40, 24, 32, torch.float16, 0.0, True, True, id="f16-r32-mma-fifo"),
 ]
 
 

@@ -1,0 +1,88 @@
+"""Kernel plans of loragen.cuda.specs: every grid covers every row, column and rank tile exactly, the
+adapters are padded to the rank bucket, and the tensor-core passes are chosen where the model says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loragen.cuda import specs
+
+variants = st.builds(
+    specs.Variant, st.sampled_from(list(specs.DTYPES)), st.sampled_from(specs.RANK_BUCKETS), st.booleans()
+)
+sizes = st.integers(1, 70_000)
+features = st.integers(1, 20_000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(variants, sizes, features, st.integers(1, 600))
+def test_down_grid_covers_rows_columns_and_rank_tiles(variant, rows, cols, target):
+    plan = specs.plan_down(rows, cols, variant, target)
+    tile = specs.LORA_DOWN.tile(variant)
+    tiles = specs.rank_tiles(specs.LORA_DOWN, variant)
+    assert tiles * tile["rank_tile"] == variant.rank_bucket
+    row_blocks, splits = plan.grid
+    assert row_blocks % tiles == 0 and (row_blocks // tiles) * tile["warps"] * tile["rows_per_warp"] >= rows
+    assert splits == plan.splits and (splits - 1) * plan.cols_per_split < cols <= splits * plan.cols_per_split
+    step = (32 if tile["mma"] else 256) * tile["steps"]
+    assert plan.cols_per_split % step == 0  # every split starts on a whole step
+    if splits > 1:  # h partials stay under a quarter of x
+        assert (
+            splits * rows * variant.rank_bucket * 4 * 2
+            <= rows * cols * specs.ELEMENT_BYTES[variant.dtype] / 2
+        )
+
+
+@settings(max_examples=300, deadline=None)
+@given(variants, sizes, features, st.integers(1, 600), st.sampled_from(["lora_grad_out", "lora_grad_in"]))
+def test_backward_grids_cover_columns_rank_tiles_and_rows(variant, rows, cols, target, name):
+    spec = specs.KERNELS[name]
+    plan = (specs.plan_grad_out if name == "lora_grad_out" else specs.plan_grad_in)(
+        rows, cols, variant, target
+    )
+    tile = spec.tile(variant)
+    tiles = specs.rank_tiles(spec, variant)
+    block_cols = 256 if name == "lora_grad_in" else tile["warps"] * 256
+    assert plan.grid[0] == plan.col_blocks * tiles
+    assert (plan.col_blocks - 1) * block_cols < cols <= plan.col_blocks * block_cols
+    assert plan.grid[1] == plan.splits
+    assert (plan.splits - 1) * plan.rows_per_split < rows <= plan.splits * plan.rows_per_split
+
+
+@settings(max_examples=200, deadline=None)
+@given(variants, sizes, features)
+def test_up_grid_covers_the_output(variant, rows, cols):
+    tile = specs.LORA_UP.tile(variant)
+    row_blocks, col_blocks = specs.plan_up(rows, cols, variant)
+    rows_per_block = tile["warps"] * tile["rows_per_thread"] * (16 if tile["mma"] else 1)
+    cols_per_block = 32 * tile["col_chunks"] if tile["mma"] else 256
+    assert (row_blocks - 1) * rows_per_block < rows <= row_blocks * rows_per_block
+    assert (col_blocks - 1) * cols_per_block < cols <= col_blocks * cols_per_block
+
+
+@pytest.mark.parametrize("rank", [1, 5, 8, 9, 33, 64])
+def test_pad_rank_adds_zero_rows_up_to_the_bucket(rank):
+    adapter = torch.randn(rank, 24)
+    variant = specs.Variant("float32", specs.rank_bucket(rank), True)
+    padded = specs.pad_rank(adapter, variant)
+    assert padded.shape == (variant.rank_bucket, 24) and padded.is_contiguous()
+    assert torch.equal(padded[:rank], adapter) and not padded[rank:].any()
+    assert padded.data_ptr() != adapter.data_ptr()  # a fresh tensor: the caller's adapter is not touched
+
+
+def test_tensor_cores_where_the_cuda_cores_would_bind():
+    chosen = {
+        (v.dtype, v.rank_bucket, v.aligned)
+        for spec, v in specs.all_variants()
+        if spec is specs.LORA_DOWN and specs.uses_mma(v)
+    }
+    assert chosen == {(d, r, True) for d in ("bfloat16", "float16") for r in (16, 32, 64)}
+    assert [r for r in specs.RANK_BUCKETS if specs.up_uses_mma(specs.Variant("bfloat16", r, True))] == [
+        32,
+        64,
+    ]
+    assert not specs.up_uses_mma(specs.Variant("float16", 64, True))  # h would be rounded to float16's range
+    assert not specs.up_uses_mma(specs.Variant("bfloat16", 64, False))
