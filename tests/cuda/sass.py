@@ -32,6 +32,8 @@ ARCH_LIMITS: dict[str, dict[str, int]] = {
     "sm_90": {"registers": 65536, "threads": 2048, "blocks": 32, "shared": 233472, "reserved_shared": 1024},
 }
 _LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?(?P<op>[A-Z][A-Z0-9_.]*)(?P<args>[^;]*);")
+_LABEL = re.compile(r"^(\.L\w+):")
+_TARGET = re.compile(r"`\((\.L\w+)\)")
 _REG = re.compile(r"(?<![A-Z])R(\d+)\b")
 _SPACES = {
     "LDG": "global",
@@ -93,6 +95,7 @@ class SassReport:
     instructions: int
     memory: dict[str, int] = field(default_factory=dict)  # MemoryOp.name -> count of instructions
     load_bytes_before_use: int = 0  # largest global-load batch a thread issues before a first use
+    loop_load_bytes_before_use: int = 0  # the same inside loops (steady state; prologues excluded)
     occupancy: dict[str, object] = field(default_factory=dict)
 
     def count(self, space: str, kind: str, bits: int | None = None) -> int:
@@ -112,6 +115,29 @@ class SassReport:
 def instructions(sass: str) -> list[tuple[str, str]]:
     """(opcode, operands) of every instruction in nvdisasm's output."""
     return [(m["op"], m["args"]) for line in sass.splitlines() if (m := _LINE.match(line))]
+
+
+def loops(sass: str) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of every loop: a branch back to a label at or before it."""
+    labels: dict[str, int] = {}
+    branches: list[tuple[int, str]] = []
+    index = 0
+    for line in sass.splitlines():
+        if label := _LABEL.match(line):
+            labels[label[1]] = index
+        elif match := _LINE.match(line):
+            if match["op"].startswith("BRA") and (target := _TARGET.search(match["args"])):
+                branches.append((index, target[1]))
+            index += 1
+    return [(labels[t], i) for i, t in branches if t in labels and labels[t] <= i]
+
+
+def loop_load_bytes_before_use(sass: str) -> int:
+    """:func:`load_bytes_before_use` of the steady state: the largest over the loops, each scanned twice
+    in a row so that loads issued for the next iteration (before the back branch) count."""
+    code = instructions(sass)
+    found = [load_bytes_before_use(code[a : b + 1] * 2) for a, b in loops(sass)]
+    return max(found, default=load_bytes_before_use(code))
 
 
 def load_bytes_before_use(code: list[tuple[str, str]]) -> int:
@@ -208,6 +234,7 @@ def analyse(cubin: bytes, function: str, arch: str, threads: int, shared_bytes: 
         instructions=len(code),
         memory=dict(sorted(memory.items())),
         load_bytes_before_use=load_bytes_before_use(code),
+        loop_load_bytes_before_use=loop_load_bytes_before_use(sass),
         occupancy=occupancy(arch, threads, usage["REG"], shared_bytes),
     )
 
@@ -260,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{row['kernel']:14} {row['variant']:24} {row['arch']} regs={row['registers']:3} "
                 f"smem={row['shared_bytes']:5} local={row['local_bytes']} warps/SM={occ['warps_per_sm']:2} "
-                f"({occ['limited_by']}) in-flight/thread={row['load_bytes_before_use']}B {row['memory']}"
+                f"({occ['limited_by']}) in-flight/thread={row['load_bytes_before_use']}B "
+                f"(loops {row['loop_load_bytes_before_use']}B) {row['memory']}"
             )
     return 0
 

@@ -26,6 +26,8 @@ from tests.cuda.sass import (
     analyse,
     instructions,
     load_bytes_before_use,
+    loop_load_bytes_before_use,
+    loops,
     memory_op,
     occupancy,
     tool,
@@ -117,6 +119,26 @@ def test_sass_parser_reads_opcodes_widths_and_spaces():
 def test_sass_loads_in_flight_end_at_the_first_use():
     # 16 + 2 bytes issued before FFMA R21 reads R6 (written by the 128-bit load) and R9; then 4 more
     assert load_bytes_before_use(instructions(SASS)) == 18
+
+
+LOOP = """\
+        /*0000*/                   LDG.E.128 R4, desc[UR8][R2.64] ;
+        /*0010*/                   LDG.E.128 R8, desc[UR8][R2.64+0x10] ;
+.L_x_1:
+        /*0020*/                   FFMA R20, R4, R8, R20 ;
+        /*0030*/                   LDG.E.128 R4, desc[UR8][R2.64+0x20] ;
+        /*0040*/                   LDG.E.128 R8, desc[UR8][R2.64+0x30] ;
+        /*0050*/                   LDG.E R12, desc[UR8][R2.64+0x40] ;
+        /*0060*/               @P0 BRA `(.L_x_1) ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_sass_loop_batches_count_loads_carried_over_the_back_branch():
+    assert loops(LOOP) == [(2, 6)]
+    # the loop issues 16 + 16 + 4 bytes for the next iteration, first used after the back branch
+    assert loop_load_bytes_before_use(LOOP) == 36
+    assert load_bytes_before_use(instructions(LOOP)) == 36
 
 
 def test_sass_occupancy_model():
