@@ -54,6 +54,7 @@ __all__ = [
     "plan_up",
     "rank_bucket",
     "rank_tiles",
+    "grad_out_uses_mma",
     "up_uses_mma",
     "uses_mma",
     "render_params",
@@ -200,6 +201,27 @@ def _backward_tile(v: Variant) -> dict[str, int]:
     return {"warps": 4, "min_blocks": 2, "rank_tile": rank_tile, "rows_per_step": 4}
 
 
+def grad_out_uses_mma(v: Variant) -> bool:
+    """Whether ``lora_grad_out`` runs on tensor cores for ``v``: bf16, vector accesses, R >= 16."""
+    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 16
+
+
+def _grad_out_tile(v: Variant) -> dict[str, int]:
+    if grad_out_uses_mma(v):
+        # 8 warps x 2 chunks of 32 columns = 512 columns per block; dB^T keeps R_tile accumulators per
+        # lane and chunk, so R = 64 runs as two rank tiles of 32 (g read again from L2)
+        rank_tile = min(v.rank_bucket, 32)
+        return {
+            "warps": 8,
+            "min_blocks": 1,
+            "mma": True,
+            "col_chunks": 2,
+            "rank_tile": rank_tile,
+            "rows_per_step": 16,
+        }
+    return {**_backward_tile(v), "mma": False, "col_chunks": 1}
+
+
 LORA_DOWN = KernelSpec(
     "lora_down",
     _params(
@@ -242,7 +264,7 @@ LORA_GRAD_OUT = KernelSpec(
         ("int", "rows_per_split"),
         ("float", "scaling"),
     ),
-    _backward_tile,
+    _grad_out_tile,
 )
 LORA_GRAD_IN = KernelSpec(
     "lora_grad_in",
@@ -419,7 +441,11 @@ def _split_plan(
     # lora_grad_out: every lane of the block has its own columns; lora_grad_in: the warps share 256
     # columns and take turns over the rows, ROWS_PER_STEP each
     shared = spec is LORA_GRAD_IN
-    col_blocks = math.ceil(cols / ((1 if shared else tile["warps"]) * WARP * CHUNK))
+    if tile.get("mma"):  # lora_grad_out on tensor cores: each warp col_chunks chunks of 32 columns
+        block_cols = tile["warps"] * WARP * tile["col_chunks"]
+    else:
+        block_cols = (1 if shared else tile["warps"]) * WARP * CHUNK
+    col_blocks = math.ceil(cols / block_cols)
     blocks = col_blocks * rank_tiles(spec, variant)
     step = tile["rows_per_step"] * (tile["warps"] if shared else 1)
     splits, rows_per_split = _row_splits(rows, blocks, target_blocks, max_splits, step)
