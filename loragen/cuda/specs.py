@@ -457,7 +457,9 @@ def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) ->
 
     The dB partials (splits x cols x R float32) are kept under a quarter of g's bytes.
     """
-    max_splits = rows * ELEMENT_BYTES[variant.dtype] // (16 * variant.rank_bucket)
+    # on tensor cores the pass is memory-bound, so the partials (written and read back) get the quarter
+    per_split = (32 if grad_out_uses_mma(variant) else 16) * variant.rank_bucket
+    max_splits = rows * ELEMENT_BYTES[variant.dtype] // per_split
     return _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
 
 
