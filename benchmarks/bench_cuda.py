@@ -151,8 +151,7 @@ def kernel_benchmark(
     tokens: int, features: int, rank: int, dropout: float, rounds: int, copy_GBps: float
 ) -> list[dict]:
     from loragen import philox
-    from loragen.cuda import function as F
-    from loragen.cuda import specs
+    from loragen.cuda import passes, specs
     from loragen.cuda.launch import default_launcher
 
     torch.manual_seed(0)
@@ -162,39 +161,40 @@ def kernel_benchmark(
     g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16)
     a32 = torch.randn(rank, k, device="cuda") / k**0.5
     bt32 = torch.randn(rank, o, device="cuda")
-    plan = F._Plan(x, o, rank, default_launcher())
+    plan = passes.Plan(x, o, rank, default_launcher())
     drop = (
         (philox.random_seed(), 0, philox.keep_threshold(dropout), philox.keep_scale(dropout))
         if dropout
         else (0, 0, 0, 1.0)
     )
-    h = F._down(plan, x, a32, drop)
-    dh, _ = F._grad_out(plan, g, h, bt32, 1.0)
-    out = torch.empty(n, o, device="cuda", dtype=torch.bfloat16)
+    h = passes.down(plan, x, a32, drop)
+    dh, _ = passes.grad_out(plan, g, h, bt32, 1.0)
+    term = torch.empty(n, o, device="cuda")  # the forward's float32 term (one rounding, after the base GEMM)
     R = plan.variant.rank_bucket
+    up_variant = specs.Variant("float32", R, plan.variant.aligned)
 
     def up() -> None:
         plan.launcher.launch(
             specs.LORA_UP,
-            plan.variant,
-            specs.plan_up(n, o, plan.variant),
-            (h, bt32, None, out, n, o, rank, 1.0),
+            up_variant,
+            specs.plan_up(n, o, up_variant),
+            (h, bt32, None, term, n, o, rank, 1.0),
             x.device,
         )
 
     # minimum bytes: each large operand read or written once (partial sums and small operands included)
     kernels = {
         "lora_down  (h = drop(x) A^T)": (
-            lambda: F._down(plan, x, a32, drop),
+            lambda: passes.down(plan, x, a32, drop),
             n * k * b + n * R * 4 + rank * k * 4,
         ),
-        "lora_up    (y0 = s h B^T)": (up, n * o * b + n * R * 4 + rank * o * 4),
+        "lora_up    (t = s h B^T, float32)": (up, n * o * 4 + n * R * 4 + rank * o * 4),
         "lora_grad_out (dh, dB)": (
-            lambda: F._grad_out(plan, g, h, bt32, 1.0),
+            lambda: passes.grad_out(plan, g, h, bt32, 1.0),
             n * o * b + 2 * n * R * 4 + o * R * 4,
         ),
         "lora_grad_in  (dA, gx0)": (
-            lambda: F._grad_in(plan, x, dh, a32, drop, True),
+            lambda: passes.grad_in(plan, x, dh, a32, drop, True),
             2 * n * k * b + n * R * 4 + R * k * 4,
         ),
     }
@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import loragen.cuda
+    import loragen.switches
 
     if not loragen.cuda.is_available():
         print("bench_cuda: no CUDA device (or cuda-python missing); nothing measured.")
@@ -368,6 +369,16 @@ def main(argv: list[str] | None = None) -> int:
             f"targets: step <= 0.85x peft ({ours['step_ms'] / peft_r['step_ms']:.2f}x), "
             f"peak memory <= 0.75x peft ({ours['peak_GiB'] / peft_r['peak_GiB']:.2f}x)"
         )
+
+    from loragen.cuda.selfcheck import default_checker
+
+    report["selfcheck"] = outcomes = default_checker().outcomes()
+    report["cuda_kernels_switch"] = loragen.switches.cuda_kernels.get()
+    print(f"\nself-check outcomes (LORAGEN_CUDA_KERNELS={report['cuda_kernels_switch']}):")
+    for variant, outcome in outcomes.items():
+        print(f"  {variant}: {outcome}")
+    if any(outcome != "ok" for outcome in outcomes.values()):
+        print("  WARNING: variants above run on the torch path: the loragen numbers measure that path")
 
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

@@ -25,11 +25,14 @@ from loragen.convert import (
 )
 from loragen.errors import (
     AdapterError,
+    AdapterMixError,
+    AdapterNameError,
     LoraConfigError,
     LoraConversionError,
     LoraError,
     LoraMergeError,
     MergeError,
+    MixedBatchError,
 )
 from loragen.layers import LoraConv1d, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear, register_layer
 
@@ -46,6 +49,17 @@ _LAZY = {
     "rewrite_source": "loragen.source.rewrite",
     "RewriteResult": "loragen.source.rewrite",
     "LoraTrainerCallback": "loragen.training.trainer",  # imports transformers
+    # several named adapters
+    "add_adapter": "loragen.adapters.named",
+    "set_adapter": "loragen.adapters.named",
+    "delete_adapter": "loragen.adapters.named",
+    "disable_adapter": "loragen.adapters.named",
+    "list_adapters": "loragen.adapters.named",
+    "active_adapter": "loragen.adapters.named",
+    "add_weighted_adapter": "loragen.adapters.weighted",
+    "mixed_batch": "loragen.layers.mixed_batch",
+    "prepare_model_for_kbit_training": "loragen.training.kbit",
+    "RequantizationWarning": "loragen.errors",
 }
 
 __all__ = [
@@ -77,15 +91,40 @@ __all__ = [
     "rewrite_source",
     "RewriteResult",
     "LoraTrainerCallback",
+    "add_adapter",
+    "set_adapter",
+    "delete_adapter",
+    "disable_adapter",
+    "list_adapters",
+    "active_adapter",
+    "add_weighted_adapter",
+    "mixed_batch",
+    "AdapterNameError",
+    "AdapterMixError",
+    "MixedBatchError",
+    "prepare_model_for_kbit_training",
+    "RequantizationWarning",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
     from loragen.adapters.load import load_adapter
+    from loragen.adapters.named import (
+        active_adapter,
+        add_adapter,
+        delete_adapter,
+        disable_adapter,
+        list_adapters,
+        set_adapter,
+    )
     from loragen.adapters.save import save_adapter
+    from loragen.adapters.weighted import add_weighted_adapter
+    from loragen.errors import RequantizationWarning
     from loragen.layers import LoraConv1D
+    from loragen.layers.mixed_batch import mixed_batch
     from loragen.source.decorator import lora_convert
     from loragen.source.rewrite import RewriteResult, rewrite_source
     from loragen.training.adamw8bit import AdamW8bit
+    from loragen.training.kbit import prepare_model_for_kbit_training
     from loragen.training.optimizers import make_optimizer
     from loragen.training.trainer import LoraTrainerCallback
 

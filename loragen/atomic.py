@@ -97,6 +97,9 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "
 def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Build a folder atomically: yield an empty temporary folder beside ``path``, swap it in on success.
 
+    The files written into it get the mode the same file had in the folder replaced, else the umask's
+    (whatever mode their writer created them with), and the folder itself likewise.
+
     If ``path`` already exists it is replaced only after the new folder is complete: it is first renamed
     aside, the new folder renamed into place, then the old one deleted. On an exception the temporary
     folder is removed and ``path`` keeps its old content.
@@ -113,6 +116,9 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         if child.is_file():
             with open(child, "rb") as fh:
                 os.fsync(fh.fileno())
+            # writers that create their files privately (safetensors writes 0600) do not decide the mode:
+            # a file gets the mode the same file had in the replaced folder, else the umask's
+            os.chmod(child, _final_mode(target / child.name, is_dir=False))
     os.chmod(tmp, _final_mode(target, is_dir=True))
     if target.exists():
         if not target.is_dir():

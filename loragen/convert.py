@@ -18,11 +18,15 @@ from torch import nn
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
+from loragen.layers.adapter_set import adapter_factors, has_adapter
+from loragen.layers.experts import lora_parameters_class
 from loragen.ops.sibling_plan import plan_siblings
+from loragen.parameter_targets import plan_parameters, targeted_parameters
 from loragen.registry import refusal_for, spec_for, supported_type_names
 
 __all__ = [
     "CONFIG_ATTR",
+    "ADAPTER_CONFIGS_ATTR",
     "LoraConversionError",
     "get_lora_model",
     "plan_conversion",
@@ -41,6 +45,8 @@ __all__ = [
 
 M = TypeVar("M", bound=nn.Module)
 CONFIG_ATTR = "loragen_config"
+# several named adapters: {name: config}, the model's first adapter first (loragen.adapters.named)
+ADAPTER_CONFIGS_ATTR = "loragen_adapter_configs"
 _SHOWN_NAMES = 20
 
 
@@ -75,6 +81,8 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[
         LoraConversionError: ``target_modules`` is not set.
     """
     targets = config.target_modules
+    if targets is None and config.target_parameters:
+        return ()  # only parameters are targeted
     if targets is None:
         raise LoraConversionError(
             "LoraConfig.target_modules is None: name the modules to adapt, e.g. "
@@ -129,6 +137,14 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
             unsupported.append(f"{path} ({type(module).__module__}.{type(module).__qualname__})")
         else:
             planned[path] = module
+    parameters = plan_parameters(model, config)
+    both = sorted(set(parameters) & set(planned))
+    if both:
+        raise LoraConversionError(
+            f"{', '.join(both)}: targeted by target_modules and by target_parameters; a module is adapted one way "
+            "(peft refuses it too). Narrow target_modules or target_parameters"
+        )
+    planned.update((path, model.get_submodule(path)) for path in parameters)
     if refused:
         raise LoraConversionError(
             "target_modules matched modules loragen will not adapt: " + "; ".join(refused)
@@ -158,9 +174,18 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
 def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLayer:
     """The LoRA layer for ``module`` at ``path``, with the rank and alpha ``config`` gives that path.
 
+    A module with parameters ``config.target_parameters`` selects gets LoRA on those parameters
+    (:mod:`loragen.layers.experts`).
+
     Raises:
         LoraConversionError: the module's type is not supported, or a per-module value is invalid.
     """
+    names = targeted_parameters(module, path, config)
+    if names:
+        targets = {name: (config.rank_for(f"{path}.{name}"), config.alpha_for(f"{path}.{name}")) for name in names}
+        return lora_parameters_class(type(module)).from_parameters(
+            module, targets, use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights
+        )
     try:
         lora_class = lora_class_for(type(module))
     except LoraConversionError as exc:
@@ -173,6 +198,7 @@ def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLaye
             lora_dropout=config.lora_dropout,
             use_rslora=config.use_rslora,
             init_lora_weights=config.init_lora_weights,
+            use_dora=config.use_dora,
         )
     except ValueError as exc:
         raise LoraConversionError(f"{path}: {exc}") from exc
@@ -224,8 +250,10 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in lora_layers.values():
-        for p in layer.lora_parameters().values():
-            p.requires_grad_(True)
+        active = layer.active_adapter  # with several adapters, the active one trains (as in peft)
+        if active is not None and has_adapter(layer, active):
+            for p in adapter_factors(layer, active).lora_parameters().values():
+                p.requires_grad_(True)
     if config.bias == "all":
         for name, p in model.named_parameters():
             if name == "bias" or name.endswith(".bias"):
@@ -294,6 +322,8 @@ def _merge_all(layers: dict[str, LoraLayer]) -> None:
 def merge_adapter(model: nn.Module) -> None:
     """Merge every LoRA layer's update into its base weight, in place. Safe to repeat.
 
+    With several named adapters, the active one is merged (see :func:`loragen.set_adapter`).
+
     Raises:
         LoraConversionError: the model has no LoRA layers.
         LoraMergeError: a layer cannot be merged exactly (the message names its path and why); nothing
@@ -315,6 +345,8 @@ def unmerge_adapter(model: nn.Module) -> None:
 def merge_and_unload(model: M) -> M:
     """Merge every LoRA layer and replace it with the plain torch layer; returns the same model.
 
+    With several named adapters, the active one is merged and the others are dropped (as peft does).
+
     Raises:
         LoraConversionError: the model has no LoRA layers.
     """
@@ -323,6 +355,7 @@ def merge_and_unload(model: M) -> M:
     for path, layer in layers.items():
         set_submodule(model, path, layer.to_base())
     model.__dict__.pop(CONFIG_ATTR, None)  # a rewritten class's own config (a class attribute) stays
+    model.__dict__.pop(ADAPTER_CONFIGS_ATTR, None)
     return model
 
 

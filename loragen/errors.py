@@ -16,7 +16,13 @@ ScanError                  ValueError          model source cannot be read by th
 AdapterError               ValueError          an adapter folder cannot be read or does not fit the model
 MergeError                 ValueError          ``loragen merge`` cannot merge an adapter into a checkpoint
 TrainingSetupError         ValueError          a training helper is given a model or option it cannot use
+AdapterNameError           ValueError          a named adapter does not exist (or exists already)
+AdapterMixError            ValueError          ``add_weighted_adapter`` is given adapters it cannot combine
+MixedBatchError            ValueError          ``mixed_batch`` names do not fit the batch or the model
 ========================= =================== ==========================================================
+
+One warning: :class:`RequantizationWarning` (a ``UserWarning``), when merging into a quantized weight
+(bitsandbytes 4-bit / 8-bit) rounds the merged weight; its message gives the largest error.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ __all__ = [
     "AdapterError",
     "MergeError",
     "TrainingSetupError",
+    "AdapterNameError",
+    "AdapterMixError",
+    "MixedBatchError",
+    "RequantizationWarning",
 ]
 
 
@@ -75,3 +85,18 @@ class MergeError(LoraError, ValueError):
 
 class TrainingSetupError(LoraError, ValueError):
     """A training helper cannot be set up for this model; the message says why and what to change."""
+
+
+class AdapterNameError(LoraError, ValueError):
+    """A named adapter does not exist (the message lists the ones that do), or exists already."""
+
+
+class AdapterMixError(LoraError, ValueError):
+    """Adapters cannot be combined by ``add_weighted_adapter``; names the adapters and what differs."""
+
+
+class MixedBatchError(LoraError, ValueError):
+    """``mixed_batch`` was given names that do not fit the batch (its length) or the model (unknown names)."""
+class RequantizationWarning(UserWarning):
+    """A merge into a quantized weight had to quantize the merged weight again; the message gives the
+    largest absolute difference to the exact ``W + scaling * B @ A`` (filter it with ``warnings``)."""

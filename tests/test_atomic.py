@@ -59,3 +59,39 @@ def test_rewrite_in_place_keeps_the_executable_bit(tmp_path: Path, umask: int) -
     os.chmod(model, 0o755)
     assert cli_main(["rewrite", str(model), "--in-place", "--target-modules", "q"]) == 0
     assert "LoraLinear" in model.read_text() and _mode(model) == 0o755
+
+
+def test_files_written_privately_into_a_folder_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
+    """safetensors creates its files 0600; in a folder loragen writes they end with the umask's mode,
+    or with the mode the same file had in the folder replaced."""
+    with atomic_dir(tmp_path / "adapter") as folder:
+        private = folder / "weights.bin"
+        private.write_bytes(b"x")
+        os.chmod(private, 0o600)
+    assert _mode(tmp_path / "adapter" / "weights.bin") == 0o666 & ~umask
+    os.chmod(tmp_path / "adapter" / "weights.bin", 0o640)
+    with atomic_dir(tmp_path / "adapter") as folder:
+        (folder / "weights.bin").write_bytes(b"y")
+        os.chmod(folder / "weights.bin", 0o600)
+    assert _mode(tmp_path / "adapter" / "weights.bin") == 0o640
+
+
+def test_every_file_of_a_saved_adapter_and_merged_checkpoint_honours_the_umask(
+    tmp_path: Path, umask: int
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from torch import nn
+
+    import loragen
+
+    torch.manual_seed(0)
+    model = loragen.get_lora_model(nn.Sequential(nn.Linear(4, 4)), loragen.LoraConfig(r=2, target_modules=["0"]))
+    loragen.save_adapter(model, tmp_path / "adapter")
+    base = tmp_path / "base.safetensors"
+    save_file({"0.weight": torch.zeros(4, 4), "0.bias": torch.zeros(4)}, str(base))
+    merged = tmp_path / "merged.safetensors"
+    assert cli_main(["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "-o", str(merged)]) == 0
+    written = [*sorted((tmp_path / "adapter").iterdir()), merged]
+    assert [p.name for p in written] == ["adapter_config.json", "adapter_model.safetensors", "merged.safetensors"]
+    assert {p.name: _mode(p) for p in written} == {p.name: 0o666 & ~umask for p in written}

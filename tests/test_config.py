@@ -88,7 +88,7 @@ def test_from_peft_reports_unknown_fields() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("use_dora", True), ("lora_bias", True), ("layer_replication", [[0, 2]])]
+    ("field", "value"), [("use_qalora", True), ("lora_bias", True), ("layer_replication", [[0, 2]])]
 )
 def test_from_peft_refuses_features_it_would_silently_drop(field: str, value) -> None:
     data = LoraConfig(target_modules=["q"]).to_peft() | {field: value}

@@ -18,7 +18,13 @@ import safetensors
 import safetensors.torch
 import torch
 
-from loragen.adapters.keys import AdapterKey, LoraFactors, group_lora_keys, parse_adapter_key
+from loragen.adapters.keys import (
+    AdapterKey,
+    LoraFactors,
+    check_magnitudes,
+    group_lora_keys,
+    parse_adapter_key,
+)
 from loragen.adapters.safetensors_file import SafetensorsHeader, SafetensorsReader, read_safetensors_header
 from loragen.config import LoraConfig
 from loragen.errors import AdapterError
@@ -162,6 +168,7 @@ def read_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False, la
 
 def _check_pairs(adapter: Adapter) -> None:
     """Both factors of a module must be a pair of its layout (a lone factor is reported as missing later)."""
+    check_magnitudes(adapter.keys.values(), adapter.config.use_dora, adapter.weights_path)
     problems = []
     for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None:

@@ -4,6 +4,7 @@ An adapter file names each tensor after peft's wrapped model::
 
     base_model.model.<module path>.lora_A.weight        a LoRA factor (suffixes: the registry's Layouts)
     base_model.model.<module path>.lora_embedding_A
+    base_model.model.<module path>.lora_magnitude_vector   DoRA's magnitude (no ``.weight``, as peft saves it)
     base_model.model.<module path>.weight               a module saved in full (modules_to_save)
     base_model.model.<module path>.base_layer.bias      a LoRA layer's own bias (bias="all" / "lora_only")
 
@@ -23,18 +24,22 @@ from loragen.registry import LAYOUTS, Layout, factor_suffixes
 
 __all__ = [
     "PEFT_PREFIX",
+    "MAGNITUDE",
     "AdapterKey",
     "LoraFactors",
     "parse_adapter_key",
     "lora_factors",
     "group_lora_keys",
+    "check_magnitudes",
 ]
 
 PEFT_PREFIX = "base_model.model."
 
 # Path components peft's LoRA layers use for tensors: all begin with this (lora_A, lora_embedding_B,
-# and variants loragen does not implement such as DoRA's lora_magnitude_vector).
+# DoRA's lora_magnitude_vector, and variants loragen does not implement such as a LoRA bias).
 _PEFT_LORA_PART = "lora_"
+# DoRA's magnitude vector: a LoRA tensor beside the factors (loragen.layers.dora)
+MAGNITUDE = "lora_magnitude_vector"
 # Path components of peft's wrappers around a module saved in full, which carry no name of their own.
 _PEFT_WRAPPER_PARTS = ("base_layer", "modules_to_save")
 
@@ -44,7 +49,7 @@ class AdapterKey:
     """What one key of an adapter file addresses.
 
     ``module`` is the module path in the model, ``name`` the LoRA factor's attribute name (a registry
-    Layout's ``factor_names``: ``lora_A``, ``lora_embedding_B``, ...) or the parameter name (``weight``,
+    Layout's ``factor_names``: ``lora_A``, ``lora_embedding_B``, ...; DoRA's ``lora_magnitude_vector``) or the parameter name (``weight``,
     ``bias``) of a module saved in full (modules_to_save, a trained bias, peft's saved embedding base
     weights).
     """
@@ -73,10 +78,12 @@ def parse_adapter_key(key: str) -> AdapterKey | None:
     to save); those are skipped. ``<module>.modules_to_save.*`` is the same tensor as ``<module>.*``.
 
     Raises:
-        AdapterError: a peft LoRA tensor that is not a factor of a registered layout (DoRA's
-            ``lora_magnitude_vector``, a LoRA bias ``lora_B.bias``); the message names the key.
+        AdapterError: a peft LoRA tensor that is neither a factor of a registered layout nor DoRA's
+            ``lora_magnitude_vector`` (a LoRA bias ``lora_B.bias``); the message names the key.
     """
     path = key.removeprefix(PEFT_PREFIX)
+    if path.endswith("." + MAGNITUDE):
+        return AdapterKey(key, path[: -len(MAGNITUDE) - 1], MAGNITUDE, True)
     by_suffix = _factor_name_by_suffix()
     for suffix, name in by_suffix.items():
         if path.endswith("." + suffix):
@@ -87,7 +94,7 @@ def parse_adapter_key(key: str) -> AdapterKey | None:
         known = ", ".join(dict.fromkeys(n for layout in LAYOUTS.values() for n in layout.factor_names))
         raise AdapterError(
             f"{key}: unsupported adapter tensor ({lora_parts[0]} is not a LoRA factor loragen reads; "
-            f"it reads {known}). DoRA (lora_magnitude_vector) and LoRA biases are not supported"
+            f"it reads {known} and DoRA's {MAGNITUDE}). LoRA biases are not supported"
         )
     if "original_module" in parts:
         return None
@@ -135,7 +142,8 @@ def lora_factors(module: str, keys: Mapping[str, str]) -> LoraFactors | None:
 
 
 def group_lora_keys(keys: Iterable[AdapterKey], source: object) -> dict[str, LoraFactors]:
-    """``{module path: its LoRA factors}`` for the LoRA keys among ``keys``, in module order.
+    """``{module path: its LoRA factors}`` for the LoRA keys among ``keys``, in module order (DoRA's
+    magnitude vectors are not factors and are left out).
 
     Raises:
         AdapterError: modules whose factors belong to different layouts (all listed, with ``source``,
@@ -143,7 +151,7 @@ def group_lora_keys(keys: Iterable[AdapterKey], source: object) -> dict[str, Lor
     """
     by_module: dict[str, dict[str, str]] = {}
     for info in keys:
-        if info.is_lora:
+        if info.is_lora and info.name != MAGNITUDE:
             by_module.setdefault(info.module, {})[info.name] = info.key
     out: dict[str, LoraFactors] = {}
     mixed = []
@@ -156,3 +164,20 @@ def group_lora_keys(keys: Iterable[AdapterKey], source: object) -> dict[str, Lor
     if mixed:
         raise AdapterError(f"{source}: inconsistent LoRA tensors:\n  " + "\n  ".join(mixed))
     return out
+
+
+def check_magnitudes(keys: Iterable[AdapterKey], use_dora: bool, source: object) -> None:
+    """DoRA magnitude vectors belong only in an adapter whose config says ``use_dora``.
+
+    Raises:
+        AdapterError: ``source`` (the weights file) holds ``lora_magnitude_vector`` tensors but its config
+            has ``use_dora`` false: read as plain LoRA they would be dropped and the outputs would differ.
+    """
+    if use_dora:
+        return
+    stray = sorted(info.key for info in keys if info.is_lora and info.name == MAGNITUDE)
+    if stray:
+        raise AdapterError(
+            f"{source}: {stray[0]}: a DoRA magnitude ({MAGNITUDE}, {len(stray)} in all) in an adapter whose "
+            "adapter_config.json has use_dora=false; set \"use_dora\": true if it is a DoRA adapter"
+        )

@@ -17,7 +17,16 @@ from torch import nn
 
 from loragen.adapters.folder import Adapter, read_adapter
 from loragen.adapters.keys import PEFT_PREFIX
+from loragen.adapters.named import (
+    add_adapter,
+    check_adapter_name,
+    delete_adapter,
+    list_adapters,
+    record_config,
+    set_trainable,
+)
 from loragen.convert import (
+    ADAPTER_CONFIGS_ATTR,
     CONFIG_ATTR,
     convert_module,
     find_lora_layers,
@@ -27,6 +36,8 @@ from loragen.convert import (
 )
 from loragen.errors import AdapterError
 from loragen.layers import LoraLayer
+from loragen.layers.adapter_set import DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter, set_active
+from loragen.layers.experts import LoraParametersLayer, scaling_owners
 
 __all__ = ["load_adapter"]
 
@@ -41,7 +52,7 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _plan_load(
-    model: nn.Module, adapter: Adapter, layers: Mapping[str, LoraLayer], strict: bool
+    model: nn.Module, adapter: Adapter, layers: Mapping[str, Factors], strict: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Match every adapter tensor to the model tensor it loads into; raise listing every problem.
 
@@ -56,9 +67,29 @@ def _plan_load(
     wrong_rank: list[str] = []
     unexpected: list[str] = []
     found: set[str] = set()
+    # factors of targeted parameters: their keys (peft's nested wrappers) come from the layers themselves
+    owned = {
+        f"{PEFT_PREFIX}{path}.{suffix}": (path, layer, attr)
+        for path, layer in layers.items() if isinstance(layer, LoraParametersLayer)
+        for attr, suffix in layer.peft_key_suffixes().items()
+    }
     for key, info in sorted(adapter.keys.items()):
         layer = layers.get(info.module) if info.is_lora else None
         target: torch.Tensor | None
+        if key in owned:
+            path, owner, attr = owned[key]
+            target, target_name = owner.lora_parameters()[attr], attr.rsplit(".", 2)[1]
+            found.add(f"{path}.{attr}")
+            value = adapter.tensors[key]
+            rank = config.rank_for(f"{path}.{target_name}")
+            if tuple(value.shape) != tuple(target.shape):
+                mismatched.append(f"{key}: expected shape {tuple(target.shape)}, found {tuple(value.shape)}")
+            elif rank != owner.parameter_targets[target_name].r:
+                wrong_rank.append(f"{key}: the adapter config gives {path}.{target_name} rank {rank}, the model's "
+                                  f"factors have rank {owner.parameter_targets[target_name].r}")
+            else:
+                plan[id(target)] = (target, value)
+            continue
         if info.is_lora:
             target = layer.lora_parameters().get(info.name) if layer is not None else None
             if layer is not None and target is None:
@@ -96,6 +127,12 @@ def _plan_load(
     missing = sorted(file_key for model_key, file_key in expected.items() if model_key not in found)
 
     problems = []
+    dora_mismatch = [path for path, layer in layers.items() if layer.use_dora != config.use_dora]
+    if dora_mismatch:
+        problems.append(
+            f"the adapter config has use_dora={config.use_dora} but these LoRA layers have use_dora="
+            f"{not config.use_dora}:\n    " + "\n    ".join(dora_mismatch)
+        )
     if mismatched:
         problems.append("shape mismatch:\n    " + "\n    ".join(mismatched))
     if wrong_rank:
@@ -120,14 +157,16 @@ def _plan_load(
 class _Snapshot:
     """What loading may change in a model, saved so that a failure can put it back exactly."""
 
-    def __init__(self, model: nn.Module, overwritten: list[torch.Tensor], layers: Mapping[str, LoraLayer]):
+    def __init__(self, model: nn.Module, overwritten: list[torch.Tensor], layers: Mapping[str, Factors]):
         self.model = model
         self.values = [(t, t.detach().clone()) for t in overwritten]
         self.requires_grad = [(p, p.requires_grad) for p in model.parameters()]
         self.scaling = {
-            layer: (layer.lora_alpha, layer.use_rslora, layer.scaling) for layer in layers.values()
+            owner: (owner.lora_alpha, owner.use_rslora, owner.scaling)
+            for path, layer in layers.items() for _, owner in scaling_owners(path, layer)
         }
         self.config = model.__dict__.get(CONFIG_ATTR, _MISSING)
+        self.configs = model.__dict__.get(ADAPTER_CONFIGS_ATTR, _MISSING)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -137,10 +176,11 @@ class _Snapshot:
             p.requires_grad_(flag)
         for layer, (alpha, rslora, scaling) in self.scaling.items():
             layer.lora_alpha, layer.use_rslora, layer.scaling = alpha, rslora, scaling
-        if self.config is _MISSING:
-            self.model.__dict__.pop(CONFIG_ATTR, None)
-        else:
-            setattr(self.model, CONFIG_ATTR, self.config)
+        for attr, value in ((CONFIG_ATTR, self.config), (ADAPTER_CONFIGS_ATTR, self.configs)):
+            if value is _MISSING:
+                self.model.__dict__.pop(attr, None)
+            else:
+                setattr(self.model, attr, value)
 
 
 _MISSING = object()
@@ -150,6 +190,7 @@ def load_adapter(
     model: M,
     path: str | os.PathLike[str],
     *,
+    adapter_name: str = DEFAULT_ADAPTER,
     trainable: bool = False,
     strict: bool = True,
     allow_pickle: bool = False,
@@ -162,6 +203,11 @@ def load_adapter(
     and ``use_rslora``. ``trainable=False`` freezes every parameter (inference); ``True`` sets
     ``requires_grad`` as :func:`~loragen.get_lora_model` does. The config is kept as
     ``model.loragen_config``.
+
+    ``adapter_name`` names the adapter (peft's default, ``"default"``). Into a model that holds no
+    adapter of that name, the adapter is added beside the others (:func:`loragen.add_adapter`; it is not
+    made active); a model that holds one loads into it. One folder holds one adapter: load the
+    subfolders of a multi-adapter folder (``path/<name>``) one by one.
 
     All or nothing: everything is checked before the model is touched, and on any error the model is
     left exactly as it was.
@@ -176,25 +222,43 @@ def load_adapter(
         LoraConversionError: the config's targets match nothing in the model (names the targets), or
             match layers loragen cannot adapt.
     """
+    check_adapter_name(adapter_name)
     adapter = read_adapter(path, allow_pickle=allow_pickle)
     config = adapter.config
-    existing = find_lora_layers(model)
+    existing_layers = find_lora_layers(model)
     originals: dict[str, nn.Module] = {}  # path -> the plain module a new LoRA layer replaces
     new_layers: dict[str, LoraLayer] = {}
-    if existing:
-        merged = [p for p, layer in existing.items() if layer.merged]
+    added = False  # a further adapter added for this load: deleted again on failure
+    if existing_layers and adapter_name not in list_adapters(model):
+        add_adapter(model, config, adapter_name)
+        added = True
+        existing_layers = find_lora_layers(model)
+    # the factors this load writes: the named adapter's in every layer that holds it
+    existing: dict[str, Factors] = {
+        p: adapter_factors(layer, adapter_name) for p, layer in existing_layers.items() if has_adapter(layer, adapter_name)
+    }
+    if existing_layers:
+        merged = [p for p, layer in existing_layers.items() if layer.merged and p in existing]
         if merged:
             raise AdapterError(
                 f"cannot load an adapter into merged LoRA layers ({', '.join(merged)}): "
                 "call loragen.unmerge_adapter(model) first"
             )
-        layers = existing
+        layers: Mapping[str, Factors] = existing
     else:
         originals = plan_conversion(model, config)
         # the new layers share the base parameters but are not installed yet: the model is unchanged
         new_layers = {p: convert_module(module, config, p) for p, module in originals.items()}
+        for layer in new_layers.values():
+            layer.adapter_name = adapter_name
+            set_active(layer, adapter_name)
         layers = new_layers
-    plan = _plan_load(model, adapter, layers, strict)
+    try:
+        plan = _plan_load(model, adapter, layers, strict)
+    except BaseException:
+        if added:
+            delete_adapter(model, adapter_name)
+        raise
 
     # the factors of new layers need no backup: on failure the layers are dropped
     fresh = {id(t) for layer in new_layers.values() for t in layer.lora_parameters().values()}
@@ -205,18 +269,22 @@ def load_adapter(
         with torch.no_grad():
             for target, value in plan:
                 target.copy_(value)
-        for p, layer in existing.items():
-            layer.lora_alpha = config.alpha_for(p)
-            layer.use_rslora = config.use_rslora
-            layer.scaling = config.scaling_for(p)
-        setattr(model, CONFIG_ATTR, config)
+        for p, factors in existing.items():
+            for key, owner in scaling_owners(p, factors):
+                owner.lora_alpha = config.alpha_for(key)
+                owner.use_rslora = config.use_rslora
+                owner.scaling = config.scaling_for(key)
+        record_config(model, adapter_name, config)
         if trainable:
-            mark_trainable(model, config)
+            mark_trainable(model)
+            set_trainable(model, adapter_name)
         else:
             model.requires_grad_(False)
     except BaseException:
         for p, module in originals.items():
             set_submodule(model, p, module)
         snapshot.restore()
+        if added:
+            delete_adapter(model, adapter_name)
         raise
     return model

@@ -22,11 +22,13 @@ from torch import nn
 
 from loragen.adapters.folder import ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME, ADAPTER_WEIGHTS_NAME
 from loragen.adapters.keys import PEFT_PREFIX
+from loragen.adapters.named import adapter_configs, list_adapters, require_adapter
 from loragen.atomic import atomic_dir
 from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
-from loragen.layers import LoraLayer
+from loragen.layers.adapter_set import ADAPTERS_ATTR, DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter
+from loragen.layers.experts import LoraParametersLayer, scaling_owners
 from loragen.registry import TRANSPOSED
 
 __all__ = ["adapter_config_for", "adapter_state_dict", "save_adapter"]
@@ -41,14 +43,27 @@ def _most_common(values: list[Any]) -> Any:
     return max(counts, key=lambda v: (counts[v], -values.index(v)))
 
 
-def _derived_config(model: nn.Module, layers: Mapping[str, LoraLayer]) -> LoraConfig:
+def _derived_config(model: nn.Module, layers: Mapping[str, Factors]) -> LoraConfig:
     """A config that reproduces ``layers`` (for models with no stored config, e.g. rewritten ones)."""
+    adapted = [p for p, layer in layers.items() if isinstance(layer, LoraParametersLayer)]
+    if adapted:
+        raise AdapterError(
+            f"{', '.join(adapted)}: LoRA on parameters, but the model carries no config (model.{CONFIG_ATTR}) "
+            "saying how they were targeted; set it to the LoraConfig used (target_parameters=...)"
+        )
     rslora = {layer.use_rslora for layer in layers.values()}
     if len(rslora) > 1:
         mixed = ", ".join(p for p, layer in layers.items() if layer.use_rslora)
         raise AdapterError(
             f"the model mixes use_rslora=True ({mixed}) and False layers; peft's adapter_config.json "
             "has one use_rslora for all layers"
+        )
+    dora = {layer.use_dora for layer in layers.values()}
+    if len(dora) > 1:
+        mixed = ", ".join(p for p, layer in layers.items() if layer.use_dora)
+        raise AdapterError(
+            f"the model mixes DoRA layers ({mixed}) and plain LoRA layers; peft's adapter_config.json has one "
+            "use_dora for all layers"
         )
     r = _most_common([layer.r for layer in layers.values()])
     alpha = _most_common([layer.lora_alpha for layer in layers.values()])
@@ -66,38 +81,48 @@ def _derived_config(model: nn.Module, layers: Mapping[str, LoraLayer]) -> LoraCo
         lora_dropout=_most_common([layer.lora_dropout_p for layer in layers.values()]),
         target_modules=targets,
         use_rslora=rslora.pop(),
+        use_dora=dora.pop(),
         rank_pattern={path: layer.r for path, layer in layers.items() if layer.r != r},
         alpha_pattern={path: layer.lora_alpha for path, layer in layers.items() if layer.lora_alpha != alpha},
     )
 
 
-def adapter_config_for(model: nn.Module) -> LoraConfig:
+def adapter_config_for(model: nn.Module, adapter_name: str | None = None) -> LoraConfig:
     """The config :func:`save_adapter` writes for ``model``.
 
     The config stored by ``get_lora_model`` (``model.loragen_config``) when there is one, else one
     derived from the LoRA layers (ranks and alphas per path go to ``rank_pattern`` / ``alpha_pattern``).
     Models whose LoRA layers are all transformers ``Conv1D`` get ``fan_in_fan_out=True``, as peft
-    writes for them (tools that merge without the model need it for square weights).
+    writes for them (tools that merge without the model need it for square weights). ``adapter_name``:
+    which of several adapters (default: the model's first).
 
     Raises:
-        AdapterError: the model has no LoRA layers, or the config disagrees with a layer's rank or
-            scaling (names the layer).
+        AdapterError: the model has no LoRA layers, the config disagrees with a layer's rank, scaling or
+            DoRA setting (names the layer), or a derived config would mix DoRA and plain layers.
     """
-    layers = find_lora_layers(model)
-    if not layers:
+    all_layers = find_lora_layers(model)
+    if not all_layers:
         raise AdapterError(f"{type(model).__name__} has no LoRA layers: nothing to save")
-    config = getattr(model, CONFIG_ATTR, None)
+    name = list_adapters(model)[0] if adapter_name is None else require_adapter(model, adapter_name)
+    layers = {p: adapter_factors(layer, name) for p, layer in all_layers.items() if has_adapter(layer, name)}
+    config = adapter_configs(model).get(name)
     if not isinstance(config, LoraConfig):
         config = _derived_config(model, layers)
     for path, layer in layers.items():
-        if config.rank_for(path) != layer.r or not math.isclose(config.scaling_for(path), layer.scaling):
+        if layer.use_dora != config.use_dora:
             raise AdapterError(
-                f"{path}: the layer has r={layer.r}, scaling={layer.scaling:g} but the model's config gives "
-                f"r={config.rank_for(path)}, scaling={config.scaling_for(path):g}; delete "
-                f"model.{CONFIG_ATTR} to save a config derived from the layers"
+                f"{path}: the layer has use_dora={layer.use_dora} but the model's config has "
+                f"use_dora={config.use_dora}; delete model.{CONFIG_ATTR} to save a config derived from the layers"
             )
+        for key, owner in scaling_owners(path, layer):
+            if config.rank_for(key) != owner.r or not math.isclose(config.scaling_for(key), owner.scaling):
+                raise AdapterError(
+                    f"{key}: the layer has r={owner.r}, scaling={owner.scaling:g} but the model's config gives "
+                    f"r={config.rank_for(key)}, scaling={config.scaling_for(key):g}; delete "
+                    f"model.{CONFIG_ATTR} to save a config derived from the layers"
+                )
     # peft's fan_in_fan_out means "weights stored (in, out)": the transposed layout
-    if all(layer.layout is TRANSPOSED for layer in layers.values()) and not config.fan_in_fan_out:
+    if all(all_layers[p].layout is TRANSPOSED for p in layers) and not config.fan_in_fan_out:
         config = config.replace(fan_in_fan_out=True)
     return config
 
@@ -126,8 +151,10 @@ def adapter_state_dict(
     *,
     save_embedding_layers: bool | Literal["auto"] = "auto",
     state_dict: Mapping[str, torch.Tensor] | None = None,
+    adapter_name: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of ``model``'s adapter under peft's file keys (contiguous CPU copies).
+    """The tensors of ``model``'s adapter (``adapter_name``; default: its first) under peft's file keys
+    (contiguous CPU copies).
 
     LoRA factors, the state of every module in ``config.modules_to_save`` under its own key, biases per
     ``config.bias``, and with ``save_embedding_layers`` (``"auto"``: when ``target_modules`` names
@@ -143,10 +170,15 @@ def adapter_state_dict(
     """
     full = model.state_dict(keep_vars=True) if state_dict is None else state_dict
     layers = find_lora_layers(model)
+    name = list_adapters(model)[0] if adapter_name is None else adapter_name
     wanted: dict[str, str] = {}  # peft file key -> model key
     for path, layer in layers.items():
+        if not has_adapter(layer, name):
+            continue
+        # the layer's first adapter is its own lora_A/lora_B; others are in lora_adapters.<name>
+        owner = path if name == layer.adapter_name else f"{path}.{ADAPTERS_ATTR}.{name}"
         for attr, suffix in layer.peft_key_suffixes().items():
-            wanted[f"{PEFT_PREFIX}{path}.{suffix}"] = f"{path}.{attr}"
+            wanted[f"{PEFT_PREFIX}{path}.{suffix}"] = f"{owner}.{attr}"
 
     if config.bias == "all":  # as peft: every state-dict entry named "bias"
         for name in full:
@@ -212,11 +244,14 @@ def save_adapter(
     *,
     save_embedding_layers: bool | Literal["auto"] = "auto",
     state_dict: Mapping[str, torch.Tensor] | None = None,
+    selected_adapters: list[str] | None = None,
 ) -> Path:
-    """Write ``model``'s adapter to the folder ``path`` in peft's format; returns the folder.
+    """Write ``model``'s adapters to the folder ``path`` in peft's format; returns the folder.
 
-    The folder gets ``adapter_config.json`` (see :func:`adapter_config_for`) and
-    ``adapter_model.safetensors`` (see :func:`adapter_state_dict`; metadata ``{"format": "pt"}``). It is
+    Each adapter gets ``adapter_config.json`` (see :func:`adapter_config_for`) and
+    ``adapter_model.safetensors`` (see :func:`adapter_state_dict`; metadata ``{"format": "pt"}``), in
+    ``path`` for the adapter named ``"default"`` and in ``path/<name>/`` for every other one, as peft's
+    ``save_pretrained`` lays them out. ``selected_adapters`` picks some (default: all). The folder is
     built beside ``path`` and renamed into place only when complete, so an error or a crash never leaves
     a half-written adapter; other files already in the folder are kept.
 
@@ -226,19 +261,31 @@ def save_adapter(
     Raises:
         AdapterError: the model has no LoRA layers, its config disagrees with its layers, or
             ``state_dict`` lacks a tensor the adapter saves.
+        AdapterNameError: an unknown name in ``selected_adapters``.
         OSError: the folder cannot be written (the old one is then untouched).
     """
-    config = adapter_config_for(model)
-    tensors = adapter_state_dict(
-        model, config, save_embedding_layers=save_embedding_layers, state_dict=state_dict
-    )
-    config_text = json.dumps(config.to_peft(), indent=2, sort_keys=True) + "\n"
+    if not find_lora_layers(model):
+        raise AdapterError(f"{type(model).__name__} has no LoRA layers: nothing to save")
+    names = list_adapters(model) if selected_adapters is None else [require_adapter(model, n) for n in selected_adapters]
+    written = []
+    for name in names:
+        config = adapter_config_for(model, name)
+        tensors = adapter_state_dict(
+            model, config, save_embedding_layers=save_embedding_layers, state_dict=state_dict, adapter_name=name
+        )
+        written.append((name, json.dumps(config.to_peft(), indent=2, sort_keys=True) + "\n", tensors))
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise AdapterError(f"{target} exists and is not a folder; an adapter is saved as a folder")
     with atomic_dir(target) as tmp:
         if target.is_dir():
             _carry_over(target, tmp)
-        safetensors.torch.save_file(tensors, str(tmp / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG_NAME).write_text(config_text, encoding="utf-8")
+        for name, config_text, tensors in written:
+            folder = tmp if name == DEFAULT_ADAPTER else tmp / name
+            folder.mkdir(exist_ok=True)
+            for file_name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME):
+                # a subfolder carried over holds hard links to the old files: never write through them
+                (folder / file_name).unlink(missing_ok=True)
+            safetensors.torch.save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+            (folder / ADAPTER_CONFIG_NAME).write_text(config_text, encoding="utf-8")
     return target

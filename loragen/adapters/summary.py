@@ -19,7 +19,7 @@ from loragen.adapters.folder import (
     read_adapter,
     read_adapter_config,
 )
-from loragen.adapters.keys import AdapterKey, group_lora_keys, parse_adapter_key
+from loragen.adapters.keys import AdapterKey, check_magnitudes, group_lora_keys, parse_adapter_key
 from loragen.adapters.safetensors_file import read_safetensors_header
 from loragen.errors import AdapterError
 from loragen.registry import EMBEDDING
@@ -32,6 +32,7 @@ _CONFIG_FIELDS = (
     "base_model_name_or_path",
     "task_type",
     "target_modules",
+    "target_parameters",
     "exclude_modules",
     "r",
     "lora_alpha",
@@ -156,6 +157,7 @@ def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False)
             shape, dtype = shapes[key]
             full.append(TensorSummary(key, shape, math.prod(shape), dtype))
 
+    check_magnitudes(lora_keys, config.use_dora, weights)
     modules = []
     for module, factors in group_lora_keys(lora_keys, weights).items():
         if factors.key_a is None or factors.key_b is None:

@@ -33,10 +33,16 @@ loragen.mark_trainable(model) needs no config. Formatting and comments are kept.
 installed package (e.g. transformers' modeling_llama.py) written elsewhere gets absolute imports, so
 the output is standalone. Rewriting is idempotent.
 
+An nn.Linear subclass defined in the file (Falcon's FalconLinear) gets its LoRA class bound after it
+(LoraFalconLinear = lora_class_for(FalconLinear)). Sub-models built with AutoModel.from_config (composite
+models: Gemma 3, LLaVA, Qwen3-VL, ...) are built through a LoRA auto class (LoraAutoModel =
+lora_auto_class(AutoModel, [...], LORA_CONFIG)): the file's rewritten class for its config, or transformers'
+class converted when built; each such call is reported as a warning at file:line.
+
 Targets follow peft's LoraConfig.target_modules: --target-modules takes module names (an exact path
 or a dotted suffix, comma-separated) or all-linear; --target-regex takes one regular expression that
 must match a whole module path (peft's rule for a string). A target that matches no layer field in any
-of the files is an error.
+of the files is an error (unless a file builds sub-models with auto classes: they may hold it).
 
 Without -o/--in-place/--diff the rewritten file is printed (one SRC file only). A per-file summary
 and warnings go to stderr. Exit status: 0 done, 1 some file could not be rewritten or a target matches
@@ -250,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
             if not args.quiet:
                 for warning in result.warnings:
                     print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
-                if result.fields or result.errors or len(results) == 1:  # files without layers: nothing to say
+                if result.fields or result.sub_models or result.errors or len(results) == 1:  # files without layers: nothing to say
                     print(result.summary(), file=sys.stderr)
         for message in unmatched:
             print(f"loragen rewrite: error: {message}", file=sys.stderr)

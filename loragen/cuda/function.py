@@ -4,8 +4,9 @@ Shapes: x (N, in) after flattening, weight (out, in) -- (in, out) with ``fan_in_
 A (r, in), B (out, r), h = dropout(x) A^T (N, R) in float32, R = the rank bucket (columns past r are 0).
 
 forward   h   = lora_down(x)                        one pass over x, Philox mask regenerated
-          y   = lora_up(h)  = bias + s h B^T        one write of y
-          y  += x W^T                               cuBLAS, beta = 1: no extra pass over y
+          t   = lora_up(h)  = bias + s h B^T        float32 (the kernel's float32 variant)
+          y   = round(t + x W^T)                    cuBLAS with C = t, float32 out (out_dtype), then
+                                                    one rounding into x's dtype (float32: y is t)
 backward  dh, dB = lora_grad_out(g)                 one pass over g (dh carries s)
           gx, dA   = lora_grad_in(x, dh)            one pass over x, mask regenerated; gx = (dh A) * mask / (1-p)
           gx += g W                                 cuBLAS, beta = 1
@@ -13,7 +14,15 @@ backward  dh, dB = lora_grad_out(g)                 one pass over g (dh carries 
 
 Split reductions come back as float32 partial sums that torch adds up (deterministic: no atomics).
 LoRA parameters may be float32 (peft's default for 16-bit models) or x's dtype; the kernels read them
-as float32 and accumulate in float32, and the rank-r terms are rounded once into x's dtype.
+as float32 and accumulate in float32, and the output is rounded once into x's dtype: the rank-r term is
+never rounded to 16 bits before the base product is added. (In backward, lora_grad_in writes the LoRA
+part of grad_x in x's dtype and cuBLAS adds g W to it: two roundings there, as in peft's composition.) The output is a fresh tensor (never a view),
+so callers may modify it in place.
+
+Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which
+self-checks each kernel variant on its first use on a device and moves a failing one to the torch path
+(:mod:`loragen.cuda.torch_kernels`) with one warning; ``LORAGEN_CUDA_KERNELS`` (:data:`loragen.switches.cuda_kernels`)
+turns the check off or forces the torch path.
 
 Dropout: the seed is drawn from torch's CPU generator per call, so ``torch.manual_seed`` reproduces a
 run and ``torch.utils.checkpoint`` recomputes the same mask; :func:`loragen.philox.dropout_keep_mask`
@@ -29,17 +38,17 @@ import torch
 from torch import Tensor
 
 from loragen import philox
-from loragen.cuda import specs
-from loragen.cuda.launch import KernelLauncher, default_launcher
-from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, Variant
+from loragen.cuda import passes, specs
+from loragen.cuda.launch import KernelLauncher
+from loragen.cuda.passes import DTYPE_NAMES, Plan
+from loragen.cuda.selfcheck import default_checker
+from loragen.errors import LoraError
 from loragen.reference import lora_linear_reference
 
 __all__ = ["CudaLoraError", "LoraLinearCudaFunction", "lora_linear_cuda", "unsupported_reason"]
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-
-class CudaLoraError(ValueError):
+class CudaLoraError(LoraError, ValueError):
     """Inputs the CUDA LoRA op cannot take; the message names the argument and what is accepted."""
 
 
@@ -56,16 +65,18 @@ def unsupported_reason(
 
     :func:`lora_linear_cuda` falls back to the plain composition for the reasons returned here.
     """
-    if x.dtype not in _DTYPE_NAMES:
+    if x.dtype not in DTYPE_NAMES:
         return f"x dtype {x.dtype} (kernels exist for float32, float16, bfloat16)"
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return f"base weight/bias dtype differs from x ({x.dtype})"
-    if lora_A.dtype not in _DTYPE_NAMES or lora_B.dtype not in _DTYPE_NAMES:
+    if lora_A.dtype not in DTYPE_NAMES or lora_B.dtype not in DTYPE_NAMES:
         return f"LoRA dtype {lora_A.dtype}/{lora_B.dtype} (expected float32, float16 or bfloat16)"
     if not 1 <= lora_A.shape[0] <= specs.MAX_RANK:
         return f"rank r={lora_A.shape[0]} (the kernels take 1 <= r <= {specs.MAX_RANK})"
     if max(x.shape[-1], weight.shape[0], weight.shape[1]) >= 2**31:
         return "a feature dimension of 2**31 or more"
+    if x.numel() // max(x.shape[-1], 1) >= 2**31:
+        return "2**31 or more rows (the kernels take row counts as 32-bit int)"
     return None
 
 
@@ -106,29 +117,6 @@ def _check_inputs(
         )
 
 
-def _aligned16(t: Tensor) -> Tensor:
-    """``t`` itself, or a fresh copy when its data is not 16-byte aligned (vector loads need it)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-class _Plan:
-    """What forward decides and backward reuses."""
-
-    def __init__(self, x2: Tensor, out_features: int, rank: int, launcher: KernelLauncher) -> None:
-        self.rows, self.in_features = x2.shape
-        self.out_features = out_features
-        self.rank = rank
-        aligned = self.in_features % 8 == 0 and out_features % 8 == 0
-        self.variant = Variant(_DTYPE_NAMES[x2.dtype], specs.rank_bucket(rank), aligned)
-        self.launcher = launcher
-        self.device = x2.device
-        self.target_blocks = launcher.target_blocks(x2.device)
-
-    def prepare(self, t: Tensor) -> Tensor:
-        t = t.contiguous()
-        return _aligned16(t) if self.variant.aligned else t
-
-
 class LoraLinearCudaFunction(torch.autograd.Function):
     """One autograd node for the whole LoRA linear; see the module docstring for the passes.
 
@@ -152,29 +140,29 @@ class LoraLinearCudaFunction(torch.autograd.Function):
     ) -> Tensor:
         out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
         x2 = x.reshape(-1, x.shape[-1])
-        plan = _Plan(x2, out_features, lora_A.shape[0], launcher)
+        plan = Plan(x2, out_features, lora_A.shape[0], launcher)
         x2 = plan.prepare(x2)
         # (R, in) and (R, out), padded to the rank bucket: rows r..R-1 are zero
-        a32 = plan.prepare(specs.pad_rank(lora_A.detach().float(), plan.variant))
-        bt32 = plan.prepare(specs.pad_rank(lora_B.detach().float().t(), plan.variant))
+        a32 = plan.prepare(passes.pad_rank(lora_A.detach().float(), plan.variant))
+        bt32 = plan.prepare(passes.pad_rank(lora_B.detach().float().t(), plan.variant))
         dropout = (
             (seed, 0, philox.keep_threshold(dropout_p), philox.keep_scale(dropout_p))
             if dropout_p > 0
             else (0, 0, 0, 1.0)
         )
 
-        h = _down(plan, x2, a32, dropout)
-        out = torch.empty(plan.rows, out_features, dtype=x.dtype, device=x.device)
+        h = passes.down(plan, x2, a32, dropout)
+        # the output in its final shape, written through a 2-D view: no view of it escapes, so callers
+        # may modify it in place
+        out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+        out2 = out.view(plan.rows, out_features)
+        term = out2 if x.dtype == torch.float32 else torch.empty_like(out2, dtype=torch.float32)
         if plan.rows:
-            b = None if bias is None else plan.prepare(bias.detach())
-            launcher.launch(
-                LORA_UP,
-                plan.variant,
-                specs.plan_up(plan.rows, out_features, plan.variant),
-                (h, bt32, b, out, plan.rows, out_features, plan.rank, float(scaling)),
-                x.device,
-            )
-        out.addmm_(x2, weight if fan_in_fan_out else weight.t())  # the base GEMM accumulates onto it
+            passes.up(plan, h, bt32, bias, scaling, term)  # bias + s h B^T in float32
+        else:
+            term.zero_()
+        # the base GEMM accumulates onto it, then the one rounding into x's dtype
+        passes.add_base(term, x2, weight if fan_in_fan_out else weight.t(), out2)
 
         ctx.plan = plan
         ctx.scaling = float(scaling)
@@ -184,14 +172,14 @@ class LoraLinearCudaFunction(torch.autograd.Function):
         ctx.lora_params = (a32, bt32)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x2, weight, lora_A, lora_B, h)
-        return out.view(*x.shape[:-1], out_features)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight, lora_A, lora_B, h = ctx.saved_tensors
         need_x, need_w, need_b, need_a, need_bb = ctx.needs_input_grad[:5]
-        plan: _Plan = ctx.plan
+        plan: Plan = ctx.plan
         a32, bt32 = ctx.lora_params
         g2 = plan.prepare(grad_out.reshape(plan.rows, plan.out_features).to(x2.dtype))
         grad_x = grad_w = grad_b = grad_a = grad_bb = None
@@ -201,11 +189,11 @@ class LoraLinearCudaFunction(torch.autograd.Function):
             grad_bb = torch.zeros_like(lora_B) if need_bb else None
             grad_x = x2.new_zeros(ctx.x_shape) if need_x else None
         elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
-            dh, db = _grad_out(plan, g2, h, bt32, ctx.scaling)
+            dh, db = passes.grad_out(plan, g2, h, bt32, ctx.scaling)
             if need_bb:
                 grad_bb = db[:, : plan.rank].to(lora_B.dtype)
             if need_x or need_a:
-                gx, da = _grad_in(plan, x2, dh, a32, ctx.dropout, need_x)
+                gx, da = passes.grad_in(plan, x2, dh, a32, ctx.dropout, need_x)
                 if need_a:
                     grad_a = da[: plan.rank].to(lora_A.dtype)
                 if gx is not None:
@@ -216,70 +204,6 @@ class LoraLinearCudaFunction(torch.autograd.Function):
         if need_b and ctx.has_bias:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, grad_a, grad_bb, None, None, None, None, None
-
-
-def _down(plan: _Plan, x2: Tensor, a32: Tensor, dropout: tuple[int, int, int, float]) -> Tensor:
-    """h = dropout(x) A^T, float32 (rows, R)."""
-    bucket = plan.variant.rank_bucket
-    if plan.rows == 0:
-        return x2.new_zeros((0, bucket), dtype=torch.float32)
-    grid = specs.plan_down(plan.rows, plan.in_features, plan.variant, plan.target_blocks)
-    h_part = torch.empty(grid.splits, plan.rows, bucket, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_DOWN,
-        plan.variant,
-        grid.grid,
-        (x2, a32, h_part, plan.rows, plan.in_features, plan.rank, grid.cols_per_split, *dropout),
-        plan.device,
-    )
-    return h_part[0] if grid.splits == 1 else h_part.sum(0)
-
-
-def _grad_out(plan: _Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
-    """dh = s g B (rows, R) and dB = s g^T h (out, R), float32."""
-    bucket = plan.variant.rank_bucket
-    grid = specs.plan_grad_out(plan.rows, plan.out_features, plan.variant, plan.target_blocks)
-    dh_part = torch.empty(grid.col_blocks, plan.rows, bucket, dtype=torch.float32, device=plan.device)
-    db_part = torch.empty(grid.splits, plan.out_features, bucket, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_GRAD_OUT,
-        plan.variant,
-        grid.grid,
-        (
-            g2,
-            h,
-            bt32,
-            dh_part,
-            db_part,
-            plan.rows,
-            plan.out_features,
-            plan.rank,
-            grid.rows_per_split,
-            scaling,
-        ),
-        plan.device,
-    )
-    dh = dh_part[0] if grid.col_blocks == 1 else dh_part.sum(0)
-    db = db_part[0] if grid.splits == 1 else db_part.sum(0)
-    return dh, db
-
-
-def _grad_in(
-    plan: _Plan, x2: Tensor, dh: Tensor, a32: Tensor, dropout: tuple[int, int, int, float], need_x: bool
-) -> tuple[Tensor | None, Tensor]:
-    """The LoRA part of grad_x (rows, in) in x's dtype (None unless ``need_x``) and dA (R, in) float32."""
-    bucket = plan.variant.rank_bucket
-    grid = specs.plan_grad_in(plan.rows, plan.in_features, plan.variant, plan.target_blocks)
-    gx = torch.empty_like(x2) if need_x else None
-    da_part = torch.empty(grid.splits, bucket, plan.in_features, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_GRAD_IN,
-        plan.variant,
-        grid.grid,
-        (x2, dh, a32, gx, da_part, plan.rows, plan.in_features, plan.rank, grid.rows_per_split, *dropout),
-        plan.device,
-    )
-    return gx, (da_part[0] if grid.splits == 1 else da_part.sum(0))
 
 
 def lora_linear_cuda(
@@ -307,7 +231,8 @@ def lora_linear_cuda(
 
     Args:
         seed: fixes the dropout mask (unsigned 64-bit); None draws one from torch's CPU generator.
-        launcher: runs the kernels (default: the CUDA driver launcher); loragen's CPU tests pass an
+        launcher: runs the kernels (default: the self-checked CUDA driver launcher,
+            :func:`loragen.cuda.selfcheck.default_checker`); loragen's CPU tests pass an
             emulator here.
 
     Raises:
@@ -351,5 +276,5 @@ def lora_linear_cuda(
             p,
             seed,
             fan_in_fan_out,
-            launcher or default_launcher(),
+            launcher or default_checker(),
         )

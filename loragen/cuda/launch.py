@@ -5,16 +5,20 @@ CUDA tensors: without a GPU and driver, importing it raises or, worse, later cal
 here touches the driver at import time.
 
 Autograd runs backward on its own thread, where no CUDA context may be current; every launch therefore
-makes PyTorch's primary context current first (``cuCtxSetCurrent`` is cheap). Kernels launched on a
+pushes PyTorch's primary context of the tensors' device onto the thread's context stack and pops it
+afterwards (``cuCtxPushCurrent`` / ``cuCtxPopCurrent``, also when loading or launching raises), so the
+thread's current context -- and with it the runtime's current device -- is left as it was found: a
+launch on cuda:1 from a thread working on cuda:0 leaves cuda:0 current. Kernels launched on a
 capturing stream are recorded into the CUDA graph like any other; modules must be loaded before the
 capture starts (run one step first, as PyTorch's own graph warm-up does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -22,8 +26,16 @@ import torch
 from loragen.cuda.cache import KernelCache, default_cache
 from loragen.cuda.render import render_kernel
 from loragen.cuda.specs import KernelSpec, Variant, render_params
+from loragen.errors import LoraError
 
-__all__ = ["CudaDriverError", "DriverLauncher", "KernelLauncher", "default_launcher", "pack_arguments"]
+__all__ = [
+    "CudaDriverError",
+    "DriverLauncher",
+    "KernelArgumentRangeError",
+    "KernelLauncher",
+    "default_launcher",
+    "pack_arguments",
+]
 
 _SCALAR_CTYPES: dict[str, type] = {
     "int": ctypes.c_int,
@@ -31,6 +43,16 @@ _SCALAR_CTYPES: dict[str, type] = {
     "float": ctypes.c_float,
     "u64": ctypes.c_uint64,
 }
+# the values each integer C type holds: ctypes would wrap anything outside silently
+_INTEGER_RANGES: dict[str, tuple[int, int]] = {
+    "int": (-(2**31), 2**31 - 1),
+    "unsigned": (0, 2**32 - 1),
+    "u64": (0, 2**64 - 1),
+}
+
+
+class KernelArgumentRangeError(LoraError, OverflowError):
+    """An integer kernel argument does not fit its C type (a row count of 2**31 or more for an ``int``)."""
 
 
 class CudaDriverError(RuntimeError):
@@ -38,7 +60,12 @@ class CudaDriverError(RuntimeError):
 
 
 class KernelLauncher(Protocol):
-    """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests."""
+    """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests.
+
+    Optional methods others look for: ``arch(device) -> "sm_90"`` (the self-check refuses bfloat16
+    before sm_80 without compiling) and ``route(variant, device) -> KernelLauncher``
+    (:class:`loragen.cuda.selfcheck.CheckedLauncher`: which launcher runs a variant).
+    """
 
     def target_blocks(self, device: torch.device) -> int:
         """About two blocks per multiprocessor: how many blocks a grid should have to fill the device."""
@@ -61,6 +88,7 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
 
     Raises:
         TypeError: wrong number of arguments, or a non-tensor for a pointer parameter.
+        KernelArgumentRangeError: an integer outside its C type's range (ctypes would wrap it silently).
     """
     if len(args) != len(spec.params):
         raise TypeError(
@@ -74,8 +102,14 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
                     f"loragen.cuda: kernel {spec.name} parameter {param.name} needs a tensor, got {value!r}"
                 )
             packed.append(ctypes.c_void_p(0 if value is None else value.data_ptr()))
-        else:
-            packed.append(_SCALAR_CTYPES[param.ctype](value))
+            continue
+        bounds = _INTEGER_RANGES.get(param.ctype)
+        if bounds is not None and not bounds[0] <= int(value) <= bounds[1]:  # type: ignore[call-overload]
+            raise KernelArgumentRangeError(
+                f"loragen.cuda: kernel {spec.name} parameter {param.name}={value} does not fit its C type "
+                f"{param.ctype} (accepted: {bounds[0]} .. {bounds[1]})"
+            )
+        packed.append(_SCALAR_CTYPES[param.ctype](value))
     return packed
 
 
@@ -125,8 +159,7 @@ class DriverLauncher:
         return 2 * count
 
     def _function(self, spec: KernelSpec, variant: Variant, index: int) -> Any:
-        major, minor = torch.cuda.get_device_capability(index)
-        arch = f"sm_{major}{minor}"
+        arch = self.arch(torch.device("cuda", index))
         key = (index, spec.name, variant, arch)
         function = self._functions.get(key)
         if function is None:
@@ -144,6 +177,11 @@ class DriverLauncher:
             self._functions[key] = function
         return function
 
+    def arch(self, device: torch.device) -> str:
+        """The device's architecture as NVRTC names it: ``"sm_90"``."""
+        major, minor = torch.cuda.get_device_capability(_index(device))
+        return f"sm_{major}{minor}"
+
     def launch(
         self,
         spec: KernelSpec,
@@ -154,29 +192,42 @@ class DriverLauncher:
     ) -> None:
         index = _index(device)
         driver = self._driver()
-        with self._lock:
-            self._check(driver.cuCtxSetCurrent(self._context(index)), "cuCtxSetCurrent", spec.name)
-            function = self._function(spec, variant, index)
-        values = pack_arguments(spec, args)
+        values = pack_arguments(spec, args)  # before the context is touched: a bad argument changes nothing
         pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
-        self._check(
-            driver.cuLaunchKernel(
-                function,
-                grid[0],
-                grid[1],
-                1,
-                spec.threads(variant),
-                1,
-                1,
-                0,
-                stream,
-                ctypes.addressof(pointers),
-                0,
-            ),
-            "cuLaunchKernel",
-            f"{spec.name} {variant.label} grid={grid}",
-        )
+        with self._current(index, spec.name):
+            with self._lock:
+                function = self._function(spec, variant, index)
+            stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+            self._check(
+                driver.cuLaunchKernel(
+                    function,
+                    grid[0],
+                    grid[1],
+                    1,
+                    spec.threads(variant),
+                    1,
+                    1,
+                    0,
+                    stream,
+                    ctypes.addressof(pointers),
+                    0,
+                ),
+                "cuLaunchKernel",
+                f"{spec.name} {variant.label} grid={grid}",
+            )
+
+    @contextlib.contextmanager
+    def _current(self, index: int, kernel: str) -> Iterator[None]:
+        """PyTorch's primary context of device ``index`` is current inside; the thread's previous one
+        (or none) is current again afterwards, also when the body raises."""
+        driver = self._driver()
+        with self._lock:
+            context = self._context(index)
+        self._check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent", kernel)
+        try:
+            yield
+        finally:
+            self._check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent", kernel)
 
 
 def _index(device: torch.device) -> int:

@@ -27,7 +27,7 @@ from loragen.registry import refusal_for, spec_for_type, supported_type_names
 
 __all__ = ["lora_class_for", "derive_lora_class"]
 
-_LORA_KEYWORDS = ("r", "lora_alpha", "lora_dropout", "use_rslora", "init_lora_weights")
+_LORA_KEYWORDS = ("r", "lora_alpha", "lora_dropout", "use_rslora", "init_lora_weights", "use_dora")
 _lock = threading.Lock()
 _derived: dict[tuple[type[LoraLayer], type[nn.Module]], type[LoraLayer]] = {}
 _by_name: dict[str, type[LoraLayer]] = {}
@@ -82,6 +82,7 @@ def _make_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraL
             lora_kwargs.get("lora_dropout", 0.0),
             lora_kwargs.get("use_rslora", False),
             lora_kwargs.get("init_lora_weights", True),
+            lora_kwargs.get("use_dora", False),
         )
 
     def __reduce_ex__(self: LoraLayer, protocol: Any) -> tuple[Any, ...]:

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen.layers import adapter_routing, dora
+from loragen.layers.adapter_set import Factors
 from loragen.layers.base import InitMode, LoraLayer, LoraMergeError
 from loragen.registry import EMBEDDING, LayerSpec, register
 
@@ -23,8 +25,10 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
     lora_embedding_A: nn.Parameter
     lora_embedding_B: nn.Parameter
+    lora_magnitude_vector: nn.Parameter  # with use_dora only: (embedding_dim,)
 
     base_class = nn.Embedding
+    supports_dora = True  # loragen.layers.dora
     bias = None  # embeddings have no bias; keeps the LoraLayer interface uniform
 
     def __init__(
@@ -46,12 +50,13 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         lora_dropout: float = 0.0,
         use_rslora: bool = False,
         init_lora_weights: InitMode = True,
+        use_dora: bool = False,
     ) -> None:
         super().__init__(
             num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
             _weight, _freeze, device, dtype,
         )
-        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.r, self.num_embeddings), (self.embedding_dim, self.r)
@@ -71,14 +76,26 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         )
 
     def forward(self, ids: Tensor) -> Tensor:
+        if self._lora_detour:  # another adapter active, adapters off, or a mixed batch
+            return adapter_routing.forward(self, ids)
         result = self._lookup(ids, self.weight)
         if self.merged:
             return result
+        if self.use_dora:
+            return self._dora_output(ids, self, result)
+        return (result + self._lora_term(ids, self)).to(result.dtype)
+
+    def _lora_term(self, ids: Tensor, factors: Factors) -> Tensor:
         # (..., r): row lookup in A^T is A[:, ids]^T, exactly the one-hot product A @ onehot(ids)
-        after_a = F.embedding(ids, self.lora_embedding_A.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq,
+        after_a = F.embedding(ids, factors.factor_a.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq,
                               self.sparse)
-        lora = after_a @ self.lora_embedding_B.t()  # (..., embedding_dim)
-        return (result + lora * self.scaling).to(result.dtype)
+        return (after_a @ factors.factor_b.t()) * factors.scaling  # (..., embedding_dim)
+
+    def _dora_output(self, ids: Tensor, factors: Factors, result: Tensor) -> Tensor:
+        """peft's DoRA for embeddings: ``c * (table row + s * lora row)``, ``c = m / ||W + s (B A)^T||`` per
+        embedding column, detached."""
+        c = getattr(factors, dora.MAGNITUDE) / dora.weight_norm(self, factors)
+        return (c * result + c * self._lora_term(ids, factors)).to(result.dtype)
 
     def _check_mergeable(self) -> None:
         if self.max_norm is not None:

@@ -48,9 +48,10 @@ def build_lora_conv1d() -> type[LoraLayer]:
             lora_dropout: float = 0.0,
             use_rslora: bool = False,
             init_lora_weights: InitMode = True,
+            use_dora: bool = False,
         ) -> None:
             super().__init__(nf, nx)
-            self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+            self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
         @property
         def in_features(self) -> int:

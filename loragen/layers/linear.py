@@ -21,8 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loragen.errors import LoraMergeError
+from loragen.layers import adapter_routing
+from loragen.layers.adapter_set import Factors
 from loragen.layers.base import InitMode, LoraLayer
+from loragen.layers.dora import MAGNITUDE
 from loragen.ops import lora_linear, lora_linear_reference, siblings
+from loragen.ops.dora import dora_linear, dora_linear_reference
 from loragen.registry import PLAIN, TRANSPOSED, LayerSpec, register
 
 __all__ = ["LoraLinear", "LoraLinearMixin"]
@@ -39,8 +43,10 @@ class LoraLinearMixin(LoraLayer):
 
     lora_A: nn.Parameter
     lora_B: nn.Parameter
+    lora_magnitude_vector: nn.Parameter  # with use_dora only
 
     fused: bool = True
+    supports_dora = True  # loragen.layers.dora
     # True when the base class's forward is exactly x W^T + b as nn.Linear (or Conv1D) computes it
     fused_base: ClassVar[bool] = True
     # base forwards known to compute exactly x W^T + b (the fused op replaces them)
@@ -71,11 +77,19 @@ class LoraLinearMixin(LoraLayer):
         return (self.r, in_features), (out_features, self.r)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._lora_detour:  # another adapter active, adapters off, or a mixed batch
+            return adapter_routing.forward(self, x)
         if not self.fused_base:
             return self._forward_with_branch(x)
         transposed = self.layout is TRANSPOSED
         if self.merged:
             return F.linear(x, self.weight.t() if transposed else self.weight, self._bias())
+        if self.use_dora:  # DoRA: the fused DoRA op (loragen.ops.dora), or peft's composition
+            dora = dora_linear if self.fused else dora_linear_reference
+            return dora(
+                x, self.weight, self._bias(), self.lora_A, self.lora_B, self.lora_magnitude_vector, self.scaling,
+                self.lora_dropout_p, self.training, fan_in_fan_out=transposed,
+            )
         if self.fused:
             y = siblings.forward(self, x)  # shares its down-projection with siblings reading x
             if y is not None:
@@ -91,11 +105,23 @@ class LoraLinearMixin(LoraLayer):
         result: Tensor = super().forward(x)  # the base class's forward, next in the MRO
         if self.merged:
             return result
-        x_lora = x.to(self.lora_A.dtype)
-        if self.lora_dropout_p > 0 and self.training:
-            x_lora = F.dropout(x_lora, self.lora_dropout_p, True)
-        lora = F.linear(F.linear(x_lora, self.lora_A), self.lora_B)
-        return (result + lora * self.scaling).to(result.dtype)
+        if self.use_dora:  # peft's DoRA on the base's own output
+            return self._dora_output(x, self, result)
+        return (result + self._lora_term(x, self)).to(result.dtype)
+
+    def _lora_term(self, x: Tensor, factors: Factors) -> Tensor:
+        x_lora = x.to(factors.factor_a.dtype)
+        if factors.lora_dropout_p > 0 and self.training:
+            x_lora = F.dropout(x_lora, factors.lora_dropout_p, True)
+        return F.linear(F.linear(x_lora, factors.factor_a), factors.factor_b) * factors.scaling
+
+    def _dora_output(self, x: Tensor, factors: Factors, result: Tensor) -> Tensor:
+        """peft's DoRA composition on the base output ``result`` (a base with its own forward)."""
+        return dora_linear_reference(
+            x, self.weight, self._bias(), factors.factor_a, factors.factor_b, getattr(factors, MAGNITUDE),
+            factors.scaling, factors.lora_dropout_p, self.training, fan_in_fan_out=self.layout is TRANSPOSED,
+            result=result,
+        )
 
     def _check_mergeable(self) -> None:
         super()._check_mergeable()
@@ -154,9 +180,10 @@ class LoraLinear(LoraLinearMixin, nn.Linear):
         lora_dropout: float = 0.0,
         use_rslora: bool = False,
         init_lora_weights: InitMode = True,
+        use_dora: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
 
 register(

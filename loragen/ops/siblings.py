@@ -79,6 +79,8 @@ def _eligible(layer: Any, x: Tensor) -> bool:
     return (
         layer.fused
         and not layer.merged
+        and not layer.use_dora  # DoRA layers run loragen.ops.dora_linear
+        and not layer._lora_detour  # another adapter, none, or a mixed batch: the layer's own forward
         and (layer.lora_dropout_p == 0.0 or not layer.training)
         and lora_a.dtype == x.dtype
         and layer.weight.dtype == x.dtype

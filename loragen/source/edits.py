@@ -40,6 +40,15 @@ def _keyword_only(function: object) -> dict[str, object]:
     return {n: p.default for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
+def _takes_any(function: object) -> bool:
+    """Whether ``function`` takes arbitrary keywords (``**kwargs``)."""
+    try:
+        parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
 def lora_keywords(spec: LayerSpec, r: int, alpha: float, config: LoraConfig, existing: set[str]) -> dict[str, str]:
     """The LoRA keywords, as source text, that a targeted call of ``spec``'s type gets (see the module
     docstring); ``existing`` holds the keywords the call passes already.
@@ -51,10 +60,13 @@ def lora_keywords(spec: LayerSpec, r: int, alpha: float, config: LoraConfig, exi
     defaults = _keyword_only(lora_class)
     values = {"r": r, "lora_alpha": alpha}
     wanted: dict[str, str] = {}
-    for key in _keyword_only(getattr(lora_class, "from_module", None)):
+    protocol = _keyword_only(getattr(lora_class, "from_module", None))
+    for key, protocol_default in protocol.items():
         value = values[key] if key in values else getattr(config, key, inspect.Parameter.empty)
         if value is inspect.Parameter.empty:
             continue  # a protocol keyword the config has no field for: the layer's default applies
+        if key not in defaults and key not in _ALWAYS and value == protocol_default and not _takes_any(lora_class):
+            continue  # a user's LoRA class without this keyword (say use_dora), at its usual value
         default = defaults.get(key, inspect.Parameter.empty)
         if key in _ALWAYS or key in existing or default is inspect.Parameter.empty or value != default:
             wanted[key] = py_literal(value)
@@ -202,6 +214,7 @@ class Editor(cst.CSTTransformer):
         package: make relative imports absolute inside this package (None: leave them).
         hooks: ``id(class node)`` -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
         config_classes: ``id(class node)`` of the classes that get ``loragen_config = LORA_CONFIG``.
+        factories: ``id(call node)`` -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
     """
 
     def __init__(
@@ -210,14 +223,19 @@ class Editor(cst.CSTTransformer):
         package: str | None,
         hooks: dict[int, str],
         config_classes: set[int],
+        factories: dict[int, str] | None = None,
     ) -> None:
         self.calls = calls
+        self.factories = factories or {}
         self.package = package
         self.hooks = hooks
         self.config_classes = config_classes
         self.import_errors: list[str] = []
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        factory = self.factories.get(id(original_node))
+        if factory is not None and isinstance(updated_node.func, cst.Attribute):  # LoraAutoModel.from_config(...)
+            return updated_node.with_changes(func=updated_node.func.with_changes(value=cst.Name(factory)))
         edit = self.calls.get(id(original_node))
         if edit is None:
             return updated_node

@@ -13,6 +13,7 @@ found. A field gets no branch (the runtime path converts it when a config target
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from loragen.convert import CONFIG_ATTR
 from loragen.registry import LayerSpec, spec_for_qualname
 from loragen.source.codegen import config_literal, importable, is_identifier, py_literal, render
 from loragen.source.fields import ClassScan, LayerField, ScanResult
+from loragen.source.subclasses import LORA_CLASS_FOR
 from loragen.source.targets import Targets
 
 __all__ = ["CONFIG_NAME", "render_expansion"]
@@ -42,7 +44,7 @@ class _Imports:
     def lines(self, loragen: bool) -> list[str]:
         by_module: dict[str, list[str]] = {}
         for name, module in self.names.items():
-            if module.startswith("loragen") == loragen:
+            if not module.startswith("<") and module.startswith("loragen") == loragen:
                 by_module.setdefault(module, []).append(name)
         return [f"from {m} import {', '.join(sorted(by_module[m]))}" for m in sorted(by_module)]
 
@@ -64,6 +66,19 @@ def _spellings(spec: LayerSpec, imports: _Imports) -> tuple[str, str] | None:
     if not (base_ok and imports.add(spec.lora_module, spec.lora_name)):
         return None
     return base, spec.lora_name
+
+
+def _subclass_spellings(module: str, field: LayerField, imports: _Imports, derived: dict[str, str]) -> tuple[str, str] | None:
+    """How the generated code names a layer subclass of the class's own file and its LoRA class
+    (``LoraFalconLinear = lora_class_for(FalconLinear)``), or None when the subclass cannot be imported."""
+    subclass = field.subclass
+    assert subclass is not None  # only called for subclass fields
+    if not importable(f"{module}.{subclass}", getattr(sys.modules.get(module), subclass, None)):
+        return None
+    if not (imports.add(module, subclass) and imports.add(*LORA_CLASS_FOR) and imports.add("<derived>", field.lora_name)):
+        return None
+    derived[field.lora_name] = f"{field.lora_name} = lora_class_for({subclass})"
+    return subclass, field.lora_name
 
 
 def _table(rows: Sequence[tuple[str, str, str]]) -> list[str]:
@@ -89,15 +104,24 @@ def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lor
     # one branch per attribute, layer type and depth (0: the field itself, 1: in a container, 2: deeper)
     groups: dict[tuple[str, str, int], list[LayerField]] = {}
     for field in scan.fields:
-        groups.setdefault((field.attribute, field.layer, min(field.path.count("."), 2)), []).append(field)
-    for (attribute, layer, depth), fields in groups.items():
-        spec = spec_for_qualname(layer)
+        kind = field.subclass or field.layer
+        groups.setdefault((field.attribute, kind, min(field.path.count("."), 2)), []).append(field)
+    derived: dict[str, str] = {}  # the LoRA classes of layer subclasses: name -> its line
+    for (attribute, _, depth), fields in groups.items():
+        spec = spec_for_qualname(fields[0].layer)
         container = depth == 1
+        spelled: tuple[str, str] | None = None
         if targets is not None and not any(targets.selects(f) for f in fields):
             reason = f"not targeted by {CONFIG_NAME}"
         elif depth > 1:
             reason = "runtime path: nested in more than one container"
-        elif spec is None or (spelled := _spellings(spec, imports)) is None:
+        elif spec is None or (
+            spelled := (
+                _spellings(spec, imports)
+                if fields[0].subclass is None
+                else _subclass_spellings(cls.__module__, fields[0], imports, derived)
+            )
+        ) is None:
             reason = "runtime path: its classes cannot be imported by name"
         else:
             base, lora = spelled
@@ -122,7 +146,8 @@ def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lor
         extra = [n for n in (f"in {f.container}" if f.container else "", "conditional" if f.conditional else "",
                              notes.get(id(f), "")) if n]
         where = f"{short}:{f.location.line}" + (f" ({', '.join(extra)})" if extra else "")
-        rows.append((f.pattern, f"{f.layer} -> {f.lora_name}", where))
+        layer = f"{f.subclass}({f.layer})" if f.subclass else f.layer
+        rows.append((f.pattern, f"{layer} -> {f.lora_name}", where))
     return render(
         "decorator.py.j2",
         qualified_class=f"{cls.__module__}.{cls.__qualname__}",
@@ -132,6 +157,7 @@ def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lor
         unresolved_rows=[f"{short}:{u.location.line}: {u.reason}" for u in scan.unresolved],
         imports=imports.lines(loragen=False),
         loragen_imports=imports.lines(loragen=True),
+        derived_lines=list(derived.values()),
         config_name=CONFIG_NAME,
         config=None if config is None else config_literal(config, column=len(CONFIG_NAME) + 3),
         config_attr=CONFIG_ATTR,

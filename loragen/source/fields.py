@@ -15,6 +15,7 @@ from libcst.metadata import CodeRange
 
 __all__ = [
     "ClassScan",
+    "FactoryCall",
     "LayerField",
     "ScanResult",
     "ScannedModule",
@@ -51,6 +52,9 @@ class LayerField:
         conditional: built under ``if``/``else``, a conditional expression, ``try`` or a loop body.
         container: ``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when built inside one.
         is_lora: the call already builds the loragen layer (a rewritten file).
+        subclass: for a layer subclass defined in the scanned file (``FalconLinear``), its name; ``layer`` is
+            then the registered type it derives from and ``lora_name`` the name the file binds its LoRA
+            class to (``LoraFalconLinear = lora_class_for(FalconLinear)``).
     """
 
     owner: str
@@ -62,6 +66,7 @@ class LayerField:
     conditional: bool = False
     container: str | None = None
     is_lora: bool = False
+    subclass: str | None = None
 
     @property
     def pattern(self) -> str:
@@ -84,6 +89,23 @@ class SubmoduleField:
     location: SourceLocation
     local_class: str | None = None
     conditional: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FactoryCall:
+    """A sub-model built by a transformers auto class: ``self.language_model = AutoModel.from_config(...)``.
+
+    ``auto_class`` is the auto class as the file spells it (``"AutoModel"``), ``lora_name`` the LoRA auto class
+    a rewrite builds it with (``"LoraAutoModel"``), ``is_lora`` whether the call does so already.
+    """
+
+    owner: str
+    attribute: str
+    path: str
+    auto_class: str
+    lora_name: str
+    location: SourceLocation
+    is_lora: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +143,7 @@ class ClassScan:
     submodules: tuple[SubmoduleField, ...]
     unresolved: tuple[Unresolved, ...]
     output_head: tuple[str, ...] | None = None
+    factories: tuple[FactoryCall, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +215,9 @@ class ScannedModule:
     ``tree`` is the full syntax tree; ``calls`` maps ``id(call node)`` of every followed layer constructor
     call in it to the fields that call builds, and ``call_nodes`` the id to the node; ``positions`` gives
     the source range of the nodes inside those calls (they all lie in ``__init__`` bodies).
+    ``lora_bindings`` holds the module-level ``Name = lora_class_for(Subclass)`` lines (name -> subclass),
+    ``factories`` the auto-class calls by id (node and what it builds), ``auto_bindings`` the module-level
+    ``Name = lora_auto_class(AutoX, ...)`` lines (name -> ``AutoX``).
     """
 
     tree: cst.Module
@@ -199,5 +225,8 @@ class ScannedModule:
     calls: dict[int, list[LayerField]]
     call_nodes: dict[int, cst.Call]
     positions: Mapping[cst.CSTNode, CodeRange]
+    lora_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
+    factories: dict[int, tuple[cst.Call, FactoryCall]] = dataclasses.field(default_factory=dict)
+    auto_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
 
 

@@ -10,13 +10,16 @@ inside function bodies that the skeleton stubbed out (:mod:`loragen.source.parse
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from typing import NamedTuple
 
 import libcst as cst
 import libcst.metadata as md
 from libcst.helpers.module import ModuleNameAndPackage
 
 from loragen.registry import LayerSpec, specs
+from loragen.source.factories import AutoFactory, auto_bindings, auto_factory
 from loragen.source.fields import SourceLocation
+from loragen.source.subclasses import derived_lora_name, layer_subclasses, lora_bindings
 from loragen.source.syntax import absolute_module, class_definitions, code_of, dotted_name, nested_statements
 
 __all__ = ["CONTAINERS", "LayerMatch", "Resolver"]
@@ -28,13 +31,21 @@ CONTAINERS = {
 }
 _COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
 
-# (spec, whether the call already builds the LoRA class)
-LayerMatch = tuple[LayerSpec, bool]
 
 
-def _layer_names() -> dict[str, LayerMatch]:
+class LayerMatch(NamedTuple):
+    """What a constructor call builds: the registered type's spec, whether the call builds the LoRA class
+    already, and for a layer subclass defined in the file its name and the name of its LoRA class."""
+
+    spec: LayerSpec
+    is_lora: bool
+    subclass: str | None = None
+    lora_name: str | None = None
+
+
+def _layer_names() -> dict[str, tuple[LayerSpec, bool]]:
     """Every qualified name a registered base type or its LoRA class is reachable under."""
-    names: dict[str, LayerMatch] = {}
+    names: dict[str, tuple[LayerSpec, bool]] = {}
     for spec in specs():
         for qualname in spec.qualnames:
             names[qualname] = (spec, False)
@@ -90,6 +101,12 @@ class Resolver:
         # qualified name -> ClassDef / FunctionDef, with Python-style qualnames ("f.<locals>.C")
         self.class_defs = class_definitions(self.skeleton.body)
         self.function_defs: dict[str, cst.FunctionDef] = {}
+        # the file's own layer subclasses (FalconLinear -> nn.Linear's spec) and the names bound to their
+        # LoRA classes (LoraFalconLinear -> FalconLinear), see loragen.source.subclasses
+        top_level = {s.name.value: s for s in self.skeleton.body if isinstance(s, cst.ClassDef)}
+        self.layer_subclasses = layer_subclasses(top_level, self.layer_names, self.qualnames, self.local_class)
+        self.lora_bindings = lora_bindings(list(self.skeleton.body), self.layer_subclasses, self.qualnames)
+        self.auto_bindings = auto_bindings(list(self.skeleton.body), self.qualnames)
         self.star_imports: list[str] = []
         self._index_star_imports(self.skeleton.body)
         self._index_functions(tree.body, "")
@@ -125,7 +142,7 @@ class Resolver:
         """The qualified name of the function ``node`` denotes when the module defines it."""
         return self._local(node, self.function_defs)
 
-    def _local(self, node: cst.CSTNode, defs: Mapping[str, cst.CSTNode]) -> str | None:
+    def _local(self, node: cst.CSTNode, defs: Mapping[str, object]) -> str | None:
         for name in self.qualnames(node):
             if name.startswith(self.module_prefix) and name[len(self.module_prefix) :] in defs:
                 return name[len(self.module_prefix) :]
@@ -152,13 +169,29 @@ class Resolver:
             return absolute_module(self.package, level, q.name.lstrip(".")) or q.name
         return q.name
 
+    def lora_name_for(self, subclass: str) -> str:
+        """The name the file binds ``subclass``'s LoRA class to: its existing binding, or ``Lora<subclass>``."""
+        bound = sorted(name for name, sub in self.lora_bindings.items() if sub == subclass)
+        return bound[0] if bound else derived_lora_name(subclass)
+
     def layer(self, call: cst.Call) -> LayerMatch | None:
         """The registered layer type ``call`` constructs (and whether it is already the LoRA class)."""
+        subclass = self._local(call.func, self.layer_subclasses)
+        if subclass is not None:
+            return LayerMatch(self.layer_subclasses[subclass], False, subclass, self.lora_name_for(subclass))
+        bound = self._local(call.func, self.lora_bindings)
+        if bound is not None:
+            subclass = self.lora_bindings[bound]
+            return LayerMatch(self.layer_subclasses[subclass], True, subclass, bound)
         for name in sorted(self.qualnames(call.func)):
             hit = self.layer_names.get(name)
             if hit is not None:
-                return hit
+                return LayerMatch(*hit)
         return None
+
+    def auto_factory(self, call: cst.Call) -> AutoFactory | None:
+        """``(auto class, already LoRA)`` when ``call`` builds a sub-model with a transformers auto class."""
+        return auto_factory(call, self.qualnames, self._local, self.auto_bindings)
 
     def container_kind(self, call: cst.Call) -> str | None:
         """``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when ``call`` builds one."""

@@ -13,11 +13,14 @@ import libcst as cst
 
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.registry import spec_for_qualname
+from loragen.source.additions import ModuleLine, add_module_lines
 from loragen.source.codegen import config_literal, importable, py_literal
 from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
+from loragen.source.factories import LORA_AUTO_CLASS
 from loragen.source.fields import LayerField, ScannedModule
 from loragen.source.preamble import CONFIG_NAME, add_preamble, top_level_bindings
 from loragen.source.results import Diagnostic, RewriteResult, RewrittenCall
+from loragen.source.subclasses import LORA_CLASS_FOR
 from loragen.source.syntax import class_definitions, code_of
 from loragen.source.targets import PRETRAINED, Targets, instances
 
@@ -52,6 +55,9 @@ class RewritePlanner:
         self.imports: dict[str, set[str]] = {}
         self.edits: dict[int, tuple[str | None, dict[str, str], str | None]] = {}
         self.rewritten: list[RewrittenCall] = []
+        self.derived: dict[str, str] = {}  # layer subclass of the file -> the name its LoRA class gets
+        self.auto_classes: dict[str, str] = {}  # LoRA auto class -> the auto class (LoraAutoModel -> AutoModel)
+        self.factory_edits: dict[int, str] = {}  # id(AutoModel.from_config call) -> LoraAutoModel
 
     def _error(self, line: int, message: str) -> None:
         self.errors.append(Diagnostic(self.filename, line, message))
@@ -62,9 +68,16 @@ class RewritePlanner:
             self._plan_call(call_id, fields)
         self.rewritten.sort(key=lambda c: (c.field.location.line, c.field.location.column))
         self._warn_non_layer_targets()
+        if self.config.target_parameters:  # parameters have no constructor call to swap: say so, keep none
+            self.warnings.append(Diagnostic(self.filename, 1, (
+                f"target_parameters={list(self.config.target_parameters)} is not written into the source (a "
+                "parameter has no constructor call to swap) and is left out of LORA_CONFIG; adapt those "
+                "parameters with loragen.get_lora_model or @lora_convert on the original classes")))
+        self._plan_factories()
+        active = bool(self.rewritten or self.auto_classes)
         hooks: dict[int, str] = {}
         config_classes: set[int] = set()
-        if self.rewritten:
+        if active:
             hooks, config_classes = self._class_edits()
             self.imports.setdefault(_CONFIG_IMPORT[0], set()).add(_CONFIG_IMPORT[1])
             if hooks:
@@ -72,15 +85,67 @@ class RewritePlanner:
         missing = self._missing_imports()
         if self.errors:
             return self._result(self.code)
-        editor = Editor(self.edits, self.package, hooks, config_classes)
+        editor = Editor(self.edits, self.package, hooks, config_classes, self.factory_edits)
         tree = self.scanned.tree.visit(editor)
         for message in editor.import_errors:
             self._error(1, message)
         if self.errors:
             return self._result(self.code)
-        if self.rewritten:
-            tree = add_preamble(tree, missing, config_literal(self.config, column=len(CONFIG_NAME) + 3))
+        if active:
+            tree = add_preamble(tree, missing, config_literal(self.config.replace(target_parameters=None), column=len(CONFIG_NAME) + 3))
+        tree = add_module_lines(tree, self._module_lines())
         return self._result(tree.code)
+
+    def _plan_factories(self) -> None:
+        """Sub-models built by transformers' auto classes: each call builds through the LoRA auto class, and
+        is reported at its line (the rewrite cannot tell statically which class it builds)."""
+        for call_id, (_, factory) in sorted(self.scanned.factories.items(), key=lambda item: item[1][1].location.line):
+            self.auto_classes[factory.lora_name] = factory.auto_class
+            if not factory.is_lora:
+                self.factory_edits[call_id] = factory.lora_name
+            own = ", ".join(self._own_models()) or "none holds LoRA layers"
+            self.warnings.append(
+                Diagnostic(
+                    self.filename,
+                    factory.location.line,
+                    f"{factory.owner}.{factory.path} = {factory.auto_class}.from_config(...) builds transformers' own "
+                    f"class; rewritten to {factory.lora_name}, which builds this file's LoRA class for its config ({own}) "
+                    "and converts a class of another file when built (target_modules matched inside it)",
+                )
+            )
+
+    def _own_models(self) -> list[str]:
+        """The file's PreTrainedModel classes that hold rewritten layers, in source order: what its LoRA auto
+        classes build for their configs."""
+        roots = {
+            root
+            for call in self.rewritten
+            for root, _ in self.targets.contexts.get(call.field.owner, [])
+            if self.targets.is_pretrained(root)
+        }
+        return [c.name for c in self.result.classes if c.name in roots and "." not in c.name]
+
+    def _module_lines(self) -> list[ModuleLine]:
+        """The module-level lines the rewrite adds: the LoRA classes of the file's layer subclasses, and the
+        LoRA auto classes of a composite model."""
+        own = ", ".join(self._own_models())
+        autos = []
+        for name, auto in sorted(self.auto_classes.items()):
+            value = f"lora_auto_class({auto}, [{own}], {CONFIG_NAME})"
+            if len(name) + 3 + len(value) > self.width:
+                value = f"lora_auto_class(\n    {auto},\n    [{own}],\n    {CONFIG_NAME},\n)"
+            comment = f"# Added by loragen rewrite: {auto} that builds this file's LoRA classes (loragen.source.composite)."
+            autos.append(ModuleLine(name, value, comment))
+        return autos + [
+            ModuleLine(
+                name,
+                f"lora_class_for({subclass})",
+                f"# Added by loragen rewrite: {subclass} with a LoRA adapter (its own forward computes the base output).",
+                after=subclass,
+            )
+            for subclass, name in sorted(self.derived.items())
+            if name not in self.scanned.lora_bindings
+        ]
 
     def _plan_call(self, call_id: int, fields: list[LayerField]) -> None:
         """Decide one constructor call (built for one or several fields)."""
@@ -130,14 +195,18 @@ class RewritePlanner:
             return
         existing = {a.keyword.value for a in call.args if a.keyword is not None}
         keywords = lora_keywords(spec, decision.r, decision.alpha, self.config, existing)
-        lora_name = None if field.is_lora else spec.lora_name
+        lora_name = None if field.is_lora else field.lora_name
         wrap = self._wrap(call, lora_name, {k: v for k, v in keywords.items() if k not in existing})
         changed = not edit_call(call, lora_name, keywords, wrap).deep_equals(call)
         if changed:
             self.edits[call_id] = (lora_name, keywords, wrap)
-        if lora_name is not None:
+        if field.subclass is not None:  # LoraFalconLinear = lora_class_for(FalconLinear), after the class
+            self.derived[field.subclass] = field.lora_name
+            if field.lora_name not in self.scanned.lora_bindings:
+                self.imports.setdefault(LORA_CLASS_FOR[0], set()).add(LORA_CLASS_FOR[1])
+        elif lora_name is not None:
             self.imports.setdefault(spec.lora_module, set()).add(lora_name)
-        self.rewritten.append(RewrittenCall(field, spec.lora_name, decision.r, decision.alpha, changed))
+        self.rewritten.append(RewrittenCall(field, field.lora_name, decision.r, decision.alpha, changed))
 
     def _wrap(self, call: cst.Call, lora_name: str | None, added: dict[str, str]) -> str | None:
         """The indentation of ``call``'s statement when the added keywords would make its last line longer
@@ -164,7 +233,7 @@ class RewritePlanner:
         owners of rewritten fields and the hook's class, each unless it inherits it from one of them."""
         nodes = class_definitions(self.scanned.tree.body)
         hooks: dict[int, str] = {}
-        holders = {c.field.owner for c in self.rewritten}
+        holders = {c.field.owner for c in self.rewritten} | {f.owner for _, f in self.scanned.factories.values()}
         for scan in self.result.classes:
             # the topmost PreTrainedModel subclass of the file gets the hook; its subclasses inherit it
             if not any(b in PRETRAINED for b in scan.base_names) or any(
@@ -213,8 +282,24 @@ class RewritePlanner:
         bindings = top_level_bindings(self.scanned.tree)
         missing: dict[str, list[str]] = {}
         wanted = [(module, name) for module, names in self.imports.items() for name in names]
-        if self.rewritten:
+        if self.rewritten or self.auto_classes:
             wanted.append(("<loragen rewrite>", CONFIG_NAME))
+        if any(name not in self.scanned.auto_bindings for name in self.auto_classes):
+            wanted.append(LORA_AUTO_CLASS)
+        for name in sorted(self.auto_classes):
+            if name in bindings and name not in self.scanned.auto_bindings:
+                self._error(
+                    1,
+                    f"the name {name} is already bound in this module; the rewrite binds it to the LoRA auto class "
+                    f"of {self.auto_classes[name]} ({name} = lora_auto_class(...)): rename it first",
+                )
+        for subclass, name in sorted(self.derived.items()):
+            if name in bindings and name not in self.scanned.lora_bindings:
+                self._error(
+                    1,
+                    f"the name {name} is already bound in this module; the rewrite binds it to the LoRA class of "
+                    f"{subclass} ({name} = lora_class_for({subclass})): rename it first",
+                )
         for module, name in sorted(wanted):
             bound = bindings.get(name)
             if bound is None:
@@ -271,7 +356,11 @@ class RewritePlanner:
             filename=self.filename,
             rewritten=tuple(self.rewritten),
             fields=tuple(self.result.fields),
-            unmatched_targets=self.targets.unmatched(),
+            # a composite's sub-models of other files may hold what the file itself does not
+            unmatched_targets=() if self.auto_classes else self.targets.unmatched(),
             warnings=tuple(sorted(set(self.warnings), key=lambda d: d.line)),
             errors=errors,
+            sub_models=tuple(
+                f"{f.owner}.{f.path}" for _, f in sorted(self.scanned.factories.values(), key=lambda i: i[1].location.line)
+            ),
         )

@@ -45,8 +45,11 @@ class RewriteResult:
         unmatched_targets: the entries of ``target_modules`` that select no layer field of this file (the
             regex or ``"all-linear"`` as a whole); ``loragen rewrite`` reports those that match nothing
             in any of its files as errors.
-        warnings: things left alone that a reader should know about (unresolvable layers, ...).
+        warnings: things left alone that a reader should know about (unresolvable layers, sub-models built by
+            transformers' auto classes, ...).
         errors: reasons the file could not be rewritten; when not empty, ``code`` is the input.
+        sub_models: the sub-models built by transformers' auto classes (``"Gemma3Model.language_model"``),
+            which the rewritten file builds through its LoRA auto classes (:mod:`loragen.source.composite`).
     """
 
     code: str
@@ -57,6 +60,7 @@ class RewriteResult:
     unmatched_targets: tuple[str, ...] = ()
     warnings: tuple[Diagnostic, ...] = ()
     errors: tuple[Diagnostic, ...] = ()
+    sub_models: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -69,7 +73,7 @@ class RewriteResult:
             return f"{self.filename}: not rewritten, {_plural(len(self.errors), 'error')}"
         names = list(dict.fromkeys(c.field.pattern for c in self.rewritten))
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-        if not self.fields:
+        if not self.fields and not self.sub_models:
             text = f"{self.filename}: no layer fields"
         elif not self.rewritten:
             text = f"{self.filename}: no targeted layers"
@@ -77,6 +81,8 @@ class RewriteResult:
             text = f"{self.filename}: {_plural(len(self.rewritten), 'layer')} -> LoRA ({shown})"
             if not self.changed:
                 text += ", already up to date"
+        if self.sub_models:
+            text += f", {_plural(len(self.sub_models), 'sub-model')} through LoRA auto classes"
         if self.warnings:
             text += f", {_plural(len(self.warnings), 'warning')}"
         return text

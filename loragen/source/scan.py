@@ -99,7 +99,16 @@ def scan_module(
     report_unclaimed(names, found)
     unresolved = sorted(found.unresolved, key=lambda u: (u.location.line, u.location.column))
     result = ScanResult(filename, module, tuple(classes), tuple(unresolved))
-    return ScannedModule(tree, result, found.calls, found.call_nodes, names.positions)
+    return ScannedModule(
+        tree,
+        result,
+        found.calls,
+        found.call_nodes,
+        names.positions,
+        names.lora_bindings,
+        found.factories,
+        names.auto_bindings,
+    )
 
 
 def _scan_class(names: Resolver, found: Findings, name: str, node: cst.ClassDef) -> ClassScan:
@@ -116,6 +125,7 @@ def _scan_class(names: Resolver, found: Findings, name: str, node: cst.ClassDef)
         submodules=tuple(walker.submodules),
         unresolved=tuple(walker.unresolved),
         output_head=_output_head(node),
+        factories=tuple(walker.factories),
     )
 
 

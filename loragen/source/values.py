@@ -15,7 +15,8 @@ import dataclasses
 
 import libcst as cst
 
-from loragen.source.fields import LayerField, SubmoduleField, Unresolved
+from loragen.source.factories import lora_auto_name
+from loragen.source.fields import FactoryCall, LayerField, SubmoduleField, Unresolved
 from loragen.source.names import Resolver
 from loragen.source.syntax import calls_in, code_of, string_value
 
@@ -41,13 +42,14 @@ class Findings:
 
     ``calls`` maps ``id(call)`` of every followed layer constructor call to the fields it builds,
     ``call_nodes`` the id to the node, ``claimed`` holds the ids of the calls accounted for (followed or
-    reported) and ``unresolved`` everything reported.
+    reported) and ``unresolved`` everything reported; ``factories`` the sub-models built by auto classes.
     """
 
     calls: dict[int, list[LayerField]] = dataclasses.field(default_factory=dict)
     call_nodes: dict[int, cst.Call] = dataclasses.field(default_factory=dict)
     claimed: set[int] = dataclasses.field(default_factory=set)
     unresolved: list[Unresolved] = dataclasses.field(default_factory=list)
+    factories: dict[int, tuple[cst.Call, FactoryCall]] = dataclasses.field(default_factory=dict)
 
 
 class ValueFollower:
@@ -60,6 +62,7 @@ class ValueFollower:
         self.fields: list[LayerField] = []
         self.submodules: list[SubmoduleField] = []
         self.unresolved: list[Unresolved] = []
+        self.factories: list[FactoryCall] = []
         self.self_name = "self"
         self.params: set[str] = set()
         self.locals: dict[str, list[tuple[cst.BaseExpression, bool]]] = {}
@@ -102,17 +105,17 @@ class ValueFollower:
             return
         hit = self.names.layer(node)
         if hit is not None:
-            spec, is_lora = hit
             field = LayerField(
                 owner=self.owner,
                 attribute=site.attribute,
                 path=site.path,
-                layer=spec.base_qualname,
-                lora_name=spec.lora_name,
+                layer=hit.spec.base_qualname,
+                lora_name=hit.lora_name or hit.spec.lora_name,
                 location=self.names.loc(node),
                 conditional=site.conditional,
                 container=site.container,
-                is_lora=is_lora,
+                is_lora=hit.is_lora,
+                subclass=hit.subclass,
             )
             self.fields.append(field)
             self.found.claimed.add(id(node))
@@ -219,6 +222,16 @@ class ValueFollower:
     def other_call(self, call: cst.Call, site: Site) -> None:
         """A call that is neither a layer nor a container: a submodule, a factory, or unrelated."""
         func = call.func
+        factory = self.names.auto_factory(call)
+        if factory is not None:  # self.language_model = AutoModel.from_config(config.text_config)
+            auto_class, is_lora = factory
+            name = code_of(func.value) if is_lora and isinstance(func, cst.Attribute) else lora_auto_name(auto_class)
+            item = FactoryCall(
+                self.owner, site.attribute, site.path, auto_class, name, self.names.loc(call), is_lora
+            )
+            self.factories.append(item)
+            self.found.factories[id(call)] = (call, item)
+            return
         names = self.names.qualnames(func)
         local = self.names.local_class(func)
         if local is not None:

@@ -21,6 +21,16 @@ from torch import nn
 from loragen.adapters.save import save_adapter
 from loragen.errors import TrainingSetupError
 
+if dist.is_available():
+    # Imported now, before any process group exists, on purpose. torch.distributed.nn.functional binds
+    # ``group=group.WORLD`` as default arguments when it is first imported; imported after
+    # init_process_group (torch.distributed.checkpoint imports it, and FSDP2's saving below uses that),
+    # those defaults hold the default process group for the life of the interpreter, past
+    # destroy_process_group, and its gloo threads are then torn down at interpreter exit in whatever
+    # order the module cleanup takes: now and then a rank aborts with "terminate called without an
+    # active exception". Imported first, the defaults hold None.
+    import torch.distributed.nn
+
 __all__ = [
     "is_main_process",
     "save_adapter_main_process",

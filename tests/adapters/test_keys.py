@@ -83,16 +83,11 @@ LORA = {
     ("extra", "message"),
     [
         (
-            {"base_model.model.q.lora_magnitude_vector": torch.ones(8)},
-            r"q\.lora_magnitude_vector: unsupported adapter tensor \(lora_magnitude_vector is not a LoRA factor "
-            r"loragen reads; it reads lora_A, lora_B, lora_embedding_A, lora_embedding_B\)\. DoRA",
-        ),
-        (
             {"base_model.model.q.lora_B.bias": torch.ones(8)},
             r"q\.lora_B\.bias: unsupported adapter tensor.*LoRA biases",
         ),
     ],
-    ids=["dora", "lora-bias"],
+    ids=["lora-bias"],
 )
 def test_unsupported_lora_variants_are_refused_by_every_reader(
     tmp_path: Path, extra, message, capsys

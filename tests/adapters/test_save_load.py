@@ -362,9 +362,15 @@ LOAD_ERRORS: dict[str, tuple[Callable[[Path], None], type[Exception], str]] = {
     "corrupt": (_garbage_header, AdapterError, r"adapter_model\.safetensors: corrupt safetensors header"),
     "invalid-field": (lambda f: _edit_config(f, r=-1), LoraConfigError, r"adapter_config\.json: r=-1"),
     "unsupported-field": (
-        lambda f: _edit_config(f, use_dora=True),
+        lambda f: _edit_config(f, lora_bias=True),
         LoraConfigError,
-        r"use_dora=True is not supported",
+        r"lora_bias=True is not supported",
+    ),
+    "dora-config-without-magnitudes": (
+        lambda f: _edit_config(f, use_dora=True),
+        AdapterError,
+        r"(missing keys .*\n.*lora_magnitude_vector|the adapter config has use_dora=True but these LoRA layers have "
+        r"use_dora=False:\n.*q_proj)",
     ),
     "bad-json": (
         lambda f: (f / "adapter_config.json").write_text('{"r": 4,\n  "lora_alpha": }'),

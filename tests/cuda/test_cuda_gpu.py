@@ -3,23 +3,38 @@
 Fresh random inputs every check, outputs compared with a float64 CPU reference by relative error with
 per-dtype bounds; the CUDA caching allocator is filled with NaN before each run, so an output element no
 kernel wrote shows up as NaN. Odd sizes (rows, in and out not multiples of any tile), ranks 1, 8, 16, 64.
+
+The numeric tests run with ``LORAGEN_CUDA_KERNELS=trust`` semantics (the kernels themselves, no
+fallback), so a wrong kernel fails here instead of being replaced by the torch path; the self-check is
+tested on its own (every variant must pass it on this GPU). ``LORAGEN_GPU_REPORT=folder`` writes the
+self-check outcomes there as JSON (scripts/first_gpu_run.sh sets it).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 import loragen.cuda
-from loragen import philox
+from loragen import philox, switches
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not loragen.cuda.is_available(), reason="needs a CUDA device and cuda-python"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def kernels_unchecked():
+    """The kernels themselves, never the torch path (tests that want the check switch it back on)."""
+    with switches.cuda_kernels.using("trust"):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -189,3 +204,104 @@ def test_lora_linear_layer_trains_on_the_gpu():
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     y.sum().backward()
     assert layer.lora_A.grad is not None and torch.isfinite(layer.lora_A.grad).all()
+
+
+# ---- self-check, fallback, context safety, and the forward's details on the real device --------------
+
+
+def test_every_variant_passes_its_self_check():
+    from loragen.cuda.launch import DriverLauncher
+    from loragen.cuda.selfcheck import CheckedLauncher
+
+    checker = CheckedLauncher(DriverLauncher())
+    with switches.cuda_kernels.using("check"):
+        outcomes = checker.check_all(torch.device("cuda", torch.cuda.current_device()))
+    report = os.environ.get("LORAGEN_GPU_REPORT")
+    if report:
+        Path(report).mkdir(parents=True, exist_ok=True)
+        (Path(report) / "selfcheck.json").write_text(json.dumps(outcomes, indent=2))
+    failed = {variant: reason for variant, reason in outcomes.items() if reason != "ok"}
+    assert not failed, failed
+
+
+def test_torch_path_matches_the_kernels():
+    from loragen.cuda.torch_kernels import TorchKernels
+
+    (x, w, b, a, bb), _ = make_inputs(257, 520, 136, 12, torch.bfloat16, seed=12, device="cuda")
+    torch.manual_seed(5)
+    y = run(x, w, b, a, bb, 0.5, 0.1)
+    y.float().sum().backward()
+    kernel_grads = [t.grad.clone() for t in (x, a, bb)]
+    for t in (x, a, bb):
+        t.grad = None
+    torch.manual_seed(5)
+    from loragen.cuda import lora_linear_cuda
+
+    y_torch = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.1, True, launcher=TorchKernels())
+    y_torch.float().sum().backward()
+    assert relative_error(y, y_torch.double().cpu()) < TOLERANCE[torch.bfloat16]
+    for got, want in zip(kernel_grads, (x.grad, a.grad, bb.grad)):
+        assert relative_error(got, want.double().cpu()) < TOLERANCE[torch.bfloat16]
+
+
+def test_forward_rounds_once():
+    x = torch.ones(4, 8, dtype=torch.bfloat16, device="cuda")
+    w = torch.full((8, 8), 32.0, dtype=torch.bfloat16, device="cuda")
+    b = torch.ones(8, dtype=torch.bfloat16, device="cuda")
+    a = torch.zeros(1, 8, device="cuda")
+    a[0, 0] = 2.0**-9
+    bb = torch.ones(8, 1, device="cuda")
+    y = run(x, w, b, a, bb, 1.0, 0.0, training=False)
+    assert torch.equal(y.cpu(), torch.full((4, 8), 258.0, dtype=torch.bfloat16))  # 256 with two roundings
+
+
+def test_output_may_be_modified_in_place():
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(
+        48, 64, 40, 8, torch.float32, seed=13, device="cuda"
+    )
+    y = run(x.view(6, 8, 64), w, b, a, bb, 1.0, 0.0)
+    y.mul_(2.0)
+    y.sum().backward()
+    (2.0 * reference(xr, wr, br, ar, bbr, 1.0, None, False)).sum().backward()
+    assert relative_error(a.grad, ar.grad) < 1e-5 and relative_error(x.grad, xr.grad) < 1e-5
+
+
+def test_ops_passes_the_seed_to_the_kernels():
+    from loragen import ops
+
+    (x, w, b, a, bb), _ = make_inputs(64, 128, 64, 8, torch.float32, seed=3, device="cuda")
+    with torch.no_grad():
+        first = ops.lora_linear(x, w, b, a, bb, 1.0, 0.5, True, seed=77)
+        second = ops.lora_linear(x, w, b, a, bb, 1.0, 0.5, True, seed=77)
+        other = ops.lora_linear(x, w, b, a, bb, 1.0, 0.5, True, seed=78)
+        direct = run_seeded(x, w, b, a, bb, 77)
+    assert torch.equal(first, second) and torch.equal(first, direct) and not torch.equal(first, other)
+
+
+def run_seeded(x, w, b, a, bb, seed):
+    from loragen.cuda import lora_linear_cuda
+
+    return lora_linear_cuda(x, w, b, a, bb, 1.0, 0.5, True, seed=seed)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_launch_on_another_device_leaves_the_current_device():
+    from cuda.bindings import driver
+
+    (x, w, b, a, bb), _ = make_inputs(33, 64, 40, 8, torch.float32, seed=4, device="cuda:1")
+    torch.cuda.set_device(0)
+    before = driver.cuCtxGetCurrent()[1]
+    with torch.no_grad():
+        run(x, w, b, a, bb, 1.0, 0.0)
+    assert torch.cuda.current_device() == 0
+    assert int(driver.cuCtxGetCurrent()[1]) == int(before)
+
+
+def test_default_checker_checks_in_a_child_process_first():
+    from loragen.cuda.selfcheck import CheckedLauncher
+    from loragen.cuda.specs import Variant
+
+    checker = CheckedLauncher()  # the driver launcher: isolated check on CUDA devices
+    with switches.cuda_kernels.using("check"):
+        checker.route(Variant("bfloat16", 16, True), torch.device("cuda", torch.cuda.current_device()))
+    assert set(checker.outcomes().values()) == {"ok"}, checker.outcomes()

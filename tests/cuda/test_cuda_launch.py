@@ -1,10 +1,12 @@
-"""loragen.cuda.launch against a fake driver: the primary context is made current before every launch,
-modules load once per device and variant, and the kernel-parameter array holds exactly the values
-the kernel's signature asks for. (The real driver is exercised by tests/test_cuda_gpu.py.)"""
+"""loragen.cuda.launch against a fake driver: the device's primary context is current during every launch
+and the thread's previous context is current again afterwards (also when a launch fails), modules load
+once per device and variant, and the kernel-parameter array holds exactly the values the kernel's
+signature asks for. (The real driver is exercised by tests/cuda/test_cuda_gpu.py.)"""
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +28,17 @@ class FakeDriver:
         self.spec = spec
         self.calls: list[tuple] = []
         self.fail_launch = False
+        self.fail_load = False
+        self._threads = threading.local()  # each thread's context stack, as the driver keeps it
+
+    def stack(self) -> list:
+        if not hasattr(self._threads, "stack"):
+            self._threads.stack = []
+        return self._threads.stack
+
+    def cuCtxGetCurrent(self):
+        stack = self.stack()
+        return (0, stack[-1] if stack else None)
 
     def cuInit(self, flags):
         self.calls.append(("cuInit",))
@@ -40,10 +53,27 @@ class FakeDriver:
 
     def cuCtxSetCurrent(self, ctx):
         self.calls.append(("current", ctx))
+        stack = self.stack()
+        if stack:
+            stack[-1] = ctx
+        else:
+            stack.append(ctx)
         return (0,)
+
+    def cuCtxPushCurrent(self, ctx):
+        self.calls.append(("push", ctx))
+        self.stack().append(ctx)
+        return (0,)
+
+    def cuCtxPopCurrent(self):
+        self.calls.append(("pop",))
+        stack = self.stack()
+        return (0, stack.pop()) if stack else (201, None)
 
     def cuModuleLoadData(self, image):
         self.calls.append(("load", bytes(image)))
+        if self.fail_load:
+            return (218, None)
         return (0, "module")
 
     def cuModuleGetFunction(self, module, name):
@@ -98,11 +128,11 @@ def test_launch_sets_context_loads_once_and_packs_arguments(fake):
     fake.launcher.launch(fake.spec, variant, (3, 2), args, device)
 
     kinds = [call[0] for call in fake.driver.calls]
-    assert kinds == ["cuInit", "retain", "current", "load", "launch", "current", "launch"]
-    assert ("current", "ctx:device1") in fake.driver.calls
+    assert kinds == ["cuInit", "retain", "push", "load", "launch", "pop", "push", "launch", "pop"]
+    assert ("push", "ctx:device1") in fake.driver.calls
     loads = [call for call in fake.driver.calls if call[0] == "load"]
     assert loads == [("load", b"cubin for lora_up sm_90")]  # the device's architecture, loaded once
-    _, function, grid, block, shared, stream, values = fake.driver.calls[-1]
+    _, function, grid, block, shared, stream, values = fake.driver.calls[-2]
     assert function == ("function", b"lora_up") and grid == (3, 2, 1) and block == (128, 1, 1)
     assert shared == 0 and stream == ("stream", 4242)
     assert values == [h.data_ptr(), bt.data_ptr(), None, out.data_ptr(), 5, 16, 4, 0.5]
@@ -127,3 +157,74 @@ def test_pack_arguments_checks_the_signature():
         launch.pack_arguments(spec, (None, None))
     with pytest.raises(TypeError, match=r"kernel lora_up parameter h needs a tensor, got 3"):
         launch.pack_arguments(spec, (3, None, None, None, 1, 1, 1, 1.0))
+
+
+def _current(driver):
+    return driver.cuCtxGetCurrent()[1]
+
+
+@pytest.mark.parametrize("fail", [None, "launch", "load", "argument"])
+def test_launch_on_another_device_leaves_the_threads_context_current(fake, fail):
+    """A thread working on cuda:0 launches on cuda:1: cuda:0 is current afterwards, whether the launch
+    succeeds or raises; nothing is left on the thread's context stack."""
+    fake.driver.cuCtxSetCurrent("ctx:device0")
+    fake.driver.fail_launch = fail == "launch"
+    fake.driver.fail_load = fail == "load"
+    rows = 2**31 if fail == "argument" else 1
+    args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), rows, 8, 1, 1.0)
+    variant = specs.Variant("float32", 8, True)
+    if fail is None:
+        fake.launcher.launch(fake.spec, variant, (1, 1), args, torch.device("cuda", 1))
+    else:
+        with pytest.raises((launch.CudaDriverError, launch.KernelArgumentRangeError)):
+            fake.launcher.launch(fake.spec, variant, (1, 1), args, torch.device("cuda", 1))
+    assert _current(fake.driver) == "ctx:device0"
+    assert fake.driver.stack() == ["ctx:device0"]
+    pushes = [call for call in fake.driver.calls if call[0] == "push"]
+    assert pushes == ([] if fail == "argument" else [("push", "ctx:device1")])
+
+
+def test_launch_from_a_thread_without_a_context_leaves_none(fake):
+    """Autograd's backward threads start with no current context; a launch must not leave one behind."""
+    seen = []
+
+    def work():
+        args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
+        fake.launcher.launch(
+            fake.spec, specs.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 1)
+        )
+        seen.append(_current(fake.driver))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [None]
+
+
+def test_integer_arguments_outside_their_c_type_are_refused():
+    spec = specs.KERNELS["lora_up"]
+    args = (None, None, None, None, 2**31, 8, 1, 1.0)
+    with pytest.raises(
+        launch.KernelArgumentRangeError,
+        match=r"kernel lora_up parameter rows=2147483648 does not fit its C type int \(accepted: -2147483648 \.\. 2147483647\)",
+    ):
+        launch.pack_arguments(spec, args)
+    spec = specs.KERNELS["lora_down"]
+    ok = (None, None, None, 2**31 - 1, 8, 1, 8, 2**64 - 1, 0, 2**32 - 1, 1.0)
+    assert launch.pack_arguments(spec, ok)[3].value == 2**31 - 1
+    with pytest.raises(
+        launch.KernelArgumentRangeError, match=r"parameter seed=-1 does not fit its C type u64"
+    ):
+        launch.pack_arguments(spec, (*ok[:7], -1, *ok[8:]))
+
+
+def test_row_counts_past_int32_take_the_plain_composition():
+    from loragen.cuda.function import unsupported_reason
+
+    x = torch.zeros(1, 8).expand(2**31, 8)  # 2**31 rows, no memory
+    w, a, bb = torch.zeros(4, 8), torch.zeros(2, 8), torch.zeros(4, 2)
+    assert (
+        unsupported_reason(x, w, None, a, bb)
+        == "2**31 or more rows (the kernels take row counts as 32-bit int)"
+    )
+    assert unsupported_reason(x[: 2**31 - 1], w, None, a, bb) is None

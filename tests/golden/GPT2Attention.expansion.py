@@ -47,6 +47,7 @@ def _lora_convert(self, config, planned, prefix):
                     lora_alpha=config.alpha_for(path),
                     lora_dropout=config.lora_dropout,
                     use_rslora=config.use_rslora,
+                    use_dora=config.use_dora,
                     init_lora_weights=config.init_lora_weights,
                 )
         elif name == "q_attn" and type(child) is Conv1D:  # modeling_gpt2.py:104
@@ -57,6 +58,7 @@ def _lora_convert(self, config, planned, prefix):
                     lora_alpha=config.alpha_for(path),
                     lora_dropout=config.lora_dropout,
                     use_rslora=config.use_rslora,
+                    use_dora=config.use_dora,
                     init_lora_weights=config.init_lora_weights,
                 )
         elif name == "c_proj" and type(child) is Conv1D:  # modeling_gpt2.py:107
@@ -67,6 +69,7 @@ def _lora_convert(self, config, planned, prefix):
                     lora_alpha=config.alpha_for(path),
                     lora_dropout=config.lora_dropout,
                     use_rslora=config.use_rslora,
+                    use_dora=config.use_dora,
                     init_lora_weights=config.init_lora_weights,
                 )
         else:

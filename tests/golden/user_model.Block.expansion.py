@@ -58,6 +58,7 @@ def _lora_convert(self, config, planned, prefix):
                     lora_alpha=config.alpha_for(path),
                     lora_dropout=config.lora_dropout,
                     use_rslora=config.use_rslora,
+                    use_dora=config.use_dora,
                     init_lora_weights=config.init_lora_weights,
                 )
         elif name == "fc1" and type(child) is nn.Linear:  # user_model.py:49, 51
@@ -68,6 +69,7 @@ def _lora_convert(self, config, planned, prefix):
                     lora_alpha=config.alpha_for(path),
                     lora_dropout=config.lora_dropout,
                     use_rslora=config.use_rslora,
+                    use_dora=config.use_dora,
                     init_lora_weights=config.init_lora_weights,
                 )
         elif name == "experts":  # in ModuleList, user_model.py:47
@@ -80,6 +82,7 @@ def _lora_convert(self, config, planned, prefix):
                         lora_alpha=config.alpha_for(item_path),
                         lora_dropout=config.lora_dropout,
                         use_rslora=config.use_rslora,
+                        use_dora=config.use_dora,
                         init_lora_weights=config.init_lora_weights,
                     )
                     setattr(child, key, layer)

@@ -1,0 +1,357 @@
+"""Several named adapters on one model, with peft's semantics: add, switch, delete, switch off.
+
+A model's adapters are the union of the adapters its LoRA layers hold (storage and key names:
+:mod:`loragen.layers.adapter_set`); their configs are kept on the model as
+``model.loragen_adapter_configs`` (``{name: LoraConfig}``, the model's first adapter first), and
+``model.loragen_config`` stays the first adapter's config, so everything written for one adapter (saving,
+``mark_trainable``) keeps working. One adapter is active at a time: every LoRA layer adds it, and it is
+the one that trains (its factors require grad, the others' do not), as after peft's ``set_adapter``.
+
+=========================== ===============================================================================
+``add_adapter``              a further adapter (not made active); a plain model is converted (it is active)
+``set_adapter``              make an adapter active (merged layers are unmerged first, with a warning)
+``delete_adapter``           drop an adapter; an active one is replaced by the first remaining name in
+                             sorted order (peft's rule); a layer left with none becomes its base layer again
+``disable_adapter``          context manager: the base model exactly (merged layers unmerged, then merged
+                             again on exit)
+=========================== ===============================================================================
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from torch import nn
+
+from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.convert import (
+    ADAPTER_CONFIGS_ATTR,
+    CONFIG_ATTR,
+    convert_module,
+    find_lora_layers,
+    get_lora_model,
+    resolve_target_modules,
+    set_submodule,
+)
+from loragen.errors import (
+    AdapterError,
+    AdapterNameError,
+    LoraConfigError,
+    LoraConversionError,
+    LoraMergeError,
+)
+from loragen.layers import LoraLayer
+from loragen.layers.adapter_set import (
+    DEFAULT_ADAPTER,
+    adapter_factors,
+    adapter_names,
+    add_factors,
+    has_adapter,
+    remove_factors,
+    set_active,
+)
+from loragen.ops.sibling_plan import plan_siblings
+from loragen.registry import spec_for, spec_for_lora_type
+
+__all__ = [
+    "DEFAULT_ADAPTER",
+    "list_adapters",
+    "active_adapter",
+    "adapter_configs",
+    "record_config",
+    "require_adapter",
+    "check_adapter_name",
+    "add_adapter",
+    "set_adapter",
+    "set_trainable",
+    "delete_adapter",
+    "disable_adapter",
+]
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def list_adapters(model: nn.Module) -> list[str]:
+    """The names of ``model``'s adapters, the first one first."""
+    configs = model.__dict__.get(ADAPTER_CONFIGS_ATTR)
+    names = list(configs) if isinstance(configs, dict) else []
+    for layer in find_lora_layers(model).values():
+        names.extend(n for n in adapter_names(layer) if n not in names)
+    return names
+
+
+def active_adapter(model: nn.Module) -> str | None:
+    """The name of the adapter ``model``'s LoRA layers add (None: none, or no LoRA layers)."""
+    for layer in find_lora_layers(model).values():
+        return layer.active_adapter
+    return None
+
+
+def adapter_configs(model: nn.Module) -> dict[str, LoraConfig | None]:
+    """``{name: config}`` of ``model``'s adapters; ``None`` for an adapter whose layers carry no config
+    (a rewritten model written by hand: :func:`loragen.adapters.save.adapter_config_for` derives one)."""
+    configs = model.__dict__.get(ADAPTER_CONFIGS_ATTR)
+    if isinstance(configs, dict):
+        return dict(configs)
+    own = getattr(model, CONFIG_ATTR, None)
+    names = list_adapters(model)
+    return {names[0]: own if isinstance(own, LoraConfig) else None} if names else {}
+
+
+def record_config(model: nn.Module, name: str, config: LoraConfig) -> None:
+    """Keep ``config`` as the config of ``model``'s adapter ``name``."""
+    configs = adapter_configs(model)
+    configs[name] = config
+    if list(configs) == [DEFAULT_ADAPTER]:
+        model.__dict__.pop(ADAPTER_CONFIGS_ATTR, None)  # a single default adapter: as before
+    else:
+        setattr(model, ADAPTER_CONFIGS_ATTR, configs)
+    setattr(model, CONFIG_ATTR, next(iter(configs.values())))
+
+
+def require_adapter(model: nn.Module, name: object, what: str = "adapter") -> str:
+    """``name`` if ``model`` holds an adapter of that name.
+
+    Raises:
+        AdapterNameError: it does not (the message lists the adapters it holds).
+    """
+    known = list_adapters(model)
+    if not isinstance(name, str) or name not in known:
+        raise AdapterNameError(
+            f"unknown {what} {name!r}; {type(model).__name__} holds "
+            + (", ".join(map(repr, known)) if known else "no adapters")
+        )
+    return name
+
+
+# ---- adding ------------------------------------------------------------------------------------------
+
+
+def _linear_paths(model: nn.Module) -> set[str]:
+    """Paths ``all-linear`` selects (peft's rule: linear layers but the output head), LoRA layers included:
+    they are targets of a further adapter too."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    paths = set()
+    for path, module in model.named_modules():
+        if not path or module is head:
+            continue
+        spec = spec_for_lora_type(type(module)) if isinstance(module, LoraLayer) else spec_for(module)
+        if spec is not None and spec.linear:
+            paths.add(path)
+    return paths
+
+
+def _targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
+    """The modules (plain or LoRA layers) ``config`` targets, by path; nothing inside a LoRA layer."""
+    if config.target_modules is None:
+        resolve_target_modules(model, config)  # raises, saying what to set
+    linear = _linear_paths(model) if config.target_modules == ALL_LINEAR else None
+    found: dict[str, nn.Module] = {}
+    inside: list[str] = []
+    for path, module in model.named_modules():
+        if not path or any(path.startswith(p + ".") for p in inside):
+            continue
+        if isinstance(module, LoraLayer):
+            inside.append(path)
+        chosen = path in linear if linear is not None else config.matches_target(path)
+        if chosen and (isinstance(module, LoraLayer) or spec_for(module) is not None or linear is None):
+            found[path] = module
+    if not found:
+        raise LoraConversionError(
+            f"target_modules={config.target_modules!r} matched no module of {type(model).__name__}"
+        )
+    return found
+
+
+def check_adapter_name(name: object) -> str:
+    """``name`` if it can name an adapter: a non-empty string without ``.`` (it is a key component), other
+    than ``"__base__"`` (the mixed-batch name for no adapter).
+
+    Raises:
+        AdapterNameError: it cannot.
+    """
+    if not isinstance(name, str) or not name or "." in name or name == "__base__":
+        raise AdapterNameError(
+            f"adapter_name={name!r}: expected a non-empty name without '.', other than '__base__'"
+        )
+    return name
+
+
+def _check_new_adapter(model: nn.Module, config: LoraConfig, name: str) -> None:
+    check_adapter_name(name)
+    known = list_adapters(model)
+    if name in known:
+        raise AdapterNameError(f"{type(model).__name__} holds an adapter {name!r} already; pick another name")
+    others = {n: c for n, c in adapter_configs(model).items() if c is not None}
+    biased = [n for n, c in [*others.items(), (name, config)] if c.bias != "none"]
+    if biased:
+        raise LoraConfigError(
+            f"bias: adapters {', '.join(map(repr, biased))} train biases (bias != 'none'); with several adapters "
+            "every adapter needs bias='none' (as in peft), since the base biases are shared"
+        )
+    if config.target_parameters:
+        raise LoraConfigError(
+            f"target_parameters={list(config.target_parameters)!r}: LoRA on parameters holds one adapter only; a "
+            "further adapter cannot target parameters (leave target_parameters empty for it)"
+        )
+    if config.modules_to_save:
+        raise LoraConfigError(
+            f"modules_to_save={list(config.modules_to_save)!r}: a further adapter cannot train modules in full "
+            "(loragen keeps one copy of each module); leave modules_to_save empty"
+        )
+
+
+def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTER) -> M:
+    """Add the adapter ``adapter_name`` with ``config`` to ``model``; returns the same model.
+
+    On a model with LoRA layers the new adapter is added beside the others and is *not* made active (its
+    factors are frozen), as in peft; targeted layers that are not LoRA layers yet become LoRA layers
+    holding only the new adapter. A model without LoRA layers is converted (``get_lora_model``) and the
+    new adapter is active and trainable.
+
+    Raises:
+        AdapterNameError: ``adapter_name`` exists already or is not a valid name.
+        LoraConfigError: ``bias`` other than ``"none"`` or ``modules_to_save`` with several adapters.
+        LoraConversionError: the targets match nothing, or a layer type that holds one adapter only.
+    """
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"config must be a loragen.LoraConfig, got {type(config).__name__}")
+    existing = find_lora_layers(model)
+    if not existing:
+        check_adapter_name(adapter_name)
+        get_lora_model(model, config)
+        for layer in find_lora_layers(model).values():
+            layer.adapter_name = adapter_name
+            set_active(layer, adapter_name)
+        record_config(model, adapter_name, config)
+        return model
+    _check_new_adapter(model, config, adapter_name)
+    targets = _targets(model, config)
+    single = [p for p, m in targets.items() if isinstance(m, LoraLayer) and type(m)._lora_term is LoraLayer._lora_term]
+    if single:
+        raise LoraConversionError(
+            f"{', '.join(single)}: {type(targets[single[0]]).__qualname__} holds one adapter only "
+            "(its class does not define _lora_term); leave these out of target_modules"
+        )
+    active = active_adapter(model)
+    # build every new layer first, so a failure leaves the model as it was
+    new_layers = {
+        path: convert_module(module, config, path) for path, module in targets.items() if not isinstance(module, LoraLayer)
+    }
+    for path, layer in new_layers.items():
+        layer.adapter_name = adapter_name
+        set_active(layer, active)
+        for p in layer.lora_parameters().values():
+            p.requires_grad_(False)
+        set_submodule(model, path, layer)
+    for path, module in targets.items():
+        if isinstance(module, LoraLayer):
+            factors = add_factors(
+                module, adapter_name, r=config.rank_for(path), lora_alpha=config.alpha_for(path),
+                lora_dropout=config.lora_dropout, use_rslora=config.use_rslora,
+                init_lora_weights=config.init_lora_weights, use_dora=config.use_dora,
+            )
+            factors.requires_grad_(False)
+    record_config(model, adapter_name, config)
+    if new_layers:
+        plan_siblings(model)
+    return model
+
+
+# ---- switching ---------------------------------------------------------------------------------------
+
+
+def set_adapter(model: nn.Module, adapter_name: str, *, inference_mode: bool = False) -> None:
+    """Make ``adapter_name`` the adapter every LoRA layer of ``model`` adds.
+
+    Its factors require grad (unless ``inference_mode``), every other adapter's are frozen, as peft's
+    ``set_adapter`` does. Merged layers are unmerged first (with a warning).
+
+    Raises:
+        AdapterNameError: ``model`` holds no adapter ``adapter_name`` (the message lists those it holds).
+    """
+    require_adapter(model, adapter_name)
+    for path, layer in find_lora_layers(model).items():
+        if layer.merged:
+            warnings.warn(f"{path}: set_adapter unmerges the merged layer first", stacklevel=2)
+            layer.unmerge()
+        set_active(layer, adapter_name)
+    set_trainable(model, None if inference_mode else adapter_name)
+
+
+def set_trainable(model: nn.Module, adapter_name: str | None) -> None:
+    """Make adapter ``adapter_name``'s factors require grad and every other adapter's not (None: none)."""
+    for layer in find_lora_layers(model).values():
+        for name in adapter_names(layer):
+            for p in adapter_factors(layer, name).lora_parameters().values():
+                p.requires_grad_(name == adapter_name)
+
+
+def delete_adapter(model: nn.Module, adapter_name: str) -> None:
+    """Remove the adapter ``adapter_name`` from ``model`` (every layer, its config).
+
+    A layer left without adapters becomes its base layer again (deleting a model's only adapter gives the
+    plain model back). If the deleted adapter was active, the first remaining name in sorted order becomes
+    active (peft's rule).
+
+    Raises:
+        AdapterNameError: ``model`` holds no adapter ``adapter_name``.
+        LoraMergeError: the adapter is merged into some layer (unmerge first, as peft asks).
+    """
+    require_adapter(model, adapter_name)
+    layers = find_lora_layers(model)
+    merged = [p for p, layer in layers.items() if layer.merged and layer.__dict__.get("_merged_adapter") == adapter_name]
+    if merged:
+        raise LoraMergeError(
+            f"cannot delete adapter {adapter_name!r} while it is merged into {', '.join(merged[:5])}; "
+            "call loragen.unmerge_adapter(model) first"
+        )
+    was_active = active_adapter(model) == adapter_name
+    for path, layer in layers.items():
+        if has_adapter(layer, adapter_name) and not remove_factors(layer, adapter_name):
+            set_submodule(model, path, layer.to_base())
+    configs = adapter_configs(model)
+    configs.pop(adapter_name, None)
+    model.__dict__.pop(ADAPTER_CONFIGS_ATTR, None)
+    remaining = list_adapters(model)
+    if not remaining:
+        model.__dict__.pop(CONFIG_ATTR, None)
+    else:
+        for name, config in configs.items():
+            if config is not None:
+                record_config(model, name, config)
+        if was_active:
+            set_adapter(model, sorted(remaining)[0])
+    plan_siblings(model)
+
+
+@contextmanager
+def disable_adapter(model: M) -> Iterator[M]:
+    """Within the block ``model`` computes exactly its base model: no LoRA layer adds an adapter, and
+    merged layers are unmerged (and merged again on exit). Yields ``model``.
+
+    ``bias`` trained with ``bias="all"`` / ``"lora_only"`` and ``modules_to_save`` are part of the base
+    model here (loragen keeps no second copy of them).
+
+    Raises:
+        AdapterError: the model has no LoRA layers.
+    """
+    layers = find_lora_layers(model)
+    if not layers:
+        raise AdapterError(f"disable_adapter: {type(model).__name__} has no LoRA layers")
+    saved = {path: (layer.active_adapter, layer.merged) for path, layer in layers.items()}
+    for layer in layers.values():
+        layer.unmerge()
+        set_active(layer, None)
+    try:
+        yield model
+    finally:
+        for path, layer in layers.items():
+            active, merged = saved[path]
+            set_active(layer, active)
+            if merged:
+                layer.merge()

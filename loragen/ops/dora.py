@@ -1,0 +1,285 @@
+"""The fused DoRA linear op: ``dora_linear``, peft's DoRA math as one autograd node.
+
+DoRA (Liu et al. 2024, arXiv 2402.09353) splits the adapted weight into a magnitude ``m`` (one value per
+output) and a direction ``W + s B A``; with ``n = ||W + s B A||`` per output row, computed each step and
+*detached* from the graph as the paper's section 4.3 and peft do, and ``c = m / n`` (out,):
+
+without dropout   y = c * (x W^T + s (x A^T) B^T) + b
+with dropout d    y = x W^T + b + (c - 1) * (d(x) W^T) + c * s (d(x) A^T) B^T      (peft's formula:
+                  the direction is applied to the dropped-out input, the base term to x itself)
+
+On the CPU, x flattened to (N, in), xd = d(x) (x itself without dropout), s = scaling:
+
+forward   n  = ||W + s B A||_rows                   once per call, (out, in) temporary, never x-sized
+          h  = xd A^T                               (N, r), saved
+          w  = xd W^T + s h B^T                     (N, out), saved: the direction's output, m's gradient
+          y  = c * w + b  [ + (x - xd) W^T ]        the bracket only with dropout: x W^T - xd W^T in one GEMM
+backward  gc = c * g
+          dm = sum_N(g * w) / n                     n detached: no gradient flows into the norm
+          dB = s gc^T h,  dh = s gc B,  dA = dh^T xd
+          dx = gc W + dh A                          one base GEMM without dropout
+          dx = g W + mask/(1-p) * ((c - 1) g W + dh A)      two with dropout (x and xd differ)
+          db = sum_N(g)
+
+So the base product is one GEMM per direction (peft runs ``F.linear`` twice with dropout and composes
+the result in six (N, out) elementwise passes), and what is saved is x (a view), h, w, and the dropout
+mask as packed bits -- not x-sized float copies of the mask or of d(x). The weight gradient (a base
+weight that trains) and mixed dtypes run :func:`dora_linear_reference`, peft's plain composition.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from loragen import philox, switches
+from loragen.ops.dispatch import fallback_reason
+from loragen.ops.masks import DropoutRng, check_rng, make_keep_bits
+
+__all__ = ["DoraLinearFunction", "dora_linear", "dora_linear_reference", "dora_weight_norm"]
+
+_log = logging.getLogger(__name__)
+
+
+def dora_weight_norm(
+    weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *, fan_in_fan_out: bool = False
+) -> Tensor:
+    """``||W + s B A||`` per output row, (out,), detached, in lora_A's dtype (as peft computes it).
+
+    Shapes: weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, lora_A (r, in), lora_B (out, r).
+    """
+    with torch.no_grad():
+        w = weight.t() if fan_in_fan_out else weight
+        directed = torch.addmm(w.to(lora_A.dtype), lora_B, lora_A, alpha=scaling)  # (out, in)
+        return torch.linalg.vector_norm(directed, dim=1)
+
+
+def dora_linear_reference(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    magnitude: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    fan_in_fan_out: bool = False,
+    result: Tensor | None = None,
+) -> Tensor:
+    """peft's DoRA composition in plain autograd ops (any device, any dtype mix).
+
+    ``result`` is the base layer's own output ``x W^T + b`` when the caller has computed it (a base with
+    its own forward); otherwise it is computed here. The LoRA branch runs in lora_A's dtype, as in peft.
+    """
+    w = weight.t() if fan_in_fan_out else weight  # (out, in)
+    if result is None:
+        result = F.linear(x, w, bias)
+    dtype = lora_A.dtype
+    x_lora = x.to(dtype)
+    norm = dora_weight_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
+    c = magnitude / norm
+    if dropout_p > 0.0 and training:
+        x_lora = F.dropout(x_lora, dropout_p, True)
+        base = F.linear(x_lora, w.to(dtype))
+    else:
+        base = result if bias is None else result - bias
+    lora = F.linear(F.linear(x_lora, lora_A), lora_B)
+    return (result + (c - 1) * base + c * lora * scaling).to(result.dtype)
+
+
+class DoraLinearFunction(torch.autograd.Function):
+    """:func:`dora_linear` on the CPU as one node; the formulas are in the module docstring.
+
+    ``apply(x, weight, bias, lora_A, lora_B, magnitude, scaling, dropout_p, rng, seed, fan_in_fan_out, norm)``,
+    all tensors of one dtype, ``dropout_p = 0`` meaning no dropout. The weight gets no gradient (a frozen
+    base; :func:`dora_linear` sends a training weight to the reference composition). ``norm`` is the
+    detached row norm when the caller has it (None: computed here); gradcheck passes it, because the norm
+    is a constant of the backward but a function of A and B for finite differences.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        lora_A: Tensor,
+        lora_B: Tensor,
+        magnitude: Tensor,
+        scaling: float,
+        dropout_p: float,
+        rng: str,
+        seed: int | None,
+        fan_in_fan_out: bool,
+        norm: Tensor | None = None,
+    ) -> Tensor:
+        in_features = x.shape[-1]
+        x2 = x.reshape(-1, in_features)  # a view of x when x is contiguous
+        rows = x2.shape[0]
+        w_t = weight if fan_in_fan_out else weight.t()  # (in, out)
+        out_features = w_t.shape[1]
+        if norm is None:
+            norm = dora_weight_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
+        norm = norm.detach()
+        c = magnitude.detach() / norm  # (out,)
+
+        bits = None
+        xd = x2
+        if dropout_p > 0.0:
+            if seed is None:
+                seed = philox.random_seed()
+            bits = make_keep_bits(rows * in_features, dropout_p, seed, rng)
+            xd = _dropped(x2, _keep_mask(bits, x2.shape), dropout_p)
+        h = torch.mm(xd, lora_A.t())  # (N, r)
+        w = torch.mm(h * scaling, lora_B.t()).addmm_(xd, w_t)  # (N, out): the rank-r term, then the GEMM onto it
+
+        # the output in its final shape, written through a 2-D view (callers may modify it in place)
+        out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+        y = out.view(rows, out_features)
+        if bias is not None:
+            torch.addcmul(bias, w, c, out=y)
+        else:
+            torch.mul(w, c, out=y)
+        if bits is not None:
+            y.addmm_(x2 - xd, w_t)  # x W^T - xd W^T as one GEMM
+
+        need_x, _, _, need_a, need_b, need_m = ctx.needs_input_grad[:6]
+        ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out = scaling, dropout_p, fan_in_fan_out
+        ctx.x_shape, ctx.rows, ctx.has_bias = x.shape, rows, bias is not None
+        ctx.save_for_backward(
+            x2 if need_a else None,
+            weight if need_x else None,
+            lora_A,
+            lora_B,
+            h if need_b else None,
+            w if need_m else None,
+            c,
+            norm,
+            bits,
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x2, weight, lora_A, lora_B, h, w, c, norm, bits = ctx.saved_tensors
+        need_x, _, need_bias, need_a, need_b, need_m = ctx.needs_input_grad[:6]
+        s, p, ffo = ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out
+        g2 = grad_out.reshape(ctx.rows, grad_out.shape[-1])
+        keep = None if bits is None else _keep_mask(bits, (ctx.rows, ctx.x_shape[-1]))  # unpacked once
+        grad_x = grad_bias = grad_a = grad_b = grad_m = None
+        if need_m:
+            grad_m = (g2 * w).sum(0).div_(norm)
+        if need_bias and ctx.has_bias:
+            grad_bias = g2.sum(0)
+        if need_x or need_a or need_b:
+            gc = g2 * c  # (N, out)
+            if need_b:
+                grad_b = torch.mm(h.t(), gc).mul_(s).t()  # (out, r); h^T g is the faster layout
+            if need_x or need_a:
+                dh = torch.mm(gc, lora_B).mul_(s)  # (N, r)
+                if need_a:
+                    xd = x2 if keep is None else _dropped(x2, keep, p)
+                    grad_a = torch.mm(dh.t(), xd)
+                if need_x:
+                    w_oi = weight.t() if ffo else weight  # (out, in)
+                    if keep is None:
+                        grad_x = torch.mm(dh, lora_A).addmm_(gc, w_oi)
+                    else:
+                        inner = torch.mm(dh, lora_A).addmm_(g2 * (c - 1), w_oi)  # the gradient wrt xd
+                        grad_x = _dropped(inner, keep, p).addmm_(g2, w_oi)
+                    grad_x = grad_x.view(ctx.x_shape)
+        return grad_x, None, grad_bias, grad_a, grad_b, grad_m, None, None, None, None, None, None
+
+
+def _keep_mask(bits: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
+    """A packed keep-mask unpacked to bool of ``shape`` (numpy's table lookup: several times faster than
+    torch's shifts, see :class:`loragen.ops.masks.KeepMask`)."""
+    numel = math.prod(shape)
+    keep = np.unpackbits(bits.numpy(), count=numel, bitorder="little").view(np.bool_)
+    return torch.from_numpy(keep).view(shape)
+
+
+def _dropped(t: Tensor, keep: Tensor, p: float) -> Tensor:
+    """``t * keep / (1 - p)`` for t (N, in) and a bool keep-mask of its shape: a new tensor."""
+    return torch.where(keep, t, torch.zeros((), dtype=t.dtype)).mul_(1.0 / (1.0 - p))
+
+
+_logged_reasons: set[str] = set()
+
+
+def _reference_reason(
+    x: Tensor, weight: Tensor, tensors: tuple[Tensor | None, ...], dropout: bool
+) -> str | None:
+    """Why :func:`dora_linear` runs the reference composition for these inputs, or None for the fused op."""
+    if not switches.fused.get():
+        return "loragen.switches.fused is off"
+    if x.device.type != "cpu":
+        return f"tensors on {x.device.type}: the fused DoRA op runs on the CPU"
+    if weight.requires_grad:
+        return "the base weight trains: the fused DoRA op gives no weight gradient"
+    if any(t is not None and t.dtype != x.dtype for t in (weight, *tensors)):
+        return "mixed dtypes: the composition casts as peft does"
+    return fallback_reason(x, dropout)
+
+
+def dora_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    magnitude: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    fan_in_fan_out: bool = False,
+    rng: DropoutRng | None = None,
+    seed: int | None = None,
+) -> Tensor:
+    """DoRA linear with peft's math (module docstring): a fresh tensor (..., out) in x's dtype.
+
+    Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, bias (out,) or None,
+    lora_A (r, in), lora_B (out, r), magnitude (out,). Dropout (``dropout_p``, only when ``training``)
+    applies to the adapter's input. CPU tensors of one dtype with a frozen weight run
+    :class:`DoraLinearFunction`; everything else runs :func:`dora_linear_reference`.
+
+    Args:
+        rng: dropout mask generator, "bits" or "philox" (default: :data:`loragen.switches.dropout_rng`).
+        seed: fixes the dropout mask (tests, gradcheck); None draws one from torch's CPU generator.
+
+    Raises:
+        ValueError: ``dropout_p`` outside [0, 1), an unknown ``rng``, or a magnitude of the wrong shape.
+    """
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"loragen.ops.dora_linear: dropout_p={dropout_p!r}; expected 0 <= p < 1")
+    if tuple(magnitude.shape) != (lora_B.shape[0],):
+        raise ValueError(
+            f"loragen.ops.dora_linear: magnitude has shape {tuple(magnitude.shape)}; expected ({lora_B.shape[0]},), "
+            "one value per output feature"
+        )
+    if rng is None:
+        rng = switches.dropout_rng.get()  # type: ignore[assignment]
+    else:
+        check_rng(rng)
+    dropout = training and dropout_p > 0.0
+    reason = _reference_reason(x, weight, (bias, lora_A, lora_B, magnitude), dropout)
+    if reason is not None:
+        if reason not in _logged_reasons:
+            _logged_reasons.add(reason)
+            _log.info("loragen.ops.dora_linear runs the plain composition: %s", reason)
+        return dora_linear_reference(
+            x, weight, bias, lora_A, lora_B, magnitude, scaling, dropout_p, training, fan_in_fan_out=fan_in_fan_out
+        )
+    p = dropout_p if dropout else 0.0
+    return DoraLinearFunction.apply(
+        x, weight, bias, lora_A, lora_B, magnitude, scaling, p, rng, seed, fan_in_fan_out
+    )

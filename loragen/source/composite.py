@@ -1,0 +1,127 @@
+"""Sub-models of a rewritten composite model, built at run time: :func:`lora_auto_class`.
+
+A rewritten composite file (``loragen rewrite modeling_gemma3.py``) builds its sub-models through a LoRA auto
+class instead of transformers' ``AutoModel`` (see :mod:`loragen.source.factories`)::
+
+    LoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel], LORA_CONFIG)
+
+``LoraAutoModel.from_config(config.text_config)`` picks the model class as ``AutoModel.from_config`` would,
+and then:
+
+* when that class is one of the file's own (rewritten) classes, listed in the call, it builds that class, so
+  the sub-model has the file's LoRA layers (``Gemma3TextModel`` for a ``Gemma3TextConfig``);
+* otherwise (a class of another file: Gemma 3's SigLIP vision tower, LLaVA's CLIP and Llama) it builds
+  transformers' class and converts the layers the config targets in it, as :func:`loragen.get_lora_model`
+  would, with ``target_modules`` matched against module paths inside the sub-model.
+
+So the rewritten composite has the LoRA layers that ``get_lora_model`` gives the original composite for the
+same config (for targets that name layers, not full paths from the composite's root).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from loragen.config import LoraConfig
+from loragen.convert import convert_module, plan_conversion, resolve_target_modules, set_submodule
+from loragen.layers import LoraLayer
+
+__all__ = ["convert_sub_model", "lora_auto_class"]
+
+
+def convert_sub_model(model: nn.Module, config: LoraConfig) -> nn.Module:
+    """Convert the layers ``config`` targets in ``model`` (a sub-model of a composite) in place; a model in
+    which the config targets nothing is left as it is. Parameters are not frozen (the composite's
+    ``loragen.mark_trainable`` does that).
+
+    Raises:
+        LoraConversionError: as :func:`loragen.get_lora_model` (a targeted module of an unsupported type, ...).
+    """
+    targets = resolve_target_modules(model, config)
+    if not any(path and config.matches_target(path, targets) for path, _ in model.named_modules()):
+        return model
+    planned = plan_conversion(model, config)
+    replacements = {path: convert_module(module, config, path) for path, module in planned.items()}
+    for path, layer in replacements.items():
+        set_submodule(model, path, layer)
+    _init_lora_too(model, config)
+    return model
+
+
+def _init_lora_too(model: nn.Module, config: LoraConfig) -> None:
+    """Make a transformers sub-model's ``_init_weights`` initialise LoRA factors too.
+
+    ``from_pretrained`` builds a composite on the meta device and fills what the checkpoint lacks (the LoRA
+    factors) with each sub-model's own ``_init_weights``; the rewritten file's classes have a LoRA hook there,
+    transformers' classes do not, so this instance gets one.
+    """
+    class_init = getattr(type(model), "_init_weights", None)
+    if class_init is None:
+        return
+
+    def _init_weights(self: nn.Module, module: nn.Module) -> None:
+        class_init(self, module)
+        if isinstance(module, LoraLayer):
+            with torch.no_grad():
+                module.reset_lora_parameters(config.init_lora_weights)
+
+    object.__setattr__(model, "_init_weights", types.MethodType(_init_weights, model))
+
+
+def _mapped_class(auto_class: type, config: Any) -> type | None:
+    """The model class ``auto_class`` maps ``config``'s type to, or None."""
+    mapping = getattr(auto_class, "_model_mapping", None)
+    try:
+        found = mapping[type(config)] if mapping is not None else None
+    except (KeyError, ValueError):
+        return None
+    if isinstance(found, (list, tuple)):
+        found = found[0] if found else None
+    return found if isinstance(found, type) else None
+
+
+def lora_auto_class(auto_class: type, classes: Sequence[type], config: LoraConfig) -> type:
+    """An auto class like ``auto_class`` (transformers' ``AutoModel``, ``AutoModelForCausalLM``, ...) whose
+    ``from_config`` builds the given classes of a rewritten file for their configs, and converts any other
+    model it builds with ``config`` (see the module docstring).
+
+    Raises:
+        TypeError: ``config`` is not a :class:`~loragen.config.LoraConfig`.
+    """
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"config must be a loragen.LoraConfig, got {type(config).__name__}")
+    own = {cls.__name__: cls for cls in classes}
+    lora_config = config
+
+    def from_config(cls: type, config: Any, **kwargs: Any) -> nn.Module:
+        mapped = _mapped_class(auto_class, config)
+        local = own.get(mapped.__name__) if mapped is not None else None
+        if local is not None:
+            model: nn.Module = local._from_config(config, **kwargs)  # type: ignore[attr-defined]
+            return model
+        model = auto_class.from_config(config, **kwargs)  # type: ignore[attr-defined]
+        return convert_sub_model(model, lora_config)
+
+    from_config.__doc__ = (
+        f"``{auto_class.__name__}.from_config``, building {', '.join(own) or 'no class'} of the rewritten file "
+        "for their configs and converting any other model with the file's LoRA config."
+    )
+    name = f"Lora{auto_class.__name__}"
+    return type(
+        name,
+        (),
+        {
+            "__doc__": f"{auto_class.__name__} for a rewritten file (made by loragen.source.composite.lora_auto_class).",
+            "__qualname__": name,
+            "__module__": __name__,
+            "from_config": classmethod(from_config),
+            "auto_class": auto_class,
+            "classes": tuple(classes),
+            "lora_config": lora_config,
+        },
+    )

@@ -1,0 +1,226 @@
+#!/usr/bin/env bash
+# The first run of loragen's CUDA path on a GPU, in one command; everything it learns lands in one folder.
+#
+#   scripts/first_gpu_run.sh [--out DIR] [--wheels DIR] [--steps LIST] [--quick]
+#
+#   --out DIR     where the results go (default: $OUT/first-gpu-run when $OUT is set, else
+#                 ./first-gpu-run-<UTC time>)
+#   --wheels DIR  wheels to install offline first (default: .gpu-wheels; made by
+#                 scripts/fetch_gpu_wheels.sh); packages missing there come from the index, if reachable
+#   --steps LIST  comma-separated subset of: system,install,selfcheck,tests,bench (default: all)
+#   --quick       the benchmark's layer part only (--only layer --rounds 10)
+#
+# Run it from the repository root, in the Python environment that holds the CUDA build of torch
+# ($PYTHON, default python3). The install step puts loragen in that environment (editable, no
+# dependencies resolved online) and installs what is missing from the wheel folder. Every step runs
+# even when an earlier one failed; summary.md lists each step's exit status. The output folder holds
+# at most eight files:
+#
+#   summary.md      steps, exit statuses, the self-check outcomes, the test tally, the benchmark tables
+#   system.txt      date, kernel, nvidia-smi (and -q), Python, torch, CUDA, NVRTC, cuda-bindings, pip list
+#   install.txt     what was missing and how it was installed
+#   selfcheck.json  every kernel variant's self-check on this GPU: "ok" or the reason it falls back
+#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py (+ the self-check and launch tests)
+#   bench.txt       benchmarks/bench_cuda.py's tables
+#   bench.json      the same numbers as JSON
+#   run.log         everything printed, in order
+set -u
+
+PYTHON=${PYTHON:-python3}
+WHEELS=.gpu-wheels
+STEPS=system,install,selfcheck,tests,bench
+QUICK=0
+if [ -n "${OUT:-}" ]; then RESULTS="$OUT/first-gpu-run"; else RESULTS="first-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)"; fi
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) RESULTS=$2; shift 2 ;;
+        --wheels) WHEELS=$2; shift 2 ;;
+        --steps) STEPS=$2; shift 2 ;;
+        --quick) QUICK=1; shift ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        *) echo "first_gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+if [ ! -f pyproject.toml ] || [ ! -d loragen/cuda ]; then
+    echo "first_gpu_run.sh: run it from loragen's repository root" >&2
+    exit 2
+fi
+mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+export LORAGEN_CACHE_DIR=${LORAGEN_CACHE_DIR:-$PWD/.gpu-kernel-cache}  # kept between runs on one machine
+export LORAGEN_GPU_REPORT="$RESULTS"
+exec > >(tee -a "$RESULTS/run.log") 2>&1
+
+declare -a DONE=()
+step() {  # step NAME COMMAND...: run it, record its status
+    local name=$1
+    shift
+    echo "=== $name ($(date -u +%H:%M:%S))"
+    "$@"
+    local status=$?
+    DONE+=("| $name | $status |")
+    echo "=== $name: exit $status"
+}
+wanted() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+system() {
+    {
+        echo "# date: $(date -u)"
+        echo "# uname: $(uname -a)"
+        echo "# git: $(git rev-parse HEAD 2>/dev/null || echo 'not a git checkout')"
+        echo "# nvidia-smi"
+        nvidia-smi || echo "(nvidia-smi failed)"
+        echo "# python and libraries"
+        "$PYTHON" - <<'EOF'
+import importlib.metadata as md
+import sys
+
+print("python", sys.version.replace("\n", " "), sys.executable)
+for name in ("torch", "cuda-bindings", "cuda-python", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12",
+             "nvidia-cuda-runtime", "peft", "transformers", "libcst", "jinja2", "loragen"):
+    try:
+        print(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name} (not installed)")
+try:
+    import torch
+    print("torch.version.cuda", torch.version.cuda, "| cuda available", torch.cuda.is_available())
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f"cuda:{i} {p.name} sm_{p.major}{p.minor} {p.multi_processor_count} SMs {p.total_memory >> 20} MiB")
+except Exception as exc:
+    print("torch:", exc)
+try:
+    from cuda.bindings import driver, nvrtc
+    print("driver version", driver.cuDriverGetVersion()[1], "| nvrtc", nvrtc.nvrtcVersion()[1:])
+except Exception as exc:
+    print("cuda.bindings:", exc)
+EOF
+        echo "# nvidia-smi -q"
+        nvidia-smi -q 2>/dev/null | head -400
+        echo "# pip list"
+        "$PYTHON" -m pip list 2>/dev/null
+    } > "$RESULTS/system.txt" 2>&1
+    head -40 "$RESULTS/system.txt"
+}
+
+install() {
+    {
+        local status=0
+        # distribution -> a Python check that it works: what loragen, its tests and its benchmark need
+        local checks=(
+            "jinja2|import jinja2"
+            "libcst|import libcst"
+            "safetensors|import safetensors"
+            "numpy|import numpy"
+            "tqdm|import tqdm"
+            "pytest|import pytest"
+            "peft|import peft"
+            "transformers|import transformers"
+            "cuda-bindings|from cuda.bindings import driver, nvrtc"
+            "nvidia-cuda-nvrtc|from cuda.bindings import nvrtc; assert nvrtc.nvrtcVersion()[0] == 0"
+        )
+        for entry in "${checks[@]}"; do
+            dist=${entry%%|*}
+            if "$PYTHON" -c "${entry#*|}" 2>/dev/null; then
+                echo "present: $dist"
+                continue
+            fi
+            if ls "$WHEELS"/*.whl >/dev/null 2>&1 \
+                && "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" "$dist"; then
+                echo "installed from $WHEELS: $dist"
+            elif "$PYTHON" -m pip install -q "$dist"; then
+                echo "installed from the index: $dist"
+            else
+                echo "MISSING: $dist (not in $WHEELS, index unreachable)"
+                status=1
+            fi
+        done
+        if "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .; then
+            echo "loragen installed (editable) from $PWD"
+        else
+            echo "loragen could not be installed"
+            status=1
+        fi
+        return $status
+    } 2>&1 | tee "$RESULTS/install.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+selfcheck() {
+    "$PYTHON" - "$RESULTS/selfcheck.json" <<'EOF'
+import json
+import sys
+import warnings
+
+import torch
+
+import loragen.cuda
+from loragen import switches
+
+if not loragen.cuda.is_available():
+    json.dump({"error": "no CUDA device or cuda-python missing"}, open(sys.argv[1], "w"), indent=2)
+    print("selfcheck: no CUDA device (or cuda-python missing)")
+    sys.exit(1)
+from loragen.cuda.launch import DriverLauncher
+from loragen.cuda.selfcheck import CheckedLauncher
+
+checker = CheckedLauncher(DriverLauncher())
+with warnings.catch_warnings(), switches.cuda_kernels.using("check"):
+    warnings.simplefilter("ignore")  # the reasons are in the outcomes
+    outcomes = checker.check_all(torch.device("cuda", torch.cuda.current_device()))
+json.dump(outcomes, open(sys.argv[1], "w"), indent=2)
+for variant, outcome in outcomes.items():
+    print(f"{variant}: {outcome}")
+sys.exit(0 if all(outcome == "ok" for outcome in outcomes.values()) else 1)
+EOF
+}
+
+tests() {
+    "$PYTHON" -m pytest -rA -p no:cacheprovider tests/cuda/test_cuda_gpu.py tests/cuda/test_cuda_selfcheck.py \
+        tests/cuda/test_cuda_launch.py 2>&1 | tee "$RESULTS/tests.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+bench() {
+    local extra=()
+    if [ "$QUICK" = 1 ]; then extra=(--only layer --rounds 10); fi
+    "$PYTHON" benchmarks/bench_cuda.py --json "$RESULTS/bench.json" "${extra[@]}" 2>&1 | tee "$RESULTS/bench.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+for name in system install selfcheck tests bench; do
+    if wanted "$name"; then step "$name" "$name"; fi
+done
+
+{
+    echo "# loragen: first GPU run"
+    echo
+    echo "$(date -u), $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+    echo
+    echo "| step | exit status |"
+    echo "|---|---|"
+    printf '%s\n' "${DONE[@]}"
+    if [ -f "$RESULTS/selfcheck.json" ]; then
+        echo
+        echo "## self-check (selfcheck.json)"
+        echo '```'
+        cat "$RESULTS/selfcheck.json"
+        echo
+        echo '```'
+    fi
+    if [ -f "$RESULTS/tests.txt" ]; then
+        echo
+        echo "## tests (tests.txt)"
+        echo '```'
+        grep -E "^(FAILED|ERROR)|passed|failed" "$RESULTS/tests.txt" | tail -60
+        echo '```'
+    fi
+    if [ -f "$RESULTS/bench.txt" ]; then
+        echo
+        echo "## benchmark (bench.txt, bench.json)"
+        echo
+        cat "$RESULTS/bench.txt"
+    fi
+} > "$RESULTS/summary.md"
+echo "results: $RESULTS"

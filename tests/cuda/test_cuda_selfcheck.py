@@ -1,0 +1,420 @@
+"""The self-check and the torch path (loragen.cuda.selfcheck, loragen.cuda.torch_kernels) without a GPU.
+
+Failures are staged with the fake driver of test_cuda_launch (compile, load and launch errors, NVRTC
+missing, an architecture NVRTC does not know, bfloat16 before sm_80, kernels that compute nothing) and
+with the emulated kernels (a planted wrong result): each gives exactly one warning naming the variant
+and the reason, and the op's outputs and gradients still match the float64 reference, from the torch
+path. The torch path itself is checked against the float64 reference, masks included; the forward's
+single rounding and its fresh (in-place safe) output are checked bit for bit with the emulated kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loragen import philox, switches
+from loragen.cuda import launch, selfcheck, specs
+from loragen.cuda.cache import KernelCache
+from loragen.cuda.function import lora_linear_cuda
+from loragen.cuda.nvrtc import CompiledKernel, KernelCompileError
+from loragen.cuda.torch_kernels import TorchKernels, keep_mask
+from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
+from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
+from tests.cuda.test_cuda_launch import FakeDriver
+
+KNOWN_ARCHS = ("sm_80", "sm_86", "sm_90")
+
+
+def run_twice(launcher, **kwargs):
+    run_and_compare(launcher, **kwargs)
+    run_and_compare(launcher, **kwargs)
+
+
+def run_and_compare(launcher, dtype=torch.float32, n=29, k=45, o=37, r=5, p=0.25, fifo=False):
+    """lora_linear_cuda forward + backward through ``launcher``, checked against the float64 reference."""
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(n, k, o, r, dtype, fan_in_fan_out=fifo, seed=n)
+    state = torch.get_rng_state()
+    y = lora_linear_cuda(x, w, b, a, bb, 0.5, p, True, fan_in_fan_out=fifo, launcher=launcher)
+    want = reference(xr, wr, br, ar, bbr, 0.5, mask_for(state, (n, k), p), fifo)
+    assert y.dtype == dtype and relative_error(y, want) < TOLERANCE[dtype]
+    grad = torch.randn(n, o, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y.backward(grad.to(dtype))
+    want.backward(grad)
+    for got, expected in ((x, xr), (w, wr), (b, br), (a, ar), (bb, bbr)):
+        assert relative_error(got.grad, expected.grad) < TOLERANCE[dtype]
+
+
+def fallback_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "runs on the torch path" in str(w.message)]
+
+
+class Counting:
+    """Wraps a launcher; counts launches per device and can fail the n-th launch."""
+
+    def __init__(self, inner, fail_at: int | None = None) -> None:
+        self.inner = inner
+        self.launches: list[tuple[str, str, str]] = []
+        self.fail_at = fail_at
+
+    def target_blocks(self, device):
+        return self.inner.target_blocks(device)
+
+    def launch(self, spec, variant, grid, args, device):
+        self.launches.append((spec.name, variant.label, str(device)))
+        if self.fail_at is not None and len(self.launches) >= self.fail_at:
+            raise launch.CudaDriverError(
+                "loragen.cuda: cuLaunchKernel failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
+            )
+        self.inner.launch(spec, variant, grid, args, device)
+
+
+# ---- the torch path ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "n", "k", "o", "r", "p", "fifo"),
+    [
+        (torch.float32, 37, 48, 40, 5, 0.3, False),
+        (torch.float32, 29, 45, 37, 8, 0.25, True),
+        (torch.bfloat16, 33, 64, 24, 16, 0.1, False),
+        (torch.float16, 21, 24, 16, 64, 0.0, False),
+    ],
+)
+def test_torch_path_matches_the_float64_reference(dtype, n, k, o, r, p, fifo):
+    run_and_compare(TorchKernels(), dtype, n, k, o, r, p, fifo)
+
+
+@pytest.mark.parametrize(("start", "numel"), [(0, 64), (3, 61), (13, 1), (1000, 203)])
+def test_keep_mask_is_philox_mask_from_any_element(start, numel):
+    seed, p = 2**63 + 12345, 0.3
+    full = philox.dropout_keep_mask((start + numel,), p, seed, offset=7)
+    got = keep_mask(start, numel, philox.keep_threshold(p), seed, 7, torch.device("cpu"))
+    assert torch.equal(got, full[start:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    start=st.integers(0, 5000),
+    numel=st.integers(0, 300),
+    p=st.floats(0.0, 0.95),
+    seed=st.integers(0, 2**64 - 1),
+    offset=st.integers(0, 2**64 - 1),
+)
+def test_keep_mask_property(start, numel, p, seed, offset):
+    full = philox.dropout_keep_mask((start + numel,), p, seed, offset)
+    got = keep_mask(start, numel, philox.keep_threshold(p), seed, offset, torch.device("cpu"))
+    assert got.shape == (numel,) and torch.equal(got, full[start:])
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    k=st.integers(1, 70),
+    o=st.integers(1, 70),
+    r=st.integers(1, 64),
+    p=st.sampled_from([0.0, 0.1, 0.5]),
+    fifo=st.booleans(),
+)
+def test_torch_path_property(n, k, o, r, p, fifo):
+    """Any shape, rank and dropout: the torch path is the float64 composition (with the Philox mask)."""
+    if n == 0:
+        (x, w, b, a, bb), _ = make_inputs(1, k, o, r, torch.float32, fan_in_fan_out=fifo)
+        y = lora_linear_cuda(x[:0], w, b, a, bb, 0.5, p, True, fan_in_fan_out=fifo, launcher=TorchKernels())
+        assert y.shape == (0, o)
+        return
+    run_and_compare(TorchKernels(), torch.float32, n, k, o, r, p, fifo)
+
+
+def test_environment_sets_the_switch():
+
+    code = "from loragen import switches; print(switches.cuda_kernels.get())"
+    env = {**os.environ, "LORAGEN_CUDA_KERNELS": "torch"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert done.stdout.strip() == "torch"
+    env["LORAGEN_CUDA_KERNELS"] = "off"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert (
+        done.returncode != 0
+        and "LORAGEN_CUDA_KERNELS='off': expected one of 'check', 'trust', 'torch'" in done.stderr
+    )
+
+
+# ---- failures staged with the fake driver -------------------------------------------------------------
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """A DriverLauncher on the fake driver; its 'device' is whichever the CPU tensors are on."""
+    driver = FakeDriver(specs.LORA_UP)
+    driver.capability = (9, 0)
+    driver.compile_error = None
+    monkeypatch.setattr(launch.DriverLauncher, "_driver", staticmethod(lambda: driver))
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: driver.capability)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: SimpleNamespace(multi_processor_count=4)
+    )
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=1))
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda *args: (700 if driver.fail_launch else 0,))
+
+    def compiler(kernel, arch):
+        if arch not in KNOWN_ARCHS:  # what NVRTC says for an architecture it does not know
+            log = f"nvrtc: error: invalid value for --gpu-architecture (-arch): {arch}"
+            raise KernelCompileError(kernel, arch, ("--std=c++17",), log, "NVRTC_ERROR_INVALID_OPTION")
+        if driver.compile_error:
+            raise KernelCompileError(
+                kernel, arch, ("--std=c++17",), driver.compile_error, "NVRTC_ERROR_COMPILATION"
+            )
+        return CompiledKernel(kernel.name, arch, f"cubin {kernel.name} {arch}".encode(), "")
+
+    cache = KernelCache(tmp_path, compiler=compiler, nvrtc=(13, 5))
+    checker = selfcheck.CheckedLauncher(launch.DriverLauncher(cache))
+    return SimpleNamespace(driver=driver, cache=cache, checker=checker)
+
+
+def stage(fake, monkeypatch, failure):
+    if failure == "compile":
+        fake.driver.compile_error = "kernel.cu(12): error: identifier 'load_vec' is undefined"
+    elif failure == "load":
+        fake.driver.fail_load = True
+    elif failure == "launch":
+        fake.driver.fail_launch = True
+    elif failure == "no libnvrtc":
+        fake.cache._nvrtc = None  # the version is asked of NVRTC first, as on a real first compile
+        monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # as if cuda-python could not load it
+        monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)
+    elif failure == "unknown arch":
+        fake.driver.capability = (12, 7)
+    elif failure == "bf16 before sm_80":
+        fake.driver.capability = (7, 5)
+    # "computes nothing": the fake kernels launch fine and write nothing
+
+
+FAILURES = {
+    "compile": r"compile: NVRTC could not compile kernel lora_down .*identifier 'load_vec' is undefined",
+    "load": r"load: loragen.cuda: cuModuleLoadData failed \(kernel lora_down",
+    "launch": r"launch: loragen.cuda: cuLaunchKernel failed \(kernel lora_down .* grid=",
+    "no libnvrtc": r"NVRTC unavailable: loragen.cuda needs cuda-python's NVRTC bindings",
+    "unknown arch": r"compile: NVRTC could not compile kernel lora_down \(kernels/lora_down.cu.j2\) for sm_127.*invalid value for --gpu-architecture",
+    "bf16 before sm_80": r"unsupported: bfloat16 kernels need sm_80 or newer, cpu is sm_75",
+    "computes nothing": r"numeric: lora_down h differs from the torch path by \S+ of its largest value",
+}
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_failure_gives_one_warning_and_the_torch_path(fake, monkeypatch, failure):
+    stage(fake, monkeypatch, failure)
+    dtype = torch.bfloat16 if failure == "bf16 before sm_80" else torch.float32
+    label = f"{'bfloat16' if dtype == torch.bfloat16 else 'float32'}-r8-unaligned"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        run_and_compare(fake.checker, dtype)
+        launches = len(fake.driver.calls)
+        run_and_compare(fake.checker, dtype)  # decided once: nothing is tried again
+    assert len(fake.driver.calls) == launches
+    (message,) = fallback_warnings(record)
+    assert f"kernel variant {label} on cpu runs on the torch path" in message
+    (reason,) = fake.checker.outcomes().values()
+    assert reason in message
+    assert re.search(FAILURES[failure], reason, flags=re.DOTALL), reason
+    if failure == "bf16 before sm_80":
+        assert fake.cache.compiles == 0 and not fake.driver.calls  # nothing compiled or launched
+
+
+def test_trust_mode_runs_unchecked_and_raises(fake):
+    fake.driver.compile_error = "kernel.cu(1): error: planted"
+    (x, w, b, a, bb), _ = make_inputs(9, 16, 8, 4, torch.float32)
+    with switches.cuda_kernels.using("trust"), pytest.raises(KernelCompileError, match="planted"):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=fake.checker)
+    assert fake.checker.outcomes() == {}
+
+
+def test_real_nvrtc_refuses_an_unknown_arch_and_the_op_falls_back(monkeypatch, tmp_path, fake):
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    from loragen.cuda.nvrtc import compile_kernel
+
+    fake.cache._compiler = compile_kernel
+    fake.cache._nvrtc = None
+    fake.driver.capability = (9, 9)  # sm_99: no such GPU
+    with pytest.warns(RuntimeWarning, match=r"float32-r8-unaligned on cpu runs on the torch path.*compile"):
+        run_and_compare(fake.checker)
+
+
+# ---- once per variant per device; switches; later launch errors ----------------------------------------
+
+
+def test_check_runs_once_per_variant_and_device():
+    kernels = Counting(TorchKernels())  # correct "kernels": every check passes
+    checker = selfcheck.CheckedLauncher(kernels)
+    for _ in range(3):
+        run_and_compare(checker, torch.float32)  # r=5 -> bucket 8, unaligned
+    checks = [launch for launch in kernels.launches if launch[2] == "cpu"]
+    per_call = 4  # down, up, grad_out, grad_in
+    assert len(checks) == 4 + 3 * per_call  # one self-check (four passes), then three forward + backward
+    run_and_compare(checker, torch.float32, r=16)  # another variant: one more check
+    assert len(kernels.launches) == len(checks) + 4 + per_call
+    # the same variant on another device is checked there too
+    variant = specs.Variant("float32", 8, False)
+    before = len(kernels.launches)
+    checker.route(variant, torch.device("cpu", 0))
+    checker.route(variant, torch.device("cpu", 0))
+    assert len(kernels.launches) == before + 4
+    assert set(checker.outcomes().values()) == {"ok"} and len(checker.outcomes()) == 3
+
+
+def test_torch_switch_never_touches_the_kernels():
+    kernels = Counting(TorchKernels())
+    checker = selfcheck.CheckedLauncher(kernels)
+    with switches.cuda_kernels.using("torch"):
+        run_and_compare(checker, torch.bfloat16, n=17, k=40, o=24, r=3)
+    assert kernels.launches == [] and checker.outcomes() == {}
+
+
+def test_a_launch_error_after_the_check_moves_the_variant_to_the_torch_path():
+    kernels = Counting(TorchKernels(), fail_at=6)  # the check's four pass, then the forward's up fails
+    checker = selfcheck.CheckedLauncher(kernels)
+    with pytest.warns(RuntimeWarning, match=r"float32-r8-unaligned on cpu .*launch \(lora_up\)") as record:
+        run_twice(checker)
+    assert len(fallback_warnings(record)) == 1
+    assert len(kernels.launches) == 6  # nothing launched on the kernels after the failure
+
+
+def test_capture_before_the_check_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    checker = selfcheck.CheckedLauncher(TorchKernels())
+    with pytest.raises(
+        RuntimeError, match=r"float32-r8-aligned is used for the first time on cuda:0 while a CUDA graph"
+    ):
+        checker.route(specs.Variant("float32", 8, True), torch.device("cuda", 0))
+
+
+def test_switch_value_is_checked(monkeypatch):
+    assert switches.cuda_kernels.choices == ("check", "trust", "torch")
+    with pytest.raises(ValueError, match=r"loragen.switches.cuda_kernels='on': expected one of"):
+        with switches.cuda_kernels.using("on"):
+            pass
+
+
+class Aborting:
+    """Kernels that fault the way a sticky CUDA error does: the process dies."""
+
+    def target_blocks(self, device):
+        return 1
+
+    def launch(self, spec, variant, grid, args, device):
+        os.abort()
+
+
+def test_isolated_check_runs_in_a_child_process():
+    from loragen.cuda.isolated import check_in_child
+
+    variant = specs.Variant("float32", 8, False)
+    assert check_in_child(variant, torch.device("cpu"), "loragen.cuda.torch_kernels:TorchKernels") is None
+    reason = check_in_child(variant, torch.device("cpu"), "tests.cuda.test_cuda_selfcheck:Aborting")
+    assert reason.startswith("crashed: the isolated self-check's process exited with status")
+
+
+def test_a_kernel_that_kills_the_process_only_kills_the_child():
+    kernels = Counting(TorchKernels())
+    checker = selfcheck.CheckedLauncher(
+        kernels, isolate=True, child_launcher="tests.cuda.test_cuda_selfcheck:Aborting"
+    )
+    with pytest.warns(RuntimeWarning, match=r"float32-r8-unaligned on cpu runs on the torch path .*crashed"):
+        run_and_compare(checker)
+    assert kernels.launches == []  # the variant never ran here
+
+
+# ---- with the emulated kernels ------------------------------------------------------------------------
+
+needs_cxx = pytest.mark.skipif(CXX is None, reason="g++ is needed to build the emulated kernels")
+
+
+@pytest.fixture(scope="module")
+def emulated(request, tmp_path_factory) -> EmulatedLauncher:
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("loragen-emulated-kernels") if cache else tmp_path_factory.mktemp("emulated")
+    return EmulatedLauncher(folder, target_blocks=4)
+
+
+class PlantedBug:
+    """The emulated kernels, with one kernel's output damaged after it runs: its last row zeroed."""
+
+    def __init__(self, inner: EmulatedLauncher, kernel: str, output: str) -> None:
+        self.inner, self.kernel, self.output = inner, kernel, output
+
+    def target_blocks(self, device):
+        return self.inner.target_blocks(device)
+
+    def launch(self, spec, variant, grid, args, device):
+        self.inner.launch(spec, variant, grid, args, device)
+        if spec.name == self.kernel:
+            names = [p.name for p in spec.params]
+            args[names.index(self.output)][..., -1, :].zero_()
+
+
+@needs_cxx
+@pytest.mark.parametrize(
+    "variant",
+    [
+        specs.Variant("float32", 8, True),
+        specs.Variant("float32", 8, False),  # the x and g views are misaligned
+        specs.Variant("bfloat16", 64, True),  # tensor cores where the kernels use them: A rounded to bf16
+    ],
+    ids=lambda v: v.label,
+)
+def test_emulated_kernels_pass_their_self_check(emulated, variant):
+    assert selfcheck.check_variant(variant, torch.device("cpu"), emulated) is None
+
+
+@needs_cxx
+def test_planted_wrong_result_gives_one_warning_and_the_torch_path(emulated):
+    checker = selfcheck.CheckedLauncher(PlantedBug(emulated, "lora_grad_in", "grad_x_lora"))
+    with pytest.warns(
+        RuntimeWarning, match=r"float32-r8-aligned on cpu .*numeric: lora_grad_in dx differs"
+    ) as rec:
+        run_twice(checker, n=20, k=48, o=40, r=6)
+    assert len(fallback_warnings(rec)) == 1
+
+
+@needs_cxx
+@pytest.mark.parametrize("launcher", ["emulated", "torch"])
+def test_forward_rounds_once(emulated, launcher):
+    """base = 256 and the rank-r term 1 + 2**-9: rounding the term to bfloat16 first (1.0) and then the
+    sum (257, a tie, to even: 256) gives 256; one rounding of 257.0019... gives 258."""
+    n, k, o = 4, 8, 8
+    x = torch.ones(n, k, dtype=torch.bfloat16)
+    w = torch.full((o, k), 32.0, dtype=torch.bfloat16)
+    b = torch.ones(o, dtype=torch.bfloat16)
+    a = torch.zeros(1, k)
+    a[0, 0] = 2.0**-9
+    bb = torch.ones(o, 1)
+    y = lora_linear_cuda(
+        x, w, b, a, bb, 1.0, 0.0, False, launcher=emulated if launcher == "emulated" else TorchKernels()
+    )
+    once = (x.double() @ w.double().t() + b.double() + (x.double() @ a.double().t()) @ bb.double().t()).to(
+        torch.bfloat16
+    )
+    assert torch.equal(y, once) and torch.equal(y, torch.full((n, o), 258.0, dtype=torch.bfloat16))
+
+
+@needs_cxx
+def test_output_is_fresh_and_may_be_modified_in_place(emulated):
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(12, 16, 8, 4, torch.float32)
+    y = lora_linear_cuda(x.view(3, 4, 16), w, b, a, bb, 1.0, 0.0, True, launcher=emulated)
+    assert y._base is None and y.shape == (3, 4, 8)
+    y.mul_(2.0)  # a view of the Function's output would refuse this
+    y.sum().backward()
+    (2.0 * reference(xr, wr, br, ar, bbr, 1.0, None, False)).sum().backward()
+    for got, want in ((x, xr), (a, ar), (bb, bbr), (w, wr), (b, br)):
+        assert relative_error(got.grad, want.grad) < 1e-5
