@@ -61,7 +61,7 @@ TOKENS = (4096, 16384, 65536)
 RECORDED: dict[tuple[str, int], int] = {
     **{("lora_down", r): n for r, n in ((8, 254), (16, 126), (32, 168), (64, 214))},
     **{("lora_up", r): n for r, n in ((8, 168), (16, 225), (32, 80), (64, 142))},
-    **{("lora_grad_out", r): 255 for r in specs.RANK_BUCKETS},
+    **{("lora_grad_out", r): n for r, n in ((8, 255), (16, 115), (32, 180), (64, 180))},
     **{("lora_grad_in", r): n for r, n in ((8, 219), (16, 239), (32, 239), (64, 239))},
 }
 
@@ -218,7 +218,9 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
         spec = specs.KERNELS[name]
         tiles = specs.rank_tiles(spec, v)
         blocks = plan.grid[0] * plan.grid[1]
-        per_lane = tile["rows_per_step"] * 16
+        mma = bool(tile.get("mma"))
+        # bytes of g or x each lane loads before first use: with mma, rows g and g + 8 of every chunk
+        per_lane = 2 * tile["col_chunks"] * 16 if mma else tile["rows_per_step"] * 16
         if name == "lora_grad_out":
             min_bytes = big + adapter + 2 * small + adapter
             partials = plan.col_blocks * small + plan.splits * adapter
@@ -234,8 +236,9 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
                 + n / (tile["rows_per_step"] * tile["warps"]) * adapter
                 + plan.col_blocks * small * 2
             )
-        core, tensor = 2 * flops, 0.0
-    warps = _occupancy(sass.registers, tile["warps"], blocks, 2048 if name == "lora_grad_out" else 0)
+        core, tensor = (0.0, 2 * flops) if mma else (2 * flops, 0.0)
+    shared = 2 * tile["warps"] * tile.get("rows_per_step", 0) * tile.get("rank_tile", 0) * 4
+    warps = _occupancy(sass.registers, tile["warps"], blocks, shared if name == "lora_grad_out" else 0)
     inflight = warps * 32 * per_lane
     need = HBM / SMS * LATENCY
     bandwidth = HBM * (min(1.0, inflight / need) if per_lane else 1.0)

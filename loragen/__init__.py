@@ -58,6 +58,8 @@ _LAZY = {
     "active_adapter": "loragen.adapters.named",
     "add_weighted_adapter": "loragen.adapters.weighted",
     "mixed_batch": "loragen.layers.mixed_batch",
+    "prepare_model_for_kbit_training": "loragen.training.kbit",
+    "RequantizationWarning": "loragen.errors",
 }
 
 __all__ = [
@@ -100,6 +102,8 @@ __all__ = [
     "AdapterNameError",
     "AdapterMixError",
     "MixedBatchError",
+    "prepare_model_for_kbit_training",
+    "RequantizationWarning",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -114,11 +118,13 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from loragen.adapters.save import save_adapter
     from loragen.adapters.weighted import add_weighted_adapter
+    from loragen.errors import RequantizationWarning
     from loragen.layers import LoraConv1D
     from loragen.layers.mixed_batch import mixed_batch
     from loragen.source.decorator import lora_convert
     from loragen.source.rewrite import RewriteResult, rewrite_source
     from loragen.training.adamw8bit import AdamW8bit
+    from loragen.training.kbit import prepare_model_for_kbit_training
     from loragen.training.optimizers import make_optimizer
     from loragen.training.trainer import LoraTrainerCallback
 

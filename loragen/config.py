@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+from loragen import validation
 from loragen.errors import LoraConfigError
 from loragen.validation import InitMode, check_alpha, check_dropout, check_flag, check_init, check_rank
 
@@ -35,7 +36,7 @@ _PEFT_UNSUPPORTED_DEFAULTS: Mapping[str, Any] = {
     "lora_bias": False, "use_qalora": False, "layer_replication": None,
     "megatron_config": None, "trainable_token_indices": None, "loftq_config": {}, "eva_config": None,
     "corda_config": None, "lora_ga_config": None, "velora_config": None, "alora_invocation_tokens": None,
-    "monteclora_config": None, "target_parameters": None, "use_bdlora": None, "arrow_config": None,
+    "monteclora_config": None, "use_bdlora": None, "arrow_config": None,
     "kasa_config": None, "qalora_group_size": 16, "ensure_weight_tying": False,
 }
 
@@ -166,6 +167,8 @@ class LoraConfig:
         layers_pattern: the name of the layer list (e.g. ``"layers"``, ``"h"``) used to find the index.
         fan_in_fan_out: the targeted base weights are stored ``(in, out)`` (transformers ``Conv1D``
             sets this per layer automatically).
+        target_parameters: parameters adapted directly, e.g. MoE experts stored as 3-D parameters, by full
+            name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.experts`).
         use_dora: DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude per output
             feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.dora`).
 
@@ -187,6 +190,7 @@ class LoraConfig:
     layers_to_transform: int | Sequence[int] | None = None
     layers_pattern: str | Sequence[str] | None = None
     fan_in_fan_out: bool = False
+    target_parameters: Sequence[str] | None = None
     use_dora: bool = False
 
     def __post_init__(self) -> None:
@@ -200,6 +204,7 @@ class LoraConfig:
         check_flag(self.fan_in_fan_out, "fan_in_fan_out")
         check_flag(self.use_dora, "use_dora")
         check_init(self.init_lora_weights)
+        set_(self, "target_parameters", validation.check_parameter_targets(self.target_parameters, self))
         for name in ("target_modules", "exclude_modules"):
             value = _freeze_names(name, getattr(self, name))
             if isinstance(value, str) and value != ALL_LINEAR:

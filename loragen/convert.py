@@ -19,7 +19,9 @@ from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
+from loragen.layers.experts import lora_parameters_class
 from loragen.ops.sibling_plan import plan_siblings
+from loragen.parameter_targets import plan_parameters, targeted_parameters
 from loragen.registry import refusal_for, spec_for, supported_type_names
 
 __all__ = [
@@ -79,6 +81,8 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[
         LoraConversionError: ``target_modules`` is not set.
     """
     targets = config.target_modules
+    if targets is None and config.target_parameters:
+        return ()  # only parameters are targeted
     if targets is None:
         raise LoraConversionError(
             "LoraConfig.target_modules is None: name the modules to adapt, e.g. "
@@ -133,6 +137,14 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
             unsupported.append(f"{path} ({type(module).__module__}.{type(module).__qualname__})")
         else:
             planned[path] = module
+    parameters = plan_parameters(model, config)
+    both = sorted(set(parameters) & set(planned))
+    if both:
+        raise LoraConversionError(
+            f"{', '.join(both)}: targeted by target_modules and by target_parameters; a module is adapted one way "
+            "(peft refuses it too). Narrow target_modules or target_parameters"
+        )
+    planned.update((path, model.get_submodule(path)) for path in parameters)
     if refused:
         raise LoraConversionError(
             "target_modules matched modules loragen will not adapt: " + "; ".join(refused)
@@ -162,9 +174,18 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
 def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLayer:
     """The LoRA layer for ``module`` at ``path``, with the rank and alpha ``config`` gives that path.
 
+    A module with parameters ``config.target_parameters`` selects gets LoRA on those parameters
+    (:mod:`loragen.layers.experts`).
+
     Raises:
         LoraConversionError: the module's type is not supported, or a per-module value is invalid.
     """
+    names = targeted_parameters(module, path, config)
+    if names:
+        targets = {name: (config.rank_for(f"{path}.{name}"), config.alpha_for(f"{path}.{name}")) for name in names}
+        return lora_parameters_class(type(module)).from_parameters(
+            module, targets, use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights
+        )
     try:
         lora_class = lora_class_for(type(module))
     except LoraConversionError as exc:

@@ -20,6 +20,9 @@ AdapterNameError           ValueError          a named adapter does not exist (o
 AdapterMixError            ValueError          ``add_weighted_adapter`` is given adapters it cannot combine
 MixedBatchError            ValueError          ``mixed_batch`` names do not fit the batch or the model
 ========================= =================== ==========================================================
+
+One warning: :class:`RequantizationWarning` (a ``UserWarning``), when merging into a quantized weight
+(bitsandbytes 4-bit / 8-bit) rounds the merged weight; its message gives the largest error.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "AdapterNameError",
     "AdapterMixError",
     "MixedBatchError",
+    "RequantizationWarning",
 ]
 
 
@@ -93,3 +97,6 @@ class AdapterMixError(LoraError, ValueError):
 
 class MixedBatchError(LoraError, ValueError):
     """``mixed_batch`` was given names that do not fit the batch (its length) or the model (unknown names)."""
+class RequantizationWarning(UserWarning):
+    """A merge into a quantized weight had to quantize the merged weight again; the message gives the
+    largest absolute difference to the exact ``W + scaling * B @ A`` (filter it with ``warnings``)."""

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Iterator
 from functools import cache
 
+import torch
 from torch import Tensor, nn
 
 __all__ = [
@@ -46,6 +47,9 @@ __all__ = [
     "supported_type_names",
     "linear_base_types",
     "factor_suffixes",
+    "ParameterLayout",
+    "EXPERTS",
+    "EXPERTS_TRANSPOSED",
 ]
 
 Shape = tuple[int, ...]
@@ -324,3 +328,62 @@ def factor_suffixes() -> Iterator[tuple[str, Layout, int]]:
         for index, suffix in enumerate(layout.peft_suffixes):
             yield suffix, layout, index
 
+
+
+# ---- parameters targeted directly (LoraConfig.target_parameters) ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterLayout:
+    """How LoRA factors line up with a parameter targeted by ``target_parameters`` (peft's ``ParamWrapper``).
+
+    A 3-D parameter ``(E, d1, d2)`` stacks ``E`` experts. ``"experts"`` stores each expert as an
+    ``F.linear`` weight ``(out, in)`` (transformers' default); ``"experts_transposed"`` as ``(in, out)`` (modules
+    with ``is_transposed = True``, e.g. gpt-oss). A 2-D parameter ``(out, in)`` is one expert. The factors are
+    stored as peft stores them: ``A (r*E, in)`` and ``B (out, r*E)``; expert ``e`` owns rows ``e*r .. e*r+r-1``
+    of A and columns ``e, e+E, e+2E, ...`` of B, so its update is ``B_e @ A_e`` (``(B_e @ A_e)^T`` transposed).
+
+    Attributes:
+        name: ``"experts"`` or ``"experts_transposed"``.
+    """
+
+    name: str
+    factor_names: tuple[str, str] = ("lora_A", "lora_B")
+    peft_suffixes: tuple[str, str] = ("lora_A.weight", "lora_B.weight")
+
+    def features(self, shape: Shape) -> tuple[int, int, int]:
+        """``(num_experts, in_features, out_features)`` of a parameter of ``shape`` (2-D or 3-D).
+
+        Raises:
+            ValueError: the parameter is neither 2-D nor 3-D.
+        """
+        if len(shape) == 2:
+            return 1, shape[1], shape[0]
+        if len(shape) != 3:
+            raise ValueError(f"a {len(shape)}-D parameter: LoRA on parameters takes 2-D and 3-D (experts) ones")
+        if self.name == "experts_transposed":
+            return shape[0], shape[1], shape[2]
+        return shape[0], shape[2], shape[1]
+
+    def factor_shapes(self, shape: Shape, r: int) -> tuple[Shape, Shape]:
+        """The shapes of A and B for rank ``r`` on a parameter of ``shape``."""
+        experts, in_features, out_features = self.features(shape)
+        return (r * experts, in_features), (out_features, r * experts)
+
+    def expert_factors(self, a: Tensor, b: Tensor, num_experts: int, ndim: int) -> tuple[Tensor, Tensor]:
+        """Two batched factors ``(E, m, r)`` and ``(E, r, n)`` whose product is the update of every expert
+        in the stored orientation of a ``ndim``-D parameter (views of ``a`` and ``b``, no copy)."""
+        a_e = a.view(num_experts, -1, a.shape[-1])  # (E, r, in)
+        b_e = b.view(b.shape[0], -1, num_experts).permute(2, 0, 1)  # (E, out, r)
+        if ndim == 3 and self.name == "experts_transposed":
+            return a_e.transpose(1, 2), b_e.transpose(1, 2)  # (E, in, r) @ (E, r, out)
+        return b_e, a_e  # (E, out, r) @ (E, r, in)
+
+    def delta(self, a: Tensor, b: Tensor, shape: Shape) -> Tensor:
+        """``B_e @ A_e`` for every expert, shaped like the parameter (unscaled), in the factors' dtype."""
+        left, right = self.expert_factors(a, b, self.features(shape)[0], len(shape))
+        return torch.bmm(left, right).view(shape)
+
+
+EXPERTS = ParameterLayout("experts")
+EXPERTS_TRANSPOSED = ParameterLayout("experts_transposed")

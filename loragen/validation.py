@@ -21,6 +21,7 @@ __all__ = [
     "check_flag",
     "check_init",
     "check_lora_args",
+    "check_parameter_targets",
 ]
 
 InitMode = bool | Literal["gaussian"]
@@ -72,3 +73,39 @@ def check_lora_args(r: Any, lora_alpha: Any, lora_dropout: Any, use_rslora: Any,
     check_dropout(lora_dropout)
     check_flag(use_rslora, "use_rslora")
     check_init(init_lora_weights)
+
+
+def check_parameter_targets(value: Any, config: Any) -> tuple[str, ...] | None:
+    """``target_parameters``: None or a list of parameter names (peft's form; no regex string), as a tuple.
+
+    LoRA on a parameter adds a weight update, so it cannot drop out the input of the branch
+    (``config.lora_dropout`` must be 0) and has no ``fan_in_fan_out`` (peft refuses both too).
+    """
+    lora_dropout, fan_in_fan_out = config.lora_dropout, config.fan_in_fan_out
+    field = "target_parameters"
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise LoraConfigError(
+            f"{field}={value!r}: expected a list of parameter names such as ['experts.gate_up_proj'] "
+            "(a regex string is not accepted, as in peft)"
+        )
+    names = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+    for name in names:
+        if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
+            raise LoraConfigError(f"{field}: {name!r} is not a parameter name (expected e.g. 'experts.down_proj')")
+    if names and lora_dropout:
+        raise LoraConfigError(
+            f"{field}={names!r} with lora_dropout={lora_dropout!r}: LoRA on a parameter adds scaling * B @ A to "
+            "the weight, where no input is there to drop out; set lora_dropout=0 (peft refuses it too)"
+        )
+    if names and getattr(config, "use_dora", False):
+        raise LoraConfigError(f"{field}={names!r} with use_dora=True: DoRA on targeted parameters is not supported "
+                              "(peft refuses it too); set use_dora=False")
+    if names and fan_in_fan_out:
+        raise LoraConfigError(
+            f"{field}={names!r} with fan_in_fan_out=True: a targeted parameter's layout comes from its shape "
+            "(experts stored (num_experts, out, in), or (num_experts, in, out) on modules with is_transposed); "
+            "set fan_in_fan_out=False"
+        )
+    return tuple(names)

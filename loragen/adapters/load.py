@@ -37,6 +37,7 @@ from loragen.convert import (
 from loragen.errors import AdapterError
 from loragen.layers import LoraLayer
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter, set_active
+from loragen.layers.experts import LoraParametersLayer, scaling_owners
 
 __all__ = ["load_adapter"]
 
@@ -66,9 +67,29 @@ def _plan_load(
     wrong_rank: list[str] = []
     unexpected: list[str] = []
     found: set[str] = set()
+    # factors of targeted parameters: their keys (peft's nested wrappers) come from the layers themselves
+    owned = {
+        f"{PEFT_PREFIX}{path}.{suffix}": (path, layer, attr)
+        for path, layer in layers.items() if isinstance(layer, LoraParametersLayer)
+        for attr, suffix in layer.peft_key_suffixes().items()
+    }
     for key, info in sorted(adapter.keys.items()):
         layer = layers.get(info.module) if info.is_lora else None
         target: torch.Tensor | None
+        if key in owned:
+            path, owner, attr = owned[key]
+            target, target_name = owner.lora_parameters()[attr], attr.rsplit(".", 2)[1]
+            found.add(f"{path}.{attr}")
+            value = adapter.tensors[key]
+            rank = config.rank_for(f"{path}.{target_name}")
+            if tuple(value.shape) != tuple(target.shape):
+                mismatched.append(f"{key}: expected shape {tuple(target.shape)}, found {tuple(value.shape)}")
+            elif rank != owner.parameter_targets[target_name].r:
+                wrong_rank.append(f"{key}: the adapter config gives {path}.{target_name} rank {rank}, the model's "
+                                  f"factors have rank {owner.parameter_targets[target_name].r}")
+            else:
+                plan[id(target)] = (target, value)
+            continue
         if info.is_lora:
             target = layer.lora_parameters().get(info.name) if layer is not None else None
             if layer is not None and target is None:
@@ -141,7 +162,8 @@ class _Snapshot:
         self.values = [(t, t.detach().clone()) for t in overwritten]
         self.requires_grad = [(p, p.requires_grad) for p in model.parameters()]
         self.scaling = {
-            layer: (layer.lora_alpha, layer.use_rslora, layer.scaling) for layer in layers.values()
+            owner: (owner.lora_alpha, owner.use_rslora, owner.scaling)
+            for path, layer in layers.items() for _, owner in scaling_owners(path, layer)
         }
         self.config = model.__dict__.get(CONFIG_ATTR, _MISSING)
         self.configs = model.__dict__.get(ADAPTER_CONFIGS_ATTR, _MISSING)
@@ -248,9 +270,10 @@ def load_adapter(
             for target, value in plan:
                 target.copy_(value)
         for p, factors in existing.items():
-            factors.lora_alpha = config.alpha_for(p)
-            factors.use_rslora = config.use_rslora
-            factors.scaling = config.scaling_for(p)
+            for key, owner in scaling_owners(p, factors):
+                owner.lora_alpha = config.alpha_for(key)
+                owner.use_rslora = config.use_rslora
+                owner.scaling = config.scaling_for(key)
         record_config(model, adapter_name, config)
         if trainable:
             mark_trainable(model)

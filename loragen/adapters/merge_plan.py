@@ -18,6 +18,7 @@ from loragen.adapters.keys import LoraFactors
 from loragen.adapters.safetensors_file import TensorEntry
 from loragen.config import LoraConfig
 from loragen.errors import MergeError
+from loragen.parameter_targets import name_matches
 from loragen.registry import PLAIN, TRANSPOSED, Layout
 
 __all__ = ["MERGEABLE_DTYPES", "MergeOp", "MergePlan", "plan_merge"]
@@ -92,6 +93,29 @@ def _layout(
     )
 
 
+def _refuse_parameter_targets(adapter: Adapter) -> None:
+    """Raise when the adapter adapts parameters (``target_parameters``): which factors belong to which
+    parameter follows the module's parameter registration order (peft nests its wrappers in it), which a
+    checkpoint does not record, so a streaming merge could add an update to the wrong tensor."""
+    entries = adapter.config.target_parameters
+    if not entries:
+        return
+    names = {entry.rpartition(".")[2] for entry in entries}
+    keys = sorted(
+        key for key, info in adapter.keys.items()
+        if info.is_lora and any(
+            name_matches(entries, f"{info.module.replace('.base_layer', '')}.{name}") for name in names
+        )
+    )
+    shown = ", ".join(keys[:6]) + (f", ... ({len(keys) - 6} more)" if len(keys) > 6 else "")
+    raise MergeError(
+        f"the adapter adapts parameters directly (target_parameters={list(entries)}; keys {shown or 'none'}): "
+        "which factors belong to which parameter follows the module's parameter order in the model, which a "
+        "checkpoint does not record, so loragen merge does not merge them; nothing was written. Merge in "
+        "memory instead: load_adapter(model, ADAPTER), merge_and_unload(model), model.save_pretrained(OUT)"
+    )
+
+
 def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None = None) -> MergePlan:
     """Decide every change the merge makes, checking that the adapter fits the checkpoint.
 
@@ -104,6 +128,7 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
             or rank mismatches, non-float target weights; nothing has been written.
     """
     config = adapter.config
+    _refuse_parameter_targets(adapter)
     if config.use_dora:
         raise MergeError(
             f"{adapter.folder}: a DoRA adapter (use_dora=true) cannot be merged by streaming: each output's "

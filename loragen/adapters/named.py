@@ -193,6 +193,11 @@ def _check_new_adapter(model: nn.Module, config: LoraConfig, name: str) -> None:
             f"bias: adapters {', '.join(map(repr, biased))} train biases (bias != 'none'); with several adapters "
             "every adapter needs bias='none' (as in peft), since the base biases are shared"
         )
+    if config.target_parameters:
+        raise LoraConfigError(
+            f"target_parameters={list(config.target_parameters)!r}: LoRA on parameters holds one adapter only; a "
+            "further adapter cannot target parameters (leave target_parameters empty for it)"
+        )
     if config.modules_to_save:
         raise LoraConfigError(
             f"modules_to_save={list(config.modules_to_save)!r}: a further adapter cannot train modules in full "

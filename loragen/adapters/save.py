@@ -28,6 +28,7 @@ from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
 from loragen.layers.adapter_set import ADAPTERS_ATTR, DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter
+from loragen.layers.experts import LoraParametersLayer, scaling_owners
 from loragen.registry import TRANSPOSED
 
 __all__ = ["adapter_config_for", "adapter_state_dict", "save_adapter"]
@@ -44,6 +45,12 @@ def _most_common(values: list[Any]) -> Any:
 
 def _derived_config(model: nn.Module, layers: Mapping[str, Factors]) -> LoraConfig:
     """A config that reproduces ``layers`` (for models with no stored config, e.g. rewritten ones)."""
+    adapted = [p for p, layer in layers.items() if isinstance(layer, LoraParametersLayer)]
+    if adapted:
+        raise AdapterError(
+            f"{', '.join(adapted)}: LoRA on parameters, but the model carries no config (model.{CONFIG_ATTR}) "
+            "saying how they were targeted; set it to the LoraConfig used (target_parameters=...)"
+        )
     rslora = {layer.use_rslora for layer in layers.values()}
     if len(rslora) > 1:
         mixed = ", ".join(p for p, layer in layers.items() if layer.use_rslora)
@@ -107,12 +114,13 @@ def adapter_config_for(model: nn.Module, adapter_name: str | None = None) -> Lor
                 f"{path}: the layer has use_dora={layer.use_dora} but the model's config has "
                 f"use_dora={config.use_dora}; delete model.{CONFIG_ATTR} to save a config derived from the layers"
             )
-        if config.rank_for(path) != layer.r or not math.isclose(config.scaling_for(path), layer.scaling):
-            raise AdapterError(
-                f"{path}: the layer has r={layer.r}, scaling={layer.scaling:g} but the model's config gives "
-                f"r={config.rank_for(path)}, scaling={config.scaling_for(path):g}; delete "
-                f"model.{CONFIG_ATTR} to save a config derived from the layers"
-            )
+        for key, owner in scaling_owners(path, layer):
+            if config.rank_for(key) != owner.r or not math.isclose(config.scaling_for(key), owner.scaling):
+                raise AdapterError(
+                    f"{key}: the layer has r={owner.r}, scaling={owner.scaling:g} but the model's config gives "
+                    f"r={config.rank_for(key)}, scaling={config.scaling_for(key):g}; delete "
+                    f"model.{CONFIG_ATTR} to save a config derived from the layers"
+                )
     # peft's fan_in_fan_out means "weights stored (in, out)": the transposed layout
     if all(all_layers[p].layout is TRANSPOSED for p in layers) and not config.fan_in_fan_out:
         config = config.replace(fan_in_fan_out=True)

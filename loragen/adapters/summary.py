@@ -32,6 +32,7 @@ _CONFIG_FIELDS = (
     "base_model_name_or_path",
     "task_type",
     "target_modules",
+    "target_parameters",
     "exclude_modules",
     "r",
     "lora_alpha",

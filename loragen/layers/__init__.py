@@ -56,6 +56,19 @@ register(
     )
 )
 
+# bitsandbytes' quantized linears (QLoRA): loragen.layers.bnb imports bitsandbytes, so it is imported only
+# when a model holds such a layer (bitsandbytes is the optional extra loragen[bnb])
+for _bnb_name in ("Linear4bit", "Linear8bitLt"):
+    register(
+        LayerSpec(
+            f"bitsandbytes.nn.{_bnb_name}",
+            f"loragen.layers.bnb.Lora{_bnb_name}",
+            (f"bitsandbytes.nn.modules.{_bnb_name}",),
+            linear=True,
+            subclasses=True,
+        )
+    )
+
 
 def __getattr__(name: str) -> Any:
     if name == "LoraConv1D":  # built on first use: it imports transformers

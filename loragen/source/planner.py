@@ -68,6 +68,11 @@ class RewritePlanner:
             self._plan_call(call_id, fields)
         self.rewritten.sort(key=lambda c: (c.field.location.line, c.field.location.column))
         self._warn_non_layer_targets()
+        if self.config.target_parameters:  # parameters have no constructor call to swap: say so, keep none
+            self.warnings.append(Diagnostic(self.filename, 1, (
+                f"target_parameters={list(self.config.target_parameters)} is not written into the source (a "
+                "parameter has no constructor call to swap) and is left out of LORA_CONFIG; adapt those "
+                "parameters with loragen.get_lora_model or @lora_convert on the original classes")))
         self._plan_factories()
         active = bool(self.rewritten or self.auto_classes)
         hooks: dict[int, str] = {}
@@ -87,7 +92,7 @@ class RewritePlanner:
         if self.errors:
             return self._result(self.code)
         if active:
-            tree = add_preamble(tree, missing, config_literal(self.config, column=len(CONFIG_NAME) + 3))
+            tree = add_preamble(tree, missing, config_literal(self.config.replace(target_parameters=None), column=len(CONFIG_NAME) + 3))
         tree = add_module_lines(tree, self._module_lines())
         return self._result(tree.code)
 

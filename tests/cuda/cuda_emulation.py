@@ -2,7 +2,14 @@
 
 :class:`EmulatedLauncher` implements loragen.cuda.launch.KernelLauncher for CPU tensors, so the whole
 CUDA autograd Function (planning, partial sums, cuBLAS-side addmm) runs unchanged with the kernels
-emulated thread by thread. Built libraries are cached by content hash in the given folder.
+emulated thread by thread. Every build, sanitized or not, runs blocks in a shuffled order with their
+shared memory poisoned, and traps misaligned vector accesses (-fsanitize=alignment, fatal).
+
+``sanitizer=None`` loads the kernel into this process. ``"address"`` (ASan + UBSan) and ``"thread"``
+(TSan) build emulation_driver.cpp around the kernel and run every launch as its own process, since the
+sanitizers' runtimes cannot be loaded into Python: the arguments go through a file, the outputs come
+back, and a sanitizer report becomes a :class:`SanitizerError` carrying it. Builds are cached by
+content hash (source, headers, flags) in the given folder.
 """
 
 from __future__ import annotations
@@ -11,80 +18,237 @@ import ctypes
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from loragen.cuda.launch import pack_arguments
-from loragen.cuda.render import COMMON_HEADER, render_common_header, render_kernel
-from loragen.cuda.specs import KernelSpec, Variant, render_params
+from loragen.cuda.render import render_kernel
+from loragen.cuda.specs import KernelSpec, Param, Variant, render_params
 
-HEADER = Path(__file__).with_name("cuda_emulation.h")
+HERE = Path(__file__).parent
+HEADER = HERE / "cuda_emulation.h"
+DRIVER = HERE / "emulation_driver.cpp"
 CXX = shutil.which(os.environ.get("CXX", "g++"))
 
+# Every build: C++20, no warnings (the kernels are CUDA C++), misaligned accesses through a typed
+# pointer are fatal run-time errors naming the type and the address.
+COMMON_FLAGS = ("-std=c++20", "-w", "-pthread", "-fsanitize=alignment", "-fno-sanitize-recover=alignment")
+SANITIZER_FLAGS: dict[str | None, tuple[str, ...]] = {
+    None: ("-O1", "-shared", "-fPIC"),
+    "address": (
+        "-O1",
+        "-g",
+        "-fno-omit-frame-pointer",
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=all",
+        "-fsanitize-sections=emu_shared",  # red zones around the __shared__ arrays too
+    ),
+    "thread": ("-O1", "-g", "-fsanitize=thread"),
+}
+# Reports stop the run at once with exit code 66; leaks are not the kernels' business.
+SANITIZER_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:exitcode=66:detect_stack_use_after_return=0",
+    "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1:exitcode=66",
+    "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:report_signal_unsafe=0",
+}
+SCALARS = {"int": "<i", "unsigned": "<I", "float": "<f", "u64": "<Q"}
 
-def _wrapper(spec: KernelSpec) -> str:
-    args = ", ".join(f"*reinterpret_cast<{p.ctype}*>(args[{i}])" for i, p in enumerate(spec.params))
+
+class SanitizerError(RuntimeError):
+    """An emulated launch failed under a sanitizer; ``report`` is the sanitizer's output."""
+
+    def __init__(self, what: str, report: str) -> None:
+        self.report = report
+        super().__init__(f"{what}:\n{report[:8000]}")
+
+
+def cache_folder(config: object, name: str) -> Path:
+    """pytest's cache folder ``name``, or one in the temporary folder when the cache plugin is off."""
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        return Path(cache.mkdir(name))
+    folder = Path(tempfile.gettempdir()) / f"{name}-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def wrapper(name: str, params: Sequence[Param]) -> str:
+    """``extern "C" emu_run``: unpacks a void* argument array and launches kernel ``name`` emulated."""
+    args = ", ".join(f"*reinterpret_cast<{p.ctype}*>(args[{i}])" for i, p in enumerate(params))
     return (
-        f'\nextern "C" void run_{spec.name}(void** args, unsigned grid_x, unsigned grid_y, unsigned threads) {{\n'
-        f"    emu::launch(grid_x, grid_y, threads, [args] {{ {spec.name}({args}); }});\n}}\n"
+        '\nextern "C" void emu_run(void** args, unsigned grid_x, unsigned grid_y, unsigned threads) {\n'
+        f"    emu::launch(grid_x, grid_y, threads, [args] {{ {name}({args}); }});\n}}\n"
     )
 
 
-class EmulatedLauncher:
-    """Launches kernels as host threads; ``target_blocks`` is small so tests exercise split grids."""
+def build(
+    build_dir: Path,
+    label: str,
+    source: str,
+    headers: Mapping[str, str] | None = None,
+    sanitizer: str | None = None,
+    defines: Sequence[str] = (),
+) -> Path:
+    """Build ``source`` (which defines ``emu_run``) into a shared library or, sanitized, a driver program.
 
-    def __init__(self, build_dir: Path, target_blocks: int = 4) -> None:
+    Cached by content: an unchanged source, header set, emulation and flags reuses the earlier build.
+    """
+    if CXX is None:
+        raise RuntimeError("g++ is needed to build emulated kernels")
+    flags = [*COMMON_FLAGS, *SANITIZER_FLAGS[sanitizer], *(f"-D{d}" for d in defines)]
+    driver = DRIVER.read_text() if sanitizer else ""
+    headers = dict(headers or {})
+    parts = [HEADER.read_text(), driver, source, *sorted(headers.items()), *flags]
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+    suffix = ".so" if sanitizer is None else f".{sanitizer}.exe"
+    target = Path(build_dir) / f"{label}.{digest}{suffix}"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as work:
+        folder = Path(work)
+        for name, text in headers.items():
+            (folder / name).write_text(text)
+        (folder / "kernel.cpp").write_text(source)
+        inputs = [str(folder / "kernel.cpp")] + ([str(DRIVER)] if sanitizer else [])
+        partial = folder / "out"
+        command = [str(CXX), *flags, "-include", str(HEADER), "-I", str(folder), *inputs, "-o", str(partial)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"g++ failed for {label} ({sanitizer or 'plain'}):\n{done.stderr[-6000:]}")
+        os.replace(partial, target)
+    return target
+
+
+def _buffer(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def encode_launch(
+    grid: tuple[int, int], threads: int, params: Sequence[Param], args: Sequence[object]
+) -> bytes:
+    """The launch file emulation_driver.cpp reads (format in its header comment)."""
+    out = [b"EMU1", struct.pack("<4I", grid[0], grid[1], threads, len(params))]
+    for param, value in zip(params, args, strict=True):
+        if param.ctype.endswith("*"):
+            if value is None:
+                out.append(struct.pack("<I", 2))
+                continue
+            if not isinstance(value, torch.Tensor) or not value.is_contiguous():
+                raise TypeError(f"parameter {param.name}: a contiguous tensor or None, got {value!r}")
+            data = _buffer(value)
+            out += [struct.pack("<IQQ", 1, value.data_ptr() % 64, len(data)), data]
+        else:
+            raw = struct.pack(SCALARS[param.ctype], value)
+            out += [struct.pack("<II", 0, len(raw)), raw]
+    return b"".join(out)
+
+
+def run_program(
+    program: Path,
+    grid: tuple[int, int],
+    threads: int,
+    params: Sequence[Param],
+    args: Sequence[object],
+    *,
+    block_seed: int = 1,
+    env: Mapping[str, str] | None = None,
+    what: str = "kernel",
+) -> str:
+    """One launch of a sanitized build: non-const tensors receive the kernel's writes.
+
+    Returns the program's stderr. Raises :class:`SanitizerError` on a report (or any failure), and
+    also when the kernel wrote to a ``const`` pointer's buffer.
+    """
+    with tempfile.TemporaryDirectory(prefix="emu-launch-") as work:
+        launch_file, output_file = Path(work) / "launch.bin", Path(work) / "output.bin"
+        launch_file.write_bytes(encode_launch(grid, threads, params, args))
+        environment = {**os.environ, **SANITIZER_ENV, "EMU_BLOCK_SEED": str(block_seed), **(env or {})}
+        done = subprocess.run(
+            [str(program), str(launch_file), str(output_file)],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=600,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise SanitizerError(f"{what} exited with {done.returncode}", done.stderr)
+        output = output_file.read_bytes()
+    offset = 0
+    for param, value in zip(params, args):
+        if isinstance(value, torch.Tensor) and param.ctype.endswith("*"):
+            size = value.numel() * value.element_size()
+            data = output[offset : offset + size]
+            offset += size
+            if param.ctype.startswith("const"):
+                if data != _buffer(value):
+                    raise SanitizerError(f"{what} wrote to const parameter {param.name}", done.stderr)
+            elif size:
+                flat = value.detach().reshape(-1).view(torch.uint8)
+                flat.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return done.stderr
+
+
+def kernel_source(spec: KernelSpec, variant: Variant) -> tuple[str, dict[str, str]]:
+    """The rendered kernel plus its ``emu_run`` wrapper, and the headers it includes."""
+    kernel = render_kernel(spec.name, render_params(spec, variant))
+    return kernel.source + wrapper(spec.name, spec.params), dict(kernel.headers)
+
+
+class EmulatedLauncher:
+    """Launches kernels as host threads; ``target_blocks`` is small so tests exercise split grids.
+
+    With ``sanitizer`` ("address" or "thread") each launch is a sanitized process of its own, its
+    blocks shuffled with ``block_seed`` (in-process launches read EMU_BLOCK_SEED, default 1).
+    ``edit(kernel name, source)`` may change a rendered kernel before it is built (planted bugs).
+    """
+
+    def __init__(
+        self,
+        build_dir: Path,
+        target_blocks: int = 4,
+        sanitizer: str | None = None,
+        block_seed: int = 1,
+        edit: Callable[[str, str], str] | None = None,
+    ) -> None:
+        if sanitizer not in SANITIZER_FLAGS:
+            raise ValueError(f"sanitizer={sanitizer!r}; expected one of {list(SANITIZER_FLAGS)}")
         self.build_dir = Path(build_dir)
-        self.build_dir.mkdir(parents=True, exist_ok=True)
+        self.sanitizer = sanitizer
+        self.block_seed = block_seed
+        self.edit = edit
         self._target_blocks = target_blocks
-        self._libraries: dict[tuple[str, Variant], ctypes.CDLL] = {}
+        self._builds: dict[tuple[str, Variant], Path] = {}
+        self._libraries: dict[Path, ctypes.CDLL] = {}
         self.launches: list[tuple[str, Variant, tuple[int, int]]] = []
 
     def target_blocks(self, device: torch.device) -> int:
         return self._target_blocks
 
-    def library(self, spec: KernelSpec, variant: Variant) -> ctypes.CDLL:
-        lib = self._libraries.get((spec.name, variant))
-        if lib is not None:
-            return lib
-        kernel = render_kernel(spec.name, render_params(spec, variant))
-        header = render_common_header()
-        source = kernel.source + _wrapper(spec)
-        digest = hashlib.sha256((HEADER.read_text() + header + source).encode()).hexdigest()[:20]
-        target = self.build_dir / f"{spec.name}.{variant.label}.{digest}.so"
-        if not target.exists():
-            work = self.build_dir / f"src-{digest}"
-            work.mkdir(exist_ok=True)
-            (work / COMMON_HEADER).write_text(header)
-            (work / "kernel.cpp").write_text(source)
-            partial = work / "kernel.so"
-            command = [
-                str(CXX),
-                "-std=c++20",
-                "-O1",
-                "-w",
-                "-shared",
-                "-fPIC",
-                "-pthread",
-                "-include",
-                str(HEADER),
-                "-I",
-                str(work),
-                str(work / "kernel.cpp"),
-                "-o",
-                str(partial),
-            ]
-            done = subprocess.run(command, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"g++ failed for {spec.name} {variant.label}:\n{done.stderr[-6000:]}")
-            os.replace(partial, target)
-            shutil.rmtree(work, ignore_errors=True)
-        lib = ctypes.CDLL(str(target))
-        self._libraries[(spec.name, variant)] = lib
-        return lib
+    def program(self, spec: KernelSpec, variant: Variant) -> Path:
+        """The build of ``spec`` for ``variant`` (a library, or a driver program when sanitized)."""
+        key = (spec.name, variant)
+        if key not in self._builds:
+            source, headers = kernel_source(spec, variant)
+            if self.edit is not None:
+                source = self.edit(spec.name, source)
+            self._builds[key] = build(
+                self.build_dir, f"{spec.name}.{variant.label}", source, headers, self.sanitizer
+            )
+        return self._builds[key]
+
+    def prebuild(self, pairs: Iterable[tuple[KernelSpec, Variant]]) -> None:
+        """Build several variants at once, one g++ per core (cold CI caches build in parallel)."""
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            for done in [pool.submit(self.program, spec, variant) for spec, variant in pairs]:
+                done.result()
 
     def launch(
         self,
@@ -97,8 +261,16 @@ class EmulatedLauncher:
         for value in args:
             if isinstance(value, torch.Tensor) and not value.is_contiguous():
                 raise AssertionError(f"{spec.name}: non-contiguous tensor argument")
-        run = getattr(self.library(spec, variant), f"run_{spec.name}")
-        values = pack_arguments(spec, args)
-        pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        run(pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(spec.threads(variant)))
+        program = self.program(spec, variant)
+        threads = spec.threads(variant)
+        if self.sanitizer is not None:
+            what = f"{spec.name} {variant.label} grid={grid} under {self.sanitizer}"
+            run_program(program, grid, threads, spec.params, args, block_seed=self.block_seed, what=what)
+        else:
+            if program not in self._libraries:
+                self._libraries[program] = ctypes.CDLL(str(program))
+            values = pack_arguments(spec, args)
+            pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+            run = self._libraries[program].emu_run
+            run(pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(threads))
         self.launches.append((spec.name, variant, grid))

@@ -13,7 +13,7 @@ import torch
 
 from loragen import philox
 from loragen.cuda.function import CudaLoraError, lora_linear_cuda
-from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
+from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="g++ is needed to build the emulated kernels")
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="g++ is needed to build the 
 
 @pytest.fixture(scope="session")
 def launcher(request) -> EmulatedLauncher:
-    return EmulatedLauncher(request.config.cache.mkdir("loragen-emulated-kernels"), target_blocks=4)
+    return EmulatedLauncher(cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4)
 
 
 CASES = [

@@ -45,7 +45,10 @@ def test_backward_grids_cover_columns_rank_tiles_and_rows(variant, rows, cols, t
     )
     tile = spec.tile(variant)
     tiles = specs.rank_tiles(spec, variant)
-    block_cols = 256 if name == "lora_grad_in" else tile["warps"] * 256
+    if tile.get("mma"):  # lora_grad_out on tensor cores: col_chunks chunks of 32 columns per warp
+        block_cols = tile["warps"] * 32 * tile["col_chunks"]
+    else:
+        block_cols = 256 if name == "lora_grad_in" else tile["warps"] * 256
     assert plan.grid[0] == plan.col_blocks * tiles
     assert (plan.col_blocks - 1) * block_cols < cols <= plan.col_blocks * block_cols
     assert plan.grid[1] == plan.splits
@@ -86,3 +89,9 @@ def test_tensor_cores_where_the_cuda_cores_would_bind():
     ]
     assert not specs.up_uses_mma(specs.Variant("float16", 64, True))  # h would be rounded to float16's range
     assert not specs.up_uses_mma(specs.Variant("bfloat16", 64, False))
+    grad_out = [
+        v for spec, v in specs.all_variants() if spec is specs.LORA_GRAD_OUT and specs.grad_out_uses_mma(v)
+    ]
+    assert {(v.dtype, v.rank_bucket, v.aligned) for v in grad_out} == {
+        ("bfloat16", r, True) for r in (16, 32, 64)
+    }

@@ -1,0 +1,295 @@
+"""LoRA on bitsandbytes' quantized linears (QLoRA): ``Linear4bit`` (nf4 / fp4, with or without double
+quantization, any compute dtype) and ``Linear8bitLt``.
+
+This module imports bitsandbytes; :mod:`loragen.layers` registers both types by name, so it is imported
+only when a model holds such a layer (bitsandbytes stays an optional extra, ``pip install loragen[bnb]``).
+
+Forward: the base output is bitsandbytes' own forward (its dequantizing product); the LoRA term
+``scaling * B A dropout(x)`` is added onto it in place by :func:`loragen.ops.branch.lora_branch`, with a
+hand-written backward, the dropout mask saved as bits and no x-sized copy. As in peft, the term runs in
+the adapter's dtype (float32: a quantized weight has no floating dtype to follow), then is cast to the
+base output's dtype, scaled and added. Adapters have peft's keys, so peft's bnb LoRA adapters load here and back.
+
+Merging cannot be exact: the merged weight ``W + scaling * B @ A`` has to be quantized again, to the same
+format (quant type, block size, double quantization, storage). loragen does what peft does — dequantize,
+add, re-quantize — and says what it cost: every merge emits a :class:`loragen.errors.RequantizationWarning`
+giving the largest absolute difference between the re-quantized weight and the exact merged weight (and,
+for scale, the largest entry of the update). Unmerging is where loragen differs from peft: peft
+re-quantizes ``W' - scaling * B @ A``, a second rounding that leaves the base weight off its original
+quantized values; loragen keeps the original quantized weight (a reference, the size of the quantized
+weight) while merged and puts it back bit for bit. ``merge_and_unload`` drops it.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import bitsandbytes as bnb
+import torch
+from torch import Tensor
+
+from loragen.errors import LoraMergeError, RequantizationWarning
+from loragen.layers.adapter_set import has_adapter
+from loragen.layers.base import InitMode, LoraLayer
+from loragen.layers.linear import LoraLinearMixin
+from loragen.ops.branch import lora_branch, lora_branch_reference
+
+__all__ = ["LoraLinear4bit", "LoraLinear8bitLt", "QuantizedLoraMixin", "RequantizationWarning"]
+
+
+class QuantizedLoraMixin(LoraLinearMixin):
+    """LoRA on a quantized linear: bitsandbytes' forward for the base, loragen's fused branch for the
+    LoRA term, merges that re-quantize (and warn how much that rounds) and unmerges that restore the
+    original quantized weight. Subclasses say how their weight is dequantized and quantized again."""
+
+    _lora_attributes = (*LoraLinearMixin._lora_attributes, "_unmerged_state")
+
+    # what unmerge() restores: the original quantized weight's state, while merged
+    _unmerged_state: tuple[Any, ...] | None = None
+
+    def _forward_with_branch(self, x: Tensor) -> Tensor:
+        """bitsandbytes' forward plus ``scaling * B A dropout(x)``, added onto its output in place."""
+        result: Tensor = super(LoraLinearMixin, self).forward(x)  # the bitsandbytes class's forward
+        if self.merged:
+            return result
+        branch = lora_branch if self.fused else lora_branch_reference
+        return branch(result, x, self.lora_A, self.lora_B, self.scaling, self.lora_dropout_p, self.training)
+
+    # ---- what a quantization format provides ---------------------------------------------------
+
+    def dequantized_weight(self) -> Tensor:
+        """The weight as bitsandbytes' kernels see it, dequantized: (out, in), float32."""
+        raise NotImplementedError
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        """What :meth:`_restore` needs to put the current quantized weight back exactly."""
+        raise NotImplementedError
+
+    def _restore(self, snapshot: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+    def _quantize_into(self, dense: Tensor) -> None:
+        """Replace the weight with ``dense`` (out, in) quantized in the layer's own format."""
+        raise NotImplementedError
+
+    def quantization_name(self) -> str:
+        """The format in words, for messages (``"nf4 (double quantization)"``, ``"int8"``)."""
+        raise NotImplementedError
+
+    # ---- merging --------------------------------------------------------------------------------
+
+    def _check_mergeable(self) -> None:
+        LoraLayer._check_mergeable(self)  # the probe of LoraLinearMixin cannot read a quantized weight
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Dequantize the weight, add the active adapter's ``scaling * B @ A`` in float32 and quantize the
+        sum again in the layer's format; warns (:class:`RequantizationWarning`) with the rounding that adds. A no-op if
+        merged. :meth:`unmerge` restores the original quantized weight exactly."""
+        if self.merged:
+            return
+        self._check_mergeable()
+        name = self.active_adapter
+        self.__dict__["_merged_adapter"] = name if name is not None and has_adapter(self, name) else None
+        if self.__dict__["_merged_adapter"] is None:  # no active adapter here: the weight stays as it is
+            self.merged = True
+            return
+        snapshot = self._snapshot()
+        delta = self.delta_weight(name).float()
+        exact = self.dequantized_weight().add_(delta)
+        self._quantize_into(exact)
+        error = (self.dequantized_weight() - exact).abs().max().item() if exact.numel() else 0.0
+        self._unmerged_state = snapshot
+        self.merged = True
+        update = delta.abs().max().item() if delta.numel() else 0.0
+        in_features, out_features = self._features()
+        warnings.warn(
+            f"merging LoRA into {type(self).__qualname__} ({out_features}x{in_features}, "
+            f"{self.quantization_name()}) re-quantizes the merged weight: it differs from the exact "
+            f"W + scaling * B @ A by up to {error:.3g} (max abs error; the LoRA update's largest entry is "
+            f"{update:.3g}). Merged outputs differ from unmerged ones by that rounding; unmerge() restores "
+            "the original quantized weight exactly",
+            RequantizationWarning,
+            stacklevel=2,
+        )
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Put back the quantized weight held before :meth:`merge`, bit for bit (peft instead
+        re-quantizes the merged weight minus the update, a second rounding). A no-op if not merged."""
+        if not self.merged:
+            return
+        if self.__dict__.pop("_merged_adapter", self.adapter_name) is None:
+            self.merged = False
+            return
+        if self._unmerged_state is None:
+            raise LoraMergeError(
+                f"cannot unmerge {type(self).__qualname__}: the weight was merged before this layer held it "
+                "(the original quantized weight is not known); reload the base model instead"
+            )
+        self._restore(self._unmerged_state)
+        self._unmerged_state = None
+        self.merged = False
+
+
+class LoraLinear4bit(QuantizedLoraMixin, bnb.nn.Linear4bit):
+    """``bitsandbytes.nn.Linear4bit`` (nf4 or fp4, double quantization or not) with a LoRA adapter.
+    Shapes: x (..., in) -> y (..., out); lora_A (r, in), lora_B (out, r), float32.
+
+    The constructor is ``Linear4bit``'s plus the LoRA keywords; :meth:`from_module` converts a loaded
+    layer (what ``get_lora_model`` does).
+    """
+
+    base_class = bnb.nn.Linear4bit
+
+    def __init__(
+        self,
+        input_features: int,
+        output_features: int,
+        bias: bool = True,
+        compute_dtype: torch.dtype | None = None,
+        compress_statistics: bool = True,
+        quant_type: str = "fp4",
+        quant_storage: torch.dtype = torch.uint8,
+        device: torch.device | str | None = None,
+        *,
+        r: int = 8,
+        lora_alpha: float = 8,
+        lora_dropout: float = 0.0,
+        use_rslora: bool = False,
+        init_lora_weights: InitMode = True,
+    ) -> None:
+        super().__init__(
+            input_features, output_features, bias, compute_dtype, compress_statistics, quant_type, quant_storage,
+            device,
+        )
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+
+    def _quant_state(self) -> Any:
+        state = getattr(self.weight, "quant_state", None) or getattr(self, "quant_state", None)
+        if state is None:
+            raise LoraMergeError(
+                f"cannot merge into {type(self).__qualname__}: its weight is not quantized yet (no quant_state); "
+                "move the layer to a device first, as bitsandbytes requires"
+            )
+        return state
+
+    def _packed(self) -> tuple[Tensor, Any]:
+        """The packed weight and its quant state in bitsandbytes' canonical layout."""
+        data, state = self.weight.data, self._quant_state()
+        if getattr(state, "packing_format_for_cpu", False):
+            # bitsandbytes repacks a weight in place for AVX512-BF16 CPUs at its first no-grad eval forward
+            # (bf16 block scales, no double quantization). Its inverse rewrites the state it is given, so
+            # it gets a copy: the layer's own weight and state stay as they are.
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            data, state = _convert_weight_packed_for_cpu_inverse(data, copy.deepcopy(state))
+        return data, state
+
+    def dequantized_weight(self) -> Tensor:
+        data, state = self._packed()
+        return bnb.functional.dequantize_4bit(data, state).float()
+
+    def quantization_name(self) -> str:
+        state = self._quant_state()
+        return f"{state.quant_type}" + (" (double quantization)" if state.nested else "")
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        return (self.weight,)
+
+    def _restore(self, snapshot: tuple[Any, ...]) -> None:
+        (weight,) = snapshot
+        self.weight = weight
+        self.quant_state = weight.quant_state
+
+    def _quantize_into(self, dense: Tensor) -> None:
+        data, state = self._packed()
+        weight = self.weight
+        packed, new_state = bnb.functional.quantize_4bit(
+            dense.to(device=data.device, dtype=state.dtype),  # the dtype the weight was quantized from
+            blocksize=state.blocksize,
+            compress_statistics=state.nested,
+            quant_type=state.quant_type,
+            quant_storage=getattr(weight, "quant_storage", data.dtype),
+        )
+        self.weight = bnb.nn.Params4bit(
+            packed,
+            requires_grad=False,
+            quant_state=new_state,
+            blocksize=state.blocksize,
+            compress_statistics=state.nested,
+            quant_type=state.quant_type,
+            quant_storage=getattr(weight, "quant_storage", data.dtype),
+            module=self,
+            bnb_quantized=True,
+        )
+        self.quant_state = new_state
+
+
+class LoraLinear8bitLt(QuantizedLoraMixin, bnb.nn.Linear8bitLt):
+    """``bitsandbytes.nn.Linear8bitLt`` (LLM.int8(), int8 weight with per-row scales) with a LoRA adapter.
+    Shapes: x (..., in) -> y (..., out); lora_A (r, in), lora_B (out, r), float32.
+
+    The constructor is ``Linear8bitLt``'s plus the LoRA keywords; :meth:`from_module` converts a loaded
+    layer (what ``get_lora_model`` does).
+    """
+
+    base_class = bnb.nn.Linear8bitLt
+
+    def __init__(
+        self,
+        input_features: int,
+        output_features: int,
+        bias: bool = True,
+        has_fp16_weights: bool = True,
+        threshold: float = 0.0,
+        index: Any = None,
+        device: torch.device | str | None = None,
+        *,
+        r: int = 8,
+        lora_alpha: float = 8,
+        lora_dropout: float = 0.0,
+        use_rslora: bool = False,
+        init_lora_weights: InitMode = True,
+    ) -> None:
+        super().__init__(input_features, output_features, bias, has_fp16_weights, threshold, index, device)
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
+
+    def _int8(self) -> tuple[Tensor, Tensor]:
+        """The int8 weight (out, in) and its per-row scales (out,)."""
+        weight = self.weight
+        if weight.dtype != torch.int8:
+            raise LoraMergeError(
+                f"cannot merge into {type(self).__qualname__}: its weight is {weight.dtype}, not int8 "
+                "(has_fp16_weights=True, or not moved to a device yet); loragen merges into quantized "
+                "weights only"
+            )
+        scales = self.state.SCB if self.state.SCB is not None else getattr(weight, "SCB", None)
+        if scales is None:
+            raise LoraMergeError(f"cannot merge into {type(self).__qualname__}: its int8 weight has no scales (SCB)")
+        return weight.data, scales
+
+    def dequantized_weight(self) -> Tensor:
+        data, scales = self._int8()
+        return bnb.functional.int8_vectorwise_dequant(data, scales.to(data.device)).float()
+
+    def quantization_name(self) -> str:
+        return "int8"
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        return self._int8()
+
+    def _restore(self, snapshot: tuple[Any, ...]) -> None:
+        self._set_int8(*snapshot)
+
+    def _set_int8(self, data: Tensor, scales: Tensor) -> None:
+        self.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False, CB=data, SCB=scales)
+        self.state.reset_grads()  # forward moves CB/SCB from the new weight into the state
+
+    def _quantize_into(self, dense: Tensor) -> None:
+        data, _ = self._int8()
+        # as Int8Params quantizes a weight it is given: through float16, row-wise absmax scales
+        quantized, scales, _ = bnb.functional.int8_vectorwise_quant(dense.to(device=data.device, dtype=torch.float16))
+        self._set_int8(quantized, scales)

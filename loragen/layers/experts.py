@@ -1,0 +1,310 @@
+"""LoRA on parameters a module reads itself (``LoraConfig.target_parameters``): MoE expert stacks.
+
+transformers 5 keeps the experts of Mixtral, Qwen3-MoE, OLMoE, DeepSeek, GLM-4-MoE, ... as 3-D
+parameters of one ``experts`` module (``gate_up_proj (E, 2*I, H)``, ``down_proj (E, H, I)``), not as
+``nn.Linear`` modules, so ``target_modules`` (and ``"all-linear"``) never reaches them; peft adapts them
+through ``target_parameters``, and so does loragen, with peft's math and adapter format.
+
+The converted module is the experts module itself, of a LoRA class derived from its own class (its keys,
+attributes and ``forward`` stay), with one :class:`ParameterLora` per targeted parameter under
+``lora_targets.<name>``: ``lora_A (r*E, in)`` and ``lora_B (out, r*E)`` as peft stores them (see
+:class:`loragen.registry.ParameterLayout`). During the forward the module reads, in place of each targeted
+parameter, its effective weight ``W + scaling * B_e @ A_e`` made in one batched product
+(:mod:`loragen.ops.experts`, which says why weight space and what it costs). Dropout is not possible
+there (``lora_dropout`` must be 0, as in peft). Merging adds the same update to the stored parameter.
+
+In an adapter file, the factors of a module's ``k``-th of ``n`` targeted parameters (registration order) are
+``<module>.{"base_layer." * (n-1-k)}lora_A.weight``: the keys of peft's nested ``ParamWrapper``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from typing_extensions import Self
+
+from loragen import switches
+from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
+from loragen.layers.base import LoraLayer, adapter_dtype_for
+from loragen.layers.cloning import clone_as, strip_to
+from loragen.ops.experts import effective_weight, recompute_on_backward
+from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
+from loragen.validation import InitMode, check_lora_args
+
+__all__ = ["ParameterLora", "LoraParametersLayer", "lora_parameters_class", "scaling_owners"]
+
+TARGETS = "lora_targets"
+
+
+class ParameterLora(nn.Module):
+    """The LoRA factors of one targeted parameter: ``lora_A (r*E, in)``, ``lora_B (out, r*E)``.
+
+    Attributes:
+        parameter_name: the targeted parameter's name on its module. layout: how the factors line up with it.
+        num_experts: ``E`` (1 for a 2-D parameter). r, lora_alpha, use_rslora, scaling: as on every LoRA layer.
+    """
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    parameter_name: str
+    layout: ParameterLayout
+    num_experts: int
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    scaling: float
+
+    def __init__(self, name: str, weight: Tensor, layout: ParameterLayout, r: int, lora_alpha: float,
+                 use_rslora: bool, init_lora_weights: InitMode) -> None:
+        super().__init__()
+        check_lora_args(r, lora_alpha, 0.0, use_rslora, init_lora_weights)
+        self.parameter_name = name
+        self.layout = layout
+        self.num_experts = layout.features(tuple(weight.shape))[0]
+        self.r, self.lora_alpha, self.use_rslora = r, lora_alpha, bool(use_rslora)
+        self.scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
+        a_shape, b_shape = layout.factor_shapes(tuple(weight.shape), r)
+        kwargs: dict[str, Any] = {"device": weight.device, "dtype": adapter_dtype_for(weight.dtype)}
+        self.lora_A = nn.Parameter(torch.empty(a_shape, **kwargs))
+        self.lora_B = nn.Parameter(torch.empty(b_shape, **kwargs))
+        if weight.device.type != "meta":
+            self.reset(init_lora_weights)
+
+    @torch.no_grad()
+    def reset(self, init_lora_weights: InitMode = True) -> None:
+        """(Re)initialise as peft does: A kaiming-uniform (normal(0, 1/r) for ``"gaussian"``), B zeros;
+        ``False``: both kaiming-uniform."""
+        if init_lora_weights == "gaussian":
+            nn.init.normal_(self.lora_A, std=1.0 / self.r)
+        else:
+            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        if init_lora_weights is False:
+            nn.init.kaiming_uniform_(self.lora_B, a=math.sqrt(5))
+        else:
+            nn.init.zeros_(self.lora_B)
+
+    def delta(self, weight: Tensor) -> Tensor:
+        """``scaling * B_e @ A_e`` shaped like ``weight``, in float32 (float64 for a float64 weight)."""
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        return self.layout.delta(self.lora_A.to(dtype), self.lora_B.to(dtype), tuple(weight.shape)) * self.scaling
+
+    def extra_repr(self) -> str:
+        return (f"{self.parameter_name}: experts={self.num_experts}, r={self.r}, "
+                f"lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}")
+
+
+class LoraParametersLayer(LoraLayer):
+    """A module whose targeted parameters carry LoRA factors (mixed into the module's own class).
+
+    ``r``, ``lora_alpha``, ``scaling`` and ``use_rslora`` on the layer are those of its first target (the
+    targets may differ through ``rank_pattern`` / ``alpha_pattern``, keyed by the parameter's full name);
+    each :class:`ParameterLora` holds its own.
+    """
+
+    @property
+    def layout(self) -> Layout:
+        """PLAIN: the factors' names and peft suffixes (the per-parameter layout is each target's)."""
+        return PLAIN
+
+    @property
+    def factor_a(self) -> nn.Parameter:
+        """Not one tensor here: every targeted parameter has its own (:attr:`parameter_targets`).
+
+        Raises:
+            LoraConversionError: always; a further named adapter cannot be added to targeted parameters.
+        """
+        raise LoraConversionError(
+            f"{type(self).__qualname__} holds LoRA on parameters ({', '.join(self.parameter_targets)}), one "
+            "adapter only: a further named adapter cannot target them"
+        )
+
+    factor_b = factor_a
+
+    @property
+    def parameter_targets(self) -> dict[str, ParameterLora]:
+        """``{parameter name: its factors}`` in the module's registration order."""
+        holders = cast(nn.ModuleDict, self._modules[TARGETS])
+        return {name: cast(ParameterLora, holder) for name, holder in holders.items()}
+
+    @classmethod
+    def from_parameters(cls, base: nn.Module, targets: dict[str, tuple[int, float]], *, use_rslora: bool = False,
+                        init_lora_weights: InitMode = True) -> Self:
+        """The LoRA module for ``base`` with factors on the parameters ``targets`` names,
+        ``{name: (r, lora_alpha)}``; it takes over ``base``'s state (nothing is copied).
+
+        Raises:
+            LoraConversionError: a name is not a 2-D or 3-D parameter of ``base``.
+        """
+        layer = clone_as(base, cls)
+        layout = EXPERTS_TRANSPOSED if getattr(base, "is_transposed", False) is True else EXPERTS
+        holders = nn.ModuleDict()
+        for name in (n for n, _ in base.named_parameters(recurse=False) if n in targets):
+            weight = base._parameters[name]
+            if weight is None or weight.dim() not in (2, 3):
+                raise LoraConversionError(f"{name} of {type(base).__qualname__} is not a 2-D or 3-D parameter")
+            r, alpha = targets[name]
+            holders[name] = ParameterLora(name, weight, layout, r, alpha, use_rslora, init_lora_weights)
+        missing = sorted(set(targets) - set(holders))
+        if missing:
+            raise LoraConversionError(f"{type(base).__qualname__} has no parameter {', '.join(missing)}")
+        layer._modules[TARGETS] = holders
+        first = cast(ParameterLora, next(iter(holders.values())))
+        layer.r, layer.lora_alpha, layer.scaling = first.r, first.lora_alpha, first.scaling
+        layer.use_rslora, layer.lora_dropout_p, layer.merged = bool(use_rslora), 0.0, False
+        return layer
+
+    # ---- what save / load / mark_trainable read --------------------------------------------------
+
+    def lora_parameters(self) -> dict[str, nn.Parameter]:
+        """``{"lora_targets.<name>.lora_A": ..., ...}``: the factors under their model keys below this module."""
+        return {f"{TARGETS}.{name}.{attr}": getattr(target, attr)
+                for name, target in self.parameter_targets.items() for attr in ("lora_A", "lora_B")}
+
+    def peft_key_suffixes(self) -> dict[str, str]:
+        """Attribute path -> peft's key suffix: ``[base_layer.]*lora_A.weight`` per target (see module doc)."""
+        names = list(self.parameter_targets)
+        return {f"{TARGETS}.{name}.{attr}": "base_layer." * (len(names) - 1 - i) + f"{attr}.weight"
+                for i, name in enumerate(names) for attr in ("lora_A", "lora_B")}
+
+    def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
+        """(Re)initialise every target's factors (see :meth:`ParameterLora.reset`)."""
+        for target in self.parameter_targets.values():
+            target.reset(init_lora_weights)
+
+    # ---- forward ----------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward, reading ``W + scaling * B_e @ A_e`` for each targeted parameter ``W``.
+
+        Merged, disabled (``active_adapter`` None) or another adapter's turn: the stored parameters.
+
+        Raises:
+            MixedBatchError: inside ``loragen.mixed_batch`` (rows cannot take different weight updates).
+        """
+        if self.__dict__.get("_mixed_route") is not None:
+            raise MixedBatchError(
+                f"{type(self).__qualname__}: a mixed batch (loragen.mixed_batch) cannot route rows through LoRA on "
+                "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
+            )
+        if self.merged or self.active_adapter != self.adapter_name:
+            return super().forward(*args, **kwargs)
+        recipes = {
+            name: (cast(Tensor, self._parameters[name]), target.lora_A, target.lora_B, target.scaling, target.layout)
+            for name, target in self.parameter_targets.items()
+        }
+        made = {name: effective_weight(*recipe) for name, recipe in recipes.items()}
+        saving = (
+            recompute_on_backward({made[name]: recipe for name, recipe in recipes.items()})
+            if switches.fused.get() else contextlib.nullcontext()
+        )
+        with saving, _shadowed(self, made):
+            return super().forward(*args, **kwargs)
+
+    # ---- merging ------------------------------------------------------------------------------------
+
+    def _check_mergeable(self) -> None:
+        for name in self.parameter_targets:
+            weight = self._parameters[name]
+            if parametrize.is_parametrized(self, name) or weight is None or not weight.dtype.is_floating_point:
+                raise LoraMergeError(
+                    f"cannot merge into {name} of this {type(self).__qualname__}: it is not a stored floating-point "
+                    "parameter (a parametrization computes it, or it is quantized)"
+                )
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add every target's ``scaling * B_e @ A_e`` into its parameter (float32 math, rounded once)."""
+        if self.merged:
+            return
+        self._check_mergeable()
+        active = self.active_adapter == self.adapter_name  # otherwise (disabled, another adapter) nothing to add
+        if active:
+            self._add_deltas(1.0)
+        self.__dict__["_merged_adapter"] = self.adapter_name if active else None
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the updates again. A no-op if not merged."""
+        if not self.merged:
+            return
+        if self.__dict__.pop("_merged_adapter", self.adapter_name) is not None:
+            self._add_deltas(-1.0)
+        self.merged = False
+
+    def _add_deltas(self, sign: float) -> None:
+        for name, target in self.parameter_targets.items():
+            w = cast(Tensor, self._parameters[name])
+            w.copy_((w.to(torch.promote_types(w.dtype, torch.float32)) + sign * target.delta(w)).to(w.dtype))
+
+    def to_base(self) -> nn.Module:
+        """The base module again (its class), with its current, possibly merged, parameters."""
+        return strip_to(self, self.base_class, (), (TARGETS,), self._lora_attributes)
+
+    def extra_repr(self) -> str:
+        own = super().extra_repr()
+        return f"{own}, merged" if own and self.merged else own or ("merged" if self.merged else "")
+
+
+@contextlib.contextmanager
+def _shadowed(module: nn.Module, values: dict[str, Tensor]) -> Iterator[None]:
+    """While active, ``module.<name>`` reads ``values[name]`` instead of the registered parameter.
+
+    The value goes into the instance ``__dict__``, which attribute lookup reads before ``nn.Module``'s
+    ``__getattr__`` finds the parameter; the parameter itself (and the state dict) is untouched.
+    """
+    for name, value in values.items():
+        object.__setattr__(module, name, value)
+    try:
+        yield
+    finally:
+        for name in values:
+            module.__dict__.pop(name, None)
+
+
+_lock = threading.Lock()
+_classes: dict[type[nn.Module], type[LoraParametersLayer]] = {}
+
+
+def lora_parameters_class(base_type: type[nn.Module]) -> type[LoraParametersLayer]:
+    """``class Lora<Base>(LoraParametersLayer, base_type)``, made once per base class."""
+    if issubclass(base_type, LoraParametersLayer):
+        return base_type
+    with _lock:
+        cls = _classes.get(base_type)
+        if cls is None:
+            namespace = {
+                "__module__": __name__,
+                "__qualname__": f"Lora{base_type.__name__}",
+                "__doc__": f"``{base_type.__module__}.{base_type.__qualname__}`` with LoRA on targeted parameters.",
+                "base_class": base_type,
+                "__reduce_ex__": _reduce_ex,
+            }
+            cls = type(f"Lora{base_type.__name__}", (LoraParametersLayer, base_type), namespace)
+            _classes[base_type] = cls
+    return cls
+
+
+def _reduce_ex(self: LoraParametersLayer, protocol: Any) -> tuple[Any, ...]:
+    return _rebuild, (self.base_class,), self.__getstate__()
+
+
+def _rebuild(base_type: type[nn.Module]) -> LoraParametersLayer:
+    cls = lora_parameters_class(base_type)
+    return cls.__new__(cls)
+
+
+def scaling_owners(path: str, layer: Any) -> Sequence[tuple[str, Any]]:
+    """``(config key, object holding r / lora_alpha / use_rslora / scaling)`` for each adapted part of the
+    layer at ``path``: the layer itself, or each targeted parameter (keyed ``<path>.<name>``, the name
+    ``rank_pattern`` and ``alpha_pattern`` match, as in peft)."""
+    if isinstance(layer, LoraParametersLayer):
+        return [(f"{path}.{name}", target) for name, target in layer.parameter_targets.items()]
+    return [(path, layer)]

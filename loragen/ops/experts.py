@@ -1,0 +1,124 @@
+"""LoRA on targeted parameters (MoE expert stacks): every expert's effective weight in one batched product.
+
+A MoE block in transformers 5 keeps its experts as 3-D parameters, ``gate_up_proj (E, 2*I, H)`` and
+``down_proj (E, H, I)``, and its forward (eager loop, ``batched_mm`` or ``grouped_mm``) reads them by
+attribute. LoRA on such a parameter (peft's ``target_parameters``) is a weight update: during the forward the
+module sees ``W_e + s * B_e @ A_e`` for every expert ``e``.
+
+Where to apply it. Per forward, with ``T`` routed token-expert pairs, rank ``r``, ``E`` experts of
+``out x in``:
+
+* in weight space (this module, and peft): one ``baddbmm`` makes all ``E`` effective weights,
+  ``2*E*out*in*r`` FLOPs, one read of ``W`` and one write of ``W'`` (``E*out*in`` elements each); the
+  backward gets ``dL/dW'`` from the experts' own backward and makes the factor gradients with two more
+  batched products (``4*E*out*in*r`` FLOPs). No per-expert Python loop, no routing code of our own: it
+  works for every experts implementation transformers has, because they all read the attribute.
+* in activation space (``y += s * B_e A_e x`` per routed token): ``2*T*r*(in+out)`` FLOPs, cheaper when
+  ``T << E*out*in / (in+out)``, but it needs the routing, i.e. a copy of each architecture's experts
+  forward. That is not generic and would not stay exact when transformers changes an implementation.
+
+So loragen works in weight space, like peft. What it does differently is memory: the experts' backward
+needs ``W'`` (``dL/dx = dL/dy @ W'_e``), and autograd keeps it alive from forward to backward, one extra
+copy of every adapted expert stack per layer. With :data:`loragen.switches.fused` on (the default),
+:func:`recompute_on_backward` saves a recipe instead (``W``, ``A``, ``B``, ``s``: tensors that exist
+anyway) and rebuilds ``W'`` once when the backward first needs it: ``2*E*out*in*r`` FLOPs more, ``E*out*in``
+elements fewer held per adapted parameter between forward and backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loragen.registry import ParameterLayout
+
+__all__ = ["effective_weight", "recompute_on_backward"]
+
+
+def effective_weight(weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout) -> Tensor:
+    """``W + scaling * B_e @ A_e`` for every expert of ``weight`` (2-D or 3-D), in ``weight``'s dtype.
+
+    One ``baddbmm``; the factors are cast to ``weight``'s dtype first, as peft does. Autocast is off for
+    it: the module must see its parameter in the parameter's own dtype.
+    """
+    shape = tuple(weight.shape)
+    experts = layout.features(shape)[0]
+    left, right = layout.expert_factors(a.to(weight.dtype), b.to(weight.dtype), experts, weight.dim())
+    stacked = weight if weight.dim() == 3 else weight.unsqueeze(0)
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        out = torch.baddbmm(stacked, left, right, alpha=scaling)
+    return out.view(shape)
+
+
+class _Recipe:
+    """How to rebuild one effective weight in the backward (once, then shared by every saved view)."""
+
+    def __init__(self, weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout):
+        self.args = (weight.detach(), a.detach(), b.detach(), scaling, layout)
+        self.value: Tensor | None = None
+
+    def get(self) -> Tensor:
+        if self.value is None:
+            with torch.no_grad():
+                self.value = effective_weight(*self.args)
+        return self.value
+
+
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that were active around :func:`recompute_on_backward`."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
+def _outer_hooks() -> tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None:
+    """The saved-tensor hooks active now (activation checkpointing's, ``save_on_cpu``'s), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        return top(False) if top is not None else None
+    except TypeError:  # older signature
+        return None
+
+
+@contextlib.contextmanager
+def recompute_on_backward(recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, float, ParameterLayout]]) -> Iterator[None]:
+    """While active, tensors autograd saves that live in the storage of one of the effective weights
+    (``recipes``' keys: the weight itself, an expert's slice, a transpose) are saved as a recipe and rebuilt
+    when the backward unpacks them, instead of being kept alive. Every other saved tensor goes to the hooks
+    that were active outside (activation checkpointing still drops it), or is saved as usual.
+
+    ``recipes`` maps each effective weight to ``(W, A, B, scaling, layout)``, the arguments of
+    :func:`effective_weight` that made it. The factors must not change between forward and backward (an
+    optimizer steps after the backward), as with activation checkpointing.
+    """
+    # no reference to the effective weights themselves: autograd keeps the hooks with what it saved
+    by_storage = {
+        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _Recipe(*args)) for w, args in recipes.items()
+    }
+    outer = _outer_hooks()
+
+    def pack(t: Tensor) -> Any:
+        found = None
+        if t.layout == torch.strided and t.device.type != "meta":
+            found = by_storage.get(t.untyped_storage().data_ptr())
+        if found is None or t.dtype != found[0]:
+            return t if outer is None else _Outer(outer[0](t))
+        return (found[2], tuple(t.shape), tuple(t.stride()), t.storage_offset() - found[1])
+
+    def unpack(packed: Any) -> Tensor:
+        if isinstance(packed, _Outer):
+            return outer[1](packed.packed) if outer is not None else packed.packed
+        if not isinstance(packed, tuple):
+            return packed
+        recipe, size, stride, offset = packed
+        value = recipe.get()
+        return value.as_strided(size, stride, value.storage_offset() + offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
