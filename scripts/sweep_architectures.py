@@ -147,6 +147,12 @@ def _lora_key(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".default.weight", "")
 
 
+def _not_timeout(error: BaseException) -> None:
+    """Re-raise the per-model alarm's TimeoutError, so it is recorded as a timeout, not a crash."""
+    if isinstance(error, TimeoutError):
+        raise error
+
+
 def check(model_type: str) -> dict[str, Any]:
     """Check one model type; return ``{"status": ..., "detail": ...}``."""
     import peft
@@ -161,6 +167,7 @@ def check(model_type: str) -> dict[str, Any]:
         if not torch.equal(first, _run(base, inputs)):  # random masking / noise in forward: nothing to compare
             return {"status": "skipped", "detail": "base: forward is random (two calls differ)"}
     except Exception as error:
+        _not_timeout(error)
         return {"status": "skipped", "detail": f"base: {type(error).__name__}: {str(error)[:160]}"}
 
     config = loragen.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
@@ -169,6 +176,7 @@ def check(model_type: str) -> dict[str, Any]:
         theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
         peft_out = _run(theirs, inputs)
     except Exception as error:
+        _not_timeout(error)
         peft_error = f"{type(error).__name__}: {str(error)[:160]}"
         try:
             ours, _ = _build(model_type)
@@ -176,6 +184,7 @@ def check(model_type: str) -> dict[str, Any]:
             _run(ours, inputs)
             return {"status": "peft also fails", "detail": f"peft: {peft_error}; loragen runs"}
         except Exception as ours_error:
+            _not_timeout(ours_error)
             return {"status": "peft also fails", "detail": f"peft: {peft_error}; loragen: {type(ours_error).__name__}: {str(ours_error)[:120]}"}
 
     stage = "convert"
@@ -213,6 +222,7 @@ def check(model_type: str) -> dict[str, Any]:
         else:
             notes.append("first output independent of the LoRA layers (no backward)")
     except Exception as error:
+        _not_timeout(error)
         status = "peft also fails" if stage.startswith("peft") else "loragen crash"
         return {"status": status, "detail": f"{stage}: {type(error).__name__}: {str(error)[:200]}",
                 "traceback": traceback.format_exc()[-1500:]}
@@ -233,6 +243,7 @@ def check(model_type: str) -> dict[str, Any]:
         try:
             noise = _fp64_noise(model_type, theirs, ours_params, inputs, ours_out, peft_out)
         except Exception as arbiter_error:
+            _not_timeout(arbiter_error)
             noise = f"no fp64 arbiter ({type(arbiter_error).__name__})"
         if noise.startswith("fp32 noise"):
             return {"status": "ok (fp32 noise)", "detail": f"{noise}; {detail[:120]}"}
@@ -250,6 +261,7 @@ def check(model_type: str) -> dict[str, Any]:
             if out.requires_grad:
                 out.sum().backward()
         except Exception as error:
+            _not_timeout(error)
             return {"status": "loragen crash", "detail": f"empty batch: {type(error).__name__}: {str(error)[:200]}",
                     "traceback": traceback.format_exc()[-1500:]}
     # training mode with dropout
@@ -260,6 +272,7 @@ def check(model_type: str) -> dict[str, Any]:
         if out.requires_grad:
             out.float().sum().backward()
     except Exception as error:
+        _not_timeout(error)
         try:
             plain, _ = _build(model_type)
             _run(plain.train(), inputs).float().sum().backward()
