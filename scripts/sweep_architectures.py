@@ -210,8 +210,9 @@ def check(model_type: str) -> dict[str, Any]:
                         continue
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
                     ours_params[_lora_key(name)].copy_(p)
-        stage = "forward"
+        stage = "peft forward"
         peft_out = _run(theirs, inputs)
+        stage = "forward"
         ours_out = _run(ours, inputs)
         weights = torch.linspace(-1, 1, peft_out.numel()).view(peft_out.shape)
         if peft_out.requires_grad:  # else the first output does not depend on any adapted layer
