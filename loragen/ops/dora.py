@@ -40,6 +40,7 @@ from torch import Tensor
 
 from loragen import philox, switches
 from loragen.ops.dispatch import fallback_reason
+from loragen.ops.function import input_layout, shaped_like_input
 from loragen.ops.masks import DropoutRng, check_rng, make_keep_bits
 
 __all__ = ["DoraLinearFunction", "dora_linear", "dora_linear_reference", "dora_weight_norm"]
@@ -154,6 +155,7 @@ class DoraLinearFunction(torch.autograd.Function):
         need_x, _, _, need_a, need_b, need_m = ctx.needs_input_grad[:6]
         ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out = scaling, dropout_p, fan_in_fan_out
         ctx.x_shape, ctx.rows, ctx.has_bias = x.shape, rows, bias is not None
+        ctx.x_layout = input_layout(x)  # a non-contiguous x gets its gradient in its own layout
         ctx.save_for_backward(
             x2 if need_a else None,
             weight if need_x else None,
@@ -195,7 +197,7 @@ class DoraLinearFunction(torch.autograd.Function):
                     else:
                         inner = torch.mm(dh, lora_A).addmm_(g2 * (c - 1), w_oi)  # the gradient wrt xd
                         grad_x = _dropped(inner, keep, p).addmm_(g2, w_oi)
-                    grad_x = grad_x.view(ctx.x_shape)
+                    grad_x = shaped_like_input(grad_x, ctx.x_shape, ctx.x_layout)
         return grad_x, None, grad_bias, grad_a, grad_b, grad_m, None, None, None, None, None, None
 
 

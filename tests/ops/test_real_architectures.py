@@ -169,13 +169,15 @@ def test_zero_rows_run_forward_and_backward_in_every_path() -> None:
                 assert torch.count_nonzero(layer.lora_A.grad) == 0
 
 
-def test_a_non_contiguous_input_gets_its_gradient_in_its_own_layout() -> None:
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_a_non_contiguous_input_gets_its_gradient_in_its_own_layout(use_dora: bool) -> None:
     # A (1, HW, C) view of a (1, C, H, W) map gets its gradient in that layout (channels-last when viewed
     # back). A contiguous one views back with a batch stride of C, for which BatchNorm2d's eval backward on
     # the CPU gives wrong input gradients (torch 2.13; torch's own linear trips it too at this shape):
     # CvT's key/value path (sweep: cvt).
     torch.manual_seed(0)
-    layer = loragen.LoraLinear(64, 64, r=2, init_lora_weights=False)
+    # with DoRA the magnitude starts at the norm: the same merged weight (the norm is detached)
+    layer = loragen.LoraLinear(64, 64, r=2, init_lora_weights=False, use_dora=use_dora)
     norm = nn.BatchNorm2d(64).eval()  # unit scale and variance: d norm(m) / dm = 1 / sqrt(1 + eps)
     maps = torch.randn(1, 64, 4, 4, requires_grad=True)
     x = norm(maps).view(1, 64, 16).permute(0, 2, 1)
@@ -186,5 +188,6 @@ def test_a_non_contiguous_input_gets_its_gradient_in_its_own_layout() -> None:
     (y * weights).sum().backward()
     merged = (layer.weight + layer.scaling * layer.lora_B @ layer.lora_A).detach()
     expected = (weights @ merged).permute(0, 2, 1).reshape(1, 64, 4, 4) / (1 + norm.eps) ** 0.5
-    assert seen[0].stride() == x.stride()
+    # strides of size-1 dimensions carry no meaning (torch's own linear sets them freely)
+    assert [st for st, n in zip(seen[0].stride(), x.shape) if n > 1] == [st for st, n in zip(x.stride(), x.shape) if n > 1]
     torch.testing.assert_close(maps.grad, expected, rtol=1e-4, atol=1e-5)
