@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from .bench_llama import TARGETS, _llama
-from .harness import Variant, format_table, machine_summary, module_tensors, plain_composition, run_variants
+from .harness import (
+    Variant,
+    causal_lm_training_variant,
+    format_table,
+    machine_summary,
+    plain_composition,
+    run_variants,
+)
 
 __all__ = ["build_variants", "main", "run"]
 
@@ -48,20 +55,7 @@ def build_variants(
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
 
     def make(name: str, model: nn.Module) -> Variant:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4) if trainable else None
-
-        def forward() -> torch.Tensor:
-            return model(input_ids=ids, labels=ids).loss
-
-        def step() -> None:
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-            forward().backward()
-            if optimizer is not None:
-                optimizer.step()
-
-        return Variant(name, step, forward, module_tensors(model))
+        return causal_lm_training_variant(name, model, ids)
 
     frozen = copy.deepcopy(base).requires_grad_(False)
     frozen.enable_input_require_grads()  # gradients flow to the input embeddings and nowhere else

@@ -22,21 +22,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .bench_llama import TARGETS, _llama
 from .harness import Result, Variant, format_table, machine_summary, run_variants
 
 __all__ = ["ADAPTERS", "TARGETS", "build_variants", "main", "run"]
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = ["default", "a1", "a2", "a3"]
-
-
-def _llama(hidden: int, intermediate: int, layers: int, heads: int, vocab: int, seq: int) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
-                         max_position_embeddings=max(seq, 16))
-    return LlamaForCausalLM(config)
 
 
 def build_variants(

@@ -30,11 +30,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .harness import Variant, format_table, machine_summary, module_tensors, run_variants
+from .bench_llama import TARGETS
+from .harness import (
+    Variant,
+    causal_lm_training_variant,
+    format_table,
+    machine_summary,
+    run_variants,
+)
 
 __all__ = ["VARIANTS", "build_variant", "main", "run"]
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VARIANTS = ("frozen 4-bit", "peft", "loragen")
 FULL = {"hidden": 512, "intermediate": 1376, "layers": 4, "heads": 8, "vocab": 1000, "batch": 4, "seq": 256}
 QUICK = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "vocab": 100, "batch": 2, "seq": 16}
@@ -85,20 +91,7 @@ def build_variant(name: str, path: Path, shape: dict[str, int], dropout: float, 
         raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
     model.train()
     ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(1))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4) if trainable else None
-
-    def forward() -> torch.Tensor:
-        return model(input_ids=ids, labels=ids).loss
-
-    def step() -> None:
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        forward().backward()
-        if optimizer is not None:
-            optimizer.step()
-
-    return Variant(name, step, forward, module_tensors(model))
+    return causal_lm_training_variant(name, model, ids)
 
 
 def _peak_growth(name: str, path: Path, shape: dict[str, int], dropout: float, compute: str) -> int:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "causal_lm_training_variant",
     "MiB", "Recording", "Result", "Table", "Variant", "format_table", "machine_summary", "plain_composition",
     "recording", "run_variants", "saved_bytes",
 ]
@@ -201,6 +202,25 @@ def plain_composition(model: nn.Module) -> nn.Module:
 def module_tensors(*modules: nn.Module) -> list[Tensor]:
     """Parameters and buffers of ``modules`` (the ``keep`` list of a variant)."""
     return [t for m in modules for t in (*m.parameters(), *m.buffers())]
+
+
+def causal_lm_training_variant(name: str, model: nn.Module, ids: Tensor) -> Variant:
+    """A training step of a causal LM on ``ids`` (labels = inputs): AdamW over what requires grad
+    (no optimizer when nothing does, as for a frozen base whose input embeddings take the gradient)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4) if trainable else None
+
+    def forward() -> Tensor:
+        return model(input_ids=ids, labels=ids).loss
+
+    def step() -> None:
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        forward().backward()
+        if optimizer is not None:
+            optimizer.step()
+
+    return Variant(name, step, forward, module_tensors(model))
 
 
 def run_variants(variants: list[Variant], rounds: int, warmup: int = 2) -> list[Result]:
