@@ -59,9 +59,13 @@ def build_variants(
 
     frozen = copy.deepcopy(base).requires_grad_(False)
     frozen.enable_input_require_grads()  # gradients flow to the input embeddings and nowhere else
-    peft_model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS, use_dora=True))
-    config = loragen.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS, use_dora=True)
+    peft_model = peft.get_peft_model(
+        copy.deepcopy(base),
+        peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS, use_dora=True),
+    )
+    config = loragen.LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS, use_dora=True
+    )
     fused = loragen.get_lora_model(copy.deepcopy(base), config)
     return [
         make("frozen", frozen),
@@ -76,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.05], help="LoRA dropout values")
     parser.add_argument("--rounds", type=int, default=10, help="timed interleaved rounds (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument("--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test"
+    )
 
 
 def run(args: argparse.Namespace) -> str:
@@ -84,22 +90,41 @@ def run(args: argparse.Namespace) -> str:
     sizes: dict[str, int] = {}
     rounds, warmup = args.rounds, args.warmup
     if args.quick:
-        sizes = {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 4, "vocab": 100, "batch": 2, "seq": 16}
+        sizes = {
+            "hidden": 32,
+            "intermediate": 64,
+            "layers": 2,
+            "heads": 4,
+            "vocab": 100,
+            "batch": 2,
+            "seq": 16,
+        }
         rounds, warmup = 3, 1
-    shape = sizes or {"hidden": 512, "intermediate": 1376, "layers": 4, "heads": 8, "vocab": 1000, "batch": 4,
-                     "seq": 256}
+    shape = sizes or {
+        "hidden": 512,
+        "intermediate": 1376,
+        "layers": 4,
+        "heads": 8,
+        "vocab": 1000,
+        "batch": 4,
+        "seq": 256,
+    }
     tables = [f"machine: {machine_summary()}"]
     for p in args.dropout:
         results = run_variants(build_variants(dropout=p, **sizes), rounds, warmup)
-        title = (f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
-                 f"layers, batch {shape['batch']} x seq {shape['seq']}), fp32, DoRA r=16, alpha 32, dropout {p:g}: "
-                 f"training step with AdamW")
+        title = (
+            f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
+            f"layers, batch {shape['batch']} x seq {shape['seq']}), fp32, DoRA r=16, alpha 32, dropout {p:g}: "
+            f"training step with AdamW"
+        )
         tables.append(format_table(results, title, ratio_to=["frozen", "peft DoRA"]))
     return "\n\n".join(tables)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_dora", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_dora", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     print(run(parser.parse_args(argv)))
     return 0

@@ -64,8 +64,13 @@ def build_variants(
 
     torch.manual_seed(0)
     config = MixtralConfig(
-        hidden_size=hidden, intermediate_size=intermediate, num_local_experts=experts,
-        num_experts_per_tok=top_k, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
     )
     config._experts_implementation = implementation
     block = MixtralSparseMoeBlock(config)
@@ -89,8 +94,13 @@ def build_variants(
 
         return Variant(name, step, forward, module_tensors(model))
 
-    kwargs = {"r": r, "lora_alpha": alpha, "target_modules": [], "target_parameters": TARGETS,
-              "init_lora_weights": False}
+    kwargs = {
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": [],
+        "target_parameters": TARGETS,
+        "init_lora_weights": False,
+    }
     lora = loragen.get_lora_model(copy.deepcopy(base), loragen.LoraConfig(**kwargs))  # type: ignore[arg-type]
     twin = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kwargs))  # type: ignore[arg-type]
     return [
@@ -105,9 +115,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this benchmark."""
     parser.add_argument("--rounds", type=int, default=40, help="timed interleaved rounds (default 40)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
-    parser.add_argument("--implementation", default="grouped_mm", choices=["eager", "batched_mm", "grouped_mm"],
-                        help="transformers' experts implementation (default grouped_mm, transformers' default)")
-    parser.add_argument("--quick", action="store_true", help="hidden 32, 4 experts, seq 8, 3 rounds: a smoke test")
+    parser.add_argument(
+        "--implementation",
+        default="grouped_mm",
+        choices=["eager", "batched_mm", "grouped_mm"],
+        help="transformers' experts implementation (default grouped_mm, transformers' default)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="hidden 32, 4 experts, seq 8, 3 rounds: a smoke test"
+    )
 
 
 def run(args: argparse.Namespace) -> str:
@@ -124,11 +140,15 @@ def run(args: argparse.Namespace) -> str:
         f"{shape['experts']} experts, top-2, batch {shape['batch']} x seq {shape['seq']}, experts "
         f"'{args.implementation}'), fp32, LoRA r=16 alpha 32 on gate_up_proj and down_proj: forward + backward"
     )
-    return "\n\n".join([f"machine: {machine_summary()}", format_table(results, title, ratio_to=["frozen", "peft"])])
+    return "\n\n".join(
+        [f"machine: {machine_summary()}", format_table(results, title, ratio_to=["frozen", "peft"])]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_experts", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_experts", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     print(run(parser.parse_args(argv)))
     return 0

@@ -33,7 +33,9 @@ class _Holder(nn.Module):
         return self.layer(x)
 
 
-def build_variants(features: int, tokens: int, dropout: float, r: int = 16, alpha: float = 32) -> list[Variant]:
+def build_variants(
+    features: int, tokens: int, dropout: float, r: int = 16, alpha: float = 32
+) -> list[Variant]:
     """The contestants on one (features x features) layer and a (tokens, features) input."""
     import peft
 
@@ -64,8 +66,10 @@ def build_variants(features: int, tokens: int, dropout: float, r: int = 16, alph
     with torch.no_grad():
         peft_layer.lora_A["default"].weight.copy_(a)
         peft_layer.lora_B["default"].weight.copy_(b)
-    fused, unfused = (LoraLinear.from_module(copy.deepcopy(base), r=r, lora_alpha=alpha, lora_dropout=dropout)
-                      for _ in range(2))
+    fused, unfused = (
+        LoraLinear.from_module(copy.deepcopy(base), r=r, lora_alpha=alpha, lora_dropout=dropout)
+        for _ in range(2)
+    )
     unfused.fused = False
     for layer in (fused, unfused):
         layer.weight.requires_grad_(False)
@@ -110,7 +114,9 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_layer", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_layer", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     print(run(parser.parse_args(argv)))
     return 0

@@ -29,9 +29,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def _llama(hidden: int, intermediate: int, layers: int, heads: int, vocab: int, seq: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
-                         max_position_embeddings=max(seq, 16))
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=max(seq, 16),
+    )
     return LlamaForCausalLM(config)
 
 
@@ -77,8 +83,10 @@ def build_variants(
 
     frozen = copy.deepcopy(base).requires_grad_(False)
     frozen.enable_input_require_grads()  # gradients flow to the input embeddings and nowhere else
-    peft_model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS))
+    peft_model = peft.get_peft_model(
+        copy.deepcopy(base),
+        peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS),
+    )
     config = loragen.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS)
     fused = loragen.get_lora_model(copy.deepcopy(base), config)
     return [
@@ -96,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.05], help="LoRA dropout values")
     parser.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument("--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test"
+    )
 
 
 def run(args: argparse.Namespace) -> str:
@@ -104,22 +114,41 @@ def run(args: argparse.Namespace) -> str:
     sizes: dict[str, int] = {}
     rounds, warmup = args.rounds, args.warmup
     if args.quick:
-        sizes = {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 4, "vocab": 100, "batch": 2, "seq": 16}
+        sizes = {
+            "hidden": 32,
+            "intermediate": 64,
+            "layers": 2,
+            "heads": 4,
+            "vocab": 100,
+            "batch": 2,
+            "seq": 16,
+        }
         rounds, warmup = 3, 1
-    shape = sizes or {"hidden": 512, "intermediate": 1376, "layers": 4, "heads": 8, "vocab": 1000, "batch": 4,
-                     "seq": 256}
+    shape = sizes or {
+        "hidden": 512,
+        "intermediate": 1376,
+        "layers": 4,
+        "heads": 8,
+        "vocab": 1000,
+        "batch": 4,
+        "seq": 256,
+    }
     tables = [f"machine: {machine_summary()}"]
     for p in args.dropout:
         results = run_variants(build_variants(dropout=p, **sizes), rounds, warmup)
-        title = (f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
-                 f"layers, batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
-                 f"training step with AdamW")
+        title = (
+            f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
+            f"layers, batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
+            f"training step with AdamW"
+        )
         tables.append(format_table(results, title, ratio_to=["frozen", "peft"]))
     return "\n\n".join(tables)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_llama", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_llama", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     print(run(parser.parse_args(argv)))
     return 0

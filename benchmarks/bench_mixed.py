@@ -55,11 +55,14 @@ def build_variants(
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-            r=r, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False))
+        peft_model = peft.get_peft_model(
+            copy.deepcopy(base),
+            peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False),
+        )
         for name in ADAPTERS[1:]:
-            peft_model.add_adapter(name, peft.LoraConfig(
-                r=r, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False))
+            peft_model.add_adapter(
+                name, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, init_lora_weights=False)
+            )
     peft_model.eval()
     ours = copy.deepcopy(base)
     config = loragen.LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS)
@@ -105,15 +108,19 @@ def _above_floor(results: list[Result]) -> str:
     peft_extra = by_name["peft, mixed batch of 4"] - floor
     ours_extra = by_name["loragen, mixed batch of 4"] - floor
     ratio = ours_extra / peft_extra if peft_extra > 0 else float("nan")
-    return (f"Above the frozen floor ({floor * 1e3:.1f} ms): peft's mixed batch adds {peft_extra * 1e3:.1f} ms, "
-            f"loragen's {ours_extra * 1e3:.1f} ms ({ratio:.3f}x).")
+    return (
+        f"Above the frozen floor ({floor * 1e3:.1f} ms): peft's mixed batch adds {peft_extra * 1e3:.1f} ms, "
+        f"loragen's {ours_extra * 1e3:.1f} ms ({ratio:.3f}x)."
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this benchmark."""
     parser.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument("--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test"
+    )
 
 
 def run(args: argparse.Namespace) -> str:
@@ -121,19 +128,31 @@ def run(args: argparse.Namespace) -> str:
     sizes: dict[str, int] = {}
     rounds, warmup = args.rounds, args.warmup
     if args.quick:
-        sizes = {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 4, "vocab": 100, "batch": 4, "seq": 16}
+        sizes = {
+            "hidden": 32,
+            "intermediate": 64,
+            "layers": 2,
+            "heads": 4,
+            "vocab": 100,
+            "batch": 4,
+            "seq": 16,
+        }
         rounds, warmup = 3, 1
     shape = sizes or {"hidden": 512, "intermediate": 1376, "layers": 4, "batch": 4, "seq": 256}
     results = run_variants(build_variants(**sizes), rounds, warmup)
-    title = (f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} layers, "
-             f"batch {shape['batch']} x seq {shape['seq']}), fp32, inference: 4 adapters r=16 on all 7 linears, "
-             "row i uses adapter i")
+    title = (
+        f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} layers, "
+        f"batch {shape['batch']} x seq {shape['seq']}), fp32, inference: 4 adapters r=16 on all 7 linears, "
+        "row i uses adapter i"
+    )
     table = format_table(results, title, ratio_to=["frozen", "peft, mixed batch of 4"])
     return "\n\n".join([f"machine: {machine_summary()}", table, _above_floor(results)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_mixed", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_mixed", description=__doc__.splitlines()[0]
+    )
     add_arguments(parser)
     print(run(parser.parse_args(argv)))
     return 0

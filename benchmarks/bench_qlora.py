@@ -51,18 +51,27 @@ def save_model(path: Path, shape: dict[str, int]) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                         num_key_value_heads=shape["heads"], vocab_size=shape["vocab"],
-                         max_position_embeddings=max(shape["seq"], 16))
+    config = LlamaConfig(
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"],
+        vocab_size=shape["vocab"],
+        max_position_embeddings=max(shape["seq"], 16),
+    )
     LlamaForCausalLM(config).save_pretrained(path)
 
 
 def load_4bit(path: Path, compute: str) -> nn.Module:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=getattr(torch, compute))
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=getattr(torch, compute),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, device_map="cpu")
@@ -81,16 +90,20 @@ def build_variant(name: str, path: Path, shape: dict[str, int], dropout: float, 
         model.enable_input_require_grads()  # gradients flow to the input embeddings and nowhere else
     elif name == "peft":
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout,
-                                                           target_modules=TARGETS))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=TARGETS)
+        )
     elif name == "loragen":
         model = loragen.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        model = loragen.get_lora_model(model, loragen.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout,
-                                                                 target_modules=TARGETS))
+        model = loragen.get_lora_model(
+            model, loragen.LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=TARGETS)
+        )
     else:
         raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
     model.train()
-    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, shape["vocab"], (shape["batch"], shape["seq"]), generator=torch.Generator().manual_seed(1)
+    )
     return causal_lm_training_variant(name, model, ids)
 
 
@@ -115,11 +128,24 @@ def _status_bytes(field: str) -> int:
 def _peaks(path: Path, args: argparse.Namespace) -> dict[str, int]:
     peaks = {}
     for name in VARIANTS:
-        command = [sys.executable, "-m", "benchmarks.bench_qlora", "--peak-of", name, "--model", str(path),
-                   "--dropout", str(args.dropout), "--compute-dtype", args.compute_dtype]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_qlora",
+            "--peak-of",
+            name,
+            "--model",
+            str(path),
+            "--dropout",
+            str(args.dropout),
+            "--compute-dtype",
+            args.compute_dtype,
+        ]
         if args.quick:
             command.append("--quick")
-        done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent)
+        done = subprocess.run(
+            command, capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent
+        )
         peaks[name] = json.loads(done.stdout.strip().splitlines()[-1])["peak_growth"]
     return peaks
 
@@ -135,32 +161,52 @@ def run(args: argparse.Namespace) -> str:
         results = run_variants(variants, rounds, warmup)
         del variants
         peaks = {} if args.no_peak else _peaks(path, args)
-    title = (f"QLoRA step, tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
-             f"{shape['layers']} layers, batch {shape['batch']} x seq {shape['seq']}), nf4 + double quantization, "
-             f"{args.compute_dtype} compute, r=16, alpha 32, dropout {args.dropout:g}: training step with AdamW")
+    title = (
+        f"QLoRA step, tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
+        f"{shape['layers']} layers, batch {shape['batch']} x seq {shape['seq']}), nf4 + double quantization, "
+        f"{args.compute_dtype} compute, r=16, alpha 32, dropout {args.dropout:g}: training step with AdamW"
+    )
     lines = [f"machine: {machine_summary()}", format_table(results, title, ratio_to=["frozen 4-bit", "peft"])]
     if peaks:
-        lines.append("peak RSS growth over the loaded model during two steps (own process per variant): " + ", ".join(
-            f"{name} {peak / (1 << 20):.1f} MiB" for name, peak in peaks.items()
-        ) + (f"; loragen / peft {peaks['loragen'] / peaks['peft']:.3f}" if peaks["peft"] else ""))
+        lines.append(
+            "peak RSS growth over the loaded model during two steps (own process per variant): "
+            + ", ".join(f"{name} {peak / (1 << 20):.1f} MiB" for name, peak in peaks.items())
+            + (f"; loragen / peft {peaks['loragen'] / peaks['peft']:.3f}" if peaks["peft"] else "")
+        )
     return "\n\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_qlora", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_qlora", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--dropout", type=float, default=0.05, help="LoRA dropout (default 0.05)")
-    parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="bnb_4bit_compute_dtype (default float32)")
+    parser.add_argument(
+        "--compute-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bnb_4bit_compute_dtype (default float32)",
+    )
     parser.add_argument("--rounds", type=int, default=10, help="timed interleaved rounds (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument("--quick", action="store_true", help="a 2-layer hidden-64 model and 3 rounds: a smoke test")
+    parser.add_argument(
+        "--quick", action="store_true", help="a 2-layer hidden-64 model and 3 rounds: a smoke test"
+    )
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--peak-of", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peak_of:
         shape = QUICK if args.quick else FULL
-        print(json.dumps({"peak_growth": _peak_growth(args.peak_of, args.model, shape, args.dropout, args.compute_dtype)}))
+        print(
+            json.dumps(
+                {
+                    "peak_growth": _peak_growth(
+                        args.peak_of, args.model, shape, args.dropout, args.compute_dtype
+                    )
+                }
+            )
+        )
         return 0
     print(run(args))
     return 0

@@ -33,8 +33,17 @@ from torch import Tensor, nn
 
 __all__ = [
     "causal_lm_training_variant",
-    "MiB", "Recording", "Result", "Table", "Variant", "format_table", "machine_summary", "plain_composition",
-    "recording", "run_variants", "saved_bytes",
+    "MiB",
+    "Recording",
+    "Result",
+    "Table",
+    "Variant",
+    "format_table",
+    "machine_summary",
+    "plain_composition",
+    "recording",
+    "run_variants",
+    "saved_bytes",
 ]
 
 MiB = float(1 << 20)
@@ -90,8 +99,13 @@ class Table:
         """The table in Markdown: median time, ratios to each reference, saved MiB and saved ratios."""
         by_name = self._by_name()
         refs, saved_refs = self.ratio_to, self.saved_refs()
-        head = ["variant", "median ms", *[f"time / {n}" for n in refs], "saved MiB",
-                *[f"saved / {n}" for n in saved_refs]]
+        head = [
+            "variant",
+            "median ms",
+            *[f"time / {n}" for n in refs],
+            "saved MiB",
+            *[f"saved / {n}" for n in saved_refs],
+        ]
         lines = [f"**{self.title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in self.results:
             cells = [r.name, f"{r.median * 1e3:.1f}"]
@@ -103,8 +117,10 @@ class Table:
         lines += ["", f"medians of {rounds} interleaved rounds"]
         for n in refs:
             if n not in saved_refs:
-                lines[-1] += (f"; {n} saves nothing for backward beyond its parameters here, "
-                              f"so there is no saved / {n} column")
+                lines[-1] += (
+                    f"; {n} saves nothing for backward beyond its parameters here, "
+                    f"so there is no saved / {n} column"
+                )
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -122,8 +138,9 @@ class Table:
                     "times_s": list(r.times),
                     "saved_bytes": r.saved,
                     "time_ratio": {n: r.median / by_name[n].median for n in self.ratio_to},
-                    "saved_ratio": {n: r.saved / by_name[n].saved if by_name[n].saved else None
-                                    for n in self.ratio_to},
+                    "saved_ratio": {
+                        n: r.saved / by_name[n].saved if by_name[n].saved else None for n in self.ratio_to
+                    },
                 }
                 for r in self.results
             ],
@@ -246,8 +263,10 @@ def run_variants(variants: list[Variant], rounds: int, warmup: int = 2) -> list[
             variants[k].step()
             results[k].times.append(time.perf_counter() - step_start)
         per_round = (time.perf_counter() - timed) / (i + 1)
-        _progress(f"{label}: round {i + 1}/{rounds} of {len(variants)} variants "
-                  f"({per_round:.2f} s/round, ~{per_round * (rounds - i - 1):.0f} s left)")
+        _progress(
+            f"{label}: round {i + 1}/{rounds} of {len(variants)} variants "
+            f"({per_round:.2f} s/round, ~{per_round * (rounds - i - 1):.0f} s left)"
+        )
     return results
 
 

@@ -27,17 +27,37 @@ _BIAS_MODES = ("none", "all", "lora_only")
 
 # peft fields that carry no meaning for a LoRA adapter's math (metadata), accepted and dropped.
 _PEFT_METADATA_FIELDS = frozenset(
-    {"peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-     "inference_mode", "megatron_core"}
+    {
+        "peft_type",
+        "task_type",
+        "auto_mapping",
+        "peft_version",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "megatron_core",
+    }
 )
 # peft features loragen does not implement: accepted only at their "off" value, refused otherwise, because
 # ignoring them would silently change the adapter's output.
 _PEFT_UNSUPPORTED_DEFAULTS: Mapping[str, Any] = {
-    "lora_bias": False, "use_qalora": False, "layer_replication": None,
-    "megatron_config": None, "trainable_token_indices": None, "loftq_config": {}, "eva_config": None,
-    "corda_config": None, "lora_ga_config": None, "velora_config": None, "alora_invocation_tokens": None,
-    "monteclora_config": None, "use_bdlora": None, "arrow_config": None,
-    "kasa_config": None, "qalora_group_size": 16, "ensure_weight_tying": False,
+    "lora_bias": False,
+    "use_qalora": False,
+    "layer_replication": None,
+    "megatron_config": None,
+    "trainable_token_indices": None,
+    "loftq_config": {},
+    "eva_config": None,
+    "corda_config": None,
+    "lora_ga_config": None,
+    "velora_config": None,
+    "alora_invocation_tokens": None,
+    "monteclora_config": None,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "kasa_config": None,
+    "qalora_group_size": 16,
+    "ensure_weight_tying": False,
 }
 
 
@@ -81,7 +101,11 @@ def _freeze_pattern(field: str, value: Any, kind: type) -> Mapping[str, Any]:
         if not isinstance(key, str) or not key:
             raise LoraConfigError(f"{field}: key {key!r} must be a non-empty pattern string")
         _check_regex(f"{field}[{key!r}]", key)
-        if isinstance(item, bool) or not isinstance(item, (int, float)) or (kind is int and item != int(item)):
+        if (
+            isinstance(item, bool)
+            or not isinstance(item, (int, float))
+            or (kind is int and item != int(item))
+        ):
             raise LoraConfigError(f"{field}[{key!r}]={item!r}: expected a {kind.__name__}")
         if kind is int:
             check_rank(item, f"{field}[{key!r}]")
@@ -217,7 +241,9 @@ class LoraConfig:
                     )
             set_(self, name, value)
         if self.exclude_modules == ALL_LINEAR:
-            raise LoraConfigError("exclude_modules='all-linear': 'all-linear' is only valid for target_modules")
+            raise LoraConfigError(
+                "exclude_modules='all-linear': 'all-linear' is only valid for target_modules"
+            )
         mts = _freeze_names("modules_to_save", self.modules_to_save)
         if isinstance(mts, str):
             raise LoraConfigError(f"modules_to_save={mts!r}: expected a list of module names, not a string")
@@ -271,7 +297,9 @@ class LoraConfig:
         A module to save is trained fully, so neither it nor anything inside it gets a LoRA adapter.
         """
         excluded = self.exclude_modules
-        if excluded is not None and _name_matches(excluded if isinstance(excluded, str) else tuple(excluded), path):
+        if excluded is not None and _name_matches(
+            excluded if isinstance(excluded, str) else tuple(excluded), path
+        ):
             return True
         return any(
             re.match(rf"(^|.*\.){re.escape(name)}($|\..*)", path) for name in self.modules_to_save or ()
@@ -288,7 +316,9 @@ class LoraConfig:
         if isinstance(targets, str):
             return re.fullmatch(targets, path) is not None
         if path in targets:
-            return True  # a module named by its exact path is taken whatever layers_to_transform says (as peft)
+            return (
+                True  # a module named by its exact path is taken whatever layers_to_transform says (as peft)
+            )
         if not _name_matches(tuple(targets), path):
             return False
         if self.layers_to_transform is None or (
@@ -365,7 +395,9 @@ class LoraConfig:
         peft_type = data.get("peft_type", "LORA")
         peft_type = getattr(peft_type, "value", peft_type)  # peft's PeftType enum in an in-memory dict
         if str(peft_type).upper() != "LORA":
-            raise LoraConfigError(f"{source}: peft_type={peft_type!r}: loragen reads LoRA adapters only ('LORA')")
+            raise LoraConfigError(
+                f"{source}: peft_type={peft_type!r}: loragen reads LoRA adapters only ('LORA')"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         unknown: list[str] = []

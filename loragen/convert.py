@@ -95,7 +95,10 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[
     return tuple(
         name
         for name, m in model.named_modules()
-        if name and name not in heads and not isinstance(m, LoraLayer) and (spec := spec_for(m)) is not None
+        if name
+        and name not in heads
+        and not isinstance(m, LoraLayer)
+        and (spec := spec_for(m)) is not None
         and spec.linear
     )
 
@@ -147,13 +150,16 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
     planned.update((path, model.get_submodule(path)) for path in parameters)
     if refused:
         raise LoraConversionError(
-            "target_modules matched modules loragen will not adapt: " + "; ".join(refused)
+            "target_modules matched modules loragen will not adapt: "
+            + "; ".join(refused)
             + ". Narrow target_modules (or add these to exclude_modules)"
         )
     if unsupported:
         raise LoraConversionError(
-            "target_modules matched modules loragen cannot adapt: " + "; ".join(unsupported)
-            + ". Supported layer types: " + ", ".join(supported_type_names())
+            "target_modules matched modules loragen cannot adapt: "
+            + "; ".join(unsupported)
+            + ". Supported layer types: "
+            + ", ".join(supported_type_names())
             + ". Narrow target_modules (or add these to exclude_modules), or teach loragen the type with "
             "loragen.register_layer(...)"
         )
@@ -182,7 +188,9 @@ def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLaye
     """
     names = targeted_parameters(module, path, config)
     if names:
-        targets = {name: (config.rank_for(f"{path}.{name}"), config.alpha_for(f"{path}.{name}")) for name in names}
+        targets = {
+            name: (config.rank_for(f"{path}.{name}"), config.alpha_for(f"{path}.{name}")) for name in names
+        }
         return lora_parameters_class(type(module)).from_parameters(
             module, targets, use_rslora=config.use_rslora, init_lora_weights=config.init_lora_weights
         )
@@ -377,6 +385,8 @@ def print_trainable_parameters(model: nn.Module, file: TextIO | None = None) -> 
     """Print ``trainable params: T || all params: N || trainable%: P`` (as peft does); return ``(T, N)``."""
     trainable, total = count_parameters(model.parameters())
     share = 100.0 * trainable / total if total else 0.0
-    print(f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}",
-          file=file or sys.stdout)
+    print(
+        f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}",
+        file=file or sys.stdout,
+    )
     return trainable, total

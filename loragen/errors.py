@@ -97,6 +97,8 @@ class AdapterMixError(LoraError, ValueError):
 
 class MixedBatchError(LoraError, ValueError):
     """``mixed_batch`` was given names that do not fit the batch (its length) or the model (unknown names)."""
+
+
 class RequantizationWarning(UserWarning):
     """A merge into a quantized weight had to quantize the merged weight again; the message gives the
     largest absolute difference to the exact ``W + scaling * B @ A`` (filter it with ``warnings``)."""

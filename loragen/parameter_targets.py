@@ -37,7 +37,9 @@ def targeted_parameters(module: nn.Module, path: str, config: LoraConfig) -> tup
     entries = config.target_parameters or ()
     if not entries or not path:
         return ()
-    return tuple(name for name, _ in module.named_parameters(recurse=False) if name_matches(entries, f"{path}.{name}"))
+    return tuple(
+        name for name, _ in module.named_parameters(recurse=False) if name_matches(entries, f"{path}.{name}")
+    )
 
 
 def plan_parameters(model: nn.Module, config: LoraConfig) -> dict[str, tuple[str, ...]]:
@@ -85,7 +87,9 @@ def plan_parameters(model: nn.Module, config: LoraConfig) -> dict[str, tuple[str
 def _parameter_sample(model: nn.Module) -> str:
     names = [name for name, p in model.named_parameters() if p.dim() in (2, 3)]
     shown = ", ".join(names[:_SHOWN])
-    return shown + (f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else "") if names else "(none)"
+    return (
+        shown + (f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else "") if names else "(none)"
+    )
 
 
 def peft_infix(names: Mapping[str, object] | Iterable[str], name: str) -> str:

@@ -109,7 +109,9 @@ class Layout:
 
 PLAIN = Layout("plain", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
 TRANSPOSED = Layout("transposed", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
-EMBEDDING = Layout("embedding", ("lora_embedding_A", "lora_embedding_B"), ("lora_embedding_A", "lora_embedding_B"))
+EMBEDDING = Layout(
+    "embedding", ("lora_embedding_A", "lora_embedding_B"), ("lora_embedding_A", "lora_embedding_B")
+)
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PLAIN, TRANSPOSED, EMBEDDING)}
 
 
@@ -176,7 +178,9 @@ class LayerSpec:
             return self.lora_class
         found = _import_qualname(self.lora_qualname)
         if found is None:
-            raise ImportError(f"the LoRA class {self.lora_qualname} for {self.base_qualname} cannot be imported")
+            raise ImportError(
+                f"the LoRA class {self.lora_qualname} for {self.base_qualname} cannot be imported"
+            )
         return found
 
     def matches(self, module: nn.Module) -> bool:
@@ -329,7 +333,6 @@ def factor_suffixes() -> Iterator[tuple[str, Layout, int]]:
             yield suffix, layout, index
 
 
-
 # ---- parameters targeted directly (LoraConfig.target_parameters) ------------------------------------------------
 
 
@@ -360,7 +363,9 @@ class ParameterLayout:
         if len(shape) == 2:
             return 1, shape[1], shape[0]
         if len(shape) != 3:
-            raise ValueError(f"a {len(shape)}-D parameter: LoRA on parameters takes 2-D and 3-D (experts) ones")
+            raise ValueError(
+                f"a {len(shape)}-D parameter: LoRA on parameters takes 2-D and 3-D (experts) ones"
+            )
         if self.name == "experts_transposed":
             return shape[0], shape[1], shape[2]
         return shape[0], shape[2], shape[1]

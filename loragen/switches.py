@@ -113,12 +113,18 @@ class Switch(Generic[T]):
         return f"Switch({self.name}={self.get()!r}, env {self.env_var})"
 
 
-fused: Switch[bool] = Switch("fused", True, doc="LoRA linears run loragen's fused op (False: peft's composition)")
+fused: Switch[bool] = Switch(
+    "fused", True, doc="LoRA linears run loragen's fused op (False: peft's composition)"
+)
 sibling_fusion: Switch[bool] = Switch(
     "sibling_fusion", True, doc="LoRA linears reading one input share one autograd node"
 )
-cpu_kernels: Switch[bool] = Switch("cpu_kernels", True, doc="the compiled AVX-512 kernels of the CPU dropout path")
-dropout_rng: Switch[str] = Switch("dropout_rng", "bits", ("bits", "philox"), doc="the CPU dropout mask generator")
+cpu_kernels: Switch[bool] = Switch(
+    "cpu_kernels", True, doc="the compiled AVX-512 kernels of the CPU dropout path"
+)
+dropout_rng: Switch[str] = Switch(
+    "dropout_rng", "bits", ("bits", "philox"), doc="the CPU dropout mask generator"
+)
 cuda_kernels: Switch[str] = Switch(
     "cuda_kernels",
     "check",

@@ -66,7 +66,9 @@ def check_init(value: Any, field: str = "init_lora_weights") -> InitMode:
     return value
 
 
-def check_lora_args(r: Any, lora_alpha: Any, lora_dropout: Any, use_rslora: Any, init_lora_weights: Any) -> None:
+def check_lora_args(
+    r: Any, lora_alpha: Any, lora_dropout: Any, use_rslora: Any, init_lora_weights: Any
+) -> None:
     """Check the per-layer LoRA arguments every LoRA layer takes (the same fields as the config)."""
     check_rank(r)
     check_alpha(lora_alpha)
@@ -93,15 +95,19 @@ def check_parameter_targets(value: Any, config: Any) -> tuple[str, ...] | None:
     names = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
     for name in names:
         if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
-            raise LoraConfigError(f"{field}: {name!r} is not a parameter name (expected e.g. 'experts.down_proj')")
+            raise LoraConfigError(
+                f"{field}: {name!r} is not a parameter name (expected e.g. 'experts.down_proj')"
+            )
     if names and lora_dropout:
         raise LoraConfigError(
             f"{field}={names!r} with lora_dropout={lora_dropout!r}: LoRA on a parameter adds scaling * B @ A to "
             "the weight, where no input is there to drop out; set lora_dropout=0 (peft refuses it too)"
         )
     if names and getattr(config, "use_dora", False):
-        raise LoraConfigError(f"{field}={names!r} with use_dora=True: DoRA on targeted parameters is not supported "
-                              "(peft refuses it too); set use_dora=False")
+        raise LoraConfigError(
+            f"{field}={names!r} with use_dora=True: DoRA on targeted parameters is not supported "
+            "(peft refuses it too); set use_dora=False"
+        )
     if names and fan_in_fan_out:
         raise LoraConfigError(
             f"{field}={names!r} with fan_in_fan_out=True: a targeted parameter's layout comes from its shape "

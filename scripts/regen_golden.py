@@ -124,7 +124,9 @@ def cases() -> list[GoldenCase]:
     return [
         GoldenCase("rewrite of a user model", GOLDEN / "user_model.rewritten.py", _rewrite_user_model),
         GoldenCase(
-            "@lora_convert(config) of user_model.Block", GOLDEN / "user_model.Block.expansion.py", _expand_user_block
+            "@lora_convert(config) of user_model.Block",
+            GOLDEN / "user_model.Block.expansion.py",
+            _expand_user_block,
         ),
         GoldenCase(
             "rewrite of transformers' modeling_llama.py",

@@ -31,18 +31,56 @@ from pathlib import Path
 from typing import Any
 
 SMALL = {
-    "hidden_size": 32, "d_model": 32, "n_embd": 32, "embed_dim": 32, "dim": 32, "n_embed": 32, "d_embed": 32,
-    "hidden_dim": 32, "model_dim": 32, "text_hidden_size": 32, "projection_dim": 32,
-    "intermediate_size": 64, "ffn_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64,
-    "n_inner": 64, "ffn_hidden_size": 64, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
-    "num_hidden_layers": 1, "n_layer": 1, "n_layers": 1, "num_layers": 1, "encoder_layers": 1,
-    "decoder_layers": 1, "num_decoder_layers": 1, "num_encoder_layers": 1,
-    "num_attention_heads": 2, "n_head": 2, "n_heads": 2, "encoder_attention_heads": 2,
-    "decoder_attention_heads": 2, "num_heads": 2, "num_key_value_heads": 1, "num_kv_heads": 1,
-    "head_dim": 16, "d_kv": 16, "kv_channels": 16,
-    "vocab_size": 64, "max_position_embeddings": 64, "n_positions": 64, "max_seq_len": 64,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-    "image_size": 32, "patch_size": 8, "num_channels": 3,
+    "hidden_size": 32,
+    "d_model": 32,
+    "n_embd": 32,
+    "embed_dim": 32,
+    "dim": 32,
+    "n_embed": 32,
+    "d_embed": 32,
+    "hidden_dim": 32,
+    "model_dim": 32,
+    "text_hidden_size": 32,
+    "projection_dim": 32,
+    "intermediate_size": 64,
+    "ffn_dim": 64,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "d_ff": 64,
+    "n_inner": 64,
+    "ffn_hidden_size": 64,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "n_layer": 1,
+    "n_layers": 1,
+    "num_layers": 1,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "num_decoder_layers": 1,
+    "num_encoder_layers": 1,
+    "num_attention_heads": 2,
+    "n_head": 2,
+    "n_heads": 2,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "num_heads": 2,
+    "num_key_value_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "d_kv": 16,
+    "kv_channels": 16,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    "max_seq_len": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "image_size": 32,
+    "patch_size": 8,
+    "num_channels": 3,
 }
 VOCAB = 64
 SEQ = 6
@@ -99,13 +137,19 @@ def _inputs(model: Any, config: Any) -> dict[str, Any]:
         inputs["input_values"] = torch.randn(1, 1600, generator=generator)
     elif main == "input_features":
         bins = getattr(config, "num_mel_bins", getattr(config, "feature_size", 80))
-        inputs["input_features"] = torch.randn(1, bins, 3000 if "whisper" in config.model_type else 64, generator=generator)
+        inputs["input_features"] = torch.randn(
+            1, bins, 3000 if "whisper" in config.model_type else 64, generator=generator
+        )
     elif main == "inputs_embeds":
         inputs["inputs_embeds"] = torch.randn(2, SEQ, getattr(config, "hidden_size", 32), generator=generator)
     else:
         raise LookupError(f"main input {main!r} not handled")
-    if ("decoder_input_ids" in params and "input_ids" in inputs) or ("decoder_input_ids" in params and main in ("input_features",)):
-        inputs["decoder_input_ids"] = torch.randint(3, VOCAB - 10, (inputs[main].shape[0], 4), generator=generator)
+    if ("decoder_input_ids" in params and "input_ids" in inputs) or (
+        "decoder_input_ids" in params and main in ("input_features",)
+    ):
+        inputs["decoder_input_ids"] = torch.randint(
+            3, VOCAB - 10, (inputs[main].shape[0], 4), generator=generator
+        )
     if "use_cache" in params:
         inputs["use_cache"] = False
     return inputs
@@ -164,7 +208,9 @@ def check(model_type: str) -> dict[str, Any]:
     try:
         base, inputs = _build(model_type)
         first = _run(base, inputs)
-        if not torch.equal(first, _run(base, inputs)):  # random masking / noise in forward: nothing to compare
+        if not torch.equal(
+            first, _run(base, inputs)
+        ):  # random masking / noise in forward: nothing to compare
             return {"status": "skipped", "detail": "base: forward is random (two calls differ)"}
     except Exception as error:
         _not_timeout(error)
@@ -185,7 +231,10 @@ def check(model_type: str) -> dict[str, Any]:
             return {"status": "peft also fails", "detail": f"peft: {peft_error}; loragen runs"}
         except Exception as ours_error:
             _not_timeout(ours_error)
-            return {"status": "peft also fails", "detail": f"peft: {peft_error}; loragen: {type(ours_error).__name__}: {str(ours_error)[:120]}"}
+            return {
+                "status": "peft also fails",
+                "detail": f"peft: {peft_error}; loragen: {type(ours_error).__name__}: {str(ours_error)[:120]}",
+            }
 
     stage = "convert"
     notes: list[str] = []
@@ -193,11 +242,17 @@ def check(model_type: str) -> dict[str, Any]:
         ours, _ = _build(model_type)
         loragen.get_lora_model(ours, config)
         ours_params = dict(ours.named_parameters())
-        peft_keys = {_lora_key(n) for n, _ in theirs.named_parameters() if ".lora_A.default." in n or ".lora_B.default." in n}
+        peft_keys = {
+            _lora_key(n)
+            for n, _ in theirs.named_parameters()
+            if ".lora_A.default." in n or ".lora_B.default." in n
+        }
         ours_keys = {n for n in ours_params if n.endswith((".lora_A", ".lora_B"))}
         if peft_keys != ours_keys:
             # note the difference, then compare on loragen's layers (peft given them as an explicit list)
-            notes.append(f"targets differ: peft only {sorted(peft_keys - ours_keys)[:3]}, loragen only {sorted(ours_keys - peft_keys)[:3]}")
+            notes.append(
+                f"targets differ: peft only {sorted(peft_keys - ours_keys)[:3]}, loragen only {sorted(ours_keys - peft_keys)[:3]}"
+            )
             targets = sorted(loragen.convert.find_lora_layers(ours))
             theirs, _ = _build(model_type)
             theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
@@ -225,20 +280,35 @@ def check(model_type: str) -> dict[str, Any]:
     except Exception as error:
         _not_timeout(error)
         status = "peft also fails" if stage.startswith("peft") else "loragen crash"
-        return {"status": status, "detail": f"{stage}: {type(error).__name__}: {str(error)[:200]}",
-                "traceback": traceback.format_exc()[-1500:]}
+        return {
+            "status": status,
+            "detail": f"{stage}: {type(error).__name__}: {str(error)[:200]}",
+            "traceback": traceback.format_exc()[-1500:],
+        }
     try:
         # fp32, 1e-5 relative to the largest entry: models whose activations reach 1e3 round at 1e-4
-        torch.testing.assert_close(ours_out, peft_out, rtol=1e-5, atol=1e-5 * max(1.0, peft_out.abs().max().item()))
+        torch.testing.assert_close(
+            ours_out, peft_out, rtol=1e-5, atol=1e-5 * max(1.0, peft_out.abs().max().item())
+        )
         for name, p in theirs.named_parameters():
-            if p.grad is not None and (".lora_A." in name or ".lora_B." in name) and _lora_key(name) in ours_params:
+            if (
+                p.grad is not None
+                and (".lora_A." in name or ".lora_B." in name)
+                and _lora_key(name) in ours_params
+            ):
                 grad = ours_params[_lora_key(name)].grad
                 if grad is None:
                     raise AssertionError(f"{_lora_key(name)}: no loragen grad")
                 # 1e-4 relative to the largest entry: gradients sum over every row, and fp32 rounding of
                 # 1e3-sized activations leaves ~1e-5 relative (fp64 runs of cvt and embedding_gemma2 agree)
                 scale = max(1.0, p.grad.abs().max().item())
-                torch.testing.assert_close(grad, p.grad, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, k=name: f"grad {_lora_key(k)}: {m[:120]}")
+                torch.testing.assert_close(
+                    grad,
+                    p.grad,
+                    rtol=1e-4,
+                    atol=1e-4 * scale,
+                    msg=lambda m, k=name: f"grad {_lora_key(k)}: {m[:120]}",
+                )
     except AssertionError as error:
         detail = str(error).replace("\n", " ")[:240]
         try:
@@ -263,8 +333,11 @@ def check(model_type: str) -> dict[str, Any]:
                 out.sum().backward()
         except Exception as error:
             _not_timeout(error)
-            return {"status": "loragen crash", "detail": f"empty batch: {type(error).__name__}: {str(error)[:200]}",
-                    "traceback": traceback.format_exc()[-1500:]}
+            return {
+                "status": "loragen crash",
+                "detail": f"empty batch: {type(error).__name__}: {str(error)[:200]}",
+                "traceback": traceback.format_exc()[-1500:],
+            }
     # training mode with dropout
     try:
         trained, _ = _build(model_type)
@@ -280,14 +353,23 @@ def check(model_type: str) -> dict[str, Any]:
         except Exception:
             notes.append("train mode: base fails too")
         else:
-            return {"status": "loragen crash", "detail": f"train+dropout: {type(error).__name__}: {str(error)[:200]}",
-                    "traceback": traceback.format_exc()[-1500:]}
+            return {
+                "status": "loragen crash",
+                "detail": f"train+dropout: {type(error).__name__}: {str(error)[:200]}",
+                "traceback": traceback.format_exc()[-1500:],
+            }
     targets_differ = any(note.startswith("targets differ") for note in notes)
     return {"status": "targets differ" if targets_differ else "ok", "detail": "; ".join(notes)}
 
 
-def _fp64_noise(model_type: str, theirs: Any, ours_params: dict[str, Any], inputs: dict[str, Any],
-                ours_out: Any, peft_out: Any) -> str:
+def _fp64_noise(
+    model_type: str,
+    theirs: Any,
+    ours_params: dict[str, Any],
+    inputs: dict[str, Any],
+    ours_out: Any,
+    peft_out: Any,
+) -> str:
     """Whether loragen's difference from peft is fp32 rounding: peft rerun in float64 is the reference;
     loragen's output and LoRA gradients must be no further from it than 2x peft's own fp32 run (+ 1e-6)."""
     import peft
@@ -302,7 +384,10 @@ def _fp64_noise(model_type: str, theirs: Any, ours_params: dict[str, Any], input
             if name in theirs_params and (".lora_A." in name or ".lora_B." in name):
                 p.copy_(theirs_params[name])
     wide = wide.double()
-    doubled = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    doubled = {
+        k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
     ref = _run(wide, doubled)
     ref_scale = max(1.0, ref.abs().max().item())
     pairs = [(ours_out.double(), peft_out.double(), ref, ref_scale, "output")]
@@ -311,13 +396,22 @@ def _fp64_noise(model_type: str, theirs: Any, ours_params: dict[str, Any], input
         for name, p in wide.named_parameters():
             key = _lora_key(name)
             if p.grad is not None and key in ours_params and ours_params[key].grad is not None:
-                pairs.append((ours_params[key].grad.double(), theirs_params[name].grad.double(), p.grad,
-                              max(1.0, p.grad.abs().max().item()), key))
+                pairs.append(
+                    (
+                        ours_params[key].grad.double(),
+                        theirs_params[name].grad.double(),
+                        p.grad,
+                        max(1.0, p.grad.abs().max().item()),
+                        key,
+                    )
+                )
     for ours_value, peft_value, exact, scale, what in pairs:
         ours_err = (ours_value - exact).abs().max().item()
         peft_err = (peft_value - exact).abs().max().item()
         if ours_err > 2 * peft_err + 1e-6 * scale:
-            found = f"fp64: {what} loragen err {ours_err:.3g} vs peft fp32 err {peft_err:.3g} (max {scale:.3g})"
+            found = (
+                f"fp64: {what} loragen err {ours_err:.3g} vs peft fp32 err {peft_err:.3g} (max {scale:.3g})"
+            )
             return _both_in_fp64(model_type, wide, doubled, ref, found)
     return f"fp32 noise: within 2x of peft fp32's own error from fp64 on output and {len(pairs) - 1} grads"
 
@@ -418,12 +512,25 @@ def _table(results: list[dict[str, Any]], command: str) -> str:
     for result in results:
         counts[result["status"]] = counts.get(result["status"], 0) + 1
     lines = [
-        "# loragen vs peft on transformers architectures", "",
-        f"Command: `{command}`", "",
-        "Counts: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + f" (total {len(results)})", "",
-        "| model type | status | detail |", "|---|---|---|",
+        "# loragen vs peft on transformers architectures",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Counts: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + f" (total {len(results)})",
+        "",
+        "| model type | status | detail |",
+        "|---|---|---|",
     ]
-    order = {"ok (fp32 noise)": 4.5, "loragen crash": 0, "mismatch": 1, "timeout": 2, "targets differ": 3, "peft also fails": 4, "ok": 5, "skipped": 6}
+    order = {
+        "ok (fp32 noise)": 4.5,
+        "loragen crash": 0,
+        "mismatch": 1,
+        "timeout": 2,
+        "targets differ": 3,
+        "peft also fails": 4,
+        "ok": 5,
+        "skipped": 6,
+    }
     for result in sorted(results, key=lambda r: (order.get(r["status"], 9), r["model_type"])):
         detail = result.get("detail", "").replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {result['model_type']} | {result['status']} | {detail} |")
@@ -449,7 +556,10 @@ def main() -> None:
         pending = [t for t in todo if t not in done]
         process = subprocess.Popen(
             [sys.executable, __file__, "--worker", "--limit", str(args.limit), *pending],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         assert process.stdout is not None
         watchdog = _Watchdog(process, 3 * args.limit)
@@ -462,12 +572,19 @@ def main() -> None:
             done[result["model_type"]] = result
             with log.open("a") as f:
                 f.write(line)
-            print(f"{result['model_type']:32} {result['status']:16} {result.get('detail', '')[:100]}", flush=True)
+            print(
+                f"{result['model_type']:32} {result['status']:16} {result.get('detail', '')[:100]}",
+                flush=True,
+            )
         process.wait()
         watchdog.stop()
         stuck = next((t for t in todo if t not in done), None)
         if stuck is not None:  # the worker died on this one (segfault, hang past the alarm)
-            done[stuck] = {"model_type": stuck, "status": "timeout", "detail": f"worker died (rc {process.returncode})"}
+            done[stuck] = {
+                "model_type": stuck,
+                "status": "timeout",
+                "detail": f"worker died (rc {process.returncode})",
+            }
     command = "OMP_NUM_THREADS=1 python scripts/sweep_architectures.py " + " ".join(sys.argv[1:])
     Path(args.out).write_text(_table(list(done.values()), command))
 

@@ -24,8 +24,15 @@ def _llama() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(
-        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=100,
+            max_position_embeddings=64,
+        )
     )
 
 
@@ -39,8 +46,15 @@ def _bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     return BertForSequenceClassification(
-        BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   vocab_size=100, max_position_embeddings=64, num_labels=3)
+        BertConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=100,
+            max_position_embeddings=64,
+            num_labels=3,
+        )
     )
 
 
@@ -48,8 +62,16 @@ def _t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
     return T5ForConditionalGeneration(
-        T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=100,
-                 decoder_start_token_id=0)
+        T5Config(
+            d_model=32,
+            d_ff=64,
+            d_kv=8,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            vocab_size=100,
+            decoder_start_token_id=0,
+        )
     )
 
 

@@ -86,12 +86,21 @@ def test_every_file_of_a_saved_adapter_and_merged_checkpoint_honours_the_umask(
     import loragen
 
     torch.manual_seed(0)
-    model = loragen.get_lora_model(nn.Sequential(nn.Linear(4, 4)), loragen.LoraConfig(r=2, target_modules=["0"]))
+    model = loragen.get_lora_model(
+        nn.Sequential(nn.Linear(4, 4)), loragen.LoraConfig(r=2, target_modules=["0"])
+    )
     loragen.save_adapter(model, tmp_path / "adapter")
     base = tmp_path / "base.safetensors"
     save_file({"0.weight": torch.zeros(4, 4), "0.bias": torch.zeros(4)}, str(base))
     merged = tmp_path / "merged.safetensors"
-    assert cli_main(["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "-o", str(merged)]) == 0
+    assert (
+        cli_main(["merge", "--base", str(base), "--adapter", str(tmp_path / "adapter"), "-o", str(merged)])
+        == 0
+    )
     written = [*sorted((tmp_path / "adapter").iterdir()), merged]
-    assert [p.name for p in written] == ["adapter_config.json", "adapter_model.safetensors", "merged.safetensors"]
+    assert [p.name for p in written] == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "merged.safetensors",
+    ]
     assert {p.name: _mode(p) for p in written} == {p.name: 0o666 & ~umask for p in written}

@@ -26,7 +26,10 @@ from loragen.config import LoraConfigWarning
         ({"bias": "some"}, r"^bias='some': expected one of 'none', 'all', 'lora_only'$"),
         ({"use_rslora": "yes"}, r"^use_rslora='yes': expected True or False$"),
         ({"init_lora_weights": "pissa"}, r"^init_lora_weights='pissa'.*not supported"),
-        ({"target_modules": ["q", 3]}, r"^target_modules=\['q', 3\]: expected None, a regex string, or a list"),
+        (
+            {"target_modules": ["q", 3]},
+            r"^target_modules=\['q', 3\]: expected None, a regex string, or a list",
+        ),
         ({"target_modules": "q_proj("}, r"^target_modules='q_proj\(' is not a valid regular expression"),
         ({"exclude_modules": "all-linear"}, r"exclude_modules='all-linear'"),
         ({"modules_to_save": "lm_head"}, r"^modules_to_save='lm_head': expected a list"),
@@ -35,8 +38,14 @@ from loragen.config import LoraConfigWarning
         ({"alpha_pattern": ["q"]}, r"^alpha_pattern=\['q'\]: expected a dict"),
         ({"alpha_pattern": {"(": 2}}, r"alpha_pattern\['\('\]='\(' is not a valid regular expression"),
         ({"layers_to_transform": [-1]}, r"^layers_to_transform=\[-1\]: expected a non-negative int"),
-        ({"layers_to_transform": [0], "target_modules": "q.*"}, r"layers_to_transform cannot be used when target_modules is a regex"),
-        ({"layers_pattern": "layers"}, r"^layers_pattern='layers' is only meaningful with layers_to_transform$"),
+        (
+            {"layers_to_transform": [0], "target_modules": "q.*"},
+            r"layers_to_transform cannot be used when target_modules is a regex",
+        ),
+        (
+            {"layers_pattern": "layers"},
+            r"^layers_pattern='layers' is only meaningful with layers_to_transform$",
+        ),
     ],
 )
 def test_validation_names_field_and_value(kwargs: dict, message: str) -> None:
@@ -66,10 +75,20 @@ def test_config_pickles_and_deep_copies() -> None:
 
 
 def test_to_peft_loads_in_peft_and_round_trips() -> None:
-    cfg = LoraConfig(r=4, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "v_proj"],
-                     modules_to_save=["lm_head"], bias="lora_only", use_rslora=True, init_lora_weights="gaussian",
-                     rank_pattern={"q_proj": 2}, alpha_pattern={"v_proj": 4}, layers_to_transform=[0, 1],
-                     layers_pattern="layers")
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=16,
+        lora_dropout=0.1,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["lm_head"],
+        bias="lora_only",
+        use_rslora=True,
+        init_lora_weights="gaussian",
+        rank_pattern={"q_proj": 2},
+        alpha_pattern={"v_proj": 4},
+        layers_to_transform=[0, 1],
+        layers_pattern="layers",
+    )
     data = cfg.to_peft()
     assert data["peft_type"] == "LORA" and data["inference_mode"] is True
     theirs = peft.LoraConfig.from_peft_type(**data)
@@ -83,7 +102,10 @@ def test_to_peft_loads_in_peft_and_round_trips() -> None:
 
 def test_from_peft_reports_unknown_fields() -> None:
     data = LoraConfig(target_modules=["q"]).to_peft() | {"shiny_new_option": 3, "other": None}
-    with pytest.warns(LoraConfigWarning, match=r"adapter_config\.json: ignoring peft fields loragen does not know: other, shiny_new_option"):
+    with pytest.warns(
+        LoraConfigWarning,
+        match=r"adapter_config\.json: ignoring peft fields loragen does not know: other, shiny_new_option",
+    ):
         LoraConfig.from_peft(data)
 
 
@@ -97,15 +119,22 @@ def test_from_peft_refuses_features_it_would_silently_drop(field: str, value) ->
 
 
 def test_from_peft_names_the_source_and_field() -> None:
-    with pytest.raises(LoraConfigError, match=r"^a/adapter_config\.json: r=-2: the rank must be a positive integer$"):
+    with pytest.raises(
+        LoraConfigError, match=r"^a/adapter_config\.json: r=-2: the rank must be a positive integer$"
+    ):
         LoraConfig.from_peft({"peft_type": "LORA", "r": -2}, source="a/adapter_config.json")
     with pytest.raises(LoraConfigError, match=r"peft_type='IA3': loragen reads LoRA adapters only"):
         LoraConfig.from_peft({"peft_type": "IA3"})
 
 
 def test_rank_and_alpha_patterns() -> None:
-    cfg = LoraConfig(r=8, lora_alpha=16, rank_pattern={"q_proj": 2, r"layers\.1\..*v_proj": 4},
-                     alpha_pattern={"v_proj": 3}, use_rslora=True)
+    cfg = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        rank_pattern={"q_proj": 2, r"layers\.1\..*v_proj": 4},
+        alpha_pattern={"v_proj": 3},
+        use_rslora=True,
+    )
     assert cfg.rank_for("model.layers.0.self_attn.q_proj") == 2
     assert cfg.rank_for("model.layers.1.self_attn.v_proj") == 4
     assert cfg.rank_for("model.layers.0.self_attn.v_proj") == 8
@@ -115,13 +144,17 @@ def test_rank_and_alpha_patterns() -> None:
 
 # ---- matching equals peft's check_target_module_exists -----------------------------------------
 
-names = st.sampled_from(["q_proj", "v_proj", "o_proj", "mlp", "up_proj", "layers", "h", "attn", "0", "1", "2", "11"])
+names = st.sampled_from(
+    ["q_proj", "v_proj", "o_proj", "mlp", "up_proj", "layers", "h", "attn", "0", "1", "2", "11"]
+)
 paths = st.lists(names, min_size=1, max_size=5).map(".".join)
 
 
 @given(
     path=paths,
-    targets=st.one_of(st.lists(names, min_size=1, max_size=3), st.sampled_from([r".*q_proj", r".*\.1\..*", "mlp"])),
+    targets=st.one_of(
+        st.lists(names, min_size=1, max_size=3), st.sampled_from([r".*q_proj", r".*\.1\..*", "mlp"])
+    ),
     exclude=st.one_of(st.none(), st.lists(names, min_size=1, max_size=2)),
     layers=st.one_of(st.none(), st.lists(st.integers(0, 12), min_size=1, max_size=3)),
     pattern=st.one_of(st.none(), st.sampled_from(["layers", "h"])),
@@ -131,37 +164,58 @@ def test_target_matching_equals_peft(path, targets, exclude, layers, pattern) ->
         layers = None
     if layers is None:
         pattern = None
-    cfg = dict(target_modules=targets, exclude_modules=exclude, layers_to_transform=layers, layers_pattern=pattern)
+    cfg = dict(
+        target_modules=targets, exclude_modules=exclude, layers_to_transform=layers, layers_pattern=pattern
+    )
     theirs = bool(check_target_module_exists(peft.LoraConfig(**cfg), path))
-    theirs = theirs and type(check_target_module_exists(peft.LoraConfig(**cfg), path)).__name__ != "_ExcludedModule"
+    theirs = (
+        theirs
+        and type(check_target_module_exists(peft.LoraConfig(**cfg), path)).__name__ != "_ExcludedModule"
+    )
     assert LoraConfig(**cfg).matches_target(path) == theirs
 
 
 @pytest.mark.parametrize("init", ["eva", "orthogonal"])
 def test_from_peft_loads_values_only_inits_as_plain_lora(init):
-    config = LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": init})
+    config = LoraConfig.from_peft(
+        {"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": init}
+    )
     assert config.init_lora_weights is True
 
 
 @pytest.mark.parametrize("init", ["pissa", "pissa_niter_16", "olora", "corda", "lora_ga", "loftq"])
 def test_from_peft_refuses_inits_that_changed_the_base_weights(init):
-    with pytest.raises(LoraConfigError, match=rf"init_lora_weights='{init}': peft changed the base model's weights"):
-        LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": init})
+    with pytest.raises(
+        LoraConfigError, match=rf"init_lora_weights='{init}': peft changed the base model's weights"
+    ):
+        LoraConfig.from_peft(
+            {"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": init}
+        )
 
 
 def test_from_peft_refuses_mica_because_it_trains_only_a():
     with pytest.raises(LoraConfigError, match=r"'mica': peft trains only lora_A"):
-        LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": "mica"})
+        LoraConfig.from_peft(
+            {"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": "mica"}
+        )
 
 
 def test_from_peft_refuses_unknown_init_schemes_by_name():
     with pytest.raises(LoraConfigError, match=r"init_lora_weights='sparkle' is not a scheme loragen knows"):
-        LoraConfig.from_peft({"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": "sparkle"})
+        LoraConfig.from_peft(
+            {"peft_type": "LORA", "r": 4, "target_modules": ["q"], "init_lora_weights": "sparkle"}
+        )
 
 
 def test_a_comma_in_a_target_string_gets_a_hint_to_pass_a_list() -> None:
-    with pytest.raises(LoraConfigError, match=r"target_modules='q_proj,v_proj'.*pass a list: target_modules=\['q_proj', 'v_proj'\]"):
+    with pytest.raises(
+        LoraConfigError,
+        match=r"target_modules='q_proj,v_proj'.*pass a list: target_modules=\['q_proj', 'v_proj'\]",
+    ):
         LoraConfig(target_modules="q_proj,v_proj")
     with pytest.raises(LoraConfigError, match=r"exclude_modules='a, b'.*pass a list"):
         LoraConfig(target_modules=["a"], exclude_modules="a, b")
-    assert LoraConfig(target_modules=r".*\.layers\.\d{1,2}\.q_proj").target_modules == r".*\.layers\.\d{1,2}\.q_proj"
+    assert (
+        LoraConfig(target_modules=r".*\.layers\.\d{1,2}\.q_proj").target_modules
+        == r".*\.layers\.\d{1,2}\.q_proj"
+    )

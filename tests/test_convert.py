@@ -20,16 +20,32 @@ CASES = {
     "llama-list": ("llama", dict(target_modules=["q_proj", "v_proj"])),
     "llama-regex": ("llama", dict(target_modules=r".*layers\.1\.self_attn\.(q|k)_proj")),
     "llama-all-linear": ("llama", dict(target_modules="all-linear")),
-    "llama-patterns-rslora": ("llama", dict(target_modules=["q_proj", "k_proj", "down_proj"], r=4, lora_alpha=16,
-                                            rank_pattern={"q_proj": 2, r"layers\.1\.self_attn\.k_proj": 6},
-                                            alpha_pattern={"down_proj": 3}, use_rslora=True)),
-    "llama-layers": ("llama", dict(target_modules=["q_proj", "o_proj"], layers_to_transform=[1],
-                                   layers_pattern="layers")),
+    "llama-patterns-rslora": (
+        "llama",
+        dict(
+            target_modules=["q_proj", "k_proj", "down_proj"],
+            r=4,
+            lora_alpha=16,
+            rank_pattern={"q_proj": 2, r"layers\.1\.self_attn\.k_proj": 6},
+            alpha_pattern={"down_proj": 3},
+            use_rslora=True,
+        ),
+    ),
+    "llama-layers": (
+        "llama",
+        dict(target_modules=["q_proj", "o_proj"], layers_to_transform=[1], layers_pattern="layers"),
+    ),
     "llama-layers-nopattern": ("llama", dict(target_modules=["gate_proj"], layers_to_transform=0)),
-    "llama-embedding": ("llama", dict(target_modules=["embed_tokens", "q_proj"], exclude_modules=["layers.0.self_attn.q_proj"])),
+    "llama-embedding": (
+        "llama",
+        dict(target_modules=["embed_tokens", "q_proj"], exclude_modules=["layers.0.self_attn.q_proj"]),
+    ),
     "gpt2-conv1d": ("gpt2", dict(target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)),
     "gpt2-all-linear": ("gpt2", dict(target_modules="all-linear", bias="lora_only")),
-    "bert-hybrid": ("bert", dict(target_modules=["query", "value"], modules_to_save=["classifier"], bias="lora_only")),
+    "bert-hybrid": (
+        "bert",
+        dict(target_modules=["query", "value"], modules_to_save=["classifier"], bias="lora_only"),
+    ),
     "bert-bias-all": ("bert", dict(target_modules=["key", "dense"], bias="all")),
     "t5": ("t5", dict(target_modules=["q", "v", "wo"], modules_to_save=["final_layer_norm"])),
     "t5-bias-all": ("t5", dict(target_modules=["q", "v"], bias="all")),
@@ -66,8 +82,11 @@ def test_matches_peft(case: str, make_tiny_model) -> None:
     ours = loragen.get_lora_model(copy.deepcopy(base), LoraConfig(**cfg))
     assert ours.loragen_config.target_modules == LoraConfig(**cfg).target_modules
 
-    peft_paths = {name.removeprefix("base_model.model.") for name, m in peft_model.named_modules()
-                  if isinstance(m, peft.tuners.lora.LoraLayer)}
+    peft_paths = {
+        name.removeprefix("base_model.model.")
+        for name, m in peft_model.named_modules()
+        if isinstance(m, peft.tuners.lora.LoraLayer)
+    }
     assert set(find_lora_layers(ours)) == peft_paths
     for path, layer in find_lora_layers(ours).items():
         theirs = peft_model.base_model.model.get_submodule(path)
@@ -88,8 +107,13 @@ def test_matches_peft(case: str, make_tiny_model) -> None:
     for name, p in ours.named_parameters():
         if not p.requires_grad:
             continue
-        candidates = [n for n in theirs_params if n.startswith("base_model.model.")
-                      and _peft_trainable_names_one(n) == name and theirs_params[n].requires_grad]
+        candidates = [
+            n
+            for n in theirs_params
+            if n.startswith("base_model.model.")
+            and _peft_trainable_names_one(n) == name
+            and theirs_params[n].requires_grad
+        ]
         assert len(candidates) == 1, (name, candidates)
         torch.testing.assert_close(p.grad, theirs_params[candidates[0]].grad, atol=1e-5, rtol=1e-4, msg=name)
 
@@ -126,7 +150,9 @@ def test_returns_same_object_and_base_checkpoint_loads(make_tiny_model) -> None:
 
 
 def test_merge_adapter_unmerge_and_unload(make_tiny_model) -> None:
-    model = loragen.get_lora_model(make_tiny_model("gpt2"), LoraConfig(target_modules="all-linear", init_lora_weights=False))
+    model = loragen.get_lora_model(
+        make_tiny_model("gpt2"), LoraConfig(target_modules="all-linear", init_lora_weights=False)
+    )
     inputs = tiny_inputs("gpt2")
     with torch.no_grad():
         expected = model(**inputs).logits
@@ -166,33 +192,46 @@ class WithUnsupported(nn.Module):
 
 
 def test_unsupported_target_names_path_type_and_supported_types() -> None:
-    with pytest.raises(LoraConversionError, match=r"norm \(torch\.nn\.modules\.normalization\.LayerNorm\).*"
-                                                 r"Supported layer types(?=.*torch\.nn\.Linear)(?=.*torch\.nn\.Conv2d)"):
+    with pytest.raises(
+        LoraConversionError,
+        match=r"norm \(torch\.nn\.modules\.normalization\.LayerNorm\).*"
+        r"Supported layer types(?=.*torch\.nn\.Linear)(?=.*torch\.nn\.Conv2d)",
+    ):
         loragen.get_lora_model(WithUnsupported(), LoraConfig(target_modules=["proj", "norm"]))
 
 
 def test_subclass_of_linear_is_refused_not_silently_converted() -> None:
     model = WithUnsupported()
-    with pytest.raises(LoraConversionError, match=r"attn\.out_proj \(torch\.nn\.modules\.linear\.NonDynamicallyQuantizableLinear\)"):
+    with pytest.raises(
+        LoraConversionError,
+        match=r"attn\.out_proj \(torch\.nn\.modules\.linear\.NonDynamicallyQuantizableLinear\)",
+    ):
         loragen.get_lora_model(model, LoraConfig(target_modules=["out_proj"]))
     assert not find_lora_layers(model)
 
 
 def test_no_match_repeats_patterns_and_shows_module_names(make_tiny_model) -> None:
-    with pytest.raises(LoraConversionError, match=r"target_modules=\['query_proj'\] matched no module of "
-                                                 r"LlamaForCausalLM\. Its modules include: .*self_attn\.q_proj"):
+    with pytest.raises(
+        LoraConversionError,
+        match=r"target_modules=\['query_proj'\] matched no module of "
+        r"LlamaForCausalLM\. Its modules include: .*self_attn\.q_proj",
+    ):
         loragen.get_lora_model(make_tiny_model("llama"), LoraConfig(target_modules=["query_proj"]))
 
 
 def test_no_match_with_layers_to_transform_says_so(make_tiny_model) -> None:
     with pytest.raises(LoraConversionError, match=r"layers_to_transform=\(7,\)"):
-        loragen.get_lora_model(make_tiny_model("llama"), LoraConfig(target_modules=["q_proj"], layers_to_transform=[7]))
+        loragen.get_lora_model(
+            make_tiny_model("llama"), LoraConfig(target_modules=["q_proj"], layers_to_transform=[7])
+        )
 
 
 def test_converting_twice_is_refused(make_tiny_model) -> None:
     model = loragen.get_lora_model(make_tiny_model("llama"), LoraConfig(target_modules=["q_proj"]))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(LoraConversionError, match=r"already has LoRA layers \(model\.layers\.0\.self_attn\.q_proj"):
+    with pytest.raises(
+        LoraConversionError, match=r"already has LoRA layers \(model\.layers\.0\.self_attn\.q_proj"
+    ):
         loragen.get_lora_model(model, LoraConfig(target_modules=["v_proj"]))
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

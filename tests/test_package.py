@@ -20,8 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(ROOT),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     (path,) = out.glob("loragen-*.whl")
     return path
@@ -37,7 +50,9 @@ def test_wheel_contains_templates_kernels_and_cli(wheel: Path) -> None:
         assert f"loragen/_templates/{name}" in names
     for name in repo_kernels:
         assert f"loragen/_kernels/{name}" in names
-    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    entry_points = (
+        zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    )
     assert "loragen = loragen.cli:main" in entry_points
 
 
@@ -60,7 +75,11 @@ def test_resources_are_read_from_the_installed_wheel(wheel: Path, tmp_path: Path
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
         [sys.executable, "-S", "-c", code, str(site), sysconfig.get_paths()["purelib"]],
-        check=False, capture_output=True, text=True, env=env, cwd=tmp_path,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) >= 1
@@ -85,11 +104,19 @@ def test_bench_and_demo_run_from_the_installed_wheel(wheel: Path, tmp_path: Path
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
         [sys.executable, "-S", "-c", code, str(site), sysconfig.get_paths()["purelib"]],
-        check=False, capture_output=True, text=True, env=env, cwd=tmp_path,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert [v["name"] for v in report["tables"][0]["variants"]] == [
-        "frozen", "peft", "loragen", "loragen unfused", "full"
+        "frozen",
+        "peft",
+        "loragen",
+        "loragen unfused",
+        "full",
     ]
     assert "bench: table 1: round 3/3" in result.stderr

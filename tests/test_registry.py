@@ -37,8 +37,17 @@ class GatedLinear(nn.Module):
 class LoraGatedLinear(LoraLayer, GatedLinear):
     """The user's own LoRA class for it: the LoRA term is added after the gate."""
 
-    def __init__(self, d_in: int, d_out: int, *, r: int = 8, lora_alpha: float = 8, lora_dropout: float = 0.0,
-                 use_rslora: bool = False, init_lora_weights: bool | str = True) -> None:
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        r: int = 8,
+        lora_alpha: float = 8,
+        lora_dropout: float = 0.0,
+        use_rslora: bool = False,
+        init_lora_weights: bool | str = True,
+    ) -> None:
         GatedLinear.__init__(self, d_in, d_out)
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)  # type: ignore[arg-type]
 
@@ -105,7 +114,10 @@ def _randomise_lora(model: nn.Module) -> None:
 
 def test_a_registered_type_is_known_by_name_layout_and_class(registered) -> None:
     assert spec_for_qualname("tests.test_registry.GatedLinear") is registered
-    assert registered.lora_type() is LoraGatedLinear and registered.layout.factor_names == ("lora_A", "lora_B")
+    assert registered.lora_type() is LoraGatedLinear and registered.layout.factor_names == (
+        "lora_A",
+        "lora_B",
+    )
 
 
 def test_a_registered_type_works_through_every_way_in_and_out(model_file: Path, tmp_path: Path) -> None:
@@ -149,8 +161,18 @@ def test_a_registered_type_works_through_every_way_in_and_out(model_file: Path, 
     # loragen merge: offline, into the base checkpoint, equals merge_and_unload
     base_state = {k: v.contiguous() for k, v in runtime.state_dict().items() if "lora_" not in k}
     save_file(base_state, str(tmp_path / "base.safetensors"))
-    status = cli_main(["merge", "--base", str(tmp_path / "base.safetensors"), "--adapter", str(tmp_path / "adapter"),
-                       "-o", str(tmp_path / "merged.safetensors"), "--quiet"])
+    status = cli_main(
+        [
+            "merge",
+            "--base",
+            str(tmp_path / "base.safetensors"),
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "-o",
+            str(tmp_path / "merged.safetensors"),
+            "--quiet",
+        ]
+    )
     assert status == 0
     plain = module.GatedNet()
     plain.load_state_dict(load_file(str(tmp_path / "merged.safetensors")))

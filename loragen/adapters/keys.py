@@ -179,5 +179,5 @@ def check_magnitudes(keys: Iterable[AdapterKey], use_dora: bool, source: object)
     if stray:
         raise AdapterError(
             f"{source}: {stray[0]}: a DoRA magnitude ({MAGNITUDE}, {len(stray)} in all) in an adapter whose "
-            "adapter_config.json has use_dora=false; set \"use_dora\": true if it is a DoRA adapter"
+            'adapter_config.json has use_dora=false; set "use_dora": true if it is a DoRA adapter'
         )

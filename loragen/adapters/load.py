@@ -70,7 +70,8 @@ def _plan_load(
     # factors of targeted parameters: their keys (peft's nested wrappers) come from the layers themselves
     owned = {
         f"{PEFT_PREFIX}{path}.{suffix}": (path, layer, attr)
-        for path, layer in layers.items() if isinstance(layer, LoraParametersLayer)
+        for path, layer in layers.items()
+        if isinstance(layer, LoraParametersLayer)
         for attr, suffix in layer.peft_key_suffixes().items()
     }
     for key, info in sorted(adapter.keys.items()):
@@ -85,8 +86,10 @@ def _plan_load(
             if tuple(value.shape) != tuple(target.shape):
                 mismatched.append(f"{key}: expected shape {tuple(target.shape)}, found {tuple(value.shape)}")
             elif rank != owner.parameter_targets[target_name].r:
-                wrong_rank.append(f"{key}: the adapter config gives {path}.{target_name} rank {rank}, the model's "
-                                  f"factors have rank {owner.parameter_targets[target_name].r}")
+                wrong_rank.append(
+                    f"{key}: the adapter config gives {path}.{target_name} rank {rank}, the model's "
+                    f"factors have rank {owner.parameter_targets[target_name].r}"
+                )
             else:
                 plan[id(target)] = (target, value)
             continue
@@ -163,7 +166,8 @@ class _Snapshot:
         self.requires_grad = [(p, p.requires_grad) for p in model.parameters()]
         self.scaling = {
             owner: (owner.lora_alpha, owner.use_rslora, owner.scaling)
-            for path, layer in layers.items() for _, owner in scaling_owners(path, layer)
+            for path, layer in layers.items()
+            for _, owner in scaling_owners(path, layer)
         }
         self.config = model.__dict__.get(CONFIG_ATTR, _MISSING)
         self.configs = model.__dict__.get(ADAPTER_CONFIGS_ATTR, _MISSING)
@@ -235,7 +239,9 @@ def load_adapter(
         existing_layers = find_lora_layers(model)
     # the factors this load writes: the named adapter's in every layer that holds it
     existing: dict[str, Factors] = {
-        p: adapter_factors(layer, adapter_name) for p, layer in existing_layers.items() if has_adapter(layer, adapter_name)
+        p: adapter_factors(layer, adapter_name)
+        for p, layer in existing_layers.items()
+        if has_adapter(layer, adapter_name)
     }
     if existing_layers:
         merged = [p for p, layer in existing_layers.items() if layer.merged and p in existing]

@@ -102,10 +102,10 @@ def _refuse_parameter_targets(adapter: Adapter) -> None:
         return
     names = {entry.rpartition(".")[2] for entry in entries}
     keys = sorted(
-        key for key, info in adapter.keys.items()
-        if info.is_lora and any(
-            name_matches(entries, f"{info.module.replace('.base_layer', '')}.{name}") for name in names
-        )
+        key
+        for key, info in adapter.keys.items()
+        if info.is_lora
+        and any(name_matches(entries, f"{info.module.replace('.base_layer', '')}.{name}") for name in names)
     )
     shown = ", ".join(keys[:6]) + (f", ... ({len(keys) - 6} more)" if len(keys) > 6 else "")
     raise MergeError(

@@ -231,7 +231,11 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
         return model
     _check_new_adapter(model, config, adapter_name)
     targets = _targets(model, config)
-    single = [p for p, m in targets.items() if isinstance(m, LoraLayer) and type(m)._lora_term is LoraLayer._lora_term]
+    single = [
+        p
+        for p, m in targets.items()
+        if isinstance(m, LoraLayer) and type(m)._lora_term is LoraLayer._lora_term
+    ]
     if single:
         raise LoraConversionError(
             f"{', '.join(single)}: {type(targets[single[0]]).__qualname__} holds one adapter only "
@@ -240,7 +244,9 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
     active = active_adapter(model)
     # build every new layer first, so a failure leaves the model as it was
     new_layers = {
-        path: convert_module(module, config, path) for path, module in targets.items() if not isinstance(module, LoraLayer)
+        path: convert_module(module, config, path)
+        for path, module in targets.items()
+        if not isinstance(module, LoraLayer)
     }
     for path, layer in new_layers.items():
         layer.adapter_name = adapter_name
@@ -251,9 +257,14 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
     for path, module in targets.items():
         if isinstance(module, LoraLayer):
             factors = add_factors(
-                module, adapter_name, r=config.rank_for(path), lora_alpha=config.alpha_for(path),
-                lora_dropout=config.lora_dropout, use_rslora=config.use_rslora,
-                init_lora_weights=config.init_lora_weights, use_dora=config.use_dora,
+                module,
+                adapter_name,
+                r=config.rank_for(path),
+                lora_alpha=config.alpha_for(path),
+                lora_dropout=config.lora_dropout,
+                use_rslora=config.use_rslora,
+                init_lora_weights=config.init_lora_weights,
+                use_dora=config.use_dora,
             )
             factors.requires_grad_(False)
     record_config(model, adapter_name, config)
@@ -304,7 +315,11 @@ def delete_adapter(model: nn.Module, adapter_name: str) -> None:
     """
     require_adapter(model, adapter_name)
     layers = find_lora_layers(model)
-    merged = [p for p, layer in layers.items() if layer.merged and layer.__dict__.get("_merged_adapter") == adapter_name]
+    merged = [
+        p
+        for p, layer in layers.items()
+        if layer.merged and layer.__dict__.get("_merged_adapter") == adapter_name
+    ]
     if merged:
         raise LoraMergeError(
             f"cannot delete adapter {adapter_name!r} while it is merged into {', '.join(merged[:5])}; "

@@ -266,12 +266,20 @@ def save_adapter(
     """
     if not find_lora_layers(model):
         raise AdapterError(f"{type(model).__name__} has no LoRA layers: nothing to save")
-    names = list_adapters(model) if selected_adapters is None else [require_adapter(model, n) for n in selected_adapters]
+    names = (
+        list_adapters(model)
+        if selected_adapters is None
+        else [require_adapter(model, n) for n in selected_adapters]
+    )
     written = []
     for name in names:
         config = adapter_config_for(model, name)
         tensors = adapter_state_dict(
-            model, config, save_embedding_layers=save_embedding_layers, state_dict=state_dict, adapter_name=name
+            model,
+            config,
+            save_embedding_layers=save_embedding_layers,
+            state_dict=state_dict,
+            adapter_name=name,
         )
         written.append((name, json.dumps(config.to_peft(), indent=2, sort_keys=True) + "\n", tensors))
     target = Path(path)
@@ -286,6 +294,8 @@ def save_adapter(
             for file_name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME):
                 # a subfolder carried over holds hard links to the old files: never write through them
                 (folder / file_name).unlink(missing_ok=True)
-            safetensors.torch.save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+            safetensors.torch.save_file(
+                tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"}
+            )
             (folder / ADAPTER_CONFIG_NAME).write_text(config_text, encoding="utf-8")
     return target

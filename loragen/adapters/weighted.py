@@ -28,7 +28,11 @@ def _max_rank(model: nn.Module, name: str, config: LoraConfig | None) -> int:
     """The largest rank adapter ``name`` has in any layer (peft: ``max(r, *rank_pattern.values())``)."""
     if config is not None:
         return max(config.r, *config.rank_pattern.values()) if config.rank_pattern else config.r
-    return max(adapter_factors(layer, name).r for layer in find_lora_layers(model).values() if has_adapter(layer, name))
+    return max(
+        adapter_factors(layer, name).r
+        for layer in find_lora_layers(model).values()
+        if has_adapter(layer, name)
+    )
 
 
 def _new_targets(names: Sequence[str], configs: dict[str, LoraConfig | None]) -> str | list[str] | None:
@@ -82,11 +86,15 @@ def add_weighted_adapter(
         raise AdapterMixError(
             f"add_weighted_adapter: {len(names)} adapters ({', '.join(map(repr, names))}) but {len(weights)} weights"
         )
-    bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)]
+    bad = [
+        w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
+    ]
     if bad:
         raise AdapterMixError(f"add_weighted_adapter: weights must be finite numbers, got {bad!r}")
     if isinstance(adapter_name, str) and adapter_name in adapter_configs(model):
-        raise AdapterNameError(f"add_weighted_adapter: an adapter {adapter_name!r} exists already; pick another name")
+        raise AdapterNameError(
+            f"add_weighted_adapter: an adapter {adapter_name!r} exists already; pick another name"
+        )
     check_adapter_name(adapter_name)
     if combination_type not in COMBINATIONS:
         raise AdapterMixError(
@@ -112,28 +120,45 @@ def add_weighted_adapter(
         combination_type, svd_rank or max(ranks.values())
     )
     targets = _new_targets(names, configs)
-    layers = {p: layer for p, layer in find_lora_layers(model).items() if any(has_adapter(layer, n) for n in names)}
+    layers = {
+        p: layer for p, layer in find_lora_layers(model).items() if any(has_adapter(layer, n) for n in names)
+    }
     first = configs.get(names[0])
     if first is None:
         config = LoraConfig(r=new_rank, lora_alpha=new_rank, target_modules=sorted(layers))
     else:
         config = first.replace(
-            r=new_rank, lora_alpha=new_rank, target_modules=targets if targets is not None else sorted(layers),
-            rank_pattern={}, alpha_pattern={},
+            r=new_rank,
+            lora_alpha=new_rank,
+            target_modules=targets if targets is not None else sorted(layers),
+            rank_pattern={},
+            alpha_pattern={},
         )
     # every layer's factors first: an error leaves the model unchanged
     combined = {
         path: combine(
-            [(n, adapter_factors(layer, n), float(w)) for n, w in zip(names, weights) if has_adapter(layer, n)],
-            combination_type, new_rank, path=path,
-            svd_clamp=svd_clamp, svd_full_matrices=svd_full_matrices, svd_driver=svd_driver,
+            [
+                (n, adapter_factors(layer, n), float(w))
+                for n, w in zip(names, weights)
+                if has_adapter(layer, n)
+            ],
+            combination_type,
+            new_rank,
+            path=path,
+            svd_clamp=svd_clamp,
+            svd_full_matrices=svd_full_matrices,
+            svd_driver=svd_driver,
         )
         for path, layer in layers.items()
     }
     for path, layer in layers.items():
         a, b = combined[path]
         factors = add_factors(
-            layer, adapter_name, r=new_rank, lora_alpha=new_rank, lora_dropout=config.lora_dropout,
+            layer,
+            adapter_name,
+            r=new_rank,
+            lora_alpha=new_rank,
+            lora_dropout=config.lora_dropout,
             use_rslora=config.use_rslora,
         )
         factors.factor_a.data.copy_(a)

@@ -85,32 +85,58 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("sources", nargs="+", metavar="SRC", type=Path, help="Python files or folders (*.py inside)")
+    parser.add_argument(
+        "sources", nargs="+", metavar="SRC", type=Path, help="Python files or folders (*.py inside)"
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
-        "-o", "--output", type=Path, metavar="OUT", help="write here: a file for one SRC file, else a folder mirroring the sources"
+        "-o",
+        "--output",
+        type=Path,
+        metavar="OUT",
+        help="write here: a file for one SRC file, else a folder mirroring the sources",
     )
     where.add_argument("--in-place", action="store_true", help="replace the source files (atomically)")
     where.add_argument("--diff", action="store_true", help="print a unified diff instead of writing")
     targets = parser.add_mutually_exclusive_group()
     targets.add_argument(
-        "--target-modules", metavar="A,B", help="module names, comma-separated (exact path or dotted suffix), or all-linear"
+        "--target-modules",
+        metavar="A,B",
+        help="module names, comma-separated (exact path or dotted suffix), or all-linear",
     )
     targets.add_argument(
-        "--target-regex", metavar="REGEX", help="target_modules as one regular expression matching whole module paths"
-    )
-    parser.add_argument("--r", type=_positive_int, metavar="N", help=f"LoRA rank (default {_DEFAULTS.r}, or the --config value)")
-    parser.add_argument(
-        "--lora-alpha", type=_float, metavar="A", help=f"LoRA alpha (default {_DEFAULTS.lora_alpha:g}, or the --config value)"
+        "--target-regex",
+        metavar="REGEX",
+        help="target_modules as one regular expression matching whole module paths",
     )
     parser.add_argument(
-        "--lora-dropout", type=_float, metavar="P", help=f"LoRA dropout (default {_DEFAULTS.lora_dropout:g}, or the --config value)"
+        "--r",
+        type=_positive_int,
+        metavar="N",
+        help=f"LoRA rank (default {_DEFAULTS.r}, or the --config value)",
     )
     parser.add_argument(
-        "--config", type=Path, metavar="JSON", help="a peft adapter_config.json (or the adapter folder); flags override its values"
+        "--lora-alpha",
+        type=_float,
+        metavar="A",
+        help=f"LoRA alpha (default {_DEFAULTS.lora_alpha:g}, or the --config value)",
     )
     parser.add_argument(
-        "--package", metavar="PKG", help="the package the sources belong to (default: found from __init__.py files)"
+        "--lora-dropout",
+        type=_float,
+        metavar="P",
+        help=f"LoRA dropout (default {_DEFAULTS.lora_dropout:g}, or the --config value)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="JSON",
+        help="a peft adapter_config.json (or the adapter folder); flags override its values",
+    )
+    parser.add_argument(
+        "--package",
+        metavar="PKG",
+        help="the package the sources belong to (default: found from __init__.py files)",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="no summary or warnings on stderr")
     parser.set_defaults(func=run)
@@ -241,10 +267,19 @@ def run(args: argparse.Namespace) -> int:
     for path, relative in files:
         code, problem = _read(path)
         if problem is not None:
-            results.append((path, relative, "", RewriteResult("", False, str(path), errors=(Diagnostic(str(path), 1, problem),))))
+            results.append(
+                (
+                    path,
+                    relative,
+                    "",
+                    RewriteResult("", False, str(path), errors=(Diagnostic(str(path), 1, problem),)),
+                )
+            )
             continue
         package = args.package or module_name_for_path(path)[1]
-        result = rewrite_source(code, config, filename=str(path), package=package, absolute_imports=standalone)
+        result = rewrite_source(
+            code, config, filename=str(path), package=package, absolute_imports=standalone
+        )
         results.append((path, relative, code, result))
 
     unmatched = _unmatched(config, [r for *_, r in results])
@@ -256,12 +291,18 @@ def run(args: argparse.Namespace) -> int:
             if not args.quiet:
                 for warning in result.warnings:
                     print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
-                if result.fields or result.sub_models or result.errors or len(results) == 1:  # files without layers: nothing to say
+                if (
+                    result.fields or result.sub_models or result.errors or len(results) == 1
+                ):  # files without layers: nothing to say
                     print(result.summary(), file=sys.stderr)
         for message in unmatched:
             print(f"loragen rewrite: error: {message}", file=sys.stderr)
     if failed or unmatched:
-        what = f"{len(failed)} of {len(results)} files could not be rewritten" if failed else "a target matches nothing"
+        what = (
+            f"{len(failed)} of {len(results)} files could not be rewritten"
+            if failed
+            else "a target matches nothing"
+        )
         print(f"loragen rewrite: {what}; nothing was written", file=sys.stderr)
         return EXIT_FILE_ERRORS
 
@@ -271,7 +312,10 @@ def run(args: argparse.Namespace) -> int:
         elif args.diff:
             sys.stdout.writelines(
                 difflib.unified_diff(
-                    code.splitlines(keepends=True), result.code.splitlines(keepends=True), fromfile=str(path), tofile=str(path)
+                    code.splitlines(keepends=True),
+                    result.code.splitlines(keepends=True),
+                    fromfile=str(path),
+                    tofile=str(path),
                 )
             )
         elif args.in_place:

@@ -40,15 +40,30 @@ def forward(layer: Any, x: Tensor) -> Tensor:
         if getattr(layer, "fused_base", False):
             dora = dora_linear if layer.fused else dora_linear_reference
             return dora(
-                x, layer.weight, layer.bias, factors.factor_a, factors.factor_b, getattr(factors, MAGNITUDE),
-                factors.scaling, factors.lora_dropout_p, layer.training, fan_in_fan_out=layer.layout is TRANSPOSED,
+                x,
+                layer.weight,
+                layer.bias,
+                factors.factor_a,
+                factors.factor_b,
+                getattr(factors, MAGNITUDE),
+                factors.scaling,
+                factors.lora_dropout_p,
+                layer.training,
+                fan_in_fan_out=layer.layout is TRANSPOSED,
             )
         return layer._dora_output(x, factors, layer._base_output(x))  # type: ignore[no-any-return, unused-ignore]
     if getattr(layer, "fused_base", False):
         fn = lora_linear if layer.fused else lora_linear_reference
         return fn(
-            x, layer.weight, layer.bias, factors.factor_a, factors.factor_b, factors.scaling,
-            factors.lora_dropout_p, layer.training, fan_in_fan_out=layer.layout is TRANSPOSED,
+            x,
+            layer.weight,
+            layer.bias,
+            factors.factor_a,
+            factors.factor_b,
+            factors.scaling,
+            factors.lora_dropout_p,
+            layer.training,
+            fan_in_fan_out=layer.layout is TRANSPOSED,
         )
     result: Tensor = layer._base_output(x)
     return (result + layer._lora_term(x, factors)).to(result.dtype)

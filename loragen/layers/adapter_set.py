@@ -228,7 +228,13 @@ def add_factors(
     if a.device.type != "meta":
         _init_factors(layout, a, b, r, init_lora_weights)
     factors = AdapterFactors(
-        layout, a, b, r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_rslora=use_rslora,
+        layout,
+        a,
+        b,
+        r=r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_rslora=use_rslora,
         use_dora=use_dora,
     )
     if use_dora:

@@ -25,6 +25,7 @@ from loragen.validation import InitMode, check_flag, check_lora_args
 
 __all__ = ["InitMode", "LoraLayer", "LoraMergeError", "adapter_dtype_for"]
 
+
 def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
     """The dtype LoRA factors get for a base weight of ``base_dtype``.
 
@@ -53,8 +54,20 @@ class LoraLayer(nn.Module):
     base_class: ClassVar[type[nn.Module]]
     # instance attributes the LoRA setup adds (besides the factors): removed again by to_base()
     _lora_attributes: ClassVar[tuple[str, ...]] = (
-        "r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "merged", "_sibling_role", "use_dora",
-        "_dora_merged_norm", "adapter_name", "active_adapter", "_lora_detour", "_mixed_route", "_merged_adapter",
+        "r",
+        "lora_alpha",
+        "scaling",
+        "lora_dropout_p",
+        "use_rslora",
+        "merged",
+        "_sibling_role",
+        "use_dora",
+        "_dora_merged_norm",
+        "adapter_name",
+        "active_adapter",
+        "_lora_detour",
+        "_mixed_route",
+        "_merged_adapter",
     )
     # several named adapters (loragen.layers.adapter_set); instances set these when they differ
     adapter_name: str = DEFAULT_ADAPTER
@@ -257,7 +270,9 @@ class LoraLayer(nn.Module):
     def to_base(self) -> nn.Module:
         """The base layer again (an object of :attr:`base_class`) holding this layer's current, possibly
         merged, weight and bias: the same parameter objects and every other state, minus the LoRA parts."""
-        return strip_to(self, self.base_class, tuple(self.lora_parameters()), (ADAPTERS_ATTR,), self._lora_attributes)
+        return strip_to(
+            self, self.base_class, tuple(self.lora_parameters()), (ADAPTERS_ATTR,), self._lora_attributes
+        )
 
     # ---- several adapters (loragen.layers.adapter_routing) -------------------------------------------
 
@@ -279,6 +294,7 @@ class LoraLayer(nn.Module):
     def lora_extra_repr(self) -> str:
         return (
             f"r={self.r}, lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}, "
-            f"lora_dropout={self.lora_dropout_p:g}" + (", use_dora" if self.use_dora else "")
+            f"lora_dropout={self.lora_dropout_p:g}"
+            + (", use_dora" if self.use_dora else "")
             + (", merged" if self.merged else "")
         )

@@ -162,7 +162,13 @@ class LoraLinear4bit(QuantizedLoraMixin, bnb.nn.Linear4bit):
         init_lora_weights: InitMode = True,
     ) -> None:
         super().__init__(
-            input_features, output_features, bias, compute_dtype, compress_statistics, quant_type, quant_storage,
+            input_features,
+            output_features,
+            bias,
+            compute_dtype,
+            compress_statistics,
+            quant_type,
+            quant_storage,
             device,
         )
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
@@ -268,7 +274,9 @@ class LoraLinear8bitLt(QuantizedLoraMixin, bnb.nn.Linear8bitLt):
             )
         scales = self.state.SCB if self.state.SCB is not None else getattr(weight, "SCB", None)
         if scales is None:
-            raise LoraMergeError(f"cannot merge into {type(self).__qualname__}: its int8 weight has no scales (SCB)")
+            raise LoraMergeError(
+                f"cannot merge into {type(self).__qualname__}: its int8 weight has no scales (SCB)"
+            )
         return weight.data, scales
 
     def dequantized_weight(self) -> Tensor:
@@ -285,11 +293,15 @@ class LoraLinear8bitLt(QuantizedLoraMixin, bnb.nn.Linear8bitLt):
         self._set_int8(*snapshot)
 
     def _set_int8(self, data: Tensor, scales: Tensor) -> None:
-        self.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False, CB=data, SCB=scales)
+        self.weight = bnb.nn.Int8Params(
+            data, requires_grad=False, has_fp16_weights=False, CB=data, SCB=scales
+        )
         self.state.reset_grads()  # forward moves CB/SCB from the new weight into the state
 
     def _quantize_into(self, dense: Tensor) -> None:
         data, _ = self._int8()
         # as Int8Params quantizes a weight it is given: through float16, row-wise absmax scales
-        quantized, scales, _ = bnb.functional.int8_vectorwise_quant(dense.to(device=data.device, dtype=torch.float16))
+        quantized, scales, _ = bnb.functional.int8_vectorwise_quant(
+            dense.to(device=data.device, dtype=torch.float16)
+        )
         self._set_int8(quantized, scales)

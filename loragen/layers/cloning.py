@@ -72,8 +72,13 @@ def _move_accelerate_hook(module: nn.Module, hook: Any) -> None:
     add_hook_to_module(module, hook)
 
 
-def strip_to(layer: nn.Module, cls: type[M], parameters: tuple[str, ...], modules: tuple[str, ...],
-             attributes: tuple[str, ...]) -> M:
+def strip_to(
+    layer: nn.Module,
+    cls: type[M],
+    parameters: tuple[str, ...],
+    modules: tuple[str, ...],
+    attributes: tuple[str, ...],
+) -> M:
     """A ``cls`` object with ``layer``'s state minus the named LoRA ``parameters``, ``modules`` and
     ``attributes``: the base layer a LoRA layer was made from, sharing its weight and every other state."""
     base = clone_as(layer, cls)

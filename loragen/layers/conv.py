@@ -37,7 +37,11 @@ class _LoraConvNd(LoraLayer):
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         ones = (1,) * len(self.kernel_size)
-        return (self.r, self.in_channels // self.groups, *self.kernel_size), (self.out_channels, self.r, *ones)
+        return (self.r, self.in_channels // self.groups, *self.kernel_size), (
+            self.out_channels,
+            self.r,
+            *ones,
+        )
 
     def _composed_weight(self, factors: Factors | None = None) -> Tensor:
         """``B @ A`` (of ``factors``, default the layer's own) reshaped to the base weight's shape
@@ -119,8 +123,17 @@ class LoraConv1d(nn.Conv1d, _LoraConvNd):
         use_dora: bool = False,
     ) -> None:
         super().__init__(
-            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-            device, dtype,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            device,
+            dtype,
         )
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
@@ -159,8 +172,17 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
         use_dora: bool = False,
     ) -> None:
         super().__init__(
-            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode,
-            device, dtype,
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            device,
+            dtype,
         )
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
@@ -172,8 +194,20 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
 
 
 register(
-    LayerSpec("torch.nn.Conv1d", "loragen.layers.LoraConv1d", ("torch.nn.modules.conv.Conv1d",), PLAIN, lora_class=LoraConv1d)
+    LayerSpec(
+        "torch.nn.Conv1d",
+        "loragen.layers.LoraConv1d",
+        ("torch.nn.modules.conv.Conv1d",),
+        PLAIN,
+        lora_class=LoraConv1d,
+    )
 )
 register(
-    LayerSpec("torch.nn.Conv2d", "loragen.layers.LoraConv2d", ("torch.nn.modules.conv.Conv2d",), PLAIN, lora_class=LoraConv2d)
+    LayerSpec(
+        "torch.nn.Conv2d",
+        "loragen.layers.LoraConv2d",
+        ("torch.nn.modules.conv.Conv2d",),
+        PLAIN,
+        lora_class=LoraConv2d,
+    )
 )

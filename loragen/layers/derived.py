@@ -89,7 +89,9 @@ def _make_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraL
         return _rebuild, (lora, base_type), self.__getstate__()
 
     name = _unique_name(f"Lora{base_type.__name__}")
-    __init__.__doc__ = f"``{base_type.__qualname__}``'s constructor plus the LoRA keywords {', '.join(_LORA_KEYWORDS)}."
+    __init__.__doc__ = (
+        f"``{base_type.__qualname__}``'s constructor plus the LoRA keywords {', '.join(_LORA_KEYWORDS)}."
+    )
     namespace = {
         "__init__": __init__,
         "__reduce_ex__": __reduce_ex__,

@@ -53,8 +53,17 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         use_dora: bool = False,
     ) -> None:
         super().__init__(
-            num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
-            _weight, _freeze, device, dtype,
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            _weight,
+            _freeze,
+            device,
+            dtype,
         )
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
@@ -87,8 +96,9 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
     def _lora_term(self, ids: Tensor, factors: Factors) -> Tensor:
         # (..., r): row lookup in A^T is A[:, ids]^T, exactly the one-hot product A @ onehot(ids)
-        after_a = F.embedding(ids, factors.factor_a.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq,
-                              self.sparse)
+        after_a = F.embedding(
+            ids, factors.factor_a.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse
+        )
         return (after_a @ factors.factor_b.t()) * factors.scaling  # (..., embedding_dim)
 
     def _dora_output(self, ids: Tensor, factors: Factors, result: Tensor) -> Tensor:
@@ -110,7 +120,10 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
 register(
     LayerSpec(
-        "torch.nn.Embedding", "loragen.layers.LoraEmbedding", ("torch.nn.modules.sparse.Embedding",), EMBEDDING,
+        "torch.nn.Embedding",
+        "loragen.layers.LoraEmbedding",
+        ("torch.nn.modules.sparse.Embedding",),
+        EMBEDDING,
         lora_class=LoraEmbedding,
     )
 )

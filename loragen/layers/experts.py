@@ -61,8 +61,16 @@ class ParameterLora(nn.Module):
     use_rslora: bool
     scaling: float
 
-    def __init__(self, name: str, weight: Tensor, layout: ParameterLayout, r: int, lora_alpha: float,
-                 use_rslora: bool, init_lora_weights: InitMode) -> None:
+    def __init__(
+        self,
+        name: str,
+        weight: Tensor,
+        layout: ParameterLayout,
+        r: int,
+        lora_alpha: float,
+        use_rslora: bool,
+        init_lora_weights: InitMode,
+    ) -> None:
         super().__init__()
         check_lora_args(r, lora_alpha, 0.0, use_rslora, init_lora_weights)
         self.parameter_name = name
@@ -93,11 +101,16 @@ class ParameterLora(nn.Module):
     def delta(self, weight: Tensor) -> Tensor:
         """``scaling * B_e @ A_e`` shaped like ``weight``, in float32 (float64 for a float64 weight)."""
         dtype = torch.promote_types(weight.dtype, torch.float32)
-        return self.layout.delta(self.lora_A.to(dtype), self.lora_B.to(dtype), tuple(weight.shape)) * self.scaling
+        return (
+            self.layout.delta(self.lora_A.to(dtype), self.lora_B.to(dtype), tuple(weight.shape))
+            * self.scaling
+        )
 
     def extra_repr(self) -> str:
-        return (f"{self.parameter_name}: experts={self.num_experts}, r={self.r}, "
-                f"lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}")
+        return (
+            f"{self.parameter_name}: experts={self.num_experts}, r={self.r}, "
+            f"lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}"
+        )
 
 
 class LoraParametersLayer(LoraLayer):
@@ -134,8 +147,14 @@ class LoraParametersLayer(LoraLayer):
         return {name: cast(ParameterLora, holder) for name, holder in holders.items()}
 
     @classmethod
-    def from_parameters(cls, base: nn.Module, targets: dict[str, tuple[int, float]], *, use_rslora: bool = False,
-                        init_lora_weights: InitMode = True) -> Self:
+    def from_parameters(
+        cls,
+        base: nn.Module,
+        targets: dict[str, tuple[int, float]],
+        *,
+        use_rslora: bool = False,
+        init_lora_weights: InitMode = True,
+    ) -> Self:
         """The LoRA module for ``base`` with factors on the parameters ``targets`` names,
         ``{name: (r, lora_alpha)}``; it takes over ``base``'s state (nothing is copied).
 
@@ -148,7 +167,9 @@ class LoraParametersLayer(LoraLayer):
         for name in (n for n, _ in base.named_parameters(recurse=False) if n in targets):
             weight = base._parameters[name]
             if weight is None or weight.dim() not in (2, 3):
-                raise LoraConversionError(f"{name} of {type(base).__qualname__} is not a 2-D or 3-D parameter")
+                raise LoraConversionError(
+                    f"{name} of {type(base).__qualname__} is not a 2-D or 3-D parameter"
+                )
             r, alpha = targets[name]
             holders[name] = ParameterLora(name, weight, layout, r, alpha, use_rslora, init_lora_weights)
         missing = sorted(set(targets) - set(holders))
@@ -164,14 +185,20 @@ class LoraParametersLayer(LoraLayer):
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         """``{"lora_targets.<name>.lora_A": ..., ...}``: the factors under their model keys below this module."""
-        return {f"{TARGETS}.{name}.{attr}": getattr(target, attr)
-                for name, target in self.parameter_targets.items() for attr in ("lora_A", "lora_B")}
+        return {
+            f"{TARGETS}.{name}.{attr}": getattr(target, attr)
+            for name, target in self.parameter_targets.items()
+            for attr in ("lora_A", "lora_B")
+        }
 
     def peft_key_suffixes(self) -> dict[str, str]:
         """Attribute path -> peft's key suffix: ``[base_layer.]*lora_A.weight`` per target (see module doc)."""
         names = list(self.parameter_targets)
-        return {f"{TARGETS}.{name}.{attr}": "base_layer." * (len(names) - 1 - i) + f"{attr}.weight"
-                for i, name in enumerate(names) for attr in ("lora_A", "lora_B")}
+        return {
+            f"{TARGETS}.{name}.{attr}": "base_layer." * (len(names) - 1 - i) + f"{attr}.weight"
+            for i, name in enumerate(names)
+            for attr in ("lora_A", "lora_B")
+        }
 
     def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
         """(Re)initialise every target's factors (see :meth:`ParameterLora.reset`)."""
@@ -196,13 +223,20 @@ class LoraParametersLayer(LoraLayer):
         if self.merged or self.active_adapter != self.adapter_name:
             return super().forward(*args, **kwargs)
         recipes = {
-            name: (cast(Tensor, self._parameters[name]), target.lora_A, target.lora_B, target.scaling, target.layout)
+            name: (
+                cast(Tensor, self._parameters[name]),
+                target.lora_A,
+                target.lora_B,
+                target.scaling,
+                target.layout,
+            )
             for name, target in self.parameter_targets.items()
         }
         made = {name: effective_weight(*recipe) for name, recipe in recipes.items()}
         saving = (
             recompute_on_backward({made[name]: recipe for name, recipe in recipes.items()})
-            if switches.fused.get() else contextlib.nullcontext()
+            if switches.fused.get()
+            else contextlib.nullcontext()
         )
         with saving, _shadowed(self, made):
             return super().forward(*args, **kwargs)
@@ -212,7 +246,11 @@ class LoraParametersLayer(LoraLayer):
     def _check_mergeable(self) -> None:
         for name in self.parameter_targets:
             weight = self._parameters[name]
-            if parametrize.is_parametrized(self, name) or weight is None or not weight.dtype.is_floating_point:
+            if (
+                parametrize.is_parametrized(self, name)
+                or weight is None
+                or not weight.dtype.is_floating_point
+            ):
                 raise LoraMergeError(
                     f"cannot merge into {name} of this {type(self).__qualname__}: it is not a stored floating-point "
                     "parameter (a parametrization computes it, or it is quantized)"
@@ -224,7 +262,9 @@ class LoraParametersLayer(LoraLayer):
         if self.merged:
             return
         self._check_mergeable()
-        active = self.active_adapter == self.adapter_name  # otherwise (disabled, another adapter) nothing to add
+        active = (
+            self.active_adapter == self.adapter_name
+        )  # otherwise (disabled, another adapter) nothing to add
         if active:
             self._add_deltas(1.0)
         self.__dict__["_merged_adapter"] = self.adapter_name if active else None

@@ -55,7 +55,11 @@ class LoraLinearMixin(LoraLayer):
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         base_forward = next(
-            (vars(c)["forward"] for c in cls.__mro__ if "forward" in vars(c) and not issubclass(c, LoraLayer)),
+            (
+                vars(c)["forward"]
+                for c in cls.__mro__
+                if "forward" in vars(c) and not issubclass(c, LoraLayer)
+            ),
             None,
         )
         cls.fused_base = base_forward in LoraLinearMixin.linear_forwards
@@ -87,8 +91,16 @@ class LoraLinearMixin(LoraLayer):
         if self.use_dora:  # DoRA: the fused DoRA op (loragen.ops.dora), or peft's composition
             dora = dora_linear if self.fused else dora_linear_reference
             return dora(
-                x, self.weight, self._bias(), self.lora_A, self.lora_B, self.lora_magnitude_vector, self.scaling,
-                self.lora_dropout_p, self.training, fan_in_fan_out=transposed,
+                x,
+                self.weight,
+                self._bias(),
+                self.lora_A,
+                self.lora_B,
+                self.lora_magnitude_vector,
+                self.scaling,
+                self.lora_dropout_p,
+                self.training,
+                fan_in_fan_out=transposed,
             )
         if self.fused:
             y = siblings.forward(self, x)  # shares its down-projection with siblings reading x
@@ -96,7 +108,14 @@ class LoraLinearMixin(LoraLayer):
                 return y
         fn = lora_linear if self.fused else lora_linear_reference
         return fn(
-            x, self.weight, self._bias(), self.lora_A, self.lora_B, self.scaling, self.lora_dropout_p, self.training,
+            x,
+            self.weight,
+            self._bias(),
+            self.lora_A,
+            self.lora_B,
+            self.scaling,
+            self.lora_dropout_p,
+            self.training,
             fan_in_fan_out=transposed,
         )
 
@@ -118,8 +137,16 @@ class LoraLinearMixin(LoraLayer):
     def _dora_output(self, x: Tensor, factors: Factors, result: Tensor) -> Tensor:
         """peft's DoRA composition on the base output ``result`` (a base with its own forward)."""
         return dora_linear_reference(
-            x, self.weight, self._bias(), factors.factor_a, factors.factor_b, getattr(factors, MAGNITUDE),
-            factors.scaling, factors.lora_dropout_p, self.training, fan_in_fan_out=self.layout is TRANSPOSED,
+            x,
+            self.weight,
+            self._bias(),
+            factors.factor_a,
+            factors.factor_b,
+            getattr(factors, MAGNITUDE),
+            factors.scaling,
+            factors.lora_dropout_p,
+            self.training,
+            fan_in_fan_out=self.layout is TRANSPOSED,
             result=result,
         )
 

@@ -86,9 +86,17 @@ def mixed_batch(model: nn.Module, names: Sequence[str]) -> Iterator[nn.Module]:
             f"{', '.join(map(repr, known)) or 'no adapters'} (and {BASE_NAME!r} means none)"
         )
     if model.training:
-        raise MixedBatchError("mixed_batch is for inference: call model.eval() first (peft refuses it in training too)")
-    dora = sorted({n for layer in layers.values() for n in set(names) & set(adapter_names(layer))
-                   if adapter_factors(layer, n).use_dora})
+        raise MixedBatchError(
+            "mixed_batch is for inference: call model.eval() first (peft refuses it in training too)"
+        )
+    dora = sorted(
+        {
+            n
+            for layer in layers.values()
+            for n in set(names) & set(adapter_names(layer))
+            if adapter_factors(layer, n).use_dora
+        }
+    )
     if dora:
         raise MixedBatchError(
             f"mixed_batch: adapter(s) {', '.join(map(repr, dora))} use DoRA; a mixed batch with DoRA adapters is "

@@ -72,7 +72,9 @@ def register_layer(
         raise TypeError(f"register_layer: base_type={base_type!r} is not an nn.Module subclass")
     if isinstance(layout, str):
         if layout not in LAYOUTS:
-            raise ValueError(f"register_layer: layout={layout!r}; expected one of {', '.join(map(repr, LAYOUTS))}")
+            raise ValueError(
+                f"register_layer: layout={layout!r}; expected one of {', '.join(map(repr, LAYOUTS))}"
+            )
         layout = LAYOUTS[layout]
     if lora_class is None:
         if layout.name == "embedding":
@@ -81,7 +83,11 @@ def register_layer(
                 "loragen makes LoRA classes only for layers that behave like a Linear"
             )
         lora_class = derive_lora_class(LoraLinearMixin, base_type)
-    elif not (isinstance(lora_class, type) and issubclass(lora_class, LoraLayer) and issubclass(lora_class, base_type)):
+    elif not (
+        isinstance(lora_class, type)
+        and issubclass(lora_class, LoraLayer)
+        and issubclass(lora_class, base_type)
+    ):
         raise TypeError(
             f"register_layer: lora_class={lora_class!r} must derive from both loragen.LoraLayer and "
             f"{base_type.__qualname__}"

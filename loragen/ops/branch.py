@@ -131,7 +131,9 @@ class LoraBranchFunction(torch.autograd.Function):
                 if need_x:
                     grad_x = cpu_kernels.masked_grad_x(gh, lora_A, bits)
             else:
-                grad_x, grad_a = _masked_grads(x2, gh, lora_A, KeepMask(bits, in_features, dtype), need_x, need_a)
+                grad_x, grad_a = _masked_grads(
+                    x2, gh, lora_A, KeepMask(bits, in_features, dtype), need_x, need_a
+                )
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         return grad_out if need_base else None, grad_x, grad_a, grad_b, None, None, None, None

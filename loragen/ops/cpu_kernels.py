@@ -55,7 +55,6 @@ _library: ctypes.CDLL | None = None
 _status: str | None = None  # None: not tried yet; "" loaded; otherwise why not
 
 
-
 def _cache_dir() -> Path:
     return resources.kernel_cache_dir() / "cpu"
 
@@ -127,7 +126,9 @@ MAX_RANK = 256
 def available(dtype: torch.dtype = torch.float32, rank: int = 16) -> bool:
     """Whether the compiled kernels serve tensors of ``dtype`` (float32 only) and this rank (at most
     :data:`MAX_RANK`); compiles on first call."""
-    return switches.cpu_kernels.get() and dtype == torch.float32 and 0 < rank <= MAX_RANK and _load() is not None
+    return (
+        switches.cpu_kernels.get() and dtype == torch.float32 and 0 < rank <= MAX_RANK and _load() is not None
+    )
 
 
 def _pad_rank(t: Tensor, r16: int) -> Tensor:
@@ -169,7 +170,9 @@ def _check(name: str, **tensors: Tensor) -> None:
 
 def _check_bits(name: str, bits: Tensor, numel: int) -> None:
     if bits.numel() * 8 < numel:
-        raise ValueError(f"loragen.ops.cpu_kernels.{name}: bits has {bits.numel()} bytes for {numel} elements")
+        raise ValueError(
+            f"loragen.ops.cpu_kernels.{name}: bits has {bits.numel()} bytes for {numel} elements"
+        )
 
 
 def masked_down(x: Tensor, bits: Tensor, lora_A: Tensor, scale: float) -> Tensor:

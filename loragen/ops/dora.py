@@ -140,7 +140,9 @@ class DoraLinearFunction(torch.autograd.Function):
             bits = make_keep_bits(rows * in_features, dropout_p, seed, rng)
             xd = _dropped(x2, _keep_mask(bits, x2.shape), dropout_p)
         h = torch.mm(xd, lora_A.t())  # (N, r)
-        w = torch.mm(h * scaling, lora_B.t()).addmm_(xd, w_t)  # (N, out): the rank-r term, then the GEMM onto it
+        w = torch.mm(h * scaling, lora_B.t()).addmm_(
+            xd, w_t
+        )  # (N, out): the rank-r term, then the GEMM onto it
 
         # the output in its final shape, written through a 2-D view (callers may modify it in place)
         out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
@@ -279,7 +281,16 @@ def dora_linear(
             _logged_reasons.add(reason)
             _log.info("loragen.ops.dora_linear runs the plain composition: %s", reason)
         return dora_linear_reference(
-            x, weight, bias, lora_A, lora_B, magnitude, scaling, dropout_p, training, fan_in_fan_out=fan_in_fan_out
+            x,
+            weight,
+            bias,
+            lora_A,
+            lora_B,
+            magnitude,
+            scaling,
+            dropout_p,
+            training,
+            fan_in_fan_out=fan_in_fan_out,
         )
     p = dropout_p if dropout else 0.0
     return DoraLinearFunction.apply(

@@ -87,7 +87,9 @@ def _outer_hooks() -> tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | 
 
 
 @contextlib.contextmanager
-def recompute_on_backward(recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, float, ParameterLayout]]) -> Iterator[None]:
+def recompute_on_backward(
+    recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, float, ParameterLayout]],
+) -> Iterator[None]:
     """While active, tensors autograd saves that live in the storage of one of the effective weights
     (``recipes``' keys: the weight itself, an expert's slice, a transpose) are saved as a recipe and rebuilt
     when the backward unpacks them, instead of being kept alive. Every other saved tensor goes to the hooks
@@ -99,7 +101,8 @@ def recompute_on_backward(recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, fl
     """
     # no reference to the effective weights themselves: autograd keeps the hooks with what it saved
     by_storage = {
-        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _Recipe(*args)) for w, args in recipes.items()
+        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _Recipe(*args))
+        for w, args in recipes.items()
     }
     outer = _outer_hooks()
 

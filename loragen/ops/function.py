@@ -204,7 +204,14 @@ class LoraLinearFunction(torch.autograd.Function):
 
 
 def lora_output(
-    x2: Tensor, w_t: Tensor, bias: Tensor | None, h: Tensor, lora_B: Tensor, scaling: float, *, out: Tensor | None = None
+    x2: Tensor,
+    w_t: Tensor,
+    bias: Tensor | None,
+    h: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    *,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``b + h (s B^T) + x W^T`` for x2 (N, in), w_t (in, out), h (N, r), all of one dtype: the rank-r
     term first, then the base GEMM accumulates onto it (beta = 1; the module docstring says why)."""

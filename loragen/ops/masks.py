@@ -50,7 +50,9 @@ _KEEP_BITS = philox.THRESHOLD_BITS
 def check_rng(mode: str) -> None:
     """Raise ValueError unless ``mode`` is one of the generators."""
     if mode not in RNG_MODES:
-        raise ValueError(f"loragen.ops: dropout rng={mode!r}; expected one of {', '.join(map(repr, RNG_MODES))}")
+        raise ValueError(
+            f"loragen.ops: dropout rng={mode!r}; expected one of {', '.join(map(repr, RNG_MODES))}"
+        )
 
 
 def _keep_fraction(p: float) -> tuple[int, int]:
@@ -103,7 +105,9 @@ def philox_keep_bits(numel: int, p: float, seed: int, offset: int = 0) -> Tensor
     """
     threshold = philox.keep_threshold(p)
     if not (0 <= seed < 1 << 64 and 0 <= offset < 1 << 64):
-        raise ValueError(f"loragen.ops.philox_keep_bits: seed={seed}, offset={offset}; expected unsigned 64-bit")
+        raise ValueError(
+            f"loragen.ops.philox_keep_bits: seed={seed}, offset={offset}; expected unsigned 64-bit"
+        )
     calls = (numel + 63) // 64 * 8  # 8 elements per call, whole 64-bit words of output
     chunks = []
     for first in range(0, calls, _PHILOX_CHUNK):
@@ -168,7 +172,9 @@ class KeepMask:
         first, numel = start * self.in_features // 8, (stop - start) * self.in_features
         if self.bits_np is not None:
             packed = self.bits_np[first : first + (numel + 7) // 8]
-            return np.unpackbits(packed, count=numel, bitorder="little").view(np.bool_).reshape(stop - start, -1)
+            return (
+                np.unpackbits(packed, count=numel, bitorder="little").view(np.bool_).reshape(stop - start, -1)
+            )
         return unpack_keep_mask(self.bits[first:], numel).view(stop - start, self.in_features)
 
     def apply(self, src: Tensor, keep: Any, out: Tensor) -> Tensor:

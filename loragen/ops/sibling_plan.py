@@ -105,7 +105,9 @@ class _CallScanner(cst.CSTVisitor):
             and not node.args[0].star
             and isinstance(node.args[0].value, cst.Name)
         ):
-            self.calls.append((self._position(node), self._blocks[-1], func.attr.value, node.args[0].value.value))
+            self.calls.append(
+                (self._position(node), self._blocks[-1], func.attr.value, node.args[0].value.value)
+            )
 
 
 def _groups_in(source: str) -> tuple[tuple[str, ...], ...]:

@@ -168,7 +168,9 @@ class _GroupFunction(torch.autograd.Function):
             spec, weights, biases, h_all.split(ranks, dim=1), factors_b
         ):
             w_t = w if ffo else w.t()  # (in, out)
-            y = torch.empty(*x.shape[:-1], w_t.shape[1], dtype=x.dtype, device=x.device)  # final shape: no view escapes
+            y = torch.empty(
+                *x.shape[:-1], w_t.shape[1], dtype=x.dtype, device=x.device
+            )  # final shape: no view escapes
             lora_output(x2, w_t, b, h, lora_b, scaling, out=y.view(-1, w_t.shape[1]))
             ys.append(y)
         ctx.spec, ctx.ranks, ctx.x_shape, ctx.x_layout = spec, ranks, x.shape, input_layout(x)
@@ -222,6 +224,8 @@ class _GroupFunction(torch.autograd.Function):
                 for (_, ffo), g, w in zip(ctx.spec, g2s, weights):
                     if g is not None:  # ...then every member's base GEMM accumulates onto it
                         grad_x.addmm_(g, w.t() if ffo else w)
-                grad_x = shaped_like_input(grad_x, ctx.x_shape, ctx.x_layout)  # x's layout (function.input_layout)
+                grad_x = shaped_like_input(
+                    grad_x, ctx.x_shape, ctx.x_layout
+                )  # x's layout (function.input_layout)
         per_member = [t for i in range(k) for t in (grad_w[i], grad_bias[i], grad_a[i], grad_b[i])]
         return (grad_x, None, *per_member)

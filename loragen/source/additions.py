@@ -37,7 +37,11 @@ class ModuleLine:
 def _assigned_name(stmt: cst.CSTNode) -> str | None:
     if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
         small = stmt.body[0]
-        if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
+        if (
+            isinstance(small, cst.Assign)
+            and len(small.targets) == 1
+            and isinstance(small.targets[0].target, cst.Name)
+        ):
             return small.targets[0].target.value
     return None
 
@@ -50,12 +54,16 @@ def add_module_lines(tree: cst.Module, lines: list[ModuleLine]) -> cst.Module:
         existing = next((i for i, s in enumerate(body) if _assigned_name(s) == line.name), None)
         if existing is not None:
             stmt = body[existing]
-            assert isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Assign)  # checked
+            assert isinstance(stmt, cst.SimpleStatementLine) and isinstance(
+                stmt.body[0], cst.Assign
+            )  # checked
             if code_of(stmt.body[0].value) != line.value:
                 body[existing] = stmt.with_changes(body=[stmt.body[0].with_changes(value=value)])
             continue
         classes = {i: s.name.value for i, s in enumerate(body) if isinstance(s, cst.ClassDef)}
-        anchor = next((i for i, name in classes.items() if name == line.after), max(classes, default=len(body) - 1))
+        anchor = next(
+            (i for i, name in classes.items() if name == line.after), max(classes, default=len(body) - 1)
+        )
         statement = cst.parse_statement(f"{line.name} = {line.value}\n")
         leading = [
             cst.EmptyLine(indent=False),

@@ -86,7 +86,9 @@ def lora_convert(target: Any = None, config: LoraConfig | None = None) -> Any:
     """
     if isinstance(target, LoraConfig) or target is None:
         if config is not None:
-            raise LoraConvertError("lora_convert(config) takes one config; use lora_convert(cls, config) for a class")
+            raise LoraConvertError(
+                "lora_convert(config) takes one config; use lora_convert(cls, config) for a class"
+            )
         default = target
         return lambda cls: _expand(cls, default)
     if not isinstance(target, type):

@@ -49,7 +49,9 @@ def _takes_any(function: object) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-def lora_keywords(spec: LayerSpec, r: int, alpha: float, config: LoraConfig, existing: set[str]) -> dict[str, str]:
+def lora_keywords(
+    spec: LayerSpec, r: int, alpha: float, config: LoraConfig, existing: set[str]
+) -> dict[str, str]:
     """The LoRA keywords, as source text, that a targeted call of ``spec``'s type gets (see the module
     docstring); ``existing`` holds the keywords the call passes already.
 
@@ -65,7 +67,12 @@ def lora_keywords(spec: LayerSpec, r: int, alpha: float, config: LoraConfig, exi
         value = values[key] if key in values else getattr(config, key, inspect.Parameter.empty)
         if value is inspect.Parameter.empty:
             continue  # a protocol keyword the config has no field for: the layer's default applies
-        if key not in defaults and key not in _ALWAYS and value == protocol_default and not _takes_any(lora_class):
+        if (
+            key not in defaults
+            and key not in _ALWAYS
+            and value == protocol_default
+            and not _takes_any(lora_class)
+        ):
             continue  # a user's LoRA class without this keyword (say use_dora), at its usual value
         default = defaults.get(key, inspect.Parameter.empty)
         if key in _ALWAYS or key in existing or default is inspect.Parameter.empty or value != default:
@@ -73,7 +80,9 @@ def lora_keywords(spec: LayerSpec, r: int, alpha: float, config: LoraConfig, exi
     return wanted
 
 
-def edit_call(call: cst.Call, lora_name: str | None, keywords: dict[str, str], wrap: str | None = None) -> cst.Call:
+def edit_call(
+    call: cst.Call, lora_name: str | None, keywords: dict[str, str], wrap: str | None = None
+) -> cst.Call:
     """``call`` with callee ``lora_name`` (None: keep it) and ``keywords`` set, formatting kept.
 
     ``wrap`` (the indentation of the call's statement) says the line would grow too long: a call laid out
@@ -123,10 +132,14 @@ def _keyword_arg(key: str, text: str) -> cst.Arg:
 def _one_per_line(args: Sequence[cst.Arg]) -> bool:
     """Whether the arguments are laid out one per line with a trailing comma."""
     last = args[-1]
-    return isinstance(last.comma, cst.Comma) and isinstance(last.comma.whitespace_after, cst.ParenthesizedWhitespace)
+    return isinstance(last.comma, cst.Comma) and isinstance(
+        last.comma.whitespace_after, cst.ParenthesizedWhitespace
+    )
 
 
-def _append_args(call: cst.Call, args: list[cst.Arg], new: Sequence[cst.Arg], own_line: bool) -> list[cst.Arg]:
+def _append_args(
+    call: cst.Call, args: list[cst.Arg], new: Sequence[cst.Arg], own_line: bool
+) -> list[cst.Arg]:
     """``args`` followed by ``new``, laid out like ``args``; ``own_line``: ``new`` on a line of its own."""
     last = args[-1]
     if _one_per_line(args):  # one argument per line with a trailing comma: add ours the same way
@@ -234,7 +247,9 @@ class Editor(cst.CSTTransformer):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         factory = self.factories.get(id(original_node))
-        if factory is not None and isinstance(updated_node.func, cst.Attribute):  # LoraAutoModel.from_config(...)
+        if factory is not None and isinstance(
+            updated_node.func, cst.Attribute
+        ):  # LoraAutoModel.from_config(...)
             return updated_node.with_changes(func=updated_node.func.with_changes(value=cst.Name(factory)))
         edit = self.calls.get(id(original_node))
         if edit is None:
@@ -256,7 +271,9 @@ class Editor(cst.CSTTransformer):
     def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
         key = id(original_node)
         block = updated_node.body
-        if (key not in self.config_classes and key not in self.hooks) or not isinstance(block, cst.IndentedBlock):
+        if (key not in self.config_classes and key not in self.hooks) or not isinstance(
+            block, cst.IndentedBlock
+        ):
             return updated_node
         body = list(block.body)
         if key in self.config_classes:

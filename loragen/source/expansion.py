@@ -68,14 +68,20 @@ def _spellings(spec: LayerSpec, imports: _Imports) -> tuple[str, str] | None:
     return base, spec.lora_name
 
 
-def _subclass_spellings(module: str, field: LayerField, imports: _Imports, derived: dict[str, str]) -> tuple[str, str] | None:
+def _subclass_spellings(
+    module: str, field: LayerField, imports: _Imports, derived: dict[str, str]
+) -> tuple[str, str] | None:
     """How the generated code names a layer subclass of the class's own file and its LoRA class
     (``LoraFalconLinear = lora_class_for(FalconLinear)``), or None when the subclass cannot be imported."""
     subclass = field.subclass
     assert subclass is not None  # only called for subclass fields
     if not importable(f"{module}.{subclass}", getattr(sys.modules.get(module), subclass, None)):
         return None
-    if not (imports.add(module, subclass) and imports.add(*LORA_CLASS_FOR) and imports.add("<derived>", field.lora_name)):
+    if not (
+        imports.add(module, subclass)
+        and imports.add(*LORA_CLASS_FOR)
+        and imports.add("<derived>", field.lora_name)
+    ):
         return None
     derived[field.lora_name] = f"{field.lora_name} = lora_class_for({subclass})"
     return subclass, field.lora_name
@@ -115,13 +121,17 @@ def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lor
             reason = f"not targeted by {CONFIG_NAME}"
         elif depth > 1:
             reason = "runtime path: nested in more than one container"
-        elif spec is None or (
-            spelled := (
-                _spellings(spec, imports)
-                if fields[0].subclass is None
-                else _subclass_spellings(cls.__module__, fields[0], imports, derived)
+        elif (
+            spec is None
+            or (
+                spelled := (
+                    _spellings(spec, imports)
+                    if fields[0].subclass is None
+                    else _subclass_spellings(cls.__module__, fields[0], imports, derived)
+                )
             )
-        ) is None:
+            is None
+        ):
             reason = "runtime path: its classes cannot be imported by name"
         else:
             base, lora = spelled
@@ -143,8 +153,15 @@ def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lor
     branches.sort(key=lambda b: b["container"])  # a container branch must not shadow a direct one
     rows: list[tuple[str, str, str]] = []
     for f in scan.fields:
-        extra = [n for n in (f"in {f.container}" if f.container else "", "conditional" if f.conditional else "",
-                             notes.get(id(f), "")) if n]
+        extra = [
+            n
+            for n in (
+                f"in {f.container}" if f.container else "",
+                "conditional" if f.conditional else "",
+                notes.get(id(f), ""),
+            )
+            if n
+        ]
         where = f"{short}:{f.location.line}" + (f" ({', '.join(extra)})" if extra else "")
         layer = f"{f.subclass}({f.layer})" if f.subclass else f.layer
         rows.append((f.pattern, f"{layer} -> {f.lora_name}", where))

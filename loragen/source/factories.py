@@ -22,7 +22,14 @@ import libcst as cst
 
 from loragen.source.syntax import code_of
 
-__all__ = ["AUTO_METHODS", "LORA_AUTO_CLASS", "AutoFactory", "auto_bindings", "auto_factory", "lora_auto_name"]
+__all__ = [
+    "AUTO_METHODS",
+    "LORA_AUTO_CLASS",
+    "AutoFactory",
+    "auto_bindings",
+    "auto_factory",
+    "lora_auto_name",
+]
 
 AUTO_METHODS = ("from_config",)
 LORA_AUTO_CLASS = ("loragen.source.composite", "lora_auto_class")  # where a rewritten file imports it from
@@ -49,7 +56,9 @@ def auto_bindings(body: list[cst.CSTNode], qualnames: Qualnames) -> dict[str, st
         if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
             continue
         small = stmt.body[0]
-        if not (isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.value, cst.Call)):
+        if not (
+            isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.value, cst.Call)
+        ):
             continue
         target, value = small.targets[0].target, small.value
         if isinstance(target, cst.Name) and value.args and qualnames(value.func) & _LORA_AUTO_CLASS_NAMES:

@@ -228,5 +228,3 @@ class ScannedModule:
     lora_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
     factories: dict[int, tuple[cst.Call, FactoryCall]] = dataclasses.field(default_factory=dict)
     auto_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
-
-

@@ -32,7 +32,6 @@ CONTAINERS = {
 _COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
 
 
-
 class LayerMatch(NamedTuple):
     """What a constructor call builds: the registered type's spec, whether the call builds the LoRA class
     already, and for a layer subclass defined in the file its name and the name of its LoRA class."""
@@ -104,7 +103,9 @@ class Resolver:
         # the file's own layer subclasses (FalconLinear -> nn.Linear's spec) and the names bound to their
         # LoRA classes (LoraFalconLinear -> FalconLinear), see loragen.source.subclasses
         top_level = {s.name.value: s for s in self.skeleton.body if isinstance(s, cst.ClassDef)}
-        self.layer_subclasses = layer_subclasses(top_level, self.layer_names, self.qualnames, self.local_class)
+        self.layer_subclasses = layer_subclasses(
+            top_level, self.layer_names, self.qualnames, self.local_class
+        )
         self.lora_bindings = lora_bindings(list(self.skeleton.body), self.layer_subclasses, self.qualnames)
         self.auto_bindings = auto_bindings(list(self.skeleton.body), self.qualnames)
         self.star_imports: list[str] = []
@@ -215,4 +216,6 @@ class Resolver:
             return SourceLocation(self.filename, 1, 0)
         mini = md.MetadataWrapper(cst.Module(body=[func]), unsafe_skip_copy=True).resolve(md.PositionProvider)
         offset = mini[node].start.line - mini[func].start.line
-        return SourceLocation(self.filename, self.positions[stub].start.line + offset, mini[node].start.column)
+        return SourceLocation(
+            self.filename, self.positions[stub].start.line + offset, mini[node].start.column
+        )

@@ -46,9 +46,14 @@ def _syntax_error(code: str, filename: str, exc: Exception) -> ScanError:
         return ScanError(str(other), filename=filename, line=1)
     if isinstance(exc, cst.ParserSyntaxError):
         return ScanError(
-            f"libcst cannot parse this: {exc.message}", filename=filename, line=exc.raw_line, column=exc.raw_column
+            f"libcst cannot parse this: {exc.message}",
+            filename=filename,
+            line=exc.raw_line,
+            column=exc.raw_column,
         )
-    return ScanError(f"libcst cannot parse this: {exc}", filename=filename, line=getattr(exc, "lineno", None) or 1)
+    return ScanError(
+        f"libcst cannot parse this: {exc}", filename=filename, line=getattr(exc, "lineno", None) or 1
+    )
 
 
 def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef]]:

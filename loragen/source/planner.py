@@ -56,7 +56,9 @@ class RewritePlanner:
         self.edits: dict[int, tuple[str | None, dict[str, str], str | None]] = {}
         self.rewritten: list[RewrittenCall] = []
         self.derived: dict[str, str] = {}  # layer subclass of the file -> the name its LoRA class gets
-        self.auto_classes: dict[str, str] = {}  # LoRA auto class -> the auto class (LoraAutoModel -> AutoModel)
+        self.auto_classes: dict[
+            str, str
+        ] = {}  # LoRA auto class -> the auto class (LoraAutoModel -> AutoModel)
         self.factory_edits: dict[int, str] = {}  # id(AutoModel.from_config call) -> LoraAutoModel
 
     def _error(self, line: int, message: str) -> None:
@@ -69,10 +71,17 @@ class RewritePlanner:
         self.rewritten.sort(key=lambda c: (c.field.location.line, c.field.location.column))
         self._warn_non_layer_targets()
         if self.config.target_parameters:  # parameters have no constructor call to swap: say so, keep none
-            self.warnings.append(Diagnostic(self.filename, 1, (
-                f"target_parameters={list(self.config.target_parameters)} is not written into the source (a "
-                "parameter has no constructor call to swap) and is left out of LORA_CONFIG; adapt those "
-                "parameters with loragen.get_lora_model or @lora_convert on the original classes")))
+            self.warnings.append(
+                Diagnostic(
+                    self.filename,
+                    1,
+                    (
+                        f"target_parameters={list(self.config.target_parameters)} is not written into the source (a "
+                        "parameter has no constructor call to swap) and is left out of LORA_CONFIG; adapt those "
+                        "parameters with loragen.get_lora_model or @lora_convert on the original classes"
+                    ),
+                )
+            )
         self._plan_factories()
         active = bool(self.rewritten or self.auto_classes)
         hooks: dict[int, str] = {}
@@ -92,14 +101,20 @@ class RewritePlanner:
         if self.errors:
             return self._result(self.code)
         if active:
-            tree = add_preamble(tree, missing, config_literal(self.config.replace(target_parameters=None), column=len(CONFIG_NAME) + 3))
+            tree = add_preamble(
+                tree,
+                missing,
+                config_literal(self.config.replace(target_parameters=None), column=len(CONFIG_NAME) + 3),
+            )
         tree = add_module_lines(tree, self._module_lines())
         return self._result(tree.code)
 
     def _plan_factories(self) -> None:
         """Sub-models built by transformers' auto classes: each call builds through the LoRA auto class, and
         is reported at its line (the rewrite cannot tell statically which class it builds)."""
-        for call_id, (_, factory) in sorted(self.scanned.factories.items(), key=lambda item: item[1][1].location.line):
+        for call_id, (_, factory) in sorted(
+            self.scanned.factories.items(), key=lambda item: item[1][1].location.line
+        ):
             self.auto_classes[factory.lora_name] = factory.auto_class
             if not factory.is_lora:
                 self.factory_edits[call_id] = factory.lora_name
@@ -233,7 +248,9 @@ class RewritePlanner:
         owners of rewritten fields and the hook's class, each unless it inherits it from one of them."""
         nodes = class_definitions(self.scanned.tree.body)
         hooks: dict[int, str] = {}
-        holders = {c.field.owner for c in self.rewritten} | {f.owner for _, f in self.scanned.factories.values()}
+        holders = {c.field.owner for c in self.rewritten} | {
+            f.owner for _, f in self.scanned.factories.values()
+        }
         for scan in self.result.classes:
             # the topmost PreTrainedModel subclass of the file gets the hook; its subclasses inherit it
             if not any(b in PRETRAINED for b in scan.base_names) or any(
@@ -361,6 +378,7 @@ class RewritePlanner:
             warnings=tuple(sorted(set(self.warnings), key=lambda d: d.line)),
             errors=errors,
             sub_models=tuple(
-                f"{f.owner}.{f.path}" for _, f in sorted(self.scanned.factories.values(), key=lambda i: i[1].location.line)
+                f"{f.owner}.{f.path}"
+                for _, f in sorted(self.scanned.factories.values(), key=lambda i: i[1].location.line)
             ),
         )

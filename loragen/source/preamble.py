@@ -93,7 +93,9 @@ def _bound_by(small: cst.BaseSmallStatement) -> dict[str, Binding]:
             out[bound] = Binding(source, imported)
         return out
     if isinstance(small, cst.Import):
-        return {code_of(a.asname.name if a.asname else a.name).partition(".")[0]: Binding() for a in small.names}
+        return {
+            code_of(a.asname.name if a.asname else a.name).partition(".")[0]: Binding() for a in small.names
+        }
     if isinstance(small, (cst.Assign, cst.AnnAssign)):
         targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
         return {t.value: Binding() for t in targets if isinstance(t, cst.Name)}
@@ -160,7 +162,9 @@ def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_
             new.append(cst.parse_statement(f"from {module} import {', '.join(names)}\n"))
     position = _import_position(body)
     if new and position > 0 and not _is_loragen_import(body[position - 1]):
-        new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)])  # loragen's imports in a group of their own
+        new[0] = new[0].with_changes(
+            leading_lines=[cst.EmptyLine(indent=False)]
+        )  # loragen's imports in a group of their own
     body[position:position] = new
     position += len(new)
     value = cst.parse_expression(config_code)
@@ -180,5 +184,10 @@ def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_
 def _is_loragen_import(stmt: Statement) -> bool:
     if not isinstance(stmt, cst.SimpleStatementLine):
         return False
-    return any(isinstance(s, cst.ImportFrom) and s.module is not None and not s.relative
-               and _is_loragen(code_of(s.module)) for s in stmt.body)
+    return any(
+        isinstance(s, cst.ImportFrom)
+        and s.module is not None
+        and not s.relative
+        and _is_loragen(code_of(s.module))
+        for s in stmt.body
+    )

@@ -104,7 +104,9 @@ def rewrite_source(
     """
     name = filename or "<string>"
     if not isinstance(code, str):
-        return RewriteResult(str(code), False, name, errors=(Diagnostic(name, 1, "the source must be a str"),))
+        return RewriteResult(
+            str(code), False, name, errors=(Diagnostic(name, 1, "the source must be a str"),)
+        )
 
     def failed(line: int, message: str) -> RewriteResult:
         return RewriteResult(code, False, name, errors=(Diagnostic(name, line, message),))
@@ -112,7 +114,10 @@ def rewrite_source(
     if not isinstance(config, LoraConfig):
         return failed(1, f"config must be a loragen.LoraConfig, got {type(config).__name__}")
     if config.target_modules is None:
-        return failed(1, "LoraConfig.target_modules is None: name the modules to adapt (e.g. --target-modules q_proj,v_proj)")
+        return failed(
+            1,
+            "LoraConfig.target_modules is None: name the modules to adapt (e.g. --target-modules q_proj,v_proj)",
+        )
     try:
         scanned = scan_module(code, filename=name, module=_module_name(filename, package), package=package)
         return RewritePlanner(code, config, name, package if absolute_imports else None, scanned).run()

@@ -78,7 +78,9 @@ def _base_spec(
     return None
 
 
-def lora_bindings(body: list[cst.CSTNode], subclasses: Mapping[str, LayerSpec], qualnames: Qualnames) -> dict[str, str]:
+def lora_bindings(
+    body: list[cst.CSTNode], subclasses: Mapping[str, LayerSpec], qualnames: Qualnames
+) -> dict[str, str]:
     """Module-level ``Name = lora_class_for(Subclass)`` lines: bound name -> subclass, for the subclasses of
     ``subclasses`` (a previous rewrite's lines)."""
     found: dict[str, str] = {}

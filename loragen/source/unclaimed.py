@@ -64,7 +64,8 @@ class _Finder(cst.CSTVisitor):
                 "not converted",
             )
         elif isinstance(node.func, (cst.Name, cst.Attribute)) and any(
-            n.startswith(".") and n.rpartition(".")[2] in names.short_layer_names for n in names.qualnames(node.func)
+            n.startswith(".") and n.rpartition(".")[2] in names.short_layer_names
+            for n in names.qualnames(node.func)
         ):
             self._report(
                 node,

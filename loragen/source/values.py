@@ -186,7 +186,9 @@ class ValueFollower:
             keywords = [a.keyword.value for a in node.args if a.keyword is not None]
             if len(keywords) == len(node.args):  # dict(a=..., b=...)
                 for keyword, a in zip(keywords, node.args):
-                    self.value(a.value, dataclasses.replace(site, path=f"{site.path}.{keyword}", container=kind))
+                    self.value(
+                        a.value, dataclasses.replace(site, path=f"{site.path}.{keyword}", container=kind)
+                    )
                 return
             node = node.args[0].value
         if isinstance(node, cst.Dict):
@@ -225,7 +227,11 @@ class ValueFollower:
         factory = self.names.auto_factory(call)
         if factory is not None:  # self.language_model = AutoModel.from_config(config.text_config)
             auto_class, is_lora = factory
-            name = code_of(func.value) if is_lora and isinstance(func, cst.Attribute) else lora_auto_name(auto_class)
+            name = (
+                code_of(func.value)
+                if is_lora and isinstance(func, cst.Attribute)
+                else lora_auto_name(auto_class)
+            )
             item = FactoryCall(
                 self.owner, site.attribute, site.path, auto_class, name, self.names.loc(call), is_lora
             )
@@ -271,7 +277,9 @@ class ValueFollower:
         if external and _looks_like_class(external[0]):
             self._submodule(site, call, external[0], None, site.conditional)
 
-    def _submodule(self, site: Site, call: cst.Call, callee: str, local: str | None, conditional: bool) -> None:
+    def _submodule(
+        self, site: Site, call: cst.Call, callee: str, local: str | None, conditional: bool
+    ) -> None:
         location = self.names.loc(call)
         self.submodules.append(
             SubmoduleField(self.owner, site.attribute, site.path, callee, location, local, conditional)

@@ -35,8 +35,12 @@ from loragen.training.distributed import unwrap_model
 __all__ = ["make_trainer_callback_class"]
 
 # Trainer's names for the full-model weight files of a checkpoint (transformers.utils constants)
-_MODEL_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                       "pytorch_model.bin.index.json")
+_MODEL_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def _checkpoint_dir(output_dir: str, step: int) -> Path:
@@ -51,7 +55,9 @@ def _keep_only_trainable_weights(folder: Path, model: nn.Module) -> None:
             for shard in set(json.loads(path.read_text()).get("weight_map", {}).values()):
                 (folder / shard).unlink(missing_ok=True)
         path.unlink(missing_ok=True)
-    trainable = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+    trainable = {
+        name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad
+    }
     with atomic_file(folder / "model.safetensors") as tmp:
         save_file(trainable, str(tmp), metadata={"format": "pt"})
 
@@ -80,7 +86,9 @@ def make_trainer_callback_class() -> type:
         def __init__(self, adapter_only: bool = False) -> None:
             self.adapter_only = bool(adapter_only)
 
-        def on_save(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        def on_save(
+            self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+        ) -> None:
             if not state.is_world_process_zero:
                 return
             folder = _checkpoint_dir(args.output_dir, state.global_step)
@@ -103,4 +111,3 @@ def __getattr__(name: str) -> Any:
             _class = make_trainer_callback_class()
         return _class
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-

@@ -16,8 +16,14 @@ from loragen.cli import main
 from loragen.errors import AdapterError
 from tests.layers.experts_models import make, peft, tokens
 
-CONFIG = {"r": 2, "lora_alpha": 6, "target_modules": ["q_proj"], "init_lora_weights": False,
-          "target_parameters": ["experts.gate_up_proj", "experts.down_proj"], "rank_pattern": {"down_proj": 3}}
+CONFIG = {
+    "r": 2,
+    "lora_alpha": 6,
+    "target_modules": ["q_proj"],
+    "init_lora_weights": False,
+    "target_parameters": ["experts.gate_up_proj", "experts.down_proj"],
+    "rank_pattern": {"down_proj": 3},
+}
 
 
 def _loragen_model(kind: str, seed: int = 5) -> torch.nn.Module:
@@ -52,7 +58,9 @@ def test_loragen_loads_what_peft_saves(kind: str, tmp_path: Path) -> None:
     reference = _peft_model(kind)
     reference.save_pretrained(tmp_path / "adapter")
     plain = loragen.load_adapter(make(kind), tmp_path / "adapter")  # strict: no missing, no unexpected key
-    converted = loragen.load_adapter(_loragen_model(kind, seed=9), tmp_path / "adapter")  # into existing factors
+    converted = loragen.load_adapter(
+        _loragen_model(kind, seed=9), tmp_path / "adapter"
+    )  # into existing factors
     ids = tokens()
     with torch.no_grad():
         want = reference(ids).logits
@@ -72,7 +80,9 @@ def test_a_wrong_rank_is_reported_and_nothing_changes(tmp_path: Path) -> None:
     _peft_model("mixtral").save_pretrained(tmp_path / "adapter")
     model = loragen.get_lora_model(make("mixtral"), loragen.LoraConfig(**{**CONFIG, "rank_pattern": {}}))  # type: ignore[arg-type]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(AdapterError, match=r"experts.lora_B.weight: expected shape \(16, 8\), found \(16, 12\)"):
+    with pytest.raises(
+        AdapterError, match=r"experts.lora_B.weight: expected shape \(16, 8\), found \(16, 12\)"
+    ):
         loragen.load_adapter(model, tmp_path / "adapter")
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
@@ -90,10 +100,14 @@ def test_merged_model_matches_peft_merge(tmp_path: Path) -> None:
 
 def test_loragen_merge_refuses_expert_adapters_by_key_and_writes_nothing(tmp_path: Path) -> None:
     base = make("mixtral")
-    safetensors.torch.save_file({k: v.contiguous() for k, v in base.state_dict().items()}, tmp_path / "base.safetensors")
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in base.state_dict().items()}, tmp_path / "base.safetensors"
+    )
     _peft_model("mixtral").save_pretrained(tmp_path / "adapter")
     out = tmp_path / "out.safetensors"
-    with pytest.raises(MergeError, match=r"target_parameters=.*model\.layers\.0\.mlp\.experts\.base_layer\.lora_A\.weight"):
+    with pytest.raises(
+        MergeError, match=r"target_parameters=.*model\.layers\.0\.mlp\.experts\.base_layer\.lora_A\.weight"
+    ):
         merge_checkpoint(tmp_path / "base.safetensors", tmp_path / "adapter", out)
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.safetensors"]
@@ -101,14 +115,27 @@ def test_loragen_merge_refuses_expert_adapters_by_key_and_writes_nothing(tmp_pat
 
 def test_the_merge_command_refuses_them_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = make("olmoe")
-    safetensors.torch.save_file({k: v.contiguous() for k, v in base.state_dict().items()}, tmp_path / "base.safetensors")
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in base.state_dict().items()}, tmp_path / "base.safetensors"
+    )
     loragen.save_adapter(_loragen_model("olmoe"), tmp_path / "adapter")
-    argv = ["merge", "--base", str(tmp_path / "base.safetensors"), "--adapter", str(tmp_path / "adapter"),
-            "-o", str(tmp_path / "out.safetensors")]
+    argv = [
+        "merge",
+        "--base",
+        str(tmp_path / "base.safetensors"),
+        "--adapter",
+        str(tmp_path / "adapter"),
+        "-o",
+        str(tmp_path / "out.safetensors"),
+    ]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "loragen merge: error: the adapter adapts parameters directly" in err
-    assert "model.layers.0.mlp.experts.lora_B.weight" in err and "(2 more)" in err and "nothing was written" in err
+    assert (
+        "model.layers.0.mlp.experts.lora_B.weight" in err
+        and "(2 more)" in err
+        and "nothing was written" in err
+    )
     assert not (tmp_path / "out.safetensors").exists()
 
 

@@ -145,8 +145,12 @@ def test_mixed_batch_equals_peft(pair: tuple[str, peft.PeftModel, nn.Module]) ->
 
 @pytest.mark.parametrize(
     ("combination", "adapters", "weights"),
-    [("cat", ["default", "other"], [0.7, -0.4]), ("linear", ["default", "third"], [0.6, 0.5]),
-     ("svd", ["default", "other"], [1.0, 0.5]), ("linear", ["other"], [2.0])],
+    [
+        ("cat", ["default", "other"], [0.7, -0.4]),
+        ("linear", ["default", "third"], [0.6, 0.5]),
+        ("svd", ["default", "other"], [1.0, 0.5]),
+        ("linear", ["other"], [2.0]),
+    ],
 )
 def test_weighted_adapter_equals_peft(
     pair: tuple[str, peft.PeftModel, nn.Module], combination: str, adapters: list[str], weights: list[float]
@@ -249,7 +253,9 @@ def test_loading_a_further_adapter_is_all_or_nothing(tmp_path: Path) -> None:
     # "other"'s file under a config of another rank: the factors do not fit
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "adapter_model.safetensors").write_bytes((tmp_path / "peft/other/adapter_model.safetensors").read_bytes())
+    (bad / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "peft/other/adapter_model.safetensors").read_bytes()
+    )
     config = LoraConfig(**{**CASES["llama"]["other"], "r": 3}).to_peft()
     (bad / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(loragen.AdapterError, match="shape mismatch"):
@@ -261,7 +267,9 @@ def test_loading_a_further_adapter_is_all_or_nothing(tmp_path: Path) -> None:
         assert torch.equal(model.state_dict()[key], value), key
 
 
-def test_training_the_active_adapter_gives_peft_gradients(pair: tuple[str, peft.PeftModel, nn.Module]) -> None:
+def test_training_the_active_adapter_gives_peft_gradients(
+    pair: tuple[str, peft.PeftModel, nn.Module],
+) -> None:
     kind, theirs, ours = pair
     theirs.set_adapter("other")
     loragen.set_adapter(ours, "other")

@@ -86,7 +86,10 @@ def test_cli_invalid_python_exits_nonzero_with_file_line_and_writes_nothing(
     [
         (["missing.py", "--target-modules", "q"], "missing.py: no such file or folder"),
         (["{src}/a.py"], "no target modules"),
-        (["{src}/a.py", "--target-modules", r".*\.q"], "looks like a regular expression. Pass it as --target-regex"),
+        (
+            ["{src}/a.py", "--target-modules", r".*\.q"],
+            "looks like a regular expression. Pass it as --target-regex",
+        ),
         (["{src}/a.py", "--target-modules", ","], "--target-modules is empty"),
         (["{src}", "--target-modules", "q"], "2 files to rewrite: use -o FOLDER, --in-place or --diff"),
         (["{src}/a.py", "--target-modules", "q", "--lora-dropout", "2"], "lora_dropout=2.0"),
@@ -155,9 +158,17 @@ def test_flags_are_peft_field_names_and_the_help_shows_the_defaults():
     subparsers = argparse.ArgumentParser(prog="loragen").add_subparsers()
     rewrite_command.register(subparsers)
     text = subparsers.choices["rewrite"].format_help()
-    for flag in ("--r N", "--lora-alpha A", "--lora-dropout P", "--target-modules A,B", "--target-regex REGEX"):
+    for flag in (
+        "--r N",
+        "--lora-alpha A",
+        "--lora-dropout P",
+        "--target-modules A,B",
+        "--target-regex REGEX",
+    ):
         assert flag in text
     assert "--rank" not in text
     defaults = LoraConfig()
-    assert f"--r {defaults.r} --lora-alpha {defaults.lora_alpha:g} -o" in text  # the example uses the defaults
+    assert (
+        f"--r {defaults.r} --lora-alpha {defaults.lora_alpha:g} -o" in text
+    )  # the example uses the defaults
     assert f"lora_alpha={defaults.lora_alpha:g})" in text

@@ -22,8 +22,15 @@ VOCAB = 64
 def mixtral() -> nn.Module:
     """Mixtral, 2 layers, 4 experts (``gate_up_proj (4, 48, 16)``, ``down_proj (4, 16, 24)``)."""
     config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
     )
     return transformers.MixtralForCausalLM(config)
 
@@ -31,9 +38,19 @@ def mixtral() -> nn.Module:
 def qwen3_moe() -> nn.Module:
     """Qwen3-MoE, 2 sparse layers, 4 experts."""
     config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=20, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=32,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=20,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=32,
     )
     return transformers.Qwen3MoeForCausalLM(config)
 
@@ -41,8 +58,15 @@ def qwen3_moe() -> nn.Module:
 def olmoe() -> nn.Module:
     """OLMoE, 2 layers, 4 experts."""
     config = transformers.OlmoeConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=20, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=20,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
     )
     return transformers.OlmoeForCausalLM(config)
 
@@ -63,7 +87,9 @@ def tokens(seed: int = 1, shape: tuple[int, int] = (2, 9)) -> torch.Tensor:
 
 def peft_twin(base: nn.Module, lora_model: nn.Module, config: loragen.LoraConfig) -> nn.Module:
     """peft's model of ``config`` on a copy of ``base``, holding ``lora_model``'s factor values."""
-    peft_config = peft.LoraConfig(**{k: v for k, v in config.to_peft().items() if k not in ("peft_type", "inference_mode")})
+    peft_config = peft.LoraConfig(
+        **{k: v for k, v in config.to_peft().items() if k not in ("peft_type", "inference_mode")}
+    )
     twin = peft.get_peft_model(copy.deepcopy(base), peft_config)
     tensors = adapter_state_dict(lora_model, config)
     result = peft.set_peft_model_state_dict(twin, tensors)

@@ -40,8 +40,13 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     bitsandbytes' AVX512-BF16 CPU layout needs)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, max_position_embeddings=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=64,
     )
     path = tmp_path_factory.mktemp("tiny_llama")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -54,7 +59,9 @@ def load_quantized(path: Path, fmt: tuple, dtype: torch.dtype = torch.float32) -
         quantization = transformers.BitsAndBytesConfig(load_in_8bit=True)
     else:
         quantization = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant_type,
+            bnb_4bit_use_double_quant=double,
             bnb_4bit_compute_dtype=compute,
         )
     with warnings.catch_warnings():
@@ -89,7 +96,9 @@ def tokens(seed: int = 0) -> torch.Tensor:
 def test_conversion_makes_quantized_lora_layers(llama_dir: Path, fmt: tuple) -> None:
     import bitsandbytes as bnb
 
-    model = loragen.get_lora_model(load_quantized(llama_dir, fmt), loragen.LoraConfig(r=4, target_modules="all-linear"))
+    model = loragen.get_lora_model(
+        load_quantized(llama_dir, fmt), loragen.LoraConfig(r=4, target_modules="all-linear")
+    )
     layers = find_lora_layers(model)
     base_type = bnb.nn.Linear8bitLt if fmt[0] == "8bit" else bnb.nn.Linear4bit
     assert len(layers) == 14 and all(isinstance(layer, base_type) for layer in layers.values())
@@ -112,15 +121,21 @@ def test_outputs_and_gradients_match_peft(llama_dir: Path, fmt: tuple) -> None:
     actual.square().mean().backward()
     for name, layer in layers.items():
         theirs = peft_model.base_model.model.get_submodule(name)
-        torch.testing.assert_close(layer.lora_A.grad, theirs.lora_A["default"].weight.grad, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(layer.lora_B.grad, theirs.lora_B["default"].weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            layer.lora_A.grad, theirs.lora_A["default"].weight.grad, rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(
+            layer.lora_B.grad, theirs.lora_B["default"].weight.grad, rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("fmt", FORMATS[:2] + FORMATS[4:], ids=["nf4-fp32", "nf4-dq-bf16", "int8"])
 def test_base_output_is_bitsandbytes_own(llama_dir: Path, fmt: tuple) -> None:
     """With B = 0 (peft's init) the model computes exactly what the quantized model computes alone."""
     plain = load_quantized(llama_dir, fmt)
-    ours = loragen.get_lora_model(load_quantized(llama_dir, fmt), loragen.LoraConfig(r=4, target_modules="all-linear"))
+    ours = loragen.get_lora_model(
+        load_quantized(llama_dir, fmt), loragen.LoraConfig(r=4, target_modules="all-linear")
+    )
     plain.train()
     ours.train()
     x = tokens(3)
@@ -140,7 +155,8 @@ def test_bfloat16_model_matches_peft_bit_for_bit(llama_dir: Path) -> None:
 def test_dropout_mask_follows_torch_seed(llama_dir: Path) -> None:
     """With dropout the fused branch draws its mask from torch's generator: one seed, one mask."""
     model = loragen.get_lora_model(
-        load_quantized(llama_dir, FORMATS[0]), loragen.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.3)
+        load_quantized(llama_dir, FORMATS[0]),
+        loragen.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.3),
     )
     with torch.no_grad():
         for layer in find_lora_layers(model).values():
@@ -159,7 +175,9 @@ def test_dropout_mask_follows_torch_seed(llama_dir: Path) -> None:
 
 
 def test_output_may_be_modified_in_place(llama_dir: Path) -> None:
-    model = loragen.get_lora_model(load_quantized(llama_dir, FORMATS[0]), loragen.LoraConfig(r=4, target_modules=["q_proj"]))
+    model = loragen.get_lora_model(
+        load_quantized(llama_dir, FORMATS[0]), loragen.LoraConfig(r=4, target_modules=["q_proj"])
+    )
     model.train()  # (an empty input in eval mode crashes bitsandbytes' AVX512-BF16 CPU kernel itself)
     layer = model.model.layers[0].self_attn.q_proj
     x = torch.randn(3, 5, 64, requires_grad=True)
@@ -223,7 +241,9 @@ def test_merge_requantizes_as_peft_and_unmerge_restores(llama_dir: Path, fmt: tu
 
 
 def test_merge_warning_reports_the_rounding(llama_dir: Path) -> None:
-    model = loragen.get_lora_model(load_quantized(llama_dir, FORMATS[0]), loragen.LoraConfig(r=4, target_modules=["q_proj"]))
+    model = loragen.get_lora_model(
+        load_quantized(llama_dir, FORMATS[0]), loragen.LoraConfig(r=4, target_modules=["q_proj"])
+    )
     layer = model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         layer.lora_B.normal_()
@@ -269,8 +289,9 @@ def test_loragen_imports_without_bitsandbytes() -> None:
         "    print('refused')\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "refused"
 
@@ -279,7 +300,9 @@ def test_constructors_are_the_bitsandbytes_ones_plus_lora_keywords() -> None:
     from loragen.layers.bnb import LoraLinear4bit, LoraLinear8bitLt
 
     torch.manual_seed(0)
-    layer4 = LoraLinear4bit(64, 32, quant_type="nf4", compute_dtype=torch.float32, r=4, lora_alpha=8).to("cpu")
+    layer4 = LoraLinear4bit(64, 32, quant_type="nf4", compute_dtype=torch.float32, r=4, lora_alpha=8).to(
+        "cpu"
+    )
     layer8 = LoraLinear8bitLt(64, 32, has_fp16_weights=False, r=4).to("cpu")
     x = torch.randn(5, 64)
     for layer in (layer4, layer8):
@@ -294,14 +317,17 @@ def test_named_adapters_on_a_quantized_model(llama_dir: Path) -> None:
     exactly; switching back gives the first adapter's output again."""
     plain = load_quantized(llama_dir, FORMATS[0]).train()
     model = loragen.get_lora_model(
-        load_quantized(llama_dir, FORMATS[0]), loragen.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+        load_quantized(llama_dir, FORMATS[0]),
+        loragen.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
     ).train()
     x = tokens(9)
     with torch.no_grad():
         first = model(x).logits
         with loragen.disable_adapter(model):
             assert torch.equal(model(x).logits, plain(x).logits)
-        loragen.add_adapter(model, loragen.LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False), "two")
+        loragen.add_adapter(
+            model, loragen.LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False), "two"
+        )
         loragen.set_adapter(model, "two")
         second = model(x).logits
         assert not torch.allclose(second, first)

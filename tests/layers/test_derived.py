@@ -53,6 +53,7 @@ def _lora_block(seed: int = 0) -> Block:
 
 def _reference(block: Block, x: torch.Tensor) -> torch.Tensor:
     """base forward + scaling * B A x for every LoRA layer, computed by hand."""
+
     def branch(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return h @ layer.lora_A.t() @ layer.lora_B.t() * layer.scaling
 
@@ -66,8 +67,14 @@ def test_subclasses_convert_with_their_own_forward_and_keep_their_state() -> Non
     assert type(block.proj).__name__ == "LoraTransposedMatmul"
     assert block.proj.note == "kept"
     assert set(block.state_dict()) == {
-        "proj.weight", "proj.bias", "proj.lora_A", "proj.lora_B",
-        "scaled.weight", "scaled.bias", "scaled.lora_A", "scaled.lora_B",
+        "proj.weight",
+        "proj.bias",
+        "proj.lora_A",
+        "proj.lora_B",
+        "scaled.weight",
+        "scaled.bias",
+        "scaled.lora_A",
+        "scaled.lora_B",
     }
     x = torch.randn(3, 6)
     torch.testing.assert_close(block(x), _reference(block, x))
@@ -79,7 +86,9 @@ def test_merge_is_exact_when_the_subclass_forward_is_linear_and_refused_otherwis
     before = block.proj(x)
     block.proj.merge()
     torch.testing.assert_close(block.proj(x), before, rtol=1e-5, atol=1e-5)
-    with pytest.raises(LoraMergeError, match=r"scaled: cannot merge into LoraScaledLinear: its forward does not"):
+    with pytest.raises(
+        LoraMergeError, match=r"scaled: cannot merge into LoraScaledLinear: its forward does not"
+    ):
         loragen.merge_adapter(block)
     block.proj.unmerge()
     with pytest.raises(LoraMergeError, match=r"scaled: .*forward does not compute x W\^T \+ b"):

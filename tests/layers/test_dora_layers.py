@@ -35,11 +35,20 @@ from tests.adapters.helpers import WEIGHTS, make_model, model_inputs, perturb_tr
 CASES: dict[str, tuple[str, dict]] = {
     "llama": (
         "llama",
-        dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                "down_proj"]),
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
     ),
-    "gpt2": ("gpt2", dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)),
-    "bert": ("bert", dict(r=4, lora_alpha=16, target_modules=["query", "key", "value", "dense"], use_rslora=True)),
+    "gpt2": (
+        "gpt2",
+        dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True),
+    ),
+    "bert": (
+        "bert",
+        dict(r=4, lora_alpha=16, target_modules=["query", "key", "value", "dense"], use_rslora=True),
+    ),
     "convnet": ("convnet", dict(r=2, lora_alpha=4, target_modules=["emb", "conv1", "conv2", "head"])),
 }
 
@@ -83,7 +92,9 @@ def test_outputs_and_gradients_equal_peft(case: str) -> None:
         if p.requires_grad:
             assert p.grad is not None
             scale = p.grad.abs().max().item()
-            torch.testing.assert_close(grads[_loragen_name(name)], p.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+            torch.testing.assert_close(
+                grads[_loragen_name(name)], p.grad, rtol=1e-5, atol=1e-5 * scale, msg=name
+            )
             compared += 1
     layers = find_lora_layers(model)
     assert compared == 3 * len(layers) and all(layer.use_dora for layer in layers.values())
@@ -124,7 +135,8 @@ def _conv1d() -> nn.Module:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "composition"])
 @pytest.mark.parametrize(
-    "make_base", [lambda: nn.Linear(12, 10), _conv1d, lambda: _OwnForwardLinear(12, 10)],
+    "make_base",
+    [lambda: nn.Linear(12, 10), _conv1d, lambda: _OwnForwardLinear(12, 10)],
     ids=["linear", "conv1d", "own-forward"],
 )
 def test_dropout_under_the_same_mask_equals_peft(make_base, fused: bool) -> None:
@@ -133,7 +145,9 @@ def test_dropout_under_the_same_mask_equals_peft(make_base, fused: bool) -> None
     kwargs = dict(r=3, lora_alpha=6, lora_dropout=p, target_modules=["layer"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        peft_model = peft.get_peft_model(_Holder(copy.deepcopy(base)), peft.LoraConfig(**kwargs, use_dora=True))
+        peft_model = peft.get_peft_model(
+            _Holder(copy.deepcopy(base)), peft.LoraConfig(**kwargs, use_dora=True)
+        )
     perturb_trainable(peft_model, seed=3)
     model = get_lora_model(_Holder(copy.deepcopy(base)), LoraConfig(**kwargs, use_dora=True))
     ours = dict(model.named_parameters())
@@ -148,7 +162,9 @@ def test_dropout_under_the_same_mask_equals_peft(make_base, fused: bool) -> None
 
     torch.manual_seed(7)  # the fused op draws its mask seed from torch's generator: the same draw here
     keep = unpack_keep_mask(make_keep_bits(x.numel(), p, random_seed(), "bits"), x.numel()).view(x.shape)
-    if not fused or isinstance(base, _OwnForwardLinear):  # the composition draws with torch's F.dropout: take its mask
+    if not fused or isinstance(
+        base, _OwnForwardLinear
+    ):  # the composition draws with torch's F.dropout: take its mask
         torch.manual_seed(7)
         keep = torch.nn.functional.dropout(torch.ones_like(x), p, True) != 0
     peft_model.base_model.model.layer.lora_dropout["default"] = _FixedDropout(keep, p)
@@ -162,7 +178,9 @@ def test_dropout_under_the_same_mask_equals_peft(make_base, fused: bool) -> None
     theirs_y.backward(g)
     for name, param in peft_model.named_parameters():
         if param.requires_grad:
-            torch.testing.assert_close(ours[_loragen_name(name)].grad, param.grad, rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(
+                ours[_loragen_name(name)].grad, param.grad, rtol=1e-5, atol=1e-5, msg=name
+            )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -239,7 +257,9 @@ def test_new_adapter_is_a_no_op_with_peft_shapes() -> None:
             peft_model = peft.get_peft_model(make_model(kind), peft.LoraConfig(**kwargs, use_dora=True))
         model = get_lora_model(make_model(kind), LoraConfig(**kwargs, use_dora=True))
         with torch.no_grad():
-            torch.testing.assert_close(_output(model, kind), _output(make_model(kind), kind), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                _output(model, kind), _output(make_model(kind), kind), rtol=1e-5, atol=1e-5
+            )
         theirs = {_loragen_name(n): p for n, p in peft_model.named_parameters() if "magnitude" in n}
         ours = {n: p for n, p in model.named_parameters() if "magnitude" in n}
         assert ours.keys() == theirs.keys()
@@ -258,7 +278,9 @@ def test_config_round_trip() -> None:
 
 def test_refusals_are_named(tmp_path: Path) -> None:
     grouped = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2))
-    with pytest.raises(LoraConversionError, match=r"0: use_dora=True on LoraConv2d with groups=2: DoRA on grouped"):
+    with pytest.raises(
+        LoraConversionError, match=r"0: use_dora=True on LoraConv2d with groups=2: DoRA on grouped"
+    ):
         get_lora_model(grouped, LoraConfig(target_modules=["0"], use_dora=True))
     assert LoraConv2d(3, 4, 3, use_dora=True).lora_magnitude_vector.shape == (1, 4, 1, 1)
     with pytest.raises(LoraConfigError, match=r"use_dora=1: expected True or False"):
@@ -269,9 +291,21 @@ def test_stray_magnitudes_and_streaming_merge_are_refused(tmp_path: Path, capsys
     _, model = _pair(*CASES["llama"])
     save_adapter(model, tmp_path / "dora")
     save_file({"model.embed_tokens.weight": torch.zeros(1)}, tmp_path / "base.safetensors")
-    status = main(["merge", "--base", str(tmp_path / "base.safetensors"), "--adapter", str(tmp_path / "dora"),
-                   "-o", str(tmp_path / "out")])
-    assert status == 1 and "a DoRA adapter (use_dora=true) cannot be merged by streaming" in capsys.readouterr().err
+    status = main(
+        [
+            "merge",
+            "--base",
+            str(tmp_path / "base.safetensors"),
+            "--adapter",
+            str(tmp_path / "dora"),
+            "-o",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert (
+        status == 1
+        and "a DoRA adapter (use_dora=true) cannot be merged by streaming" in capsys.readouterr().err
+    )
     assert not (tmp_path / "out").exists()
 
     plain = tmp_path / "plain"
@@ -279,7 +313,9 @@ def test_stray_magnitudes_and_streaming_merge_are_refused(tmp_path: Path, capsys
     tensors = load_file(plain / WEIGHTS)
     tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"] = torch.ones(32)
     save_file(tensors, plain / WEIGHTS)
-    with pytest.raises(AdapterError, match=r"q_proj\.lora_magnitude_vector: a DoRA magnitude .* use_dora=false"):
+    with pytest.raises(
+        AdapterError, match=r"q_proj\.lora_magnitude_vector: a DoRA magnitude .* use_dora=false"
+    ):
         read_adapter(plain)
 
 
@@ -287,7 +323,9 @@ def test_a_rewritten_dora_model_saves_use_dora(tmp_path: Path) -> None:
     """A model built from LoRA layers by hand (as ``loragen rewrite`` writes it) carries no config: the saved
     one is derived from the layers, use_dora included; mixing DoRA and plain layers is refused by name."""
     torch.manual_seed(0)
-    model = nn.Sequential(LoraLinear(6, 5, r=2, use_dora=True), nn.ReLU(), LoraLinear(5, 3, r=2, use_dora=True))
+    model = nn.Sequential(
+        LoraLinear(6, 5, r=2, use_dora=True), nn.ReLU(), LoraLinear(5, 3, r=2, use_dora=True)
+    )
     save_adapter(model, tmp_path / "a")
     assert read_adapter(tmp_path / "a").config.use_dora
     model[2] = LoraLinear(5, 3, r=2)
@@ -330,7 +368,9 @@ def test_several_dora_adapters_equal_peft(tmp_path: Path) -> None:
         expected = _output(peft_model, kind)
         torch.testing.assert_close(_output(model, kind), expected, rtol=1e-5, atol=1e-5)
         with loragen.disable_adapter(model):
-            torch.testing.assert_close(_output(model, kind), _output(make_model(kind), kind), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                _output(model, kind), _output(make_model(kind), kind), rtol=1e-5, atol=1e-5
+            )
         merge_adapter(model)
         torch.testing.assert_close(_output(model, kind), expected, rtol=1e-5, atol=1e-5)
         loragen.unmerge_adapter(model)
@@ -345,7 +385,8 @@ def test_several_dora_adapters_equal_peft(tmp_path: Path) -> None:
     save_adapter(model, tmp_path / "both")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        loaded = peft.PeftModel.from_pretrained(make_model(kind), str(tmp_path / "both" / "other"),
-                                                adapter_name="other")
+        loaded = peft.PeftModel.from_pretrained(
+            make_model(kind), str(tmp_path / "both" / "other"), adapter_name="other"
+        )
     with torch.no_grad():
         torch.testing.assert_close(_output(loaded, kind), expected, rtol=1e-5, atol=1e-5)

@@ -23,7 +23,11 @@ BOTH = ["gate_up_proj", "down_proj"]
 
 def _config(**kwargs: object) -> loragen.LoraConfig:
     defaults: dict[str, object] = {
-        "r": 2, "lora_alpha": 5, "target_modules": [], "target_parameters": BOTH, "init_lora_weights": False,
+        "r": 2,
+        "lora_alpha": 5,
+        "target_modules": [],
+        "target_parameters": BOTH,
+        "init_lora_weights": False,
     }
     return loragen.LoraConfig(**{**defaults, **kwargs})  # type: ignore[arg-type]
 
@@ -38,7 +42,11 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     [
         {},
         {"target_parameters": ["experts.down_proj"]},
-        {"target_modules": ["q_proj", "o_proj"], "rank_pattern": {"down_proj": 3}, "alpha_pattern": {"gate_up_proj": 2}},
+        {
+            "target_modules": ["q_proj", "o_proj"],
+            "rank_pattern": {"down_proj": 3},
+            "alpha_pattern": {"gate_up_proj": 2},
+        },
         {"use_rslora": True, "r": 4},
         {"target_parameters": ["experts.down_proj", "mlp.gate.weight"]},
     ],
@@ -76,7 +84,9 @@ def test_every_experts_implementation_matches_peft(implementation: str) -> None:
         torch.testing.assert_close(grad, expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_recomputing_the_effective_weight_changes_no_gradient_and_holds_none(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_recomputing_the_effective_weight_changes_no_gradient_and_holds_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import loragen.layers.experts as experts_module
 
     made: list[StorageWeakRef] = []
@@ -146,12 +156,16 @@ def test_default_init_is_a_no_op_and_only_factors_train() -> None:
 
 def test_a_target_that_matches_nothing_is_named() -> None:
     with pytest.raises(LoraConversionError, match=r"\['experts.up_proj'\] match no parameter.*gate_up_proj"):
-        loragen.get_lora_model(make("mixtral"), _config(target_parameters=["gate_up_proj", "experts.up_proj"]))
+        loragen.get_lora_model(
+            make("mixtral"), _config(target_parameters=["gate_up_proj", "experts.up_proj"])
+        )
 
 
 def test_a_module_targeted_both_ways_is_refused() -> None:
     model = make("mixtral")
-    with pytest.raises(LoraConversionError, match=r"layers.0.self_attn.q_proj, .*: targeted by target_modules and by"):
+    with pytest.raises(
+        LoraConversionError, match=r"layers.0.self_attn.q_proj, .*: targeted by target_modules and by"
+    ):
         loragen.get_lora_model(model, _config(target_modules=["q_proj"], target_parameters=["q_proj.weight"]))
 
 
@@ -181,10 +195,15 @@ peft = pytest.importorskip("peft")
 
 
 @given(
-    experts=st.integers(1, 4), r=st.integers(1, 3), rows=st.integers(1, 5), cols=st.integers(1, 5),
+    experts=st.integers(1, 4),
+    r=st.integers(1, 3),
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 5),
     transposed=st.booleans(),
 )
-def test_delta_matches_a_per_expert_loop(experts: int, r: int, rows: int, cols: int, transposed: bool) -> None:
+def test_delta_matches_a_per_expert_loop(
+    experts: int, r: int, rows: int, cols: int, transposed: bool
+) -> None:
     layout = EXPERTS_TRANSPOSED if transposed else EXPERTS
     shape = (experts, rows, cols)
     _, in_features, out_features = layout.features(shape)
@@ -193,7 +212,7 @@ def test_delta_matches_a_per_expert_loop(experts: int, r: int, rows: int, cols: 
     a, b = torch.randn(a_shape, generator=gen), torch.randn(b_shape, generator=gen)
     delta = layout.delta(a, b, shape)
     for e in range(experts):
-        a_e = a[e * r:(e + 1) * r]  # expert e's rows of A
+        a_e = a[e * r : (e + 1) * r]  # expert e's rows of A
         b_e = b[:, [k * experts + e for k in range(r)]]  # its columns of B, peft's interleaved order
         want = b_e @ a_e
         torch.testing.assert_close(delta[e], want.t() if transposed else want)
@@ -277,7 +296,9 @@ def test_bf16_experts_follow_peft() -> None:
 def test_named_adapters_leave_expert_parameters_alone_when_another_adapter_runs() -> None:
     base = make("mixtral")
     model = loragen.get_lora_model(copy.deepcopy(base), _config(target_modules=["q_proj"]))
-    loragen.add_adapter(model, loragen.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False), "other")
+    loragen.add_adapter(
+        model, loragen.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False), "other"
+    )
     ids = tokens()
     with torch.no_grad():
         with_experts = model(ids).logits
@@ -293,15 +314,20 @@ def test_named_adapters_leave_expert_parameters_alone_when_another_adapter_runs(
         torch.testing.assert_close(model(ids).logits, only_q(ids).logits, rtol=1e-5, atol=1e-6)
         loragen.set_adapter(model, "default")
         torch.testing.assert_close(model(ids).logits, with_experts, rtol=0, atol=0)
-    with pytest.raises(LoraConfigError, match=r"target_parameters=\['gate_up_proj', 'down_proj'\]: LoRA on parameters"):
+    with pytest.raises(
+        LoraConfigError, match=r"target_parameters=\['gate_up_proj', 'down_proj'\]: LoRA on parameters"
+    ):
         loragen.add_adapter(model, _config(), "third")
 
 
 def test_a_mixed_batch_is_refused_on_expert_parameters() -> None:
     model = loragen.get_lora_model(make("mixtral"), _config(target_modules=["q_proj"]))
     loragen.add_adapter(model, loragen.LoraConfig(r=2, target_modules=["q_proj"]), "other")
-    with pytest.raises(MixedBatchError, match="LoraMixtralExperts: a mixed batch"), \
-            loragen.mixed_batch(model, ["default", "other"]), torch.no_grad():
+    with (
+        pytest.raises(MixedBatchError, match="LoraMixtralExperts: a mixed batch"),
+        loragen.mixed_batch(model, ["default", "other"]),
+        torch.no_grad(),
+    ):
         model(tokens())
 
 

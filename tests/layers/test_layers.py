@@ -17,8 +17,13 @@ from transformers.pytorch_utils import Conv1D
 from loragen import LoraConfigError, LoraConv1D, LoraConv1d, LoraConv2d, LoraEmbedding, LoraLinear
 from loragen.layers import LoraMergeError, adapter_dtype_for
 
-LORA_CLASSES = {nn.Linear: LoraLinear, nn.Embedding: LoraEmbedding, nn.Conv1d: LoraConv1d, nn.Conv2d: LoraConv2d,
-                Conv1D: LoraConv1D}
+LORA_CLASSES = {
+    nn.Linear: LoraLinear,
+    nn.Embedding: LoraEmbedding,
+    nn.Conv1d: LoraConv1d,
+    nn.Conv2d: LoraConv2d,
+    Conv1D: LoraConv1D,
+}
 
 
 class Holder(nn.Module):
@@ -41,9 +46,13 @@ def _random_factors(layer, seed: int = 1) -> None:
 
 def _peft_pair(base: nn.Module, **cfg):
     """(peft model, loragen layer) over copies of ``base`` with identical A and B."""
-    peft_model = peft.get_peft_model(Holder(copy.deepcopy(base)), peft.LoraConfig(target_modules=["layer"], **cfg))
+    peft_model = peft.get_peft_model(
+        Holder(copy.deepcopy(base)), peft.LoraConfig(target_modules=["layer"], **cfg)
+    )
     ours = LORA_CLASSES[type(base)].from_module(
-        copy.deepcopy(base), r=cfg.get("r", 8), lora_alpha=cfg.get("lora_alpha", 8),
+        copy.deepcopy(base),
+        r=cfg.get("r", 8),
+        lora_alpha=cfg.get("lora_alpha", 8),
         use_rslora=cfg.get("use_rslora", False),
     )
     theirs = peft_model.base_model.model.layer
@@ -139,8 +148,20 @@ def _build_conv(s: dict) -> tuple[nn.Module, torch.Tensor]:
     stride = 1 if s["padding"] == "same" else s["stride"]  # torch forbids 'same' with stride > 1
     padding = (1, 2)[:dims] if s["padding"] == "tuple" else s["padding"]
     cls = LoraConv1d if dims == 1 else LoraConv2d
-    layer = cls(4, 8, k, stride=stride, padding=padding, dilation=s["dilation"], groups=s["groups"], bias=s["bias"],
-                padding_mode=s["padding_mode"], r=s["r"], lora_alpha=3, dtype=torch.float64)
+    layer = cls(
+        4,
+        8,
+        k,
+        stride=stride,
+        padding=padding,
+        dilation=s["dilation"],
+        groups=s["groups"],
+        bias=s["bias"],
+        padding_mode=s["padding_mode"],
+        r=s["r"],
+        lora_alpha=3,
+        dtype=torch.float64,
+    )
     _random_factors(layer)
     layer.double()
     size = 4 + (k - 1) * s["dilation"] + 3  # large enough for reflect padding and the kernel span
@@ -192,8 +213,11 @@ def _any_layer(kind: str, dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor]:
     return layer, (x if not x.is_floating_point() else x.to(dtype))
 
 
-@given(st.sampled_from(sorted(BASES)), st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
-       st.integers(1, 4))
+@given(
+    st.sampled_from(sorted(BASES)),
+    st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    st.integers(1, 4),
+)
 def test_merge_unmerge_restores_weights(kind: str, dtype: torch.dtype, times: int) -> None:
     layer, _ = _any_layer(kind, dtype)
     before = layer.weight.detach().clone()
@@ -201,7 +225,9 @@ def test_merge_unmerge_restores_weights(kind: str, dtype: torch.dtype, times: in
         layer.merge()  # repeated merges are no-ops
     merged = layer.weight.detach().clone()
     assert layer.merged
-    expected = (before.to(layer._merge_dtype()) + layer.delta_weight()).to(dtype)  # fp32 (fp64) math, rounded once
+    expected = (before.to(layer._merge_dtype()) + layer.delta_weight()).to(
+        dtype
+    )  # fp32 (fp64) math, rounded once
     assert torch.equal(merged, expected)
     for _ in range(times):
         layer.unmerge()
@@ -266,7 +292,9 @@ def test_bf16_base_with_fp32_adapters_matches_fp32_math() -> None:
     y = layer(x)
     assert y.dtype == torch.bfloat16
     expected = F.linear(x.float(), base.weight.float(), base.bias.float())
-    expected = expected.to(torch.bfloat16).float() + layer.scaling * (x.float() @ layer.lora_A.T @ layer.lora_B.T)
+    expected = expected.to(torch.bfloat16).float() + layer.scaling * (
+        x.float() @ layer.lora_A.T @ layer.lora_B.T
+    )
     torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
 
 

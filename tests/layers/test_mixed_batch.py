@@ -33,8 +33,12 @@ class Block(nn.Module):
 
 def _block_model() -> nn.Module:
     torch.manual_seed(0)
-    model = loragen.get_lora_model(Block(), LoraConfig(r=4, target_modules=["q", "k", "v"], init_lora_weights=False))
-    loragen.add_adapter(model, LoraConfig(r=2, lora_alpha=5, target_modules=["q", "o"], init_lora_weights=False), "a")
+    model = loragen.get_lora_model(
+        Block(), LoraConfig(r=4, target_modules=["q", "k", "v"], init_lora_weights=False)
+    )
+    loragen.add_adapter(
+        model, LoraConfig(r=2, lora_alpha=5, target_modules=["q", "o"], init_lora_weights=False), "a"
+    )
     loragen.add_adapter(model, LoraConfig(r=3, target_modules=["k", "v", "o"], init_lora_weights=False), "b")
     return model.eval()
 
@@ -115,8 +119,12 @@ def test_embedding_and_conv_layers_equal_peft() -> None:
 
 def test_wrong_batch_length_names_the_layer() -> None:
     model = _block_model()
-    with loragen.mixed_batch(model, ["a", "b"]), pytest.raises(
-        loragen.MixedBatchError, match=r"^q: mixed_batch was given 2 adapter names but the batch has 3 rows"
+    with (
+        loragen.mixed_batch(model, ["a", "b"]),
+        pytest.raises(
+            loragen.MixedBatchError,
+            match=r"^q: mixed_batch was given 2 adapter names but the batch has 3 rows",
+        ),
     ):
         model(torch.randn(3, 8))
 

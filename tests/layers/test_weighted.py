@@ -30,7 +30,9 @@ class Net(nn.Module):
 
 def _net(r_a: int = 2, r_b: int = 3, targets_b: list[str] | None = None) -> nn.Module:
     torch.manual_seed(0)
-    model = loragen.get_lora_model(Net(), LoraConfig(r=r_a, lora_alpha=3, target_modules=["emb", "conv", "lin"]))
+    model = loragen.get_lora_model(
+        Net(), LoraConfig(r=r_a, lora_alpha=3, target_modules=["emb", "conv", "lin"])
+    )
     loragen.add_adapter(
         model, LoraConfig(r=r_b, lora_alpha=2, target_modules=targets_b or ["emb", "conv", "lin"]), "b"
     )
@@ -52,8 +54,12 @@ def test_cat_adds_the_weighted_updates_exactly(w_a: float, w_b: float) -> None:
 
 def test_svd_at_full_rank_is_exact_and_truncates_below() -> None:
     model = _net()
-    loragen.add_weighted_adapter(model, ["default", "b"], [1.0, -0.5], "full", combination_type="svd", svd_rank=5)
-    loragen.add_weighted_adapter(model, ["default", "b"], [1.0, -0.5], "low", combination_type="svd", svd_rank=1)
+    loragen.add_weighted_adapter(
+        model, ["default", "b"], [1.0, -0.5], "full", combination_type="svd", svd_rank=5
+    )
+    loragen.add_weighted_adapter(
+        model, ["default", "b"], [1.0, -0.5], "low", combination_type="svd", svd_rank=1
+    )
     for layer in find_lora_layers(model).values():
         exact = layer.delta_weight("default") - 0.5 * layer.delta_weight("b")
         torch.testing.assert_close(layer.delta_weight("full"), exact, atol=1e-5, rtol=1e-4)

@@ -15,7 +15,13 @@ from loragen.ops.masks import make_keep_bits, unpack_keep_mask
 
 
 def _tensors(
-    rows: int, d_in: int, d_out: int, r: int, dtype: torch.dtype = torch.float64, seed: int = 0, ffo: bool = False
+    rows: int,
+    d_in: int,
+    d_out: int,
+    r: int,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    ffo: bool = False,
 ) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
@@ -33,13 +39,20 @@ def _tensors(
     }
 
 
-def _by_formula(t: dict[str, torch.Tensor], scaling: float, keep: torch.Tensor, p: float, ffo: bool) -> torch.Tensor:
+def _by_formula(
+    t: dict[str, torch.Tensor], scaling: float, keep: torch.Tensor, p: float, ffo: bool
+) -> torch.Tensor:
     """peft's DoRA written out: x W^T + b + (c - 1) (xd W^T) + c s (xd A^T) B^T, c = m / ||W + s B A||."""
     w = t["weight"].t() if ffo else t["weight"]
     norm = torch.linalg.vector_norm(w + scaling * t["lora_B"] @ t["lora_A"], dim=1).detach()
     c = t["magnitude"] / norm
     xd = t["x"] * keep / (1 - p)
-    return t["x"] @ w.t() + t["bias"] + (c - 1) * (xd @ w.t()) + c * scaling * (xd @ t["lora_A"].t() @ t["lora_B"].t())
+    return (
+        t["x"] @ w.t()
+        + t["bias"]
+        + (c - 1) * (xd @ w.t())
+        + c * scaling * (xd @ t["lora_A"].t() @ t["lora_B"].t())
+    )
 
 
 def _keep(numel: int, p: float, seed: int) -> torch.Tensor:

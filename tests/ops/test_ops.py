@@ -83,8 +83,10 @@ def test_gradcheck_philox_dropout() -> None:
     fan_in_fan_out=st.booleans(),
 )
 def test_equals_the_plain_composition_for_any_shape(batch, k, o, r, bias, fan_in_fan_out) -> None:
-    tensors = [t if t is None else t.requires_grad_() for t in make_inputs(tuple(batch), k, o, r, bias=bias,
-                                                                        fan_in_fan_out=fan_in_fan_out)]
+    tensors = [
+        t if t is None else t.requires_grad_()
+        for t in make_inputs(tuple(batch), k, o, r, bias=bias, fan_in_fan_out=fan_in_fan_out)
+    ]
     args = (*tensors, 1.5, 0.0, True)
     y = ops.lora_linear(*args, fan_in_fan_out=fan_in_fan_out)
     want = ops.lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)
@@ -112,10 +114,14 @@ def test_non_contiguous_input_and_empty_batch() -> None:
     x, w, b, a, bb = make_inputs((6,), k=5)
     x_t = x.t().contiguous().t().requires_grad_()  # same values, column-major
     assert not x_t.is_contiguous()
-    torch.testing.assert_close(ops.lora_linear(x_t, w, b, a, bb, 1.0, 0.0, True),
-                               ops.lora_linear_reference(x, w, b, a, bb, 1.0, 0.0, True))
-    torch.testing.assert_close(ops.lora_linear(x_t, w, b, a, bb, 1.0, 0.5, True, seed=4),
-                               ops.lora_linear(x, w, b, a, bb, 1.0, 0.5, True, seed=4))
+    torch.testing.assert_close(
+        ops.lora_linear(x_t, w, b, a, bb, 1.0, 0.0, True),
+        ops.lora_linear_reference(x, w, b, a, bb, 1.0, 0.0, True),
+    )
+    torch.testing.assert_close(
+        ops.lora_linear(x_t, w, b, a, bb, 1.0, 0.5, True, seed=4),
+        ops.lora_linear(x, w, b, a, bb, 1.0, 0.5, True, seed=4),
+    )
     empty = torch.zeros(0, 3, 5, dtype=torch.float64, requires_grad=True)
     a.requires_grad_()
     y = ops.lora_linear(empty, w, b, a, bb, 1.0, 0.3, True)
@@ -147,8 +153,13 @@ class Holder(nn.Module):
 
 
 def _peft_and_ours(base: nn.Module, fan_in_fan_out: bool, r: int = 4, alpha: float = 6.0):
-    config = peft.LoraConfig(target_modules=["layer"], r=r, lora_alpha=alpha, init_lora_weights=False,
-                             fan_in_fan_out=fan_in_fan_out)
+    config = peft.LoraConfig(
+        target_modules=["layer"],
+        r=r,
+        lora_alpha=alpha,
+        init_lora_weights=False,
+        fan_in_fan_out=fan_in_fan_out,
+    )
     theirs = peft.get_peft_model(Holder(copy.deepcopy(base)), config).base_model.model.layer
     cls = LoraConv1D if fan_in_fan_out else LoraLinear
     ours = cls.from_module(copy.deepcopy(base), r=r, lora_alpha=alpha)
@@ -178,8 +189,11 @@ def test_outputs_and_gradients_equal_peft_at_dropout_zero(kind, bias, trainable_
     grad = torch.randn_like(y_ours) / 4
     y_theirs.backward(grad)
     y_ours.backward(grad)
-    pairs = [(x_ours, x_theirs), (ours.lora_A, theirs.lora_A["default"].weight),
-             (ours.lora_B, theirs.lora_B["default"].weight)]
+    pairs = [
+        (x_ours, x_theirs),
+        (ours.lora_A, theirs.lora_A["default"].weight),
+        (ours.lora_B, theirs.lora_B["default"].weight),
+    ]
     if trainable_base:
         pairs.append((ours.weight, theirs.base_layer.weight))
         if bias:
@@ -192,18 +206,33 @@ def _tiny_llama(seed: int = 0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                        max_position_embeddings=64))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=100,
+            max_position_embeddings=64,
+        )
+    )
 
 
 def test_tiny_llama_through_get_lora_model_equals_peft() -> None:
     base = _tiny_llama()
-    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
-    ours = loragen.get_lora_model(copy.deepcopy(base), loragen.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
-    their_layers = {n.removeprefix("base_model.model."): m for n, m in theirs.named_modules()
-                    if isinstance(m, peft.tuners.lora.Linear)}
+    theirs = peft.get_peft_model(
+        copy.deepcopy(base),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False),
+    )
+    ours = loragen.get_lora_model(
+        copy.deepcopy(base), loragen.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
+    )
+    their_layers = {
+        n.removeprefix("base_model.model."): m
+        for n, m in theirs.named_modules()
+        if isinstance(m, peft.tuners.lora.Linear)
+    }
     our_layers = {n: m for n, m in ours.named_modules() if isinstance(m, LoraLinear)}
     assert sorted(our_layers) == sorted(their_layers) and len(our_layers) == 14
     with torch.no_grad():
@@ -217,10 +246,12 @@ def test_tiny_llama_through_get_lora_model_equals_peft() -> None:
     loss_theirs.backward()
     loss_ours.backward()
     for name, layer in our_layers.items():
-        torch.testing.assert_close(layer.lora_A.grad, their_layers[name].lora_A["default"].weight.grad,
-                                   rtol=0, atol=1e-6)
-        torch.testing.assert_close(layer.lora_B.grad, their_layers[name].lora_B["default"].weight.grad,
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            layer.lora_A.grad, their_layers[name].lora_A["default"].weight.grad, rtol=0, atol=1e-6
+        )
+        torch.testing.assert_close(
+            layer.lora_B.grad, their_layers[name].lora_B["default"].weight.grad, rtol=0, atol=1e-6
+        )
 
 
 # ---- dropout masks --------------------------------------------------------------------------------
@@ -337,7 +368,11 @@ def test_torch_checkpoint_recomputes_the_same_mask(use_reentrant: bool) -> None:
         for t in tensors:
             t.grad = None
         torch.manual_seed(11)
-        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant) if checkpointed else layer(x)
+        y = (
+            torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant)
+            if checkpointed
+            else layer(x)
+        )
         y.square().sum().backward()  # reentrant checkpointing supports .backward() only
         return [t.grad for t in tensors]
 
@@ -348,8 +383,12 @@ def test_torch_checkpoint_recomputes_the_same_mask(use_reentrant: bool) -> None:
 @pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}])
 def test_transformers_gradient_checkpointing(kwargs) -> None:
     def run(checkpointing: bool):
-        model = loragen.get_lora_model(_tiny_llama(), loragen.LoraConfig(
-            r=4, lora_alpha=8, lora_dropout=0.2, target_modules=TARGETS, init_lora_weights=False))
+        model = loragen.get_lora_model(
+            _tiny_llama(),
+            loragen.LoraConfig(
+                r=4, lora_alpha=8, lora_dropout=0.2, target_modules=TARGETS, init_lora_weights=False
+            ),
+        )
         model.train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -373,8 +412,9 @@ def test_transformers_gradient_checkpointing(kwargs) -> None:
 def test_compile_traces_the_fused_op_without_dropout() -> None:
     x, w, b, a, bb = make_inputs((4, 5), dtype=torch.float32)
     a.requires_grad_()
-    compiled = torch.compile(lambda x: ops.lora_linear(x, w, b, a, bb, 2.0, 0.0, True), backend="aot_eager",
-                             fullgraph=True)  # fullgraph: no graph break anywhere in the op
+    compiled = torch.compile(
+        lambda x: ops.lora_linear(x, w, b, a, bb, 2.0, 0.0, True), backend="aot_eager", fullgraph=True
+    )  # fullgraph: no graph break anywhere in the op
     x_c, x_e = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_c = compiled(x_c)
     y_e = ops.lora_linear(x_e, w, b, a, bb, 2.0, 0.0, True)
@@ -386,7 +426,9 @@ def test_compile_traces_the_fused_op_without_dropout() -> None:
 
 def test_compile_with_dropout_falls_back_to_the_composition() -> None:
     x, w, a, bb = _identity_setup(30, 20)
-    compiled = torch.compile(lambda x: ops.lora_linear(x, w, None, a, bb, 1.0, 0.5, True), backend="aot_eager")
+    compiled = torch.compile(
+        lambda x: ops.lora_linear(x, w, None, a, bb, 1.0, 0.5, True), backend="aot_eager"
+    )
     y = compiled(x)
     kept = y != 0
     assert 0.3 < kept.float().mean().item() < 0.7
@@ -396,8 +438,10 @@ def test_compile_with_dropout_falls_back_to_the_composition() -> None:
     assert ops.fallback_reason(x, dropout=True) is None  # outside compile the fused op runs
 
 
-@pytest.mark.skipif(not os.environ.get("LORAGEN_TEST_INDUCTOR"), reason="inductor compiles C++ for ~1 min; "
-                    "set LORAGEN_TEST_INDUCTOR=1")
+@pytest.mark.skipif(
+    not os.environ.get("LORAGEN_TEST_INDUCTOR"),
+    reason="inductor compiles C++ for ~1 min; set LORAGEN_TEST_INDUCTOR=1",
+)
 def test_compile_with_inductor() -> None:
     x, w, b, a, bb = make_inputs((4, 5), dtype=torch.float32)
     compiled = torch.compile(lambda x: ops.lora_linear(x, w, b, a, bb, 2.0, 0.0, True))
@@ -487,7 +531,9 @@ def test_the_fused_switch_and_the_layer_flag_select_the_composition() -> None:
     x = torch.randn(3, 8, requires_grad=True)
 
     def node(y):
-        return y.grad_fn.name() if y.grad_fn.name() != "ViewBackward0" else y.grad_fn.next_functions[0][0].name()
+        return (
+            y.grad_fn.name() if y.grad_fn.name() != "ViewBackward0" else y.grad_fn.next_functions[0][0].name()
+        )
 
     assert node(layer(x)) == "LoraLinearFunctionBackward"
     assert switches.fused.get()
@@ -536,7 +582,10 @@ def test_invalid_arguments(kwargs: dict, message: str) -> None:
 
 
 def test_invalid_generator_arguments() -> None:
-    with pytest.raises(ValueError, match=r"loragen.switches.dropout_rng='x'"), switches.dropout_rng.using("x"):
+    with (
+        pytest.raises(ValueError, match=r"loragen.switches.dropout_rng='x'"),
+        switches.dropout_rng.using("x"),
+    ):
         pass
     with pytest.raises(ValueError, match=r"philox_keep_bits: seed=-1"):
         ops.philox_keep_bits(10, 0.1, -1)

@@ -25,57 +25,106 @@ peft = pytest.importorskip("peft")
 
 def _led() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.LEDConfig(
-        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
-        encoder_ffn_dim=32, decoder_ffn_dim=32, vocab_size=50, max_encoder_position_embeddings=64,
-        max_decoder_position_embeddings=64, attention_window=[4],
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        vocab_size=50,
+        max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=64,
+        attention_window=[4],
     )
-    return transformers.LEDModel(config), {"input_ids": torch.randint(0, 50, (2, 8)),
-                                          "decoder_input_ids": torch.randint(0, 50, (2, 5))}
+    return transformers.LEDModel(config), {
+        "input_ids": torch.randint(0, 50, (2, 8)),
+        "decoder_input_ids": torch.randint(0, 50, (2, 5)),
+    }
 
 
 def _longformer() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.LongformerConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50,
-        max_position_embeddings=64, attention_window=[4],
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=64,
+        attention_window=[4],
     )
     return transformers.LongformerModel(config), {"input_ids": torch.randint(0, 50, (2, 8))}
 
 
 def _rocbert() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.RoCBertConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50,
-        max_position_embeddings=64, pronunciation_vocab_size=20, shape_vocab_size=20,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=64,
+        pronunciation_vocab_size=20,
+        shape_vocab_size=20,
     )
     return transformers.RoCBertModel(config), {"input_ids": torch.randint(0, 50, (2, 8))}
 
 
 def _swinv2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    config = transformers.Swinv2Config(image_size=16, patch_size=4, embed_dim=8, depths=[1], num_heads=[2], window_size=2)
+    config = transformers.Swinv2Config(
+        image_size=16, patch_size=4, embed_dim=8, depths=[1], num_heads=[2], window_size=2
+    )
     return transformers.Swinv2Model(config), {"pixel_values": torch.randn(1, 3, 16, 16)}
 
 
 def _swin2sr() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.Swin2SRConfig(
-        image_size=8, patch_size=1, embed_dim=8, depths=[1], num_heads=[2], window_size=2, upscale=1, upsampler=""
+        image_size=8,
+        patch_size=1,
+        embed_dim=8,
+        depths=[1],
+        num_heads=[2],
+        window_size=2,
+        upscale=1,
+        upsampler="",
     )
     return transformers.Swin2SRModel(config), {"pixel_values": torch.randn(1, 3, 8, 8)}
 
 
 def _higgs_audio_v2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = transformers.HiggsAudioV2Config(
-        vocab_size=200, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, num_codebooks=2, codebook_size=16, audio_token_id=150,
-        audio_bos_token_id=151, audio_delay_token_id=152, audio_stream_bos_id=16, audio_stream_eos_id=17,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64,
+        vocab_size=200,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_codebooks=2,
+        codebook_size=16,
+        audio_token_id=150,
+        audio_bos_token_id=151,
+        audio_delay_token_id=152,
+        audio_stream_bos_id=16,
+        audio_stream_eos_id=17,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=64,
     )
     # text only: the audio MLP gets an empty batch of tokens
-    return transformers.HiggsAudioV2Model(config), {"input_ids": torch.randint(3, 100, (2, 6)), "use_cache": False}
+    return transformers.HiggsAudioV2Model(config), {
+        "input_ids": torch.randint(3, 100, (2, 6)),
+        "use_cache": False,
+    }
 
 
 def _cvt() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     # a batch of one: a LoRA layer's input is a permuted view, and BatchNorm2d's eval backward further up
     # gave wrong input gradients when loragen returned that input's gradient contiguous (sweep: cvt)
-    config = transformers.CvtConfig(embed_dim=[8, 16, 16], num_heads=[1, 2, 2], depth=[1, 2, 3], drop_path_rate=[0.0] * 3)
+    config = transformers.CvtConfig(
+        embed_dim=[8, 16, 16], num_heads=[1, 2, 2], depth=[1, 2, 3], drop_path_rate=[0.0] * 3
+    )
     # depth[i] > i: transformers indexes stage i's drop-path rates by i
     return transformers.CvtModel(config), {"pixel_values": torch.randn(1, 3, 32, 32)}
 
@@ -131,7 +180,9 @@ def test_in_place_and_empty_uses_equal_peft(kind: str) -> None:
         y = _first_output(model, inputs)
         weights = torch.linspace(-1, 1, y.numel()).view(y.shape) if weights is None else weights
         (y * weights).sum().backward()
-    torch.testing.assert_close(_first_output(ours, inputs), _first_output(theirs, inputs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _first_output(ours, inputs), _first_output(theirs, inputs), rtol=1e-5, atol=1e-5
+    )
     for name, p in theirs.named_parameters():
         if p.grad is not None:
             key = name.removeprefix("base_model.model.").replace(".default.weight", "")
@@ -151,9 +202,14 @@ def test_outputs_may_be_modified_in_place_with_the_right_gradients() -> None:
         y = layer(x)
         y /= 2.0  # what LED's attention does to its query
         y.mul_(3.0).sum().backward()
-        expected = (x.detach() @ layer.lora_A.t() @ layer.lora_B.t() * layer.scaling + reference[name](x.detach()))
+        expected = x.detach() @ layer.lora_A.t() @ layer.lora_B.t() * layer.scaling + reference[name](
+            x.detach()
+        )
         torch.testing.assert_close(y, expected * 1.5)
-        torch.testing.assert_close(layer.lora_B.grad, 1.5 * layer.scaling * (x.detach() @ layer.lora_A.t()).reshape(-1, 2).sum(0).expand(4, 2))
+        torch.testing.assert_close(
+            layer.lora_B.grad,
+            1.5 * layer.scaling * (x.detach() @ layer.lora_A.t()).reshape(-1, 2).sum(0).expand(4, 2),
+        )
 
 
 def test_zero_rows_run_forward_and_backward_in_every_path() -> None:
@@ -189,5 +245,7 @@ def test_a_non_contiguous_input_gets_its_gradient_in_its_own_layout(use_dora: bo
     merged = (layer.weight + layer.scaling * layer.lora_B @ layer.lora_A).detach()
     expected = (weights @ merged).permute(0, 2, 1).reshape(1, 64, 4, 4) / (1 + norm.eps) ** 0.5
     # strides of size-1 dimensions carry no meaning (torch's own linear sets them freely)
-    assert [st for st, n in zip(seen[0].stride(), x.shape) if n > 1] == [st for st, n in zip(x.stride(), x.shape) if n > 1]
+    assert [st for st, n in zip(seen[0].stride(), x.shape) if n > 1] == [
+        st for st, n in zip(x.stride(), x.shape) if n > 1
+    ]
     torch.testing.assert_close(maps.grad, expected, rtol=1e-4, atol=1e-5)

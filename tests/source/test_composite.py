@@ -32,10 +32,23 @@ from loragen.source.rewrite import module_name_for_path  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj"]
 MODELS = Path(transformers.__file__).parent / "models"
-TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 64}
-VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-          "image_size": 16, "patch_size": 4}
+TEXT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 64,
+}
+VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "image_size": 16,
+    "patch_size": 4,
+}
 
 
 def gemma3_config() -> Any:
@@ -66,7 +79,9 @@ CASES = {
 def _rewrite(name: str) -> Any:
     source = MODELS / name / f"modeling_{name}.py"
     config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
-    return source, rewrite_source(source.read_text(), config, filename=str(source), package=module_name_for_path(source)[1])
+    return source, rewrite_source(
+        source.read_text(), config, filename=str(source), package=module_name_for_path(source)[1]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +118,10 @@ def test_gemma3_rewrite_builds_sub_models_through_a_lora_auto_class_and_reports_
     assert "self.language_model = LoraAutoModel.from_config(config.text_config)" in code
     assert "self.vision_tower = LoraAutoModel.from_config(config.vision_config)" in code
     assert "AutoModel.from_config(" not in code.replace("LoraAutoModel.from_config(", "")
-    assert "\nLoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel, Gemma3ForCausalLM], LORA_CONFIG)\n" in code
+    assert (
+        "\nLoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel, Gemma3ForCausalLM], LORA_CONFIG)\n"
+        in code
+    )
     assert "from loragen.source.composite import lora_auto_class" in code
     assert result.sub_models == ("Gemma3Model.vision_tower", "Gemma3Model.language_model")
     assert "2 sub-models through LoRA auto classes" in result.summary()
@@ -123,10 +141,16 @@ def test_a_composite_without_own_layers_still_gets_lora_sub_models_and_no_unmatc
 
 def test_the_cli_prints_each_sub_model_call_at_file_line_and_exits_0(tmp_path, capsys):
     source = MODELS / "gemma3" / "modeling_gemma3.py"
-    status = cli_main(["rewrite", str(source), "--target-modules", "q_proj,v_proj", "-o", str(tmp_path / "out.py")])
+    status = cli_main(
+        ["rewrite", str(source), "--target-modules", "q_proj,v_proj", "-o", str(tmp_path / "out.py")]
+    )
     assert status == 0
     err = capsys.readouterr().err
-    line = next(i + 1 for i, text in enumerate(source.read_text().splitlines()) if "self.vision_tower = AutoModel" in text)
+    line = next(
+        i + 1
+        for i, text in enumerate(source.read_text().splitlines())
+        if "self.vision_tower = AutoModel" in text
+    )
     assert f"{source}:{line}: warning: Gemma3Model.vision_tower = AutoModel.from_config(...)" in err
     assert "LoraAutoModel.from_config(config.text_config)" in (tmp_path / "out.py").read_text()
 
@@ -164,10 +188,14 @@ def test_rewritten_composite_equals_peft_and_get_lora_model(name, rewritten, tmp
     torch.manual_seed(0)
     original = getattr(transformers, class_name)(make_config()).eval()
     model = getattr(module, class_name)(make_config()).eval()
-    runtime = loragen.get_lora_model(copy.deepcopy(original), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    runtime = loragen.get_lora_model(
+        copy.deepcopy(original), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
+    )
     layers = find_lora_layers(model)
     assert sorted(layers) == sorted(find_lora_layers(runtime))
-    assert any(".vision_tower." in path for path in layers) and any(".language_model." in path for path in layers)
+    assert any(".vision_tower." in path for path in layers) and any(
+        ".language_model." in path for path in layers
+    )
     if name == "gemma3":  # the text model is the rewritten file's own class
         assert type(model.model.language_model) is module.Gemma3TextModel
     assert sorted(model.state_dict()) == sorted(runtime.state_dict())
@@ -228,12 +256,26 @@ def test_lora_auto_class_builds_own_classes_and_converts_others():
 
 
 def qwen3_vl_config() -> Any:
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    }
     return transformers.Qwen3VLConfig(
         text_config={**TEXT, "head_dim": 8, "rope_parameters": rope},
-        vision_config={"depth": 1, "hidden_size": 32, "num_heads": 4, "intermediate_size": 64, "patch_size": 4,
-                       "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 32,
-                       "deepstack_visual_indexes": [0], "num_position_embeddings": 16},
+        vision_config={
+            "depth": 1,
+            "hidden_size": 32,
+            "num_heads": 4,
+            "intermediate_size": 64,
+            "patch_size": 4,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 32,
+            "deepstack_visual_indexes": [0],
+            "num_position_embeddings": 16,
+        },
         image_token_id=299,
         video_token_id=298,
         vision_start_token_id=297,
@@ -244,7 +286,9 @@ def test_qwen3_vl_builds_both_sub_models_from_the_rewritten_file(tmp_path):
     source = MODELS / "qwen3_vl" / "modeling_qwen3_vl.py"
     targets = ["q_proj", "v_proj", "qkv"]
     result = rewrite_source(
-        source.read_text(), LoraConfig(r=4, lora_alpha=8, target_modules=targets), filename=str(source),
+        source.read_text(),
+        LoraConfig(r=4, lora_alpha=8, target_modules=targets),
+        filename=str(source),
         package=module_name_for_path(source)[1],
     )
     assert result.ok and "[Qwen3VLVisionModel, Qwen3VLTextModel]" in result.code
@@ -260,12 +304,18 @@ def test_qwen3_vl_builds_both_sub_models_from_the_rewritten_file(tmp_path):
         model = module.Qwen3VLForConditionalGeneration(qwen3_vl_config()).eval()
         assert type(model.model.visual) is module.Qwen3VLVisionModel
         assert type(model.model.language_model) is module.Qwen3VLTextModel
-        runtime = loragen.get_lora_model(copy.deepcopy(original), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-        assert sorted(find_lora_layers(model)) == sorted(find_lora_layers(runtime)) and len(find_lora_layers(model)) == 5
+        runtime = loragen.get_lora_model(
+            copy.deepcopy(original), LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+        )
+        assert (
+            sorted(find_lora_layers(model)) == sorted(find_lora_layers(runtime))
+            and len(find_lora_layers(model)) == 5
+        )
         assert sorted(model.state_dict()) == sorted(runtime.state_dict())
         model.load_state_dict(original.state_dict(), strict=False)
         peft_model = peft.get_peft_model(
-            copy.deepcopy(original), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+            copy.deepcopy(original),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False),
         ).eval()
         peft_model.save_pretrained(tmp_path / "adapter")
         load_adapter(model, tmp_path / "adapter")

@@ -198,7 +198,10 @@ def test_lora_source_is_the_code_that_runs_with_the_config_as_a_literal():
     assert 'name == "v_proj"' not in source and 'name == "q_proj"' in source
     (row,) = [line for line in source.splitlines() if line.startswith("#   v_proj ")]
     assert row.endswith("(not targeted by LORA_CONFIG)")
-    assert "LORA_CONFIG" not in MLP.__lora_source__ and "def get_lora_model(self, config=None):" in MLP.__lora_source__
+    assert (
+        "LORA_CONFIG" not in MLP.__lora_source__
+        and "def get_lora_model(self, config=None):" in MLP.__lora_source__
+    )
 
 
 def test_fields_without_a_branch_convert_through_the_runtime_path():
@@ -219,7 +222,9 @@ def test_a_converted_model_knows_its_config():
     model.requires_grad_(True)
     loragen.mark_trainable(model)  # no config repeated
     assert [n for n, p in model.named_parameters() if p.requires_grad] == trainable
-    with pytest.raises(LoraConversionError, match=r"Net carries no LoRA config .*mark_trainable\(model, config\)"):
+    with pytest.raises(
+        LoraConversionError, match=r"Net carries no LoRA config .*mark_trainable\(model, config\)"
+    ):
         loragen.mark_trainable(Net())
 
 

@@ -52,7 +52,9 @@ def rewritten(tmp_path_factory):
     """The real modeling_falcon.py rewritten into a temporary folder and imported from there (its relative
     imports made absolute, so it runs in the context of transformers.models.falcon)."""
     config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
-    result = rewrite_source(SOURCE.read_text(), config, filename=str(SOURCE), package=module_name_for_path(SOURCE)[1])
+    result = rewrite_source(
+        SOURCE.read_text(), config, filename=str(SOURCE), package=module_name_for_path(SOURCE)[1]
+    )
     assert result.ok and result.changed, [str(e) for e in result.errors]
     target = tmp_path_factory.mktemp("rewritten") / "modeling_falcon_lora.py"
     target.write_text(result.code)
@@ -84,7 +86,10 @@ def test_the_rewrite_binds_the_subclass_lora_class_and_swaps_its_calls(rewritten
     assert "\nLoraFalconLinear = lora_class_for(FalconLinear)\n" in code
     assert code.index("class FalconLinear(nn.Linear)") < code.index("LoraFalconLinear = lora_class_for")
     assert "from loragen.layers import LoraLayer, lora_class_for" in code
-    assert "self.query_key_value = LoraFalconLinear(self.hidden_size, qkv_out_dim, bias=config.bias, r=4, lora_alpha=8)" in code
+    assert (
+        "self.query_key_value = LoraFalconLinear(self.hidden_size, qkv_out_dim, bias=config.bias, r=4, lora_alpha=8)"
+        in code
+    )
     assert code.count("= LoraFalconLinear(") == 4
     assert "self.lm_head = nn.Linear(" in code  # not targeted
     assert sorted({c.lora_name for c in result.rewritten}) == ["LoraFalconLinear"]
@@ -96,7 +101,9 @@ def test_the_rewrite_binds_the_subclass_lora_class_and_swaps_its_calls(rewritten
 
 def test_all_linear_rewrites_subclasses_and_leaves_the_head_out():
     package = module_name_for_path(SOURCE)[1]
-    result = rewrite_source(SOURCE.read_text(), LoraConfig(target_modules="all-linear"), filename=str(SOURCE), package=package)
+    result = rewrite_source(
+        SOURCE.read_text(), LoraConfig(target_modules="all-linear"), filename=str(SOURCE), package=package
+    )
     assert result.ok, [str(e) for e in result.errors]
     assert sorted({c.field.path for c in result.rewritten}) == sorted(
         ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "score", "classifier", "qa_outputs"]
@@ -121,14 +128,18 @@ def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     grads = {}
     for name, p in model.named_parameters():
         if "lora_" in name and p.grad is not None:
-            key = name.removeprefix("base_model.model.").replace(".default.weight", "").replace(".default", "")
+            key = (
+                name.removeprefix("base_model.model.").replace(".default.weight", "").replace(".default", "")
+            )
             grads[key] = p.grad
     return grads
 
 
 @pytest.mark.parametrize("architecture", list(ARCHITECTURES))
 @pytest.mark.parametrize("entry", ["runtime", "rewrite", "decorator"])
-def test_falcon_equals_peft_in_outputs_gradients_keys_and_merges(entry, architecture, rewritten, tmp_path, request):
+def test_falcon_equals_peft_in_outputs_gradients_keys_and_merges(
+    entry, architecture, rewritten, tmp_path, request
+):
     torch.manual_seed(0)
     original = transformers.FalconForCausalLM(falcon_config(architecture)).eval()
     peft_model = _peft_adapter(original, tmp_path / "adapter").eval()
@@ -149,10 +160,17 @@ def test_falcon_equals_peft_in_outputs_gradients_keys_and_merges(entry, architec
     assert sorted(layers) == sorted(
         f"transformer.h.{i}.{name}"
         for i in range(2)
-        for name in ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+        for name in (
+            "self_attention.query_key_value",
+            "self_attention.dense",
+            "mlp.dense_h_to_4h",
+            "mlp.dense_4h_to_h",
+        )
     )
-    assert all(isinstance(layer, modeling_falcon.FalconLinear) or type(layer).__name__ == "LoraFalconLinear"
-               for layer in layers.values())
+    assert all(
+        isinstance(layer, modeling_falcon.FalconLinear) or type(layer).__name__ == "LoraFalconLinear"
+        for layer in layers.values()
+    )
     # the base model's keys stay; only LoRA keys are new
     keys = set(model.state_dict())
     assert {k for k in keys if ".lora_" not in k} == set(original.state_dict())

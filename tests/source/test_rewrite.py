@@ -314,7 +314,9 @@ def test_unresolvable_layers_are_warned_about_and_unmatched_targets_listed():
         "from torch import nn\n\ndef mlp():\n    return nn.Linear(2, 2)\n\nclass M(nn.Module):\n"
         "    def __init__(self):\n        self.q = nn.Linear(2, 2)\n"
     )
-    result = rewrite_source(code, LoraConfig(target_modules=["k", "q"], exclude_modules=["q"]), filename="w.py")
+    result = rewrite_source(
+        code, LoraConfig(target_modules=["k", "q"], exclude_modules=["q"]), filename="w.py"
+    )
     assert result.ok and not result.changed and result.code == code
     assert [str(w) for w in result.warnings] == [
         "w.py:4: nn.Linear(...) in mlp() is not assigned to a module field the scanner can follow; not converted",
@@ -323,7 +325,9 @@ def test_unresolvable_layers_are_warned_about_and_unmatched_targets_listed():
     assert result.summary() == "w.py: no targeted layers, 1 warning"
     regex = rewrite_source(code, LoraConfig(target_modules=r".*\.k"), filename="w.py")
     assert regex.unmatched_targets == (r".*\.k",)
-    assert rewrite_source(code, LoraConfig(target_modules=["q", "k"]), filename="w.py").unmatched_targets == ("k",)
+    assert rewrite_source(code, LoraConfig(target_modules=["q", "k"]), filename="w.py").unmatched_targets == (
+        "k",
+    )
     empty = rewrite_source("", LoraConfig(target_modules=["q"]), filename="__init__.py")
     assert empty.ok and not empty.warnings and empty.summary() == "__init__.py: no layer fields"
 
@@ -429,9 +433,13 @@ def test_a_model_built_around_a_rewritten_class_finds_its_config(tmp_path: Path)
     model = torch.nn.Sequential(rewritten.Attention(4), torch.nn.Linear(4, 4))
     loragen.mark_trainable(model)
     assert [n for n, p in model.named_parameters() if p.requires_grad] == [
-        "0.q_proj.bias", "0.q_proj.lora_A", "0.q_proj.lora_B"
+        "0.q_proj.bias",
+        "0.q_proj.lora_A",
+        "0.q_proj.lora_B",
     ]
-    converted = loragen.get_lora_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), LoraConfig(target_modules=["0"]))
+    converted = loragen.get_lora_model(
+        torch.nn.Sequential(torch.nn.Linear(2, 2)), LoraConfig(target_modules=["0"])
+    )
     other = torch.nn.Sequential(model, converted)
     with pytest.raises(loragen.LoraConversionError, match=r"carry different LoRA configs \(at 0\.0, 1\)"):
         loragen.mark_trainable(other)
@@ -462,7 +470,9 @@ def toy_registered():
     loragen.registry.unregister(spec.base_qualname)
 
 
-def test_a_registered_layer_type_gets_its_own_lora_class_and_signature_defaults(toy_registered, tmp_path: Path):
+def test_a_registered_layer_type_gets_its_own_lora_class_and_signature_defaults(
+    toy_registered, tmp_path: Path
+):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["proj", "out"])
     result = rewrite_source(TOY_SOURCE, config, filename="toy_net.py")
     assert result.ok, [str(e) for e in result.errors]
@@ -478,9 +488,9 @@ def test_a_registered_layer_type_gets_its_own_lora_class_and_signature_defaults(
     model = _import_file(tmp_path / "toy_net_lora.py", "toy_net_lora").ToyNet()
     assert sorted(model.state_dict()) == sorted(runtime.state_dict())
     model.load_state_dict(runtime.state_dict())
-    assert {p: (type(m), m.r, m.lora_dropout_p) for p, m in loragen.convert.find_lora_layers(model).items()} == {
-        p: (type(m), m.r, m.lora_dropout_p) for p, m in loragen.convert.find_lora_layers(runtime).items()
-    }
+    assert {
+        p: (type(m), m.r, m.lora_dropout_p) for p, m in loragen.convert.find_lora_layers(model).items()
+    } == {p: (type(m), m.r, m.lora_dropout_p) for p, m in loragen.convert.find_lora_layers(runtime).items()}
     x = torch.randn(3, 4)
     torch.testing.assert_close(model.eval()(x), runtime.eval()(x))
 
@@ -497,7 +507,10 @@ def test_rewriting_again_with_another_config_replaces_the_recorded_config():
     ("line", "match"),
     [
         ("LORA_CONFIG = {}\n", "the name LORA_CONFIG is already bound"),
-        ("from peft import LoraConfig\n", "the name LoraConfig is already bound in this module to something other"),
+        (
+            "from peft import LoraConfig\n",
+            "the name LoraConfig is already bound in this module to something other",
+        ),
     ],
 )
 def test_names_the_rewrite_adds_must_be_free(line: str, match: str):
@@ -507,7 +520,9 @@ def test_names_the_rewrite_adds_must_be_free(line: str, match: str):
 
 
 def test_a_class_that_sets_loragen_config_itself_is_not_rewritten():
-    code = NESTED.replace("class Attention(nn.Module):\n", "class Attention(nn.Module):\n    loragen_config = None\n")
+    code = NESTED.replace(
+        "class Attention(nn.Module):\n", "class Attention(nn.Module):\n    loragen_config = None\n"
+    )
     result = rewrite_source(code, LoraConfig(target_modules=["q_proj"]), filename="n.py")
     assert [str(e) for e in result.errors] == [
         "n.py:3: class Attention sets loragen_config = None itself; a rewrite records its config there "

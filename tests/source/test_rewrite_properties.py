@@ -96,7 +96,10 @@ def _normalise(code: str) -> str:
     def added(stmt: ast.stmt) -> bool:
         if isinstance(stmt, ast.ImportFrom):
             return (stmt.module or "").startswith("loragen")
-        return isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) in ("LORA_CONFIG", "loragen_config")
+        return isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) in (
+            "LORA_CONFIG",
+            "loragen_config",
+        )
 
     tree.body = [s for s in tree.body if not added(s)]
     for node in ast.walk(tree):
@@ -104,7 +107,13 @@ def _normalise(code: str) -> str:
             node.body = [s for s in node.body if not added(s)]
         if isinstance(node, ast.Call):
             callee = ast.unparse(node.func)
-            if callee.startswith("Lora") or callee in ("nn.Linear", "torch.nn.Linear", "Dense", "nn.Embedding", "nn.Conv1d"):
+            if callee.startswith("Lora") or callee in (
+                "nn.Linear",
+                "torch.nn.Linear",
+                "Dense",
+                "nn.Embedding",
+                "nn.Conv1d",
+            ):
                 node.func = ast.Name("LAYER")
                 node.keywords = [k for k in node.keywords if k.arg not in ("r", "lora_alpha", "lora_dropout")]
     return ast.dump(tree)
@@ -141,7 +150,9 @@ def test_rewrite_is_idempotent_and_changes_only_targeted_calls(source, r, alpha)
     old_lines, new_lines = code.split("\n"), _without_additions(first.code.split("\n"))
     changed_spans = [(s, e) for s, e, changed in spans if changed]
     touched: set[int] = set()  # 1-based lines of the input that were edited
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+        a=old_lines, b=new_lines, autojunk=False
+    ).get_opcodes():
         if tag == "equal":
             continue
         if tag == "insert":
@@ -189,10 +200,20 @@ def test_config_literal_rebuilds_the_config(config: LoraConfig, column: int):
     assert column + len(first_line) <= 100 or first_line == "LoraConfig("
 
 
-@given(st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False), st.text()),
-    lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(st.text(max_size=5), children, max_size=3)),
-    max_leaves=8,
-))
+@given(
+    st.recursive(
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(),
+            st.floats(allow_nan=False, allow_infinity=False),
+            st.text(),
+        ),
+        lambda children: st.one_of(
+            st.lists(children, max_size=3), st.dictionaries(st.text(max_size=5), children, max_size=3)
+        ),
+        max_leaves=8,
+    )
+)
 def test_py_literal_is_a_python_literal_of_the_value(value):
     assert ast.literal_eval(py_literal(value)) == value

@@ -140,7 +140,14 @@ def test_conditional_branches_locals_and_tuples():
         ("b", False),
         ("typed", False),
     ]
-    assert list(dict.fromkeys(f.attribute for f in result.get("M").fields)) == ["attn", "maybe", "proj", "a", "b", "typed"]
+    assert list(dict.fromkeys(f.attribute for f in result.get("M").fields)) == [
+        "attn",
+        "maybe",
+        "proj",
+        "a",
+        "b",
+        "typed",
+    ]
 
 
 def test_unresolvable_constructions_are_reported_with_file_and_line_not_guessed():

@@ -56,7 +56,11 @@ SOURCE = textwrap.dedent(
 def test_the_scanner_finds_subclasses_of_subclasses_under_aliases():
     fields = {f.path: f for f in scan_source(SOURCE, filename="m.py", module="m").fields}
     assert sorted(fields) == ["o", "q", "v"]
-    assert (fields["q"].layer, fields["q"].subclass, fields["q"].lora_name) == ("torch.nn.Linear", "Scaled", "LoraScaled")
+    assert (fields["q"].layer, fields["q"].subclass, fields["q"].lora_name) == (
+        "torch.nn.Linear",
+        "Scaled",
+        "LoraScaled",
+    )
     assert (fields["v"].subclass, fields["v"].lora_name) == ("Shifted", "LoraShifted")
     assert fields["o"].subclass is None and fields["o"].lora_name == "LoraLinear"
 
@@ -69,12 +73,25 @@ def test_the_rewrite_binds_each_lora_class_after_its_subclass():
     assert "self.v = LoraShifted(8, 4, bias=False, r=4, lora_alpha=8)" in code
     assert "self.o = nn.Linear(4, 4)" in code
     assert "from loragen.layers import lora_class_for" in code and "LoraLinear" not in code
-    scaled, shifted = code.index("\nLoraScaled = lora_class_for(Scaled)\n"), code.index("\nLoraShifted = lora_class_for(Shifted)\n")
-    assert code.index("class Scaled(L)") < scaled < code.index("class Shifted(Scaled)") < shifted < code.index("class NotALayer")
+    scaled, shifted = (
+        code.index("\nLoraScaled = lora_class_for(Scaled)\n"),
+        code.index("\nLoraShifted = lora_class_for(Shifted)\n"),
+    )
+    assert (
+        code.index("class Scaled(L)")
+        < scaled
+        < code.index("class Shifted(Scaled)")
+        < shifted
+        < code.index("class NotALayer")
+    )
     again = rewrite_source(code, LoraConfig(r=4, target_modules=["q", "v"]), filename="m.py")
     assert again.ok and not again.changed and again.code == code
     wider = rewrite_source(code, LoraConfig(r=4, target_modules=["q", "v", "o"]), filename="m.py")
-    assert wider.ok and wider.code.count("= lora_class_for(") == 2 and "self.o = LoraLinear(4, 4, r=4, lora_alpha=8)" in wider.code
+    assert (
+        wider.ok
+        and wider.code.count("= lora_class_for(") == 2
+        and "self.o = LoraLinear(4, 4, r=4, lora_alpha=8)" in wider.code
+    )
 
 
 def test_the_rewritten_file_runs_like_get_lora_model(tmp_path):
@@ -109,7 +126,9 @@ def test_a_name_taken_by_something_else_is_an_error_naming_it():
     code = SOURCE + "\nLoraScaled = None\n"
     result = rewrite_source(code, LoraConfig(target_modules=["q"]), filename="m.py")
     assert not result.ok and result.code == code
-    assert any("LoraScaled is already bound" in e.message and "rename it first" in e.message for e in result.errors)
+    assert any(
+        "LoraScaled is already bound" in e.message and "rename it first" in e.message for e in result.errors
+    )
 
 
 def test_subclasses_of_types_without_subclass_support_stay_submodules():
@@ -166,10 +185,11 @@ def test_the_decorator_converts_subclass_fields_explicitly_like_the_runtime():
     mine, theirs = generated.state_dict(), runtime.state_dict()
     assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
     assert sorted(generated.get_tensors()) == [  # type: ignore[attr-defined]
-        "base_model.model.a.lora_A.weight", "base_model.model.a.lora_B.weight",
-        "base_model.model.b.lora_A.weight", "base_model.model.b.lora_B.weight",
+        "base_model.model.a.lora_A.weight",
+        "base_model.model.a.lora_B.weight",
+        "base_model.model.b.lora_A.weight",
+        "base_model.model.b.lora_B.weight",
     ]
-
 
 
 def test_only_classes_at_the_top_level_of_the_module_count():

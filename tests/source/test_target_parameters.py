@@ -80,8 +80,10 @@ def test_a_decorated_class_adapts_targeted_parameters_like_the_runtime_path(tmp_
 def test_the_rewrite_warns_and_keeps_no_target_parameters_in_its_config() -> None:
     result = loragen.rewrite_source(SOURCE, CONFIG, filename="user_experts_model.py")
     assert result.changed and not result.errors
-    assert any("target_parameters=['experts.down_proj'] is not written into the source" in w.message
-               for w in result.warnings)
+    assert any(
+        "target_parameters=['experts.down_proj'] is not written into the source" in w.message
+        for w in result.warnings
+    )
     assert "target_parameters" not in result.code
     model = _namespace(result.code)["Net"]()
     assert isinstance(model.experts, nn.Module) and not hasattr(model.experts, "lora_targets")

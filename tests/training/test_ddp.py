@@ -146,7 +146,9 @@ def _worker(rank: int, store_port: int, out_dir: str) -> None:
     # while the other still talks to it (with the store in rank 0, rank 1 could, and abort with
     # "terminate called without an active exception")
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60)
+    )
     out = Path(out_dir)
     try:
         returned = _run_ddp(rank, out)
@@ -173,7 +175,9 @@ def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # port 0: the operating system picks a free port while the store binds it (no window for another
     # process to take a port chosen in advance)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     context = mp.start_processes(
         _worker, args=(store.port, str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
     )

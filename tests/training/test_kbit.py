@@ -25,8 +25,13 @@ from loragen.training.kbit import is_quantized, prepare_model_for_kbit_training 
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=96, max_position_embeddings=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+        max_position_embeddings=64,
     )
     path = tmp_path_factory.mktemp("tiny_llama_kbit")
     transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -38,7 +43,9 @@ def load(path: Path, bits: int = 4, dtype: torch.dtype = torch.bfloat16) -> nn.M
         quantization = transformers.BitsAndBytesConfig(load_in_8bit=True)
     else:
         quantization = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.float32,
         )
     with warnings.catch_warnings():
@@ -76,7 +83,9 @@ def test_checkpointing_options_reach_torch(llama_dir: Path, monkeypatch: pytest.
         return real(function, *args, **kwargs)
 
     monkeypatch.setattr(transformers.modeling_utils, "checkpoint", spy)
-    model = prepare_model_for_kbit_training(load(llama_dir), gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = prepare_model_for_kbit_training(
+        load(llama_dir), gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
     model.train()
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
     assert seen and all(kwargs.get("use_reentrant") is False for kwargs in seen)
@@ -85,9 +94,12 @@ def test_checkpointing_options_reach_torch(llama_dir: Path, monkeypatch: pytest.
 def test_checkpointed_qlora_step_matches_peft(llama_dir: Path) -> None:
     options = dict(r=4, lora_alpha=8, target_modules="all-linear")
     theirs = peft.get_peft_model(
-        peft.prepare_model_for_kbit_training(load(llama_dir)), peft.LoraConfig(init_lora_weights=False, **options)
+        peft.prepare_model_for_kbit_training(load(llama_dir)),
+        peft.LoraConfig(init_lora_weights=False, **options),
     )
-    ours = loragen.get_lora_model(prepare_model_for_kbit_training(load(llama_dir)), loragen.LoraConfig(**options))
+    ours = loragen.get_lora_model(
+        prepare_model_for_kbit_training(load(llama_dir)), loragen.LoraConfig(**options)
+    )
     layers = find_lora_layers(ours)
     with torch.no_grad():
         for name, layer in layers.items():
@@ -103,8 +115,12 @@ def test_checkpointed_qlora_step_matches_peft(llama_dir: Path) -> None:
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for name, layer in layers.items():
         reference = theirs.base_model.model.get_submodule(name)
-        torch.testing.assert_close(layer.lora_A.grad, reference.lora_A["default"].weight.grad, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(layer.lora_B.grad, reference.lora_B["default"].weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            layer.lora_A.grad, reference.lora_A["default"].weight.grad, rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(
+            layer.lora_B.grad, reference.lora_B["default"].weight.grad, rtol=1e-5, atol=1e-6
+        )
 
 
 def test_checkpointing_recomputes_the_same_dropout_mask(llama_dir: Path) -> None:

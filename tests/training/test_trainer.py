@@ -22,8 +22,13 @@ CONFIG = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
     )
     return loragen.get_lora_model(transformers.LlamaForCausalLM(config), CONFIG)
 
@@ -36,9 +41,19 @@ def _dataset(n: int = 16) -> list[dict[str, list[int]]]:
 
 def _args(output_dir: Path, max_steps: int) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(
-        output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=1e-2, max_steps=max_steps,
-        save_steps=2, logging_steps=100, report_to=[], use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
-        dataloader_num_workers=0, lr_scheduler_type="constant",
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_steps=max_steps,
+        save_steps=2,
+        logging_steps=100,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        lr_scheduler_type="constant",
     )
 
 
@@ -46,10 +61,14 @@ def _lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 
-def _train(output_dir: Path, max_steps: int, *, adapter_only: bool = False, resume: bool = False) -> torch.nn.Module:
+def _train(
+    output_dir: Path, max_steps: int, *, adapter_only: bool = False, resume: bool = False
+) -> torch.nn.Module:
     model = _model()
     trainer = transformers.Trainer(
-        model=model, args=_args(output_dir, max_steps), train_dataset=_dataset(),
+        model=model,
+        args=_args(output_dir, max_steps),
+        train_dataset=_dataset(),
         callbacks=[loragen.LoraTrainerCallback(adapter_only=adapter_only)],
     )
     trainer.train(resume_from_checkpoint=str(output_dir / "checkpoint-2") if resume else None)
@@ -76,13 +95,17 @@ def test_every_checkpoint_holds_the_peft_adapter(uninterrupted) -> None:
     peft = pytest.importorskip("peft")
     base = transformers.LlamaForCausalLM(_model().config)
     loaded = peft.PeftModel.from_pretrained(base, str(out / "checkpoint-4"))
-    assert loaded.base_model.model.model.layers[1].self_attn.v_proj.lora_B["default"].weight.equal(
-        final["model.layers.1.self_attn.v_proj.lora_B"]
+    assert (
+        loaded.base_model.model.model.layers[1]
+        .self_attn.v_proj.lora_B["default"]
+        .weight.equal(final["model.layers.1.self_attn.v_proj.lora_B"])
     )
 
 
 @pytest.mark.parametrize("adapter_only", [False, True])
-def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(uninterrupted, tmp_path: Path, adapter_only) -> None:
+def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(
+    uninterrupted, tmp_path: Path, adapter_only
+) -> None:
     _, expected = uninterrupted
     _train(tmp_path, 2, adapter_only=adapter_only)
     folder = tmp_path / "checkpoint-2"
@@ -101,7 +124,9 @@ def _tokenizer() -> transformers.PreTrainedTokenizerFast:
     vocab = {"<pad>": 0, "<eos>": 1, **{chr(c): c - 95 for c in range(97, 123)}, " ": 28}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>"
+    )
 
 
 def test_trl_sft_trainer_checkpoints_hold_the_adapter(tmp_path: Path) -> None:
@@ -111,12 +136,23 @@ def test_trl_sft_trainer_checkpoints_hold_the_adapter(tmp_path: Path) -> None:
     texts = ["the quick brown fox", "jumps over the lazy dog", "lora adapters train fast", "small and exact"]
     dataset = datasets.Dataset.from_dict({"text": texts * 2})
     config = trl.SFTConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, save_steps=2, learning_rate=1e-2,
-        report_to=[], use_cpu=True, disable_tqdm=True, max_length=32, logging_steps=100,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        save_steps=2,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        max_length=32,
+        logging_steps=100,
     )
     before = _lora_state(model)
     trainer = trl.SFTTrainer(
-        model=model, args=config, train_dataset=dataset, processing_class=_tokenizer(),
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=_tokenizer(),
         callbacks=[loragen.LoraTrainerCallback()],
     )
     trainer.train()
