@@ -8,13 +8,23 @@ is what a kernel variant runs on when it fails its self-check (:mod:`loragen.cud
 
 Products are taken in float32 (x, g cast up per row block), every output is rounded once into its dtype,
 and the dropout mask is the Philox mask of :mod:`loragen.philox`, generated on the tensors' device: a
-variant that falls back keeps the exact masks the kernels would have drawn. Split reductions write the
-whole sum into partial 0 and zeros into the other partials, whose sum is all the caller reads.
+variant that falls back keeps the exact masks the kernels would have drawn, and so does
+``torch.utils.checkpoint`` recomputation. Split reductions write the whole sum into partial 0 and zeros
+into the other partials, whose sum is all the caller reads.
+
+Dropout costs one kernel on a CUDA device: :data:`DROPOUT_SOURCE`, compiled at first use by torch's
+jiterator, computes each element's Philox bits and writes ``x * 1/(1-p)`` or 0 in float32 -- the same
+bytes as the float32 copy of x the products need anyway. Where the jiterator is unavailable (a CPU
+tensor, a torch built without it, a compile failure: one warning), :func:`dropped` runs the vectorised
+torch formulation of :func:`keep_mask`, about 70 elementwise operations on one counter per 8 elements,
+bit-identical to the jiterator and to :func:`loragen.philox.dropout_keep_mask`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -22,29 +32,209 @@ from torch import Tensor
 from loragen import philox
 from loragen.cuda.specs import KernelSpec, Variant
 
-__all__ = ["TorchKernels", "keep_mask"]
+__all__ = ["DROPOUT_SOURCE", "TorchKernels", "dropped", "jiterator_status", "keep_mask"]
 
 _MASK32 = 0xFFFFFFFF
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox round multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Philox key schedule increments
+_ROUNDS = 10
 _BLOCK_ELEMS = 1 << 22  # elements per row block: float32 temporaries and mask words stay small
+_EXACT_FLOAT_INDEX = 1 << 24  # row and column numbers below this are exact in float32
+
+# One CUDA thread per element: the element's Philox call (loragen/philox.py's layout), its 16 bits,
+# and the inverted-dropout value. `row` and `col` arrive as float32 (jiterator promotes every input to
+# one dtype) holding exact integers below 2**24; the seed and offset come as 32-bit words.
+DROPOUT_SOURCE = r"""
+template <typename T>
+T loragen_dropout(T value, T row, T col, long long start, long long cols, long long key0, long long key1,
+                  long long offset0, long long offset1, long long threshold, T keep_scale) {
+    const unsigned long long i = start + static_cast<long long>(row) * cols + static_cast<long long>(col);
+    unsigned c0 = static_cast<unsigned>(i >> 3), c1 = static_cast<unsigned>(i >> 35);
+    unsigned c2 = static_cast<unsigned>(offset0), c3 = static_cast<unsigned>(offset1);
+    unsigned k0 = static_cast<unsigned>(key0), k1 = static_cast<unsigned>(key1);
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    const unsigned lane = static_cast<unsigned>(i & 7);
+    const unsigned word = lane < 2 ? c0 : lane < 4 ? c1 : lane < 6 ? c2 : c3;
+    const long long bits = (word >> (16 * (lane & 1))) & 0xFFFFu;
+    return bits >= threshold ? value * keep_scale : T(0);
+}
+"""
+
+_jit_lock = threading.Lock()
+_jit_state: dict[str, object] = {"fn": None, "failure": None}
+
+
+def jiterator_status() -> str:
+    """``"unused"`` before the first CUDA dropout, ``"ok"`` once the jiterator kernel ran, else why the
+    torch formulation is used instead."""
+    failure = _jit_state["failure"]
+    if failure is not None:
+        return str(failure)
+    return "unused" if _jit_state["fn"] is None else "ok"
+
+
+def _jit_dropout() -> Callable[..., Tensor] | None:
+    """The jiterator function for :data:`DROPOUT_SOURCE` (created once), or None after a failure."""
+    with _jit_lock:
+        if _jit_state["failure"] is None and _jit_state["fn"] is None:
+            from torch.cuda import jiterator
+
+            _jit_state["fn"] = jiterator._create_jit_fn(
+                DROPOUT_SOURCE,
+                start=0,
+                cols=1,
+                key0=0,
+                key1=0,
+                offset0=0,
+                offset1=0,
+                threshold=0,
+                keep_scale=1.0,
+            )
+        fn = _jit_state["fn"]
+        return None if _jit_state["failure"] is not None else fn  # type: ignore[return-value]
+
+
+def _jit_failed(exc: BaseException) -> None:
+    with _jit_lock:
+        if _jit_state["failure"] is not None:
+            return
+        _jit_state["failure"] = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
+    warnings.warn(
+        "loragen.cuda: the one-kernel dropout mask of the torch path (torch.cuda.jiterator) is unavailable "
+        f"({_jit_state['failure']}); the mask is built from torch operations instead (same bits, slower)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _round_constants(seed: int, device: torch.device) -> tuple[Tensor, ...]:
+    """12 int64 (2, 1) tensors: the multipliers of the two state rows in even and odd rounds, then the
+    key words of the two rows in each of the 10 rounds.
+
+    The rows of :func:`_philox_words`'s state E hold counter words (c0, c2) in even rounds and
+    (c2, c0) in odd ones; a row holding c0 produces the new c2 (key word 1), one holding c2 the new c0
+    (key word 0).
+    """
+    rows = [[_M0, _M1], [_M1, _M0]]
+    for r in range(_ROUNDS):
+        k0 = ((seed & _MASK32) + r * _W0) & _MASK32
+        k1 = ((seed >> 32) + r * _W1) & _MASK32
+        rows.append([k1, k0] if r % 2 == 0 else [k0, k1])
+    return torch.tensor(rows, dtype=torch.int64, device=device).unsqueeze(-1).unbind(0)
+
+
+def _philox_words(first: int, count: int, seed: int, offset: int, device: torch.device) -> Tensor:
+    """Philox4x32-10 of the counters (q, offset) for groups q = first .. first + count - 1 under key
+    ``seed``: int64 (4, count), the words c0..c3 in [0, 2**32).
+
+    The four words are carried as two (2, count) tensors so each round is six whole-tensor operations:
+    E, the words that are multiplied, and O, their xor partners. A uint32 product is taken as an int64
+    product, which wraps modulo 2**64 with the same low 64 bits as the unsigned product; its high word is
+    ``(p >> 32) & 0xFFFFFFFF`` and its low word is left in O unmasked until it is used.
+    """
+    even_multipliers, odd_multipliers, *round_keys = _round_constants(seed, device)
+    q = torch.arange(first, first + count, dtype=torch.int64, device=device)
+    e = torch.stack((q & _MASK32, q.new_full((count,), offset & _MASK32)))  # (c0, c2)
+    o = torch.stack((q.new_full((count,), offset >> 32), q >> 32))  # their partners (c3, c1)
+    for r in range(_ROUNDS):
+        partners = o if r == 0 else o.flip(0)  # the row order of E alternates, O's does not
+        product = e * (odd_multipliers if r % 2 else even_multipliers)
+        e = ((product >> 32) ^ partners ^ round_keys[r]) & _MASK32
+        o = product
+    # after an even number of rounds E = (c0, c2), O = (c1, c3): interleave them into c0, c1, c2, c3
+    return torch.stack((e, o & _MASK32), dim=1).view(4, count)
 
 
 def keep_mask(start: int, numel: int, threshold: int, seed: int, offset: int, device: torch.device) -> Tensor:
     """Flat elements ``start .. start + numel - 1`` of the Philox keep-mask (:mod:`loragen.philox`'s
-    layout), as bool on ``device``; ``threshold`` is :func:`loragen.philox.keep_threshold` of p."""
+    layout), as bool on ``device``; ``threshold`` is :func:`loragen.philox.keep_threshold` of p.
+
+    Torch operations only (about 70, on one counter per 8 elements), so it runs on any device; on a CPU
+    tensor it equals :func:`loragen.philox.dropout_keep_mask`.
+    """
     if threshold == 0:
         return torch.ones(numel, dtype=torch.bool, device=device)
     per_call = philox.ELEMENTS_PER_CALL
     first, last = start // per_call, (start + numel + per_call - 1) // per_call
-    q = torch.arange(first, last, dtype=torch.int64, device=device)
-    counter = torch.stack(
-        [q & _MASK32, q >> 32, torch.full_like(q, offset & _MASK32), torch.full_like(q, offset >> 32)], dim=-1
-    )
-    words = philox.philox4x32_10(counter, (seed & _MASK32, seed >> 32))
-    lane_word = torch.arange(per_call, device=device) // 2
-    lane_shift = torch.tensor([0, 16] * (per_call // 2), dtype=torch.int64, device=device)
-    bits16 = (words[:, lane_word] >> lane_shift) & 0xFFFF
+    words = _philox_words(first, last - first, seed, offset, device)  # (4, G)
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # (4, G, 2): lane 2w + h of each group
+    keep = (halves >= threshold).permute(1, 0, 2).reshape(-1)  # group-major: element 8q + lane
     skip = start - first * per_call
-    return (bits16 >= threshold).reshape(-1)[skip : skip + numel]
+    return keep[skip : skip + numel]
+
+
+class _BlockDropout:
+    """The dropout of one block of a masked tensor whose element [0, 0] is flat element ``start``:
+    applied to x and, in backward, to the x-shaped product dh A, with one keep-mask between them."""
+
+    def __init__(self, start: int, threshold: int, keep_scale: float, seed: int, offset: int) -> None:
+        self.start, self.threshold, self.keep_scale = start, threshold, keep_scale
+        self.seed, self.offset = seed, offset
+        self._keep: Tensor | None = None
+
+    def __call__(self, values: Tensor) -> Tensor:
+        """``values`` (rows, cols) in float32, kept elements times keep_scale, dropped ones 0; without
+        dropout, ``values`` itself when it is float32 (callers only read it)."""
+        rows, cols = values.shape
+        if self.threshold == 0:
+            return values.float()
+        if values.is_cuda and rows < _EXACT_FLOAT_INDEX and cols < _EXACT_FLOAT_INDEX and values.numel():
+            out = self._jit(values)
+            if out is not None:
+                return out
+        if self._keep is None:
+            keep = keep_mask(
+                self.start, values.numel(), self.threshold, self.seed, self.offset, values.device
+            )
+            self._keep = keep.view(rows, cols)
+        return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
+
+    def _jit(self, values: Tensor) -> Tensor | None:
+        fn = _jit_dropout()
+        if fn is None:
+            return None
+        rows, cols = values.shape
+        index = torch.arange(max(rows, cols), dtype=torch.float32, device=values.device)
+        try:
+            return fn(
+                values,
+                index[:rows, None],
+                index[None, :cols],
+                start=self.start,
+                cols=cols,
+                key0=self.seed & _MASK32,
+                key1=self.seed >> 32,
+                offset0=self.offset & _MASK32,
+                offset1=self.offset >> 32,
+                threshold=self.threshold,
+                keep_scale=self.keep_scale,
+            )
+        except Exception as exc:  # whatever stops the jiterator here, the torch formulation gives the same
+            _jit_failed(exc)
+            return None
+
+
+def dropped(values: Tensor, start: int, threshold: int, keep_scale: float, seed: int, offset: int) -> Tensor:
+    """``values`` (rows, cols) in float32 with dropout applied: kept elements times ``keep_scale``,
+    dropped ones 0; ``values[0, 0]`` is flat element ``start`` of the masked tensor (row-major).
+
+    ``values`` itself when ``threshold`` is 0 and it is float32, else a fresh tensor. One kernel on a CUDA device (the jiterator), the torch
+    formulation of :func:`keep_mask` elsewhere; the same numbers either way.
+    """
+    return _BlockDropout(start, threshold, keep_scale, seed, offset)(values)
 
 
 def _row_blocks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
@@ -53,21 +243,9 @@ def _row_blocks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
         yield begin, min(rows, begin + step)
 
 
-def _scaled_mask(v: dict, begin: int, end: int, device: torch.device) -> Tensor | None:
-    """The keep-mask of rows ``begin:end`` of an x-shaped tensor times 1 / (1 - p), float32; None
-    without dropout."""
-    if not v["threshold"]:
-        return None
-    cols = v["cols"]
-    keep = keep_mask(begin * cols, (end - begin) * cols, v["threshold"], v["seed"], v["offset"], device)
-    return keep.view(end - begin, cols).float().mul_(v["keep_scale"])
-
-
-def _dropped(v: dict, x: Tensor, begin: int, end: int) -> Tensor:
-    """Rows ``begin:end`` of x in float32, masked and scaled as the kernels do."""
-    block = x[begin:end].to(torch.float32, copy=True)  # never a view of x: it is scaled in place
-    mask = _scaled_mask(v, begin, end, x.device)
-    return block if mask is None else block.mul_(mask)
+def _block_dropout(v: dict, begin: int) -> _BlockDropout:
+    """The dropout of the row block of an x-shaped tensor that starts at row ``begin``."""
+    return _BlockDropout(begin * v["cols"], v["threshold"], v["keep_scale"], v["seed"], v["offset"])
 
 
 def _first_partial(parts: Tensor) -> Tensor:
@@ -81,7 +259,7 @@ def _down(v: dict) -> None:
     h = _first_partial(v["h_part"])
     h[:, rank:].zero_()
     for begin, end in _row_blocks(v["rows"], v["cols"]):
-        h[begin:end, :rank] = torch.mm(_dropped(v, x, begin, end), a[:rank].t())
+        h[begin:end, :rank] = torch.mm(_block_dropout(v, begin)(x[begin:end]), a[:rank].t())
 
 
 def _up(v: dict) -> None:
@@ -111,11 +289,10 @@ def _grad_in(v: dict) -> None:
     gx, da = v["grad_x_lora"], _first_partial(v["da_part"])
     da.zero_()
     for begin, end in _row_blocks(v["rows"], v["cols"]):
-        da[:rank].addmm_(dh[begin:end, :rank].t(), _dropped(v, x, begin, end))
+        drop = _block_dropout(v, begin)  # one keep-mask for both products
+        da[:rank].addmm_(dh[begin:end, :rank].t(), drop(x[begin:end]))
         if gx is not None:
-            term = torch.mm(dh[begin:end, :rank], a[:rank])
-            mask = _scaled_mask(v, begin, end, term.device)
-            gx[begin:end].copy_(term if mask is None else term.mul_(mask))
+            gx[begin:end].copy_(drop(torch.mm(dh[begin:end, :rank], a[:rank])))  # one rounding into gx
 
 
 _KERNELS = {"lora_down": _down, "lora_up": _up, "lora_grad_out": _grad_out, "lora_grad_in": _grad_in}
