@@ -38,7 +38,9 @@ _MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox round multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Philox key schedule increments
 _ROUNDS = 10
-_BLOCK_ELEMS = 1 << 22  # elements per row block: float32 temporaries and mask words stay small
+# elements per row block: a float32 block is 128 MiB, and a batch of 16k rows of 2048 features is one
+# block (each block costs a dozen launches; the Philox temporaries of the torch formulation stay < 1 GiB)
+_BLOCK_ELEMS = 1 << 25
 _EXACT_FLOAT_INDEX = 1 << 24  # row and column numbers below this are exact in float32
 
 # One CUDA thread per element: the element's Philox call (loragen/philox.py's layout), its 16 bits,
@@ -265,11 +267,17 @@ def _down(v: dict) -> None:
 def _up(v: dict) -> None:
     h, bt, bias, rank = v["h"], v["lora_bt"], v["bias"], v["rank"]
     out = v["out"]
+    scaled_bt = bt[:rank] * v["scaling"]  # (r, out): s folded into the small operand
+    bias32 = None if bias is None else bias.float()
     for begin, end in _row_blocks(v["rows"], v["cols"]):
-        term = torch.mm(h[begin:end, :rank], bt[:rank]).mul_(v["scaling"])
-        if bias is not None:
-            term.add_(bias.float())
-        out[begin:end].copy_(term)  # one rounding into out's dtype
+        block = out[begin:end]
+        direct = block if block.dtype == torch.float32 else None  # the op's float32 variant: no temporary
+        if bias32 is None:
+            term = torch.mm(h[begin:end, :rank], scaled_bt, out=direct)
+        else:
+            term = torch.addmm(bias32, h[begin:end, :rank], scaled_bt, out=direct)
+        if direct is None:
+            block.copy_(term)  # one rounding into out's dtype
 
 
 def _grad_out(v: dict) -> None:
@@ -278,9 +286,10 @@ def _grad_out(v: dict) -> None:
     db = _first_partial(v["db_part"])
     dh[:, rank:].zero_()
     db.zero_()
+    scaled_b = (bt[:rank] * s).t()  # (out, r): s folded into the small operand
     for begin, end in _row_blocks(v["rows"], v["cols"]):
         g32 = g[begin:end].float()
-        dh[begin:end, :rank] = torch.mm(g32, bt[:rank].t()).mul_(s)
+        dh[begin:end, :rank] = torch.mm(g32, scaled_b)
         db.addmm_(g32.t(), h[begin:end], alpha=s)
 
 

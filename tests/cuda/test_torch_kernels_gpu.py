@@ -12,7 +12,7 @@ from loragen import philox, switches
 from loragen.cuda import torch_kernels
 from loragen.cuda.function import lora_linear_cuda
 from loragen.cuda.torch_kernels import TorchKernels, dropped, keep_mask
-from tests.cuda.lora_reference import make_inputs
+from tests.cuda.lora_reference import make_inputs, relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,7 +56,7 @@ def test_torch_path_draws_the_kernels_mask(shape):
 
 
 def test_torch_path_on_the_gpu_equals_the_torch_path_on_the_cpu():
-    """The same step on both devices: the same mask, products equal to float32 rounding."""
+    """The same step on both devices: the same mask, results equal up to float32 summation order."""
     results = []
     for device in ("cpu", "cuda"):
         (x, w, b, a, bb), _ = make_inputs(64, 96, 40, 8, torch.float32, seed=2, device=device)
@@ -64,4 +64,4 @@ def test_torch_path_on_the_gpu_equals_the_torch_path_on_the_cpu():
         y.square().sum().backward()
         results.append([t.detach().cpu() for t in (y, x.grad, a.grad, bb.grad)])
     for cpu, gpu in zip(*results):
-        assert torch.allclose(cpu, gpu, rtol=1e-4, atol=1e-5)
+        assert relative_error(gpu, cpu.double()) < 1e-5  # a different mask would be off by far more
