@@ -12,11 +12,14 @@ variant that falls back keeps the exact masks the kernels would have drawn, and 
 ``torch.utils.checkpoint`` recomputation. Split reductions write the whole sum into partial 0 and zeros
 into the other partials, whose sum is all the caller reads.
 
-Dropout costs one kernel on a CUDA device: :data:`DROPOUT_SOURCE`, compiled at first use by torch's
-jiterator, computes each element's Philox bits and writes ``x * 1/(1-p)`` or 0 in float32 -- the same
-bytes as the float32 copy of x the products need anyway. Where the jiterator is unavailable (a CPU
-tensor, a torch built without it, a compile failure: one warning), :func:`dropped` runs the vectorised
-torch formulation of :func:`keep_mask`, about 70 elementwise operations on one counter per 8 elements,
+Dropout on a CUDA device runs on kernels that torch's jiterator compiles at first use
+(:data:`JIT_FUNCTIONS`): :data:`KEEP_BITS_SOURCE` makes each group of 8 elements' keep bits with one
+Philox call (half a byte per element, made once per row block and used for x and, in backward, for
+dh A), and :data:`APPLY_SOURCE` writes ``x * 1/(1-p)`` or 0 in float32 -- the same bytes as the float32
+copy of x the products need anyway. Rows whose length is not a multiple of 8 take
+:data:`DROPOUT_SOURCE`, one Philox call per element. Where the jiterator is unavailable (a CPU tensor, a
+torch built without it, a compile failure: one warning), :func:`dropped` runs the vectorised torch
+formulation of :func:`keep_mask`, about 70 elementwise operations on one counter per 8 elements, all
 bit-identical to the jiterator and to :func:`loragen.philox.dropout_keep_mask`.
 """
 
@@ -32,7 +35,16 @@ from torch import Tensor
 from loragen import philox
 from loragen.cuda.specs import KernelSpec, Variant
 
-__all__ = ["DROPOUT_SOURCE", "TorchKernels", "dropped", "jiterator_status", "keep_mask"]
+__all__ = [
+    "APPLY_SOURCE",
+    "DROPOUT_SOURCE",
+    "JIT_FUNCTIONS",
+    "KEEP_BITS_SOURCE",
+    "TorchKernels",
+    "dropped",
+    "jiterator_status",
+    "keep_mask",
+]
 
 _MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox round multipliers
@@ -43,15 +55,10 @@ _ROUNDS = 10
 _BLOCK_ELEMS = 1 << 25
 _EXACT_FLOAT_INDEX = 1 << 24  # row and column numbers below this are exact in float32
 
-# One CUDA thread per element: the element's Philox call (loragen/philox.py's layout), its 16 bits,
-# and the inverted-dropout value. `row` and `col` arrive as float32 (jiterator promotes every input to
-# one dtype) holding exact integers below 2**24; the seed and offset come as 32-bit words.
-DROPOUT_SOURCE = r"""
-template <typename T>
-T loragen_dropout(T value, T row, T col, long long start, long long cols, long long key0, long long key1,
-                  long long offset0, long long offset1, long long threshold, T keep_scale) {
-    const unsigned long long i = start + static_cast<long long>(row) * cols + static_cast<long long>(col);
-    unsigned c0 = static_cast<unsigned>(i >> 3), c1 = static_cast<unsigned>(i >> 35);
+# Philox4x32-10 of the counter (q, offset) under the key (key0, key1), as in kernels/lora_common.cuh.j2,
+# leaving the four output words in words[0..3]; pasted into the jiterator sources below.
+_PHILOX_CALL = r"""
+    unsigned c0 = static_cast<unsigned>(q), c1 = static_cast<unsigned>(q >> 32);
     unsigned c2 = static_cast<unsigned>(offset0), c3 = static_cast<unsigned>(offset1);
     unsigned k0 = static_cast<unsigned>(key0), k1 = static_cast<unsigned>(key1);
     for (int round = 0; round < 10; ++round) {
@@ -66,59 +73,98 @@ T loragen_dropout(T value, T row, T col, long long start, long long cols, long l
         c2 = hi0 ^ c3 ^ k1;
         c3 = lo0;
     }
-    const unsigned lane = static_cast<unsigned>(i & 7);
-    const unsigned word = lane < 2 ? c0 : lane < 4 ? c1 : lane < 6 ? c2 : c3;
-    const long long bits = (word >> (16 * (lane & 1))) & 0xFFFFu;
-    return bits >= threshold ? value * keep_scale : T(0);
+    const unsigned words[4] = {c0, c1, c2, c3};
+"""
+
+# jiterator promotes every input to one dtype (float32 here), so row, group, column and lane numbers
+# arrive as float32 holding exact integers below 2**24; the seed and offset come as 32-bit words.
+
+# One thread per group of 8 elements (rows of a multiple of 8 columns): the group's 8 keep bits.
+KEEP_BITS_SOURCE = (
+    r"""template <typename T>
+T loragen_keep_bits(T row, T group, long long first_group, long long groups_per_row, long long key0,
+                    long long key1, long long offset0, long long offset1, long long threshold) {
+    const unsigned long long q =
+        first_group + static_cast<long long>(row) * groups_per_row + static_cast<long long>(group);"""
+    + _PHILOX_CALL
+    + r"""    unsigned bits = 0;
+    for (int lane = 0; lane < 8; ++lane) {
+        const long long u = (words[lane >> 1] >> (16 * (lane & 1))) & 0xFFFFu;
+        bits |= static_cast<unsigned>(u >= threshold) << lane;
+    }
+    return static_cast<T>(bits);
+}
+"""
+)
+
+# One thread per element, with the group's keep bits broadcast over its 8 lanes.
+APPLY_SOURCE = r"""template <typename T>
+T loragen_apply_keep(T value, T bits, T lane, T keep_scale) {
+    return (static_cast<unsigned>(bits) >> static_cast<unsigned>(lane)) & 1u ? value * keep_scale : T(0);
 }
 """
 
+# One thread per element, its own Philox call: for rows whose length is not a multiple of 8.
+DROPOUT_SOURCE = (
+    r"""template <typename T>
+T loragen_dropout(T value, T row, T col, long long start, long long cols, long long key0, long long key1,
+                  long long offset0, long long offset1, long long threshold, T keep_scale) {
+    const unsigned long long i = start + static_cast<long long>(row) * cols + static_cast<long long>(col);
+    const unsigned long long q = i >> 3;"""
+    + _PHILOX_CALL
+    + r"""    const unsigned lane = static_cast<unsigned>(i & 7);
+    const long long u = (words[lane >> 1] >> (16 * (lane & 1))) & 0xFFFFu;
+    return u >= threshold ? value * keep_scale : T(0);
+}
+"""
+)
+
+_KEY_ARGS = {"key0": 0, "key1": 0, "offset0": 0, "offset1": 0, "threshold": 0}
+# each jiterator function: its source and its keyword arguments, in the order of the C++ parameters
+# after the tensor inputs (torch passes them in this order)
+JIT_FUNCTIONS: dict[str, tuple[str, dict[str, int | float]]] = {
+    "keep_bits": (KEEP_BITS_SOURCE, {"first_group": 0, "groups_per_row": 1, **_KEY_ARGS}),
+    "apply": (APPLY_SOURCE, {"keep_scale": 1.0}),
+    "dropout": (DROPOUT_SOURCE, {"start": 0, "cols": 1, **_KEY_ARGS, "keep_scale": 1.0}),
+}
+
 _jit_lock = threading.Lock()
-_jit_state: dict[str, object] = {"fn": None, "failure": None}
+_jit_functions: dict[str, Callable[..., Tensor]] = {}
+_jit_failure: list[str] = []  # the first failure, once there was one
 
 
 def jiterator_status() -> str:
-    """``"unused"`` before the first CUDA dropout, ``"ok"`` once the jiterator kernel ran, else why the
+    """``"unused"`` before the first CUDA dropout, ``"ok"`` once the jiterator kernels ran, else why the
     torch formulation is used instead."""
-    failure = _jit_state["failure"]
-    if failure is not None:
-        return str(failure)
-    return "unused" if _jit_state["fn"] is None else "ok"
+    if _jit_failure:
+        return _jit_failure[0]
+    return "ok" if _jit_functions else "unused"
 
 
-def _jit_dropout() -> Callable[..., Tensor] | None:
-    """The jiterator function for :data:`DROPOUT_SOURCE` (created once), or None after a failure."""
+def _jit(name: str) -> Callable[..., Tensor] | None:
+    """The jiterator function ``name`` of :data:`JIT_FUNCTIONS` (created once), or None after a failure."""
     with _jit_lock:
-        if _jit_state["failure"] is None and _jit_state["fn"] is None:
+        if _jit_failure:
+            return None
+        if name not in _jit_functions:
             from torch.cuda import jiterator
 
-            _jit_state["fn"] = jiterator._create_jit_fn(
-                DROPOUT_SOURCE,
-                start=0,
-                cols=1,
-                key0=0,
-                key1=0,
-                offset0=0,
-                offset1=0,
-                threshold=0,
-                keep_scale=1.0,
-            )
-        fn = _jit_state["fn"]
-        return None if _jit_state["failure"] is not None else fn  # type: ignore[return-value]
+            source, kwargs = JIT_FUNCTIONS[name]
+            _jit_functions[name] = jiterator._create_jit_fn(source, **kwargs)
+        return _jit_functions[name]
 
 
 def _jit_failed(exc: BaseException) -> None:
+    text = str(exc).strip()
     with _jit_lock:
-        if _jit_state["failure"] is not None:
+        if _jit_failure:
             return
-        _jit_state["failure"] = (
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        )
+        _jit_failure.append(f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}")
     warnings.warn(
-        "loragen.cuda: the one-kernel dropout mask of the torch path (torch.cuda.jiterator) is unavailable "
-        f"({_jit_state['failure']}); the mask is built from torch operations instead (same bits, slower)",
+        "loragen.cuda: the jiterator dropout kernels of the torch path (torch.cuda.jiterator) are unavailable "
+        f"({_jit_failure[0]}); the mask is built from torch operations instead (same bits, slower)",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -185,7 +231,17 @@ class _BlockDropout:
     def __init__(self, start: int, threshold: int, keep_scale: float, seed: int, offset: int) -> None:
         self.start, self.threshold, self.keep_scale = start, threshold, keep_scale
         self.seed, self.offset = seed, offset
-        self._keep: Tensor | None = None
+        self._keep: Tensor | None = None  # bool (rows, cols), the torch formulation
+        self._bits: tuple[Tensor, Tensor] | None = None  # jiterator: keep bits (rows, cols / 8, 1), lanes
+
+    def _key_args(self) -> dict[str, int]:
+        return {
+            "key0": self.seed & _MASK32,
+            "key1": self.seed >> 32,
+            "offset0": self.offset & _MASK32,
+            "offset1": self.offset >> 32,
+            "threshold": self.threshold,
+        }
 
     def __call__(self, values: Tensor) -> Tensor:
         """``values`` (rows, cols) in float32, kept elements times keep_scale, dropped ones 0; without
@@ -193,10 +249,14 @@ class _BlockDropout:
         rows, cols = values.shape
         if self.threshold == 0:
             return values.float()
-        if values.is_cuda and rows < _EXACT_FLOAT_INDEX and cols < _EXACT_FLOAT_INDEX and values.numel():
-            out = self._jit(values)
-            if out is not None:
-                return out
+        if values.is_cuda and values.numel() and rows < _EXACT_FLOAT_INDEX and cols < _EXACT_FLOAT_INDEX:
+            try:
+                out = self._jitted(values)
+            except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
+                _jit_failed(exc)
+            else:
+                if out is not None:
+                    return out
         if self._keep is None:
             keep = keep_mask(
                 self.start, values.numel(), self.threshold, self.seed, self.offset, values.device
@@ -204,29 +264,42 @@ class _BlockDropout:
             self._keep = keep.view(rows, cols)
         return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
 
-    def _jit(self, values: Tensor) -> Tensor | None:
-        fn = _jit_dropout()
-        if fn is None:
-            return None
+    def _jitted(self, values: Tensor) -> Tensor | None:
         rows, cols = values.shape
-        index = torch.arange(max(rows, cols), dtype=torch.float32, device=values.device)
-        try:
-            return fn(
-                values,
-                index[:rows, None],
-                index[None, :cols],
-                start=self.start,
-                cols=cols,
-                key0=self.seed & _MASK32,
-                key1=self.seed >> 32,
-                offset0=self.offset & _MASK32,
-                offset1=self.offset >> 32,
-                threshold=self.threshold,
-                keep_scale=self.keep_scale,
-            )
-        except Exception as exc:  # whatever stops the jiterator here, the torch formulation gives the same
-            _jit_failed(exc)
+        if cols % 8 == 0 and self.start % 8 == 0 and values.is_contiguous():
+            # one Philox call per 8 elements (kept for the next tensor of this block), then one pass
+            if self._bits is None:
+                keep_bits, apply = _jit("keep_bits"), _jit("apply")
+                if keep_bits is None or apply is None:
+                    return None
+                index = torch.arange(max(rows, cols // 8, 8), dtype=torch.float32, device=values.device)
+                bits = keep_bits(
+                    index[:rows, None],
+                    index[None, : cols // 8],
+                    first_group=self.start // 8,
+                    groups_per_row=cols // 8,
+                    **self._key_args(),
+                )
+                self._bits = bits.unsqueeze(-1), index[:8]
+            apply = _jit("apply")
+            if apply is None:
+                return None
+            bits, lanes = self._bits
+            grouped = values.view(rows, cols // 8, 8)
+            return apply(grouped, bits, lanes, keep_scale=self.keep_scale).view(rows, cols)
+        dropout = _jit("dropout")
+        if dropout is None:
             return None
+        index = torch.arange(max(rows, cols), dtype=torch.float32, device=values.device)
+        return dropout(
+            values,
+            index[:rows, None],
+            index[None, :cols],
+            start=self.start,
+            cols=cols,
+            **self._key_args(),
+            keep_scale=self.keep_scale,
+        )
 
 
 def dropped(values: Tensor, start: int, threshold: int, keep_scale: float, seed: int, offset: int) -> Tensor:

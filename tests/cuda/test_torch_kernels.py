@@ -75,28 +75,24 @@ def test_dropped_scales_kept_elements_and_zeroes_the_rest(dtype):
     assert torch.equal(same, x.float())
 
 
-def test_jiterator_source_parses_into_the_declared_arguments():
-    """torch reads DROPOUT_SOURCE with a regular expression and passes the keyword arguments in their
-    declared order after the tensors: both must line up with the C++ parameter list."""
-    jitted = torch_kernels._jit_dropout() if torch.cuda.is_available() else None
+@pytest.mark.parametrize("name", sorted(torch_kernels.JIT_FUNCTIONS))
+def test_jiterator_sources_parse_into_their_declared_arguments(name):
+    """torch reads each source with a regular expression (the entry is the last function) and passes the
+    keyword arguments in their declared order after the tensors: both must line up with the C++
+    parameter list."""
     from torch.cuda import jiterator
 
-    fn = jitted or jiterator._create_jit_fn(torch_kernels.DROPOUT_SOURCE, **_declared_kwargs())
-    assert fn.kernel_name == "loragen_dropout"
-    signature = re.search(r"loragen_dropout\((.*?)\)\s*\{", torch_kernels.DROPOUT_SOURCE, re.DOTALL)
+    source, kwargs = torch_kernels.JIT_FUNCTIONS[name]
+    fn = jiterator._create_jit_fn(source, **kwargs)
+    entry = (
+        f"loragen_{'keep_bits' if name == 'keep_bits' else 'apply_keep' if name == 'apply' else 'dropout'}"
+    )
+    assert fn.kernel_name == entry
+    signature = re.search(rf"{entry}\((.*?)\)\s*\{{", source, re.DOTALL)
     assert signature is not None
     names = [param.split()[-1] for param in signature.group(1).split(",")]
-    assert names[:3] == ["value", "row", "col"]
-    assert names[3:] == list(fn.kwargs_dict)
-    assert names[3:] == list(_declared_kwargs())
-
-
-def _declared_kwargs() -> dict[str, object]:
-    import inspect
-
-    source = inspect.getsource(torch_kernels._jit_dropout)
-    call = source[source.index("_create_jit_fn(") :]
-    return dict(re.findall(r"(\w+)=([\w.]+)", call))
+    tensors = {"keep_bits": 2, "apply": 3, "dropout": 3}[name]
+    assert names[tensors:] == list(fn.kwargs_dict) == list(kwargs)
 
 
 class _Dispatches(TorchDispatchMode):

@@ -22,7 +22,8 @@ pytestmark = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    ("rows", "cols", "start"), [(1, 8, 0), (37, 45, 3), (300, 4104, 40 * 4104), (5, 7, 2**36 + 5)]
+    ("rows", "cols", "start"),
+    [(1, 8, 0), (37, 45, 3), (300, 4104, 40 * 4104), (5, 7, 2**36 + 5), (6, 16, 2**36)],
 )
 def test_jiterator_mask_is_the_torch_formulation(dtype, rows, cols, start):
     seed, offset, p = 2**64 - 17, 2**33 + 1, 0.3
@@ -34,6 +35,20 @@ def test_jiterator_mask_is_the_torch_formulation(dtype, rows, cols, start):
     assert torch.equal(keep_mask(start, rows * cols, threshold, seed, offset, x.device).cpu(), keep.view(-1))
     want = torch.where(keep, x.cpu().float() * scale, 0.0)
     assert got.dtype == torch.float32 and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("cols", [40, 45])
+def test_one_block_masks_x_and_the_product_alike(cols):
+    """Backward masks x and dh A of one row block: the keep bits are made once and serve both."""
+    seed, p = 12345, 0.5
+    threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
+    drop = torch_kernels._BlockDropout(64 * cols, threshold, scale, seed, 0)
+    keep = keep_mask(64 * cols, 64 * cols, threshold, seed, 0, torch.device("cpu")).view(64, cols)
+    for dtype in (torch.bfloat16, torch.float32):
+        values = torch.randn(64, cols, device="cuda").to(dtype)
+        want = torch.where(keep, values.cpu().float() * scale, 0.0)
+        assert torch.equal(drop(values).cpu(), want)
+    assert torch_kernels.jiterator_status() == "ok"
 
 
 @pytest.mark.parametrize("shape", [(13, 8), (1000, 64), (4097, 40)])
