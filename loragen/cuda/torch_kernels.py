@@ -232,7 +232,7 @@ class _BlockDropout:
         self.start, self.threshold, self.keep_scale = start, threshold, keep_scale
         self.seed, self.offset = seed, offset
         self._keep: Tensor | None = None  # bool (rows, cols), the torch formulation
-        self._bits: tuple[Tensor, Tensor] | None = None  # jiterator: keep bits (rows, cols / 8, 1), lanes
+        self._bits: tuple[Tensor, Tensor] | None = None  # jiterator: keep bits (rows * cols / 8, 1), lanes
 
     def _key_args(self) -> dict[str, int]:
         return {
@@ -280,13 +280,12 @@ class _BlockDropout:
                     groups_per_row=cols // 8,
                     **self._key_args(),
                 )
-                self._bits = bits.unsqueeze(-1), index[:8]
+                self._bits = bits.reshape(-1, 1), index[:8]
             apply = _jit("apply")
             if apply is None:
                 return None
-            bits, lanes = self._bits
-            grouped = values.view(rows, cols // 8, 8)
-            return apply(grouped, bits, lanes, keep_scale=self.keep_scale).view(rows, cols)
+            bits, lanes = self._bits  # (groups, 1), (8,): a two-dimensional broadcast, cheap to index
+            return apply(values.view(-1, 8), bits, lanes, keep_scale=self.keep_scale).view(rows, cols)
         dropout = _jit("dropout")
         if dropout is None:
             return None
