@@ -1,4 +1,4 @@
-"""The torch path's dropout (loragen.cuda.torch_kernels) on CPU tensors: the vectorised Philox
+"""The torch path's dropout (loragen.cuda.torch_dropout) on CPU tensors: the vectorised Philox
 formulation against loragen.philox, the jiterator source as torch will read it, and how many torch
 operations a training step of the torch path dispatches.
 
@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loragen import philox
-from loragen.cuda import torch_kernels
+from loragen.cuda import torch_dropout
 from loragen.cuda.function import lora_linear_cuda
-from loragen.cuda.torch_kernels import TorchKernels, dropped, keep_mask
+from loragen.cuda.torch_dropout import dropped, keep_mask
+from loragen.cuda.torch_kernels import TorchKernels
 from tests.cuda.lora_reference import make_inputs, mask_for, reference, relative_error
 
 CPU = torch.device("cpu")
@@ -75,14 +76,14 @@ def test_dropped_scales_kept_elements_and_zeroes_the_rest(dtype):
     assert torch.equal(same, x.float())
 
 
-@pytest.mark.parametrize("name", sorted(torch_kernels.JIT_FUNCTIONS))
+@pytest.mark.parametrize("name", sorted(torch_dropout.JIT_FUNCTIONS))
 def test_jiterator_sources_parse_into_their_declared_arguments(name):
     """torch reads each source with a regular expression (the entry is the last function) and passes the
     keyword arguments in their declared order after the tensors: both must line up with the C++
     parameter list."""
     from torch.cuda import jiterator
 
-    source, kwargs = torch_kernels.JIT_FUNCTIONS[name]
+    source, kwargs = torch_dropout.JIT_FUNCTIONS[name]
     fn = jiterator._create_jit_fn(source, **kwargs)
     entry = (
         f"loragen_{'keep_bits' if name == 'keep_bits' else 'apply_keep' if name == 'apply' else 'dropout'}"

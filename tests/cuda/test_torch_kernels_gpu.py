@@ -9,9 +9,10 @@ import torch
 
 import loragen.cuda
 from loragen import philox, switches
-from loragen.cuda import torch_kernels
+from loragen.cuda import torch_dropout
 from loragen.cuda.function import lora_linear_cuda
-from loragen.cuda.torch_kernels import TorchKernels, dropped, keep_mask
+from loragen.cuda.torch_dropout import dropped, keep_mask
+from loragen.cuda.torch_kernels import TorchKernels
 from tests.cuda.lora_reference import make_inputs, relative_error
 
 pytestmark = [
@@ -30,7 +31,7 @@ def test_jiterator_mask_is_the_torch_formulation(dtype, rows, cols, start):
     threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
     x = torch.randn(rows, cols, device="cuda").to(dtype)
     got = dropped(x, start, threshold, scale, seed, offset)
-    assert torch_kernels.jiterator_status() == "ok"
+    assert torch_dropout.jiterator_status() == "ok"
     keep = keep_mask(start, rows * cols, threshold, seed, offset, torch.device("cpu")).view(rows, cols)
     assert torch.equal(keep_mask(start, rows * cols, threshold, seed, offset, x.device).cpu(), keep.view(-1))
     want = torch.where(keep, x.cpu().float() * scale, 0.0)
@@ -42,13 +43,13 @@ def test_one_block_masks_x_and_the_product_alike(cols):
     """Backward masks x and dh A of one row block: the keep bits are made once and serve both."""
     seed, p = 12345, 0.5
     threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
-    drop = torch_kernels._BlockDropout(64 * cols, threshold, scale, seed, 0)
+    drop = torch_dropout.BlockDropout(64 * cols, threshold, scale, seed, 0)
     keep = keep_mask(64 * cols, 64 * cols, threshold, seed, 0, torch.device("cpu")).view(64, cols)
     for dtype in (torch.bfloat16, torch.float32):
         values = torch.randn(64, cols, device="cuda").to(dtype)
         want = torch.where(keep, values.cpu().float() * scale, 0.0)
         assert torch.equal(drop(values).cpu(), want)
-    assert torch_kernels.jiterator_status() == "ok"
+    assert torch_dropout.jiterator_status() == "ok"
 
 
 @pytest.mark.parametrize("shape", [(13, 8), (1000, 64), (4097, 40)])
