@@ -1,4 +1,4 @@
-"""The torch path's one-kernel dropout (torch.cuda.jiterator, loragen.cuda.torch_kernels) on a GPU:
+"""The torch path's dropout kernels (torch.cuda.jiterator, loragen.cuda.torch_dropout) on a GPU:
 bit-identical to the torch formulation CI tests on the CPU, to loragen.philox, and to the CUDA kernels'
 own mask (skipped without CUDA)."""
 
