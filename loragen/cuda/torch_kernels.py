@@ -8,8 +8,11 @@ is what a kernel variant runs on when it fails its self-check (:mod:`loragen.cud
 
 Products are taken in float32 (x, g cast up per row block), every output is rounded once into its dtype,
 and the dropout mask is the Philox mask of :mod:`loragen.philox`, generated on the tensors' device: a
-variant that falls back keeps the exact masks the kernels would have drawn. Split reductions write the
-whole sum into partial 0 and zeros into the other partials, whose sum is all the caller reads.
+variant that falls back keeps the exact masks the kernels would have drawn, and so does
+``torch.utils.checkpoint`` recomputation. Split reductions write the whole sum into partial 0 and zeros
+into the other partials, whose sum is all the caller reads.
+
+Dropout on a CUDA device costs a kernel or two per masked tensor (:mod:`loragen.cuda.torch_dropout`).
 """
 
 from __future__ import annotations
@@ -19,32 +22,14 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from loragen import philox
 from loragen.cuda.specs import KernelSpec, Variant
+from loragen.cuda.torch_dropout import BlockDropout, keep_mask
 
 __all__ = ["TorchKernels", "keep_mask"]
 
-_MASK32 = 0xFFFFFFFF
-_BLOCK_ELEMS = 1 << 22  # elements per row block: float32 temporaries and mask words stay small
-
-
-def keep_mask(start: int, numel: int, threshold: int, seed: int, offset: int, device: torch.device) -> Tensor:
-    """Flat elements ``start .. start + numel - 1`` of the Philox keep-mask (:mod:`loragen.philox`'s
-    layout), as bool on ``device``; ``threshold`` is :func:`loragen.philox.keep_threshold` of p."""
-    if threshold == 0:
-        return torch.ones(numel, dtype=torch.bool, device=device)
-    per_call = philox.ELEMENTS_PER_CALL
-    first, last = start // per_call, (start + numel + per_call - 1) // per_call
-    q = torch.arange(first, last, dtype=torch.int64, device=device)
-    counter = torch.stack(
-        [q & _MASK32, q >> 32, torch.full_like(q, offset & _MASK32), torch.full_like(q, offset >> 32)], dim=-1
-    )
-    words = philox.philox4x32_10(counter, (seed & _MASK32, seed >> 32))
-    lane_word = torch.arange(per_call, device=device) // 2
-    lane_shift = torch.tensor([0, 16] * (per_call // 2), dtype=torch.int64, device=device)
-    bits16 = (words[:, lane_word] >> lane_shift) & 0xFFFF
-    skip = start - first * per_call
-    return (bits16 >= threshold).reshape(-1)[skip : skip + numel]
+# elements per row block: a float32 block is 128 MiB, and a batch of 16k rows of 2048 features is one
+# block (each block costs a dozen launches; the Philox temporaries of the torch formulation stay < 1 GiB)
+_BLOCK_ELEMS = 1 << 25
 
 
 def _row_blocks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
@@ -53,21 +38,9 @@ def _row_blocks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
         yield begin, min(rows, begin + step)
 
 
-def _scaled_mask(v: dict, begin: int, end: int, device: torch.device) -> Tensor | None:
-    """The keep-mask of rows ``begin:end`` of an x-shaped tensor times 1 / (1 - p), float32; None
-    without dropout."""
-    if not v["threshold"]:
-        return None
-    cols = v["cols"]
-    keep = keep_mask(begin * cols, (end - begin) * cols, v["threshold"], v["seed"], v["offset"], device)
-    return keep.view(end - begin, cols).float().mul_(v["keep_scale"])
-
-
-def _dropped(v: dict, x: Tensor, begin: int, end: int) -> Tensor:
-    """Rows ``begin:end`` of x in float32, masked and scaled as the kernels do."""
-    block = x[begin:end].to(torch.float32, copy=True)  # never a view of x: it is scaled in place
-    mask = _scaled_mask(v, begin, end, x.device)
-    return block if mask is None else block.mul_(mask)
+def _block_dropout(v: dict, begin: int) -> BlockDropout:
+    """The dropout of the row block of an x-shaped tensor that starts at row ``begin``."""
+    return BlockDropout(begin * v["cols"], v["threshold"], v["keep_scale"], v["seed"], v["offset"])
 
 
 def _first_partial(parts: Tensor) -> Tensor:
@@ -81,17 +54,23 @@ def _down(v: dict) -> None:
     h = _first_partial(v["h_part"])
     h[:, rank:].zero_()
     for begin, end in _row_blocks(v["rows"], v["cols"]):
-        h[begin:end, :rank] = torch.mm(_dropped(v, x, begin, end), a[:rank].t())
+        h[begin:end, :rank] = torch.mm(_block_dropout(v, begin)(x[begin:end]), a[:rank].t())
 
 
 def _up(v: dict) -> None:
     h, bt, bias, rank = v["h"], v["lora_bt"], v["bias"], v["rank"]
     out = v["out"]
+    scaled_bt = bt[:rank] * v["scaling"]  # (r, out): s folded into the small operand
+    bias32 = None if bias is None else bias.float()
     for begin, end in _row_blocks(v["rows"], v["cols"]):
-        term = torch.mm(h[begin:end, :rank], bt[:rank]).mul_(v["scaling"])
-        if bias is not None:
-            term.add_(bias.float())
-        out[begin:end].copy_(term)  # one rounding into out's dtype
+        block = out[begin:end]
+        direct = block if block.dtype == torch.float32 else None  # the op's float32 variant: no temporary
+        if bias32 is None:
+            term = torch.mm(h[begin:end, :rank], scaled_bt, out=direct)
+        else:
+            term = torch.addmm(bias32, h[begin:end, :rank], scaled_bt, out=direct)
+        if direct is None:
+            block.copy_(term)  # one rounding into out's dtype
 
 
 def _grad_out(v: dict) -> None:
@@ -100,9 +79,10 @@ def _grad_out(v: dict) -> None:
     db = _first_partial(v["db_part"])
     dh[:, rank:].zero_()
     db.zero_()
+    scaled_b = (bt[:rank] * s).t()  # (out, r): s folded into the small operand
     for begin, end in _row_blocks(v["rows"], v["cols"]):
         g32 = g[begin:end].float()
-        dh[begin:end, :rank] = torch.mm(g32, bt[:rank].t()).mul_(s)
+        dh[begin:end, :rank] = torch.mm(g32, scaled_b)
         db.addmm_(g32.t(), h[begin:end], alpha=s)
 
 
@@ -111,11 +91,10 @@ def _grad_in(v: dict) -> None:
     gx, da = v["grad_x_lora"], _first_partial(v["da_part"])
     da.zero_()
     for begin, end in _row_blocks(v["rows"], v["cols"]):
-        da[:rank].addmm_(dh[begin:end, :rank].t(), _dropped(v, x, begin, end))
+        drop = _block_dropout(v, begin)  # one keep-mask for both products
+        da[:rank].addmm_(dh[begin:end, :rank].t(), drop(x[begin:end]))
         if gx is not None:
-            term = torch.mm(dh[begin:end, :rank], a[:rank])
-            mask = _scaled_mask(v, begin, end, term.device)
-            gx[begin:end].copy_(term if mask is None else term.mul_(mask))
+            gx[begin:end].copy_(drop(torch.mm(dh[begin:end, :rank], a[:rank])))  # one rounding into gx
 
 
 _KERNELS = {"lora_down": _down, "lora_up": _up, "lora_grad_out": _grad_out, "lora_grad_in": _grad_in}

@@ -46,6 +46,7 @@ def test_matches_float64_reference(launcher, n, k, o, r, dtype, p, bias, fifo):
     assert relative_error(y, want) < TOLERANCE[dtype]
 
     grad = torch.randn(n, o, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grad = grad.to(dtype).double()  # the gradient as the op receives it
     y.backward(grad.to(dtype))
     want.backward(grad)
     for name, got, expected in (
@@ -57,6 +58,35 @@ def test_matches_float64_reference(launcher, n, k, o, r, dtype, p, bias, fifo):
     ):
         if got is not None:
             assert relative_error(got.grad, expected.grad) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("kernels", ["emulated", "torch path"])
+def test_one_row_rank_one_bfloat16_gradient(launcher, kernels):
+    """tests/cuda/test_cuda_gpu.py's case 1x8x8, r=1, bfloat16, p=0 with its exact inputs. dA = dh x with
+    dh = s g . B, one dot product of 8 terms that cancel (sum of |terms| 84 times |sum|): rounding g to
+    bfloat16 moves dh by 7.5%. The op gets the rounded g, so the float64 reference must get it too;
+    against the unrounded g, peft's bfloat16 composition is 7.9% off as well."""
+    import zlib
+
+    from loragen.cuda.torch_kernels import TorchKernels
+
+    dtype, shape, r, p = torch.bfloat16, (1, 8, 8), 1, 0.0
+    seed = zlib.crc32(repr((dtype, r, shape, p)).encode())
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(*shape, r, dtype, bias=True, seed=seed)
+    run_on = launcher if kernels == "emulated" else TorchKernels()
+    y = lora_linear_cuda(x, w, b, a, bb, 0.5, p, True, launcher=run_on)
+    want = reference(xr, wr, br, ar, bbr, 0.5, None, False)
+    exact = torch.randn(
+        *shape[:1], shape[2], dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1)
+    )
+    rounded = exact.to(dtype)
+    y.backward(rounded)
+    want.backward(rounded.double())
+    for got, expected in ((x, xr), (w, wr), (b, br), (a, ar), (bb, bbr)):
+        assert relative_error(got.grad, expected.grad) < TOLERANCE[dtype]
+    # the cancellation is real: with the unrounded gradient the exact dA differs by more than the bound
+    unrounded = (exact @ bbr.detach()) * 0.5 * xr.detach()
+    assert relative_error(ar.grad, unrounded) > 5 * TOLERANCE[dtype]
 
 
 def test_partial_sums_are_exercised(launcher):
