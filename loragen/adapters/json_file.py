@@ -42,25 +42,32 @@ def _decode(data: bytes, source: str, error: type[LoraError], bom: bool) -> str:
         raise error(f"{source}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
 
 
-def parse_json(data: bytes, source: str, error: type[LoraError], *, bom: bool = True) -> Any:
+def parse_json(data: bytes, source: str, error: type[LoraError], *, bom: bool = True, label: str = "") -> Any:
     """Parse the JSON document ``data`` read from ``source`` (a file name, for messages).
 
     ``bom``: accept a leading UTF-8 byte order mark (files people edit); safetensors headers may not have one.
+    ``label``: what the document is, for messages (``"corrupt safetensors header"``: ``source: label: ...``).
 
     Raises:
         error: the bytes are not UTF-8, nest deeper than :data:`MAX_DEPTH`, or are not valid JSON; the
             message starts with ``source`` (and the line and column for a syntax error).
     """
-    text = _decode(data, source, error, bom)
+    head = f"{source}: {label}: " if label else f"{source}: "
+    try:
+        text = _decode(data, source, error, bom)
+    except LoraError as exc:
+        raise error(head + str(exc).removeprefix(f"{source}: ")) from None
     depth = _depth(data)
     if depth > MAX_DEPTH:
-        raise error(f"{source}: JSON nested {depth} levels deep (at most {MAX_DEPTH} are accepted)")
+        raise error(f"{head}JSON nested {depth} levels deep (at most {MAX_DEPTH} are accepted)")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
+        if label:
+            raise error(f"{head}invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
         raise error(f"{source}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
     except RecursionError:  # the depth check makes this unreachable in practice; never a traceback
-        raise error(f"{source}: JSON nested too deeply to parse") from None
+        raise error(f"{head}JSON nested too deeply to parse") from None
 
 
 def read_json_file(path: str | os.PathLike[str], error: type[LoraError]) -> Any:

@@ -116,7 +116,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                 f"the file has {file_size - 8} after the length prefix)"
             )
         raw = fh.read(header_len)
-    header = parse_json(raw, f"{path} (safetensors header)", AdapterError, bom=False)
+    header = parse_json(raw, str(path), AdapterError, bom=False, label="corrupt safetensors header")
     if not isinstance(header, dict):
         raise AdapterError(f"{path}: corrupt safetensors header (expected a JSON object)")
 
