@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loragen import AdapterError, LoraError, load_adapter, merge_and_unload, save_adapter
-from loragen.adapters.merge import MergeError, merge_checkpoint
+from loragen.adapters.merge import merge_checkpoint
 from loragen.cli import main
 from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
 
@@ -160,12 +160,8 @@ def test_non_finite_adapter_values_are_refused_unless_allowed(files, tmp_path, c
     value[1, 0] = bad
     _edit_adapter_tensor(adapter, key, value)
     _merge_fails(base, adapter, tmp_path / "out", capsys, f"{key} (1 NaN/inf values)")
-    assert (
-        main(
-            ["merge", "--base", str(base), "--adapter", str(adapter), "-o", str(tmp_path / "out"), "-q"]
-            + ["--allow-nonfinite"]
-        )
-        == 0
+    flags = ["-o", str(tmp_path / "out"), "-q", "--allow-nonfinite"]
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), *flags]) == 0
     )
 
 
