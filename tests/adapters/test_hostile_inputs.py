@@ -162,7 +162,6 @@ def test_non_finite_adapter_values_are_refused_unless_allowed(files, tmp_path, c
     _merge_fails(base, adapter, tmp_path / "out", capsys, f"{key} (1 NaN/inf values)")
     flags = ["-o", str(tmp_path / "out"), "-q", "--allow-nonfinite"]
     assert main(["merge", "--base", str(base), "--adapter", str(adapter), *flags]) == 0
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
