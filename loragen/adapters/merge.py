@@ -34,7 +34,7 @@ from loragen.adapters.safetensors_file import (
     TensorEntry,
     read_safetensors_header,
 )
-from loragen.atomic import atomic_dir, atomic_file
+from loragen.atomic import WriteError, atomic_dir, atomic_file
 from loragen.errors import AdapterError, MergeError
 
 __all__ = ["MergeError", "MergeReport", "merge_checkpoint"]
@@ -315,6 +315,7 @@ def merge_checkpoint(
             shares one with another (names the keys), shapes or ranks do not fit, or the checkpoint is
             corrupt. Nothing is written in these cases.
         AdapterError, LoraConfigError: the adapter folder cannot be read.
+        WriteError: the output cannot be written (an ``OSError`` too); it is then left as it was.
     """
     base_path, out_path = Path(base), Path(output)
     if not base_path.exists():
@@ -335,7 +336,14 @@ def merge_checkpoint(
     merged: list[str] = [t for t in checkpoint.owner if t in plan.ops]
     extra: list[str] = []
     if not dry_run:
-        files, merged, extra = _write(plan, out_path, progress)
+        try:
+            files, merged, extra = _write(plan, out_path, progress)
+        except WriteError:
+            raise
+        except OSError as exc:  # no space left, no permission: the output was not touched
+            raise WriteError(
+                exc.errno, f"{out_path}: cannot write the merged checkpoint ({exc}); nothing was replaced"
+            ) from exc
     replaced = tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == "replace" for op in ops)))
     lora = tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == "lora" for op in ops)))
     total = sum(h.file_size for h in checkpoint.headers.values())

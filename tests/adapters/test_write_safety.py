@@ -207,3 +207,18 @@ def test_merge_refuses_a_file_output_that_is_not_a_checkpoint(merge_files, tmp_p
     merge_checkpoint(
         base / "model.safetensors", adapter, tmp_path / "one.safetensors"
     )  # a checkpoint: replaced
+
+
+def test_merge_onto_a_full_disk_is_a_write_error_and_leaves_nothing(
+    merge_files, tmp_path: Path, monkeypatch
+) -> None:
+    base, adapter = merge_files
+    before = tree_snapshot(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("loragen.adapters.merge._copy_range", full)
+    with pytest.raises(WriteError, match=r"merged: cannot write the merged checkpoint .*No space left"):
+        merge_checkpoint(base, adapter, tmp_path / "merged")
+    assert tree_snapshot(tmp_path) == before
