@@ -1,8 +1,19 @@
 """Atomic writes: every file loragen writes goes to a temporary name in the target folder first.
 
 A crash or an exception at any point leaves either the old content or the new one in place, never a
-half-written file. Folders (an adapter, a sharded checkpoint) are built in a temporary sibling folder and
-swapped in with renames.
+half-written file, and never a moment where the target is missing:
+
+- a file is written to a temporary file beside it and renamed onto it (``rename`` replaces atomically);
+- a folder (an adapter, a sharded checkpoint) is built in a temporary sibling folder and swapped in with
+  one exchange rename (Linux ``renameat2(RENAME_EXCHANGE)``); the old content, now under the temporary
+  name, is then deleted. Where the system has no exchange rename, the swap is journalled in the names:
+  the complete new folder is first renamed to ``.NAME.loragen-PID-X.new``, the old one to ``...old``,
+  the new one into place; the next write to that target finishes (or rolls back) a swap that was cut off.
+
+Temporary names are loragen's own (``.NAME.loragen-PID-RANDOM.tmp``). Writers to one target serialise on
+an advisory lock (``fcntl.flock``) on the target's parent folder, which creates no file; while holding
+it a writer deletes the temporary files and folders of that target that a killed writer left behind
+(only loragen's names, only for that target).
 
 Modes: the temporary files ``tempfile`` makes are private (0600 / 0700); before the rename each gets the
 mode a plain ``open()`` / ``mkdir()`` would have given it under the process umask, or, when it replaces
@@ -12,13 +23,34 @@ an existing file or folder, that one's mode (so rewriting a script in place keep
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_file", "atomic_dir"]
+from loragen.errors import LoraError
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: writers are then not serialised
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["WriteError", "atomic_write_bytes", "atomic_write_text", "atomic_file", "atomic_dir"]
+
+
+class WriteError(LoraError, OSError):
+    """A file or folder cannot be written where asked (a symbolic link, not a folder, no space left...).
+
+    Also an ``OSError`` (with its ``errno`` where one is known); the message names the path.
+    """
+
+
+# ---- modes and syncing ---------------------------------------------------------------------------
 
 
 def _umask() -> int:
@@ -56,30 +88,204 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# ---- the per-folder lock -------------------------------------------------------------------------
+
+
+class _FolderLock:
+    """A process-wide reentrant lock on one folder, holding ``flock`` on it while any thread holds it."""
+
+    def __init__(self) -> None:
+        self.thread_lock = threading.RLock()
+        self.depth = 0
+        self.fd: int | None = None
+
+
+_LOCKS: dict[str, _FolderLock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _folder_locked(folder: Path) -> Iterator[bool]:
+    """Hold the writers' lock of ``folder``; yields whether other processes are locked out too.
+
+    The lock is ``flock`` on the folder itself (no lock file is created), reentrant within a process
+    (a writer may write beside its own target). Where ``flock`` is unavailable only threads are serialised.
+    """
+    with _LOCKS_GUARD:
+        lock = _LOCKS.setdefault(os.path.realpath(folder), _FolderLock())
+    with lock.thread_lock:
+        if lock.depth == 0 and fcntl is not None:
+            try:
+                fd = os.open(folder, os.O_RDONLY)
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    lock.fd = fd
+                except OSError:  # a filesystem without flock
+                    os.close(fd)
+        lock.depth += 1
+        try:
+            yield lock.fd is not None
+        finally:
+            lock.depth -= 1
+            if lock.depth == 0 and lock.fd is not None:
+                os.close(lock.fd)  # closing the last descriptor releases the flock
+                lock.fd = None
+
+
+# ---- loragen's temporary names -------------------------------------------------------------------
+
+
+def _temp_name(target: Path, kind: str) -> Path:
+    return target.with_name(f".{target.name}.loragen-{os.getpid()}-{secrets.token_hex(4)}.{kind}")
+
+
+def _own_temporaries(target: Path) -> dict[str, list[Path]]:
+    """loragen's temporary entries for ``target`` in its folder, by kind (``tmp``, ``new``, ``old``)."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.loragen-\d+-[0-9a-f]+\.(tmp|new|old)")
+    found: dict[str, list[Path]] = {"tmp": [], "new": [], "old": []}
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return found
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match:
+            found[match.group(1)].append(Path(entry.path))
+    for paths in found.values():
+        paths.sort(key=lambda p: p.lstat().st_mtime if p.exists() else 0.0)
+    return found
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _recover_and_clean(target: Path) -> None:
+    """Finish a folder swap a killed writer left half done, then delete its leftovers (lock held).
+
+    Only a swap without an exchange rename can be cut off with the target missing: then the complete new
+    folder (``.new``) is put in place, else the old one (``.old``) is put back.
+    """
+    found = _own_temporaries(target)
+    if not os.path.lexists(target):
+        for candidate in (*reversed(found["new"]), *reversed(found["old"])):
+            try:
+                os.rename(candidate, target)
+                break
+            except OSError:
+                continue
+    for paths in found.values():
+        for path in paths:
+            if os.path.lexists(path) and path != target:
+                _remove(path)
+
+
+# ---- exchange rename -----------------------------------------------------------------------------
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_SYSCALL_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
+
+
+def _libc_renameat2() -> object | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    function = getattr(libc, "renameat2", None)
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.restype = ctypes.c_int
+        return function
+    number = _SYSCALL_RENAMEAT2.get(os.uname().machine) if hasattr(os, "uname") else None
+    syscall = getattr(libc, "syscall", None)
+    if number is None or syscall is None:
+        return None
+    syscall.restype = ctypes.c_long
+
+    def via_syscall(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
+        return int(
+            syscall(
+                ctypes.c_long(number),
+                ctypes.c_int(olddirfd),
+                ctypes.c_char_p(old),
+                ctypes.c_int(newdirfd),
+                ctypes.c_char_p(new),
+                ctypes.c_uint(flags),
+            )
+        )
+
+    return via_syscall
+
+
+_RENAMEAT2 = _libc_renameat2() if os.name == "posix" else None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one step; False where the system or filesystem cannot."""
+    if _RENAMEAT2 is None:
+        return False
+    ctypes.set_errno(0)
+    result = _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)  # type: ignore[operator]
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise WriteError(code, f"cannot swap {b} for its new content: {os.strerror(code)}", str(b))
+
+
+# ---- public writers ------------------------------------------------------------------------------
+
+
+def _target(path: str | os.PathLike[str]) -> Path:
+    """``path`` made absolute (links not followed); refuses a path naming no entry of a folder."""
+    raw = os.fspath(path)
+    target = Path(os.path.abspath(raw))
+    if not raw or Path(raw).name in ("", ".", "..") or target.name in ("", ".", ".."):
+        raise WriteError(
+            errno.EINVAL, f"{raw!r} names no file or folder of its own: give a path ending in a name"
+        )
+    return target
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is fsynced, given its final mode (the
     replaced file's, else the umask's) and renamed onto ``path``.
 
     The caller writes the temporary file however it likes (``safetensors.torch.save_file`` takes a path).
-    On an exception the temporary file is removed and ``path`` is untouched.
+    On an exception the temporary file is removed and ``path`` is untouched. Writers to one folder take
+    turns; the temporary files of killed writers to ``path`` are deleted first.
+
+    Raises:
+        WriteError: ``path`` names no file (``""``, ``.``, ``..``), or the file cannot be renamed into place.
     """
     del mode  # the caller opens the file itself; kept for readability at call sites
-    target = Path(path)
+    target = _target(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        yield tmp
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, _final_mode(target, is_dir=False))
-        os.replace(tmp, target)
+    with _folder_locked(target.parent) as exclusive:
+        if exclusive:
+            _recover_and_clean(target)
+        tmp = _temp_name(target, "tmp")
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        try:
+            yield tmp
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.chmod(tmp, _final_mode(target, is_dir=False))
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(target.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -93,47 +299,76 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "
     atomic_write_bytes(path, text.encode(encoding))
 
 
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Build a folder atomically: yield an empty temporary folder beside ``path``, swap it in on success.
-
-    The files written into it get the mode the same file had in the folder replaced, else the umask's
-    (whatever mode their writer created them with), and the folder itself likewise.
-
-    If ``path`` already exists it is replaced only after the new folder is complete: it is first renamed
-    aside, the new folder renamed into place, then the old one deleted. On an exception the temporary
-    folder is removed and ``path`` keeps its old content.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for child in tmp.iterdir():
-        if child.is_file():
+def _finish_files(tmp: Path, target: Path) -> None:
+    """fsync every file built in ``tmp`` and give it the mode the same file has under ``target``."""
+    for root, _, files in os.walk(tmp):
+        relative = Path(root).relative_to(tmp)
+        if relative != Path("."):
+            os.chmod(root, _final_mode(target / relative, is_dir=True))
+        for name in files:
+            child = Path(root) / name
+            if child.is_symlink():
+                continue
             with open(child, "rb") as fh:
                 os.fsync(fh.fileno())
             # writers that create their files privately (safetensors writes 0600) do not decide the mode:
             # a file gets the mode the same file had in the replaced folder, else the umask's
-            os.chmod(child, _final_mode(target / child.name, is_dir=False))
+            os.chmod(child, _final_mode(target / relative / name, is_dir=False))
     os.chmod(tmp, _final_mode(target, is_dir=True))
-    if target.exists():
-        if not target.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise FileExistsError(f"{target} exists and is not a folder; refusing to replace it")
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-        old.rmdir()
-        os.replace(target, old)
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    """Put the complete folder ``tmp`` at ``target`` with no moment where ``target`` is missing."""
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        return
+    if _exchange(tmp, target):
+        _remove(tmp)  # the old content, now under the temporary name
+        return
+    new = _temp_name(target, "new")
+    old = _temp_name(target, "old")
+    os.rename(tmp, new)  # the journal: a complete new folder exists
+    os.rename(target, old)
+    os.rename(new, target)
+    _remove(old)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Build a folder atomically: yield an empty temporary folder beside ``path``, swap it in on success.
+
+    The files written into it (subfolders included) get the mode the same file had in the folder
+    replaced, else the umask's (whatever mode their writer created them with), and the folder itself
+    likewise. If ``path`` already exists it is replaced only after the new folder is complete, by an
+    exchange rename (or the journalled fallback described in the module docstring), so ``path`` always
+    holds the old or the new folder. On an exception the temporary folder is removed and ``path`` keeps
+    its old content. Writers to one folder take turns; a swap a killed writer cut off is finished, and
+    its temporary folders deleted, before the new one is built.
+
+    Raises:
+        WriteError: ``path`` names no folder (``""``, ``.``, ``..``), is a symbolic link, or exists and is
+            not a folder; or the new folder cannot be swapped in (the old one is then in place).
+    """
+    target = _target(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _folder_locked(target.parent) as exclusive:
+        if exclusive:
+            _recover_and_clean(target)
+        if target.is_symlink():
+            raise WriteError(
+                errno.EEXIST,
+                f"{target} is a symbolic link (to {os.readlink(target)}); refusing to replace it: write to "
+                "the folder it points to, or remove the link",
+            )
+        if target.exists() and not target.is_dir():
+            raise WriteError(errno.ENOTDIR, f"{target} exists and is not a folder; refusing to replace it")
+        tmp = _temp_name(target, "tmp")
+        tmp.mkdir(mode=0o700)
         try:
-            os.replace(tmp, target)
+            yield tmp
+            _finish_files(tmp, target)
+            _swap_in(tmp, target)
         except BaseException:
-            os.replace(old, target)
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
             raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
-    _fsync_dir(target.parent)
+        _fsync_dir(target.parent)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from loragen.atomic import atomic_dir, atomic_write_text
+from loragen.atomic import WriteError, atomic_dir, atomic_write_text
 from loragen.cli import main as cli_main
 
 
@@ -104,3 +106,84 @@ def test_every_file_of_a_saved_adapter_and_merged_checkpoint_honours_the_umask(
         "merged.safetensors",
     ]
     assert {p.name: _mode(p) for p in written} == {p.name: 0o666 & ~umask for p in written}
+
+
+def test_only_loragens_own_leftovers_of_that_target_are_cleaned(tmp_path: Path) -> None:
+    stale = {
+        ".adapter.loragen-4242-00ff.tmp": "dir",  # a killed build of the new folder
+        ".adapter.loragen-4242-0a0b.old": "dir",  # a killed journalled swap (the target exists: obsolete)
+        ".out.safetensors.loragen-17-beef.tmp": "file",
+    }
+    kept = [
+        ".adapter.abc.tmp",
+        ".adapter.loragen-x.tmp",
+        ".other.loragen-4242-00ff.tmp",
+        "adapter.loragen-1-ab.tmp",
+    ]
+    (tmp_path / "adapter").mkdir()
+    for name, kind in stale.items():
+        if kind == "dir":
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "adapter_model.safetensors").write_bytes(b"x" * 100)
+        else:
+            (tmp_path / name).write_bytes(b"partial")
+    for name in kept:
+        (tmp_path / name).write_text("the user's")
+    with atomic_dir(tmp_path / "adapter") as folder:
+        (folder / "a.json").write_text("{}")
+    atomic_write_text(tmp_path / "out.safetensors", "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "adapter", "out.safetensors"])
+
+
+def test_a_journalled_swap_cut_off_is_finished_by_the_next_write(tmp_path: Path) -> None:
+    # killed after renaming the old folder aside, before renaming the complete new one into place
+    (tmp_path / ".adapter.loragen-7-aa.new").mkdir()
+    (tmp_path / ".adapter.loragen-7-aa.new" / "v").write_text("new")
+    (tmp_path / ".adapter.loragen-7-bb.old").mkdir()
+    (tmp_path / ".adapter.loragen-7-bb.old" / "v").write_text("old")
+    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "adapter"):
+        raise RuntimeError("a write that fails: the recovery alone")
+    assert (tmp_path / "adapter" / "v").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+
+
+def test_a_live_writers_folder_is_not_cleaned_and_writers_take_turns(tmp_path: Path) -> None:
+    inside, release, second_done = threading.Event(), threading.Event(), threading.Event()
+    building: list[Path] = []
+
+    def first() -> None:
+        with atomic_dir(tmp_path / "adapter") as folder:
+            (folder / "v").write_text("first")
+            building.append(folder)
+            inside.set()
+            release.wait(10)
+
+    def second() -> None:
+        with atomic_dir(tmp_path / "adapter") as folder:
+            (folder / "v").write_text("second")
+        second_done.set()
+
+    one = threading.Thread(target=first)
+    one.start()
+    inside.wait(10)
+    two = threading.Thread(target=second)
+    two.start()
+    time.sleep(0.2)
+    assert building[0].is_dir() and not second_done.is_set()  # the second waits; nothing is cleaned
+    release.set()
+    one.join(10)
+    two.join(10)
+    assert (tmp_path / "adapter" / "v").read_text() == "second"
+    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+
+
+def test_atomic_dir_refuses_links_and_dot_paths(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(WriteError, match="is a symbolic link"), atomic_dir(tmp_path / "link"):
+        pass
+    monkeypatch.chdir(tmp_path / "real")
+    for path in (".", "..", ""):
+        with pytest.raises(WriteError, match="names no file or folder of its own"), atomic_dir(path):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]

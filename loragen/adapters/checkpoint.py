@@ -6,18 +6,20 @@ from) is read; tensor data is streamed later by the merge.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from loragen.adapters.json_file import read_json_file
 from loragen.adapters.safetensors_file import SafetensorsHeader, TensorEntry, read_safetensors_header
 from loragen.errors import AdapterError, MergeError
 
-__all__ = ["INDEX_SUFFIX", "MODEL_CONFIG_NAME", "Checkpoint", "open_checkpoint"]
+__all__ = ["INDEX_SUFFIX", "MERGE_MARKER_NAME", "MODEL_CONFIG_NAME", "Checkpoint", "open_checkpoint"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MODEL_CONFIG_NAME = "config.json"
+# every folder loragen merge writes holds this file; a later merge may replace such a folder
+MERGE_MARKER_NAME = "loragen_merge.json"
 
 
 @dataclass(frozen=True)
@@ -61,14 +63,48 @@ def _architectures(folder: Path) -> tuple[tuple[str, ...], str]:
     if not path.is_file():
         return (), f"no {MODEL_CONFIG_NAME} beside the checkpoint"
     try:
-        names = json.loads(path.read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        data = read_json_file(path, MergeError)
+    except MergeError as exc:
         return (), f"{path} cannot be read ({exc})"
+    names = (data.get("architectures") or []) if isinstance(data, dict) else None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return (), f"{path}: 'architectures' is not a list of class names"
     if not names:
         return (), f"{path} names no architecture"
     return tuple(names), str(path)
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a shard index: tensor name -> shard file name in the index's folder.
+
+    Raises:
+        MergeError: the index is not JSON of that form, or names a shard that is not a plain file name
+            (a path such as ``../x.safetensors``, ``a/model.safetensors`` or an absolute path would be
+            read from, and written to, somewhere else than the checkpoint folder).
+    """
+    data = read_json_file(index_path, MergeError)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise MergeError(
+            f'{index_path}: not a safetensors index (expected {{"weight_map": {{tensor: shard file}}}})'
+        )
+    bad = {
+        name: shard
+        for name, shard in weight_map.items()
+        if not isinstance(shard, str)
+        or not shard
+        or shard in (".", "..")
+        or any(c in shard for c in "/\\\0")
+        or not shard.endswith(".safetensors")
+    }
+    if bad:
+        shown = ", ".join(f"{name!r}: {shard!r}" for name, shard in list(bad.items())[:5])
+        raise MergeError(
+            f"{index_path}: weight_map values must be shard file names in the same folder, ending in "
+            f".safetensors (no folders, no paths); got {shown}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        )
+    return weight_map
 
 
 def _open(root: Path) -> tuple[tuple[Path, ...], Path | None, dict[Path, SafetensorsHeader], dict[str, Path]]:
@@ -96,12 +132,7 @@ def _open(root: Path) -> tuple[tuple[Path, ...], Path | None, dict[Path, Safeten
         return (singles[0],), None, {singles[0]: header}, dict.fromkeys(header.tensors, singles[0])
 
     index_path = indexes[0]
-    try:
-        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise MergeError(f"{index_path}: not a safetensors index ({exc})") from None
+    weight_map = _weight_map(index_path)
     files = tuple(dict.fromkeys(root / name for name in weight_map.values()))
     missing = [p.name for p in files if not p.is_file()]
     if missing:
@@ -123,7 +154,8 @@ def open_checkpoint(base: str | os.PathLike[str]) -> Checkpoint:
     ``config.json`` in the folder (for a file: beside it) gives the checkpoint's architectures.
 
     Raises:
-        MergeError: nothing to read, an index naming missing shards or tensors, a corrupt header.
+        MergeError: nothing to read, an index that is not JSON of the expected form or names shards that
+            are not plain file names in the folder, missing shards or tensors, a corrupt header.
     """
     root = Path(base)
     files, index_path, headers, owner = _open(root)

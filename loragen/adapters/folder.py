@@ -7,7 +7,6 @@ is read only when the caller opts in (``allow_pickle=True``): unpickling can run
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from loragen.adapters.json_file import read_json_file
 from loragen.adapters.keys import (
     AdapterKey,
     LoraFactors,
@@ -81,20 +81,20 @@ def read_adapter_config(path: str | os.PathLike[str]) -> tuple[LoraConfig, dict[
         the validated :class:`LoraConfig` and the raw JSON dictionary.
 
     Raises:
-        AdapterError: the folder or the file is missing, or the file is not valid JSON (names file:line).
+        AdapterError: the folder or the file is missing, or the file is not UTF-8, not valid JSON (names
+            file:line), nested too deeply, or not a JSON object.
         LoraConfigError: a field is invalid or an unsupported peft feature is switched on (names the field).
     """
     folder = Path(path)
     _require_folder(folder)
     config_path = folder / ADAPTER_CONFIG_NAME
-    try:
-        text = config_path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise AdapterError(f"{folder}: no {ADAPTER_CONFIG_NAME} (not an adapter folder)") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise AdapterError(f"{config_path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    if not config_path.exists():
+        raise AdapterError(f"{folder}: no {ADAPTER_CONFIG_NAME} (not an adapter folder)")
+    data = read_json_file(config_path, AdapterError)
+    if not isinstance(data, dict):
+        raise AdapterError(
+            f"{config_path}: expected a JSON object of peft's fields, got a {type(data).__name__}"
+        )
     return LoraConfig.from_peft(data, source=str(config_path)), data
 
 

@@ -12,6 +12,7 @@ appears atomically (:mod:`loragen.atomic`), only once complete.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -23,13 +24,18 @@ from typing import Any, BinaryIO
 
 import torch
 
-from loragen.adapters.checkpoint import INDEX_SUFFIX, open_checkpoint
+from loragen.adapters.checkpoint import INDEX_SUFFIX, MERGE_MARKER_NAME, open_checkpoint
 from loragen.adapters.folder import Adapter, read_adapter
 from loragen.adapters.key_map import explicit_key_map
-from loragen.adapters.merge_plan import MergeOp, MergePlan, plan_merge
-from loragen.adapters.safetensors_file import SafetensorsHeader, SafetensorsReader, TensorEntry
-from loragen.atomic import atomic_dir, atomic_file
-from loragen.errors import MergeError
+from loragen.adapters.merge_plan import MergeOp, MergePlan, check_adapter_values, plan_merge
+from loragen.adapters.safetensors_file import (
+    SafetensorsHeader,
+    SafetensorsReader,
+    TensorEntry,
+    read_safetensors_header,
+)
+from loragen.atomic import WriteError, atomic_dir, atomic_file
+from loragen.errors import AdapterError, MergeError
 
 __all__ = ["MergeError", "MergeReport", "merge_checkpoint"]
 
@@ -134,29 +140,83 @@ def _write_file(
     return [e.name for e in merged]
 
 
-def _is_within(path: Path, folder: Path) -> bool:
-    """Whether ``path`` is ``folder`` or lies inside it (after resolving links)."""
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
-def _check_output(base: Path, out: Path) -> None:
-    overwrites = _is_within(out, base) if base.is_dir() else out.resolve() == base.resolve()
-    if overwrites:
+def _chain(path: Path) -> list[tuple[int, int]]:
+    """The identities (device, inode) of ``path`` and of each of its existing folders up to the root,
+    links resolved: ``x`` is ``path`` or lies inside it when ``x``'s identity is in this chain."""
+    chain = []
+    for item in (path, *path.parents, *path.resolve().parents):
+        identity = _identity(item)
+        if identity is not None and identity not in chain:
+            chain.append(identity)
+    return chain
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    """Whether ``a`` is ``b`` or lies inside it (by path and by inode, so hard links and bind mounts count)."""
+    identity = _identity(b)
+    if identity is not None and identity in _chain(a):
+        return True
+    resolved_a, resolved_b = a.resolve(), b.resolve()
+    return resolved_a == resolved_b or resolved_b in resolved_a.parents
+
+
+def _is_merge_output(folder: Path) -> bool:
+    return (folder / MERGE_MARKER_NAME).is_file() and not (folder / MERGE_MARKER_NAME).is_symlink()
+
+
+def _check_output(base: Path, adapter: Path, out: Path) -> None:
+    """Refuse an output that would write into or onto the base or the adapter, or replace other files.
+
+    Raises:
+        MergeError: ``out`` is the base or the adapter, lies inside one or contains one (by path or inode),
+            is a symbolic link, has the wrong kind (a file for a folder checkpoint, or the reverse), or is
+            an existing folder that is neither empty nor a previous ``loragen merge`` output (its
+            ``loragen_merge.json``), or an existing file that is not a safetensors checkpoint.
+    """
+    for what, other in (("base checkpoint", base), ("adapter", adapter)):
+        if _overlaps(out, other):
+            raise MergeError(
+                f"refusing to write {out}: it is, or lies inside, the {what} {other}; choose an output outside it"
+            )
+        if os.path.lexists(out) and _overlaps(other, out):
+            raise MergeError(
+                f"refusing to write {out}: it contains the {what} {other}, which replacing it would delete"
+            )
+    if out.is_symlink():
         raise MergeError(
-            f"refusing to write over the base checkpoint {base}: choose an output outside it (got {out})"
+            f"refusing to write {out}: it is a symbolic link (to {os.readlink(out)}); give the real path"
         )
-    if _is_within(base, out):
-        raise MergeError(
-            f"refusing to write {out}: it contains the base checkpoint {base}, "
-            "which replacing it would delete"
-        )
-    if base.is_dir() and out.exists() and not out.is_dir():
-        raise MergeError(
-            f"{out} is a file, but the base {base} is a folder of shards: the output must be a folder"
-        )
-    if base.is_file() and out.is_dir():
+    if base.is_dir():
+        if out.exists() and not out.is_dir():
+            raise MergeError(
+                f"{out} is a file, but the base {base} is a folder of shards: the output must be a folder"
+            )
+        if out.is_dir() and not _is_merge_output(out):
+            held = sorted(p.name for p in out.iterdir())
+            if held:
+                shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+                raise MergeError(
+                    f"refusing to write {out}: the folder holds other files ({shown}) and is not a previous "
+                    f"loragen merge output (no {MERGE_MARKER_NAME}); give a new or empty folder"
+                )
+        return
+    if out.is_dir():
         raise MergeError(f"{out} is a folder, but the base {base} is one file: give an output file path")
+    if out.exists():
+        try:
+            read_safetensors_header(out)
+        except (AdapterError, OSError):
+            raise MergeError(
+                f"refusing to overwrite {out}: it is not a safetensors checkpoint; give a new file path"
+            ) from None
 
 
 def _progress(total: int, enabled: bool | None) -> Any:
@@ -172,7 +232,7 @@ def _progress(total: int, enabled: bool | None) -> Any:
 def _extra_files(root: Path, shards: Iterable[Path]) -> list[Path]:
     """The files of a checkpoint folder copied beside the merged shards: the index, config.json,
     tokenizer files; not the shards (written merged) nor weights in other formats (they are unmerged)."""
-    names = {p.name for p in shards}
+    names = {p.name for p in shards} | {MERGE_MARKER_NAME}
     return [
         item
         for item in sorted(root.iterdir())
@@ -180,6 +240,17 @@ def _extra_files(root: Path, shards: Iterable[Path]) -> list[Path]:
         and item.name not in names
         and (item.name.endswith(INDEX_SUFFIX) or not item.name.endswith(_WEIGHT_SUFFIXES))
     ]
+
+
+def _marker(plan: MergePlan) -> str:
+    """What ``loragen_merge.json`` records: that loragen wrote the folder, and from what."""
+    record = {
+        "loragen_merge": 1,
+        "base": str(plan.checkpoint.root.resolve()),
+        "adapter": str(plan.adapter.folder.resolve()),
+        "note": "written by loragen merge; a later loragen merge may replace this folder",
+    }
+    return json.dumps(record, indent=2) + "\n"
 
 
 def _write(
@@ -198,6 +269,7 @@ def _write(
                 for item in _extra_files(checkpoint.root, checkpoint.files):
                     shutil.copy2(item, tmp / item.name)  # the index is unchanged: same names, shards, sizes
                     extra.append(item.name)
+                (tmp / MERGE_MARKER_NAME).write_text(_marker(plan), encoding="utf-8")
             return tuple(out_path / shard.name for shard in checkpoint.files), merged, extra
         with atomic_file(out_path) as tmp:
             merged += _write_file(checkpoint.headers[checkpoint.root], tmp, plan, bar.update)
@@ -214,6 +286,7 @@ def merge_checkpoint(
     allow_pickle: bool = False,
     progress: bool | None = None,
     dry_run: bool = False,
+    allow_nonfinite: bool = False,
 ) -> MergeReport:
     """Merge ``adapter`` into the safetensors checkpoint ``base``, writing ``output``.
 
@@ -231,16 +304,24 @@ def merge_checkpoint(
     ``strip_prefix`` (prefixes removed from adapter paths); then nothing else is tried.
     ``dry_run=True`` decides everything and writes nothing (``report.keys`` holds the key map).
 
+    Only these outputs are written: a new path, an empty folder, a folder holding a previous merge
+    output (recognised by the ``loragen_merge.json`` every merged folder gets), or (for a one-file base)
+    an existing safetensors file; never the base or the adapter, nothing inside them or containing them.
+    Adapter tensors must be floating point and finite (``allow_nonfinite=True`` lets NaN and inf through).
+
     Raises:
-        MergeError: the output would overwrite the base, an adapter tensor finds no checkpoint tensor or
+        MergeError: the output is refused (see above), an adapter tensor is not floating point or holds NaN
+            or inf (names the key), an adapter tensor finds no checkpoint tensor or
             shares one with another (names the keys), shapes or ranks do not fit, or the checkpoint is
             corrupt. Nothing is written in these cases.
         AdapterError, LoraConfigError: the adapter folder cannot be read.
+        WriteError: the output cannot be written (an ``OSError`` too); it is then left as it was.
     """
     base_path, out_path = Path(base), Path(output)
     if not base_path.exists():
         raise MergeError(f"{base_path}: no such file or folder")
-    _check_output(base_path, out_path)
+    adapter_folder = adapter.folder if isinstance(adapter, Adapter) else Path(adapter)
+    _check_output(base_path, adapter_folder, out_path)
     rules = explicit_key_map(key_map, strip_prefix)
     checkpoint = open_checkpoint(base_path)
     loaded = (
@@ -249,12 +330,20 @@ def merge_checkpoint(
         else read_adapter(adapter, allow_pickle=allow_pickle, lazy=True)
     )
     plan = plan_merge(checkpoint, loaded, rules)
+    check_adapter_values(plan, allow_nonfinite=allow_nonfinite)
 
     files: tuple[Path, ...] = ()
     merged: list[str] = [t for t in checkpoint.owner if t in plan.ops]
     extra: list[str] = []
     if not dry_run:
-        files, merged, extra = _write(plan, out_path, progress)
+        try:
+            files, merged, extra = _write(plan, out_path, progress)
+        except WriteError:
+            raise
+        except OSError as exc:  # no space left, no permission: the output was not touched
+            raise WriteError(
+                exc.errno, f"{out_path}: cannot write the merged checkpoint ({exc}); nothing was replaced"
+            ) from exc
     replaced = tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == "replace" for op in ops)))
     lora = tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == "lora" for op in ops)))
     total = sum(h.file_size for h in checkpoint.headers.values())

@@ -168,16 +168,23 @@ def _targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
 
 
 def check_adapter_name(name: object) -> str:
-    """``name`` if it can name an adapter: a non-empty string without ``.`` (it is a key component), other
-    than ``"__base__"`` (the mixed-batch name for no adapter).
+    """``name`` if it can name an adapter: a non-empty string that is a key component and a folder name
+    (``save_adapter`` writes adapter ``name`` to ``path/name``): no ``.`` (so no ``..``), no path
+    separator (``/`` or ``\\``, so no absolute path), no NUL or other control character, and not
+    ``"__base__"`` (the mixed-batch name for no adapter).
 
     Raises:
-        AdapterNameError: it cannot.
+        AdapterNameError: it cannot; the message says why.
     """
-    if not isinstance(name, str) or not name or "." in name or name == "__base__":
-        raise AdapterNameError(
-            f"adapter_name={name!r}: expected a non-empty name without '.', other than '__base__'"
-        )
+    accepted = "expected a non-empty name without '.', '/', '\\' or control characters, other than '__base__'"
+    if not isinstance(name, str):
+        raise AdapterNameError(f"adapter_name={name!r}: a {type(name).__name__}, {accepted}")
+    bad = [repr(c) for c in ".\\/" if c in name] + [
+        repr(c) for c in sorted(set(name)) if ord(c) < 32 or c == "\x7f"
+    ]
+    if not name or bad or name == "__base__":
+        reason = f" (contains {', '.join(bad)})" if bad else ""
+        raise AdapterNameError(f"adapter_name={name!r}{reason}: {accepted}")
     return name
 
 

@@ -8,7 +8,6 @@ disk on access. Both serve adapters (read lazily) and checkpoints (merged a bloc
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from loragen.adapters.json_file import parse_json
 from loragen.errors import AdapterError
 
 __all__ = ["TensorEntry", "SafetensorsHeader", "SafetensorsReader", "read_safetensors_header"]
@@ -98,7 +98,9 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     and the byte ranges tile the data section exactly (as the safetensors library requires).
 
     Raises:
-        AdapterError: the file is truncated or corrupt; the message names the file and what is wrong.
+        AdapterError: the file is truncated or corrupt (a header that is not UTF-8 JSON, nests too deeply,
+            or whose ``__metadata__`` is not a string-to-string object); the message names the file and
+            what is wrong.
         OSError: the file cannot be opened.
     """
     path = Path(path)
@@ -114,16 +116,21 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
                 f"the file has {file_size - 8} after the length prefix)"
             )
         raw = fh.read(header_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"{path}: corrupt safetensors header ({exc})") from None
+    header = parse_json(raw, str(path), AdapterError, bom=False, label="corrupt safetensors header")
     if not isinstance(header, dict):
         raise AdapterError(f"{path}: corrupt safetensors header (expected a JSON object)")
 
     data_start = 8 + header_len
     data_len = file_size - data_start
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise AdapterError(
+            f"{path}: corrupt safetensors header: __metadata__ must map strings to strings, got {metadata!r:.200}"
+        )
     tensors: dict[str, TensorEntry] = {}
     for name, info in header.items():
         try:

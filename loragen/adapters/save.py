@@ -22,8 +22,8 @@ from torch import nn
 
 from loragen.adapters.folder import ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME, ADAPTER_WEIGHTS_NAME
 from loragen.adapters.keys import PEFT_PREFIX
-from loragen.adapters.named import adapter_configs, list_adapters, require_adapter
-from loragen.atomic import atomic_dir
+from loragen.adapters.named import adapter_configs, check_adapter_name, list_adapters, require_adapter
+from loragen.atomic import WriteError, atomic_dir
 from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
@@ -140,7 +140,12 @@ def _embedding_targeted(model: nn.Module, config: LoraConfig) -> bool:
     return any(name in (targets or ()) for name in _EMBEDDING_LAYER_NAMES)
 
 
-def _tensor_for_file(t: torch.Tensor) -> torch.Tensor:
+def _tensor_for_file(key: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_meta:
+        raise AdapterError(
+            f"{key} is on the meta device (it has a shape but no values): materialise the model "
+            "(e.g. model.to_empty(device=...) and load its weights) before saving its adapter"
+        )
     # a contiguous CPU copy: no storage shared with the model or with another saved tensor
     return t.detach().to("cpu", copy=True).contiguous()
 
@@ -211,7 +216,7 @@ def adapter_state_dict(
     missing = sorted(model_key for model_key in wanted.values() if model_key not in full)
     if missing:
         raise AdapterError(f"the state dict given to save the adapter lacks: {', '.join(missing)}")
-    return {file_key: _tensor_for_file(full[model_key]) for file_key, model_key in wanted.items()}
+    return {file_key: _tensor_for_file(model_key, full[model_key]) for file_key, model_key in wanted.items()}
 
 
 def _carry_over(old: Path, new: Path) -> None:
@@ -261,8 +266,11 @@ def save_adapter(
     Raises:
         AdapterError: the model has no LoRA layers, its config disagrees with its layers, or
             ``state_dict`` lacks a tensor the adapter saves.
-        AdapterNameError: an unknown name in ``selected_adapters``.
-        OSError: the folder cannot be written (the old one is then untouched).
+        AdapterError: ``path`` is ``.``/``..``, a symbolic link, a file, or holds a symbolic link or a
+            file where an adapter's subfolder goes; a tensor is on the meta device (names it).
+        AdapterNameError: an unknown name in ``selected_adapters``, or a name that cannot be a folder name.
+        WriteError: the folder cannot be written (no space left, no permission; an ``OSError`` too): the
+            old one is then untouched and no temporary folder is left.
     """
     if not find_lora_layers(model):
         raise AdapterError(f"{type(model).__name__} has no LoRA layers: nothing to save")
@@ -282,20 +290,67 @@ def save_adapter(
             adapter_name=name,
         )
         written.append((name, json.dumps(config.to_peft(), indent=2, sort_keys=True) + "\n", tensors))
-    target = Path(path)
+    target = _check_target(path, [name for name, _, _ in written])
+    try:
+        with atomic_dir(target) as tmp:
+            if target.is_dir():
+                _carry_over(target, tmp)
+            for name, config_text, tensors in written:
+                folder = tmp if name == DEFAULT_ADAPTER else tmp / name
+                folder.mkdir(exist_ok=True)
+                for file_name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME):
+                    # a subfolder carried over holds hard links to the old files: never write through them
+                    (folder / file_name).unlink(missing_ok=True)
+                safetensors.torch.save_file(
+                    tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"}
+                )
+                (folder / ADAPTER_CONFIG_NAME).write_text(config_text, encoding="utf-8")
+    except WriteError:
+        raise
+    except (OSError, safetensors.SafetensorError) as exc:
+        code = exc.errno if isinstance(exc, OSError) else None
+        raise WriteError(
+            code, f"{target}: cannot write the adapter ({exc}); the old folder is unchanged"
+        ) from exc
+    return target
+
+
+def _check_target(path: str | os.PathLike[str], names: list[str]) -> Path:
+    """The folder ``save_adapter`` writes, checked before anything is built.
+
+    Raises:
+        AdapterError: ``path`` names no folder of its own (``.``, ``..``), is a symbolic link (dangling
+            or not), is a file, or holds a non-folder or a symbolic link where an adapter's subfolder goes.
+        AdapterNameError: a name that cannot be a folder name (``check_adapter_name``).
+    """
+    raw = os.fspath(path)
+    if not raw or Path(raw).name in ("", ".", ".."):
+        raise AdapterError(
+            f"save_adapter: {raw!r} names no folder of its own (saving replaces the folder); give a path "
+            "ending in the adapter folder's name, e.g. 'out/my-adapter'"
+        )
+    target = Path(raw)
+    if target.is_symlink():
+        where = os.readlink(target)
+        state = "" if target.exists() else ", which does not exist"
+        raise AdapterError(
+            f"{target} is a symbolic link (to {where}{state}); save_adapter replaces a folder, never a link: "
+            "save to the folder it points to, or remove the link"
+        )
     if target.exists() and not target.is_dir():
         raise AdapterError(f"{target} exists and is not a folder; an adapter is saved as a folder")
-    with atomic_dir(target) as tmp:
-        if target.is_dir():
-            _carry_over(target, tmp)
-        for name, config_text, tensors in written:
-            folder = tmp if name == DEFAULT_ADAPTER else tmp / name
-            folder.mkdir(exist_ok=True)
-            for file_name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME):
-                # a subfolder carried over holds hard links to the old files: never write through them
-                (folder / file_name).unlink(missing_ok=True)
-            safetensors.torch.save_file(
-                tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"}
+    for name in names:
+        check_adapter_name(name)
+        if name == DEFAULT_ADAPTER:
+            continue
+        sub = target / name
+        if sub.is_symlink():
+            raise AdapterError(
+                f"{sub} is a symbolic link (to {os.readlink(sub)}): adapter {name!r} would be written through "
+                "it, outside the folder; remove the link or save elsewhere"
             )
-            (folder / ADAPTER_CONFIG_NAME).write_text(config_text, encoding="utf-8")
+        if os.path.lexists(sub) and not sub.is_dir():
+            raise AdapterError(
+                f"{sub} exists and is not a folder; adapter {name!r} is saved in a folder there"
+            )
     return target

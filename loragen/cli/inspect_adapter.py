@@ -33,11 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``loragen inspect``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
     from loragen.adapters.summary import format_summary, inspect_adapter
-    from loragen.errors import AdapterError, LoraConfigError
+    from loragen.errors import LoraError
 
     try:
         summary = inspect_adapter(args.adapter, allow_pickle=args.allow_pickle)
-    except (AdapterError, LoraConfigError, OSError) as exc:
+    except (LoraError, OSError) as exc:
         print(f"loragen inspect: error: {exc}", file=sys.stderr)
         return 1
     if args.json:

@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(peft's base_model.model. removed) are used as they are or under the checkpoint's known\n"
             "wrapper: the base_model_prefix of the architecture its config.json names ('model.' for\n"
             "LlamaForCausalLM, whose checkpoint stores model.layers.* while LlamaModel's stores layers.*).\n"
-            "Any other naming needs --key-map / --strip-prefix. On any error nothing is written."
+            "Any other naming needs --key-map / --strip-prefix. On any error nothing is written.\n\n"
+            "OUT must be new, an empty folder, or a previous loragen merge output (its loragen_merge.json);\n"
+            "never BASE, ADAPTER, or a folder inside or around them."
         ),
         epilog=(
             "examples:\n"
@@ -71,6 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="accept a pickled adapter_model.bin (only from a trusted source)",
     )
     parser.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="merge adapter tensors holding NaN or inf (refused by default: they would poison the weights)",
+    )
+    parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -90,7 +97,7 @@ def _key_map_rule(text: str) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     """Run ``loragen merge``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
     from loragen.adapters.merge import merge_checkpoint
-    from loragen.errors import AdapterError, LoraConfigError, MergeError
+    from loragen.errors import LoraError
 
     key_map = dict(args.key_map)
     if len(key_map) < len(args.key_map):
@@ -106,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
             allow_pickle=args.allow_pickle,
             progress=args.progress,
             dry_run=args.dry_run,
+            allow_nonfinite=args.allow_nonfinite,
         )
-    except (MergeError, AdapterError, LoraConfigError, OSError) as exc:
+    except (LoraError, OSError) as exc:
         print(f"loragen merge: error: {exc}", file=sys.stderr)
         return 1
     if args.dry_run:

@@ -131,3 +131,37 @@ def assert_same_state(model: nn.Module, before: dict) -> None:
     assert after["tensors"].keys() == before["tensors"].keys()
     for key, value in before["tensors"].items():
         assert torch.equal(after["tensors"][key], value), key
+
+
+def tree_snapshot(root: Path) -> dict[str, object]:
+    """Every entry under ``root`` (links not followed): path -> file bytes, link target, or "<dir>"."""
+    snapshot: dict[str, object] = {}
+    for path in sorted(root.rglob("*")):
+        relative = str(path.relative_to(root))
+        if path.is_symlink():
+            snapshot[relative] = ("link", str(path.readlink()))
+        elif path.is_dir():
+            snapshot[relative] = "<dir>"
+        else:
+            snapshot[relative] = path.read_bytes()
+    return snapshot
+
+
+class TinyNet(nn.Module):
+    """Two square Linear layers: the smallest model with an adapter to save and a checkpoint to merge."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.v = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.v(torch.relu(self.q(x)))  # (N, 4)
+
+
+def tiny_lora(seed: int = 0) -> nn.Module:
+    """A :class:`TinyNet` with LoRA on both layers and non-zero B factors (so merging changes weights)."""
+    torch.manual_seed(seed)
+    model = get_lora_model(TinyNet(), LoraConfig(r=2, lora_alpha=4, target_modules=["q", "v"]))
+    perturb_trainable(model, seed)
+    return model

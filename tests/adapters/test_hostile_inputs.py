@@ -1,0 +1,215 @@
+"""Hostile or broken inputs get a ``LoraError`` naming the file and what is wrong, never a traceback and
+never partial output: safetensors headers, shard indexes and adapter configs (bad metadata, deep nesting,
+wrong encodings, wrong types, paths out of the folder), non-float or non-finite adapter tensors, and a
+``fan_in_fan_out`` flag that ``load_adapter`` would ignore."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loragen import AdapterError, LoraError, load_adapter, merge_and_unload, save_adapter
+from loragen.adapters.merge import merge_checkpoint
+from loragen.cli import main
+from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
+
+DEEP = 100_000  # far past Python's recursion limit
+
+
+def _write_raw(path: Path, header: bytes, data: bytes = b"") -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> tuple[Path, Path]:
+    """A sharded checkpoint of TinyNet (``base/``, two shards and an index) and an adapter (``adapter/``)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    state = {k: v.contiguous() for k, v in TinyNet().state_dict().items()}
+    shards = {"model-1.safetensors": ["q.weight", "q.bias"], "model-2.safetensors": ["v.weight", "v.bias"]}
+    weight_map = {}
+    for shard, names in shards.items():
+        save_file({n: state[n] for n in names}, base / shard)
+        weight_map.update(dict.fromkeys(names, shard))
+    (base / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_adapter(tiny_lora(), tmp_path / "adapter")
+    return base, tmp_path / "adapter"
+
+
+def _merge_fails(base: Path, adapter: Path, out: Path, capsys, match: str, *flags: str) -> None:
+    """``loragen merge`` exits 1 with ``match`` on stderr, no traceback, and writes nothing."""
+    before = tree_snapshot(out.parent)
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), "-o", str(out), *flags]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert match in err, err
+    assert tree_snapshot(out.parent) == before
+
+
+# ---- safetensors headers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("header", "match"),
+    [
+        (b'{"__metadata__": ["format", "pt"]}', "__metadata__ must map strings to strings"),
+        (b'{"__metadata__": {"format": 1}}', "__metadata__ must map strings to strings"),
+        (b"[" * DEEP + b"]" * DEEP, "JSON nested 100000 levels deep"),
+        ('{"__metadata__": {"a": "é"}}'.encode("utf-16"), "the file is UTF-16"),
+        (b'{"__metadata__": {"a": "\xff"}}', "not UTF-8"),
+    ],
+    ids=["metadata-list", "metadata-int", "deep", "utf16", "latin1"],
+)
+def test_bad_adapter_headers_are_named_by_load_inspect_and_merge(
+    files, tmp_path, capsys, header, match
+) -> None:
+    base, adapter = files
+    _write_raw(adapter / "adapter_model.safetensors", header)
+    with pytest.raises(AdapterError, match="adapter_model.safetensors: corrupt safetensors header: " + match):
+        load_adapter(TinyNet(), adapter)
+    assert main(["inspect", str(adapter)]) == 1
+    assert match in capsys.readouterr().err
+    _merge_fails(base, adapter, tmp_path / "out", capsys, match)
+
+
+def test_bad_checkpoint_header_is_named(files, tmp_path, capsys) -> None:
+    base, adapter = files
+    _write_raw(base / "model-2.safetensors", b'{"__metadata__": ["x"]}')
+    _merge_fails(base, adapter, tmp_path / "out", capsys, "model-2.safetensors: corrupt safetensors header")
+
+
+# ---- adapter_config.json ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"[" * DEEP + b"]" * DEEP, "JSON nested 100000 levels deep"),
+        ('{"peft_type": "LORA"}'.encode("utf-16"), "the file is UTF-16"),
+        (b"[1, 2]", "expected a JSON object of peft's fields, got a list"),
+    ],
+    ids=["deep", "utf16", "list"],
+)
+def test_bad_adapter_configs_are_named(files, tmp_path, capsys, content, match) -> None:
+    base, adapter = files
+    (adapter / "adapter_config.json").write_bytes(content)
+    with pytest.raises(AdapterError, match="adapter_config.json: " + match):
+        load_adapter(TinyNet(), adapter)
+    _merge_fails(base, adapter, tmp_path / "out", capsys, match)
+
+
+def test_a_utf8_bom_in_adapter_config_is_accepted(files) -> None:
+    _, adapter = files
+    config = adapter / "adapter_config.json"
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+    load_adapter(TinyNet(), adapter)
+
+
+# ---- shard indexes ---------------------------------------------------------------------------------
+
+
+def _edit_index(base: Path, **changes: object) -> None:
+    index = base / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"].update(changes)
+    index.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "shard",
+    ["../outside.safetensors", "/abs/model-2.safetensors", "a/model-2.safetensors", 7, "..", "model-2.bin"],
+    ids=["parent", "absolute", "subfolder", "int", "dotdot", "not-safetensors"],
+)
+def test_index_entries_must_be_plain_shard_names(files, tmp_path, capsys, shard) -> None:
+    base, adapter = files
+    # a real shard where the entry points, so only the name's form is wrong
+    (tmp_path / "outside.safetensors").write_bytes((base / "model-2.safetensors").read_bytes())
+    _edit_index(base, **{"v.weight": shard})
+    _merge_fails(base, adapter, tmp_path / "out", capsys, "weight_map values must be shard file names")
+
+
+def test_index_that_is_too_deep_or_not_an_object_is_named(files, tmp_path, capsys) -> None:
+    base, adapter = files
+    index = base / "model.safetensors.index.json"
+    index.write_bytes(b'{"weight_map": ' + b"[" * DEEP + b"]" * DEEP + b"}")
+    _merge_fails(base, adapter, tmp_path / "out", capsys, "index.json: JSON nested")
+    index.write_text('{"weight_map": ["model-1.safetensors"]}')
+    _merge_fails(base, adapter, tmp_path / "out", capsys, "not a safetensors index")
+
+
+# ---- adapter values --------------------------------------------------------------------------------
+
+
+def _edit_adapter_tensor(adapter: Path, key: str, value: torch.Tensor) -> None:
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(path)
+    tensors[key] = value
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_adapter_values_are_refused_unless_allowed(files, tmp_path, capsys, bad: float) -> None:
+    base, adapter = files
+    key = "base_model.model.v.lora_B.weight"
+    value = load_file(adapter / "adapter_model.safetensors")[key]
+    value[1, 0] = bad
+    _edit_adapter_tensor(adapter, key, value)
+    _merge_fails(base, adapter, tmp_path / "out", capsys, f"{key} (1 NaN/inf values)")
+    flags = ["-o", str(tmp_path / "out"), "-q", "--allow-nonfinite"]
+    assert main(["merge", "--base", str(base), "--adapter", str(adapter), *flags]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64])
+def test_non_float_adapter_tensors_are_refused_with_their_key(files, tmp_path, capsys, dtype) -> None:
+    base, adapter = files
+    key = "base_model.model.q.lora_A.weight"
+    value = load_file(adapter / "adapter_model.safetensors")[key]
+    _edit_adapter_tensor(adapter, key, value.to(dtype))
+    _merge_fails(base, adapter, tmp_path / "out", capsys, f"{key}: dtype")
+
+
+# ---- fan_in_fan_out --------------------------------------------------------------------------------
+
+
+def _set_fan_in_fan_out(adapter: Path) -> None:
+    config = adapter / "adapter_config.json"
+    data = json.loads(config.read_text())
+    data["fan_in_fan_out"] = True
+    config.write_text(json.dumps(data))
+
+
+def test_fan_in_fan_out_on_a_linear_adapter_merges_as_load_adapter_does(files, tmp_path) -> None:
+    base, adapter = files
+    _set_fan_in_fan_out(adapter)
+    (base / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    merge_checkpoint(base, adapter, tmp_path / "out")
+
+    model = TinyNet()
+    model.load_state_dict(
+        {**load_file(base / "model-1.safetensors"), **load_file(base / "model-2.safetensors")}
+    )
+    expected = merge_and_unload(load_adapter(model, adapter)).state_dict()
+    merged = {
+        **load_file(tmp_path / "out" / "model-1.safetensors"),
+        **load_file(tmp_path / "out" / "model-2.safetensors"),
+    }
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, msg=key)
+
+
+def test_fan_in_fan_out_on_a_square_weight_of_unknown_type_is_refused(files, tmp_path, capsys) -> None:
+    base, adapter = files
+    _set_fan_in_fan_out(adapter)
+    _merge_fails(base, adapter, tmp_path / "out", capsys, "a square weight [4, 4] with fan_in_fan_out=true")
+
+
+def test_every_refusal_is_a_lora_error(files, tmp_path) -> None:
+    base, adapter = files
+    _set_fan_in_fan_out(adapter)
+    with pytest.raises(LoraError):
+        merge_checkpoint(base, adapter, tmp_path / "out")
