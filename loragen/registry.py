@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import sys
 import threading
 from collections.abc import Iterator
@@ -28,8 +29,13 @@ from functools import cache
 import torch
 from torch import Tensor, nn
 
+from loragen.validation import InitMode
+
 __all__ = [
     "Layout",
+    "PlainLayout",
+    "TransposedLayout",
+    "EmbeddingLayout",
     "PLAIN",
     "TRANSPOSED",
     "EMBEDDING",
@@ -41,11 +47,9 @@ __all__ = [
     "spec_for",
     "spec_for_type",
     "spec_for_qualname",
-    "refuse",
     "refusal_for",
     "spec_for_lora_type",
     "supported_type_names",
-    "linear_base_types",
     "factor_suffixes",
     "ParameterLayout",
     "EXPERTS",
@@ -57,11 +61,14 @@ Shape = tuple[int, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How a layer's two LoRA factors are named, stored in peft's files, and merged into its weight.
+    """How a layer's two LoRA factors are named, stored in peft's files, initialised and merged into its
+    weight. The maths differs per kind of weight, so each kind is a subclass (:class:`PlainLayout`,
+    :class:`TransposedLayout`, :class:`EmbeddingLayout`) that overrides it; this base class holds the
+    part they share.
 
     Attributes:
-        name: ``"plain"`` (weight ``(out, in, *kernel)``: Linear, ConvNd), ``"transposed"`` (weight
-            ``(in, out)``: transformers' ``Conv1D``) or ``"embedding"`` (table ``(num_embeddings, dim)``).
+        name: the layout's name for messages and :func:`loragen.register_layer` (``"plain"``,
+            ``"transposed"``, ``"embedding"``).
         factor_names: the attribute names of A and B on a loragen layer.
         peft_suffixes: the key suffixes of A and B in peft's ``adapter_model.safetensors``.
     """
@@ -71,27 +78,18 @@ class Layout:
     peft_suffixes: tuple[str, str]
 
     def weight_shape(self, a: Shape, b: Shape) -> Shape:
-        """The shape of the base weight that factors of shapes ``a`` (A) and ``b`` (B) update."""
-        if self.name == "plain":
-            return (b[0], *a[1:])
-        return (a[1], b[0])  # transposed (in, out) and embedding (num_embeddings, dim)
+        """The shape of the base weight that factors of shapes ``a`` (A) and ``b`` (B) update: ``(in, out)``
+        (transformers' ``Conv1D``) or ``(num_embeddings, dim)`` here; :class:`PlainLayout` overrides it."""
+        return (a[1], b[0])
 
     def fits(self, a: Shape, b: Shape) -> bool:
         """Whether factors of shapes ``a`` (A) and ``b`` (B) are a pair of this layout: they share the rank
-        (``a[0] == b[1]``); ``"plain"``: A ``(r, in, *kernel)`` and B ``(out, r, 1, ...)`` with as many
-        dimensions; the others: both 2-D."""
-        if len(a) < 2 or len(b) < 2 or a[0] != b[1]:
-            return False
-        if self.name == "plain":
-            return len(a) == len(b) and all(d == 1 for d in b[2:])
-        return len(a) == len(b) == 2
+        (``a[0] == b[1]``) and are 2-D here; :class:`PlainLayout` allows kernel dimensions."""
+        return len(a) == len(b) == 2 and a[0] == b[1]
 
     def delta(self, a: Tensor, b: Tensor) -> Tensor:
         """``B @ A`` in the base weight's layout (unscaled), in the factors' dtype."""
-        product = b.flatten(1) @ a.flatten(1)  # (out, in * prod(kernel)) or (dim, num_embeddings)
-        if self.name == "plain":
-            return product.view(self.weight_shape(tuple(a.shape), tuple(b.shape)))
-        return product.t()
+        return (b.flatten(1) @ a.flatten(1)).t()  # (dim, num_embeddings) -> the stored (num, dim)
 
     def delta_rows(self, a: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
         """Rows ``start:stop`` of :meth:`delta` (its first dimension), computed from those rows only:
@@ -102,14 +100,67 @@ class Layout:
     def delta_row_factors(self, a: Tensor, b: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
         """Two matrices whose product is :meth:`delta_rows`, ``(rows, r)`` and ``(r, -1)``: a caller adds
         them to a block in place, never materialising the delta (``block.addmm_(*factors, alpha=s)``)."""
-        if self.name == "plain":
-            return b[start:stop].flatten(1), a.flatten(1)
         return a[:, start:stop].t(), b.t()
 
+    def init_factors(self, a: Tensor, b: Tensor, r: int, init: InitMode) -> None:
+        """Initialise new factors in place as peft does: ``True``: A kaiming-uniform(a=sqrt(5)), B zeros
+        (the adapter starts as a no-op); ``"gaussian"``: A normal(0, 1/r), B zeros; ``False``: both
+        kaiming-uniform (not a no-op). :class:`EmbeddingLayout` overrides it."""
+        with torch.no_grad():
+            if init == "gaussian":
+                nn.init.normal_(a, std=1.0 / r)
+            else:
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            if init is False:
+                nn.init.kaiming_uniform_(b, a=math.sqrt(5))
+            else:
+                nn.init.zeros_(b)
 
-PLAIN = Layout("plain", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
-TRANSPOSED = Layout("transposed", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
-EMBEDDING = Layout(
+
+@dataclasses.dataclass(frozen=True)
+class PlainLayout(Layout):
+    """A weight stored ``(out, in, *kernel)``: Linear and ConvNd. A ``(r, in, *kernel)``, B ``(out, r, 1, ...)``."""
+
+    def weight_shape(self, a: Shape, b: Shape) -> Shape:
+        return (b[0], *a[1:])
+
+    def fits(self, a: Shape, b: Shape) -> bool:
+        return (
+            len(a) >= 2 and len(a) == len(b) and a[0] == b[1] and all(d == 1 for d in b[2:])
+        )
+
+    def delta(self, a: Tensor, b: Tensor) -> Tensor:
+        product = b.flatten(1) @ a.flatten(1)  # (out, in * prod(kernel))
+        return product.view(self.weight_shape(tuple(a.shape), tuple(b.shape)))
+
+    def delta_row_factors(self, a: Tensor, b: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        return b[start:stop].flatten(1), a.flatten(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedLayout(Layout):
+    """A weight stored ``(in, out)``: transformers' ``Conv1D``. The factors keep the Linear orientation,
+    A ``(r, in)`` and B ``(out, r)``; the update is ``(B @ A)^T``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingLayout(Layout):
+    """An embedding table ``(num_embeddings, dim)``: A ``(r, num_embeddings)``, B ``(dim, r)``; the update
+    is ``(B @ A)^T``. peft initialises these factors the other way round: A zeros, B normal(0, 1)."""
+
+    def init_factors(self, a: Tensor, b: Tensor, r: int, init: InitMode) -> None:
+        """peft's embedding init: A zeros, B normal(0, 1); ``False``: both standard normal."""
+        with torch.no_grad():
+            if init is False:
+                nn.init.normal_(a)
+            else:
+                nn.init.zeros_(a)
+            nn.init.normal_(b)
+
+
+PLAIN: Layout = PlainLayout("plain", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
+TRANSPOSED: Layout = TransposedLayout("transposed", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
+EMBEDDING: Layout = EmbeddingLayout(
     "embedding", ("lora_embedding_A", "lora_embedding_B"), ("lora_embedding_A", "lora_embedding_B")
 )
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PLAIN, TRANSPOSED, EMBEDDING)}
@@ -272,11 +323,6 @@ _refusals: dict[str, str] = {
 }
 
 
-def refuse(qualname: str, reason: str) -> None:
-    """Never convert modules whose exact type is ``qualname`` (even where a spec accepts subclasses);
-    ``reason`` says why, in conversion errors."""
-    _refusals[qualname] = reason
-
 
 def refusal_for(module_type: type[nn.Module]) -> str | None:
     """Why modules of exactly ``module_type`` are never converted, or None."""
@@ -320,10 +366,6 @@ def supported_type_names() -> list[str]:
     """The qualified names of all supported base layer types, for error messages."""
     return [spec.base_qualname + (" (and subclasses)" if spec.subclasses else "") for spec in _specs.values()]
 
-
-def linear_base_types() -> tuple[type[nn.Module], ...]:
-    """The imported base types that ``target_modules="all-linear"`` selects."""
-    return tuple(t for spec in _specs.values() if spec.linear and (t := spec.base_type()) is not None)
 
 
 def factor_suffixes() -> Iterator[tuple[str, Layout, int]]:

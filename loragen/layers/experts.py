@@ -32,7 +32,10 @@ from typing_extensions import Self
 
 from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
+from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter
 from loragen.layers.base import LoraLayer, adapter_dtype_for
+from loragen.layers.fast_paths import MIXED_ROUTE
+from loragen.layers.variants import LORA, Variant
 from loragen.layers.cloning import clone_as, strip_to
 from loragen.ops.experts import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
@@ -118,8 +121,40 @@ class LoraParametersLayer(LoraLayer):
 
     ``r``, ``lora_alpha``, ``scaling`` and ``use_rslora`` on the layer are those of its first target (the
     targets may differ through ``rank_pattern`` / ``alpha_pattern``, keyed by the parameter's full name);
-    each :class:`ParameterLora` holds its own.
+    each :class:`ParameterLora` holds its own. The module holds one adapter, itself (a further named adapter
+    cannot target parameters): :func:`loragen.layers.adapter_set.adapter_factors` returns the module.
     """
+
+    # its one adapter's settings, plain attributes here (a factor layer reads them from its first adapter)
+    r: int = 0  # type: ignore[assignment]
+    lora_alpha: float = 0.0  # type: ignore[assignment]
+    scaling: float = 0.0  # type: ignore[assignment]
+    lora_dropout_p: float = 0.0  # type: ignore[assignment]
+    use_rslora: bool = False  # type: ignore[assignment]
+    adapter_name: str = DEFAULT_ADAPTER  # type: ignore[assignment]
+    variant: Variant = LORA  # plain LoRA in weight space
+
+    def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Not one pair of shapes here: every targeted parameter has its own (:attr:`parameter_targets`).
+
+        Raises:
+            LoraConversionError: always; a further named adapter cannot be added to targeted parameters.
+        """
+        raise self._one_adapter_only()
+
+    def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        """Not a term added to an output: the update is added to the weights the forward reads.
+
+        Raises:
+            LoraConversionError: always (the forward never calls it).
+        """
+        raise self._one_adapter_only()
+
+    def _one_adapter_only(self) -> LoraConversionError:
+        return LoraConversionError(
+            f"{type(self).__qualname__} holds LoRA on parameters ({', '.join(self.parameter_targets)}), one "
+            "adapter only: a further named adapter cannot target them"
+        )
 
     @property
     def layout(self) -> Layout:
@@ -133,10 +168,7 @@ class LoraParametersLayer(LoraLayer):
         Raises:
             LoraConversionError: always; a further named adapter cannot be added to targeted parameters.
         """
-        raise LoraConversionError(
-            f"{type(self).__qualname__} holds LoRA on parameters ({', '.join(self.parameter_targets)}), one "
-            "adapter only: a further named adapter cannot target them"
-        )
+        raise self._one_adapter_only()
 
     factor_b = factor_a
 
@@ -215,7 +247,7 @@ class LoraParametersLayer(LoraLayer):
         Raises:
             MixedBatchError: inside ``loragen.mixed_batch`` (rows cannot take different weight updates).
         """
-        if self.__dict__.get("_mixed_route") is not None:
+        if self.__dict__.get(MIXED_ROUTE) is not None:
             raise MixedBatchError(
                 f"{type(self).__qualname__}: a mixed batch (loragen.mixed_batch) cannot route rows through LoRA on "
                 "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
