@@ -23,6 +23,7 @@ import importlib
 import math
 import sys
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from functools import cache
 
@@ -60,11 +61,10 @@ Shape = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Layout(ABC):
     """How a layer's two LoRA factors are named, stored in peft's files, initialised and merged into its
-    weight. The maths differs per kind of weight, so each kind is a subclass (:class:`PlainLayout`,
-    :class:`TransposedLayout`, :class:`EmbeddingLayout`) that overrides it; this base class holds the
-    part they share.
+    weight. The maths differs per kind of weight, so each kind is a subclass that provides it:
+    :class:`PlainLayout`, :class:`TransposedLayout`, :class:`EmbeddingLayout`.
 
     Attributes:
         name: the layout's name for messages and :func:`loragen.register_layer` (``"plain"``,
@@ -77,19 +77,22 @@ class Layout:
     factor_names: tuple[str, str]
     peft_suffixes: tuple[str, str]
 
+    @abstractmethod
     def weight_shape(self, a: Shape, b: Shape) -> Shape:
-        """The shape of the base weight that factors of shapes ``a`` (A) and ``b`` (B) update: ``(in, out)``
-        (transformers' ``Conv1D``) or ``(num_embeddings, dim)`` here; :class:`PlainLayout` overrides it."""
-        return (a[1], b[0])
+        """The shape of the base weight that factors of shapes ``a`` (A) and ``b`` (B) update."""
 
+    @abstractmethod
     def fits(self, a: Shape, b: Shape) -> bool:
-        """Whether factors of shapes ``a`` (A) and ``b`` (B) are a pair of this layout: they share the rank
-        (``a[0] == b[1]``) and are 2-D here; :class:`PlainLayout` allows kernel dimensions."""
-        return len(a) == len(b) == 2 and a[0] == b[1]
+        """Whether factors of shapes ``a`` (A) and ``b`` (B) are a pair of this layout."""
 
+    @abstractmethod
     def delta(self, a: Tensor, b: Tensor) -> Tensor:
         """``B @ A`` in the base weight's layout (unscaled), in the factors' dtype."""
-        return (b.flatten(1) @ a.flatten(1)).t()  # (dim, num_embeddings) -> the stored (num, dim)
+
+    @abstractmethod
+    def delta_row_factors(self, a: Tensor, b: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Two matrices whose product is :meth:`delta_rows`, ``(rows, r)`` and ``(r, -1)``: a caller adds
+        them to a block in place, never materialising the delta (``block.addmm_(*factors, alpha=s)``)."""
 
     def delta_rows(self, a: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
         """Rows ``start:stop`` of :meth:`delta` (its first dimension), computed from those rows only:
@@ -97,15 +100,10 @@ class Layout:
         left, right = self.delta_row_factors(a, b, start, stop)
         return left @ right
 
-    def delta_row_factors(self, a: Tensor, b: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        """Two matrices whose product is :meth:`delta_rows`, ``(rows, r)`` and ``(r, -1)``: a caller adds
-        them to a block in place, never materialising the delta (``block.addmm_(*factors, alpha=s)``)."""
-        return a[:, start:stop].t(), b.t()
-
     def init_factors(self, a: Tensor, b: Tensor, r: int, init: InitMode) -> None:
         """Initialise new factors in place as peft does: ``True``: A kaiming-uniform(a=sqrt(5)), B zeros
         (the adapter starts as a no-op); ``"gaussian"``: A normal(0, 1/r), B zeros; ``False``: both
-        kaiming-uniform (not a no-op). :class:`EmbeddingLayout` overrides it."""
+        kaiming-uniform (not a no-op). :class:`EmbeddingLayout` initialises the other way round."""
         with torch.no_grad():
             if init == "gaussian":
                 nn.init.normal_(a, std=1.0 / r)
@@ -119,15 +117,14 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class PlainLayout(Layout):
-    """A weight stored ``(out, in, *kernel)``: Linear and ConvNd. A ``(r, in, *kernel)``, B ``(out, r, 1, ...)``."""
+    """A weight stored ``(out, in, *kernel)``: Linear and ConvNd. A ``(r, in, *kernel)``, B ``(out, r, 1, ...)``
+    with as many dimensions; the update is ``B @ A`` viewed as the weight."""
 
     def weight_shape(self, a: Shape, b: Shape) -> Shape:
         return (b[0], *a[1:])
 
     def fits(self, a: Shape, b: Shape) -> bool:
-        return (
-            len(a) >= 2 and len(a) == len(b) and a[0] == b[1] and all(d == 1 for d in b[2:])
-        )
+        return len(a) >= 2 and len(a) == len(b) and a[0] == b[1] and all(d == 1 for d in b[2:])
 
     def delta(self, a: Tensor, b: Tensor) -> Tensor:
         product = b.flatten(1) @ a.flatten(1)  # (out, in * prod(kernel))
@@ -140,13 +137,25 @@ class PlainLayout(Layout):
 @dataclasses.dataclass(frozen=True)
 class TransposedLayout(Layout):
     """A weight stored ``(in, out)``: transformers' ``Conv1D``. The factors keep the Linear orientation,
-    A ``(r, in)`` and B ``(out, r)``; the update is ``(B @ A)^T``."""
+    A ``(r, in)`` and B ``(out, r)``, both 2-D; the update is ``(B @ A)^T``."""
+
+    def weight_shape(self, a: Shape, b: Shape) -> Shape:
+        return (a[1], b[0])
+
+    def fits(self, a: Shape, b: Shape) -> bool:
+        return len(a) == len(b) == 2 and a[0] == b[1]
+
+    def delta(self, a: Tensor, b: Tensor) -> Tensor:
+        return (b @ a).t()
+
+    def delta_row_factors(self, a: Tensor, b: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        return a[:, start:stop].t(), b.t()
 
 
 @dataclasses.dataclass(frozen=True)
-class EmbeddingLayout(Layout):
-    """An embedding table ``(num_embeddings, dim)``: A ``(r, num_embeddings)``, B ``(dim, r)``; the update
-    is ``(B @ A)^T``. peft initialises these factors the other way round: A zeros, B normal(0, 1)."""
+class EmbeddingLayout(TransposedLayout):
+    """An embedding table ``(num_embeddings, dim)``: A ``(r, num_embeddings)``, B ``(dim, r)``; the update is
+    ``(B @ A)^T``, as for :class:`TransposedLayout`. peft initialises these factors the other way round."""
 
     def init_factors(self, a: Tensor, b: Tensor, r: int, init: InitMode) -> None:
         """peft's embedding init: A zeros, B normal(0, 1); ``False``: both standard normal."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import InitMode, LoraLayer, LoraMergeError, adapter_dtype_for
 from loragen.layers.conv import LoraConv1d, LoraConv2d
 from loragen.layers.derived import lora_class_for
@@ -32,6 +33,7 @@ from loragen.layers.registration import register_builtin_types, register_layer
 
 __all__ = [
     "InitMode",
+    "LoraAdapter",
     "LoraLayer",
     "LoraLinear",
     "LoraLinearMixin",

@@ -60,11 +60,16 @@ from loragen.validation import InitMode
 __all__ = ["InitMode", "LoraLayer", "LoraMergeError", "adapter_dtype_for"]
 
 
-def _first_adapter_setting(name: str, doc: str) -> property:
+def _first_adapter_setting(name: str, doc: str, *, settable: bool = True) -> property:
+    """A layer attribute that reads (and sets) the setting ``name`` of the layer's first adapter."""
+
     def read(self: LoraLayer) -> object:
         return getattr(self._first_adapter(), name)
 
-    return property(read, doc=doc)
+    def write(self: LoraLayer, value: object) -> None:
+        setattr(self._first_adapter(), name, value)
+
+    return property(read, write if settable else None, doc=doc)
 
 
 class LoraLayer(nn.Module, ABC):
@@ -103,7 +108,7 @@ class LoraLayer(nn.Module, ABC):
     weight: Tensor
     merged: bool
 
-    r = _first_adapter_setting("r", "The first adapter's rank.")
+    r = _first_adapter_setting("r", "The first adapter's rank (fixed: the factors' shapes follow it).", settable=False)
     lora_alpha = _first_adapter_setting("lora_alpha", "The first adapter's alpha.")
     scaling = _first_adapter_setting("scaling", "The first adapter's scaling of its term.")
     lora_dropout_p = _first_adapter_setting("lora_dropout_p", "The first adapter's dropout probability.")

@@ -253,7 +253,7 @@ class LoraParametersLayer(LoraLayer):
                 "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
             )
         if self.merged or self.active_adapter != self.adapter_name:
-            return super().forward(*args, **kwargs)
+            return self.base_class.forward(self, *args, **kwargs)
         recipes = {
             name: (
                 cast(Tensor, self._parameters[name]),
@@ -271,7 +271,7 @@ class LoraParametersLayer(LoraLayer):
             else contextlib.nullcontext()
         )
         with saving, _shadowed(self, made):
-            return super().forward(*args, **kwargs)
+            return self.base_class.forward(self, *args, **kwargs)
 
     # ---- merging ------------------------------------------------------------------------------------
 
