@@ -332,7 +332,6 @@ _refusals: dict[str, str] = {
 }
 
 
-
 def refusal_for(module_type: type[nn.Module]) -> str | None:
     """Why modules of exactly ``module_type`` are never converted, or None."""
     return _refusals.get(f"{module_type.__module__}.{module_type.__qualname__}")
@@ -374,7 +373,6 @@ def spec_for_lora_type(lora_type: type) -> LayerSpec | None:
 def supported_type_names() -> list[str]:
     """The qualified names of all supported base layer types, for error messages."""
     return [spec.base_qualname + (" (and subclasses)" if spec.subclasses else "") for spec in _specs.values()]
-
 
 
 def factor_suffixes() -> Iterator[tuple[str, Layout, int]]:

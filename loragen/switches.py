@@ -131,4 +131,3 @@ cuda_kernels: Switch[str] = Switch(
     ("check", "trust", "torch"),
     doc="CUDA kernels: self-checked on first use, trusted unchecked, or replaced by the torch path",
 )
-

@@ -18,6 +18,7 @@ import loragen
 from loragen import LoraConfig, LoraLayer
 from loragen.cli import main as cli_main
 from loragen.convert import find_lora_layers
+from loragen.layers import LoraAdapter
 from loragen.registry import spec_for_qualname, unregister
 
 
@@ -55,12 +56,9 @@ class LoraGatedLinear(LoraLayer, GatedLinear):
         d_out, d_in = self.weight.shape
         return (self.r, d_in), (d_out, self.r)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = GatedLinear.forward(self, x)
-        if self.merged:
-            return y
-        x = F.dropout(x, self.lora_dropout_p, self.training)
-        return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+    def _adapter_output(self, x: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
+        x = F.dropout(x, adapter.lora_dropout_p, self.training)
+        return F.linear(F.linear(x, adapter.factor_a), adapter.factor_b) * adapter.scaling
 
 
 MODEL_SOURCE = """\

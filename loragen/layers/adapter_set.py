@@ -117,17 +117,17 @@ class LoraAdapter:
     @property
     def factor_a(self) -> nn.Parameter:
         """A (``lora_A`` / ``lora_embedding_A``)."""
-        return getattr(self.holder, self.layout.factor_names[0])  # type: ignore[no-any-return]
+        return getattr(self.holder, self.layout.factor_names[0])
 
     @property
     def factor_b(self) -> nn.Parameter:
         """B (``lora_B`` / ``lora_embedding_B``)."""
-        return getattr(self.holder, self.layout.factor_names[1])  # type: ignore[no-any-return]
+        return getattr(self.holder, self.layout.factor_names[1])
 
     @property
     def magnitude(self) -> nn.Parameter:
         """DoRA's magnitude vector (only for the DoRA variant)."""
-        return getattr(self.holder, self.variant.extra_parameters[0])  # type: ignore[no-any-return]
+        return getattr(self.holder, self.variant.extra_parameters[0])
 
     def register(self, name: str, parameter: nn.Parameter) -> None:
         """Register ``parameter`` as this adapter's ``name`` (a factor, or one of the variant's own)."""
@@ -180,7 +180,7 @@ def adapter_factors(layer: Any, name: str) -> Factors:
     """
     held = records(layer)
     if not held and name == layer.adapter_name:
-        return layer  # type: ignore[no-any-return]
+        return layer
     if name not in held:
         raise AdapterNameError(
             f"{type(layer).__name__} has no adapter {name!r}; it holds {', '.join(map(repr, adapter_names(layer)))}"
@@ -214,7 +214,7 @@ def key_prefix(layer: Any, name: str) -> str:
 def _holder_for(layer: Any, first: bool) -> nn.Module:
     """Where a new adapter's parameters are registered: the layer itself for its first adapter (the keys a
     single-adapter model has always had), a module of their own (put in ``layer.lora_adapters``) for the others."""
-    return layer if first else nn.Module()  # type: ignore[no-any-return]
+    return layer if first else nn.Module()
 
 
 def add_factors(

@@ -108,11 +108,15 @@ class LoraLayer(nn.Module, ABC):
     weight: Tensor
     merged: bool
 
-    r = _first_adapter_setting("r", "The first adapter's rank (fixed: the factors' shapes follow it).", settable=False)
+    r = _first_adapter_setting(
+        "r", "The first adapter's rank (fixed: the factors' shapes follow it).", settable=False
+    )
     lora_alpha = _first_adapter_setting("lora_alpha", "The first adapter's alpha.")
     scaling = _first_adapter_setting("scaling", "The first adapter's scaling of its term.")
     lora_dropout_p = _first_adapter_setting("lora_dropout_p", "The first adapter's dropout probability.")
-    use_rslora = _first_adapter_setting("use_rslora", "Whether the first adapter uses rank-stabilised scaling.")
+    use_rslora = _first_adapter_setting(
+        "use_rslora", "Whether the first adapter uses rank-stabilised scaling."
+    )
 
     # ---- what a layer type provides --------------------------------------------------------------
 
@@ -274,9 +278,10 @@ class LoraLayer(nn.Module, ABC):
 
     # ---- forward ------------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:
         """``base(x)`` plus the running adapter's term (its variant's: plain LoRA adds
         ``scaling * B A dropout(x)``); a fused op where the layer type has one (:mod:`loragen.layers.fast_paths`)."""
+        x = input  # torch's name for the argument
         adapter = self.running_adapter()
         fast = fast_output(self, x, adapter)
         if fast is not None:

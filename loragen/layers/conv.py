@@ -156,4 +156,3 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
 
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self.lora_extra_repr()}"
-

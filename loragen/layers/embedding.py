@@ -89,4 +89,3 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.lora_extra_repr()}"
-

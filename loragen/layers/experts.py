@@ -34,9 +34,9 @@ from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter
 from loragen.layers.base import LoraLayer, adapter_dtype_for
+from loragen.layers.cloning import clone_as, strip_to
 from loragen.layers.fast_paths import MIXED_ROUTE
 from loragen.layers.variants import LORA, Variant
-from loragen.layers.cloning import clone_as, strip_to
 from loragen.ops.experts import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 from loragen.validation import InitMode, check_lora_args
@@ -126,12 +126,12 @@ class LoraParametersLayer(LoraLayer):
     """
 
     # its one adapter's settings, plain attributes here (a factor layer reads them from its first adapter)
-    r: int = 0  # type: ignore[assignment]
-    lora_alpha: float = 0.0  # type: ignore[assignment]
-    scaling: float = 0.0  # type: ignore[assignment]
-    lora_dropout_p: float = 0.0  # type: ignore[assignment]
-    use_rslora: bool = False  # type: ignore[assignment]
-    adapter_name: str = DEFAULT_ADAPTER  # type: ignore[assignment]
+    r: int = 0
+    lora_alpha: float = 0.0
+    scaling: float = 0.0
+    lora_dropout_p: float = 0.0
+    use_rslora: bool = False
+    adapter_name: str = DEFAULT_ADAPTER
     variant: Variant = LORA  # plain LoRA in weight space
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -65,7 +65,9 @@ def fast_output(layer: Any, x: Tensor, adapter: LoraAdapter | None) -> Tensor | 
     ``adapter``: the adapter the forward adds (:meth:`loragen.LoraLayer.running_adapter`), None for none.
     """
     route: MixedRoute | None = layer.__dict__.get(MIXED_ROUTE)
-    if route is not None and layer.active_adapter is not None:  # adapters off (disable_adapter) win, as in peft
+    if (
+        route is not None and layer.active_adapter is not None
+    ):  # adapters off (disable_adapter) win, as in peft
         return mixed_rows(layer, x, route)
     if adapter is None or not layer.fused:
         return None

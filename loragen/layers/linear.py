@@ -16,7 +16,7 @@ dropout(x)`` (:func:`loragen.reference.lora_term`); two kinds of base, told apar
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +107,7 @@ class LoraLinearMixin(LoraLayer):
         with torch.no_grad():
             actual = self._base_output(probe)
             transposed = isinstance(self.layout, TransposedLayout)
-            expected = F.linear(probe, weight.t() if transposed else weight, self.bias)
+            expected = F.linear(probe, weight.t() if transposed else weight, cast("Tensor | None", self.bias))
         if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=1e-3, atol=1e-4):
             raise LoraMergeError(
                 f"cannot merge into {type(self).__qualname__}: its forward does not compute x W^T + b from its "
@@ -147,4 +147,3 @@ class LoraLinear(LoraLinearMixin, nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
-

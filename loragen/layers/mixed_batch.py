@@ -95,4 +95,3 @@ def mixed_batch(model: nn.Module, names: Sequence[str]) -> Iterator[nn.Module]:
                 layer.__dict__.pop(MIXED_ROUTE, None)
             else:
                 layer.__dict__[MIXED_ROUTE] = previous[path]
-

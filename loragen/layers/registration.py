@@ -43,7 +43,16 @@ from loragen.layers.conv import LoraConv1d, LoraConv2d
 from loragen.layers.derived import derive_lora_class
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear, LoraLinearMixin
-from loragen.registry import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, EmbeddingLayout, LayerSpec, Layout, register
+from loragen.registry import (
+    EMBEDDING,
+    LAYOUTS,
+    PLAIN,
+    TRANSPOSED,
+    EmbeddingLayout,
+    LayerSpec,
+    Layout,
+    register,
+)
 
 __all__ = ["register_builtin_types", "register_layer"]
 
@@ -54,10 +63,18 @@ def register_builtin_types() -> None:
     when a model holds such a layer (bitsandbytes is the optional extra ``loragen[bnb]``)."""
     builtin = [  # in the order error messages list the supported types
         LayerSpec(
-            "torch.nn.Conv1d", "loragen.layers.LoraConv1d", ("torch.nn.modules.conv.Conv1d",), PLAIN, lora_class=LoraConv1d
+            "torch.nn.Conv1d",
+            "loragen.layers.LoraConv1d",
+            ("torch.nn.modules.conv.Conv1d",),
+            PLAIN,
+            lora_class=LoraConv1d,
         ),
         LayerSpec(
-            "torch.nn.Conv2d", "loragen.layers.LoraConv2d", ("torch.nn.modules.conv.Conv2d",), PLAIN, lora_class=LoraConv2d
+            "torch.nn.Conv2d",
+            "loragen.layers.LoraConv2d",
+            ("torch.nn.modules.conv.Conv2d",),
+            PLAIN,
+            lora_class=LoraConv2d,
         ),
         LayerSpec(
             "torch.nn.Embedding",
@@ -121,7 +138,8 @@ def register_layer(
 
     Raises:
         TypeError: ``base_type`` is not an ``nn.Module`` class, or ``lora_class`` does not derive from
-            both :class:`loragen.LoraLayer` and ``base_type``.
+            both :class:`loragen.LoraLayer` and ``base_type``, or lacks a method the contract asks for
+            (``_factor_shapes``, ``_adapter_output``; the message names it).
         ValueError: an unknown ``layout``, or ``base_type`` is registered already (without ``replace``).
     """
     if not (isinstance(base_type, type) and issubclass(base_type, nn.Module)):
@@ -147,6 +165,12 @@ def register_layer(
         raise TypeError(
             f"register_layer: lora_class={lora_class!r} must derive from both loragen.LoraLayer and "
             f"{base_type.__qualname__}"
+        )
+    elif lora_class.__abstractmethods__:
+        raise TypeError(
+            f"register_layer: lora_class={lora_class.__qualname__} does not provide "
+            f"{', '.join(sorted(lora_class.__abstractmethods__))}, which every LoRA layer type defines "
+            "(see loragen.LoraLayer)"
         )
     elif "base_class" not in vars(lora_class):
         lora_class.base_class = base_type
