@@ -20,20 +20,17 @@ type names its DoRA variant in its ``dora_variant`` class attribute; None means 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from loragen.errors import LoraConversionError
 from loragen.layers import dora
 from loragen.ops import dora_linear, dora_linear_reference, lora_linear
 from loragen.ops.branch import lora_branch
 from loragen.registry import TransposedLayout
-
-if TYPE_CHECKING:
-    from loragen.layers.adapter_set import LoraAdapter
 
 __all__ = [
     "LORA",
@@ -43,6 +40,25 @@ __all__ = [
     "Variant",
     "variant_for",
 ]
+
+
+class LoraAdapter(Protocol):
+    """What a variant reads of one adapter (a :class:`loragen.layers.adapter_set.LoraAdapter`, which holds
+    its variant: this module cannot import it)."""
+
+    scaling: float
+    lora_dropout_p: float
+
+    @property
+    def factor_a(self) -> nn.Parameter: ...
+
+    @property
+    def factor_b(self) -> nn.Parameter: ...
+
+    @property
+    def magnitude(self) -> nn.Parameter: ...
+
+    def register(self, name: str, parameter: nn.Parameter) -> None: ...
 
 
 def _transposed(layer: Any) -> bool:
