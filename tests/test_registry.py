@@ -211,7 +211,9 @@ def test_a_registered_lora_class_gets_named_adapters_disabling_and_merging(regis
         torch.testing.assert_close(model(x), base)
     with loragen.mixed_batch(model.eval(), ["b", "__base__", "a", "b"]):
         mixed = model(x)
-    torch.testing.assert_close(mixed, torch.stack([outputs["b"][0], base[1], outputs["a"][2], outputs["b"][3]]))
+    torch.testing.assert_close(
+        mixed, torch.stack([outputs["b"][0], base[1], outputs["a"][2], outputs["b"][3]])
+    )
 
 
 def test_a_lora_class_missing_a_method_of_the_contract_is_refused() -> None:

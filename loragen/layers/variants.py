@@ -80,6 +80,8 @@ class Variant:
     extra_parameters: ClassVar[tuple[str, ...]] = ()
     # whether loragen.mixed_batch can route rows through adapters of this variant
     mixable: ClassVar[bool] = True
+    # whether loragen.add_weighted_adapter can combine adapters of this variant (a sum of factors)
+    combinable: ClassVar[bool] = True
 
     def check(self, layer: Any) -> None:
         """Raise if the variant cannot run on ``layer`` (plain LoRA runs on every layer type)."""
@@ -152,6 +154,7 @@ class DoraVariant(Variant):
     use_dora = True
     extra_parameters = (dora.MAGNITUDE,)
     mixable = False  # peft refuses adapter_names with DoRA too
+    combinable = False  # a sum of factors would leave out each adapter's magnitude
 
     def check(self, layer: Any) -> None:
         dora.check_dora_supported(layer)

@@ -51,7 +51,12 @@ def test_deleting_the_first_adapter_makes_the_next_one_the_layers_own() -> None:
     assert remove_factors(layer, "default")
     assert list(records(layer)) == ["other"] and layer.adapter_name == "other"
     assert layer.lora_A is a and layer.lora_B is b  # the same parameter objects, now <path>.lora_A
-    assert sorted(layer.state_dict()) == ["bias", "lora_A", "lora_B", "weight"]  # DoRA's magnitude went with it
+    assert sorted(layer.state_dict()) == [
+        "bias",
+        "lora_A",
+        "lora_B",
+        "weight",
+    ]  # DoRA's magnitude went with it
     assert not remove_factors(layer, "other")  # the last adapter: the caller turns the layer back
 
 
@@ -63,12 +68,16 @@ def test_an_adapter_reads_its_parameters_where_they_are_registered() -> None:
     state = {k: torch.randn_like(v) for k, v in layer.state_dict().items()}
     layer.load_state_dict(state, assign=True)
     other = adapter_factors(layer, "other")
-    assert torch.equal(layer.factor_a, state["lora_A"]) and torch.equal(other.factor_b, state["lora_adapters.other.lora_B"])
+    assert torch.equal(layer.factor_a, state["lora_A"]) and torch.equal(
+        other.factor_b, state["lora_adapters.other.lora_B"]
+    )
     layer.active_adapter = "other"
     x = torch.randn(4, 6)
-    expected = x @ state["weight"].t() + state["bias"] + (x @ state["lora_adapters.other.lora_A"].t()) @ state[
-        "lora_adapters.other.lora_B"
-    ].t()
+    expected = (
+        x @ state["weight"].t()
+        + state["bias"]
+        + (x @ state["lora_adapters.other.lora_A"].t()) @ state["lora_adapters.other.lora_B"].t()
+    )
     torch.testing.assert_close(layer(x), expected)
 
 
@@ -91,7 +100,9 @@ def test_the_variant_is_chosen_once_and_every_path_agrees(make, x, dora) -> None
     for name, adapter in records(layer).items():
         layer.active_adapter = name
         readable = adapter.variant.output(layer, x, adapter, layer._base_output(x))
-        torch.testing.assert_close(layer(x), readable, rtol=1e-5, atol=1e-5)  # fused ops where the type has them
+        torch.testing.assert_close(
+            layer(x), readable, rtol=1e-5, atol=1e-5
+        )  # fused ops where the type has them
         layer.fused = False
         torch.testing.assert_close(layer(x), readable, rtol=0, atol=0)
         del layer.fused
