@@ -54,6 +54,7 @@ __all__ = [
     "has_adapter",
     "holds_several",
     "key_prefix",
+    "lora_scaling",
     "remove_factors",
     "set_active",
 ]
@@ -87,6 +88,11 @@ class Factors(Protocol):
     def peft_key_suffixes(self) -> dict[str, str]: ...
 
 
+def lora_scaling(r: int, lora_alpha: float, use_rslora: bool) -> float:
+    """The factor on an adapter's term: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA."""
+    return lora_alpha / (math.sqrt(r) if use_rslora else r)
+
+
 @dataclasses.dataclass(eq=False)
 class LoraAdapter:
     """One named adapter of a LoRA layer: settings, variant, and where its parameters are registered.
@@ -112,7 +118,7 @@ class LoraAdapter:
     scaling: float = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.scaling = self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+        self.scaling = lora_scaling(self.r, self.lora_alpha, self.use_rslora)
 
     @property
     def factor_a(self) -> nn.Parameter:

@@ -20,7 +20,6 @@ In an adapter file, the factors of a module's ``k``-th of ``n`` targeted paramet
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -32,7 +31,7 @@ from typing_extensions import Self
 
 from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
-from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter
+from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, lora_scaling
 from loragen.layers.base import LoraLayer, adapter_dtype_for
 from loragen.layers.cloning import clone_as, strip_to
 from loragen.layers.fast_paths import MIXED_ROUTE
@@ -80,7 +79,7 @@ class ParameterLora(nn.Module):
         self.layout = layout
         self.num_experts = layout.features(tuple(weight.shape))[0]
         self.r, self.lora_alpha, self.use_rslora = r, lora_alpha, bool(use_rslora)
-        self.scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
+        self.scaling = lora_scaling(r, lora_alpha, use_rslora)
         a_shape, b_shape = layout.factor_shapes(tuple(weight.shape), r)
         kwargs: dict[str, Any] = {"device": weight.device, "dtype": adapter_dtype_for(weight.dtype)}
         self.lora_A = nn.Parameter(torch.empty(a_shape, **kwargs))
@@ -92,14 +91,7 @@ class ParameterLora(nn.Module):
     def reset(self, init_lora_weights: InitMode = True) -> None:
         """(Re)initialise as peft does: A kaiming-uniform (normal(0, 1/r) for ``"gaussian"``), B zeros;
         ``False``: both kaiming-uniform."""
-        if init_lora_weights == "gaussian":
-            nn.init.normal_(self.lora_A, std=1.0 / self.r)
-        else:
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        if init_lora_weights is False:
-            nn.init.kaiming_uniform_(self.lora_B, a=math.sqrt(5))
-        else:
-            nn.init.zeros_(self.lora_B)
+        PLAIN.init_factors(self.lora_A, self.lora_B, self.r, init_lora_weights)
 
     def delta(self, weight: Tensor) -> Tensor:
         """``scaling * B_e @ A_e`` shaped like ``weight``, in float32 (float64 for a float64 weight)."""
