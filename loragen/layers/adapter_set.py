@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from loragen.errors import AdapterNameError, LoraConversionError
-from loragen.layers.variants import Variant, variant_for
+from loragen.layers.variants import LORA, Variant, variant_for
 from loragen.registry import Layout
 from loragen.validation import InitMode, check_flag, check_lora_args
 
@@ -161,6 +161,25 @@ class LoraAdapter:
             p.requires_grad_(requires_grad)
 
 
+def describe(adapter: LoraAdapter) -> str:
+    """An adapter's settings in words, for ``extra_repr``."""
+    return (
+        f"r={adapter.r}, lora_alpha={adapter.lora_alpha:g}, scaling={adapter.scaling:g}, "
+        f"lora_dropout={adapter.lora_dropout_p:g}"
+        + ("" if adapter.variant is LORA else f", {adapter.variant.name}")
+    )
+
+
+class AdapterParameters(nn.Module):
+    """Where a layer's further adapter registers its parameters (``<path>.lora_adapters.<name>.lora_A``);
+    its repr shows the adapter's settings."""
+
+    adapter: LoraAdapter
+
+    def extra_repr(self) -> str:
+        return describe(self.adapter)
+
+
 def records(layer: Any) -> dict[str, LoraAdapter]:
     """``layer``'s adapters by name, first adapter first (empty for a layer that holds its own single
     adapter, LoRA on targeted parameters)."""
@@ -220,7 +239,7 @@ def key_prefix(layer: Any, name: str) -> str:
 def _holder_for(layer: Any, first: bool) -> nn.Module:
     """Where a new adapter's parameters are registered: the layer itself for its first adapter (the keys a
     single-adapter model has always had), a module of their own (put in ``layer.lora_adapters``) for the others."""
-    return layer if first else nn.Module()
+    return layer if first else AdapterParameters()
 
 
 def add_factors(
@@ -271,6 +290,8 @@ def add_factors(
         if weight.device.type != "meta":
             layout.init_factors(a, b, r, init_lora_weights)
         adapter.holder = _holder_for(layer, first)
+        if isinstance(adapter.holder, AdapterParameters):
+            adapter.holder.adapter = adapter
         adapter.register(layout.factor_names[0], nn.Parameter(a))
         adapter.register(layout.factor_names[1], nn.Parameter(b))
         variant.init(layer, adapter)

@@ -49,6 +49,7 @@ from loragen.layers.adapter_set import (
     adapter_dtype_for,
     adapter_factors,
     add_factors,
+    describe,
     records,
 )
 from loragen.layers.cloning import clone_as, strip_to
@@ -347,11 +348,5 @@ class LoraLayer(nn.Module, ABC):
         self.merged = False
 
     def lora_extra_repr(self) -> str:
-        """The first adapter's settings (and the number of further adapters), for ``extra_repr``."""
-        a, more = self._first_adapter(), len(records(self)) - 1
-        return (
-            f"r={a.r}, lora_alpha={a.lora_alpha:g}, scaling={a.scaling:g}, lora_dropout={a.lora_dropout_p:g}"
-            + ("" if a.variant is LORA else f", {a.variant.name}")
-            + (f", {more} further adapter{'s' * (more > 1)}" if more else "")
-            + (", merged" if self.merged else "")
-        )
+        """The first adapter's settings (further adapters show theirs in ``lora_adapters``), for ``extra_repr``."""
+        return describe(self._first_adapter()) + (", merged" if self.merged else "")
