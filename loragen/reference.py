@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["lora_linear_reference"]
+__all__ = ["lora_linear_reference", "lora_term"]
 
 
 def lora_linear_reference(
@@ -29,8 +29,18 @@ def lora_linear_reference(
     sum is cast back to the base result's dtype.
     """
     result = F.linear(x, weight.t() if fan_in_fan_out else weight, bias)
+    return (result + lora_term(x, lora_A, lora_B, scaling, dropout_p, training)).to(result.dtype)
+
+
+def lora_term(
+    x: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, dropout_p: float, training: bool
+) -> Tensor:
+    """The LoRA term of a linear layer, ``scaling * B A dropout(x)``, as peft computes it: x cast to the
+    adapter's dtype, dropout (only when ``training``) on the term's input alone.
+
+    Shapes: x (..., in), lora_A (r, in), lora_B (out, r) -> (..., out) in the adapter's dtype.
+    """
     x_lora = x.to(lora_A.dtype)
     if dropout_p > 0 and training:
         x_lora = F.dropout(x_lora, dropout_p, True)
-    lora = F.linear(F.linear(x_lora, lora_A), lora_B)
-    return (result + lora * scaling).to(result.dtype)
+    return F.linear(F.linear(x_lora, lora_A), lora_B) * scaling

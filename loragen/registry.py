@@ -7,11 +7,11 @@ user's own layer):
   the rewriter match calls by qualified name; the runtime converter by type), and whether subclasses of
   the base type are converted too;
 * which LoRA class replaces it, by importable qualified name (generated code imports it from there);
-* the :class:`Layout` of its LoRA factors: their attribute names, peft's key suffixes, and how the update
-  ``B @ A`` lines up with the stored base weight (used by merges, in memory and streaming);
+* the :class:`~loragen.layouts.Layout` of its LoRA factors: their attribute names, peft's key suffixes,
+  their init and how the update ``B @ A`` lines up with the stored base weight (:mod:`loragen.layouts`);
 * whether it counts as a linear layer for ``target_modules="all-linear"``.
 
-The layer modules register loragen's own types when :mod:`loragen.layers` is imported;
+:mod:`loragen.layers.registration` registers loragen's own types when :mod:`loragen.layers` is imported;
 :func:`loragen.register_layer` adds a user's. Everything else (conversion, the decorator, the rewriter,
 adapter save/load, ``loragen merge``, ``loragen inspect``, sibling fusion) reads these facts from here.
 """
@@ -22,14 +22,31 @@ import dataclasses
 import importlib
 import sys
 import threading
-from collections.abc import Iterator
 from functools import cache
 
-import torch
-from torch import Tensor, nn
+from torch import nn
+
+# the layouts are defined in loragen.layouts; re-exported here, where every per-type fact is looked up
+from loragen.layouts import (
+    EMBEDDING,
+    EXPERTS,
+    EXPERTS_TRANSPOSED,
+    LAYOUTS,
+    PLAIN,
+    TRANSPOSED,
+    EmbeddingLayout,
+    Layout,
+    ParameterLayout,
+    PlainLayout,
+    TransposedLayout,
+    factor_suffixes,
+)
 
 __all__ = [
     "Layout",
+    "PlainLayout",
+    "TransposedLayout",
+    "EmbeddingLayout",
     "PLAIN",
     "TRANSPOSED",
     "EMBEDDING",
@@ -41,78 +58,14 @@ __all__ = [
     "spec_for",
     "spec_for_type",
     "spec_for_qualname",
-    "refuse",
     "refusal_for",
     "spec_for_lora_type",
     "supported_type_names",
-    "linear_base_types",
     "factor_suffixes",
     "ParameterLayout",
     "EXPERTS",
     "EXPERTS_TRANSPOSED",
 ]
-
-Shape = tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How a layer's two LoRA factors are named, stored in peft's files, and merged into its weight.
-
-    Attributes:
-        name: ``"plain"`` (weight ``(out, in, *kernel)``: Linear, ConvNd), ``"transposed"`` (weight
-            ``(in, out)``: transformers' ``Conv1D``) or ``"embedding"`` (table ``(num_embeddings, dim)``).
-        factor_names: the attribute names of A and B on a loragen layer.
-        peft_suffixes: the key suffixes of A and B in peft's ``adapter_model.safetensors``.
-    """
-
-    name: str
-    factor_names: tuple[str, str]
-    peft_suffixes: tuple[str, str]
-
-    def weight_shape(self, a: Shape, b: Shape) -> Shape:
-        """The shape of the base weight that factors of shapes ``a`` (A) and ``b`` (B) update."""
-        if self.name == "plain":
-            return (b[0], *a[1:])
-        return (a[1], b[0])  # transposed (in, out) and embedding (num_embeddings, dim)
-
-    def fits(self, a: Shape, b: Shape) -> bool:
-        """Whether factors of shapes ``a`` (A) and ``b`` (B) are a pair of this layout: they share the rank
-        (``a[0] == b[1]``); ``"plain"``: A ``(r, in, *kernel)`` and B ``(out, r, 1, ...)`` with as many
-        dimensions; the others: both 2-D."""
-        if len(a) < 2 or len(b) < 2 or a[0] != b[1]:
-            return False
-        if self.name == "plain":
-            return len(a) == len(b) and all(d == 1 for d in b[2:])
-        return len(a) == len(b) == 2
-
-    def delta(self, a: Tensor, b: Tensor) -> Tensor:
-        """``B @ A`` in the base weight's layout (unscaled), in the factors' dtype."""
-        product = b.flatten(1) @ a.flatten(1)  # (out, in * prod(kernel)) or (dim, num_embeddings)
-        if self.name == "plain":
-            return product.view(self.weight_shape(tuple(a.shape), tuple(b.shape)))
-        return product.t()
-
-    def delta_rows(self, a: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop`` of :meth:`delta` (its first dimension), computed from those rows only:
-        what a streaming merge adds to one block of a stored weight, flattened to ``(rows, -1)``."""
-        left, right = self.delta_row_factors(a, b, start, stop)
-        return left @ right
-
-    def delta_row_factors(self, a: Tensor, b: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        """Two matrices whose product is :meth:`delta_rows`, ``(rows, r)`` and ``(r, -1)``: a caller adds
-        them to a block in place, never materialising the delta (``block.addmm_(*factors, alpha=s)``)."""
-        if self.name == "plain":
-            return b[start:stop].flatten(1), a.flatten(1)
-        return a[:, start:stop].t(), b.t()
-
-
-PLAIN = Layout("plain", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
-TRANSPOSED = Layout("transposed", ("lora_A", "lora_B"), ("lora_A.weight", "lora_B.weight"))
-EMBEDDING = Layout(
-    "embedding", ("lora_embedding_A", "lora_embedding_B"), ("lora_embedding_A", "lora_embedding_B")
-)
-LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (PLAIN, TRANSPOSED, EMBEDDING)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,12 +225,6 @@ _refusals: dict[str, str] = {
 }
 
 
-def refuse(qualname: str, reason: str) -> None:
-    """Never convert modules whose exact type is ``qualname`` (even where a spec accepts subclasses);
-    ``reason`` says why, in conversion errors."""
-    _refusals[qualname] = reason
-
-
 def refusal_for(module_type: type[nn.Module]) -> str | None:
     """Why modules of exactly ``module_type`` are never converted, or None."""
     return _refusals.get(f"{module_type.__module__}.{module_type.__qualname__}")
@@ -319,76 +266,3 @@ def spec_for_lora_type(lora_type: type) -> LayerSpec | None:
 def supported_type_names() -> list[str]:
     """The qualified names of all supported base layer types, for error messages."""
     return [spec.base_qualname + (" (and subclasses)" if spec.subclasses else "") for spec in _specs.values()]
-
-
-def linear_base_types() -> tuple[type[nn.Module], ...]:
-    """The imported base types that ``target_modules="all-linear"`` selects."""
-    return tuple(t for spec in _specs.values() if spec.linear and (t := spec.base_type()) is not None)
-
-
-def factor_suffixes() -> Iterator[tuple[str, Layout, int]]:
-    """``(peft key suffix, layout, factor index)`` for every factor of every layout: index 0 is A, 1 is B."""
-    for layout in LAYOUTS.values():
-        for index, suffix in enumerate(layout.peft_suffixes):
-            yield suffix, layout, index
-
-
-# ---- parameters targeted directly (LoraConfig.target_parameters) ------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ParameterLayout:
-    """How LoRA factors line up with a parameter targeted by ``target_parameters`` (peft's ``ParamWrapper``).
-
-    A 3-D parameter ``(E, d1, d2)`` stacks ``E`` experts. ``"experts"`` stores each expert as an
-    ``F.linear`` weight ``(out, in)`` (transformers' default); ``"experts_transposed"`` as ``(in, out)`` (modules
-    with ``is_transposed = True``, e.g. gpt-oss). A 2-D parameter ``(out, in)`` is one expert. The factors are
-    stored as peft stores them: ``A (r*E, in)`` and ``B (out, r*E)``; expert ``e`` owns rows ``e*r .. e*r+r-1``
-    of A and columns ``e, e+E, e+2E, ...`` of B, so its update is ``B_e @ A_e`` (``(B_e @ A_e)^T`` transposed).
-
-    Attributes:
-        name: ``"experts"`` or ``"experts_transposed"``.
-    """
-
-    name: str
-    factor_names: tuple[str, str] = ("lora_A", "lora_B")
-    peft_suffixes: tuple[str, str] = ("lora_A.weight", "lora_B.weight")
-
-    def features(self, shape: Shape) -> tuple[int, int, int]:
-        """``(num_experts, in_features, out_features)`` of a parameter of ``shape`` (2-D or 3-D).
-
-        Raises:
-            ValueError: the parameter is neither 2-D nor 3-D.
-        """
-        if len(shape) == 2:
-            return 1, shape[1], shape[0]
-        if len(shape) != 3:
-            raise ValueError(
-                f"a {len(shape)}-D parameter: LoRA on parameters takes 2-D and 3-D (experts) ones"
-            )
-        if self.name == "experts_transposed":
-            return shape[0], shape[1], shape[2]
-        return shape[0], shape[2], shape[1]
-
-    def factor_shapes(self, shape: Shape, r: int) -> tuple[Shape, Shape]:
-        """The shapes of A and B for rank ``r`` on a parameter of ``shape``."""
-        experts, in_features, out_features = self.features(shape)
-        return (r * experts, in_features), (out_features, r * experts)
-
-    def expert_factors(self, a: Tensor, b: Tensor, num_experts: int, ndim: int) -> tuple[Tensor, Tensor]:
-        """Two batched factors ``(E, m, r)`` and ``(E, r, n)`` whose product is the update of every expert
-        in the stored orientation of a ``ndim``-D parameter (views of ``a`` and ``b``, no copy)."""
-        a_e = a.view(num_experts, -1, a.shape[-1])  # (E, r, in)
-        b_e = b.view(b.shape[0], -1, num_experts).permute(2, 0, 1)  # (E, out, r)
-        if ndim == 3 and self.name == "experts_transposed":
-            return a_e.transpose(1, 2), b_e.transpose(1, 2)  # (E, in, r) @ (E, r, out)
-        return b_e, a_e  # (E, out, r) @ (E, r, in)
-
-    def delta(self, a: Tensor, b: Tensor, shape: Shape) -> Tensor:
-        """``B_e @ A_e`` for every expert, shaped like the parameter (unscaled), in the factors' dtype."""
-        left, right = self.expert_factors(a, b, self.features(shape)[0], len(shape))
-        return torch.bmm(left, right).view(shape)
-
-
-EXPERTS = ParameterLayout("experts")
-EXPERTS_TRANSPOSED = ParameterLayout("experts_transposed")

@@ -39,7 +39,7 @@ import os
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-__all__ = ["Switch", "fused", "sibling_fusion", "cpu_kernels", "dropout_rng", "cuda_kernels", "all_switches"]
+__all__ = ["Switch", "fused", "sibling_fusion", "cpu_kernels", "dropout_rng", "cuda_kernels"]
 
 T = TypeVar("T", bool, str)
 
@@ -131,8 +131,3 @@ cuda_kernels: Switch[str] = Switch(
     ("check", "trust", "torch"),
     doc="CUDA kernels: self-checked on first use, trusted unchecked, or replaced by the torch path",
 )
-
-
-def all_switches() -> tuple[Switch[bool] | Switch[str], ...]:
-    """Every switch, for documentation and diagnostics."""
-    return (fused, sibling_fusion, cpu_kernels, dropout_rng, cuda_kernels)

@@ -18,6 +18,7 @@ import loragen
 from loragen import LoraConfig, LoraLayer
 from loragen.cli import main as cli_main
 from loragen.convert import find_lora_layers
+from loragen.layers import LoraAdapter
 from loragen.registry import spec_for_qualname, unregister
 
 
@@ -55,12 +56,9 @@ class LoraGatedLinear(LoraLayer, GatedLinear):
         d_out, d_in = self.weight.shape
         return (self.r, d_in), (d_out, self.r)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = GatedLinear.forward(self, x)
-        if self.merged:
-            return y
-        x = F.dropout(x, self.lora_dropout_p, self.training)
-        return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+    def _adapter_output(self, x: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
+        x = F.dropout(x, adapter.lora_dropout_p, self.training)
+        return F.linear(F.linear(x, adapter.factor_a), adapter.factor_b) * adapter.scaling
 
 
 MODEL_SOURCE = """\
@@ -180,3 +178,49 @@ def test_a_registered_type_works_through_every_way_in_and_out(model_file: Path, 
     assert type(unloaded.gated) is module.GatedNet().gated.__class__
     torch.testing.assert_close(plain.eval()(x), unloaded(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(plain(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_registered_lora_class_gets_named_adapters_disabling_and_merging(registered) -> None:
+    """The two methods of the contract are all a LoRA class provides; the rest is loragen's."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gated = GatedLinear(6, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gated(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 6)
+    base = model(x)
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["gated"], init_lora_weights=False)
+    loragen.add_adapter(model, config, "a")
+    loragen.add_adapter(model, config.replace(r=3), "b")
+    assert isinstance(model.gated, LoraGatedLinear)
+    outputs = {}
+    for name in ("a", "b"):
+        loragen.set_adapter(model, name)
+        outputs[name] = model(x)
+        loragen.merge_adapter(model)
+        torch.testing.assert_close(model(x), outputs[name], rtol=1e-5, atol=1e-5)
+        loragen.unmerge_adapter(model)
+    assert not torch.allclose(outputs["a"], outputs["b"]) and not torch.allclose(outputs["a"], base)
+    with loragen.disable_adapter(model):
+        torch.testing.assert_close(model(x), base)
+    with loragen.mixed_batch(model.eval(), ["b", "__base__", "a", "b"]):
+        mixed = model(x)
+    torch.testing.assert_close(
+        mixed, torch.stack([outputs["b"][0], base[1], outputs["a"][2], outputs["b"][3]])
+    )
+
+
+def test_a_lora_class_missing_a_method_of_the_contract_is_refused() -> None:
+    class Incomplete(LoraLayer, GatedLinear):
+        def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+            d_out, d_in = self.weight.shape
+            return (self.r, d_in), (d_out, self.r)
+
+    with pytest.raises(TypeError, match=r"lora_class=.*Incomplete does not provide _adapter_output"):
+        loragen.register_layer(GatedLinear, Incomplete)

@@ -97,7 +97,7 @@ def _plan_load(
             target = layer.lora_parameters().get(info.name) if layer is not None else None
             if layer is not None and target is None:
                 mismatched.append(
-                    f"{key}: {info.module} is a {type(layer).__name__}, whose factors are "
+                    f"{key}: {info.module} is a {type(model.get_submodule(info.module)).__name__}, whose factors are "
                     f"{' and '.join(layer.lora_parameters())}, not {info.name}"
                 )
                 continue
@@ -130,7 +130,7 @@ def _plan_load(
     missing = sorted(file_key for model_key, file_key in expected.items() if model_key not in found)
 
     problems = []
-    dora_mismatch = [path for path, layer in layers.items() if layer.use_dora != config.use_dora]
+    dora_mismatch = [path for path, layer in layers.items() if layer.variant.use_dora != config.use_dora]
     if dora_mismatch:
         problems.append(
             f"the adapter config has use_dora={config.use_dora} but these LoRA layers have use_dora="
@@ -258,7 +258,7 @@ def load_adapter(
         for layer in new_layers.values():
             layer.adapter_name = adapter_name
             set_active(layer, adapter_name)
-        layers = new_layers
+        layers = {p: adapter_factors(layer, adapter_name) for p, layer in new_layers.items()}
     try:
         plan = _plan_load(model, adapter, layers, strict)
     except BaseException:

@@ -50,6 +50,7 @@ from loragen.layers.adapter_set import (
     adapter_names,
     add_factors,
     has_adapter,
+    holds_several,
     remove_factors,
     set_active,
 )
@@ -238,15 +239,11 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
         return model
     _check_new_adapter(model, config, adapter_name)
     targets = _targets(model, config)
-    single = [
-        p
-        for p, m in targets.items()
-        if isinstance(m, LoraLayer) and type(m)._lora_term is LoraLayer._lora_term
-    ]
+    single = [p for p, m in targets.items() if isinstance(m, LoraLayer) and not holds_several(m)]
     if single:
         raise LoraConversionError(
             f"{', '.join(single)}: {type(targets[single[0]]).__qualname__} holds one adapter only "
-            "(its class does not define _lora_term); leave these out of target_modules"
+            "(LoRA on targeted parameters); leave these out of target_modules"
         )
     active = active_adapter(model)
     # build every new layer first, so a failure leaves the model as it was

@@ -27,7 +27,7 @@ from loragen.atomic import WriteError, atomic_dir
 from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
-from loragen.layers.adapter_set import ADAPTERS_ATTR, DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter
+from loragen.layers.adapter_set import DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter, key_prefix
 from loragen.layers.experts import LoraParametersLayer, scaling_owners
 from loragen.registry import TRANSPOSED
 
@@ -58,9 +58,9 @@ def _derived_config(model: nn.Module, layers: Mapping[str, Factors]) -> LoraConf
             f"the model mixes use_rslora=True ({mixed}) and False layers; peft's adapter_config.json "
             "has one use_rslora for all layers"
         )
-    dora = {layer.use_dora for layer in layers.values()}
+    dora = {layer.variant.use_dora for layer in layers.values()}
     if len(dora) > 1:
-        mixed = ", ".join(p for p, layer in layers.items() if layer.use_dora)
+        mixed = ", ".join(p for p, layer in layers.items() if layer.variant.use_dora)
         raise AdapterError(
             f"the model mixes DoRA layers ({mixed}) and plain LoRA layers; peft's adapter_config.json has one "
             "use_dora for all layers"
@@ -109,9 +109,9 @@ def adapter_config_for(model: nn.Module, adapter_name: str | None = None) -> Lor
     if not isinstance(config, LoraConfig):
         config = _derived_config(model, layers)
     for path, layer in layers.items():
-        if layer.use_dora != config.use_dora:
+        if layer.variant.use_dora != config.use_dora:
             raise AdapterError(
-                f"{path}: the layer has use_dora={layer.use_dora} but the model's config has "
+                f"{path}: the layer has use_dora={layer.variant.use_dora} but the model's config has "
                 f"use_dora={config.use_dora}; delete model.{CONFIG_ATTR} to save a config derived from the layers"
             )
         for key, owner in scaling_owners(path, layer):
@@ -181,9 +181,9 @@ def adapter_state_dict(
         if not has_adapter(layer, name):
             continue
         # the layer's first adapter is its own lora_A/lora_B; others are in lora_adapters.<name>
-        owner = path if name == layer.adapter_name else f"{path}.{ADAPTERS_ATTR}.{name}"
-        for attr, suffix in layer.peft_key_suffixes().items():
-            wanted[f"{PEFT_PREFIX}{path}.{suffix}"] = f"{owner}.{attr}"
+        owner = f"{path}.{key_prefix(layer, name)}"
+        for attr, suffix in adapter_factors(layer, name).peft_key_suffixes().items():
+            wanted[f"{PEFT_PREFIX}{path}.{suffix}"] = f"{owner}{attr}"
 
     if config.bias == "all":  # as peft: every state-dict entry named "bias"
         for name in full:

@@ -104,11 +104,18 @@ def add_weighted_adapter(
     if len(names) == 1:
         combination_type = "linear"
     configs = adapter_configs(model)
-    dora = [n for n in names if (c := configs.get(n)) is not None and c.use_dora]
-    if dora:
+    variants = {  # each adapter's variant (one per adapter: it follows the adapter's config)
+        n: adapter_factors(layer, n).variant
+        for layer in find_lora_layers(model).values()
+        for n in names
+        if has_adapter(layer, n)
+    }
+    uncombinable = [n for n in names if n in variants and not variants[n].combinable]
+    if uncombinable:
+        title = variants[uncombinable[0]].title
         raise AdapterMixError(
-            f"add_weighted_adapter: adapter(s) {', '.join(map(repr, dora))} use DoRA; a weighted sum of factors "
-            "leaves out each adapter's magnitude, so loragen does not combine DoRA adapters"
+            f"add_weighted_adapter: adapter(s) {', '.join(map(repr, uncombinable))} use {title}; a weighted sum of "
+            f"factors leaves out what {title} adds to them, so loragen does not combine {title} adapters"
         )
     ranks = {name: _max_rank(model, name, configs.get(name)) for name in names}
     if combination_type == "linear" and len(set(ranks.values())) > 1:

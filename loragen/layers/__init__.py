@@ -3,7 +3,8 @@
 Each LoRA layer *subclasses* the torch layer it replaces, so it keeps the base ``weight`` / ``bias``
 parameters under their usual state-dict keys (a base checkpoint loads into a converted model unchanged)
 and its constructor is a superset of the torch one: ``nn.Linear(i, o)`` -> ``LoraLinear(i, o, r=8)``.
-The LoRA factors are plain parameters on the layer (as in loralib):
+A single-adapter layer's LoRA factors are plain parameters on the layer (as in loralib; further named
+adapters: :mod:`loragen.layers.adapter_set`):
 
     Linear, Conv1D   lora_A (r, in_features)          lora_B (out_features, r)
     Embedding        lora_embedding_A (r, num_emb)    lora_embedding_B (embedding_dim, r)
@@ -22,16 +23,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import InitMode, LoraLayer, LoraMergeError, adapter_dtype_for
 from loragen.layers.conv import LoraConv1d, LoraConv2d
 from loragen.layers.derived import lora_class_for
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear, LoraLinearMixin
-from loragen.layers.registration import register_layer
-from loragen.registry import TRANSPOSED, LayerSpec, register
+from loragen.layers.registration import register_builtin_types, register_layer
 
 __all__ = [
     "InitMode",
+    "LoraAdapter",
     "LoraLayer",
     "LoraLinear",
     "LoraLinearMixin",
@@ -45,29 +47,7 @@ __all__ = [
     "register_layer",
 ]
 
-# transformers' Conv1D: the LoRA class is built on first use (it imports transformers)
-register(
-    LayerSpec(
-        "transformers.pytorch_utils.Conv1D",
-        "loragen.layers.LoraConv1D",
-        ("transformers.modeling_utils.Conv1D", "transformers.Conv1D"),
-        TRANSPOSED,
-        linear=True,
-    )
-)
-
-# bitsandbytes' quantized linears (QLoRA): loragen.layers.bnb imports bitsandbytes, so it is imported only
-# when a model holds such a layer (bitsandbytes is the optional extra loragen[bnb])
-for _bnb_name in ("Linear4bit", "Linear8bitLt"):
-    register(
-        LayerSpec(
-            f"bitsandbytes.nn.{_bnb_name}",
-            f"loragen.layers.bnb.Lora{_bnb_name}",
-            (f"bitsandbytes.nn.modules.{_bnb_name}",),
-            linear=True,
-            subclasses=True,
-        )
-    )
+register_builtin_types()
 
 
 def __getattr__(name: str) -> Any:

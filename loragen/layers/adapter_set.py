@@ -1,83 +1,81 @@
-"""Several named adapters on one LoRA layer: where each adapter's factors live, which one runs.
+"""The adapters of one LoRA layer: one :class:`LoraAdapter` per named adapter, the first one included.
 
 Storage
 -------
-A LoRA layer holds **its first adapter in its own attributes**, exactly as a single-adapter layer always
-has: the factors ``lora_A`` / ``lora_B`` (``lora_embedding_A`` / ``lora_embedding_B``) and the settings
-``r``, ``lora_alpha``, ``scaling``, ``lora_dropout_p``, ``use_rslora``. ``layer.adapter_name`` names that
-adapter (``"default"`` unless told otherwise), so a single-adapter model keeps its state-dict keys::
+Every adapter of a layer is a :class:`LoraAdapter` in ``layer.lora_adapter_records`` (an ordered dict, name ->
+adapter): its settings (``r``, ``lora_alpha``, ``scaling``, ``lora_dropout_p``, ``use_rslora``), its
+:class:`~loragen.layers.variants.Variant` (plain LoRA or DoRA) and the module its parameters are registered
+on. Every adapter is made by :func:`add_factors` and removed by :func:`remove_factors`, the same way.
 
-    <path>.lora_A                               the layer's first adapter ("default")
-    <path>.lora_adapters.<name>.lora_A          every further adapter: an AdapterFactors module
+Where the parameters are registered follows from one rule, :func:`_holder_for`, which keeps the state-dict
+keys of a single-adapter model exactly as they have always been (and as a base checkpoint plus peft's
+adapter expect them)::
 
-Every further adapter is an :class:`AdapterFactors` module in ``layer.lora_adapters`` (an
-``nn.ModuleDict`` made when the second adapter arrives) with the same attribute names as the layer
-itself, so code that reads an adapter's factors and settings takes either the layer or one of its
-``AdapterFactors`` (:func:`adapter_factors`). A per-adapter extra parameter (DoRA's
-``lora_magnitude_vector``) is registered the same way on both: ``<path>.lora_magnitude_vector`` for the
-first adapter, ``<path>.lora_adapters.<name>.lora_magnitude_vector`` for the others.
+    <path>.lora_A                               the layer's first adapter (in insertion order)
+    <path>.lora_adapters.<name>.lora_A          every further adapter, in an nn.ModuleDict
 
-Deleting a layer's first adapter moves the next one (in insertion order) into the layer's own attributes
-(every parameter of its ``AdapterFactors`` and the :data:`SETTINGS`; the same parameter objects: optimizer state stays valid, only their state-dict keys change); deleting a
-layer's last adapter is the caller's business (:func:`loragen.delete_adapter` turns the layer back into
-its base layer).
+(``lora_embedding_A`` / ``lora_embedding_B`` for embeddings; a variant's own parameter, DoRA's
+``lora_magnitude_vector``, sits beside the factors.) Deleting a layer's first adapter re-registers the
+next one's parameters on the layer itself (the same parameter objects: optimizer state stays valid, only
+their keys change). Deleting a layer's last adapter is the caller's business (:func:`loragen.delete_adapter`
+turns the layer back into its base layer).
 
-Routing
--------
+Which adapter runs
+------------------
 ``layer.active_adapter`` names the adapter the forward adds (``None``: adapters disabled; a name the layer
-does not hold: the base output alone, as peft does for layers an adapter does not target). While the
-active adapter is the layer's first one and no mixed batch is under way, the layer runs its usual forward
-(the fused op, sibling fusion). Otherwise ``layer._lora_detour`` is set and the forward goes through
-:mod:`loragen.layers.adapter_routing`.
+does not hold: the base output alone, as peft does for layers an adapter does not target); see
+:meth:`loragen.LoraLayer.forward`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from loragen.errors import AdapterNameError
-from loragen.layers import dora
-from loragen.registry import EMBEDDING, Layout
+from loragen.errors import AdapterNameError, LoraConversionError
+from loragen.layers.variants import LORA, Variant, variant_for
+from loragen.registry import Layout
 from loragen.validation import InitMode, check_flag, check_lora_args
 
 __all__ = [
     "ADAPTERS_ATTR",
     "DEFAULT_ADAPTER",
-    "EXTRA_PARAMETERS",
-    "SETTINGS",
-    "AdapterFactors",
+    "RECORDS_ATTR",
     "Factors",
-    "adapter_names",
+    "LoraAdapter",
+    "adapter_dtype_for",
     "adapter_factors",
-    "has_adapter",
+    "adapter_names",
     "add_factors",
+    "has_adapter",
+    "holds_several",
+    "key_prefix",
+    "lora_scaling",
     "remove_factors",
     "set_active",
-    "update_route",
 ]
 
 DEFAULT_ADAPTER = "default"
-ADAPTERS_ATTR = "lora_adapters"  # the ModuleDict of a layer's further adapters
-# Per-adapter parameters besides the two factors (a variant's, such as DoRA's magnitude): a layer's first
-# adapter holds them as its own parameters, a further adapter on its AdapterFactors, under these names.
-EXTRA_PARAMETERS: tuple[str, ...] = (dora.MAGNITUDE,)
-# Per-adapter settings, on the layer (first adapter) and on each AdapterFactors alike.
-SETTINGS: tuple[str, ...] = ("r", "lora_alpha", "scaling", "lora_dropout_p", "use_rslora", "use_dora")
+ADAPTERS_ATTR = "lora_adapters"  # the ModuleDict holding further adapters' parameters
+RECORDS_ATTR = "lora_adapter_records"  # name -> LoraAdapter, every adapter of the layer
 
 
 class Factors(Protocol):
-    """One adapter's factors and settings: a LoRA layer (its first adapter) or an :class:`AdapterFactors`."""
+    """What save, load and the model-level functions read of one adapter of a layer: a :class:`LoraAdapter`,
+    or a layer that is its own single adapter (LoRA on targeted parameters)."""
 
     r: int
     lora_alpha: float
     scaling: float
     lora_dropout_p: float
     use_rslora: bool
-    use_dora: bool
+
+    @property
+    def variant(self) -> Variant: ...
 
     @property
     def factor_a(self) -> nn.Parameter: ...
@@ -90,109 +88,158 @@ class Factors(Protocol):
     def peft_key_suffixes(self) -> dict[str, str]: ...
 
 
-class AdapterFactors(nn.Module):
-    """A further named adapter of one LoRA layer: its two factors under the layer's factor names, and its
-    settings under the layer's attribute names (``r``, ``lora_alpha``, ``scaling``, ``lora_dropout_p``,
-    ``use_rslora``). Shapes are the layer's factor shapes at rank ``r``."""
+def lora_scaling(r: int, lora_alpha: float, use_rslora: bool) -> float:
+    """The factor on an adapter's term: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA."""
+    return lora_alpha / (math.sqrt(r) if use_rslora else r)
 
-    def __init__(
-        self,
-        layout: Layout,
-        a: Tensor,
-        b: Tensor,
-        *,
-        r: int,
-        lora_alpha: float,
-        lora_dropout: float,
-        use_rslora: bool,
-        use_dora: bool = False,
-    ) -> None:
-        super().__init__()
-        self.layout = layout
-        self.use_dora = use_dora  # with DoRA, loragen.layers.dora.init_magnitude adds lora_magnitude_vector
-        self.r = r
-        self.lora_alpha = lora_alpha
-        self.use_rslora = bool(use_rslora)
-        self.scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
-        self.lora_dropout_p = float(lora_dropout)
-        first, second = layout.factor_names
-        setattr(self, first, nn.Parameter(a))
-        setattr(self, second, nn.Parameter(b))
+
+@dataclasses.dataclass(eq=False)
+class LoraAdapter:
+    """One named adapter of a LoRA layer: settings, variant, and where its parameters are registered.
+
+    The parameters are read from :attr:`holder` on every access, so whatever replaces them there (``.to()``,
+    ``load_state_dict(assign=True)``, FSDP) is what the adapter computes with.
+
+    Attributes:
+        r: rank. lora_alpha: alpha. lora_dropout_p: dropout probability on the term's input.
+        use_rslora: rank-stabilised scaling. scaling: ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA).
+        variant: plain LoRA or DoRA (:mod:`loragen.layers.variants`).
+        layout: the layer type's layout (the factors' attribute names and peft key suffixes).
+        holder: the module the parameters are registered on (the layer, or its entry in ``lora_adapters``).
+    """
+
+    r: int
+    lora_alpha: float
+    lora_dropout_p: float
+    use_rslora: bool
+    variant: Variant
+    layout: Layout = dataclasses.field(repr=False)
+    holder: nn.Module = dataclasses.field(repr=False)
+    scaling: float = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scaling = lora_scaling(self.r, self.lora_alpha, self.use_rslora)
 
     @property
     def factor_a(self) -> nn.Parameter:
-        """The first factor (``lora_A`` / ``lora_embedding_A``)."""
-        return getattr(self, self.layout.factor_names[0])
+        """A (``lora_A`` / ``lora_embedding_A``)."""
+        return getattr(self.holder, self.layout.factor_names[0])
 
     @property
     def factor_b(self) -> nn.Parameter:
-        """The second factor (``lora_B`` / ``lora_embedding_B``)."""
-        return getattr(self, self.layout.factor_names[1])
+        """B (``lora_B`` / ``lora_embedding_B``)."""
+        return getattr(self.holder, self.layout.factor_names[1])
+
+    @property
+    def magnitude(self) -> nn.Parameter:
+        """DoRA's magnitude vector (only for the DoRA variant)."""
+        return getattr(self.holder, self.variant.extra_parameters[0])
+
+    def register(self, name: str, parameter: nn.Parameter) -> None:
+        """Register ``parameter`` as this adapter's ``name`` (a factor, or one of the variant's own)."""
+        setattr(self.holder, name, parameter)
+
+    def parameter_names(self) -> tuple[str, ...]:
+        """The attribute names of this adapter's parameters: the factors, then the variant's own."""
+        return (*self.layout.factor_names, *self.variant.extra_parameters)
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
-        """The factors by attribute name (and DoRA's magnitude), as :meth:`loragen.LoraLayer.lora_parameters`."""
-        names = (*self.layout.factor_names, dora.MAGNITUDE) if self.use_dora else self.layout.factor_names
-        return {name: getattr(self, name) for name in names}
+        """The parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}`` (plus the variant's own)."""
+        return {name: getattr(self.holder, name) for name in self.parameter_names()}
 
     def peft_key_suffixes(self) -> dict[str, str]:
-        """Attribute name -> peft's key suffix, as :meth:`loragen.LoraLayer.peft_key_suffixes`."""
+        """Attribute name -> peft's key suffix in ``adapter_model.safetensors``: ``lora_A.weight`` (Linear,
+        Conv), ``lora_embedding_A`` (Embedding, no ``.weight``); a variant's own parameter under its name
+        (``lora_magnitude_vector``), as peft saves it."""
         suffixes = dict(zip(self.layout.factor_names, self.layout.peft_suffixes))
-        if self.use_dora:
-            suffixes[dora.MAGNITUDE] = dora.MAGNITUDE
+        suffixes.update({name: name for name in self.variant.extra_parameters})
         return suffixes
 
+    def requires_grad_(self, requires_grad: bool = True) -> None:
+        """Set ``requires_grad`` on every parameter of the adapter."""
+        for p in self.lora_parameters().values():
+            p.requires_grad_(requires_grad)
+
+
+def describe(adapter: LoraAdapter) -> str:
+    """An adapter's settings in words, for ``extra_repr``."""
+    return (
+        f"r={adapter.r}, lora_alpha={adapter.lora_alpha:g}, scaling={adapter.scaling:g}, "
+        f"lora_dropout={adapter.lora_dropout_p:g}"
+        + ("" if adapter.variant is LORA else f", {adapter.variant.name}")
+    )
+
+
+class AdapterParameters(nn.Module):
+    """Where a layer's further adapter registers its parameters (``<path>.lora_adapters.<name>.lora_A``);
+    its repr shows the adapter's settings."""
+
+    adapter: LoraAdapter
+
     def extra_repr(self) -> str:
-        return f"r={self.r}, lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}, lora_dropout={self.lora_dropout_p:g}"
+        return describe(self.adapter)
 
 
-def _further(layer: Any) -> nn.ModuleDict | None:
-    found = layer._modules.get(ADAPTERS_ATTR)
-    return found if isinstance(found, nn.ModuleDict) else None
+def records(layer: Any) -> dict[str, LoraAdapter]:
+    """``layer``'s adapters by name, first adapter first (empty for a layer that holds its own single
+    adapter, LoRA on targeted parameters)."""
+    found: dict[str, LoraAdapter] = layer.__dict__.get(RECORDS_ATTR, {})
+    return found
 
 
 def adapter_names(layer: Any) -> list[str]:
     """The names of the adapters ``layer`` holds, its first adapter first."""
-    further = _further(layer)
-    return [layer.adapter_name, *(further.keys() if further is not None else ())]
+    return list(records(layer)) or [layer.adapter_name]
 
 
 def has_adapter(layer: Any, name: str) -> bool:
     """Whether ``layer`` holds an adapter called ``name``."""
-    further = _further(layer)
-    return name == layer.adapter_name or (further is not None and name in further)
+    return name in adapter_names(layer)
 
 
 def adapter_factors(layer: Any, name: str) -> Factors:
-    """The factors and settings of ``layer``'s adapter ``name``: the layer itself for its first adapter.
+    """``layer``'s adapter ``name`` (the layer itself for a layer that is its own single adapter).
 
     Raises:
         AdapterNameError: the layer holds no adapter ``name`` (the message lists the ones it holds).
     """
-    if name == layer.adapter_name:
-        return layer  # type: ignore[no-any-return, unused-ignore]
-    further = _further(layer)
-    if further is None or name not in further:
+    held = records(layer)
+    if not held and name == layer.adapter_name:
+        return layer
+    if name not in held:
         raise AdapterNameError(
             f"{type(layer).__name__} has no adapter {name!r}; it holds {', '.join(map(repr, adapter_names(layer)))}"
         )
-    return further[name]  # type: ignore[return-value]
+    return held[name]
 
 
-def _init_factors(layout: Layout, a: Tensor, b: Tensor, r: int, init: InitMode) -> None:
-    """peft's init, as :meth:`loragen.LoraLayer.reset_lora_parameters` (and the Embedding's) do it."""
-    with torch.no_grad():
-        if layout is EMBEDDING:
-            (nn.init.normal_ if init is False else nn.init.zeros_)(a)
-            nn.init.normal_(b)
-            return
-        if init == "gaussian":
-            nn.init.normal_(a, std=1.0 / r)
-        else:
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-        if init is False:
-            nn.init.kaiming_uniform_(b, a=math.sqrt(5))
-        else:
-            nn.init.zeros_(b)
+def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
+    """The dtype LoRA factors get for a base weight of ``base_dtype``.
+
+    Half-precision bases (fp16, bf16) get float32 adapters, as peft does by default: the factors are
+    small and their updates would lose most of their bits in 8 significant bits. Other floating dtypes
+    are kept.
+    """
+    if base_dtype in (torch.float16, torch.bfloat16) or not base_dtype.is_floating_point:
+        return torch.float32
+    return base_dtype
+
+
+def holds_several(layer: Any) -> bool:
+    """Whether further adapters can be added to ``layer`` (not to a layer that is its own single adapter)."""
+    return RECORDS_ATTR in layer.__dict__
+
+
+def key_prefix(layer: Any, name: str) -> str:
+    """The state-dict key prefix of adapter ``name``'s parameters below ``layer``: ``""`` for the layer's
+    first adapter (``lora_A``), ``"lora_adapters.<name>."`` for the others (see :func:`_holder_for`)."""
+    return "" if name == adapter_names(layer)[0] else f"{ADAPTERS_ATTR}.{name}."
+
+
+def _holder_for(layer: Any, first: bool) -> nn.Module:
+    """Where a new adapter's parameters are registered: the layer itself for its first adapter (the keys a
+    single-adapter model has always had), a module of their own (put in ``layer.lora_adapters``) for the others."""
+    return layer if first else AdapterParameters()
 
 
 def add_factors(
@@ -205,94 +252,95 @@ def add_factors(
     use_rslora: bool = False,
     init_lora_weights: InitMode = True,
     use_dora: bool = False,
-) -> AdapterFactors:
-    """Give ``layer`` a further adapter ``name`` (factors shaped like its first adapter's at rank ``r``,
-    initialised as peft does, on the first factor's device and dtype; with ``use_dora`` also DoRA's
-    magnitude, the norm of ``W + s B A``). It is not made active.
+) -> LoraAdapter:
+    """Give ``layer`` an adapter ``name``: factors of the layer type's shapes (``_factor_shapes``) at rank
+    ``r``, initialised as peft does (the layout's init), on the weight's device, in the dtype of the
+    layer's other adapters (else :func:`adapter_dtype_for` the weight's); then the
+    variant's own parameters (DoRA: the magnitude, the norm of ``W + s B A``). It is not made active.
 
     Raises:
         AdapterNameError: the layer holds an adapter ``name`` already.
         LoraConfigError: an invalid LoRA argument.
-        LoraConversionError: ``use_dora`` on a layer where DoRA is not supported (names the type).
+        LoraConversionError: ``use_dora`` on a layer where DoRA is not supported, or a layer that holds
+            one adapter only (names the type).
     """
-    if has_adapter(layer, name):
+    held: dict[str, LoraAdapter] | None = layer.__dict__.get(RECORDS_ATTR)
+    if held is None:  # set up by LoraLayer._setup_lora (see holds_several)
+        raise LoraConversionError(
+            f"{type(layer).__qualname__} holds one adapter only (LoRA on targeted parameters): a further named "
+            "adapter cannot be added to it; leave it out of the new adapter's targets"
+        )
+    if name in held:
         raise AdapterNameError(f"{type(layer).__name__} holds an adapter {name!r} already")
     check_lora_args(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
     check_flag(use_dora, "use_dora")
-    if use_dora:
-        dora.check_dora_supported(layer, type(layer).supports_dora)
-    first_a, first_b = layer.factor_a, layer.factor_b
-    a = first_a.new_empty((r, *first_a.shape[1:]))
-    b = first_b.new_empty((first_b.shape[0], r, *first_b.shape[2:]))
+    variant = variant_for(layer, use_dora)
+    first = not held
+    existing = next(iter(held.values()), None)
     layout = layer.layout
-    if a.device.type != "meta":
-        _init_factors(layout, a, b, r, init_lora_weights)
-    factors = AdapterFactors(
-        layout,
-        a,
-        b,
-        r=r,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_rslora=use_rslora,
-        use_dora=use_dora,
-    )
-    if use_dora:
-        dora.init_magnitude(layer, factors)
-    further = _further(layer)
-    if further is None:
-        further = nn.ModuleDict()
-        layer.add_module(ADAPTERS_ATTR, further)
-    further[name] = factors
-    update_route(layer)
-    return factors
+    adapter = LoraAdapter(r, lora_alpha, float(lora_dropout), bool(use_rslora), variant, layout, layer)
+    held[name] = adapter
+    try:
+        a_shape, b_shape = layer._factor_shapes()  # at the layer's (first adapter's) rank
+        a_shape, b_shape = (r, *a_shape[1:]), (b_shape[0], r, *b_shape[2:])
+        weight = layer.weight
+        dtype = existing.factor_a.dtype if existing is not None else adapter_dtype_for(weight.dtype)
+        a = torch.empty(a_shape, device=weight.device, dtype=dtype)
+        b = torch.empty(b_shape, device=weight.device, dtype=dtype)
+        if weight.device.type != "meta":
+            layout.init_factors(a, b, r, init_lora_weights)
+        adapter.holder = _holder_for(layer, first)
+        if isinstance(adapter.holder, AdapterParameters):
+            adapter.holder.adapter = adapter
+        adapter.register(layout.factor_names[0], nn.Parameter(a))
+        adapter.register(layout.factor_names[1], nn.Parameter(b))
+        variant.init(layer, adapter)
+    except BaseException:
+        del held[name]
+        raise
+    if not first:
+        further = layer._modules.get(ADAPTERS_ATTR)
+        if not isinstance(further, nn.ModuleDict):
+            further = nn.ModuleDict()
+            layer.add_module(ADAPTERS_ATTR, further)
+        further[name] = adapter.holder
+    return adapter
 
 
 def remove_factors(layer: Any, name: str) -> bool:
     """Remove ``layer``'s adapter ``name``; returns whether the layer still holds an adapter.
 
-    Removing the first adapter moves the next further one into the layer's own attributes (the same
-    parameter objects). The layer's active adapter is left as it is (see :func:`set_active`).
+    Removing the first adapter registers the next one's parameters on the layer itself (the same
+    parameter objects; see the module docstring). The layer's active adapter is left as it is (see
+    :func:`set_active`).
 
     Raises:
         AdapterNameError: the layer holds no adapter ``name``.
     """
-    further = _further(layer)
-    if name != layer.adapter_name:
-        if further is None or name not in further:
-            adapter_factors(layer, name)  # raises, naming the adapters the layer holds
-            return True
-        del further[name]
-    elif further is None or not len(further):
+    adapter_factors(layer, name)  # raises, naming the adapters the layer holds
+    held = records(layer)
+    if len(held) <= 1:
         return False
-    else:
-        successor_name = next(iter(further.keys()))
-        successor: AdapterFactors = further[successor_name]  # type: ignore[assignment]
-        del further[successor_name]
-        for attr in EXTRA_PARAMETERS:
+    names = list(held)
+    further: nn.ModuleDict = layer._modules[ADAPTERS_ATTR]
+    removed = held.pop(name)
+    if name == names[0]:
+        for attr in removed.parameter_names():
             layer._parameters.pop(attr, None)
-        for attr, param in successor._parameters.items():  # the factors and any extra parameter
-            layer._parameters[attr] = param
-        for attr in SETTINGS:
-            if hasattr(successor, attr):
-                setattr(layer, attr, getattr(successor, attr))
-        layer.adapter_name = successor_name
-    if further is not None and not len(further):
+        successor = held[names[1]]
+        params = successor.lora_parameters()
+        del further[names[1]]
+        successor.holder = layer
+        for attr, param in params.items():
+            successor.register(attr, param)
+        layer.__dict__[RECORDS_ATTR] = held  # the successor is now first in order, as it was
+    else:
+        del further[name]
+    if not len(further):
         del layer._modules[ADAPTERS_ATTR]
-    update_route(layer)
     return True
 
 
 def set_active(layer: Any, name: str | None) -> None:
     """Make ``name`` the adapter ``layer``'s forward adds (``None``: none, the base layer alone)."""
     layer.active_adapter = name
-    update_route(layer)
-
-
-def update_route(layer: Any) -> None:
-    """Set ``layer._lora_detour``: whether its forward leaves the single-adapter path."""
-    detour = layer.active_adapter != layer.adapter_name or layer.__dict__.get("_mixed_route") is not None
-    if detour:
-        layer._lora_detour = True
-    else:
-        layer.__dict__.pop("_lora_detour", None)  # the class default, False

@@ -1,14 +1,38 @@
-"""The part every LoRA layer shares: its LoRA factors, their init, merging and unmerging.
+"""What every LoRA layer type provides (the contract, :class:`LoraLayer`) and the behaviour they share:
+adapters, the forward, merging and unmerging.
 
 A LoRA class derives from :class:`LoraLayer` and from the base layer class it replaces (``nn.Linear``,
 ``nn.Embedding``, ...), so a LoRA layer keeps the base layer's ``weight`` / ``bias`` under their usual
 state-dict keys. :meth:`LoraLayer.from_module` makes one from an existing module by taking over that
 module's state (:mod:`loragen.layers.cloning`), and :meth:`LoraLayer.to_base` gives the base layer back.
+
+Adding a layer type
+-------------------
+A layer type provides (``LoraLayer`` is an abstract base class: a class missing one of the abstract
+methods cannot be instantiated):
+
+* ``base_class``: the layer class it replaces (:func:`loragen.register_layer` sets it);
+* ``_factor_shapes()``: the shapes of A and B at the layer's rank ``self.r``;
+* ``_adapter_output(x, adapter)``: the adapter term ``scaling * B A dropout(x)`` of one adapter, shaped
+  like the base output, in the adapter's dtype;
+
+and optionally:
+
+* ``_base_output(x)``: the base output (default: ``base_class.forward``);
+* ``dora_variant``: its DoRA strategy (:mod:`loragen.layers.variants`; None: no DoRA);
+* ``linear_term``: True when the term is ``scaling * (x A^T) B^T`` along the last dimension, so a
+  mixed batch stacks the adapters into two GEMMs;
+* ``_fused_output(x, adapter)``: a fused op computing the whole output (the fused LoRA op, sibling
+  fusion); None to compute ``base + term``.
+
+Its registry entry (:func:`loragen.register_layer`) gives its layout (factor names, peft keys, merge
+maths). Everything else (several adapters, disabling, merging, DoRA, mixed batches, save and load) is
+shared.
 """
 
 from __future__ import annotations
 
-import math
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
@@ -17,74 +41,104 @@ from torch.nn.utils import parametrize
 from typing_extensions import Self
 
 from loragen.errors import LoraMergeError
-from loragen.layers import dora
-from loragen.layers.adapter_set import ADAPTERS_ATTR, DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter
+from loragen.layers.adapter_set import (
+    ADAPTERS_ATTR,
+    DEFAULT_ADAPTER,
+    RECORDS_ATTR,
+    LoraAdapter,
+    adapter_dtype_for,
+    adapter_factors,
+    add_factors,
+    describe,
+    records,
+)
 from loragen.layers.cloning import clone_as, strip_to
+from loragen.layers.fast_paths import fast_output
+from loragen.layers.variants import LORA, Variant
 from loragen.registry import Layout, spec_for_lora_type
-from loragen.validation import InitMode, check_flag, check_lora_args
+from loragen.validation import InitMode
 
 __all__ = ["InitMode", "LoraLayer", "LoraMergeError", "adapter_dtype_for"]
 
 
-def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
-    """The dtype LoRA factors get for a base weight of ``base_dtype``.
+def _first_adapter_setting(name: str, doc: str, *, settable: bool = True) -> property:
+    """A layer attribute that reads (and sets) the setting ``name`` of the layer's first adapter."""
 
-    Half-precision bases (fp16, bf16) get float32 adapters, as peft does by default: the factors are
-    small and their updates would lose most of their bits in 8 significant bits. Other floating dtypes
-    are kept.
-    """
-    if base_dtype in (torch.float16, torch.bfloat16) or not base_dtype.is_floating_point:
-        return torch.float32
-    return base_dtype
+    def read(self: LoraLayer) -> object:
+        return getattr(self._first_adapter(), name)
+
+    def write(self: LoraLayer, value: object) -> None:
+        setattr(self._first_adapter(), name, value)
+
+    return property(read, write if settable else None, doc=doc)
 
 
-class LoraLayer(nn.Module):
-    """Common state and behaviour of all LoRA layers (a mixin; each concrete class also derives from the
-    base layer class it replaces, named by :attr:`base_class`).
+class LoraLayer(nn.Module, ABC):
+    """A LoRA layer: the contract every layer type fulfils (see the module docstring) and the behaviour
+    they share. Each concrete class also derives from the base layer class it replaces (:attr:`base_class`).
 
     Attributes:
-        r: rank. lora_alpha: alpha. scaling: the factor applied to the LoRA branch.
-        lora_dropout_p: dropout probability on the branch's input. use_rslora: rank-stabilised scaling.
-        merged: whether ``scaling * B @ A`` is currently added into ``weight``.
-        adapter_name: the name of the adapter in the layer's own factors; active_adapter: the adapter the
-        forward adds (``None``: none). Further named adapters: :mod:`loragen.layers.adapter_set`.
+        merged: whether the active adapter is currently added into ``weight``.
+        active_adapter: the adapter the forward adds (``None``: none).
+        fused: whether the forward may run the layer type's fused ops (set False on a layer to run
+            peft's plain composition).
+        r, lora_alpha, scaling, lora_dropout_p, use_rslora, adapter_name: those of the layer's first
+            adapter (every adapter: :mod:`loragen.layers.adapter_set`).
     """
 
     # the class this LoRA class replaces; to_base() returns an object of it
     base_class: ClassVar[type[nn.Module]]
-    # instance attributes the LoRA setup adds (besides the factors): removed again by to_base()
+    # the DoRA strategy of this layer type (loragen.layers.variants); None: no DoRA
+    dora_variant: ClassVar[Variant | None] = None
+    # the adapter term is scaling * (x A^T) B^T along the last dimension (mixed batches stack adapters)
+    linear_term: ClassVar[bool] = False
+    # instance attributes the LoRA setup adds (besides the parameters): removed again by to_base()
     _lora_attributes: ClassVar[tuple[str, ...]] = (
-        "r",
-        "lora_alpha",
-        "scaling",
-        "lora_dropout_p",
-        "use_rslora",
         "merged",
+        "fused",
         "_sibling_role",
-        "use_dora",
         "_dora_merged_norm",
-        "adapter_name",
+        RECORDS_ATTR,
         "active_adapter",
-        "_lora_detour",
         "_mixed_route",
         "_merged_adapter",
     )
-    # several named adapters (loragen.layers.adapter_set); instances set these when they differ
-    adapter_name: str = DEFAULT_ADAPTER
     active_adapter: str | None = DEFAULT_ADAPTER
-    _lora_detour: bool = False  # the forward goes through loragen.layers.adapter_routing
+    fused: bool = True
 
     weight: Tensor
-    r: int
-    lora_alpha: float
-    scaling: float
-    lora_dropout_p: float
-    use_rslora: bool
     merged: bool
-    # DoRA (loragen.layers.dora): a magnitude vector beside the factors; off unless set up with use_dora
-    use_dora: bool = False
-    # whether the class's forward and merge implement DoRA (loragen's Linear, Conv1D, Embedding, ConvNd)
-    supports_dora: ClassVar[bool] = False
+
+    r = _first_adapter_setting(
+        "r", "The first adapter's rank (fixed: the factors' shapes follow it).", settable=False
+    )
+    lora_alpha = _first_adapter_setting("lora_alpha", "The first adapter's alpha.")
+    scaling = _first_adapter_setting("scaling", "The first adapter's scaling of its term.")
+    lora_dropout_p = _first_adapter_setting("lora_dropout_p", "The first adapter's dropout probability.")
+    use_rslora = _first_adapter_setting(
+        "use_rslora", "Whether the first adapter uses rank-stabilised scaling."
+    )
+
+    # ---- what a layer type provides --------------------------------------------------------------
+
+    @abstractmethod
+    def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of A and B at the layer's rank ``self.r``."""
+
+    @abstractmethod
+    def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        """``scaling * B A dropout(x)`` of ``adapter``, shaped like the base output, in the adapter's dtype."""
+
+    def _base_output(self, x: Tensor) -> Tensor:
+        """The base layer's forward on this layer's (possibly merged) weight."""
+        result: Tensor = self.base_class.forward(self, x)
+        return result
+
+    def _fused_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
+        """The whole output with ``adapter`` as one fused op, or None (this default) to compute base + term."""
+        return None
+
+    # ---- making and unmaking ------------------------------------------------------------------------
 
     def _setup_lora(
         self,
@@ -95,43 +149,24 @@ class LoraLayer(nn.Module):
         init_lora_weights: InitMode,
         use_dora: bool = False,
     ) -> None:
-        check_lora_args(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights)
-        check_flag(use_dora, "use_dora")
-        self.r = r
-        self.lora_alpha = lora_alpha
-        self.use_rslora = bool(use_rslora)
-        self.scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
-        self.lora_dropout_p = float(lora_dropout)
-        self.merged = False
-        device, dtype = self.weight.device, adapter_dtype_for(self.weight.dtype)
-        a_shape, b_shape = self._factor_shapes()
-        first, second = self.layout.factor_names
-        setattr(self, first, nn.Parameter(torch.empty(a_shape, device=device, dtype=dtype)))
-        setattr(self, second, nn.Parameter(torch.empty(b_shape, device=device, dtype=dtype)))
-        if self.weight.device.type != "meta":
-            self.reset_lora_parameters(init_lora_weights)
-        if use_dora:
-            dora.check_dora_supported(self, type(self).supports_dora)
-            self.use_dora = True
-            dora.init_magnitude(self, self)  # after the factors: the norm of W + s B A
-
-    @property
-    def layout(self) -> Layout:
-        """The registry's layout of this layer type: factor names, peft key suffixes, merge layout.
+        """Make the layer's first adapter (``"default"``); every constructor and :meth:`from_module` calls it.
 
         Raises:
-            TypeError: the class is not registered (see :func:`loragen.register_layer`).
+            LoraConfigError: an invalid LoRA argument (the message names it).
+            LoraConversionError: ``use_dora`` where the layer type or its weight has no DoRA.
         """
-        spec = spec_for_lora_type(type(self))
-        if spec is None:
-            raise TypeError(
-                f"{type(self).__qualname__} is not a registered LoRA layer class; "
-                "register it with loragen.register_layer(base_type, lora_class=...)"
-            )
-        return spec.layout
-
-    def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        raise NotImplementedError(f"{type(self).__name__} must define the shapes of its LoRA factors")
+        self.merged = False
+        self.__dict__[RECORDS_ATTR] = {}
+        add_factors(
+            self,
+            DEFAULT_ADAPTER,
+            r=r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            use_rslora=use_rslora,
+            init_lora_weights=init_lora_weights,
+            use_dora=use_dora,
+        )
 
     @classmethod
     def from_module(
@@ -146,66 +181,114 @@ class LoraLayer(nn.Module):
         use_dora: bool = False,
     ) -> Self:
         """The LoRA layer for an existing ``base`` module: it takes over ``base``'s state (the same
-        weight and bias parameters, buffers, hooks and attributes; nothing is copied) and adds LoRA
-        factors initialised as ``init_lora_weights`` says; with ``use_dora`` also DoRA's magnitude vector
-        (:mod:`loragen.layers.dora`).
+        weight and bias parameters, buffers, hooks and attributes; nothing is copied) and adds an adapter
+        initialised as ``init_lora_weights`` says; with ``use_dora`` a DoRA adapter (:mod:`loragen.layers.dora`).
 
         Raises:
             LoraConfigError: an invalid LoRA argument (the message names it).
             LoraConversionError: ``base``'s forward is replaced on the instance (see
-                :func:`loragen.layers.cloning.clone_as`).
+                :func:`loragen.layers.cloning.clone_as`), or ``use_dora`` where DoRA is not supported.
         """
         layer = clone_as(base, cls)
         layer._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
         return layer
 
-    # ---- factors -----------------------------------------------------------------------------
+    def to_base(self) -> nn.Module:
+        """The base layer again (an object of :attr:`base_class`) holding this layer's current, possibly
+        merged, weight and bias: the same parameter objects and every other state, minus the LoRA parts."""
+        return strip_to(
+            self, self.base_class, tuple(self.lora_parameters()), (ADAPTERS_ATTR,), self._lora_attributes
+        )
+
+    # ---- adapters -------------------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> Layout:
+        """The registry's layout of this layer type: factor names, peft key suffixes, init and merge maths.
+
+        Raises:
+            TypeError: the class is not registered (see :func:`loragen.register_layer`).
+        """
+        spec = spec_for_lora_type(type(self))
+        if spec is None:
+            raise TypeError(
+                f"{type(self).__qualname__} is not a registered LoRA layer class; "
+                "register it with loragen.register_layer(base_type, lora_class=...)"
+            )
+        return spec.layout
+
+    def _first_adapter(self) -> LoraAdapter:
+        return next(iter(records(self).values()))
+
+    @property
+    def adapter_name(self) -> str:
+        """The name of the layer's first adapter (whose parameters are the layer's own, ``<path>.lora_A``).
+        Setting it renames that adapter."""
+        return next(iter(records(self)))
+
+    @adapter_name.setter
+    def adapter_name(self, name: str) -> None:
+        held = records(self)
+        self.__dict__[RECORDS_ATTR] = {(name if i == 0 else k): v for i, (k, v) in enumerate(held.items())}
 
     @property
     def factor_a(self) -> nn.Parameter:
-        """The first LoRA factor (``lora_A``, or ``lora_embedding_A``)."""
-        return getattr(self, self.layout.factor_names[0])
+        """The first adapter's A (``lora_A``, or ``lora_embedding_A``)."""
+        return self._first_adapter().factor_a
 
     @property
     def factor_b(self) -> nn.Parameter:
-        """The second LoRA factor (``lora_B``, or ``lora_embedding_B``)."""
-        return getattr(self, self.layout.factor_names[1])
+        """The first adapter's B (``lora_B``, or ``lora_embedding_B``)."""
+        return self._first_adapter().factor_b
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
-        """The LoRA parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}``, plus
-        ``"lora_magnitude_vector"`` with DoRA."""
-        names = (*self.layout.factor_names, dora.MAGNITUDE) if self.use_dora else self.layout.factor_names
-        return {name: getattr(self, name) for name in names}
+        """The first adapter's parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}`` (plus a
+        variant's own, DoRA's ``"lora_magnitude_vector"``)."""
+        return self._first_adapter().lora_parameters()
 
     def peft_key_suffixes(self) -> dict[str, str]:
-        """Attribute name -> the key suffix peft uses in ``adapter_model.safetensors``.
-
-        ``{"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}`` for Linear / Conv / Conv1D, and
-        ``{"lora_embedding_A": "lora_embedding_A", ...}`` for Embedding; DoRA's magnitude is saved as
-        ``lora_magnitude_vector`` (no ``.weight``), as peft saves it.
-        """
-        layout = self.layout
-        suffixes = dict(zip(layout.factor_names, layout.peft_suffixes))
-        if self.use_dora:
-            suffixes[dora.MAGNITUDE] = dora.MAGNITUDE
-        return suffixes
+        """The first adapter's attribute name -> key suffix in peft's ``adapter_model.safetensors``
+        (see :meth:`loragen.layers.adapter_set.LoraAdapter.peft_key_suffixes`)."""
+        return self._first_adapter().peft_key_suffixes()
 
     def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
-        """(Re)initialise A and B as peft does.
+        """(Re)initialise the first adapter's A and B as peft does (the layout's init:
+        :meth:`loragen.registry.Layout.init_factors`)."""
+        first = self._first_adapter()
+        self.layout.init_factors(first.factor_a, first.factor_b, first.r, init_lora_weights)
 
-        ``True``: A kaiming-uniform(a=sqrt(5)), B zeros (the adapter starts as a no-op);
-        ``"gaussian"``: A normal(0, 1/r), B zeros; ``False``: both kaiming-uniform (not a no-op).
-        """
-        with torch.no_grad():
-            a, b = self.factor_a, self.factor_b
-            if init_lora_weights == "gaussian":
-                nn.init.normal_(a, std=1.0 / self.r)
-            else:
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-            if init_lora_weights is False:
-                nn.init.kaiming_uniform_(b, a=math.sqrt(5))
-            else:
-                nn.init.zeros_(b)
+    def running_adapter(self) -> LoraAdapter | None:
+        """The adapter the forward adds now: the active one, unless the layer is merged, adapters are off
+        or the layer does not hold the active adapter."""
+        name = self.active_adapter
+        if self.merged or name is None:
+            return None
+        return records(self).get(name)
+
+    def runs_plain_first_adapter(self) -> bool:
+        """Whether the forward computes exactly base + ``scaling * B A dropout(x)`` with the layer's own
+        ``lora_A``, ``lora_B`` and ``scaling``: not merged, no mixed batch, the first adapter active and
+        plain LoRA. Sibling fusion (:mod:`loragen.ops.siblings`) reads those attributes directly."""
+        adapter = self.running_adapter()
+        return (
+            adapter is not None
+            and adapter is self._first_adapter()
+            and adapter.variant is LORA
+            and self.__dict__.get("_mixed_route") is None
+        )
+
+    # ---- forward ------------------------------------------------------------------------------------
+
+    def forward(self, input: Tensor) -> Tensor:
+        """``base(x)`` plus the running adapter's term (its variant's: plain LoRA adds
+        ``scaling * B A dropout(x)``); a fused op where the layer type has one (:mod:`loragen.layers.fast_paths`)."""
+        x = input  # torch's name for the argument
+        adapter = self.running_adapter()
+        fast = fast_output(self, x, adapter)
+        if fast is not None:
+            return fast
+        result = self._base_output(x)
+        return result if adapter is None else adapter.variant.output(self, x, adapter, result)
 
     # ---- merging --------------------------------------------------------------------------------
 
@@ -213,12 +296,20 @@ class LoraLayer(nn.Module):
         """float32, or float64 for float64 weights: merges never compute in less than float32."""
         return torch.promote_types(self.weight.dtype, torch.float32)
 
-    def delta_weight(self, adapter: str | None = None) -> Tensor:
-        """``scaling * B @ A`` of adapter ``adapter`` (None: the layer's own, first adapter) in the base
-        weight's layout, in float32 (float64 for float64 weights)."""
-        factors: Factors = self if adapter is None else adapter_factors(self, adapter)
+    def delta_weight_of(self, adapter: LoraAdapter) -> Tensor:
+        """``scaling * B @ A`` of ``adapter`` in the base weight's layout, in float32 (float64 for float64
+        weights)."""
         dtype = self._merge_dtype()
-        return self.layout.delta(factors.factor_a.to(dtype), factors.factor_b.to(dtype)) * factors.scaling
+        return self.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
+
+    def delta_weight(self, adapter: str | None = None) -> Tensor:
+        """:meth:`delta_weight_of` the adapter named ``adapter`` (None: the layer's first adapter).
+
+        Raises:
+            AdapterNameError: the layer holds no adapter ``adapter``.
+        """
+        held = self._first_adapter() if adapter is None else adapter_factors(self, adapter)
+        return self.delta_weight_of(held)  # type: ignore[arg-type]
 
     def _check_mergeable(self) -> None:
         """Raise :class:`LoraMergeError` if merged and unmerged outputs could not agree."""
@@ -230,27 +321,20 @@ class LoraLayer(nn.Module):
 
     @torch.no_grad()
     def merge(self) -> None:
-        """Add the active adapter's ``scaling * B @ A`` into ``weight`` (float32 math, rounded once). A no-op
+        """Add the active adapter into ``weight`` (its variant's merge; float32 math, rounded once). A no-op
         if merged; with no active adapter, or one the layer does not hold, ``weight`` stays as it is."""
         if self.merged:
             return
         self._check_mergeable()
-        name = self.active_adapter
-        if name is not None and has_adapter(self, name):
-            factors = adapter_factors(self, name)
-            if getattr(factors, "use_dora", False):
-                dora.dora_merge(self, factors)  # W <- (m / ||W + s B A||) * (W + s B A)
-            else:
-                w = self.weight
-                w.copy_((w.to(self._merge_dtype()) + self.delta_weight(name)).to(w.dtype))
-            self.__dict__["_merged_adapter"] = name
-        else:
-            self.__dict__["_merged_adapter"] = None
+        adapter = self.running_adapter()
+        if adapter is not None:
+            adapter.variant.merge(self, adapter)
+        self.__dict__["_merged_adapter"] = None if adapter is None else self.active_adapter
         self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Subtract the LoRA update from ``weight`` again. A no-op if not merged.
+        """Take the merged adapter out of ``weight`` again. A no-op if not merged.
 
         In float32 the original weight comes back up to rounding; in fp16/bf16 each merge/unmerge
         round trip can move a weight by up to one unit in its last place.
@@ -258,43 +342,11 @@ class LoraLayer(nn.Module):
         if not self.merged:
             return
         name = self.__dict__.pop("_merged_adapter", self.adapter_name)
-        if name is not None:
-            factors = adapter_factors(self, name)
-            if getattr(factors, "use_dora", False):
-                dora.dora_unmerge(self, factors)
-            else:
-                w = self.weight
-                w.copy_((w.to(self._merge_dtype()) - self.delta_weight(name)).to(w.dtype))
+        adapter = None if name is None else records(self).get(name)
+        if adapter is not None:
+            adapter.variant.unmerge(self, adapter)
         self.merged = False
 
-    def to_base(self) -> nn.Module:
-        """The base layer again (an object of :attr:`base_class`) holding this layer's current, possibly
-        merged, weight and bias: the same parameter objects and every other state, minus the LoRA parts."""
-        return strip_to(
-            self, self.base_class, tuple(self.lora_parameters()), (ADAPTERS_ATTR,), self._lora_attributes
-        )
-
-    # ---- several adapters (loragen.layers.adapter_routing) -------------------------------------------
-
-    def _base_output(self, x: Tensor) -> Tensor:
-        """The base layer's forward on this layer's (possibly merged) weight."""
-        result: Tensor = self.base_class.forward(self, x)
-        return result
-
-    def _lora_term(self, x: Tensor, factors: Factors) -> Tensor:
-        """``scaling * B A dropout(x)`` of one adapter (``factors``), in the adapter's dtype, shaped like the
-        base output. Layer types without it hold one adapter only."""
-        raise NotImplementedError(f"{type(self).__qualname__} holds one adapter only")
-
-    def _dora_output(self, x: Tensor, factors: Factors, result: Tensor) -> Tensor:
-        """The layer's output with DoRA adapter ``factors``, given the base output ``result`` (peft's math,
-        :mod:`loragen.layers.dora`). Layer types that support DoRA define it."""
-        raise NotImplementedError(f"{type(self).__qualname__} does not implement DoRA")
-
     def lora_extra_repr(self) -> str:
-        return (
-            f"r={self.r}, lora_alpha={self.lora_alpha:g}, scaling={self.scaling:g}, "
-            f"lora_dropout={self.lora_dropout_p:g}"
-            + (", use_dora" if self.use_dora else "")
-            + (", merged" if self.merged else "")
-        )
+        """The first adapter's settings (further adapters show theirs in ``lora_adapters``), for ``extra_repr``."""
+        return describe(self._first_adapter()) + (", merged" if self.merged else "")

@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 
 from loragen.errors import LoraMergeError, RequantizationWarning
-from loragen.layers.adapter_set import has_adapter
+from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import InitMode, LoraLayer
 from loragen.layers.linear import LoraLinearMixin
-from loragen.ops.branch import lora_branch, lora_branch_reference
+from loragen.reference import lora_term
 
 __all__ = ["LoraLinear4bit", "LoraLinear8bitLt", "QuantizedLoraMixin", "RequantizationWarning"]
 
@@ -49,13 +49,15 @@ class QuantizedLoraMixin(LoraLinearMixin):
     # what unmerge() restores: the original quantized weight's state, while merged
     _unmerged_state: tuple[Any, ...] | None = None
 
-    def _forward_with_branch(self, x: Tensor) -> Tensor:
-        """bitsandbytes' forward plus ``scaling * B A dropout(x)``, added onto its output in place."""
-        result: Tensor = super(LoraLinearMixin, self).forward(x)  # the bitsandbytes class's forward
-        if self.merged:
-            return result
-        branch = lora_branch if self.fused else lora_branch_reference
-        return branch(result, x, self.lora_A, self.lora_B, self.scaling, self.lora_dropout_p, self.training)
+    def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        # peft's order for quantized bases: the term in the adapter's dtype, cast to the base output's dtype
+        # (bitsandbytes returns x's dtype), then scaled
+        term = lora_term(x, adapter.factor_a, adapter.factor_b, 1.0, adapter.lora_dropout_p, self.training)
+        return term.to(x.dtype) * adapter.scaling
+
+    def _fused_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
+        """bitsandbytes' forward plus the term added onto its output in place (the variant's branch op)."""
+        return adapter.variant.fused_branch(self, x, adapter)
 
     # ---- what a quantization format provides ---------------------------------------------------
 
@@ -91,13 +93,13 @@ class QuantizedLoraMixin(LoraLinearMixin):
         if self.merged:
             return
         self._check_mergeable()
-        name = self.active_adapter
-        self.__dict__["_merged_adapter"] = name if name is not None and has_adapter(self, name) else None
-        if self.__dict__["_merged_adapter"] is None:  # no active adapter here: the weight stays as it is
+        adapter = self.running_adapter()
+        self.__dict__["_merged_adapter"] = None if adapter is None else self.active_adapter
+        if adapter is None:  # no active adapter here: the weight stays as it is
             self.merged = True
             return
         snapshot = self._snapshot()
-        delta = self.delta_weight(name).float()
+        delta = self.delta_weight_of(adapter).float()
         exact = self.dequantized_weight().add_(delta)
         self._quantize_into(exact)
         error = (self.dequantized_weight() - exact).abs().max().item() if exact.numel() else 0.0

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loragen.layers import adapter_routing, dora
-from loragen.layers.adapter_set import Factors
+from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import InitMode, LoraLayer
-from loragen.registry import PLAIN, LayerSpec, register
+from loragen.layers.variants import CONV_DORA, Variant
 
 __all__ = ["LoraConv1d", "LoraConv2d"]
 
@@ -23,7 +22,7 @@ class _LoraConvNd(LoraLayer):
     """Shared code of :class:`LoraConv1d` and :class:`LoraConv2d` (mixed into the torch conv class)."""
 
     _conv = staticmethod(F.conv2d)
-    supports_dora = True  # loragen.layers.dora
+    dora_variant: ClassVar[Variant | None] = CONV_DORA
 
     in_channels: int
     out_channels: int
@@ -32,7 +31,6 @@ class _LoraConvNd(LoraLayer):
     bias: Tensor | None
     lora_A: nn.Parameter
     lora_B: nn.Parameter
-    lora_magnitude_vector: nn.Parameter  # with use_dora only: (1, cout, 1, ...)
     _conv_forward: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # the torch conv class's
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -43,56 +41,23 @@ class _LoraConvNd(LoraLayer):
             *ones,
         )
 
-    def _composed_weight(self, factors: Factors | None = None) -> Tensor:
-        """``B @ A`` (of ``factors``, default the layer's own) reshaped to the base weight's shape
-        (cout, cin // groups, *k), in the adapter dtype."""
-        a, b = (self.lora_A, self.lora_B) if factors is None else (factors.factor_a, factors.factor_b)
-        return (b.flatten(1) @ a.flatten(1)).view(self.out_channels, *a.shape[1:])
+    def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        x_lora = x.to(adapter.factor_a.dtype)
+        if adapter.lora_dropout_p > 0:
+            x_lora = F.dropout(x_lora, adapter.lora_dropout_p, self.training)
+        return self._unscaled_term(x_lora, adapter) * adapter.scaling
 
-    def forward(self, input: Tensor) -> Tensor:
-        x = input
-        if self._lora_detour:  # another adapter active, adapters off, or a mixed batch
-            return adapter_routing.forward(self, x)
-        result = self._conv_forward(x, self.weight, self.bias)
-        if self.merged:
-            return result
-        if self.use_dora:
-            return self._dora_output(x, self, result)
-        return (result + self._lora_term(x, self)).to(result.dtype)
-
-    def _lora_term(self, x: Tensor, factors: Factors) -> Tensor:
-        x_lora = x.to(factors.factor_a.dtype)
-        if factors.lora_dropout_p > 0:
-            x_lora = F.dropout(x_lora, factors.lora_dropout_p, self.training)
-        return self._branch(x_lora, factors) * factors.scaling
-
-    def _branch(self, x_lora: Tensor, factors: Factors) -> Tensor:
+    def _unscaled_term(self, x_lora: Tensor, adapter: LoraAdapter) -> Tensor:
         """``B A x_lora`` (unscaled) with every base setting."""
+        a, b = adapter.factor_a, adapter.factor_b
         if self.groups == 1:
             # A with every base setting (stride, padding, dilation, padding mode), then B as a 1x1 conv:
             # the same linear map as convolving with B @ A, through an r-channel bottleneck.
-            hidden = self._conv_forward(x_lora, factors.factor_a, None)
-            return self._conv(hidden, factors.factor_b)
-        # A grouped weight cannot be factored through r channels; convolve with the composed weight.
-        return self._conv_forward(x_lora, self._composed_weight(factors), None)
-
-    def _dora_output(self, x: Tensor, factors: Factors, result: Tensor) -> Tensor:
-        """peft's DoRA for convolutions: ``result + (c - 1) * base + c * s * lora`` with
-        ``c = m / ||W + s B A||`` per output channel (detached), shaped (1, cout, 1, ...); ``base`` is the
-        convolution without bias of the input, or of the dropped-out input with dropout."""
-        x_lora = x.to(factors.factor_a.dtype)
-        dropout = factors.lora_dropout_p > 0 and self.training
-        if dropout:
-            x_lora = F.dropout(x_lora, factors.lora_dropout_p, True)
-        lora = self._branch(x_lora, factors)
-        c = getattr(factors, dora.MAGNITUDE) / dora.weight_norm(self, factors)
-        if dropout:
-            base = self._conv_forward(x_lora, self.weight.to(x_lora.dtype), None)
-        elif self.bias is not None:
-            base = result - self.bias.view(1, -1, *([1] * (result.dim() - 2)))
-        else:
-            base = result
-        return (result + (c - 1) * base + c * lora * factors.scaling).to(result.dtype)
+            return self._conv(self._conv_forward(x_lora, a, None), b)
+        # A grouped weight cannot be factored through r channels; convolve with the composed weight
+        # B @ A, (cout, cin // groups, *k): exactly what merging adds.
+        composed = (b.flatten(1) @ a.flatten(1)).view(self.out_channels, *a.shape[1:])
+        return self._conv_forward(x_lora, composed, None)
 
 
 class LoraConv1d(nn.Conv1d, _LoraConvNd):
@@ -138,7 +103,7 @@ class LoraConv1d(nn.Conv1d, _LoraConvNd):
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     # the torch conv class comes first in the MRO; take the LoRA forward explicitly
-    forward = _LoraConvNd.forward
+    forward = LoraLayer.forward
 
     def extra_repr(self) -> str:
         return f"{nn.Conv1d.extra_repr(self)}, {self.lora_extra_repr()}"
@@ -187,27 +152,7 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     # the torch conv class comes first in the MRO; take the LoRA forward explicitly
-    forward = _LoraConvNd.forward
+    forward = LoraLayer.forward
 
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self.lora_extra_repr()}"
-
-
-register(
-    LayerSpec(
-        "torch.nn.Conv1d",
-        "loragen.layers.LoraConv1d",
-        ("torch.nn.modules.conv.Conv1d",),
-        PLAIN,
-        lora_class=LoraConv1d,
-    )
-)
-register(
-    LayerSpec(
-        "torch.nn.Conv2d",
-        "loragen.layers.LoraConv2d",
-        ("torch.nn.modules.conv.Conv2d",),
-        PLAIN,
-        lora_class=LoraConv2d,
-    )
-)

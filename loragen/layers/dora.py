@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from loragen.errors import LoraConversionError, LoraMergeError
-from loragen.registry import PLAIN, Layout
+from loragen.registry import Layout, PlainLayout
 
 __all__ = ["MAGNITUDE", "check_dora_supported", "dora_merge", "dora_unmerge", "init_magnitude", "weight_norm"]
 
@@ -43,8 +43,7 @@ class LoraLayer(Protocol):
 
 
 class Adapter(Protocol):
-    """One adapter's factors and scaling: a LoRA layer (its first adapter) or a further adapter's
-    :class:`loragen.layers.adapter_set.AdapterFactors`; its magnitude is the attribute :data:`MAGNITUDE`."""
+    """One adapter's factors, scaling and magnitude (a :class:`loragen.layers.adapter_set.LoraAdapter`)."""
 
     scaling: float
 
@@ -54,10 +53,15 @@ class Adapter(Protocol):
     @property
     def factor_b(self) -> nn.Parameter: ...
 
+    @property
+    def magnitude(self) -> nn.Parameter: ...
+
+    def register(self, name: str, parameter: nn.Parameter) -> None: ...
+
 
 def _norm_of(layer: LoraLayer, full: Tensor) -> Tensor:
     """The per-output norm of a full weight ``full`` in ``layer``'s layout, shaped like the magnitude."""
-    if layer.layout is PLAIN:
+    if isinstance(layer.layout, PlainLayout):
         norm = torch.linalg.vector_norm(full.flatten(1), dim=1)  # (out,)
         return norm if full.dim() == 2 else norm.view(1, -1, *([1] * (full.dim() - 2)))
     return torch.linalg.vector_norm(full, dim=0)  # Conv1D (in, out), embedding (num, dim): per column
@@ -66,7 +70,7 @@ def _norm_of(layer: LoraLayer, full: Tensor) -> Tensor:
 def _factor_view(layer: LoraLayer, factor: Tensor) -> Tensor:
     """``factor`` (shaped like the magnitude) broadcastable against the stored weight."""
     flat = factor.reshape(-1)
-    if layer.layout is PLAIN:
+    if isinstance(layer.layout, PlainLayout):
         return flat.view(-1, *([1] * (layer.weight.dim() - 1)))
     return flat.view(1, -1)
 
@@ -85,21 +89,14 @@ def weight_norm(layer: LoraLayer, adapter: Adapter) -> Tensor:
         return _norm_of(layer, _directed(layer, adapter)).to(adapter.factor_a.dtype)
 
 
-def check_dora_supported(layer: LoraLayer, implemented: bool) -> None:
-    """Raise unless DoRA can be set up on ``layer`` exactly as peft does; ``implemented`` says whether
-    the layer's class computes DoRA in its forward (a user's registered LoRA class does not).
+def check_dora_supported(layer: LoraLayer) -> None:
+    """Raise unless DoRA can be set up on ``layer`` (whose class has a DoRA variant) exactly as peft does.
 
     Raises:
-        LoraConversionError: the class does not implement DoRA, the base weight is not floating point (a
-            quantized layer), or the layer is a grouped convolution (peft has no DoRA for it either); the
-            message names the type.
+        LoraConversionError: the base weight is not floating point (a quantized layer), or the layer is a
+            grouped convolution (peft has no DoRA for it either); the message names the type.
     """
     name = type(layer).__qualname__
-    if not implemented:
-        raise LoraConversionError(
-            f"use_dora=True on {name}: this LoRA class does not implement DoRA (loragen does for Linear, "
-            "transformers Conv1D, Embedding, Conv1d and Conv2d); set use_dora=False"
-        )
     if not layer.weight.dtype.is_floating_point:
         raise LoraConversionError(
             f"use_dora=True on {name}: its weight is stored as {layer.weight.dtype}; loragen's DoRA needs a "
@@ -114,15 +111,9 @@ def check_dora_supported(layer: LoraLayer, implemented: bool) -> None:
 
 
 def init_magnitude(layer: LoraLayer, adapter: Adapter) -> None:
-    """Give ``adapter`` (the layer itself, or a further adapter's module) its ``lora_magnitude_vector``: the
-    current norm of ``W + s B A``, as peft does (on the meta device: the shape only)."""
-    norm = weight_norm(layer, adapter)
-    existing = getattr(adapter, MAGNITUDE, None)
-    if isinstance(existing, nn.Parameter) and existing.shape == norm.shape and norm.device.type != "meta":
-        with torch.no_grad():
-            existing.copy_(norm)
-        return
-    setattr(adapter, MAGNITUDE, nn.Parameter(norm.clone()))
+    """Give a new ``adapter`` its ``lora_magnitude_vector``: the current norm of ``W + s B A``, as peft
+    does (on the meta device: the shape only)."""
+    adapter.register(MAGNITUDE, nn.Parameter(weight_norm(layer, adapter).clone()))
 
 
 @torch.no_grad()
@@ -132,7 +123,7 @@ def dora_merge(layer: LoraLayer, adapter: Adapter) -> None:
     w = layer.weight
     full = _directed(layer, adapter)
     norm = _norm_of(layer, full)
-    factor = getattr(adapter, MAGNITUDE).to(full.dtype) / norm
+    factor = adapter.magnitude.to(full.dtype) / norm
     w.copy_((_factor_view(layer, factor) * full).to(w.dtype))
     layer.__dict__[_MERGED_NORM] = norm
 
@@ -153,6 +144,6 @@ def dora_unmerge(layer: LoraLayer, adapter: Adapter) -> None:
         )
     w = layer.weight
     dtype = layer._merge_dtype()
-    factor = getattr(adapter, MAGNITUDE).to(norm.dtype) / norm
+    factor = adapter.magnitude.to(norm.dtype) / norm
     delta = layer.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
     w.copy_((w.to(norm.dtype) / _factor_view(layer, factor) - delta).to(w.dtype))

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loragen.layers import adapter_routing, dora
-from loragen.layers.adapter_set import Factors
+from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import InitMode, LoraLayer, LoraMergeError
-from loragen.registry import EMBEDDING, LayerSpec, register
+from loragen.layers.variants import EMBEDDING_DORA, Variant
 
 __all__ = ["LoraEmbedding"]
 
@@ -25,10 +26,9 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
     lora_embedding_A: nn.Parameter
     lora_embedding_B: nn.Parameter
-    lora_magnitude_vector: nn.Parameter  # with use_dora only: (embedding_dim,)
 
     base_class = nn.Embedding
-    supports_dora = True  # loragen.layers.dora
+    dora_variant: ClassVar[Variant | None] = EMBEDDING_DORA
     bias = None  # embeddings have no bias; keeps the LoraLayer interface uniform
 
     def __init__(
@@ -67,45 +67,18 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         )
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
+    # nn.Embedding comes first in the MRO; take the LoRA forward explicitly
+    forward = LoraLayer.forward
+
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return (self.r, self.num_embeddings), (self.embedding_dim, self.r)
 
-    def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
-        """peft's embedding init: A zeros, B normal(0, 1); ``False``: both standard normal."""
-        with torch.no_grad():
-            if init_lora_weights is False:
-                nn.init.normal_(self.lora_embedding_A)
-            else:
-                nn.init.zeros_(self.lora_embedding_A)
-            nn.init.normal_(self.lora_embedding_B)
-
-    def _lookup(self, ids: Tensor, table: Tensor) -> Tensor:
-        return F.embedding(
-            ids, table, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
-        )
-
-    def forward(self, ids: Tensor) -> Tensor:
-        if self._lora_detour:  # another adapter active, adapters off, or a mixed batch
-            return adapter_routing.forward(self, ids)
-        result = self._lookup(ids, self.weight)
-        if self.merged:
-            return result
-        if self.use_dora:
-            return self._dora_output(ids, self, result)
-        return (result + self._lora_term(ids, self)).to(result.dtype)
-
-    def _lora_term(self, ids: Tensor, factors: Factors) -> Tensor:
+    def _adapter_output(self, ids: Tensor, adapter: LoraAdapter) -> Tensor:
         # (..., r): row lookup in A^T is A[:, ids]^T, exactly the one-hot product A @ onehot(ids)
         after_a = F.embedding(
-            ids, factors.factor_a.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse
+            ids, adapter.factor_a.t(), self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse
         )
-        return (after_a @ factors.factor_b.t()) * factors.scaling  # (..., embedding_dim)
-
-    def _dora_output(self, ids: Tensor, factors: Factors, result: Tensor) -> Tensor:
-        """peft's DoRA for embeddings: ``c * (table row + s * lora row)``, ``c = m / ||W + s (B A)^T||`` per
-        embedding column, detached."""
-        c = getattr(factors, dora.MAGNITUDE) / dora.weight_norm(self, factors)
-        return (c * result + c * self._lora_term(ids, factors)).to(result.dtype)
+        return (after_a @ adapter.factor_b.t()) * adapter.scaling  # (..., embedding_dim)
 
     def _check_mergeable(self) -> None:
         if self.max_norm is not None:
@@ -116,14 +89,3 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self.lora_extra_repr()}"
-
-
-register(
-    LayerSpec(
-        "torch.nn.Embedding",
-        "loragen.layers.LoraEmbedding",
-        ("torch.nn.modules.sparse.Embedding",),
-        EMBEDDING,
-        lora_class=LoraEmbedding,
-    )
-)

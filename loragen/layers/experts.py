@@ -20,7 +20,6 @@ In an adapter file, the factors of a module's ``k``-th of ``n`` targeted paramet
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -32,8 +31,11 @@ from typing_extensions import Self
 
 from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
+from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, lora_scaling
 from loragen.layers.base import LoraLayer, adapter_dtype_for
 from loragen.layers.cloning import clone_as, strip_to
+from loragen.layers.fast_paths import MIXED_ROUTE
+from loragen.layers.variants import LORA, Variant
 from loragen.ops.experts import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 from loragen.validation import InitMode, check_lora_args
@@ -77,7 +79,7 @@ class ParameterLora(nn.Module):
         self.layout = layout
         self.num_experts = layout.features(tuple(weight.shape))[0]
         self.r, self.lora_alpha, self.use_rslora = r, lora_alpha, bool(use_rslora)
-        self.scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
+        self.scaling = lora_scaling(r, lora_alpha, use_rslora)
         a_shape, b_shape = layout.factor_shapes(tuple(weight.shape), r)
         kwargs: dict[str, Any] = {"device": weight.device, "dtype": adapter_dtype_for(weight.dtype)}
         self.lora_A = nn.Parameter(torch.empty(a_shape, **kwargs))
@@ -89,14 +91,7 @@ class ParameterLora(nn.Module):
     def reset(self, init_lora_weights: InitMode = True) -> None:
         """(Re)initialise as peft does: A kaiming-uniform (normal(0, 1/r) for ``"gaussian"``), B zeros;
         ``False``: both kaiming-uniform."""
-        if init_lora_weights == "gaussian":
-            nn.init.normal_(self.lora_A, std=1.0 / self.r)
-        else:
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        if init_lora_weights is False:
-            nn.init.kaiming_uniform_(self.lora_B, a=math.sqrt(5))
-        else:
-            nn.init.zeros_(self.lora_B)
+        PLAIN.init_factors(self.lora_A, self.lora_B, self.r, init_lora_weights)
 
     def delta(self, weight: Tensor) -> Tensor:
         """``scaling * B_e @ A_e`` shaped like ``weight``, in float32 (float64 for a float64 weight)."""
@@ -118,8 +113,40 @@ class LoraParametersLayer(LoraLayer):
 
     ``r``, ``lora_alpha``, ``scaling`` and ``use_rslora`` on the layer are those of its first target (the
     targets may differ through ``rank_pattern`` / ``alpha_pattern``, keyed by the parameter's full name);
-    each :class:`ParameterLora` holds its own.
+    each :class:`ParameterLora` holds its own. The module holds one adapter, itself (a further named adapter
+    cannot target parameters): :func:`loragen.layers.adapter_set.adapter_factors` returns the module.
     """
+
+    # its one adapter's settings, plain attributes here (a factor layer reads them from its first adapter)
+    r: int = 0
+    lora_alpha: float = 0.0
+    scaling: float = 0.0
+    lora_dropout_p: float = 0.0
+    use_rslora: bool = False
+    adapter_name: str = DEFAULT_ADAPTER
+    variant: Variant = LORA  # plain LoRA in weight space
+
+    def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Not one pair of shapes here: every targeted parameter has its own (:attr:`parameter_targets`).
+
+        Raises:
+            LoraConversionError: always; a further named adapter cannot be added to targeted parameters.
+        """
+        raise self._one_adapter_only()
+
+    def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        """Not a term added to an output: the update is added to the weights the forward reads.
+
+        Raises:
+            LoraConversionError: always (the forward never calls it).
+        """
+        raise self._one_adapter_only()
+
+    def _one_adapter_only(self) -> LoraConversionError:
+        return LoraConversionError(
+            f"{type(self).__qualname__} holds LoRA on parameters ({', '.join(self.parameter_targets)}), one "
+            "adapter only: a further named adapter cannot target them"
+        )
 
     @property
     def layout(self) -> Layout:
@@ -133,10 +160,7 @@ class LoraParametersLayer(LoraLayer):
         Raises:
             LoraConversionError: always; a further named adapter cannot be added to targeted parameters.
         """
-        raise LoraConversionError(
-            f"{type(self).__qualname__} holds LoRA on parameters ({', '.join(self.parameter_targets)}), one "
-            "adapter only: a further named adapter cannot target them"
-        )
+        raise self._one_adapter_only()
 
     factor_b = factor_a
 
@@ -215,13 +239,13 @@ class LoraParametersLayer(LoraLayer):
         Raises:
             MixedBatchError: inside ``loragen.mixed_batch`` (rows cannot take different weight updates).
         """
-        if self.__dict__.get("_mixed_route") is not None:
+        if self.__dict__.get(MIXED_ROUTE) is not None:
             raise MixedBatchError(
                 f"{type(self).__qualname__}: a mixed batch (loragen.mixed_batch) cannot route rows through LoRA on "
                 "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
             )
         if self.merged or self.active_adapter != self.adapter_name:
-            return super().forward(*args, **kwargs)
+            return self.base_class.forward(self, *args, **kwargs)
         recipes = {
             name: (
                 cast(Tensor, self._parameters[name]),
@@ -239,7 +263,7 @@ class LoraParametersLayer(LoraLayer):
             else contextlib.nullcontext()
         )
         with saving, _shadowed(self, made):
-            return super().forward(*args, **kwargs)
+            return self.base_class.forward(self, *args, **kwargs)
 
     # ---- merging ------------------------------------------------------------------------------------
 

@@ -1,4 +1,7 @@
-"""``register_layer``: teach loragen a layer type of your own.
+"""Every layer type loragen converts is registered here: its own types (:func:`register_builtin_types`, run
+when :mod:`loragen.layers` is imported) and a user's (:func:`register_layer`).
+
+``register_layer``: teach loragen a layer type of your own.
 
 After registration the type works in all three ways in (``get_lora_model``, ``@lora_convert``,
 ``loragen rewrite``), in ``save_adapter`` / ``load_adapter`` and in ``loragen merge``, like the built-in
@@ -10,8 +13,10 @@ types. Two ways to register:
   adding ``scaling * B @ A`` to ``weight`` (after checking on a probe that ``forward`` is ``x W^T + b``),
   and saves peft's ``lora_A`` / ``lora_B`` keys.
 * ``register_layer(MyLayer, MyLoraLayer)``: your own LoRA class, a subclass of both
-  :class:`loragen.LoraLayer` and ``MyLayer`` that defines ``_factor_shapes`` and ``forward`` (see
-  :class:`loragen.LoraLinear` for an example); ``layout`` says how its factors are named, saved and merged.
+  :class:`loragen.LoraLayer` and ``MyLayer`` that provides what :class:`loragen.LoraLayer` lists as
+  abstract (``_factor_shapes`` and ``_adapter_output``; see :mod:`loragen.layers.base`); ``layout`` says
+  how its factors are named, initialised, saved and merged. It gets several named adapters, disabling,
+  merging and mixed batches from :class:`loragen.LoraLayer`.
 
 Example::
 
@@ -34,11 +39,79 @@ from collections.abc import Sequence
 from torch import nn
 
 from loragen.layers.base import LoraLayer
+from loragen.layers.conv import LoraConv1d, LoraConv2d
 from loragen.layers.derived import derive_lora_class
-from loragen.layers.linear import LoraLinearMixin
-from loragen.registry import LAYOUTS, LayerSpec, Layout, register
+from loragen.layers.embedding import LoraEmbedding
+from loragen.layers.linear import LoraLinear, LoraLinearMixin
+from loragen.registry import (
+    EMBEDDING,
+    LAYOUTS,
+    PLAIN,
+    TRANSPOSED,
+    EmbeddingLayout,
+    LayerSpec,
+    Layout,
+    register,
+)
 
-__all__ = ["register_layer"]
+__all__ = ["register_builtin_types", "register_layer"]
+
+
+def register_builtin_types() -> None:
+    """Register loragen's own layer types (idempotent). transformers' ``Conv1D`` and bitsandbytes' quantized
+    linears are registered by name: their LoRA classes are imported (with transformers, bitsandbytes) only
+    when a model holds such a layer (bitsandbytes is the optional extra ``loragen[bnb]``)."""
+    builtin = [  # in the order error messages list the supported types
+        LayerSpec(
+            "torch.nn.Conv1d",
+            "loragen.layers.LoraConv1d",
+            ("torch.nn.modules.conv.Conv1d",),
+            PLAIN,
+            lora_class=LoraConv1d,
+        ),
+        LayerSpec(
+            "torch.nn.Conv2d",
+            "loragen.layers.LoraConv2d",
+            ("torch.nn.modules.conv.Conv2d",),
+            PLAIN,
+            lora_class=LoraConv2d,
+        ),
+        LayerSpec(
+            "torch.nn.Embedding",
+            "loragen.layers.LoraEmbedding",
+            ("torch.nn.modules.sparse.Embedding",),
+            EMBEDDING,
+            lora_class=LoraEmbedding,
+        ),
+        LayerSpec(
+            "torch.nn.Linear",
+            "loragen.layers.LoraLinear",
+            ("torch.nn.modules.linear.Linear",),
+            PLAIN,
+            linear=True,
+            subclasses=True,
+            lora_class=LoraLinear,
+        ),
+        LayerSpec(
+            "transformers.pytorch_utils.Conv1D",
+            "loragen.layers.LoraConv1D",
+            ("transformers.modeling_utils.Conv1D", "transformers.Conv1D"),
+            TRANSPOSED,
+            linear=True,
+        ),
+        *(
+            LayerSpec(
+                f"bitsandbytes.nn.{name}",
+                f"loragen.layers.bnb.Lora{name}",
+                (f"bitsandbytes.nn.modules.{name}",),
+                linear=True,
+                subclasses=True,
+            )
+            for name in ("Linear4bit", "Linear8bitLt")
+        ),
+    ]
+    for spec in builtin:
+        register(spec)
 
 
 def register_layer(
@@ -65,7 +138,8 @@ def register_layer(
 
     Raises:
         TypeError: ``base_type`` is not an ``nn.Module`` class, or ``lora_class`` does not derive from
-            both :class:`loragen.LoraLayer` and ``base_type``.
+            both :class:`loragen.LoraLayer` and ``base_type``, or lacks a method the contract asks for
+            (``_factor_shapes``, ``_adapter_output``; the message names it).
         ValueError: an unknown ``layout``, or ``base_type`` is registered already (without ``replace``).
     """
     if not (isinstance(base_type, type) and issubclass(base_type, nn.Module)):
@@ -77,7 +151,7 @@ def register_layer(
             )
         layout = LAYOUTS[layout]
     if lora_class is None:
-        if layout.name == "embedding":
+        if isinstance(layout, EmbeddingLayout):
             raise ValueError(
                 "register_layer: layout='embedding' needs a LoRA class of your own; "
                 "loragen makes LoRA classes only for layers that behave like a Linear"
@@ -91,6 +165,12 @@ def register_layer(
         raise TypeError(
             f"register_layer: lora_class={lora_class!r} must derive from both loragen.LoraLayer and "
             f"{base_type.__qualname__}"
+        )
+    elif lora_class.__abstractmethods__:
+        raise TypeError(
+            f"register_layer: lora_class={lora_class.__qualname__} does not provide "
+            f"{', '.join(sorted(lora_class.__abstractmethods__))}, which every LoRA layer type defines "
+            "(see loragen.LoraLayer)"
         )
     elif "base_class" not in vars(lora_class):
         lora_class.base_class = base_type

@@ -78,9 +78,9 @@ def _eligible(layer: Any, x: Tensor) -> bool:
     lora_a = layer.lora_A
     return (
         layer.fused
-        and not layer.merged
-        and not layer.use_dora  # DoRA layers run loragen.ops.dora_linear
-        and not layer._lora_detour  # another adapter, none, or a mixed batch: the layer's own forward
+        # not merged, its own first adapter active as plain LoRA (not DoRA), no mixed batch: the factors
+        # read below are what the layer computes
+        and layer.runs_plain_first_adapter()
         and (layer.lora_dropout_p == 0.0 or not layer.training)
         and lora_a.dtype == x.dtype
         and layer.weight.dtype == x.dtype

@@ -15,7 +15,7 @@ from loragen.adapters.keys import AdapterKey, group_lora_keys, parse_adapter_key
 from loragen.adapters.save import adapter_config_for
 from loragen.adapters.summary import inspect_adapter
 from loragen.errors import AdapterError
-from loragen.registry import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, Layout, factor_suffixes
+from loragen.registry import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, Layout, PlainLayout, factor_suffixes
 from tests.adapters.helpers import CASES, make_model
 from tests.adapters.test_merge import main
 
@@ -32,7 +32,7 @@ def test_factor_keys_follow_the_registry(suffix: str, layout: Layout, index: int
 
 
 def test_a_new_layout_is_read_with_no_other_change(monkeypatch) -> None:
-    toy = Layout("plain", ("lora_down", "lora_up"), ("lora_down.weight", "lora_up.weight"))
+    toy = PlainLayout("toy", ("lora_down", "lora_up"), ("lora_down.weight", "lora_up.weight"))
     monkeypatch.setitem(LAYOUTS, "toy", toy)
     keys = [parse_adapter_key(f"base_model.model.net.{name}.weight") for name in ("lora_down", "lora_up")]
     assert all(k is not None and k.is_lora and k.module == "net" for k in keys)

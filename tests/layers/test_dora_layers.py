@@ -97,7 +97,9 @@ def test_outputs_and_gradients_equal_peft(case: str) -> None:
             )
             compared += 1
     layers = find_lora_layers(model)
-    assert compared == 3 * len(layers) and all(layer.use_dora for layer in layers.values())
+    assert compared == 3 * len(layers) and all(
+        "lora_magnitude_vector" in layer.lora_parameters() for layer in layers.values()
+    )
 
 
 class _FixedDropout(nn.Module):

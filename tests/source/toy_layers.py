@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loragen import LoraLayer
+from loragen.layers.adapter_set import LoraAdapter
 
 
 class ToyLinear(nn.Module):
@@ -24,7 +25,10 @@ class ToyLinear(nn.Module):
 
 
 class ToyLoraLinear(LoraLayer, ToyLinear):
-    """``ToyLinear`` with a LoRA branch. Its defaults differ from loragen's (rank 4, dropout 0.1)."""
+    """``ToyLinear`` with a LoRA branch. Its defaults differ from loragen's (rank 4, dropout 0.1).
+
+    It provides what :class:`loragen.LoraLayer` asks of a layer type, the factors' shapes and the adapter
+    term, and nothing else: the forward, several adapters, merging and disabling are loragen's."""
 
     def __init__(
         self,
@@ -44,9 +48,6 @@ class ToyLoraLinear(LoraLayer, ToyLinear):
         d_out, d_in = self.weight.shape
         return (self.r, d_in), (d_out, self.r)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ToyLinear.forward(self, x)
-        if self.merged:
-            return y
-        x = F.dropout(x, self.lora_dropout_p, self.training)
-        return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+    def _adapter_output(self, x: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
+        x = F.dropout(x, adapter.lora_dropout_p, self.training)
+        return F.linear(F.linear(x, adapter.factor_a), adapter.factor_b) * adapter.scaling
