@@ -33,7 +33,7 @@ shared.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +54,7 @@ from loragen.layers.adapter_set import (
 )
 from loragen.layers.cloning import clone_as, strip_to
 from loragen.layers.fast_paths import fast_output
+from loragen.layers.merge_guard import GUARD_ATTR, reading, without_guard, writing
 from loragen.layers.variants import LORA, Variant
 from loragen.registry import Layout, spec_for_lora_type
 from loragen.validation import InitMode
@@ -102,6 +103,7 @@ class LoraLayer(nn.Module, ABC):
         "active_adapter",
         "_mixed_route",
         "_merged_adapter",
+        GUARD_ATTR,
     )
     active_adapter: str | None = DEFAULT_ADAPTER
     fused: bool = True
@@ -118,6 +120,10 @@ class LoraLayer(nn.Module, ABC):
     use_rslora = _first_adapter_setting(
         "use_rslora", "Whether the first adapter uses rank-stabilised scaling."
     )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state copies and pickles carry: the merge guard (a lock) is left out; a copy makes its own."""
+        return without_guard(super().__getstate__())
 
     # ---- what a layer type provides --------------------------------------------------------------
 
@@ -279,6 +285,7 @@ class LoraLayer(nn.Module, ABC):
 
     # ---- forward ------------------------------------------------------------------------------------
 
+    @reading
     def forward(self, input: Tensor) -> Tensor:
         """``base(x)`` plus the running adapter's term (its variant's: plain LoRA adds
         ``scaling * B A dropout(x)``); a fused op where the layer type has one (:mod:`loragen.layers.fast_paths`)."""
@@ -319,6 +326,7 @@ class LoraLayer(nn.Module, ABC):
                 "it (torch.nn.utils.parametrize), so there is no stored weight to add the update to"
             )
 
+    @writing
     @torch.no_grad()
     def merge(self) -> None:
         """Add the active adapter into ``weight`` (its variant's merge; float32 math, rounded once). A no-op
@@ -332,6 +340,7 @@ class LoraLayer(nn.Module, ABC):
         self.__dict__["_merged_adapter"] = None if adapter is None else self.active_adapter
         self.merged = True
 
+    @writing
     @torch.no_grad()
     def unmerge(self) -> None:
         """Take the merged adapter out of ``weight`` again. A no-op if not merged.

@@ -34,6 +34,7 @@ from loragen.errors import LoraMergeError, RequantizationWarning
 from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import InitMode, LoraLayer
 from loragen.layers.linear import LoraLinearMixin
+from loragen.layers.merge_guard import writing
 from loragen.reference import lora_term
 
 __all__ = ["LoraLinear4bit", "LoraLinear8bitLt", "QuantizedLoraMixin", "RequantizationWarning"]
@@ -85,6 +86,7 @@ class QuantizedLoraMixin(LoraLinearMixin):
     def _check_mergeable(self) -> None:
         LoraLayer._check_mergeable(self)  # the probe of LoraLinearMixin cannot read a quantized weight
 
+    @writing
     @torch.no_grad()
     def merge(self) -> None:
         """Dequantize the weight, add the active adapter's ``scaling * B @ A`` in float32 and quantize the
@@ -117,6 +119,7 @@ class QuantizedLoraMixin(LoraLinearMixin):
             stacklevel=2,
         )
 
+    @writing
     @torch.no_grad()
     def unmerge(self) -> None:
         """Put back the quantized weight held before :meth:`merge`, bit for bit (peft instead

@@ -35,6 +35,7 @@ from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, lora_scalin
 from loragen.layers.base import LoraLayer, adapter_dtype_for
 from loragen.layers.cloning import clone_as, strip_to
 from loragen.layers.fast_paths import MIXED_ROUTE
+from loragen.layers.merge_guard import reading, writing
 from loragen.layers.variants import LORA, Variant
 from loragen.ops.experts import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
@@ -231,6 +232,7 @@ class LoraParametersLayer(LoraLayer):
 
     # ---- forward ----------------------------------------------------------------------------------
 
+    @reading
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward, reading ``W + scaling * B_e @ A_e`` for each targeted parameter ``W``.
 
@@ -280,6 +282,7 @@ class LoraParametersLayer(LoraLayer):
                     "parameter (a parametrization computes it, or it is quantized)"
                 )
 
+    @writing
     @torch.no_grad()
     def merge(self) -> None:
         """Add every target's ``scaling * B_e @ A_e`` into its parameter (float32 math, rounded once)."""
@@ -294,6 +297,7 @@ class LoraParametersLayer(LoraLayer):
         self.__dict__["_merged_adapter"] = self.adapter_name if active else None
         self.merged = True
 
+    @writing
     @torch.no_grad()
     def unmerge(self) -> None:
         """Subtract the updates again. A no-op if not merged."""
