@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TextIO, TypeVar
 
 from torch import nn
@@ -48,6 +48,8 @@ __all__ = [
     "resolve_target_modules",
     "effective_config",
     "set_submodule",
+    "add_conversion_hook",
+    "run_conversion_hooks",
 ]
 
 M = TypeVar("M", bound=nn.Module)
@@ -55,6 +57,21 @@ CONFIG_ATTR = "loragen_config"
 # several named adapters: {name: config}, the model's first adapter first (loragen.adapters.named)
 ADAPTER_CONFIGS_ATTR = "loragen_adapter_configs"
 _SHOWN_NAMES = 20
+# called with a model once it holds LoRA layers (end of mark_trainable, and whenever an adapter's config is
+# recorded): the layers above register here (transformers' adapter methods), convert cannot import them
+_CONVERSION_HOOKS: list[Callable[[nn.Module], None]] = []
+
+
+def add_conversion_hook(hook: Callable[[nn.Module], None]) -> None:
+    """Call ``hook(model)`` whenever a conversion or an adapter load finishes on ``model`` (once per hook)."""
+    if hook not in _CONVERSION_HOOKS:
+        _CONVERSION_HOOKS.append(hook)
+
+
+def run_conversion_hooks(model: nn.Module) -> None:
+    """Run every hook of :func:`add_conversion_hook` on ``model`` (a model with LoRA layers)."""
+    for hook in _CONVERSION_HOOKS:
+        hook(model)
 
 
 def find_lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
@@ -334,6 +351,7 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
                 p.requires_grad_(True)
     # the model is complete now: plan which LoRA linears share their input (sibling fusion)
     plan_siblings(model)
+    run_conversion_hooks(model)
 
 
 def get_lora_model(model: M, config: LoraConfig) -> M:
