@@ -125,7 +125,10 @@ _FUSED_FAMILIES = ("mixtral", "qwen2_moe")
 _FUSED_ENTRIES = (("gate.weight", 1), ("gate_up_proj", 2), ("down_proj", 1))
 # the transformers 4 module names peft's conversion moves from target_modules to those parameters, for
 # every module so named: dense layers' and shared experts' linears of these names drop out in peft
-_MOVED_NAMES = {"mixtral": ("gate", "w1", "w2", "w3"), "qwen2_moe": ("gate", "gate_proj", "up_proj", "down_proj")}
+_MOVED_NAMES = {
+    "mixtral": ("gate", "w1", "w2", "w3"),
+    "qwen2_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
+}
 
 
 def fused_expert_family(model: nn.Module) -> str | None:

@@ -192,7 +192,9 @@ def test_peft_loads_the_all_linear_adapter_with_equal_outputs(
 
 def test_all_linear_with_dropout_on_an_moe_model_says_why() -> None:
     with pytest.raises(loragen.LoraConfigError, match=r"all-linear.*fused expert parameters.*lora_dropout"):
-        loragen.get_lora_model(_make("mixtral"), loragen.LoraConfig(target_modules="all-linear", lora_dropout=0.1))
+        loragen.get_lora_model(
+            _make("mixtral"), loragen.LoraConfig(target_modules="all-linear", lora_dropout=0.1)
+        )
 
 
 def test_an_explicit_module_list_leaves_the_experts_out() -> None:

@@ -46,13 +46,17 @@ def test_each_unmatched_entry_warns_and_the_rest_converts() -> None:
     assert len(messages) == 2
     assert "'q_prj' matches no module of Block" in messages[0] and "attn.q_proj" in messages[0]
     assert "'k_prj'" in messages[1] and "strict_targets=True" in messages[1]
-    assert isinstance(model.attn.v_proj, loragen.LoraLinear) and not isinstance(model.attn.q_proj, loragen.LoraLinear)
+    assert isinstance(model.attn.v_proj, loragen.LoraLinear) and not isinstance(
+        model.attn.q_proj, loragen.LoraLinear
+    )
 
 
 def test_strict_targets_makes_it_an_error_and_changes_nothing() -> None:
     model = Block()
     config = loragen.LoraConfig(target_modules=["q_prj", "v_proj"], strict_targets=True)
-    with pytest.raises(loragen.LoraConversionError, match=r"\['q_prj'\] match no module of Block \(strict_targets=True\)"):
+    with pytest.raises(
+        loragen.LoraConversionError, match=r"\['q_prj'\] match no module of Block \(strict_targets=True\)"
+    ):
         loragen.get_lora_model(model, config)
     assert not any(isinstance(m, loragen.LoraLayer) for m in model.modules())
 

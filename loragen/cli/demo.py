@@ -27,7 +27,7 @@ to --output.
 Stage reports go to stdout; training progress to stderr (a bar on a terminal, a plain line every
 tenth of a phase when stderr is a pipe or a file). Exit status 0 when the fine-tune improved the
 rotated-digit accuracy and every check passed, 1 otherwise.
-Needs scikit-learn and matplotlib: pip install 'loragen[demo]'.
+Needs scikit-learn and matplotlib: pip install -e '.[demo]' (from the loragen checkout).
 """
 
 

@@ -74,7 +74,9 @@ def _keep_only_trainable_weights(folder: Path, model: nn.Module) -> None:
         save_file(trainable, str(tmp), metadata={"format": "pt"})
 
 
-_MISSING_PREFIX = "There were missing keys in the checkpoint model loaded: "  # Trainer._issue_warnings_after_load
+_MISSING_PREFIX = (
+    "There were missing keys in the checkpoint model loaded: "  # Trainer._issue_warnings_after_load
+)
 _TRAINER_LOGGER = "transformers.trainer"
 
 

@@ -202,7 +202,9 @@ class LoragenAdapterMethods:
         name = active_adapter(self._as_module())
         return [] if name is None else [name]
 
-    def get_adapter_state_dict(self, adapter_name: str | None = None, state_dict: Any = None) -> dict[str, Any]:
+    def get_adapter_state_dict(
+        self, adapter_name: str | None = None, state_dict: Any = None
+    ) -> dict[str, Any]:
         """The tensors of adapter ``adapter_name`` (default: the active one) under transformers' keys: peft's
         file keys without ``base_model.model.`` (``model.layers.0.self_attn.q_proj.lora_A.weight``).
 

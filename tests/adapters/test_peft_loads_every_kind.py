@@ -4,7 +4,6 @@ exactly peft's (nothing missing, nothing unexpected), the values arrive unchange
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +78,10 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict]] = {
             use_rslora=True,
         ),
     ),
-    "modules-to-save-and-bias": (_toy, dict(target_modules=["proj"], modules_to_save=["head"], bias="lora_only")),
+    "modules-to-save-and-bias": (
+        _toy,
+        dict(target_modules=["proj"], modules_to_save=["head"], bias="lora_only"),
+    ),
     "regex": (_toy, dict(target_modules=r"(proj|conv\d)")),
     "grouped-conv2d": (_grouped_toy, dict(target_modules=["conv2"])),
 }
@@ -87,13 +89,17 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict]] = {
 # (out, r / groups, 1, 1); loragen's layer holds A (r, in / groups, k, k), B (out, r, 1, 1): different factors
 _KNOWN = {
     "grouped-conv2d": pytest.mark.xfail(
-        strict=True, raises=RuntimeError, reason="grouped conv factors differ from peft's (loragen.layers.conv)"
+        strict=True,
+        raises=RuntimeError,
+        reason="grouped conv factors differ from peft's (loragen.layers.conv)",
     )
 }
 
 
 def _trained(make: Callable[[], nn.Module], fields: dict) -> nn.Module:
-    model = loragen.get_lora_model(make(), loragen.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **fields))
+    model = loragen.get_lora_model(
+        make(), loragen.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **fields)
+    )
     torch.manual_seed(7)
     with torch.no_grad():  # what training would change: every trainable tensor, biases and saved modules too
         for p in model.parameters():
@@ -127,7 +133,9 @@ def test_peft_loads_it_with_exactly_its_keys_and_equal_outputs(case: str, tmp_pa
 
 def test_several_adapters_load_in_peft_one_subfolder_each(tmp_path: Path) -> None:
     model = _trained(_toy, dict(target_modules=["proj", "conv1"]))
-    loragen.add_adapter(model, loragen.LoraConfig(r=2, target_modules=["proj", "emb"], init_lora_weights=False), "second")
+    loragen.add_adapter(
+        model, loragen.LoraConfig(r=2, target_modules=["proj", "emb"], init_lora_weights=False), "second"
+    )
     loragen.save_adapter(model, tmp_path)
     first = _out(model)
     loragen.set_adapter(model, "second")

@@ -153,9 +153,12 @@ def test_progress_bar_postfix_does_not_force_redraws() -> None:
     assert "100/100" in stream.getvalue()
 
 
-def test_progress_to_nowhere_writes_nothing() -> None:
-    with Progress("phase", 10, None) as progress:
-        progress.update(10, 0.5)  # no stream: nothing to fail on
+def test_progress_to_nowhere_writes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    # even asked for a bar: a bar without a stream would be tqdm's default, stderr
+    with Progress("phase", 10, None, interactive=True) as progress:
+        for step in range(1, 11):
+            progress.update(step, 0.5)
+    assert capsys.readouterr() == ("", "")
 
 
 # --- end to end -------------------------------------------------------------------------------------

@@ -73,7 +73,9 @@ def _base(kind: str) -> nn.Module:
 
 
 def _config(kind: str, **changes: object) -> loragen.LoraConfig:
-    return loragen.LoraConfig(r=4, lora_alpha=8, target_modules=MODELS[kind][1], init_lora_weights=False, **changes)
+    return loragen.LoraConfig(
+        r=4, lora_alpha=8, target_modules=MODELS[kind][1], init_lora_weights=False, **changes
+    )
 
 
 def _adapter_folder(kind: str, seed: int, folder: Path) -> Path:
@@ -162,7 +164,9 @@ def test_transformers_adapter_methods_act_on_loragen_adapters(way: str, kind: st
     torch.testing.assert_close(_logits(model), only_b)
 
     # get_adapter_state_dict: peft's file keys without base_model.model., the active adapter by default
-    expected = adapter_state_dict(model, loragen.adapters.save.adapter_config_for(model, "B"), adapter_name="B")
+    expected = adapter_state_dict(
+        model, loragen.adapters.save.adapter_config_for(model, "B"), adapter_name="B"
+    )
     got = model.get_adapter_state_dict()
     assert set(got) == {k.removeprefix(PEFT_PREFIX) for k in expected}
     for key, value in expected.items():
@@ -189,7 +193,9 @@ def test_save_pretrained_full_model_keeps_transformers_save(tmp_path: Path) -> N
 def test_loading_over_an_existing_name_is_refused_naming_the_loragen_call(tmp_path: Path) -> None:
     folder = _adapter_folder("llama", 1, tmp_path / "a")
     model = loragen.load_adapter(_base("llama"), folder)
-    with pytest.raises(loragen.AdapterNameError, match=r"holds an adapter 'default' already.*loragen\.load_adapter"):
+    with pytest.raises(
+        loragen.AdapterNameError, match=r"holds an adapter 'default' already.*loragen\.load_adapter"
+    ):
         model.load_adapter(str(folder))
     with pytest.raises(loragen.AdapterError, match="not a local adapter folder"):
         model.load_adapter("some-user/some-adapter", "hub")
@@ -201,7 +207,9 @@ def test_several_active_adapters_are_refused_naming_the_loragen_calls() -> None:
     model = loragen.get_lora_model(_base("llama"), _config("llama"))
     model.add_adapter(peft.LoraConfig(r=2, target_modules=["k_proj"]), "other")
     assert model.active_adapters() == ["other"]  # transformers' add_adapter activates the new adapter
-    with pytest.raises(loragen.AdapterError, match=r"several active adapters.*add_weighted_adapter.*mixed_batch"):
+    with pytest.raises(
+        loragen.AdapterError, match=r"several active adapters.*add_weighted_adapter.*mixed_batch"
+    ):
         model.set_adapter(["default", "other"])
     with pytest.raises(loragen.AdapterNameError, match="unknown adapter 'nope'"):
         model.set_adapter("nope")
