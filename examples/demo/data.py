@@ -42,7 +42,9 @@ def load_digits_domains(seed: int, test_fraction: float = 0.25) -> DigitsData:
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise DemoError("the demo needs scikit-learn: pip install -e '.[demo]' (from the loragen checkout)") from exc
+        raise DemoError(
+            "the demo needs scikit-learn: pip install -e '.[demo]' (from the loragen checkout)"
+        ) from exc
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
     labels = torch.tensor(digits.target, dtype=torch.int64)

@@ -16,7 +16,9 @@ from loragen.errors import LoraConfigError
 __all__ = ["register", "run"]
 
 DESCRIPTION = """\
-The main job end to end, offline, in about a minute on a laptop CPU (--quick: less than half of that):
+The main job end to end, offline. On a 2-core CPU shared with other work it takes about 5 minutes
+(--quick: about 2); a heavily loaded machine takes several times longer (--quick took 10 minutes with
+the load average at 20). The progress lines on stderr say how long is left. It will:
 rewrite the bundled model file (examples/digits_model.py) with `loragen rewrite` and show the diff;
 pretrain it on upright handwritten digits (scikit-learn's dataset); LoRA-fine-tune it on the same
 digits rotated by 90 degrees (LoRA on the convolutions and hidden layer, the head trained fully);

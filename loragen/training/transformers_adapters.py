@@ -42,7 +42,7 @@ import sys
 import weakref
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from torch import nn
 
@@ -278,7 +278,9 @@ class LoragenAdapterMethods:
             raise _refuse(where, "safe_serialization=False", "adapters are written as safetensors only")
         if not is_main_process:
             return
-        embedding = save_embedding_layers if isinstance(save_embedding_layers, bool) else "auto"
+        embedding: bool | Literal["auto"] = (
+            save_embedding_layers if isinstance(save_embedding_layers, bool) else "auto"
+        )
         save_adapter(
             self._as_module(),
             save_directory,
@@ -314,8 +316,7 @@ def _subclass_for(base: type) -> type:
 def _rebuild(base: type) -> nn.Module:
     """A bare instance of ``base``'s loragen subclass, for unpickling."""
     sub = _subclass_for(base)
-    model: nn.Module = sub.__new__(sub)
-    return model
+    return cast(nn.Module, object.__new__(sub))  # what pickle's copyreg.__newobj__ does for the class
 
 
 def install_adapter_methods(model: nn.Module) -> None:

@@ -61,7 +61,7 @@ def test_bench_layer_quick_prints_tables_progress_and_json_file(tmp_path, capsys
     assert [line.split(" of ")[0] for line in progress if "round " in line and "warm-up" not in line] == [
         f"bench: table 1: round {i}/3" for i in (1, 2, 3)
     ]
-    assert BENCHMARKS['layer'].quick_duration in captured.err
+    assert BENCHMARKS["layer"].quick_duration in captured.err
 
     report = json.loads(json_file.read_text())
     assert report["benchmark"] == "layer" and report["options"]["quick"] is True
