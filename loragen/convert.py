@@ -57,8 +57,8 @@ CONFIG_ATTR = "loragen_config"
 # several named adapters: {name: config}, the model's first adapter first (loragen.adapters.named)
 ADAPTER_CONFIGS_ATTR = "loragen_adapter_configs"
 _SHOWN_NAMES = 20
-# called with a model once it holds LoRA layers (end of mark_trainable, and whenever an adapter's config is
-# recorded): the layers above register here (transformers' adapter methods), convert cannot import them
+# called with a model once it holds LoRA layers (end of mark_trainable, end of a successful load_adapter):
+# the layers above register here (transformers' adapter methods), convert cannot import them
 _CONVERSION_HOOKS: list[Callable[[nn.Module], None]] = []
 
 

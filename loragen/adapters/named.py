@@ -34,7 +34,6 @@ from loragen.convert import (
     find_lora_layers,
     get_lora_model,
     resolve_target_modules,
-    run_conversion_hooks,
     set_submodule,
 )
 from loragen.errors import (
@@ -111,7 +110,6 @@ def record_config(model: nn.Module, name: str, config: LoraConfig) -> None:
     else:
         setattr(model, ADAPTER_CONFIGS_ATTR, configs)
     setattr(model, CONFIG_ATTR, next(iter(configs.values())))
-    run_conversion_hooks(model)  # e.g. transformers' adapter methods act on loragen's adapters from now on
 
 
 def require_adapter(model: nn.Module, name: object, what: str = "adapter") -> str:
