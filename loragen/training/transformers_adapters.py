@@ -247,8 +247,10 @@ class LoragenAdapterMethods:
         """Write the adapters to ``save_directory`` in peft's format, as ``PeftModel.save_pretrained`` does
         (``loragen.save_adapter``: the folder loads in ``PeftModel.from_pretrained`` and ``loragen.load_adapter``).
 
-        ``full_model=True``: transformers' own save of the whole model (every other keyword goes to it).
-        ``state_dict`` (the model's keys, e.g. Trainer's gathered state) supplies the tensors.
+        ``full_model=True``, or a model without LoRA layers (after ``loragen.merge_and_unload``, as peft's
+        ``merge_and_unload`` returns the plain model): transformers' own save of the whole model (every other
+        keyword goes to it). ``state_dict`` (the model's keys, e.g. Trainer's gathered state) supplies the
+        tensors.
 
         Raises:
             AdapterError: a keyword only the full-model save takes (``push_to_hub``, ``max_shard_size``,
@@ -256,7 +258,7 @@ class LoragenAdapterMethods:
         """
         from loragen.adapters.save import save_adapter
 
-        if full_model:
+        if full_model or not find_lora_layers(self._as_module()):
             base_save = super().save_pretrained  # type: ignore[misc]
             base_save(
                 save_directory,

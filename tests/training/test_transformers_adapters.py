@@ -190,6 +190,16 @@ def test_save_pretrained_full_model_keeps_transformers_save(tmp_path: Path) -> N
     assert (tmp_path / "model.safetensors").is_file() and not (tmp_path / "adapter_config.json").exists()
 
 
+def test_after_merge_and_unload_save_pretrained_writes_the_merged_model(tmp_path: Path) -> None:
+    model = loragen.get_lora_model(_base("llama"), _config("llama"))
+    merged_out = _logits(model)
+    loragen.merge_and_unload(model)
+    model.save_pretrained(tmp_path)  # as peft's merge_and_unload gives the plain model back
+    assert not (tmp_path / "adapter_config.json").exists()
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(_logits(reloaded), merged_out, rtol=1e-5, atol=1e-5)
+
+
 def test_loading_over_an_existing_name_is_refused_naming_the_loragen_call(tmp_path: Path) -> None:
     folder = _adapter_folder("llama", 1, tmp_path / "a")
     model = loragen.load_adapter(_base("llama"), folder)
