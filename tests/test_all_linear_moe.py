@@ -210,3 +210,17 @@ def test_a_dense_model_is_unchanged_by_the_expansion() -> None:
         transformers.LlamaForCausalLM(config), loragen.LoraConfig(target_modules="all-linear")
     )
     assert model.loragen_config == loragen.LoraConfig(target_modules="all-linear")
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_loragen_loads_what_peft_all_linear_saves(kind: str, tmp_path: Path) -> None:
+    base = _make(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = peft.get_peft_model(
+            copy.deepcopy(base), peft.LoraConfig(target_modules="all-linear", init_lora_weights=False)
+        )
+        twin.save_pretrained(str(tmp_path))
+    loaded = loragen.load_adapter(copy.deepcopy(base), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_tokens()).logits, twin(_tokens()).logits)
