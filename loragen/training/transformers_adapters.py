@@ -40,7 +40,8 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -138,7 +139,8 @@ class LoragenAdapterMethods:
                 f"{where}: the model holds an adapter {name!r} already; pass another adapter_name, or load new "
                 f"weights into it with loragen.load_adapter(model, {str(peft_model_id)!r}, adapter_name={name!r})"
             )
-        load_adapter(self._as_module(), peft_model_id, adapter_name=name, trainable=bool(is_trainable))
+        with _enabled_while(self._as_module()):
+            load_adapter(self._as_module(), peft_model_id, adapter_name=name, trainable=bool(is_trainable))
 
     def add_adapter(self, adapter_config: Any, adapter_name: str | None = None) -> None:
         """Add a fresh adapter ``adapter_name`` (default ``"default"``) and make it the active one, as
@@ -154,8 +156,9 @@ class LoragenAdapterMethods:
         name = adapter_name or "default"
         config = _lora_config(adapter_config, f"{type(self).__name__}.add_adapter")
         model = self._as_module()
-        add_adapter(model, config, name)
-        set_adapter(model, name)
+        with _enabled_while(model):
+            add_adapter(model, config, name)
+            set_adapter(model, name)
 
     def set_adapter(self, adapter_name: str | list[str]) -> None:
         """Make ``adapter_name`` the active adapter (its factors train, the others' are frozen).
@@ -175,7 +178,8 @@ class LoragenAdapterMethods:
                 "combine them into one with loragen.add_weighted_adapter(model, ...), or give each row its "
                 "adapter with loragen.mixed_batch(model, names)",
             )
-        set_adapter(self._as_module(), names[0])
+        with _enabled_while(self._as_module()):
+            set_adapter(self._as_module(), names[0])
 
     def disable_adapters(self) -> None:
         """Compute the base model exactly until :meth:`enable_adapters` (merged layers are unmerged and
@@ -229,8 +233,9 @@ class LoragenAdapterMethods:
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
         for name in names:
             require_adapter(model, name)
-        for name in names:
-            delete_adapter(model, name)
+        with _enabled_while(model):
+            for name in names:
+                delete_adapter(model, name)
 
     def save_pretrained(
         self,
@@ -301,6 +306,22 @@ class LoragenAdapterMethods:
 
     def _as_module(self) -> nn.Module:
         return cast(nn.Module, self)  # mixed only into transformers' nn.Module classes (_subclass_for)
+
+
+@contextmanager
+def _enabled_while(model: nn.Module) -> Iterator[None]:
+    """Adapters switched on for a change made while ``disable_adapters()`` is in force, and off again
+    after it: the disabled state restores what was active when it began, which the change may alter."""
+    context = _DISABLED.pop(model, None)
+    if context is None:
+        yield
+        return
+    context.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        if find_lora_layers(model):
+            LoragenAdapterMethods.disable_adapters(cast(Any, model))
 
 
 def _subclass_for(base: type) -> type:

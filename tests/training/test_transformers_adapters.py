@@ -183,6 +183,18 @@ def test_transformers_adapter_methods_act_on_loragen_adapters(way: str, kind: st
     torch.testing.assert_close(_logits(twin), only_b)
 
 
+def test_set_adapter_while_disabled_takes_effect_once_enabled(tmp_path: Path) -> None:
+    model = loragen.load_adapter(_base("llama"), _adapter_folder("llama", 1, tmp_path / "a"))
+    model.load_adapter(str(_adapter_folder("llama", 2, tmp_path / "b")), "B")
+    only_b = _logits(loragen.load_adapter(_base("llama"), tmp_path / "b"))
+    model.disable_adapters()
+    model.set_adapter("B")
+    torch.testing.assert_close(_logits(model), _logits(_base("llama")))  # still disabled
+    model.enable_adapters()
+    assert model.active_adapters() == ["B"]
+    torch.testing.assert_close(_logits(model), only_b)
+
+
 def test_save_pretrained_full_model_keeps_transformers_save(tmp_path: Path) -> None:
     model = loragen.get_lora_model(_base("llama"), _config("llama"))
     model.save_pretrained(tmp_path, full_model=True)
