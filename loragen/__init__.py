@@ -36,6 +36,10 @@ from loragen.errors import (
 )
 from loragen.layers import LoraConv1d, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear, register_layer
 
+# registers the hook that gives converted transformers models loragen's adapter methods (light: it imports
+# transformers only for a model that is a transformers model already)
+from loragen.training import transformers_adapters as _transformers_adapters  # noqa: F401
+
 __version__ = "0.1.0"
 
 # Heavier entry points (libcst, jinja2, safetensors) are imported on first use.

@@ -19,7 +19,7 @@ from loragen import validation
 from loragen.errors import LoraConfigError
 from loragen.validation import InitMode, check_alpha, check_dropout, check_flag, check_init, check_rank
 
-__all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "ALL_LINEAR", "FrozenDict"]
+__all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "TargetWarning", "ALL_LINEAR", "FrozenDict"]
 
 ALL_LINEAR = "all-linear"
 BiasMode = Literal["none", "all", "lora_only"]
@@ -79,6 +79,15 @@ class FrozenDict(dict):
 
 class LoraConfigWarning(UserWarning):
     """A peft configuration field loragen does not know was ignored."""
+
+
+class TargetWarning(LoraConfigWarning):
+    """An entry of ``target_modules`` matches no module of the model (``strict_targets=True``: an error)."""
+
+
+# LoraConfig fields of loragen's own: how loragen applies a config, not what the adapter is; to_peft leaves
+# them out (peft would warn about a field it does not know).
+_LORAGEN_ONLY_FIELDS = frozenset({"strict_targets"})
 
 
 def _freeze_names(field: str, value: Any) -> str | tuple[str, ...] | None:
@@ -195,6 +204,9 @@ class LoraConfig:
             name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.experts`).
         use_dora: DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude per output
             feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.dora`).
+        strict_targets: an entry of a ``target_modules`` list that matches no module is an error
+            (:class:`~loragen.errors.LoraConversionError`) instead of a :class:`TargetWarning`. loragen's own
+            switch: not written to ``adapter_config.json`` (peft has no such field).
 
     Raises:
         LoraConfigError: on any invalid value; the message names the field and the value.
@@ -216,6 +228,7 @@ class LoraConfig:
     fan_in_fan_out: bool = False
     target_parameters: Sequence[str] | None = None
     use_dora: bool = False
+    strict_targets: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -227,6 +240,7 @@ class LoraConfig:
         check_flag(self.use_rslora, "use_rslora")
         check_flag(self.fan_in_fan_out, "fan_in_fan_out")
         check_flag(self.use_dora, "use_dora")
+        check_flag(self.strict_targets, "strict_targets")
         check_init(self.init_lora_weights)
         set_(self, "target_parameters", validation.check_parameter_targets(self.target_parameters, self))
         for name in ("target_modules", "exclude_modules"):
@@ -345,6 +359,21 @@ class LoraConfig:
                     break
         return None if m is None else int(m.group("idx"))
 
+    def unmatched_entries(self, paths: Iterable[str]) -> tuple[str, ...]:
+        """The entries of a ``target_modules`` list that select none of the module ``paths`` (peft's rule, with
+        ``exclude_modules``, ``modules_to_save`` and ``layers_to_transform`` applied); ``()`` for a regex
+        string, ``"all-linear"`` or None (those match as a whole). The runtime converter and
+        ``loragen rewrite`` report these."""
+        targets = self.target_modules
+        if targets is None or isinstance(targets, str):
+            return ()
+        remaining = list(targets)
+        for path in paths:
+            if not remaining:
+                break
+            remaining = [entry for entry in remaining if not self.matches_target(path, (entry,))]
+        return tuple(remaining)
+
     def is_module_to_save(self, path: str) -> bool:
         """Whether the module at ``path`` is listed in ``modules_to_save`` (exact name or dotted suffix)."""
         return bool(self.modules_to_save) and _name_matches(tuple(self.modules_to_save or ()), path)
@@ -368,6 +397,8 @@ class LoraConfig:
             "inference_mode": True,
         }
         for f in dataclasses.fields(self):
+            if f.name in _LORAGEN_ONLY_FIELDS:
+                continue
             value = getattr(self, f.name)
             if isinstance(value, tuple):
                 value = list(value)

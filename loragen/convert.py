@@ -10,18 +10,24 @@ rewritten by ``loragen rewrite`` or expanded by ``@lora_convert``).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from typing import TextIO, TypeVar
 
 from torch import nn
 
-from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.config import ALL_LINEAR, LoraConfig, TargetWarning
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
 from loragen.layers.experts import lora_parameters_class
 from loragen.ops.sibling_plan import plan_siblings
-from loragen.parameter_targets import plan_parameters, targeted_parameters
+from loragen.parameter_targets import (
+    expand_all_linear,
+    linear_weight_only,
+    plan_parameters,
+    targeted_parameters,
+)
 from loragen.registry import refusal_for, spec_for, supported_type_names
 
 __all__ = [
@@ -40,7 +46,10 @@ __all__ = [
     "count_parameters",
     "print_trainable_parameters",
     "resolve_target_modules",
+    "effective_config",
     "set_submodule",
+    "add_conversion_hook",
+    "run_conversion_hooks",
 ]
 
 M = TypeVar("M", bound=nn.Module)
@@ -48,6 +57,21 @@ CONFIG_ATTR = "loragen_config"
 # several named adapters: {name: config}, the model's first adapter first (loragen.adapters.named)
 ADAPTER_CONFIGS_ATTR = "loragen_adapter_configs"
 _SHOWN_NAMES = 20
+# called with a model once it holds LoRA layers (end of mark_trainable, end of a successful load_adapter):
+# the layers above register here (transformers' adapter methods), convert cannot import them
+_CONVERSION_HOOKS: list[Callable[[nn.Module], None]] = []
+
+
+def add_conversion_hook(hook: Callable[[nn.Module], None]) -> None:
+    """Call ``hook(model)`` whenever a conversion or an adapter load finishes on ``model`` (once per hook)."""
+    if hook not in _CONVERSION_HOOKS:
+        _CONVERSION_HOOKS.append(hook)
+
+
+def run_conversion_hooks(model: nn.Module) -> None:
+    """Run every hook of :func:`add_conversion_hook` on ``model`` (a model with LoRA layers)."""
+    for hook in _CONVERSION_HOOKS:
+        hook(model)
 
 
 def find_lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
@@ -103,6 +127,48 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[
     )
 
 
+def effective_config(model: nn.Module, config: LoraConfig) -> LoraConfig:
+    """The config ``model`` is converted with: ``config``, with what ``all-linear`` adds on a transformers 5
+    MoE model made explicit (the fused expert parameters and the router, as peft adds them; see
+    :func:`loragen.parameter_targets.expand_all_linear`). The model keeps this one, and saves it.
+
+    Raises:
+        LoraConfigError: ``all-linear`` would add parameters this config cannot adapt (``lora_dropout`` ...).
+    """
+    if config.target_modules != ALL_LINEAR:
+        return config
+    linear = resolve_target_modules(model, config)
+    return expand_all_linear(model, config, set(linear))
+
+
+def _report_unmatched(model: nn.Module, config: LoraConfig, planned: bool) -> None:
+    """Warn about (``strict_targets``: refuse) each ``target_modules`` entry that matches no module.
+
+    When nothing at all is planned the caller's "matched no module" error says it already.
+    """
+    unmatched = config.unmatched_entries(path for path, _ in model.named_modules() if path)
+    if not unmatched:
+        return
+    hint = (
+        "an entry matches a module path exactly or as a dotted suffix (peft's rule). "
+        f"{type(model).__name__}'s modules include: {_module_name_sample(model)}"
+    )
+    if config.strict_targets:
+        raise LoraConversionError(
+            f"target_modules entries {list(unmatched)!r} match no module of {type(model).__name__} "
+            f"(strict_targets=True); {hint}"
+        )
+    if not planned:
+        return
+    for entry in unmatched:
+        warnings.warn(
+            f"target_modules entry {entry!r} matches no module of {type(model).__name__}; {hint}. "
+            "LoraConfig(strict_targets=True) makes this an error",
+            TargetWarning,
+            stacklevel=4,
+        )
+
+
 def _module_name_sample(model: nn.Module) -> str:
     leaves = [name for name, m in model.named_modules() if name and not list(m.children())]
     shown = ", ".join(leaves[:_SHOWN_NAMES])
@@ -113,10 +179,14 @@ def _module_name_sample(model: nn.Module) -> str:
 def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
     """The modules ``config`` targets in ``model``, by path, without changing anything.
 
+    An entry of a ``target_modules`` list that matches no module while others do is reported with a
+    :class:`~loragen.config.TargetWarning` per entry (peft is silent there).
+
     Raises:
         LoraConversionError: the model already has LoRA layers; a targeted module's type is not
-            supported (every such path and type is listed, with the supported types); or nothing matches
-            (the patterns are repeated and some of the model's module names shown).
+            supported (every such path and type is listed, with the supported types); nothing matches
+            (the patterns are repeated and some of the model's module names shown); or, with
+            ``strict_targets=True``, some entry of a ``target_modules`` list matches nothing.
     """
     existing = find_lora_layers(model)
     if existing:
@@ -140,7 +210,11 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
             unsupported.append(f"{path} ({type(module).__module__}.{type(module).__qualname__})")
         else:
             planned[path] = module
-    parameters = plan_parameters(model, config)
+    parameters = {
+        path: names
+        for path, names in plan_parameters(model, config).items()
+        if not (path in planned and linear_weight_only(planned[path], config, names))
+    }
     both = sorted(set(parameters) & set(planned))
     if both:
         raise LoraConversionError(
@@ -154,6 +228,7 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
             + "; ".join(refused)
             + ". Narrow target_modules (or add these to exclude_modules)"
         )
+    _report_unmatched(model, config, bool(planned) or bool(unsupported))
     if unsupported:
         raise LoraConversionError(
             "target_modules matched modules loragen cannot adapt: "
@@ -187,7 +262,7 @@ def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLaye
         LoraConversionError: the module's type is not supported, or a per-module value is invalid.
     """
     names = targeted_parameters(module, path, config)
-    if names:
+    if names and not linear_weight_only(module, config, names):
         targets = {
             name: (config.rank_for(f"{path}.{name}"), config.alpha_for(f"{path}.{name}")) for name in names
         }
@@ -276,6 +351,7 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
                 p.requires_grad_(True)
     # the model is complete now: plan which LoRA linears share their input (sibling fusion)
     plan_siblings(model)
+    run_conversion_hooks(model)
 
 
 def get_lora_model(model: M, config: LoraConfig) -> M:
@@ -285,6 +361,8 @@ def get_lora_model(model: M, config: LoraConfig) -> M:
     and bias (no copy; a base checkpoint still loads into the model). All parameters are frozen except
     the LoRA factors, the modules in ``modules_to_save`` (trained fully: hybrid LoRA + full fine-tuning)
     and the biases selected by ``bias``. The config is kept as ``model.loragen_config`` for saving.
+    ``all-linear`` on a transformers 5 MoE model also adapts the fused expert parameters and the router,
+    as peft does (the kept config lists them: :func:`effective_config`).
 
     A model that already contains LoRA layers is refused (see :func:`plan_conversion`): loragen keeps one
     adapter per layer, and stacking a second silently is never what a user meant.
@@ -292,12 +370,14 @@ def get_lora_model(model: M, config: LoraConfig) -> M:
     Raises:
         TypeError: ``config`` is not a :class:`~loragen.config.LoraConfig`.
         LoraConversionError: see :func:`plan_conversion`; nothing is changed when it raises.
+        LoraConfigError: see :func:`effective_config`.
     """
     if not isinstance(config, LoraConfig):
         raise TypeError(
             f"config must be a loragen.LoraConfig, got {type(config).__name__}; "
             "for a peft config use LoraConfig.from_peft(peft_config.to_dict())"
         )
+    config = effective_config(model, config)
     planned = plan_conversion(model, config)
     # build every LoRA layer before replacing any, so a failure leaves the model untouched
     replacements = {path: convert_module(module, config, path) for path, module in planned.items()}

@@ -10,18 +10,37 @@ peft wraps each targeted parameter of a module in a ``ParamWrapper``, the first 
 registration order innermost; an adapter file therefore names the factors of the ``k``-th of ``n``
 targeted parameters of a module ``<module>{".base_layer" * (n - 1 - k)}.lora_A.weight``.
 :func:`peft_infix` gives that infix.
+
+``all-linear`` on a transformers 5 MoE model: transformers 4 stored each expert and the router as
+``nn.Linear`` layers; transformers 5 fuses the experts into 3-D parameters (``experts.gate_up_proj``,
+``experts.down_proj``) and makes the router a module of its own with a ``weight``. peft 0.21 keeps
+``all-linear`` meaning what it meant on transformers 4 for the model types whose checkpoints transformers
+converts this way: it also targets those parameters, ``gate_up_proj`` (two linears fused) at twice the
+rank and twice the alpha (the same scaling). :func:`all_linear_parameters` gives the entries and
+:func:`expand_all_linear` the config loragen converts with (see ``loragen.convert``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Collection, Iterable, Mapping
 
 from torch import nn
 
 from loragen.config import LoraConfig
-from loragen.errors import LoraConversionError
+from loragen.errors import LoraConfigError, LoraConversionError
+from loragen.registry import spec_for
 
-__all__ = ["name_matches", "targeted_parameters", "plan_parameters", "peft_infix"]
+__all__ = [
+    "name_matches",
+    "targeted_parameters",
+    "plan_parameters",
+    "peft_infix",
+    "fused_expert_family",
+    "all_linear_parameters",
+    "expand_all_linear",
+    "linear_weight_only",
+]
 
 _SHOWN = 12
 
@@ -97,3 +116,117 @@ def peft_infix(names: Mapping[str, object] | Iterable[str], name: str) -> str:
     module (in registration order): ``""`` for the last (outermost wrapper), one more per earlier one."""
     order = list(names)
     return "base_layer." * (len(order) - 1 - order.index(name))
+
+
+# transformers' checkpoint-conversion families whose experts and router were nn.Linear layers before
+# transformers 5 (peft converts exactly these for ``all-linear``); ``mixtral`` is its own family.
+_FUSED_FAMILIES = ("mixtral", "qwen2_moe")
+# (parameter entry, how many transformers 4 linears it fuses): the router's weight, the experts' stacks.
+_FUSED_ENTRIES = (("gate.weight", 1), ("gate_up_proj", 2), ("down_proj", 1))
+# the transformers 4 module names peft's conversion moves from target_modules to those parameters, for
+# every module so named: dense layers' and shared experts' linears of these names drop out in peft
+_MOVED_NAMES = {
+    "mixtral": ("gate", "w1", "w2", "w3"),
+    "qwen2_moe": ("gate", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def fused_expert_family(model: nn.Module) -> str | None:
+    """The transformers conversion family (``"mixtral"`` or ``"qwen2_moe"``) of ``model`` when it is a
+    transformers 5 MoE model whose experts and router were linear layers before, else None.
+
+    Read from ``model.config.model_type`` and transformers' own conversion table (the table peft reads);
+    None when transformers is not imported (then the model is not a transformers model).
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model_type, str) or "transformers" not in sys.modules:
+        return None
+    if model_type in _FUSED_FAMILIES:
+        return model_type
+    try:
+        from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as table
+    except ImportError:  # a transformers without the table (4.x) has no fused experts either
+        return None
+    family = table.get(model_type)
+    return family if family in _FUSED_FAMILIES else None
+
+
+def all_linear_parameters(model: nn.Module, linear_paths: Collection[str]) -> tuple[tuple[str, int], ...]:
+    """``(target_parameters entry, fused count)`` that ``all-linear`` adds on ``model`` (see the module
+    docstring): an entry is listed when it selects a 2-D or 3-D parameter of a module that is not already
+    one of the ``linear_paths`` ``all-linear`` adapts as a module. Empty for every other model."""
+    if fused_expert_family(model) is None:
+        return ()
+    found: dict[str, int] = {}
+    for path, module in model.named_modules():
+        if not path or path in linear_paths:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            key = f"{path}.{name}"
+            for entry, count in _FUSED_ENTRIES:
+                if param.dim() in (2, 3) and name_matches((entry,), key):
+                    found[entry] = count
+    return tuple((entry, count) for entry, count in _FUSED_ENTRIES if entry in found)
+
+
+def expand_all_linear(model: nn.Module, config: LoraConfig, linear_paths: Collection[str]) -> LoraConfig:
+    """``config`` with the parameters peft's ``all-linear`` adds on ``model`` made explicit.
+
+    The entries of :func:`all_linear_parameters` join ``target_parameters``; a parameter fusing ``k``
+    linears gets ``rank_pattern`` / ``alpha_pattern`` entries ``r * k`` / ``lora_alpha * k`` under the key
+    peft writes (``.*\\.gate_up_proj``), after the user's own keys (which keep precedence). The result
+    written to ``adapter_config.json`` converts the same way again, in loragen and in peft. Any other
+    config (not ``all-linear``, not such a model, or already expanded) is returned unchanged.
+
+    loragen keeps the linear layers peft's conversion drops from ``all-linear`` (a dense first layer's or
+    the shared experts' ``gate_proj`` / ``up_proj`` / ``down_proj``): their weights are listed by full name
+    (``model.layers.0.mlp.gate_proj.weight``) too, which peft adapts with the same keys, shapes and
+    outputs as loragen's ``LoraLinear`` there; loragen converts them as modules
+    (:func:`linear_weight_only`).
+
+    Raises:
+        LoraConfigError: the config cannot adapt parameters (``lora_dropout``, ``use_dora``,
+            ``fan_in_fan_out``; peft refuses these too); the message says what ``all-linear`` adds here.
+    """
+    if config.target_modules != "all-linear":
+        return config
+    added = all_linear_parameters(model, linear_paths)
+    if not added:
+        return config
+    entries = list(config.target_parameters or ())
+    moved = _MOVED_NAMES[fused_expert_family(model) or "mixtral"]
+    for path in sorted(linear_paths):
+        if path.rpartition(".")[2] in moved and f"{path}.weight" not in entries:
+            entries.append(f"{path}.weight")
+    ranks = dict(config.rank_pattern)
+    alphas = dict(config.alpha_pattern)
+    for entry, count in added:
+        if entry not in entries:
+            entries.append(entry)
+        if count > 1:
+            key = rf".*\.{entry}"
+            ranks.setdefault(key, config.r * count)
+            alphas.setdefault(key, config.lora_alpha * count)
+    if (
+        tuple(entries) == tuple(config.target_parameters or ())
+        and ranks == dict(config.rank_pattern)
+        and alphas == dict(config.alpha_pattern)
+    ):
+        return config
+    try:
+        return config.replace(target_parameters=entries, rank_pattern=ranks, alpha_pattern=alphas)
+    except LoraConfigError as exc:
+        family = fused_expert_family(model)
+        raise LoraConfigError(
+            f"target_modules='all-linear' on {type(model).__name__} (a {family}-family MoE model) also adapts the "
+            f"fused expert parameters {[e for e, _ in added]}, as peft does: {exc}. Or list the linear modules "
+            "to adapt instead of 'all-linear' (the experts are then left out)"
+        ) from None
+
+
+def linear_weight_only(module: nn.Module, config: LoraConfig, names: tuple[str, ...]) -> bool:
+    """Whether the targeted parameters ``names`` of ``module`` are a linear layer's ``weight`` that
+    ``all-linear`` adapts as a module anyway (:func:`expand_all_linear` lists such weights for peft): the
+    same adapter either way, converted as a module."""
+    spec = spec_for(module)
+    return config.target_modules == "all-linear" and names == ("weight",) and spec is not None and spec.linear

@@ -37,12 +37,14 @@ def load_digits_domains(seed: int, test_fraction: float = 0.25) -> DigitsData:
     """scikit-learn's 1,797 handwritten digits, split (seeded) into train and test, in both domains.
 
     Raises:
-        DemoError: scikit-learn is not installed (``pip install 'loragen[demo]'``).
+        DemoError: scikit-learn is not installed (``pip install -e '.[demo]'`` from the loragen checkout).
     """
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise DemoError("the demo needs scikit-learn: pip install 'loragen[demo]'") from exc
+        raise DemoError(
+            "the demo needs scikit-learn: pip install -e '.[demo]' (from the loragen checkout)"
+        ) from exc
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
     labels = torch.tensor(digits.target, dtype=torch.int64)

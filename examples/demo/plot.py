@@ -33,7 +33,7 @@ def plot_training(base_log: TrainLog, lora_log: TrainLog, options: DemoOptions, 
     (pretraining on upright digits, LoRA fine-tuning on rotated digits) are shaded and labelled.
 
     Raises:
-        DemoError: matplotlib is not installed (``pip install 'loragen[demo]'``).
+        DemoError: matplotlib is not installed (``pip install -e '.[demo]'`` from the loragen checkout).
     """
     try:
         import matplotlib
@@ -41,7 +41,9 @@ def plot_training(base_log: TrainLog, lora_log: TrainLog, options: DemoOptions, 
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
     except ImportError as exc:
-        raise DemoError("the demo needs matplotlib: pip install 'loragen[demo]'") from exc
+        raise DemoError(
+            "the demo needs matplotlib: pip install -e '.[demo]' (from the loragen checkout)"
+        ) from exc
 
     offset = len(base_log.losses)
     end = offset + len(lora_log.losses)

@@ -32,6 +32,7 @@ from loragen.convert import (
     find_lora_layers,
     mark_trainable,
     plan_conversion,
+    run_conversion_hooks,
     set_submodule,
 )
 from loragen.errors import AdapterError
@@ -293,4 +294,5 @@ def load_adapter(
         if added:
             delete_adapter(model, adapter_name)
         raise
+    run_conversion_hooks(model)  # only once the load succeeded (e.g. transformers' adapter methods)
     return model

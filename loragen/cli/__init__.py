@@ -11,8 +11,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from loragen import __version__
+from loragen.cli.flags import command_parser, flag_hints
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -26,9 +28,27 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors name the option an unknown flag was probably meant to be.
+
+    Subcommand parsers are made with the parent's class, so every subcommand gets it; each remembers the
+    arguments it was given to find the unknown flags when it reports an error (a missing required option
+    is often a misspelt one).
+    """
+
+    _given: tuple[str, ...] = ()
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._given = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + flag_hints(self, self._given))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``loragen`` argument parser with every available subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="loragen",
         description="Convert PyTorch models into LoRA models, train them fast, read and write peft adapters.",
     )
@@ -43,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``loragen`` command line; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    tokens = sys.argv[1:] if argv is None else list(argv)
+    args, extras = parser.parse_known_args(tokens)
+    if extras:
+        # argparse reports a subcommand's unknown flag with the top-level usage: report it with the
+        # subcommand's own usage, and the option it was probably meant to be
+        command = command_parser(parser, tokens)
+        command.error(f"unrecognized arguments: {' '.join(extras)}")
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2

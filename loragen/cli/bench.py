@@ -2,7 +2,7 @@
 
 The benchmark code lives in the repository's ``benchmarks/`` folder and ships in the wheel as
 ``loragen._benchmarks``; a source checkout's ``benchmarks/`` is used when the package has none. peft
-and transformers come with the ``bench`` extra (``pip install 'loragen[bench]'``).
+and transformers come with the ``bench`` extra (``pip install -e '.[bench]'`` from the loragen checkout).
 """
 
 from __future__ import annotations
@@ -39,23 +39,26 @@ class Benchmark(NamedTuple):
     quick_duration: str
 
 
-# Durations on an otherwise idle 2-core CPU (this project's machines, BENCHMARKS.md's runs scaled to the
-# default rounds); a loaded machine takes several times longer, and the progress lines say how long.
+# Wall-clock durations on a 2-core CPU, start-up included (importing torch, transformers and peft takes
+# 10-20 s on an idle machine). Default sizes: BENCHMARKS.md's runs on an idle machine scaled to the default
+# rounds. --quick: measured (`loragen bench NAME --quick`), 27-47 s with the two cores loaded, 2-4 min with
+# them shared by many processes (load ~15), of which the benchmark itself took 30-70 s.
+_QUICK = "under 1 min on an idle machine, up to 4 min on a heavily shared one"
 BENCHMARKS: dict[str, Benchmark] = {
     "layer": Benchmark(
         "one nn.Linear(4096, 4096), 4096 tokens, dropout 0 and 0.1: forward + backward",
         "about 6 min",
-        "about 10 s",
+        _QUICK,
     ),
     "llama": Benchmark(
         "tiny Llama from config, batch 4 x 256, r=16 on q,k,v,o,gate,up,down: AdamW training step",
         "about 3 min",
-        "about 10 s",
+        _QUICK,
     ),
     "decoder": Benchmark(
         "one decoder layer of that Llama: forward + backward, with and without sibling fusion",
         "about 2 min",
-        "about 10 s",
+        _QUICK,
     ),
 }
 
@@ -69,10 +72,11 @@ saves for backward (parameters and buffers left out; the frozen base is measured
 "saved / X" column appears only where X saves something). Not a test: figures depend on the machine and
 its load. A progress line per round goes to stderr, with the time left.
 
-Needs peft and transformers: pip install 'loragen[bench]'.
+Needs peft and transformers: pip install -e '.[bench]' (from the loragen checkout).
 
-benchmarks (expected duration on an idle 2-core CPU at the default sizes -- a loaded machine takes
-longer, the progress lines say how long; --quick: tiny sizes, 3 rounds):
+benchmarks (expected wall-clock duration on a 2-core CPU, start-up included: at the default sizes on
+an idle machine -- a loaded one takes several times longer, the progress lines say how long; --quick:
+tiny sizes, 3 rounds):
 {table}
 """
 
@@ -137,10 +141,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             name,
             help=f"{bench.summary} ({bench.duration}; --quick {bench.quick_duration})",
             description=textwrap.fill(
-                f"{bench.summary}. Expected duration on an idle 2-core CPU: {bench.duration} at the default "
-                f"sizes, {bench.quick_duration} with --quick (a loaded machine takes longer). A progress line "
-                "per round goes to stderr, with the time left. Needs peft and transformers: "
-                "pip install 'loragen[bench]'.",
+                f"{bench.summary}. Expected wall-clock duration on a 2-core CPU, start-up included: "
+                f"{bench.duration} at the default sizes on an idle machine (a loaded one takes several times "
+                f"longer); with --quick {bench.quick_duration}. A progress line per round goes to stderr, "
+                "with the time left. Needs peft and transformers: "
+                "pip install -e '.[bench]' (from the loragen checkout).",
                 width=100,
             ),
         )
@@ -188,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(
             f"loragen bench needs peft and transformers; missing: {', '.join(missing)}.\n"
-            "Install them with: pip install 'loragen[bench]'",
+            "Install them with: pip install -e '.[bench]' (from the loragen checkout)",
             file=sys.stderr,
         )
         return 1
@@ -204,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     bench = BENCHMARKS[args.benchmark]
     expected = bench.quick_duration if getattr(args, "quick", False) else bench.duration
-    print(f"loragen bench {args.benchmark}: expected {expected} on an idle 2-core CPU", file=sys.stderr)
+    print(f"loragen bench {args.benchmark}: expected on a 2-core CPU: {expected}", file=sys.stderr)
     start = time.perf_counter()
     with harness.recording(progress=sys.stderr) as record:
         text = module.run(args)

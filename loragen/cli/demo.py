@@ -16,7 +16,9 @@ from loragen.errors import LoraConfigError
 __all__ = ["register", "run"]
 
 DESCRIPTION = """\
-The main job end to end, offline, in about a minute on a laptop CPU (--quick: less than half of that):
+The main job end to end, offline. On a 2-core CPU shared with other work it takes about 5 minutes
+(--quick: about 2); a heavily loaded machine takes several times longer (--quick took 10 minutes with
+the load average at 20). The progress lines on stderr say how long is left. It will:
 rewrite the bundled model file (examples/digits_model.py) with `loragen rewrite` and show the diff;
 pretrain it on upright handwritten digits (scikit-learn's dataset); LoRA-fine-tune it on the same
 digits rotated by 90 degrees (LoRA on the convolutions and hidden layer, the head trained fully);
@@ -27,7 +29,7 @@ to --output.
 Stage reports go to stdout; training progress to stderr (a bar on a terminal, a plain line every
 tenth of a phase when stderr is a pipe or a file). Exit status 0 when the fine-tune improved the
 rotated-digit accuracy and every check passed, 1 otherwise.
-Needs scikit-learn and matplotlib: pip install 'loragen[demo]'.
+Needs scikit-learn and matplotlib: pip install -e '.[demo]' (from the loragen checkout).
 """
 
 

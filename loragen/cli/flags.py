@@ -8,12 +8,21 @@ The LoRA flags carry peft's field names (``--r``, ``--lora-alpha``, ``--lora-dro
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
+from collections.abc import Sequence
 
 from loragen.errors import LoraConfigError
 from loragen.validation import check_dropout
 
-__all__ = ["add_lora_arguments", "finite_float", "positive_int", "probability"]
+__all__ = [
+    "add_lora_arguments",
+    "finite_float",
+    "positive_int",
+    "probability",
+    "command_parser",
+    "flag_hints",
+]
 
 
 def positive_int(text: str) -> int:
@@ -83,3 +92,39 @@ def add_lora_arguments(
         metavar="P",
         help=f"dropout on the LoRA branch's input{dropout_text}",
     )
+
+
+def command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser ``argv`` selects (``loragen bench llama ...``: bench's ``llama``)."""
+    tokens = list(argv)
+    while True:
+        subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = None
+        for action in subcommands:
+            for index, token in enumerate(tokens):
+                if token in action.choices:
+                    chosen = action.choices[token]
+                    tokens = tokens[index + 1 :]
+                    break
+            if chosen is not None:
+                break
+        if chosen is None:
+            return parser
+        parser = chosen
+
+
+def flag_hints(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> str:
+    """``"; --rank: did you mean --r?"`` for each flag in ``tokens`` that is not one of ``parser``'s options
+    (nor an abbreviation argparse accepts) but close to one (difflib); ``""`` when there is none."""
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    hints = []
+    for token in tokens:
+        if not token.startswith("--") or token == "--":
+            continue
+        name = token.split("=", 1)[0]
+        if any(option.startswith(name) for option in options):
+            continue  # an option, or a prefix argparse expands
+        close = difflib.get_close_matches(name, options, n=2, cutoff=0.6)
+        if close:
+            hints.append(f"{name}: did you mean {' or '.join(close)}?")
+    return "".join(f"; {hint}" for hint in dict.fromkeys(hints))

@@ -17,7 +17,7 @@ function       the autograd Function and :func:`lora_linear_cuda`
 optim          the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
 ============== ==============================================================================
 
-cuda-python is an optional extra (``pip install 'loragen[cuda]'``). Nothing here imports
+cuda-python is an optional extra (``pip install -e '.[cuda]'`` from the loragen checkout). Nothing here imports
 ``cuda.bindings`` or touches the driver unless :func:`is_available` is true and a CUDA tensor arrives;
 compiling (``nvrtc``) needs no GPU and no driver.
 """

@@ -32,7 +32,7 @@ NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", "--ptxas-options=-v")
 
 
 class NvrtcUnavailableError(ImportError):
-    """cuda-python's NVRTC bindings (``pip install loragen[cuda]``) are not installed or cannot load."""
+    """cuda-python's NVRTC bindings (``pip install -e '.[cuda]'`` from the loragen checkout) are not installed or cannot load."""
 
 
 class KernelCompileError(RuntimeError):
@@ -85,7 +85,7 @@ def _nvrtc() -> ModuleType:
         from cuda.bindings import nvrtc
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise NvrtcUnavailableError(
-            "loragen.cuda needs cuda-python's NVRTC bindings: pip install 'loragen[cuda]' "
+            "loragen.cuda needs cuda-python's NVRTC bindings: pip install -e '.[cuda]' (from the loragen checkout) "
             "(cuda-bindings, nvidia-cuda-nvrtc)"
         ) from exc
     return nvrtc

@@ -112,19 +112,15 @@ class Targets:
 
     def unmatched(self) -> tuple[str, ...]:
         """The entries of ``target_modules`` that select no layer field of the file under any context:
-        list entries by name, or the whole regex / ``"all-linear"`` string."""
+        list entries by name (:meth:`LoraConfig.unmatched_entries`, the rule the runtime converter warns
+        with), or the whole regex / ``"all-linear"`` string."""
         targets = self.config.target_modules
         if targets is None:
             return ()
-        entries: tuple[str | None, ...] = (None,) if isinstance(targets, str) else tuple(targets)
-        found = [
-            entry
-            for entry in entries
-            if not any(self.matches(f, path, entry) for f in self.result.fields for _, path in self.paths(f))
-        ]
         if isinstance(targets, str):
-            return (targets,) if found else ()
-        return tuple(str(entry) for entry in found)
+            hit = any(self.matches(f, path) for f in self.result.fields for _, path in self.paths(f))
+            return () if hit else (targets,)
+        return self.config.unmatched_entries(path for f in self.result.fields for _, path in self.paths(f))
 
     def decide(self, field: LayerField) -> Decision:
         config = self.config

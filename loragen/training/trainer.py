@@ -7,19 +7,30 @@ callback adds the adapter in peft's format (``adapter_config.json`` + ``adapter_
 ``loragen.save_adapter`` writes) next to Trainer's files in every checkpoint, so each checkpoint can be
 loaded with ``loragen.load_adapter`` or ``peft.PeftModel.from_pretrained``.
 
-With ``adapter_only=True`` checkpoints stay small: the callback replaces the full-model weights Trainer
-wrote into the checkpoint with a ``model.safetensors`` that holds only what trains (the LoRA factors,
-``modules_to_save``, trained biases) under the model's own parameter names. The optimizer, scheduler and
-trainer state stay as Trainer wrote them. ``trainer.train(resume_from_checkpoint=...)`` works either way:
-Trainer loads the weights file it finds (non-strictly, so the frozen base weights the small file leaves
-out stay as they are in the model).
+On a transformers model ``save_pretrained`` writes the adapter (peft's semantics,
+:mod:`loragen.training.transformers_adapters`), so Trainer's own save of a checkpoint and
+``trainer.save_model()`` write the adapter only, as for a peft model; the callback adds the full-model
+weights (``model.safetensors`` and ``config.json``, as Trainer wrote them before) to every checkpoint, which
+``resume_from_checkpoint`` needs. Without the callback a checkpoint holds only the adapter, from which
+Trainer cannot resume a model that is not a ``PeftModel``.
+
+With ``adapter_only=True`` checkpoints stay small: the callback writes a ``model.safetensors`` that holds
+only what trains (the LoRA factors, ``modules_to_save``, trained biases) under the model's own parameter
+names. The optimizer, scheduler and trainer state stay as Trainer wrote them.
+``trainer.train(resume_from_checkpoint=...)`` works either way: Trainer loads the weights file it finds
+(non-strictly, so the frozen base weights the small file leaves out stay as they are in the model). Trainer
+then warns that those keys are missing; the callback drops that one warning when the resume is exact (every
+missing key is a frozen tensor of the model, no trainable one is missing) and lets it through otherwise.
 
 transformers is imported when the callback class is first used, so ``import loragen`` does not need it.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +41,7 @@ from loragen.adapters.save import save_adapter
 from loragen.atomic import atomic_file
 from loragen.errors import TrainingSetupError
 from loragen.training.distributed import unwrap_model
+from loragen.training.transformers_adapters import LoragenAdapterMethods
 
 # LoraTrainerCallback itself is made on first access (module __getattr__ below)
 __all__ = ["make_trainer_callback_class"]
@@ -62,6 +74,36 @@ def _keep_only_trainable_weights(folder: Path, model: nn.Module) -> None:
         save_file(trainable, str(tmp), metadata={"format": "pt"})
 
 
+_MISSING_PREFIX = (
+    "There were missing keys in the checkpoint model loaded: "  # Trainer._issue_warnings_after_load
+)
+_TRAINER_LOGGER = "transformers.trainer"
+
+
+class _ExactResumeFilter(logging.Filter):
+    """Drops Trainer's "missing keys" warning when every missing key is a frozen tensor of the model (an
+    ``adapter_only`` checkpoint leaves exactly those out on purpose); any other record passes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._model = weakref.ref(model)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        model = self._model()
+        if model is None or not message.startswith(_MISSING_PREFIX):
+            return True
+        try:
+            missing = ast.literal_eval(message[len(_MISSING_PREFIX) :].rstrip("."))
+        except (ValueError, SyntaxError):
+            return True
+        if not isinstance(missing, (list, set, tuple)) or not missing:
+            return True
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        frozen = set(model.state_dict()) - trainable
+        return not all(isinstance(key, str) and key in frozen for key in missing)
+
+
 def _lora_model(model: nn.Module | None) -> nn.Module:
     if model is None:
         raise TrainingSetupError("LoraTrainerCallback: the Trainer passed no model to the callback")
@@ -85,6 +127,19 @@ def make_trainer_callback_class() -> type:
 
         def __init__(self, adapter_only: bool = False) -> None:
             self.adapter_only = bool(adapter_only)
+            self._filter: _ExactResumeFilter | None = None
+
+        def on_init_end(
+            self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+        ) -> None:
+            if self.adapter_only and model is not None and self._filter is None:
+                self._filter = _ExactResumeFilter(unwrap_model(model))
+                logging.getLogger(_TRAINER_LOGGER).addFilter(self._filter)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._filter is not None:
+                logging.getLogger(_TRAINER_LOGGER).removeFilter(self._filter)
+                self._filter = None
 
         def on_save(
             self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
@@ -92,9 +147,14 @@ def make_trainer_callback_class() -> type:
             if not state.is_world_process_zero:
                 return
             folder = _checkpoint_dir(args.output_dir, state.global_step)
-            save_adapter(_lora_model(model), folder)
+            lora_model = _lora_model(model)
+            save_adapter(lora_model, folder)
             if self.adapter_only:
-                _keep_only_trainable_weights(folder, _lora_model(model))
+                _keep_only_trainable_weights(folder, lora_model)
+            elif not any((folder / name).is_file() for name in _MODEL_WEIGHT_FILES):
+                # save_pretrained wrote the adapter (peft's semantics): add the full model Trainer resumes from
+                if isinstance(lora_model, LoragenAdapterMethods):
+                    lora_model.save_pretrained(folder, full_model=True)
 
     LoraTrainerCallback.__module__ = "loragen"
     LoraTrainerCallback.__qualname__ = "LoraTrainerCallback"

@@ -50,7 +50,7 @@ def test_bench_layer_quick_prints_tables_progress_and_json_file(tmp_path, capsys
     # a single frozen nn.Linear saves nothing for backward (dx = g W): no saved / frozen column, said so
     (header,) = _headers(out)
     assert header == ["variant", "median ms", "time / frozen", "time / peft", "saved MiB", "saved / peft"]
-    assert "frozen saves nothing for backward beyond its parameters here" in out
+    assert "frozen saves nothing for backward" in out
     assert all(cell != "-" for cells in rows.values() for cell in cells)
     saved = {name: float(cells[3]) for name, cells in rows.items()}
     assert saved["frozen"] == 0.0
@@ -61,7 +61,7 @@ def test_bench_layer_quick_prints_tables_progress_and_json_file(tmp_path, capsys
     assert [line.split(" of ")[0] for line in progress if "round " in line and "warm-up" not in line] == [
         f"bench: table 1: round {i}/3" for i in (1, 2, 3)
     ]
-    assert "expected about 10 s on an idle 2-core CPU" in captured.err
+    assert BENCHMARKS["layer"].quick_duration in captured.err
 
     report = json.loads(json_file.read_text())
     assert report["benchmark"] == "layer" and report["options"]["quick"] is True
@@ -119,7 +119,7 @@ def test_bench_without_peft_names_the_extra(monkeypatch, capsys, missing: str) -
     assert main(["bench", "layer", "--quick"]) == 1
     err = capsys.readouterr().err
     assert "loragen bench needs peft and transformers; missing: " in err and f"{missing} (" in err
-    assert "pip install 'loragen[bench]'" in err
+    assert "pip install -e '.[bench]'" in err  # loragen installs from its checkout
 
 
 @pytest.mark.parametrize("name", sorted(BENCHMARKS))
@@ -128,21 +128,18 @@ def test_bench_help_gives_the_expected_duration_and_the_options(name: str, capsy
         main(["bench", name, "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert (
-        f"Expected duration on an idle 2-core CPU: {BENCHMARKS[name].duration} at the default sizes" in text
-    )
-    assert "--quick" in text and "--json [FILE]" in text and "loragen[bench]" in text
+    assert BENCHMARKS[name].duration in text and BENCHMARKS[name].quick_duration in text
+    assert "--quick" in text and "--json [FILE]" in text and ".[bench]" in text
 
 
 def test_bench_cpu_kernels_smoke() -> None:
     from loragen.ops import cpu_kernels
 
+    if not cpu_kernels.available():
+        pytest.skip("loragen's compiled CPU kernels are not available on this machine")
     bench = load_benchmark("layer").__package__
     run = importlib.import_module(f"{bench}.bench_cpu_kernels").run
     text = run(rounds=1)
-    if not cpu_kernels.available():
-        assert text.startswith("compiled kernels unavailable")
-        return
     rows = [line for line in text.splitlines() if line.startswith("| ") and "product" not in line]
     assert len(rows) == 6 and all(float(cell) > 0 for row in rows for cell in row.strip("|").split("|")[2:])
 

@@ -153,9 +153,12 @@ def test_progress_bar_postfix_does_not_force_redraws() -> None:
     assert "100/100" in stream.getvalue()
 
 
-def test_progress_to_nowhere_writes_nothing() -> None:
-    with Progress("phase", 10, None) as progress:
-        progress.update(10, 0.5)  # no stream: nothing to fail on
+def test_progress_to_nowhere_writes_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    # even asked for a bar: a bar without a stream would be tqdm's default, stderr
+    with Progress("phase", 10, None, interactive=True) as progress:
+        for step in range(1, 11):
+            progress.update(step, 0.5)
+    assert capsys.readouterr() == ("", "")
 
 
 # --- end to end -------------------------------------------------------------------------------------
@@ -229,3 +232,18 @@ def test_demo_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     first, second, other = losses(5, "a"), losses(5, "b"), losses(6, "c")
     assert first == second
     assert other[0] != first[0] and other[1] != first[1]
+
+
+def test_the_summary_explains_a_fine_tune_slower_per_step_than_full_training() -> None:
+    from types import SimpleNamespace
+
+    from loragen._examples.demo.report import speed_note
+    from loragen._examples.demo.training import TrainLog
+
+    def log(steps_per_second: float) -> TrainLog:
+        return TrainLog([0.5] * 10, [], 10 / steps_per_second, 0)
+
+    slower = speed_note(SimpleNamespace(pretrain_log=log(3.8), train_log=log(1.8)))  # type: ignore[arg-type]
+    assert slower.startswith("The fine-tune ran at 47% of full training's steps/s.")
+    assert "two small convolutions" in slower and "loragen bench llama" in slower
+    assert speed_note(SimpleNamespace(pretrain_log=log(2.0), train_log=log(2.5))) == ""  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ uninterrupted run would be — also when checkpoints keep only the adapter."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,54 @@ def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(
     assert resumed.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(resumed[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_an_exact_adapter_only_resume_does_not_warn_about_missing_base_weights(tmp_path: Path) -> None:
+    _train(tmp_path, 2, adapter_only=True)
+    records = _Records()
+    trainer_logger = logging.getLogger("transformers.trainer")
+    trainer_logger.addHandler(records)
+    try:
+        _train(tmp_path, 4, adapter_only=True, resume=True)
+    finally:
+        trainer_logger.removeHandler(records)
+    assert not [m for m in records.messages if "missing keys" in m]
+
+
+def test_a_resume_that_lacks_a_trainable_tensor_still_warns(tmp_path: Path) -> None:
+    _train(tmp_path, 2, adapter_only=True)
+    weights = tmp_path / "checkpoint-2" / "model.safetensors"
+    tensors = load_file(str(weights))
+    dropped = "model.layers.0.self_attn.q_proj.lora_A"
+    del tensors[dropped]
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(weights))
+    records = _Records()
+    trainer_logger = logging.getLogger("transformers.trainer")
+    trainer_logger.addHandler(records)
+    try:
+        _train(tmp_path, 4, adapter_only=True, resume=True)
+    finally:
+        trainer_logger.removeHandler(records)
+    assert any("missing keys" in m and dropped in m for m in records.messages)
+
+
+def test_trainer_save_model_writes_the_adapter_as_for_a_peft_model(tmp_path: Path) -> None:
+    model = _model()
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, 1), train_dataset=_dataset(4))
+    trainer.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "final" / "model.safetensors").exists()
 
 
 def _tokenizer() -> transformers.PreTrainedTokenizerFast:

@@ -1,0 +1,356 @@
+"""transformers' adapter methods on a loragen model act on loragen's adapters, with peft's semantics.
+
+A transformers ``PreTrainedModel`` carries ``PeftAdapterMixin``'s methods (``load_adapter``,
+``add_adapter``, ``set_adapter``, ``save_pretrained`` ...). They drive peft: on a model loragen converted
+they would wrap loragen's LoRA layers in peft layers (two adapters stacked), fail on a version check, or
+save the whole model. Once a transformers model holds loragen LoRA layers (``get_lora_model``,
+``load_adapter``, ``add_adapter``, a decorated class's ``get_lora_model``, ``mark_trainable`` on a
+rewritten model) its class is switched to a subclass made for it here, with the same name, whose adapter
+methods call loragen's functions:
+
+==================================== ====================================================================
+``load_adapter(folder, name)``        ``loragen.load_adapter(model, folder, adapter_name=name)``; a new
+                                      name is added beside the others (not made active), as transformers
+                                      does; an existing name is refused (transformers refuses it too)
+``add_adapter(config, name)``         ``loragen.add_adapter`` then ``loragen.set_adapter`` (transformers
+                                      activates it); a peft ``LoraConfig`` is read with ``from_peft``
+``set_adapter(name)``                 ``loragen.set_adapter``
+``disable_adapters()`` /              ``loragen.disable_adapter(model)`` entered / left: the base model
+``enable_adapters()``                 exactly in between
+``active_adapters()``                 ``[loragen.active_adapter(model)]``
+``get_adapter_state_dict(name)``      the adapter's tensors under transformers' keys (peft's file keys
+                                      without ``base_model.model.``)
+``delete_adapter(names)``             ``loragen.delete_adapter`` for each
+``save_pretrained(folder)``           ``loragen.save_adapter``: the adapter folder, as
+                                      ``PeftModel.save_pretrained`` writes it; ``full_model=True`` keeps
+                                      transformers' full-model save (config, base and LoRA weights)
+==================================== ====================================================================
+
+What cannot match raises a :class:`~loragen.errors.LoraError` naming the loragen call to use (several
+active adapters at once, hub ids, hotswapping, adapter state dicts without a folder).
+
+A subclass and not per-instance methods: the instance stays free of bound methods (no reference cycles,
+``copy.deepcopy`` and ``torch.save`` work; pickling rebuilds the subclass from the transformers class), and
+``isinstance`` and ``type(model).__name__`` (which transformers writes into ``config.architectures``)
+are unchanged. transformers is imported only when the model already is a transformers model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from torch import nn
+
+from loragen.config import LoraConfig
+from loragen.convert import add_conversion_hook, find_lora_layers
+from loragen.errors import AdapterError, AdapterNameError, LoraError
+
+__all__ = ["install_adapter_methods", "LoragenAdapterMethods"]
+
+# the subclass made for each transformers class
+_SUBCLASSES: dict[type, type] = {}
+# disable_adapters() holds loragen's disable_adapter context open until enable_adapters()
+_DISABLED: weakref.WeakKeyDictionary[nn.Module, AbstractContextManager[Any]] = weakref.WeakKeyDictionary()
+
+
+def _peft_adapter_mixin() -> type | None:
+    if "transformers" not in sys.modules:
+        return None  # the model cannot be a transformers model then
+    try:
+        from transformers.integrations import PeftAdapterMixin
+    except ImportError:  # pragma: no cover - a transformers without the mixin has no adapter methods
+        return None
+    mixin: type = PeftAdapterMixin
+    return mixin
+
+
+def _lora_config(config: Any, where: str) -> LoraConfig:
+    """A loragen config from a loragen or a peft ``LoraConfig``."""
+    if isinstance(config, LoraConfig):
+        return config
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        return LoraConfig.from_peft(to_dict(), source=f"{where}: {type(config).__name__}")
+    raise AdapterError(
+        f"{where}: expected a loragen.LoraConfig or a peft LoraConfig, got {type(config).__name__}"
+    )
+
+
+def _refuse(where: str, what: str, instead: str) -> LoraError:
+    return AdapterError(f"{where}: {what} is not supported on a loragen model; {instead}")
+
+
+class LoragenAdapterMethods:
+    """The adapter methods of a loragen model's transformers class (see the module docstring)."""
+
+    _loragen_base: type
+
+    def load_adapter(
+        self,
+        peft_model_id: str | os.PathLike[str] | None = None,
+        adapter_name: str | None = None,
+        peft_config: Any = None,
+        adapter_state_dict: Any = None,
+        is_trainable: bool = False,
+        hotswap: bool | str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        """Load the adapter folder ``peft_model_id`` as adapter ``adapter_name`` (default ``"default"``).
+
+        A name the model does not hold yet is added beside its adapters and not made active; its factors
+        train with ``is_trainable=True``.
+
+        Raises:
+            AdapterNameError: the model holds an adapter of that name already (transformers refuses it too;
+                ``loragen.load_adapter(model, folder, adapter_name=name)`` loads new weights into it).
+            AdapterError: not a local folder (hub ids: download the folder first), ``hotswap=True``,
+                ``adapter_state_dict``/``peft_config`` without a folder; see ``loragen.load_adapter``.
+        """
+        from loragen.adapters.load import load_adapter
+        from loragen.adapters.named import list_adapters
+
+        where = f"{type(self).__name__}.load_adapter"
+        name = adapter_name or "default"
+        if hotswap is True:
+            raise _refuse(
+                where,
+                "hotswap=True",
+                f"load new weights into an adapter with loragen.load_adapter(model, folder, adapter_name={name!r})",
+            )
+        if adapter_state_dict is not None or peft_config is not None:
+            raise _refuse(
+                where,
+                "an adapter given as peft_config/adapter_state_dict",
+                "save it as an adapter folder and pass the folder",
+            )
+        if peft_model_id is None or not Path(peft_model_id).is_dir():
+            raise AdapterError(
+                f"{where}: {peft_model_id!r} is not a local adapter folder; loragen loads folders "
+                "(download one from the hub first, e.g. huggingface_hub.snapshot_download)"
+            )
+        if name in list_adapters(self._as_module()):
+            raise AdapterNameError(
+                f"{where}: the model holds an adapter {name!r} already; pass another adapter_name, or load new "
+                f"weights into it with loragen.load_adapter(model, {str(peft_model_id)!r}, adapter_name={name!r})"
+            )
+        with _enabled_while(self._as_module()):
+            load_adapter(self._as_module(), peft_model_id, adapter_name=name, trainable=bool(is_trainable))
+
+    def add_adapter(self, adapter_config: Any, adapter_name: str | None = None) -> None:
+        """Add a fresh adapter ``adapter_name`` (default ``"default"``) and make it the active one, as
+        transformers' ``add_adapter`` does. ``adapter_config``: a loragen or a peft ``LoraConfig``.
+
+        Raises:
+            AdapterNameError: the name exists already or is not valid.
+            AdapterError: the config is neither kind of ``LoraConfig``.
+            LoraConfigError, LoraConversionError: see ``loragen.add_adapter``.
+        """
+        from loragen.adapters.named import add_adapter, set_adapter
+
+        name = adapter_name or "default"
+        config = _lora_config(adapter_config, f"{type(self).__name__}.add_adapter")
+        model = self._as_module()
+        with _enabled_while(model):
+            add_adapter(model, config, name)
+            set_adapter(model, name)
+
+    def set_adapter(self, adapter_name: str | list[str]) -> None:
+        """Make ``adapter_name`` the active adapter (its factors train, the others' are frozen).
+
+        Raises:
+            AdapterError: several names (loragen adds one adapter at a time: combine them with
+                ``loragen.add_weighted_adapter``, or route rows with ``loragen.mixed_batch``).
+            AdapterNameError: an unknown name.
+        """
+        from loragen.adapters.named import set_adapter
+
+        names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+        if len(names) != 1:
+            raise _refuse(
+                f"{type(self).__name__}.set_adapter",
+                f"several active adapters ({names!r})",
+                "combine them into one with loragen.add_weighted_adapter(model, ...), or give each row its "
+                "adapter with loragen.mixed_batch(model, names)",
+            )
+        with _enabled_while(self._as_module()):
+            set_adapter(self._as_module(), names[0])
+
+    def disable_adapters(self) -> None:
+        """Compute the base model exactly until :meth:`enable_adapters` (merged layers are unmerged and
+        merged again then); ``loragen.disable_adapter(model)`` is the context-manager form."""
+        from loragen.adapters.named import disable_adapter
+
+        model = self._as_module()
+        if model in _DISABLED:
+            return
+        context = disable_adapter(model)
+        context.__enter__()
+        _DISABLED[model] = context
+
+    def enable_adapters(self) -> None:
+        """Undo :meth:`disable_adapters` (nothing to do when the adapters are on)."""
+        context = _DISABLED.pop(self._as_module(), None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def active_adapters(self) -> list[str]:
+        """The active adapter's name in a list (transformers' form; loragen has one active adapter)."""
+        from loragen.adapters.named import active_adapter
+
+        name = active_adapter(self._as_module())
+        return [] if name is None else [name]
+
+    def get_adapter_state_dict(
+        self, adapter_name: str | None = None, state_dict: Any = None
+    ) -> dict[str, Any]:
+        """The tensors of adapter ``adapter_name`` (default: the active one) under transformers' keys: peft's
+        file keys without ``base_model.model.`` (``model.layers.0.self_attn.q_proj.lora_A.weight``).
+
+        Raises:
+            AdapterNameError: an unknown name.
+        """
+        from loragen.adapters.keys import PEFT_PREFIX
+        from loragen.adapters.named import active_adapter, require_adapter
+        from loragen.adapters.save import adapter_config_for, adapter_state_dict
+
+        model = self._as_module()
+        name = require_adapter(model, adapter_name if adapter_name is not None else active_adapter(model))
+        config = adapter_config_for(model, name)
+        tensors = adapter_state_dict(model, config, adapter_name=name, state_dict=state_dict)
+        return {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
+
+    def delete_adapter(self, adapter_names: str | list[str]) -> None:
+        """Delete the adapters ``adapter_names`` (``loragen.delete_adapter`` for each)."""
+        from loragen.adapters.named import delete_adapter, require_adapter
+
+        model = self._as_module()
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        for name in names:
+            require_adapter(model, name)
+        with _enabled_while(model):
+            for name in names:
+                delete_adapter(model, name)
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike[str],
+        *,
+        full_model: bool = False,
+        is_main_process: bool = True,
+        state_dict: Any = None,
+        selected_adapters: list[str] | None = None,
+        save_embedding_layers: bool | str = "auto",
+        safe_serialization: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """Write the adapters to ``save_directory`` in peft's format, as ``PeftModel.save_pretrained`` does
+        (``loragen.save_adapter``: the folder loads in ``PeftModel.from_pretrained`` and ``loragen.load_adapter``).
+
+        ``full_model=True``, or a model without LoRA layers (after ``loragen.merge_and_unload``, as peft's
+        ``merge_and_unload`` returns the plain model): transformers' own save of the whole model (every other
+        keyword goes to it). ``state_dict`` (the model's keys, e.g. Trainer's gathered state) supplies the
+        tensors.
+
+        Raises:
+            AdapterError: a keyword only the full-model save takes (``push_to_hub``, ``max_shard_size``,
+                ...) without ``full_model=True``, or ``safe_serialization=False`` (adapters are safetensors).
+        """
+        from loragen.adapters.save import save_adapter
+
+        if full_model or not find_lora_layers(self._as_module()):
+            base_save = super().save_pretrained  # type: ignore[misc]
+            base_save(
+                save_directory,
+                is_main_process=is_main_process,
+                state_dict=state_dict,
+                safe_serialization=safe_serialization,
+                **kwargs,
+            )
+            return
+        where = f"{type(self).__name__}.save_pretrained"
+        if kwargs:
+            raise _refuse(
+                where,
+                f"{', '.join(sorted(kwargs))} for an adapter save",
+                "pass full_model=True to save the whole model with transformers, or call "
+                "loragen.save_adapter(model, folder) for the adapter",
+            )
+        if not safe_serialization:
+            raise _refuse(where, "safe_serialization=False", "adapters are written as safetensors only")
+        if not is_main_process:
+            return
+        embedding: bool | Literal["auto"] = (
+            save_embedding_layers if isinstance(save_embedding_layers, bool) else "auto"
+        )
+        save_adapter(
+            self._as_module(),
+            save_directory,
+            save_embedding_layers=embedding,
+            state_dict=state_dict,
+            selected_adapters=selected_adapters,
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle names classes by module and qualified name, which find the transformers class: rebuild
+        # this subclass from it instead
+        reduced = super().__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[1][:1] == (type(self),):
+            return (_rebuild, (self._loragen_base,), *reduced[2:])
+        return reduced  # pragma: no cover - protocols 0/1 reduce differently; nn.Module state needs 2+
+
+    def _as_module(self) -> nn.Module:
+        return cast(nn.Module, self)  # mixed only into transformers' nn.Module classes (_subclass_for)
+
+
+@contextmanager
+def _enabled_while(model: nn.Module) -> Iterator[None]:
+    """Adapters switched on for a change made while ``disable_adapters()`` is in force, and off again
+    after it: the disabled state restores what was active when it began, which the change may alter."""
+    context = _DISABLED.pop(model, None)
+    if context is None:
+        yield
+        return
+    context.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        if find_lora_layers(model):
+            LoragenAdapterMethods.disable_adapters(cast(Any, model))
+
+
+def _subclass_for(base: type) -> type:
+    sub = _SUBCLASSES.get(base)
+    if sub is None:
+        sub = type(
+            base.__name__,
+            (LoragenAdapterMethods, base),
+            {"__module__": base.__module__, "__qualname__": base.__qualname__, "_loragen_base": base},
+        )
+        _SUBCLASSES[base] = sub
+    return sub
+
+
+def _rebuild(base: type) -> nn.Module:
+    """A bare instance of ``base``'s loragen subclass, for unpickling."""
+    sub = _subclass_for(base)
+    return cast(nn.Module, object.__new__(sub))  # what pickle's copyreg.__newobj__ does for the class
+
+
+def install_adapter_methods(model: nn.Module) -> None:
+    """Switch a transformers model that holds loragen LoRA layers to its class with loragen's adapter
+    methods (see the module docstring); any other model, or one switched already, is left as it is."""
+    mixin = _peft_adapter_mixin()
+    if mixin is None or not isinstance(model, mixin) or isinstance(model, LoragenAdapterMethods):
+        return
+    if not find_lora_layers(model):
+        return
+    model.__class__ = _subclass_for(type(model))
+
+
+add_conversion_hook(install_adapter_methods)

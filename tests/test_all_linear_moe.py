@@ -1,0 +1,226 @@
+"""``all-linear`` on transformers 5 MoE models adapts what peft 0.21's adapts: the attention and other linear
+layers, the routers and the fused expert parameters (``gate_up_proj`` at twice the rank), on five
+architectures. loragen also keeps the dense layers' and shared experts' ``gate_proj``/``up_proj``/
+``down_proj``, which peft's conversion drops from ``all-linear``: the one documented difference."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import loragen
+from loragen.adapters.save import adapter_state_dict
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=32,
+)
+_DENSE = ("gate_proj", "up_proj", "down_proj")  # nn.Linear names peft's conversion moves to the experts
+
+
+def _mixtral() -> nn.Module:
+    config = transformers.MixtralConfig(
+        **_COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _qwen3_moe() -> nn.Module:
+    config = transformers.Qwen3MoeConfig(
+        **_COMMON,
+        intermediate_size=32,
+        moe_intermediate_size=20,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def _olmoe() -> nn.Module:
+    config = transformers.OlmoeConfig(
+        **_COMMON, intermediate_size=20, num_experts=4, num_experts_per_tok=2, eos_token_id=None
+    )
+    return transformers.OlmoeForCausalLM(config)
+
+
+def _deepseek_v3() -> nn.Module:
+    config = transformers.DeepseekV3Config(
+        **_COMMON,
+        intermediate_size=24,
+        moe_intermediate_size=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+    )
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+def _glm4_moe() -> nn.Module:
+    config = transformers.Glm4MoeConfig(
+        **_COMMON,
+        intermediate_size=24,
+        moe_intermediate_size=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        head_dim=8,
+    )
+    return transformers.Glm4MoeForCausalLM(config)
+
+
+def _minimax() -> nn.Module:
+    config = transformers.MiniMaxConfig(
+        **_COMMON,
+        intermediate_size=24,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=8,
+        layer_types=["full_attention", "full_attention"],
+    )
+    return transformers.MiniMaxForCausalLM(config)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
+    "deepseek_v3": _deepseek_v3,
+    "glm4_moe": _glm4_moe,
+    "minimax": _minimax,
+}
+
+
+def _make(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return MODELS[kind]().eval()
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def _shapes(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {key.replace(".default", ""): tuple(t.shape) for key, t in tensors.items()}
+
+
+def _is_dense(key: str) -> bool:
+    module = key.removeprefix("base_model.model.").split(".lora_")[0]
+    return module.rpartition(".")[2] in _DENSE
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_all_linear_trains_what_peft_trains(kind: str) -> None:
+    base = _make(kind)
+    lora = loragen.get_lora_model(copy.deepcopy(base), loragen.LoraConfig(target_modules="all-linear"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(target_modules="all-linear"))
+    ours = _shapes(adapter_state_dict(lora, lora.loragen_config))
+    theirs = _shapes(peft.get_peft_model_state_dict(twin))
+    # the fused expert parameters and the routers are in both, with peft's ranks (gate_up_proj at 2r)
+    assert any(".experts.base_layer.lora_A" in key for key in ours)
+    assert any(".mlp.gate.lora_A" in key for key in ours)
+    assert {k: v for k, v in ours.items() if not _is_dense(k)} == theirs
+    extra = {k for k in ours if _is_dense(k)}
+    assert not any(_is_dense(k) for k in theirs)
+    if kind in ("deepseek_v3", "glm4_moe"):  # dense first layer and shared experts: loragen keeps them
+        assert any(".layers.0.mlp.gate_proj." in k for k in extra)
+        assert any(".shared_experts.down_proj." in k for k in extra)
+    else:
+        assert not extra
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "target_parameters", [None, ["experts.gate_up_proj", "experts.down_proj"]], ids=["plain", "readme"]
+)
+def test_peft_loads_the_all_linear_adapter_with_equal_outputs(
+    kind: str, target_parameters: list[str] | None, tmp_path: Path
+) -> None:
+    base = _make(kind)
+    config = loragen.LoraConfig(
+        target_modules="all-linear", target_parameters=target_parameters, init_lora_weights=False
+    )
+    lora = loragen.get_lora_model(copy.deepcopy(base), config)
+    loragen.save_adapter(lora, tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["target_modules"] == "all-linear"
+    assert saved["rank_pattern"] == {r".*\.gate_up_proj": 16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path))
+    loaded = _shapes(peft.get_peft_model_state_dict(twin))
+    assert loaded == _shapes(adapter_state_dict(lora, lora.loragen_config))
+    with torch.no_grad():
+        torch.testing.assert_close(lora(_tokens()).logits, twin(_tokens()).logits)
+    # and loragen reads its own folder back into a plain model identically
+    again = loragen.load_adapter(copy.deepcopy(base), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(again(_tokens()).logits, lora(_tokens()).logits)
+
+
+def test_all_linear_with_dropout_on_an_moe_model_says_why() -> None:
+    with pytest.raises(loragen.LoraConfigError, match=r"all-linear.*fused expert parameters.*lora_dropout"):
+        loragen.get_lora_model(
+            _make("mixtral"), loragen.LoraConfig(target_modules="all-linear", lora_dropout=0.1)
+        )
+
+
+def test_an_explicit_module_list_leaves_the_experts_out() -> None:
+    model = loragen.get_lora_model(_make("mixtral"), loragen.LoraConfig(target_modules=["q_proj", "v_proj"]))
+    assert not model.loragen_config.target_parameters
+    assert not any("experts" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_a_dense_model_is_unchanged_by_the_expansion() -> None:
+    config = transformers.LlamaConfig(**_COMMON, intermediate_size=24)
+    torch.manual_seed(0)
+    model = loragen.get_lora_model(
+        transformers.LlamaForCausalLM(config), loragen.LoraConfig(target_modules="all-linear")
+    )
+    assert model.loragen_config == loragen.LoraConfig(target_modules="all-linear")
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3"])
+def test_loragen_loads_what_peft_all_linear_saves(kind: str, tmp_path: Path) -> None:
+    base = _make(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = peft.get_peft_model(
+            copy.deepcopy(base), peft.LoraConfig(target_modules="all-linear", init_lora_weights=False)
+        )
+        twin.save_pretrained(str(tmp_path))
+    loaded = loragen.load_adapter(copy.deepcopy(base), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_tokens()).logits, twin(_tokens()).logits)
