@@ -91,7 +91,7 @@ def _up(v: dict) -> None:
         term = torch.mm(h[begin:end, :rank], bt[:rank]).mul_(v["scaling"])
         if bias is not None:
             term.add_(bias.float())
-        out[begin:end].copy_(term)  # one rounding into out's dtype
+        out[begin:end].copy_(term.add_(out[begin:end].float()))  # onto the base product, one rounding
 
 
 def _grad_out(v: dict) -> None:
