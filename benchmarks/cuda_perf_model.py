@@ -179,9 +179,9 @@ class Prediction:
     mma: bool
     registers: int
     resources_from: str
-    warps_per_sm: int
+    warps_per_sm: float
     waves: float  # grid blocks / (SMs x resident blocks per SM)
-    inflight_per_sm: int  # bytes of x or g loads in flight, 0 for a store-bound kernel
+    inflight_per_sm: float  # bytes of x or g loads in flight, 0 for a store-bound kernel
     min_bytes: float
     hbm_bytes: float
     l2_bytes: float
@@ -210,8 +210,9 @@ def _resident_blocks(registers: int, warps: int, shared: int = 0) -> int:
     return blocks
 
 
-def _occupancy(registers: int, warps: int, grid_blocks: int, shared: int = 0) -> int:
-    return min(_resident_blocks(registers, warps, shared), math.ceil(grid_blocks / SMS)) * warps
+def _occupancy(registers: int, warps: int, grid_blocks: int, shared: int = 0) -> float:
+    """Resident warps per SM, averaged over all SMs (a grid of fewer blocks than SMs leaves some idle)."""
+    return min(grid_blocks, SMS * _resident_blocks(registers, warps, shared)) * warps / SMS
 
 
 def waves(registers: int, warps: int, grid_blocks: int, shared: int = 0) -> float:
@@ -312,7 +313,7 @@ def table(predictions: list[Prediction]) -> str:
         lines.append(
             f"| {p.kernel}{' (mma)' if p.mma else ''} | {p.rank} | {p.tokens // 1024}k | {p.grid_blocks} "
             f"| {p.waves:.2f} "
-            f"| {p.registers} | {p.warps_per_sm} | {p.inflight_per_sm / 1024:.1f} KB "
+            f"| {p.registers} | {p.warps_per_sm:.1f} | {p.inflight_per_sm / 1024:.1f} KB "
             f"| {p.hbm_bytes / 1e6:.0f} ({p.min_bytes / 1e6:.0f}) | {p.l2_bytes / 1e6:.0f} "
             f"| {(p.core_flops + p.tensor_flops) / 1e9:.1f} {unit} | {p.ffma_share:.2f} | {p.bound} "
             f"| {p.predicted * 1e6:.1f} | {p.floor * 1e6:.1f} | {100 * p.floor / p.predicted:.0f}% "

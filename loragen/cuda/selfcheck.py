@@ -98,7 +98,6 @@ def _run(
     """The four passes on ``data``; each pass reads the outputs in ``given`` (the torch path's) when
     provided, so a wrong pass is named by its own outputs only."""
     x, g = data["x"], data["g"]
-    rows = x.shape[0]
     rank = data["a"].shape[0]
     plan = passes.Plan(x, g.shape[1], rank, launcher)
     if plan.variant != variant:  # pragma: no cover - the problem is built for the variant

@@ -34,8 +34,8 @@ CASES = [
     pytest.param(45, 96, 40, 40, torch.bfloat16, 0.2, True, False, id="bf16-r40-mma-split"),
     pytest.param(19, 40, 24, 32, torch.float16, 0.0, True, True, id="f16-r32-mma-fifo"),
     # the split grids of two waves: lora_down's column splits on tensor cores (3 splits of 384, 384 and
-    # 264 columns), the row splits of lora_grad_out (2: 304 + 296 rows) and lora_grad_in (3: 208, 208,
-    # 184) -- row counts that are no multiple of the split -- with 4 rank tiles of 4 in lora_grad_in
+    # 264 columns), the row splits of lora_grad_out (4: 3 x 160 + 120 rows) and lora_grad_in (3: 208,
+    # 208, 184) -- row counts that are no multiple of the split -- with 4 rank tiles of 4 in lora_grad_in
     pytest.param(41, 1032, 24, 16, torch.bfloat16, 0.1, True, False, id="bf16-r16-mma-down-column-splits"),
     pytest.param(600, 48, 40, 16, torch.bfloat16, 0.2, False, False, id="bf16-r16-backward-row-splits"),
     pytest.param(1, 64, 48, 16, torch.bfloat16, 0.1, True, False, id="bf16-r16-one-row"),
@@ -80,7 +80,7 @@ def test_partial_sums_are_exercised(launcher):
     down = specs.plan_down(41, 1032, bf16, 4)
     assert (down.splits, down.cols_per_split) == (3, 384)  # the last split: 264 columns
     grad_out = specs.plan_grad_out(600, 40, bf16, 4)
-    assert (grad_out.splits, grad_out.rows_per_split) == (2, 304)
+    assert (grad_out.splits, grad_out.rows_per_split) == (4, 160)
     grad_in = specs.plan_grad_in(600, 48, bf16, 4)
     assert (grad_in.splits, grad_in.rows_per_split, specs.rank_tiles(specs.LORA_GRAD_IN, bf16)) == (3, 208, 4)
 
