@@ -108,7 +108,7 @@ class Sass:
 
 def _nvdisasm() -> str | None:
     try:
-        import nvidia  # type: ignore[import-not-found]
+        import nvidia  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return shutil.which("nvdisasm")
     for root in map(Path, nvidia.__path__):
@@ -251,29 +251,29 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
         l2 = grid[0] * adapter + grid[1] * small  # B^T per row tile, h per column tile
         core, tensor = (0.0, flops) if mma else (flops, 0.0)
     else:
-        plan = (specs.plan_grad_out if name == "lora_grad_out" else specs.plan_grad_in)(
+        split = (specs.plan_grad_out if name == "lora_grad_out" else specs.plan_grad_in)(
             n, D, v, TARGET_BLOCKS
         )
         spec = specs.KERNELS[name]
         tiles = specs.rank_tiles(spec, v)
-        blocks = plan.grid[0] * plan.grid[1]
+        blocks = split.grid[0] * split.grid[1]
         mma = bool(tile.get("mma"))
         # bytes of g or x each lane loads before first use: with mma, rows g and g + 8 of every chunk
         per_lane = 2 * tile["col_chunks"] * 16 if mma else tile["rows_per_step"] * 16
         if name == "lora_grad_out":
             min_bytes = big + adapter + 2 * small + adapter
-            partials = plan.col_blocks * small + plan.splits * adapter
+            partials = split.col_blocks * small + split.splits * adapter
             hbm = big + adapter + small + 2 * partials
-            l2 = big * (tiles - 1) + plan.col_blocks * small
+            l2 = big * (tiles - 1) + split.col_blocks * small
         else:
             min_bytes = 2 * big + small + 2 * adapter
-            hbm = 2 * big + small + adapter + 2 * plan.splits * adapter
+            hbm = 2 * big + small + adapter + 2 * split.splits * adapter
             # x again per extra rank tile; grad_x streams A (all ranks, the block's 256 columns) once per
             # step of the block's warps together (they share the columns: L1 serves the other warps)
             l2 = (
                 big * (tiles - 1)
                 + n / (tile["rows_per_step"] * tile["warps"]) * adapter
-                + plan.col_blocks * small * 2
+                + split.col_blocks * small * 2
             )
         core, tensor = (0.0, 2 * flops) if mma else (2 * flops, 0.0)
     shared = 2 * tile["warps"] * tile.get("rows_per_step", 0) * tile.get("rank_tile", 0) * 4
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every prediction as JSON")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = parser.parse_args(argv)
-    predictions = []
+    predictions: list[Prediction] = []
     sources = set()
     for name in specs.KERNELS:
         for rank in specs.RANK_BUCKETS:
