@@ -68,7 +68,7 @@ def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[int, int, int, floa
 
 def up(plan: Plan, h: Tensor, bt32: Tensor, bias: Tensor | None, scaling: float, out: Tensor) -> None:
     """out += bias + s h B^T in place (rows, out), in x's dtype: ``lora_up`` reads the base product that
-    :func:`add_base` wrote into ``out``, adds the rank-r term in float32 and rounds once."""
+    :func:`add_base` wrote into ``out``, adds bias and the rank-r term in float32 and rounds once."""
     if plan.rows == 0:
         return
     bias_in = None if bias is None else plan.prepare(bias.detach().to(out.dtype))
@@ -81,18 +81,15 @@ def up(plan: Plan, h: Tensor, bt32: Tensor, bias: Tensor | None, scaling: float,
     )
 
 
-def add_base(x2: Tensor, w_t: Tensor, bias: Tensor | None, out: Tensor) -> None:
-    """out = x2 w_t (+ bias), written once in out's dtype by cuBLAS (bias in its epilogue), as peft's
-    base layer computes it; :func:`up` then adds the rank-r term in float32 before the next rounding.
+def add_base(x2: Tensor, w_t: Tensor, out: Tensor) -> None:
+    """out = x2 w_t, written once in out's dtype by cuBLAS: the base product, rounded as peft's base
+    layer rounds it; :func:`up` then adds bias + s h B^T to it in float32 before the one more rounding.
 
     Bytes of the output (N x out elements of x's dtype, E bytes each): this write, then ``lora_up``'s
     read and write -- 3 E per element, against 4 + 4 + 4 + 4 + E for a float32 term, a float32 cuBLAS
     C/D and a copy into x's dtype.
     """
-    if bias is None:
-        torch.mm(x2, w_t, out=out)
-    else:
-        torch.addmm(bias.to(out.dtype), x2, w_t, out=out)
+    torch.mm(x2, w_t, out=out)
 
 
 def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
