@@ -46,10 +46,11 @@ Compute, and the fit redone with the new measurements.
 The binding floor is the larger of the HBM floor (minimum bytes / 3.35 TB/s) and the FLOP floor of
 the units the kernel uses (67 TFLOP/s FP32 FMA; tensor cores 989 TFLOP/s dense bf16).
 
-The forward's output (N x out, bf16, E = 2 bytes) costs 3 E per element now -- cuBLAS writes x W^T +
-bias, lora_up reads it and writes it once more -- against 4 + 4 + 4 + 4 + E = 18 bytes before (the float32
-term written by lora_up, read as cuBLAS's C, the float32 D written, read by the copy, the copy's write):
-96 MB instead of 288 MB at 4096 x 4096 tokens x features, about 57 us less at 3.35 TB/s.
+The forward's output (N x out, bf16, E = 2 bytes) costs 3 E per element now -- cuBLAS writes x W^T,
+lora_up reads it, adds bias and the rank-r term in float32 and writes it once more -- against
+4 + 4 + 4 + 4 + E = 18 bytes before (the float32 term written by lora_up, read as cuBLAS's C, the
+float32 D written, read by the copy, the copy's write): 96 MB instead of 288 MB at 4096 tokens x 4096
+features, about 57 us less at 3.35 TB/s.
 """
 
 from __future__ import annotations
