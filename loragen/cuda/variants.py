@@ -120,10 +120,11 @@ def up_uses_mma(v: Variant) -> bool:
 
 
 def _up_min_blocks(v: Variant) -> int:
-    """Blocks of 128 threads per multiprocessor ``lora_up``'s CUDA-core pass asks registers for: four
-    (<= 128 registers) where out moves 16 bytes at a time, three (<= 168) where float32 rows or scalar
-    accesses of unaligned rows need more registers for the same loads."""
-    return 4 if v.aligned and ELEMENT_BYTES[v.dtype] == 2 else 3
+    """Blocks of 128 threads per multiprocessor ``lora_up``'s CUDA-core pass asks registers for: three
+    (<= 168 registers) where out moves 16 bytes at a time, two (<= 255) where float32 rows or scalar
+    accesses of unaligned rows need more registers for the same loads. (Four, <= 128 registers, spill
+    on sm_80.)"""
+    return 3 if v.aligned and ELEMENT_BYTES[v.dtype] == 2 else 2
 
 
 def up_tile(v: Variant) -> dict[str, int]:
@@ -139,8 +140,8 @@ def up_tile(v: Variant) -> dict[str, int]:
             "rank_step": 4,
             "col_chunks": 4,
         }
-    # 4 rows x 8 columns: 32 accumulators and the 32 values of out they are added to, so that four
-    # blocks fit a multiprocessor (<= 128 registers) and each thread has four 16-byte loads of out in flight
+    # 4 rows x 8 columns: 32 accumulators and the 32 values of out they are added to, so that three
+    # blocks fit a multiprocessor (<= 168 registers) and each thread has four 16-byte loads of out in flight
     return {
         "warps": 4,
         "min_blocks": _up_min_blocks(v),
