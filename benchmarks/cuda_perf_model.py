@@ -15,15 +15,42 @@ For bf16 activations (float32 adapter), in = out = d = 4096, N = 4k..64k tokens 
   the main loop (the backward branch whose body holds the most FFMA/HMMA): load and store widths, HMMA,
   and the FFMA share of the issued instructions (dropout's Philox code included, so it is a p > 0 share). Without NVRTC the registers recorded in :data:`RECORDED` are used and
   the tables say so;
-* bytes in flight per SM: resident warps (registers and grid) x 32 lanes x the bytes of x or g each lane
-  loads before first use (counted from the tile shape: every such load is hoisted in the templates);
+* bytes in flight per SM: resident warps (registers, launch bounds and grid) x 32 lanes x the bytes of
+  x, g or out each lane loads before first use (counted from the tile shape: every such load is hoisted
+  in the templates);
 * predicted time = the largest of: HBM bytes / (3.35 TB/s x min(1, in flight / Little's-law need)),
-  L2 bytes / L2 bandwidth, CUDA-core FLOPs / (67 TFLOP/s x FFMA share of the issued instructions),
-  tensor FLOPs / mma.sync rate. Overlap is assumed perfect, so this is optimistic by construction.
+  L2 bytes / L2 bandwidth, CUDA-core FLOPs / (67 TFLOP/s x FFMA share x issue efficiency), tensor
+  FLOPs / mma.sync rate. Overlap is assumed perfect. ``waves`` (grid blocks / (SMs x resident blocks))
+  is reported, not modelled.
+
+Calibration (issue 20). Nsight Compute on an H100 SXM, 4096 x 4096 layer, 4096 tokens, r = 16, bf16,
+measured the kernels of the first design against this model's first predictions (which assumed a
+600 ns DRAM latency and full issue rate at any occupancy):
+
+=============  ===========  =========  =======================================================
+kernel         predicted    measured   what the old model missed
+=============  ===========  =========  =======================================================
+lora_down      12.6 us      23 us      8 warps/SM, 0.48 waves: loads come in bursts per loop step
+lora_up        10.2 us      56 us      the op ran the float32 variant (64 MB of float32 stores)
+lora_grad_out  13.9 us      30 us      as lora_down (0.48 waves)
+lora_grad_in   40.0 us      124 us     FP32 issue at 8 warps/SM (2 per scheduler) far below peak
+=============  ===========  =========  =======================================================
+
+So the model now assumes (fitted, not derived): :data:`LATENCY` = 1.9 us, the time one load-then-use
+loop step of these kernels holds its bytes (the median of lora_down's 2.4 us and lora_grad_out's
+1.4 us implied by Little's law from the measured bandwidth), and an FP32 issue efficiency of
+min(1, warps per SM / 24) (lora_grad_in's 124 us at 8 warps/SM). Both are fitted to one layer shape
+on one GPU: the predictions for the redesigned kernels below are predictions, to be checked with Nsight
+Compute, and the fit redone with the new measurements.
 
 The binding floor is the larger of the HBM floor (minimum bytes / 3.35 TB/s) and the FLOP floor of
-the units the kernel uses (67 TFLOP/s FP32 FMA; tensor cores 989 TFLOP/s dense bf16). The target is
-predicted >= 70% of it; ``vs HBM floor`` shows how far each variant is from the memory-bound ideal.
+the units the kernel uses (67 TFLOP/s FP32 FMA; tensor cores 989 TFLOP/s dense bf16).
+
+The forward's output (N x out, bf16, E = 2 bytes) costs 3 E per element now -- cuBLAS writes x W^T,
+lora_up reads it, adds bias and the rank-r term in float32 and writes it once more -- against
+4 + 4 + 4 + 4 + E = 18 bytes before (the float32 term written by lora_up, read as cuBLAS's C, the
+float32 D written, read by the copy, the copy's write): 96 MB instead of 288 MB at 4096 tokens x 4096
+features, about 57 us less at 3.35 TB/s.
 """
 
 from __future__ import annotations
@@ -48,7 +75,8 @@ FP32_FMA = 67e12  # FLOP/s, CUDA cores: 132 SMs x 128 FP32 lanes x 2 FLOP x 1.98
 TENSOR_DENSE = 989e12  # FLOP/s, bf16 dense (wgmma): the tensor FLOP floor
 MMA_SYNC = 0.6 * TENSOR_DENSE  # assumed: mma.sync m16n8k16 reaches about 60% of the wgmma peak
 L2 = 5.5e12  # bytes/s, assumed L2 hit bandwidth (conservative)
-LATENCY = 600e-9  # s, assumed loaded DRAM latency; Little's law: HBM / SMS x LATENCY bytes in flight per SM
+LATENCY = 1.9e-6  # s, fitted (see the docstring): how long a loop step holds its loads' bytes
+ISSUE_WARPS = 24  # fitted: FP32 issue efficiency = min(1, warps per SM / ISSUE_WARPS)
 REGISTERS_PER_SM = 65536
 MAX_WARPS_PER_SM = 64
 TARGET_BLOCKS = 2 * SMS  # what DriverLauncher.target_blocks returns on an H100
@@ -56,13 +84,13 @@ ELEMENT = 2  # bf16
 D = 4096
 TOKENS = (4096, 16384, 65536)
 
-# ptxas registers per thread (sm_90, bf16, aligned) recorded with NVRTC 13.5 on 2026-11-24: used when
-# NVRTC is not installed.
+# ptxas registers per thread (sm_90, bf16, aligned) recorded with NVRTC 13.5 on 2026-11-26: used when
+# NVRTC is not installed (benchmarks/kernel_sass.json has every variant).
 RECORDED: dict[tuple[str, int], int] = {
-    **{("lora_down", r): n for r, n in ((8, 254), (16, 126), (32, 168), (64, 214))},
-    **{("lora_up", r): n for r, n in ((8, 168), (16, 225), (32, 80), (64, 142))},
-    **{("lora_grad_out", r): n for r, n in ((8, 255), (16, 115), (32, 180), (64, 180))},
-    **{("lora_grad_in", r): n for r, n in ((8, 219), (16, 239), (32, 239), (64, 239))},
+    **{("lora_down", r): n for r, n in ((8, 167), (16, 128), (32, 127), (64, 128))},
+    **{("lora_up", r): n for r, n in ((8, 160), (16, 167), (32, 95), (64, 146))},
+    **{("lora_grad_out", r): n for r, n in ((8, 255), (16, 76), (32, 124), (64, 122))},
+    **{("lora_grad_in", r): n for r, n in ((8, 168), (16, 168), (32, 168), (64, 168))},
 }
 
 
@@ -81,7 +109,7 @@ class Sass:
 
 def _nvdisasm() -> str | None:
     try:
-        import nvidia  # type: ignore[import-not-found]
+        import nvidia  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return shutil.which("nvdisasm")
     for root in map(Path, nvidia.__path__):
@@ -152,8 +180,9 @@ class Prediction:
     mma: bool
     registers: int
     resources_from: str
-    warps_per_sm: int
-    inflight_per_sm: int  # bytes of x or g loads in flight, 0 for a store-bound kernel
+    warps_per_sm: float
+    waves: float  # grid blocks / (SMs x resident blocks per SM)
+    inflight_per_sm: float  # bytes of x or g loads in flight, 0 for a store-bound kernel
     min_bytes: float
     hbm_bytes: float
     l2_bytes: float
@@ -174,12 +203,22 @@ class Prediction:
         return max(times, key=lambda k: times[k])
 
 
-def _occupancy(registers: int, warps: int, grid_blocks: int, shared: int = 0) -> int:
+def _resident_blocks(registers: int, warps: int, shared: int = 0) -> int:
     per_block = math.ceil(registers / 8) * 8 * warps * 32
     blocks = min(REGISTERS_PER_SM // per_block, MAX_WARPS_PER_SM // warps)
     if shared:
         blocks = min(blocks, (228 * 1024) // shared)
-    return min(blocks, math.ceil(grid_blocks / SMS)) * warps
+    return blocks
+
+
+def _occupancy(registers: int, warps: int, grid_blocks: int, shared: int = 0) -> float:
+    """Resident warps per SM, averaged over all SMs (a grid of fewer blocks than SMs leaves some idle)."""
+    return min(grid_blocks, SMS * _resident_blocks(registers, warps, shared)) * warps / SMS
+
+
+def waves(registers: int, warps: int, grid_blocks: int, shared: int = 0) -> float:
+    """Grid blocks per (multiprocessors x resident blocks): how many full waves the grid fills."""
+    return grid_blocks / (SMS * _resident_blocks(registers, warps, shared))
 
 
 def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
@@ -207,49 +246,57 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
         grid = specs.plan_up(n, D, v)
         blocks = grid[0] * grid[1]
         mma = bool(tile["mma"])
-        per_lane = 0  # out is written once; stores do not wait
-        min_bytes = hbm = big + adapter + small
+        # out (the base product) is read, 16 bytes per row, before the rank loop, then written
+        per_lane = (2 * tile["rows_per_thread"] if mma else tile["rows_per_thread"]) * 16
+        min_bytes = hbm = 2 * big + adapter + small
         l2 = grid[0] * adapter + grid[1] * small  # B^T per row tile, h per column tile
         core, tensor = (0.0, flops) if mma else (flops, 0.0)
     else:
-        plan = (specs.plan_grad_out if name == "lora_grad_out" else specs.plan_grad_in)(
+        split = (specs.plan_grad_out if name == "lora_grad_out" else specs.plan_grad_in)(
             n, D, v, TARGET_BLOCKS
         )
         spec = specs.KERNELS[name]
         tiles = specs.rank_tiles(spec, v)
-        blocks = plan.grid[0] * plan.grid[1]
+        blocks = split.grid[0] * split.grid[1]
         mma = bool(tile.get("mma"))
         # bytes of g or x each lane loads before first use: with mma, rows g and g + 8 of every chunk
         per_lane = 2 * tile["col_chunks"] * 16 if mma else tile["rows_per_step"] * 16
         if name == "lora_grad_out":
             min_bytes = big + adapter + 2 * small + adapter
-            partials = plan.col_blocks * small + plan.splits * adapter
+            partials = split.col_blocks * small + split.splits * adapter
             hbm = big + adapter + small + 2 * partials
-            l2 = big * (tiles - 1) + plan.col_blocks * small
+            l2 = big * (tiles - 1) + split.col_blocks * small
         else:
             min_bytes = 2 * big + small + 2 * adapter
-            hbm = 2 * big + small + adapter + 2 * plan.splits * adapter
+            hbm = 2 * big + small + adapter + 2 * split.splits * adapter
             # x again per extra rank tile; grad_x streams A (all ranks, the block's 256 columns) once per
             # step of the block's warps together (they share the columns: L1 serves the other warps)
             l2 = (
                 big * (tiles - 1)
                 + n / (tile["rows_per_step"] * tile["warps"]) * adapter
-                + plan.col_blocks * small * 2
+                + split.col_blocks * small * 2
             )
         core, tensor = (0.0, 2 * flops) if mma else (2 * flops, 0.0)
     shared = 2 * tile["warps"] * tile.get("rows_per_step", 0) * tile.get("rank_tile", 0) * 4
-    warps = _occupancy(sass.registers, tile["warps"], blocks, shared if name == "lora_grad_out" else 0)
+    if name == "lora_grad_in":
+        shared = (tile["warps"] - 1) * tile["rank_tile"] * 256 * 4
+    used_shared = shared if name in ("lora_grad_out", "lora_grad_in") else 0
+    warps = _occupancy(sass.registers, tile["warps"], blocks, used_shared)
+    filled = waves(sass.registers, tile["warps"], blocks, used_shared)
+    # under one wave, warps/SM already counts the idle slots; the tail of a partial last wave is not
+    # modelled (the fit did not need it), only reported as ``waves``
     inflight = warps * 32 * per_lane
     need = HBM / SMS * LATENCY
     bandwidth = HBM * (min(1.0, inflight / need) if per_lane else 1.0)
     ffma = sass.share("FFMA") if sass.counts else 0.75  # no SASS: assume 3 of 4 issued instructions are FFMA
-    t_core = core / (FP32_FMA * max(ffma, 1e-3)) if core else 0.0
+    issue = min(1.0, warps / ISSUE_WARPS)
+    t_core = core / (FP32_FMA * max(ffma, 1e-3) * issue) if core else 0.0
     t_tensor = tensor / MMA_SYNC
     t_hbm, t_l2 = hbm / bandwidth, l2 / L2
     hbm_floor = min_bytes / HBM
     floor = max(hbm_floor, core / FP32_FMA, tensor / TENSOR_DENSE)
     return Prediction(
-        name, rank, n, blocks, mma, sass.registers, sass.source, warps, inflight,
+        name, rank, n, blocks, mma, sass.registers, sass.source, warps, filled, inflight,
         min_bytes, hbm, l2, core, tensor, ffma,
         t_hbm, t_l2, t_core, t_tensor, max(t_hbm, t_l2, t_core, t_tensor), hbm_floor, floor,
     )  # fmt: skip
@@ -258,15 +305,16 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
 def table(predictions: list[Prediction]) -> str:
     """The markdown table of BENCHMARKS.md's performance model section."""
     lines = [
-        "| kernel | R | N | grid | regs | warps/SM | in flight/SM | HBM MB (min) | L2 MB | GFLOP | FFMA share "
+        "| kernel | R | N | grid | waves | regs | warps/SM | in flight/SM | HBM MB (min) | L2 MB | GFLOP | FFMA share "
         "| bound by | predicted µs | binding floor µs | % of floor | % of HBM floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in predictions:
         unit = "tensor" if p.mma else "cores"
         lines.append(
             f"| {p.kernel}{' (mma)' if p.mma else ''} | {p.rank} | {p.tokens // 1024}k | {p.grid_blocks} "
-            f"| {p.registers} | {p.warps_per_sm} | {p.inflight_per_sm / 1024:.1f} KB "
+            f"| {p.waves:.2f} "
+            f"| {p.registers} | {p.warps_per_sm:.1f} | {p.inflight_per_sm / 1024:.1f} KB "
             f"| {p.hbm_bytes / 1e6:.0f} ({p.min_bytes / 1e6:.0f}) | {p.l2_bytes / 1e6:.0f} "
             f"| {(p.core_flops + p.tensor_flops) / 1e9:.1f} {unit} | {p.ffma_share:.2f} | {p.bound} "
             f"| {p.predicted * 1e6:.1f} | {p.floor * 1e6:.1f} | {100 * p.floor / p.predicted:.0f}% "
@@ -280,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every prediction as JSON")
     parser.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     args = parser.parse_args(argv)
-    predictions = []
+    predictions: list[Prediction] = []
     sources = set()
     for name in specs.KERNELS:
         for rank in specs.RANK_BUCKETS:

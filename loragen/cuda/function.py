@@ -4,9 +4,9 @@ Shapes: x (N, in) after flattening, weight (out, in) -- (in, out) with ``fan_in_
 A (r, in), B (out, r), h = dropout(x) A^T (N, R) in float32, R = the rank bucket (columns past r are 0).
 
 forward   h   = lora_down(x)                        one pass over x, Philox mask regenerated
-          t   = lora_up(h)  = bias + s h B^T        float32 (the kernel's float32 variant)
-          y   = round(t + x W^T)                    cuBLAS with C = t, float32 out (out_dtype), then
-                                                    one rounding into x's dtype (float32: y is t)
+          y   = x W^T                               cuBLAS, written in x's dtype
+          y   = round(y + (bias + s h B^T))         lora_up: reads y, adds bias and the rank-r term in
+                                                    float32, writes y once more in place
 backward  dh, dB = lora_grad_out(g)                 one pass over g (dh carries s)
           gx, dA   = lora_grad_in(x, dh)            one pass over x, mask regenerated; gx = (dh A) * mask / (1-p)
           gx += g W                                 cuBLAS, beta = 1
@@ -14,8 +14,9 @@ backward  dh, dB = lora_grad_out(g)                 one pass over g (dh carries 
 
 Split reductions come back as float32 partial sums that torch adds up (deterministic: no atomics).
 LoRA parameters may be float32 (peft's default for 16-bit models) or x's dtype; the kernels read them
-as float32 and accumulate in float32, and the output is rounded once into x's dtype: the rank-r term is
-never rounded to 16 bits before the base product is added. (In backward, lora_grad_in writes the LoRA
+as float32 and accumulate in float32; the base product x W^T is rounded into x's dtype (as peft's base
+layer rounds it), and bias + the rank-r term are added to it in float32 with one more rounding: the
+rank-r term is never rounded to 16 bits on its own (peft rounds it before adding). (In backward, lora_grad_in writes the LoRA
 part of grad_x in x's dtype and cuBLAS adds g W to it: two roundings there, as in peft's composition.) The output is a fresh tensor (never a view),
 so callers may modify it in place.
 
@@ -156,13 +157,10 @@ class LoraLinearCudaFunction(torch.autograd.Function):
         # may modify it in place
         out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
         out2 = out.view(plan.rows, out_features)
-        term = out2 if x.dtype == torch.float32 else torch.empty_like(out2, dtype=torch.float32)
-        if plan.rows:
-            passes.up(plan, h, bt32, bias, scaling, term)  # bias + s h B^T in float32
-        else:
-            term.zero_()
-        # the base GEMM accumulates onto it, then the one rounding into x's dtype
-        passes.add_base(term, x2, weight if fan_in_fan_out else weight.t(), out2)
+        # cuBLAS writes the base product in x's dtype, then lora_up adds bias + s h B^T in float32 and
+        # writes the output once more: no float32 (N, out) temporary
+        passes.add_base(x2, weight if fan_in_fan_out else weight.t(), out2)
+        passes.up(plan, h, bt32, bias, scaling, out2)
 
         ctx.plan = plan
         ctx.scaling = float(scaling)

@@ -8,8 +8,6 @@ partial sums with torch (deterministic: no atomics). Shapes as in :mod:`loragen.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
@@ -68,49 +66,30 @@ def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[int, int, int, floa
     return h_part[0] if grid.splits == 1 else h_part.sum(0)
 
 
-def up(plan: Plan, h: Tensor, bt32: Tensor, bias: Tensor | None, scaling: float, out32: Tensor) -> None:
-    """out32 = bias + s h B^T (rows, out), float32: the float32 variant of ``lora_up`` at the plan's rank
-    bucket and alignment, so the base GEMM can be added before the one rounding (:func:`add_base`)."""
+def up(plan: Plan, h: Tensor, bt32: Tensor, bias: Tensor | None, scaling: float, out: Tensor) -> None:
+    """out += bias + s h B^T in place (rows, out), in x's dtype: ``lora_up`` reads the base product that
+    :func:`add_base` wrote into ``out``, adds bias and the rank-r term in float32 and rounds once."""
     if plan.rows == 0:
         return
-    variant = Variant("float32", plan.variant.rank_bucket, plan.variant.aligned)
-    bias32 = None if bias is None else plan.prepare(bias.detach().float())
+    bias_in = None if bias is None else plan.prepare(bias.detach().to(out.dtype))
     plan.launcher.launch(
         LORA_UP,
-        variant,
-        specs.plan_up(plan.rows, plan.out_features, variant),
-        (h, bt32, bias32, out32, plan.rows, plan.out_features, plan.rank, float(scaling)),
+        plan.variant,
+        specs.plan_up(plan.rows, plan.out_features, plan.variant),
+        (h, bt32, bias_in, out, plan.rows, plan.out_features, plan.rank, float(scaling)),
         plan.device,
     )
 
 
-_fp32_gemm_output = True  # torch.addmm(..., out_dtype=torch.float32) works for 16-bit inputs here
+def add_base(x2: Tensor, w_t: Tensor, out: Tensor) -> None:
+    """out = x2 w_t, written once in out's dtype by cuBLAS: the base product, rounded as peft's base
+    layer rounds it; :func:`up` then adds bias + s h B^T to it in float32 before the one more rounding.
 
-
-def add_base(term32: Tensor, x2: Tensor, w_t: Tensor, out: Tensor) -> None:
-    """out = term32 + x2 w_t, rounded once into out's dtype (``term32`` may be ``out`` itself in float32).
-
-    For 16-bit x, cuBLAS takes the float32 term as its C matrix and writes float32 (``out_dtype``); on
-    the CPU, or where that is not supported, the product is taken from float32 copies. Either way the
-    rank-r term is never rounded to 16 bits before the base product is added.
+    Bytes of the output (N x out elements of x's dtype, E bytes each): this write, then ``lora_up``'s
+    read and write -- 3 E per element, against 4 + 4 + 4 + 4 + E for a float32 term, a float32 cuBLAS
+    C/D and a copy into x's dtype.
     """
-    global _fp32_gemm_output
-    if term32 is out:
-        out.addmm_(x2, w_t)
-        return
-    if x2.is_cuda and _fp32_gemm_output:
-        try:
-            out.copy_(torch.addmm(term32, x2, w_t, out_dtype=torch.float32))
-            return
-        except (RuntimeError, TypeError) as exc:
-            _fp32_gemm_output = False
-            warnings.warn(
-                f"loragen.cuda: torch.addmm(..., out_dtype=torch.float32) is not available ({exc}); the "
-                "base product of 16-bit LoRA layers is taken in float32 instead (slower)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    out.copy_(term32.addmm_(x2.float(), w_t.float()))
+    torch.mm(x2, w_t, out=out)
 
 
 def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,7 @@ loragen's CUDA kernels cannot be run where they are developed (no GPU), so they 
 they first run. :class:`CheckedLauncher` (the default launcher of :func:`loragen.cuda.lora_linear_cuda`)
 is asked by each forward which launcher runs its variant -- (dtype, rank bucket, alignment) -- on its
 device. On the first ask per variant and device in a process it runs the variant's four passes (the
-kernels the op launches for it, ``lora_up`` in its float32 form) on a small problem with odd sizes, an
+kernels the op launches for it) on a small problem with odd sizes, an
 odd rank, dropout, and x and g given as views at a storage offset (for an unaligned variant the pointers
 are then not 16-byte aligned), and compares every output with the torch path
 (:mod:`loragen.cuda.torch_kernels`) on the same inputs.
@@ -98,7 +98,6 @@ def _run(
     """The four passes on ``data``; each pass reads the outputs in ``given`` (the torch path's) when
     provided, so a wrong pass is named by its own outputs only."""
     x, g = data["x"], data["g"]
-    rows = x.shape[0]
     rank = data["a"].shape[0]
     plan = passes.Plan(x, g.shape[1], rank, launcher)
     if plan.variant != variant:  # pragma: no cover - the problem is built for the variant
@@ -109,7 +108,7 @@ def _run(
     dropout = (_SEED, 0, philox.keep_threshold(_P), philox.keep_scale(_P))
     h = passes.down(plan, x2, a32, dropout)
     h_in = h if given is None else given["h"]
-    term = torch.full((rows, g.shape[1]), float("nan"), device=x.device)
+    term = g.clone()  # lora_up adds onto what is there (the base product in the op): any finite values
     passes.up(plan, h_in, bt32, data["bias"], 0.75, term)
     dh, db = passes.grad_out(plan, g2, h_in, bt32, 0.75)
     dh_in = dh if given is None else given["dh"]
@@ -118,7 +117,7 @@ def _run(
     return {
         "h": h,
         "lora_down h": h[:, :rank],
-        "lora_up bias + s h B^T": term,
+        "lora_up out + bias + s h B^T": term,
         "dh": dh,
         "lora_grad_out dh": dh[:, :rank],
         "lora_grad_out dB": db[:, :rank],

@@ -75,6 +75,7 @@ __all__ = [
     "up_uses_mma",
     "uses_mma",
     "render_params",
+    "wanted_blocks",
 ]
 
 ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
@@ -243,9 +244,17 @@ def max_optimizer_block(spec: KernelSpec) -> int:
 
 
 # ---- grids --------------------------------------------------------------------------------------------
-# ``target_blocks`` is about two blocks per multiprocessor. Split reductions write float32 partial sums
-# that torch adds up afterwards (deterministic, no atomics); the splits are capped so the partials stay
-# a small fraction of the pass's main traffic.
+# ``target_blocks`` is two blocks per multiprocessor; a grid aims at ``target_blocks * min_blocks`` blocks:
+# two waves of the ``min_blocks`` blocks per multiprocessor the kernel's registers allow (its
+# __launch_bounds__), so that a multiprocessor finishing early takes another block and the last wave is
+# not a long tail. Split reductions write float32 partial sums that torch adds up afterwards
+# (deterministic, no atomics); the splits are capped so the partials stay a small fraction of the
+# pass's main traffic, which can leave a grid short of two waves (see benchmarks/cuda_perf_model.py).
+
+
+def wanted_blocks(spec: KernelSpec, variant: Variant, target_blocks: int) -> int:
+    """The blocks a grid of ``spec`` aims at: two waves of ``min_blocks`` blocks per multiprocessor."""
+    return target_blocks * spec.tile(variant)["min_blocks"]
 
 
 @dataclass(frozen=True)
@@ -277,7 +286,8 @@ def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> Dow
     row_blocks = math.ceil(rows / (tile["warps"] * tile["rows_per_warp"])) * rank_tiles(LORA_DOWN, variant)
     lane_cols = (32 if tile["mma"] else WARP * CHUNK) * tile["steps"]  # columns a warp covers per step
     max_splits = max(1, cols * ELEMENT_BYTES[variant.dtype] // (32 * variant.rank_bucket))
-    splits = min(math.ceil(cols / lane_cols), max_splits, max(1, math.ceil(target_blocks / row_blocks)))
+    wanted = wanted_blocks(LORA_DOWN, variant, target_blocks)
+    splits = min(math.ceil(cols / lane_cols), max_splits, max(1, math.ceil(wanted / row_blocks)))
     cols_per_split = math.ceil(cols / splits / lane_cols) * lane_cols
     splits = math.ceil(cols / cols_per_split)
     return DownPlan((row_blocks, splits), splits, cols_per_split)
@@ -314,17 +324,20 @@ def _split_plan(
     col_blocks = math.ceil(cols / block_cols)
     blocks = col_blocks * rank_tiles(spec, variant)
     step = tile["rows_per_step"] * (tile["warps"] if shared else 1)
-    splits, rows_per_split = _row_splits(rows, blocks, target_blocks, max_splits, step)
+    splits, rows_per_split = _row_splits(
+        rows, blocks, wanted_blocks(spec, variant, target_blocks), max_splits, step
+    )
     return SplitPlan((blocks, splits), col_blocks, splits, rows_per_split)
 
 
 def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
     """Grid of ``lora_grad_out`` for g of (rows, cols): (column blocks x rank tiles) x row splits.
 
-    The dB partials (splits x cols x R float32) are kept under a quarter of g's bytes.
+    The dB partials (splits x cols x R float32, written and read back) are kept under half of g's bytes:
+    with 256 columns per block the column blocks alone give a 4096-feature layer 16 blocks, so the row
+    splits are what fills the GPU (32 splits at R = 16: 1.3 waves instead of 0.65 with a quarter).
     """
-    # on tensor cores the pass is memory-bound, so the partials (written and read back) get the quarter
-    per_split = (32 if grad_out_uses_mma(variant) else 16) * variant.rank_bucket
+    per_split = 16 * variant.rank_bucket
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // per_split
     return _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
 

@@ -63,14 +63,16 @@ def _up(v: dict) -> None:
     scaled_bt = bt[:rank] * v["scaling"]  # (r, out): s folded into the small operand
     bias32 = None if bias is None else bias.float()
     for begin, end in _row_blocks(v["rows"], v["cols"]):
-        block = out[begin:end]
-        direct = block if block.dtype == torch.float32 else None  # the op's float32 variant: no temporary
-        if bias32 is None:
-            term = torch.mm(h[begin:end, :rank], scaled_bt, out=direct)
+        block = out[begin:end]  # the base product, as cuBLAS wrote it
+        if block.dtype == torch.float32:  # the op's float32 variant: in place, no temporary
+            if bias32 is not None:
+                block.add_(bias32)
+            block.addmm_(h[begin:end, :rank], scaled_bt)
         else:
-            term = torch.addmm(bias32, h[begin:end, :rank], scaled_bt, out=direct)
-        if direct is None:
-            block.copy_(term)  # one rounding into out's dtype
+            term = block.float()
+            if bias32 is not None:
+                term.add_(bias32)
+            block.copy_(term.addmm_(h[begin:end, :rank], scaled_bt))  # onto the base product, one rounding
 
 
 def _grad_out(v: dict) -> None:

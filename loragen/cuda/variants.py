@@ -69,6 +69,7 @@ class Variant:
 # row or column block are neighbours in the grid (their repeated reads of x or g come from L2), and
 # every lane keeps 8 columns -- one 16-byte load of 16-bit x or g per row -- at every rank.
 _ACCUMULATORS = 64
+_DOWN_ACCUMULATORS = 32  # lora_down's CUDA-core pass: 32 partial sums per lane, for 3 blocks per SM
 CHUNK = 8  # columns per lane and row: 16 bytes of a 16-bit dtype, one Philox call
 
 
@@ -82,28 +83,33 @@ def uses_mma(v: Variant) -> bool:
 
 
 def down_tile(v: Variant) -> dict[str, int]:
-    if uses_mma(v):
-        row_tiles = min(4, _ACCUMULATORS // (v.rank_bucket // 2))  # R / 2 accumulators per 16-row tile
+    """``lora_down``'s block: 4 warps, and registers for ``min_blocks`` blocks per multiprocessor.
+
+    A warp owns few rows (16 on tensor cores, 32 / rank tile on the CUDA cores) so that the grid has
+    enough blocks for two waves without more column splits (whose partial sums cost traffic); each lane
+    keeps several 16-byte loads of x in flight (STEPS column steps before the first use): eight on tensor
+    cores, four chunks of 8 columns on the CUDA cores.
+    """
+    if uses_mma(v):  # R / 2 accumulators per lane for one 16-row tile
         return {
             "warps": 4,
-            "min_blocks": 2,
+            "min_blocks": 4,
             "mma": True,
             "rank_tile": v.rank_bucket,
-            "rows_per_warp": 16 * row_tiles,
-            "steps": max(
-                1, 4 // row_tiles
-            ),  # 2 * row_tiles * steps = 8 loads of 16 bytes of x in flight per lane
+            "rows_per_warp": 16,
+            "steps": 4,  # 2 rows x 4 steps = 8 loads of 16 bytes of x in flight per lane
         }
     rank_tile = min(v.rank_bucket, 16)
-    rows_per_warp = _ACCUMULATORS // rank_tile
+    rows_per_warp = _DOWN_ACCUMULATORS // rank_tile
     return {
         "warps": 4,
-        "min_blocks": 2,
+        "min_blocks": 3,
         "mma": False,
         "rank_tile": rank_tile,
         "rows_per_warp": rows_per_warp,
-        # rows x steps = 8 row chunks in flight per lane (scalar loads of unaligned rows need the registers)
-        "steps": max(1, 8 // rows_per_warp) if v.aligned else 1,
+        # rows x steps = 64 bytes of x in flight per lane (4 chunks of 8 16-bit columns, 2 of float32), in
+        # the 168 registers of 3 blocks per SM (scalar loads of unaligned rows need them: one step)
+        "steps": max(1, 64 // (CHUNK * ELEMENT_BYTES[v.dtype] * rows_per_warp)) if v.aligned else 1,
     }
 
 
@@ -113,31 +119,52 @@ def up_uses_mma(v: Variant) -> bool:
     return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 32
 
 
+def _up_min_blocks(v: Variant) -> int:
+    """Blocks of 128 threads per multiprocessor ``lora_up``'s CUDA-core pass asks registers for: three
+    (<= 168 registers) where out moves 16 bytes at a time, two (<= 255) where float32 rows or scalar
+    accesses of unaligned rows need more registers for the same loads. (Four, <= 128 registers, spill
+    on sm_80.)"""
+    return 3 if v.aligned and ELEMENT_BYTES[v.dtype] == 2 else 2
+
+
 def up_tile(v: Variant) -> dict[str, int]:
     if up_uses_mma(v):  # rows_per_thread: 16-row tiles per warp; rank_step: unused by the mma pass
-        # a block: 128 rows x 256 columns, so h and B^T are each read from L2 about R / 64 times per byte
-        # of out (8 chunks of 32 columns per warp, B^T from L1 for the block's other warps)
+        # a block: 128 rows x 128 columns, so h and B^T are each read from L2 about R / 32 times per byte
+        # of out (4 chunks of 32 columns per warp, B^T from L1 for the block's other warps); 4 chunks
+        # rather than 8 so that a 4096 x 4096 output is 1024 blocks, two waves
         return {
             "warps": 4,
-            "min_blocks": 2,
+            "min_blocks": 4 if v.rank_bucket <= 32 else 3,
             "mma": True,
             "rows_per_thread": 2,
             "rank_step": 4,
-            "col_chunks": 8,
+            "col_chunks": 4,
         }
+    # 4 rows x 8 columns: 32 accumulators and the 32 values of out they are added to, so that three
+    # blocks fit a multiprocessor (<= 168 registers) and each thread has four 16-byte loads of out in flight
     return {
         "warps": 4,
-        "min_blocks": 2,
+        "min_blocks": _up_min_blocks(v),
         "mma": False,
-        "rows_per_thread": _ACCUMULATORS // CHUNK,
+        "rows_per_thread": 4,
         "rank_step": 4,
         "col_chunks": 1,  # the mma pass only
     }
 
 
 def backward_tile(v: Variant) -> dict[str, int]:
-    rank_tile = min(v.rank_bucket, _ACCUMULATORS // CHUNK)
-    return {"warps": 4, "min_blocks": 2, "rank_tile": rank_tile, "rows_per_step": 4}
+    """``lora_grad_in``'s block: 4 warps sharing 256 columns, taking turns over the rows.
+
+    ``lora_grad_in`` keeps RANK_TILE x 8 dA sums per lane and ROWS_PER_STEP rows of x and dh: rank tiles
+    of 4 at R <= 16 (x is then read R / 4 times, the repeats from L2) and of 8 with 2 rows per step
+    above, so that three blocks fit a multiprocessor (<= 168 registers) where two did.
+    """
+    if v.rank_bucket <= 16:  # scalar loads of unaligned rows need more registers: 2 rows per step there
+        rows = 4 if v.aligned else 2
+        # unaligned at R = 8 the whole grad_x rank loop unrolls, and 168 registers would spill: two blocks
+        blocks = 2 if not v.aligned and v.rank_bucket == 8 else 3
+        return {"warps": 4, "min_blocks": blocks, "rank_tile": min(v.rank_bucket, 4), "rows_per_step": rows}
+    return {"warps": 4, "min_blocks": 3, "rank_tile": 8, "rows_per_step": 2}
 
 
 def grad_out_uses_mma(v: Variant) -> bool:
@@ -147,18 +174,27 @@ def grad_out_uses_mma(v: Variant) -> bool:
 
 def grad_out_tile(v: Variant) -> dict[str, int]:
     if grad_out_uses_mma(v):
-        # 8 warps x 2 chunks of 32 columns = 512 columns per block; dB^T keeps R_tile accumulators per
-        # lane and chunk, so R = 64 runs as two rank tiles of 32 (g read again from L2)
+        # 8 warps x 1 chunk of 32 columns = 256 columns per block: twice the warps per multiprocessor of
+        # 2 chunks per warp for the same partial sums; dB^T keeps R_tile / 2 accumulators per lane, so
+        # R = 64 runs as two rank tiles of 32 (g read again from L2)
         rank_tile = min(v.rank_bucket, 32)
         return {
             "warps": 8,
-            "min_blocks": 1,
+            "min_blocks": 3 if v.rank_bucket <= 16 else 2,  # <= 80 registers, <= 128
             "mma": True,
-            "col_chunks": 2,
+            "col_chunks": 1,
             "rank_tile": rank_tile,
             "rows_per_step": 16,
         }
-    return {**backward_tile(v), "mma": False, "col_chunks": 1}
+    # the CUDA-core pass keeps B^T and dB for 8 columns and 8 ranks per lane: two blocks per SM
+    return {
+        "warps": 4,
+        "min_blocks": 2,
+        "mma": False,
+        "rank_tile": min(v.rank_bucket, 8),
+        "rows_per_step": 4,
+        "col_chunks": 1,
+    }
 
 
 def rank_bucket(rank: int) -> int:

@@ -1,7 +1,7 @@
 // lora_grad_in: dA = dh^T dropout(x) and the LoRA part of grad_x, (dh A) * keep / (1 - p), in one
 // pass over x with the dropout mask regenerated.
 // Rendered by loragen.cuda.render for bfloat16:
-// scalar_t=bf16_t, rank_bucket=16, aligned=true, warps=4, min_blocks=2, rank_tile=8, rows_per_step=4.
+// scalar_t=bf16_t, rank_bucket=16, aligned=true, warps=4, min_blocks=3, rank_tile=4, rows_per_step=4.
 //
 // dh already carries the LoRA scaling. A block owns 256 columns (each lane 8 consecutive ones: one
 // 16-byte load of x per row for 16-bit x, at every rank) and one tile of RANK_TILE ranks; its warps
@@ -21,13 +21,13 @@ using namespace loragen;
 
 typedef bf16_t scalar_t;
 constexpr int RANK_BUCKET = 16;  // R: columns of dh, rows of dA and of (padded) A
-constexpr int RANK_TILE = 8;  // blockIdx.x = column block * RANK_TILES + tile
+constexpr int RANK_TILE = 4;  // blockIdx.x = column block * RANK_TILES + tile
 constexpr int RANK_TILES = RANK_BUCKET / RANK_TILE;
 constexpr int WARPS = 4;
 constexpr int ROWS_PER_STEP = 4;
 constexpr bool ALIGNED = true;  // cols % 8 == 0, x, A and grad_x_lora 16-byte aligned
 constexpr int THREADS = WARPS * 32;
-constexpr int MIN_BLOCKS = 2;  // blocks per multiprocessor the register budget must allow
+constexpr int MIN_BLOCKS = 3;  // blocks per multiprocessor the register budget must allow
 constexpr int CHUNK = 8;  // columns per thread: one Philox call per row
 constexpr int BLOCK_COLS = 32 * CHUNK;  // the warps share the columns and split the rows
 

@@ -33,6 +33,15 @@ CASES = [
     pytest.param(21, 24, 16, 64, torch.float16, 0.2, False, False, id="f16-r64-nobias"),
     pytest.param(45, 96, 40, 40, torch.bfloat16, 0.2, True, False, id="bf16-r40-mma-split"),
     pytest.param(19, 40, 24, 32, torch.float16, 0.0, True, True, id="f16-r32-mma-fifo"),
+    # the split grids of two waves: lora_down's column splits on tensor cores (3 splits of 384, 384 and
+    # 264 columns), the row splits of lora_grad_out (4: 3 x 160 + 120 rows) and lora_grad_in (3: 208,
+    # 208, 184) -- row counts that are no multiple of the split -- with 4 rank tiles of 4 in lora_grad_in
+    pytest.param(41, 1032, 24, 16, torch.bfloat16, 0.1, True, False, id="bf16-r16-mma-down-column-splits"),
+    pytest.param(600, 48, 40, 16, torch.bfloat16, 0.2, False, False, id="bf16-r16-backward-row-splits"),
+    pytest.param(1, 64, 48, 16, torch.bfloat16, 0.1, True, False, id="bf16-r16-one-row"),
+    pytest.param(67, 136, 72, 1, torch.float16, 0.2, True, True, id="f16-r1-odd-rows-fifo"),
+    pytest.param(53, 45, 41, 12, torch.bfloat16, 0.3, True, False, id="bf16-r12-unaligned"),
+    pytest.param(37, 72, 40, 64, torch.float32, 0.1, True, False, id="f32-r64-rank-tiles"),
 ]
 
 
@@ -97,6 +106,13 @@ def test_partial_sums_are_exercised(launcher):
     assert specs.plan_down(70, 264, variant, 4).splits == 2
     assert specs.plan_grad_out(70, 296, variant, 4).splits == 2
     assert specs.plan_grad_in(70, 264, variant, 4).splits > 1
+    bf16 = specs.Variant("bfloat16", 16, True)
+    down = specs.plan_down(41, 1032, bf16, 4)
+    assert (down.splits, down.cols_per_split) == (3, 384)  # the last split: 264 columns
+    grad_out = specs.plan_grad_out(600, 40, bf16, 4)
+    assert (grad_out.splits, grad_out.rows_per_split) == (4, 160)
+    grad_in = specs.plan_grad_in(600, 48, bf16, 4)
+    assert (grad_in.splits, grad_in.rows_per_split, specs.rank_tiles(specs.LORA_GRAD_IN, bf16)) == (3, 208, 4)
 
 
 def test_mask_is_the_cpu_philox_mask(launcher):

@@ -95,3 +95,28 @@ def test_tensor_cores_where_the_cuda_cores_would_bind():
     assert {(v.dtype, v.rank_bucket, v.aligned) for v in grad_out} == {
         ("bfloat16", r, True) for r in (16, 32, 64)
     }
+
+
+@pytest.mark.parametrize("rank", [8, 16, 32])
+def test_grids_fill_two_waves_on_an_h100_layer(rank):
+    """4096 x 4096 layer, 4096 tokens, 132 SMs (target_blocks 264): lora_down, lora_up and lora_grad_in
+    launch about two waves of the blocks per SM their launch bounds ask for (issue 20: the first grids
+    were 0.48 waves); lora_grad_out stops at its partial-sum cap (half of g's bytes)."""
+    variant = specs.Variant("bfloat16", rank, True)
+    sms, target, n = 132, 264, 4096
+
+    def waves(spec: specs.KernelSpec, blocks: int) -> float:
+        return blocks / (sms * spec.tile(variant)["min_blocks"])
+
+    down = specs.plan_down(n, n, variant, target)
+    row_blocks, col_blocks = specs.plan_up(n, n, variant)
+    grad_in = specs.plan_grad_in(n, n, variant, target)
+    assert waves(specs.LORA_DOWN, down.grid[0] * down.grid[1]) >= (1.9 if rank <= 16 else 0.9)
+    assert waves(specs.LORA_UP, row_blocks * col_blocks) >= 1.5
+    assert waves(specs.LORA_GRAD_IN, grad_in.grid[0] * grad_in.grid[1]) >= 1.9
+    grad_out = specs.plan_grad_out(n, n, variant, target)
+    per_split = 16 * rank  # the dB partials stay under half of g's bytes
+    assert (
+        grad_out.splits == n * 2 // per_split
+        or waves(specs.LORA_GRAD_OUT, grad_out.grid[0] * grad_out.grid[1]) >= 1.9
+    )

@@ -15,6 +15,10 @@ Cubins come from the same pytest cache as tests/cuda/test_cuda_compile.py.
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 
 from loragen.cuda import specs
@@ -22,6 +26,7 @@ from loragen.cuda.cache import KernelCache
 from loragen.cuda.render import render_kernel
 from tests.cuda.cuda_emulation import cache_folder
 from tests.cuda.sass import (
+    ARCH_LIMITS,
     SassReport,
     analyse,
     instructions,
@@ -73,9 +78,10 @@ def test_sass_of_every_variant(cubins, spec, variant, arch):
     check_no_local_memory(report, where)
     assert report.registers == ptxas.registers, where  # cuobjdump agrees with ptxas
     wanted = spec.tile(variant)["min_blocks"]
-    assert report.occupancy["blocks_per_sm"] >= wanted, (
-        f"{where}: {report.occupancy}, launch bounds want {wanted}"
+    assert report.occupancy["blocks_per_sm"] >= max(2, wanted), (
+        f"{where}: {report.occupancy}, launch bounds want {wanted} (and every kernel at least 2)"
     )
+    assert report.registers <= register_bound(arch, spec.threads(variant), max(2, wanted)), where
 
     if spec.name in specs.KERNELS and variant.aligned:
         narrow = {b for b in report.widths("global", "load") | report.widths("global", "store") if b < 32}
@@ -83,6 +89,44 @@ def test_sass_of_every_variant(cubins, spec, variant, arch):
             f"{where}: {sorted(narrow)}-bit global accesses in an aligned variant: {report.memory}"
         )
         assert report.count("global", "load", 128) > 0, f"{where}: no 16-byte global load: {report.memory}"
+
+
+def register_bound(arch: str, threads: int, blocks: int) -> int:
+    """The most registers per thread that let ``blocks`` blocks of ``threads`` share an SM's register file
+    (allocated per warp in units of 256 registers, at most 255 per thread)."""
+    warps = blocks * math.ceil(threads / 32)
+    per_warp = ARCH_LIMITS[arch]["registers"] // warps // 256 * 256
+    return min(255, per_warp // 32)
+
+
+RECORDED = Path(__file__).resolve().parents[2] / "benchmarks" / "kernel_sass.json"
+
+
+def test_recorded_sass_table_covers_every_variant_within_its_register_bound():
+    """benchmarks/kernel_sass.json (``python -m tests.cuda.sass --json ...``, needs NVRTC) as CI sees it
+    without NVRTC: every variant on every architecture, block sizes as the tiles now have them, no local
+    memory, and registers that allow the blocks per SM its launch bounds ask for (at least 2)."""
+    table = json.loads(RECORDED.read_text())
+    rows = {(row["kernel"], row["variant"], row["arch"]): row for row in table["kernels"]}
+    for spec, variant in ALL_VARIANTS:
+        wanted = max(2, spec.tile(variant)["min_blocks"])
+        for arch in specs.ARCHS:
+            where = f"{spec.name} {variant.label} {arch}"
+            row = rows[(spec.name, variant.label, arch)]
+            assert row["threads"] == spec.threads(variant), f"{where}: regenerate benchmarks/kernel_sass.json"
+            assert row["local_bytes"] == 0 and row["stack_bytes"] == 0, where
+            assert not any(op.startswith("local-") for op in row["memory"]), where
+            assert row["registers"] <= register_bound(arch, row["threads"], wanted), where
+            assert row["occupancy"]["blocks_per_sm"] >= wanted, where
+
+
+def test_register_bound():
+    assert register_bound("sm_90", 128, 2) == 255
+    assert register_bound("sm_90", 128, 3) == 168  # 5 376 registers a warp
+    assert register_bound("sm_90", 128, 4) == 128
+    assert register_bound("sm_90", 256, 3) == 80
+    assert occupancy("sm_90", 256, register_bound("sm_90", 256, 3), 0)["blocks_per_sm"] == 3
+    assert occupancy("sm_90", 128, register_bound("sm_90", 128, 3) + 8, 0)["blocks_per_sm"] == 2
 
 
 # ---- the parser and the occupancy model, on fixed inputs ------------------------------------------------
