@@ -2,7 +2,7 @@
 quantization, any compute dtype) and ``Linear8bitLt``.
 
 This module imports bitsandbytes; :mod:`loragen.layers` registers both types by name, so it is imported
-only when a model holds such a layer (bitsandbytes stays an optional extra, ``pip install loragen[bnb]``).
+only when a model holds such a layer (bitsandbytes stays an optional extra: ``pip install -e ".[bnb]"``).
 
 Forward: the base output is bitsandbytes' own forward (its dequantizing product); the LoRA term
 ``scaling * B A dropout(x)`` is added onto it in place by :func:`loragen.ops.branch.lora_branch`, with a

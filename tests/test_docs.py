@@ -1,0 +1,42 @@
+"""The documentation holds together: the README stays short, every relative link points at a file that
+exists, and install instructions work from a checkout (loragen is not installed from an index)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md")])
+LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+
+
+def test_the_readme_is_at_most_10_kb() -> None:
+    assert (ROOT / "README.md").stat().st_size <= 10 * 1024
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path) -> None:
+    broken = [
+        target
+        for target, _ in LINK.findall(page.read_text(encoding="utf-8"))
+        if "://" not in target and not (page.parent / target).exists()
+    ]
+    assert not broken, f"{page.name}: links to missing files: {broken}"
+
+
+def test_install_instructions_work_from_a_checkout() -> None:
+    wrong = re.compile(r"pip install ['\"]?loragen\[")
+    files = [*DOCS, *ROOT.joinpath("loragen").rglob("*.py")]
+    offenders = [str(f.relative_to(ROOT)) for f in files if wrong.search(f.read_text(encoding="utf-8"))]
+    assert not offenders, (
+        f"`pip install loragen[...]` cannot work from a checkout; use pip install -e: {offenders}"
+    )
+
+
+def test_every_guide_the_readme_promises_exists() -> None:
+    for guide in ("ways-in", "adapters", "layers", "qlora-and-moe", "training", "cli", "cuda", "extending"):
+        assert (ROOT / "docs" / f"{guide}.md").is_file(), guide
+    assert (ROOT / "docs" / "coming-from-peft.md").is_file()
