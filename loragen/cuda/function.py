@@ -14,30 +14,41 @@ backward  dh, dB = lora_grad_out(g)                 one pass over g (dh carries 
 
 Split reductions come back as float32 partial sums that torch adds up (deterministic: no atomics).
 LoRA parameters may be float32 (peft's default for 16-bit models) or x's dtype; the kernels read them
-as float32 and accumulate in float32, and the output is rounded once into x's dtype: the rank-r term is
-never rounded to 16 bits before the base product is added. (In backward, lora_grad_in writes the LoRA
-part of grad_x in x's dtype and cuBLAS adds g W to it: two roundings there, as in peft's composition.) The output is a fresh tensor (never a view),
-so callers may modify it in place.
+as float32 and accumulate in float32, and the output is rounded once into x's dtype. (In backward,
+lora_grad_in writes the LoRA part of grad_x in x's dtype and cuBLAS adds g W to it: two roundings there,
+as in peft's composition.) The output is a fresh tensor (never a view), so callers may modify it in place.
+
+The op is two ``torch.library`` custom ops, ``loragen::lora_linear`` (forward, returns y and h) and
+``loragen::lora_linear_backward``, with fake implementations and the autograd formula registered, so
+``torch.compile(fullgraph=True)`` traces a LoRA model through them without graph breaks.
+
+Host path: everything that depends only on (shapes, dtype, device, launcher) -- the kernel variant, the
+routed launcher -- is kept in a :class:`~loragen.cuda.passes.Plan` per such key; A and B^T padded to the
+rank bucket in float32 are kept per parameter and refreshed only when the parameter's ``_version`` or
+data pointer changes (and on every call inside a CUDA-graph capture, so replays read fresh parameters).
 
 Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which
 self-checks each kernel variant on its first use on a device and moves a failing one to the torch path
 (:mod:`loragen.cuda.torch_kernels`) with one warning; ``LORAGEN_CUDA_KERNELS`` (:data:`loragen.switches.cuda_kernels`)
 turns the check off or forces the torch path.
 
-Dropout: the seed is drawn from torch's CPU generator per call, so ``torch.manual_seed`` reproduces a
-run and ``torch.utils.checkpoint`` recomputes the same mask; :func:`loragen.philox.dropout_keep_mask`
-gives the identical mask on the CPU. Under CUDA-graph capture with active dropout the op refuses to run:
-the seed would be frozen into the graph and every replay would drop the same elements.
+Dropout: each forward draws its Philox seed and offset with one device-side torch RNG op (:func:`draw_rng`)
+into an int64 tensor of two elements that the kernels read through a pointer and backward reuses. So
+``torch.manual_seed`` reproduces a run, ``torch.utils.checkpoint`` (which restores the device's RNG
+state) recomputes the same mask, and a CUDA graph captured with dropout draws a fresh mask on every
+replay. :func:`loragen.philox.dropout_keep_mask` gives the identical mask on the CPU for the same
+(seed, offset) (:func:`loragen.cuda.torch_kernels.rng_values` reads them).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from loragen import philox
+from loragen import philox, switches
 from loragen.cuda import passes, specs
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.passes import DTYPE_NAMES, Plan
@@ -45,7 +56,16 @@ from loragen.cuda.selfcheck import default_checker
 from loragen.errors import LoraError
 from loragen.reference import lora_linear_reference
 
-__all__ = ["CudaLoraError", "LoraLinearCudaFunction", "lora_linear_cuda", "unsupported_reason"]
+__all__ = [
+    "CudaLoraError",
+    "draw_rng",
+    "launcher_handle",
+    "lora_linear_cuda",
+    "seed_rng",
+    "unsupported_reason",
+]
+
+_WHERE = "loragen.cuda.lora_linear_cuda"
 
 
 class CudaLoraError(LoraError, ValueError):
@@ -80,6 +100,11 @@ def unsupported_reason(
     return None
 
 
+def _devices(tensors: tuple[Tensor | None, ...]) -> str:
+    names = ("x", "weight", "bias", "lora_A", "lora_B")
+    return ", ".join(f"{n}: {t.device}" for n, t in zip(names, tensors) if t is not None)
+
+
 def _check_inputs(
     x: Tensor,
     weight: Tensor,
@@ -90,120 +115,365 @@ def _check_inputs(
     p: float,
     require_cuda: bool,
 ) -> None:
-    where = "loragen.cuda.lora_linear_cuda"
+    """Raise :class:`CudaLoraError` naming the first bad argument; messages are built only on failure."""
     if not 0.0 <= p < 1.0:
-        raise CudaLoraError(f"{where}: dropout_p={p!r}; expected 0 <= p < 1")
-    tensors = {"x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B}
-    if bias is not None:
-        tensors["bias"] = bias
-    devices = {name: t.device for name, t in tensors.items()}
-    if (require_cuda and x.device.type != "cuda") or len(set(devices.values())) != 1:
-        raise CudaLoraError(f"{where}: all tensors must be on one CUDA device, got {devices}")
-    in_features = x.shape[-1]
-    out_features, w_in = (weight.shape[1], weight.shape[0]) if fan_in_fan_out else tuple(weight.shape)
-    layout = "(in, out) with fan_in_fan_out" if fan_in_fan_out else "(out, in)"
-    if weight.dim() != 2 or w_in != in_features:
+        raise CudaLoraError(f"{_WHERE}: dropout_p={p!r}; expected 0 <= p < 1")
+    device = x.device
+    if (
+        (require_cuda and device.type != "cuda")
+        or weight.device != device
+        or lora_A.device != device
+        or lora_B.device != device
+        or (bias is not None and bias.device != device)
+    ):
         raise CudaLoraError(
-            f"{where}: weight {tuple(weight.shape)} is not {layout} for x (..., {in_features})"
+            f"{_WHERE}: all tensors must be on one CUDA device, got {_devices((x, weight, bias, lora_A, lora_B))}"
         )
-    if bias is not None and tuple(bias.shape) != (out_features,):
-        raise CudaLoraError(f"{where}: bias {tuple(bias.shape)}; expected ({out_features},)")
+    in_features = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[0 if fan_in_fan_out else 1] != in_features:
+        layout = "(in, out) with fan_in_fan_out" if fan_in_fan_out else "(out, in)"
+        raise CudaLoraError(
+            f"{_WHERE}: weight {tuple(weight.shape)} is not {layout} for x (..., {in_features})"
+        )
+    out_features = weight.shape[1 if fan_in_fan_out else 0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != out_features):
+        raise CudaLoraError(f"{_WHERE}: bias {tuple(bias.shape)}; expected ({out_features},)")
     r = lora_A.shape[0]
     if lora_A.dim() != 2 or lora_A.shape[1] != in_features:
-        raise CudaLoraError(f"{where}: lora_A {tuple(lora_A.shape)}; expected (r, {in_features})")
-    if tuple(lora_B.shape) != (out_features, r):
+        raise CudaLoraError(f"{_WHERE}: lora_A {tuple(lora_A.shape)}; expected (r, {in_features})")
+    if lora_B.dim() != 2 or lora_B.shape[0] != out_features or lora_B.shape[1] != r:
         raise CudaLoraError(
-            f"{where}: lora_B {tuple(lora_B.shape)}; expected ({out_features}, {r}) for r={r}"
+            f"{_WHERE}: lora_B {tuple(lora_B.shape)}; expected ({out_features}, {r}) for r={r}"
         )
 
 
-class LoraLinearCudaFunction(torch.autograd.Function):
-    """One autograd node for the whole LoRA linear; see the module docstring for the passes.
+# ---- launchers by handle ---------------------------------------------------------------------------
+# A custom op takes only tensors and scalars, so the launcher travels as an int: 0 is the default
+# self-checked driver launcher, others are launchers callers passed in (tests, the null driver).
+_launchers: list[KernelLauncher | None] = [None]
+_handles: dict[int, int] = {}
 
-    ``apply(x, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, fan_in_fan_out, launcher)``;
-    ``dropout_p = 0`` means no dropout (``seed`` is then ignored).
+
+def launcher_handle(launcher: KernelLauncher | None) -> int:
+    """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher).
+
+    A launcher passed once is kept for the life of the process.
     """
+    if launcher is None:
+        return 0
+    handle = _handles.get(id(launcher))
+    if handle is None or _launchers[handle] is not launcher:
+        handle = _handles[id(launcher)] = len(_launchers)
+        _launchers.append(launcher)
+    return handle
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        lora_A: Tensor,
-        lora_B: Tensor,
-        scaling: float,
-        dropout_p: float,
-        seed: int,
-        fan_in_fan_out: bool,
-        launcher: KernelLauncher,
-    ) -> Tensor:
-        out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
-        x2 = x.reshape(-1, x.shape[-1])
-        plan = Plan(x2, out_features, lora_A.shape[0], launcher)
-        x2 = plan.prepare(x2)
-        # (R, in) and (R, out), padded to the rank bucket: rows r..R-1 are zero
-        a32 = plan.prepare(passes.pad_rank(lora_A.detach().float(), plan.variant))
-        bt32 = plan.prepare(passes.pad_rank(lora_B.detach().float().t(), plan.variant))
-        dropout = (
-            (seed, 0, philox.keep_threshold(dropout_p), philox.keep_scale(dropout_p))
-            if dropout_p > 0
-            else (0, 0, 0, 1.0)
+
+def _launcher(handle: int) -> KernelLauncher:
+    launcher = _launchers[handle]
+    return default_checker() if launcher is None else launcher
+
+
+# ---- what forward and backward reuse ---------------------------------------------------------------
+_plans: dict[tuple[Any, ...], Plan] = {}
+
+
+def _plan(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
+    """The cached :class:`Plan` for these sizes, dtype, device, launcher and kernel switch.
+
+    The routed launcher it holds stays right when a variant fails later: the self-check's guarded
+    launcher moves its launches to the torch path itself.
+    """
+    key = (x2.shape, x2.dtype, x2.device, out_features, rank, handle, switches.cuda_kernels.get())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = Plan(x2, out_features, rank, _launcher(handle))
+    return plan
+
+
+class _Factor:
+    """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- kept in one
+    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer)."""
+
+    __slots__ = ("buffer", "data_ptr", "source", "version")
+
+    def __init__(self, source: Tensor, buffer: Tensor) -> None:
+        self.source = weakref.ref(source)
+        self.buffer = buffer
+        self.version = -1
+        self.data_ptr = -1
+
+
+_factors: dict[tuple[int, bool], _Factor] = {}
+
+
+def _factor(t: Tensor, plan: Plan, transpose: bool) -> Tensor:
+    """``t`` (lora_A (r, in), or lora_B (out, r) transposed) as float32 (R, features), padded with zero
+    rows to the rank bucket and 16-byte aligned, from the per-parameter cache."""
+    bucket = plan.variant.rank_bucket
+    if not transpose and t.dtype == torch.float32 and t.shape[0] == bucket and t.is_contiguous():
+        if not plan.variant.aligned or t.data_ptr() % 16 == 0:
+            return t.detach()  # already what the kernels read: no copy at all
+    key = (id(t), transpose)
+    entry = _factors.get(key)
+    features = t.shape[0] if transpose else t.shape[1]
+    if (
+        entry is None
+        or entry.source() is not t
+        or entry.buffer.shape[1] != features
+        or entry.buffer.shape[0] != bucket
+        or entry.buffer.device != t.device
+    ):
+        buffer = torch.zeros(bucket, features, dtype=torch.float32, device=t.device)  # fresh: aligned
+        entry = _factors[key] = _Factor(t, buffer)
+        weakref.finalize(t, _factors.pop, key, None)
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or entry.version != t._version or entry.data_ptr != t.data_ptr():
+        rank = t.shape[1] if transpose else t.shape[0]
+        with torch.no_grad():
+            entry.buffer[:rank].copy_(t.t() if transpose else t)
+        entry.version = t._version
+        entry.data_ptr = t.data_ptr()
+    return entry.buffer
+
+
+_dropout_constants: dict[float, tuple[int, float]] = {0.0: (0, 1.0)}
+
+
+def _dropout(rng: Tensor | None, p: float) -> tuple[Tensor | None, int, float]:
+    """The kernels' dropout arguments ``(rng, threshold, keep_scale)`` (p validated by the caller)."""
+    constants = _dropout_constants.get(p)
+    if constants is None:
+        constants = _dropout_constants[p] = (philox.keep_threshold(p), philox.keep_scale(p))
+    return (rng if constants[0] else None, *constants)
+
+
+def draw_rng(device: torch.device) -> Tensor:
+    """A fresh (seed, offset) pair for one forward's dropout mask: int64 (2,) on ``device``, drawn by
+    torch's generator of that device (the CUDA generator on a GPU: safe inside CUDA-graph capture, fresh
+    values on every replay)."""
+    return torch.randint(0, (1 << 63) - 1, (2,), dtype=torch.int64, device=device)
+
+
+def seed_rng(seed: int, device: torch.device, offset: int = 0) -> Tensor:
+    """The rng tensor for an explicit unsigned 64-bit ``seed`` and ``offset`` (stored as int64 bits).
+
+    Raises:
+        CudaLoraError: ``seed`` or ``offset`` is not an unsigned 64-bit integer.
+    """
+    words = []
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not 0 <= value < 1 << 64:
+            raise CudaLoraError(f"{_WHERE}: {name}={value}; expected an unsigned 64-bit integer")
+        words.append(value - (1 << 64) if value >= 1 << 63 else value)
+    return torch.tensor(words, dtype=torch.int64, device=device)
+
+
+# ---- the custom ops --------------------------------------------------------------------------------
+def _autocasting(x: Tensor) -> bool:
+    return x.is_cuda and torch.is_autocast_enabled("cuda")
+
+
+@torch.library.custom_op("loragen::lora_linear", mutates_args=())
+def _lora_linear_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    launcher: int,
+) -> tuple[Tensor, Tensor]:
+    """y (..., out) in x's dtype and h (N, R) float32 (saved for backward)."""
+    if _autocasting(x):
+        with torch.autocast("cuda", enabled=False):
+            return _forward(
+                x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher
+            )
+    return _forward(x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher)
+
+
+def _forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    launcher: int,
+) -> tuple[Tensor, Tensor]:
+    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    plan = _plan(x2, out_features, lora_A.shape[0], launcher)
+    x2 = plan.prepare(x2)
+    a32 = _factor(lora_A, plan, transpose=False)
+    bt32 = _factor(lora_B, plan, transpose=True)
+    h = passes.down(plan, x2, a32, _dropout(rng, dropout_p))
+    # the output in its final shape, written through a 2-D view: no view of it escapes
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    out2 = out.view(plan.rows, out_features)
+    term = out2 if x.dtype == torch.float32 else torch.empty_like(out2, dtype=torch.float32)
+    if plan.rows:
+        passes.up(plan, h, bt32, bias, scaling, term)  # bias + s h B^T in float32
+    else:
+        term.zero_()
+    # the base GEMM accumulates onto it, then the one rounding into x's dtype
+    passes.add_base(term, x2, weight if fan_in_fan_out else weight.t(), out2)
+    return out, h
+
+
+@_lora_linear_op.register_fake
+def _lora_linear_fake(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    launcher: int,
+) -> tuple[Tensor, Tensor]:
+    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
+    rows = 1
+    for size in x.shape[:-1]:
+        rows = rows * size
+    out = x.new_empty((*x.shape[:-1], out_features))
+    h = x.new_empty((rows, specs.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
+    return out, h
+
+
+@torch.library.custom_op("loragen::lora_linear_backward", mutates_args=())
+def _lora_linear_backward_op(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    h: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    needs: list[bool],
+    launcher: int,
+) -> list[Tensor]:
+    """The gradients of (x, weight, bias, lora_A, lora_B) flagged in ``needs``, in that order."""
+    if _autocasting(x):
+        with torch.autocast("cuda", enabled=False):
+            return _backward(
+                grad_out,
+                x,
+                weight,
+                lora_A,
+                lora_B,
+                h,
+                rng,
+                scaling,
+                dropout_p,
+                fan_in_fan_out,
+                needs,
+                launcher,
+            )
+    return _backward(
+        grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
+    )
+
+
+def _backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    h: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    needs: list[bool],
+    launcher: int,
+) -> list[Tensor]:
+    need_x, need_w, need_b, need_a, need_bb = needs
+    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    plan = _plan(x2, out_features, lora_A.shape[0], launcher)
+    x2 = plan.prepare(x2)
+    g2 = plan.prepare(grad_out.reshape(plan.rows, out_features).to(x.dtype))
+    grad_x = grad_a = grad_bb = None
+    if plan.rows == 0:
+        grad_a = torch.zeros_like(lora_A) if need_a else None
+        grad_bb = torch.zeros_like(lora_B) if need_bb else None
+        grad_x = torch.zeros_like(x) if need_x else None
+    elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
+        bt32 = _factor(lora_B, plan, transpose=True)
+        dh, db = passes.grad_out(plan, g2, h, bt32, scaling)
+        if need_bb:
+            grad_bb = db[:, : plan.rank].to(lora_B.dtype, copy=True)
+        if need_x or need_a:
+            a32 = _factor(lora_A, plan, transpose=False)
+            gx, da = passes.grad_in(plan, x2, dh, a32, _dropout(rng, dropout_p), need_x)
+            if need_a:
+                grad_a = da[: plan.rank].to(lora_A.dtype, copy=True)
+            if gx is not None:
+                gx.addmm_(g2, weight.t() if fan_in_fan_out else weight)
+                grad_x = gx.view(x.shape)
+    grad_w = None
+    if need_w:
+        grad_w = torch.mm(x2.t(), g2) if fan_in_fan_out else torch.mm(g2.t(), x2)
+    grad_b = g2.sum(0) if need_b else None
+    return [g for g in (grad_x, grad_w, grad_b, grad_a, grad_bb) if g is not None]
+
+
+@_lora_linear_backward_op.register_fake
+def _lora_linear_backward_fake(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    h: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    needs: list[bool],
+    launcher: int,
+) -> list[Tensor]:
+    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
+    shapes = (x, weight, x.new_empty((out_features,)), lora_A, lora_B)
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t, n in zip(shapes, needs) if n]
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher = inputs
+    ctx.save_for_backward(x, weight, lora_A, lora_B, output[1], rng)
+    ctx.args = (scaling, dropout_p, fan_in_fan_out, launcher)
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(output[1])
+
+
+def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
+    x, weight, lora_A, lora_B, h, rng = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:5])
+    needs[2] = needs[2] and ctx.has_bias
+    scaling, dropout_p, fan_in_fan_out, launcher = ctx.args
+    grads = iter(
+        _lora_linear_backward_op(
+            grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
         )
+    )
+    first = tuple(next(grads) if needed else None for needed in needs)
+    return (*first, None, None, None, None, None)
 
-        h = passes.down(plan, x2, a32, dropout)
-        # the output in its final shape, written through a 2-D view: no view of it escapes, so callers
-        # may modify it in place
-        out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
-        out2 = out.view(plan.rows, out_features)
-        term = out2 if x.dtype == torch.float32 else torch.empty_like(out2, dtype=torch.float32)
-        if plan.rows:
-            passes.up(plan, h, bt32, bias, scaling, term)  # bias + s h B^T in float32
-        else:
-            term.zero_()
-        # the base GEMM accumulates onto it, then the one rounding into x's dtype
-        passes.add_base(term, x2, weight if fan_in_fan_out else weight.t(), out2)
 
-        ctx.plan = plan
-        ctx.scaling = float(scaling)
-        ctx.dropout = dropout
-        ctx.fan_in_fan_out = fan_in_fan_out
-        ctx.x_shape = x.shape
-        ctx.lora_params = (a32, bt32)
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x2, weight, lora_A, lora_B, h)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x2, weight, lora_A, lora_B, h = ctx.saved_tensors
-        need_x, need_w, need_b, need_a, need_bb = ctx.needs_input_grad[:5]
-        plan: Plan = ctx.plan
-        a32, bt32 = ctx.lora_params
-        g2 = plan.prepare(grad_out.reshape(plan.rows, plan.out_features).to(x2.dtype))
-        grad_x = grad_w = grad_b = grad_a = grad_bb = None
-
-        if plan.rows == 0:
-            grad_a = torch.zeros_like(lora_A) if need_a else None
-            grad_bb = torch.zeros_like(lora_B) if need_bb else None
-            grad_x = x2.new_zeros(ctx.x_shape) if need_x else None
-        elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
-            dh, db = passes.grad_out(plan, g2, h, bt32, ctx.scaling)
-            if need_bb:
-                grad_bb = db[:, : plan.rank].to(lora_B.dtype)
-            if need_x or need_a:
-                gx, da = passes.grad_in(plan, x2, dh, a32, ctx.dropout, need_x)
-                if need_a:
-                    grad_a = da[: plan.rank].to(lora_A.dtype)
-                if gx is not None:
-                    gx.addmm_(g2, weight.t() if ctx.fan_in_fan_out else weight)
-                    grad_x = gx.view(ctx.x_shape)
-        if need_w:
-            grad_w = torch.mm(x2.t(), g2) if ctx.fan_in_fan_out else torch.mm(g2.t(), x2)
-        if need_b and ctx.has_bias:
-            grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, grad_a, grad_bb, None, None, None, None, None
+_lora_linear_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def lora_linear_cuda(
@@ -228,20 +498,21 @@ def lora_linear_cuda(
     inverted scaling and the Philox mask of :mod:`loragen.philox`. Under autocast, x, weight and bias
     are cast to the autocast dtype first, as ``F.linear`` would. Inputs the kernels do not take (see
     :func:`unsupported_reason`) run through :func:`loragen.reference.lora_linear_reference` instead.
+    Works inside CUDA-graph capture (dropout included) and under ``torch.compile``.
 
     Args:
-        seed: fixes the dropout mask (unsigned 64-bit); None draws one from torch's CPU generator.
+        seed: fixes the dropout mask (unsigned 64-bit, offset 0); None draws seed and offset with the
+            device's torch generator (:func:`draw_rng`).
         launcher: runs the kernels (default: the self-checked CUDA driver launcher,
             :func:`loragen.cuda.selfcheck.default_checker`); loragen's CPU tests pass an
-            emulator here.
+            emulator or a null driver here.
 
     Raises:
         CudaLoraError: tensors not on one device, or not on a CUDA device when no launcher is given;
-            mismatched shapes; ``dropout_p`` outside [0, 1).
-        RuntimeError: dropout is active while a CUDA graph is being captured.
+            mismatched shapes; ``dropout_p`` outside [0, 1); ``seed`` not unsigned 64-bit.
     """
     _check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
-    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+    if _autocasting(x):
         dtype = torch.get_autocast_dtype("cuda")
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
@@ -251,30 +522,10 @@ def lora_linear_cuda(
             x, weight, bias, lora_A, lora_B, scaling, dropout_p, training, fan_in_fan_out=fan_in_fan_out
         )
     p = float(dropout_p) if training else 0.0
-    if p > 0 and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "loragen.cuda.lora_linear_cuda: LoRA dropout is active while a CUDA graph is being captured; the "
-            "dropout seed would be frozen into the graph and every replay would reuse one mask. Capture with "
-            "lora_dropout=0 or the model in eval mode, or train without CUDA graphs."
-        )
-    if p == 0:
-        seed = 0
-    elif seed is None:
-        seed = philox.random_seed()
-    elif not 0 <= seed < 1 << 64:
-        raise CudaLoraError(
-            f"loragen.cuda.lora_linear_cuda: seed={seed}; expected an unsigned 64-bit integer"
-        )
-    with torch.autocast(x.device.type, enabled=False):
-        return LoraLinearCudaFunction.apply(
-            x,
-            weight,
-            bias,
-            lora_A,
-            lora_B,
-            float(scaling),
-            p,
-            seed,
-            fan_in_fan_out,
-            launcher or default_checker(),
-        )
+    rng = None
+    if p > 0:
+        rng = draw_rng(x.device) if seed is None else seed_rng(seed, x.device)
+    out, _ = _lora_linear_op(
+        x, weight, bias, lora_A, lora_B, rng, float(scaling), p, fan_in_fan_out, launcher_handle(launcher)
+    )
+    return out

@@ -22,9 +22,10 @@ from torch import Tensor
 from loragen import philox
 from loragen.cuda.specs import KernelSpec, Variant
 
-__all__ = ["TorchKernels", "keep_mask"]
+__all__ = ["TorchKernels", "keep_mask", "rng_values"]
 
 _MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
 _BLOCK_ELEMS = 1 << 22  # elements per row block: float32 temporaries and mask words stay small
 
 
@@ -47,6 +48,16 @@ def keep_mask(start: int, numel: int, threshold: int, seed: int, offset: int, de
     return (bits16 >= threshold).reshape(-1)[skip : skip + numel]
 
 
+def rng_values(rng: Tensor) -> tuple[int, int]:
+    """The (seed, offset) pair the kernels read through their ``rng`` pointer, as unsigned 64-bit ints.
+
+    ``rng`` is the op's int64 tensor of two elements (device memory); reading it synchronizes with the
+    device, so the torch path with dropout cannot run inside a CUDA-graph capture (the kernels can).
+    """
+    seed, offset = rng.tolist()
+    return seed & _MASK64, offset & _MASK64
+
+
 def _row_blocks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
     step = max(1, _BLOCK_ELEMS // max(cols, 1))
     for begin in range(0, rows, step):
@@ -59,7 +70,8 @@ def _scaled_mask(v: dict, begin: int, end: int, device: torch.device) -> Tensor 
     if not v["threshold"]:
         return None
     cols = v["cols"]
-    keep = keep_mask(begin * cols, (end - begin) * cols, v["threshold"], v["seed"], v["offset"], device)
+    seed, offset = rng_values(v["rng"])
+    keep = keep_mask(begin * cols, (end - begin) * cols, v["threshold"], seed, offset, device)
     return keep.view(end - begin, cols).float().mul_(v["keep_scale"])
 
 

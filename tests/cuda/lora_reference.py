@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from loragen import philox
+from loragen.cuda.function import draw_rng
+from loragen.cuda.torch_kernels import rng_values
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
@@ -38,7 +40,8 @@ def mask_for(rng_state, shape, p):
     if p == 0:
         return None
     torch.set_rng_state(rng_state)
-    return philox.dropout_keep_mask(shape, p, philox.random_seed()).double() / (1 - p)
+    seed, offset = rng_values(draw_rng(torch.device("cpu")))
+    return philox.dropout_keep_mask(shape, p, seed, offset).double() / (1 - p)
 
 
 def relative_error(got, want):
