@@ -415,12 +415,12 @@ def _backward(
         bt32 = _factor(lora_B, plan, transpose=True)
         dh, db = passes.grad_out(plan, g2, h, bt32, scaling)
         if need_bb:
-            grad_bb = db[:, : plan.rank].to(lora_B.dtype, copy=True)
+            grad_bb = db[:, : plan.rank].to(lora_B.dtype)
         if need_x or need_a:
             a32 = _factor(lora_A, plan, transpose=False)
             gx, da = passes.grad_in(plan, x2, dh, a32, _dropout(rng, dropout_p), need_x)
             if need_a:
-                grad_a = da[: plan.rank].to(lora_A.dtype, copy=True)
+                grad_a = da[: plan.rank].to(lora_A.dtype)
             if gx is not None:
                 gx.addmm_(g2, weight.t() if fan_in_fan_out else weight)
                 grad_x = gx.view(x.shape)
