@@ -154,6 +154,7 @@ _launchers: list[KernelLauncher | None] = [None]
 _handles: dict[int, int] = {}
 
 
+@torch.compiler.assume_constant_result  # torch.compile runs it while tracing: the launcher is registered then
 def launcher_handle(launcher: KernelLauncher | None) -> int:
     """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher).
 
@@ -415,7 +416,7 @@ def _backward(
         bt32 = _factor(lora_B, plan, transpose=True)
         dh, db = passes.grad_out(plan, g2, h, bt32, scaling)
         if need_bb:
-            grad_bb = db[:, : plan.rank].to(lora_B.dtype)
+            grad_bb = db[:, : plan.rank].to(lora_B.dtype).contiguous()  # at most one copy
         if need_x or need_a:
             a32 = _factor(lora_A, plan, transpose=False)
             gx, da = passes.grad_in(plan, x2, dh, a32, _dropout(rng, dropout_p), need_x)
