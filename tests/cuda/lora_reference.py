@@ -35,12 +35,17 @@ def reference(x, w, b, a, bb, scaling, keep, fan_in_fan_out):
     return base + scaling * (xd @ a.t()) @ bb.t()
 
 
-def mask_for(rng_state, shape, p):
-    """The scaled mask lora_linear_cuda draws when torch's CPU RNG is in ``rng_state`` (None if p == 0)."""
+def mask_for(rng_state, shape, p, device="cpu"):
+    """The scaled mask lora_linear_cuda draws when the RNG of ``device`` (torch's CPU generator, or the
+    CUDA generator for "cuda") is in ``rng_state`` (None if p == 0)."""
     if p == 0:
         return None
-    torch.set_rng_state(rng_state)
-    seed, offset = rng_values(draw_rng(torch.device("cpu")))
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(rng_state, device)
+    else:
+        torch.set_rng_state(rng_state)
+    seed, offset = rng_values(draw_rng(device))
     return philox.dropout_keep_mask(shape, p, seed, offset).double() / (1 - p)
 
 

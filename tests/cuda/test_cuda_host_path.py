@@ -102,14 +102,14 @@ def test_plan_is_routed_once_per_shape_and_factors_refresh_only_when_the_paramet
 
 
 def test_a_float32_factor_at_the_bucket_rank_is_used_without_a_copy():
-    x, w, b, _, _ = _inputs()
+    x, _w, _b, _, _ = _inputs()
     a = torch.randn(8, 24)  # r = 8 is its own bucket
     plan = function._plan(x.detach().reshape(-1, 24), 16, 8, launcher_handle(TorchKernels()))
     assert function._factor(a, plan, transpose=False).data_ptr() == a.data_ptr()
 
 
 def test_factor_cache_entry_goes_with_its_parameter():
-    x, w, b, a, bb = _inputs()
+    x, _w, _b, a, _bb = _inputs()
     plan = function._plan(x.detach().reshape(-1, 24), 16, 5, launcher_handle(TorchKernels()))
     function._factor(a, plan, transpose=False)
     key = (id(a), False)
@@ -236,7 +236,7 @@ def test_torch_compile_traces_the_op_without_graph_breaks():
 
 
 def test_torch_compile_with_dropout_draws_a_fresh_mask_per_call():
-    x, w, b, a, bb = _inputs()
+    x, w, _b, a, bb = _inputs()
     launcher = TorchKernels()
     compiled = torch.compile(
         lambda x: lora_linear_cuda(x, w, None, a, bb, 1.0, 0.5, True, launcher=launcher),
