@@ -42,24 +42,20 @@ replay. :func:`loragen.philox.dropout_keep_mask` gives the identical mask on the
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from loragen import philox, switches
-from loragen.cuda import passes, specs
+from loragen.cuda import hostcache, passes, specs
 from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.passes import DTYPE_NAMES, Plan
-from loragen.cuda.selfcheck import default_checker
+from loragen.cuda.passes import DTYPE_NAMES
 from loragen.errors import LoraError
 from loragen.reference import lora_linear_reference
 
 __all__ = [
     "CudaLoraError",
     "draw_rng",
-    "launcher_handle",
     "lora_linear_cuda",
     "seed_rng",
     "unsupported_reason",
@@ -147,107 +143,6 @@ def _check_inputs(
         )
 
 
-# ---- launchers by handle ---------------------------------------------------------------------------
-# A custom op takes only tensors and scalars, so the launcher travels as an int: 0 is the default
-# self-checked driver launcher, others are launchers callers passed in (tests, the null driver).
-_launchers: list[KernelLauncher | None] = [None]
-_handles: dict[int, int] = {}
-
-
-@torch.compiler.assume_constant_result  # torch.compile runs it while tracing: the launcher is registered then
-def launcher_handle(launcher: KernelLauncher | None) -> int:
-    """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher).
-
-    A launcher passed once is kept for the life of the process.
-    """
-    if launcher is None:
-        return 0
-    handle = _handles.get(id(launcher))
-    if handle is None or _launchers[handle] is not launcher:
-        handle = _handles[id(launcher)] = len(_launchers)
-        _launchers.append(launcher)
-    return handle
-
-
-def _launcher(handle: int) -> KernelLauncher:
-    launcher = _launchers[handle]
-    return default_checker() if launcher is None else launcher
-
-
-# ---- what forward and backward reuse ---------------------------------------------------------------
-_plans: dict[tuple[Any, ...], Plan] = {}
-
-
-def _plan(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
-    """The cached :class:`Plan` for these sizes, dtype, device, launcher and kernel switch.
-
-    The routed launcher it holds stays right when a variant fails later: the self-check's guarded
-    launcher moves its launches to the torch path itself.
-    """
-    key = (x2.shape, x2.dtype, x2.device, out_features, rank, handle, switches.cuda_kernels.get())
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans[key] = Plan(x2, out_features, rank, _launcher(handle))
-    return plan
-
-
-class _Factor:
-    """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- kept in one
-    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer)."""
-
-    __slots__ = ("buffer", "data_ptr", "source", "version")
-
-    def __init__(self, source: Tensor, buffer: Tensor) -> None:
-        self.source = weakref.ref(source)
-        self.buffer = buffer
-        self.version = -1
-        self.data_ptr = -1
-
-
-_factors: dict[tuple[int, bool], _Factor] = {}
-
-
-def _factor(t: Tensor, plan: Plan, transpose: bool) -> Tensor:
-    """``t`` (lora_A (r, in), or lora_B (out, r) transposed) as float32 (R, features), padded with zero
-    rows to the rank bucket and 16-byte aligned, from the per-parameter cache."""
-    bucket = plan.variant.rank_bucket
-    if not transpose and t.dtype == torch.float32 and t.shape[0] == bucket and t.is_contiguous():
-        if not plan.variant.aligned or t.data_ptr() % 16 == 0:
-            return t.detach()  # already what the kernels read: no copy at all
-    key = (id(t), transpose)
-    entry = _factors.get(key)
-    features = t.shape[0] if transpose else t.shape[1]
-    if (
-        entry is None
-        or entry.source() is not t
-        or entry.buffer.shape[1] != features
-        or entry.buffer.shape[0] != bucket
-        or entry.buffer.device != t.device
-    ):
-        buffer = torch.zeros(bucket, features, dtype=torch.float32, device=t.device)  # fresh: aligned
-        entry = _factors[key] = _Factor(t, buffer)
-        weakref.finalize(t, _factors.pop, key, None)
-    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing or entry.version != t._version or entry.data_ptr != t.data_ptr():
-        rank = t.shape[1] if transpose else t.shape[0]
-        with torch.no_grad():
-            entry.buffer[:rank].copy_(t.t() if transpose else t)
-        entry.version = t._version
-        entry.data_ptr = t.data_ptr()
-    return entry.buffer
-
-
-_dropout_constants: dict[float, tuple[int, float]] = {0.0: (0, 1.0)}
-
-
-def _dropout(rng: Tensor | None, p: float) -> tuple[Tensor | None, int, float]:
-    """The kernels' dropout arguments ``(rng, threshold, keep_scale)`` (p validated by the caller)."""
-    constants = _dropout_constants.get(p)
-    if constants is None:
-        constants = _dropout_constants[p] = (philox.keep_threshold(p), philox.keep_scale(p))
-    return (rng if constants[0] else None, *constants)
-
-
 def draw_rng(device: torch.device) -> Tensor:
     """A fresh (seed, offset) pair for one forward's dropout mask: int64 (2,) on ``device``, drawn by
     torch's generator of that device (the CUDA generator on a GPU: safe inside CUDA-graph capture, fresh
@@ -310,11 +205,11 @@ def _forward(
 ) -> tuple[Tensor, Tensor]:
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
-    plan = _plan(x2, out_features, lora_A.shape[0], launcher)
+    plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
     x2 = plan.prepare(x2)
-    a32 = _factor(lora_A, plan, transpose=False)
-    bt32 = _factor(lora_B, plan, transpose=True)
-    h = passes.down(plan, x2, a32, _dropout(rng, dropout_p))
+    a32 = hostcache.factor(lora_A, plan, transpose=False)
+    bt32 = hostcache.factor(lora_B, plan, transpose=True)
+    h = passes.down(plan, x2, a32, hostcache.dropout_args(rng, dropout_p))
     # the output in its final shape, written through a 2-D view: no view of it escapes
     out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
     out2 = out.view(plan.rows, out_features)
@@ -404,7 +299,7 @@ def _backward(
     need_x, need_w, need_b, need_a, need_bb = needs
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
-    plan = _plan(x2, out_features, lora_A.shape[0], launcher)
+    plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
     x2 = plan.prepare(x2)
     g2 = plan.prepare(grad_out.reshape(plan.rows, out_features).to(x.dtype))
     grad_x = grad_a = grad_bb = None
@@ -413,13 +308,13 @@ def _backward(
         grad_bb = torch.zeros_like(lora_B) if need_bb else None
         grad_x = torch.zeros_like(x) if need_x else None
     elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
-        bt32 = _factor(lora_B, plan, transpose=True)
+        bt32 = hostcache.factor(lora_B, plan, transpose=True)
         dh, db = passes.grad_out(plan, g2, h, bt32, scaling)
         if need_bb:
             grad_bb = db[:, : plan.rank].to(lora_B.dtype).contiguous()  # at most one copy
         if need_x or need_a:
-            a32 = _factor(lora_A, plan, transpose=False)
-            gx, da = passes.grad_in(plan, x2, dh, a32, _dropout(rng, dropout_p), need_x)
+            a32 = hostcache.factor(lora_A, plan, transpose=False)
+            gx, da = passes.grad_in(plan, x2, dh, a32, hostcache.dropout_args(rng, dropout_p), need_x)
             if need_a:
                 grad_a = da[: plan.rank].to(lora_A.dtype)
             if gx is not None:
@@ -527,6 +422,15 @@ def lora_linear_cuda(
     if p > 0:
         rng = draw_rng(x.device) if seed is None else seed_rng(seed, x.device)
     out, _ = _lora_linear_op(
-        x, weight, bias, lora_A, lora_B, rng, float(scaling), p, fan_in_fan_out, launcher_handle(launcher)
+        x,
+        weight,
+        bias,
+        lora_A,
+        lora_B,
+        rng,
+        float(scaling),
+        p,
+        fan_in_fan_out,
+        hostcache.launcher_handle(launcher),
     )
     return out

@@ -217,7 +217,7 @@ def test_dropout_under_graph_capture_draws_a_fresh_mask_per_replay():
 def test_captured_training_step_with_dropout_equals_the_eager_step():
     """A captured forward + backward with dropout: each replay equals the eager op run with the (seed,
     offset) that replay drew on the device, bit for bit; two replays draw different ones."""
-    from loragen.cuda.function import launcher_handle
+    from loragen.cuda.hostcache import launcher_handle
 
     (x, w, b, a, bb), _ = make_inputs(256, 264, 136, 16, torch.bfloat16, seed=14, device="cuda")
     static_x, w, b = x.detach().clone(), w.detach(), b.detach()

@@ -14,8 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from loragen import philox
 from loragen._benchmarks.cuda_host import NullLauncher, count_host_work, counts_table, host_counts, lora_step
-from loragen.cuda import function, specs
-from loragen.cuda.function import CudaLoraError, draw_rng, launcher_handle, lora_linear_cuda, seed_rng
+from loragen.cuda import hostcache, specs
+from loragen.cuda.function import CudaLoraError, draw_rng, lora_linear_cuda, seed_rng
+from loragen.cuda.hostcache import launcher_handle
 from loragen.cuda.torch_kernels import TorchKernels, rng_values
 from loragen.reference import lora_linear_reference
 
@@ -85,15 +86,15 @@ def test_plan_is_routed_once_per_shape_and_factors_refresh_only_when_the_paramet
         lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher).sum().backward()
     assert launcher.routes == 1  # forward and backward of three steps share one plan
 
-    plan = function._plan(x.reshape(-1, 24), 16, 5, launcher_handle(launcher))
-    first = function._factor(a, plan, transpose=False)
-    assert function._factor(a, plan, transpose=False) is first  # one buffer per parameter
+    plan = hostcache.plan(x.reshape(-1, 24), 16, 5, launcher_handle(launcher))
+    first = hostcache.factor(a, plan, transpose=False)
+    assert hostcache.factor(a, plan, transpose=False) is first  # one buffer per parameter
     assert torch.equal(first[:5], a.detach()) and not first[5:].any()  # padded to the rank bucket
     with torch.no_grad():
         a.mul_(2)  # an optimizer step: _version changes
-    refreshed = function._factor(a, plan, transpose=False)
+    refreshed = hostcache.factor(a, plan, transpose=False)
     assert refreshed is first and torch.equal(refreshed[:5], a.detach())
-    bt = function._factor(bb, plan, transpose=True)
+    bt = hostcache.factor(bb, plan, transpose=True)
     assert bt.shape == (8, 16) and torch.equal(bt[:5], bb.detach().t())
     # the result follows the change too
     want = lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False)
@@ -104,18 +105,18 @@ def test_plan_is_routed_once_per_shape_and_factors_refresh_only_when_the_paramet
 def test_a_float32_factor_at_the_bucket_rank_is_used_without_a_copy():
     x, _w, _b, _, _ = _inputs()
     a = torch.randn(8, 24)  # r = 8 is its own bucket
-    plan = function._plan(x.detach().reshape(-1, 24), 16, 8, launcher_handle(TorchKernels()))
-    assert function._factor(a, plan, transpose=False).data_ptr() == a.data_ptr()
+    plan = hostcache.plan(x.detach().reshape(-1, 24), 16, 8, launcher_handle(TorchKernels()))
+    assert hostcache.factor(a, plan, transpose=False).data_ptr() == a.data_ptr()
 
 
 def test_factor_cache_entry_goes_with_its_parameter():
     x, _w, _b, a, _bb = _inputs()
-    plan = function._plan(x.detach().reshape(-1, 24), 16, 5, launcher_handle(TorchKernels()))
-    function._factor(a, plan, transpose=False)
+    plan = hostcache.plan(x.detach().reshape(-1, 24), 16, 5, launcher_handle(TorchKernels()))
+    hostcache.factor(a, plan, transpose=False)
     key = (id(a), False)
-    assert key in function._factors
+    assert key in hostcache._factors
     del a
-    assert key not in function._factors
+    assert key not in hostcache._factors
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
