@@ -31,7 +31,7 @@ import importlib
 import json
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ def cuda_time(fn: Callable[[], object], inner: int = 1) -> float:
 
 
 def interleaved(
-    variants: dict[str, Callable[[], object]], rounds: int, inner: int = 1, warmup: int = 3
+    variants: Mapping[str, Callable[[], object]], rounds: int, inner: int = 1, warmup: int = 3
 ) -> dict[str, float]:
     """Median milliseconds per call of each variant, timed round-robin with a rotating order."""
     for fn in variants.values():
@@ -250,16 +250,19 @@ def build_model(kind: str, rank: int, dropout: float) -> tuple[nn.Module, torch.
     )
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model: nn.Module = LlamaForCausalLM(config).bfloat16()
     if kind == "frozen base":
         model.requires_grad_(False)
         # gradients still flow through every layer, as in a LoRA step, minus the adapters
-        model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+        embeddings = model.get_input_embeddings()  # type: ignore[operator]  # nn.Module's __getattr__
+        embeddings.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
     elif kind == "peft":
         import peft
 
-        lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS)
-        model = peft.get_peft_model(model, lora)
+        peft_config = peft.LoraConfig(
+            r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS
+        )
+        model = peft.get_peft_model(model, peft_config)
     else:
         import loragen
 
@@ -345,6 +348,7 @@ def summary_rows(report: dict) -> list[dict[str, object]]:
     """One row per measured case of ``report`` (as :func:`main` builds it): ms of each variant, ratios
     loragen/peft and loragen/frozen, and peak GiB where measured."""
     rows: list[dict[str, object]] = []
+    cases: list[tuple[str, dict[str, float], dict[str, dict[str, float]]]]
     cases = [(f"layer 4096, {p}", t, {}) for p, t in report.get("layer", {}).items()]
     cases += [(f"small 1024x64, {p}", t, {}) for p, t in report.get("small", {}).items()]
     for case, kinds in report.get("model", {}).items():
