@@ -52,7 +52,8 @@ class Plan:
 
 
 def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[Tensor | None, int, float]) -> Tensor:
-    """h = dropout(x) A^T, float32 (rows, R)."""
+    """h = dropout(x) A^T, float32 (rows, R). ``dropout`` = (rng, threshold, keep_scale): rng the int64
+    (seed, offset) tensor the kernels read through a pointer (None without dropout)."""
     bucket = plan.variant.rank_bucket
     if plan.rows == 0:
         return x2.new_zeros((0, bucket), dtype=torch.float32)
