@@ -169,8 +169,7 @@ def _autocasting(x: Tensor) -> bool:
     return x.is_cuda and torch.is_autocast_enabled("cuda")
 
 
-@torch.library.custom_op("loragen::lora_linear", mutates_args=())
-def _lora_linear_op(
+def _lora_linear_impl(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -189,6 +188,9 @@ def _lora_linear_op(
                 x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher
             )
     return _forward(x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher)
+
+
+_lora_linear_op = torch.library.custom_op("loragen::lora_linear", _lora_linear_impl, mutates_args=())
 
 
 def _forward(
@@ -245,8 +247,7 @@ def _lora_linear_fake(
     return out, h
 
 
-@torch.library.custom_op("loragen::lora_linear_backward", mutates_args=())
-def _lora_linear_backward_op(
+def _lora_linear_backward_impl(
     grad_out: Tensor,
     x: Tensor,
     weight: Tensor,
@@ -280,6 +281,11 @@ def _lora_linear_backward_op(
     return _backward(
         grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
     )
+
+
+_lora_linear_backward_op = torch.library.custom_op(
+    "loragen::lora_linear_backward", _lora_linear_backward_impl, mutates_args=()
+)
 
 
 def _backward(
@@ -355,13 +361,15 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
     ctx.mark_non_differentiable(output[1])
 
 
-def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
+def _gradients(ctx: Any, grad_out: Tensor, backward: Any) -> tuple[Tensor | None, ...]:
+    """The autograd formula shared by the custom op and the eager Function; ``backward`` is the
+    backward custom op (traced) or its implementation (eager)."""
     x, weight, lora_A, lora_B, h, rng = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:5])
     needs[2] = needs[2] and ctx.has_bias
     scaling, dropout_p, fan_in_fan_out, launcher = ctx.args
     grads = iter(
-        _lora_linear_backward_op(
+        backward(
             grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
         )
     )
@@ -369,7 +377,27 @@ def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tup
     return (*first, None, None, None, None, None)
 
 
+def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
+    return _gradients(ctx, grad_out, _lora_linear_backward_op)
+
+
 _lora_linear_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _LoraLinearFunction(torch.autograd.Function):
+    """The eager path: the same forward, backward and saved tensors as ``loragen::lora_linear``, without
+    the custom-op dispatch (whose Python wrappers cost more host time per call than the whole op)."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> Tensor:
+        out, h = _lora_linear_impl(*inputs)
+        _setup_context(ctx, inputs, (out, h))
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        return _gradients(ctx, grad_out, _lora_linear_backward_impl)
 
 
 def lora_linear_cuda(
@@ -421,16 +449,8 @@ def lora_linear_cuda(
     rng = None
     if p > 0:
         rng = draw_rng(x.device) if seed is None else seed_rng(seed, x.device)
-    out, _ = _lora_linear_op(
-        x,
-        weight,
-        bias,
-        lora_A,
-        lora_B,
-        rng,
-        float(scaling),
-        p,
-        fan_in_fan_out,
-        hostcache.launcher_handle(launcher),
-    )
-    return out
+    handle = hostcache.launcher_handle(launcher)
+    args = (x, weight, bias, lora_A, lora_B, rng, float(scaling), p, fan_in_fan_out, handle)
+    if torch.compiler.is_compiling():  # traced: the custom op, which torch.compile sees through its fake
+        return _lora_linear_op(*args)[0]
+    return _LoraLinearFunction.apply(*args)

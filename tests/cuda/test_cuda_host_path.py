@@ -20,12 +20,12 @@ from loragen.cuda.hostcache import launcher_handle
 from loragen.cuda.torch_kernels import TorchKernels, rng_values
 from loragen.reference import lora_linear_reference
 
-# Ceilings per forward + backward (64 tokens, 1024 -> 1024, r=16, dropout 0.05): measured 156 / 239 / 58 /
-# 12 for float32 x and 154 / 243 / 69 / 15 for bfloat16 x with torch 2.13 (before this host path: 170 /
-# 355 / 65 / 12 and 168 / 359 / 76 / 15), plus a margin for other torch versions.
+# Ceilings per forward + backward (64 tokens, 1024 -> 1024, r=16, dropout 0.05): measured 135 / 201 / 49 /
+# 9 (Python calls / C calls / torch ops / allocations) for float32 x and 133 / 205 / 60 / 12 for bfloat16 x
+# with torch 2.13 (before this host path: 170 / 355 / 65 / 12 and 168 / 359 / 76 / 15), plus a margin.
 CEILINGS = {
-    torch.float32: {"python_calls": 170, "c_calls": 265, "torch_ops": 64, "allocations": 13},
-    torch.bfloat16: {"python_calls": 170, "c_calls": 270, "torch_ops": 76, "allocations": 16},
+    torch.float32: {"python_calls": 150, "c_calls": 225, "torch_ops": 54, "allocations": 10},
+    torch.bfloat16: {"python_calls": 150, "c_calls": 230, "torch_ops": 66, "allocations": 13},
 }
 
 
