@@ -20,7 +20,9 @@ as in peft's composition.) The output is a fresh tensor (never a view), so calle
 
 The op is two ``torch.library`` custom ops, ``loragen::lora_linear`` (forward, returns y and h) and
 ``loragen::lora_linear_backward``, with fake implementations and the autograd formula registered, so
-``torch.compile(fullgraph=True)`` traces a LoRA model through them without graph breaks.
+``torch.compile(fullgraph=True)`` traces a LoRA model through them without graph breaks. Eager calls run
+the same implementations through a plain ``torch.autograd.Function``: the custom-op dispatch's Python
+wrappers would cost more host time per call than the rest of the op.
 
 Host path: everything that depends only on (shapes, dtype, device, launcher) -- the kernel variant, the
 routed launcher -- is kept in a :class:`~loragen.cuda.passes.Plan` per such key; A and B^T padded to the
