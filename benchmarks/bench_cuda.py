@@ -1,38 +1,45 @@
-"""GPU benchmark of loragen's CUDA LoRA kernels against peft and the frozen base (issue 6).
+"""GPU benchmark of loragen's CUDA LoRA op against peft and the frozen base.
 
-    python benchmarks/bench_cuda.py                 # everything, about 3 minutes on an H100
-    python benchmarks/bench_cuda.py --only layer    # layer, kernels, model
-    python benchmarks/bench_cuda.py --json out.json
+    python benchmarks/bench_cuda.py --quick --json bench.json   # everything, about 3 minutes on an H100
+    python benchmarks/bench_cuda.py                             # the same with more rounds
+    python benchmarks/bench_cuda.py --only model --batches 8 --dropouts 0.05
+    python benchmarks/bench_cuda.py --only host                 # host-work counts (no GPU needed)
 
-Without a CUDA device it says so and exits 0. Reports, in order:
+Without a CUDA device (or cuda-python) it says so and exits 2, except ``--only host``. Parts, in order:
 
-1. the device and its two measured ceilings: device-to-device copy bandwidth (bytes read + written)
-   and a bf16 8192^3 matrix product on random data;
-2. one layer, Linear 4096x4096 (no bias), 4096 tokens, r=16, bf16 base and float32 adapter (both
-   libraries' default), forward + backward with grad_x: frozen base, peft, loragen, p = 0 and 0.1;
-3. each loragen kernel alone on that layer: time, the minimum bytes it must move, achieved bandwidth
-   against the measured copy bandwidth;
-4. a Llama-shaped model built from a config (hidden 2048, 8 layers, seq 2048, batch 1, LoRA r=16 on
-   all seven projections, dropout 0.05), one training step with AdamW: frozen base, peft, loragen;
-   step time and peak memory.
+1. ``layer``: the device and two measured ceilings (device-to-device copy bandwidth, a bf16 8192^3
+   product); Linear 4096x4096 (no bias), 4096 tokens, r=16, bf16 base and float32 adapter,
+   forward + backward with grad_x: frozen base, peft, loragen, p = 0 and 0.1;
+2. ``kernels``: each loragen kernel alone on that layer: time, minimum bytes, achieved bandwidth;
+3. ``small``: host overhead, Linear 1024x1024, 64 tokens, r=16: frozen base, peft, loragen, and the
+   loragen step captured in a CUDA graph (``torch.cuda.graphs``) and replayed;
+4. ``model``: a Llama-shaped model (hidden 2048, 8 layers, intermediate 5504, 16 heads, seq 2048, LoRA
+   r=16 on all seven projections, bf16 base, float32 adapters, AdamW), one training step at batch 1 and
+   8, dropout 0 and 0.05: frozen base, peft, loragen, and loragen's whole step captured in a CUDA graph
+   (AdamW with ``capturable=True``); step time, peak memory;
+5. ``host``: Python calls, torch ops and allocations per forward + backward (benchmarks/cuda_host.py).
 
 Timing: CUDA events around each call, warm-up first, variants interleaved round by round (the order
-rotates), medians. Inputs are random (B is not left at zero). Copy the printed tables to BENCHMARKS.md.
+rotates), medians. Inputs are random (B is not left at zero). The last lines are one markdown table of
+every case (ratios loragen/peft and loragen/frozen); ``--json`` writes all numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 GiB = float(1 << 30)
 MB = 1e6
+PARTS = ("layer", "kernels", "small", "model", "host")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def cuda_time(fn: Callable[[], object], inner: int = 1) -> float:
@@ -47,7 +54,7 @@ def cuda_time(fn: Callable[[], object], inner: int = 1) -> float:
 
 
 def interleaved(
-    variants: dict[str, Callable[[], object]], rounds: int, inner: int = 1, warmup: int = 3
+    variants: Mapping[str, Callable[[], object]], rounds: int, inner: int = 1, warmup: int = 3
 ) -> dict[str, float]:
     """Median milliseconds per call of each variant, timed round-robin with a rotating order."""
     for fn in variants.values():
@@ -63,7 +70,21 @@ def interleaved(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-# ---- 1. ceilings --------------------------------------------------------------------------------------
+def captured(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
+    """``step`` captured into a CUDA graph (after a warm-up on a side stream); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+# ---- ceilings -----------------------------------------------------------------------------------------
 
 
 def copy_bandwidth() -> float:
@@ -85,12 +106,13 @@ def gemm_rate() -> float:
 
 
 def ceilings() -> dict[str, float]:
+    """The device's measured copy bandwidth and bf16 GEMM rate."""
     limits = {"copy_GBps": copy_bandwidth(), "bf16_gemm_TFLOPs": gemm_rate()}
     torch.cuda.empty_cache()
     return limits
 
 
-# ---- 2. one layer ---------------------------------------------------------------------------------------
+# ---- one layer ----------------------------------------------------------------------------------------
 
 
 class Holder(nn.Module):
@@ -104,7 +126,11 @@ class Holder(nn.Module):
         return self.proj(x)
 
 
-def layer_benchmark(tokens: int, features: int, rank: int, dropout: float, rounds: int) -> dict[str, float]:
+def layer_benchmark(
+    tokens: int, features: int, rank: int, dropout: float, rounds: int, inner: int = 5, graph: bool = False
+) -> dict[str, float]:
+    """Median ms of forward + backward (grad_x) of one layer: frozen base, peft, loragen (and loragen
+    replayed from a CUDA graph with ``graph``)."""
     import peft
 
     from loragen.layers import LoraLinear
@@ -114,7 +140,6 @@ def layer_benchmark(tokens: int, features: int, rank: int, dropout: float, round
     base = nn.Linear(features, features, bias=False, device="cuda", dtype=dtype).requires_grad_(False)
     x = torch.randn(tokens, features, device="cuda", dtype=dtype, requires_grad=True)
     grad = torch.randn(tokens, features, device="cuda", dtype=dtype)
-
     peft_model = peft.get_peft_model(
         Holder(nn.Linear(features, features, bias=False, device="cuda", dtype=dtype)),
         peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=["proj"]),
@@ -128,45 +153,45 @@ def layer_benchmark(tokens: int, features: int, rank: int, dropout: float, round
             if "lora_B" in name:
                 nn.init.normal_(param, std=0.02)  # never time on zeros
 
-    def step(module: nn.Module) -> Callable[[], None]:
+    def step(module: nn.Module, keep_grads: bool = False) -> Callable[[], None]:
         params = [p for p in module.parameters() if p.requires_grad]
 
         def run() -> None:
-            x.grad = None
-            for p in params:
-                p.grad = None
+            if not keep_grads:  # a captured step accumulates into grads allocated inside the graph
+                x.grad = None
+                for p in params:
+                    p.grad = None
             module(x).backward(grad)
 
         return run
 
-    return interleaved(
-        {"frozen base": step(base), "peft": step(peft_model), "loragen": step(loragen_layer)}, rounds, inner=5
-    )
-
-
-# ---- 3. kernels alone ----------------------------------------------------------------------------------------
+    variants = {"frozen base": step(base), "peft": step(peft_model), "loragen": step(loragen_layer)}
+    if graph:
+        variants["loragen graphed"] = captured(step(loragen_layer, keep_grads=True))
+    return interleaved(variants, rounds, inner=inner)
 
 
 def kernel_benchmark(
     tokens: int, features: int, rank: int, dropout: float, rounds: int, copy_GBps: float
 ) -> list[dict]:
+    """Each loragen kernel alone on the layer: us, minimum MB moved, GB/s, share of copy bandwidth."""
     from loragen import philox
-    from loragen.cuda import passes
+    from loragen.cuda import passes, specs
+    from loragen.cuda.function import seed_rng
     from loragen.cuda.launch import default_launcher
 
     torch.manual_seed(0)
-    n, k, o = tokens, features, features
-    b = 2  # bf16
+    n, k, o, b = tokens, features, features, 2  # bf16
     x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16)
-    a32 = torch.randn(rank, k, device="cuda") / k**0.5
-    bt32 = torch.randn(rank, o, device="cuda")
+    R = specs.rank_bucket(rank)
+    a32 = torch.zeros(R, k, device="cuda")
+    a32[:rank] = torch.randn(rank, k, device="cuda") / k**0.5
+    bt32 = torch.zeros(R, o, device="cuda")
+    bt32[:rank] = torch.randn(rank, o, device="cuda")
     plan = passes.Plan(x, o, rank, default_launcher())
-    drop = (
-        (philox.random_seed(), 0, philox.keep_threshold(dropout), philox.keep_scale(dropout))
-        if dropout
-        else (0, 0, 0, 1.0)
-    )
+    rng = seed_rng(1234, x.device)
+    drop = (rng, philox.keep_threshold(dropout), philox.keep_scale(dropout)) if dropout else (None, 0, 1.0)
     h = passes.down(plan, x, a32, drop)
     dh, _ = passes.grad_out(plan, g, h, bt32, 1.0)
     out = torch.zeros(n, o, device="cuda", dtype=torch.bfloat16)  # the base product lora_up adds onto
@@ -175,8 +200,7 @@ def kernel_benchmark(
     def up() -> None:
         passes.up(plan, h, bt32, None, 1.0, out)
 
-    # minimum bytes: each large operand read or written once (partial sums and small operands included)
-    kernels = {
+    kernels = {  # minimum bytes: each large operand read or written once
         "lora_down  (h = drop(x) A^T)": (
             lambda: passes.down(plan, x, a32, drop),
             n * k * b + n * R * 4 + rank * k * 4,
@@ -194,31 +218,31 @@ def kernel_benchmark(
     times = interleaved({name: fn for name, (fn, _) in kernels.items()}, rounds, inner=10)
     rows = []
     for name, (_, nbytes) in kernels.items():
-        ms = times[name]
+        gbps = nbytes / (times[name] * 1e-3) / 1e9
         rows.append(
             {
                 "kernel": name,
-                "us": ms * 1e3,
+                "us": times[name] * 1e3,
                 "min_MB": nbytes / MB,
-                "GBps": nbytes / (ms * 1e-3) / 1e9,
-                "of_copy": nbytes / (ms * 1e-3) / 1e9 / copy_GBps,
+                "GBps": gbps,
+                "of_copy": gbps / copy_GBps,
             }
         )
     return rows
 
 
-# ---- 4. a Llama-shaped model -------------------------------------------------------------------------------------
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# ---- a Llama-shaped model -----------------------------------------------------------------------------
 
 
 def build_model(kind: str, rank: int, dropout: float) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """The model of part 4 on the GPU: "frozen base", "peft", "loragen" or "loragen graphed" (the last
+    with a capturable AdamW)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=2048,
-        intermediate_size=5632,
+        intermediate_size=5504,
         num_hidden_layers=8,
         num_attention_heads=16,
         num_key_value_heads=16,
@@ -226,153 +250,238 @@ def build_model(kind: str, rank: int, dropout: float) -> tuple[nn.Module, torch.
         max_position_embeddings=2048,
     )
     config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        model: nn.Module = LlamaForCausalLM(config).bfloat16()
     if kind == "frozen base":
         model.requires_grad_(False)
         # gradients still flow through every layer, as in a LoRA step, minus the adapters
-        model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+        embeddings = model.get_input_embeddings()  # type: ignore[operator]  # nn.Module's __getattr__
+        embeddings.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
     elif kind == "peft":
         import peft
 
-        model = peft.get_peft_model(
-            model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS)
+        peft_config = peft.LoraConfig(
+            r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS
         )
+        model = peft.get_peft_model(model, peft_config)
     else:
         import loragen
 
-        model = loragen.get_lora_model(
-            model,
-            loragen.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS),
-        )
+        lora = loragen.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS)
+        model = loragen.get_lora_model(model, lora)
     model.train()
     for name, param in model.named_parameters():
+        if "lora_" in name and param.dtype != torch.float32:
+            param.data = param.data.float()  # float32 adapters on the bf16 base, as peft makes them
         if "lora_B" in name:
             nn.init.normal_(param, std=0.02)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return model, (torch.optim.AdamW(trainable, lr=1e-4) if trainable else None)
+    optimizer = (
+        torch.optim.AdamW(trainable, lr=1e-4, capturable=kind.endswith("graphed")) if trainable else None
+    )
+    return model, optimizer
 
 
 def model_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, ids: torch.Tensor
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, ids: torch.Tensor, graphed: bool = False
 ) -> Callable[[], None]:
+    """One training step; ``graphed``: the step is captured once and replayed (grads stay allocated)."""
+
     def run() -> None:
+        if graphed and optimizer is not None:
+            optimizer.zero_grad(set_to_none=False)  # the grads live in the graph's memory: zero them there
         model(input_ids=ids, labels=ids).loss.backward()
         if optimizer is not None:
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if not graphed:
+                optimizer.zero_grad(set_to_none=True)
 
-    return run
+    if not graphed:
+        return run
+    return captured(run)
 
 
-def model_benchmark(seq: int, rank: int, dropout: float, rounds: int) -> dict[str, dict[str, float]]:
-    kinds = ["frozen base", "peft", "loragen"]
-    ids = torch.randint(0, 32000, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    results: dict[str, dict[str, float]] = {kind: {} for kind in kinds}
-    for kind in kinds:  # peak memory with one model resident at a time
-        model, optimizer = build_model(kind, rank, dropout)
-        step = model_step(model, optimizer, ids)
-        for _ in range(3):
-            step()
+def model_benchmark(
+    seq: int, batch: int, rank: int, dropout: float, rounds: int, graph: bool
+) -> dict[str, dict[str, float]]:
+    """Step ms, resident and peak memory of each kind; all kinds resident, timed interleaved."""
+    kinds = ["frozen base", "peft", "loragen"] + (["loragen graphed"] if graph else [])
+    ids = torch.randint(
+        0, 32000, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
+    results: dict[str, dict[str, float]] = {}
+    steps = {}
+    for kind in kinds:
+        before = torch.cuda.memory_allocated()
+        try:
+            model, optimizer = build_model(kind, rank, dropout)
+            step = model_step(model, optimizer, ids, graphed=kind.endswith("graphed"))
+            for _ in range(2):  # grads and optimizer states exist from here on
+                step()
+        except Exception as exc:  # a failed capture is reported, the other kinds still run
+            print(f"  {kind}: could not run ({type(exc).__name__}: {str(exc)[:300]})")
+            torch.cuda.synchronize()
+            continue
         torch.cuda.synchronize()
-        resident = torch.cuda.memory_allocated()
+        resident = torch.cuda.memory_allocated() - before
+        start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
-        results[kind]["peak_GiB"] = torch.cuda.max_memory_allocated() / GiB
-        results[kind]["step_above_resident_GiB"] = (torch.cuda.max_memory_allocated() - resident) / GiB
-        del model, optimizer, step
-        torch.cuda.empty_cache()
-    steps = {}
-    for kind in kinds:  # then time them interleaved, all resident
-        model, optimizer = build_model(kind, rank, dropout)
-        steps[kind] = model_step(model, optimizer, ids)
-    for kind, ms in interleaved(steps, rounds).items():
+        above = torch.cuda.max_memory_allocated() - start
+        results[kind] = {
+            "resident_GiB": resident / GiB,
+            "step_above_resident_GiB": above / GiB,
+            "peak_GiB": (resident + above) / GiB,
+        }
+        steps[kind] = step
+    for kind, ms in interleaved(steps, rounds, warmup=1).items():
         results[kind]["step_ms"] = ms
+    del steps
+    torch.cuda.empty_cache()
     return results
 
 
-# ---- main ------------------------------------------------------------------------------------------------
+# ---- tables -------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def summary_rows(report: dict) -> list[dict[str, object]]:
+    """One row per measured case of ``report`` (as :func:`main` builds it): ms of each variant, ratios
+    loragen/peft and loragen/frozen, and peak GiB where measured."""
+    rows: list[dict[str, object]] = []
+    cases: list[tuple[str, dict[str, float], dict[str, dict[str, float]]]]
+    cases = [(f"layer 4096, {p}", t, {}) for p, t in report.get("layer", {}).items()]
+    cases += [(f"small 1024x64, {p}", t, {}) for p, t in report.get("small", {}).items()]
+    for case, kinds in report.get("model", {}).items():
+        cases.append((f"model {case}", {k: v["step_ms"] for k, v in kinds.items() if "step_ms" in v}, kinds))
+    for case, times, memory in cases:
+        base, peft_ms, ours = times.get("frozen base"), times.get("peft"), times.get("loragen")
+        row: dict[str, object] = {"case": case, **{f"{k} ms": v for k, v in times.items()}}
+        if ours is not None and peft_ms:
+            row["loragen/peft"] = ours / peft_ms
+        if ours is not None and base:
+            row["loragen/frozen"] = ours / base
+        for kind, numbers in memory.items():
+            row[f"{kind} peak GiB"] = numbers["peak_GiB"]
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: Sequence[dict[str, object]]) -> str:
+    """``rows`` as one markdown table; columns in first-seen order, numbers with 3 significant digits
+    (ratios as 0.00x), missing cells empty."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [c for c in row if c not in columns]
+
+    def cell(column: str, value: object) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, float):
+            return f"{value:.2f}x" if "/" in column else f"{value:.3g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(c, row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--quick`` sets rounds to 5 (model rounds 3) unless given."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["layer", "model"], help="run one part only")
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument(
+        "--only", action="append", choices=PARTS, help="run this part (repeatable); default: all"
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="interleaved rounds per layer case (default 20, --quick 5)"
+    )
+    parser.add_argument("--model-rounds", type=int, help="rounds per model case (default 10, --quick 3)")
+    parser.add_argument(
+        "--quick", action="store_true", help="few rounds: everything in about 3 minutes on an H100"
+    )
+    parser.add_argument("--batches", default="1,8", help="model batch sizes (default 1,8)")
+    parser.add_argument("--dropouts", default="0,0.05", help="model LoRA dropouts (default 0,0.05)")
+    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph variants")
     parser.add_argument("--json", help="write all numbers to this file")
     args = parser.parse_args(argv)
+    args.parts = tuple(args.only or PARTS)
+    args.rounds = args.rounds or (5 if args.quick else 20)
+    args.model_rounds = args.model_rounds or (3 if args.quick else 10)
+    try:
+        args.batch_list = [int(b) for b in args.batches.split(",")]
+        args.dropout_list = [float(p) for p in args.dropouts.split(",")]
+    except ValueError:
+        parser.error(f"--batches {args.batches!r} / --dropouts {args.dropouts!r}: comma-separated numbers")
+    return args
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     import loragen.cuda
     import loragen.switches
 
-    if not loragen.cuda.is_available():
-        print("bench_cuda: no CUDA device (or cuda-python missing); nothing measured.")
-        return 0
-    report: dict[str, object] = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()),
-    }
-    report["ceilings"] = limits = ceilings()
-    print(f"device: {report['device']} ({report['capability']}), torch {torch.__version__}")
-    print(
-        f"measured: copy {limits['copy_GBps']:.0f} GB/s (read + write), bf16 GEMM {limits['bf16_gemm_TFLOPs']:.0f} TFLOP/s"
-    )
-
-    if args.only in (None, "layer"):
-        layer = {}
+    report: dict[str, object] = {}
+    if "host" in args.parts:
+        # benchmarks.cuda_host as a package module, or from benchmarks/ (sys.path[0]) when run as a script
+        cuda_host = importlib.import_module(f"{__package__}.cuda_host" if __package__ else "cuda_host")
+        report["host"] = cuda_host.main([])
+    gpu_parts = [p for p in args.parts if p != "host"]
+    if gpu_parts and not loragen.cuda.is_available():
+        print(
+            f"bench_cuda: parts {', '.join(gpu_parts)} need a CUDA device and cuda-python "
+            f"(torch.cuda.is_available() = {torch.cuda.is_available()}); nothing measured",
+            file=sys.stderr,
+        )
+        return 2
+    if gpu_parts:
+        report.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
+        report["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability())
+        report["ceilings"] = limits = ceilings()
+        print(f"device: {report['device']} ({report['capability']}), torch {torch.__version__}")
+        print(
+            f"measured: copy {limits['copy_GBps']:.0f} GB/s (read + write), bf16 GEMM {limits['bf16_gemm_TFLOPs']:.0f} TFLOP/s"
+        )
+    if "layer" in args.parts:
+        report["layer"] = {f"p={p}": layer_benchmark(4096, 4096, 16, p, args.rounds) for p in (0.0, 0.1)}
+    if "kernels" in args.parts:
         for p in (0.0, 0.1):
-            times = layer_benchmark(4096, 4096, 16, p, args.rounds)
-            layer[f"p={p}"] = times
-            base, peft_ms, ours = times["frozen base"], times["peft"], times["loragen"]
-            print(f"\nlayer 4096x4096, 4096 tokens, r=16, bf16, fwd+bwd, lora_dropout={p}")
-            print("| variant | ms | vs frozen base | vs peft |\n|---|---|---|---|")
-            for name, ms in times.items():
-                print(f"| {name} | {ms:.3f} | {ms / base:.2f}x | {ms / peft_ms:.2f}x |")
-            print(
-                f"targets: loragen <= 1.10x base ({ours / base:.2f}x), <= 0.80x peft ({ours / peft_ms:.2f}x)"
+            report[f"kernels p={p}"] = rows = kernel_benchmark(
+                4096, 4096, 16, p, args.rounds, limits["copy_GBps"]
             )
-        report["layer"] = layer
-        for p in (0.0, 0.1):
-            rows = kernel_benchmark(4096, 4096, 16, p, args.rounds, limits["copy_GBps"])
-            report[f"kernels p={p}"] = rows
-            print(f"\nloragen kernels alone, same layer, lora_dropout={p}")
-            print("| kernel | us | min MB | GB/s | of copy bandwidth |\n|---|---|---|---|---|")
-            for row in rows:
-                print(
-                    f"| {row['kernel']} | {row['us']:.1f} | {row['min_MB']:.1f} | {row['GBps']:.0f} | {row['of_copy']:.0%} |"
+            print(f"\nloragen kernels alone, layer 4096x4096, 4096 tokens, r=16, bf16, lora_dropout={p}")
+            print(markdown_table(rows))
+    if "small" in args.parts:
+        graph = not args.no_graph
+        report["small"] = {
+            f"p={p}": layer_benchmark(64, 1024, 16, p, args.rounds, inner=20, graph=graph)
+            for p in (0.0, 0.05)
+        }
+    if "model" in args.parts:
+        report["model"] = model = {}
+        for batch in args.batch_list:
+            for p in args.dropout_list:
+                print(f"\nmodel: batch {batch}, dropout {p}", flush=True)
+                model[f"batch {batch}, p={p}"] = model_benchmark(
+                    2048, batch, 16, p, args.model_rounds, not args.no_graph
                 )
 
-    if args.only in (None, "model"):
-        results = model_benchmark(2048, 16, 0.05, max(5, args.rounds // 3))
-        report["model"] = results
-        peft_r = results["peft"]
-        print(
-            "\nLlama-shaped model (hidden 2048, 8 layers, seq 2048, batch 1), LoRA r=16 on 7 projections, dropout 0.05"
-        )
-        print(
-            "| variant | step ms | vs peft | peak GiB | vs peft | step memory above resident GiB |\n|---|---|---|---|---|---|"
-        )
-        for kind, r in results.items():
-            print(
-                f"| {kind} | {r['step_ms']:.1f} | {r['step_ms'] / peft_r['step_ms']:.2f}x | {r['peak_GiB']:.2f} | "
-                f"{r['peak_GiB'] / peft_r['peak_GiB']:.2f}x | {r['step_above_resident_GiB']:.2f} |"
-            )
-        ours = results["loragen"]
-        print(
-            f"targets: step <= 0.85x peft ({ours['step_ms'] / peft_r['step_ms']:.2f}x), "
-            f"peak memory <= 0.75x peft ({ours['peak_GiB'] / peft_r['peak_GiB']:.2f}x)"
-        )
+    if gpu_parts:
+        from loragen.cuda.selfcheck import default_checker
 
-    from loragen.cuda.selfcheck import default_checker
-
-    report["selfcheck"] = outcomes = default_checker().outcomes()
-    report["cuda_kernels_switch"] = loragen.switches.cuda_kernels.get()
-    print(f"\nself-check outcomes (LORAGEN_CUDA_KERNELS={report['cuda_kernels_switch']}):")
-    for variant, outcome in outcomes.items():
-        print(f"  {variant}: {outcome}")
-    if any(outcome != "ok" for outcome in outcomes.values()):
-        print("  WARNING: variants above run on the torch path: the loragen numbers measure that path")
-
+        report["selfcheck"] = outcomes = default_checker().outcomes()
+        report["cuda_kernels_switch"] = loragen.switches.cuda_kernels.get()
+        print(f"\nself-check outcomes (LORAGEN_CUDA_KERNELS={report['cuda_kernels_switch']}):")
+        for variant, outcome in outcomes.items():
+            print(f"  {variant}: {outcome}")
+        if any(outcome != "ok" for outcome in outcomes.values()):
+            print("  WARNING: variants above run on the torch path: the loragen numbers measure that path")
+        rows = summary_rows(report)
+        report["summary"] = rows
+        print(
+            "\nsummary: ms per forward+backward (layer, small) or per training step (model, seq 2048), medians of "
+            "interleaved rounds (CUDA events); peak GiB = resident + step peak"
+        )
+        print(markdown_table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=2)

@@ -1,26 +1,28 @@
 #!/usr/bin/env bash
 # The first run of loragen's CUDA path on a GPU, in one command; everything it learns lands in one folder.
 #
-#   scripts/first_gpu_run.sh [--out DIR] [--wheels DIR] [--steps LIST] [--quick]
+#   scripts/first_gpu_run.sh [--out DIR] [--wheels DIR] [--steps LIST] [--quick] [--bench "OPTIONS"]
 #
 #   --out DIR     where the results go (default: $OUT/first-gpu-run when $OUT is set, else
 #                 ./first-gpu-run-<UTC time>)
 #   --wheels DIR  wheels to install offline first (default: .gpu-wheels; made by
 #                 scripts/fetch_gpu_wheels.sh); packages missing there come from the index, if reachable
-#   --steps LIST  comma-separated subset of: system,install,selfcheck,tests,bench (default: all)
-#   --quick       the benchmark's layer part only (--only layer --rounds 10)
+#   --steps LIST  comma-separated subset of: system,install,selfcheck,tests,sanitize,bench (default: all)
+#   --quick       the benchmark with few rounds (bench_cuda.py --quick: all parts in about 3 minutes)
+#   --bench OPTS  options for benchmarks/bench_cuda.py instead (e.g. "--only model --batches 8")
 #
 # Run it from the repository root, in the Python environment that holds the CUDA build of torch
 # ($PYTHON, default python3). The install step puts loragen in that environment (editable, no
 # dependencies resolved online) and installs what is missing from the wheel folder. Every step runs
 # even when an earlier one failed; summary.md lists each step's exit status. The output folder holds
-# at most eight files:
+# at most nine files:
 #
 #   summary.md      steps, exit statuses, the self-check outcomes, the test tally, the benchmark tables
 #   system.txt      date, kernel, nvidia-smi (and -q), Python, torch, CUDA, NVRTC, cuda-bindings, pip list
 #   install.txt     what was missing and how it was installed
 #   selfcheck.json  every kernel variant's self-check on this GPU: "ok" or the reason it falls back
-#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py (+ the self-check and launch tests)
+#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py (+ the self-check, launch and host-path tests)
+#   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
 #   bench.txt       benchmarks/bench_cuda.py's tables
 #   bench.json      the same numbers as JSON
 #   run.log         everything printed, in order
@@ -28,8 +30,9 @@ set -u
 
 PYTHON=${PYTHON:-python3}
 WHEELS=.gpu-wheels
-STEPS=system,install,selfcheck,tests,bench
+STEPS=system,install,selfcheck,tests,sanitize,bench
 QUICK=0
+BENCH_OPTS=
 if [ -n "${OUT:-}" ]; then RESULTS="$OUT/first-gpu-run"; else RESULTS="first-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)"; fi
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -37,7 +40,8 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS=$2; shift 2 ;;
         --steps) STEPS=$2; shift 2 ;;
         --quick) QUICK=1; shift ;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        --bench) BENCH_OPTS=$2; shift 2 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "first_gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -178,18 +182,44 @@ EOF
 
 tests() {
     "$PYTHON" -m pytest -rA -p no:cacheprovider tests/cuda/test_cuda_gpu.py tests/cuda/test_cuda_selfcheck.py \
-        tests/cuda/test_cuda_launch.py 2>&1 | tee "$RESULTS/tests.txt"
+        tests/cuda/test_cuda_launch.py tests/cuda/test_cuda_host_path.py tests/cuda/test_cuda_bench.py \
+        2>&1 | tee "$RESULTS/tests.txt"
     return "${PIPESTATUS[0]}"
+}
+
+# compute-sanitizer over a subset of the GPU tests (about a minute): memcheck, then racecheck. Kernels run
+# unchecked (trust) so the sanitizer sees them; API errors are not reported (PyTorch probes the driver).
+SANITIZE_TESTS="mask_is_bit_identical or captured_training_step or torch_path_matches or (matches_float64_reference and 0.1-37x200x72-16)"
+sanitize() {
+    local tool status=0 sanitizer
+    sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    if [ -z "$sanitizer" ]; then
+        echo "compute-sanitizer not found" | tee "$RESULTS/sanitize.txt"
+        return 1
+    fi
+    : > "$RESULTS/sanitize.txt"
+    for tool in memcheck racecheck; do
+        echo "--- $tool" | tee -a "$RESULTS/sanitize.txt"
+        LORAGEN_CUDA_KERNELS=trust timeout 300 "$sanitizer" --tool "$tool" --report-api-errors no \
+            --error-exitcode 99 --target-processes all \
+            "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_gpu.py -k "$SANITIZE_TESTS" \
+            2>&1 | tail -40 | tee -a "$RESULTS/sanitize.txt"
+        local code=${PIPESTATUS[0]}
+        echo "--- $tool: exit $code" | tee -a "$RESULTS/sanitize.txt"
+        if [ "$code" != 0 ]; then status=$code; fi
+    done
+    return $status
 }
 
 bench() {
     local extra=()
-    if [ "$QUICK" = 1 ]; then extra=(--only layer --rounds 10); fi
+    if [ "$QUICK" = 1 ]; then extra=(--quick); fi
+    if [ -n "$BENCH_OPTS" ]; then read -r -a extra <<< "$BENCH_OPTS"; fi
     "$PYTHON" benchmarks/bench_cuda.py --json "$RESULTS/bench.json" "${extra[@]}" 2>&1 | tee "$RESULTS/bench.txt"
     return "${PIPESTATUS[0]}"
 }
 
-for name in system install selfcheck tests bench; do
+for name in system install selfcheck tests sanitize bench; do
     if wanted "$name"; then step "$name" "$name"; fi
 done
 
@@ -214,6 +244,13 @@ done
         echo "## tests (tests.txt)"
         echo '```'
         grep -E "^(FAILED|ERROR)|passed|failed" "$RESULTS/tests.txt" | tail -60
+        echo '```'
+    fi
+    if [ -f "$RESULTS/sanitize.txt" ]; then
+        echo
+        echo "## compute-sanitizer (sanitize.txt)"
+        echo '```'
+        grep -E "^---|ERROR SUMMARY|passed|failed" "$RESULTS/sanitize.txt" | tail -20
         echo '```'
     fi
     if [ -f "$RESULTS/bench.txt" ]; then

@@ -50,11 +50,22 @@ if TYPE_CHECKING:  # pragma: no cover
     from loragen.cuda.nvrtc import KernelCompileError
 
 
+_available: bool | None = None
+
+
 def is_available() -> bool:
     """True when PyTorch sees a CUDA device and cuda-python's bindings are installed.
 
-    Checks PyTorch first, so on a machine without a GPU nothing from ``cuda.bindings`` is imported.
+    Checks PyTorch first, so on a machine without a GPU nothing from ``cuda.bindings`` is imported. The
+    answer is computed once per process (neither changes while it runs).
     """
+    global _available
+    if _available is None:
+        _available = _probe()
+    return _available
+
+
+def _probe() -> bool:
     if not torch.cuda.is_available():
         return False
     try:

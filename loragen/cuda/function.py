@@ -20,15 +20,28 @@ rank-r term is never rounded to 16 bits on its own (peft rounds it before adding
 part of grad_x in x's dtype and cuBLAS adds g W to it: two roundings there, as in peft's composition.) The output is a fresh tensor (never a view),
 so callers may modify it in place.
 
+The op is two ``torch.library`` custom ops, ``loragen::lora_linear`` (forward, returns y and h) and
+``loragen::lora_linear_backward``, with fake implementations and the autograd formula registered, so
+``torch.compile(fullgraph=True)`` traces a LoRA model through them without graph breaks. Eager calls run
+the same implementations through a plain ``torch.autograd.Function``: the custom-op dispatch's Python
+wrappers would cost more host time per call than the rest of the op.
+
+Host path: everything that depends only on (shapes, dtype, device, launcher) -- the kernel variant, the
+routed launcher -- is kept in a :class:`~loragen.cuda.passes.Plan` per such key; A and B^T padded to the
+rank bucket in float32 are kept per parameter and refreshed only when the parameter's ``_version`` or
+data pointer changes (and on every call inside a CUDA-graph capture, so replays read fresh parameters).
+
 Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which
 self-checks each kernel variant on its first use on a device and moves a failing one to the torch path
 (:mod:`loragen.cuda.torch_kernels`) with one warning; ``LORAGEN_CUDA_KERNELS`` (:data:`loragen.switches.cuda_kernels`)
 turns the check off or forces the torch path.
 
-Dropout: the seed is drawn from torch's CPU generator per call, so ``torch.manual_seed`` reproduces a
-run and ``torch.utils.checkpoint`` recomputes the same mask; :func:`loragen.philox.dropout_keep_mask`
-gives the identical mask on the CPU. Under CUDA-graph capture with active dropout the op refuses to run:
-the seed would be frozen into the graph and every replay would drop the same elements.
+Dropout: each forward draws its Philox seed and offset with one device-side torch RNG op (:func:`draw_rng`)
+into an int64 tensor of two elements that the kernels read through a pointer and backward reuses. So
+``torch.manual_seed`` reproduces a run, ``torch.utils.checkpoint`` (which restores the device's RNG
+state) recomputes the same mask, and a CUDA graph captured with dropout draws a fresh mask on every
+replay. :func:`loragen.philox.dropout_keep_mask` gives the identical mask on the CPU for the same
+(seed, offset) (:func:`loragen.cuda.torch_kernels.rng_values` reads them).
 """
 
 from __future__ import annotations
@@ -38,15 +51,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loragen import philox
-from loragen.cuda import passes, specs
+from loragen.cuda import hostcache, passes, specs
 from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.passes import DTYPE_NAMES, Plan
-from loragen.cuda.selfcheck import default_checker
+from loragen.cuda.passes import DTYPE_NAMES
 from loragen.errors import LoraError
 from loragen.reference import lora_linear_reference
 
-__all__ = ["CudaLoraError", "LoraLinearCudaFunction", "lora_linear_cuda", "unsupported_reason"]
+__all__ = [
+    "CudaLoraError",
+    "draw_rng",
+    "lora_linear_cuda",
+    "seed_rng",
+    "unsupported_reason",
+]
+
+_WHERE = "loragen.cuda.lora_linear_cuda"
 
 
 class CudaLoraError(LoraError, ValueError):
@@ -81,6 +100,11 @@ def unsupported_reason(
     return None
 
 
+def _devices(tensors: tuple[Tensor | None, ...]) -> str:
+    names = ("x", "weight", "bias", "lora_A", "lora_B")
+    return ", ".join(f"{n}: {t.device}" for n, t in zip(names, tensors) if t is not None)
+
+
 def _check_inputs(
     x: Tensor,
     weight: Tensor,
@@ -91,117 +115,290 @@ def _check_inputs(
     p: float,
     require_cuda: bool,
 ) -> None:
-    where = "loragen.cuda.lora_linear_cuda"
+    """Raise :class:`CudaLoraError` naming the first bad argument; messages are built only on failure."""
     if not 0.0 <= p < 1.0:
-        raise CudaLoraError(f"{where}: dropout_p={p!r}; expected 0 <= p < 1")
-    tensors = {"x": x, "weight": weight, "lora_A": lora_A, "lora_B": lora_B}
-    if bias is not None:
-        tensors["bias"] = bias
-    devices = {name: t.device for name, t in tensors.items()}
-    if (require_cuda and x.device.type != "cuda") or len(set(devices.values())) != 1:
-        raise CudaLoraError(f"{where}: all tensors must be on one CUDA device, got {devices}")
-    in_features = x.shape[-1]
-    out_features, w_in = (weight.shape[1], weight.shape[0]) if fan_in_fan_out else tuple(weight.shape)
-    layout = "(in, out) with fan_in_fan_out" if fan_in_fan_out else "(out, in)"
-    if weight.dim() != 2 or w_in != in_features:
+        raise CudaLoraError(f"{_WHERE}: dropout_p={p!r}; expected 0 <= p < 1")
+    device = x.device
+    if (
+        (require_cuda and device.type != "cuda")
+        or weight.device != device
+        or lora_A.device != device
+        or lora_B.device != device
+        or (bias is not None and bias.device != device)
+    ):
         raise CudaLoraError(
-            f"{where}: weight {tuple(weight.shape)} is not {layout} for x (..., {in_features})"
+            f"{_WHERE}: all tensors must be on one CUDA device, got {_devices((x, weight, bias, lora_A, lora_B))}"
         )
-    if bias is not None and tuple(bias.shape) != (out_features,):
-        raise CudaLoraError(f"{where}: bias {tuple(bias.shape)}; expected ({out_features},)")
+    in_features = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[0 if fan_in_fan_out else 1] != in_features:
+        layout = "(in, out) with fan_in_fan_out" if fan_in_fan_out else "(out, in)"
+        raise CudaLoraError(
+            f"{_WHERE}: weight {tuple(weight.shape)} is not {layout} for x (..., {in_features})"
+        )
+    out_features = weight.shape[1 if fan_in_fan_out else 0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != out_features):
+        raise CudaLoraError(f"{_WHERE}: bias {tuple(bias.shape)}; expected ({out_features},)")
     r = lora_A.shape[0]
     if lora_A.dim() != 2 or lora_A.shape[1] != in_features:
-        raise CudaLoraError(f"{where}: lora_A {tuple(lora_A.shape)}; expected (r, {in_features})")
-    if tuple(lora_B.shape) != (out_features, r):
+        raise CudaLoraError(f"{_WHERE}: lora_A {tuple(lora_A.shape)}; expected (r, {in_features})")
+    if lora_B.dim() != 2 or lora_B.shape[0] != out_features or lora_B.shape[1] != r:
         raise CudaLoraError(
-            f"{where}: lora_B {tuple(lora_B.shape)}; expected ({out_features}, {r}) for r={r}"
+            f"{_WHERE}: lora_B {tuple(lora_B.shape)}; expected ({out_features}, {r}) for r={r}"
         )
 
 
-class LoraLinearCudaFunction(torch.autograd.Function):
-    """One autograd node for the whole LoRA linear; see the module docstring for the passes.
+def draw_rng(device: torch.device) -> Tensor:
+    """A fresh (seed, offset) pair for one forward's dropout mask: int64 (2,) on ``device``, drawn by
+    torch's generator of that device (the CUDA generator on a GPU: safe inside CUDA-graph capture, fresh
+    values on every replay)."""
+    return torch.randint(0, (1 << 63) - 1, (2,), dtype=torch.int64, device=device)
 
-    ``apply(x, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, fan_in_fan_out, launcher)``;
-    ``dropout_p = 0`` means no dropout (``seed`` is then ignored).
+
+def seed_rng(seed: int, device: torch.device, offset: int = 0) -> Tensor:
+    """The rng tensor for an explicit unsigned 64-bit ``seed`` and ``offset`` (stored as int64 bits).
+
+    Raises:
+        CudaLoraError: ``seed`` or ``offset`` is not an unsigned 64-bit integer.
     """
+    words = []
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not 0 <= value < 1 << 64:
+            raise CudaLoraError(f"{_WHERE}: {name}={value}; expected an unsigned 64-bit integer")
+        words.append(value - (1 << 64) if value >= 1 << 63 else value)
+    return torch.tensor(words, dtype=torch.int64, device=device)
+
+
+# ---- the custom ops --------------------------------------------------------------------------------
+def _autocasting(x: Tensor) -> bool:
+    return x.is_cuda and torch.is_autocast_enabled("cuda")
+
+
+def _lora_linear_impl(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    launcher: int,
+) -> tuple[Tensor, Tensor]:
+    """y (..., out) in x's dtype and h (N, R) float32 (saved for backward)."""
+    if _autocasting(x):
+        with torch.autocast("cuda", enabled=False):
+            return _forward(
+                x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher
+            )
+    return _forward(x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher)
+
+
+_lora_linear_op = torch.library.custom_op("loragen::lora_linear", _lora_linear_impl, mutates_args=())
+
+
+def _forward(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    launcher: int,
+) -> tuple[Tensor, Tensor]:
+    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
+    x2 = plan.prepare(x2)
+    a32 = hostcache.factor(lora_A, plan, transpose=False)
+    bt32 = hostcache.factor(lora_B, plan, transpose=True)
+    h = passes.down(plan, x2, a32, hostcache.dropout_args(rng, dropout_p))
+    # the output in its final shape, written through a 2-D view: no view of it escapes
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    out2 = out.view(plan.rows, out_features)
+    # cuBLAS writes the base product in x's dtype, then lora_up adds bias + s h B^T in float32 and
+    # writes the output once more: no float32 (N, out) temporary
+    passes.add_base(x2, weight if fan_in_fan_out else weight.t(), out2)
+    passes.up(plan, h, bt32, bias, scaling, out2)
+    return out, h
+
+
+@_lora_linear_op.register_fake
+def _lora_linear_fake(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    launcher: int,
+) -> tuple[Tensor, Tensor]:
+    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
+    rows = 1
+    for size in x.shape[:-1]:
+        rows = rows * size
+    out = x.new_empty((*x.shape[:-1], out_features))
+    h = x.new_empty((rows, specs.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
+    return out, h
+
+
+def _lora_linear_backward_impl(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    h: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    needs: list[bool],
+    launcher: int,
+) -> list[Tensor]:
+    """The gradients of (x, weight, bias, lora_A, lora_B) flagged in ``needs``, in that order."""
+    if _autocasting(x):
+        with torch.autocast("cuda", enabled=False):
+            return _backward(
+                grad_out,
+                x,
+                weight,
+                lora_A,
+                lora_B,
+                h,
+                rng,
+                scaling,
+                dropout_p,
+                fan_in_fan_out,
+                needs,
+                launcher,
+            )
+    return _backward(
+        grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
+    )
+
+
+_lora_linear_backward_op = torch.library.custom_op(
+    "loragen::lora_linear_backward", _lora_linear_backward_impl, mutates_args=()
+)
+
+
+def _backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    h: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    needs: list[bool],
+    launcher: int,
+) -> list[Tensor]:
+    need_x, need_w, need_b, need_a, need_bb = needs
+    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
+    x2 = plan.prepare(x2)
+    g2 = plan.prepare(grad_out.reshape(plan.rows, out_features).to(x.dtype))
+    grad_x = grad_a = grad_bb = None
+    if plan.rows == 0:
+        grad_a = torch.zeros_like(lora_A) if need_a else None
+        grad_bb = torch.zeros_like(lora_B) if need_bb else None
+        grad_x = torch.zeros_like(x) if need_x else None
+    elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
+        bt32 = hostcache.factor(lora_B, plan, transpose=True)
+        dh, db = passes.grad_out(plan, g2, h, bt32, scaling)
+        if need_bb:
+            grad_bb = db[:, : plan.rank].to(lora_B.dtype).contiguous()  # at most one copy
+        if need_x or need_a:
+            a32 = hostcache.factor(lora_A, plan, transpose=False)
+            gx, da = passes.grad_in(plan, x2, dh, a32, hostcache.dropout_args(rng, dropout_p), need_x)
+            if need_a:
+                grad_a = da[: plan.rank].to(lora_A.dtype)
+            if gx is not None:
+                gx.addmm_(g2, weight.t() if fan_in_fan_out else weight)
+                grad_x = gx.view(x.shape)
+    grad_w = None
+    if need_w:
+        grad_w = torch.mm(x2.t(), g2) if fan_in_fan_out else torch.mm(g2.t(), x2)
+    grad_b = g2.sum(0) if need_b else None
+    return [g for g in (grad_x, grad_w, grad_b, grad_a, grad_bb) if g is not None]
+
+
+@_lora_linear_backward_op.register_fake
+def _lora_linear_backward_fake(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    h: Tensor,
+    rng: Tensor | None,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+    needs: list[bool],
+    launcher: int,
+) -> list[Tensor]:
+    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
+    shapes = (x, weight, x.new_empty((out_features,)), lora_A, lora_B)
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t, n in zip(shapes, needs) if n]
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher = inputs
+    ctx.save_for_backward(x, weight, lora_A, lora_B, output[1], rng)
+    ctx.args = (scaling, dropout_p, fan_in_fan_out, launcher)
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(output[1])
+
+
+def _gradients(ctx: Any, grad_out: Tensor, backward: Any) -> tuple[Tensor | None, ...]:
+    """The autograd formula shared by the custom op and the eager Function; ``backward`` is the
+    backward custom op (traced) or its implementation (eager)."""
+    x, weight, lora_A, lora_B, h, rng = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:5])
+    needs[2] = needs[2] and ctx.has_bias
+    scaling, dropout_p, fan_in_fan_out, launcher = ctx.args
+    grads = iter(
+        backward(
+            grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
+        )
+    )
+    first = tuple(next(grads) if needed else None for needed in needs)
+    return (*first, None, None, None, None, None)
+
+
+def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
+    return _gradients(ctx, grad_out, _lora_linear_backward_op)
+
+
+_lora_linear_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _LoraLinearFunction(torch.autograd.Function):
+    """The eager path: the same forward, backward and saved tensors as ``loragen::lora_linear``, without
+    the custom-op dispatch (whose Python wrappers cost more host time per call than the whole op)."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        lora_A: Tensor,
-        lora_B: Tensor,
-        scaling: float,
-        dropout_p: float,
-        seed: int,
-        fan_in_fan_out: bool,
-        launcher: KernelLauncher,
-    ) -> Tensor:
-        out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
-        x2 = x.reshape(-1, x.shape[-1])
-        plan = Plan(x2, out_features, lora_A.shape[0], launcher)
-        x2 = plan.prepare(x2)
-        # (R, in) and (R, out), padded to the rank bucket: rows r..R-1 are zero
-        a32 = plan.prepare(passes.pad_rank(lora_A.detach().float(), plan.variant))
-        bt32 = plan.prepare(passes.pad_rank(lora_B.detach().float().t(), plan.variant))
-        dropout = (
-            (seed, 0, philox.keep_threshold(dropout_p), philox.keep_scale(dropout_p))
-            if dropout_p > 0
-            else (0, 0, 0, 1.0)
-        )
-
-        h = passes.down(plan, x2, a32, dropout)
-        # the output in its final shape, written through a 2-D view: no view of it escapes, so callers
-        # may modify it in place
-        out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
-        out2 = out.view(plan.rows, out_features)
-        # cuBLAS writes the base product in x's dtype, then lora_up adds bias + s h B^T in float32 and
-        # writes the output once more: no float32 (N, out) temporary
-        passes.add_base(x2, weight if fan_in_fan_out else weight.t(), out2)
-        passes.up(plan, h, bt32, bias, scaling, out2)
-
-        ctx.plan = plan
-        ctx.scaling = float(scaling)
-        ctx.dropout = dropout
-        ctx.fan_in_fan_out = fan_in_fan_out
-        ctx.x_shape = x.shape
-        ctx.lora_params = (a32, bt32)
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x2, weight, lora_A, lora_B, h)
+    def forward(ctx: Any, *inputs: Any) -> Tensor:
+        out, h = _lora_linear_impl(*inputs)
+        _setup_context(ctx, inputs, (out, h))
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x2, weight, lora_A, lora_B, h = ctx.saved_tensors
-        need_x, need_w, need_b, need_a, need_bb = ctx.needs_input_grad[:5]
-        plan: Plan = ctx.plan
-        a32, bt32 = ctx.lora_params
-        g2 = plan.prepare(grad_out.reshape(plan.rows, plan.out_features).to(x2.dtype))
-        grad_x = grad_w = grad_b = grad_a = grad_bb = None
-
-        if plan.rows == 0:
-            grad_a = torch.zeros_like(lora_A) if need_a else None
-            grad_bb = torch.zeros_like(lora_B) if need_bb else None
-            grad_x = x2.new_zeros(ctx.x_shape) if need_x else None
-        elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
-            dh, db = passes.grad_out(plan, g2, h, bt32, ctx.scaling)
-            if need_bb:
-                grad_bb = db[:, : plan.rank].to(lora_B.dtype)
-            if need_x or need_a:
-                gx, da = passes.grad_in(plan, x2, dh, a32, ctx.dropout, need_x)
-                if need_a:
-                    grad_a = da[: plan.rank].to(lora_A.dtype)
-                if gx is not None:
-                    gx.addmm_(g2, weight.t() if ctx.fan_in_fan_out else weight)
-                    grad_x = gx.view(ctx.x_shape)
-        if need_w:
-            grad_w = torch.mm(x2.t(), g2) if ctx.fan_in_fan_out else torch.mm(g2.t(), x2)
-        if need_b and ctx.has_bias:
-            grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, grad_a, grad_bb, None, None, None, None, None
+        return _gradients(ctx, grad_out, _lora_linear_backward_impl)
 
 
 def lora_linear_cuda(
@@ -226,20 +423,21 @@ def lora_linear_cuda(
     inverted scaling and the Philox mask of :mod:`loragen.philox`. Under autocast, x, weight and bias
     are cast to the autocast dtype first, as ``F.linear`` would. Inputs the kernels do not take (see
     :func:`unsupported_reason`) run through :func:`loragen.reference.lora_linear_reference` instead.
+    Works inside CUDA-graph capture (dropout included) and under ``torch.compile``.
 
     Args:
-        seed: fixes the dropout mask (unsigned 64-bit); None draws one from torch's CPU generator.
+        seed: fixes the dropout mask (unsigned 64-bit, offset 0); None draws seed and offset with the
+            device's torch generator (:func:`draw_rng`).
         launcher: runs the kernels (default: the self-checked CUDA driver launcher,
             :func:`loragen.cuda.selfcheck.default_checker`); loragen's CPU tests pass an
-            emulator here.
+            emulator or a null driver here.
 
     Raises:
         CudaLoraError: tensors not on one device, or not on a CUDA device when no launcher is given;
-            mismatched shapes; ``dropout_p`` outside [0, 1).
-        RuntimeError: dropout is active while a CUDA graph is being captured.
+            mismatched shapes; ``dropout_p`` outside [0, 1); ``seed`` not unsigned 64-bit.
     """
     _check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
-    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+    if _autocasting(x):
         dtype = torch.get_autocast_dtype("cuda")
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
@@ -249,30 +447,11 @@ def lora_linear_cuda(
             x, weight, bias, lora_A, lora_B, scaling, dropout_p, training, fan_in_fan_out=fan_in_fan_out
         )
     p = float(dropout_p) if training else 0.0
-    if p > 0 and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "loragen.cuda.lora_linear_cuda: LoRA dropout is active while a CUDA graph is being captured; the "
-            "dropout seed would be frozen into the graph and every replay would reuse one mask. Capture with "
-            "lora_dropout=0 or the model in eval mode, or train without CUDA graphs."
-        )
-    if p == 0:
-        seed = 0
-    elif seed is None:
-        seed = philox.random_seed()
-    elif not 0 <= seed < 1 << 64:
-        raise CudaLoraError(
-            f"loragen.cuda.lora_linear_cuda: seed={seed}; expected an unsigned 64-bit integer"
-        )
-    with torch.autocast(x.device.type, enabled=False):
-        return LoraLinearCudaFunction.apply(
-            x,
-            weight,
-            bias,
-            lora_A,
-            lora_B,
-            float(scaling),
-            p,
-            seed,
-            fan_in_fan_out,
-            launcher or default_checker(),
-        )
+    rng = None
+    if p > 0:
+        rng = draw_rng(x.device) if seed is None else seed_rng(seed, x.device)
+    handle = hostcache.launcher_handle(launcher)
+    args = (x, weight, bias, lora_A, lora_B, rng, float(scaling), p, fan_in_fan_out, handle)
+    if torch.compiler.is_compiling():  # traced: the custom op, which torch.compile sees through its fake
+        return _lora_linear_op(*args)[0]
+    return _LoraLinearFunction.apply(*args)

@@ -113,8 +113,70 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
     return packed
 
 
+class _LaunchRecord:
+    """One kernel variant ready to launch on one device from one thread: the function handle, threads per
+    block, and a prebuilt kernel-parameter block whose values :meth:`fill` rewrites in place per launch."""
+
+    __slots__ = (
+        "context",
+        "function",
+        "kinds",
+        "label",
+        "params_address",
+        "pointers",
+        "slots",
+        "spec",
+        "threads",
+    )
+
+    def __init__(self, spec: KernelSpec, variant: Variant, function: Any, context: Any) -> None:
+        self.spec = spec
+        self.label = variant.label
+        self.function = function
+        self.context = context
+        self.threads = spec.threads(variant)
+        # per parameter: None for a pointer, (low, high) for an integer, () for a float
+        self.kinds = tuple(
+            None if p.ctype.endswith("*") else _INTEGER_RANGES.get(p.ctype, ()) for p in spec.params
+        )
+        self.slots = [
+            ctypes.c_void_p() if p.ctype.endswith("*") else _SCALAR_CTYPES[p.ctype]() for p in spec.params
+        ]
+        self.pointers = (ctypes.c_void_p * len(self.slots))(*(ctypes.addressof(v) for v in self.slots))
+        self.params_address = ctypes.addressof(self.pointers)
+
+    def fill(self, args: Sequence[object]) -> None:
+        """Write ``args`` into the parameter block.
+
+        Raises:
+            TypeError, KernelArgumentRangeError: as :func:`pack_arguments` (which words the message).
+        """
+        if len(args) != len(self.slots):
+            pack_arguments(self.spec, args)
+        for slot, kind, value in zip(self.slots, self.kinds, args):
+            if kind is None:
+                if value is None:
+                    slot.value = None
+                elif isinstance(value, torch.Tensor):
+                    slot.value = value.data_ptr()
+                else:
+                    pack_arguments(self.spec, args)  # raises the TypeError naming the parameter
+            elif kind:
+                if not kind[0] <= value <= kind[1]:  # type: ignore[operator]
+                    pack_arguments(self.spec, args)  # raises KernelArgumentRangeError
+                slot.value = value
+            else:
+                slot.value = value
+
+
 class DriverLauncher:
-    """Launches kernels through the CUDA driver API; modules are loaded once per device and variant."""
+    """Launches kernels through the CUDA driver API; modules are loaded once per device and variant.
+
+    Per launch: one dictionary lookup for the launch record, the argument values written into its
+    prebuilt parameter block, one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
+    device's primary context is not already current on the thread) and ``cuLaunchKernel`` on PyTorch's
+    current stream, passed as its raw handle. No lock and no error text unless something fails.
+    """
 
     def __init__(self, cache: KernelCache | None = None) -> None:
         self._cache = cache
@@ -122,6 +184,10 @@ class DriverLauncher:
         self._contexts: dict[int, Any] = {}
         self._functions: dict[tuple[int, str, Variant, str], Any] = {}
         self._sm_counts: dict[int, int] = {}
+        self._archs: dict[int, str] = {}
+        # (kernel name, variant, device index, thread id) -> record; a record's parameter block is
+        # rewritten per launch, so each thread has its own
+        self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
 
     @staticmethod
     def _driver() -> Any:
@@ -129,14 +195,16 @@ class DriverLauncher:
 
         return driver
 
-    def _check(self, result: tuple, call: str, kernel: str = "") -> tuple:
+    def _fail(self, status: Any, call: str, kernel: str = "") -> CudaDriverError:
         driver = self._driver()
-        status = result[0]
-        if status != driver.CUresult.CUDA_SUCCESS:
-            _, name = driver.cuGetErrorName(status)
-            _, text = driver.cuGetErrorString(status)
-            where = f" (kernel {kernel})" if kernel else ""
-            raise CudaDriverError(f"loragen.cuda: {call} failed{where}: {name.decode()}: {text.decode()}")
+        _, name = driver.cuGetErrorName(status)
+        _, text = driver.cuGetErrorString(status)
+        where = f" (kernel {kernel})" if kernel else ""
+        return CudaDriverError(f"loragen.cuda: {call} failed{where}: {name.decode()}: {text.decode()}")
+
+    def _check(self, result: tuple, call: str, kernel: str = "") -> tuple:
+        if result[0] != self._driver().CUresult.CUDA_SUCCESS:
+            raise self._fail(result[0], call, kernel)
         return result[1:]
 
     def _context(self, index: int) -> Any:
@@ -179,8 +247,22 @@ class DriverLauncher:
 
     def arch(self, device: torch.device) -> str:
         """The device's architecture as NVRTC names it: ``"sm_90"``."""
-        major, minor = torch.cuda.get_device_capability(_index(device))
-        return f"sm_{major}{minor}"
+        index = _index(device)
+        arch = self._archs.get(index)
+        if arch is None:
+            major, minor = torch.cuda.get_device_capability(index)
+            arch = self._archs[index] = f"sm_{major}{minor}"
+        return arch
+
+    def _record(self, spec: KernelSpec, variant: Variant, index: int, key: tuple) -> _LaunchRecord:
+        """Load the variant's module (in the device's context) and build this thread's launch record."""
+        with self._lock:
+            context = self._context(index)
+        with self._current(context, spec.name):
+            with self._lock:
+                function = self._function(spec, variant, index)
+        record = self._records[key] = _LaunchRecord(spec, variant, function, context)
+        return record
 
     def launch(
         self,
@@ -190,44 +272,66 @@ class DriverLauncher:
         args: Sequence[object],
         device: torch.device,
     ) -> None:
-        index = _index(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (spec.name, variant, index, threading.get_ident())
+        record = self._records.get(key)
+        if record is None:
+            pack_arguments(spec, args)  # a bad argument changes nothing: checked before any driver call
+            record = self._record(spec, variant, index, key)
+        record.fill(args)
         driver = self._driver()
-        values = pack_arguments(spec, args)  # before the context is touched: a bad argument changes nothing
-        pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        with self._current(index, spec.name):
-            with self._lock:
-                function = self._function(spec, variant, index)
-            stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
-            self._check(
-                driver.cuLaunchKernel(
-                    function,
+        stream = _raw_stream(index)
+        if driver.cuCtxGetCurrent()[1] == record.context:
+            status = driver.cuLaunchKernel(
+                record.function,
+                grid[0],
+                grid[1],
+                1,
+                record.threads,
+                1,
+                1,
+                0,
+                stream,
+                record.params_address,
+                0,
+            )[0]
+        else:  # another context (or none) is current on this thread: push the device's, pop it after
+            with self._current(record.context, spec.name):
+                status = driver.cuLaunchKernel(
+                    record.function,
                     grid[0],
                     grid[1],
                     1,
-                    spec.threads(variant),
+                    record.threads,
                     1,
                     1,
                     0,
                     stream,
-                    ctypes.addressof(pointers),
+                    record.params_address,
                     0,
-                ),
-                "cuLaunchKernel",
-                f"{spec.name} {variant.label} grid={grid}",
-            )
+                )[0]
+        if status != driver.CUresult.CUDA_SUCCESS:
+            raise self._fail(status, "cuLaunchKernel", f"{spec.name} {record.label} grid={grid}")
 
     @contextlib.contextmanager
-    def _current(self, index: int, kernel: str) -> Iterator[None]:
-        """PyTorch's primary context of device ``index`` is current inside; the thread's previous one
-        (or none) is current again afterwards, also when the body raises."""
+    def _current(self, context: Any, kernel: str) -> Iterator[None]:
+        """``context`` is current inside; the thread's previous one (or none) is current again
+        afterwards, also when the body raises."""
         driver = self._driver()
-        with self._lock:
-            context = self._context(index)
         self._check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent", kernel)
         try:
             yield
         finally:
             self._check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent", kernel)
+
+
+def _raw_stream(index: int) -> int:
+    """PyTorch's current stream on device ``index`` as the driver's handle (an int), without building a
+    ``torch.cuda.Stream`` object where PyTorch offers the raw handle."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
 
 
 def _index(device: torch.device) -> int:

@@ -49,8 +49,9 @@ class Plan:
         return _aligned16(t) if self.variant.aligned else t
 
 
-def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[int, int, int, float]) -> Tensor:
-    """h = dropout(x) A^T, float32 (rows, R)."""
+def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[Tensor | None, int, float]) -> Tensor:
+    """h = dropout(x) A^T, float32 (rows, R). ``dropout`` = (rng, threshold, keep_scale): rng the int64
+    (seed, offset) tensor the kernels read through a pointer (None without dropout)."""
     bucket = plan.variant.rank_bucket
     if plan.rows == 0:
         return x2.new_zeros((0, bucket), dtype=torch.float32)
@@ -122,7 +123,7 @@ def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) ->
 
 
 def grad_in(
-    plan: Plan, x2: Tensor, dh: Tensor, a32: Tensor, dropout: tuple[int, int, int, float], need_x: bool
+    plan: Plan, x2: Tensor, dh: Tensor, a32: Tensor, dropout: tuple[Tensor | None, int, float], need_x: bool
 ) -> tuple[Tensor | None, Tensor]:
     """The LoRA part of grad_x (rows, in) in x's dtype (None unless ``need_x``) and dA (R, in) float32."""
     bucket = plan.variant.rank_bucket

@@ -57,6 +57,7 @@ OK = "ok"
 BOUNDS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 _TORCH_DTYPES = {name: dtype for dtype, name in passes.DTYPE_NAMES.items()}
 _SEED = 0x0123_4567_89AB_CDEF  # both key words non-zero
+_OFFSET = 0x0000_0005_0000_0003  # both counter words non-zero
 _P = 0.25
 
 
@@ -105,7 +106,9 @@ def _run(
     x2, g2 = plan.prepare(x), plan.prepare(g)
     a32 = plan.prepare(passes.pad_rank(data["a"], variant))  # as the op passes them: (R, in), (R, out)
     bt32 = plan.prepare(passes.pad_rank(data["bt"], variant))
-    dropout = (_SEED, 0, philox.keep_threshold(_P), philox.keep_scale(_P))
+    # seed and offset in device memory, as the op passes them; both non-zero so both words are read
+    rng = torch.tensor([_SEED, _OFFSET], dtype=torch.int64, device=x.device)
+    dropout = (rng, philox.keep_threshold(_P), philox.keep_scale(_P))
     h = passes.down(plan, x2, a32, dropout)
     h_in = h if given is None else given["h"]
     term = g.clone()  # lora_up adds onto what is there (the base product in the op): any finite values
@@ -245,6 +248,8 @@ class CheckedLauncher:
         self._child_launcher = child_launcher
         self._outcomes: dict[tuple[Variant, str], str] = {}
         self._lock = threading.RLock()
+        # (variant, torch.device) -> the launcher route() returns; written under the lock, read without
+        self._routes: dict[tuple[Variant, torch.device], KernelLauncher] = {}
 
     @property
     def kernels(self) -> KernelLauncher:
@@ -270,6 +275,8 @@ class CheckedLauncher:
             if self._outcomes.get((variant, device), OK) != OK:
                 return
             self._outcomes[(variant, device)] = reason
+            for routed_key in [k for k in self._routes if k[0] == variant and str(k[1]) == device]:
+                self._routes[routed_key] = self.torch_path
         warnings.warn(
             f"loragen.cuda: kernel variant {variant.label} on {device} runs on the torch path (cuBLAS) for "
             f"the rest of this process: {reason}. LORAGEN_CUDA_KERNELS=torch uses the torch path "
@@ -289,6 +296,10 @@ class CheckedLauncher:
             return self.torch_path
         if mode == "trust":
             return self.kernels
+        # fast path after a variant's first use: one dict lookup, no lock, nothing allocated
+        routed = self._routes.get((variant, device))
+        if routed is not None:
+            return routed
         key = (variant, str(device))
         with self._lock:
             if key not in self._outcomes:
@@ -306,7 +317,9 @@ class CheckedLauncher:
                     self._outcomes[key] = OK
                 else:
                     self.fail(variant, str(device), reason)
-        return _Guarded(self, key) if self._outcomes[key] == OK else self.torch_path
+            routed = _Guarded(self, key) if self._outcomes[key] == OK else self.torch_path
+            self._routes[(variant, device)] = routed
+        return routed
 
     def check_all(self, device: torch.device, variants: Sequence[Variant] | None = None) -> dict[str, str]:
         """Check every variant (or ``variants``) on ``device`` now; :meth:`outcomes` afterwards."""

@@ -111,7 +111,8 @@ def _params(*pairs: tuple[str, str]) -> tuple[Param, ...]:
     return tuple(Param(name, ctype) for ctype, name in pairs)
 
 
-_DROPOUT = (("u64", "seed"), ("u64", "offset"), ("unsigned", "threshold"), ("float", "keep_scale"))
+# seed and offset are read through a pointer (rng[0], rng[1], int64 in device memory): CUDA-graph safe
+_DROPOUT = (("const u64*", "rng"), ("unsigned", "threshold"), ("float", "keep_scale"))
 
 LORA_DOWN = KernelSpec(
     "lora_down",

@@ -25,11 +25,22 @@ from torch import Tensor
 from loragen.cuda.specs import KernelSpec, Variant
 from loragen.cuda.torch_dropout import BlockDropout, keep_mask
 
-__all__ = ["TorchKernels", "keep_mask"]
+__all__ = ["TorchKernels", "keep_mask", "rng_values"]
 
 # elements per row block: a float32 block is 128 MiB, and a batch of 16k rows of 2048 features is one
 # block (each block costs a dozen launches; the Philox temporaries of the torch formulation stay < 1 GiB)
 _BLOCK_ELEMS = 1 << 25
+_MASK64 = (1 << 64) - 1
+
+
+def rng_values(rng: Tensor) -> tuple[int, int]:
+    """The (seed, offset) pair the kernels read through their ``rng`` pointer, as unsigned 64-bit ints.
+
+    ``rng`` is the op's int64 tensor of two elements (device memory); reading it synchronizes with the
+    device, so the torch path with dropout cannot run inside a CUDA-graph capture (the kernels can).
+    """
+    seed, offset = rng.tolist()
+    return seed & _MASK64, offset & _MASK64
 
 
 def _row_blocks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
@@ -40,7 +51,8 @@ def _row_blocks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
 
 def _block_dropout(v: dict, begin: int) -> BlockDropout:
     """The dropout of the row block of an x-shaped tensor that starts at row ``begin``."""
-    return BlockDropout(begin * v["cols"], v["threshold"], v["keep_scale"], v["seed"], v["offset"])
+    seed, offset = rng_values(v["rng"]) if v["threshold"] else (0, 0)
+    return BlockDropout(begin * v["cols"], v["threshold"], v["keep_scale"], seed, offset)
 
 
 def _first_partial(parts: Tensor) -> Tensor:

@@ -40,7 +40,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) lora_grad_in(
     const scalar_t* __restrict__ x, const float* __restrict__ dh, const float* __restrict__ lora_a,
     scalar_t* __restrict__ grad_x_lora, float* __restrict__ da_part,
     int rows, int cols, int rank, int rows_per_split,
-    u64 seed, u64 offset, unsigned threshold, float keep_scale)
+    const u64* __restrict__ rng, unsigned threshold, float keep_scale)
 {
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -51,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) lora_grad_in(
     const int count = min(CHUNK, cols - col);  // this thread's columns inside x
     const int row_begin = blockIdx.y * rows_per_split;
     const int row_end = min(rows, row_begin + rows_per_split);
-    const Dropout drop{seed, offset, threshold, keep_scale};
+    const Dropout drop = make_dropout(rng, threshold, keep_scale);
     const unsigned all_kept = (1u << CHUNK) - 1u;
 
     float da[RANK_TILE][CHUNK] = {};

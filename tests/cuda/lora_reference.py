@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from loragen import philox
+from loragen.cuda.function import draw_rng
+from loragen.cuda.torch_kernels import rng_values
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
@@ -33,12 +35,18 @@ def reference(x, w, b, a, bb, scaling, keep, fan_in_fan_out):
     return base + scaling * (xd @ a.t()) @ bb.t()
 
 
-def mask_for(rng_state, shape, p):
-    """The scaled mask lora_linear_cuda draws when torch's CPU RNG is in ``rng_state`` (None if p == 0)."""
+def mask_for(rng_state, shape, p, device="cpu"):
+    """The scaled mask lora_linear_cuda draws when the RNG of ``device`` (torch's CPU generator, or the
+    CUDA generator for "cuda") is in ``rng_state`` (None if p == 0)."""
     if p == 0:
         return None
-    torch.set_rng_state(rng_state)
-    return philox.dropout_keep_mask(shape, p, philox.random_seed()).double() / (1 - p)
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(rng_state, device)
+    else:
+        torch.set_rng_state(rng_state)
+    seed, offset = rng_values(draw_rng(device))
+    return philox.dropout_keep_mask(shape, p, seed, offset).double() / (1 - p)
 
 
 def relative_error(got, want):

@@ -22,6 +22,8 @@ import torch
 
 import loragen.cuda
 from loragen import philox, switches
+from loragen.cuda.function import draw_rng
+from loragen.cuda.torch_kernels import rng_values
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
 pytestmark = [
@@ -67,9 +69,9 @@ def test_matches_float64_reference(dtype, r, shape, p):
     (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(
         n, k, o, r, dtype, bias=n % 2 == 1, fan_in_fan_out=fifo, seed=seed, device="cuda"
     )
-    state = torch.get_rng_state()
+    state = torch.cuda.get_rng_state()
     y = run(x, w, b, a, bb, 0.5, p, fan_in_fan_out=fifo)
-    want = reference(xr, wr, br, ar, bbr, 0.5, mask_for(state, (n, k), p), fifo)
+    want = reference(xr, wr, br, ar, bbr, 0.5, mask_for(state, (n, k), p, "cuda"), fifo)
     assert y.dtype == dtype and y.shape == (n, o)
     assert relative_error(y, want) < TOLERANCE[dtype]
 
@@ -100,7 +102,8 @@ def test_mask_is_bit_identical_to_the_cpu(shape):
     torch.manual_seed(21)
     y = run(x, torch.zeros(k, k, device="cuda"), None, eye, eye, 1.0, p)
     torch.manual_seed(21)
-    expected = philox.dropout_keep_mask((n, k), p, philox.random_seed())
+    seed, offset = rng_values(draw_rng(torch.device("cuda")))  # the op's draw from the CUDA generator
+    expected = philox.dropout_keep_mask((n, k), p, seed, offset)
     assert torch.equal((y != 0).cpu(), expected)
 
 
@@ -126,10 +129,10 @@ def test_grads_accumulate_across_micro_batches():
     )
     for micro in range(4):
         part = slice(64 * micro, 64 * micro + 64)
-        state = torch.get_rng_state()
+        state = torch.cuda.get_rng_state()
         run(x[part], w, b, a, bb, 1.0, 0.2).square().sum().backward()
         reference(
-            xr[part], wr, br, ar, bbr, 1.0, mask_for(state, (64, 264), 0.2), False
+            xr[part], wr, br, ar, bbr, 1.0, mask_for(state, (64, 264), 0.2, "cuda"), False
         ).square().sum().backward()
     for got, want in ((a, ar), (bb, bbr), (x, xr), (w, wr)):
         assert relative_error(got.grad, want.grad) < 1e-5
@@ -184,16 +187,109 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(static_y, run(fresh, w, b, a, bb, 1.0, 0.0, training=False))
 
 
-def test_dropout_under_graph_capture_is_refused():
-    (x, w, b, a, bb), _ = make_inputs(64, 64, 64, 8, torch.float32, seed=2, device="cuda")
-    with torch.no_grad():
-        run(x, w, b, a, bb, 1.0, 0.1)  # load the kernels first
+def _capture(step):
+    """Warm ``step`` up on a side stream (kernels loaded, allocator primed), then capture it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    refused = pytest.raises(
-        RuntimeError, match=r"LoRA dropout is active while a CUDA graph is being captured"
-    )
-    with refused, torch.cuda.graph(graph), torch.no_grad():
-        run(x, w, b, a, bb, 1.0, 0.1)
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
+def test_dropout_under_graph_capture_draws_a_fresh_mask_per_replay():
+    """With A = B = identity and no base weight, y = x * keep / (1 - p): each replay's mask is visible."""
+    n, k, p = 512, 64, 0.3
+    static_x = (torch.rand(n, k) + 0.5).cuda()
+    eye = torch.eye(k, device="cuda")
+    zeros = torch.zeros(k, k, device="cuda")
+    with torch.no_grad():
+        graph, static_y = _capture(lambda: run(static_x, zeros, None, eye, eye, 1.0, p))
+    masks = []
+    for _ in range(2):
+        graph.replay()
+        masks.append((static_y != 0).cpu())
+    assert not torch.equal(masks[0], masks[1])
+    for keep in masks:
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.02
+
+
+def test_captured_training_step_with_dropout_equals_the_eager_step():
+    """A captured forward + backward with dropout: each replay equals the eager op run with the (seed,
+    offset) that replay drew on the device, bit for bit; two replays draw different ones."""
+    from loragen.cuda.hostcache import launcher_handle
+
+    (x, w, b, a, bb), _ = make_inputs(256, 264, 136, 16, torch.bfloat16, seed=14, device="cuda")
+    static_x, w, b = x.detach().clone(), w.detach(), b.detach()
+    a = a.detach().float().requires_grad_()  # float32 adapters on a bf16 base, as peft makes them
+    bb = bb.detach().float().requires_grad_()
+    grad = torch.randn(256, 136, device="cuda", dtype=torch.bfloat16)
+    default = launcher_handle(None)
+
+    def step():
+        rng = draw_rng(static_x.device)
+        y, _ = torch.ops.loragen.lora_linear(static_x, w, b, a, bb, rng, 0.5, 0.3, False, default)
+        y.backward(grad)
+        return rng, y
+
+    graph, (static_rng, static_y) = _capture(step)
+    replays = []
+    for _ in range(2):
+        a.grad.zero_()
+        bb.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append([t.clone() for t in (static_rng, static_y, a.grad, bb.grad)])
+    assert not torch.equal(replays[0][0], replays[1][0])
+    assert not torch.equal(replays[0][1], replays[1][1])
+    for rng, y, grad_a, grad_b in replays:
+        a.grad = bb.grad = None
+        eager, _ = torch.ops.loragen.lora_linear(static_x, w, b, a, bb, rng, 0.5, 0.3, False, default)
+        eager.backward(grad)
+        assert torch.equal(eager, y)
+        assert torch.equal(a.grad, grad_a) and torch.equal(bb.grad, grad_b)
+
+
+def test_graph_replay_reads_parameters_updated_between_replays():
+    """The padded factors are refreshed inside the graph: an in-place update of A and B between replays
+    (an optimizer step) shows in the next replay's output."""
+    (x, w, b, a, bb), _ = make_inputs(64, 128, 64, 8, torch.float32, seed=15, device="cuda")
+    static_x, w, b, a, bb = (t.detach() for t in (x, w, b, a, bb))
+    with torch.no_grad():
+        graph, static_y = _capture(lambda: run(static_x, w, b, a, bb, 1.0, 0.0, training=False))
+        a.mul_(3)
+        bb.add_(1)
+        graph.replay()
+        want = run(static_x, w, b, a, bb, 1.0, 0.0, training=False)
+    assert torch.equal(static_y, want)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_trains_a_lora_model(backend):
+    """torch.compile(fullgraph=True) traces LoRA layers through the CUDA op (custom ops with fake
+    implementations): no graph break, and the compiled step equals the eager one."""
+    from loragen.layers import LoraLinear
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        LoraLinear(96, 64, r=8, lora_alpha=16, lora_dropout=0.0), torch.nn.GELU(), LoraLinear(64, 40, r=4)
+    ).cuda()
+    for layer in (model[0], model[2]):
+        torch.nn.init.normal_(layer.lora_B)
+    x = torch.randn(4, 33, 96, device="cuda")
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    results = []
+    for step in (compiled, model):
+        model.zero_grad(set_to_none=True)
+        y = step(x)
+        y.square().sum().backward()
+        results.append([y.detach(), *(p.grad.clone() for p in model.parameters() if p.requires_grad)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_lora_linear_layer_trains_on_the_gpu():

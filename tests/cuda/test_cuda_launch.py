@@ -128,13 +128,26 @@ def test_launch_sets_context_loads_once_and_packs_arguments(fake):
     fake.launcher.launch(fake.spec, variant, (3, 2), args, device)
 
     kinds = [call[0] for call in fake.driver.calls]
-    assert kinds == ["cuInit", "retain", "push", "load", "launch", "pop", "push", "launch", "pop"]
+    # loading happens once in the device's context; each launch pushes it only because none is current
+    assert kinds == [
+        "cuInit",
+        "retain",
+        "push",
+        "load",
+        "pop",
+        "push",
+        "launch",
+        "pop",
+        "push",
+        "launch",
+        "pop",
+    ]
     assert ("push", "ctx:device1") in fake.driver.calls
     loads = [call for call in fake.driver.calls if call[0] == "load"]
     assert loads == [("load", b"cubin for lora_up sm_90")]  # the device's architecture, loaded once
     _, function, grid, block, shared, stream, values = fake.driver.calls[-2]
     assert function == ("function", b"lora_up") and grid == (3, 2, 1) and block == (128, 1, 1)
-    assert shared == 0 and stream == ("stream", 4242)
+    assert shared == 0 and stream == 4242  # the raw handle: no stream object per launch
     assert values == [h.data_ptr(), bt.data_ptr(), None, out.data_ptr(), 5, 16, 4, 0.5]
     assert fake.launcher.target_blocks(device) == 264
 
@@ -181,7 +194,8 @@ def test_launch_on_another_device_leaves_the_threads_context_current(fake, fail)
     assert _current(fake.driver) == "ctx:device0"
     assert fake.driver.stack() == ["ctx:device0"]
     pushes = [call for call in fake.driver.calls if call[0] == "push"]
-    assert pushes == ([] if fail == "argument" else [("push", "ctx:device1")])
+    # one push to load the module, one to launch; a bad argument touches no context at all
+    assert pushes == [("push", "ctx:device1")] * {"argument": 0, "load": 1}.get(fail, 2)
 
 
 def test_launch_from_a_thread_without_a_context_leaves_none(fake):
@@ -210,12 +224,12 @@ def test_integer_arguments_outside_their_c_type_are_refused():
     ):
         launch.pack_arguments(spec, args)
     spec = specs.KERNELS["lora_down"]
-    ok = (None, None, None, 2**31 - 1, 8, 1, 8, 2**64 - 1, 0, 2**32 - 1, 1.0)
+    ok = (None, None, None, 2**31 - 1, 8, 1, 8, None, 2**32 - 1, 1.0)
     assert launch.pack_arguments(spec, ok)[3].value == 2**31 - 1
     with pytest.raises(
-        launch.KernelArgumentRangeError, match=r"parameter seed=-1 does not fit its C type u64"
+        launch.KernelArgumentRangeError, match=r"parameter threshold=-1 does not fit its C type unsigned"
     ):
-        launch.pack_arguments(spec, (*ok[:7], -1, *ok[8:]))
+        launch.pack_arguments(spec, (*ok[:8], -1, *ok[9:]))
 
 
 def test_row_counts_past_int32_take_the_plain_composition():
@@ -228,3 +242,43 @@ def test_row_counts_past_int32_take_the_plain_composition():
         == "2**31 or more rows (the kernels take row counts as 32-bit int)"
     )
     assert unsupported_reason(x[: 2**31 - 1], w, None, a, bb) is None
+
+
+def test_launch_with_the_devices_context_current_pushes_nothing(fake):
+    """The common case -- PyTorch's primary context already current on the thread -- launches with no
+    context push/pop; the record's parameter block is rewritten with each launch's values."""
+    fake.driver.cuCtxSetCurrent("ctx:device0")
+    variant = specs.Variant("float32", 8, True)
+    device = torch.device("cuda", 0)
+    first = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
+    second = (torch.zeros(2, 8), torch.zeros(1, 8), torch.zeros(8), torch.zeros(2, 8), 2, 8, 1, 0.5)
+    fake.launcher.launch(fake.spec, variant, (1, 1), first, device)
+    fake.driver.calls.clear()
+    fake.launcher.launch(fake.spec, variant, (2, 1), second, device)
+    assert [call[0] for call in fake.driver.calls] == ["launch"]
+    values = fake.driver.calls[0][-1]
+    assert values == [
+        second[0].data_ptr(),
+        second[1].data_ptr(),
+        second[2].data_ptr(),
+        second[3].data_ptr(),
+        2,
+        8,
+        1,
+        0.5,
+    ]
+
+
+def test_bad_arguments_to_a_recorded_kernel_raise_as_before(fake):
+    """The fast path's checks word their errors exactly as pack_arguments does."""
+    variant = specs.Variant("float32", 8, True)
+    good = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
+    fake.launcher.launch(fake.spec, variant, (1, 1), good, torch.device("cuda", 0))
+    with pytest.raises(TypeError, match=r"kernel lora_up parameter h needs a tensor, got 3"):
+        fake.launcher.launch(fake.spec, variant, (1, 1), (3, *good[1:]), torch.device("cuda", 0))
+    with pytest.raises(launch.KernelArgumentRangeError, match=r"parameter rows=2147483648 does not fit"):
+        fake.launcher.launch(
+            fake.spec, variant, (1, 1), (*good[:4], 2**31, *good[5:]), torch.device("cuda", 0)
+        )
+    with pytest.raises(TypeError, match=r"kernel lora_up takes 8 arguments, got 2"):
+        fake.launcher.launch(fake.spec, variant, (1, 1), good[:2], torch.device("cuda", 0))

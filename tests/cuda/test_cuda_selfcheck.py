@@ -290,6 +290,29 @@ def test_a_launch_error_after_the_check_moves_the_variant_to_the_torch_path():
     assert len(kernels.launches) == 6  # nothing launched on the kernels after the failure
 
 
+def test_routing_after_the_first_use_takes_no_lock_and_allocates_nothing():
+    """The fast path: the same routed launcher object every time, without touching the lock; a failure
+    later moves the cached route to the torch path."""
+
+    class NoLock:
+        def __enter__(self):
+            raise AssertionError("route took the lock after the variant's first use")
+
+        def __exit__(self, *exc):
+            return False
+
+    checker = selfcheck.CheckedLauncher(TorchKernels())
+    variant, device = specs.Variant("float32", 8, True), torch.device("cpu")
+    first = checker.route(variant, device)
+    lock = checker._lock
+    checker._lock = NoLock()
+    assert checker.route(variant, device) is first and checker.route(variant, device) is first
+    checker._lock = lock
+    with pytest.warns(RuntimeWarning, match=r"float32-r8-aligned on cpu runs on the torch path"):
+        checker.fail(variant, "cpu", "planted")
+    assert checker.route(variant, device) is checker.torch_path
+
+
 def test_capture_before_the_check_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     checker = selfcheck.CheckedLauncher(TorchKernels())

@@ -1,0 +1,125 @@
+"""What the CUDA LoRA op keeps between calls, so that a call does only what changed.
+
+* launcher handles: a custom op takes only tensors and scalars, so the launcher travels as an int;
+* plans: the kernel variant and the routed launcher per (sizes, dtype, device, launcher, switch);
+* factors: A and B^T as the kernels read them -- float32, padded to the rank bucket -- one buffer per
+  parameter, refreshed only when the parameter's ``_version`` or data pointer changes, and on every call
+  inside a CUDA-graph capture (so that each replay copies the parameters' current values);
+* dropout constants per probability.
+
+Shapes as in :mod:`loragen.cuda.function`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loragen import philox, switches
+from loragen.cuda.launch import KernelLauncher
+from loragen.cuda.passes import Plan
+from loragen.cuda.selfcheck import default_checker
+
+__all__ = ["dropout_args", "factor", "launcher_handle", "plan"]
+
+
+# A custom op takes only tensors and scalars, so the launcher travels as an int: 0 is the default
+# self-checked driver launcher, others are launchers callers passed in (tests, the null driver).
+_launchers: list[KernelLauncher | None] = [None]
+_handles: dict[int, int] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it while tracing: the launcher is registered then
+def launcher_handle(launcher: KernelLauncher | None) -> int:
+    """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher).
+
+    A launcher passed once is kept for the life of the process.
+    """
+    if launcher is None:
+        return 0
+    handle = _handles.get(id(launcher))
+    if handle is None or _launchers[handle] is not launcher:
+        handle = _handles[id(launcher)] = len(_launchers)
+        _launchers.append(launcher)
+    return handle
+
+
+def launcher(handle: int) -> KernelLauncher:
+    launcher = _launchers[handle]
+    return default_checker() if launcher is None else launcher
+
+
+_plans: dict[tuple[Any, ...], Plan] = {}
+
+
+def plan(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
+    """The cached :class:`Plan` for these sizes, dtype, device, launcher and kernel switch.
+
+    The routed launcher it holds stays right when a variant fails later: the self-check's guarded
+    launcher moves its launches to the torch path itself.
+    """
+    key = (x2.shape, x2.dtype, x2.device, out_features, rank, handle, switches.cuda_kernels.get())
+    found = _plans.get(key)
+    if found is None:
+        found = _plans[key] = Plan(x2, out_features, rank, launcher(handle))
+    return found
+
+
+class _Factor:
+    """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- kept in one
+    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer)."""
+
+    __slots__ = ("buffer", "data_ptr", "source", "version")
+
+    def __init__(self, source: Tensor, buffer: Tensor) -> None:
+        self.source = weakref.ref(source)
+        self.buffer = buffer
+        self.version = -1
+        self.data_ptr = -1
+
+
+_factors: dict[tuple[int, bool], _Factor] = {}
+
+
+def factor(t: Tensor, plan: Plan, transpose: bool) -> Tensor:
+    """``t`` (lora_A (r, in), or lora_B (out, r) transposed) as float32 (R, features), padded with zero
+    rows to the rank bucket and 16-byte aligned, from the per-parameter cache."""
+    bucket = plan.variant.rank_bucket
+    if not transpose and t.dtype == torch.float32 and t.shape[0] == bucket and t.is_contiguous():
+        if not plan.variant.aligned or t.data_ptr() % 16 == 0:
+            return t.detach()  # already what the kernels read: no copy at all
+    key = (id(t), transpose)
+    entry = _factors.get(key)
+    features = t.shape[0] if transpose else t.shape[1]
+    if (
+        entry is None
+        or entry.source() is not t
+        or entry.buffer.shape[1] != features
+        or entry.buffer.shape[0] != bucket
+        or entry.buffer.device != t.device
+    ):
+        buffer = torch.zeros(bucket, features, dtype=torch.float32, device=t.device)  # fresh: aligned
+        entry = _factors[key] = _Factor(t, buffer)
+        weakref.finalize(t, _factors.pop, key, None)
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or entry.version != t._version or entry.data_ptr != t.data_ptr():
+        rank = t.shape[1] if transpose else t.shape[0]
+        with torch.no_grad():
+            entry.buffer[:rank].copy_(t.t() if transpose else t)
+        entry.version = t._version
+        entry.data_ptr = t.data_ptr()
+    return entry.buffer
+
+
+_dropout_constants: dict[float, tuple[int, float]] = {0.0: (0, 1.0)}
+
+
+def dropout_args(rng: Tensor | None, p: float) -> tuple[Tensor | None, int, float]:
+    """The kernels' dropout arguments ``(rng, threshold, keep_scale)`` (p validated by the caller)."""
+    constants = _dropout_constants.get(p)
+    if constants is None:
+        constants = _dropout_constants[p] = (philox.keep_threshold(p), philox.keep_scale(p))
+    return (rng if constants[0] else None, *constants)

@@ -1,0 +1,67 @@
+"""benchmarks/bench_cuda.py's CPU side: the command line, the tables, and a clear failure without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loragen._benchmarks import bench_cuda
+
+
+def test_quick_sets_few_rounds_and_lists_parse():
+    args = bench_cuda.parse_args(
+        ["--quick", "--only", "model", "--only", "small", "--batches", "1,8", "--dropouts", "0,0.05"]
+    )
+    assert args.parts == ("model", "small")
+    assert (args.rounds, args.model_rounds) == (5, 3)
+    assert args.batch_list == [1, 8] and args.dropout_list == [0.0, 0.05]
+    full = bench_cuda.parse_args([])
+    assert full.parts == bench_cuda.PARTS and (full.rounds, full.model_rounds) == (20, 10)
+    assert bench_cuda.parse_args(["--quick", "--rounds", "7"]).rounds == 7
+
+
+def test_bad_lists_and_parts_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_cuda.parse_args(["--batches", "one"])
+    assert "comma-separated numbers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_cuda.parse_args(["--only", "everything"])
+
+
+def test_summary_rows_and_markdown_table():
+    report = {
+        "layer": {"p=0.0": {"frozen base": 2.0, "peft": 4.0, "loragen": 3.0}},
+        "small": {"p=0.05": {"frozen base": 0.25, "peft": 0.8, "loragen": 0.5, "loragen graphed": 0.3}},
+        "model": {
+            "batch 1, p=0.05": {
+                "frozen base": {"step_ms": 40.0, "peak_GiB": 10.0},
+                "peft": {"step_ms": 50.0, "peak_GiB": 12.0},
+                "loragen": {"step_ms": 45.0, "peak_GiB": 11.0},
+                "loragen graphed": {"peak_GiB": 11.5},  # a failed timing leaves no step_ms
+            }
+        },
+    }
+    rows = bench_cuda.summary_rows(report)
+    assert [row["case"] for row in rows] == [
+        "layer 4096, p=0.0",
+        "small 1024x64, p=0.05",
+        "model batch 1, p=0.05",
+    ]
+    assert rows[0]["loragen/peft"] == 0.75 and rows[0]["loragen/frozen"] == 1.5
+    assert rows[2]["loragen/peft"] == 0.9 and rows[2]["peft peak GiB"] == 12.0
+    table = bench_cuda.markdown_table(rows).splitlines()
+    assert table[0].startswith(
+        "| case | frozen base ms | peft ms | loragen ms | loragen/peft | loragen/frozen |"
+    )
+    assert table[1] == "|" + "---|" * len(table[0].split(" | "))
+    assert "| layer 4096, p=0.0 | 2 | 4 | 3 | 0.75x | 1.50x |" in table[2]
+    graphed = table[0].split(" | ").index("loragen graphed ms")
+    assert table[3].split(" | ")[graphed] == "0.3"  # only where measured
+    assert table[2].split(" | ")[graphed] == ""
+    assert len(table) == 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_without_cuda_it_fails_clearly(capsys):
+    assert bench_cuda.main(["--only", "layer"]) == 2
+    assert "need a CUDA device and cuda-python" in capsys.readouterr().err

@@ -1,0 +1,248 @@
+"""The CUDA op's host path on the CPU: counted work under ceilings (null driver), what is cached between
+calls, the custom ops' fake implementations and schemas, and torch.compile without graph breaks.
+
+The kernels' launches go to a null driver (benchmarks/cuda_host.py) or to the torch path
+(:class:`loragen.cuda.torch_kernels.TorchKernels`, which computes what each kernel computes), so all of
+this runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from loragen import philox
+from loragen._benchmarks.cuda_host import NullLauncher, count_host_work, counts_table, host_counts, lora_step
+from loragen.cuda import hostcache, specs
+from loragen.cuda.function import CudaLoraError, draw_rng, lora_linear_cuda, seed_rng
+from loragen.cuda.hostcache import launcher_handle
+from loragen.cuda.torch_kernels import TorchKernels, rng_values
+from loragen.reference import lora_linear_reference
+
+# Ceilings per forward + backward (64 tokens, 1024 -> 1024, r=16, dropout 0.05): measured 135 / 201 / 49 /
+# 9 (Python calls / C calls / torch ops / allocations) for float32 x and 133 / 205 / 60 / 12 for bfloat16 x
+# with torch 2.13 (before this host path: 170 / 355 / 65 / 12 and 168 / 359 / 76 / 15), plus a margin.
+CEILINGS = {
+    torch.float32: {"python_calls": 150, "c_calls": 225, "torch_ops": 54, "allocations": 10},
+    torch.bfloat16: {"python_calls": 150, "c_calls": 230, "torch_ops": 66, "allocations": 13},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_work_per_step_stays_under_its_ceilings(dtype):
+    launcher = NullLauncher()
+    counts = count_host_work(lora_step(launcher, dtype=dtype), launcher)
+    print(f"\n{dtype}: {counts}")
+    assert counts.launches == 4
+    for name, ceiling in CEILINGS[dtype].items():
+        assert getattr(counts, name) <= ceiling, (name, counts)
+
+
+def test_null_driver_sees_the_four_passes_and_the_table_prints_them():
+    launcher = NullLauncher()
+    lora_step(launcher)()
+    assert [name for name, _, _ in launcher.launches] == [
+        "lora_down",
+        "lora_up",
+        "lora_grad_out",
+        "lora_grad_in",
+    ]
+    assert launcher.launches[1][1] == "float32-r16-aligned"  # lora_up's float32 variant
+    table = counts_table(host_counts())
+    assert table.splitlines()[0].startswith("| variant | Python calls")
+    assert [line.split(" | ")[0] for line in table.splitlines()[2:]] == [
+        "| frozen",
+        "| composition",
+        "| loragen",
+    ]
+
+
+class RoutingLauncher(TorchKernels):
+    """The torch path, counting how often the op asks which launcher runs a variant."""
+
+    def __init__(self) -> None:
+        self.routes = 0
+
+    def route(self, variant: specs.Variant, device: torch.device) -> TorchKernels:
+        self.routes += 1
+        return self
+
+
+def _inputs(dtype=torch.float32, n=12, k=24, o=16, r=5, bias=True):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, n // 2, k, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(o, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(o, generator=gen).to(dtype) if bias else None
+    a = (torch.randn(r, k, generator=gen) / k**0.5).requires_grad_()
+    bb = torch.randn(o, r, generator=gen).requires_grad_()
+    return x, w, b, a, bb
+
+
+def test_plan_is_routed_once_per_shape_and_factors_refresh_only_when_the_parameter_changes():
+    launcher = RoutingLauncher()
+    x, w, b, a, bb = _inputs()
+    for _ in range(3):
+        lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher).sum().backward()
+    assert launcher.routes == 1  # forward and backward of three steps share one plan
+
+    plan = hostcache.plan(x.reshape(-1, 24), 16, 5, launcher_handle(launcher))
+    first = hostcache.factor(a, plan, transpose=False)
+    assert hostcache.factor(a, plan, transpose=False) is first  # one buffer per parameter
+    assert torch.equal(first[:5], a.detach()) and not first[5:].any()  # padded to the rank bucket
+    with torch.no_grad():
+        a.mul_(2)  # an optimizer step: _version changes
+    refreshed = hostcache.factor(a, plan, transpose=False)
+    assert refreshed is first and torch.equal(refreshed[:5], a.detach())
+    bt = hostcache.factor(bb, plan, transpose=True)
+    assert bt.shape == (8, 16) and torch.equal(bt[:5], bb.detach().t())
+    # the result follows the change too
+    want = lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False)
+    got = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)
+    torch.testing.assert_close(got, want)
+
+
+def test_a_float32_factor_at_the_bucket_rank_is_used_without_a_copy():
+    x, _w, _b, _, _ = _inputs()
+    a = torch.randn(8, 24)  # r = 8 is its own bucket
+    plan = hostcache.plan(x.detach().reshape(-1, 24), 16, 8, launcher_handle(TorchKernels()))
+    assert hostcache.factor(a, plan, transpose=False).data_ptr() == a.data_ptr()
+
+
+def test_factor_cache_entry_goes_with_its_parameter():
+    x, _w, _b, a, _bb = _inputs()
+    plan = hostcache.plan(x.detach().reshape(-1, 24), 16, 5, launcher_handle(TorchKernels()))
+    hostcache.factor(a, plan, transpose=False)
+    key = (id(a), False)
+    assert key in hostcache._factors
+    del a
+    assert key not in hostcache._factors
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_op_matches_the_composition_with_the_drawn_mask(p, dtype):
+    x, w, b, a, bb = _inputs(dtype)
+    torch.manual_seed(7)
+    y = lora_linear_cuda(x, w, b, a, bb, 0.5, p, True, launcher=TorchKernels())
+    torch.manual_seed(7)
+    seed, offset = rng_values(draw_rng(torch.device("cpu")))
+    keep = philox.dropout_keep_mask((12, 24), p, seed, offset).view(2, 6, 24)
+    xd = x.detach().float() * keep / (1 - p)
+    want = x.detach().float() @ w.float().t() + b.float() + 0.5 * (xd @ a.detach().t()) @ bb.detach().t()
+    torch.testing.assert_close(y.float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=2e-2)
+
+
+def test_explicit_seed_is_stored_as_int64_bits():
+    rng = seed_rng(2**64 - 5, torch.device("cpu"), offset=2**63)
+    assert rng.dtype == torch.int64 and rng_values(rng) == (2**64 - 5, 2**63)
+    with pytest.raises(CudaLoraError, match=r"offset=-1; expected an unsigned 64-bit integer"):
+        seed_rng(0, torch.device("cpu"), offset=-1)
+
+
+def test_launcher_handles_are_stable():
+    launcher = TorchKernels()
+    assert launcher_handle(None) == 0
+    assert launcher_handle(launcher) == launcher_handle(launcher) != 0
+    assert launcher_handle(TorchKernels()) != launcher_handle(launcher)
+
+
+def test_custom_op_passes_opcheck():
+    x, w, b, a, bb = _inputs()
+    handle = launcher_handle(TorchKernels())
+    rng = seed_rng(1234, torch.device("cpu"), 5)
+    for args in (
+        (x, w, b, a, bb, rng, 0.5, 0.25, False, handle),
+        (x, w.t().contiguous(), None, a, bb, None, 2.0, 0.0, True, handle),
+    ):
+        result = torch.library.opcheck(torch.ops.loragen.lora_linear.default, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+    g = torch.randn(2, 6, 16)
+    h = torch.ops.loragen.lora_linear(x, w, b, a, bb, rng, 0.5, 0.25, False, handle)[1]
+    result = torch.library.opcheck(
+        torch.ops.loragen.lora_linear_backward.default,
+        (
+            g,
+            x.detach(),
+            w,
+            a.detach(),
+            bb.detach(),
+            h,
+            rng,
+            0.5,
+            0.25,
+            False,
+            [True, True, True, True, True],
+            handle,
+        ),
+    )
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("fifo", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_implementations_agree_with_the_real_outputs(dtype, fifo):
+    x, w, b, a, bb = _inputs(dtype, bias=not fifo)
+    if fifo:
+        w = w.t().contiguous()
+    handle = launcher_handle(TorchKernels())
+    rng = seed_rng(99, torch.device("cpu"))
+    args = (x, w, b, a, bb, rng, 0.5, 0.1, fifo, handle)
+    real = torch.ops.loragen.lora_linear(*args)
+    g = torch.randn_like(real[0])
+    needs = [True, True, b is not None, True, True]
+    real_grads = torch.ops.loragen.lora_linear_backward(
+        g, x.detach(), w, a.detach(), bb.detach(), real[1], rng, 0.5, 0.1, fifo, needs, handle
+    )
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args)
+        fake = torch.ops.loragen.lora_linear(*fake_args)
+        fake_grads = torch.ops.loragen.lora_linear_backward(
+            mode.from_tensor(g),
+            *fake_args[:1],
+            fake_args[1],
+            fake_args[3],
+            fake_args[4],
+            fake[1],
+            fake_args[5],
+            0.5,
+            0.1,
+            fifo,
+            needs,
+            handle,
+        )
+    for got, want in zip((*fake, *fake_grads), (*real, *real_grads)):
+        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+    assert len(real_grads) == sum(needs)
+
+
+def test_torch_compile_traces_the_op_without_graph_breaks():
+    x, w, b, a, bb = _inputs()
+    launcher = TorchKernels()
+
+    def step(x, a, bb):
+        return lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True, launcher=launcher).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    loss = compiled(x, a, bb)
+    loss.backward()
+    grads = [t.grad.clone() for t in (x, a, bb)]
+    for t in (x, a, bb):
+        t.grad = None
+    want = step(x, a, bb)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    for got, t in zip(grads, (x, a, bb)):
+        torch.testing.assert_close(got, t.grad)
+
+
+def test_torch_compile_with_dropout_draws_a_fresh_mask_per_call():
+    x, w, _b, a, bb = _inputs()
+    launcher = TorchKernels()
+    compiled = torch.compile(
+        lambda x: lora_linear_cuda(x, w, None, a, bb, 1.0, 0.5, True, launcher=launcher),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    first, second = compiled(x), compiled(x)
+    assert not torch.equal(first, second)
