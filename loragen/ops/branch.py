@@ -131,9 +131,7 @@ class LoraBranchFunction(torch.autograd.Function):
                 if need_x:
                     grad_x = cpu_kernels.masked_grad_x(gh, lora_A, bits)
             else:
-                grad_x, grad_a = _masked_grads(
-                    x2, gh, lora_A, KeepMask(bits, in_features, dtype), need_x, need_a
-                )
+                grad_x, grad_a = _masked_grads(x2, gh, lora_A, KeepMask(bits, in_features, dtype))
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         return grad_out if need_base else None, grad_x, grad_a, grad_b, None, None, None, None
@@ -157,22 +155,24 @@ def _down(x2: Tensor, lora_A: Tensor, bits: Tensor | None, p: float, compiled: b
 
 
 def _masked_grads(
-    x2: Tensor | None, gh: Tensor, lora_A: Tensor, keep: KeepMask, need_x: bool, need_a: bool
+    x2: Tensor | None, gh: Tensor, lora_A: Tensor | None, keep: KeepMask
 ) -> tuple[Tensor | None, Tensor | None]:
     """With dropout, block by block, one unpacked mask serving both ``dx = (gh A) * m`` (N, in) and
-    ``dA = gh^T (x * m)`` (r, in)."""
-    rows, in_features = gh.shape[0], lora_A.shape[1]
-    dtype = lora_A.dtype
-    grad_x = torch.empty(rows, in_features, dtype=dtype) if need_x else None
-    grad_a = torch.zeros(lora_A.shape, dtype=dtype) if need_a else None
-    buffer = torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype) if need_a else None
+    ``dA = gh^T (x * m)`` (r, in). Each is computed when its operand was saved: x2 for dA (A trains),
+    lora_A for dx (x needs a gradient); the other may be None, so shapes come from gh and the mask."""
+    (rows, rank), in_features, dtype = gh.shape, keep.in_features, gh.dtype
+    grad_x = torch.empty(rows, in_features, dtype=dtype) if lora_A is not None else None
+    grad_a = torch.zeros(rank, in_features, dtype=dtype) if x2 is not None else None
+    buffer = (
+        torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype) if x2 is not None else None
+    )
     gh_t = gh.t()
     for start, stop in row_blocks(rows, in_features):
         mask = keep.block(start, stop)
-        if grad_a is not None and x2 is not None and buffer is not None:
+        if x2 is not None and grad_a is not None and buffer is not None:
             xb = keep.apply(x2[start:stop].to(dtype), mask, buffer[: stop - start])
             grad_a.addmm_(gh_t[:, start:stop], xb)
-        if grad_x is not None:
+        if grad_x is not None and lora_A is not None:
             target = grad_x[start:stop]
             keep.apply(torch.mm(gh[start:stop], lora_A, out=target), mask, target)
     return grad_x, grad_a
