@@ -244,7 +244,7 @@ def lora_branch(
     else:
         reason = fallback_reason(x, dropout)
     if reason is not None:
-        if reason not in _logged_reasons:
+        if reason not in _logged_reasons and not torch.compiler.is_compiling():  # a log call breaks the graph
             _logged_reasons.add(reason)
             _log.info("loragen.ops.lora_branch runs the plain composition: %s", reason)
         return lora_branch_reference(base, x, lora_A, lora_B, scaling, dropout_p, training)

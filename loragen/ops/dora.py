@@ -277,7 +277,7 @@ def dora_linear(
     dropout = training and dropout_p > 0.0
     reason = _reference_reason(x, weight, (bias, lora_A, lora_B, magnitude), dropout)
     if reason is not None:
-        if reason not in _logged_reasons:
+        if reason not in _logged_reasons and not torch.compiler.is_compiling():  # a log call breaks the graph
             _logged_reasons.add(reason)
             _log.info("loragen.ops.dora_linear runs the plain composition: %s", reason)
         return dora_linear_reference(
