@@ -37,6 +37,7 @@ from loragen import philox, switches
 from loragen.ops import cpu_kernels
 from loragen.ops.dispatch import fallback_reason
 from loragen.ops.masks import KeepMask, block_rows, make_keep_bits, row_blocks
+from loragen.reference import lora_dropout
 
 __all__ = ["LoraBranchFunction", "lora_branch", "lora_branch_reference"]
 
@@ -179,13 +180,20 @@ def _masked_grads(
 
 
 def lora_branch_reference(
-    base: Tensor, x: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, dropout_p: float, training: bool
+    base: Tensor,
+    x: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """peft's composition of the branch in plain autograd: ``base + (B A dropout(x)).to(base.dtype) * s``
-    (``F.linear`` and ``F.dropout``; a new tensor, the base output untouched)."""
-    x_lora = x.to(lora_A.dtype)
-    if dropout_p > 0 and training:
-        x_lora = F.dropout(x_lora, dropout_p, True)
+    (``F.linear`` and ``F.dropout``, or the bool keep-mask ``keep`` of x's shape; a new tensor, the base
+    output untouched)."""
+    x_lora = lora_dropout(x.to(lora_A.dtype), dropout_p, training, keep)
     return base + F.linear(F.linear(x_lora, lora_A), lora_B).to(base.dtype) * scaling
 
 
