@@ -36,7 +36,9 @@ from torch import Tensor
 from loragen import philox, switches
 from loragen.ops import cpu_kernels
 from loragen.ops.dispatch import fallback_reason
-from loragen.ops.masks import KeepMask, block_rows, make_keep_bits, row_blocks
+from loragen.ops.function import lora_down, masked_lora_grads
+from loragen.ops.masks import KeepMask, make_keep_bits
+from loragen.reference import lora_dropout
 
 __all__ = ["LoraBranchFunction", "lora_branch", "lora_branch_reference"]
 
@@ -73,7 +75,7 @@ class LoraBranchFunction(torch.autograd.Function):
                 seed = philox.random_seed()
             bits = make_keep_bits(rows * in_features, dropout_p, seed, rng)
             compiled = x.dtype == lora_A.dtype and cpu_kernels.available(lora_A.dtype, lora_A.shape[0])
-        h = _down(x2, lora_A, bits, dropout_p, compiled)
+        h = lora_down(x2, lora_A, bits, dropout_p, compiled)
 
         in_place = not base._is_view()
         out = base if in_place else torch.empty_like(base)
@@ -131,61 +133,28 @@ class LoraBranchFunction(torch.autograd.Function):
                 if need_x:
                     grad_x = cpu_kernels.masked_grad_x(gh, lora_A, bits)
             else:
-                grad_x, grad_a = _masked_grads(
-                    x2, gh, lora_A, KeepMask(bits, in_features, dtype), need_x, need_a
-                )
+                keep = KeepMask(bits, in_features, dtype)
+                grad_x, grad_a = masked_lora_grads(x2, gh, lora_A, keep, dtype)
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         return grad_out if need_base else None, grad_x, grad_a, grad_b, None, None, None, None
 
 
-def _down(x2: Tensor, lora_A: Tensor, bits: Tensor | None, p: float, compiled: bool) -> Tensor:
-    """``h = (x * m / (1 - p)) A^T`` (N, r) in the adapter's dtype, without a masked copy of all of x."""
-    dtype = lora_A.dtype
-    if bits is None:
-        return torch.mm(x2 if x2.dtype == dtype else x2.to(dtype), lora_A.t())
-    if compiled:  # the mask read where it is used (loragen.ops.cpu_kernels)
-        return cpu_kernels.masked_down(x2.contiguous(), bits, lora_A, 1.0 / (1.0 - p))
-    rows, in_features = x2.shape
-    keep = KeepMask(bits, in_features, dtype)
-    h = torch.empty(rows, lora_A.shape[0], dtype=dtype, device=x2.device)
-    buffer = torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype)
-    for start, stop in row_blocks(rows, in_features):
-        xb = keep.apply(x2[start:stop].to(dtype), keep.block(start, stop), buffer[: stop - start])
-        torch.mm(xb, lora_A.t(), out=h[start:stop])
-    return h.mul_(1.0 / (1.0 - p))
-
-
-def _masked_grads(
-    x2: Tensor | None, gh: Tensor, lora_A: Tensor, keep: KeepMask, need_x: bool, need_a: bool
-) -> tuple[Tensor | None, Tensor | None]:
-    """With dropout, block by block, one unpacked mask serving both ``dx = (gh A) * m`` (N, in) and
-    ``dA = gh^T (x * m)`` (r, in)."""
-    rows, in_features = gh.shape[0], lora_A.shape[1]
-    dtype = lora_A.dtype
-    grad_x = torch.empty(rows, in_features, dtype=dtype) if need_x else None
-    grad_a = torch.zeros(lora_A.shape, dtype=dtype) if need_a else None
-    buffer = torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype) if need_a else None
-    gh_t = gh.t()
-    for start, stop in row_blocks(rows, in_features):
-        mask = keep.block(start, stop)
-        if grad_a is not None and x2 is not None and buffer is not None:
-            xb = keep.apply(x2[start:stop].to(dtype), mask, buffer[: stop - start])
-            grad_a.addmm_(gh_t[:, start:stop], xb)
-        if grad_x is not None:
-            target = grad_x[start:stop]
-            keep.apply(torch.mm(gh[start:stop], lora_A, out=target), mask, target)
-    return grad_x, grad_a
-
-
 def lora_branch_reference(
-    base: Tensor, x: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, dropout_p: float, training: bool
+    base: Tensor,
+    x: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """peft's composition of the branch in plain autograd: ``base + (B A dropout(x)).to(base.dtype) * s``
-    (``F.linear`` and ``F.dropout``; a new tensor, the base output untouched)."""
-    x_lora = x.to(lora_A.dtype)
-    if dropout_p > 0 and training:
-        x_lora = F.dropout(x_lora, dropout_p, True)
+    (``F.linear`` and ``F.dropout``, or the bool keep-mask ``keep`` of x's shape; a new tensor, the base
+    output untouched)."""
+    x_lora = lora_dropout(x.to(lora_A.dtype), dropout_p, training, keep)
     return base + F.linear(F.linear(x_lora, lora_A), lora_B).to(base.dtype) * scaling
 
 
@@ -244,7 +213,7 @@ def lora_branch(
     else:
         reason = fallback_reason(x, dropout)
     if reason is not None:
-        if reason not in _logged_reasons:
+        if reason not in _logged_reasons and not torch.compiler.is_compiling():  # a log call breaks the graph
             _logged_reasons.add(reason)
             _log.info("loragen.ops.lora_branch runs the plain composition: %s", reason)
         return lora_branch_reference(base, x, lora_A, lora_B, scaling, dropout_p, training)

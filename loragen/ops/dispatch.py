@@ -86,7 +86,7 @@ def lora_linear(
         return lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)
     reason = fallback_reason(x, dropout)
     if reason is not None:
-        if reason not in _logged_reasons:
+        if reason not in _logged_reasons and not torch.compiler.is_compiling():  # a log call breaks the graph
             _logged_reasons.add(reason)
             _log.info("loragen.ops.lora_linear runs the plain composition: %s", reason)
         return lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)

@@ -42,6 +42,7 @@ from loragen import philox, switches
 from loragen.ops.dispatch import fallback_reason
 from loragen.ops.function import input_layout, shaped_like_input
 from loragen.ops.masks import DropoutRng, check_rng, make_keep_bits
+from loragen.reference import lora_dropout
 
 __all__ = ["DoraLinearFunction", "dora_linear", "dora_linear_reference", "dora_weight_norm"]
 
@@ -74,11 +75,13 @@ def dora_linear_reference(
     *,
     fan_in_fan_out: bool = False,
     result: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """peft's DoRA composition in plain autograd ops (any device, any dtype mix).
 
     ``result`` is the base layer's own output ``x W^T + b`` when the caller has computed it (a base with
     its own forward); otherwise it is computed here. The LoRA branch runs in lora_A's dtype, as in peft.
+    ``keep`` (bool, x's shape) fixes the dropout mask (:func:`loragen.reference.lora_dropout`).
     """
     w = weight.t() if fan_in_fan_out else weight  # (out, in)
     if result is None:
@@ -88,7 +91,7 @@ def dora_linear_reference(
     norm = dora_weight_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
     c = magnitude / norm
     if dropout_p > 0.0 and training:
-        x_lora = F.dropout(x_lora, dropout_p, True)
+        x_lora = lora_dropout(x_lora, dropout_p, training, keep)
         base = F.linear(x_lora, w.to(dtype))
     else:
         base = result if bias is None else result - bias
@@ -277,7 +280,7 @@ def dora_linear(
     dropout = training and dropout_p > 0.0
     reason = _reference_reason(x, weight, (bias, lora_A, lora_B, magnitude), dropout)
     if reason is not None:
-        if reason not in _logged_reasons:
+        if reason not in _logged_reasons and not torch.compiler.is_compiling():  # a log call breaks the graph
             _logged_reasons.add(reason)
             _log.info("loragen.ops.dora_linear runs the plain composition: %s", reason)
         return dora_linear_reference(

@@ -61,7 +61,14 @@ from loragen import philox
 from loragen.ops import cpu_kernels
 from loragen.ops.masks import KeepMask, block_rows, make_keep_bits, row_blocks
 
-__all__ = ["LoraLinearFunction", "input_layout", "lora_output", "shaped_like_input"]
+__all__ = [
+    "LoraLinearFunction",
+    "input_layout",
+    "lora_down",
+    "lora_output",
+    "masked_lora_grads",
+    "shaped_like_input",
+]
 
 
 def input_layout(x: Tensor) -> tuple[int, ...] | None:
@@ -118,19 +125,7 @@ class LoraLinearFunction(torch.autograd.Function):
                 seed = philox.random_seed()
             bits = make_keep_bits(rows * in_features, dropout_p, seed, rng)
             compiled = x.dtype == dtype and cpu_kernels.available(dtype, lora_A.shape[0])
-        if compiled:  # the mask read where it is used: no masked copy of x (loragen.ops.cpu_kernels)
-            assert bits is not None
-            h = cpu_kernels.masked_down(x2.contiguous(), bits, lora_A, 1.0 / (1.0 - dropout_p))
-        elif bits is not None:
-            keep = KeepMask(bits, in_features, dtype)
-            h = torch.empty(rows, lora_A.shape[0], dtype=dtype)
-            buffer = torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype)
-            for start, stop in row_blocks(rows, in_features):
-                xb = keep.apply(x2[start:stop].to(dtype), keep.block(start, stop), buffer[: stop - start])
-                torch.mm(xb, lora_A.t(), out=h[start:stop])
-            h.mul_(1.0 / (1.0 - dropout_p))
-        else:
-            h = torch.mm(x2 if x.dtype == dtype else x2.to(dtype), lora_A.t())
+        h = lora_down(x2, lora_A, bits, dropout_p, compiled)
 
         w_t = weight if fan_in_fan_out else weight.t()  # (in, out)
         # the output in its final shape, written through a 2-D view: no view of it escapes, so callers
@@ -193,7 +188,11 @@ class LoraLinearFunction(torch.autograd.Function):
                 if need_x:
                     grad_x = _grad_input(g2, weight, gh, lora_A, ffo)
             else:
-                grad_x, grad_a = _grads_masked(g2, x2, weight, gh, lora_A, keep, ffo, need_x, need_a)
+                grad_x, grad_a = masked_lora_grads(
+                    x2 if need_a else None, gh, lora_A if need_x else None, keep, g2.dtype
+                )
+                if grad_x is not None:
+                    grad_x.addmm_(g2, weight.t() if ffo else weight)  # the base GEMM accumulates onto it
         if need_w:
             grad_w = torch.mm(x2.t(), g2) if ffo else torch.mm(g2.t(), x2)
         if need_bias and ctx.has_bias:
@@ -201,6 +200,25 @@ class LoraLinearFunction(torch.autograd.Function):
         if grad_x is not None:
             grad_x = shaped_like_input(grad_x, ctx.x_shape, ctx.x_layout)
         return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None, None
+
+
+def lora_down(x2: Tensor, lora_A: Tensor, bits: Tensor | None, p: float, compiled: bool) -> Tensor:
+    """``h = (x * m / (1 - p)) A^T`` (N, r) in the adapter's dtype for x2 (N, in), lora_A (r, in) and the
+    packed keep-mask ``bits`` (None: no dropout), without a masked copy of all of x: the compiled kernel
+    reads the mask where it uses it, the numpy/BLAS path masks one row block at a time."""
+    dtype = lora_A.dtype
+    if bits is None:
+        return torch.mm(x2 if x2.dtype == dtype else x2.to(dtype), lora_A.t())
+    if compiled:  # loragen.ops.cpu_kernels
+        return cpu_kernels.masked_down(x2.contiguous(), bits, lora_A, 1.0 / (1.0 - p))
+    rows, in_features = x2.shape
+    keep = KeepMask(bits, in_features, dtype)
+    h = torch.empty(rows, lora_A.shape[0], dtype=dtype, device=x2.device)
+    buffer = torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype)
+    for start, stop in row_blocks(rows, in_features):
+        xb = keep.apply(x2[start:stop].to(dtype), keep.block(start, stop), buffer[: stop - start])
+        torch.mm(xb, lora_A.t(), out=h[start:stop])
+    return h.mul_(1.0 / (1.0 - p))
 
 
 def lora_output(
@@ -230,38 +248,26 @@ def _grad_input(g2: Tensor, weight: Tensor, gh: Tensor, lora_A: Tensor, ffo: boo
     return torch.mm(gh, lora_A).addmm_(g2, w)
 
 
-def _grads_masked(
-    g2: Tensor,
-    x2: Tensor | None,
-    weight: Tensor | None,
-    gh: Tensor,
-    lora_A: Tensor,
-    keep: KeepMask,
-    ffo: bool,
-    need_x: bool,
-    need_a: bool,
+def masked_lora_grads(
+    x2: Tensor | None, gh: Tensor, lora_A: Tensor | None, keep: KeepMask, out_dtype: torch.dtype
 ) -> tuple[Tensor | None, Tensor | None]:
-    """With dropout, block by block, one unpacked mask serving both:
-    ``dx = (gh A) * m + g W`` (N, in) and ``dA = gh^T (x * m)`` (r, in)."""
-    rows, in_features = g2.shape[0], lora_A.shape[1]
-    dtype = lora_A.dtype
-    same_dtype = g2.dtype == dtype
-    grad_x = torch.empty(rows, in_features, dtype=g2.dtype) if need_x else None
-    grad_a = torch.zeros(lora_A.shape, dtype=dtype) if need_a else None
-    gh_t = gh.t()
+    """With dropout, block by block, one unpacked mask serving both ``dx = (gh A) * m`` (N, in), in
+    ``out_dtype``, and ``dA = gh^T (x * m)`` (r, in), in the adapter's dtype (gh's). Each is computed when
+    its operand is given: x2 for dA (A trains), lora_A for dx (x needs a gradient); the other may be None,
+    so shapes come from gh and the mask."""
+    (rows, rank), in_features, dtype = gh.shape, keep.in_features, gh.dtype
+    grad_x = torch.empty(rows, in_features, dtype=out_dtype) if lora_A is not None else None
+    grad_a = torch.zeros(rank, in_features, dtype=dtype) if x2 is not None else None
     buffer = torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype)
+    gh_t = gh.t()
     for start, stop in row_blocks(rows, in_features):
         mask = keep.block(start, stop)
-        if grad_a is not None:
-            assert x2 is not None  # saved whenever A needs a gradient
+        if x2 is not None and grad_a is not None:
             xb = keep.apply(x2[start:stop].to(dtype), mask, buffer[: stop - start])
             grad_a.addmm_(gh_t[:, start:stop], xb)
-        if grad_x is not None:
-            target = grad_x[start:stop] if same_dtype else buffer[: stop - start]
+        if grad_x is not None and lora_A is not None:
+            target = grad_x[start:stop] if out_dtype == dtype else buffer[: stop - start]
             keep.apply(torch.mm(gh[start:stop], lora_A, out=target), mask, target)
-            if not same_dtype:
+            if out_dtype != dtype:
                 grad_x[start:stop].copy_(target)
-    if grad_x is not None:
-        assert weight is not None  # saved whenever x needs a gradient
-        grad_x.addmm_(g2, weight.t() if ffo else weight)
     return grad_x, grad_a

@@ -9,14 +9,20 @@ forward   H    = x [A_1; ...; A_k]^T                 (N, r_1 + ... + r_k): every
           y_i  = b_i + h_i (s_i B_i^T) + x W_i^T     for each member, as the single-layer op computes it
 backward  dB_i = s_i h_i^T g_i,   gh_i = s_i g_i B_i
           dA   = [gh_1 ... gh_k]^T x                 one pass over x, split into dA_1..dA_k
-          dx   = [gh_1 ... gh_k] [A_1; ...; A_k] + g_1 W_1 + ... + g_k W_k
-                                                     one buffer: the rank-r term, then every base GEMM
-                                                     accumulating onto it (beta = 1)
+          dx   = gh_k A_k + g_k W_k + ... + gh_1 A_1 + g_1 W_1
+                                                     one buffer, every product accumulating onto it
+                                                     (beta = 1), in the order peft's layers are summed
 
 Every output is computed when the first member (the leader) is called; the others find theirs waiting.
 Because dx of the whole group is summed inside the node, autograd also skips the k - 1 additions of
 (N, in) gradients that separate layers -- frozen ones too -- cost. The math is the single-layer op's,
-term for term (only the order of the sums inside a GEMM changes).
+term for term, and so is the rounding: H splits into exactly the h_i each layer computes, and dx is
+summed as autograd sums separate layers (the member created last first, each one's rank-r term before
+its base term). One rank-R GEMM for the rank-r terms of dx would read gh and A once less, but it adds
+every member's rank-r term before any base term: where one member's two terms nearly cancel, that order
+rounds the others' away, 4e-4 from the per-layer op's gradient where this order stays within 1e-7
+(tests/ops/test_siblings.py). With several threads, BLAS may split the row sum of dA = gh^T x
+differently for R columns than for r: fp32 rounding, no worse than the per-layer op's.
 
 **Which layers are siblings** is planned at conversion time (:mod:`loragen.ops.sibling_plan`).
 
@@ -219,13 +225,33 @@ class _GroupFunction(torch.autograd.Function):
             if any(need_a):
                 split = torch.mm(gh_all.t(), x2).split(ctx.ranks)  # one pass over x for every dA
                 grad_a = [g if wanted else None for g, wanted in zip(split, need_a)]
-            if need_x:
-                grad_x = torch.mm(gh_all, torch.cat(factors_a))  # the rank-r term first...
-                for (_, ffo), g, w in zip(ctx.spec, g2s, weights):
-                    if g is not None:  # ...then every member's base GEMM accumulates onto it
-                        grad_x.addmm_(g, w.t() if ffo else w)
-                grad_x = shaped_like_input(
-                    grad_x, ctx.x_shape, ctx.x_layout
-                )  # x's layout (function.input_layout)
+        if need_x:
+            grad_x = _grad_input(ctx.spec, g2s, ghs, weights, factors_a)
+            grad_x = shaped_like_input(
+                grad_x, ctx.x_shape, ctx.x_layout
+            )  # x's layout (function.input_layout)
         per_member = [t for i in range(k) for t in (grad_w[i], grad_bias[i], grad_a[i], grad_b[i])]
         return (grad_x, None, *per_member)
+
+
+def _grad_input(
+    spec: tuple[tuple[float, bool], ...],
+    g2s: list[Tensor | None],
+    ghs: list[Tensor | None],
+    weights: list[Tensor],
+    factors_a: list[Tensor],
+) -> Tensor:
+    """``dx = sum_i (gh_i A_i + g_i W_i)`` (N, in) in one buffer, summed in the order separate layers are
+    summed: members last to first (autograd runs the node created last first and adds each layer's dx to
+    what has arrived), each member's rank-r term before its base term. Every product accumulates onto the
+    buffer (beta = 1), so no member needs an (N, in) temporary."""
+    grad_x: Tensor | None = None
+    for i in reversed(range(len(spec))):
+        g, gh = g2s[i], ghs[i]
+        if g is None or gh is None:
+            continue  # a member that was never called
+        w = weights[i].t() if spec[i][1] else weights[i]  # (out, in)
+        grad_x = torch.mm(gh, factors_a[i]) if grad_x is None else grad_x.addmm_(gh, factors_a[i])
+        grad_x.addmm_(g, w)
+    assert grad_x is not None  # backward runs only when some member's output has a gradient
+    return grad_x

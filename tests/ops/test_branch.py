@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from loragen import switches
 from loragen.ops.branch import lora_branch, lora_branch_reference
 from loragen.ops.masks import make_keep_bits, unpack_keep_mask
 
@@ -75,3 +76,20 @@ def test_empty_input_and_errors() -> None:
         lora_branch(torch.zeros(2, 3), torch.zeros(1, 8), a, b, 1.0, 0.0, True)
     with pytest.raises(ValueError, match="rng='dice'"):
         lora_branch(torch.zeros(1, 3), torch.zeros(1, 8), a, b, 1.0, 0.0, True, rng="dice")
+
+
+@pytest.mark.parametrize("compiled_kernels", [True, False])
+@pytest.mark.parametrize("rng", ["bits", "philox"])
+def test_dropout_with_an_input_that_needs_no_gradient(compiled_kernels: bool, rng: str) -> None:
+    """QLoRA's usual case: the base output and x carry no gradient (a frozen 4-bit model's first layer),
+    dropout is on, only A and B train. Both dropout paths (compiled kernels and numpy/BLAS) give A and B
+    the formula's gradients."""
+    x, base_in, a, b = _inputs(torch.float32, rows=10)
+    x, base = x.detach(), base_in.detach()
+    with switches.cpu_kernels.using(compiled_kernels):
+        out = lora_branch(base.clone(), x, a, b, 0.5, 0.05, True, rng=rng, seed=11)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (a, b), grad)
+    want = torch.autograd.grad(_expected(x, base, a, b, 0.5, 0.05, 11, rng), (a, b), grad)
+    for g_got, g_want in zip(got, want):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5)

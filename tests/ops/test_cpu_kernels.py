@@ -137,13 +137,14 @@ def test_a_build_without_avx512_falls_back_to_the_numpy_path(tmp_path, monkeypat
     monkeypatch.setenv("LORAGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_kernels, "_library", None)
     monkeypatch.setattr(cpu_kernels, "_status", None)
-    assert cpu_kernels.status() == "the CPU has no AVX-512 (the numpy/BLAS path is as fast without it)"
-    assert not cpu_kernels.available()
-    assert list((tmp_path / "cache").rglob("*.so"))  # it was built, loaded, asked and refused
-    torch.manual_seed(0)
-    x, w = torch.randn(5, 24, requires_grad=True), torch.randn(8, 24)
-    a, b = torch.randn(4, 24, requires_grad=True), torch.randn(8, 4, requires_grad=True)
-    y = ops.lora_linear(x, w, None, a, b, 2.0, 0.25, True, seed=3)
-    keep = ops.unpack_keep_mask(ops.dropout_keep_bits(x.numel(), 0.25, 3), x.numel()).view(5, 24)
-    expected = x @ w.t() + 2.0 * ((x * keep / 0.75) @ a.t()) @ b.t()
-    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    with switches.cpu_kernels.using(True):  # on, also in a run with LORAGEN_CPU_KERNELS=0
+        assert cpu_kernels.status() == "the CPU has no AVX-512 (the numpy/BLAS path is as fast without it)"
+        assert not cpu_kernels.available()
+        assert list((tmp_path / "cache").rglob("*.so"))  # it was built, loaded, asked and refused
+        torch.manual_seed(0)
+        x, w = torch.randn(5, 24, requires_grad=True), torch.randn(8, 24)
+        a, b = torch.randn(4, 24, requires_grad=True), torch.randn(8, 4, requires_grad=True)
+        y = ops.lora_linear(x, w, None, a, b, 2.0, 0.25, True, seed=3)
+        keep = ops.unpack_keep_mask(ops.dropout_keep_bits(x.numel(), 0.25, 3), x.numel()).view(5, 24)
+        expected = x @ w.t() + 2.0 * ((x * keep / 0.75) @ a.t()) @ b.t()
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)

@@ -293,3 +293,141 @@ def test_direct_calls_copies_and_switches() -> None:
             assert "_GroupFunctionBackward" not in _node_names(model(x))
     model.k.fused = False  # a sibling that opts out is left out; q and v still share
     assert "_GroupFunctionBackward" in _node_names(model(x))
+
+
+# ---- rounding: fused as close to peft as the per-layer op --------------------------------------------------
+
+
+def _peft_and_ours(base: nn.Module, targets: list[str], seed: int = 1) -> tuple[nn.Module, nn.Module, dict]:
+    """peft's and loragen's LoRA models of ``base`` with the same random A and B (B nonzero, so every
+    LoRA term shows), and {layer path: (our layer, their layer)}."""
+    import peft
+
+    theirs = peft.get_peft_model(
+        copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
+    ours = loragen.get_lora_model(
+        copy.deepcopy(base), loragen.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    )
+    their_layers = {
+        n.removeprefix("base_model.model."): m
+        for n, m in theirs.named_modules()
+        if isinstance(m, peft.tuners.lora.Linear)
+    }
+    layers = {n: (m, their_layers[n]) for n, m in ours.named_modules() if isinstance(m, loragen.LoraLinear)}
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mine, theirs_layer in layers.values():
+            for a, b in (
+                (mine.lora_A, theirs_layer.lora_A["default"].weight),
+                (mine.lora_B, theirs_layer.lora_B["default"].weight),
+            ):
+                b.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype) * 0.3)
+                a.copy_(b)
+    return theirs, ours, layers
+
+
+def _step(model: nn.Module, run, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Output and the LoRA gradients (float64 copies) of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    out = run(model)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum().backward()
+    return {"output": out.detach().double(), **{n: p.grad.double() for n, p in params.items()}}
+
+
+def _lora_params(layers: dict, ours: bool) -> dict[str, torch.Tensor]:
+    params = {}
+    for name, (mine, theirs) in layers.items():
+        a, b = (
+            (mine.lora_A, mine.lora_B)
+            if ours
+            else (theirs.lora_A["default"].weight, theirs.lora_B["default"].weight)
+        )
+        params[f"{name}.lora_A"], params[f"{name}.lora_B"] = a, b
+    return params
+
+
+def _distance(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Relative Frobenius distance per tensor."""
+    return {n: ((got[n] - w).norm() / w.norm()).item() for n, w in want.items()}
+
+
+def test_tiny_llama_fused_is_as_close_to_peft_as_the_unfused_op(make_tiny_model) -> None:
+    """fp32: sibling fusion sums the input gradient of a group in the order peft's separate layers do
+    (members last to first, each one's rank-r term before its base term), so the fused group rounds no
+    differently from the per-layer op; before, its one rank-R GEMM summed every member's term first."""
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    theirs, ours, layers = _peft_and_ours(make_tiny_model("llama").train(), targets)
+    ids = tiny_inputs("llama")["input_ids"]
+
+    def logits(model: nn.Module) -> torch.Tensor:
+        return model(input_ids=ids).logits
+
+    want = _step(theirs, logits, _lora_params(layers, ours=False))
+    worst = {}
+    for fuse in (True, False):
+        with switches.sibling_fusion.using(fuse):
+            worst[fuse] = max(_distance(_step(ours, logits, _lora_params(layers, ours=True)), want).values())
+    assert len(fused_groups(ours)) == 4
+    assert worst[False] < 1e-5  # the per-layer op: fp32 rounding
+    assert worst[True] <= worst[False] + 1e-7
+
+
+def test_a_member_whose_terms_cancel_sums_as_the_per_layer_op() -> None:
+    """v's LoRA term cancels its base term in the input gradient (W_v = -s B_v A_v, both ~1e3), so the
+    order of the sum decides what of q's and k's O(1) terms survives. Separate layers (and peft) add v's
+    two terms first; the fused group does too and agrees with the per-layer op to 1e-7 (a rank-R GEMM
+    adding q's, k's and v's LoRA terms first rounded q's and k's away against v's: 4e-4 apart)."""
+    torch.manual_seed(0)
+    model = _lora(_Siblings(d=16), r=4)
+    g = torch.Generator().manual_seed(2)
+    big_a = torch.randn(4, 16, generator=g, dtype=torch.float64) * 30
+    big_b = torch.randn(16, 4, generator=g, dtype=torch.float64) * 30
+    with torch.no_grad():
+        model.v.lora_A.copy_(big_a)
+        model.v.lora_B.copy_(big_b)
+        model.v.weight.copy_(-model.v.scaling * big_b @ big_a)
+    x = torch.randn(3, 5, 16, generator=g).requires_grad_(True)
+    grads = {}
+    for fuse in (True, False):
+        with switches.sibling_fusion.using(fuse):
+            grads[fuse] = _input_grad(model, x)
+    assert "_GroupFunctionBackward" in _node_names(model(x))
+    torch.testing.assert_close(
+        grads[True], grads[False], rtol=1e-5, atol=1e-5 * grads[False].abs().max().item()
+    )
+
+
+def _input_grad(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = model(x)
+    return torch.autograd.grad((y * torch.linspace(-1, 1, y.shape[-1])).sum(), x)[0].double()
+
+
+def test_fastspeech2_conformer_encoder_differs_from_peft_by_conditioning_only() -> None:
+    """A relative-position conformer (q, k and v fused) in fp32: against peft's float64 run, the fused
+    group's LoRA gradients are no further than peft's own fp32 ones are (what differences from peft's fp32
+    run remain are fp32 rounding amplified by the network, not an error of the fused path)."""
+    from transformers import FastSpeech2ConformerConfig, FastSpeech2ConformerModel
+
+    torch.manual_seed(0)
+    config = FastSpeech2ConformerConfig(
+        hidden_size=32, encoder_layers=2, decoder_layers=1, encoder_linear_units=64, vocab_size=40
+    )
+    encoder = FastSpeech2ConformerModel(config).encoder.eval()
+    theirs, ours, layers = _peft_and_ours(
+        encoder, ["linear_q", "linear_k", "linear_v", "linear_out", "linear_pos"]
+    )
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(3))
+
+    def hidden(model: nn.Module) -> torch.Tensor:
+        return model(ids, torch.ones(2, 1, 9), return_dict=True)[0]
+
+    peft32 = _step(theirs, hidden, _lora_params(layers, ours=False))
+    with switches.sibling_fusion.using(True):
+        fused = _step(ours, hidden, _lora_params(layers, ours=True))
+    assert len(fused_groups(ours)) == 2
+    theirs.double()
+    wide = _step(theirs, hidden, _lora_params(layers, ours=False))
+    peft_error, fused_error = _distance(peft32, wide), _distance(fused, wide)
+    for name, error in fused_error.items():
+        assert error <= 2 * peft_error[name] + 1e-6, name

@@ -1,0 +1,150 @@
+"""Every fast op of loragen.ops against the one reference composition (loragen.reference, peft's math) in
+float64: outputs and the gradients of every input, with the dropout mask the op drew given to the
+reference. Each op's backward is hand-written; this is where all of them are held to one definition."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loragen.ops.branch import LoraBranchFunction, lora_branch_reference
+from loragen.ops.dora import DoraLinearFunction, dora_linear_reference
+from loragen.ops.function import LoraLinearFunction
+from loragen.ops.masks import make_keep_bits, unpack_keep_mask
+from loragen.ops.siblings import _GroupFunction
+from loragen.reference import lora_linear_reference
+
+SEED = 1234
+SCALING = 1.5
+Tensors = dict[str, torch.Tensor | None]
+
+
+def _tensors(ffo: bool, bias: bool, seed: int = 0, out: int = 5) -> Tensors:
+    g = torch.Generator().manual_seed(seed)
+    k, r = 7, 3
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(True)
+
+    weight = t(k, out) if ffo else t(out, k)
+    return {
+        "weight": weight,
+        "bias": t(out) if bias else None,
+        "lora_A": t(r, k),
+        "lora_B": t(out, r),
+        "magnitude": (torch.rand(out, generator=g, dtype=torch.float64) + 0.5).requires_grad_(True),
+    }
+
+
+def _keep(x: torch.Tensor, p: float, rng: str) -> torch.Tensor | None:
+    if p == 0.0:
+        return None
+    return unpack_keep_mask(make_keep_bits(x.numel(), p, SEED, rng), x.numel()).view(x.shape)
+
+
+# each case: (fast, reference), both (x, tensors, p, rng, ffo) -> output; the reference gets the mask
+def _linear(x, t, p, rng, ffo):
+    args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], SCALING, p)
+    return LoraLinearFunction.apply(*args, rng, SEED, ffo)
+
+
+def _linear_ref(x, t, p, rng, ffo):
+    args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], SCALING, p, True)
+    return lora_linear_reference(*args, fan_in_fan_out=ffo, keep=_keep(x, p, rng))
+
+
+def _base(x, t, ffo):
+    return F.linear(x, t["weight"].t() if ffo else t["weight"], t["bias"])
+
+
+def _branch(x, t, p, rng, ffo):
+    return LoraBranchFunction.apply(_base(x, t, ffo), x, t["lora_A"], t["lora_B"], SCALING, p, rng, SEED)
+
+
+def _branch_ref(x, t, p, rng, ffo):
+    args = (_base(x, t, ffo), x, t["lora_A"], t["lora_B"], SCALING, p, True)
+    return lora_branch_reference(*args, keep=_keep(x, p, rng))
+
+
+def _dora(x, t, p, rng, ffo):
+    args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], t["magnitude"], SCALING, p, rng, SEED, ffo)
+    return DoraLinearFunction.apply(*args)
+
+
+def _dora_ref(x, t, p, rng, ffo):
+    args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], t["magnitude"], SCALING, p, True)
+    return dora_linear_reference(*args, fan_in_fan_out=ffo, keep=_keep(x, p, rng))
+
+
+OPS: dict[str, tuple[Callable, Callable]] = {
+    "lora_linear": (_linear, _linear_ref),
+    "lora_branch": (_branch, _branch_ref),
+    "dora_linear": (_dora, _dora_ref),
+}
+
+
+def _check(fast: Callable, reference: Callable, tensors: Tensors, x: torch.Tensor) -> None:
+    inputs = [x, *(v for v in tensors.values() if v is not None and v.requires_grad)]
+    got, want = fast(), reference()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(5), dtype=got.dtype)
+    got_grads = torch.autograd.grad(got, inputs, grad, allow_unused=True)
+    want_grads = torch.autograd.grad(want, inputs, grad, allow_unused=True)
+    for g_got, g_want in zip(got_grads, want_grads):
+        if g_want is None:  # an input the op does not use (DoRA's magnitude in the others)
+            assert g_got is None
+        else:
+            torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize(("p", "rng"), [(0.0, "bits"), (0.3, "bits"), (0.3, "philox")])
+@pytest.mark.parametrize("ffo", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_op_equals_the_reference_in_float64(op: str, p: float, rng: str, ffo: bool, bias: bool) -> None:
+    tensors = _tensors(ffo, bias)
+    if op == "dora_linear":  # the fused DoRA op takes a frozen base (dora_linear routes others away)
+        tensors["weight"].requires_grad_(False)
+    else:
+        tensors["magnitude"].requires_grad_(False)
+    x = torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    x.requires_grad_(True)
+    fast, reference = OPS[op]
+    _check(lambda: fast(x, tensors, p, rng, ffo), lambda: reference(x, tensors, p, rng, ffo), tensors, x)
+
+
+@pytest.mark.parametrize("ffo", [False, True])
+def test_sibling_group_equals_the_reference_of_each_member_in_float64(ffo: bool) -> None:
+    members = [
+        _tensors(ffo, bias, seed, out) for seed, (bias, out) in enumerate([(True, 5), (False, 6), (True, 4)])
+    ]
+    for t in members:
+        t["magnitude"].requires_grad_(False)
+    tensors = {f"{name}{i}": v for i, t in enumerate(members) for name, v in t.items()}
+    x = torch.randn(3, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64, requires_grad=True)
+    spec = tuple((SCALING * (i + 1), ffo) for i in range(len(members)))
+    flat = [t[name] for t in members for name in ("weight", "bias", "lora_A", "lora_B")]
+
+    def fast() -> torch.Tensor:
+        return torch.cat(_GroupFunction.apply(x, spec, *flat), dim=-1)
+
+    def reference() -> torch.Tensor:
+        outputs = [
+            lora_linear_reference(
+                x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], s, 0.0, True, fan_in_fan_out=ffo
+            )
+            for t, (s, _) in zip(members, spec)
+        ]
+        return torch.cat(outputs, dim=-1)
+
+    _check(fast, reference, tensors, x)
+
+
+def test_a_keep_mask_of_another_shape_is_refused() -> None:
+    from loragen.reference import lora_dropout
+
+    with pytest.raises(ValueError, match=r"keep-mask of shape \(3,\) for x of shape \(2, 3\)"):
+        lora_dropout(torch.zeros(2, 3), 0.5, True, torch.ones(3, dtype=torch.bool))
