@@ -220,13 +220,21 @@ def _collect(sources: list[Path]) -> list[tuple[Path, Path]]:
     return files
 
 
-def _read(path: Path) -> tuple[str, str | None]:
-    """The file's text (newlines kept as they are), or an error message."""
+def _read(path: Path) -> tuple[str, tuple[int, str] | None]:
+    """The file's text (newlines kept as they are), or ``(line, message)`` saying why it cannot be read."""
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            return fh.read(), None
-    except (OSError, UnicodeDecodeError) as exc:
-        return "", f"cannot read: {exc}"
+        data = path.read_bytes()
+    except OSError as exc:
+        return "", (1, f"cannot read: {exc.strerror or exc}")
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1)
+        return "", (
+            line,
+            f"not UTF-8 text: byte 0x{data[exc.start]:02x} at column {column + 1} ({exc.reason})",
+        )
 
 
 def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
@@ -372,14 +380,8 @@ def run(args: argparse.Namespace) -> int:
     for path, relative in files:
         code, problem = _read(path)
         if problem is not None:
-            results.append(
-                (
-                    path,
-                    relative,
-                    "",
-                    RewriteResult("", False, str(path), errors=(Diagnostic(str(path), 1, problem),)),
-                )
-            )
+            error = Diagnostic(str(path), *problem)
+            results.append((path, relative, "", RewriteResult("", False, str(path), errors=(error,))))
             continue
         package = args.package or module_name_for_path(path)[1]
         result = rewrite_source(
