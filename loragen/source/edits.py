@@ -15,6 +15,7 @@ one), so the defaults cannot drift from the layers'.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 
 import libcst as cst
@@ -29,6 +30,7 @@ from loragen.source.syntax import absolute_module, code_of
 __all__ = ["Editor", "config_attribute", "edit_call", "has_lora_hook", "lora_keywords"]
 
 _ALWAYS = ("r", "lora_alpha")
+_RELATIVE_IMPORT = re.compile(r"\bfrom[\s\\]+\.")
 
 
 def _keyword_only(function: object) -> dict[str, object]:
@@ -228,6 +230,8 @@ class Editor(cst.CSTTransformer):
         hooks: ``id(class node)`` -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
         config_classes: ``id(class node)`` of the classes that get ``loragen_config = LORA_CONFIG``.
         factories: ``id(call node)`` -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
+        hidden: ``id(function)`` -> body source of the functions the scanner did not read; no planned edit
+            lies inside one, so those are skipped unless they hold a relative import to make absolute.
     """
 
     def __init__(
@@ -237,13 +241,19 @@ class Editor(cst.CSTTransformer):
         hooks: dict[int, str],
         config_classes: set[int],
         factories: dict[int, str] | None = None,
+        hidden: dict[int, str] | None = None,
     ) -> None:
         self.calls = calls
+        self.hidden = hidden or {}
         self.factories = factories or {}
         self.package = package
         self.hooks = hooks
         self.config_classes = config_classes
         self.import_errors: list[str] = []
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        body = self.hidden.get(id(node))
+        return body is None or (self.package is not None and _RELATIVE_IMPORT.search(body) is not None)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         factory = self.factories.get(id(original_node))

@@ -106,13 +106,16 @@ def _libcst_error(filename: str, exc: Exception) -> ScanError:
     )
 
 
-def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef]]:
-    """``tree`` with function bodies stubbed out (same line count), and ``id(function) -> its stub``.
+def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef], dict[int, str]]:
+    """``tree`` with function bodies stubbed out (same line count), ``id(function) -> its stub``, and
+    ``id(function) -> the source of its body`` for the functions whose whole body was stubbed.
 
     Kept whole: the bodies named in :data:`KEPT_BODIES`, and the bodies of functions that define classes
-    (whose methods are stubbed in turn).
+    (whose methods are stubbed in turn). Nothing the scanner follows lies in a wholly stubbed body, so
+    later passes may skip those bodies when their source shows nothing they look for.
     """
     stubs: dict[int, cst.FunctionDef] = {}
+    hidden: dict[int, str] = {}
 
     def strip(stmt: cst.BaseStatement) -> cst.BaseStatement:
         if isinstance(stmt, cst.FunctionDef):
@@ -129,10 +132,11 @@ def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef]]:
                     footer=[cst.EmptyLine(indent=False)] * max(text.count("\n") - 2, 0),
                 )
                 new = stmt.with_changes(body=body)
+                hidden[id(stmt)] = text
             stubs[id(stmt)] = new
             return new
         if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock):
             return stmt.with_changes(body=stmt.body.with_changes(body=[strip(s) for s in stmt.body.body]))
         return stmt
 
-    return tree.with_changes(body=[strip(s) for s in tree.body]), stubs
+    return tree.with_changes(body=[strip(s) for s in tree.body]), stubs, hidden
