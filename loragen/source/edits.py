@@ -14,6 +14,7 @@ one), so the defaults cannot drift from the layers'.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from collections.abc import Sequence
@@ -97,7 +98,7 @@ def edit_call(
         if key in present:
             arg = args[present[key]]
             if code_of(arg.value) != text:
-                args[present[key]] = arg.with_changes(value=cst.parse_expression(text))
+                args[present[key]] = arg.with_changes(value=_expression(text))
     new = [_keyword_arg(k, t) for k, t in keywords.items() if k not in present]
     changes: dict[str, object] = {}
     if new and args:
@@ -118,6 +119,13 @@ def edit_call(
 _COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
 
 
+@functools.lru_cache(maxsize=256)
+def _expression(text: str) -> cst.BaseExpression:
+    """``text`` parsed; cached, as a file's hundreds of calls get the same few keyword values (libcst
+    nodes are immutable, so one node may stand in many places of a tree)."""
+    return cst.parse_expression(text)
+
+
 def _newline(indent: str) -> cst.ParenthesizedWhitespace:
     return cst.ParenthesizedWhitespace(indent=False, last_line=cst.SimpleWhitespace(indent))
 
@@ -125,7 +133,7 @@ def _newline(indent: str) -> cst.ParenthesizedWhitespace:
 def _keyword_arg(key: str, text: str) -> cst.Arg:
     no_space = cst.SimpleWhitespace("")
     return cst.Arg(
-        value=cst.parse_expression(text),
+        value=_expression(text),
         keyword=cst.Name(key),
         equal=cst.AssignEqual(whitespace_before=no_space, whitespace_after=no_space),
     )
