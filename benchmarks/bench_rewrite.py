@@ -27,6 +27,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 _CHILD = """
 import json, resource, sys, time
@@ -147,7 +148,7 @@ def qwen3_omni_file() -> Path:
     return Path(module.__file__)
 
 
-def measure(path: Path) -> dict[str, float]:
+def measure(path: Path) -> dict[str, Any]:
     """One ``rewrite_source`` run on ``path`` in a fresh process."""
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, check=True
@@ -173,7 +174,7 @@ def main() -> None:
             path = Path(folder) / f"generated_{size}.py"
             path.write_text(generated_model(size), encoding="utf-8")
             files[path.name] = path
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name in files}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in files}
         for _ in range(args.rounds):
             for name, path in files.items():
                 runs[name].append(measure(path))

@@ -439,8 +439,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"loragen rewrite: error: {line}", file=sys.stderr)
         print("loragen rewrite: nothing was written", file=sys.stderr)
         return EXIT_USAGE
-    problem = _write_all(planned)
-    if problem is not None:
-        print(f"loragen rewrite: error: {problem}", file=sys.stderr)
+    failure = _write_all(planned)
+    if failure is not None:
+        print(f"loragen rewrite: error: {failure}", file=sys.stderr)
         return EXIT_FILE_ERRORS
     return EXIT_OK
