@@ -149,9 +149,10 @@ def qwen3_omni_file() -> Path:
 
 
 def measure(path: Path) -> dict[str, Any]:
-    """One ``rewrite_source`` run on ``path`` in a fresh process."""
+    """One ``rewrite_source`` run on ``path`` in a fresh process (started in the file's folder, so that the
+    loragen it imports is the one on ``PYTHONPATH`` / installed, not one in the current folder)."""
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, check=True, cwd=path.parent
     )
     return json.loads(done.stdout)
 
