@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from loragen.atomic import atomic_write_text
+from loragen.atomic import atomic_file
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConfigError
 from loragen.source.rewrite import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
@@ -45,8 +47,15 @@ must match a whole module path (peft's rule for a string). A target that matches
 of the files is an error (unless a file builds sub-models with auto classes: they may hold it).
 
 Without -o/--in-place/--diff the rewritten file is printed (one SRC file only). A per-file summary
-and warnings go to stderr. Exit status: 0 done, 1 some file could not be rewritten or a target matches
-nothing (nothing is written then; each error as file:line: message), 2 usage error.
+and warnings go to stderr. Exit status: 0 done, 1 some file could not be rewritten or written, or a target
+matches nothing (nothing is written then; each error as file:line: message), 2 usage error.
+
+Writing: every output path is checked before the first file is written. Two sources that would land on
+one output file, an output that is one of the sources (without --in-place), or an output path blocked
+by a file where a folder is needed are usage errors, and nothing is written. Each file is written to a
+temporary file beside it and renamed into place, keeping the mode of the file it replaces. Symbolic
+links are followed on purpose: --in-place on a link (or -o onto a link) rewrites the file the link
+points to and keeps the link.
 """
 
 EPILOG = f"""\
@@ -211,13 +220,21 @@ def _collect(sources: list[Path]) -> list[tuple[Path, Path]]:
     return files
 
 
-def _read(path: Path) -> tuple[str, str | None]:
-    """The file's text (newlines kept as they are), or an error message."""
+def _read(path: Path) -> tuple[str, tuple[int, str] | None]:
+    """The file's text (newlines kept as they are), or ``(line, message)`` saying why it cannot be read."""
     try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            return fh.read(), None
-    except (OSError, UnicodeDecodeError) as exc:
-        return "", f"cannot read: {exc}"
+        data = path.read_bytes()
+    except OSError as exc:
+        return "", (1, f"cannot read: {exc.strerror or exc}")
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1)
+        return "", (
+            line,
+            f"not UTF-8 text: byte 0x{data[exc.start]:02x} at column {column + 1} ({exc.reason})",
+        )
 
 
 def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
@@ -237,6 +254,102 @@ def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
             f"{what} {entry!r} matches no layer field in {len(readable)} file(s); layer fields found: {shown}"
         )
     return messages
+
+
+def _output_path(args: argparse.Namespace, source: Path, relative: Path, single_file: bool) -> Path:
+    """Where the rewrite of ``source`` goes: itself (``--in-place``), ``OUT`` or ``OUT/relative``."""
+    if args.in_place:
+        return source
+    return args.output if single_file else args.output / relative
+
+
+def _blocking_file(path: Path) -> Path | None:
+    """The nearest existing ancestor of ``path`` when it is not a folder (so ``path`` cannot be created)."""
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            return None if parent.is_dir() else parent
+    return None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _plan_writes(
+    args: argparse.Namespace, writes: list[tuple[Path, Path, str]], inputs: list[Path]
+) -> list[tuple[Path, str]]:
+    """``(real path, text)`` for every file to write, after checking all of them against each other and the
+    inputs; ``writes`` holds ``(source, output path as given, text)``.
+
+    Links are resolved on purpose: the real path is written and a link to it stays a link.
+
+    Raises:
+        ValueError: with one line per problem: two sources onto one output, an output that is an input
+            (without ``--in-place``), a folder where a file goes, a file where a folder is needed.
+    """
+    problems: list[str] = []
+    planned: dict[Path, tuple[Path, str]] = {}  # real output path -> (its source, text)
+    real_inputs = {Path(os.path.realpath(p)): p for p in inputs}
+    for source, given, text in writes:
+        real = Path(os.path.realpath(given))
+        if not args.in_place:
+            onto = real_inputs.get(real) or next((p for p in inputs if _same_file(p, real)), None)
+            if onto is not None:
+                problems.append(
+                    f"{given}: the output would overwrite the source {onto}; "
+                    "pass --in-place to rewrite sources in place, or choose another -o"
+                )
+                continue
+        earlier = planned.get(real)
+        if earlier is not None:
+            if not _same_file(earlier[0], source) or earlier[1] != text:
+                problems.append(f"{given}: both {earlier[0]} and {source} would be written here")
+            continue
+        if real.is_dir():
+            problems.append(f"{given}: is a folder; a file would be written here")
+            continue
+        blocking = _blocking_file(real)
+        if blocking is not None:
+            problems.append(f"{given}: {blocking} is a file, not a folder")
+            continue
+        planned[real] = (source, text)
+    if problems:
+        raise ValueError("\n".join(problems))
+    return [(real, text) for real, (_, text) in planned.items()]
+
+
+def _write_all(planned: list[tuple[Path, str]]) -> str | None:
+    """Write every file atomically; all temporary files are written before the first rename, so a failure
+    to write (disk full, no permission) leaves every target untouched. Returns an error message or None."""
+    created = [f for f in {p.parent for p, _ in planned} if not f.exists()]
+    try:
+        with contextlib.ExitStack() as stack:
+            for path, text in planned:
+                tmp = stack.enter_context(atomic_file(path))
+                tmp.write_bytes(text.encode("utf-8"))
+            # leaving the stack renames each temporary file onto its target
+    except OSError as exc:
+        written = [p for p, text in planned if p.is_file() and _reads_as(p, text)]
+        for folder in sorted(created, key=lambda f: len(f.parts), reverse=True):
+            with contextlib.suppress(OSError):  # only folders this run made and left empty
+                folder.rmdir()
+        where = (
+            f"; written before the failure: {', '.join(map(str, written))}"
+            if written
+            else "; nothing was written"
+        )
+        return f"cannot write: {exc}{where}"
+    return None
+
+
+def _reads_as(path: Path, text: str) -> bool:
+    try:
+        return path.read_bytes() == text.encode("utf-8")
+    except OSError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,14 +380,8 @@ def run(args: argparse.Namespace) -> int:
     for path, relative in files:
         code, problem = _read(path)
         if problem is not None:
-            results.append(
-                (
-                    path,
-                    relative,
-                    "",
-                    RewriteResult("", False, str(path), errors=(Diagnostic(str(path), 1, problem),)),
-                )
-            )
+            error = Diagnostic(str(path), *problem)
+            results.append((path, relative, "", RewriteResult("", False, str(path), errors=(error,))))
             continue
         package = args.package or module_name_for_path(path)[1]
         result = rewrite_source(
@@ -306,21 +413,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"loragen rewrite: {what}; nothing was written", file=sys.stderr)
         return EXIT_FILE_ERRORS
 
-    for path, relative, code, result in results:
-        if to_stdout:
-            sys.stdout.write(result.code)
-        elif args.diff:
-            sys.stdout.writelines(
-                difflib.unified_diff(
-                    code.splitlines(keepends=True),
-                    result.code.splitlines(keepends=True),
-                    fromfile=str(path),
-                    tofile=str(path),
+    if to_stdout or args.diff:
+        for path, _, code, result in results:
+            if to_stdout:
+                sys.stdout.write(result.code)
+            else:
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        code.splitlines(keepends=True),
+                        result.code.splitlines(keepends=True),
+                        fromfile=str(path),
+                        tofile=str(path),
+                    )
                 )
-            )
-        elif args.in_place:
-            if result.changed:
-                atomic_write_text(path, result.code)
-        else:
-            atomic_write_text(args.output if single_file_output else args.output / relative, result.code)
+        return EXIT_OK
+    writes = [
+        (path, _output_path(args, path, relative, single_file_output), result.code)
+        for path, relative, _, result in results
+        if result.changed or not args.in_place
+    ]
+    try:
+        planned = _plan_writes(args, writes, [path for path, *_ in results])
+    except ValueError as exc:
+        for line in str(exc).splitlines():
+            print(f"loragen rewrite: error: {line}", file=sys.stderr)
+        print("loragen rewrite: nothing was written", file=sys.stderr)
+        return EXIT_USAGE
+    failure = _write_all(planned)
+    if failure is not None:
+        print(f"loragen rewrite: error: {failure}", file=sys.stderr)
+        return EXIT_FILE_ERRORS
     return EXIT_OK

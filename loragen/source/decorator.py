@@ -171,6 +171,10 @@ def _scan_class(cls: type) -> tuple[ClassScan, ScanResult]:
         result = _scan_file(filename, "".join(lines), cls.__module__, package, specs())
     except ScanError as exc:
         raise LoraConvertError(f"cannot scan the source of {cls.__qualname__}: {exc}") from None
+    except RecursionError:  # the parser refuses deep nesting first; a last line of defence
+        raise LoraConvertError(
+            f"cannot scan the source of {cls.__qualname__}: {filename} is nested too deeply"
+        ) from None
     scan = result.get(cls.__qualname__)
     if scan is None:
         raise _no_source(cls, f"no class {cls.__qualname__} in {filename} near line {line}")

@@ -14,7 +14,9 @@ one), so the defaults cannot drift from the layers'.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 from collections.abc import Sequence
 
 import libcst as cst
@@ -29,6 +31,7 @@ from loragen.source.syntax import absolute_module, code_of
 __all__ = ["Editor", "config_attribute", "edit_call", "has_lora_hook", "lora_keywords"]
 
 _ALWAYS = ("r", "lora_alpha")
+_RELATIVE_IMPORT = re.compile(r"\bfrom[\s\\]+\.")
 
 
 def _keyword_only(function: object) -> dict[str, object]:
@@ -95,7 +98,7 @@ def edit_call(
         if key in present:
             arg = args[present[key]]
             if code_of(arg.value) != text:
-                args[present[key]] = arg.with_changes(value=cst.parse_expression(text))
+                args[present[key]] = arg.with_changes(value=_expression(text))
     new = [_keyword_arg(k, t) for k, t in keywords.items() if k not in present]
     changes: dict[str, object] = {}
     if new and args:
@@ -116,6 +119,13 @@ def edit_call(
 _COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
 
 
+@functools.lru_cache(maxsize=256)
+def _expression(text: str) -> cst.BaseExpression:
+    """``text`` parsed; cached, as a file's hundreds of calls get the same few keyword values (libcst
+    nodes are immutable, so one node may stand in many places of a tree)."""
+    return cst.parse_expression(text)
+
+
 def _newline(indent: str) -> cst.ParenthesizedWhitespace:
     return cst.ParenthesizedWhitespace(indent=False, last_line=cst.SimpleWhitespace(indent))
 
@@ -123,7 +133,7 @@ def _newline(indent: str) -> cst.ParenthesizedWhitespace:
 def _keyword_arg(key: str, text: str) -> cst.Arg:
     no_space = cst.SimpleWhitespace("")
     return cst.Arg(
-        value=cst.parse_expression(text),
+        value=_expression(text),
         keyword=cst.Name(key),
         equal=cst.AssignEqual(whitespace_before=no_space, whitespace_after=no_space),
     )
@@ -228,6 +238,8 @@ class Editor(cst.CSTTransformer):
         hooks: ``id(class node)`` -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
         config_classes: ``id(class node)`` of the classes that get ``loragen_config = LORA_CONFIG``.
         factories: ``id(call node)`` -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
+        hidden: ``id(function)`` -> body source of the functions the scanner did not read; no planned edit
+            lies inside one, so those are skipped unless they hold a relative import to make absolute.
     """
 
     def __init__(
@@ -237,13 +249,19 @@ class Editor(cst.CSTTransformer):
         hooks: dict[int, str],
         config_classes: set[int],
         factories: dict[int, str] | None = None,
+        hidden: dict[int, str] | None = None,
     ) -> None:
         self.calls = calls
+        self.hidden = hidden or {}
         self.factories = factories or {}
         self.package = package
         self.hooks = hooks
         self.config_classes = config_classes
         self.import_errors: list[str] = []
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        body = self.hidden.get(id(node))
+        return body is None or (self.package is not None and _RELATIVE_IMPORT.search(body) is not None)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         factory = self.factories.get(id(original_node))

@@ -217,7 +217,9 @@ class ScannedModule:
     the source range of the nodes inside those calls (they all lie in ``__init__`` bodies).
     ``lora_bindings`` holds the module-level ``Name = lora_class_for(Subclass)`` lines (name -> subclass),
     ``factories`` the auto-class calls by id (node and what it builds), ``auto_bindings`` the module-level
-    ``Name = lora_auto_class(AutoX, ...)`` lines (name -> ``AutoX``).
+    ``Name = lora_auto_class(AutoX, ...)`` lines (name -> ``AutoX``). ``hidden`` maps ``id(function)`` to
+    the source of each function body the scanner did not read (:func:`loragen.source.parse.skeleton`):
+    no followed call lies inside one, so the rewriter's pass skips those without a relative import.
     """
 
     tree: cst.Module
@@ -228,3 +230,4 @@ class ScannedModule:
     lora_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
     factories: dict[int, tuple[cst.Call, FactoryCall]] = dataclasses.field(default_factory=dict)
     auto_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
+    hidden: dict[int, str] = dataclasses.field(default_factory=dict)

@@ -5,17 +5,23 @@
 ``torch.nn.Linear``), which registered layer type a constructor call builds (read from
 :mod:`loragen.registry`), the classes and functions the module defines, and ``file:line`` positions, also
 inside function bodies that the skeleton stubbed out (:mod:`loragen.source.parse`).
+
+Node identity: the scanner and the rewriter key what they find by the tree's node objects (the
+positions and scopes map, ``id(node)`` in the planner's edits). libcst's metadata wrapper deep-copies
+the tree it is given unless told ``unsafe_skip_copy=True``; a copy would make every lookup miss, so the
+wrapper here must never copy, and the kept bodies of the skeleton are the full tree's own nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import libcst as cst
 import libcst.metadata as md
-from libcst.helpers.module import ModuleNameAndPackage
+from libcst.metadata import CodeRange
 
+from loragen.errors import ScanError
 from loragen.registry import LayerSpec, specs
 from loragen.source.factories import AutoFactory, auto_bindings, auto_factory
 from loragen.source.fields import SourceLocation
@@ -77,24 +83,19 @@ class Resolver:
         self.filename = filename
         self.package = package
         self.module_prefix = (module or "__scanned__") + "."
-        cache = {}
-        if package is not None:
-            cache[md.FullyQualifiedNameProvider] = ModuleNameAndPackage(module or "__scanned__", package)
-        wrapper = md.MetadataWrapper(skeleton, unsafe_skip_copy=True, cache=cache)  # type: ignore[arg-type]
-        names: Mapping[cst.CSTNode, Collection[md.QualifiedName]] | None = None
-        if package is not None:
-            try:
-                names = wrapper.resolve(md.FullyQualifiedNameProvider)
-            except ImportError:  # a relative import reaching above the given package: keep it relative
-                names = None
-        # QualifiedNameProvider gives local names without the module: add it so both providers agree
-        self.local_prefix = "" if names is not None else self.module_prefix
-        self.names = names if names is not None else wrapper.resolve(md.QualifiedNameProvider)
-        scope = wrapper.resolve(md.ScopeProvider)[wrapper.module]
-        assert scope is not None  # libcst gives every module a global scope
+        # The scopes give a node's qualified names on demand (what QualifiedNameProvider and
+        # FullyQualifiedNameProvider wrap, at the cost of a whole-tree pass each); ``_normalise`` makes
+        # local names and relative imports absolute as the latter would.
+        wrapper = md.MetadataWrapper(skeleton, unsafe_skip_copy=True)  # node identity: see module docstring
+        # one call: resolved apart, the non-batchable PositionProvider costs an extra empty walk of the tree
+        metadata = wrapper.resolve_many([md.ScopeProvider, md.PositionProvider])
+        self.scopes: Mapping[cst.CSTNode, md.Scope | None] = metadata[md.ScopeProvider]  # type: ignore[assignment]
+        self.positions: Mapping[cst.CSTNode, CodeRange] = metadata[md.PositionProvider]  # type: ignore[assignment]
+        scope = self.scopes[wrapper.module]
+        if scope is None:  # libcst gives every module a global scope
+            raise ScanError("libcst found no module scope", filename=filename, line=1)
         self.global_scope = scope
         self.skeleton = wrapper.module
-        self.positions = wrapper.resolve(md.PositionProvider)
         self.layer_names = _layer_names()
         self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
         # qualified name -> ClassDef / FunctionDef, with Python-style qualnames ("f.<locals>.C")
@@ -153,19 +154,18 @@ class Resolver:
 
     def qualnames(self, node: cst.CSTNode) -> set[str]:
         """The absolute qualified names ``node`` may denote (relative ones when no package is known)."""
-        found = self.names.get(node)
-        if found is None:  # in a stubbed body: resolve the dotted name at module level
+        scope = self.scopes.get(node)
+        if scope is None:  # in a stubbed body: resolve the dotted name at module level
             dotted = dotted_name(node)
             at_top = self.global_scope.get_qualified_names_for(dotted) if dotted else ()
-            return {self._normalise(q, relative=True) for q in at_top}
-        if callable(found):  # QualifiedNameProvider computes lazily
-            found = found()
-        return {self._normalise(q, relative=False) for q in found}
+            return {self._normalise(q) for q in at_top}
+        return {self._normalise(q) for q in scope.get_qualified_names_for(node)}
 
-    def _normalise(self, q: md.QualifiedName, relative: bool) -> str:
+    def _normalise(self, q: md.QualifiedName) -> str:
+        """``q`` as an absolute name: a local name gets the module's, a relative import the package's."""
         if q.source is md.QualifiedNameSource.LOCAL:
-            return (self.module_prefix if relative else self.local_prefix) + q.name
-        if relative and q.name.startswith(".") and self.package is not None:
+            return self.module_prefix + q.name
+        if q.name.startswith(".") and self.package is not None:
             level = len(q.name) - len(q.name.lstrip("."))
             return absolute_module(self.package, level, q.name.lstrip(".")) or q.name
         return q.name

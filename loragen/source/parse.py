@@ -1,6 +1,13 @@
 """Parsing for the scanner: source to a libcst tree, with Python's own message for invalid code, and the
 *skeleton* of a tree that keeps only the function bodies the scanner reads.
 
+Python's own parser reads the code first: it is fast, gives the clearest message for invalid code, and
+stands guard for libcst. libcst's native parser crashes the process (a stack overflow, no exception) on
+brackets nested about 2,000 deep, and the visitors over its tree run out of Python's recursion limit
+from about 150 levels of nested expressions. Code nested deeper than :data:`MAX_NESTING` levels of
+Python's syntax tree is refused before libcst sees it, at the line where the limit is crossed
+(transformers' 530 modeling files reach 22 at most).
+
 Scope and position analysis of a whole file is libcst's slowest part; only the bodies of ``__init__`` and
 ``get_output_embeddings`` need it, so it runs on a skeleton whose other function bodies are stubbed out
 with the same number of lines. The kept bodies are the very nodes of the full tree, so positions and
@@ -9,6 +16,7 @@ names found for them hold for the full tree too.
 
 from __future__ import annotations
 
+import ast
 import re
 
 import libcst as cst
@@ -16,7 +24,9 @@ import libcst as cst
 from loragen.errors import ScanError
 from loragen.source.syntax import code_of
 
-__all__ = ["KEPT_BODIES", "parse", "skeleton"]
+__all__ = ["KEPT_BODIES", "MAX_NESTING", "parse", "skeleton"]
+
+MAX_NESTING = 100
 
 KEPT_BODIES = ("__init__", "get_output_embeddings")
 _DEFINES_CLASS = re.compile(r"^[ \t]*class[ \t]", re.MULTILINE)
@@ -26,24 +36,60 @@ def parse(code: str, filename: str) -> cst.Module:
     """Parse ``code`` into a libcst module.
 
     Raises:
-        ScanError: ``code`` is not valid Python; names ``filename:line`` and Python's own message.
+        ScanError: ``code`` is not valid Python, holds a NUL character or text that is not Unicode, or is
+            nested deeper than :data:`MAX_NESTING`; names ``filename:line`` and what is wrong (Python's own
+            message for invalid code).
     """
+    _check_with_python(code, filename)
     try:
         return cst.parse_module(code)
     except (cst.ParserSyntaxError, SyntaxError, ValueError, RecursionError) as exc:
-        raise _syntax_error(code, filename, exc) from None
+        raise _libcst_error(filename, exc) from None
 
 
-def _syntax_error(code: str, filename: str, exc: Exception) -> ScanError:
-    """The clearest report for unparsable code: Python's own message and line when it has one."""
+def _check_with_python(code: str, filename: str) -> None:
+    """Python's parser on ``code``, then the nesting depth of its tree; raises :class:`ScanError`."""
+    nul = code.find("\0")
+    if nul >= 0:  # Python's message for it has no line
+        line = code.count("\n", 0, nul) + 1
+        raise ScanError("the source holds a NUL character (a binary file?)", filename=filename, line=line)
     try:
-        compile(code, filename, "exec", dont_inherit=True)
-    except SyntaxError as py_exc:
-        return ScanError(
-            py_exc.msg, filename=filename, line=py_exc.lineno or 1, column=max((py_exc.offset or 1) - 1, 0)
+        tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+    except SyntaxError as exc:
+        raise ScanError(
+            exc.msg, filename=filename, line=exc.lineno or 1, column=max((exc.offset or 1) - 1, 0)
+        ) from None
+    except UnicodeError as exc:  # lone surrogates in a str
+        line = code.count("\n", 0, getattr(exc, "start", 0)) + 1
+        raise ScanError(
+            f"the source is not valid Unicode text: {exc}", filename=filename, line=line
+        ) from None
+    except (RecursionError, MemoryError):  # Python's own limit, deeper than ours
+        raise ScanError(f"nesting deeper than {MAX_NESTING}", filename=filename, line=1) from None
+    deep = _deeper_than(tree, MAX_NESTING)
+    if deep is not None:
+        raise ScanError(
+            f"nesting deeper than {MAX_NESTING} (brackets, calls or operators inside one another); "
+            "loragen reads model files, whose nesting is far shallower",
+            filename=filename,
+            line=deep,
         )
-    except (ValueError, RecursionError, MemoryError) as other:  # NUL bytes, absurd nesting
-        return ScanError(str(other), filename=filename, line=1)
+
+
+def _deeper_than(tree: ast.AST, limit: int) -> int | None:
+    """The line of the first node found more than ``limit`` levels down in ``tree``, or None."""
+    stack = [(tree, 0, 1)]
+    while stack:
+        node, depth, line = stack.pop()
+        line = getattr(node, "lineno", line)  # expression contexts (Load, Store) have no position
+        if depth > limit:
+            return line
+        stack.extend((child, depth + 1, line) for child in ast.iter_child_nodes(node))
+    return None
+
+
+def _libcst_error(filename: str, exc: Exception) -> ScanError:
+    """libcst refusing code that Python's parser accepts (syntax newer than libcst knows)."""
     if isinstance(exc, cst.ParserSyntaxError):
         return ScanError(
             f"libcst cannot parse this: {exc.message}",
@@ -51,18 +97,25 @@ def _syntax_error(code: str, filename: str, exc: Exception) -> ScanError:
             line=exc.raw_line,
             column=exc.raw_column,
         )
+    if isinstance(exc, RecursionError):
+        return ScanError(
+            f"nesting deeper than libcst can parse ({MAX_NESTING} at most)", filename=filename, line=1
+        )
     return ScanError(
         f"libcst cannot parse this: {exc}", filename=filename, line=getattr(exc, "lineno", None) or 1
     )
 
 
-def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef]]:
-    """``tree`` with function bodies stubbed out (same line count), and ``id(function) -> its stub``.
+def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef], dict[int, str]]:
+    """``tree`` with function bodies stubbed out (same line count), ``id(function) -> its stub``, and
+    ``id(function) -> the source of its body`` for the functions whose whole body was stubbed.
 
     Kept whole: the bodies named in :data:`KEPT_BODIES`, and the bodies of functions that define classes
-    (whose methods are stubbed in turn).
+    (whose methods are stubbed in turn). Nothing the scanner follows lies in a wholly stubbed body, so
+    later passes may skip those bodies when their source shows nothing they look for.
     """
     stubs: dict[int, cst.FunctionDef] = {}
+    hidden: dict[int, str] = {}
 
     def strip(stmt: cst.BaseStatement) -> cst.BaseStatement:
         if isinstance(stmt, cst.FunctionDef):
@@ -72,17 +125,17 @@ def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef]]:
             if _DEFINES_CLASS.search(text):
                 new = stmt.with_changes(body=stmt.body.with_changes(body=[strip(s) for s in stmt.body.body]))
             else:
-                body = cst.IndentedBlock(
-                    body=[cst.SimpleStatementLine(body=[cst.Expr(cst.Ellipsis())])],
-                    header=stmt.body.header,
-                    indent=stmt.body.indent,
-                    footer=[cst.EmptyLine(indent=False)] * max(text.count("\n") - 2, 0),
-                )
+                # one string literal spanning the body's lines keeps the line count in a single node
+                # (blank lines would be three nodes each, for every pass over the skeleton)
+                lines = "\n" * max(text.count("\n") - 2, 0)
+                stub = cst.SimpleStatementLine(body=[cst.Expr(cst.SimpleString(f'"""{lines}"""'))])
+                body = cst.IndentedBlock(body=[stub], header=stmt.body.header, indent=stmt.body.indent)
                 new = stmt.with_changes(body=body)
+                hidden[id(stmt)] = text
             stubs[id(stmt)] = new
             return new
         if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock):
             return stmt.with_changes(body=stmt.body.with_changes(body=[strip(s) for s in stmt.body.body]))
         return stmt
 
-    return tree.with_changes(body=[strip(s) for s in tree.body]), stubs
+    return tree.with_changes(body=[strip(s) for s in tree.body]), stubs, hidden

@@ -94,7 +94,9 @@ class RewritePlanner:
         missing = self._missing_imports()
         if self.errors:
             return self._result(self.code)
-        editor = Editor(self.edits, self.package, hooks, config_classes, self.factory_edits)
+        editor = Editor(
+            self.edits, self.package, hooks, config_classes, self.factory_edits, self.scanned.hidden
+        )
         tree = self.scanned.tree.visit(editor)
         for message in editor.import_errors:
             self._error(1, message)

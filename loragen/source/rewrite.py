@@ -123,7 +123,7 @@ def rewrite_source(
         return RewritePlanner(code, config, name, package if absolute_imports else None, scanned).run()
     except ScanError as exc:
         return failed(exc.line, exc.reason)
-    except RecursionError:
-        return failed(1, "the source is nested too deeply")
+    except RecursionError:  # the parser's guard keeps far from this; a last line of defence
+        return failed(1, "the source is nested too deeply to rewrite")
     except Exception as exc:  # a bug in loragen must not crash the caller with bad input
         return failed(1, f"internal error while rewriting ({type(exc).__name__}: {exc}); please report it")

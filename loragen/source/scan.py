@@ -92,11 +92,11 @@ def scan_module(
         ScanError: ``code`` is not valid Python.
     """
     tree = parse(code, filename)
-    stripped, stubs = skeleton(tree)
+    stripped, stubs, hidden = skeleton(tree)
     names = Resolver(tree, stripped, stubs, filename, module, package)
     found = Findings()
     classes = [_scan_class(names, found, name, node) for name, node in names.class_defs.items()]
-    report_unclaimed(names, found)
+    report_unclaimed(names, found, hidden)
     unresolved = sorted(found.unresolved, key=lambda u: (u.location.line, u.location.column))
     result = ScanResult(filename, module, tuple(classes), tuple(unresolved))
     return ScannedModule(
@@ -108,6 +108,7 @@ def scan_module(
         names.lora_bindings,
         found.factories,
         names.auto_bindings,
+        hidden,
     )
 
 

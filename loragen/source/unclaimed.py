@@ -8,6 +8,8 @@ type but cannot be resolved: a relative import without the module's package, a s
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 
 from loragen.source.fields import SourceLocation, Unresolved
@@ -18,15 +20,38 @@ from loragen.source.values import Findings
 __all__ = ["report_unclaimed"]
 
 
-def report_unclaimed(names: Resolver, found: Findings) -> None:
-    """Add an :class:`Unresolved` to ``found`` for every layer call of ``names.tree`` not yet claimed."""
-    names.tree.visit(_Finder(names, found))
+def report_unclaimed(names: Resolver, found: Findings, hidden: dict[int, str]) -> None:
+    """Add an :class:`Unresolved` to ``found`` for every layer call of ``names.tree`` not yet claimed.
+
+    ``hidden`` maps ``id(function)`` to the source of the bodies the scanner did not read: a body whose
+    source names no layer type (under any name the module binds it to) is skipped unread.
+    """
+    names.tree.visit(_Finder(names, found, hidden, _layer_words(names)))
+
+
+def _layer_words(names: Resolver) -> re.Pattern[str]:
+    """The words a call that this pass reports must contain: the registered types' own names, the module's
+    layer subclasses and LoRA bindings, and the names it imports a layer type under (``Linear as L``).
+
+    In a stubbed body names resolve at module level (:meth:`Resolver.qualnames`), so these are all."""
+    words = set(names.short_layer_names)
+    words.update(name.rpartition(".")[2] for name in (*names.layer_subclasses, *names.lora_bindings))
+    for assignment in names.global_scope.assignments:
+        bound = assignment.name
+        qualified = names.global_scope.get_qualified_names_for(bound)
+        if any(q.name.rpartition(".")[2] in names.short_layer_names for q in qualified):
+            words.add(bound)
+    return re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, words))) + r")\b")
 
 
 class _Finder(cst.CSTVisitor):
-    def __init__(self, names: Resolver, found: Findings) -> None:
+    def __init__(
+        self, names: Resolver, found: Findings, hidden: dict[int, str], words: re.Pattern[str]
+    ) -> None:
         self.names = names
         self.found = found
+        self.hidden = hidden
+        self.words = words
         self.scopes: list[str] = []
         self.functions: list[cst.FunctionDef] = []
 
@@ -36,9 +61,11 @@ class _Finder(cst.CSTVisitor):
     def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
         self.scopes.pop()
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self.scopes.append(f"{node.name.value}()")
         self.functions.append(node)
+        body = self.hidden.get(id(node))
+        return body is None or self.words.search(body) is not None
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         self.scopes.pop()

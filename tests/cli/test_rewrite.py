@@ -101,7 +101,7 @@ def test_cli_usage_errors(sources: Path, capsys, args: list[str], message: str):
     assert message in capsys.readouterr().err
 
 
-def test_in_place_never_damages_the_input_when_the_write_fails(sources: Path, monkeypatch):
+def test_in_place_never_damages_the_input_when_the_write_fails(sources: Path, monkeypatch, capsys):
     target = sources / "a.py"
     before = target.read_bytes()
 
@@ -109,10 +109,72 @@ def test_in_place_never_damages_the_input_when_the_write_fails(sources: Path, mo
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
-        run_cli(str(target), "--in-place", "--target-modules", "q")
+    assert run_cli(str(target), "--in-place", "--target-modules", "q") == rewrite_command.EXIT_FILE_ERRORS
+    assert "loragen rewrite: error: cannot write: disk full; nothing was written\n" in capsys.readouterr().err
     assert target.read_bytes() == before
     assert [p.name for p in sources.iterdir() if p.is_file()] == ["a.py"]
+
+
+def test_two_sources_onto_one_output_file_are_refused_before_writing(sources: Path, tmp_path: Path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.py").write_text((sources / "a.py").read_text().replace("self.q", "self.q2"))
+    out = tmp_path / "out"
+    status = run_cli(str(sources / "a.py"), str(other / "a.py"), "-o", str(out), "--target-modules", "q,q2")
+    assert status == rewrite_command.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert (
+        f"error: {out / 'a.py'}: both {sources / 'a.py'} and {other / 'a.py'} would be written here\n" in err
+    )
+    assert "nothing was written" in err and not out.exists()
+
+
+def test_an_output_onto_a_source_needs_in_place(sources: Path, capsys):
+    source = sources / "a.py"
+    before = source.read_bytes()
+    assert run_cli(str(source), "-o", str(source), "--target-modules", "q") == rewrite_command.EXIT_USAGE
+    assert "the output would overwrite the source" in capsys.readouterr().err
+    # a folder written onto itself, and an output reached through a link, are the same mistake
+    (sources / "link.py").symlink_to(source)
+    assert run_cli(str(source), "-o", str(sources / "link.py"), "--target-modules", "q") == 2
+    assert run_cli(str(sources), "-o", str(sources), "--target-modules", "q,v") == 2
+    assert "--in-place" in capsys.readouterr().err
+    assert source.read_bytes() == before and (sources / "link.py").is_symlink()
+
+
+def test_in_place_on_a_link_rewrites_its_target_and_keeps_the_link_and_the_mode(
+    sources: Path, tmp_path: Path
+):
+    source = sources / "a.py"
+    source.chmod(0o755)
+    link = tmp_path / "link.py"
+    link.symlink_to(source)
+    assert run_cli(str(link), "--in-place", "--target-modules", "q", "-q") == 0
+    assert link.is_symlink() and link.resolve() == source
+    assert "self.q = LoraLinear(" in source.read_text()
+    assert source.stat().st_mode & 0o777 == 0o755
+    # a folder holding a file and a link to it rewrites the file once
+    (sources / "sub" / "again.py").symlink_to(source)
+    assert run_cli(str(sources), "--in-place", "--target-modules", "q,v", "-q") == 0
+    assert (sources / "sub" / "again.py").is_symlink()
+
+
+def test_a_file_in_the_way_of_an_output_folder_fails_before_anything_is_written(
+    sources: Path, tmp_path: Path, capsys
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sub").write_text("not a folder")
+    status = run_cli(str(sources), "-o", str(out), "--target-modules", "q,v")
+    assert status == rewrite_command.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"error: {out / 'sub' / 'b.py'}: {out / 'sub'} is a file, not a folder\n" in err
+    assert sorted(p.name for p in out.iterdir()) == ["sub"]  # a.py, which had room, is not written either
+    (out / "sub").unlink()
+    (out / "a.py").mkdir()
+    assert run_cli(str(sources), "-o", str(out), "--target-modules", "q,v") == rewrite_command.EXIT_USAGE
+    assert f"{out / 'a.py'}: is a folder" in capsys.readouterr().err
+    assert not (out / "sub").exists()
 
 
 def test_a_target_that_matches_nothing_is_an_error_naming_it(sources: Path, tmp_path: Path, capsys):

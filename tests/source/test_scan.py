@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import libcst as cst
 import pytest
 
 from loragen.source.scan import ScanError, scan_source
@@ -354,3 +355,42 @@ def test_classes_inside_functions_keep_exact_lines():
     inner = result.get("factory.<locals>.Inner")
     assert [(f.path, f.location.line) for f in inner.fields] == [("a", 11)]
     assert [u.location.line for u in result.unresolved] == [14]
+
+
+def test_layers_built_in_unread_bodies_are_reported_under_every_name_the_module_gives_them():
+    # function bodies other than __init__ are skipped unless their source names a layer type: an alias
+    # (L, lin.Linear), the module's own layer subclass and a relative import are names too
+    result = scan_source(
+        "from torch import nn\nfrom torch.nn import Linear as L\nimport torch.nn.modules.linear as lin\n"
+        "from .layers import Conv1D as C\n\n"
+        "class MyLinear(nn.Linear):\n    pass\n\n"
+        "def a():\n    return L(1, 2)\n\n"
+        "def b():\n    return lin.Linear(1, 2)\n\n"
+        "def c():\n    return MyLinear(1, 2)\n\n"
+        "def d():\n    return C(1, 2)\n\n"
+        "def e():\n    return nn.functional.relu(1)\n",
+        filename="model.py",
+    )
+    assert [(u.location.line, u.reason.split(" ")[0]) for u in result.unresolved] == [
+        (10, "L(...)"),
+        (13, "lin.Linear(...)"),
+        (16, "MyLinear(...)"),
+        (19, "C"),
+    ]
+
+
+def test_scan_positions_are_keyed_by_the_full_trees_own_nodes():
+    # the rewriter edits calls by node identity: the metadata must describe the tree it edits, not a copy
+    from loragen.source.scan import scan_module
+
+    scanned = scan_module(HEADER + "class M(nn.Module):\n    def __init__(self):\n        self.q = L(1, 2)\n")
+    (node,) = scanned.call_nodes.values()
+    assert scanned.positions[node].start.line == 7
+    found = []
+
+    class Calls(cst.CSTVisitor):
+        def visit_Call(self, call: cst.Call) -> None:
+            found.append(call)
+
+    scanned.tree.visit(Calls())
+    assert any(call is node for call in found)
