@@ -46,6 +46,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "LoraConv1D": "loragen.layers",  # imports transformers
     "make_optimizer": "loragen.training.optimizers",
+    "checkpoint_modules": "loragen.training.checkpointing",
+    "enable_input_require_grads": "loragen.training.checkpointing",
+    "wrap_ddp": "loragen.training.distributed",
+    "save_adapter_main_process": "loragen.training.distributed",
     "AdamW8bit": "loragen.training.adamw8bit",
     "save_adapter": "loragen.adapters.save",
     "load_adapter": "loragen.adapters.load",
@@ -88,6 +92,10 @@ __all__ = [
     "register_layer",
     "LoraConv1D",
     "make_optimizer",
+    "checkpoint_modules",
+    "enable_input_require_grads",
+    "wrap_ddp",
+    "save_adapter_main_process",
     "AdamW8bit",
     "save_adapter",
     "load_adapter",
@@ -128,6 +136,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from loragen.source.decorator import lora_convert
     from loragen.source.rewrite import RewriteResult, rewrite_source
     from loragen.training.adamw8bit import AdamW8bit
+    from loragen.training.checkpointing import checkpoint_modules, enable_input_require_grads
+    from loragen.training.distributed import save_adapter_main_process, wrap_ddp
     from loragen.training.kbit import prepare_model_for_kbit_training
     from loragen.training.optimizers import make_optimizer
     from loragen.training.trainer import LoraTrainerCallback

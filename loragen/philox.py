@@ -19,9 +19,11 @@ LoRA input ``x`` of shape (..., in): ``i = row * in + column`` over ``x.reshape(
   so the drop probability is ``p`` rounded to a multiple of 2**-16;
 * kept elements are scaled by ``1 / (1 - p)`` (inverted dropout), dropped ones are zero.
 
-Seeds come from torch's default CPU generator (:func:`random_seed`), so ``torch.manual_seed``
-reproduces a run on either device and ``torch.utils.checkpoint``, which restores the CPU RNG state,
-recomputes the same mask.
+Where seeds come from: the CPU ops draw them from torch's default CPU generator (:func:`random_seed`);
+the CUDA op draws seed and offset with one device-side torch RNG op into a tensor its kernels read
+(:func:`loragen.cuda.function.draw_rng`), which keeps CUDA-graph replays fresh. Either way
+``torch.manual_seed`` reproduces a run and ``torch.utils.checkpoint``, which restores the RNG state of
+the devices involved, recomputes the same mask.
 """
 
 from __future__ import annotations

@@ -40,3 +40,31 @@ def test_every_guide_the_readme_promises_exists() -> None:
     for guide in ("ways-in", "adapters", "layers", "qlora-and-moe", "training", "cli", "cuda", "extending"):
         assert (ROOT / "docs" / f"{guide}.md").is_file(), guide
     assert (ROOT / "docs" / "coming-from-peft.md").is_file()
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``loragen.a.b.c`` names something: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(target, attribute):
+                return False
+            target = getattr(target, attribute)
+        return True
+    return False
+
+
+def test_every_loragen_name_the_docs_use_exists() -> None:
+    """Every ``loragen.x.y`` in the docs resolves: no stale import paths (one import path per public name)."""
+    mentioned = set()
+    for page in DOCS:
+        text = page.read_text(encoding="utf-8")
+        mentioned |= set(re.findall(r"\bloragen(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text))
+    missing = sorted(name for name in mentioned if not _resolves(name))
+    assert not missing, f"the docs name {missing}, which loragen does not have"

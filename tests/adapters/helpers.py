@@ -165,3 +165,18 @@ def tiny_lora(seed: int = 0) -> nn.Module:
     model = get_lora_model(TinyNet(), LoraConfig(r=2, lora_alpha=4, target_modules=["q", "v"]))
     perturb_trainable(model, seed)
     return model
+
+
+def main(argv: list[str]) -> int:
+    """``loragen ARGV`` through the real entry point; returns its exit status."""
+    from loragen import cli
+
+    return cli.main(argv)
+
+
+def save_checkpoint(model: nn.Module, folder: Path, sharded: bool) -> Path:
+    """``model``'s weights as transformers writes them: one file, or shards with an index."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(str(folder), max_shard_size="40KB" if sharded else "10GB")
+    return folder if sharded else folder / "model.safetensors"

@@ -16,8 +16,7 @@ from loragen.adapters.save import adapter_config_for
 from loragen.adapters.summary import inspect_adapter
 from loragen.errors import AdapterError
 from loragen.registry import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, Layout, PlainLayout, factor_suffixes
-from tests.adapters.helpers import CASES, make_model
-from tests.adapters.test_merge import main
+from tests.adapters.helpers import CASES, main, make_model
 
 
 @pytest.mark.parametrize(("suffix", "layout", "index"), list(factor_suffixes()), ids=str)

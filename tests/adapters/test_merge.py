@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import warnings
@@ -17,33 +16,17 @@ from torch import nn
 
 from loragen.adapters.merge import MergeError, merge_checkpoint
 from loragen.registry import LAYOUTS
-from tests.adapters.helpers import CASES, loragen_adapter, make_model, peft_adapter, run_model
+from tests.adapters.helpers import (
+    CASES,
+    loragen_adapter,
+    main,
+    make_model,
+    peft_adapter,
+    run_model,
+    save_checkpoint,
+)
 
 HF_CASES = [case for case, (kind, _) in CASES.items() if kind != "convnet"]
-
-
-def main(argv: list[str]) -> int:
-    """``loragen ARGV`` through the real entry point (or ours alone while other subcommands are missing)."""
-    from loragen import cli
-
-    try:
-        cli.build_parser()
-    except ModuleNotFoundError:
-        from loragen.cli import merge
-
-        parser = argparse.ArgumentParser(prog="loragen")
-        merge.register(parser.add_subparsers())
-        args = parser.parse_args(argv)
-        return args.func(args)
-    return cli.main(argv)
-
-
-def save_checkpoint(model: nn.Module, folder: Path, sharded: bool) -> Path:
-    """``model``'s weights as transformers writes them: one file, or shards with an index."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(str(folder), max_shard_size="40KB" if sharded else "10GB")
-    return folder if sharded else folder / "model.safetensors"
 
 
 def load_merged(kind: str, output: Path) -> nn.Module:

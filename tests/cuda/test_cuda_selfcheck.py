@@ -29,8 +29,8 @@ from loragen.cuda.function import lora_linear_cuda
 from loragen.cuda.nvrtc import CompiledKernel, KernelCompileError
 from loragen.cuda.torch_kernels import TorchKernels, keep_mask
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
+from tests.cuda.fake_driver import FakeDriver
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
-from tests.cuda.test_cuda_launch import FakeDriver
 
 KNOWN_ARCHS = ("sm_80", "sm_86", "sm_90")
 
