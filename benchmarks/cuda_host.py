@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from loragen.cuda.launch import _LaunchRecord
-from loragen.cuda.specs import KernelSpec, Variant
+from loragen.cuda.specs import KernelSpec
+from loragen.cuda.variants import Variant
 
 __all__ = ["Counts", "NullLauncher", "count_host_work", "counts_table", "lora_step", "main"]
 

@@ -126,11 +126,6 @@ class KernelCache:
             self._memory[key] = compiled
             return compiled
 
-    def clear_memory(self) -> None:
-        """Forget the in-process entries (the disk folder is kept)."""
-        with self._lock:
-            self._memory.clear()
-
     # ---- disk entries ----
 
     def _load(self, path: Path, key: str, name: str, arch: str) -> CompiledKernel | None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loragen.cuda import specs
+from loragen.cuda import specs, variants
 from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, Variant, pad_rank
+from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP
+from loragen.cuda.variants import Variant, pad_rank
 
 __all__ = ["DTYPE_NAMES", "Plan", "add_base", "down", "grad_in", "grad_out", "pad_rank", "up"]
 
@@ -37,7 +38,7 @@ class Plan:
         self.out_features = out_features
         self.rank = rank
         aligned = self.in_features % 8 == 0 and out_features % 8 == 0
-        self.variant = Variant(DTYPE_NAMES[x2.dtype], specs.rank_bucket(rank), aligned)
+        self.variant = Variant(DTYPE_NAMES[x2.dtype], variants.rank_bucket(rank), aligned)
         self.device = x2.device
         route = getattr(launcher, "route", None)
         self.launcher: KernelLauncher = route(self.variant, x2.device) if route is not None else launcher

@@ -29,7 +29,8 @@ import torch
 
 from loragen.cuda.launch import pack_arguments
 from loragen.cuda.render import render_kernel
-from loragen.cuda.specs import KernelSpec, Param, Variant, render_params
+from loragen.cuda.specs import KernelSpec, Param, render_params
+from loragen.cuda.variants import Variant
 
 HERE = Path(__file__).parent
 HEADER = HERE / "cuda_emulation.h"

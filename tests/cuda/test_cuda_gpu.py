@@ -399,7 +399,7 @@ def test_launch_on_another_device_leaves_the_current_device():
 
 def test_default_checker_checks_in_a_child_process_first():
     from loragen.cuda.selfcheck import CheckedLauncher
-    from loragen.cuda.specs import Variant
+    from loragen.cuda.variants import Variant
 
     checker = CheckedLauncher()  # the driver launcher: isolated check on CUDA devices
     with switches.cuda_kernels.using("check"):

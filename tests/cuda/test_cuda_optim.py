@@ -12,16 +12,12 @@ import pytest
 import torch
 
 import loragen.cuda
-from loragen.cuda import specs
+from loragen.cuda import specs, variants
 from loragen.cuda.optim import adamw8bit_update_cuda, kernel_supports
 from loragen.training.adamw8bit import AdamW8bit, adamw8bit_update_
 from loragen.training.quantization import dequantize_blockwise, dynamic_code
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
-
-from .test_cuda_compile import nvrtc_available, rendered  # noqa: F401 (a fixture persistent_cache uses)
-from .test_cuda_compile import persistent_cache as _shared_cubin_cache
-
-persistent_cache = _shared_cubin_cache  # test_cuda_compile's fixture, with its on-disk cubin cache
+from tests.cuda.rendering import rendered
 
 SIGNED, UNSIGNED = dynamic_code(True), dynamic_code(False)
 
@@ -148,11 +144,11 @@ def test_kernel_refuses_what_it_cannot_take():
 
 
 def test_every_variant_renders_with_its_dtype():
-    variants = list(specs.optimizer_variants())
-    assert [v.dtype for _, v in variants] == list(specs.DTYPES)
-    for spec, variant in variants:
+    optimizer_variants = list(specs.optimizer_variants())
+    assert [v.dtype for _, v in optimizer_variants] == list(variants.DTYPES)
+    for spec, variant in optimizer_variants:
         source = rendered(spec, variant).source
-        assert "{{" not in source and f"typedef {specs.DTYPES[variant.dtype]} scalar_t;" in source
+        assert "{{" not in source and f"typedef {variants.DTYPES[variant.dtype]} scalar_t;" in source
         assert 'extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) adamw8bit(' in source
 
 
