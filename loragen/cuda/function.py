@@ -46,6 +46,7 @@ replay. :func:`loragen.philox.dropout_keep_mask` gives the identical mask on the
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -173,6 +174,12 @@ def _autocasting(x: Tensor) -> bool:
     return x.is_cuda and torch.is_autocast_enabled("cuda")
 
 
+def _without_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The kernels run in the dtypes they are given: autocast off inside the op (a no-op context when it
+    is not on, which is the common case and costs nothing)."""
+    return torch.autocast("cuda", enabled=False) if _autocasting(x) else contextlib.nullcontext()
+
+
 def _lora_linear_impl(
     x: Tensor,
     weight: Tensor,
@@ -186,12 +193,8 @@ def _lora_linear_impl(
     launcher: int,
 ) -> tuple[Tensor, Tensor]:
     """y (..., out) in x's dtype and h (N, R) float32 (saved for backward)."""
-    if _autocasting(x):
-        with torch.autocast("cuda", enabled=False):
-            return _forward(
-                x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher
-            )
-    return _forward(x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher)
+    with _without_autocast(x):
+        return _forward(x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher)
 
 
 _lora_linear_op = torch.library.custom_op("loragen::lora_linear", _lora_linear_impl, mutates_args=())
@@ -263,25 +266,10 @@ def _lora_linear_backward_impl(
     launcher: int,
 ) -> list[Tensor]:
     """The gradients of (x, weight, bias, lora_A, lora_B) flagged in ``needs``, in that order."""
-    if _autocasting(x):
-        with torch.autocast("cuda", enabled=False):
-            return _backward(
-                grad_out,
-                x,
-                weight,
-                lora_A,
-                lora_B,
-                h,
-                rng,
-                scaling,
-                dropout_p,
-                fan_in_fan_out,
-                needs,
-                launcher,
-            )
-    return _backward(
-        grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
-    )
+    with _without_autocast(x):
+        return _backward(
+            grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
+        )
 
 
 _lora_linear_backward_op = torch.library.custom_op(
