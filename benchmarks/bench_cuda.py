@@ -177,8 +177,8 @@ def kernel_benchmark(
     """Each loragen kernel alone on the layer: us, minimum MB moved, GB/s, share of copy bandwidth."""
     from loragen import philox
     from loragen.cuda import passes, variants
-    from loragen.cuda.function import seed_rng
     from loragen.cuda.launch import default_launcher
+    from loragen.cuda.linear_op import seed_rng
 
     torch.manual_seed(0)
     n, k, o, b = tokens, features, features, 2  # bf16

@@ -186,7 +186,9 @@ def main() -> None:
         for label, layers in (("small", args.small_layers), ("large", args.large_layers)):
             sizes[label] = write_checkpoint(work / label, layers)
             write_adapter(work / f"{label}-adapter", layers)
-        baseline, _ = peak_rss([sys.executable, "-c", "import torch, loragen.adapters.merge" + REPORT_PEAK])
+        baseline, _ = peak_rss(
+            [sys.executable, "-c", "import torch, loragen.adapters.offline_merge" + REPORT_PEAK]
+        )
         results: dict[str, list[tuple[float, float]]] = {"small": [], "large": []}
         for _ in range(args.repeats):
             for label in ("small", "large"):
@@ -214,7 +216,7 @@ def main() -> None:
 
         largest = max(math.prod(s) for n, s in checkpoint_layout(1) if "layers" in n) * 2 / 2**20
         print(
-            f"python + torch + loragen.adapters.merge imported: {baseline:.0f} MiB peak RSS; "
+            f"python + torch + loragen.adapters.offline_merge imported: {baseline:.0f} MiB peak RSS; "
             f"largest merged tensor {largest:.0f} MiB (bf16)"
         )
         print("| checkpoint | layers | size | merged tensors | peak RSS (median) | wall (median) |")

@@ -32,7 +32,7 @@ from typing import Any
 _CHILD = """
 import json, resource, sys, time
 from loragen.config import LoraConfig
-from loragen.source.rewrite import module_name_for_path, rewrite_source
+from loragen.source.rewriter import module_name_for_path, rewrite_source
 
 def rss(field):
     with open("/proc/self/status") as status:

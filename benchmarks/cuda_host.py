@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.launch import _LaunchRecord
 from loragen.cuda.specs import KernelSpec
-from loragen.cuda.variants import Variant
 
 __all__ = ["Counts", "NullLauncher", "count_host_work", "counts_table", "lora_step", "main"]
 
@@ -95,7 +95,7 @@ def lora_step(
     Raises:
         ValueError: an unknown ``kind``, or "loragen" without a launcher.
     """
-    from loragen.cuda.function import lora_linear_cuda
+    from loragen.cuda.linear_op import lora_linear_cuda
     from loragen.reference import lora_linear_reference
 
     gen = torch.Generator().manual_seed(0)

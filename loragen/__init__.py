@@ -54,8 +54,8 @@ _LAZY = {
     "save_adapter": "loragen.adapters.save",
     "load_adapter": "loragen.adapters.load",
     "lora_convert": "loragen.source.decorator",
-    "rewrite_source": "loragen.source.rewrite",
-    "RewriteResult": "loragen.source.rewrite",
+    "rewrite_source": "loragen.source.rewriter",
+    "RewriteResult": "loragen.source.rewriter",
     "LoraTrainerCallback": "loragen.training.trainer",  # imports transformers
     # several named adapters
     "add_adapter": "loragen.adapters.named",
@@ -134,7 +134,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from loragen.layers import LoraConv1D
     from loragen.layers.mixed_batch import mixed_batch
     from loragen.source.decorator import lora_convert
-    from loragen.source.rewrite import RewriteResult, rewrite_source
+    from loragen.source.rewriter import RewriteResult, rewrite_source
     from loragen.training.adamw8bit import AdamW8bit
     from loragen.training.checkpointing import checkpoint_modules, enable_input_require_grads
     from loragen.training.distributed import save_adapter_main_process, wrap_ddp

@@ -201,9 +201,9 @@ class LoraConfig:
         fan_in_fan_out: the targeted base weights are stored ``(in, out)`` (transformers ``Conv1D``
             sets this per layer automatically).
         target_parameters: parameters adapted directly, e.g. MoE experts stored as 3-D parameters, by full
-            name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.experts`).
+            name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.expert_parameters`).
         use_dora: DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude per output
-            feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.dora`).
+            feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.dora_magnitude`).
         strict_targets: an entry of a ``target_modules`` list that matches no module is an error
             (:class:`~loragen.errors.LoraConversionError`) instead of a :class:`TargetWarning`. loragen's own
             switch: not written to ``adapter_config.json`` (peft has no such field).

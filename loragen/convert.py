@@ -20,7 +20,7 @@ from loragen.config import ALL_LINEAR, LoraConfig, TargetWarning
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
-from loragen.layers.experts import lora_parameters_class
+from loragen.layers.expert_parameters import lora_parameters_class
 from loragen.ops.sibling_plan import plan_siblings
 from loragen.parameter_targets import (
     expand_all_linear,
@@ -256,7 +256,7 @@ def convert_module(module: nn.Module, config: LoraConfig, path: str) -> LoraLaye
     """The LoRA layer for ``module`` at ``path``, with the rank and alpha ``config`` gives that path.
 
     A module with parameters ``config.target_parameters`` selects gets LoRA on those parameters
-    (:mod:`loragen.layers.experts`).
+    (:mod:`loragen.layers.expert_parameters`).
 
     Raises:
         LoraConversionError: the module's type is not supported, or a per-module value is invalid.

@@ -1,6 +1,6 @@
 """The layout holds: imports point down the layer order (import-linter), no import cycles, one concern
-per module (split by purpose; a module past ~500 lines is a sign it holds two), no module named like a
-stdlib module, and ruff (lint and format) and mypy pass.
+per module (split by purpose; a module past ~500 lines is a sign it holds two), no two modules with one
+name, no module named like a stdlib module, and ruff (lint and format) and mypy pass.
 
 These run the project's own configuration (pyproject.toml), so what CI checks is what a developer runs:
 ``lint-imports``, ``ruff check .``, ``ruff format --check .`` and ``mypy``.
@@ -35,6 +35,16 @@ def test_no_module_is_longer_than_the_limit() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"
+
+
+def test_no_two_modules_share_a_name() -> None:
+    # one name, one concern: `dora.py` in two packages leaves a reader guessing which one an import means
+    by_name: dict[str, list[str]] = {}
+    for p in _modules():
+        if p.name != "__init__.py":
+            by_name.setdefault(p.stem, []).append(str(p.relative_to(ROOT)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, f"module names used more than once (name each by its purpose): {shared}"
 
 
 def test_no_module_is_named_like_a_stdlib_module() -> None:

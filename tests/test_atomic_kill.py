@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 import loragen.atomic
 from loragen import save_adapter
-from loragen.adapters.merge import merge_checkpoint
+from loragen.adapters.offline_merge import merge_checkpoint
 from loragen.atomic import atomic_dir
 from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
 

@@ -38,7 +38,7 @@ PEFT_PREFIX = "base_model.model."
 # Path components peft's LoRA layers use for tensors: all begin with this (lora_A, lora_embedding_B,
 # DoRA's lora_magnitude_vector, and variants loragen does not implement such as a LoRA bias).
 _PEFT_LORA_PART = "lora_"
-# DoRA's magnitude vector: a LoRA tensor beside the factors (loragen.layers.dora)
+# DoRA's magnitude vector: a LoRA tensor beside the factors (loragen.layers.dora_magnitude)
 MAGNITUDE = "lora_magnitude_vector"
 # Path components of peft's wrappers around a module saved in full, which carry no name of their own.
 _PEFT_WRAPPER_PARTS = ("base_layer", "modules_to_save")

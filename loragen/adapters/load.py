@@ -38,7 +38,7 @@ from loragen.convert import (
 from loragen.errors import AdapterError
 from loragen.layers import LoraLayer
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter, set_active
-from loragen.layers.experts import LoraParametersLayer, scaling_owners
+from loragen.layers.expert_parameters import LoraParametersLayer, scaling_owners
 
 __all__ = ["load_adapter"]
 

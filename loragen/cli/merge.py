@@ -96,7 +96,7 @@ def _key_map_rule(text: str) -> tuple[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``loragen merge``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
-    from loragen.adapters.merge import merge_checkpoint
+    from loragen.adapters.offline_merge import merge_checkpoint
     from loragen.errors import LoraError
 
     key_map = dict(args.key_map)

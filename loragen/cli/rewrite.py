@@ -15,7 +15,7 @@ from typing import Any
 from loragen.atomic import atomic_file
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConfigError
-from loragen.source.rewrite import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
+from loragen.source.rewriter import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
 
 __all__ = ["EXIT_FILE_ERRORS", "EXIT_OK", "EXIT_USAGE", "register", "run"]
 

@@ -39,14 +39,14 @@ __all__ = [
 ]
 
 _LAZY = {
-    "lora_linear_cuda": "loragen.cuda.function",
-    "unsupported_reason": "loragen.cuda.function",
-    "CudaLoraError": "loragen.cuda.function",
+    "lora_linear_cuda": "loragen.cuda.linear_op",
+    "unsupported_reason": "loragen.cuda.linear_op",
+    "CudaLoraError": "loragen.cuda.linear_op",
     "KernelCompileError": "loragen.cuda.nvrtc",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from loragen.cuda.function import CudaLoraError, lora_linear_cuda, unsupported_reason
+    from loragen.cuda.linear_op import CudaLoraError, lora_linear_cuda, unsupported_reason
     from loragen.cuda.nvrtc import KernelCompileError
 
 

@@ -7,7 +7,7 @@
   inside a CUDA-graph capture (so that each replay copies the parameters' current values);
 * dropout constants per probability.
 
-Shapes as in :mod:`loragen.cuda.function`.
+Shapes as in :mod:`loragen.cuda.linear_op`.
 """
 
 from __future__ import annotations

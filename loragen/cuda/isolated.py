@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from loragen.cuda.variants import Variant
+from loragen.cuda.kernel_variants import Variant
 
 __all__ = ["DRIVER_LAUNCHER", "check_in_child"]
 

@@ -24,9 +24,9 @@ from typing import Any, Protocol
 import torch
 
 from loragen.cuda.cache import KernelCache, default_cache
+from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.render import render_kernel
 from loragen.cuda.specs import KernelSpec, render_params
-from loragen.cuda.variants import Variant
 from loragen.errors import LoraError
 
 __all__ = [

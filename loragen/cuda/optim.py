@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from loragen.cuda.kernel_variants import RANK_BUCKETS, Variant
 from loragen.cuda.launch import KernelLauncher, default_launcher
 from loragen.cuda.specs import ADAMW8BIT, max_optimizer_block
-from loragen.cuda.variants import RANK_BUCKETS, Variant
 
 __all__ = ["adamw8bit_update_cuda", "kernel_supports"]
 

@@ -1,9 +1,9 @@
-"""The four kernel passes of the CUDA LoRA op, as :mod:`loragen.cuda.function` and the self-check
+"""The four kernel passes of the CUDA LoRA op, as :mod:`loragen.cuda.linear_op` and the self-check
 (:mod:`loragen.cuda.selfcheck`) run them: argument lists, grids, partial sums.
 
 Each pass launches one kernel through the plan's launcher -- the CUDA driver, the torch path
 (:mod:`loragen.cuda.torch_kernels`) or, in loragen's CPU tests, an emulator -- and adds up its float32
-partial sums with torch (deterministic: no atomics). Shapes as in :mod:`loragen.cuda.function`.
+partial sums with torch (deterministic: no atomics). Shapes as in :mod:`loragen.cuda.linear_op`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loragen.cuda import specs, variants
+from loragen.cuda import kernel_variants, specs
+from loragen.cuda.kernel_variants import Variant, pad_rank
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP
-from loragen.cuda.variants import Variant, pad_rank
 
 __all__ = ["DTYPE_NAMES", "Plan", "add_base", "down", "grad_in", "grad_out", "pad_rank", "up"]
 
@@ -38,7 +38,7 @@ class Plan:
         self.out_features = out_features
         self.rank = rank
         aligned = self.in_features % 8 == 0 and out_features % 8 == 0
-        self.variant = Variant(DTYPE_NAMES[x2.dtype], variants.rank_bucket(rank), aligned)
+        self.variant = Variant(DTYPE_NAMES[x2.dtype], kernel_variants.rank_bucket(rank), aligned)
         self.device = x2.device
         route = getattr(launcher, "route", None)
         self.launcher: KernelLauncher = route(self.variant, x2.device) if route is not None else launcher

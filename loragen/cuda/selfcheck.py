@@ -42,11 +42,11 @@ from torch import Tensor
 from loragen import philox, switches
 from loragen.cuda import passes
 from loragen.cuda.isolated import DRIVER_LAUNCHER, check_in_child
+from loragen.cuda.kernel_variants import Variant, rank_bucket
 from loragen.cuda.launch import CudaDriverError, KernelLauncher, default_launcher
 from loragen.cuda.nvrtc import KernelCompileError, NvrtcUnavailableError
 from loragen.cuda.specs import KernelSpec
 from loragen.cuda.torch_kernels import TorchKernels
-from loragen.cuda.variants import Variant, rank_bucket
 
 __all__ = ["OK", "CheckedLauncher", "check_variant", "child_main", "default_checker"]
 
@@ -345,7 +345,7 @@ class CheckedLauncher:
 
 def all_lora_variants() -> list[Variant]:
     """Every (dtype, rank bucket, alignment) the LoRA op can ask for."""
-    from loragen.cuda.variants import DTYPES, RANK_BUCKETS
+    from loragen.cuda.kernel_variants import DTYPES, RANK_BUCKETS
 
     return [Variant(d, rank_bucket(b), a) for d in DTYPES for b in RANK_BUCKETS for a in (True, False)]
 

@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from loragen.cuda.variants import (
+from loragen.cuda.kernel_variants import (
     CHUNK,
     DTYPES,
     ELEMENT_BYTES,

@@ -22,9 +22,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
+from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.specs import KernelSpec
 from loragen.cuda.torch_dropout import BlockDropout, keep_mask
-from loragen.cuda.variants import Variant
 
 __all__ = ["TorchKernels", "keep_mask", "rng_values"]
 

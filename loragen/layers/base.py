@@ -188,7 +188,7 @@ class LoraLayer(nn.Module, ABC):
     ) -> Self:
         """The LoRA layer for an existing ``base`` module: it takes over ``base``'s state (the same
         weight and bias parameters, buffers, hooks and attributes; nothing is copied) and adds an adapter
-        initialised as ``init_lora_weights`` says; with ``use_dora`` a DoRA adapter (:mod:`loragen.layers.dora`).
+        initialised as ``init_lora_weights`` says; with ``use_dora`` a DoRA adapter (:mod:`loragen.layers.dora_magnitude`).
 
         Raises:
             LoraConfigError: an invalid LoRA argument (the message names it).

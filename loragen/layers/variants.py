@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loragen.errors import LoraConversionError
-from loragen.layers import dora
+from loragen.layers import dora_magnitude
 from loragen.ops import dora_linear, dora_linear_reference, lora_linear
 from loragen.ops.branch import lora_branch
 from loragen.registry import TransposedLayout
@@ -147,20 +147,20 @@ class Variant:
 
 class DoraVariant(Variant):
     """DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude ``m`` per output feature
-    rescales ``W + scaling * B A`` to norm ``m`` (the norm detached); see :mod:`loragen.layers.dora`."""
+    rescales ``W + scaling * B A`` to norm ``m`` (the norm detached); see :mod:`loragen.layers.dora_magnitude`."""
 
     name = "dora"
     title = "DoRA"
     use_dora = True
-    extra_parameters = (dora.MAGNITUDE,)
+    extra_parameters = (dora_magnitude.MAGNITUDE,)
     mixable = False  # peft refuses adapter_names with DoRA too
     combinable = False  # a sum of factors would leave out each adapter's magnitude
 
     def check(self, layer: Any) -> None:
-        dora.check_dora_supported(layer)
+        dora_magnitude.check_dora_supported(layer)
 
     def init(self, layer: Any, adapter: LoraAdapter) -> None:
-        dora.init_magnitude(layer, adapter)  # the norm of W + s B A: the new adapter is a no-op
+        dora_magnitude.init_magnitude(layer, adapter)  # the norm of W + s B A: the new adapter is a no-op
 
     def fused_linear(self, layer: Any, x: Tensor, adapter: LoraAdapter) -> Tensor:
         return dora_linear(
@@ -181,11 +181,11 @@ class DoraVariant(Variant):
 
     @torch.no_grad()
     def merge(self, layer: Any, adapter: LoraAdapter) -> None:
-        dora.dora_merge(layer, adapter)  # W <- (m / ||W + s B A||) * (W + s B A)
+        dora_magnitude.dora_merge(layer, adapter)  # W <- (m / ||W + s B A||) * (W + s B A)
 
     @torch.no_grad()
     def unmerge(self, layer: Any, adapter: LoraAdapter) -> None:
-        dora.dora_unmerge(layer, adapter)
+        dora_magnitude.dora_unmerge(layer, adapter)
 
 
 class LinearDora(DoraVariant):
@@ -212,7 +212,7 @@ class EmbeddingDora(DoraVariant):
     embedding column, detached."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
-        c = adapter.magnitude / dora.weight_norm(layer, adapter)
+        c = adapter.magnitude / dora_magnitude.weight_norm(layer, adapter)
         return (c * result + c * layer._adapter_output(x, adapter)).to(result.dtype)
 
 
@@ -227,7 +227,7 @@ class ConvDora(DoraVariant):
         if dropout:
             x_lora = F.dropout(x_lora, adapter.lora_dropout_p, True)
         lora = layer._unscaled_term(x_lora, adapter)
-        c = adapter.magnitude / dora.weight_norm(layer, adapter)
+        c = adapter.magnitude / dora_magnitude.weight_norm(layer, adapter)
         if dropout:
             base = layer._conv_forward(x_lora, layer.weight.to(x_lora.dtype), None)
         elif layer.bias is not None:

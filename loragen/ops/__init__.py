@@ -19,8 +19,8 @@ in :mod:`loragen.switches`.
 from __future__ import annotations
 
 from loragen.ops.dispatch import fallback_reason, lora_linear
-from loragen.ops.dora import DoraLinearFunction, dora_linear, dora_linear_reference
-from loragen.ops.function import LoraLinearFunction, lora_output
+from loragen.ops.dora_linear import DoraLinearFunction, dora_linear, dora_linear_reference
+from loragen.ops.fused_linear import LoraLinearFunction, lora_output
 from loragen.ops.masks import DropoutRng, dropout_keep_bits, philox_keep_bits, unpack_keep_mask
 from loragen.reference import lora_linear_reference
 

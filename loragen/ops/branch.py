@@ -36,7 +36,7 @@ from torch import Tensor
 from loragen import philox, switches
 from loragen.ops import cpu_kernels
 from loragen.ops.dispatch import fallback_reason
-from loragen.ops.function import lora_down, masked_lora_grads
+from loragen.ops.fused_linear import lora_down, masked_lora_grads
 from loragen.ops.masks import KeepMask, make_keep_bits
 from loragen.reference import lora_dropout
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from loragen import cuda, switches
-from loragen.ops.function import LoraLinearFunction
+from loragen.ops.fused_linear import LoraLinearFunction
 from loragen.ops.masks import DropoutRng, check_rng
 from loragen.reference import lora_linear_reference
 

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from loragen import switches
-from loragen.ops.function import input_layout, lora_output, shaped_like_input
+from loragen.ops.fused_linear import input_layout, lora_output, shaped_like_input
 from loragen.ops.sibling_plan import role_of, transposed
 
 __all__ = ["forward"]

@@ -1,7 +1,7 @@
 """What the scanner reports: layer fields, submodules, unresolved constructions, per class and per file.
 
 These plain data classes are shared by the scanner (:mod:`loragen.source.scan`), which fills them, and
-the code generators (:mod:`loragen.source.decorator`, :mod:`loragen.source.rewrite`), which read them.
+the code generators (:mod:`loragen.source.decorator`, :mod:`loragen.source.rewriter`), which read them.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class RewrittenCall:
 
 @dataclasses.dataclass(frozen=True)
 class RewriteResult:
-    """What :func:`~loragen.source.rewrite.rewrite_source` did.
+    """What :func:`~loragen.source.rewriter.rewrite_source` did.
 
     Attributes:
         code: the rewritten source; the input unchanged when there are errors or nothing to do.

@@ -1,10 +1,10 @@
-"""Which layer fields a config targets in a source file, for :mod:`loragen.source.rewrite`.
+"""Which layer fields a config targets in a source file, for :mod:`loragen.source.rewriter`.
 
 A rewrite changes a class, so every instance of it: a field is targeted when the config selects it under
 the paths the file gives its class (``LlamaAttention.q_proj`` is ``model.layers.{i}.self_attn.q_proj``
 inside ``LlamaForCausalLM``, ``q_proj`` on its own). ``{i}`` and ``{key}`` are tried with sample values;
 a config that picks only some of them (per-layer targets or ranks) cannot be written as one constructor
-call and is an error. Private: used by :func:`loragen.source.rewrite.rewrite_source`.
+call and is an error. Private: used by :func:`loragen.source.rewriter.rewrite_source`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 import loragen
-from loragen.adapters.merge import MergeError, merge_checkpoint
+from loragen.adapters.offline_merge import MergeError, merge_checkpoint
 from loragen.cli import main
 from loragen.errors import AdapterError
 from tests.layers.experts_models import make, peft, tokens

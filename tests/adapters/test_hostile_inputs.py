@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loragen import AdapterError, LoraError, load_adapter, merge_and_unload, save_adapter
-from loragen.adapters.merge import merge_checkpoint
+from loragen.adapters.offline_merge import merge_checkpoint
 from loragen.cli import main
 from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from loragen.adapters.merge import MergeError, merge_checkpoint
+from loragen.adapters.offline_merge import MergeError, merge_checkpoint
 from loragen.registry import LAYOUTS
 from tests.adapters.helpers import (
     CASES,
@@ -57,7 +57,7 @@ def raw_tensor_bytes(path: Path) -> dict[str, bytes]:
 def test_merge_equals_peft_merge_and_unload(case: str, sharded: bool, tmp_path: Path, monkeypatch) -> None:
     kind, kwargs = CASES[case]
     if sharded:  # stream in tiny blocks: every merged tensor is computed a few rows at a time
-        monkeypatch.setattr("loragen.adapters.merge._BLOCK_BYTES", 200)
+        monkeypatch.setattr("loragen.adapters.offline_merge._BLOCK_BYTES", 200)
     base = save_checkpoint(make_model(kind), tmp_path / "base", sharded)
     peft_model = peft_adapter(kind, kwargs, tmp_path / "adapter")
     with warnings.catch_warnings():
@@ -85,7 +85,7 @@ def test_merge_equals_peft_merge_and_unload(case: str, sharded: bool, tmp_path: 
 
 @pytest.mark.parametrize("block_bytes", [16 << 20, 50], ids=["whole", "blocks"])
 def test_merge_conv_model_equals_peft(block_bytes: int, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("loragen.adapters.merge._BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr("loragen.adapters.offline_merge._BLOCK_BYTES", block_bytes)
     kind, kwargs = CASES["convnet"]
     save_file(make_model(kind).state_dict(), tmp_path / "base.safetensors")
     peft_model = peft_adapter(kind, kwargs, tmp_path / "adapter")
@@ -235,10 +235,10 @@ def test_failure_mid_merge_writes_nothing(llama_files, tmp_path: Path, monkeypat
             raise RuntimeError("killed")
         return original(*args)
 
-    import loragen.adapters.merge
+    import loragen.adapters.offline_merge
 
-    original = loragen.adapters.merge._merge_tensor
-    monkeypatch.setattr(loragen.adapters.merge, "_merge_tensor", fail_on_second)
+    original = loragen.adapters.offline_merge._merge_tensor
+    monkeypatch.setattr(loragen.adapters.offline_merge, "_merge_tensor", fail_on_second)
     with pytest.raises(RuntimeError, match="killed"):
         merge_checkpoint(base, adapter, tmp_path / "out")
     calls.clear()

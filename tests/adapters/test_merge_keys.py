@@ -20,7 +20,7 @@ from loragen import LoraConfig, get_lora_model, save_adapter
 from loragen.adapters import key_map as key_map_module
 from loragen.adapters.checkpoint import Checkpoint
 from loragen.adapters.key_map import KeyMap, PrefixRule, explicit_key_map, resolve_keys
-from loragen.adapters.merge import MergeError, merge_checkpoint
+from loragen.adapters.offline_merge import MergeError, merge_checkpoint
 from tests.adapters.helpers import main, make_model, peft_adapter, perturb_trainable, save_checkpoint
 
 LLAMA_ADAPTER = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])

@@ -11,7 +11,7 @@ from torch import nn
 
 import loragen
 from loragen import LoraConfig, get_lora_model, load_adapter, merge_and_unload, save_adapter
-from loragen.adapters.merge import merge_checkpoint
+from loragen.adapters.offline_merge import merge_checkpoint
 from loragen.registry import unregister
 from tests.adapters.helpers import perturb_trainable
 

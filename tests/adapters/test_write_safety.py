@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from loragen import AdapterError, AdapterNameError, LoraConfig, add_adapter, load_adapter, save_adapter
-from loragen.adapters.merge import MergeError, merge_checkpoint
+from loragen.adapters.offline_merge import MergeError, merge_checkpoint
 from loragen.atomic import WriteError
 from loragen.cli import main
 from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
@@ -218,7 +218,7 @@ def test_merge_onto_a_full_disk_is_a_write_error_and_leaves_nothing(
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("loragen.adapters.merge._copy_range", full)
+    monkeypatch.setattr("loragen.adapters.offline_merge._copy_range", full)
     with pytest.raises(WriteError, match=r"merged: cannot write the merged checkpoint .*No space left"):
         merge_checkpoint(base, adapter, tmp_path / "merged")
     assert tree_snapshot(tmp_path) == before

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.launch import pack_arguments
 from loragen.cuda.render import render_kernel
 from loragen.cuda.specs import KernelSpec, Param, render_params
-from loragen.cuda.variants import Variant
 
 HERE = Path(__file__).parent
 HEADER = HERE / "cuda_emulation.h"

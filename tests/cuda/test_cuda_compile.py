@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from loragen.cuda import specs, variants
+from loragen.cuda import kernel_variants, specs
 from loragen.cuda.cache import KernelCache, cache_key
 from loragen.cuda.nvrtc import CompiledKernel, KernelCompileError, parse_ptxas_log
 from loragen.cuda.render import KernelRenderError, RenderedKernel, render_kernel
@@ -39,7 +39,7 @@ def test_every_variant_renders_to_plain_cuda():
         )
         assert f"constexpr int RANK_BUCKET = {variant.rank_bucket};" in kernel.source
         assert f"constexpr bool ALIGNED = {'true' if variant.aligned else 'false'};" in kernel.source
-        assert f"typedef {variants.DTYPES[variant.dtype]} scalar_t;" in kernel.source
+        assert f"typedef {kernel_variants.DTYPES[variant.dtype]} scalar_t;" in kernel.source
         assert kernel.headers[0][0] == "lora_common.cuh" and "philox4x32_10" in kernel.headers[0][1]
 
 
@@ -47,7 +47,7 @@ def test_every_variant_renders_to_plain_cuda():
 def test_template_signature_matches_spec(name):
     """The launcher packs arguments from specs; the template's parameter list must agree with it."""
     spec = specs.KERNELS[name]
-    source = rendered(spec, variants.Variant("bfloat16", 16, True)).source
+    source = rendered(spec, kernel_variants.Variant("bfloat16", 16, True)).source
     match = re.search(rf"{name}\((.*?)\)\s*\{{", source, re.DOTALL)
     assert match is not None
     params = []
@@ -65,14 +65,14 @@ def test_rendered_kernel_matches_golden_file():
 
     Regenerate after an intended change: LORAGEN_REGEN_GOLDEN=1 pytest tests/cuda/test_cuda_compile.py -k golden
     """
-    source = rendered(specs.KERNELS["lora_grad_in"], variants.Variant("bfloat16", 16, True)).source
+    source = rendered(specs.KERNELS["lora_grad_in"], kernel_variants.Variant("bfloat16", 16, True)).source
     if os.environ.get("LORAGEN_REGEN_GOLDEN"):
         GOLDEN.write_text(source)
     assert GOLDEN.read_text() == source, f"{GOLDEN.name} is stale; see this test's docstring to regenerate it"
 
 
 def test_missing_parameter_names_kernel_and_variable():
-    params = specs.render_params(specs.KERNELS["lora_down"], variants.Variant("float16", 8, True))
+    params = specs.render_params(specs.KERNELS["lora_down"], kernel_variants.Variant("float16", 8, True))
     del params["rows_per_warp"]
     with pytest.raises(
         KernelRenderError,
@@ -82,7 +82,7 @@ def test_missing_parameter_names_kernel_and_variable():
 
 
 def test_unused_or_untyped_parameter_is_an_error():
-    params = specs.render_params(specs.KERNELS["lora_up"], variants.Variant("float16", 8, True))
+    params = specs.render_params(specs.KERNELS["lora_up"], kernel_variants.Variant("float16", 8, True))
     with pytest.raises(KernelRenderError, match=r"lora_up .* does not use parameter\(s\) tile_n; it uses"):
         render_kernel("lora_up", {**params, "tile_n": 4})
     with pytest.raises(
@@ -92,15 +92,15 @@ def test_unused_or_untyped_parameter_is_an_error():
 
 
 def test_rank_buckets():
-    assert [variants.rank_bucket(r) for r in (1, 8, 9, 16, 17, 33, 64)] == [8, 8, 16, 16, 32, 64, 64]
+    assert [kernel_variants.rank_bucket(r) for r in (1, 8, 9, 16, 17, 33, 64)] == [8, 8, 16, 16, 32, 64, 64]
     with pytest.raises(
         ValueError, match=r"LoRA rank r=65 is not supported by the CUDA kernels; expected 1 <= r <= 64"
     ):
-        variants.rank_bucket(65)
+        kernel_variants.rank_bucket(65)
     with pytest.raises(
         ValueError, match=r"dtype 'float64' has no kernels; supported: float32, float16, bfloat16"
     ):
-        variants.Variant("float64", 8, True)
+        kernel_variants.Variant("float64", 8, True)
 
 
 # ---- NVRTC ---------------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_rank_buckets():
 def test_compile_without_cache(nvrtc_available):
     from loragen.cuda.nvrtc import compile_kernel
 
-    kernel = rendered(specs.KERNELS["lora_grad_in"], variants.Variant("bfloat16", 16, True))
+    kernel = rendered(specs.KERNELS["lora_grad_in"], kernel_variants.Variant("bfloat16", 16, True))
     for arch in specs.ARCHS:
         compiled = compile_kernel(kernel, arch)
         assert compiled.cubin[:4] == b"\x7fELF" and compiled.arch == arch
@@ -163,7 +163,7 @@ def test_compile_error_carries_kernel_params_and_full_log(nvrtc_available, tmp_p
 def test_bad_arch_is_rejected(nvrtc_available):
     from loragen.cuda.nvrtc import compile_kernel
 
-    kernel = rendered(specs.KERNELS["lora_up"], variants.Variant("float32", 8, True))
+    kernel = rendered(specs.KERNELS["lora_up"], kernel_variants.Variant("float32", 8, True))
     with pytest.raises(ValueError, match=r"arch='compute_90'; expected e\.g\. 'sm_80' or 'sm_90'"):
         compile_kernel(kernel, "compute_90")
 
@@ -206,7 +206,7 @@ class CountingCompiler:
 
 @pytest.fixture
 def kernel() -> RenderedKernel:
-    return rendered(specs.KERNELS["lora_down"], variants.Variant("bfloat16", 16, True))
+    return rendered(specs.KERNELS["lora_down"], kernel_variants.Variant("bfloat16", 16, True))
 
 
 def entries(folder: Path) -> list[Path]:
@@ -338,7 +338,7 @@ out.sum().backward()
 assert layer.lora_A.grad is not None
 assert loragen.cuda.is_available() is False
 from_loragen = [(name, caller) for name, caller in asked if "loragen" in caller]
-loaded = [m for m in ("loragen.cuda.launch", "loragen.cuda.nvrtc", "loragen.cuda.function") if m in sys.modules]
+loaded = [m for m in ("loragen.cuda.launch", "loragen.cuda.nvrtc", "loragen.cuda.linear_op") if m in sys.modules]
 print(from_loragen, loaded)
 """
 

@@ -1,5 +1,5 @@
 """The CUDA LoRA op end to end on the CPU: the rendered kernels, built with g++ against
-tests/cuda_emulation.h, run thread by thread under loragen.cuda.function's real autograd Function.
+tests/cuda_emulation.h, run thread by thread under loragen.cuda.linear_op's real autograd Function.
 
 This checks the kernels' arithmetic, indexing, warp shuffles, split reductions and Philox masks against a
 float64 reference without a GPU; tests/test_cuda_gpu.py repeats the numeric checks on a real device.
@@ -13,7 +13,7 @@ import torch
 
 from loragen import philox
 from loragen.cuda import variants
-from loragen.cuda.function import CudaLoraError, draw_rng, lora_linear_cuda
+from loragen.cuda.linear_op import CudaLoraError, draw_rng, lora_linear_cuda
 from loragen.cuda.torch_kernels import rng_values
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error

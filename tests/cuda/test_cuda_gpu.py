@@ -22,7 +22,7 @@ import torch
 
 import loragen.cuda
 from loragen import philox, switches
-from loragen.cuda.function import draw_rng
+from loragen.cuda.linear_op import draw_rng
 from loragen.cuda.torch_kernels import rng_values
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
@@ -398,8 +398,8 @@ def test_launch_on_another_device_leaves_the_current_device():
 
 
 def test_default_checker_checks_in_a_child_process_first():
+    from loragen.cuda.kernel_variants import Variant
     from loragen.cuda.selfcheck import CheckedLauncher
-    from loragen.cuda.variants import Variant
 
     checker = CheckedLauncher()  # the driver launcher: isolated check on CUDA devices
     with switches.cuda_kernels.using("check"):

@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from loragen import philox
 from loragen._benchmarks.cuda_host import NullLauncher, count_host_work, counts_table, host_counts, lora_step
 from loragen.cuda import hostcache, variants
-from loragen.cuda.function import CudaLoraError, draw_rng, lora_linear_cuda, seed_rng
 from loragen.cuda.hostcache import launcher_handle
+from loragen.cuda.linear_op import CudaLoraError, draw_rng, lora_linear_cuda, seed_rng
 from loragen.cuda.torch_kernels import TorchKernels, rng_values
 from loragen.reference import lora_linear_reference
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loragen.cuda import launch, specs, variants
+from loragen.cuda import kernel_variants, launch, specs
 from loragen.cuda.cache import KernelCache
 from loragen.cuda.nvrtc import CompiledKernel
 from tests.cuda.fake_driver import FakeDriver
@@ -37,7 +37,7 @@ def fake(monkeypatch, tmp_path):
 
 
 def test_launch_sets_context_loads_once_and_packs_arguments(fake):
-    variant = variants.Variant("bfloat16", 16, True)
+    variant = kernel_variants.Variant("bfloat16", 16, True)
     h = torch.zeros(5, 16)
     bt = torch.zeros(4, 16)
     out = torch.zeros(5, 16, dtype=torch.bfloat16)
@@ -79,7 +79,7 @@ def test_launch_error_names_the_call_and_kernel(fake):
         match=r"cuLaunchKernel failed \(kernel lora_up float32-r8-aligned grid=\(1, 1\)\): CUDA_ERROR_ILLEGAL_ADDRESS",
     ):
         fake.launcher.launch(
-            fake.spec, variants.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 0)
+            fake.spec, kernel_variants.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 0)
         )
 
 
@@ -104,7 +104,7 @@ def test_launch_on_another_device_leaves_the_threads_context_current(fake, fail)
     fake.driver.fail_load = fail == "load"
     rows = 2**31 if fail == "argument" else 1
     args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), rows, 8, 1, 1.0)
-    variant = variants.Variant("float32", 8, True)
+    variant = kernel_variants.Variant("float32", 8, True)
     if fail is None:
         fake.launcher.launch(fake.spec, variant, (1, 1), args, torch.device("cuda", 1))
     else:
@@ -124,7 +124,7 @@ def test_launch_from_a_thread_without_a_context_leaves_none(fake):
     def work():
         args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
         fake.launcher.launch(
-            fake.spec, variants.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 1)
+            fake.spec, kernel_variants.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 1)
         )
         seen.append(_current(fake.driver))
 
@@ -152,7 +152,7 @@ def test_integer_arguments_outside_their_c_type_are_refused():
 
 
 def test_row_counts_past_int32_take_the_plain_composition():
-    from loragen.cuda.function import unsupported_reason
+    from loragen.cuda.linear_op import unsupported_reason
 
     x = torch.zeros(1, 8).expand(2**31, 8)  # 2**31 rows, no memory
     w, a, bb = torch.zeros(4, 8), torch.zeros(2, 8), torch.zeros(4, 2)
@@ -167,7 +167,7 @@ def test_launch_with_the_devices_context_current_pushes_nothing(fake):
     """The common case -- PyTorch's primary context already current on the thread -- launches with no
     context push/pop; the record's parameter block is rewritten with each launch's values."""
     fake.driver.cuCtxSetCurrent("ctx:device0")
-    variant = variants.Variant("float32", 8, True)
+    variant = kernel_variants.Variant("float32", 8, True)
     device = torch.device("cuda", 0)
     first = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
     second = (torch.zeros(2, 8), torch.zeros(1, 8), torch.zeros(8), torch.zeros(2, 8), 2, 8, 1, 0.5)
@@ -190,7 +190,7 @@ def test_launch_with_the_devices_context_current_pushes_nothing(fake):
 
 def test_bad_arguments_to_a_recorded_kernel_raise_as_before(fake):
     """The fast path's checks word their errors exactly as pack_arguments does."""
-    variant = variants.Variant("float32", 8, True)
+    variant = kernel_variants.Variant("float32", 8, True)
     good = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
     fake.launcher.launch(fake.spec, variant, (1, 1), good, torch.device("cuda", 0))
     with pytest.raises(TypeError, match=r"kernel lora_up parameter h needs a tensor, got 3"):

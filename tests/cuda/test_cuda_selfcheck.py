@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loragen import philox, switches
-from loragen.cuda import launch, selfcheck, specs, variants
+from loragen.cuda import kernel_variants, launch, selfcheck, specs
 from loragen.cuda.cache import KernelCache
-from loragen.cuda.function import lora_linear_cuda
+from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.nvrtc import CompiledKernel, KernelCompileError
 from loragen.cuda.torch_kernels import TorchKernels, keep_mask
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
@@ -265,7 +265,7 @@ def test_check_runs_once_per_variant_and_device():
     run_and_compare(checker, torch.float32, r=16)  # another variant: one more check
     assert len(kernels.launches) == len(checks) + 4 + per_call
     # the same variant on another device is checked there too
-    variant = variants.Variant("float32", 8, False)
+    variant = kernel_variants.Variant("float32", 8, False)
     before = len(kernels.launches)
     checker.route(variant, torch.device("cpu", 0))
     checker.route(variant, torch.device("cpu", 0))
@@ -302,7 +302,7 @@ def test_routing_after_the_first_use_takes_no_lock_and_allocates_nothing():
             return False
 
     checker = selfcheck.CheckedLauncher(TorchKernels())
-    variant, device = variants.Variant("float32", 8, True), torch.device("cpu")
+    variant, device = kernel_variants.Variant("float32", 8, True), torch.device("cpu")
     first = checker.route(variant, device)
     lock = checker._lock
     checker._lock = NoLock()
@@ -319,7 +319,7 @@ def test_capture_before_the_check_is_refused(monkeypatch):
     with pytest.raises(
         RuntimeError, match=r"float32-r8-aligned is used for the first time on cuda:0 while a CUDA graph"
     ):
-        checker.route(variants.Variant("float32", 8, True), torch.device("cuda", 0))
+        checker.route(kernel_variants.Variant("float32", 8, True), torch.device("cuda", 0))
 
 
 def test_switch_value_is_checked(monkeypatch):
@@ -342,7 +342,7 @@ class Aborting:
 def test_isolated_check_runs_in_a_child_process():
     from loragen.cuda.isolated import check_in_child
 
-    variant = variants.Variant("float32", 8, False)
+    variant = kernel_variants.Variant("float32", 8, False)
     assert check_in_child(variant, torch.device("cpu"), "loragen.cuda.torch_kernels:TorchKernels") is None
     reason = check_in_child(variant, torch.device("cpu"), "tests.cuda.test_cuda_selfcheck:Aborting")
     assert reason.startswith("crashed: the isolated self-check's process exited with status")
@@ -390,9 +390,11 @@ class PlantedBug:
 @pytest.mark.parametrize(
     "variant",
     [
-        variants.Variant("float32", 8, True),
-        variants.Variant("float32", 8, False),  # the x and g views are misaligned
-        variants.Variant("bfloat16", 64, True),  # tensor cores where the kernels use them: A rounded to bf16
+        kernel_variants.Variant("float32", 8, True),
+        kernel_variants.Variant("float32", 8, False),  # the x and g views are misaligned
+        kernel_variants.Variant(
+            "bfloat16", 64, True
+        ),  # tensor cores where the kernels use them: A rounded to bf16
     ],
     ids=lambda v: v.label,
 )

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loragen.cuda import specs, variants
-from loragen.cuda.function import lora_linear_cuda
+from loragen.cuda import kernel_variants, specs
+from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.specs import Param
 from tests.cuda.cuda_emulation import (
     CXX,
@@ -75,9 +75,9 @@ def run_lora(launcher: EmulatedLauncher, n, k, o, r, dtype, p, fifo) -> None:
         assert relative_error(got.grad, expected.grad) < TOLERANCE[dtype], name
 
 
-def variants_of(n, k, o, r, dtype) -> list[tuple[specs.KernelSpec, variants.Variant]]:
+def variants_of(n, k, o, r, dtype) -> list[tuple[specs.KernelSpec, kernel_variants.Variant]]:
     name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-    variant = variants.Variant(name, variants.rank_bucket(r), k % 8 == 0 and o % 8 == 0)
+    variant = kernel_variants.Variant(name, kernel_variants.rank_bucket(r), k % 8 == 0 and o % 8 == 0)
     return [(spec, variant) for spec in specs.KERNELS.values()]
 
 

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from loragen import philox
 from loragen.cuda import torch_dropout
-from loragen.cuda.function import lora_linear_cuda
+from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.torch_dropout import dropped, keep_mask
 from loragen.cuda.torch_kernels import TorchKernels
 from tests.cuda.lora_reference import make_inputs, mask_for, reference, relative_error

@@ -10,7 +10,7 @@ import torch
 import loragen.cuda
 from loragen import philox, switches
 from loragen.cuda import torch_dropout
-from loragen.cuda.function import lora_linear_cuda
+from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.torch_dropout import dropped, keep_mask
 from loragen.cuda.torch_kernels import TorchKernels
 from tests.cuda.lora_reference import make_inputs, relative_error

@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import loragen
 from loragen import switches
 from loragen.errors import LoraConfigError, LoraConversionError, MixedBatchError
-from loragen.layers.experts import LoraParametersLayer
+from loragen.layers.expert_parameters import LoraParametersLayer
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED
 from tests.layers.experts_models import lora_grads, make, peft_grads, peft_twin, tokens
 
@@ -87,7 +87,7 @@ def test_every_experts_implementation_matches_peft(implementation: str) -> None:
 def test_recomputing_the_effective_weight_changes_no_gradient_and_holds_none(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import loragen.layers.experts as experts_module
+    import loragen.layers.expert_parameters as experts_module
 
     made: list[StorageWeakRef] = []
     original = experts_module.effective_weight

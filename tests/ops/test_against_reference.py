@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from loragen.ops.branch import LoraBranchFunction, lora_branch_reference
-from loragen.ops.dora import DoraLinearFunction, dora_linear_reference
-from loragen.ops.function import LoraLinearFunction
+from loragen.ops.dora_linear import DoraLinearFunction, dora_linear_reference
+from loragen.ops.fused_linear import LoraLinearFunction
 from loragen.ops.masks import make_keep_bits, unpack_keep_mask
 from loragen.ops.siblings import _GroupFunction
 from loragen.reference import lora_linear_reference

@@ -1,4 +1,4 @@
-"""The fused DoRA op (loragen.ops.dora): gradients against finite differences in float64, values
+"""The fused DoRA op (loragen.ops.dora_linear): gradients against finite differences in float64, values
 against peft's formula written out with the same dropout mask, fresh outputs, empty inputs, what it
 saves, and where it hands over to the plain composition."""
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loragen import switches
-from loragen.ops.dora import DoraLinearFunction, dora_linear, dora_linear_reference, dora_weight_norm
+from loragen.ops.dora_linear import DoraLinearFunction, dora_linear, dora_linear_reference, dora_weight_norm
 from loragen.ops.masks import make_keep_bits, unpack_keep_mask
 
 

@@ -28,7 +28,7 @@ from loragen.adapters.load import load_adapter  # noqa: E402
 from loragen.cli import main as cli_main  # noqa: E402
 from loragen.convert import find_lora_layers  # noqa: E402
 from loragen.source.composite import convert_sub_model, lora_auto_class  # noqa: E402
-from loragen.source.rewrite import module_name_for_path  # noqa: E402
+from loragen.source.rewriter import module_name_for_path  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj"]
 MODELS = Path(transformers.__file__).parent / "models"

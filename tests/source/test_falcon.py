@@ -26,7 +26,7 @@ from loragen import LoraConfig, lora_convert, rewrite_source  # noqa: E402
 from loragen.adapters.load import load_adapter  # noqa: E402
 from loragen.convert import find_lora_layers  # noqa: E402
 from loragen.source.decorator import GENERATED_METHODS  # noqa: E402
-from loragen.source.rewrite import module_name_for_path  # noqa: E402
+from loragen.source.rewriter import module_name_for_path  # noqa: E402
 
 TARGETS = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 SOURCE = Path(modeling_falcon.__file__)

@@ -13,7 +13,7 @@ import torch
 
 import loragen
 from loragen import LoraConfig, rewrite_source
-from loragen.source.rewrite import module_name_for_path
+from loragen.source.rewriter import module_name_for_path
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ import loragen  # noqa: E402
 from loragen import LoraConfig, rewrite_source  # noqa: E402
 from loragen.adapters.load import load_adapter  # noqa: E402
 from loragen.convert import find_lora_layers  # noqa: E402
-from loragen.source.rewrite import module_name_for_path  # noqa: E402
+from loragen.source.rewriter import module_name_for_path  # noqa: E402
 
 SMALL = {
     "hidden_size": 32,

@@ -10,7 +10,7 @@ attributes and ``forward`` stay), with one :class:`ParameterLora` per targeted p
 ``lora_targets.<name>``: ``lora_A (r*E, in)`` and ``lora_B (out, r*E)`` as peft stores them (see
 :class:`loragen.registry.ParameterLayout`). During the forward the module reads, in place of each targeted
 parameter, its effective weight ``W + scaling * B_e @ A_e`` made in one batched product
-(:mod:`loragen.ops.experts`, which says why weight space and what it costs). Dropout is not possible
+(:mod:`loragen.ops.expert_products`, which says why weight space and what it costs). Dropout is not possible
 there (``lora_dropout`` must be 0, as in peft). Merging adds the same update to the stored parameter.
 
 In an adapter file, the factors of a module's ``k``-th of ``n`` targeted parameters (registration order) are
@@ -37,7 +37,7 @@ from loragen.layers.cloning import clone_as, strip_to
 from loragen.layers.fast_paths import MIXED_ROUTE
 from loragen.layers.merge_guard import reading, writing
 from loragen.layers.variants import LORA, Variant
-from loragen.ops.experts import effective_weight, recompute_on_backward
+from loragen.ops.expert_products import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 from loragen.validation import InitMode, check_lora_args
 

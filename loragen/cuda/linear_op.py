@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loragen.cuda import hostcache, passes, variants
+from loragen.cuda import hostcache, kernel_variants, passes
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.passes import DTYPE_NAMES
 from loragen.errors import LoraError
@@ -92,8 +92,8 @@ def unsupported_reason(
         return f"base weight/bias dtype differs from x ({x.dtype})"
     if lora_A.dtype not in DTYPE_NAMES or lora_B.dtype not in DTYPE_NAMES:
         return f"LoRA dtype {lora_A.dtype}/{lora_B.dtype} (expected float32, float16 or bfloat16)"
-    if not 1 <= lora_A.shape[0] <= variants.MAX_RANK:
-        return f"rank r={lora_A.shape[0]} (the kernels take 1 <= r <= {variants.MAX_RANK})"
+    if not 1 <= lora_A.shape[0] <= kernel_variants.MAX_RANK:
+        return f"rank r={lora_A.shape[0]} (the kernels take 1 <= r <= {kernel_variants.MAX_RANK})"
     if max(x.shape[-1], weight.shape[0], weight.shape[1]) >= 2**31:
         return "a feature dimension of 2**31 or more"
     if x.numel() // max(x.shape[-1], 1) >= 2**31:
@@ -247,7 +247,7 @@ def _lora_linear_fake(
     for size in x.shape[:-1]:
         rows = rows * size
     out = x.new_empty((*x.shape[:-1], out_features))
-    h = x.new_empty((rows, variants.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
+    h = x.new_empty((rows, kernel_variants.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
     return out, h
 
 

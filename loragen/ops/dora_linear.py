@@ -40,7 +40,7 @@ from torch import Tensor
 
 from loragen import philox, switches
 from loragen.ops.dispatch import fallback_reason
-from loragen.ops.function import input_layout, shaped_like_input
+from loragen.ops.fused_linear import input_layout, shaped_like_input
 from loragen.ops.masks import DropoutRng, check_rng, make_keep_bits
 from loragen.reference import lora_dropout
 
