@@ -176,7 +176,7 @@ def kernel_benchmark(
 ) -> list[dict]:
     """Each loragen kernel alone on the layer: us, minimum MB moved, GB/s, share of copy bandwidth."""
     from loragen import philox
-    from loragen.cuda import passes, variants
+    from loragen.cuda import kernel_variants, passes
     from loragen.cuda.launch import default_launcher
     from loragen.cuda.linear_op import seed_rng
 
@@ -184,7 +184,7 @@ def kernel_benchmark(
     n, k, o, b = tokens, features, features, 2  # bf16
     x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16)
-    R = variants.rank_bucket(rank)
+    R = kernel_variants.rank_bucket(rank)
     a32 = torch.zeros(R, k, device="cuda")
     a32[:rank] = torch.randn(rank, k, device="cuda") / k**0.5
     bt32 = torch.zeros(R, o, device="cuda")
