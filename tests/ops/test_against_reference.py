@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loragen.ops.branch import LoraBranchFunction, lora_branch_reference
-from loragen.ops.dora_linear import DoraLinearFunction, dora_linear_reference
+from loragen.ops.branch import LoraBranchFunction
+from loragen.ops.dora_linear import DoraLinearFunction
 from loragen.ops.fused_linear import LoraLinearFunction
 from loragen.ops.masks import make_keep_bits, unpack_keep_mask
 from loragen.ops.siblings import _GroupFunction
-from loragen.reference import lora_linear_reference
+from loragen.reference import dora_linear_reference, lora_branch_reference, lora_linear_reference
 
 SEED = 1234
 SCALING = 1.5

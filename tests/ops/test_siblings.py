@@ -13,13 +13,14 @@ from torch.func import functional_call
 
 import loragen
 from loragen import switches
-from loragen.ops import sibling_plan, siblings
-from loragen.ops.sibling_plan import call_groups, fused_groups
+from loragen.forward_calls import call_groups, groups_in_source
+from loragen.ops import siblings
+from loragen.sibling_planning import fused_groups
 from tests.conftest import tiny_inputs
 
 
 def _groups(source: str) -> tuple[tuple[str, ...], ...]:
-    return sibling_plan._groups_in(textwrap.dedent(source))
+    return groups_in_source(textwrap.dedent(source))
 
 
 def _node_names(output: torch.Tensor) -> set[str]:
