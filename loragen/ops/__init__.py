@@ -6,7 +6,7 @@ module           concern
 dispatch         :func:`lora_linear`: the fused CPU op, loragen's CUDA kernels or peft's composition, per call
 fused_linear     the CPU autograd Function of a LoRA linear, hand-written backward (the math in its docstring)
 branch           the LoRA term alone, added onto a base output computed elsewhere (quantized bases)
-dora_linear      :func:`dora_linear`: DoRA (use_dora) as one autograd Function
+dora_linear      :func:`dora_linear`: DoRA as one autograd Function
 siblings         LoRA linears reading one input run as one autograd node (the plan is made at conversion,
                  by loragen.sibling_planning)
 expert_products  LoRA on targeted parameters (MoE expert stacks) in weight space
