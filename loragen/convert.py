@@ -21,7 +21,6 @@ from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
 from loragen.layers.expert_parameters import lora_parameters_class
-from loragen.ops.sibling_plan import plan_siblings
 from loragen.parameter_targets import (
     expand_all_linear,
     linear_weight_only,
@@ -29,6 +28,7 @@ from loragen.parameter_targets import (
     targeted_parameters,
 )
 from loragen.registry import refusal_for, spec_for, supported_type_names
+from loragen.sibling_planning import plan_siblings
 
 __all__ = [
     "CONFIG_ATTR",
@@ -322,7 +322,7 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
     ``config`` None means the config the model carries (:func:`carried_config`). ``bias="all"`` follows
     peft: every parameter named ``bias`` trains (not, say, T5's ``relative_attention_bias.weight``).
     As the last step of every conversion (``get_lora_model``, ``load_adapter``, rewritten and decorated
-    models), it also plans sibling fusion (:func:`loragen.ops.sibling_plan.plan_siblings`).
+    models), it also plans sibling fusion (:func:`loragen.sibling_planning.plan_siblings`).
 
     Raises:
         LoraConversionError: ``config`` is None and the model carries no config (or different ones).

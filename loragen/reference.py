@@ -1,6 +1,12 @@
-"""peft's composition of a LoRA linear, in plain autograd: the reference the fused op and the CUDA
-kernels are checked against, and what runs where neither does (see
-:func:`loragen.ops.dispatch.fallback_reason` and :func:`loragen.cuda.unsupported_reason`).
+"""peft's compositions in plain autograd: the references every fast op is checked against, and what runs
+where no fast op does (see :func:`loragen.ops.dispatch.fallback_reason` and
+:func:`loragen.cuda.unsupported_reason`).
+
+The LoRA term ``scaling * B A dropout(x)`` is written once, in :func:`lora_term`; the compositions built
+on it are the LoRA linear (:func:`lora_linear_reference`), the term added onto a base output computed
+elsewhere (:func:`lora_branch_reference`, quantized bases) and DoRA (:func:`dora_linear_reference`, with
+its row norm :func:`dora_weight_norm`). Each fast op of :mod:`loragen.ops` and :mod:`loragen.cuda` writes
+its own hand-derived forward and backward once, and is held to these.
 
 With ``keep`` (the dropout keep-mask the fast op drew), the same composition reproduces a fast op's
 dropout exactly; tests hold every op of :mod:`loragen.ops` to it (tests/ops/test_against_reference.py).
@@ -8,10 +14,18 @@ dropout exactly; tests hold every op of :mod:`loragen.ops` to it (tests/ops/test
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["lora_dropout", "lora_linear_reference", "lora_term"]
+__all__ = [
+    "dora_linear_reference",
+    "dora_weight_norm",
+    "lora_branch_reference",
+    "lora_dropout",
+    "lora_linear_reference",
+    "lora_term",
+]
 
 
 def lora_dropout(x: Tensor, dropout_p: float, training: bool, keep: Tensor | None = None) -> Tensor:
@@ -66,12 +80,95 @@ def lora_term(
     training: bool,
     *,
     keep: Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """The LoRA term of a linear layer, ``scaling * B A dropout(x)``, as peft computes it: x cast to the
     adapter's dtype, dropout (only when ``training``) on the term's input alone; ``keep`` fixes the mask
     (:func:`lora_dropout`).
 
-    Shapes: x (..., in), lora_A (r, in), lora_B (out, r) -> (..., out) in the adapter's dtype.
+    ``dtype``: cast the product ``B A dropout(x)`` to it *before* scaling, peft's order for a term added
+    onto a base output it did not compute (quantized bases); None scales in the adapter's dtype.
+
+    Shapes: x (..., in), lora_A (r, in), lora_B (out, r) -> (..., out) in the adapter's dtype (or ``dtype``).
     """
     x_lora = lora_dropout(x.to(lora_A.dtype), dropout_p, training, keep)
-    return F.linear(F.linear(x_lora, lora_A), lora_B) * scaling
+    product = F.linear(F.linear(x_lora, lora_A), lora_B)
+    if dtype is not None:
+        product = product.to(dtype)
+    return product * scaling
+
+
+def lora_branch_reference(
+    base: Tensor,
+    x: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    keep: Tensor | None = None,
+) -> Tensor:
+    """The LoRA term added onto a base output computed elsewhere, as peft does for quantized bases:
+    ``base + (B A dropout(x)).to(base.dtype) * scaling`` (:func:`lora_term`; a new tensor, ``base``
+    untouched). ``keep`` (bool, x's shape) fixes the dropout mask.
+
+    Shapes: base (..., out), x (..., in), lora_A (r, in), lora_B (out, r) -> (..., out) in base's dtype.
+    """
+    return base + lora_term(x, lora_A, lora_B, scaling, dropout_p, training, keep=keep, dtype=base.dtype)
+
+
+def dora_weight_norm(
+    weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *, fan_in_fan_out: bool = False
+) -> Tensor:
+    """``||W + s B A||`` per output row, (out,), detached, in lora_A's dtype (as peft computes it).
+
+    Shapes: weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, lora_A (r, in), lora_B (out, r).
+    """
+    with torch.no_grad():
+        w = weight.t() if fan_in_fan_out else weight
+        directed = torch.addmm(w.to(lora_A.dtype), lora_B, lora_A, alpha=scaling)  # (out, in)
+        return torch.linalg.vector_norm(directed, dim=1)
+
+
+def dora_linear_reference(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    magnitude: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    fan_in_fan_out: bool = False,
+    result: Tensor | None = None,
+    keep: Tensor | None = None,
+) -> Tensor:
+    """peft's DoRA composition in plain autograd ops (any device, any dtype mix): with ``c = m / ||W + s B
+    A||`` per output (detached, :func:`dora_weight_norm`), ``y = result + (c - 1) * base + c * lora * s``,
+    where ``base`` is ``dropout(x) W^T`` with dropout (``x W^T`` without) and ``lora = B A dropout(x)``.
+
+    ``result`` is the base layer's own output ``x W^T + b`` when the caller has computed it (a base with
+    its own forward); otherwise it is computed here. The LoRA branch runs in lora_A's dtype, as in peft.
+    ``keep`` (bool, x's shape) fixes the dropout mask (:func:`lora_dropout`).
+
+    Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, bias (out,) or None,
+    lora_A (r, in), lora_B (out, r), magnitude (out,) -> (..., out) in ``result``'s dtype.
+    """
+    w = weight.t() if fan_in_fan_out else weight  # (out, in)
+    if result is None:
+        result = F.linear(x, w, bias)
+    dtype = lora_A.dtype
+    x_lora = x.to(dtype)
+    norm = dora_weight_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
+    c = magnitude / norm
+    if dropout_p > 0.0 and training:
+        x_lora = lora_dropout(x_lora, dropout_p, training, keep)
+        base = F.linear(x_lora, w.to(dtype))
+    else:
+        base = result if bias is None else result - bias
+    # peft's order, (c * lora) * s: the unscaled product, so not lora_term (whose scaling comes first)
+    lora = F.linear(F.linear(x_lora, lora_A), lora_B)
+    return (result + (c - 1) * base + c * lora * scaling).to(result.dtype)

@@ -54,8 +54,8 @@ from loragen.layers.adapter_set import (
     remove_factors,
     set_active,
 )
-from loragen.ops.sibling_plan import plan_siblings
 from loragen.registry import spec_for, spec_for_lora_type
+from loragen.sibling_planning import plan_siblings
 
 __all__ = [
     "DEFAULT_ADAPTER",

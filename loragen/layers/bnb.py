@@ -53,8 +53,15 @@ class QuantizedLoraMixin(LoraLinearMixin):
     def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
         # peft's order for quantized bases: the term in the adapter's dtype, cast to the base output's dtype
         # (bitsandbytes returns x's dtype), then scaled
-        term = lora_term(x, adapter.factor_a, adapter.factor_b, 1.0, adapter.lora_dropout_p, self.training)
-        return term.to(x.dtype) * adapter.scaling
+        return lora_term(
+            x,
+            adapter.factor_a,
+            adapter.factor_b,
+            adapter.scaling,
+            adapter.lora_dropout_p,
+            self.training,
+            dtype=x.dtype,
+        )
 
     def _fused_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
         """bitsandbytes' forward plus the term added onto its output in place (the variant's branch op)."""

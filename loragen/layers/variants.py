@@ -28,8 +28,9 @@ from torch import Tensor, nn
 
 from loragen.errors import LoraConversionError
 from loragen.layers import dora_magnitude
-from loragen.ops import dora_linear, dora_linear_reference, lora_linear
+from loragen.ops import dora_linear, lora_linear
 from loragen.ops.branch import lora_branch
+from loragen.reference import dora_linear_reference
 from loragen.registry import TransposedLayout
 
 __all__ = [
@@ -189,7 +190,7 @@ class DoraVariant(Variant):
 
 
 class LinearDora(DoraVariant):
-    """DoRA on a Linear weight: peft's composition on the base output (:func:`loragen.ops.dora_linear_reference`)."""
+    """DoRA on a Linear weight: peft's composition on the base output (:func:`loragen.reference.dora_linear_reference`)."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
         return dora_linear_reference(

@@ -30,7 +30,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from loragen import philox, switches
@@ -38,9 +37,9 @@ from loragen.ops import cpu_kernels
 from loragen.ops.dispatch import fallback_reason
 from loragen.ops.fused_linear import lora_down, masked_lora_grads
 from loragen.ops.masks import KeepMask, make_keep_bits
-from loragen.reference import lora_dropout
+from loragen.reference import lora_branch_reference
 
-__all__ = ["LoraBranchFunction", "lora_branch", "lora_branch_reference"]
+__all__ = ["LoraBranchFunction", "lora_branch"]
 
 _log = logging.getLogger(__name__)
 
@@ -140,24 +139,6 @@ class LoraBranchFunction(torch.autograd.Function):
         return grad_out if need_base else None, grad_x, grad_a, grad_b, None, None, None, None
 
 
-def lora_branch_reference(
-    base: Tensor,
-    x: Tensor,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    scaling: float,
-    dropout_p: float,
-    training: bool,
-    *,
-    keep: Tensor | None = None,
-) -> Tensor:
-    """peft's composition of the branch in plain autograd: ``base + (B A dropout(x)).to(base.dtype) * s``
-    (``F.linear`` and ``F.dropout``, or the bool keep-mask ``keep`` of x's shape; a new tensor, the base
-    output untouched)."""
-    x_lora = lora_dropout(x.to(lora_A.dtype), dropout_p, training, keep)
-    return base + F.linear(F.linear(x_lora, lora_A), lora_B).to(base.dtype) * scaling
-
-
 _logged_reasons: set[str] = set()
 
 
@@ -183,7 +164,7 @@ def lora_branch(
     ``base`` is a view) and returns it: pass a base output that nothing else reads. With
     ``loragen.switches.fused`` off, on other devices, and for the reasons of
     :func:`loragen.ops.dispatch.fallback_reason` (autocast, ``torch.compile`` with dropout) it runs
-    :func:`lora_branch_reference`, which returns a new tensor.
+    :func:`loragen.reference.lora_branch_reference`, which returns a new tensor.
 
     Args:
         rng: CPU dropout mask generator, "bits" or "philox" (default: :data:`loragen.switches.dropout_rng`).

@@ -24,7 +24,8 @@ backward  gc = c * g
 So the base product is one GEMM per direction (peft runs ``F.linear`` twice with dropout and composes
 the result in six (N, out) elementwise passes), and what is saved is x (a view), h, w, and the dropout
 mask as packed bits -- not x-sized float copies of the mask or of d(x). The weight gradient (a base
-weight that trains) and mixed dtypes run :func:`dora_linear_reference`, peft's plain composition.
+weight that trains) and mixed dtypes run :func:`loragen.reference.dora_linear_reference`, peft's plain
+composition, which is also what this op is tested against.
 """
 
 from __future__ import annotations
@@ -35,68 +36,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from loragen import philox, switches
 from loragen.ops.dispatch import fallback_reason
 from loragen.ops.fused_linear import input_layout, shaped_like_input
 from loragen.ops.masks import DropoutRng, check_rng, make_keep_bits
-from loragen.reference import lora_dropout
+from loragen.reference import dora_linear_reference, dora_weight_norm
 
-__all__ = ["DoraLinearFunction", "dora_linear", "dora_linear_reference", "dora_weight_norm"]
+__all__ = ["DoraLinearFunction", "dora_linear"]
 
 _log = logging.getLogger(__name__)
-
-
-def dora_weight_norm(
-    weight: Tensor, lora_A: Tensor, lora_B: Tensor, scaling: float, *, fan_in_fan_out: bool = False
-) -> Tensor:
-    """``||W + s B A||`` per output row, (out,), detached, in lora_A's dtype (as peft computes it).
-
-    Shapes: weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, lora_A (r, in), lora_B (out, r).
-    """
-    with torch.no_grad():
-        w = weight.t() if fan_in_fan_out else weight
-        directed = torch.addmm(w.to(lora_A.dtype), lora_B, lora_A, alpha=scaling)  # (out, in)
-        return torch.linalg.vector_norm(directed, dim=1)
-
-
-def dora_linear_reference(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    magnitude: Tensor,
-    scaling: float,
-    dropout_p: float,
-    training: bool,
-    *,
-    fan_in_fan_out: bool = False,
-    result: Tensor | None = None,
-    keep: Tensor | None = None,
-) -> Tensor:
-    """peft's DoRA composition in plain autograd ops (any device, any dtype mix).
-
-    ``result`` is the base layer's own output ``x W^T + b`` when the caller has computed it (a base with
-    its own forward); otherwise it is computed here. The LoRA branch runs in lora_A's dtype, as in peft.
-    ``keep`` (bool, x's shape) fixes the dropout mask (:func:`loragen.reference.lora_dropout`).
-    """
-    w = weight.t() if fan_in_fan_out else weight  # (out, in)
-    if result is None:
-        result = F.linear(x, w, bias)
-    dtype = lora_A.dtype
-    x_lora = x.to(dtype)
-    norm = dora_weight_norm(weight, lora_A, lora_B, scaling, fan_in_fan_out=fan_in_fan_out)
-    c = magnitude / norm
-    if dropout_p > 0.0 and training:
-        x_lora = lora_dropout(x_lora, dropout_p, training, keep)
-        base = F.linear(x_lora, w.to(dtype))
-    else:
-        base = result if bias is None else result - bias
-    lora = F.linear(F.linear(x_lora, lora_A), lora_B)
-    return (result + (c - 1) * base + c * lora * scaling).to(result.dtype)
 
 
 class DoraLinearFunction(torch.autograd.Function):
@@ -257,7 +207,7 @@ def dora_linear(
     Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, bias (out,) or None,
     lora_A (r, in), lora_B (out, r), magnitude (out,). Dropout (``dropout_p``, only when ``training``)
     applies to the adapter's input. CPU tensors of one dtype with a frozen weight run
-    :class:`DoraLinearFunction`; everything else runs :func:`dora_linear_reference`.
+    :class:`DoraLinearFunction`; everything else runs :func:`loragen.reference.dora_linear_reference`.
 
     Args:
         rng: dropout mask generator, "bits" or "philox" (default: :data:`loragen.switches.dropout_rng`).

@@ -24,7 +24,9 @@ rounds the others' away, 4e-4 from the per-layer op's gradient where this order 
 (tests/ops/test_siblings.py). With several threads, BLAS may split the row sum of dA = gh^T x
 differently for R columns than for r: fp32 rounding, no worse than the per-layer op's.
 
-**Which layers are siblings** is planned at conversion time (:mod:`loragen.ops.sibling_plan`).
+**Which layers are siblings** is planned at conversion time (:mod:`loragen.sibling_planning`, which reads
+the parent's ``forward`` source); this module keeps only what a plan is (:class:`Role`, kept on each
+member, :func:`role_of`) and runs it.
 
 **At run time** the plan is only a plan. The leader computes a member's output only while that member is
 eligible (fused, not merged, no active dropout, the input's dtype, plain tensors), and a member takes it
@@ -50,9 +52,46 @@ from torch import Tensor, nn
 
 from loragen import switches
 from loragen.ops.fused_linear import input_layout, lora_output, shaped_like_input
-from loragen.ops.sibling_plan import role_of, transposed
+from loragen.registry import TRANSPOSED, spec_for_lora_type
 
-__all__ = ["forward"]
+__all__ = ["ROLE_ATTR", "Role", "forward", "role_of", "set_role", "transposed"]
+
+
+# ---- the plan ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Role:
+    """A layer's place in its group: the leader knows its followers.
+
+    The role is kept on the layer itself (attribute :data:`ROLE_ATTR`, a plain attribute, not a
+    submodule), so ``copy.deepcopy`` and pickling carry the plan over to the copy's own layers.
+    """
+
+    names: tuple[str, ...]  # the group, named within the parent, leader first
+    followers: tuple[nn.Module, ...] = ()
+
+
+ROLE_ATTR = "_sibling_role"
+
+
+def role_of(layer: nn.Module) -> Role | None:
+    """The planned role of ``layer``, or None when it runs on its own."""
+    return layer.__dict__.get(ROLE_ATTR)
+
+
+def set_role(layer: nn.Module, role: Role | None) -> None:
+    """Record ``role`` as ``layer``'s place in a sibling group (None: it runs on its own)."""
+    if role is None:
+        layer.__dict__.pop(ROLE_ATTR, None)
+    else:
+        layer.__dict__[ROLE_ATTR] = role
+
+
+def transposed(layer: nn.Module) -> bool:
+    """Whether ``layer``'s weight is stored (in, out) (transformers' Conv1D), per the registry."""
+    spec = spec_for_lora_type(type(layer))
+    return spec is not None and spec.layout is TRANSPOSED
 
 
 # ---- run time ----------------------------------------------------------------------------------------

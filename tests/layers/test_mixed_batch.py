@@ -14,6 +14,7 @@ from torch import nn
 
 import loragen
 from loragen import LoraConfig
+from loragen.sibling_planning import fused_groups
 from tests.adapters.helpers import ConvNet
 
 NAMES = ["default", "a", "b"]
@@ -154,7 +155,7 @@ def test_training_mode_and_merged_layers_are_refused() -> None:
 
 def test_sibling_fusion_gives_the_same_outputs_whatever_adapter_each_layer_runs() -> None:
     model = _block_model()
-    assert loragen.ops.sibling_plan.fused_groups(model) == [("q", "k", "v")]
+    assert fused_groups(model) == [("q", "k", "v")]
     x = torch.randn(3, 4, 8, requires_grad=True)
     for name in [*NAMES, None]:
         outputs = []

@@ -1,6 +1,9 @@
-"""Every fast op of loragen.ops against the one reference composition (loragen.reference, peft's math) in
-float64: outputs and the gradients of every input, with the dropout mask the op drew given to the
-reference. Each op's backward is hand-written; this is where all of them are held to one definition."""
+"""Every fast op against the one reference composition (loragen.reference, peft's math): outputs and the
+gradients of every input, with the dropout mask the op drew given to the reference. The CPU ops
+(fused_linear, branch, dora_linear, siblings) in float64; the CUDA op's torch path (the launcher the
+kernels fall back to) in float32, its only dtype of products, against the float64 reference; the expert
+products (weight space) against a per-expert loop written from the layout's definition. Each op's
+backward is hand-written; this is where all of them are held to one definition."""
 
 from __future__ import annotations
 
@@ -10,12 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loragen.ops.branch import LoraBranchFunction, lora_branch_reference
-from loragen.ops.dora_linear import DoraLinearFunction, dora_linear_reference
+from loragen import philox
+from loragen.cuda.linear_op import lora_linear_cuda
+from loragen.cuda.torch_kernels import TorchKernels
+from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED, ParameterLayout
+from loragen.ops.branch import LoraBranchFunction
+from loragen.ops.dora_linear import DoraLinearFunction
+from loragen.ops.expert_products import effective_weight, recompute_on_backward
 from loragen.ops.fused_linear import LoraLinearFunction
 from loragen.ops.masks import make_keep_bits, unpack_keep_mask
 from loragen.ops.siblings import _GroupFunction
-from loragen.reference import lora_linear_reference
+from loragen.reference import dora_linear_reference, lora_branch_reference, lora_linear_reference
 
 SEED = 1234
 SCALING = 1.5
@@ -141,6 +149,100 @@ def test_sibling_group_equals_the_reference_of_each_member_in_float64(ffo: bool)
         return torch.cat(outputs, dim=-1)
 
     _check(fast, reference, tensors, x)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("ffo", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_torch_path_equals_the_reference(p: float, ffo: bool, bias: bool) -> None:
+    high = _tensors(ffo, bias)
+    high["magnitude"].requires_grad_(False)
+    low = {
+        k: None if v is None else v.detach().float().requires_grad_(v.requires_grad) for k, v in high.items()
+    }
+    x_high = torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    x_high.requires_grad_(True)
+    x_low = x_high.detach().float().requires_grad_(True)
+    # with a seed, the CUDA op's mask is the Philox mask at offset 0, element (row-major) by element
+    keep = philox.dropout_keep_mask(x_high.shape, p, SEED) if p else None
+
+    got = lora_linear_cuda(
+        x_low,
+        *(low[k] for k in ("weight", "bias", "lora_A", "lora_B")),
+        SCALING,
+        p,
+        True,
+        fan_in_fan_out=ffo,
+        seed=SEED,
+        launcher=TorchKernels(),
+    )
+    assert type(got.grad_fn).__name__ == "_LoraLinearFunctionBackward"  # the op ran, not its fallback
+    want = lora_linear_reference(
+        x_high,
+        *(high[k] for k in ("weight", "bias", "lora_A", "lora_B")),
+        SCALING,
+        p,
+        True,
+        fan_in_fan_out=ffo,
+        keep=keep,
+    )
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    names = [k for k in ("weight", "bias", "lora_A", "lora_B") if high[k] is not None]
+    got_grads = torch.autograd.grad(got, [x_low, *(low[k] for k in names)], grad.float())
+    want_grads = torch.autograd.grad(want, [x_high, *(high[k] for k in names)], grad)
+    for name, g_got, g_want in zip(["x", *names], got_grads, want_grads):
+        torch.testing.assert_close(
+            g_got.double(), g_want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def _expert_weights_by_loop(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, layout: ParameterLayout
+) -> torch.Tensor:
+    """``W_e + s B_e A_e`` one expert at a time, read off the factor layout peft stores: expert e owns rows
+    e*r .. e*r+r-1 of A and columns e, e+E, ... of B; a transposed stack stores each update transposed."""
+    experts = weight.shape[0]
+    r = a.shape[0] // experts
+    updated = []
+    for e in range(experts):
+        update = b[:, e::experts] @ a[e * r : (e + 1) * r]  # (out, in)
+        updated.append(weight[e] + scaling * (update.t() if layout is EXPERTS_TRANSPOSED else update))
+    return torch.stack(updated)
+
+
+@pytest.mark.parametrize("layout", [EXPERTS, EXPERTS_TRANSPOSED], ids=lambda layout: layout.name)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_expert_products_equal_the_per_expert_reference(layout: ParameterLayout, recompute: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    experts, in_features, out_features, r = 3, 6, 4, 2
+    shape = (
+        (experts, in_features, out_features)
+        if layout is EXPERTS_TRANSPOSED
+        else (experts, out_features, in_features)
+    )
+    weight = torch.randn(*shape, generator=g, dtype=torch.float64)
+    a = torch.randn(r * experts, in_features, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(out_features, r * experts, generator=g, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(experts, 5, in_features, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def apply(w: torch.Tensor) -> torch.Tensor:  # each expert's product on its own tokens, as a MoE block
+        return torch.bmm(x, w if layout is EXPERTS_TRANSPOSED else w.transpose(1, 2))
+
+    def fast() -> torch.Tensor:
+        w = effective_weight(weight, a, b, SCALING, layout)
+        if not recompute:
+            return apply(w)
+        with recompute_on_backward({w: (weight, a, b, SCALING, layout)}):  # w rebuilt in the backward
+            return apply(w)
+
+    got, want = fast(), apply(_expert_weights_by_loop(weight, a, b, SCALING, layout))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(5), dtype=got.dtype)
+    for g_got, g_want in zip(
+        torch.autograd.grad(got, [x, a, b], grad), torch.autograd.grad(want, [x, a, b], grad)
+    ):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10)
 
 
 def test_a_keep_mask_of_another_shape_is_refused() -> None:

@@ -9,8 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loragen import switches
-from loragen.ops.branch import lora_branch, lora_branch_reference
+from loragen.ops.branch import lora_branch
 from loragen.ops.masks import make_keep_bits, unpack_keep_mask
+from loragen.reference import lora_branch_reference
 
 
 def _inputs(dtype: torch.dtype, rows: int = 6, d_in: int = 24, d_out: int = 20, r: int = 4, seed: int = 0):

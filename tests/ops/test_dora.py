@@ -10,8 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loragen import switches
-from loragen.ops.dora_linear import DoraLinearFunction, dora_linear, dora_linear_reference, dora_weight_norm
+from loragen.ops.dora_linear import DoraLinearFunction, dora_linear
 from loragen.ops.masks import make_keep_bits, unpack_keep_mask
+from loragen.reference import dora_linear_reference, dora_weight_norm
 
 
 def _tensors(

@@ -1,10 +1,10 @@
-"""Sibling fusion (loragen.ops.siblings): static grouping from source, and fused results that equal the
-per-layer op in values and gradients, under checkpointing, hooks, copies and every base setting."""
+"""Sibling fusion (loragen.sibling_planning, loragen.ops.siblings): the plan made at conversion, and fused
+results that equal the per-layer op in values and gradients, under checkpointing, hooks, copies and every
+base setting. Reading the groups from source is tested in tests/test_forward_calls.py."""
 
 from __future__ import annotations
 
 import copy
-import textwrap
 
 import pytest
 import torch
@@ -13,13 +13,9 @@ from torch.func import functional_call
 
 import loragen
 from loragen import switches
-from loragen.ops import sibling_plan, siblings
-from loragen.ops.sibling_plan import call_groups, fused_groups
+from loragen.ops import siblings
+from loragen.sibling_planning import fused_groups
 from tests.conftest import tiny_inputs
-
-
-def _groups(source: str) -> tuple[tuple[str, ...], ...]:
-    return sibling_plan._groups_in(textwrap.dedent(source))
 
 
 def _node_names(output: torch.Tensor) -> set[str]:
@@ -32,47 +28,6 @@ def _node_names(output: torch.Tensor) -> set[str]:
         names.add(type(node).__name__)
         stack.extend(next_fn for next_fn, _ in node.next_functions)
     return names
-
-
-# ---- grouping from source ------------------------------------------------------------------------------
-
-
-def test_llama_attention_and_mlp_sources_give_qkv_and_gate_up() -> None:
-    from transformers.models.llama import modeling_llama
-
-    attention = call_groups(modeling_llama.LlamaAttention.forward)
-    mlp = call_groups(modeling_llama.LlamaMLP.forward)
-    assert attention == (("q_proj", "k_proj", "v_proj"),)
-    assert mlp == (("gate_proj", "up_proj"),)
-
-
-@pytest.mark.parametrize(
-    ("source", "expected"),
-    [
-        ("def f(self, x):\n    return self.a(x) + self.b(x) + self.c(x)\n", (("a", "b", "c"),)),
-        # an assignment to x between two calls separates them
-        ("def f(self, x):\n    y = self.a(x)\n    x = x + 1\n    return y + self.b(x)\n", ()),
-        ("def f(self, x):\n    x = self.a(x)\n    return self.b(x)\n", ()),
-        ("def f(self, x):\n    x += 1\n    y = self.a(x)\n    return y + self.b(x)\n", (("a", "b"),)),
-        # calls in different branches never run together
-        ("def f(self, x, c):\n    if c:\n        return self.a(x)\n    return self.b(x)\n", ()),
-        # keyword arguments, expressions and nested attributes are not plain single-input calls
-        ("def f(self, x):\n    return self.a(x=x) + self.b(x) + self.c(x + 1) + self.d.e(x)\n", ()),
-        # other variables make other groups; a name called twice counts once
-        (
-            "def f(me, x, z):\n    return me.a(x) + me.b(z) + me.c(x) + me.d(z) + me.a(x)\n",
-            (("a", "c"), ("b", "d")),
-        ),
-    ],
-)
-def test_call_groups_from_source(source: str, expected: tuple) -> None:
-    assert _groups(source) == expected
-
-
-def test_unreadable_source_gives_no_groups() -> None:
-    namespace: dict = {}
-    exec(compile("def f(self, x):\n    return self.a(x) + self.b(x)\n", "<no file>", "exec"), namespace)
-    assert call_groups(namespace["f"]) == ()
 
 
 # ---- fused results equal the per-layer op ----------------------------------------------------------------

@@ -1,42 +1,30 @@
-"""Which LoRA linears are siblings (read the same input), planned once, at conversion time.
+"""Reading a class's ``forward``: which ``self.<name>(<var>)`` calls share one input.
 
-:func:`plan_siblings` looks at each module that owns two or more linear LoRA layers on the fused path,
-reads its class's ``forward`` source with libcst (:func:`call_groups`) and records, for each group of
-calls ``self.<name>(<var>)`` on one variable, a plan: the first member leads and computes every output,
-the others take theirs (:mod:`loragen.ops.siblings`). Nothing here inspects the call stack: the plan
-depends only on the module structure and the source, so a forward pass and its recomputation under
-``torch.utils.checkpoint`` take the same path.
+:func:`call_groups` parses a method's source with libcst and returns the groups of attribute calls that
+read the same variable, e.g. ``(("q_proj", "k_proj", "v_proj"),)`` for Llama's attention. Sibling fusion
+plans with it (:mod:`loragen.sibling_planning`); nothing here knows about LoRA layers.
 
-The conversion entry points call :func:`plan_siblings` when they finish (``get_lora_model`` and
-``mark_trainable``, which rewritten and decorated models and ``load_adapter`` go through). LoRA layers
-that were never planned, or whose parent's source cannot be read, run on their own: correct, unfused.
-
-A layer takes part when it is a Linear-like LoRA layer whose base forward the fused op replaces: its
-class is registered with the PLAIN or TRANSPOSED layout (:mod:`loragen.registry`) and it says
-``fused_base``.
+Why a module of its own, in its own place in the layer order (above :mod:`loragen.layers`, below
+:mod:`loragen.convert`): it is source analysis, like :mod:`loragen.source`, but it runs at conversion time,
+so ``convert`` (which sits below ``source``) must be able to reach it; and it must stay out of
+:mod:`loragen.ops` and :mod:`loragen.layers`, which run tensors and never read source. The import-linter
+contract in pyproject.toml holds both: imports only point down, and no module of ``ops``, ``layers`` or
+``cuda`` imports libcst.
 """
 
 from __future__ import annotations
 
 import inspect
 import textwrap
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import libcst as cst
 import libcst.metadata as md
-from torch import nn
 
-from loragen.registry import PLAIN, TRANSPOSED, spec_for_lora_type
-
-__all__ = ["ROLE_ATTR", "Role", "call_groups", "fused_groups", "plan_siblings", "role_of", "transposed"]
+__all__ = ["call_groups", "groups_in_source"]
 
 Position = tuple[int, int]
-
-
-# ---- reading a forward's source --------------------------------------------------------------------
 
 
 class _CallScanner(cst.CSTVisitor):
@@ -110,7 +98,13 @@ class _CallScanner(cst.CSTVisitor):
             )
 
 
-def _groups_in(source: str) -> tuple[tuple[str, ...], ...]:
+def groups_in_source(source: str) -> tuple[tuple[str, ...], ...]:
+    """:func:`call_groups` for the source of one function definition (the first statement of
+    ``source``, dedented; its first parameter is ``self``). ``()`` when ``source`` holds no function.
+
+    Raises:
+        libcst.ParserSyntaxError: ``source`` is not valid Python.
+    """
     module = cst.parse_module(textwrap.dedent(source))
     function = module.body[0] if module.body else None
     if not isinstance(function, cst.FunctionDef) or not function.params.params:
@@ -154,96 +148,8 @@ def call_groups(function: Callable[..., Any]) -> tuple[tuple[str, ...], ...]:
     cached = _source_cache.get(function)
     if cached is None:
         try:
-            cached = _groups_in(inspect.getsource(function))
+            cached = groups_in_source(inspect.getsource(function))
         except (OSError, TypeError, cst.ParserSyntaxError):
             cached = ()
         _source_cache[function] = cached
     return cached
-
-
-# ---- the plan ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Role:
-    """A layer's place in its group: the leader knows its followers.
-
-    The role is kept on the layer itself (attribute :data:`ROLE_ATTR`, a plain attribute, not a
-    submodule), so ``copy.deepcopy`` and pickling carry the plan over to the copy's own layers.
-    """
-
-    names: tuple[str, ...]  # the group, named within the parent, leader first
-    followers: tuple[nn.Module, ...] = ()
-
-
-ROLE_ATTR = "_sibling_role"
-_lock = threading.Lock()
-
-
-def transposed(layer: nn.Module) -> bool:
-    """Whether ``layer``'s weight is stored (in, out) (transformers' Conv1D), per the registry."""
-    spec = spec_for_lora_type(type(layer))
-    return spec is not None and spec.layout is TRANSPOSED
-
-
-def _fusable(module: nn.Module | None) -> bool:
-    if module is None or not getattr(type(module), "fused_base", False):
-        return False
-    spec = spec_for_lora_type(type(module))
-    return spec is not None and spec.layout in (PLAIN, TRANSPOSED)
-
-
-def role_of(layer: nn.Module) -> Role | None:
-    """The planned role of ``layer``, or None when it runs on its own."""
-    return layer.__dict__.get(ROLE_ATTR)
-
-
-def _set_role(layer: nn.Module, role: Role | None) -> None:
-    if role is None:
-        layer.__dict__.pop(ROLE_ATTR, None)
-    else:
-        layer.__dict__[ROLE_ATTR] = role
-
-
-def plan_siblings(model: nn.Module) -> None:
-    """Plan sibling groups for every module of ``model`` (replacing earlier plans for its layers)."""
-    for parent in model.modules():
-        children = parent._modules
-        members = [child for child in children.values() if child is not None and _fusable(child)]
-        with _lock:
-            for child in members:
-                _set_role(child, None)
-        if len(members) < 2:
-            continue
-        for names in call_groups(type(parent).forward):
-            group: list[tuple[str, Any]] = []
-            for name in names:
-                candidate = children.get(name)
-                if candidate is not None and _fusable(candidate):
-                    group.append((name, candidate))
-            if len(group) < 2:
-                continue
-            # members must agree on in_features with the leader; others run alone
-            leader = group[0][1]
-            group = [(name, m) for name, m in group if m.in_features == leader.in_features]
-            if len(group) < 2 or any(role_of(m) is not None for _, m in group):
-                continue  # a layer leads or follows in one group only
-            group_names = tuple(name for name, _ in group)
-            with _lock:
-                _set_role(leader, Role(group_names, tuple(m for _, m in group[1:])))
-                for _, member in group[1:]:
-                    _set_role(member, Role(group_names))
-
-
-def fused_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    """The sibling groups planned in ``model``, as qualified module names (leader first).
-
-    Example: ``[("model.layers.0.self_attn.q_proj", "...k_proj", "...v_proj"), ...]``.
-    """
-    groups = []
-    for name, module in model.named_modules():
-        role = role_of(module)
-        if role is not None and role.followers:
-            parent = name.rpartition(".")[0]
-            groups.append(tuple(f"{parent}.{n}" if parent else n for n in role.names))
-    return groups
