@@ -189,7 +189,169 @@ void lora_masked_grad_x(const float *gh, const float *a, const uint8_t *bits, fl
         grad_x_rows(gh, a, bits, dx, row0, n - row0 < 4 ? n - row0 : 4, in, r, last);
 }
 
-#else /* no AVX-512: report it; loragen keeps its numpy/BLAS path */
+#elif defined(__AVX2__) && defined(__FMA__) /* x86-64 without AVX-512: the same kernels on 8-lane AVX2 */
+#include <immintrin.h>
+
+int lora_kernels_isa(void) { return 256; }
+
+/* AVX2 has no mask registers: a lane mask is a vector of all-ones / all-zeros 32-bit lanes, and
+ * _mm256_maskload_ps reads (and faults on) only the lanes it selects, which covers the tails. */
+
+/* The 16 keep flags of elements [first, first + 16) as the low bits of a word; bytes past last (the
+ * mask's last byte) are not read. */
+static inline uint32_t keep16(const uint8_t *restrict bits, int64_t first, int64_t last) {
+    const int64_t b = first >> 3;
+    uint32_t word = bits[b];
+    if (b + 1 <= last) word |= (uint32_t)bits[b + 1] << 8;
+    if (b + 2 <= last) word |= (uint32_t)bits[b + 2] << 16;
+    return word >> (first & 7);
+}
+
+/* Bits 0..7 of word as a lane mask. */
+static inline __m256i lanes_of(uint32_t word) {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)word), bit), bit);
+}
+
+/* Lanes [0, count) (count may be <= 0 or >= 8). */
+static inline __m256i first_lanes(int64_t count) {
+    const int64_t c = count < 0 ? 0 : count > 8 ? 8 : count;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* ---- h = scale * (x * m) A^T ------------------------------------------------------------------------ */
+
+#define MAX_RV 32 /* r <= 256: a row of at is r / 8 registers */
+
+static inline __attribute__((always_inline)) void down_rows(const float *restrict x,
+                                                            const uint8_t *restrict bits,
+                                                            const float *restrict at, float *restrict h,
+                                                            int64_t row0, int64_t rows, int64_t in, int rv,
+                                                            float scale, int64_t last) {
+    __m256 acc[4][MAX_RV];
+    for (int i = 0; i < 4; ++i)
+        for (int v = 0; v < rv; ++v) acc[i][v] = _mm256_setzero_ps();
+    float xm[4][8] __attribute__((aligned(32)));
+    for (int64_t j = 0; j < in; j += 8) {
+        const int64_t count = in - j < 8 ? in - j : 8;
+        for (int i = 0; i < 4; ++i) {
+            if (i < rows) {
+                const int64_t first = (row0 + i) * in + j;
+                __m256i k = lanes_of(keep16(bits, first, last));
+                if (count < 8) k = _mm256_and_si256(k, first_lanes(count));
+                _mm256_store_ps(xm[i], _mm256_maskload_ps(x + first, k));
+            } else {
+                _mm256_store_ps(xm[i], _mm256_setzero_ps());
+            }
+        }
+        for (int64_t l = 0; l < count; ++l) {
+            const float *a = at + (j + l) * rv * 8;
+            for (int v = 0; v < rv; ++v) {
+                const __m256 av = _mm256_loadu_ps(a + 8 * v);
+                acc[0][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&xm[0][l]), av, acc[0][v]);
+                acc[1][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&xm[1][l]), av, acc[1][v]);
+                acc[2][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&xm[2][l]), av, acc[2][v]);
+                acc[3][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(&xm[3][l]), av, acc[3][v]);
+            }
+        }
+    }
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int i = 0; i < rows; ++i)
+        for (int v = 0; v < rv; ++v)
+            _mm256_storeu_ps(h + (row0 + i) * rv * 8 + 8 * v, _mm256_mul_ps(s, acc[i][v]));
+}
+
+void lora_masked_down(const float *x, const uint8_t *bits, const float *at, float *h, int64_t n, int64_t in,
+                      int64_t r, float scale, int64_t nbytes, int threads) {
+    const int64_t last = nbytes - 1;
+    const int rv = (int)(r / 8);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row0 = 0; row0 < n; row0 += 4) {
+        const int64_t rows = n - row0 < 4 ? n - row0 : 4;
+        switch (rv) { /* literal rv: the register loops unroll */
+            case 2: down_rows(x, bits, at, h, row0, rows, in, 2, scale, last); break;
+            case 4: down_rows(x, bits, at, h, row0, rows, in, 4, scale, last); break;
+            default: down_rows(x, bits, at, h, row0, rows, in, rv, scale, last);
+        }
+    }
+}
+
+/* ---- at = (x * m)^T gh ------------------------------------------------------------------------------ */
+
+/* at[j0 + c, k0 + k] for 8 columns c of x and 8 ranks k: acc[k] holds ranks k0 + k of the 8 columns (eight
+ * registers) while every row goes by. */
+static void grad_a_block(const float *restrict x, const uint8_t *restrict bits, const float *restrict gh,
+                         float *restrict at, int64_t n, int64_t in, int64_t r, int64_t j0, int64_t k0,
+                         int64_t count, int64_t last) {
+    __m256 acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+    const __m256i columns = first_lanes(count);
+    for (int64_t row = 0; row < n; ++row) {
+        const int64_t first = row * in + j0;
+        const __m256i keep = _mm256_and_si256(lanes_of(keep16(bits, first, last)), columns);
+        const __m256 xm = _mm256_maskload_ps(x + first, keep);
+        const float *g = gh + row * r + k0;
+        for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(g + k), xm, acc[k]);
+    }
+    float out[8][8] __attribute__((aligned(32)));
+    for (int k = 0; k < 8; ++k) _mm256_store_ps(out[k], acc[k]);
+    for (int64_t c = 0; c < count; ++c)
+        for (int k = 0; k < 8; ++k) at[(j0 + c) * r + k0 + k] = out[k][c];
+}
+
+void lora_masked_grad_a(const float *x, const uint8_t *bits, const float *gh, float *at, int64_t n, int64_t in,
+                        int64_t r, int64_t nbytes, int threads) {
+    const int64_t last = nbytes - 1;
+    const int64_t blocks = (in + 7) / 8;
+    /* every rank block of a column block on one thread, one after the other: the block's strip of x comes
+     * from memory once and from cache after that */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t j0 = b * 8;
+        for (int64_t k0 = 0; k0 < r; k0 += 8)
+            grad_a_block(x, bits, gh, at, n, in, r, j0, k0, in - j0 < 8 ? in - j0 : 8, last);
+    }
+}
+
+/* ---- dx = (gh A) * m ---------------------------------------------------------------------------------- */
+
+static void grad_x_rows(const float *restrict gh, const float *restrict a, const uint8_t *restrict bits,
+                        float *restrict dx, int64_t row0, int64_t rows, int64_t in, int64_t r, int64_t last) {
+    for (int64_t j = 0; j < in; j += 16) { /* 16 columns: two registers per row, four rows */
+        const __m256i lo = first_lanes(in - j), hi = first_lanes(in - j - 8);
+        __m256 acc[4][2];
+        for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        const float *g[4];
+        /* rows past the last real one repeat it; their results are not stored */
+        for (int i = 0; i < 4; ++i) g[i] = gh + (row0 + (i < rows ? i : 0)) * r;
+        for (int64_t k = 0; k < r; ++k) {
+            const __m256 a0 = _mm256_maskload_ps(a + k * in + j, lo);
+            const __m256 a1 = _mm256_maskload_ps(a + k * in + j + 8, hi);
+            for (int i = 0; i < 4; ++i) {
+                const __m256 gv = _mm256_broadcast_ss(g[i] + k);
+                acc[i][0] = _mm256_fmadd_ps(gv, a0, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(gv, a1, acc[i][1]);
+            }
+        }
+        for (int i = 0; i < rows; ++i) {
+            const int64_t first = (row0 + i) * in + j;
+            const uint32_t word = keep16(bits, first, last);
+            const __m256 k0 = _mm256_castsi256_ps(lanes_of(word)), k1 = _mm256_castsi256_ps(lanes_of(word >> 8));
+            _mm256_maskstore_ps(dx + first, lo, _mm256_and_ps(acc[i][0], k0));
+            _mm256_maskstore_ps(dx + first + 8, hi, _mm256_and_ps(acc[i][1], k1));
+        }
+    }
+}
+
+void lora_masked_grad_x(const float *gh, const float *a, const uint8_t *bits, float *dx, int64_t n, int64_t in,
+                        int64_t r, int64_t nbytes, int threads) {
+    const int64_t last = nbytes - 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t row0 = 0; row0 < n; row0 += 4)
+        grad_x_rows(gh, a, bits, dx, row0, n - row0 < 4 ? n - row0 : 4, in, r, last);
+}
+
+#else /* neither AVX-512 nor AVX2 + FMA: report it; loragen keeps its numpy/BLAS path */
 
 int lora_kernels_isa(void) { return 0; }
 
