@@ -209,16 +209,18 @@ def _variant_library(variant: Variant) -> ctypes.CDLL | str:
     return _built[variant.name]
 
 
-def _load() -> ctypes.CDLL | None:
+def _choice() -> Variant | None:
+    """The variant in use for the requested one (:data:`variant_switch`), building and loading the
+    candidates in order until one works; None when none does (the reasons are kept for :func:`status`)."""
     requested = variant_switch.get()
     with _lock:
         if requested not in _chosen:
             tried = candidates(cpu_features(), platform.machine(), requested)
             reasons = []
-            for variant in tried:
-                library = _variant_library(variant)
+            for candidate in tried:
+                library = _variant_library(candidate)
                 if not isinstance(library, str):
-                    _chosen[requested] = (variant, "")
+                    _chosen[requested] = (candidate, "")
                     break
                 reasons.append(library)
             else:
@@ -230,18 +232,21 @@ def _load() -> ctypes.CDLL | None:
                     )
                 _chosen[requested] = (None, "; ".join(reasons))
                 _log.info("loragen.ops.cpu_kernels: using the numpy/BLAS dropout path: %s", reasons)
-        variant, _ = _chosen[requested]
-    if variant is None:
-        return None
-    library = _built[variant.name]
+        return _chosen[requested][0]
+
+
+def _load() -> ctypes.CDLL | None:
+    chosen = _choice()
+    library = None if chosen is None else _built[chosen.name]
     return None if isinstance(library, str) else library
 
 
 def variant() -> str | None:
     """The name of the variant in use (compiles on first call), or None when the kernels are not."""
-    if not switches.cpu_kernels.get() or _load() is None:
+    if not switches.cpu_kernels.get():
         return None
-    return _chosen[variant_switch.get()][0].name  # type: ignore[union-attr]
+    chosen = _choice()
+    return None if chosen is None else chosen.name
 
 
 MAX_RANK = 256
