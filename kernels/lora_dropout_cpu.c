@@ -26,6 +26,9 @@
 #include <omp.h>
 #endif
 
+/* grad_a reads x down column strips, one cache line per row: fetched this many rows ahead */
+#define PREFETCH_ROWS 16
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -118,6 +121,8 @@ static inline __attribute__((always_inline)) void grad_a_block(const float *rest
     const __mmask16 lanes = (__mmask16)((1u << cols) - 1u);
     for (int64_t row = 0; row < n; ++row) {
         const int64_t first = row * in + j0;
+        /* the walk down a column strip crosses a page per row, where the hardware prefetchers stop */
+        if (row + PREFETCH_ROWS < n) __builtin_prefetch(x + first + PREFETCH_ROWS * in);
         const __mmask16 k = (__mmask16)(keep16(bits, first, last) & lanes);
         _mm512_store_ps(xm, _mm512_maskz_loadu_ps(k, x + first));
         const float *g = gh + row * rv * 16;
@@ -207,6 +212,16 @@ static inline uint32_t keep16(const uint8_t *restrict bits, int64_t first, int64
     return word >> (first & 7);
 }
 
+/* The 8 keep flags of elements [first, first + 8) (the next byte is read only when first is not on a
+ * byte boundary, and never past last). */
+static inline uint32_t keep8(const uint8_t *restrict bits, int64_t first, int64_t last) {
+    const int64_t b = first >> 3;
+    const int shift = (int)(first & 7);
+    uint32_t word = bits[b];
+    if (shift != 0 && b + 1 <= last) word |= (uint32_t)bits[b + 1] << 8;
+    return word >> shift;
+}
+
 /* Bits 0..7 of word as a lane mask. */
 static inline __m256i lanes_of(uint32_t word) {
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -237,7 +252,7 @@ static inline __attribute__((always_inline)) void down_rows(const float *restric
         for (int i = 0; i < 4; ++i) {
             if (i < rows) {
                 const int64_t first = (row0 + i) * in + j;
-                __m256i k = lanes_of(keep16(bits, first, last));
+                __m256i k = lanes_of(keep8(bits, first, last));
                 if (count < 8) k = _mm256_and_si256(k, first_lanes(count));
                 _mm256_store_ps(xm[i], _mm256_maskload_ps(x + first, k));
             } else {
@@ -278,23 +293,33 @@ void lora_masked_down(const float *x, const uint8_t *bits, const float *at, floa
 
 /* ---- at = (x * m)^T gh ------------------------------------------------------------------------------ */
 
-/* at[j0 + c, k0 + k] for 8 columns c of x and 8 ranks k: acc[k] holds ranks k0 + k of the 8 columns (eight
- * registers) while every row goes by. */
+/* at[j0 + c, k0 + k] for 8 columns c of x and 8 ranks k: a0..a7 hold ranks k0..k0+7 of the 8 columns
+ * (eight registers, named: an array of them was kept in memory) while every row goes by. */
 static void grad_a_block(const float *restrict x, const uint8_t *restrict bits, const float *restrict gh,
                          float *restrict at, int64_t n, int64_t in, int64_t r, int64_t j0, int64_t k0,
                          int64_t count, int64_t last) {
-    __m256 acc[8];
-    for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     const __m256i columns = first_lanes(count);
     for (int64_t row = 0; row < n; ++row) {
         const int64_t first = row * in + j0;
-        const __m256i keep = _mm256_and_si256(lanes_of(keep16(bits, first, last)), columns);
+        /* the walk down a column strip crosses a page per row, where the hardware prefetchers stop */
+        if (row + PREFETCH_ROWS < n) __builtin_prefetch(x + first + PREFETCH_ROWS * in);
+        const __m256i keep = _mm256_and_si256(lanes_of(keep8(bits, first, last)), columns);
         const __m256 xm = _mm256_maskload_ps(x + first, keep);
         const float *g = gh + row * r + k0;
-        for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(g + k), xm, acc[k]);
+        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 0), xm, a0);
+        a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 1), xm, a1);
+        a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 2), xm, a2);
+        a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 3), xm, a3);
+        a4 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 4), xm, a4);
+        a5 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 5), xm, a5);
+        a6 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 6), xm, a6);
+        a7 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 7), xm, a7);
     }
     float out[8][8] __attribute__((aligned(32)));
-    for (int k = 0; k < 8; ++k) _mm256_store_ps(out[k], acc[k]);
+    _mm256_store_ps(out[0], a0), _mm256_store_ps(out[1], a1), _mm256_store_ps(out[2], a2);
+    _mm256_store_ps(out[3], a3), _mm256_store_ps(out[4], a4), _mm256_store_ps(out[5], a5);
+    _mm256_store_ps(out[6], a6), _mm256_store_ps(out[7], a7);
     for (int64_t c = 0; c < count; ++c)
         for (int k = 0; k < 8; ++k) at[(j0 + c) * r + k0 + k] = out[k][c];
 }
