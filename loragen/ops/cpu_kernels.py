@@ -135,7 +135,8 @@ def cpu_features() -> frozenset[str]:
 def candidates(features: frozenset[str], machine: str, requested: str = "auto") -> list[Variant]:
     """The variants to try on a CPU with ``features`` (:func:`cpu_features`) and ``platform.machine()``
     ``machine``, best first. ``requested`` is ``"auto"`` or one variant's name: then that variant alone,
-    if this CPU can run it (else none).
+    if this CPU can run it (else none). With no flags known (no ``/proc/cpuinfo``) only ``avx512`` is
+    tried: built with ``-march=native``, it proves itself (see :func:`_open`).
 
     Raises:
         ValueError: ``requested`` is neither ``"auto"`` nor a variant's name.
@@ -145,10 +146,14 @@ def candidates(features: frozenset[str], machine: str, requested: str = "auto") 
             f"loragen.ops.cpu_kernels: variant {requested!r}; expected 'auto' or one of "
             f"{', '.join(map(repr, VARIANTS))}"
         )
+    # flags unknown (no /proc/cpuinfo): only the -march=native build, which is safe on any CPU because
+    # its library reports 512 only when the compiler found AVX-512 here
+    unknown = not features
     runnable = [
         v
         for v in VARIANTS.values()
-        if (not v.machines or machine.lower() in v.machines) and v.cpu_flags <= features
+        if (not v.machines or machine.lower() in v.machines)
+        and (v.cpu_flags <= features or (unknown and v.name == "avx512"))
     ]
     return runnable if requested == "auto" else [v for v in runnable if v.name == requested]
 

@@ -197,7 +197,7 @@ AVX2_CPU = frozenset({"sse2", "avx", "avx2", "fma"})
         (frozenset({"sse2", "avx"}), "x86_64", "auto", []),
         (AVX512_CPU, "aarch64", "auto", []),  # the flags mean nothing off x86
         (frozenset({"fp", "asimd"}), "aarch64", "auto", []),
-        (frozenset(), "x86_64", "auto", []),  # /proc/cpuinfo unreadable
+        (frozenset(), "x86_64", "auto", ["avx512"]),  # flags unknown: only the self-checking native build
         (AVX512_CPU, "x86_64", "avx2", ["avx2"]),  # forced: that variant alone
         (AVX512_CPU, "x86_64", "avx512", ["avx512"]),
         (AVX2_CPU, "x86_64", "avx512", []),  # forced, but the CPU cannot run it: none, not another
