@@ -293,48 +293,67 @@ void lora_masked_down(const float *x, const uint8_t *bits, const float *at, floa
 
 /* ---- at = (x * m)^T gh ------------------------------------------------------------------------------ */
 
-/* at[j0 + c, k0 + k] for 8 columns c of x and 8 ranks k: a0..a7 hold ranks k0..k0+7 of the 8 columns
- * (eight registers, named: an array of them was kept in memory) while every row goes by. */
-static void grad_a_block(const float *restrict x, const uint8_t *restrict bits, const float *restrict gh,
-                         float *restrict at, int64_t n, int64_t in, int64_t r, int64_t j0, int64_t k0,
-                         int64_t count, int64_t last) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    const __m256i columns = first_lanes(count);
-    for (int64_t row = 0; row < n; ++row) {
-        const int64_t first = row * in + j0;
-        /* the walk down a column strip crosses a page per row, where the hardware prefetchers stop */
-        if (row + PREFETCH_ROWS < n) __builtin_prefetch(x + first + PREFETCH_ROWS * in);
-        const __m256i keep = _mm256_and_si256(lanes_of(keep8(bits, first, last)), columns);
-        const __m256 xm = _mm256_maskload_ps(x + first, keep);
-        const float *g = gh + row * r + k0;
-        a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 0), xm, a0);
-        a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 1), xm, a1);
-        a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 2), xm, a2);
-        a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 3), xm, a3);
-        a4 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 4), xm, a4);
-        a5 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 5), xm, a5);
-        a6 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 6), xm, a6);
-        a7 = _mm256_fmadd_ps(_mm256_broadcast_ss(g + 7), xm, a7);
+/* at[j, k0..k0+16) += sum over rows row0..row0+rows (at most 4) of xm[row, j] * gh[row, k0..k0+16), for
+ * the columns j in [j0, j1). The 4 x 16 values of gh stay in eight registers while the columns go by; x is
+ * read along its rows (no walk down column strips); each column's 16 accumulators are loaded from and
+ * stored to at, which stays in cache (a tile of 256 columns, see below). */
+static inline __attribute__((always_inline)) void grad_a_rows(const float *restrict x,
+                                                              const uint8_t *restrict bits,
+                                                              const float *restrict gh, float *restrict at,
+                                                              int64_t row0, int64_t rows, int64_t in, int64_t r,
+                                                              int64_t k0, int64_t j0, int64_t j1, int64_t last) {
+    __m256 g[4][2];
+    for (int i = 0; i < 4; ++i) {
+        const float *gi = gh + (row0 + (i < rows ? i : 0)) * r + k0;
+        g[i][0] = i < rows ? _mm256_loadu_ps(gi) : _mm256_setzero_ps();
+        g[i][1] = i < rows ? _mm256_loadu_ps(gi + 8) : _mm256_setzero_ps();
     }
-    float out[8][8] __attribute__((aligned(32)));
-    _mm256_store_ps(out[0], a0), _mm256_store_ps(out[1], a1), _mm256_store_ps(out[2], a2);
-    _mm256_store_ps(out[3], a3), _mm256_store_ps(out[4], a4), _mm256_store_ps(out[5], a5);
-    _mm256_store_ps(out[6], a6), _mm256_store_ps(out[7], a7);
-    for (int64_t c = 0; c < count; ++c)
-        for (int k = 0; k < 8; ++k) at[(j0 + c) * r + k0 + k] = out[k][c];
+    float xm[4][8] __attribute__((aligned(32)));
+    for (int64_t j = j0; j < j1; j += 8) {
+        const int64_t count = j1 - j < 8 ? j1 - j : 8;
+        const __m256i columns = first_lanes(count);
+        for (int i = 0; i < 4; ++i) {
+            if (i < rows) {
+                const int64_t first = (row0 + i) * in + j;
+                const __m256i keep = _mm256_and_si256(lanes_of(keep8(bits, first, last)), columns);
+                _mm256_store_ps(xm[i], _mm256_maskload_ps(x + first, keep));
+            } else {
+                _mm256_store_ps(xm[i], _mm256_setzero_ps());
+            }
+        }
+        for (int64_t l = 0; l < count; ++l) {
+            float *o = at + (j + l) * r + k0;
+            const __m256 x0 = _mm256_broadcast_ss(&xm[0][l]), x1 = _mm256_broadcast_ss(&xm[1][l]);
+            const __m256 x2 = _mm256_broadcast_ss(&xm[2][l]), x3 = _mm256_broadcast_ss(&xm[3][l]);
+            /* two short chains per half instead of one of four: the FMA latency overlaps */
+            __m256 lo = _mm256_fmadd_ps(x0, g[0][0], _mm256_loadu_ps(o));
+            __m256 hi = _mm256_fmadd_ps(x0, g[0][1], _mm256_loadu_ps(o + 8));
+            __m256 lo2 = _mm256_mul_ps(x1, g[1][0]), hi2 = _mm256_mul_ps(x1, g[1][1]);
+            lo = _mm256_fmadd_ps(x2, g[2][0], lo);
+            hi = _mm256_fmadd_ps(x2, g[2][1], hi);
+            lo2 = _mm256_fmadd_ps(x3, g[3][0], lo2);
+            hi2 = _mm256_fmadd_ps(x3, g[3][1], hi2);
+            _mm256_storeu_ps(o, _mm256_add_ps(lo, lo2));
+            _mm256_storeu_ps(o + 8, _mm256_add_ps(hi, hi2));
+        }
+    }
 }
+
+#define GRAD_A_TILE 256 /* columns per tile: at's rows for a tile are 16 KiB at r = 16 */
 
 void lora_masked_grad_a(const float *x, const uint8_t *bits, const float *gh, float *at, int64_t n, int64_t in,
                         int64_t r, int64_t nbytes, int threads) {
     const int64_t last = nbytes - 1;
-    const int64_t blocks = (in + 7) / 8;
-    /* every rank block of a column block on one thread, one after the other: the block's strip of x comes
-     * from memory once and from cache after that */
+    const int64_t tiles = (in + GRAD_A_TILE - 1) / GRAD_A_TILE;
+    /* tiles of columns are independent (each owns its rows of at): no reduction between threads */
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t j0 = b * 8;
-        for (int64_t k0 = 0; k0 < r; k0 += 8)
-            grad_a_block(x, bits, gh, at, n, in, r, j0, k0, in - j0 < 8 ? in - j0 : 8, last);
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t j0 = t * GRAD_A_TILE, j1 = in - j0 < GRAD_A_TILE ? in : j0 + GRAD_A_TILE;
+        memset(at + j0 * r, 0, (size_t)((j1 - j0) * r) * sizeof(float));
+        for (int64_t row0 = 0; row0 < n; row0 += 4) {
+            const int64_t rows = n - row0 < 4 ? n - row0 : 4;
+            for (int64_t k0 = 0; k0 < r; k0 += 16) grad_a_rows(x, bits, gh, at, row0, rows, in, r, k0, j0, j1, last);
+        }
     }
 }
 
