@@ -276,6 +276,44 @@ static inline __attribute__((always_inline)) void down_rows(const float *restric
             _mm256_storeu_ps(h + (row0 + i) * rv * 8 + 8 * v, _mm256_mul_ps(s, acc[i][v]));
 }
 
+/* down_rows for r = 16 (two registers per row): the eight accumulators are named, not an array, which
+ * GCC would store back to the stack after every FMA. */
+static void down_rows16(const float *restrict x, const uint8_t *restrict bits, const float *restrict at,
+                        float *restrict h, int64_t row0, int64_t rows, int64_t in, float scale, int64_t last) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+           a31 = a00;
+    float xm[4][8] __attribute__((aligned(32)));
+    for (int64_t j = 0; j < in; j += 8) {
+        const int64_t count = in - j < 8 ? in - j : 8;
+        for (int i = 0; i < 4; ++i) {
+            if (i < rows) {
+                const int64_t first = (row0 + i) * in + j;
+                __m256i k = lanes_of(keep8(bits, first, last));
+                if (count < 8) k = _mm256_and_si256(k, first_lanes(count));
+                _mm256_store_ps(xm[i], _mm256_maskload_ps(x + first, k));
+            } else {
+                _mm256_store_ps(xm[i], _mm256_setzero_ps());
+            }
+        }
+        for (int64_t l = 0; l < count; ++l) {
+            const float *a = at + (j + l) * 16;
+            const __m256 lo = _mm256_loadu_ps(a), hi = _mm256_loadu_ps(a + 8);
+            const __m256 x0 = _mm256_broadcast_ss(&xm[0][l]), x1 = _mm256_broadcast_ss(&xm[1][l]);
+            const __m256 x2 = _mm256_broadcast_ss(&xm[2][l]), x3 = _mm256_broadcast_ss(&xm[3][l]);
+            a00 = _mm256_fmadd_ps(x0, lo, a00), a01 = _mm256_fmadd_ps(x0, hi, a01);
+            a10 = _mm256_fmadd_ps(x1, lo, a10), a11 = _mm256_fmadd_ps(x1, hi, a11);
+            a20 = _mm256_fmadd_ps(x2, lo, a20), a21 = _mm256_fmadd_ps(x2, hi, a21);
+            a30 = _mm256_fmadd_ps(x3, lo, a30), a31 = _mm256_fmadd_ps(x3, hi, a31);
+        }
+    }
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m256 out[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+    for (int i = 0; i < rows; ++i) {
+        _mm256_storeu_ps(h + (row0 + i) * 16, _mm256_mul_ps(s, out[i][0]));
+        _mm256_storeu_ps(h + (row0 + i) * 16 + 8, _mm256_mul_ps(s, out[i][1]));
+    }
+}
+
 void lora_masked_down(const float *x, const uint8_t *bits, const float *at, float *h, int64_t n, int64_t in,
                       int64_t r, float scale, int64_t nbytes, int threads) {
     const int64_t last = nbytes - 1;
@@ -284,7 +322,7 @@ void lora_masked_down(const float *x, const uint8_t *bits, const float *at, floa
     for (int64_t row0 = 0; row0 < n; row0 += 4) {
         const int64_t rows = n - row0 < 4 ? n - row0 : 4;
         switch (rv) { /* literal rv: the register loops unroll */
-            case 2: down_rows(x, bits, at, h, row0, rows, in, 2, scale, last); break;
+            case 2: down_rows16(x, bits, at, h, row0, rows, in, scale, last); break;
             case 4: down_rows(x, bits, at, h, row0, rows, in, 4, scale, last); break;
             default: down_rows(x, bits, at, h, row0, rows, in, rv, scale, last);
         }
@@ -361,22 +399,25 @@ void lora_masked_grad_a(const float *x, const uint8_t *bits, const float *gh, fl
 
 static void grad_x_rows(const float *restrict gh, const float *restrict a, const uint8_t *restrict bits,
                         float *restrict dx, int64_t row0, int64_t rows, int64_t in, int64_t r, int64_t last) {
+    /* rows past the last real one repeat it; their results are not stored */
+    const float *g0 = gh + row0 * r, *g1 = rows > 1 ? g0 + r : g0, *g2 = rows > 2 ? g0 + 2 * r : g0,
+                *g3 = rows > 3 ? g0 + 3 * r : g0;
     for (int64_t j = 0; j < in; j += 16) { /* 16 columns: two registers per row, four rows */
         const __m256i lo = first_lanes(in - j), hi = first_lanes(in - j - 8);
-        __m256 acc[4][2];
-        for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-        const float *g[4];
-        /* rows past the last real one repeat it; their results are not stored */
-        for (int i = 0; i < 4; ++i) g[i] = gh + (row0 + (i < rows ? i : 0)) * r;
+        /* named accumulators: an array of them is stored back to the stack after every FMA */
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+               c31 = c00;
         for (int64_t k = 0; k < r; ++k) {
             const __m256 a0 = _mm256_maskload_ps(a + k * in + j, lo);
             const __m256 a1 = _mm256_maskload_ps(a + k * in + j + 8, hi);
-            for (int i = 0; i < 4; ++i) {
-                const __m256 gv = _mm256_broadcast_ss(g[i] + k);
-                acc[i][0] = _mm256_fmadd_ps(gv, a0, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(gv, a1, acc[i][1]);
-            }
+            const __m256 v0 = _mm256_broadcast_ss(g0 + k), v1 = _mm256_broadcast_ss(g1 + k);
+            const __m256 v2 = _mm256_broadcast_ss(g2 + k), v3 = _mm256_broadcast_ss(g3 + k);
+            c00 = _mm256_fmadd_ps(v0, a0, c00), c01 = _mm256_fmadd_ps(v0, a1, c01);
+            c10 = _mm256_fmadd_ps(v1, a0, c10), c11 = _mm256_fmadd_ps(v1, a1, c11);
+            c20 = _mm256_fmadd_ps(v2, a0, c20), c21 = _mm256_fmadd_ps(v2, a1, c21);
+            c30 = _mm256_fmadd_ps(v3, a0, c30), c31 = _mm256_fmadd_ps(v3, a1, c31);
         }
+        const __m256 acc[4][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}};
         for (int i = 0; i < rows; ++i) {
             const int64_t first = (row0 + i) * in + j;
             const uint32_t word = keep16(bits, first, last);
