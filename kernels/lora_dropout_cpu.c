@@ -10,15 +10,21 @@
  *   lora_masked_grad_a  at = (x * m)^T gh               (in, r)  backward; dA = at^T
  *   lora_masked_grad_x  dx = (gh A) * m                 (N, in)  backward; the base GEMM adds g W after
  *
- * float32, row-major, contiguous; r a multiple of 16 (the caller pads), so a row of h or gh is RV = r/16
- * vector registers. Each kernel keeps its accumulators in registers: down and grad_x work on four rows
- * at a time (four independent FMA chains sharing every load of A), grad_a on a block of 16 / RV columns
- * of x for all rows (the block's rows of at never leave the registers). Work is split over OpenMP
- * threads by rows (down, grad_x) or column blocks (grad_a: each thread owns its rows of at).
+ * float32, row-major, contiguous; r a multiple of 16 for down and grad_a (the caller pads), so a row of h
+ * or gh is r/16 AVX-512 registers (r/8 AVX2 ones). Each kernel keeps its accumulators in registers: down
+ * and grad_x work on four rows at a time (four independent FMA chains sharing every load of A); grad_a
+ * works, with AVX-512, on a block of 16 / RV columns of x for all rows (the block's rows of at never
+ * leave the registers), with AVX2 on four rows at a time against a 256-column tile of at held in cache.
+ * Work is split over OpenMP threads by rows (down, grad_x) or columns (grad_a: each thread owns its rows
+ * of at, no reduction).
  *
- * nbytes is the mask buffer's size: no byte past it is read. Built only where the compiler targets
- * AVX-512 (lora_kernels_isa() returns 512); elsewhere the library reports 0 and loragen keeps its
- * numpy/BLAS path.
+ * Two builds of this one file (loragen.ops.cpu_kernels chooses by the CPU's flags):
+ *   -march=native -mprefer-vector-width=512   AVX-512 intrinsics, lora_kernels_isa() == 512
+ *   -mavx2 -mfma                              AVX2 + FMA intrinsics, lora_kernels_isa() == 256
+ * A build for neither reports 0 and holds no kernels; loragen keeps its numpy/BLAS path.
+ *
+ * nbytes is the mask buffer's size: no byte past it is read (nor any element past x, A or dx: tails use
+ * masked loads and stores, which touch only the lanes they select).
  */
 #include <stdint.h>
 #include <string.h>
