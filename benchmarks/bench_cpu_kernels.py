@@ -1,6 +1,6 @@
-"""The dropout path's three masked rank-r products, compiled kernels (loragen.ops.cpu_kernels) vs numpy +
-BLAS (loragen.ops' fallback), on the tiny Llama's shapes: N = 1024 rows, in = 512 and 1376, r = 16,
-p = 0.05, float32.
+"""The dropout path's three masked rank-r products, each compiled kernel variant this CPU runs
+(loragen.ops.cpu_kernels: avx512, avx2) vs numpy + BLAS (loragen.ops' fallback), on the tiny Llama's
+shapes: N = 1024 rows, in = 512 and 1376, r = 16, p = 0.05, float32.
 
 "hot" repeats the product on the same x; "cold" first streams 256 MiB through the caches, as a
 training step does between forward and backward. Medians of interleaved repetitions.
@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
-from loragen import ops
+from loragen import ops, switches
 from loragen.ops import cpu_kernels
 from loragen.ops.masks import KeepMask
 
@@ -44,16 +45,34 @@ def _kernel_products(x: Tensor, bits: Tensor, a: Tensor, gh: Tensor) -> dict[str
     }
 
 
+@contextmanager
+def _variant(name: str) -> Iterator[None]:
+    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using(name):
+        yield
+
+
+def _runnable() -> list[str]:
+    names = []
+    for name in cpu_kernels.VARIANTS:
+        with _variant(name):
+            if cpu_kernels.available():
+                names.append(name)
+    return names
+
+
 def run(rounds: int = 40) -> str:
-    """Time every product both ways, hot and cold; returns a Markdown table."""
-    if not cpu_kernels.available():
-        return f"compiled kernels unavailable: {cpu_kernels.status()}"
+    """Time every product on every path, hot and cold; returns a Markdown table."""
+    variants = _runnable()
+    if not variants:
+        return f"no compiled kernel variant runs here: {cpu_kernels.status()}"
+    paths = [*variants, "numpy + BLAS"]
     flush = torch.empty(64 << 20)  # 256 MiB
+    header = " | ".join(f"{state}: {path} ms" for state in ("hot", "cold") for path in paths)
     lines = [
         f"{torch.get_num_threads()} threads, N = 1024, r = 16, p = 0.05, float32; medians of {rounds}",
         "",
-        "| product | in | hot: kernel ms | hot: numpy + BLAS ms | cold: kernel ms | cold: numpy + BLAS ms |",
-        "|---|---|---|---|---|---|",
+        f"| product | in | {header} |",
+        "|---|---|" + "---|" * (2 * len(paths)),
     ]
     for width in (512, 1376):
         g = torch.Generator().manual_seed(0)
@@ -63,21 +82,23 @@ def run(rounds: int = 40) -> str:
             torch.randn(1024, 16),
         )
         bits = ops.dropout_keep_bits(x.numel(), 0.05, 1)
-        kernels, fallback = _kernel_products(x, bits, a, gh), _numpy_products(x, bits, a, gh)
-        for name in kernels:
+        products = {path: _kernel_products(x, bits, a, gh) for path in variants}
+        products["numpy + BLAS"] = _numpy_products(x, bits, a, gh)
+        for name in products["numpy + BLAS"]:
             cells = []
             for cold in (False, True):
-                times: dict[str, list[float]] = {"kernel": [], "numpy": []}
+                times: dict[str, list[float]] = {path: [] for path in paths}
                 for i in range(rounds + 3):
-                    for label, fn in (("kernel", kernels[name]), ("numpy", fallback[name])):
-                        if cold:
-                            flush.add_(1.0)
-                        start = time.perf_counter()
-                        fn()
-                        if i >= 3:
-                            times[label].append(time.perf_counter() - start)
-                cells += [f"{statistics.median(times[k]) * 1e3:.3f}" for k in ("kernel", "numpy")]
-            lines.append(f"| {name} | {width} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} |")
+                    for path in paths:  # interleaved: load from other processes hits every path alike
+                        with _variant(path if path in variants else "auto"):
+                            if cold:
+                                flush.add_(1.0)
+                            start = time.perf_counter()
+                            products[path][name]()
+                            if i >= 3:
+                                times[path].append(time.perf_counter() - start)
+                cells += [f"{statistics.median(times[path]) * 1e3:.3f}" for path in paths]
+            lines.append(f"| {name} | {width} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

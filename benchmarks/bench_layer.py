@@ -5,14 +5,17 @@ trains: nothing for the frozen base, A and B for the LoRA variants, weight and b
 
     python -m benchmarks.bench_layer                  # 4096 x 4096, 4096 tokens, dropout 0 and 0.1
     python -m benchmarks.bench_layer --quick          # tiny sizes, a smoke test
+    python -m benchmarks.bench_layer --cpu-paths numpy avx2 avx512
+                                                      # one loragen row per dropout path, interleaved
     loragen bench layer [...]                         # the same through the CLI
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -33,10 +36,38 @@ class _Holder(nn.Module):
         return self.layer(x)
 
 
+CPU_PATHS = ("numpy", "avx2", "avx512")
+
+
+@contextlib.contextmanager
+def _cpu_path(path: str | None) -> Iterator[None]:
+    """The CPU dropout path in force: "numpy" (the compiled kernels off), a kernel variant, or None
+    (whatever the environment chose)."""
+    from loragen import switches
+    from loragen.ops import cpu_kernels
+
+    if path is None:
+        yield
+    elif path == "numpy":
+        with switches.cpu_kernels.using(False):
+            yield
+    else:
+        with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using(path):
+            if not cpu_kernels.available():
+                raise SystemExit(f"--cpu-paths {path}: {cpu_kernels.status()}")
+            yield
+
+
 def build_variants(
-    features: int, tokens: int, dropout: float, r: int = 16, alpha: float = 32
+    features: int,
+    tokens: int,
+    dropout: float,
+    r: int = 16,
+    alpha: float = 32,
+    cpu_paths: Sequence[str] = (),
 ) -> list[Variant]:
-    """The contestants on one (features x features) layer and a (tokens, features) input."""
+    """The contestants on one (features x features) layer and a (tokens, features) input; with
+    ``cpu_paths`` (names from :data:`CPU_PATHS`) one fused loragen row per CPU dropout path."""
     import peft
 
     from loragen import LoraLinear
@@ -48,14 +79,16 @@ def build_variants(
     a = torch.randn(r, features) / features**0.5
     b = torch.randn(features, r) / r**0.5  # nonzero B: every GEMM does real work
 
-    def make_step(layer: nn.Module, trainable: list[torch.Tensor]) -> Variant:
+    def make_step(layer: nn.Module, trainable: list[torch.Tensor], path: str | None = None) -> Variant:
         def forward() -> torch.Tensor:
-            return layer(x)
+            with _cpu_path(path):
+                return layer(x)
 
         def step() -> None:
             for t in (x, *trainable):
                 t.grad = None
-            forward().backward(grad)
+            with _cpu_path(path):
+                layer(x).backward(grad)
 
         return Variant("", step, forward, module_tensors(layer))
 
@@ -78,10 +111,13 @@ def build_variants(
             layer.lora_A.copy_(a)
             layer.lora_B.copy_(b)
     peft_params = [p for p in peft_layer.parameters() if p.requires_grad]
+    fused_rows: dict[str, Variant] = {
+        f"loragen ({path})": make_step(fused, [fused.lora_A, fused.lora_B], path) for path in cpu_paths
+    } or {"loragen": make_step(fused, [fused.lora_A, fused.lora_B])}
     variants = {
         "frozen": make_step(frozen, []),
         "peft": make_step(peft_layer, peft_params),
-        "loragen": make_step(fused, [fused.lora_A, fused.lora_B]),
+        **fused_rows,
         "loragen unfused": make_step(unfused, [unfused.lora_A, unfused.lora_B]),
         "full": make_step(full, list(full.parameters())),
     }
@@ -98,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 3 rounds: a smoke test")
+    parser.add_argument(
+        "--cpu-paths",
+        nargs="+",
+        choices=CPU_PATHS,
+        default=[],
+        help="one loragen row per CPU dropout path: numpy (compiled kernels off) or a kernel variant",
+    )
 
 
 def run(args: argparse.Namespace) -> str:
@@ -107,7 +150,7 @@ def run(args: argparse.Namespace) -> str:
         features, tokens, rounds, warmup = 64, 128, 3, 1
     tables = [f"machine: {machine_summary()}"]
     for p in args.dropout:
-        results = run_variants(build_variants(features, tokens, p), rounds, warmup)
+        results = run_variants(build_variants(features, tokens, p, cpu_paths=args.cpu_paths), rounds, warmup)
         title = f"nn.Linear({features}, {features}), {tokens} tokens, fp32, r=16, dropout {p:g}: forward + backward"
         tables.append(format_table(results, title, ratio_to=["frozen", "peft"]))
     return "\n\n".join(tables)

@@ -3,19 +3,33 @@
 With dropout, each rank-r product that touches x goes through the packed keep-mask. In numpy and
 BLAS that is an unpack pass, a masked copy of x and a GEMM, with numpy on one core while the other
 idles. The C kernels read the mask bits where they use them, so x is read once per product, no masked
-copy exists and both cores work (OpenMP, ``torch.get_num_threads()`` threads):
+copy exists and all threads work (OpenMP, ``torch.get_num_threads()`` threads):
 
 ``masked_down(x, bits, A, scale)``   ``scale * (x * m) A^T``   (N, r)
 ``masked_grad_a(x, bits, gh)``       ``gh^T (x * m)``          (r, in)
 ``masked_grad_x(gh, A, bits)``       ``(gh A) * m``            (N, in)
 
-The source is compiled on first use with the C compiler (``$CC``, else ``cc``) as
-``-O3 -march=native -fopenmp -shared -fPIC`` and cached on disk in the ``cpu/`` folder of
+The source is built in one of two variants (:data:`VARIANTS`), the best one the CPU supports
+(:func:`candidates`, from the flags in ``/proc/cpuinfo``):
+
+``avx512``  ``-march=native -mprefer-vector-width=512``: AVX-512 (x86-64 with AVX-512F)
+``avx2``    ``-mavx2 -mfma -mtune=native``: the same kernels on 8-lane AVX2 registers (x86-64 with AVX2
+            and FMA: every x86-64 CPU since 2013-2015 that lacks AVX-512)
+
+``LORAGEN_CPU_KERNEL_VARIANT`` (:data:`variant_switch`: ``auto``, the default, or a variant's name)
+forces one variant; on a CPU that cannot run it the kernels are unavailable (never another variant).
+That is how both variants are tested on an AVX-512 machine. Other CPUs (no AVX2, or not x86) run the
+numpy/BLAS path.
+
+Each variant is compiled on first use with the C compiler (``$CC``, else ``cc``) as
+``-O3 <variant flags> -fopenmp -shared -fPIC`` and cached on disk in the ``cpu/`` folder of
 :func:`loragen.resources.kernel_cache_dir` (``$LORAGEN_CACHE_DIR``, else ``~/.cache/loragen/kernels``),
-keyed by the source, the flags, the compiler's version and the CPU's feature flags; the file is written atomically. Without a compiler, when compiling or loading
-fails, for dtypes other than float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and
-:mod:`loragen.ops` runs its numpy/BLAS path, which computes the same products (results agree to float32
-rounding; the masks are the same bits).
+keyed by the source, the flags, the compiler's version and the CPU's feature flags; the file is written
+atomically. A library reports the vector width it was built for (``lora_kernels_isa()``), which must be
+the variant's. Without a compiler, when compiling or loading every candidate fails, for dtypes other
+than float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and :mod:`loragen.ops` runs
+its numpy/BLAS path, which computes the same products (results agree to float32 rounding; the masks are
+the same bits).
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,48 +52,125 @@ from torch import Tensor
 from loragen import resources, switches
 
 __all__ = [
+    "COMMON_FLAGS",
     "MAX_RANK",
     "SOURCE",
+    "VARIANTS",
+    "Variant",
     "available",
+    "candidates",
+    "cpu_features",
     "masked_down",
     "masked_grad_a",
     "masked_grad_x",
     "status",
+    "variant",
+    "variant_switch",
 ]
 
 SOURCE = "lora_dropout_cpu.c"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC")
+COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+_X86 = frozenset({"x86_64", "amd64", "i686", "i386"})
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the kernels.
+
+    Attributes:
+        name: the value of ``LORAGEN_CPU_KERNEL_VARIANT`` that forces it.
+        flags: compiler flags added to :data:`COMMON_FLAGS`.
+        isa: what the built library's ``lora_kernels_isa()`` returns (the vector width it targets).
+        cpu_flags: ``/proc/cpuinfo`` flags the CPU must have.
+        machines: ``platform.machine()`` values (lower case) it is for; empty: any.
+    """
+
+    name: str
+    flags: tuple[str, ...]
+    isa: int
+    cpu_flags: frozenset[str] = frozenset()
+    machines: frozenset[str] = frozenset()
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("avx512", ("-march=native", "-mprefer-vector-width=512"), 512, frozenset({"avx512f"}), _X86),
+        Variant("avx2", ("-mavx2", "-mfma", "-mtune=native"), 256, frozenset({"avx2", "fma"}), _X86),
+    )
+}
+
+variant_switch: switches.Switch[str] = switches.Switch(
+    "cpu_kernel_variant",
+    "auto",
+    ("auto", *VARIANTS),
+    doc="which build of the compiled CPU dropout kernels: chosen by the CPU, or forced",
+)
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_status: str | None = None  # None: not tried yet; "" loaded; otherwise why not
+_built: dict[str, ctypes.CDLL | str] = {}  # variant name -> its library, or why it could not be had
+_chosen: dict[str, tuple[Variant | None, str]] = {}  # requested -> (variant, "") or (None, why not)
 
 
 def _cache_dir() -> Path:
     return resources.kernel_cache_dir() / "cpu"
 
 
-def _cpu_flags() -> str:
+def _cpu_flags_line() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            return next((line for line in info if line.startswith("flags")), "")
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:
         return platform.processor()
+
+
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature flags as ``/proc/cpuinfo`` names them (``avx2``, ``fma``, ``avx512f``; on
+    aarch64 ``asimd`` ...); empty where the file cannot be read."""
+    line = _cpu_flags_line()
+    return frozenset(line.partition(":")[2].split()) if ":" in line else frozenset()
+
+
+def candidates(features: frozenset[str], machine: str, requested: str = "auto") -> list[Variant]:
+    """The variants to try on a CPU with ``features`` (:func:`cpu_features`) and ``platform.machine()``
+    ``machine``, best first. ``requested`` is ``"auto"`` or one variant's name: then that variant alone,
+    if this CPU can run it (else none). With no flags known (no ``/proc/cpuinfo``) only ``avx512`` is
+    tried: built with ``-march=native``, it proves itself (see :func:`_open`).
+
+    Raises:
+        ValueError: ``requested`` is neither ``"auto"`` nor a variant's name.
+    """
+    if requested != "auto" and requested not in VARIANTS:
+        raise ValueError(
+            f"loragen.ops.cpu_kernels: variant {requested!r}; expected 'auto' or one of "
+            f"{', '.join(map(repr, VARIANTS))}"
+        )
+    # flags unknown (no /proc/cpuinfo): only the -march=native build, which is safe on any CPU because
+    # its library reports 512 only when the compiler found AVX-512 here
+    unknown = not features
+    runnable = [
+        v
+        for v in VARIANTS.values()
+        if (not v.machines or machine.lower() in v.machines)
+        and (v.cpu_flags <= features or (unknown and v.name == "avx512"))
+    ]
+    return runnable if requested == "auto" else [v for v in runnable if v.name == requested]
 
 
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(source: str, compiler: str) -> Path:
+def _build(source: str, compiler: str, variant: Variant) -> Path:
+    flags = (COMMON_FLAGS[0], *variant.flags, *COMMON_FLAGS[1:])
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
     ).stdout
     key = hashlib.sha256(
-        "\0".join([source, *FLAGS, version, _cpu_flags(), platform.machine()]).encode()
+        "\0".join([source, *flags, version, _cpu_flags_line(), platform.machine()]).encode()
     ).hexdigest()
-    target = _cache_dir() / f"lora_dropout_cpu.{key[:16]}.so"
+    target = _cache_dir() / f"lora_dropout_cpu.{variant.name}.{key[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,38 +178,80 @@ def _build(source: str, compiler: str) -> Path:
         src = Path(work) / SOURCE
         src.write_text(source, encoding="utf-8")
         built = Path(work) / target.name
-        command = [compiler, *FLAGS, "-o", str(built), str(src)]
+        command = [compiler, *flags, "-o", str(built), str(src)]
         done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} {' '.join(FLAGS)} {SOURCE} failed:\n{done.stderr.strip()}")
+            raise RuntimeError(f"{compiler} {' '.join(flags)} {SOURCE} failed:\n{done.stderr.strip()}")
         os.replace(built, target)  # atomic: a reader sees the whole library or none
     return target
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _status
-    with _lock:
-        if _status is not None:
-            return _library
+def _open(variant: Variant) -> ctypes.CDLL:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc or clang)")
+    library = ctypes.CDLL(str(_build(resources.read_kernel(SOURCE), compiler, variant)))
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    library.lora_masked_down.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i64, i32]
+    library.lora_masked_grad_a.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    library.lora_masked_grad_x.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    for name in ("lora_masked_down", "lora_masked_grad_a", "lora_masked_grad_x"):
+        getattr(library, name).restype = None
+    library.lora_kernels_isa.restype = ctypes.c_int
+    isa = library.lora_kernels_isa()
+    if isa != variant.isa:  # e.g. a compiler that ignored or lacks the variant's target flags
+        raise RuntimeError(f"the build targets {isa}-bit vectors, not {variant.isa}")
+    return library
+
+
+def _variant_library(variant: Variant) -> ctypes.CDLL | str:
+    """The variant's library, built and loaded once per process, or why it could not be."""
+    if variant.name not in _built:
         try:
-            compiler = _compiler()
-            if compiler is None:
-                raise RuntimeError("no C compiler found ($CC, cc, gcc or clang)")
-            library = ctypes.CDLL(str(_build(resources.read_kernel(SOURCE), compiler)))
-            i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-            library.lora_masked_down.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, f32, i64, i32]
-            library.lora_masked_grad_a.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-            library.lora_masked_grad_x.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-            for name in ("lora_masked_down", "lora_masked_grad_a", "lora_masked_grad_x"):
-                getattr(library, name).restype = None
-            library.lora_kernels_isa.restype = ctypes.c_int
-            if library.lora_kernels_isa() != 512:
-                raise RuntimeError("the CPU has no AVX-512 (the numpy/BLAS path is as fast without it)")
-            _library, _status = library, ""
+            _built[variant.name] = _open(variant)
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            _status = str(error)
-            _log.info("loragen.ops.cpu_kernels: using the numpy/BLAS dropout path: %s", error)
-        return _library
+            _built[variant.name] = f"{variant.name}: {error}"
+    return _built[variant.name]
+
+
+def _choice() -> Variant | None:
+    """The variant in use for the requested one (:data:`variant_switch`), building and loading the
+    candidates in order until one works; None when none does (the reasons are kept for :func:`status`)."""
+    requested = variant_switch.get()
+    with _lock:
+        if requested not in _chosen:
+            tried = candidates(cpu_features(), platform.machine(), requested)
+            reasons = []
+            for candidate in tried:
+                library = _variant_library(candidate)
+                if not isinstance(library, str):
+                    _chosen[requested] = (candidate, "")
+                    break
+                reasons.append(library)
+            else:
+                if not tried:
+                    reasons.append(
+                        "no variant runs on this CPU"
+                        if requested == "auto"
+                        else f"{variant_switch.env_var}={requested}: this CPU cannot run it"
+                    )
+                _chosen[requested] = (None, "; ".join(reasons))
+                _log.info("loragen.ops.cpu_kernels: using the numpy/BLAS dropout path: %s", reasons)
+        return _chosen[requested][0]
+
+
+def _load() -> ctypes.CDLL | None:
+    chosen = _choice()
+    library = None if chosen is None else _built[chosen.name]
+    return None if isinstance(library, str) else library
+
+
+def variant() -> str | None:
+    """The name of the variant in use (compiles on first call), or None when the kernels are not."""
+    if not switches.cpu_kernels.get():
+        return None
+    chosen = _choice()
+    return None if chosen is None else chosen.name
 
 
 MAX_RANK = 256
@@ -145,16 +279,19 @@ def _rank16(r: int) -> int:
 
 
 def status() -> str:
-    """ "loaded", "disabled", or why the kernels could not be built or loaded (compiles on first call)."""
+    """ "loaded: <variant>", "disabled", or why no variant could be built or loaded (compiles on first
+    call)."""
     if not switches.cpu_kernels.get():
         return "disabled"
-    return "loaded" if _load() is not None else str(_status)
+    if _load() is None:
+        return _chosen[variant_switch.get()][1]
+    return f"loaded: {variant()}"
 
 
 def _lib() -> ctypes.CDLL:
     library = _load()
     if library is None:
-        raise RuntimeError(f"loragen.ops.cpu_kernels: not available: {_status}")
+        raise RuntimeError(f"loragen.ops.cpu_kernels: not available: {status()}")
     return library
 
 

@@ -40,10 +40,10 @@ that generator) recomputes the same mask:
                       regenerated in backward.
 
 With dropout in float32, the three masked products (h in forward, dA and the dx term in backward) run
-as compiled AVX-512 kernels (:mod:`loragen.ops.cpu_kernels`) that read the packed bits where they use them:
-x is read once per product, no masked copy is made, and all threads work. Where they cannot be built
-(no C compiler, no AVX-512) the numpy/BLAS row-block path below computes the same products from the
-same bits.
+as compiled kernels (:mod:`loragen.ops.cpu_kernels`: an AVX-512 build, or an AVX2 build on x86-64 CPUs
+without AVX-512) that read the packed bits where they use them: x is read once per product, no masked
+copy is made, and all threads work. Where they cannot be built (no C compiler, no AVX2, not x86) the
+numpy/BLAS row-block path below computes the same products from the same bits.
 
 Other devices go to :func:`loragen.cuda.lora_linear_cuda` (CUDA with loragen's kernels) or to the
 plain composition :func:`lora_linear_reference`, as do autocast, ``torch.compile`` with dropout and

@@ -1,15 +1,18 @@
-"""The tests that reach the compiled CPU dropout kernels, run once more with them switched off.
+"""The tests that reach the compiled CPU dropout kernels, run once more on the other dropout paths.
 
-A CPU without AVX-512 (or a machine without a C compiler) never loads :mod:`loragen.ops.cpu_kernels`:
-every float32 dropout product of the fused op and of the LoRA branch takes the numpy/BLAS row-block path
-instead. Where this suite runs with the kernels loaded, that path would otherwise go untested, so the
-test below re-runs, in a child pytest with ``LORAGEN_CPU_KERNELS=0``, the tests that call into the
-kernels (found by recording which tests reach :func:`loragen.ops.cpu_kernels.available` with True):
+A CPU without AVX2 and FMA, a CPU that is not x86, or a machine without a C compiler never loads
+:mod:`loragen.ops.cpu_kernels`: every float32 dropout product of the fused op and of the LoRA branch
+takes the numpy/BLAS row-block path instead; an x86-64 CPU with AVX2 but without AVX-512 runs the
+``avx2`` build of the kernels. Where this suite runs with the AVX-512 kernels loaded, those paths would
+otherwise be tested only by ``test_cpu_kernels.py``, so the test below re-runs, in a child pytest with
+``LORAGEN_CPU_KERNELS=0`` and again with ``LORAGEN_CPU_KERNEL_VARIANT=avx2``, the tests that call into
+the kernels (found by recording which tests reach :func:`loragen.ops.cpu_kernels.available` with True):
 the op and mask tests of ``tests/ops``, the 4-bit/8-bit branch and a checkpointed QLoRA training step.
 
 DoRA and mixed-batch layers never call the kernels (they unpack masks themselves), so the switch does
 not change them and they are not re-run. Where the kernels are unavailable anyway, the main run already
-covers the numpy/BLAS path and this test skips.
+covers the numpy/BLAS path and this test skips; so does the AVX2 run where the CPU cannot run that
+build, or already runs it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from loragen import switches
 from loragen.ops import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,17 +40,36 @@ TESTS = (
 )
 
 
+def _avx2_is_another_path() -> bool:
+    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using("avx2"):
+        runs = cpu_kernels.available()
+    return runs and cpu_kernels.variant() not in (None, "avx2")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not cpu_kernels.available(),
     reason=f"the compiled CPU kernels are not in use ({cpu_kernels.status()}): the suite runs without them",
 )
-def test_the_dropout_tests_pass_without_the_compiled_cpu_kernels() -> None:
-    env = {**os.environ, "LORAGEN_CPU_KERNELS": "0"}
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "LORAGEN_CPU_KERNELS=0",
+        pytest.param(
+            "LORAGEN_CPU_KERNEL_VARIANT=avx2",
+            marks=pytest.mark.skipif(
+                not _avx2_is_another_path(), reason="the avx2 kernels are already in use, or cannot run"
+            ),
+        ),
+    ],
+)
+def test_the_dropout_tests_pass_on_the_other_paths(setting: str) -> None:
+    name, _, value = setting.partition("=")
+    env = {**os.environ, name: value}
     command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *MODULES, *TESTS]
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
     )
     # exit code 4 (a test named here no longer exists) fails too: the list must follow renames
-    assert done.returncode == 0, f"{' '.join(command[2:])} with LORAGEN_CPU_KERNELS=0:\n{done.stdout[-6000:]}"
+    assert done.returncode == 0, f"{' '.join(command[2:])} with {setting}:\n{done.stdout[-6000:]}"
     assert " passed" in done.stdout.splitlines()[-1]
