@@ -14,7 +14,9 @@ switch             values            what it controls
 ================= ================= ======================================================================
 fused              True / False      LoRA linears run loragen's fused op (True) or peft's plain composition
 sibling_fusion     True / False      LoRA linears reading one input share one autograd node
-cpu_kernels        True / False      the compiled AVX-512 kernels of the CPU dropout path
+cpu_kernels        True / False      the compiled kernels of the CPU dropout path (AVX-512 or AVX2 builds)
+cpu_kernel_variant "auto"/"avx512"/  which build of those kernels: the best the CPU runs (default), or one
+                   "avx2"            forced (a CPU that cannot run it takes the numpy path)
 dropout_rng        "bits"/"philox"   the generator of CPU dropout masks
 cuda_kernels       "check"/"trust"/  loragen's CUDA kernels: checked against the torch path on first use
                    "torch"           (default), used unchecked, or never used (the torch path instead)
@@ -39,7 +41,15 @@ import os
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-__all__ = ["Switch", "fused", "sibling_fusion", "cpu_kernels", "dropout_rng", "cuda_kernels"]
+__all__ = [
+    "Switch",
+    "fused",
+    "sibling_fusion",
+    "cpu_kernels",
+    "cpu_kernel_variant",
+    "dropout_rng",
+    "cuda_kernels",
+]
 
 T = TypeVar("T", bool, str)
 
@@ -120,7 +130,13 @@ sibling_fusion: Switch[bool] = Switch(
     "sibling_fusion", True, doc="LoRA linears reading one input share one autograd node"
 )
 cpu_kernels: Switch[bool] = Switch(
-    "cpu_kernels", True, doc="the compiled AVX-512 kernels of the CPU dropout path"
+    "cpu_kernels", True, doc="the compiled kernels (AVX-512 or AVX2 builds) of the CPU dropout path"
+)
+cpu_kernel_variant: Switch[str] = Switch(
+    "cpu_kernel_variant",
+    "auto",
+    ("auto", "avx512", "avx2"),  # loragen.ops.cpu_kernels.VARIANTS, best first
+    doc="which build of the compiled CPU dropout kernels: chosen by the CPU, or forced",
 )
 dropout_rng: Switch[str] = Switch(
     "dropout_rng", "bits", ("bits", "philox"), doc="the CPU dropout mask generator"

@@ -11,7 +11,7 @@ siblings         LoRA linears reading one input run as one autograd node (the pl
                  by loragen.sibling_planning)
 expert_products  LoRA on targeted parameters (MoE expert stacks) in weight space
 masks            dropout keep-masks as packed bits ("bits" and "philox" generators), row blocks
-cpu_kernels      compiled AVX-512 kernels for the masked rank-r products
+cpu_kernels      compiled kernels (AVX-512 and AVX2 builds) for the masked rank-r products
 (reference       peft's plain-autograd compositions, every fast op's reference: loragen.reference)
 =============== =======================================================================================
 

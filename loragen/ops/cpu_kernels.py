@@ -16,7 +16,7 @@ The source is built in one of two variants (:data:`VARIANTS`), the best one the 
 ``avx2``    ``-mavx2 -mfma -mtune=native``: the same kernels on 8-lane AVX2 registers (x86-64 with AVX2
             and FMA: every x86-64 CPU since 2013-2015 that lacks AVX-512)
 
-``LORAGEN_CPU_KERNEL_VARIANT`` (:data:`variant_switch`: ``auto``, the default, or a variant's name)
+``LORAGEN_CPU_KERNEL_VARIANT`` (:data:`loragen.switches.cpu_kernel_variant`: ``auto``, the default, or a variant's name)
 forces one variant; on a CPU that cannot run it the kernels are unavailable (never another variant).
 That is how both variants are tested on an AVX-512 machine. Other CPUs (no AVX2, or not x86) run the
 numpy/BLAS path.
@@ -65,7 +65,6 @@ __all__ = [
     "masked_grad_x",
     "status",
     "variant",
-    "variant_switch",
 ]
 
 SOURCE = "lora_dropout_cpu.c"
@@ -100,12 +99,6 @@ VARIANTS: dict[str, Variant] = {
     )
 }
 
-variant_switch: switches.Switch[str] = switches.Switch(
-    "cpu_kernel_variant",
-    "auto",
-    ("auto", *VARIANTS),
-    doc="which build of the compiled CPU dropout kernels: chosen by the CPU, or forced",
-)
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -215,9 +208,9 @@ def _variant_library(variant: Variant) -> ctypes.CDLL | str:
 
 
 def _choice() -> Variant | None:
-    """The variant in use for the requested one (:data:`variant_switch`), building and loading the
+    """The variant in use for the requested one (:data:`loragen.switches.cpu_kernel_variant`), building and loading the
     candidates in order until one works; None when none does (the reasons are kept for :func:`status`)."""
-    requested = variant_switch.get()
+    requested = switches.cpu_kernel_variant.get()
     with _lock:
         if requested not in _chosen:
             tried = candidates(cpu_features(), platform.machine(), requested)
@@ -233,7 +226,7 @@ def _choice() -> Variant | None:
                     reasons.append(
                         "no variant runs on this CPU"
                         if requested == "auto"
-                        else f"{variant_switch.env_var}={requested}: this CPU cannot run it"
+                        else f"{switches.cpu_kernel_variant.env_var}={requested}: this CPU cannot run it"
                     )
                 _chosen[requested] = (None, "; ".join(reasons))
                 _log.info("loragen.ops.cpu_kernels: using the numpy/BLAS dropout path: %s", reasons)
@@ -284,7 +277,7 @@ def status() -> str:
     if not switches.cpu_kernels.get():
         return "disabled"
     if _load() is None:
-        return _chosen[variant_switch.get()][1]
+        return _chosen[switches.cpu_kernel_variant.get()][1]
     return f"loaded: {variant()}"
 
 

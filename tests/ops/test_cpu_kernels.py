@@ -24,7 +24,7 @@ needs_kernels = pytest.mark.skipif(
 
 
 def _runs(variant: str) -> bool:
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using(variant):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using(variant):
         return cpu_kernels.available()
 
 
@@ -44,7 +44,7 @@ def _path(path: str) -> Iterator[None]:
         with switches.cpu_kernels.using(False):
             yield
         return
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using(path):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using(path):
         assert cpu_kernels.variant() == path
         yield
 
@@ -181,7 +181,7 @@ def test_switch_and_status() -> None:
     with pytest.raises(
         ValueError, match=r"loragen.switches.cpu_kernel_variant='sse2': expected one of 'auto'"
     ):
-        with cpu_kernels.variant_switch.using("sse2"):
+        with switches.cpu_kernel_variant.using("sse2"):
             pass
 
 
@@ -226,7 +226,7 @@ def test_cpu_features_reads_the_flags_line() -> None:
 @pytest.mark.usefixtures("fresh_choice")
 def test_a_cpu_without_avx512_gets_the_avx2_kernels(monkeypatch) -> None:
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: AVX2_CPU)
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using("auto"):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using("auto"):
         assert cpu_kernels.available()
         assert cpu_kernels.variant() == "avx2"
         assert cpu_kernels.status() == "loaded: avx2"
@@ -246,10 +246,10 @@ def test_a_variant_that_fails_to_build_gives_way_to_the_next(monkeypatch) -> Non
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: AVX512_CPU)
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_kernels, "_open", fake_open)
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using("auto"):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using("auto"):
         assert cpu_kernels.variant() == "avx2"
         assert cpu_kernels.status() == "loaded: avx2"
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using("avx512"):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using("avx512"):
         assert not cpu_kernels.available()
         assert cpu_kernels.status() == "avx512: cc -march=native failed: unknown target"
         with pytest.raises(RuntimeError, match=r"not available: avx512: cc -march=native failed"):
@@ -261,11 +261,11 @@ def test_a_variant_that_fails_to_build_gives_way_to_the_next(monkeypatch) -> Non
 def test_a_forced_variant_the_cpu_cannot_run_leaves_the_numpy_path(monkeypatch) -> None:
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: AVX2_CPU)
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using("avx512"):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using("avx512"):
         assert not cpu_kernels.available()
         assert cpu_kernels.status() == "LORAGEN_CPU_KERNEL_VARIANT=avx512: this CPU cannot run it"
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"sse2"}))
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using("auto"):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using("auto"):
         assert not cpu_kernels.available()
         assert cpu_kernels.status() == "no variant runs on this CPU"
 
@@ -309,7 +309,7 @@ def test_a_build_for_the_wrong_vector_width_is_refused_and_the_op_falls_back(tmp
     monkeypatch.setitem(cpu_kernels.VARIANTS, "avx512", crippled)
     monkeypatch.setattr(cpu_kernels, "cpu_features", lambda: frozenset({"avx512f"}))  # no AVX2 to fall to
     monkeypatch.setenv("LORAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using("auto"):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using("auto"):
         assert cpu_kernels.status() == "avx512: the build targets 256-bit vectors, not 512"
         assert not cpu_kernels.available()
         assert list((tmp_path / "cache").rglob("*.so"))  # it was built, loaded, asked and refused
@@ -320,3 +320,8 @@ def test_a_build_for_the_wrong_vector_width_is_refused_and_the_op_falls_back(tmp
         keep = ops.unpack_keep_mask(ops.dropout_keep_bits(x.numel(), 0.25, 3), x.numel()).view(5, 24)
         expected = x @ w.t() + 2.0 * ((x * keep / 0.75) @ a.t()) @ b.t()
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_variant_switch_offers_every_build() -> None:
+    # the switch sits below ops and names the builds itself; a build added here must be offered there
+    assert switches.cpu_kernel_variant.choices == ("auto", *cpu_kernels.VARIANTS)

@@ -41,7 +41,7 @@ TESTS = (
 
 
 def _avx2_is_another_path() -> bool:
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using("avx2"):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using("avx2"):
         runs = cpu_kernels.available()
     return runs and cpu_kernels.variant() not in (None, "avx2")
 
