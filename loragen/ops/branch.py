@@ -35,8 +35,8 @@ from torch import Tensor
 from loragen import philox, switches
 from loragen.ops import cpu_kernels
 from loragen.ops.dispatch import fallback_reason
-from loragen.ops.fused_linear import lora_down, masked_lora_grads
-from loragen.ops.masks import KeepMask, make_keep_bits
+from loragen.ops.fused_linear import lora_down, lora_input_grads
+from loragen.ops.masks import make_keep_bits
 from loragen.reference import lora_branch_reference
 
 __all__ = ["LoraBranchFunction", "lora_branch"]
@@ -121,19 +121,9 @@ class LoraBranchFunction(torch.autograd.Function):
             grad_b = torch.mm(h.t(), g_lora).mul_(s).t()  # (out, r); h^T g is the faster layout
         if need_x or need_a:
             gh = torch.mm(g_lora, lora_B).mul_(s / (1.0 - p))  # (N, r)
-            if bits is None:
-                if need_a:
-                    grad_a = torch.mm(gh.t(), x2 if x2.dtype == dtype else x2.to(dtype))
-                if need_x:
-                    grad_x = torch.mm(gh, lora_A)
-            elif ctx.compiled:
-                if need_a:
-                    grad_a = cpu_kernels.masked_grad_a(x2.contiguous(), bits, gh)
-                if need_x:
-                    grad_x = cpu_kernels.masked_grad_x(gh, lora_A, bits)
-            else:
-                keep = KeepMask(bits, in_features, dtype)
-                grad_x, grad_a = masked_lora_grads(x2, gh, lora_A, keep, dtype)
+            grad_x, grad_a = lora_input_grads(
+                x2, gh, lora_A, bits, ctx.compiled, need_x=need_x, need_a=need_a, x_dtype=ctx.x_dtype
+            )
         if grad_x is not None:
             grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
         return grad_out if need_base else None, grad_x, grad_a, grad_b, None, None, None, None

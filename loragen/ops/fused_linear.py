@@ -161,35 +161,22 @@ class LoraLinearFunction(torch.autograd.Function):
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
         s, p, ffo = ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out
         rows, in_features = ctx.rows, ctx.x_shape[-1]
-        dtype = lora_A.dtype
-        keep = None
-        if p > 0.0:
-            if bits is None:
-                bits = make_keep_bits(rows * in_features, p, ctx.seed, ctx.rng)
-            if not ctx.compiled:
-                keep = KeepMask(bits, in_features, dtype)
+        if p > 0.0 and bits is None:
+            bits = make_keep_bits(rows * in_features, p, ctx.seed, ctx.rng)
 
         g2 = grad_out.reshape(rows, grad_out.shape[-1])
-        g_lora = g2 if g2.dtype == dtype else g2.to(dtype)
+        g_lora = g2 if g2.dtype == lora_A.dtype else g2.to(lora_A.dtype)
         grad_x = grad_w = grad_bias = grad_a = grad_b = None
         if need_b:
             grad_b = torch.mm(h.t(), g_lora).mul_(s).t()  # (out, r); h^T g is the faster layout
         if need_x or need_a:
             gh = torch.mm(g_lora, lora_B).mul_(s / (1.0 - p))  # (N, r)
-            if ctx.compiled:
-                if need_a:
-                    grad_a = cpu_kernels.masked_grad_a(x2.contiguous(), bits, gh)
-                if need_x:
-                    w = weight.t() if ffo else weight
-                    grad_x = cpu_kernels.masked_grad_x(gh, lora_A, bits).addmm_(g2, w)
-            elif keep is None:
-                if need_a:
-                    grad_a = torch.mm(gh.t(), x2 if x2.dtype == dtype else x2.to(dtype))
-                if need_x:
-                    grad_x = _grad_input(g2, weight, gh, lora_A, ffo)
+            if bits is None and need_x:  # one product chain with the base gradient, peft's rounding
+                grad_x = _grad_input(g2, weight, gh, lora_A, ffo)
+                grad_a = lora_input_grads(x2, gh, lora_A, None, False, need_x=False, need_a=need_a)[1]
             else:
-                grad_x, grad_a = masked_lora_grads(
-                    x2 if need_a else None, gh, lora_A if need_x else None, keep, g2.dtype
+                grad_x, grad_a = lora_input_grads(
+                    x2, gh, lora_A, bits, ctx.compiled, need_x=need_x, need_a=need_a, x_dtype=g2.dtype
                 )
                 if grad_x is not None:
                     grad_x.addmm_(g2, weight.t() if ffo else weight)  # the base GEMM accumulates onto it
@@ -246,6 +233,46 @@ def _grad_input(g2: Tensor, weight: Tensor, gh: Tensor, lora_A: Tensor, ffo: boo
     if gh.dtype != g2.dtype:  # the LoRA term in the adapter's dtype, added to the base gradient
         return torch.mm(g2, w).add_(torch.mm(gh, lora_A))
     return torch.mm(gh, lora_A).addmm_(g2, w)
+
+
+def lora_input_grads(
+    x2: Tensor,
+    gh: Tensor,
+    lora_A: Tensor,
+    bits: Tensor | None,
+    compiled: bool,
+    *,
+    need_x: bool,
+    need_a: bool,
+    x_dtype: torch.dtype | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The rank-r half of a LoRA backward: the LoRA term of dx, ``(gh A) * m`` (N, in), and
+    ``dA = gh^T (x * m)`` (r, in), each only when asked for.
+
+    ``gh`` (N, r) is ``s / (1 - p) * g B`` in the adapter's dtype, x2 (N, in) the layer input, lora_A
+    (r, in), ``bits`` the packed keep-mask (None: no dropout, m = 1); ``compiled`` picks the compiled
+    kernels (:mod:`loragen.ops.cpu_kernels`) over the numpy/BLAS row blocks. dA comes in the adapter's
+    dtype; dx in ``x_dtype`` where the row-block path writes it (default: the adapter's), else in the
+    adapter's dtype (callers cast).
+    """
+    dtype = gh.dtype
+    grad_x = grad_a = None
+    if bits is None:
+        if need_a:
+            grad_a = torch.mm(gh.t(), x2 if x2.dtype == dtype else x2.to(dtype))
+        if need_x:
+            grad_x = torch.mm(gh, lora_A)
+    elif compiled:
+        if need_a:
+            grad_a = cpu_kernels.masked_grad_a(x2.contiguous(), bits, gh)
+        if need_x:
+            grad_x = cpu_kernels.masked_grad_x(gh, lora_A, bits)
+    else:
+        keep = KeepMask(bits, x2.shape[1], dtype)
+        grad_x, grad_a = masked_lora_grads(
+            x2 if need_a else None, gh, lora_A if need_x else None, keep, x_dtype or dtype
+        )
+    return grad_x, grad_a
 
 
 def masked_lora_grads(
