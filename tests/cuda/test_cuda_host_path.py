@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from loragen import philox
 from loragen._benchmarks.cuda_host import NullLauncher, count_host_work, counts_table, host_counts, lora_step
-from loragen.cuda import hostcache, variants
+from loragen.cuda import hostcache, kernel_variants
 from loragen.cuda.hostcache import launcher_handle
 from loragen.cuda.linear_op import CudaLoraError, draw_rng, lora_linear_cuda, seed_rng
 from loragen.cuda.torch_kernels import TorchKernels, rng_values
@@ -64,7 +64,7 @@ class RoutingLauncher(TorchKernels):
     def __init__(self) -> None:
         self.routes = 0
 
-    def route(self, variant: variants.Variant, device: torch.device) -> TorchKernels:
+    def route(self, variant: kernel_variants.Variant, device: torch.device) -> TorchKernels:
         self.routes += 1
         return self
 

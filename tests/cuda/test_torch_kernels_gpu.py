@@ -11,7 +11,7 @@ import loragen.cuda
 from loragen import philox, switches
 from loragen.cuda import torch_dropout
 from loragen.cuda.linear_op import lora_linear_cuda
-from loragen.cuda.torch_dropout import dropped, keep_mask
+from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
 from loragen.cuda.torch_kernels import TorchKernels
 from tests.cuda.lora_reference import make_inputs, relative_error
 
@@ -30,7 +30,7 @@ def test_jiterator_mask_is_the_torch_formulation(dtype, rows, cols, start):
     seed, offset, p = 2**64 - 17, 2**33 + 1, 0.3
     threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
     x = torch.randn(rows, cols, device="cuda").to(dtype)
-    got = dropped(x, start, threshold, scale, seed, offset)
+    got = dropped(x, rng_tensor(seed, offset, x.device), start, threshold, scale)
     assert torch_dropout.jiterator_status() == "ok"
     keep = keep_mask(start, rows * cols, threshold, seed, offset, torch.device("cpu")).view(rows, cols)
     assert torch.equal(keep_mask(start, rows * cols, threshold, seed, offset, x.device).cpu(), keep.view(-1))
@@ -43,7 +43,7 @@ def test_one_block_masks_x_and_the_product_alike(cols):
     """Backward masks x and dh A of one row block: the keep bits are made once and serve both."""
     seed, p = 12345, 0.5
     threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
-    drop = torch_dropout.BlockDropout(64 * cols, threshold, scale, seed, 0)
+    drop = torch_dropout.BlockDropout(rng_tensor(seed, 0, torch.device("cuda")), 64 * cols, threshold, scale)
     keep = keep_mask(64 * cols, 64 * cols, threshold, seed, 0, torch.device("cpu")).view(64, cols)
     for dtype in (torch.bfloat16, torch.float32):
         values = torch.randn(64, cols, device="cuda").to(dtype)
