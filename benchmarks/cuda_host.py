@@ -281,8 +281,9 @@ def _sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> st
 
 class SyncRecorder(TorchDispatchMode):
     """Records each torch op inside it that makes the host wait for the device, as ``"op at
-    loragen/path.py:line"`` in :attr:`syncs`; ``torch.cuda.synchronize`` too. A read of a device value
-    returns 0 (a meta tensor has no value to read) so that the run goes on."""
+    loragen/path.py:line"`` in :attr:`syncs` (and, inside :meth:`watching`, ``torch.cuda.synchronize``
+    and device tensors made from host data). A read of a device value
+    returns 0, a copy to the host zeros (a meta tensor has no value to read), so that the run goes on."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -293,12 +294,39 @@ class SyncRecorder(TorchDispatchMode):
         reason = _sync_reason(func, args, kwargs)
         if reason is not None:
             self.syncs.append(f"{reason} at {_loragen_line()}")
+            source = args[0]
             if reason == "_local_scalar_dense":
-                return False if args[0].dtype == torch.bool else 0
+                return False if source.dtype == torch.bool else 0
+            if func.overloadpacket.__name__ == "_to_copy" and torch.device(kwargs["device"]).type == "cpu":
+                return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
         return func(*args, **kwargs)
 
     def _synchronize(self, device: object = None) -> None:
         self.syncs.append(f"torch.cuda.synchronize at {_loragen_line()}")
+
+    def _from_data(self, name: str, make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``make`` (``torch.tensor``, ``torch.as_tensor``), recording a tensor made on a device from host
+        data: a host-to-device copy that dispatches no op a dispatch mode could see."""
+
+        def made(data: object, *args: Any, **kwargs: Any) -> torch.Tensor:
+            result = make(data, *args, **kwargs)
+            if result.device.type != "cpu" and not isinstance(data, torch.Tensor):
+                self.syncs.append(f"{name} (host -> device copy) at {_loragen_line()}")
+            return result
+
+        return made
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Inside: the dispatch mode, and ``torch.cuda.synchronize``, ``torch.tensor`` and
+        ``torch.as_tensor`` recorded as well."""
+        with (
+            mock.patch.object(torch.cuda, "synchronize", self._synchronize),
+            mock.patch.object(torch, "tensor", self._from_data("torch.tensor", torch.tensor)),
+            mock.patch.object(torch, "as_tensor", self._from_data("torch.as_tensor", torch.as_tensor)),
+            self,
+        ):
+            yield
 
 
 def count_syncs(
@@ -327,12 +355,11 @@ def count_syncs(
                      kind="loragen", device="meta", seed=seed)
     recorder = SyncRecorder()
     stand_ins = null_jiterator(("meta",)) if jiterator else contextlib.nullcontext()
-    with warnings.catch_warnings(), stand_ins, mock.patch.object(
-        torch.cuda, "synchronize", recorder._synchronize
-    ):
+    with warnings.catch_warnings(), stand_ins:
         warnings.simplefilter("ignore")
-        step()  # the first call plans and fills the caches
-        with recorder:
+        with recorder.watching():
+            step()  # the first call plans and fills the caches
+            recorder.syncs.clear()
             step()
     return recorder.syncs
 

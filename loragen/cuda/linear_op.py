@@ -176,10 +176,13 @@ def _autocasting(x: Tensor) -> bool:
     return x.is_cuda and torch.is_autocast_enabled("cuda")
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every call
+
+
 def _without_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
     """The kernels run in the dtypes they are given: autocast off inside the op (a no-op context when it
     is not on, which is the common case and costs nothing)."""
-    return torch.autocast("cuda", enabled=False) if _autocasting(x) else contextlib.nullcontext()
+    return torch.autocast("cuda", enabled=False) if _autocasting(x) else _NO_CONTEXT
 
 
 def _lora_linear_impl(
@@ -312,8 +315,8 @@ def _backward(
         if need_x or need_a:
             a32 = hostcache.factor(lora_A, plan, transpose=False)
             gx, da = passes.grad_in(plan, x2, dh, a32, hostcache.dropout_args(rng, dropout_p), need_x)
-            if need_a:
-                grad_a = da[: plan.rank].to(lora_A.dtype)
+            if need_a:  # rows past the rank only when the rank is not a bucket
+                grad_a = (da if plan.rank == da.shape[0] else da[: plan.rank]).to(lora_A.dtype)
             if gx is not None:
                 gx.addmm_(g2, weight.t() if fan_in_fan_out else weight)
                 grad_x = gx.view(x.shape)
@@ -364,8 +367,7 @@ def _gradients(ctx: Any, grad_out: Tensor, backward: Any) -> tuple[Tensor | None
             grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
         )
     )
-    first = tuple(next(grads) if needed else None for needed in needs)
-    return (*first, None, None, None, None, None)
+    return (*[next(grads) if needed else None for needed in needs], None, None, None, None, None)
 
 
 def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
