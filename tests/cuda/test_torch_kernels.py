@@ -7,6 +7,7 @@ tests/cuda/test_torch_kernels_gpu.py runs the jiterator kernel itself against th
 from __future__ import annotations
 
 import collections
+import inspect
 import re
 
 import pytest
@@ -16,9 +17,10 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loragen import philox
-from loragen.cuda import torch_dropout
+from loragen.cuda import torch_dropout, torch_kernels
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
+from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP
 from loragen.cuda.torch_kernels import TorchKernels
 from tests.cuda.lora_reference import make_inputs, mask_for, reference, relative_error
 
@@ -161,3 +163,88 @@ def test_checkpoint_recomputes_the_torch_paths_mask():
 
     for got, want in zip(run(True), run(False)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("spec", [LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN], ids=lambda s: s.name)
+def test_each_torch_kernel_takes_its_kernels_arguments_in_order(spec):
+    """The torch path reads a launch's arguments by position: its functions name them as the kernel does."""
+    assert list(inspect.signature(torch_kernels.KERNELS[spec.name]).parameters) == [p.name for p in spec.params]
+
+
+@pytest.mark.parametrize("cols", [24, 21])
+def test_row_blocks_give_the_whole_tensor_results(monkeypatch, cols):
+    """Past BLOCK_ELEMENTS the torch path works in row blocks (8-row multiples, so every block starts on a
+    Philox group): the same masks, and results equal up to float32 summation order."""
+
+    def step() -> list[torch.Tensor]:
+        (x, w, b, a, bb), _ = make_inputs(37, cols, 16, 4, torch.float32, seed=4)
+        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=99, launcher=TorchKernels())
+        y.square().sum().backward()
+        return [y.detach(), x.grad, a.grad, bb.grad]
+
+    whole = step()
+    monkeypatch.setattr(torch_kernels, "BLOCK_ELEMENTS", 8 * cols)  # blocks of 8 rows: 5 blocks
+    assert len(torch_kernels._row_blocks(37, cols)) == 5
+    blocked = step()
+    for got, want in zip(blocked, whole):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(blocked[1] == 0, whole[1] == 0)  # grad_x: the same dropped elements
+
+
+class _EmulatedJiterator:
+    """CPU stand-ins for the jiterator functions that compute what their CUDA sources compute, from
+    loragen.philox (not from the torch formulation): the torch path's wiring of the jiterator branch --
+    argument order, shapes, group and element numbers, lanes -- checked on the CPU."""
+
+    @staticmethod
+    def _keep(elements: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, threshold: int) -> torch.Tensor:
+        """Keep flags (int64 0/1) of the flat mask elements ``elements``, by loragen.philox's layout."""
+        s, o = (int(t) & (2**64 - 1) for t in (seed, offset))
+        flat = elements.reshape(-1)
+        groups = flat // 8
+        counter = torch.stack(
+            [groups & 0xFFFFFFFF, groups >> 32, torch.full_like(groups, o & 0xFFFFFFFF), torch.full_like(groups, o >> 32)],
+            dim=-1,
+        )
+        words = philox.philox4x32_10(counter, (s & 0xFFFFFFFF, s >> 32))  # (n, 4)
+        lane = flat % 8
+        bits = (words.gather(1, (lane // 2).unsqueeze(1)).squeeze(1) >> (16 * (lane % 2))) & 0xFFFF
+        return (bits >= threshold).to(torch.int64).view(elements.shape)
+
+    def keep_bits(self, group, seed, offset, *, first_group, threshold):
+        assert group.dtype == seed.dtype == offset.dtype == torch.int64 and seed.dim() == offset.dim() == 0
+        elements = (first_group + group).unsqueeze(-1) * 8 + torch.arange(8)
+        flags = self._keep(elements, seed, offset, threshold)
+        return (flags << torch.arange(8)).sum(-1)
+
+    def keep(self, element, seed, offset, *, start, threshold):
+        assert element.dtype == seed.dtype == offset.dtype == torch.int64 and seed.dim() == offset.dim() == 0
+        return self._keep(start + element, seed, offset, threshold)
+
+    @staticmethod
+    def apply(values, bits, lanes, *, keep_scale):
+        assert lanes.dtype == torch.float32  # what makes jiterator's common dtype float32
+        kept = (bits.to(torch.int64) >> lanes.to(torch.int64)) & 1
+        return torch.where(kept.bool(), values.float() * keep_scale, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "start"), [(1, 8, 0), (37, 45, 3), (30, 40, 40 * 7), (5, 7, 2**36 + 5), (6, 16, 2**36)]
+)
+def test_jiterator_branch_draws_the_philox_mask(monkeypatch, rows, cols, start):
+    emulated = _EmulatedJiterator()
+    monkeypatch.setattr(torch_dropout, "JIT_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(
+        torch_dropout,
+        "_jit_functions",
+        {"keep_bits": emulated.keep_bits, "keep": emulated.keep, "apply": emulated.apply},
+    )
+    seed, offset, p = 2**64 - 17, 2**33 + 1, 0.3
+    threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
+    keep = keep_mask(start, rows * cols, threshold, seed, offset, CPU).view(rows, cols)
+    drop = torch_dropout.BlockDropout(rng_tensor(seed, offset, CPU), start, threshold, scale)
+    for dtype in (torch.bfloat16, torch.float32):  # the keep bits are made once and serve both
+        values = torch.randn(rows, cols).to(dtype)
+        got = drop(values)
+        assert got.dtype == torch.float32 and torch.equal(got, torch.where(keep, values.float() * scale, 0.0))
+    assert torch_dropout.jiterator_status() == "ok"
