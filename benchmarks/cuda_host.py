@@ -289,7 +289,9 @@ class SyncRecorder(TorchDispatchMode):
         super().__init__()
         self.syncs: list[str] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         reason = _sync_reason(func, args, kwargs)
         if reason is not None:
@@ -351,8 +353,17 @@ def count_syncs(
     tensor that :class:`SyncRecorder` sees (a read of a CPU tensor's value dispatches no op at all). What
     differs on a CUDA device is not seen: the CUDA-graph capture check, autocast (both host-only).
     """
-    step = lora_step(launcher, tokens=tokens, features=features, rank=rank, dropout=dropout, dtype=dtype,
-                     kind="loragen", device="meta", seed=seed)
+    step = lora_step(
+        launcher,
+        tokens=tokens,
+        features=features,
+        rank=rank,
+        dropout=dropout,
+        dtype=dtype,
+        kind="loragen",
+        device="meta",
+        seed=seed,
+    )
     recorder = SyncRecorder()
     stand_ins = null_jiterator(("meta",)) if jiterator else contextlib.nullcontext()
     with warnings.catch_warnings(), stand_ins:
@@ -376,7 +387,10 @@ def host_counts(dtype: torch.dtype = torch.float32, dropout: float = 0.05) -> di
             counts = count_host_work(step, launcher)
         if kind not in ("frozen", "composition"):
             syncs = count_syncs(
-                NullLauncher() if kind == "loragen" else TorchKernels(), dtype=dtype, dropout=dropout, jiterator=on_gpu
+                NullLauncher() if kind == "loragen" else TorchKernels(),
+                dtype=dtype,
+                dropout=dropout,
+                jiterator=on_gpu,
             )
             counts = Counts(**{**asdict(counts), "syncs": len(syncs)})
         results[kind] = counts

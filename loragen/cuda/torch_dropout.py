@@ -192,7 +192,9 @@ def _philox_words(first: int, count: int, rng: Tensor) -> Tensor:
     device = rng.device
 
     def pair(first: int, second: int) -> Tensor:  # int64 (2, 1) [first, second], made on the device
-        return torch.arange(first, second + (1 if second > first else -1), second - first, device=device).view(2, 1)
+        return torch.arange(
+            first, second + (1 if second > first else -1), second - first, device=device
+        ).view(2, 1)
 
     halves = (rng.view(2, 1, 1) >> pair(0, 32)) & _MASK32  # (2, 2, 1): [seed, offset] x [low, high]
     key, offset = halves.unbind(0)  # (2, 1) each: (k0, k1) and (offset low, offset high)
@@ -278,7 +280,9 @@ class BlockDropout:
             seed, offset = self.rng.unbind()  # views: the kernels read the words on the device
             if grouped:  # one Philox call per 8 elements: (groups, 1) keep bits, broadcast over 8 lanes
                 groups = torch.arange(numel // _PER_CALL, dtype=torch.int64, device=device)
-                bits = philox(groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold)
+                bits = philox(
+                    groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold
+                )
                 lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
                 self._bits = bits.view(-1, 1), lanes, True
             else:  # one call per element: its keep flag, read as lane 0

@@ -80,7 +80,9 @@ def test_no_step_waits_for_the_device(path, seed):
     copied to the device --, and an explicit seed was copied to the device on every call.)"""
     launcher = NullLauncher() if path == "kernels" else TorchKernels()
     for dtype in (torch.float32, torch.bfloat16):
-        syncs = count_syncs(launcher, dtype=dtype, seed=seed, jiterator=path != "torch path (torch formulation)")
+        syncs = count_syncs(
+            launcher, dtype=dtype, seed=seed, jiterator=path != "torch path (torch formulation)"
+        )
         assert syncs == []
 
 

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from loragen import philox
 from loragen.cuda import torch_dropout, torch_kernels
 from loragen.cuda.linear_op import lora_linear_cuda
-from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
 from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP
+from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
 from loragen.cuda.torch_kernels import TorchKernels
 from tests.cuda.lora_reference import make_inputs, mask_for, reference, relative_error
 
@@ -168,7 +168,9 @@ def test_checkpoint_recomputes_the_torch_paths_mask():
 @pytest.mark.parametrize("spec", [LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN], ids=lambda s: s.name)
 def test_each_torch_kernel_takes_its_kernels_arguments_in_order(spec):
     """The torch path reads a launch's arguments by position: its functions name them as the kernel does."""
-    assert list(inspect.signature(torch_kernels.KERNELS[spec.name]).parameters) == [p.name for p in spec.params]
+    assert list(inspect.signature(torch_kernels.KERNELS[spec.name]).parameters) == [
+        p.name for p in spec.params
+    ]
 
 
 @pytest.mark.parametrize("cols", [24, 21])
@@ -197,13 +199,20 @@ class _EmulatedJiterator:
     argument order, shapes, group and element numbers, lanes -- checked on the CPU."""
 
     @staticmethod
-    def _keep(elements: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, threshold: int) -> torch.Tensor:
+    def _keep(
+        elements: torch.Tensor, seed: torch.Tensor, offset: torch.Tensor, threshold: int
+    ) -> torch.Tensor:
         """Keep flags (int64 0/1) of the flat mask elements ``elements``, by loragen.philox's layout."""
         s, o = (int(t) & (2**64 - 1) for t in (seed, offset))
         flat = elements.reshape(-1)
         groups = flat // 8
         counter = torch.stack(
-            [groups & 0xFFFFFFFF, groups >> 32, torch.full_like(groups, o & 0xFFFFFFFF), torch.full_like(groups, o >> 32)],
+            [
+                groups & 0xFFFFFFFF,
+                groups >> 32,
+                torch.full_like(groups, o & 0xFFFFFFFF),
+                torch.full_like(groups, o >> 32),
+            ],
             dim=-1,
         )
         words = philox.philox4x32_10(counter, (s & 0xFFFFFFFF, s >> 32))  # (n, 4)
