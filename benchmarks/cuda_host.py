@@ -1,4 +1,5 @@
-"""Host work of the CUDA LoRA op, counted on the CPU: Python calls, torch ops and tensor allocations.
+"""Host work of the CUDA LoRA op, counted on the CPU: Python calls, torch ops, tensor allocations, and
+reads of device values on the host (syncs).
 
     python benchmarks/cuda_host.py                  # counts per forward + backward, as a table
     python benchmarks/bench_cuda.py --only host     # the same, from the GPU benchmark
@@ -7,9 +8,12 @@ A null driver (:class:`NullLauncher`) takes every kernel launch the op makes and
 launch it writes the arguments into a prebuilt parameter block exactly as the CUDA driver launcher does
 (:class:`loragen.cuda.launch._LaunchRecord`), so what is counted is the op's host path -- everything but
 the two driver calls of a launch (``cuCtxGetCurrent``, ``cuLaunchKernel``) and the kernels themselves.
-CPU tensors stand in for CUDA ones: the few steps that differ by device (the CUDA-graph capture check,
-the raw stream handle) are not counted. tests/cuda/test_cuda_host_counts.py holds the op to ceilings
-on these counts.
+The torch path (:class:`loragen.cuda.torch_kernels.TorchKernels`, ``LORAGEN_CUDA_KERNELS=torch``) is
+counted twice: as it runs on CPU tensors (the dropout mask from torch operations) and as it runs on a GPU,
+with the jiterator dropout kernels replaced by stand-ins that run nothing (:func:`null_jiterator`: the
+host work but for the jiterator's own launch). CPU tensors stand in for CUDA ones: the few steps that
+differ by device (the CUDA-graph capture check, the raw stream handle) are not counted.
+tests/cuda/test_cuda_host_path.py holds the op to ceilings on these counts.
 
 Counted per forward + backward of one LoRA linear (64 tokens, 1024 -> 1024, r=16, dropout 0.05,
 float32 adapters), after a warm-up call:
@@ -18,23 +22,56 @@ float32 adapters), after a warm-up call:
   (builtins and C methods);
 * torch ops: ``aten::`` events of the torch profiler on the CPU, nested ones included;
 * allocations: ops in that profile that allocated tensor memory themselves (``self_cpu_memory_usage``
-  above 0), so torch ops that allocate, one each.
+  above 0), so torch ops that allocate, one each;
+* syncs (:func:`count_syncs`): the op's forward and backward run on ``meta`` tensors (no values, no GPU
+  needed; ``.tolist()`` of a non-CPU tensor dispatches an op, which it does not on a CPU tensor), each
+  torch op that would make the host wait for the device recorded with the loragen
+  line that called it: reads of device values (``.item()``, ``.tolist()``, ``bool()``, ``nonzero``, ...,
+  all :data:`DEVICE_READS`), copies between host and device memory, and ``torch.cuda.synchronize``. Any
+  of them stalls the launch queue, which at small batches leaves the GPU idle while Python catches up,
+  and none is allowed inside CUDA-graph capture.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
+from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from loragen.cuda import torch_dropout
 from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.launch import _LaunchRecord
 from loragen.cuda.specs import KernelSpec
+from loragen.cuda.torch_kernels import TorchKernels
 
-__all__ = ["Counts", "NullLauncher", "count_host_work", "counts_table", "lora_step", "main"]
+__all__ = [
+    "DEVICE_READS",
+    "KINDS",
+    "Counts",
+    "NullLauncher",
+    "SyncRecorder",
+    "count_host_work",
+    "count_syncs",
+    "counts_table",
+    "host_counts",
+    "lora_step",
+    "main",
+    "null_jiterator",
+]
+
+# what each row of the table runs: the frozen base, peft's composition, and loragen's CUDA op on the null
+# driver, on the torch path as on CPU tensors, and on the torch path as on a GPU (jiterator stand-ins)
+KINDS = ("frozen", "composition", "loragen", "torch path", "torch path (GPU)")
 
 
 class NullLauncher:
@@ -67,6 +104,28 @@ class NullLauncher:
         self.launches.append((spec.name, record.label, grid))
 
 
+class _NullJitFunction:
+    """Stands in for a jiterator function: the output it would allocate, no kernel. (Each of loragen's
+    jiterator calls returns its first input's shape, in float32 when any input is floating point.)"""
+
+    def __call__(self, *tensors: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        first = tensors[0]
+        floating = any(t.is_floating_point() for t in tensors)
+        return torch.empty(first.shape, dtype=torch.float32 if floating else first.dtype, device=first.device)
+
+
+@contextlib.contextmanager
+def null_jiterator(device_types: Sequence[str] = ("cuda", "cpu")) -> Iterator[None]:
+    """Inside, the torch path's dropout takes its jiterator branch on tensors of ``device_types`` and
+    calls stand-ins that allocate the output and run nothing, as the null driver does for the kernels."""
+    names = torch_dropout.JIT_FUNCTIONS
+    with (
+        mock.patch.object(torch_dropout, "JIT_DEVICE_TYPES", frozenset(device_types)),
+        mock.patch.dict(torch_dropout._jit_functions, {name: _NullJitFunction() for name in names}),
+    ):
+        yield
+
+
 @dataclass(frozen=True)
 class Counts:
     """Host work of one call of a step function."""
@@ -76,10 +135,30 @@ class Counts:
     torch_ops: int  # aten ops, nested ones included
     allocations: int  # tensor allocations
     launches: int  # kernel launches (null driver)
+    syncs: int | None = None  # ops that make the host wait for the device (None: not counted)
+
+
+def _inputs(tokens: int, features: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """x, weight, A, B and the output gradient (A and B float32), random on the CPU."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, features, generator=gen).to(dtype)
+    weight = (torch.randn(features, features, generator=gen) / features**0.5).to(dtype)
+    a = torch.randn(rank, features, generator=gen) / features**0.5
+    b = torch.randn(features, rank, generator=gen) * 0.02
+    grad = torch.randn(tokens, features, generator=gen).to(dtype)
+    return x, weight, a, b, grad
+
+
+def _launcher(kind: str, launcher: object | None) -> object:
+    if kind == "loragen":
+        if launcher is None:
+            raise ValueError("lora_step: kind 'loragen' needs a launcher")
+        return launcher
+    return TorchKernels() if launcher is None else launcher
 
 
 def lora_step(
-    launcher: NullLauncher | None,
+    launcher: object | None,
     *,
     tokens: int = 64,
     features: int = 1024,
@@ -87,10 +166,15 @@ def lora_step(
     dropout: float = 0.05,
     dtype: torch.dtype = torch.float32,
     kind: str = "loragen",
+    device: str = "cpu",
+    seed: int | None = None,
 ) -> Callable[[], None]:
     """One forward + backward of a LoRA linear on CPU tensors: ``kind`` "loragen" (the CUDA op on
-    ``launcher``), "composition" (peft's way: base linear plus dropout, A and B as separate products)
-    or "frozen" (the base linear alone, grad_x only).
+    ``launcher``), "torch path" or "torch path (GPU)" (the CUDA op on the torch path, ``launcher`` or a
+    :class:`TorchKernels`; call the GPU one inside :func:`null_jiterator`), "composition" (peft's way: base
+    linear plus dropout, A and B as separate products) or "frozen" (the base linear alone, grad_x only).
+    ``device``: where the tensors are (``"meta"`` for :func:`count_syncs`); ``seed``: an explicit dropout
+    seed for the CUDA op (None: drawn per call).
 
     Raises:
         ValueError: an unknown ``kind``, or "loragen" without a launcher.
@@ -98,18 +182,14 @@ def lora_step(
     from loragen.cuda.linear_op import lora_linear_cuda
     from loragen.reference import lora_linear_reference
 
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, features, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(features, features, generator=gen) / features**0.5).to(dtype)
-    a = (torch.randn(rank, features, generator=gen) / features**0.5).requires_grad_()
-    b = (torch.randn(features, rank, generator=gen) * 0.02).requires_grad_()
-    grad = torch.randn(tokens, features, generator=gen).to(dtype)
-    if kind == "loragen":
-        if launcher is None:
-            raise ValueError("lora_step: kind 'loragen' needs a launcher")
+    x, weight, a, b, grad = (t.to(device) for t in _inputs(tokens, features, rank, dtype))
+    for t in (x, a, b):
+        t.requires_grad_()
+    if kind in ("loragen", "torch path", "torch path (GPU)"):
+        runs_on = _launcher(kind, launcher)
 
         def forward() -> torch.Tensor:
-            return lora_linear_cuda(x, weight, None, a, b, 2.0, dropout, True, launcher=launcher)
+            return lora_linear_cuda(x, weight, None, a, b, 2.0, dropout, True, seed=seed, launcher=runs_on)  # type: ignore[arg-type]
     elif kind == "composition":
 
         def forward() -> torch.Tensor:
@@ -119,7 +199,7 @@ def lora_step(
         def forward() -> torch.Tensor:
             return torch.nn.functional.linear(x, weight)
     else:
-        raise ValueError(f"lora_step: kind={kind!r}; expected 'loragen', 'composition' or 'frozen'")
+        raise ValueError(f"lora_step: kind={kind!r}; expected one of {', '.join(map(repr, KINDS))}")
 
     def step() -> None:
         x.grad = a.grad = b.grad = None
@@ -157,30 +237,182 @@ def count_host_work(
     return Counts(calls["call"], calls["c_call"], ops, allocations, launches)
 
 
+# ---- syncs ---------------------------------------------------------------------------------------------
+# aten ops that return a device value to the host (the host waits for the device to reach them)
+DEVICE_READS = frozenset(
+    {
+        "_local_scalar_dense",  # .item(), .tolist(), int(t), float(t), bool(t)
+        "is_nonzero",  # bool(t), if t:
+        "nonzero",  # its output size depends on the values
+        "masked_select",
+        "equal",
+        "allclose",
+        "repeat_interleave",  # with tensor repeats and no output_size
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+    }
+)
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_dropout.__file__)))
+
+
+def _loragen_line() -> str:
+    """The innermost loragen line on the stack (this module's own lines left out), as path:line."""
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_PACKAGE_ROOT + os.sep) and path != os.path.abspath(__file__):
+            return f"{os.path.relpath(path, os.path.dirname(_PACKAGE_ROOT))}:{frame.lineno}"
+    return "<outside loragen>"
+
+
+def _sync_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    name = func.overloadpacket.__name__
+    if name in DEVICE_READS:
+        return name
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name == "_to_copy" and tensors and "device" in kwargs:
+        devices = {tensors[0].device.type, torch.device(kwargs["device"]).type}
+    elif name in ("copy_", "_copy_from") and len(tensors) >= 2:
+        devices = {tensors[0].device.type, tensors[1].device.type}
+    else:
+        return None
+    return f"{name} (host <-> device copy)" if "cpu" in devices and len(devices) > 1 else None
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Records each torch op inside it that makes the host wait for the device, as ``"op at
+    loragen/path.py:line"`` in :attr:`syncs` (and, inside :meth:`watching`, ``torch.cuda.synchronize``
+    and device tensors made from host data). A read of a device value
+    returns 0, a copy to the host zeros (a meta tensor has no value to read), so that the run goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        reason = _sync_reason(func, args, kwargs)
+        if reason is not None:
+            self.syncs.append(f"{reason} at {_loragen_line()}")
+            source = args[0]
+            if reason == "_local_scalar_dense":
+                return False if source.dtype == torch.bool else 0
+            if func.overloadpacket.__name__ == "_to_copy" and torch.device(kwargs["device"]).type == "cpu":
+                return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
+        return func(*args, **kwargs)
+
+    def _synchronize(self, device: object = None) -> None:
+        self.syncs.append(f"torch.cuda.synchronize at {_loragen_line()}")
+
+    def _from_data(self, name: str, make: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``make`` (``torch.tensor``, ``torch.as_tensor``), recording a tensor made on a device from host
+        data: a host-to-device copy that dispatches no op a dispatch mode could see."""
+
+        def made(data: object, *args: Any, **kwargs: Any) -> torch.Tensor:
+            result = make(data, *args, **kwargs)
+            if result.device.type != "cpu" and not isinstance(data, torch.Tensor):
+                self.syncs.append(f"{name} (host -> device copy) at {_loragen_line()}")
+            return result
+
+        return made
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Inside: the dispatch mode, and ``torch.cuda.synchronize``, ``torch.tensor`` and
+        ``torch.as_tensor`` recorded as well."""
+        with (
+            mock.patch.object(torch.cuda, "synchronize", self._synchronize),
+            mock.patch.object(torch, "tensor", self._from_data("torch.tensor", torch.tensor)),
+            mock.patch.object(torch, "as_tensor", self._from_data("torch.as_tensor", torch.as_tensor)),
+            self,
+        ):
+            yield
+
+
+def count_syncs(
+    launcher: object,
+    *,
+    tokens: int = 64,
+    features: int = 1024,
+    rank: int = 16,
+    dropout: float = 0.05,
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+    jiterator: bool = True,
+) -> list[str]:
+    """The syncs of one forward + backward of the CUDA op on ``launcher`` (a :class:`NullLauncher` for the
+    kernel path, a :class:`TorchKernels` for the torch path, with ``jiterator`` its jiterator functions
+    replaced by stand-ins as on a GPU, else the torch formulation of the mask): one entry per sync, naming
+    the op and the loragen line that called it (empty when the step never waits for the device). ``seed``
+    passes an explicit dropout seed.
+
+    The tensors are on torch's ``meta`` device, which stands in for a GPU: they have shapes, dtypes and a
+    device but no values, so any read of a value or copy to or from the host is an op on a non-CPU
+    tensor that :class:`SyncRecorder` sees (a read of a CPU tensor's value dispatches no op at all). What
+    differs on a CUDA device is not seen: the CUDA-graph capture check, autocast (both host-only).
+    """
+    step = lora_step(
+        launcher,
+        tokens=tokens,
+        features=features,
+        rank=rank,
+        dropout=dropout,
+        dtype=dtype,
+        kind="loragen",
+        device="meta",
+        seed=seed,
+    )
+    recorder = SyncRecorder()
+    stand_ins = null_jiterator(("meta",)) if jiterator else contextlib.nullcontext()
+    with warnings.catch_warnings(), stand_ins:
+        warnings.simplefilter("ignore")
+        with recorder.watching():
+            step()  # the first call plans and fills the caches
+            recorder.syncs.clear()
+            step()
+    return recorder.syncs
+
+
 def host_counts(dtype: torch.dtype = torch.float32, dropout: float = 0.05) -> dict[str, Counts]:
-    """Counts for the frozen base, the composition and loragen's CUDA op (null driver)."""
+    """Counts for each of :data:`KINDS`, syncs for loragen's op (peft's composition runs torch's own
+    dropout and products, which never wait for the device, and is not counted)."""
     results = {}
-    for kind in ("frozen", "composition", "loragen"):
+    for kind in KINDS:
         launcher = NullLauncher() if kind == "loragen" else None
         step = lora_step(launcher, dtype=dtype, dropout=dropout, kind=kind)
-        results[kind] = count_host_work(step, launcher)
+        on_gpu = kind == "torch path (GPU)"
+        with null_jiterator() if on_gpu else contextlib.nullcontext():
+            counts = count_host_work(step, launcher)
+        if kind not in ("frozen", "composition"):
+            syncs = count_syncs(
+                NullLauncher() if kind == "loragen" else TorchKernels(),
+                dtype=dtype,
+                dropout=dropout,
+                jiterator=on_gpu,
+            )
+            counts = Counts(**{**asdict(counts), "syncs": len(syncs)})
+        results[kind] = counts
     return results
 
 
 def counts_table(results: dict[str, Counts]) -> str:
     """A markdown table of :func:`host_counts`' results."""
     lines = [
-        "| variant | Python calls | C calls | torch ops | allocations | launches |",
-        "|---|---|---|---|---|---|",
+        "| variant | Python calls | C calls | torch ops | allocations | launches | syncs |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, c in results.items():
+        syncs = "-" if c.syncs is None else str(c.syncs)
         lines.append(
-            f"| {name} | {c.python_calls} | {c.c_calls} | {c.torch_ops} | {c.allocations} | {c.launches} |"
+            f"| {name} | {c.python_calls} | {c.c_calls} | {c.torch_ops} | {c.allocations} | {c.launches} "
+            f"| {syncs} |"
         )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int]]]:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int | None]]]:
     """Print the counts for float32 and bfloat16 x (float32 adapters); return them as plain dicts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dropout", type=float, default=0.05)

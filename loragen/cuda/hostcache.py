@@ -90,7 +90,7 @@ def factor(t: Tensor, plan: Plan, transpose: bool) -> Tensor:
     bucket = plan.variant.rank_bucket
     if not transpose and t.dtype == torch.float32 and t.shape[0] == bucket and t.is_contiguous():
         if not plan.variant.aligned or t.data_ptr() % 16 == 0:
-            return t.detach()  # already what the kernels read: no copy at all
+            return t  # already what the kernels read: no copy (the op runs without autograd: no detach)
     key = (id(t), transpose)
     entry = _factors.get(key)
     features = t.shape[0] if transpose else t.shape[1]

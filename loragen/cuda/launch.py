@@ -158,7 +158,7 @@ class _LaunchRecord:
             if kind is None:
                 if value is None:
                     slot.value = None
-                elif isinstance(value, torch.Tensor):
+                elif type(value) is torch.Tensor or isinstance(value, torch.Tensor):  # the first: no call
                     slot.value = value.data_ptr()
                 else:
                     pack_arguments(self.spec, args)  # raises the TypeError naming the parameter

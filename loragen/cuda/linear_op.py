@@ -41,7 +41,9 @@ into an int64 tensor of two elements that the kernels read through a pointer and
 ``torch.manual_seed`` reproduces a run, ``torch.utils.checkpoint`` (which restores the device's RNG
 state) recomputes the same mask, and a CUDA graph captured with dropout draws a fresh mask on every
 replay. :func:`loragen.philox.dropout_keep_mask` gives the identical mask on the CPU for the same
-(seed, offset) (:func:`loragen.cuda.torch_kernels.rng_values` reads them).
+(seed, offset) (:func:`loragen.cuda.torch_kernels.rng_values` reads them, for tests and tools). Nothing
+on the op's path reads a device value on the host -- neither the kernel path nor the torch path --, so
+a step never waits for the GPU (benchmarks/cuda_host.py counts such reads; its test holds them at 0).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from torch import Tensor
 from loragen.cuda import hostcache, kernel_variants, passes
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.passes import DTYPE_NAMES
+from loragen.cuda.torch_dropout import rng_tensor
 from loragen.errors import LoraError
 from loragen.reference import lora_linear_reference
 
@@ -156,17 +159,16 @@ def draw_rng(device: torch.device) -> Tensor:
 
 
 def seed_rng(seed: int, device: torch.device, offset: int = 0) -> Tensor:
-    """The rng tensor for an explicit unsigned 64-bit ``seed`` and ``offset`` (stored as int64 bits).
+    """The rng tensor for an explicit unsigned 64-bit ``seed`` and ``offset`` (stored as int64 bits),
+    made on ``device`` without a host-to-device copy (so without waiting for the device).
 
     Raises:
         CudaLoraError: ``seed`` or ``offset`` is not an unsigned 64-bit integer.
     """
-    words = []
     for name, value in (("seed", seed), ("offset", offset)):
         if not 0 <= value < 1 << 64:
             raise CudaLoraError(f"{_WHERE}: {name}={value}; expected an unsigned 64-bit integer")
-        words.append(value - (1 << 64) if value >= 1 << 63 else value)
-    return torch.tensor(words, dtype=torch.int64, device=device)
+    return rng_tensor(seed, offset, device)  # filled on the device: no host-to-device copy
 
 
 # ---- the custom ops --------------------------------------------------------------------------------
@@ -174,10 +176,13 @@ def _autocasting(x: Tensor) -> bool:
     return x.is_cuda and torch.is_autocast_enabled("cuda")
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every call
+
+
 def _without_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
     """The kernels run in the dtypes they are given: autocast off inside the op (a no-op context when it
     is not on, which is the common case and costs nothing)."""
-    return torch.autocast("cuda", enabled=False) if _autocasting(x) else contextlib.nullcontext()
+    return torch.autocast("cuda", enabled=False) if _autocasting(x) else _NO_CONTEXT
 
 
 def _lora_linear_impl(
@@ -310,8 +315,8 @@ def _backward(
         if need_x or need_a:
             a32 = hostcache.factor(lora_A, plan, transpose=False)
             gx, da = passes.grad_in(plan, x2, dh, a32, hostcache.dropout_args(rng, dropout_p), need_x)
-            if need_a:
-                grad_a = da[: plan.rank].to(lora_A.dtype)
+            if need_a:  # rows past the rank only when the rank is not a bucket
+                grad_a = (da if plan.rank == da.shape[0] else da[: plan.rank]).to(lora_A.dtype)
             if gx is not None:
                 gx.addmm_(g2, weight.t() if fan_in_fan_out else weight)
                 grad_x = gx.view(x.shape)
@@ -362,8 +367,7 @@ def _gradients(ctx: Any, grad_out: Tensor, backward: Any) -> tuple[Tensor | None
             grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
         )
     )
-    first = tuple(next(grads) if needed else None for needed in needs)
-    return (*first, None, None, None, None, None)
+    return (*[next(grads) if needed else None for needed in needs], None, None, None, None, None)
 
 
 def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tuple[Tensor | None, ...]:

@@ -1,15 +1,21 @@
 """The torch path's dropout: loragen's Philox keep-mask (:mod:`loragen.philox`'s layout) applied to
-float32 copies of x-shaped blocks, on any device, bit-identical to the mask the CUDA kernels regenerate.
+float32 copies of x-shaped tensors, on any device, bit-identical to the mask the CUDA kernels regenerate.
+
+Seed and offset stay where the op drew them: an int64 tensor ``rng`` of two elements on the tensors'
+device, read by the device (as the CUDA kernels read their ``const u64* rng``), never by the host. So the
+torch path with dropout queues its work without waiting for the GPU, and runs inside CUDA-graph capture.
 
 On a CUDA device it runs on kernels that torch's jiterator compiles at first use
 (:data:`JIT_FUNCTIONS`): :data:`KEEP_BITS_SOURCE` makes each group of 8 elements' keep bits with one
-Philox call (half a byte per element, made once per row block and used for x and, in backward, for
-dh A), and :data:`APPLY_SOURCE` writes ``x * 1/(1-p)`` or 0 in float32 -- the same bytes as the float32
-copy of x the products need anyway. Rows whose length is not a multiple of 8 take
-:data:`DROPOUT_SOURCE`, one Philox call per element. Where the jiterator is unavailable (a CPU tensor, a
-torch built without it, a compile failure: one warning), :class:`BlockDropout` runs the vectorised torch
-formulation of :func:`keep_mask`, about 70 elementwise operations on one counter per 8 elements, all
-bit-identical to the jiterator kernels and to :func:`loragen.philox.dropout_keep_mask`.
+Philox call (made once per masked tensor, used for x and, in backward, for dh A), and
+:data:`APPLY_SOURCE` writes ``x * 1/(1-p)`` or 0 in float32 -- the same bytes as the float32 copy of x
+the products need anyway. A tensor whose element count or start is not a multiple of 8 takes
+:data:`KEEP_SOURCE`, one Philox call per element. jiterator computes in the inputs' common dtype, so the
+Philox kernels take only int64 inputs (element or group numbers and the two rng words), and the apply
+kernel's float32 lane numbers make its common dtype float32. Where the jiterator is unavailable (a CPU
+tensor, a torch built without it, a compile failure: one warning), :class:`BlockDropout` runs the
+vectorised torch formulation of :func:`rng_keep_mask`, about 80 elementwise operations on one counter
+per 8 elements, all bit-identical to the jiterator kernels and to :func:`loragen.philox.dropout_keep_mask`.
 """
 
 from __future__ import annotations
@@ -21,31 +27,34 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from loragen import philox
-
 __all__ = [
     "APPLY_SOURCE",
-    "DROPOUT_SOURCE",
     "JIT_FUNCTIONS",
     "KEEP_BITS_SOURCE",
+    "KEEP_SOURCE",
     "BlockDropout",
     "dropped",
     "jiterator_status",
     "keep_mask",
+    "rng_keep_mask",
+    "rng_tensor",
 ]
 
 _MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox round multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Philox key schedule increments
 _ROUNDS = 10
-_EXACT_FLOAT_INDEX = 1 << 24  # row and column numbers below this are exact in float32
+_PER_CALL = 8  # elements per Philox call (loragen.philox.ELEMENTS_PER_CALL)
 
-# Philox4x32-10 of the counter (q, offset) under the key (key0, key1), as in kernels/lora_common.cuh.j2,
-# leaving the four output words in words[0..3]; pasted into the jiterator sources below.
+# Philox4x32-10 of the counter (q, offset) under the key ``seed``, as in kernels/lora_common.cuh.j2,
+# leaving the four output words in words[0..3]; pasted into the jiterator sources below, after ``q``,
+# ``seed`` and ``offset`` (int64 holding the unsigned 64-bit values) are defined.
 _PHILOX_CALL = r"""
+    const unsigned long long key = static_cast<unsigned long long>(seed);
+    const unsigned long long off = static_cast<unsigned long long>(offset);
     unsigned c0 = static_cast<unsigned>(q), c1 = static_cast<unsigned>(q >> 32);
-    unsigned c2 = static_cast<unsigned>(offset0), c3 = static_cast<unsigned>(offset1);
-    unsigned k0 = static_cast<unsigned>(key0), k1 = static_cast<unsigned>(key1);
+    unsigned c2 = static_cast<unsigned>(off), c3 = static_cast<unsigned>(off >> 32);
+    unsigned k0 = static_cast<unsigned>(key), k1 = static_cast<unsigned>(key >> 32);
     for (int round = 0; round < 10; ++round) {
         if (round > 0) {
             k0 += 0x9E3779B9u;
@@ -61,16 +70,12 @@ _PHILOX_CALL = r"""
     const unsigned words[4] = {c0, c1, c2, c3};
 """
 
-# jiterator promotes every input to one dtype (float32 here), so row, group, column and lane numbers
-# arrive as float32 holding exact integers below 2**24; the seed and offset come as 32-bit words.
-
-# One thread per group of 8 elements (rows of a multiple of 8 columns): the group's 8 keep bits.
+# One thread per group of 8 elements: the group's 8 keep bits. T is int64: the group numbers and the two
+# rng words (seed, offset) read from device memory.
 KEEP_BITS_SOURCE = (
     r"""template <typename T>
-T loragen_keep_bits(T row, T group, long long first_group, long long groups_per_row, long long key0,
-                    long long key1, long long offset0, long long offset1, long long threshold) {
-    const unsigned long long q =
-        first_group + static_cast<long long>(row) * groups_per_row + static_cast<long long>(group);"""
+T loragen_keep_bits(T group, T seed, T offset, long long first_group, long long threshold) {
+    const unsigned long long q = static_cast<unsigned long long>(first_group + group);"""
     + _PHILOX_CALL
     + r"""    unsigned bits = 0;
     for (int lane = 0; lane < 8; ++lane) {
@@ -82,36 +87,39 @@ T loragen_keep_bits(T row, T group, long long first_group, long long groups_per_
 """
 )
 
-# One thread per element, with the group's keep bits broadcast over its 8 lanes.
+# One thread per element, its own Philox call: 1 for a kept element, 0 for a dropped one (int64).
+KEEP_SOURCE = (
+    r"""template <typename T>
+T loragen_keep(T element, T seed, T offset, long long start, long long threshold) {
+    const unsigned long long i = static_cast<unsigned long long>(start + element);
+    const unsigned long long q = i >> 3;"""
+    + _PHILOX_CALL
+    + r"""    const unsigned lane = static_cast<unsigned>(i & 7);
+    const long long u = (words[lane >> 1] >> (16 * (lane & 1))) & 0xFFFFu;
+    return static_cast<T>(u >= threshold);
+}
+"""
+)
+
+# One thread per element: bit ``lane`` of ``bits`` (broadcast over the group's 8 lanes, or the element's
+# own keep flag with lane 0) picks value * keep_scale or 0. T is float32.
 APPLY_SOURCE = r"""template <typename T>
 T loragen_apply_keep(T value, T bits, T lane, T keep_scale) {
     return (static_cast<unsigned>(bits) >> static_cast<unsigned>(lane)) & 1u ? value * keep_scale : T(0);
 }
 """
 
-# One thread per element, its own Philox call: for rows whose length is not a multiple of 8.
-DROPOUT_SOURCE = (
-    r"""template <typename T>
-T loragen_dropout(T value, T row, T col, long long start, long long cols, long long key0, long long key1,
-                  long long offset0, long long offset1, long long threshold, T keep_scale) {
-    const unsigned long long i = start + static_cast<long long>(row) * cols + static_cast<long long>(col);
-    const unsigned long long q = i >> 3;"""
-    + _PHILOX_CALL
-    + r"""    const unsigned lane = static_cast<unsigned>(i & 7);
-    const long long u = (words[lane >> 1] >> (16 * (lane & 1))) & 0xFFFFu;
-    return u >= threshold ? value * keep_scale : T(0);
-}
-"""
-)
-
-_KEY_ARGS = {"key0": 0, "key1": 0, "offset0": 0, "offset1": 0, "threshold": 0}
 # each jiterator function: its source and its keyword arguments, in the order of the C++ parameters
 # after the tensor inputs (torch passes them in this order)
 JIT_FUNCTIONS: dict[str, tuple[str, dict[str, int | float]]] = {
-    "keep_bits": (KEEP_BITS_SOURCE, {"first_group": 0, "groups_per_row": 1, **_KEY_ARGS}),
+    "keep_bits": (KEEP_BITS_SOURCE, {"first_group": 0, "threshold": 0}),
+    "keep": (KEEP_SOURCE, {"start": 0, "threshold": 0}),
     "apply": (APPLY_SOURCE, {"keep_scale": 1.0}),
-    "dropout": (DROPOUT_SOURCE, {"start": 0, "cols": 1, **_KEY_ARGS, "keep_scale": 1.0}),
 }
+
+# device types whose tensors take the jiterator kernels (loragen's host-work benchmark adds "cpu" with
+# stand-in functions that run nothing, to count this path's host work without a GPU)
+JIT_DEVICE_TYPES: frozenset[str] = frozenset({"cuda"})
 
 _jit_lock = threading.Lock()
 _jit_functions: dict[str, Callable[..., Tensor]] = {}
@@ -128,6 +136,9 @@ def jiterator_status() -> str:
 
 def _jit(name: str) -> Callable[..., Tensor] | None:
     """The jiterator function ``name`` of :data:`JIT_FUNCTIONS` (created once), or None after a failure."""
+    found = _jit_functions.get(name)  # the common case: no lock
+    if found is not None:
+        return found
     with _jit_lock:
         if _jit_failure:
             return None
@@ -145,6 +156,7 @@ def _jit_failed(exc: BaseException) -> None:
         if _jit_failure:
             return
         _jit_failure.append(f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}")
+        _jit_functions.clear()
     warnings.warn(
         "loragen.cuda: the jiterator dropout kernels of the torch path (torch.cuda.jiterator) are unavailable "
         f"({_jit_failure[0]}); the mask is built from torch operations instead (same bits, slower)",
@@ -153,88 +165,96 @@ def _jit_failed(exc: BaseException) -> None:
     )
 
 
-def _round_constants(seed: int, device: torch.device) -> tuple[Tensor, ...]:
-    """12 int64 (2, 1) tensors: the multipliers of the two state rows in even and odd rounds, then the
-    key words of the two rows in each of the 10 rounds.
+def rng_tensor(seed: int, offset: int, device: torch.device) -> Tensor:
+    """The int64 (2,) tensor holding unsigned 64-bit ``seed`` and ``offset`` as int64 bits, on ``device``.
 
-    The rows of :func:`_philox_words`'s state E hold counter words (c0, c2) in even rounds and
-    (c2, c0) in odd ones; a row holding c0 produces the new c2 (key word 1), one holding c2 the new c0
-    (key word 0).
+    Made with two fills (the values travel as kernel arguments): no host-to-device copy, so no wait for
+    the device and nothing a CUDA-graph capture refuses. The caller checks the ranges.
     """
-    rows = [[_M0, _M1], [_M1, _M0]]
-    for r in range(_ROUNDS):
-        k0 = ((seed & _MASK32) + r * _W0) & _MASK32
-        k1 = ((seed >> 32) + r * _W1) & _MASK32
-        rows.append([k1, k0] if r % 2 == 0 else [k0, k1])
-    return torch.tensor(rows, dtype=torch.int64, device=device).unsqueeze(-1).unbind(0)
+    words = [value - (1 << 64) if value >= 1 << 63 else value for value in (seed, offset)]
+    rng = torch.full((2,), words[1], dtype=torch.int64, device=device)
+    rng[0].fill_(words[0])
+    return rng
 
 
-def _philox_words(first: int, count: int, seed: int, offset: int, device: torch.device) -> Tensor:
+def _philox_words(first: int, count: int, rng: Tensor) -> Tensor:
     """Philox4x32-10 of the counters (q, offset) for groups q = first .. first + count - 1 under key
-    ``seed``: int64 (4, count), the words c0..c3 in [0, 2**32).
+    seed, (seed, offset) = ``rng`` (int64 (2,) on the device): int64 (4, count), words c0..c3 in [0, 2**32).
 
     The four words are carried as two (2, count) tensors so each round is six whole-tensor operations:
-    E, the words that are multiplied, and O, their xor partners. A uint32 product is taken as an int64
-    product, which wraps modulo 2**64 with the same low 64 bits as the unsigned product; its high word is
-    ``(p >> 32) & 0xFFFFFFFF`` and its low word is left in O unmasked until it is used.
+    E = (c0, c2), the words that are multiplied, and O = (c1, c3), their xor partners. A round makes
+    E' = hi(flip(E * M)) ^ O ^ K and O' = lo(flip(E * M)) with M = (M0, M1) and K = the round's key words:
+    c0' = hi(M1 c2) ^ c1 ^ k0, c2' = hi(M0 c0) ^ c3 ^ k1, c1' = lo(M1 c2), c3' = lo(M0 c0). A uint32
+    product is taken as an int64 product, which wraps modulo 2**64 with the same low 64 bits as the
+    unsigned product; its high word is ``(p >> 32) & 0xFFFFFFFF`` and its low word is left in O unmasked
+    until it is used. Every constant is made on the device from ``arange`` (no host-to-device copy).
     """
-    even_multipliers, odd_multipliers, *round_keys = _round_constants(seed, device)
+    device = rng.device
+
+    def pair(first: int, second: int) -> Tensor:  # int64 (2, 1) [first, second], made on the device
+        return torch.arange(
+            first, second + (1 if second > first else -1), second - first, device=device
+        ).view(2, 1)
+
+    halves = (rng.view(2, 1, 1) >> pair(0, 32)) & _MASK32  # (2, 2, 1): [seed, offset] x [low, high]
+    key, offset = halves.unbind(0)  # (2, 1) each: (k0, k1) and (offset low, offset high)
+    multipliers, increments = pair(_M0, _M1), pair(_W0, _W1)
+    steps = torch.arange(_ROUNDS, dtype=torch.int64, device=device).view(_ROUNDS, 1, 1)
+    round_keys = ((key + steps * increments) & _MASK32).unbind(0)  # per round (k0, k1), (2, 1)
     q = torch.arange(first, first + count, dtype=torch.int64, device=device)
-    e = torch.stack((q & _MASK32, q.new_full((count,), offset & _MASK32)))  # (c0, c2)
-    o = torch.stack((q.new_full((count,), offset >> 32), q >> 32))  # their partners (c3, c1)
+    e = torch.stack((q & _MASK32, offset[0].expand(count)))  # (c0, c2)
+    o = torch.stack((q >> 32, offset[1].expand(count)))  # (c1, c3)
     for r in range(_ROUNDS):
-        partners = o if r == 0 else o.flip(0)  # the row order of E alternates, O's does not
-        product = e * (odd_multipliers if r % 2 else even_multipliers)
-        e = ((product >> 32) ^ partners ^ round_keys[r]) & _MASK32
+        product = (e * multipliers).flip(0)  # (M1 c2, M0 c0)
+        e = ((product >> 32) ^ o ^ round_keys[r]) & _MASK32
         o = product
-    # after an even number of rounds E = (c0, c2), O = (c1, c3): interleave them into c0, c1, c2, c3
-    return torch.stack((e, o & _MASK32), dim=1).view(4, count)
+    return torch.stack((e, o & _MASK32), dim=1).view(4, count)  # rows c0, c1, c2, c3
+
+
+def rng_keep_mask(rng: Tensor, start: int, numel: int, threshold: int) -> Tensor:
+    """Flat elements ``start .. start + numel - 1`` of the Philox keep-mask (:mod:`loragen.philox`'s
+    layout) for (seed, offset) = ``rng`` (int64 (2,), read on its device), as bool on ``rng``'s device;
+    ``threshold`` is :func:`loragen.philox.keep_threshold` of p.
+
+    Torch operations only (about 80, on one counter per 8 elements), so it runs on any device.
+    """
+    if threshold == 0:
+        return torch.ones(numel, dtype=torch.bool, device=rng.device)
+    first, last = start // _PER_CALL, (start + numel + _PER_CALL - 1) // _PER_CALL
+    words = _philox_words(first, last - first, rng)  # (4, G)
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # (4, G, 2): lane 2w + h of each group
+    keep = (halves >= threshold).permute(1, 0, 2).reshape(-1)  # group-major: element 8q + lane
+    skip = start - first * _PER_CALL
+    return keep[skip : skip + numel]
 
 
 def keep_mask(start: int, numel: int, threshold: int, seed: int, offset: int, device: torch.device) -> Tensor:
-    """Flat elements ``start .. start + numel - 1`` of the Philox keep-mask (:mod:`loragen.philox`'s
-    layout), as bool on ``device``; ``threshold`` is :func:`loragen.philox.keep_threshold` of p.
-
-    Torch operations only (about 70, on one counter per 8 elements), so it runs on any device; on a CPU
-    tensor it equals :func:`loragen.philox.dropout_keep_mask`.
-    """
-    if threshold == 0:
-        return torch.ones(numel, dtype=torch.bool, device=device)
-    per_call = philox.ELEMENTS_PER_CALL
-    first, last = start // per_call, (start + numel + per_call - 1) // per_call
-    words = _philox_words(first, last - first, seed, offset, device)  # (4, G)
-    halves = torch.stack((words & 0xFFFF, words >> 16), dim=-1)  # (4, G, 2): lane 2w + h of each group
-    keep = (halves >= threshold).permute(1, 0, 2).reshape(-1)  # group-major: element 8q + lane
-    skip = start - first * per_call
-    return keep[skip : skip + numel]
+    """:func:`rng_keep_mask` for seed and offset given as unsigned 64-bit ints; on a CPU tensor it equals
+    :func:`loragen.philox.dropout_keep_mask`."""
+    return rng_keep_mask(rng_tensor(seed, offset, device), start, numel, threshold)
 
 
 class BlockDropout:
     """The dropout of one block of a masked tensor whose element [0, 0] is flat element ``start``:
-    applied to x and, in backward, to the x-shaped product dh A, with one keep-mask between them."""
+    applied to x and, in backward, to the x-shaped product dh A, with one keep-mask between them.
 
-    def __init__(self, start: int, threshold: int, keep_scale: float, seed: int, offset: int) -> None:
-        self.start, self.threshold, self.keep_scale = start, threshold, keep_scale
-        self.seed, self.offset = seed, offset
+    ``rng`` is the op's int64 (seed, offset) tensor on the block's device; nothing here reads it on the
+    host.
+    """
+
+    __slots__ = ("_bits", "_keep", "keep_scale", "rng", "start", "threshold")
+
+    def __init__(self, rng: Tensor, start: int, threshold: int, keep_scale: float) -> None:
+        self.rng, self.start, self.threshold, self.keep_scale = rng, start, threshold, keep_scale
         self._keep: Tensor | None = None  # bool (rows, cols), the torch formulation
-        self._bits: tuple[Tensor, Tensor] | None = None  # jiterator: keep bits (rows * cols / 8, 1), lanes
-
-    def _key_args(self) -> dict[str, int]:
-        return {
-            "key0": self.seed & _MASK32,
-            "key1": self.seed >> 32,
-            "offset0": self.offset & _MASK32,
-            "offset1": self.offset >> 32,
-            "threshold": self.threshold,
-        }
+        self._bits: tuple[Tensor, Tensor, bool] | None = None  # jiterator: bits, lanes, grouped
 
     def __call__(self, values: Tensor) -> Tensor:
         """``values`` (rows, cols) in float32, kept elements times keep_scale, dropped ones 0; without
         dropout, ``values`` itself when it is float32 (callers only read it)."""
-        rows, cols = values.shape
         if self.threshold == 0:
             return values.float()
-        if values.is_cuda and values.numel() and rows < _EXACT_FLOAT_INDEX and cols < _EXACT_FLOAT_INDEX:
+        if values.device.type in JIT_DEVICE_TYPES and values.numel() and not _jit_failure:
             try:
                 out = self._jitted(values)
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
@@ -242,55 +262,51 @@ class BlockDropout:
             else:
                 if out is not None:
                     return out
+        rows, cols = values.shape
         if self._keep is None:
-            keep = keep_mask(
-                self.start, values.numel(), self.threshold, self.seed, self.offset, values.device
-            )
-            self._keep = keep.view(rows, cols)
+            self._keep = rng_keep_mask(self.rng, self.start, rows * cols, self.threshold).view(rows, cols)
         return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
 
     def _jitted(self, values: Tensor) -> Tensor | None:
         rows, cols = values.shape
-        if cols % 8 == 0 and self.start % 8 == 0 and values.is_contiguous():
-            # one Philox call per 8 elements (kept for the next tensor of this block), then one pass
-            if self._bits is None:
-                keep_bits, apply = _jit("keep_bits"), _jit("apply")
-                if keep_bits is None or apply is None:
-                    return None
-                index = torch.arange(max(rows, cols // 8, 8), dtype=torch.float32, device=values.device)
-                bits = keep_bits(
-                    index[:rows, None],
-                    index[None, : cols // 8],
-                    first_group=self.start // 8,
-                    groups_per_row=cols // 8,
-                    **self._key_args(),
-                )
-                self._bits = bits.reshape(-1, 1), index[:8]
+        if self._bits is None:
             apply = _jit("apply")
-            if apply is None:
+            numel = rows * cols
+            grouped = numel % _PER_CALL == 0 and self.start % _PER_CALL == 0 and values.is_contiguous()
+            philox = _jit("keep_bits" if grouped else "keep")
+            if philox is None or apply is None:
                 return None
-            bits, lanes = self._bits  # (groups, 1), (8,): a two-dimensional broadcast, cheap to index
-            return apply(values.view(-1, 8), bits, lanes, keep_scale=self.keep_scale).view(rows, cols)
-        dropout = _jit("dropout")
-        if dropout is None:
+            device = values.device
+            seed, offset = self.rng.unbind()  # views: the kernels read the words on the device
+            if grouped:  # one Philox call per 8 elements: (groups, 1) keep bits, broadcast over 8 lanes
+                groups = torch.arange(numel // _PER_CALL, dtype=torch.int64, device=device)
+                bits = philox(
+                    groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold
+                )
+                lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+                self._bits = bits.view(-1, 1), lanes, True
+            else:  # one call per element: its keep flag, read as lane 0
+                elements = torch.arange(numel, dtype=torch.int64, device=device).view(rows, cols)
+                keep = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
+                self._bits = keep, torch.zeros(1, dtype=torch.float32, device=device), False
+        apply = _jit("apply")
+        if apply is None:
             return None
-        index = torch.arange(max(rows, cols), dtype=torch.float32, device=values.device)
-        return dropout(
-            values,
-            index[:rows, None],
-            index[None, :cols],
-            start=self.start,
-            cols=cols,
-            **self._key_args(),
-            keep_scale=self.keep_scale,
-        )
+        bits, lanes, grouped = self._bits
+        if grouped:
+            if not values.is_contiguous():
+                values = values.contiguous()
+            return apply(values.view(-1, _PER_CALL), bits, lanes, keep_scale=self.keep_scale).view(rows, cols)
+        return apply(values, bits, lanes, keep_scale=self.keep_scale)
 
 
-def dropped(values: Tensor, start: int, threshold: int, keep_scale: float, seed: int, offset: int) -> Tensor:
+def dropped(values: Tensor, rng: Tensor, start: int, threshold: int, keep_scale: float) -> Tensor:
     """``values`` (rows, cols) in float32 with dropout applied: kept elements times ``keep_scale``,
-    dropped ones 0; ``values[0, 0]`` is flat element ``start`` of the masked tensor (row-major).
+    dropped ones 0; ``values[0, 0]`` is flat element ``start`` of the masked tensor (row-major), and
+    ``rng`` the int64 (seed, offset) tensor on ``values``' device.
 
-    ``values`` itself when ``threshold`` is 0 and it is float32, else a fresh tensor. One kernel on a CUDA device (the jiterator), the torch
-    formulation of :func:`keep_mask` elsewhere; the same numbers either way.
+    ``values`` itself when ``threshold`` is 0 and it is float32, else a fresh tensor. The jiterator
+    kernels on a CUDA device, the torch formulation of :func:`rng_keep_mask` elsewhere; the same numbers
+    either way.
     """
-    return BlockDropout(start, threshold, keep_scale, seed, offset)(values)
+    return BlockDropout(rng, start, threshold, keep_scale)(values)

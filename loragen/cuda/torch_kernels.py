@@ -1,23 +1,31 @@
 """The torch path: what each LoRA kernel computes, with torch products (cuBLAS on a GPU) instead.
 
 :class:`TorchKernels` is a :class:`~loragen.cuda.launch.KernelLauncher`: it takes a kernel's launch
-exactly as :mod:`loragen.cuda.passes` makes it -- the same argument list, read by parameter name -- and
-writes the same outputs, so the autograd Function and its hand-written backward run unchanged on it. It
-is what a kernel variant runs on when it fails its self-check (:mod:`loragen.cuda.selfcheck`), what
-``LORAGEN_CUDA_KERNELS=torch`` selects, and the reference the self-check compares the kernels with.
+exactly as :mod:`loragen.cuda.passes` makes it -- the same argument list, in the order of the kernel's
+parameters (each function below names them as the kernel does) -- and writes the same outputs, so the
+autograd Function and its hand-written backward run unchanged on it. It is what a kernel variant runs on
+when it fails its self-check (:mod:`loragen.cuda.selfcheck`), what ``LORAGEN_CUDA_KERNELS=torch``
+selects, and the reference the self-check compares the kernels with.
 
-Products are taken in float32 (x, g cast up per row block), every output is rounded once into its dtype,
-and the dropout mask is the Philox mask of :mod:`loragen.philox`, generated on the tensors' device: a
-variant that falls back keeps the exact masks the kernels would have drawn, and so does
-``torch.utils.checkpoint`` recomputation. Split reductions write the whole sum into partial 0 and zeros
-into the other partials, whose sum is all the caller reads.
+Products are taken in float32 over the whole tensors (x, g cast up once), every output is rounded once
+into its dtype, and the dropout mask is the Philox mask of :mod:`loragen.philox`, generated on the
+tensors' device from the op's ``rng`` tensor without the host ever reading it (no wait for the device,
+CUDA-graph capture allowed): a variant that falls back keeps the exact masks the kernels would have
+drawn, and so does ``torch.utils.checkpoint`` recomputation. Only tensors of more than
+:data:`BLOCK_ELEMENTS` elements are taken in row blocks, to bound the float32 temporaries.
 
-Dropout on a CUDA device costs a kernel or two per masked tensor (:mod:`loragen.cuda.torch_dropout`).
+A and B^T come padded with zero rows to the rank bucket R; the products run over all R rows, so the
+columns of h, dh and dB past the rank come out as exact zeros for finite inputs, without slicing.
+Split reductions write the whole sum into partial 0 and zeros into the other partials, whose sum is all
+the caller reads.
+
+Dropout on a CUDA device costs two kernels for the keep bits and one per masked tensor
+(:mod:`loragen.cuda.torch_dropout`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -26,93 +34,174 @@ from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.specs import KernelSpec
 from loragen.cuda.torch_dropout import BlockDropout, keep_mask
 
-__all__ = ["TorchKernels", "keep_mask", "rng_values"]
+__all__ = ["BLOCK_ELEMENTS", "TorchKernels", "keep_mask", "rng_values"]
 
 # elements per row block: a float32 block is 128 MiB, and a batch of 16k rows of 2048 features is one
-# block (each block costs a dozen launches; the Philox temporaries of the torch formulation stay < 1 GiB)
-_BLOCK_ELEMS = 1 << 25
+# block (the Philox temporaries of the torch formulation stay < 1 GiB); blocks start on a multiple of 8
+# rows, so each starts on a whole Philox group
+BLOCK_ELEMENTS = 1 << 25
 _MASK64 = (1 << 64) - 1
 
 
 def rng_values(rng: Tensor) -> tuple[int, int]:
     """The (seed, offset) pair the kernels read through their ``rng`` pointer, as unsigned 64-bit ints.
 
-    ``rng`` is the op's int64 tensor of two elements (device memory); reading it synchronizes with the
-    device, so the torch path with dropout cannot run inside a CUDA-graph capture (the kernels can).
+    For tests and tools on the host: reading a CUDA tensor waits for the device, so the op itself never
+    calls this (the torch path reads ``rng`` on the device, like the kernels).
     """
     seed, offset = rng.tolist()
     return seed & _MASK64, offset & _MASK64
 
 
-def _row_blocks(rows: int, cols: int) -> Iterator[tuple[int, int]]:
-    step = max(1, _BLOCK_ELEMS // max(cols, 1))
-    for begin in range(0, rows, step):
-        yield begin, min(rows, begin + step)
-
-
-def _block_dropout(v: dict, begin: int) -> BlockDropout:
-    """The dropout of the row block of an x-shaped tensor that starts at row ``begin``."""
-    seed, offset = rng_values(v["rng"]) if v["threshold"] else (0, 0)
-    return BlockDropout(begin * v["cols"], v["threshold"], v["keep_scale"], seed, offset)
+def _row_blocks(rows: int, cols: int) -> list[tuple[int, int]]:
+    step = max(8, BLOCK_ELEMENTS // max(cols, 1) // 8 * 8)
+    return [(begin, min(rows, begin + step)) for begin in range(0, rows, step)]
 
 
 def _first_partial(parts: Tensor) -> Tensor:
     """Zero every partial but the first, and return the first (which then holds the whole sum)."""
-    parts[1:].zero_()
+    if parts.shape[0] > 1:
+        parts[1:].zero_()
     return parts[0]
 
 
-def _down(v: dict) -> None:
-    x, a, rank = v["x"], v["lora_a"], v["rank"]
-    h = _first_partial(v["h_part"])
-    h[:, rank:].zero_()
-    for begin, end in _row_blocks(v["rows"], v["cols"]):
-        h[begin:end, :rank] = torch.mm(_block_dropout(v, begin)(x[begin:end]), a[:rank].t())
+def _f32(t: Tensor) -> Tensor:
+    """``t`` in float32: itself when it already is (no dispatch at all), else a float32 copy."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
-def _up(v: dict) -> None:
-    h, bt, bias, rank = v["h"], v["lora_bt"], v["bias"], v["rank"]
-    out = v["out"]
-    scaled_bt = bt[:rank] * v["scaling"]  # (r, out): s folded into the small operand
-    bias32 = None if bias is None else bias.float()
-    for begin, end in _row_blocks(v["rows"], v["cols"]):
-        block = out[begin:end]  # the base product, as cuBLAS wrote it
-        if block.dtype == torch.float32:  # the op's float32 variant: in place, no temporary
-            if bias32 is not None:
-                block.add_(bias32)
-            block.addmm_(h[begin:end, :rank], scaled_bt)
-        else:
-            term = block.float()
-            if bias32 is not None:
-                term.add_(bias32)
-            block.copy_(term.addmm_(h[begin:end, :rank], scaled_bt))  # onto the base product, one rounding
+def _dropout(rng: Tensor | None, start: int, threshold: int, keep_scale: float) -> BlockDropout | None:
+    return None if threshold == 0 or rng is None else BlockDropout(rng, start, threshold, keep_scale)
 
 
-def _grad_out(v: dict) -> None:
-    g, h, bt, rank, s = v["grad"], v["h"], v["lora_bt"], v["rank"], v["scaling"]
-    dh = _first_partial(v["dh_part"])
-    db = _first_partial(v["db_part"])
-    dh[:, rank:].zero_()
-    db.zero_()
-    scaled_b = (bt[:rank] * s).t()  # (out, r): s folded into the small operand
-    for begin, end in _row_blocks(v["rows"], v["cols"]):
-        g32 = g[begin:end].float()
-        dh[begin:end, :rank] = torch.mm(g32, scaled_b)
-        db.addmm_(g32.t(), h[begin:end], alpha=s)
+def _down(
+    x: Tensor,
+    lora_a: Tensor,
+    h_part: Tensor,
+    rows: int,
+    cols: int,
+    rank: int,
+    cols_per_split: int,
+    rng: Tensor | None,
+    threshold: int,
+    keep_scale: float,
+) -> None:
+    """h = dropout(x) A^T (rows, R) into partial 0."""
+    h = _first_partial(h_part)
+    if rows * cols <= BLOCK_ELEMENTS:
+        drop = _dropout(rng, 0, threshold, keep_scale)
+        torch.mm(_f32(x) if drop is None else drop(x), lora_a.t(), out=h)
+        return
+    for begin, end in _row_blocks(rows, cols):
+        drop = _dropout(rng, begin * cols, threshold, keep_scale)
+        block = x[begin:end]
+        torch.mm(_f32(block) if drop is None else drop(block), lora_a.t(), out=h[begin:end])
 
 
-def _grad_in(v: dict) -> None:
-    x, dh, a, rank = v["x"], v["dh"], v["lora_a"], v["rank"]
-    gx, da = v["grad_x_lora"], _first_partial(v["da_part"])
-    da.zero_()
-    for begin, end in _row_blocks(v["rows"], v["cols"]):
-        drop = _block_dropout(v, begin)  # one keep-mask for both products
-        da[:rank].addmm_(dh[begin:end, :rank].t(), drop(x[begin:end]))
-        if gx is not None:
-            gx[begin:end].copy_(drop(torch.mm(dh[begin:end, :rank], a[:rank])))  # one rounding into gx
+def _up_block(h: Tensor, bt: Tensor, bias: Tensor | None, out: Tensor, scaling: float) -> None:
+    if out.dtype == torch.float32:  # the op's float32 variant: in place, no temporary
+        if bias is not None:
+            out.add_(bias)
+        out.addmm_(h, bt, alpha=scaling)
+        return
+    term = out.float()  # the base product, as cuBLAS wrote it
+    if bias is not None:
+        term.add_(bias)
+    out.copy_(term.addmm_(h, bt, alpha=scaling))  # onto the base product, one rounding
 
 
-_KERNELS = {"lora_down": _down, "lora_up": _up, "lora_grad_out": _grad_out, "lora_grad_in": _grad_in}
+def _up(
+    h: Tensor,
+    lora_bt: Tensor,
+    bias: Tensor | None,
+    out: Tensor,
+    rows: int,
+    cols: int,
+    rank: int,
+    scaling: float,
+) -> None:
+    """out = round(out + bias + s h B^T) (rows, out) in place."""
+    if rows * cols <= BLOCK_ELEMENTS:
+        _up_block(h, lora_bt, bias, out, scaling)
+        return
+    for begin, end in _row_blocks(rows, cols):
+        _up_block(h[begin:end], lora_bt, bias, out[begin:end], scaling)
+
+
+def _grad_out(
+    grad: Tensor,
+    h: Tensor,
+    lora_bt: Tensor,
+    dh_part: Tensor,
+    db_part: Tensor,
+    rows: int,
+    cols: int,
+    rank: int,
+    rows_per_split: int,
+    scaling: float,
+) -> None:
+    """dh = s g B (rows, R) and dB = s g^T h (out, R), into partial 0 of each."""
+    dh = _first_partial(dh_part)
+    db = _first_partial(db_part)
+    b = lora_bt.t()  # (out, R)
+    if rows * cols <= BLOCK_ELEMENTS:
+        g = _f32(grad)
+        dh.addmm_(g, b, beta=0, alpha=scaling)  # beta=0: what dh held (uninitialised) is not read
+        db.addmm_(g.t(), h, beta=0, alpha=scaling)
+        return
+    for index, (begin, end) in enumerate(_row_blocks(rows, cols)):
+        g = _f32(grad[begin:end])
+        dh[begin:end].addmm_(g, b, beta=0, alpha=scaling)
+        db.addmm_(g.t(), h[begin:end], beta=1 if index else 0, alpha=scaling)
+
+
+def _grad_in_block(
+    x: Tensor, dh: Tensor, a: Tensor, gx: Tensor | None, da: Tensor, first: bool, drop: BlockDropout | None
+) -> None:
+    xd = _f32(x) if drop is None else drop(x)  # one keep-mask for both products
+    da.addmm_(dh.t(), xd, beta=0 if first else 1)
+    if gx is None:
+        return
+    if drop is None and gx.dtype == torch.float32:
+        torch.mm(dh, a, out=gx)
+        return
+    product = torch.mm(dh, a)
+    gx.copy_(product if drop is None else drop(product))  # one rounding into gx
+
+
+def _grad_in(
+    x: Tensor,
+    dh: Tensor,
+    lora_a: Tensor,
+    grad_x_lora: Tensor | None,
+    da_part: Tensor,
+    rows: int,
+    cols: int,
+    rank: int,
+    rows_per_split: int,
+    rng: Tensor | None,
+    threshold: int,
+    keep_scale: float,
+) -> None:
+    """gx = dropout(dh A) (rows, in) in x's dtype, and dA = dh^T dropout(x) (R, in) into partial 0."""
+    da = _first_partial(da_part)
+    if rows * cols <= BLOCK_ELEMENTS:
+        _grad_in_block(x, dh, lora_a, grad_x_lora, da, True, _dropout(rng, 0, threshold, keep_scale))
+        return
+    for begin, end in _row_blocks(rows, cols):
+        gx = None if grad_x_lora is None else grad_x_lora[begin:end]
+        drop = _dropout(rng, begin * cols, threshold, keep_scale)
+        _grad_in_block(x[begin:end], dh[begin:end], lora_a, gx, da, begin == 0, drop)
+
+
+# each kernel's computation, taking the kernel's arguments in the order of its parameters
+# (tests/cuda/test_torch_kernels.py checks the names against the kernel specs)
+KERNELS: dict[str, Callable[..., None]] = {
+    "lora_down": _down,
+    "lora_up": _up,
+    "lora_grad_out": _grad_out,
+    "lora_grad_in": _grad_in,
+}
 
 
 class TorchKernels:
@@ -134,9 +223,18 @@ class TorchKernels:
 
         Raises:
             KeyError: ``spec`` is not one of the four LoRA kernels.
+            TypeError: ``args`` does not match the kernel's parameter list.
         """
-        run = _KERNELS.get(spec.name)
+        run = KERNELS.get(spec.name)
         if run is None:
             raise KeyError(f"loragen.cuda.torch_kernels: no torch path for kernel {spec.name!r}")
+        if len(args) != len(spec.params):
+            raise TypeError(
+                f"loragen.cuda.torch_kernels: kernel {spec.name} takes {len(spec.params)} arguments, "
+                f"got {len(args)}"
+            )
+        if not torch.is_grad_enabled():  # the op's own calls: autograd already off
+            run(*args)
+            return
         with torch.no_grad():
-            run({param.name: value for param, value in zip(spec.params, args)})
+            run(*args)

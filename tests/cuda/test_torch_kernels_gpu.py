@@ -1,6 +1,7 @@
 """The torch path's dropout kernels (torch.cuda.jiterator, loragen.cuda.torch_dropout) on a GPU:
 bit-identical to the torch formulation CI tests on the CPU, to loragen.philox, and to the CUDA kernels'
-own mask (skipped without CUDA)."""
+own mask; no host <-> device wait in a step (torch's sync debug mode), and dropout inside a CUDA graph
+(skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import loragen.cuda
 from loragen import philox, switches
 from loragen.cuda import torch_dropout
 from loragen.cuda.linear_op import lora_linear_cuda
-from loragen.cuda.torch_dropout import dropped, keep_mask
+from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
 from loragen.cuda.torch_kernels import TorchKernels
 from tests.cuda.lora_reference import make_inputs, relative_error
 
@@ -30,7 +31,7 @@ def test_jiterator_mask_is_the_torch_formulation(dtype, rows, cols, start):
     seed, offset, p = 2**64 - 17, 2**33 + 1, 0.3
     threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
     x = torch.randn(rows, cols, device="cuda").to(dtype)
-    got = dropped(x, start, threshold, scale, seed, offset)
+    got = dropped(x, rng_tensor(seed, offset, x.device), start, threshold, scale)
     assert torch_dropout.jiterator_status() == "ok"
     keep = keep_mask(start, rows * cols, threshold, seed, offset, torch.device("cpu")).view(rows, cols)
     assert torch.equal(keep_mask(start, rows * cols, threshold, seed, offset, x.device).cpu(), keep.view(-1))
@@ -43,7 +44,7 @@ def test_one_block_masks_x_and_the_product_alike(cols):
     """Backward masks x and dh A of one row block: the keep bits are made once and serve both."""
     seed, p = 12345, 0.5
     threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
-    drop = torch_dropout.BlockDropout(64 * cols, threshold, scale, seed, 0)
+    drop = torch_dropout.BlockDropout(rng_tensor(seed, 0, torch.device("cuda")), 64 * cols, threshold, scale)
     keep = keep_mask(64 * cols, 64 * cols, threshold, seed, 0, torch.device("cpu")).view(64, cols)
     for dtype in (torch.bfloat16, torch.float32):
         values = torch.randn(64, cols, device="cuda").to(dtype)
@@ -81,3 +82,62 @@ def test_torch_path_on_the_gpu_equals_the_torch_path_on_the_cpu():
         results.append([t.detach().cpu() for t in (y, x.grad, a.grad, bb.grad)])
     for cpu, gpu in zip(*results):
         assert relative_error(gpu, cpu.double()) < 1e-5  # a different mask would be off by far more
+
+
+@pytest.mark.parametrize("seed", [None, 2**64 - 5])
+@pytest.mark.parametrize("jiterator", [True, False], ids=["jiterator", "torch-formulation"])
+def test_torch_path_step_never_waits_for_the_device(monkeypatch, jiterator, seed):
+    """The torch path reads seed and offset on the device: a forward + backward with dropout queues all
+    its work without a single host <-> device wait (a wait per mask made batch-1 steps crawl)."""
+    if not jiterator:
+        monkeypatch.setattr(torch_dropout, "JIT_DEVICE_TYPES", frozenset())
+    (x, w, b, a, bb), _ = make_inputs(96, 72, 40, 8, torch.bfloat16, seed=3, device="cuda")
+    grad = torch.randn(96, 40, device="cuda", dtype=torch.bfloat16)
+    launcher = TorchKernels()
+    for _ in range(2):  # warm-up: jiterator compiles, cuBLAS handles, the op's caches
+        lora_linear_cuda(x, w, b, a, bb, 0.5, 0.2, True, seed=seed, launcher=launcher).backward(grad)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lora_linear_cuda(x, w, b, a, bb, 0.5, 0.2, True, seed=seed, launcher=launcher).backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    if jiterator:
+        assert torch_dropout.jiterator_status() == "ok"
+
+
+def test_torch_path_captured_with_dropout_draws_the_replays_mask():
+    """The torch path inside a CUDA graph: each replay draws a fresh (seed, offset) on the device and
+    applies exactly its Philox mask (A = B = identity, no base weight: y = x * keep / (1 - p))."""
+    from loragen.cuda.hostcache import launcher_handle
+    from loragen.cuda.linear_op import draw_rng
+
+    n, k, p = 300, 64, 0.3
+    static_x = (torch.rand(n, k) + 0.5).cuda()
+    eye, zeros = torch.eye(k, device="cuda"), torch.zeros(k, k, device="cuda")
+    handle = launcher_handle(TorchKernels())
+
+    def step():
+        rng = draw_rng(static_x.device)
+        y, _ = torch.ops.loragen.lora_linear(static_x, zeros, None, eye, eye, rng, 1.0, p, False, handle)
+        return rng, y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):  # warm-up outside the capture: the jiterator kernels compile here
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_rng, static_y = step()
+    masks = []
+    for _ in range(2):
+        graph.replay()
+        seed, offset = (value & (2**64 - 1) for value in static_rng.tolist())
+        expected = philox.dropout_keep_mask((n, k), p, seed, offset)
+        masks.append((static_y != 0).cpu())
+        assert torch.equal(masks[-1], expected)
+    assert not torch.equal(masks[0], masks[1])
+    assert torch_dropout.jiterator_status() == "ok"
