@@ -15,17 +15,15 @@ one), so the defaults cannot drift from the layers'.
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 from collections.abc import Sequence
 
 import libcst as cst
 
 from loragen.config import LoraConfig
-from loragen.convert import CONFIG_ATTR
-from loragen.registry import LayerSpec
 from loragen.source.codegen import py_literal, render
-from loragen.source.preamble import CONFIG_NAME
+from loragen.source.layer_types import NO_DEFAULT, LayerType
+from loragen.source.preamble import CONFIG_ATTR, CONFIG_NAME
 from loragen.source.syntax import absolute_module, code_of
 
 __all__ = ["Editor", "config_attribute", "edit_call", "has_lora_hook", "lora_keywords"]
@@ -34,26 +32,8 @@ _ALWAYS = ("r", "lora_alpha")
 _RELATIVE_IMPORT = re.compile(r"\bfrom[\s\\]+\.")
 
 
-def _keyword_only(function: object) -> dict[str, object]:
-    """The keyword-only parameters of ``function`` and their defaults (``inspect.Parameter.empty`` if none)."""
-    try:
-        parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return {}
-    return {n: p.default for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def _takes_any(function: object) -> bool:
-    """Whether ``function`` takes arbitrary keywords (``**kwargs``)."""
-    try:
-        parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
-
 def lora_keywords(
-    spec: LayerSpec, r: int, alpha: float, config: LoraConfig, existing: set[str]
+    spec: LayerType, r: int, alpha: float, config: LoraConfig, existing: set[str]
 ) -> dict[str, str]:
     """The LoRA keywords, as source text, that a targeted call of ``spec``'s type gets (see the module
     docstring); ``existing`` holds the keywords the call passes already.
@@ -61,24 +41,17 @@ def lora_keywords(
     Raises:
         ImportError: the LoRA class cannot be imported.
     """
-    lora_class = spec.lora_type()
-    defaults = _keyword_only(lora_class)
+    protocol, defaults, takes_any = spec.signature()
     values = {"r": r, "lora_alpha": alpha}
     wanted: dict[str, str] = {}
-    protocol = _keyword_only(getattr(lora_class, "from_module", None))
     for key, protocol_default in protocol.items():
-        value = values[key] if key in values else getattr(config, key, inspect.Parameter.empty)
-        if value is inspect.Parameter.empty:
+        value = values[key] if key in values else getattr(config, key, NO_DEFAULT)
+        if value is NO_DEFAULT:
             continue  # a protocol keyword the config has no field for: the layer's default applies
-        if (
-            key not in defaults
-            and key not in _ALWAYS
-            and value == protocol_default
-            and not _takes_any(lora_class)
-        ):
+        if key not in defaults and key not in _ALWAYS and value == protocol_default and not takes_any:
             continue  # a user's LoRA class without this keyword (say use_dora), at its usual value
-        default = defaults.get(key, inspect.Parameter.empty)
-        if key in _ALWAYS or key in existing or default is inspect.Parameter.empty or value != default:
+        default = defaults.get(key, NO_DEFAULT)
+        if key in _ALWAYS or key in existing or default is NO_DEFAULT or value != default:
             wanted[key] = py_literal(value)
     return wanted
 

@@ -22,9 +22,9 @@ import libcst.metadata as md
 from libcst.metadata import CodeRange
 
 from loragen.errors import ScanError
-from loragen.registry import LayerSpec, specs
 from loragen.source.factories import AutoFactory, auto_bindings, auto_factory
 from loragen.source.fields import SourceLocation
+from loragen.source.layer_types import LayerType, layer_types
 from loragen.source.subclasses import derived_lora_name, layer_subclasses, lora_bindings
 from loragen.source.syntax import absolute_module, class_definitions, code_of, dotted_name, nested_statements
 
@@ -42,16 +42,16 @@ class LayerMatch(NamedTuple):
     """What a constructor call builds: the registered type's spec, whether the call builds the LoRA class
     already, and for a layer subclass defined in the file its name and the name of its LoRA class."""
 
-    spec: LayerSpec
+    spec: LayerType
     is_lora: bool
     subclass: str | None = None
     lora_name: str | None = None
 
 
-def _layer_names() -> dict[str, tuple[LayerSpec, bool]]:
+def _layer_names() -> dict[str, tuple[LayerType, bool]]:
     """Every qualified name a registered base type or its LoRA class is reachable under."""
-    names: dict[str, tuple[LayerSpec, bool]] = {}
-    for spec in specs():
+    names: dict[str, tuple[LayerType, bool]] = {}
+    for spec in layer_types().all:
         for qualname in spec.qualnames:
             names[qualname] = (spec, False)
         names[spec.lora_qualname] = (spec, True)

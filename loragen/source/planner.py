@@ -12,9 +12,8 @@ from __future__ import annotations
 import libcst as cst
 
 from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.registry import spec_for_qualname
 from loragen.source.additions import ModuleLine, add_module_lines
-from loragen.source.codegen import config_literal, importable, py_literal
+from loragen.source.codegen import config_literal, py_literal
 from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
 from loragen.source.factories import LORA_AUTO_CLASS
 from loragen.source.fields import LayerField, ScannedModule
@@ -197,12 +196,8 @@ class RewritePlanner:
                 "differently; cannot rewrite it",
             )
             return
-        spec = spec_for_qualname(field.layer)
-        try:
-            usable = spec is not None and importable(spec.lora_qualname, spec.lora_type())
-        except ImportError:
-            usable = False
-        if spec is None or not usable:
+        spec = self.targets.types.for_qualname(field.layer)
+        if spec is None or not spec.importable():
             self._error(
                 field.location.line,
                 f"{field.owner}.{field.pattern}: the LoRA class for {field.layer} cannot be imported by name"

@@ -22,11 +22,21 @@ import libcst as cst
 
 from loragen.source.syntax import code_of
 
-__all__ = ["CONFIG_NAME", "Binding", "add_preamble", "is_config_assignment", "top_level_bindings"]
+__all__ = [
+    "CONFIG_ATTR",
+    "CONFIG_NAME",
+    "Binding",
+    "add_preamble",
+    "is_config_assignment",
+    "top_level_bindings",
+]
 
 Statement = cst.SimpleStatementLine | cst.BaseCompoundStatement
 
 CONFIG_NAME = "LORA_CONFIG"
+# the class attribute that holds it, read by loragen.mark_trainable (loragen.convert.CONFIG_ATTR, which imports
+# torch; a test holds the two equal)
+CONFIG_ATTR = "loragen_config"
 _COMMENT = (
     "# Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.",
     "# Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).",

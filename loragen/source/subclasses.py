@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 import libcst as cst
 
-from loragen.registry import LayerSpec
+from loragen.source.layer_types import LayerType
 
 __all__ = ["LORA_CLASS_FOR", "LORA_CLASS_FOR_NAMES", "derived_lora_name", "layer_subclasses", "lora_bindings"]
 
@@ -39,13 +39,13 @@ def derived_lora_name(subclass: str) -> str:
 
 def layer_subclasses(
     class_defs: Mapping[str, cst.ClassDef],
-    layer_names: Mapping[str, tuple[LayerSpec, bool]],
+    layer_names: Mapping[str, tuple[LayerType, bool]],
     qualnames: Qualnames,
     local_class: LocalClass,
-) -> dict[str, LayerSpec]:
+) -> dict[str, LayerType]:
     """The classes of ``class_defs`` (the file's top-level classes) that are layer types: class name -> the spec
     of the registered base type they derive from (only specs that accept subclasses; LoRA classes do not count)."""
-    found: dict[str, LayerSpec] = {}
+    found: dict[str, LayerType] = {}
     changed = True
     while changed:  # a subclass of a subclass of the file: repeat until nothing new is found
         changed = False
@@ -63,11 +63,11 @@ def layer_subclasses(
 
 def _base_spec(
     node: cst.BaseExpression,
-    found: Mapping[str, LayerSpec],
-    layer_names: Mapping[str, tuple[LayerSpec, bool]],
+    found: Mapping[str, LayerType],
+    layer_names: Mapping[str, tuple[LayerType, bool]],
     qualnames: Qualnames,
     local_class: LocalClass,
-) -> LayerSpec | None:
+) -> LayerType | None:
     local = local_class(node)
     if local is not None:
         return found.get(local)
@@ -79,7 +79,7 @@ def _base_spec(
 
 
 def lora_bindings(
-    body: list[cst.CSTNode], subclasses: Mapping[str, LayerSpec], qualnames: Qualnames
+    body: list[cst.CSTNode], subclasses: Mapping[str, LayerType], qualnames: Qualnames
 ) -> dict[str, str]:
     """Module-level ``Name = lora_class_for(Subclass)`` lines: bound name -> subclass, for the subclasses of
     ``subclasses`` (a previous rewrite's lines)."""
