@@ -121,15 +121,6 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from loragen.convert import (
-        get_lora_model,
-        mark_trainable,
-        merge_adapter,
-        merge_and_unload,
-        print_trainable_parameters,
-        unmerge_adapter,
-    )
-    from loragen.layers import LoraConv1d, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear, register_layer
     from loragen.adapters.load import load_adapter
     from loragen.adapters.named import (
         active_adapter,
@@ -141,8 +132,24 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from loragen.adapters.save import save_adapter
     from loragen.adapters.weighted import add_weighted_adapter
+    from loragen.convert import (
+        get_lora_model,
+        mark_trainable,
+        merge_adapter,
+        merge_and_unload,
+        print_trainable_parameters,
+        unmerge_adapter,
+    )
     from loragen.errors import RequantizationWarning
-    from loragen.layers import LoraConv1D
+    from loragen.layers import (
+        LoraConv1D,
+        LoraConv1d,
+        LoraConv2d,
+        LoraEmbedding,
+        LoraLayer,
+        LoraLinear,
+        register_layer,
+    )
     from loragen.layers.mixed_batch import mixed_batch
     from loragen.source.decorator import lora_convert
     from loragen.source.rewriter import RewriteResult, rewrite_source
