@@ -213,6 +213,9 @@ class Editor(cst.CSTTransformer):
         factories: ``id(call node)`` -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
         hidden: ``id(function)`` -> body source of the functions the scanner did not read; no planned edit
             lies inside one, so those are skipped unless they hold a relative import to make absolute.
+        functions: ``id`` of the functions that hold a planned edit (or a class that gets one); the other
+            functions are skipped, unless ``nested_imports`` says some function or class holds a relative
+            import (then those the scanner read are visited too).
     """
 
     def __init__(
@@ -223,8 +226,12 @@ class Editor(cst.CSTTransformer):
         config_classes: set[int],
         factories: dict[int, str] | None = None,
         hidden: dict[int, str] | None = None,
+        functions: set[int] | None = None,
+        nested_imports: bool = True,
     ) -> None:
         self.calls = calls
+        self.functions = functions
+        self.nested_imports = nested_imports
         self.hidden = hidden or {}
         self.factories = factories or {}
         self.package = package
@@ -233,8 +240,12 @@ class Editor(cst.CSTTransformer):
         self.import_errors: list[str] = []
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        if self.functions is None or id(node) in self.functions:
+            return True
         body = self.hidden.get(id(node))
-        return body is None or (self.package is not None and _RELATIVE_IMPORT.search(body) is not None)
+        if body is None:
+            return self.nested_imports
+        return self.package is not None and _RELATIVE_IMPORT.search(body) is not None
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         factory = self.factories.get(id(original_node))

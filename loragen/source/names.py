@@ -25,6 +25,7 @@ from loragen.errors import ScanError
 from loragen.source.factories import AutoFactory, auto_bindings, auto_factory
 from loragen.source.fields import SourceLocation
 from loragen.source.layer_types import LayerType, layer_types
+from loragen.source.parse import SourcePositions
 from loragen.source.subclasses import derived_lora_name, layer_subclasses, lora_bindings
 from loragen.source.syntax import absolute_module, class_definitions, code_of, dotted_name, nested_statements
 
@@ -87,10 +88,8 @@ class Resolver:
         # FullyQualifiedNameProvider wrap, at the cost of a whole-tree pass each); ``_normalise`` makes
         # local names and relative imports absolute as the latter would.
         wrapper = md.MetadataWrapper(skeleton, unsafe_skip_copy=True)  # node identity: see module docstring
-        # one call: resolved apart, the non-batchable PositionProvider costs an extra empty walk of the tree
-        metadata = wrapper.resolve_many([md.ScopeProvider, md.PositionProvider])
-        self.scopes: Mapping[cst.CSTNode, md.Scope | None] = metadata[md.ScopeProvider]  # type: ignore[assignment]
-        self.positions: Mapping[cst.CSTNode, CodeRange] = metadata[md.PositionProvider]  # type: ignore[assignment]
+        self.scopes: Mapping[cst.CSTNode, md.Scope | None] = wrapper.resolve(md.ScopeProvider)
+        self.positions: Mapping[cst.CSTNode, CodeRange] = SourcePositions(skeleton)
         scope = self.scopes[wrapper.module]
         if scope is None:  # libcst gives every module a global scope
             raise ScanError("libcst found no module scope", filename=filename, line=1)
@@ -214,7 +213,7 @@ class Resolver:
         stub = self.stubs.get(id(func))
         if stub is None or stub not in self.positions:
             return SourceLocation(self.filename, 1, 0)
-        mini = md.MetadataWrapper(cst.Module(body=[func]), unsafe_skip_copy=True).resolve(md.PositionProvider)
+        mini = SourcePositions(cst.Module(body=[func]))
         offset = mini[node].start.line - mini[func].start.line
         return SourceLocation(
             self.filename, self.positions[stub].start.line + offset, mini[node].start.column

@@ -9,6 +9,9 @@ which imports the file needs (:mod:`loragen.source.preamble`). It reports what c
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 import libcst as cst
 
 from loragen.config import ALL_LINEAR, LoraConfig
@@ -20,7 +23,7 @@ from loragen.source.fields import LayerField, ScannedModule
 from loragen.source.preamble import CONFIG_NAME, add_preamble, top_level_bindings
 from loragen.source.results import Diagnostic, RewriteResult, RewrittenCall
 from loragen.source.subclasses import LORA_CLASS_FOR
-from loragen.source.syntax import class_definitions, code_of
+from loragen.source.syntax import class_definitions, code_of, nested_statements
 from loragen.source.targets import PRETRAINED, Targets, instances
 
 __all__ = ["RewritePlanner"]
@@ -28,6 +31,12 @@ __all__ = ["RewritePlanner"]
 # names the rewritten file imports besides the LoRA classes: (module, name)
 _CONFIG_IMPORT = ("loragen", "LoraConfig")
 _HOOK_IMPORT = ("loragen.layers", "LoraLayer")
+# a relative import inside a function or class (indented), which an absolute-imports rewrite must reach
+_NESTED_RELATIVE_IMPORT = re.compile(r"^[ \t]+from[\s\\]+\.", re.MULTILINE)
+
+
+def _method(node: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    return next((s for s in node.body.body if isinstance(s, cst.FunctionDef) and s.name.value == name), None)
 
 
 class RewritePlanner:
@@ -94,7 +103,14 @@ class RewritePlanner:
         if self.errors:
             return self._result(self.code)
         editor = Editor(
-            self.edits, self.package, hooks, config_classes, self.factory_edits, self.scanned.hidden
+            self.edits,
+            self.package,
+            hooks,
+            config_classes,
+            self.factory_edits,
+            self.scanned.hidden,
+            self._functions_to_edit(hooks.keys() | config_classes),
+            self.package is not None and _NESTED_RELATIVE_IMPORT.search(self.code) is not None,
         )
         tree = self.scanned.tree.visit(editor)
         for message in editor.import_errors:
@@ -109,6 +125,36 @@ class RewritePlanner:
             )
         tree = add_module_lines(tree, self._module_lines())
         return self._result(tree.code)
+
+    def _functions_to_edit(self, classes: set[int]) -> set[int]:
+        """``id`` of the functions holding an edit: the ``__init__`` of each class with an edited call (where the
+        scanner found it), and every function around those and around the edited ``classes``."""
+        nodes = class_definitions(self.scanned.tree.body)
+        owners = {f.owner for call in self.edits for f in self.scanned.calls[call]}
+        owners.update(self.scanned.factories[call][1].owner for call in self.factory_edits)
+        targets = set(classes)
+        for owner in owners:
+            init = _method(nodes[owner], "__init__") if owner in nodes else None
+            if init is not None:
+                targets.add(id(init))
+        found: set[int] = set()
+
+        def walk(body: Sequence[cst.CSTNode]) -> bool:
+            hit = False
+            for stmt in body:
+                if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                    inside = id(stmt) in targets
+                    if isinstance(stmt.body, cst.IndentedBlock):
+                        inside = walk(stmt.body.body) or inside
+                    if inside and isinstance(stmt, cst.FunctionDef):
+                        found.add(id(stmt))
+                    hit = hit or inside
+                elif not isinstance(stmt, cst.SimpleStatementLine):
+                    hit = walk(nested_statements(stmt)) or hit
+            return hit
+
+        walk(self.scanned.tree.body)
+        return found
 
     def _plan_factories(self) -> None:
         """Sub-models built by transformers' auto classes: each call builds through the LoRA auto class, and
