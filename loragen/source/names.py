@@ -10,11 +10,37 @@ Node identity: the scanner and the rewriter key what they find by the tree's nod
 positions and scopes map, ``id(node)`` in the planner's edits). libcst's metadata wrapper deep-copies
 the tree it is given unless told ``unsafe_skip_copy=True``; a copy would make every lookup miss, so the
 wrapper here must never copy, and the kept bodies of the skeleton are the full tree's own nodes.
+
+The module also finds what a rewrite bound at module level: sub-models built by transformers' auto classes
+(``AutoModel.from_config(...)`` in ``__init__``) and the LoRA classes of the file's own layer subclasses.
+Composite models (Gemma 3, Qwen3-VL, LLaVA, InternVL, Voxtral, ...) build their vision, audio and text
+sub-models with ``AutoModel.from_config(config.text_config)``, which returns transformers' own classes: a
+rewrite that only swaps constructor calls would leave them without LoRA layers. The scanner reports each such
+call as a :class:`~loragen.source.fields.FactoryCall`; the rewrite makes it build through a LoRA auto class
+bound once at module level (see :mod:`loragen.source.composite` for what it does at run time)::
+
+    LoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel], LORA_CONFIG)
+    ...
+            self.language_model = LoraAutoModel.from_config(config.text_config)
+
+A second scan recognises ``LoraAutoModel.from_config(...)`` as already rewritten.
+
+Layer subclasses defined in the scanned file, and the names bound to their LoRA classes: a class of the file that derives from a registered layer type accepting subclasses (``nn.Linear``), directly
+or through other classes of the file, is a layer type too: Falcon's ``class FalconLinear(nn.Linear)``. Its
+constructor calls are layer fields like ``nn.Linear(...)`` calls, and its LoRA class is the one
+:func:`loragen.layers.lora_class_for` derives from it (its own ``forward`` computes the base output). A
+rewritten file binds that class at module level, right after the subclass::
+
+    LoraFalconLinear = lora_class_for(FalconLinear)
+
+and a second scan recognises ``LoraFalconLinear(...)`` calls as already rewritten. Only classes defined at the
+module's top level count (a nested class cannot get such a module-level line).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import libcst as cst
@@ -22,14 +48,27 @@ import libcst.metadata as md
 from libcst.metadata import CodeRange
 
 from loragen.errors import ScanError
-from loragen.source.factories import AutoFactory, auto_bindings, auto_factory
 from loragen.source.fields import SourceLocation
 from loragen.source.layer_types import LayerType, layer_types
 from loragen.source.parse import SourcePositions
-from loragen.source.subclasses import derived_lora_name, layer_subclasses, lora_bindings
 from loragen.source.syntax import absolute_module, class_definitions, code_of, dotted_name, nested_statements
 
-__all__ = ["CONTAINERS", "LayerMatch", "Resolver"]
+__all__ = [
+    "AUTO_METHODS",
+    "AutoFactory",
+    "CONTAINERS",
+    "LORA_AUTO_CLASS",
+    "LORA_CLASS_FOR",
+    "LORA_CLASS_FOR_NAMES",
+    "LayerMatch",
+    "Resolver",
+    "auto_bindings",
+    "auto_factory",
+    "derived_lora_name",
+    "layer_subclasses",
+    "lora_auto_name",
+    "lora_bindings",
+]
 
 CONTAINERS = {
     "ModuleList": ("torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"),
@@ -101,7 +140,7 @@ class Resolver:
         self.class_defs = class_definitions(self.skeleton.body)
         self.function_defs: dict[str, cst.FunctionDef] = {}
         # the file's own layer subclasses (FalconLinear -> nn.Linear's spec) and the names bound to their
-        # LoRA classes (LoraFalconLinear -> FalconLinear), see loragen.source.subclasses
+        # LoRA classes (LoraFalconLinear -> FalconLinear), see loragen.source.names
         top_level = {s.name.value: s for s in self.skeleton.body if isinstance(s, cst.ClassDef)}
         self.layer_subclasses = layer_subclasses(
             top_level, self.layer_names, self.qualnames, self.local_class
@@ -218,3 +257,133 @@ class Resolver:
         return SourceLocation(
             self.filename, self.positions[stub].start.line + offset, mini[node].start.column
         )
+
+
+AUTO_METHODS = ("from_config",)
+LORA_AUTO_CLASS = ("loragen.source.composite", "lora_auto_class")  # where a rewritten file imports it from
+_LORA_AUTO_CLASS_NAMES = frozenset({".".join(LORA_AUTO_CLASS), "loragen.lora_auto_class"})
+# transformers.AutoModel, transformers.models.auto.modeling_auto.AutoModelForCausalLM, ..auto.AutoModel
+_AUTO_CLASS = re.compile(r"^(transformers\.|\.)([\w.]*\.)?Auto[A-Z]\w*$")
+
+# (the auto class's spelling in the file, whether the call goes through the file's LoRA auto class already)
+AutoFactory = tuple[str, bool]
+Qualnames = Callable[[cst.CSTNode], set[str]]
+LocalName = Callable[[cst.CSTNode, Mapping[str, object]], "str | None"]
+
+
+def lora_auto_name(auto_spelling: str) -> str:
+    """The name a rewrite binds the LoRA auto class to: ``AutoModel`` -> ``LoraAutoModel``."""
+    return "Lora" + auto_spelling.rpartition(".")[2]
+
+
+def auto_bindings(body: list[cst.CSTNode], qualnames: Qualnames) -> dict[str, str]:
+    """Module-level ``Name = lora_auto_class(AutoX, ...)`` lines (a previous rewrite's): name -> ``AutoX`` as
+    the file spells it."""
+    found: dict[str, str] = {}
+    for stmt in body:
+        if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+            continue
+        small = stmt.body[0]
+        if not (
+            isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.value, cst.Call)
+        ):
+            continue
+        target, value = small.targets[0].target, small.value
+        if isinstance(target, cst.Name) and value.args and qualnames(value.func) & _LORA_AUTO_CLASS_NAMES:
+            found[target.value] = code_of(value.args[0].value)
+    return found
+
+
+def auto_factory(
+    call: cst.Call, qualnames: Qualnames, local_name: LocalName, bindings: Mapping[str, str]
+) -> AutoFactory | None:
+    """What ``call`` is when it builds a sub-model through a transformers auto class (``AutoModel.from_config``),
+    or None."""
+    func = call.func
+    if not (isinstance(func, cst.Attribute) and func.attr.value in AUTO_METHODS):
+        return None
+    bound = local_name(func.value, bindings)
+    if bound is not None:
+        return bindings[bound], True
+    if any(_AUTO_CLASS.match(name) for name in qualnames(func.value)):
+        return code_of(func.value), False
+    return None
+
+
+LORA_CLASS_FOR = ("loragen.layers", "lora_class_for")  # where a rewritten file imports it from
+LORA_CLASS_FOR_NAMES = frozenset(
+    {"loragen.layers.lora_class_for", "loragen.layers.derived.lora_class_for", "loragen.lora_class_for"}
+)
+
+LocalClass = Callable[[cst.CSTNode], "str | None"]
+
+
+def derived_lora_name(subclass: str) -> str:
+    """The name a rewrite binds the LoRA class of ``subclass`` to: ``"LoraFalconLinear"``."""
+    return f"Lora{subclass}"
+
+
+def layer_subclasses(
+    class_defs: Mapping[str, cst.ClassDef],
+    layer_names: Mapping[str, tuple[LayerType, bool]],
+    qualnames: Qualnames,
+    local_class: LocalClass,
+) -> dict[str, LayerType]:
+    """The classes of ``class_defs`` (the file's top-level classes) that are layer types: class name -> the spec
+    of the registered base type they derive from (only specs that accept subclasses; LoRA classes do not count)."""
+    found: dict[str, LayerType] = {}
+    changed = True
+    while changed:  # a subclass of a subclass of the file: repeat until nothing new is found
+        changed = False
+        for name, node in class_defs.items():
+            if name in found:
+                continue
+            for base in node.bases:
+                spec = _base_spec(base.value, found, layer_names, qualnames, local_class)
+                if spec is not None:
+                    found[name] = spec
+                    changed = True
+                    break
+    return found
+
+
+def _base_spec(
+    node: cst.BaseExpression,
+    found: Mapping[str, LayerType],
+    layer_names: Mapping[str, tuple[LayerType, bool]],
+    qualnames: Qualnames,
+    local_class: LocalClass,
+) -> LayerType | None:
+    local = local_class(node)
+    if local is not None:
+        return found.get(local)
+    for name in sorted(qualnames(node)):
+        hit = layer_names.get(name)
+        if hit is not None and not hit[1] and hit[0].subclasses:
+            return hit[0]
+    return None
+
+
+def lora_bindings(
+    body: list[cst.CSTNode], subclasses: Mapping[str, LayerType], qualnames: Qualnames
+) -> dict[str, str]:
+    """Module-level ``Name = lora_class_for(Subclass)`` lines: bound name -> subclass, for the subclasses of
+    ``subclasses`` (a previous rewrite's lines)."""
+    found: dict[str, str] = {}
+    for stmt in body:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if not (isinstance(small, cst.Assign) and len(small.targets) == 1):
+                continue
+            target, value = small.targets[0].target, small.value
+            if not (isinstance(target, cst.Name) and isinstance(value, cst.Call) and len(value.args) == 1):
+                continue
+            argument = value.args[0].value
+            if (
+                qualnames(value.func) & LORA_CLASS_FOR_NAMES
+                and isinstance(argument, cst.Name)
+                and argument.value in subclasses
+            ):
+                found[target.value] = argument.value
+    return found

@@ -15,14 +15,17 @@ from collections.abc import Sequence
 import libcst as cst
 
 from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.source.additions import ModuleLine, add_module_lines
 from loragen.source.codegen import config_literal, py_literal
 from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
-from loragen.source.factories import LORA_AUTO_CLASS
-from loragen.source.fields import LayerField, ScannedModule
-from loragen.source.preamble import CONFIG_NAME, add_preamble, top_level_bindings
-from loragen.source.results import Diagnostic, RewriteResult, RewrittenCall
-from loragen.source.subclasses import LORA_CLASS_FOR
+from loragen.source.fields import Diagnostic, LayerField, RewriteResult, RewrittenCall, ScannedModule
+from loragen.source.names import LORA_AUTO_CLASS, LORA_CLASS_FOR
+from loragen.source.preamble import (
+    CONFIG_NAME,
+    ModuleLine,
+    add_module_lines,
+    add_preamble,
+    top_level_bindings,
+)
 from loragen.source.syntax import class_definitions, code_of, nested_statements
 from loragen.source.targets import PRETRAINED, Targets, instances
 

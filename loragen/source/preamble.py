@@ -1,4 +1,5 @@
-"""The module-level lines a rewrite adds: the loragen imports and ``LORA_CONFIG``.
+"""The module-level lines a rewrite adds: the loragen imports, ``LORA_CONFIG``, and the bindings it places
+among the file's definitions.
 
 A rewritten file imports each LoRA class from where the registry says it lives
 (:attr:`~loragen.registry.LayerSpec.lora_module`) and states the config its LoRA layers were written
@@ -11,6 +12,20 @@ with, as a literal, after its imports::
     LORA_CONFIG = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
 
 Rewriting again with the same config changes nothing; with another config the literal is replaced.
+
+Among the file's definitions (:func:`add_module_lines`), each under a comment saying why:
+
+* after a layer subclass of the file, the binding of its LoRA class::
+
+      # Added by loragen rewrite: FalconLinear with a LoRA adapter (its own forward computes the base output).
+      LoraFalconLinear = lora_class_for(FalconLinear)
+
+* after the file's last class, the factory that builds the file's own (rewritten) classes for sub-model
+  configs (see :mod:`loragen.source.composite`)::
+
+      LoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel], LORA_CONFIG)
+
+A line the file has already (a previous rewrite's) is updated in place, so rewriting again changes nothing.
 """
 
 from __future__ import annotations
@@ -23,9 +38,11 @@ import libcst as cst
 from loragen.source.syntax import code_of
 
 __all__ = [
+    "Binding",
     "CONFIG_ATTR",
     "CONFIG_NAME",
-    "Binding",
+    "ModuleLine",
+    "add_module_lines",
     "add_preamble",
     "is_config_assignment",
     "top_level_bindings",
@@ -201,3 +218,53 @@ def _is_loragen_import(stmt: Statement) -> bool:
         and _is_loragen(code_of(s.module))
         for s in stmt.body
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleLine:
+    """``name = value`` at module level, after the class ``after`` (None: after the file's last class)."""
+
+    name: str
+    value: str
+    comment: str
+    after: str | None = None
+
+
+def _assigned_name(stmt: cst.CSTNode) -> str | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        small = stmt.body[0]
+        if (
+            isinstance(small, cst.Assign)
+            and len(small.targets) == 1
+            and isinstance(small.targets[0].target, cst.Name)
+        ):
+            return small.targets[0].target.value
+    return None
+
+
+def add_module_lines(tree: cst.Module, lines: list[ModuleLine]) -> cst.Module:
+    """``tree`` with ``lines`` added (or updated where the file assigns the name already)."""
+    body = list(tree.body)
+    for line in lines:
+        value = cst.parse_expression(line.value)
+        existing = next((i for i, s in enumerate(body) if _assigned_name(s) == line.name), None)
+        if existing is not None:
+            stmt = body[existing]
+            assert isinstance(stmt, cst.SimpleStatementLine) and isinstance(
+                stmt.body[0], cst.Assign
+            )  # checked
+            if code_of(stmt.body[0].value) != line.value:
+                body[existing] = stmt.with_changes(body=[stmt.body[0].with_changes(value=value)])
+            continue
+        classes = {i: s.name.value for i, s in enumerate(body) if isinstance(s, cst.ClassDef)}
+        anchor = next(
+            (i for i, name in classes.items() if name == line.after), max(classes, default=len(body) - 1)
+        )
+        statement = cst.parse_statement(f"{line.name} = {line.value}\n")
+        leading = [
+            cst.EmptyLine(indent=False),
+            cst.EmptyLine(indent=False),
+            cst.EmptyLine(comment=cst.Comment(line.comment)),
+        ]
+        body.insert(anchor + 1, statement.with_changes(leading_lines=leading))
+    return tree.with_changes(body=body)

@@ -34,7 +34,7 @@ idempotent: the output, rewritten again with the same config, is unchanged.
 
 The work is split into :mod:`~loragen.source.planner` (what changes), :mod:`~loragen.source.edits` and
 :mod:`~loragen.source.preamble` (the edits), :mod:`~loragen.source.targets` (the config's targets in a
-file) and :mod:`~loragen.source.results` (what is returned).
+file) and :mod:`~loragen.source.fields` (what is returned).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from loragen.config import LoraConfig
+from loragen.source.fields import Diagnostic, RewriteResult, RewrittenCall
 from loragen.source.planner import RewritePlanner
-from loragen.source.results import Diagnostic, RewriteResult, RewrittenCall
 from loragen.source.scan import ScanError, scan_module
 
 __all__ = ["Diagnostic", "RewriteResult", "RewrittenCall", "module_name_for_path", "rewrite_source"]
