@@ -205,28 +205,28 @@ class Editor(cst.CSTTransformer):
     """Applies the planned edits to the full tree.
 
     Args:
-        calls: ``id(call node)`` -> (the LoRA class's name, or None to keep the callee; the keywords; the
+        calls: call node -> (the LoRA class's name, or None to keep the callee; the keywords; the
             ``wrap`` of :func:`edit_call`).
         package: make relative imports absolute inside this package (None: leave them).
-        hooks: ``id(class node)`` -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
-        config_classes: ``id(class node)`` of the classes that get ``loragen_config = LORA_CONFIG``.
-        factories: ``id(call node)`` -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
-        hidden: ``id(function)`` -> body source of the functions the scanner did not read; no planned edit
+        hooks: class node -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
+        config_classes: the class nodes that get ``loragen_config = LORA_CONFIG``.
+        factories: call node -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
+        hidden: function node -> body source of the functions the scanner did not read; no planned edit
             lies inside one, so those are skipped unless they hold a relative import to make absolute.
-        functions: ``id`` of the functions that hold a planned edit (or a class that gets one); the other
+        functions: the functions that hold a planned edit (or a class that gets one); the other
             functions are skipped, unless ``nested_imports`` says some function or class holds a relative
             import (then those the scanner read are visited too).
     """
 
     def __init__(
         self,
-        calls: dict[int, tuple[str | None, dict[str, str], str | None]],
+        calls: dict[cst.Call, tuple[str | None, dict[str, str], str | None]],
         package: str | None,
-        hooks: dict[int, str],
-        config_classes: set[int],
-        factories: dict[int, str] | None = None,
-        hidden: dict[int, str] | None = None,
-        functions: set[int] | None = None,
+        hooks: dict[cst.ClassDef, str],
+        config_classes: set[cst.ClassDef],
+        factories: dict[cst.Call, str] | None = None,
+        hidden: dict[cst.FunctionDef, str] | None = None,
+        functions: set[cst.FunctionDef] | None = None,
         nested_imports: bool = True,
     ) -> None:
         self.calls = calls
@@ -240,20 +240,20 @@ class Editor(cst.CSTTransformer):
         self.import_errors: list[str] = []
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        if self.functions is None or id(node) in self.functions:
+        if self.functions is None or node in self.functions:
             return True
-        body = self.hidden.get(id(node))
+        body = self.hidden.get(node)
         if body is None:
             return self.nested_imports
         return self.package is not None and _RELATIVE_IMPORT.search(body) is not None
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        factory = self.factories.get(id(original_node))
+        factory = self.factories.get(original_node)
         if factory is not None and isinstance(
             updated_node.func, cst.Attribute
         ):  # LoraAutoModel.from_config(...)
             return updated_node.with_changes(func=updated_node.func.with_changes(value=cst.Name(factory)))
-        edit = self.calls.get(id(original_node))
+        edit = self.calls.get(original_node)
         if edit is None:
             return updated_node
         return edit_call(updated_node, *edit)
@@ -271,7 +271,7 @@ class Editor(cst.CSTTransformer):
         )
 
     def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
-        key = id(original_node)
+        key = original_node
         block = updated_node.body
         if (key not in self.config_classes and key not in self.hooks) or not isinstance(
             block, cst.IndentedBlock

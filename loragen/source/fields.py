@@ -216,25 +216,27 @@ class ScanResult:
 class ScannedModule:
     """A parsed module and its scan, kept together for the rewriter.
 
-    ``tree`` is the full syntax tree; ``calls`` maps ``id(call node)`` of every followed layer constructor
-    call in it to the fields that call builds, and ``call_nodes`` the id to the node; ``positions`` gives
-    the source range of the nodes inside those calls (they all lie in ``__init__`` bodies).
-    ``lora_bindings`` holds the module-level ``Name = lora_class_for(Subclass)`` lines (name -> subclass),
-    ``factories`` the auto-class calls by id (node and what it builds), ``auto_bindings`` the module-level
-    ``Name = lora_auto_class(AutoX, ...)`` lines (name -> ``AutoX``). ``hidden`` maps ``id(function)`` to
-    the source of each function body the scanner did not read (:func:`loragen.source.parse.skeleton`):
-    no followed call lies inside one, so the rewriter's pass skips those without a relative import.
+    ``tree`` is the full syntax tree; ``calls`` maps every followed layer constructor call in it to the
+    fields that call builds; ``positions`` gives the source range of the nodes inside those calls (they all
+    lie in ``__init__`` bodies). ``lora_bindings`` holds the module-level ``Name = lora_class_for(Subclass)``
+    lines (name -> subclass), ``factories`` the auto-class calls (and what each builds), ``auto_bindings`` the
+    module-level ``Name = lora_auto_class(AutoX, ...)`` lines (name -> ``AutoX``). ``hidden`` maps each
+    function whose body the scanner did not read (:func:`loragen.source.parse.skeleton`) to that body's
+    source: no followed call lies inside one, so the rewriter's pass skips those without a relative import.
+
+    Every map is keyed by the nodes of ``tree`` itself: libcst nodes hash and compare by identity, so a
+    key is one place in the tree (two equal calls on two lines are two keys), and a copy of the tree would
+    match none of them.
     """
 
     tree: cst.Module
     result: ScanResult
-    calls: dict[int, list[LayerField]]
-    call_nodes: dict[int, cst.Call]
+    calls: dict[cst.Call, list[LayerField]]
     positions: Mapping[cst.CSTNode, CodeRange]
     lora_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
-    factories: dict[int, tuple[cst.Call, FactoryCall]] = dataclasses.field(default_factory=dict)
+    factories: dict[cst.Call, FactoryCall] = dataclasses.field(default_factory=dict)
     auto_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
-    hidden: dict[int, str] = dataclasses.field(default_factory=dict)
+    hidden: dict[cst.FunctionDef, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

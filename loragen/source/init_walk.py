@@ -45,14 +45,13 @@ class Site:
 class Findings:
     """What the walks of all classes of a module found, by call node.
 
-    ``calls`` maps ``id(call)`` of every followed layer constructor call to the fields it builds,
-    ``call_nodes`` the id to the node, ``claimed`` holds the ids of the calls accounted for (followed or
-    reported) and ``unresolved`` everything reported; ``factories`` the sub-models built by auto classes.
+    ``calls`` maps every followed layer constructor call (the node itself) to the fields it builds,
+    ``claimed`` holds the calls accounted for (followed or reported) and ``unresolved`` everything
+    reported; ``factories`` the sub-models built by auto classes.
     """
 
     calls: dict[int, list[LayerField]] = dataclasses.field(default_factory=dict)
-    call_nodes: dict[int, cst.Call] = dataclasses.field(default_factory=dict)
-    claimed: set[int] = dataclasses.field(default_factory=set)
+    claimed: set[cst.Call] = dataclasses.field(default_factory=set)
     unresolved: list[Unresolved] = dataclasses.field(default_factory=list)
     factories: dict[int, tuple[cst.Call, FactoryCall]] = dataclasses.field(default_factory=dict)
 
@@ -123,9 +122,8 @@ class ValueFollower:
                 subclass=hit.subclass,
             )
             self.fields.append(field)
-            self.found.claimed.add(id(node))
-            self.found.calls.setdefault(id(node), []).append(field)
-            self.found.call_nodes[id(node)] = node
+            self.found.claimed.add(node)
+            self.found.calls.setdefault(node, []).append(field)
             return
         kind = self.names.container_kind(node)
         if kind is not None:
@@ -241,7 +239,7 @@ class ValueFollower:
                 self.owner, site.attribute, site.path, auto_class, name, self.names.loc(call), is_lora
             )
             self.factories.append(item)
-            self.found.factories[id(call)] = (call, item)
+            self.found.factories[call] = item
             return
         names = self.names.qualnames(func)
         local = self.names.local_class(func)

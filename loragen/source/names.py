@@ -6,10 +6,11 @@
 :mod:`loragen.registry`), the classes and functions the module defines, and ``file:line`` positions, also
 inside function bodies that the skeleton stubbed out (:mod:`loragen.source.parse`).
 
-Node identity: the scanner and the rewriter key what they find by the tree's node objects (the
-positions and scopes map, ``id(node)`` in the planner's edits). libcst's metadata wrapper deep-copies
-the tree it is given unless told ``unsafe_skip_copy=True``; a copy would make every lookup miss, so the
-wrapper here must never copy, and the kept bodies of the skeleton are the full tree's own nodes.
+Node identity: the scanner and the rewriter key what they find by the tree's node objects (positions,
+scopes, the calls found, the planner's edits), which hash and compare by identity. libcst's metadata
+wrapper deep-copies the tree it is given unless told ``unsafe_skip_copy=True``; a copy would make every
+lookup miss, so the wrapper here never copies, and the kept bodies of the skeleton are the full tree's own
+nodes. A test holds the scan's calls and positions to the full tree's nodes.
 
 The module also finds what a rewrite bound at module level: sub-models built by transformers' auto classes
 (``AutoModel.from_config(...)`` in ``__init__``) and the LoRA classes of the file's own layer subclasses.
@@ -113,7 +114,7 @@ class Resolver:
         self,
         tree: cst.Module,
         skeleton: cst.Module,
-        stubs: dict[int, cst.FunctionDef],
+        stubs: dict[cst.FunctionDef, cst.FunctionDef],
         filename: str,
         module: str | None,
         package: str | None,
@@ -249,7 +250,7 @@ class Resolver:
         return SourceLocation(self.filename, pos.start.line, pos.start.column)
 
     def _loc_in_stubbed(self, node: cst.CSTNode, func: cst.FunctionDef) -> SourceLocation:
-        stub = self.stubs.get(id(func))
+        stub = self.stubs.get(func)
         if stub is None or stub not in self.positions:
             return SourceLocation(self.filename, 1, 0)
         mini = SourcePositions(cst.Module(body=[func]))

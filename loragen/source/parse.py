@@ -113,16 +113,19 @@ def _libcst_error(filename: str, exc: Exception) -> ScanError:
     )
 
 
-def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef], dict[int, str]]:
-    """``tree`` with function bodies stubbed out (same line count), ``id(function) -> its stub``, and
-    ``id(function) -> the source of its body`` for the functions whose whole body was stubbed.
+def skeleton(
+    tree: cst.Module,
+) -> tuple[cst.Module, dict[cst.FunctionDef, cst.FunctionDef], dict[cst.FunctionDef, str]]:
+    """``tree`` with function bodies stubbed out (same line count), ``function -> its stub``, and
+    ``function -> the source of its body`` for the functions whose whole body was stubbed (keyed by the
+    nodes of ``tree``, which hash by identity).
 
     Kept whole: the bodies named in :data:`KEPT_BODIES`, and the bodies of functions that define classes
     (whose methods are stubbed in turn). Nothing the scanner follows lies in a wholly stubbed body, so
     later passes may skip those bodies when their source shows nothing they look for.
     """
-    stubs: dict[int, cst.FunctionDef] = {}
-    hidden: dict[int, str] = {}
+    stubs: dict[cst.FunctionDef, cst.FunctionDef] = {}
+    hidden: dict[cst.FunctionDef, str] = {}
 
     def strip(stmt: cst.BaseStatement) -> cst.BaseStatement:
         if isinstance(stmt, cst.FunctionDef):
@@ -138,8 +141,8 @@ def skeleton(tree: cst.Module) -> tuple[cst.Module, dict[int, cst.FunctionDef], 
                 stub = cst.SimpleStatementLine(body=[cst.Expr(cst.SimpleString(f'"""{lines}"""'))])
                 body = cst.IndentedBlock(body=[stub], header=stmt.body.header, indent=stmt.body.indent)
                 new = stmt.with_changes(body=body)
-                hidden[id(stmt)] = text
-            stubs[id(stmt)] = new
+                hidden[stmt] = text
+            stubs[stmt] = new
             return new
         if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock):
             return stmt.with_changes(body=stmt.body.with_changes(body=[strip(s) for s in stmt.body.body]))

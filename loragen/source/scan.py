@@ -107,7 +107,6 @@ def scan_module(
         tree,
         result,
         found.calls,
-        found.call_nodes,
         names.positions,
         names.lora_bindings,
         found.factories,
@@ -157,10 +156,10 @@ def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
     return ()
 
 
-def report_unclaimed(names: Resolver, found: Findings, hidden: dict[int, str]) -> None:
+def report_unclaimed(names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str]) -> None:
     """Add an :class:`Unresolved` to ``found`` for every layer call of ``names.tree`` not yet claimed.
 
-    ``hidden`` maps ``id(function)`` to the source of the bodies the scanner did not read: a body whose
+    ``hidden`` maps each function to the source of the bodies the scanner did not read: a body whose
     source names no layer type (under any name the module binds it to) is skipped unread.
     """
     names.tree.visit(_Finder(names, found, hidden, _layer_words(names)))
@@ -201,7 +200,7 @@ class _Finder(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self.scopes.append(f"{node.name.value}()")
         self.functions.append(node)
-        body = self.hidden.get(id(node))
+        body = self.hidden.get(node)
         return body is None or self.words.search(body) is not None
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
@@ -209,19 +208,19 @@ class _Finder(cst.CSTVisitor):
         self.functions.pop()
 
     def _where(self, node: cst.CSTNode) -> SourceLocation:
-        stubbed = next((f for f in self.functions if id(f) in self.names.stubs), None)
+        stubbed = next((f for f in self.functions if f in self.names.stubs), None)
         return self.names.loc(node, stubbed)
 
     def _report(self, node: cst.CSTNode, reason: str) -> None:
         self.found.unresolved.append(Unresolved(None, None, self._where(node), reason))
 
     def visit_Call(self, node: cst.Call) -> None:
-        if id(node) in self.found.claimed:
+        if node in self.found.claimed:
             return
         names = self.names
         scope = " in " + ".".join(self.scopes) if self.scopes else " at module level"
         if names.layer(node) is not None:
-            self.found.claimed.add(id(node))
+            self.found.claimed.add(node)
             self._report(
                 node,
                 f"{code_of(node.func)}(...){scope} is not assigned to a module field the scanner can follow; "
