@@ -124,6 +124,7 @@ class Resolver:
         self.filename = filename
         self.package = package
         self.module_prefix = (module or "__scanned__") + "."
+        self._qualnames: dict[cst.CSTNode, frozenset[str]] = {}
         # The scopes give a node's qualified names on demand (what QualifiedNameProvider and
         # FullyQualifiedNameProvider wrap, at the cost of a whole-tree pass each); ``_normalise`` makes
         # local names and relative imports absolute as the latter would.
@@ -192,13 +193,22 @@ class Resolver:
     # ---- names -----------------------------------------------------------------------------------------
 
     def qualnames(self, node: cst.CSTNode) -> set[str]:
-        """The absolute qualified names ``node`` may denote (relative ones when no package is known)."""
+        """The absolute qualified names ``node`` may denote (relative ones when no package is known).
+
+        Remembered per node: the scan asks about a call's callee several times (layer, container, factory,
+        submodule), and libcst's scope lookup is its costliest step."""
+        found = self._qualnames.get(node)
+        if found is None:
+            found = self._qualnames[node] = self._lookup(node)
+        return set(found)
+
+    def _lookup(self, node: cst.CSTNode) -> frozenset[str]:
         scope = self.scopes.get(node)
         if scope is None:  # in a stubbed body: resolve the dotted name at module level
             dotted = dotted_name(node)
             at_top = self.global_scope.get_qualified_names_for(dotted) if dotted else ()
-            return {self._normalise(q) for q in at_top}
-        return {self._normalise(q) for q in scope.get_qualified_names_for(node)}
+            return frozenset(self._normalise(q) for q in at_top)
+        return frozenset(self._normalise(q) for q in scope.get_qualified_names_for(node))
 
     def _normalise(self, q: md.QualifiedName) -> str:
         """``q`` as an absolute name: a local name gets the module's, a relative import the package's."""
