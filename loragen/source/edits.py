@@ -17,13 +17,15 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
+from typing import cast
 
 import libcst as cst
+import libcst.matchers as m
 
 from loragen.config import LoraConfig
 from loragen.source.codegen import py_literal, render
 from loragen.source.layer_types import NO_DEFAULT, LayerType
-from loragen.source.preamble import CONFIG_ATTR, CONFIG_NAME
+from loragen.source.preamble import CONFIG_ATTR, CONFIG_NAME, DOCSTRING
 from loragen.source.syntax import absolute_module, code_of
 
 __all__ = ["Editor", "config_attribute", "edit_call", "has_lora_hook", "lora_keywords"]
@@ -150,12 +152,11 @@ def _dotted(name: str) -> cst.Attribute | cst.Name:
     return node
 
 
-def _is_docstring(stmt: cst.CSTNode) -> bool:
-    return (
-        isinstance(stmt, cst.SimpleStatementLine)
-        and isinstance(stmt.body[0], cst.Expr)
-        and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
+# matchers for the few statements of a class body or a module looked at by shape (not on the hot path, where
+# isinstance checks are several times cheaper)
+_CONFIG_ATTRIBUTE = m.Assign(
+    targets=[m.ZeroOrMore(), m.AssignTarget(target=m.Name(CONFIG_ATTR)), m.ZeroOrMore()]
+)
 
 
 def config_attribute(node: cst.ClassDef) -> str | None:
@@ -163,10 +164,8 @@ def config_attribute(node: cst.ClassDef) -> str | None:
     for stmt in node.body.body:
         if isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
-                if isinstance(small, cst.Assign) and any(
-                    isinstance(t.target, cst.Name) and t.target.value == CONFIG_ATTR for t in small.targets
-                ):
-                    return code_of(small.value)
+                if m.matches(small, _CONFIG_ATTRIBUTE):
+                    return code_of(cast(cst.Assign, small).value)
     return None
 
 
@@ -179,7 +178,7 @@ def has_lora_hook(node: cst.ClassDef) -> bool:
 
 
 def _with_config_attribute(body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
-    index = 1 if body and _is_docstring(body[0]) else 0
+    index = 1 if body and m.matches(body[0], DOCSTRING) else 0
     line = cst.parse_statement(f"{CONFIG_ATTR} = {CONFIG_NAME}  # added by loragen rewrite\n")
     if index:
         line = line.with_changes(leading_lines=[cst.EmptyLine(indent=False)])

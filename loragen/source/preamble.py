@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import libcst as cst
+import libcst.matchers as m
 
 from loragen.source.syntax import code_of
 
 __all__ = [
+    "DOCSTRING",
     "Binding",
     "CONFIG_ATTR",
     "CONFIG_NAME",
@@ -80,20 +83,24 @@ def _is_loragen(module: str) -> bool:
     return module == "loragen" or module.startswith("loragen.")
 
 
+# one-line module-level statements, looked at by shape (a module has a few hundred at most)
+_ASSIGNMENT = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])
+_CONFIG_ASSIGNMENT = m.SimpleStatementLine(
+    body=[
+        m.Assign(
+            targets=[m.AssignTarget(target=m.Name(CONFIG_NAME))], value=m.Call(func=m.Name("LoraConfig"))
+        )
+    ]
+)
+DOCSTRING = m.SimpleStatementLine(
+    body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString()), m.ZeroOrMore()]
+)
+_IMPORT = m.SimpleStatementLine(body=[m.ZeroOrMore(), m.Import() | m.ImportFrom(), m.ZeroOrMore()])
+
+
 def is_config_assignment(stmt: cst.CSTNode) -> bool:
     """Whether ``stmt`` is ``LORA_CONFIG = LoraConfig(...)`` (a previous rewrite's)."""
-    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
-        return False
-    small = stmt.body[0]
-    return (
-        isinstance(small, cst.Assign)
-        and len(small.targets) == 1
-        and isinstance(small.targets[0].target, cst.Name)
-        and small.targets[0].target.value == CONFIG_NAME
-        and isinstance(small.value, cst.Call)
-        and isinstance(small.value.func, cst.Name)
-        and small.value.func.value == "LoraConfig"
-    )
+    return m.matches(stmt, _CONFIG_ASSIGNMENT)
 
 
 def top_level_bindings(module: cst.Module) -> dict[str, Binding]:
@@ -130,9 +137,7 @@ def _bound_by(small: cst.BaseSmallStatement) -> dict[str, Binding]:
 
 
 def _is_import(stmt: cst.CSTNode) -> bool:
-    return isinstance(stmt, cst.SimpleStatementLine) and any(
-        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
-    )
+    return m.matches(stmt, _IMPORT)
 
 
 def _import_position(body: Sequence[Statement]) -> int:
@@ -143,9 +148,8 @@ def _import_position(body: Sequence[Statement]) -> int:
             break
         if _is_import(stmt):
             position = index + 1
-        elif index == 0 and isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr):
-            if isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)):
-                position = 1  # after the module docstring
+        elif index == 0 and m.matches(stmt, DOCSTRING):
+            position = 1  # after the module docstring
     return position
 
 
@@ -231,15 +235,11 @@ class ModuleLine:
 
 
 def _assigned_name(stmt: cst.CSTNode) -> str | None:
-    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
-        small = stmt.body[0]
-        if (
-            isinstance(small, cst.Assign)
-            and len(small.targets) == 1
-            and isinstance(small.targets[0].target, cst.Name)
-        ):
-            return small.targets[0].target.value
-    return None
+    """``x`` for a line ``x = ...`` (one target, one statement), else None."""
+    if not m.matches(stmt, _ASSIGNMENT):
+        return None
+    target = cast(cst.Assign, cast(cst.SimpleStatementLine, stmt).body[0]).targets[0].target
+    return cast(cst.Name, target).value
 
 
 def add_module_lines(tree: cst.Module, lines: list[ModuleLine]) -> cst.Module:
