@@ -50,10 +50,10 @@ class Findings:
     reported; ``factories`` the sub-models built by auto classes.
     """
 
-    calls: dict[int, list[LayerField]] = dataclasses.field(default_factory=dict)
+    calls: dict[cst.Call, list[LayerField]] = dataclasses.field(default_factory=dict)
     claimed: set[cst.Call] = dataclasses.field(default_factory=set)
     unresolved: list[Unresolved] = dataclasses.field(default_factory=list)
-    factories: dict[int, tuple[cst.Call, FactoryCall]] = dataclasses.field(default_factory=dict)
+    factories: dict[cst.Call, FactoryCall] = dataclasses.field(default_factory=dict)
 
 
 class ValueFollower:

@@ -182,7 +182,7 @@ def _layer_words(names: Resolver) -> re.Pattern[str]:
 
 class _Finder(cst.CSTVisitor):
     def __init__(
-        self, names: Resolver, found: Findings, hidden: dict[int, str], words: re.Pattern[str]
+        self, names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str], words: re.Pattern[str]
     ) -> None:
         self.names = names
         self.found = found
