@@ -51,7 +51,7 @@ from libcst.metadata import CodeRange
 from loragen.errors import ScanError
 from loragen.source.fields import SourceLocation
 from loragen.source.layer_types import LayerType, layer_types
-from loragen.source.parse import SourcePositions
+from loragen.source.parse import SourcePositions, without_signatures
 from loragen.source.syntax import absolute_module, class_definitions, code_of, dotted_name, nested_statements
 
 __all__ = [
@@ -105,7 +105,8 @@ class Resolver:
     """Names, definitions and positions of one parsed module (see the module docstring).
 
     Args:
-        tree: the full module; ``skeleton`` / ``stubs``: its skeleton and stubbed functions.
+        tree: the full module; ``skeleton`` / ``stubs`` / ``hidden``: its skeleton, stubbed functions and
+            wholly stubbed ones (as :func:`~loragen.source.parse.skeleton` gives them).
         filename: for locations. ``module``: the module's dotted name (None: ``__scanned__``).
         package: the module's package, to resolve relative imports (None: keep them relative).
     """
@@ -118,6 +119,7 @@ class Resolver:
         filename: str,
         module: str | None,
         package: str | None,
+        hidden: Mapping[cst.FunctionDef, str] | None = None,
     ) -> None:
         self.tree = tree
         self.stubs = stubs
@@ -128,14 +130,16 @@ class Resolver:
         # The scopes give a node's qualified names on demand (what QualifiedNameProvider and
         # FullyQualifiedNameProvider wrap, at the cost of a whole-tree pass each); ``_normalise`` makes
         # local names and relative imports absolute as the latter would.
-        wrapper = md.MetadataWrapper(skeleton, unsafe_skip_copy=True)  # node identity: see module docstring
+        stubbed = {stubs[function] for function in hidden or ()}
+        scoped = without_signatures(skeleton, stubbed)
+        wrapper = md.MetadataWrapper(scoped, unsafe_skip_copy=True)  # node identity: see module docstring
         self.scopes: Mapping[cst.CSTNode, md.Scope | None] = wrapper.resolve(md.ScopeProvider)
         self.positions: Mapping[cst.CSTNode, CodeRange] = SourcePositions(skeleton)
         scope = self.scopes[wrapper.module]
         if scope is None:  # libcst gives every module a global scope
             raise ScanError("libcst found no module scope", filename=filename, line=1)
         self.global_scope = scope
-        self.skeleton = wrapper.module
+        self.skeleton = skeleton
         self.layer_names = _layer_names()
         self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
         # qualified name -> ClassDef / FunctionDef, with Python-style qualnames ("f.<locals>.C")

@@ -97,7 +97,7 @@ def scan_module(
     """
     tree = parse(code, filename)
     stripped, stubs, hidden = skeleton(tree)
-    names = Resolver(tree, stripped, stubs, filename, module, package)
+    names = Resolver(tree, stripped, stubs, filename, module, package, hidden)
     found = Findings()
     classes = [_scan_class(names, found, name, node) for name, node in names.class_defs.items()]
     report_unclaimed(names, found, hidden)
