@@ -12,17 +12,11 @@ Adapters are read and written in peft's on-disk format (``save_adapter`` / ``loa
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 from loragen.config import LoraConfig
-from loragen.convert import (
-    get_lora_model,
-    mark_trainable,
-    merge_adapter,
-    merge_and_unload,
-    print_trainable_parameters,
-    unmerge_adapter,
-)
 from loragen.errors import (
     AdapterError,
     AdapterMixError,
@@ -34,16 +28,24 @@ from loragen.errors import (
     MergeError,
     MixedBatchError,
 )
-from loragen.layers import LoraConv1d, LoraConv2d, LoraEmbedding, LoraLayer, LoraLinear, register_layer
-
-# registers the hook that gives converted transformers models loragen's adapter methods (light: it imports
-# transformers only for a model that is a transformers model already)
-from loragen.training import transformers_adapters as _transformers_adapters  # noqa: F401
 
 __version__ = "0.1.0"
 
-# Heavier entry points (libcst, jinja2, safetensors) are imported on first use.
+# Everything that needs torch (and the heavier libcst, jinja2, safetensors) is imported on first use, so that
+# ``loragen rewrite`` and ``rewrite_source``, which read and write source text only, never import torch.
 _LAZY = {
+    "get_lora_model": "loragen.convert",
+    "mark_trainable": "loragen.convert",
+    "merge_adapter": "loragen.convert",
+    "unmerge_adapter": "loragen.convert",
+    "merge_and_unload": "loragen.convert",
+    "print_trainable_parameters": "loragen.convert",
+    "LoraLayer": "loragen.layers",
+    "LoraLinear": "loragen.layers",
+    "LoraEmbedding": "loragen.layers",
+    "LoraConv1d": "loragen.layers",
+    "LoraConv2d": "loragen.layers",
+    "register_layer": "loragen.layers",
     "LoraConv1D": "loragen.layers",  # imports transformers
     "make_optimizer": "loragen.training.optimizers",
     "checkpoint_modules": "loragen.training.checkpointing",
@@ -130,8 +132,24 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from loragen.adapters.save import save_adapter
     from loragen.adapters.weighted import add_weighted_adapter
+    from loragen.convert import (
+        get_lora_model,
+        mark_trainable,
+        merge_adapter,
+        merge_and_unload,
+        print_trainable_parameters,
+        unmerge_adapter,
+    )
     from loragen.errors import RequantizationWarning
-    from loragen.layers import LoraConv1D
+    from loragen.layers import (
+        LoraConv1D,
+        LoraConv1d,
+        LoraConv2d,
+        LoraEmbedding,
+        LoraLayer,
+        LoraLinear,
+        register_layer,
+    )
     from loragen.layers.mixed_batch import mixed_batch
     from loragen.source.decorator import lora_convert
     from loragen.source.rewriter import RewriteResult, rewrite_source
@@ -143,10 +161,31 @@ if TYPE_CHECKING:  # pragma: no cover
     from loragen.training.trainer import LoraTrainerCallback
 
 
+def _load_torch_part() -> None:
+    """Import the torch-backed core: the conversion, the layer types (which register themselves with the
+    registry) and the hook that gives converted transformers models loragen's adapter methods (light: it
+    imports transformers only for a model that is a transformers model already)."""
+    import loragen.convert
+    import loragen.layers
+    import loragen.training.transformers_adapters  # noqa: F401
+
+
+# A program that has imported torch already pays nothing for the core: load it now, as it always was, so that
+# ``from loragen.convert import get_lora_model`` finds transformers' adapter methods registered.
+if "torch" in sys.modules:
+    _load_torch_part()
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'loragen' has no attribute {name!r}")
+        # a subpackage the eager imports used to load (``loragen.layers.LoraLinear`` after ``import loragen``);
+        # ``from loragen import cuda`` inside loragen asks here first too, before importing the submodule
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'loragen' has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")
+    if module != "loragen.errors":
+        _load_torch_part()
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
         *) echo "fetch_gpu_wheels.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-packages=("libcst>=1.0")
+packages=("libcst==1.9.0")  # the version pyproject.toml requires at least
 if [ "$CUDA" = 1 ]; then packages+=(cuda-bindings cuda-pathfinder nvidia-cuda-nvrtc); fi
 mkdir -p "$DIR"
 python3 -m pip download --only-binary=:all: --no-deps --python-version "$PY" \

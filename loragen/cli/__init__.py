@@ -46,15 +46,22 @@ class _Parser(argparse.ArgumentParser):
         super().error(message + flag_hints(self, self._given))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``loragen`` argument parser with every available subcommand registered."""
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``loragen`` argument parser with the subcommands ``commands`` registered (None: every one).
+
+    Registering a subcommand imports its module, and some need torch to describe their options
+    (``bench`` reads them from the benchmarks): ``loragen rewrite`` registers only itself and imports no
+    torch.
+    """
     parser = _Parser(
         prog="loragen",
         description="Convert PyTorch models into LoRA models, train them fast, read and write peft adapters.",
     )
     parser.add_argument("--version", action="version", version=f"loragen {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMANDS.values():
+    for command, module_name in SUBCOMMANDS.items():
+        if commands is not None and command not in commands:
+            continue
         module = importlib.import_module(f"loragen.cli.{module_name}")
         module.register(subparsers)
     return parser
@@ -62,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``loragen`` command line; returns the exit status."""
-    parser = build_parser()
     tokens = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(tokens[:1] if tokens and tokens[0] in SUBCOMMANDS else None)
     args, extras = parser.parse_known_args(tokens)
     if extras:
         # argparse reports a subcommand's unknown flag with the top-level usage: report it with the

@@ -1,7 +1,7 @@
 """Sub-models of a rewritten composite model, built at run time: :func:`lora_auto_class`.
 
 A rewritten composite file (``loragen rewrite modeling_gemma3.py``) builds its sub-models through a LoRA auto
-class instead of transformers' ``AutoModel`` (see :mod:`loragen.source.factories`)::
+class instead of transformers' ``AutoModel`` (see :mod:`loragen.source.names`)::
 
     LoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel], LORA_CONFIG)
 

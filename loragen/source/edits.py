@@ -15,17 +15,17 @@ one), so the defaults cannot drift from the layers'.
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 from collections.abc import Sequence
+from typing import cast
 
 import libcst as cst
+import libcst.matchers as m
 
 from loragen.config import LoraConfig
-from loragen.convert import CONFIG_ATTR
-from loragen.registry import LayerSpec
 from loragen.source.codegen import py_literal, render
-from loragen.source.preamble import CONFIG_NAME
+from loragen.source.layer_types import NO_DEFAULT, LayerType
+from loragen.source.preamble import CONFIG_ATTR, CONFIG_NAME, DOCSTRING
 from loragen.source.syntax import absolute_module, code_of
 
 __all__ = ["Editor", "config_attribute", "edit_call", "has_lora_hook", "lora_keywords"]
@@ -34,26 +34,8 @@ _ALWAYS = ("r", "lora_alpha")
 _RELATIVE_IMPORT = re.compile(r"\bfrom[\s\\]+\.")
 
 
-def _keyword_only(function: object) -> dict[str, object]:
-    """The keyword-only parameters of ``function`` and their defaults (``inspect.Parameter.empty`` if none)."""
-    try:
-        parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return {}
-    return {n: p.default for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def _takes_any(function: object) -> bool:
-    """Whether ``function`` takes arbitrary keywords (``**kwargs``)."""
-    try:
-        parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
-
 def lora_keywords(
-    spec: LayerSpec, r: int, alpha: float, config: LoraConfig, existing: set[str]
+    spec: LayerType, r: int, alpha: float, config: LoraConfig, existing: set[str]
 ) -> dict[str, str]:
     """The LoRA keywords, as source text, that a targeted call of ``spec``'s type gets (see the module
     docstring); ``existing`` holds the keywords the call passes already.
@@ -61,24 +43,17 @@ def lora_keywords(
     Raises:
         ImportError: the LoRA class cannot be imported.
     """
-    lora_class = spec.lora_type()
-    defaults = _keyword_only(lora_class)
+    protocol, defaults, takes_any = spec.signature()
     values = {"r": r, "lora_alpha": alpha}
     wanted: dict[str, str] = {}
-    protocol = _keyword_only(getattr(lora_class, "from_module", None))
     for key, protocol_default in protocol.items():
-        value = values[key] if key in values else getattr(config, key, inspect.Parameter.empty)
-        if value is inspect.Parameter.empty:
+        value = values[key] if key in values else getattr(config, key, NO_DEFAULT)
+        if value is NO_DEFAULT:
             continue  # a protocol keyword the config has no field for: the layer's default applies
-        if (
-            key not in defaults
-            and key not in _ALWAYS
-            and value == protocol_default
-            and not _takes_any(lora_class)
-        ):
+        if key not in defaults and key not in _ALWAYS and value == protocol_default and not takes_any:
             continue  # a user's LoRA class without this keyword (say use_dora), at its usual value
-        default = defaults.get(key, inspect.Parameter.empty)
-        if key in _ALWAYS or key in existing or default is inspect.Parameter.empty or value != default:
+        default = defaults.get(key, NO_DEFAULT)
+        if key in _ALWAYS or key in existing or default is NO_DEFAULT or value != default:
             wanted[key] = py_literal(value)
     return wanted
 
@@ -177,12 +152,11 @@ def _dotted(name: str) -> cst.Attribute | cst.Name:
     return node
 
 
-def _is_docstring(stmt: cst.CSTNode) -> bool:
-    return (
-        isinstance(stmt, cst.SimpleStatementLine)
-        and isinstance(stmt.body[0], cst.Expr)
-        and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
-    )
+# matchers for the few statements of a class body or a module looked at by shape (not on the hot path, where
+# isinstance checks are several times cheaper)
+_CONFIG_ATTRIBUTE = m.Assign(
+    targets=[m.ZeroOrMore(), m.AssignTarget(target=m.Name(CONFIG_ATTR)), m.ZeroOrMore()]
+)
 
 
 def config_attribute(node: cst.ClassDef) -> str | None:
@@ -190,10 +164,8 @@ def config_attribute(node: cst.ClassDef) -> str | None:
     for stmt in node.body.body:
         if isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
-                if isinstance(small, cst.Assign) and any(
-                    isinstance(t.target, cst.Name) and t.target.value == CONFIG_ATTR for t in small.targets
-                ):
-                    return code_of(small.value)
+                if m.matches(small, _CONFIG_ATTRIBUTE):
+                    return code_of(cast(cst.Assign, small).value)
     return None
 
 
@@ -206,7 +178,7 @@ def has_lora_hook(node: cst.ClassDef) -> bool:
 
 
 def _with_config_attribute(body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
-    index = 1 if body and _is_docstring(body[0]) else 0
+    index = 1 if body and m.matches(body[0], DOCSTRING) else 0
     line = cst.parse_statement(f"{CONFIG_ATTR} = {CONFIG_NAME}  # added by loragen rewrite\n")
     if index:
         line = line.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
@@ -232,26 +204,33 @@ class Editor(cst.CSTTransformer):
     """Applies the planned edits to the full tree.
 
     Args:
-        calls: ``id(call node)`` -> (the LoRA class's name, or None to keep the callee; the keywords; the
+        calls: call node -> (the LoRA class's name, or None to keep the callee; the keywords; the
             ``wrap`` of :func:`edit_call`).
         package: make relative imports absolute inside this package (None: leave them).
-        hooks: ``id(class node)`` -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
-        config_classes: ``id(class node)`` of the classes that get ``loragen_config = LORA_CONFIG``.
-        factories: ``id(call node)`` -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
-        hidden: ``id(function)`` -> body source of the functions the scanner did not read; no planned edit
+        hooks: class node -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
+        config_classes: the class nodes that get ``loragen_config = LORA_CONFIG``.
+        factories: call node -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
+        hidden: function node -> body source of the functions the scanner did not read; no planned edit
             lies inside one, so those are skipped unless they hold a relative import to make absolute.
+        functions: the functions that hold a planned edit (or a class that gets one); the other
+            functions are skipped, unless ``nested_imports`` says some function or class holds a relative
+            import (then those the scanner read are visited too).
     """
 
     def __init__(
         self,
-        calls: dict[int, tuple[str | None, dict[str, str], str | None]],
+        calls: dict[cst.Call, tuple[str | None, dict[str, str], str | None]],
         package: str | None,
-        hooks: dict[int, str],
-        config_classes: set[int],
-        factories: dict[int, str] | None = None,
-        hidden: dict[int, str] | None = None,
+        hooks: dict[cst.ClassDef, str],
+        config_classes: set[cst.ClassDef],
+        factories: dict[cst.Call, str] | None = None,
+        hidden: dict[cst.FunctionDef, str] | None = None,
+        functions: set[cst.FunctionDef] | None = None,
+        nested_imports: bool = True,
     ) -> None:
         self.calls = calls
+        self.functions = functions
+        self.nested_imports = nested_imports
         self.hidden = hidden or {}
         self.factories = factories or {}
         self.package = package
@@ -260,16 +239,20 @@ class Editor(cst.CSTTransformer):
         self.import_errors: list[str] = []
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        body = self.hidden.get(id(node))
-        return body is None or (self.package is not None and _RELATIVE_IMPORT.search(body) is not None)
+        if self.functions is None or node in self.functions:
+            return True
+        body = self.hidden.get(node)
+        if body is None:
+            return self.nested_imports
+        return self.package is not None and _RELATIVE_IMPORT.search(body) is not None
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        factory = self.factories.get(id(original_node))
+        factory = self.factories.get(original_node)
         if factory is not None and isinstance(
             updated_node.func, cst.Attribute
         ):  # LoraAutoModel.from_config(...)
             return updated_node.with_changes(func=updated_node.func.with_changes(value=cst.Name(factory)))
-        edit = self.calls.get(id(original_node))
+        edit = self.calls.get(original_node)
         if edit is None:
             return updated_node
         return edit_call(updated_node, *edit)
@@ -287,7 +270,7 @@ class Editor(cst.CSTTransformer):
         )
 
     def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
-        key = id(original_node)
+        key = original_node
         block = updated_node.body
         if (key not in self.config_classes and key not in self.hooks) or not isinstance(
             block, cst.IndentedBlock

@@ -23,7 +23,7 @@ from loragen.convert import CONFIG_ATTR
 from loragen.registry import LayerSpec, spec_for_qualname
 from loragen.source.codegen import config_literal, importable, is_identifier, py_literal, render
 from loragen.source.fields import ClassScan, LayerField, ScanResult
-from loragen.source.subclasses import LORA_CLASS_FOR
+from loragen.source.names import LORA_CLASS_FOR
 from loragen.source.targets import Targets
 
 __all__ = ["CONFIG_NAME", "render_expansion"]

@@ -9,19 +9,24 @@ which imports the file needs (:mod:`loragen.source.preamble`). It reports what c
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 import libcst as cst
 
 from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.registry import spec_for_qualname
-from loragen.source.additions import ModuleLine, add_module_lines
-from loragen.source.codegen import config_literal, importable, py_literal
+from loragen.source.codegen import config_literal, py_literal
 from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
-from loragen.source.factories import LORA_AUTO_CLASS
-from loragen.source.fields import LayerField, ScannedModule
-from loragen.source.preamble import CONFIG_NAME, add_preamble, top_level_bindings
-from loragen.source.results import Diagnostic, RewriteResult, RewrittenCall
-from loragen.source.subclasses import LORA_CLASS_FOR
-from loragen.source.syntax import class_definitions, code_of
+from loragen.source.fields import Diagnostic, LayerField, RewriteResult, RewrittenCall, ScannedModule
+from loragen.source.names import LORA_AUTO_CLASS, LORA_CLASS_FOR
+from loragen.source.preamble import (
+    CONFIG_NAME,
+    ModuleLine,
+    add_module_lines,
+    add_preamble,
+    top_level_bindings,
+)
+from loragen.source.syntax import class_definitions, code_of, nested_statements
 from loragen.source.targets import PRETRAINED, Targets, instances
 
 __all__ = ["RewritePlanner"]
@@ -29,6 +34,12 @@ __all__ = ["RewritePlanner"]
 # names the rewritten file imports besides the LoRA classes: (module, name)
 _CONFIG_IMPORT = ("loragen", "LoraConfig")
 _HOOK_IMPORT = ("loragen.layers", "LoraLayer")
+# a relative import inside a function or class (indented), which an absolute-imports rewrite must reach
+_NESTED_RELATIVE_IMPORT = re.compile(r"^[ \t]+from[\s\\]+\.", re.MULTILINE)
+
+
+def _method(node: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    return next((s for s in node.body.body if isinstance(s, cst.FunctionDef) and s.name.value == name), None)
 
 
 class RewritePlanner:
@@ -53,21 +64,22 @@ class RewritePlanner:
         # the line length the file keeps to, as far as its longest line tells (between 88 and 120)
         self.width = min(120, max(88, *(len(line) for line in self.lines)))
         self.imports: dict[str, set[str]] = {}
-        self.edits: dict[int, tuple[str | None, dict[str, str], str | None]] = {}
+        # keyed by the scanned tree's own nodes (see ScannedModule)
+        self.edits: dict[cst.Call, tuple[str | None, dict[str, str], str | None]] = {}
         self.rewritten: list[RewrittenCall] = []
         self.derived: dict[str, str] = {}  # layer subclass of the file -> the name its LoRA class gets
         self.auto_classes: dict[
             str, str
         ] = {}  # LoRA auto class -> the auto class (LoraAutoModel -> AutoModel)
-        self.factory_edits: dict[int, str] = {}  # id(AutoModel.from_config call) -> LoraAutoModel
+        self.factory_edits: dict[cst.Call, str] = {}  # AutoModel.from_config(...) call -> LoraAutoModel
 
     def _error(self, line: int, message: str) -> None:
         self.errors.append(Diagnostic(self.filename, line, message))
 
     def run(self) -> RewriteResult:
         """The rewritten code and what was done; the input unchanged when there are errors."""
-        for call_id, fields in self.scanned.calls.items():
-            self._plan_call(call_id, fields)
+        for call, fields in self.scanned.calls.items():
+            self._plan_call(call, fields)
         self.rewritten.sort(key=lambda c: (c.field.location.line, c.field.location.column))
         self._warn_non_layer_targets()
         if self.config.target_parameters:  # parameters have no constructor call to swap: say so, keep none
@@ -84,8 +96,8 @@ class RewritePlanner:
             )
         self._plan_factories()
         active = bool(self.rewritten or self.auto_classes)
-        hooks: dict[int, str] = {}
-        config_classes: set[int] = set()
+        hooks: dict[cst.ClassDef, str] = {}
+        config_classes: set[cst.ClassDef] = set()
         if active:
             hooks, config_classes = self._class_edits()
             self.imports.setdefault(_CONFIG_IMPORT[0], set()).add(_CONFIG_IMPORT[1])
@@ -95,7 +107,14 @@ class RewritePlanner:
         if self.errors:
             return self._result(self.code)
         editor = Editor(
-            self.edits, self.package, hooks, config_classes, self.factory_edits, self.scanned.hidden
+            self.edits,
+            self.package,
+            hooks,
+            config_classes,
+            self.factory_edits,
+            self.scanned.hidden,
+            self._functions_to_edit(hooks.keys() | config_classes),
+            self.package is not None and _NESTED_RELATIVE_IMPORT.search(self.code) is not None,
         )
         tree = self.scanned.tree.visit(editor)
         for message in editor.import_errors:
@@ -111,15 +130,43 @@ class RewritePlanner:
         tree = add_module_lines(tree, self._module_lines())
         return self._result(tree.code)
 
+    def _functions_to_edit(self, classes: set[cst.ClassDef]) -> set[cst.FunctionDef]:
+        """The functions holding an edit: the ``__init__`` of each class with an edited call (where the
+        scanner found it), and every function around those and around the edited ``classes``."""
+        nodes = class_definitions(self.scanned.tree.body)
+        owners = {f.owner for call in self.edits for f in self.scanned.calls[call]}
+        owners.update(self.scanned.factories[call].owner for call in self.factory_edits)
+        targets: set[cst.CSTNode] = set(classes)
+        for owner in owners:
+            init = _method(nodes[owner], "__init__") if owner in nodes else None
+            if init is not None:
+                targets.add(init)
+        found: set[cst.FunctionDef] = set()
+
+        def walk(body: Sequence[cst.CSTNode]) -> bool:
+            hit = False
+            for stmt in body:
+                if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                    inside = stmt in targets
+                    if isinstance(stmt.body, cst.IndentedBlock):
+                        inside = walk(stmt.body.body) or inside
+                    if inside and isinstance(stmt, cst.FunctionDef):
+                        found.add(stmt)
+                    hit = hit or inside
+                elif not isinstance(stmt, cst.SimpleStatementLine):
+                    hit = walk(nested_statements(stmt)) or hit
+            return hit
+
+        walk(self.scanned.tree.body)
+        return found
+
     def _plan_factories(self) -> None:
         """Sub-models built by transformers' auto classes: each call builds through the LoRA auto class, and
         is reported at its line (the rewrite cannot tell statically which class it builds)."""
-        for call_id, (_, factory) in sorted(
-            self.scanned.factories.items(), key=lambda item: item[1][1].location.line
-        ):
+        for call, factory in sorted(self.scanned.factories.items(), key=lambda item: item[1].location.line):
             self.auto_classes[factory.lora_name] = factory.auto_class
             if not factory.is_lora:
-                self.factory_edits[call_id] = factory.lora_name
+                self.factory_edits[call] = factory.lora_name
             own = ", ".join(self._own_models()) or "none holds LoRA layers"
             self.warnings.append(
                 Diagnostic(
@@ -164,9 +211,8 @@ class RewritePlanner:
             if name not in self.scanned.lora_bindings
         ]
 
-    def _plan_call(self, call_id: int, fields: list[LayerField]) -> None:
+    def _plan_call(self, call: cst.Call, fields: list[LayerField]) -> None:
         """Decide one constructor call (built for one or several fields)."""
-        call = self.scanned.call_nodes[call_id]
         decisions = [(f, self.targets.decide(f)) for f in fields]
         for f, d in decisions:
             if d.error:
@@ -197,12 +243,8 @@ class RewritePlanner:
                 "differently; cannot rewrite it",
             )
             return
-        spec = spec_for_qualname(field.layer)
-        try:
-            usable = spec is not None and importable(spec.lora_qualname, spec.lora_type())
-        except ImportError:
-            usable = False
-        if spec is None or not usable:
+        spec = self.targets.types.for_qualname(field.layer)
+        if spec is None or not spec.importable():
             self._error(
                 field.location.line,
                 f"{field.owner}.{field.pattern}: the LoRA class for {field.layer} cannot be imported by name"
@@ -216,7 +258,7 @@ class RewritePlanner:
         wrap = self._wrap(call, lora_name, {k: v for k, v in keywords.items() if k not in existing})
         changed = not edit_call(call, lora_name, keywords, wrap).deep_equals(call)
         if changed:
-            self.edits[call_id] = (lora_name, keywords, wrap)
+            self.edits[call] = (lora_name, keywords, wrap)
         if field.subclass is not None:  # LoraFalconLinear = lora_class_for(FalconLinear), after the class
             self.derived[field.subclass] = field.lora_name
             if field.lora_name not in self.scanned.lora_bindings:
@@ -245,14 +287,12 @@ class RewritePlanner:
             return None
         return first[: len(first) - len(first.lstrip())]
 
-    def _class_edits(self) -> tuple[dict[int, str], set[int]]:
+    def _class_edits(self) -> tuple[dict[cst.ClassDef, str], set[cst.ClassDef]]:
         """The classes that get the transformers init hook, and those that get ``loragen_config``: the
         owners of rewritten fields and the hook's class, each unless it inherits it from one of them."""
         nodes = class_definitions(self.scanned.tree.body)
-        hooks: dict[int, str] = {}
-        holders = {c.field.owner for c in self.rewritten} | {
-            f.owner for _, f in self.scanned.factories.values()
-        }
+        hooks: dict[cst.ClassDef, str] = {}
+        holders = {c.field.owner for c in self.rewritten} | {f.owner for f in self.scanned.factories.values()}
         for scan in self.result.classes:
             # the topmost PreTrainedModel subclass of the file gets the hook; its subclasses inherit it
             if not any(b in PRETRAINED for b in scan.base_names) or any(
@@ -263,15 +303,15 @@ class RewritePlanner:
             if node is not None:
                 holders.add(scan.name)
                 if not has_lora_hook(node):
-                    hooks[id(node)] = py_literal(self.config.init_lora_weights)
-        config_classes: set[int] = set()
+                    hooks[node] = py_literal(self.config.init_lora_weights)
+        config_classes: set[cst.ClassDef] = set()
         for name in sorted(holders):
             node = nodes.get(name)
             if node is None or self._inherits(name, holders):
                 continue
             current = config_attribute(node)
             if current is None:
-                config_classes.add(id(node))
+                config_classes.add(node)
             elif current != CONFIG_NAME:
                 holder = self.result.get(name)
                 self._error(
@@ -381,6 +421,6 @@ class RewritePlanner:
             errors=errors,
             sub_models=tuple(
                 f"{f.owner}.{f.path}"
-                for _, f in sorted(self.scanned.factories.values(), key=lambda i: i[1].location.line)
+                for f in sorted(self.scanned.factories.values(), key=lambda f: f.location.line)
             ),
         )

@@ -1,4 +1,5 @@
-"""The module-level lines a rewrite adds: the loragen imports and ``LORA_CONFIG``.
+"""The module-level lines a rewrite adds: the loragen imports, ``LORA_CONFIG``, and the bindings it places
+among the file's definitions.
 
 A rewritten file imports each LoRA class from where the registry says it lives
 (:attr:`~loragen.registry.LayerSpec.lora_module`) and states the config its LoRA layers were written
@@ -11,22 +12,51 @@ with, as a literal, after its imports::
     LORA_CONFIG = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
 
 Rewriting again with the same config changes nothing; with another config the literal is replaced.
+
+Among the file's definitions (:func:`add_module_lines`), each under a comment saying why:
+
+* after a layer subclass of the file, the binding of its LoRA class::
+
+      # Added by loragen rewrite: FalconLinear with a LoRA adapter (its own forward computes the base output).
+      LoraFalconLinear = lora_class_for(FalconLinear)
+
+* after the file's last class, the factory that builds the file's own (rewritten) classes for sub-model
+  configs (see :mod:`loragen.source.composite`)::
+
+      LoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel], LORA_CONFIG)
+
+A line the file has already (a previous rewrite's) is updated in place, so rewriting again changes nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import libcst as cst
+import libcst.matchers as m
 
 from loragen.source.syntax import code_of
 
-__all__ = ["CONFIG_NAME", "Binding", "add_preamble", "is_config_assignment", "top_level_bindings"]
+__all__ = [
+    "DOCSTRING",
+    "Binding",
+    "CONFIG_ATTR",
+    "CONFIG_NAME",
+    "ModuleLine",
+    "add_module_lines",
+    "add_preamble",
+    "is_config_assignment",
+    "top_level_bindings",
+]
 
 Statement = cst.SimpleStatementLine | cst.BaseCompoundStatement
 
 CONFIG_NAME = "LORA_CONFIG"
+# the class attribute that holds it, read by loragen.mark_trainable (loragen.convert.CONFIG_ATTR, which imports
+# torch; a test holds the two equal)
+CONFIG_ATTR = "loragen_config"
 _COMMENT = (
     "# Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.",
     "# Classes holding them carry it as `loragen_config` (read by loragen.mark_trainable).",
@@ -53,20 +83,24 @@ def _is_loragen(module: str) -> bool:
     return module == "loragen" or module.startswith("loragen.")
 
 
+# one-line module-level statements, looked at by shape (a module has a few hundred at most)
+_ASSIGNMENT = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])
+_CONFIG_ASSIGNMENT = m.SimpleStatementLine(
+    body=[
+        m.Assign(
+            targets=[m.AssignTarget(target=m.Name(CONFIG_NAME))], value=m.Call(func=m.Name("LoraConfig"))
+        )
+    ]
+)
+DOCSTRING = m.SimpleStatementLine(
+    body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString()), m.ZeroOrMore()]
+)
+_IMPORT = m.SimpleStatementLine(body=[m.ZeroOrMore(), m.Import() | m.ImportFrom(), m.ZeroOrMore()])
+
+
 def is_config_assignment(stmt: cst.CSTNode) -> bool:
     """Whether ``stmt`` is ``LORA_CONFIG = LoraConfig(...)`` (a previous rewrite's)."""
-    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
-        return False
-    small = stmt.body[0]
-    return (
-        isinstance(small, cst.Assign)
-        and len(small.targets) == 1
-        and isinstance(small.targets[0].target, cst.Name)
-        and small.targets[0].target.value == CONFIG_NAME
-        and isinstance(small.value, cst.Call)
-        and isinstance(small.value.func, cst.Name)
-        and small.value.func.value == "LoraConfig"
-    )
+    return m.matches(stmt, _CONFIG_ASSIGNMENT)
 
 
 def top_level_bindings(module: cst.Module) -> dict[str, Binding]:
@@ -103,9 +137,7 @@ def _bound_by(small: cst.BaseSmallStatement) -> dict[str, Binding]:
 
 
 def _is_import(stmt: cst.CSTNode) -> bool:
-    return isinstance(stmt, cst.SimpleStatementLine) and any(
-        isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
-    )
+    return m.matches(stmt, _IMPORT)
 
 
 def _import_position(body: Sequence[Statement]) -> int:
@@ -116,9 +148,8 @@ def _import_position(body: Sequence[Statement]) -> int:
             break
         if _is_import(stmt):
             position = index + 1
-        elif index == 0 and isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr):
-            if isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)):
-                position = 1  # after the module docstring
+        elif index == 0 and m.matches(stmt, DOCSTRING):
+            position = 1  # after the module docstring
     return position
 
 
@@ -191,3 +222,49 @@ def _is_loragen_import(stmt: Statement) -> bool:
         and _is_loragen(code_of(s.module))
         for s in stmt.body
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleLine:
+    """``name = value`` at module level, after the class ``after`` (None: after the file's last class)."""
+
+    name: str
+    value: str
+    comment: str
+    after: str | None = None
+
+
+def _assigned_name(stmt: cst.CSTNode) -> str | None:
+    """``x`` for a line ``x = ...`` (one target, one statement), else None."""
+    if not m.matches(stmt, _ASSIGNMENT):
+        return None
+    target = cast(cst.Assign, cast(cst.SimpleStatementLine, stmt).body[0]).targets[0].target
+    return cast(cst.Name, target).value
+
+
+def add_module_lines(tree: cst.Module, lines: list[ModuleLine]) -> cst.Module:
+    """``tree`` with ``lines`` added (or updated where the file assigns the name already)."""
+    body = list(tree.body)
+    for line in lines:
+        value = cst.parse_expression(line.value)
+        existing = next((i for i, s in enumerate(body) if _assigned_name(s) == line.name), None)
+        if existing is not None:
+            stmt = body[existing]
+            assert isinstance(stmt, cst.SimpleStatementLine) and isinstance(
+                stmt.body[0], cst.Assign
+            )  # checked
+            if code_of(stmt.body[0].value) != line.value:
+                body[existing] = stmt.with_changes(body=[stmt.body[0].with_changes(value=value)])
+            continue
+        classes = {i: s.name.value for i, s in enumerate(body) if isinstance(s, cst.ClassDef)}
+        anchor = next(
+            (i for i, name in classes.items() if name == line.after), max(classes, default=len(body) - 1)
+        )
+        statement = cst.parse_statement(f"{line.name} = {line.value}\n")
+        leading = [
+            cst.EmptyLine(indent=False),
+            cst.EmptyLine(indent=False),
+            cst.EmptyLine(comment=cst.Comment(line.comment)),
+        ]
+        body.insert(anchor + 1, statement.with_changes(leading_lines=leading))
+    return tree.with_changes(body=body)

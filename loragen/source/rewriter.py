@@ -34,17 +34,20 @@ idempotent: the output, rewritten again with the same config, is unchanged.
 
 The work is split into :mod:`~loragen.source.planner` (what changes), :mod:`~loragen.source.edits` and
 :mod:`~loragen.source.preamble` (the edits), :mod:`~loragen.source.targets` (the config's targets in a
-file) and :mod:`~loragen.source.results` (what is returned).
+file) and :mod:`~loragen.source.fields` (what is returned).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from loragen.config import LoraConfig
+from loragen.source.fields import Diagnostic, RewriteResult, RewrittenCall
 from loragen.source.planner import RewritePlanner
-from loragen.source.results import Diagnostic, RewriteResult, RewrittenCall
 from loragen.source.scan import ScanError, scan_module
 
 __all__ = ["Diagnostic", "RewriteResult", "RewrittenCall", "module_name_for_path", "rewrite_source"]
@@ -119,11 +122,31 @@ def rewrite_source(
             "LoraConfig.target_modules is None: name the modules to adapt (e.g. --target-modules q_proj,v_proj)",
         )
     try:
-        scanned = scan_module(code, filename=name, module=_module_name(filename, package), package=package)
-        return RewritePlanner(code, config, name, package if absolute_imports else None, scanned).run()
+        with _collector_paused():
+            scanned = scan_module(
+                code, filename=name, module=_module_name(filename, package), package=package
+            )
+            return RewritePlanner(code, config, name, package if absolute_imports else None, scanned).run()
     except ScanError as exc:
         return failed(exc.line, exc.reason)
     except RecursionError:  # the parser's guard keeps far from this; a last line of defence
         return failed(1, "the source is nested too deeply to rewrite")
     except Exception as exc:  # a bug in loragen must not crash the caller with bad input
         return failed(1, f"internal error while rewriting ({type(exc).__name__}: {exc}); please report it")
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused for the duration (and resumed if it was running).
+
+    A rewrite builds syntax trees of millions of small objects that hold no reference cycles; the collector's
+    passes over them find nothing and grow with the tree (a third of the time of a 1 MB file). Memory freed by
+    reference counting is unaffected.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -22,12 +22,17 @@ built by a helper function or a method, a constructor obtained through ``getattr
 argument, an attribute name computed at run time, a layer constructed where no field can be followed.
 
 The work is split by concern: :mod:`~loragen.source.parse` (parsing, the skeleton),
-:mod:`~loragen.source.names` (qualified names, positions), :mod:`~loragen.source.init_walk` and
-:mod:`~loragen.source.values` (the ``__init__`` walk), :mod:`~loragen.source.unclaimed` (the calls left
-over); the results are the data classes of :mod:`~loragen.source.fields`. This module ties them together.
+:mod:`~loragen.source.names` (qualified names), :mod:`~loragen.source.init_walk` (the ``__init__``
+walk); the results are the data classes of :mod:`~loragen.source.fields`. This module ties them together,
+and makes the last pass (:func:`report_unclaimed`): after the ``__init__`` walks, a call to a registered layer type that none of them claimed (built in a
+helper, at module level, in a method other than ``__init__``) is reported as
+:class:`~loragen.source.fields.Unresolved` with ``file:line``, and so are calls whose name may be a layer
+type but cannot be resolved: a relative import without the module's package, a star import.
 """
 
 from __future__ import annotations
+
+import re
 
 import libcst as cst
 
@@ -41,12 +46,10 @@ from loragen.source.fields import (
     SubmoduleField,
     Unresolved,
 )
-from loragen.source.init_walk import InitWalker
+from loragen.source.init_walk import Findings, InitWalker
 from loragen.source.names import Resolver
 from loragen.source.parse import parse, skeleton
-from loragen.source.syntax import nodes_of
-from loragen.source.unclaimed import report_unclaimed
-from loragen.source.values import Findings
+from loragen.source.syntax import code_of, nodes_of
 
 __all__ = [
     "ClassScan",
@@ -57,6 +60,7 @@ __all__ = [
     "SourceLocation",
     "SubmoduleField",
     "Unresolved",
+    "report_unclaimed",
     "scan_module",
     "scan_source",
 ]
@@ -93,7 +97,7 @@ def scan_module(
     """
     tree = parse(code, filename)
     stripped, stubs, hidden = skeleton(tree)
-    names = Resolver(tree, stripped, stubs, filename, module, package)
+    names = Resolver(tree, stripped, stubs, filename, module, package, hidden)
     found = Findings()
     classes = [_scan_class(names, found, name, node) for name, node in names.class_defs.items()]
     report_unclaimed(names, found, hidden)
@@ -103,7 +107,6 @@ def scan_module(
         tree,
         result,
         found.calls,
-        found.call_nodes,
         names.positions,
         names.lora_bindings,
         found.factories,
@@ -151,3 +154,95 @@ def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
     if isinstance(value, cst.Name) and value.value == "self" and parts:
         return (".".join(reversed(parts)),)
     return ()
+
+
+def report_unclaimed(names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str]) -> None:
+    """Add an :class:`Unresolved` to ``found`` for every layer call of ``names.tree`` not yet claimed.
+
+    ``hidden`` maps each function to the source of the bodies the scanner did not read: a body whose
+    source names no layer type (under any name the module binds it to) is skipped unread.
+    """
+    names.tree.visit(_Finder(names, found, hidden, _layer_words(names)))
+
+
+def _layer_words(names: Resolver) -> re.Pattern[str]:
+    """The words a call that this pass reports must contain: the registered types' own names, the module's
+    layer subclasses and LoRA bindings, and the names it imports a layer type under (``Linear as L``).
+
+    In a stubbed body names resolve at module level (:meth:`Resolver.qualnames`), so these are all."""
+    words = set(names.short_layer_names)
+    words.update(name.rpartition(".")[2] for name in (*names.layer_subclasses, *names.lora_bindings))
+    for assignment in names.global_scope.assignments:
+        bound = assignment.name
+        qualified = names.global_scope.get_qualified_names_for(bound)
+        if any(q.name.rpartition(".")[2] in names.short_layer_names for q in qualified):
+            words.add(bound)
+    return re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, words))) + r")\b")
+
+
+class _Finder(cst.CSTVisitor):
+    def __init__(
+        self, names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str], words: re.Pattern[str]
+    ) -> None:
+        self.names = names
+        self.found = found
+        self.hidden = hidden
+        self.words = words
+        self.scopes: list[str] = []
+        self.functions: list[cst.FunctionDef] = []
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.scopes.append(f"class {node.name.value}")
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self.scopes.pop()
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self.scopes.append(f"{node.name.value}()")
+        self.functions.append(node)
+        body = self.hidden.get(node)
+        return body is None or self.words.search(body) is not None
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self.scopes.pop()
+        self.functions.pop()
+
+    def _where(self, node: cst.CSTNode) -> SourceLocation:
+        stubbed = next((f for f in self.functions if f in self.names.stubs), None)
+        return self.names.loc(node, stubbed)
+
+    def _report(self, node: cst.CSTNode, reason: str) -> None:
+        self.found.unresolved.append(Unresolved(None, None, self._where(node), reason))
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if node in self.found.claimed:
+            return
+        names = self.names
+        scope = " in " + ".".join(self.scopes) if self.scopes else " at module level"
+        if names.layer(node) is not None:
+            self.found.claimed.add(node)
+            self._report(
+                node,
+                f"{code_of(node.func)}(...){scope} is not assigned to a module field the scanner can follow; "
+                "not converted",
+            )
+        elif isinstance(node.func, (cst.Name, cst.Attribute)) and any(
+            n.startswith(".") and n.rpartition(".")[2] in names.short_layer_names
+            for n in names.qualnames(node.func)
+        ):
+            self._report(
+                node,
+                f"{code_of(node.func)} comes from a relative import that cannot be resolved without the "
+                "module's package (pass package=...); not converted",
+            )
+        elif (
+            names.star_imports
+            and isinstance(node.func, cst.Name)
+            and node.func.value in names.short_layer_names
+            and not names.qualnames(node.func) - {names.module_prefix + node.func.value}
+        ):
+            self._report(
+                node,
+                f"{node.func.value}(...){scope} may come from a star import "
+                f"(from {', '.join(names.star_imports)} import *); import it by name to convert it",
+            )

@@ -14,9 +14,9 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.registry import spec_for_qualname
 from loragen.source.codegen import py_literal
 from loragen.source.fields import LayerField, ScanResult
+from loragen.source.layer_types import layer_types
 
 __all__ = ["PRETRAINED", "Decision", "Targets", "instances"]
 
@@ -56,6 +56,7 @@ class Targets:
     def __init__(self, config: LoraConfig, result: ScanResult) -> None:
         self.config = config
         self.result = result
+        self.types = layer_types()
         self.by_name = {c.name: c for c in result.classes}
         self.contexts = {c.name: result.contexts(c.name) for c in result.classes}
         targets = config.target_modules
@@ -95,7 +96,7 @@ class Targets:
     def matches(self, field: LayerField, path: str, target: str | None = None) -> bool:
         """Whether the config (or only its list entry ``target``) selects ``field`` at module path ``path``."""
         if self.config.target_modules == ALL_LINEAR:
-            spec = spec_for_qualname(field.layer)
+            spec = self.types.for_qualname(field.layer)
             linear = spec is not None and spec.linear
             return self.config.matches_target(path, (path,) if linear else ())
         return self.config.matches_target(path, None if target is None else (target,))

@@ -384,7 +384,7 @@ def test_scan_positions_are_keyed_by_the_full_trees_own_nodes():
     from loragen.source.scan import scan_module
 
     scanned = scan_module(HEADER + "class M(nn.Module):\n    def __init__(self):\n        self.q = L(1, 2)\n")
-    (node,) = scanned.call_nodes.values()
+    (node,) = scanned.calls
     assert scanned.positions[node].start.line == 7
     found = []
 
