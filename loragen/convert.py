@@ -9,6 +9,7 @@ rewritten by ``loragen rewrite`` or expanded by ``@lora_convert``).
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -60,6 +61,10 @@ _SHOWN_NAMES = 20
 # called with a model once it holds LoRA layers (end of mark_trainable, end of a successful load_adapter):
 # the layers above register here (transformers' adapter methods), convert cannot import them
 _CONVERSION_HOOKS: list[Callable[[nn.Module], None]] = []
+# loragen's own hook modules, imported (by name: they sit above this layer) before the first hooks run, so a
+# program that imported ``loragen.convert`` before torch -- ``import loragen`` then loads lazily -- gets
+# them too
+_BUILTIN_HOOK_MODULES = ("loragen.training.transformers_adapters",)
 
 
 def add_conversion_hook(hook: Callable[[nn.Module], None]) -> None:
@@ -70,6 +75,9 @@ def add_conversion_hook(hook: Callable[[nn.Module], None]) -> None:
 
 def run_conversion_hooks(model: nn.Module) -> None:
     """Run every hook of :func:`add_conversion_hook` on ``model`` (a model with LoRA layers)."""
+    for name in _BUILTIN_HOOK_MODULES:
+        if name not in sys.modules:
+            importlib.import_module(name)  # registers its hook
     for hook in _CONVERSION_HOOKS:
         hook(model)
 

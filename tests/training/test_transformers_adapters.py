@@ -13,6 +13,7 @@ import copy
 import importlib.util
 import io
 import json
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -260,3 +261,23 @@ def test_the_class_keeps_its_name_and_survives_pickle_and_deepcopy() -> None:
 def test_a_plain_module_is_left_alone() -> None:
     model = loragen.get_lora_model(nn.Sequential(nn.Linear(4, 4)), loragen.LoraConfig(target_modules=["0"]))
     assert type(model) is nn.Sequential
+
+
+def test_methods_come_whatever_the_import_order() -> None:
+    # ``loragen.convert`` imported before torch: the package loads lazily and nothing imported the hook
+    # module; the first conversion must still give the model loragen's adapter methods
+    script = (
+        "import loragen.convert as convert\n"
+        "import torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from loragen.config import LoraConfig\n"
+        "config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
+        "    num_attention_heads=2, num_key_value_heads=2, vocab_size=64)\n"
+        "model = convert.get_lora_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=['q_proj']))\n"
+        "print(type(model) is not LlamaForCausalLM and isinstance(model, LlamaForCausalLM))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"
