@@ -10,7 +10,7 @@ For bf16 activations (float32 adapter), in = out = d = 4096, N = 4k..64k tokens 
   float32 partial sums of split reductions, written and read back by torch), and what it reads from L2
   again (rank tiles re-reading x or g, A and B^T streamed per row group);
 * FLOPs: 2 N d R per rank-R product (the padded rank: R, not r, is what runs), on CUDA cores or tensor
-  cores (``variants.uses_mma``);
+  cores (``kernel_variants.uses_mma``);
 * resources from the cubin: registers from ptxas (NVRTC, sm_90), and from nvdisasm the instructions of
   the main loop (the backward branch whose body holds the most FFMA/HMMA): load and store widths, HMMA,
   and the FFMA share of the issued instructions (dropout's Philox code included, so it is a p > 0 share). Without NVRTC the registers recorded in :data:`RECORDED` are used and
@@ -66,7 +66,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loragen.cuda import specs, variants
+from loragen.cuda import kernel_variants, specs
 
 # ---- the machine (H100 SXM5) and the assumptions ----------------------------------------------------------
 HBM = 3.35e12  # bytes/s
@@ -129,7 +129,7 @@ def inspect(name: str, rank: int) -> Sass:
 
         spec = specs.KERNELS[name]
         compiled = compile_kernel(
-            render_kernel(name, specs.render_params(spec, variants.Variant("bfloat16", rank, True))), "sm_90"
+            render_kernel(name, specs.render_params(spec, kernel_variants.Variant("bfloat16", rank, True))), "sm_90"
         )
     except ImportError:
         return Sass(RECORDED[(name, rank)], "recorded", {})
@@ -223,7 +223,7 @@ def waves(registers: int, warps: int, grid_blocks: int, shared: int = 0) -> floa
 
 def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
     """The model of kernel ``name`` for bf16, aligned, rank bucket ``rank``, N = ``n``, d = in = out = 4096."""
-    v = variants.Variant("bfloat16", rank, True)
+    v = kernel_variants.Variant("bfloat16", rank, True)
     tile = specs.KERNELS[name].tile(v)
     big = n * D * ELEMENT  # one pass over x, g, y or grad_x
     adapter = rank * D * 4  # A or B^T, float32, padded
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     predictions: list[Prediction] = []
     sources = set()
     for name in specs.KERNELS:
-        for rank in variants.RANK_BUCKETS:
+        for rank in kernel_variants.RANK_BUCKETS:
             sass = inspect(name, rank)
             sources.add(sass.source)
             predictions.extend(predict(name, rank, n, sass) for n in args.tokens)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loragen import philox
-from loragen.cuda import variants
+from loragen.cuda import kernel_variants
 from loragen.cuda.linear_op import CudaLoraError, draw_rng, lora_linear_cuda
 from loragen.cuda.torch_kernels import rng_values
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder
@@ -104,11 +104,11 @@ def test_partial_sums_are_exercised(launcher):
     """The split-grids case must really split its reductions (target_blocks is small on purpose)."""
     from loragen.cuda import specs
 
-    variant = variants.Variant("float32", 8, True)
+    variant = kernel_variants.Variant("float32", 8, True)
     assert specs.plan_down(70, 264, variant, 4).splits == 2
     assert specs.plan_grad_out(70, 296, variant, 4).splits == 2
     assert specs.plan_grad_in(70, 264, variant, 4).splits > 1
-    bf16 = variants.Variant("bfloat16", 16, True)
+    bf16 = kernel_variants.Variant("bfloat16", 16, True)
     down = specs.plan_down(41, 1032, bf16, 4)
     assert (down.splits, down.cols_per_split) == (3, 384)  # the last split: 264 columns
     grad_out = specs.plan_grad_out(600, 40, bf16, 4)

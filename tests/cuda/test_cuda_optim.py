@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import loragen.cuda
-from loragen.cuda import specs, variants
+from loragen.cuda import kernel_variants, specs
 from loragen.cuda.optim import adamw8bit_update_cuda, kernel_supports
 from loragen.training.adamw8bit import AdamW8bit, adamw8bit_update_
 from loragen.training.quantization import dequantize_blockwise, dynamic_code
@@ -145,10 +145,10 @@ def test_kernel_refuses_what_it_cannot_take():
 
 def test_every_variant_renders_with_its_dtype():
     optimizer_variants = list(specs.optimizer_variants())
-    assert [v.dtype for _, v in optimizer_variants] == list(variants.DTYPES)
+    assert [v.dtype for _, v in optimizer_variants] == list(kernel_variants.DTYPES)
     for spec, variant in optimizer_variants:
         source = rendered(spec, variant).source
-        assert "{{" not in source and f"typedef {variants.DTYPES[variant.dtype]} scalar_t;" in source
+        assert "{{" not in source and f"typedef {kernel_variants.DTYPES[variant.dtype]} scalar_t;" in source
         assert 'extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) adamw8bit(' in source
 
 

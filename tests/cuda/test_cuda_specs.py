@@ -8,12 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loragen.cuda import specs, variants
+from loragen.cuda import kernel_variants, specs
 
 any_variant = st.builds(
-    variants.Variant,
-    st.sampled_from(list(variants.DTYPES)),
-    st.sampled_from(variants.RANK_BUCKETS),
+    kernel_variants.Variant,
+    st.sampled_from(list(kernel_variants.DTYPES)),
+    st.sampled_from(kernel_variants.RANK_BUCKETS),
     st.booleans(),
 )
 sizes = st.integers(1, 70_000)
@@ -35,7 +35,7 @@ def test_down_grid_covers_rows_columns_and_rank_tiles(variant, rows, cols, targe
     if splits > 1:  # h partials stay under a quarter of x
         assert (
             splits * rows * variant.rank_bucket * 4 * 2
-            <= rows * cols * variants.ELEMENT_BYTES[variant.dtype] / 2
+            <= rows * cols * kernel_variants.ELEMENT_BYTES[variant.dtype] / 2
         )
 
 
@@ -72,8 +72,8 @@ def test_up_grid_covers_the_output(variant, rows, cols):
 @pytest.mark.parametrize("rank", [1, 5, 8, 9, 33, 64])
 def test_pad_rank_adds_zero_rows_up_to_the_bucket(rank):
     adapter = torch.randn(rank, 24)
-    variant = variants.Variant("float32", variants.rank_bucket(rank), True)
-    padded = variants.pad_rank(adapter, variant)
+    variant = kernel_variants.Variant("float32", kernel_variants.rank_bucket(rank), True)
+    padded = kernel_variants.pad_rank(adapter, variant)
     assert padded.shape == (variant.rank_bucket, 24) and padded.is_contiguous()
     assert torch.equal(padded[:rank], adapter) and not padded[rank:].any()
     assert padded.data_ptr() != adapter.data_ptr()  # a fresh tensor: the caller's adapter is not touched
@@ -83,21 +83,21 @@ def test_tensor_cores_where_the_cuda_cores_would_bind():
     chosen = {
         (v.dtype, v.rank_bucket, v.aligned)
         for spec, v in specs.all_variants()
-        if spec is specs.LORA_DOWN and variants.uses_mma(v)
+        if spec is specs.LORA_DOWN and kernel_variants.uses_mma(v)
     }
     assert chosen == {(d, r, True) for d in ("bfloat16", "float16") for r in (16, 32, 64)}
     assert [
-        r for r in variants.RANK_BUCKETS if variants.up_uses_mma(variants.Variant("bfloat16", r, True))
+        r for r in kernel_variants.RANK_BUCKETS if kernel_variants.up_uses_mma(kernel_variants.Variant("bfloat16", r, True))
     ] == [
         32,
         64,
     ]
-    assert not variants.up_uses_mma(
-        variants.Variant("float16", 64, True)
+    assert not kernel_variants.up_uses_mma(
+        kernel_variants.Variant("float16", 64, True)
     )  # h would be rounded to float16's range
-    assert not variants.up_uses_mma(variants.Variant("bfloat16", 64, False))
+    assert not kernel_variants.up_uses_mma(kernel_variants.Variant("bfloat16", 64, False))
     grad_out = [
-        v for spec, v in specs.all_variants() if spec is specs.LORA_GRAD_OUT and variants.grad_out_uses_mma(v)
+        v for spec, v in specs.all_variants() if spec is specs.LORA_GRAD_OUT and kernel_variants.grad_out_uses_mma(v)
     ]
     assert {(v.dtype, v.rank_bucket, v.aligned) for v in grad_out} == {
         ("bfloat16", r, True) for r in (16, 32, 64)
@@ -109,7 +109,7 @@ def test_grids_fill_two_waves_on_an_h100_layer(rank):
     """4096 x 4096 layer, 4096 tokens, 132 SMs (target_blocks 264): lora_down, lora_up and lora_grad_in
     launch about two waves of the blocks per SM their launch bounds ask for (issue 20: the first grids
     were 0.48 waves); lora_grad_out stops at its partial-sum cap (half of g's bytes)."""
-    variant = variants.Variant("bfloat16", rank, True)
+    variant = kernel_variants.Variant("bfloat16", rank, True)
     sms, target, n = 132, 264, 4096
 
     def waves(spec: specs.KernelSpec, blocks: int) -> float:
