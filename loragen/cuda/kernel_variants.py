@@ -24,6 +24,7 @@ __all__ = [
     "backward_tile",
     "down_tile",
     "grad_out_tile",
+    "grad_in_uses_mma",
     "grad_out_uses_mma",
     "pad_rank",
     "rank_bucket",
@@ -152,20 +153,48 @@ def up_tile(v: Variant) -> dict[str, int]:
     }
 
 
-def backward_tile(v: Variant) -> dict[str, int]:
-    """``lora_grad_in``'s block: 4 warps sharing 256 columns, taking turns over the rows.
+def grad_in_uses_mma(v: Variant) -> bool:
+    """Whether ``lora_grad_in`` runs on tensor cores for ``v``: bf16 (dh is split into two bf16 terms,
+    whose range is float32's), vector accesses, R >= 16."""
+    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 16
 
-    ``lora_grad_in`` keeps RANK_TILE x 8 dA sums per lane and ROWS_PER_STEP rows of x and dh: rank tiles
-    of 4 at R <= 16 (x is then read R / 4 times, the repeats from L2) and of 8 with 2 rows per step
-    above, so that three blocks fit a multiprocessor (<= 168 registers) where two did.
+
+def backward_tile(v: Variant) -> dict[str, int]:
+    """``lora_grad_in``'s block: 4 warps sharing its columns, taking turns over the rows.
+
+    On tensor cores (:func:`grad_in_uses_mma`) a block owns 32 columns and every rank, and each warp
+    step covers ``rows_per_step`` = 16 x M rows: M 16-row tiles whose loads of x (16 bytes per lane and
+    row) and dh are all issued before the first mma -- 4 tiles (128 bytes of x in flight per lane) at
+    R = 16, 2 at R = 32, 1 at R = 64, where dA's R float32 sums and A's R / 2 fragment registers per
+    lane leave less room; R = 64 keeps two blocks per multiprocessor (<= 255 registers), the others three.
+
+    On the CUDA cores a block owns 256 columns: ``lora_grad_in`` keeps RANK_TILE x 8 dA sums per lane
+    and ROWS_PER_STEP rows of x and dh: rank tiles of 4 at R <= 16 (x is then read R / 4 times, the
+    repeats from L2) and of 8 with 2 rows per step above, so that three blocks fit a multiprocessor
+    (<= 168 registers) where two did.
     """
+    if grad_in_uses_mma(v):
+        tiles = {16: 4, 32: 2, 64: 1}[v.rank_bucket]
+        return {
+            "warps": 4,
+            "min_blocks": 3 if v.rank_bucket <= 32 else 2,
+            "mma": True,
+            "rank_tile": v.rank_bucket,
+            "rows_per_step": 16 * tiles,
+        }
     if v.rank_bucket <= 16:  # scalar loads of unaligned rows need more registers: 2 rows per step there
         rows = 4 if v.aligned else 2
         # unaligned at R = 8 the whole grad_x rank loop unrolls, and 168 registers would spill: two blocks
         blocks = 2 if not v.aligned and v.rank_bucket == 8 else 3
-        return {"warps": 4, "min_blocks": blocks, "rank_tile": min(v.rank_bucket, 4), "rows_per_step": rows}
+        return {
+            "warps": 4,
+            "min_blocks": blocks,
+            "mma": False,
+            "rank_tile": min(v.rank_bucket, 4),
+            "rows_per_step": rows,
+        }
     # unaligned above R = 16 the scalar loads and the rng pointer's loads push past 168 registers: two blocks
-    return {"warps": 4, "min_blocks": 3 if v.aligned else 2, "rank_tile": 8, "rows_per_step": 2}
+    return {"warps": 4, "min_blocks": 3 if v.aligned else 2, "mma": False, "rank_tile": 8, "rows_per_step": 2}
 
 
 def grad_out_uses_mma(v: Variant) -> bool:

@@ -44,6 +44,11 @@ CASES = [
     pytest.param(67, 136, 72, 1, torch.float16, 0.2, True, True, id="f16-r1-odd-rows-fifo"),
     pytest.param(53, 45, 41, 12, torch.bfloat16, 0.3, True, False, id="bf16-r12-unaligned"),
     pytest.param(37, 72, 40, 64, torch.float32, 0.1, True, False, id="f32-r64-rank-tiles"),
+    # lora_grad_in on tensor cores (bf16, aligned, R >= 16): a padded rank (9 of 16), R = 32 with a partial
+    # last 32-column block (88 = 2 x 32 + 24), rows that are no multiple of 16, R = 64 with p = 0
+    pytest.param(35, 40, 16, 9, torch.bfloat16, 0.3, True, False, id="bf16-r9-mma-grad-in-padded-rank"),
+    pytest.param(77, 88, 40, 27, torch.bfloat16, 0.15, False, True, id="bf16-r27-mma-grad-in-fifo"),
+    pytest.param(18, 56, 24, 64, torch.bfloat16, 0.0, True, False, id="bf16-r64-mma-grad-in"),
 ]
 
 
