@@ -73,6 +73,8 @@ HBM = 3.35e12  # bytes/s
 SMS = 132
 FP32_FMA = 67e12  # FLOP/s, CUDA cores: 132 SMs x 128 FP32 lanes x 2 FLOP x 1.98 GHz
 TENSOR_DENSE = 989e12  # FLOP/s, bf16 dense (wgmma): the tensor FLOP floor
+ISSUE_RATE = SMS * 4 * 1.98e9  # warp instructions/s: 4 schedulers per SM, one instruction per clock each
+HMMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16 = one HMMA.16816 instruction
 MMA_SYNC = 0.6 * TENSOR_DENSE  # assumed: mma.sync m16n8k16 reaches about 60% of the wgmma peak
 L2 = 5.5e12  # bytes/s, assumed L2 hit bandwidth (conservative)
 LATENCY = 1.9e-6  # s, fitted (see the docstring): how long a loop step holds its loads' bytes
@@ -193,13 +195,20 @@ class Prediction:
     t_l2: float
     t_core: float
     t_tensor: float
+    t_issue: float  # tensor-core kernels: every issued instruction, from the HMMA count and share
     predicted: float
     hbm_floor: float
     floor: float
 
     @property
     def bound(self) -> str:
-        times = {"HBM": self.t_hbm, "L2": self.t_l2, "FP32 FMA": self.t_core, "tensor": self.t_tensor}
+        times = {
+            "HBM": self.t_hbm,
+            "L2": self.t_l2,
+            "FP32 FMA": self.t_core,
+            "tensor": self.t_tensor,
+            "issue": self.t_issue,
+        }
         return max(times, key=lambda k: times[k])
 
 
@@ -260,7 +269,10 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
         blocks = split.grid[0] * split.grid[1]
         mma = bool(tile.get("mma"))
         # bytes of g or x each lane loads before first use: with mma, rows g and g + 8 of every chunk
-        per_lane = 2 * tile["col_chunks"] * 16 if mma else tile["rows_per_step"] * 16
+        if mma and name == "lora_grad_in":  # rows g and g + 8 of each of the step's 16-row tiles
+            per_lane = 2 * (tile["rows_per_step"] // 16) * 16
+        else:
+            per_lane = 2 * tile["col_chunks"] * 16 if mma else tile["rows_per_step"] * 16
         if name == "lora_grad_out":
             min_bytes = big + adapter + 2 * small + adapter
             partials = split.col_blocks * small + split.splits * adapter
@@ -276,10 +288,14 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
                 + n / (tile["rows_per_step"] * tile["warps"]) * adapter
                 + split.col_blocks * small * 2
             )
+            if mma:  # every block reads dh for its rows and A for its 32 columns once, x once
+                l2 = split.col_blocks * small + split.splits * adapter
         core, tensor = (0.0, 2 * flops) if mma else (2 * flops, 0.0)
+        if mma and name == "lora_grad_in":  # dh as two bf16 terms: two mma per product
+            tensor = 4 * flops
     shared = 2 * tile["warps"] * tile.get("rows_per_step", 0) * tile.get("rank_tile", 0) * 4
     if name == "lora_grad_in":
-        shared = (tile["warps"] - 1) * tile["rank_tile"] * 256 * 4
+        shared = (tile["warps"] - 1) * tile["rank_tile"] * (32 if mma else 256) * 4
     used_shared = shared if name in ("lora_grad_out", "lora_grad_in") else 0
     warps = _occupancy(sass.registers, tile["warps"], blocks, used_shared)
     filled = waves(sass.registers, tile["warps"], blocks, used_shared)
@@ -292,13 +308,17 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
     issue = min(1.0, warps / ISSUE_WARPS)
     t_core = core / (FP32_FMA * max(ffma, 1e-3) * issue) if core else 0.0
     t_tensor = tensor / MMA_SYNC
+    # issue slots of a tensor-core kernel, counted as t_core counts them for an FFMA kernel (t_core is
+    # FFMA instructions / FFMA share / (ISSUE_RATE x issue)): HMMA instructions / HMMA share of the loop
+    hmma = sass.share("HMMA") if sass.counts else 0.0
+    t_issue = tensor / HMMA_FLOPS / (ISSUE_RATE * hmma * issue) if tensor and hmma else 0.0
     t_hbm, t_l2 = hbm / bandwidth, l2 / L2
     hbm_floor = min_bytes / HBM
     floor = max(hbm_floor, core / FP32_FMA, tensor / TENSOR_DENSE)
     return Prediction(
         name, rank, n, blocks, mma, sass.registers, sass.source, warps, filled, inflight,
         min_bytes, hbm, l2, core, tensor, ffma,
-        t_hbm, t_l2, t_core, t_tensor, max(t_hbm, t_l2, t_core, t_tensor), hbm_floor, floor,
+        t_hbm, t_l2, t_core, t_tensor, t_issue, max(t_hbm, t_l2, t_core, t_tensor, t_issue), hbm_floor, floor,
     )  # fmt: skip
 
 

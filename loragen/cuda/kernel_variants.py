@@ -115,9 +115,9 @@ def down_tile(v: Variant) -> dict[str, int]:
 
 
 def up_uses_mma(v: Variant) -> bool:
-    """Whether ``lora_up`` runs on tensor cores for ``v``: bf16 (h is rounded to bf16, whose range is
-    float32's), vector accesses, R >= 32."""
-    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 32
+    """Whether ``lora_up`` runs on tensor cores for ``v``: bf16 (h is split into two bf16 terms, whose
+    range is float32's), vector accesses, R >= 16."""
+    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 16
 
 
 def _up_min_blocks(v: Variant) -> int:

@@ -272,3 +272,35 @@ def test_grad_in_on_tensor_cores_keeps_float32_accuracy(launcher, rows, cols, bu
     want_gx = (dh.double() @ a_rounded) * keep
     assert relative_error(gx, want_gx) < 4e-3
     assert torch.equal(gx == 0, want_gx == 0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "bucket"),
+    [
+        pytest.param(37, 264, 16, id="r16-odd-rows-partial-chunk"),
+        pytest.param(1, 8, 16, id="r16-one-row"),
+        pytest.param(130, 40, 32, id="r32"),
+        pytest.param(21, 72, 64, id="r64"),
+    ],
+)
+def test_up_on_tensor_cores_rounds_once(launcher, rows, cols, bucket):
+    """lora_up's tensor-core pass with a zero base product: out = bf16(s h B^T) with B^T rounded to bf16
+    once and h split into two bf16 terms, so out is the float64 result rounded once -- but where it lies
+    within float32 noise of a rounding boundary. One bf16 rounding of h instead makes about a quarter of
+    the elements differ (this bound fails)."""
+    from loragen.cuda import passes
+
+    gen = torch.Generator().manual_seed(rows + cols + bucket)
+    h = torch.randn(rows, bucket, generator=gen) * 10 ** (2 * torch.rand(rows, bucket, generator=gen) - 1)
+    bt = torch.randn(bucket, cols, generator=gen)
+    plan = passes.Plan(torch.zeros(rows, 8, dtype=torch.bfloat16), cols, bucket, launcher)
+    assert kernel_variants.up_uses_mma(plan.variant)
+    out = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    passes.up(plan, h, bt, None, 0.75, out)
+    want = 0.75 * h.double() @ bt.to(torch.bfloat16).double()
+    differ = out.double() != want.to(torch.bfloat16).double()
+    assert differ.float().mean().item() < 0.02
+    # and those that differ are at most one bf16 step (2^-7 relative) away, but for float32 noise in
+    # sums that cancel (relative to the sum of the terms' magnitudes)
+    terms = 0.75 * h.double().abs() @ bt.to(torch.bfloat16).double().abs()
+    assert bool(((out.double() - want).abs() <= 2**-7 * want.abs() + 1e-5 * terms).all())
