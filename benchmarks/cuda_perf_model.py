@@ -20,8 +20,14 @@ For bf16 activations (float32 adapter), in = out = d = 4096, N = 4k..64k tokens 
   in the templates);
 * predicted time = the largest of: HBM bytes / (3.35 TB/s x min(1, in flight / Little's-law need)),
   L2 bytes / L2 bandwidth, CUDA-core FLOPs / (67 TFLOP/s x FFMA share x issue efficiency), tensor
-  FLOPs / mma.sync rate. Overlap is assumed perfect. ``waves`` (grid blocks / (SMs x resident blocks))
-  is reported, not modelled.
+  FLOPs / mma.sync rate, and for tensor-core kernels the issue slots of every instruction: HMMA
+  instructions (tensor FLOPs / 4096) / HMMA share of the main loop / (132 SMs x 4 schedulers x
+  1.98 GHz x issue efficiency). That last term is the FFMA term written for HMMA (67 TFLOP/s is the
+  same 4 warp instructions per SM and clock), with the same fitted issue efficiency: nothing new is
+  fitted. Without it a tensor-core kernel's Philox, transposes, conversions and address arithmetic
+  cost nothing. Tensor FLOPs count what runs: a 16-bit operand split into two terms (hi + lo) is two
+  mma. Overlap is assumed perfect. ``waves`` (grid blocks / (SMs x resident blocks)) is reported, not
+  modelled.
 
 Calibration (issue 20). Nsight Compute on an H100 SXM, 4096 x 4096 layer, 4096 tokens, r = 16, bf16,
 measured the kernels of the first design against this model's first predictions (which assumed a
@@ -271,8 +277,10 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
         # bytes of g or x each lane loads before first use: with mma, rows g and g + 8 of every chunk
         if mma and name == "lora_grad_in":  # rows g and g + 8 of each of the step's 16-row tiles
             per_lane = 2 * (tile["rows_per_step"] // 16) * 16
+        elif mma:  # the same, in each chunk of 32 columns
+            per_lane = 2 * (tile["rows_per_step"] // 16) * tile["col_chunks"] * 16
         else:
-            per_lane = 2 * tile["col_chunks"] * 16 if mma else tile["rows_per_step"] * 16
+            per_lane = tile["rows_per_step"] * 16
         if name == "lora_grad_out":
             min_bytes = big + adapter + 2 * small + adapter
             partials = split.col_blocks * small + split.splits * adapter

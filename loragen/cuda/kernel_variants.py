@@ -206,15 +206,18 @@ def grad_out_tile(v: Variant) -> dict[str, int]:
     if grad_out_uses_mma(v):
         # 8 warps x 1 chunk of 32 columns = 256 columns per block: twice the warps per multiprocessor of
         # 2 chunks per warp for the same partial sums; dB^T keeps R_tile / 2 accumulators per lane, so
-        # R = 64 runs as two rank tiles of 32 (g read again from L2)
+        # R = 64 runs as two rank tiles of 32 (g read again from L2). At R = 16 a step is 2 tiles of 16
+        # rows: 64 bytes of g in flight per lane in the 128 registers of two blocks per multiprocessor
+        # (one tile fit three blocks: 1.5x the warps, half the bytes in flight per lane). With rank tiles
+        # of 32, two tiles' dh exchange would pass the 48 KB of static shared memory: one tile.
         rank_tile = min(v.rank_bucket, 32)
         return {
             "warps": 8,
-            "min_blocks": 3 if v.rank_bucket <= 16 else 2,  # <= 80 registers, <= 128
+            "min_blocks": 2,  # <= 128 registers
             "mma": True,
             "col_chunks": 1,
             "rank_tile": rank_tile,
-            "rows_per_step": 16,
+            "rows_per_step": 32 if rank_tile == 16 else 16,
         }
     # the CUDA-core pass keeps B^T and dB for 8 columns and 8 ranks per lane: two blocks per SM
     return {
