@@ -132,14 +132,15 @@ def up_tile(v: Variant) -> dict[str, int]:
     if up_uses_mma(v):  # rows_per_thread: 16-row tiles per warp; rank_step: unused by the mma pass
         # a block: 128 rows x 128 columns, so h and B^T are each read from L2 about R / 32 times per byte
         # of out (4 chunks of 32 columns per warp, B^T from L1 for the block's other warps); 4 chunks
-        # rather than 8 so that a 4096 x 4096 output is 1024 blocks, two waves
+        # rather than 8 so that a 4096 x 4096 output is 1024 blocks, two waves. At R = 16 the registers
+        # leave room for five blocks per multiprocessor: 2 chunks, 2048 blocks, three waves
         return {
             "warps": 4,
             "min_blocks": 4 if v.rank_bucket <= 32 else 3,
             "mma": True,
             "rows_per_thread": 2,
             "rank_step": 4,
-            "col_chunks": 4,
+            "col_chunks": 2 if v.rank_bucket == 16 else 4,
         }
     # 4 rows x 8 columns: 32 accumulators and the 32 values of out they are added to, so that three
     # blocks fit a multiprocessor (<= 168 registers) and each thread has four 16-byte loads of out in flight
