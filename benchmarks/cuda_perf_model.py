@@ -49,6 +49,14 @@ min(1, warps per SM / 24) (lora_grad_in's 124 us at 8 warps/SM). Both are fitted
 on one GPU: the predictions for the redesigned kernels below are predictions, to be checked with Nsight
 Compute, and the fit redone with the new measurements.
 
+Issue 20, second round (tensor cores in every bf16 kernel at R >= 16): the fit is unchanged; the
+issue term of tensor-core kernels (above) is new and reuses the fitted issue efficiency. Predictions
+for the 4096 x 4096 layer, 4096 tokens, R = 16, bf16 (before -> now, binding floor): lora_down 12.6
+-> 12.6 us (10.2), lora_up 39.6 -> 23.8 us (20.2), lora_grad_out 34.7 -> 26.0 us (10.3), lora_grad_in
+99.4 -> 23.8 us (20.3, now bound by issue slots). lora_grad_out stays under 60% of its floor: its
+float32 partial sums (dh per 256-column block, dB per row split, 24 MB written and read back) are
+what a grid of two waves costs, so even at full bandwidth it would take 17.6 us (58%).
+
 The binding floor is the larger of the HBM floor (minimum bytes / 3.35 TB/s) and the FLOP floor of
 the units the kernel uses (67 TFLOP/s FP32 FMA; tensor cores 989 TFLOP/s dense bf16).
 
@@ -137,7 +145,8 @@ def inspect(name: str, rank: int) -> Sass:
 
         spec = specs.KERNELS[name]
         compiled = compile_kernel(
-            render_kernel(name, specs.render_params(spec, kernel_variants.Variant("bfloat16", rank, True))), "sm_90"
+            render_kernel(name, specs.render_params(spec, kernel_variants.Variant("bfloat16", rank, True))),
+            "sm_90",
         )
     except ImportError:
         return Sass(RECORDED[(name, rank)], "recorded", {})

@@ -89,22 +89,30 @@ def test_tensor_cores_where_the_cuda_cores_would_bind():
     }
     assert chosen == {(d, r, True) for d in ("bfloat16", "float16") for r in (16, 32, 64)}
     assert [
-        r for r in kernel_variants.RANK_BUCKETS if kernel_variants.up_uses_mma(kernel_variants.Variant("bfloat16", r, True))
+        r
+        for r in kernel_variants.RANK_BUCKETS
+        if kernel_variants.up_uses_mma(kernel_variants.Variant("bfloat16", r, True))
     ] == [16, 32, 64]
     assert not kernel_variants.up_uses_mma(
         kernel_variants.Variant("float16", 64, True)
     )  # h would be rounded to float16's range
     assert not kernel_variants.up_uses_mma(kernel_variants.Variant("bfloat16", 64, False))
     grad_out = [
-        v for spec, v in specs.all_variants() if spec is specs.LORA_GRAD_OUT and kernel_variants.grad_out_uses_mma(v)
+        v
+        for spec, v in specs.all_variants()
+        if spec is specs.LORA_GRAD_OUT and kernel_variants.grad_out_uses_mma(v)
     ]
     assert {(v.dtype, v.rank_bucket, v.aligned) for v in grad_out} == {
         ("bfloat16", r, True) for r in (16, 32, 64)
     }
     grad_in = [
-        v for spec, v in specs.all_variants() if spec is specs.LORA_GRAD_IN and kernel_variants.grad_in_uses_mma(v)
+        v
+        for spec, v in specs.all_variants()
+        if spec is specs.LORA_GRAD_IN and kernel_variants.grad_in_uses_mma(v)
     ]
-    assert {(v.dtype, v.rank_bucket, v.aligned) for v in grad_in} == {("bfloat16", r, True) for r in (16, 32, 64)}
+    assert {(v.dtype, v.rank_bucket, v.aligned) for v in grad_in} == {
+        ("bfloat16", r, True) for r in (16, 32, 64)
+    }
     for v in grad_in:  # every rank in one block (x read once), whole 16-row tiles per step
         tile = specs.LORA_GRAD_IN.tile(v)
         assert tile["mma"] and tile["rank_tile"] == v.rank_bucket and tile["rows_per_step"] % 16 == 0
