@@ -304,3 +304,15 @@ def test_up_on_tensor_cores_rounds_once(launcher, rows, cols, bucket):
     # sums that cancel (relative to the sum of the terms' magnitudes)
     terms = 0.75 * h.double().abs() @ bt.to(torch.bfloat16).double().abs()
     assert bool(((out.double() - want).abs() <= 2**-7 * want.abs() + 1e-5 * terms).all())
+
+
+def test_empty_batch_on_tensor_cores(launcher):
+    """bf16, aligned, r = 16: every kernel on its tensor-core pass with no rows -- zero gradients for the
+    adapter, an empty input gradient, and nothing read out of bounds (the emulation traps it)."""
+    (x, w, b, a, bb), _ = make_inputs(8, 64, 24, 16, torch.bfloat16)
+    empty = x[:0].detach().requires_grad_()
+    out = lora_linear_cuda(empty, w, b, a, bb, 1.0, 0.1, True, launcher=launcher)
+    assert out.shape == (0, 24)
+    out.sum().backward()
+    assert empty.grad.shape == (0, 64)
+    assert torch.count_nonzero(a.grad) == 0 and torch.count_nonzero(bb.grad) == 0
