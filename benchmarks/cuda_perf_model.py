@@ -20,8 +20,14 @@ For bf16 activations (float32 adapter), in = out = d = 4096, N = 4k..64k tokens 
   in the templates);
 * predicted time = the largest of: HBM bytes / (3.35 TB/s x min(1, in flight / Little's-law need)),
   L2 bytes / L2 bandwidth, CUDA-core FLOPs / (67 TFLOP/s x FFMA share x issue efficiency), tensor
-  FLOPs / mma.sync rate. Overlap is assumed perfect. ``waves`` (grid blocks / (SMs x resident blocks))
-  is reported, not modelled.
+  FLOPs / mma.sync rate, and for tensor-core kernels the issue slots of every instruction: HMMA
+  instructions (tensor FLOPs / 4096) / HMMA share of the main loop / (132 SMs x 4 schedulers x
+  1.98 GHz x issue efficiency). That last term is the FFMA term written for HMMA (67 TFLOP/s is the
+  same 4 warp instructions per SM and clock), with the same fitted issue efficiency: nothing new is
+  fitted. Without it a tensor-core kernel's Philox, transposes, conversions and address arithmetic
+  cost nothing. Tensor FLOPs count what runs: a 16-bit operand split into two terms (hi + lo) is two
+  mma. Overlap is assumed perfect. ``waves`` (grid blocks / (SMs x resident blocks)) is reported, not
+  modelled.
 
 Calibration (issue 20). Nsight Compute on an H100 SXM, 4096 x 4096 layer, 4096 tokens, r = 16, bf16,
 measured the kernels of the first design against this model's first predictions (which assumed a
@@ -42,6 +48,14 @@ loop step of these kernels holds its bytes (the median of lora_down's 2.4 us and
 min(1, warps per SM / 24) (lora_grad_in's 124 us at 8 warps/SM). Both are fitted to one layer shape
 on one GPU: the predictions for the redesigned kernels below are predictions, to be checked with Nsight
 Compute, and the fit redone with the new measurements.
+
+Issue 20, second round (tensor cores in every bf16 kernel at R >= 16): the fit is unchanged; the
+issue term of tensor-core kernels (above) is new and reuses the fitted issue efficiency. Predictions
+for the 4096 x 4096 layer, 4096 tokens, R = 16, bf16 (before -> now, binding floor): lora_down 12.6
+-> 12.6 us (10.2), lora_up 39.6 -> 23.8 us (20.2), lora_grad_out 34.7 -> 26.0 us (10.3), lora_grad_in
+99.4 -> 23.8 us (20.3, now bound by issue slots). lora_grad_out stays under 60% of its floor: its
+float32 partial sums (dh per 256-column block, dB per row split, 24 MB written and read back) are
+what a grid of two waves costs, so even at full bandwidth it would take 17.6 us (58%).
 
 The binding floor is the larger of the HBM floor (minimum bytes / 3.35 TB/s) and the FLOP floor of
 the units the kernel uses (67 TFLOP/s FP32 FMA; tensor cores 989 TFLOP/s dense bf16).
@@ -73,6 +87,8 @@ HBM = 3.35e12  # bytes/s
 SMS = 132
 FP32_FMA = 67e12  # FLOP/s, CUDA cores: 132 SMs x 128 FP32 lanes x 2 FLOP x 1.98 GHz
 TENSOR_DENSE = 989e12  # FLOP/s, bf16 dense (wgmma): the tensor FLOP floor
+ISSUE_RATE = SMS * 4 * 1.98e9  # warp instructions/s: 4 schedulers per SM, one instruction per clock each
+HMMA_FLOPS = 2 * 16 * 8 * 16  # one mma.sync m16n8k16 = one HMMA.16816 instruction
 MMA_SYNC = 0.6 * TENSOR_DENSE  # assumed: mma.sync m16n8k16 reaches about 60% of the wgmma peak
 L2 = 5.5e12  # bytes/s, assumed L2 hit bandwidth (conservative)
 LATENCY = 1.9e-6  # s, fitted (see the docstring): how long a loop step holds its loads' bytes
@@ -88,9 +104,9 @@ TOKENS = (4096, 16384, 65536)
 # NVRTC is not installed (benchmarks/kernel_sass.json has every variant).
 RECORDED: dict[tuple[str, int], int] = {
     **{("lora_down", r): n for r, n in ((8, 167), (16, 128), (32, 127), (64, 128))},
-    **{("lora_up", r): n for r, n in ((8, 160), (16, 167), (32, 95), (64, 146))},
-    **{("lora_grad_out", r): n for r, n in ((8, 255), (16, 76), (32, 124), (64, 122))},
-    **{("lora_grad_in", r): n for r, n in ((8, 168), (16, 168), (32, 168), (64, 168))},
+    **{("lora_up", r): n for r, n in ((8, 160), (16, 92), (32, 113), (64, 168))},
+    **{("lora_grad_out", r): n for r, n in ((8, 255), (16, 101), (32, 124), (64, 122))},
+    **{("lora_grad_in", r): n for r, n in ((8, 168), (16, 157), (32, 164), (64, 222))},
 }
 
 
@@ -194,13 +210,20 @@ class Prediction:
     t_l2: float
     t_core: float
     t_tensor: float
+    t_issue: float  # tensor-core kernels: every issued instruction, from the HMMA count and share
     predicted: float
     hbm_floor: float
     floor: float
 
     @property
     def bound(self) -> str:
-        times = {"HBM": self.t_hbm, "L2": self.t_l2, "FP32 FMA": self.t_core, "tensor": self.t_tensor}
+        times = {
+            "HBM": self.t_hbm,
+            "L2": self.t_l2,
+            "FP32 FMA": self.t_core,
+            "tensor": self.t_tensor,
+            "issue": self.t_issue,
+        }
         return max(times, key=lambda k: times[k])
 
 
@@ -261,7 +284,12 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
         blocks = split.grid[0] * split.grid[1]
         mma = bool(tile.get("mma"))
         # bytes of g or x each lane loads before first use: with mma, rows g and g + 8 of every chunk
-        per_lane = 2 * tile["col_chunks"] * 16 if mma else tile["rows_per_step"] * 16
+        if mma and name == "lora_grad_in":  # rows g and g + 8 of each of the step's 16-row tiles
+            per_lane = 2 * (tile["rows_per_step"] // 16) * 16
+        elif mma:  # the same, in each chunk of 32 columns
+            per_lane = 2 * (tile["rows_per_step"] // 16) * tile["col_chunks"] * 16
+        else:
+            per_lane = tile["rows_per_step"] * 16
         if name == "lora_grad_out":
             min_bytes = big + adapter + 2 * small + adapter
             partials = split.col_blocks * small + split.splits * adapter
@@ -277,10 +305,14 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
                 + n / (tile["rows_per_step"] * tile["warps"]) * adapter
                 + split.col_blocks * small * 2
             )
+            if mma:  # every block reads dh for its rows and A for its 32 columns once, x once
+                l2 = split.col_blocks * small + split.splits * adapter
         core, tensor = (0.0, 2 * flops) if mma else (2 * flops, 0.0)
+        if mma and name == "lora_grad_in":  # dh as two bf16 terms: two mma per product
+            tensor = 4 * flops
     shared = 2 * tile["warps"] * tile.get("rows_per_step", 0) * tile.get("rank_tile", 0) * 4
     if name == "lora_grad_in":
-        shared = (tile["warps"] - 1) * tile["rank_tile"] * 256 * 4
+        shared = (tile["warps"] - 1) * tile["rank_tile"] * (32 if mma else 256) * 4
     used_shared = shared if name in ("lora_grad_out", "lora_grad_in") else 0
     warps = _occupancy(sass.registers, tile["warps"], blocks, used_shared)
     filled = waves(sass.registers, tile["warps"], blocks, used_shared)
@@ -293,13 +325,17 @@ def predict(name: str, rank: int, n: int, sass: Sass) -> Prediction:
     issue = min(1.0, warps / ISSUE_WARPS)
     t_core = core / (FP32_FMA * max(ffma, 1e-3) * issue) if core else 0.0
     t_tensor = tensor / MMA_SYNC
+    # issue slots of a tensor-core kernel, counted as t_core counts them for an FFMA kernel (t_core is
+    # FFMA instructions / FFMA share / (ISSUE_RATE x issue)): HMMA instructions / HMMA share of the loop
+    hmma = sass.share("HMMA") if sass.counts else 0.0
+    t_issue = tensor / HMMA_FLOPS / (ISSUE_RATE * hmma * issue) if tensor and hmma else 0.0
     t_hbm, t_l2 = hbm / bandwidth, l2 / L2
     hbm_floor = min_bytes / HBM
     floor = max(hbm_floor, core / FP32_FMA, tensor / TENSOR_DENSE)
     return Prediction(
         name, rank, n, blocks, mma, sass.registers, sass.source, warps, filled, inflight,
         min_bytes, hbm, l2, core, tensor, ffma,
-        t_hbm, t_l2, t_core, t_tensor, max(t_hbm, t_l2, t_core, t_tensor), hbm_floor, floor,
+        t_hbm, t_l2, t_core, t_tensor, t_issue, max(t_hbm, t_l2, t_core, t_tensor, t_issue), hbm_floor, floor,
     )  # fmt: skip
 
 

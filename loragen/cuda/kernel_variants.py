@@ -24,6 +24,7 @@ __all__ = [
     "backward_tile",
     "down_tile",
     "grad_out_tile",
+    "grad_in_uses_mma",
     "grad_out_uses_mma",
     "pad_rank",
     "rank_bucket",
@@ -114,9 +115,9 @@ def down_tile(v: Variant) -> dict[str, int]:
 
 
 def up_uses_mma(v: Variant) -> bool:
-    """Whether ``lora_up`` runs on tensor cores for ``v``: bf16 (h is rounded to bf16, whose range is
-    float32's), vector accesses, R >= 32."""
-    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 32
+    """Whether ``lora_up`` runs on tensor cores for ``v``: bf16 (h is split into two bf16 terms, whose
+    range is float32's), vector accesses, R >= 16."""
+    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 16
 
 
 def _up_min_blocks(v: Variant) -> int:
@@ -131,14 +132,15 @@ def up_tile(v: Variant) -> dict[str, int]:
     if up_uses_mma(v):  # rows_per_thread: 16-row tiles per warp; rank_step: unused by the mma pass
         # a block: 128 rows x 128 columns, so h and B^T are each read from L2 about R / 32 times per byte
         # of out (4 chunks of 32 columns per warp, B^T from L1 for the block's other warps); 4 chunks
-        # rather than 8 so that a 4096 x 4096 output is 1024 blocks, two waves
+        # rather than 8 so that a 4096 x 4096 output is 1024 blocks, two waves. At R = 16 the registers
+        # leave room for five blocks per multiprocessor: 2 chunks, 2048 blocks, three waves
         return {
             "warps": 4,
             "min_blocks": 4 if v.rank_bucket <= 32 else 3,
             "mma": True,
             "rows_per_thread": 2,
             "rank_step": 4,
-            "col_chunks": 4,
+            "col_chunks": 2 if v.rank_bucket == 16 else 4,
         }
     # 4 rows x 8 columns: 32 accumulators and the 32 values of out they are added to, so that three
     # blocks fit a multiprocessor (<= 168 registers) and each thread has four 16-byte loads of out in flight
@@ -152,20 +154,48 @@ def up_tile(v: Variant) -> dict[str, int]:
     }
 
 
-def backward_tile(v: Variant) -> dict[str, int]:
-    """``lora_grad_in``'s block: 4 warps sharing 256 columns, taking turns over the rows.
+def grad_in_uses_mma(v: Variant) -> bool:
+    """Whether ``lora_grad_in`` runs on tensor cores for ``v``: bf16 (dh is split into two bf16 terms,
+    whose range is float32's), vector accesses, R >= 16."""
+    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 16
 
-    ``lora_grad_in`` keeps RANK_TILE x 8 dA sums per lane and ROWS_PER_STEP rows of x and dh: rank tiles
-    of 4 at R <= 16 (x is then read R / 4 times, the repeats from L2) and of 8 with 2 rows per step
-    above, so that three blocks fit a multiprocessor (<= 168 registers) where two did.
+
+def backward_tile(v: Variant) -> dict[str, int]:
+    """``lora_grad_in``'s block: 4 warps sharing its columns, taking turns over the rows.
+
+    On tensor cores (:func:`grad_in_uses_mma`) a block owns 32 columns and every rank, and each warp
+    step covers ``rows_per_step`` = 16 x M rows: M 16-row tiles whose loads of x (16 bytes per lane and
+    row) and dh are all issued before the first mma -- 4 tiles (128 bytes of x in flight per lane) at
+    R = 16, 2 at R = 32, 1 at R = 64, where dA's R float32 sums and A's R / 2 fragment registers per
+    lane leave less room; R = 64 keeps two blocks per multiprocessor (<= 255 registers), the others three.
+
+    On the CUDA cores a block owns 256 columns: ``lora_grad_in`` keeps RANK_TILE x 8 dA sums per lane
+    and ROWS_PER_STEP rows of x and dh: rank tiles of 4 at R <= 16 (x is then read R / 4 times, the
+    repeats from L2) and of 8 with 2 rows per step above, so that three blocks fit a multiprocessor
+    (<= 168 registers) where two did.
     """
+    if grad_in_uses_mma(v):
+        tiles = {16: 4, 32: 2, 64: 1}[v.rank_bucket]
+        return {
+            "warps": 4,
+            "min_blocks": 3 if v.rank_bucket <= 32 else 2,
+            "mma": True,
+            "rank_tile": v.rank_bucket,
+            "rows_per_step": 16 * tiles,
+        }
     if v.rank_bucket <= 16:  # scalar loads of unaligned rows need more registers: 2 rows per step there
         rows = 4 if v.aligned else 2
         # unaligned at R = 8 the whole grad_x rank loop unrolls, and 168 registers would spill: two blocks
         blocks = 2 if not v.aligned and v.rank_bucket == 8 else 3
-        return {"warps": 4, "min_blocks": blocks, "rank_tile": min(v.rank_bucket, 4), "rows_per_step": rows}
+        return {
+            "warps": 4,
+            "min_blocks": blocks,
+            "mma": False,
+            "rank_tile": min(v.rank_bucket, 4),
+            "rows_per_step": rows,
+        }
     # unaligned above R = 16 the scalar loads and the rng pointer's loads push past 168 registers: two blocks
-    return {"warps": 4, "min_blocks": 3 if v.aligned else 2, "rank_tile": 8, "rows_per_step": 2}
+    return {"warps": 4, "min_blocks": 3 if v.aligned else 2, "mma": False, "rank_tile": 8, "rows_per_step": 2}
 
 
 def grad_out_uses_mma(v: Variant) -> bool:
@@ -177,15 +207,18 @@ def grad_out_tile(v: Variant) -> dict[str, int]:
     if grad_out_uses_mma(v):
         # 8 warps x 1 chunk of 32 columns = 256 columns per block: twice the warps per multiprocessor of
         # 2 chunks per warp for the same partial sums; dB^T keeps R_tile / 2 accumulators per lane, so
-        # R = 64 runs as two rank tiles of 32 (g read again from L2)
+        # R = 64 runs as two rank tiles of 32 (g read again from L2). At R = 16 a step is 2 tiles of 16
+        # rows: 64 bytes of g in flight per lane in the 128 registers of two blocks per multiprocessor
+        # (one tile fit three blocks: 1.5x the warps, half the bytes in flight per lane). With rank tiles
+        # of 32, two tiles' dh exchange would pass the 48 KB of static shared memory: one tile.
         rank_tile = min(v.rank_bucket, 32)
         return {
             "warps": 8,
-            "min_blocks": 3 if v.rank_bucket <= 16 else 2,  # <= 80 registers, <= 128
+            "min_blocks": 2,  # <= 128 registers
             "mma": True,
             "col_chunks": 1,
             "rank_tile": rank_tile,
-            "rows_per_step": 16,
+            "rows_per_step": 32 if rank_tile == 16 else 16,
         }
     # the CUDA-core pass keeps B^T and dB for 8 columns and 8 ranks per lane: two blocks per SM
     return {

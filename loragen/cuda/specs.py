@@ -300,7 +300,9 @@ def _split_plan(
     # lora_grad_out: every lane of the block has its own columns; lora_grad_in: the warps share 256
     # columns and take turns over the rows, ROWS_PER_STEP each
     shared = spec is LORA_GRAD_IN
-    if tile.get("mma"):  # lora_grad_out on tensor cores: each warp col_chunks chunks of 32 columns
+    if tile.get("mma") and shared:  # lora_grad_in on tensor cores: the warps share 32 columns
+        block_cols = WARP
+    elif tile.get("mma"):  # lora_grad_out on tensor cores: each warp col_chunks chunks of 32 columns
         block_cols = tile["warps"] * WARP * tile["col_chunks"]
     else:
         block_cols = (1 if shared else tile["warps"]) * WARP * CHUNK

@@ -36,14 +36,21 @@ CASES = [
     pytest.param(45, 96, 40, 40, torch.bfloat16, 0.2, True, False, id="bf16-r40-mma-split"),
     pytest.param(19, 40, 24, 32, torch.float16, 0.0, True, True, id="f16-r32-mma-fifo"),
     # the split grids of two waves: lora_down's column splits on tensor cores (3 splits of 384, 384 and
-    # 264 columns), the row splits of lora_grad_out (4: 3 x 160 + 120 rows) and lora_grad_in (3: 208,
-    # 208, 184) -- row counts that are no multiple of the split -- with 4 rank tiles of 4 in lora_grad_in
+    # 264 columns), the row splits of lora_grad_out (4: 3 x 160 + 120 rows) and of lora_grad_in on
+    # tensor cores (3: 256, 256, 88, so two of the last split's four warps have no rows) -- row counts
+    # that are no multiple of the split
     pytest.param(41, 1032, 24, 16, torch.bfloat16, 0.1, True, False, id="bf16-r16-mma-down-column-splits"),
     pytest.param(600, 48, 40, 16, torch.bfloat16, 0.2, False, False, id="bf16-r16-backward-row-splits"),
+    pytest.param(600, 48, 40, 16, torch.float16, 0.2, True, False, id="f16-r16-backward-row-splits"),
     pytest.param(1, 64, 48, 16, torch.bfloat16, 0.1, True, False, id="bf16-r16-one-row"),
     pytest.param(67, 136, 72, 1, torch.float16, 0.2, True, True, id="f16-r1-odd-rows-fifo"),
     pytest.param(53, 45, 41, 12, torch.bfloat16, 0.3, True, False, id="bf16-r12-unaligned"),
     pytest.param(37, 72, 40, 64, torch.float32, 0.1, True, False, id="f32-r64-rank-tiles"),
+    # lora_grad_in on tensor cores (bf16, aligned, R >= 16): a padded rank (9 of 16), R = 32 with a partial
+    # last 32-column block (88 = 2 x 32 + 24), rows that are no multiple of 16, R = 64 with p = 0
+    pytest.param(35, 40, 16, 9, torch.bfloat16, 0.3, True, False, id="bf16-r9-mma-grad-in-padded-rank"),
+    pytest.param(77, 88, 40, 27, torch.bfloat16, 0.15, False, True, id="bf16-r27-mma-grad-in-fifo"),
+    pytest.param(18, 56, 24, 64, torch.bfloat16, 0.0, True, False, id="bf16-r64-mma-grad-in"),
 ]
 
 
@@ -114,7 +121,11 @@ def test_partial_sums_are_exercised(launcher):
     grad_out = specs.plan_grad_out(600, 40, bf16, 4)
     assert (grad_out.splits, grad_out.rows_per_split) == (4, 160)
     grad_in = specs.plan_grad_in(600, 48, bf16, 4)
-    assert (grad_in.splits, grad_in.rows_per_split, specs.rank_tiles(specs.LORA_GRAD_IN, bf16)) == (3, 208, 4)
+    assert (grad_in.splits, grad_in.rows_per_split, grad_in.col_blocks) == (3, 256, 2)
+    # the CUDA-core pass's rank tiles: float16 at R = 16, 4 tiles of 4 (3 splits of 208, 208, 184 rows)
+    f16 = kernel_variants.Variant("float16", 16, True)
+    grad_in = specs.plan_grad_in(600, 48, f16, 4)
+    assert (grad_in.splits, grad_in.rows_per_split, specs.rank_tiles(specs.LORA_GRAD_IN, f16)) == (3, 208, 4)
 
 
 def test_mask_is_the_cpu_philox_mask(launcher):
@@ -218,3 +229,90 @@ def test_bad_inputs_name_the_argument(launcher):
         lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, fan_in_fan_out=True, launcher=launcher)
     with pytest.raises(CudaLoraError, match=r"bias \(5,\); expected \(6,\)"):
         lora_linear_cuda(x, w, torch.zeros(5), a, bb, 1.0, 0.0, True, launcher=launcher)
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "bucket", "p"),
+    [
+        pytest.param(67, 264, 16, 0.2, id="r16-odd-rows-partial-block"),
+        pytest.param(1, 8, 16, 0.0, id="r16-one-row-eight-columns"),
+        pytest.param(300, 40, 16, 0.1, id="r16-row-splits"),
+        pytest.param(45, 88, 32, 0.3, id="r32"),
+        pytest.param(19, 72, 64, 0.05, id="r64"),
+        pytest.param(0, 48, 16, 0.2, id="empty"),
+    ],
+)
+def test_grad_in_on_tensor_cores_keeps_float32_accuracy(launcher, rows, cols, bucket, p):
+    """lora_grad_in's tensor-core pass against float64: dA to float32 accuracy (x is exact in bf16 and
+    dh is split into two bf16 terms, so 1e-5 fails if the second term is lost: one bf16 rounding of dh
+    is ~2e-3), grad_x to bf16 rounding (A is rounded to bf16 once), and both zero where dropped."""
+    from loragen import philox
+    from loragen.cuda import passes
+
+    gen = torch.Generator().manual_seed(rows * 1000 + cols + bucket)
+    x = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
+    # dh over six decades, so a split that loses the small term shows in dA
+    dh = torch.randn(rows, bucket, generator=gen) * 10 ** (6 * torch.rand(rows, bucket, generator=gen) - 3)
+    a = torch.randn(bucket, cols, generator=gen) / cols**0.5
+    plan = passes.Plan(x, 8, bucket, launcher)
+    assert kernel_variants.grad_in_uses_mma(plan.variant)
+    seed, offset = 1234567, 89
+    rng = torch.tensor([seed, offset], dtype=torch.int64)
+    gx, da = passes.grad_in(plan, x, dh, a, (rng, philox.keep_threshold(p), philox.keep_scale(p)), True)
+
+    keep = philox.dropout_keep_mask((rows, cols), p, seed, offset).double() / (1 - p)
+    xd = x.double() * keep
+    want_da = dh.double().t() @ xd
+    assert da.shape == (bucket, cols) and gx is not None and gx.dtype == torch.bfloat16
+    if rows == 0:
+        assert torch.count_nonzero(da) == 0 and gx.shape == (0, cols)
+        return
+    assert relative_error(da, want_da) < 1e-5
+    a_rounded = a.to(torch.bfloat16).double()  # the one rounding the pass makes on purpose
+    want_gx = (dh.double() @ a_rounded) * keep
+    assert relative_error(gx, want_gx) < 4e-3
+    assert torch.equal(gx == 0, want_gx == 0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "bucket"),
+    [
+        pytest.param(37, 264, 16, id="r16-odd-rows-partial-chunk"),
+        pytest.param(1, 8, 16, id="r16-one-row"),
+        pytest.param(130, 40, 32, id="r32"),
+        pytest.param(21, 72, 64, id="r64"),
+    ],
+)
+def test_up_on_tensor_cores_rounds_once(launcher, rows, cols, bucket):
+    """lora_up's tensor-core pass with a zero base product: out = bf16(s h B^T) with B^T rounded to bf16
+    once and h split into two bf16 terms, so out is the float64 result rounded once -- but where it lies
+    within float32 noise of a rounding boundary. One bf16 rounding of h instead makes about a quarter of
+    the elements differ (this bound fails)."""
+    from loragen.cuda import passes
+
+    gen = torch.Generator().manual_seed(rows + cols + bucket)
+    h = torch.randn(rows, bucket, generator=gen) * 10 ** (2 * torch.rand(rows, bucket, generator=gen) - 1)
+    bt = torch.randn(bucket, cols, generator=gen)
+    plan = passes.Plan(torch.zeros(rows, 8, dtype=torch.bfloat16), cols, bucket, launcher)
+    assert kernel_variants.up_uses_mma(plan.variant)
+    out = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    passes.up(plan, h, bt, None, 0.75, out)
+    want = 0.75 * h.double() @ bt.to(torch.bfloat16).double()
+    differ = out.double() != want.to(torch.bfloat16).double()
+    assert differ.float().mean().item() < 0.02
+    # and those that differ are at most one bf16 step (2^-7 relative) away, but for float32 noise in
+    # sums that cancel (relative to the sum of the terms' magnitudes)
+    terms = 0.75 * h.double().abs() @ bt.to(torch.bfloat16).double().abs()
+    assert bool(((out.double() - want).abs() <= 2**-7 * want.abs() + 1e-5 * terms).all())
+
+
+def test_empty_batch_on_tensor_cores(launcher):
+    """bf16, aligned, r = 16: every kernel on its tensor-core pass with no rows -- zero gradients for the
+    adapter, an empty input gradient, and nothing read out of bounds (the emulation traps it)."""
+    (x, w, b, a, bb), _ = make_inputs(8, 64, 24, 16, torch.bfloat16)
+    empty = x[:0].detach().requires_grad_()
+    out = lora_linear_cuda(empty, w, b, a, bb, 1.0, 0.1, True, launcher=launcher)
+    assert out.shape == (0, 24)
+    out.sum().backward()
+    assert empty.grad.shape == (0, 64)
+    assert torch.count_nonzero(a.grad) == 0 and torch.count_nonzero(bb.grad) == 0

@@ -395,6 +395,7 @@ class PlantedBug:
         kernel_variants.Variant(
             "bfloat16", 64, True
         ),  # tensor cores where the kernels use them: A rounded to bf16
+        kernel_variants.Variant("bfloat16", 16, True),  # every kernel on tensor cores at the common rank
     ],
     ids=lambda v: v.label,
 )

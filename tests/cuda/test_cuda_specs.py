@@ -48,7 +48,9 @@ def test_backward_grids_cover_columns_rank_tiles_and_rows(variant, rows, cols, t
     )
     tile = spec.tile(variant)
     tiles = specs.rank_tiles(spec, variant)
-    if tile.get("mma"):  # lora_grad_out on tensor cores: col_chunks chunks of 32 columns per warp
+    if tile.get("mma") and name == "lora_grad_in":  # on tensor cores the warps share 32 columns
+        block_cols = 32
+    elif tile.get("mma"):  # lora_grad_out on tensor cores: col_chunks chunks of 32 columns per warp
         block_cols = tile["warps"] * 32 * tile["col_chunks"]
     else:
         block_cols = 256 if name == "lora_grad_in" else tile["warps"] * 256
@@ -90,10 +92,7 @@ def test_tensor_cores_where_the_cuda_cores_would_bind():
         r
         for r in kernel_variants.RANK_BUCKETS
         if kernel_variants.up_uses_mma(kernel_variants.Variant("bfloat16", r, True))
-    ] == [
-        32,
-        64,
-    ]
+    ] == [16, 32, 64]
     assert not kernel_variants.up_uses_mma(
         kernel_variants.Variant("float16", 64, True)
     )  # h would be rounded to float16's range
@@ -106,6 +105,17 @@ def test_tensor_cores_where_the_cuda_cores_would_bind():
     assert {(v.dtype, v.rank_bucket, v.aligned) for v in grad_out} == {
         ("bfloat16", r, True) for r in (16, 32, 64)
     }
+    grad_in = [
+        v
+        for spec, v in specs.all_variants()
+        if spec is specs.LORA_GRAD_IN and kernel_variants.grad_in_uses_mma(v)
+    ]
+    assert {(v.dtype, v.rank_bucket, v.aligned) for v in grad_in} == {
+        ("bfloat16", r, True) for r in (16, 32, 64)
+    }
+    for v in grad_in:  # every rank in one block (x read once), whole 16-row tiles per step
+        tile = specs.LORA_GRAD_IN.tile(v)
+        assert tile["mma"] and tile["rank_tile"] == v.rank_bucket and tile["rows_per_step"] % 16 == 0
 
 
 @pytest.mark.parametrize("rank", [8, 16, 32])

@@ -58,6 +58,8 @@ CASES = [
     pytest.param(33, 64, 24, 16, torch.bfloat16, 0.1, False, id="bf16-r16-aligned"),
     pytest.param(29, 45, 37, 5, torch.float32, 0.25, True, id="f32-r8-unaligned-fifo"),
     pytest.param(21, 24, 16, 64, torch.float16, 0.2, False, id="f16-r64-aligned"),
+    # tensor cores in every kernel; lora_grad_in's four warps all take rows, then share dA in shared memory
+    pytest.param(150, 40, 24, 27, torch.bfloat16, 0.2, False, id="bf16-r32-aligned-mma"),
 ]
 
 
