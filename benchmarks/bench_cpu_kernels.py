@@ -47,7 +47,7 @@ def _kernel_products(x: Tensor, bits: Tensor, a: Tensor, gh: Tensor) -> dict[str
 
 @contextmanager
 def _variant(name: str) -> Iterator[None]:
-    with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using(name):
+    with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using(name):
         yield
 
 

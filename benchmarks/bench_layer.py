@@ -52,7 +52,7 @@ def _cpu_path(path: str | None) -> Iterator[None]:
         with switches.cpu_kernels.using(False):
             yield
     else:
-        with switches.cpu_kernels.using(True), cpu_kernels.variant_switch.using(path):
+        with switches.cpu_kernels.using(True), switches.cpu_kernel_variant.using(path):
             if not cpu_kernels.available():
                 raise SystemExit(f"--cpu-paths {path}: {cpu_kernels.status()}")
             yield
