@@ -17,11 +17,11 @@ from torch import nn
 
 import loragen
 from loragen.adapters.save import adapter_state_dict
+from tests.layers.experts_models import VOCAB, mixtral, olmoe, qwen3_moe
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 64
 _COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=16,
@@ -31,34 +31,6 @@ _COMMON = dict(
     max_position_embeddings=32,
 )
 _DENSE = ("gate_proj", "up_proj", "down_proj")  # nn.Linear names peft's conversion moves to the experts
-
-
-def _mixtral() -> nn.Module:
-    config = transformers.MixtralConfig(
-        **_COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2
-    )
-    return transformers.MixtralForCausalLM(config)
-
-
-def _qwen3_moe() -> nn.Module:
-    config = transformers.Qwen3MoeConfig(
-        **_COMMON,
-        intermediate_size=32,
-        moe_intermediate_size=20,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    return transformers.Qwen3MoeForCausalLM(config)
-
-
-def _olmoe() -> nn.Module:
-    config = transformers.OlmoeConfig(
-        **_COMMON, intermediate_size=20, num_experts=4, num_experts_per_tok=2, eos_token_id=None
-    )
-    return transformers.OlmoeForCausalLM(config)
 
 
 def _deepseek_v3() -> nn.Module:
@@ -110,9 +82,9 @@ def _minimax() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
-    "mixtral": _mixtral,
-    "qwen3_moe": _qwen3_moe,
-    "olmoe": _olmoe,
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
+    "olmoe": olmoe,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _glm4_moe,
     "minimax": _minimax,
