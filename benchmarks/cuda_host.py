@@ -2,7 +2,8 @@
 reads of device values on the host (syncs).
 
     python benchmarks/cuda_host.py                  # counts per forward + backward, as a table
-    python benchmarks/bench_cuda.py --only host     # the same, from the GPU benchmark
+    python benchmarks/cuda_host.py --time           # and host time per forward + backward
+    python benchmarks/bench_cuda.py --only host     # the counts, from the GPU benchmark
 
 A null driver (:class:`NullLauncher`) takes every kernel launch the op makes and runs nothing: per
 launch it writes the arguments into a prebuilt parameter block exactly as the CUDA driver launcher does
@@ -30,6 +31,12 @@ float32 adapters), after a warm-up call:
   all :data:`DEVICE_READS`), copies between host and device memory, and ``torch.cuda.synchronize``. Any
   of them stalls the launch queue, which at small batches leaves the GPU idle while Python catches up,
   and none is allowed inside CUDA-graph capture.
+
+Host time (:func:`host_times`, ``--time``): microseconds per forward + backward of each kind on tiny CPU
+tensors (8 tokens, 64 -> 64, r = 16, one thread), where the arithmetic costs next to nothing and the time
+is the host path: dispatch, autograd, Python. Rounds of each kind are interleaved and medians reported.
+What it leaves out on a GPU: the driver calls of a launch, the caching allocator's work, the jiterator's
+own launch path (stood in on the torch path).
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +73,7 @@ __all__ = [
     "count_syncs",
     "counts_table",
     "host_counts",
+    "host_times",
     "lora_step",
     "main",
     "null_jiterator",
@@ -397,6 +407,57 @@ def host_counts(dtype: torch.dtype = torch.float32, dropout: float = 0.05) -> di
     return results
 
 
+def host_times(
+    dtype: torch.dtype = torch.float32,
+    dropout: float = 0.05,
+    *,
+    tokens: int = 8,
+    features: int = 64,
+    rounds: int = 15,
+    calls: int = 200,
+) -> dict[str, float]:
+    """Median host time per forward + backward, in microseconds, for each of :data:`KINDS` (see the
+    module docstring): ``rounds`` rounds of ``calls`` calls each, the kinds interleaved within a round."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    steps = {
+        kind: lora_step(
+            NullLauncher() if kind == "loragen" else None,
+            kind=kind,
+            dtype=dtype,
+            dropout=dropout,
+            tokens=tokens,
+            features=features,
+        )
+        for kind in KINDS
+    }
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    try:
+        with null_jiterator():  # only "torch path (GPU)" takes the jiterator branch (CPU tensors)
+            for kind, step in steps.items():
+                for _ in range(max(2, calls // 10)):
+                    step() if kind != "torch path" else _without_jiterator(step)
+            for _ in range(rounds):
+                for kind, step in steps.items():
+                    start = time.perf_counter()
+                    if kind == "torch path":
+                        _without_jiterator(step, calls)
+                    else:
+                        for _ in range(calls):
+                            step()
+                    times[kind].append((time.perf_counter() - start) / calls * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    return {kind: statistics.median(values) for kind, values in times.items()}
+
+
+def _without_jiterator(step: Callable[[], None], calls: int = 1) -> None:
+    """``calls`` calls of ``step`` with the torch formulation of the mask (CPU tensors, as on the CPU)."""
+    with mock.patch.object(torch_dropout, "JIT_DEVICE_TYPES", frozenset({"cuda"})):
+        for _ in range(calls):
+            step()
+
+
 def counts_table(results: dict[str, Counts]) -> str:
     """A markdown table of :func:`host_counts`' results."""
     lines = [
@@ -416,6 +477,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int | N
     """Print the counts for float32 and bfloat16 x (float32 adapters); return them as plain dicts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dropout", type=float, default=0.05)
+    parser.add_argument(
+        "--time", action="store_true", help="also time the host path of each kind (about a minute)"
+    )
     args = parser.parse_args(argv)
     report = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -426,6 +490,17 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int | N
         )
         print(counts_table(results))
         report[name] = {kind: asdict(c) for kind, c in results.items()}
+    if args.time:
+        print(
+            f"\nhost time per forward + backward (us, median), 8 tokens, 64 -> 64, r=16, dropout {args.dropout}"
+        )
+        print("| x | " + " | ".join(KINDS) + " |")
+        print("|---" * (len(KINDS) + 1) + "|")
+        for dtype in (torch.float32, torch.bfloat16):
+            times = host_times(dtype, args.dropout)
+            name = str(dtype).removeprefix("torch.")
+            print(f"| {name} | " + " | ".join(f"{times[k]:.0f}" for k in KINDS) + " |")
+            report[name]["time_us"] = times  # type: ignore[assignment]
     return report
 
 
