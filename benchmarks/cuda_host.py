@@ -3,6 +3,7 @@ reads of device values on the host (syncs).
 
     python benchmarks/cuda_host.py                  # counts per forward + backward, as a table
     python benchmarks/cuda_host.py --time           # and host time per forward + backward
+    python benchmarks/cuda_host.py --time --stand-in-driver   # and through cuda-python's launch calls
     python benchmarks/bench_cuda.py --only host     # the counts, from the GPU benchmark
 
 A null driver (:class:`NullLauncher`) takes every kernel launch the op makes and runs nothing: per
@@ -34,18 +35,29 @@ float32 adapters), after a warm-up call:
 
 Host time (:func:`host_times`, ``--time``): microseconds per forward + backward of each kind on tiny CPU
 tensors (8 tokens, 64 -> 64, r = 16, one thread), where the arithmetic costs next to nothing and the time
-is the host path: dispatch, autograd, Python. Rounds of each kind are interleaved and medians reported.
-What it leaves out on a GPU: the driver calls of a launch, the caching allocator's work, the jiterator's
-own launch path (stood in on the torch path).
+is the host path: dispatch, autograd, Python. A step chains 8 calls and runs one backward, as the layers
+of a model do, and the time is per call. Rounds of each kind are interleaved and medians reported.
+What it leaves out on a GPU: the driver's own work in a launch, the caching allocator's work, the
+jiterator's own launch path (stood in on the torch path).
+
+With ``--stand-in-driver`` the time is also taken through loragen's real CUDA launcher
+(:class:`loragen.cuda.launch.DriverLauncher`: its launch records, cuda-python's ``cuCtxGetCurrent`` and
+``cuLaunchKernel`` wrappers) on a stand-in driver library built from benchmarks/stand_in_libcuda.c with
+the C compiler (each entry point returns success at once), in a child process that loads it in place of
+``libcuda``: the launch path's host cost but for the driver's own work. It needs cuda-python and ``cc``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -57,9 +69,10 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from loragen.cuda import launch as cuda_launch
 from loragen.cuda import torch_dropout
 from loragen.cuda.kernel_variants import Variant
-from loragen.cuda.launch import _LaunchRecord
+from loragen.cuda.launch import DriverLauncher, _LaunchRecord
 from loragen.cuda.specs import KernelSpec
 from loragen.cuda.torch_kernels import TorchKernels
 
@@ -74,6 +87,7 @@ __all__ = [
     "counts_table",
     "host_counts",
     "host_times",
+    "stand_in_driver_times",
     "lora_step",
     "main",
     "null_jiterator",
@@ -178,13 +192,15 @@ def lora_step(
     kind: str = "loragen",
     device: str = "cpu",
     seed: int | None = None,
+    depth: int = 1,
 ) -> Callable[[], None]:
     """One forward + backward of a LoRA linear on CPU tensors: ``kind`` "loragen" (the CUDA op on
     ``launcher``), "torch path" or "torch path (GPU)" (the CUDA op on the torch path, ``launcher`` or a
     :class:`TorchKernels`; call the GPU one inside :func:`null_jiterator`), "composition" (peft's way: base
     linear plus dropout, A and B as separate products) or "frozen" (the base linear alone, grad_x only).
     ``device``: where the tensors are (``"meta"`` for :func:`count_syncs`); ``seed``: an explicit dropout
-    seed for the CUDA op (None: drawn per call).
+    seed for the CUDA op (None: drawn per call); ``depth``: how many calls the forward chains, each
+    taking the previous output, before one backward (as the layers of a model; needs a square weight).
 
     Raises:
         ValueError: an unknown ``kind``, or "loragen" without a launcher.
@@ -198,22 +214,25 @@ def lora_step(
     if kind in ("loragen", "torch path", "torch path (GPU)"):
         runs_on = _launcher(kind, launcher)
 
-        def forward() -> torch.Tensor:
-            return lora_linear_cuda(x, weight, None, a, b, 2.0, dropout, True, seed=seed, launcher=runs_on)  # type: ignore[arg-type]
+        def layer(h: torch.Tensor) -> torch.Tensor:
+            return lora_linear_cuda(h, weight, None, a, b, 2.0, dropout, True, seed=seed, launcher=runs_on)  # type: ignore[arg-type]
     elif kind == "composition":
 
-        def forward() -> torch.Tensor:
-            return lora_linear_reference(x, weight, None, a.to(dtype), b.to(dtype), 2.0, dropout, True)
+        def layer(h: torch.Tensor) -> torch.Tensor:
+            return lora_linear_reference(h, weight, None, a.to(dtype), b.to(dtype), 2.0, dropout, True)
     elif kind == "frozen":
 
-        def forward() -> torch.Tensor:
-            return torch.nn.functional.linear(x, weight)
+        def layer(h: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(h, weight)
     else:
         raise ValueError(f"lora_step: kind={kind!r}; expected one of {', '.join(map(repr, KINDS))}")
 
     def step() -> None:
         x.grad = a.grad = b.grad = None
-        forward().backward(grad)
+        h = x
+        for _ in range(depth):
+            h = layer(h)
+        h.backward(grad)
 
     return step
 
@@ -414,12 +433,13 @@ def host_times(
     tokens: int = 8,
     features: int = 64,
     rounds: int = 15,
-    calls: int = 200,
+    calls: int = 50,
+    depth: int = 8,
 ) -> dict[str, float]:
-    """Median host time per forward + backward, in microseconds, for each of :data:`KINDS` (see the
-    module docstring): ``rounds`` rounds of ``calls`` calls each, the kinds interleaved within a round."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    """Median host time per layer's forward + backward, in microseconds, for each of :data:`KINDS` (see
+    the module docstring): steps of ``depth`` chained calls and one backward (so that autograd's start-up,
+    once per backward, is shared as in a model), ``rounds`` rounds of ``calls`` steps, the kinds
+    interleaved within a round."""
     steps = {
         kind: lora_step(
             NullLauncher() if kind == "loragen" else None,
@@ -428,10 +448,20 @@ def host_times(
             dropout=dropout,
             tokens=tokens,
             features=features,
+            depth=depth,
         )
         for kind in KINDS
     }
-    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    return _interleaved_times(steps, rounds, calls, depth)
+
+
+def _interleaved_times(
+    steps: dict[str, Callable[[], None]], rounds: int, calls: int, depth: int
+) -> dict[str, float]:
+    """Median microseconds per chained call of each step, on one thread, the steps interleaved."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {kind: [] for kind in steps}
     try:
         with null_jiterator():  # only "torch path (GPU)" takes the jiterator branch (CPU tensors)
             for kind, step in steps.items():
@@ -445,10 +475,85 @@ def host_times(
                     else:
                         for _ in range(calls):
                             step()
-                    times[kind].append((time.perf_counter() - start) / calls * 1e6)
+                    times[kind].append((time.perf_counter() - start) / (calls * depth) * 1e6)
     finally:
         torch.set_num_threads(threads)
     return {kind: statistics.median(values) for kind, values in times.items()}
+
+
+@contextlib.contextmanager
+def _stand_in_device() -> Iterator[DriverLauncher]:
+    """A :class:`DriverLauncher` as on an H100 (132 multiprocessors) whose launch records hold a stand-in
+    function and the stand-in driver's context, on a build of torch without CUDA: CPU tensors play
+    device 0. Only the module loading (it needs a real cubin and driver) is left out."""
+    from cuda.bindings import driver
+
+    launcher = DriverLauncher()
+    launcher._sm_counts[0] = 132
+    (context,) = launcher._check(driver.cuDevicePrimaryCtxRetain(0), "cuDevicePrimaryCtxRetain")
+    function = driver.CUfunction(1)
+    launcher._bind_calls()
+
+    def record(spec: KernelSpec, variant: Variant, index: int, key: tuple[Any, ...]) -> _LaunchRecord:
+        made = launcher._records[key] = _LaunchRecord(spec, variant, function, context)
+        return made
+
+    def stream(index: int) -> int:  # the default stream's handle (a mock would cost more than a launch)
+        return 0
+
+    def device_zero() -> int:
+        return 0
+
+    with (
+        mock.patch.object(launcher, "_record", record),
+        mock.patch.object(cuda_launch, "_raw_stream", stream),
+        mock.patch.object(torch.cuda, "current_device", device_zero),
+    ):
+        yield launcher
+
+
+def _stand_in_child(dtype_name: str, dropout: float) -> None:
+    """Inside the child process: time the null driver and the stand-in driver side by side, print JSON."""
+    dtype = getattr(torch, dtype_name)
+    with _stand_in_device() as launcher:
+        steps = {
+            kind: lora_step(
+                runs_on, kind="loragen", dtype=dtype, dropout=dropout, tokens=8, features=64, depth=8
+            )
+            for kind, runs_on in (("loragen", NullLauncher()), ("loragen (driver)", launcher))
+        }
+        print(json.dumps(_interleaved_times(steps, rounds=15, calls=50, depth=8)))
+
+
+def stand_in_driver_times(dtype: torch.dtype = torch.float32, dropout: float = 0.05) -> dict[str, float]:
+    """Host microseconds per layer of loragen's op on the null driver and through :class:`DriverLauncher`
+    on the stand-in driver library (see the module docstring), timed side by side in a child process.
+
+    Raises:
+        RuntimeError: no C compiler, no cuda-python, or the child failed (its output in the message).
+    """
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("--stand-in-driver needs a C compiler (cc or gcc) on PATH")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_libcuda.c")
+    with tempfile.TemporaryDirectory() as folder:
+        library = os.path.join(folder, "libcuda.so.1")
+        subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, source], check=True)
+        os.symlink("libcuda.so.1", os.path.join(folder, "libcuda.so"))
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (folder, env.get("LD_LIBRARY_PATH")) if p)
+        name = str(dtype).removeprefix("torch.")
+        child = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--stand-in-child", name, str(dropout)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if child.returncode != 0:
+        raise RuntimeError(f"the stand-in driver run failed:\n{child.stdout}{child.stderr}")
+    result: dict[str, float] = json.loads(child.stdout.strip().splitlines()[-1])
+    return result
 
 
 def _without_jiterator(step: Callable[[], None], calls: int = 1) -> None:
@@ -480,7 +585,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int | N
     parser.add_argument(
         "--time", action="store_true", help="also time the host path of each kind (about a minute)"
     )
+    parser.add_argument(
+        "--stand-in-driver",
+        action="store_true",
+        help="with --time: also time loragen's CUDA launcher on a stand-in driver library",
+    )
+    parser.add_argument("--stand-in-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.stand_in_child:
+        _stand_in_child(args.stand_in_child[0], float(args.stand_in_child[1]))
+        return {}
     report = {}
     for dtype in (torch.float32, torch.bfloat16):
         results = host_counts(dtype, args.dropout)
@@ -492,7 +606,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int | N
         report[name] = {kind: asdict(c) for kind, c in results.items()}
     if args.time:
         print(
-            f"\nhost time per forward + backward (us, median), 8 tokens, 64 -> 64, r=16, dropout {args.dropout}"
+            f"\nhost time per layer, forward + backward (us, median; 8 chained per backward), 8 tokens, "
+            f"64 -> 64, r=16, dropout {args.dropout}"
         )
         print("| x | " + " | ".join(KINDS) + " |")
         print("|---" * (len(KINDS) + 1) + "|")
@@ -501,6 +616,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int | N
             name = str(dtype).removeprefix("torch.")
             print(f"| {name} | " + " | ".join(f"{times[k]:.0f}" for k in KINDS) + " |")
             report[name]["time_us"] = times  # type: ignore[assignment]
+        if args.stand_in_driver:
+            print("\nloragen's op, null driver vs its CUDA launcher on the stand-in driver (us per layer)")
+            print("| x | null driver | CUDA launcher, stand-in driver | per launch |")
+            print("|---|---|---|---|")
+            for dtype in (torch.float32, torch.bfloat16):
+                pair = stand_in_driver_times(dtype, args.dropout)
+                name = str(dtype).removeprefix("torch.")
+                null, driven = pair["loragen"], pair["loragen (driver)"]
+                print(f"| {name} | {null:.0f} | {driven:.0f} | +{(driven - null) / 4:.1f} |")
+                report[name]["stand_in_driver_us"] = pair  # type: ignore[assignment]
     return report
 
 

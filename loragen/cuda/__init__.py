@@ -1,21 +1,26 @@
 """loragen's CUDA path: LoRA kernels rendered from Jinja templates, compiled by NVRTC, launched on
 PyTorch's current stream.
 
-============== ==============================================================================
-module         concern
-============== ==============================================================================
-specs          the kernels, their variants (dtype, rank bucket, alignment), tiles and grids
-render         kernels/*.cu.j2 -> CUDA C (Jinja, StrictUndefined; every decision in specs)
-nvrtc          CUDA C -> cubin per architecture; errors carry the kernel, parameters and log
-cache          cubins in memory and on disk (atomic entries, checksummed, rebuilt if corrupt)
-launch         the driver side: module loading and launches in PyTorch's primary context (pushed and
-               popped: the thread's current context is left as found)
-passes         the four kernel passes of the op: argument lists, grids, partial sums, the one rounding
-selfcheck      each variant checked on first use per device; failures -> one warning and the torch path
-torch_kernels  the torch path: each kernel's computation as torch products (cuBLAS), same outputs
-function       the autograd Function and :func:`lora_linear_cuda`
-optim          the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
-============== ==============================================================================
+=============== =============================================================================
+module          concern
+=============== =============================================================================
+kernel_variants the variants (dtype, rank bucket, alignment) and each kernel's tiles
+specs           the kernels' parameters and grids
+render          kernels/*.cu.j2 -> CUDA C (Jinja, StrictUndefined; every decision in specs)
+nvrtc           CUDA C -> cubin per architecture; errors carry the kernel, parameters and log
+cache           cubins in memory and on disk (atomic entries, checksummed, rebuilt if corrupt)
+isolated        the self-check of a variant in a child process (a faulting kernel cannot take the
+                caller's CUDA context with it)
+launch          the driver side: module loading and launches in PyTorch's primary context, on
+                PyTorch's current stream, from prebuilt parameter blocks
+passes          the four kernel passes of the op: argument lists, grids, partial sums
+hostcache       what the op keeps between calls: plans, padded factors, launcher handles
+selfcheck       each variant checked on first use per device; failures -> one warning and the torch path
+torch_kernels   the torch path: each kernel's computation as torch products (cuBLAS), same outputs
+torch_dropout   the torch path's Philox keep-mask (jiterator kernels on a GPU)
+linear_op       the custom ops, the eager autograd Function and :func:`lora_linear_cuda`
+optim           the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
+=============== =============================================================================
 
 cuda-python is an optional extra (``pip install -e '.[cuda]'`` from the loragen checkout). Nothing here imports
 ``cuda.bindings`` or touches the driver unless :func:`is_available` is true and a CUDA tensor arrives;

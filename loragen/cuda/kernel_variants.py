@@ -7,7 +7,7 @@ block shape each LoRA kernel template receives (warps, rows, rank tiles, whether
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ class Variant:
     dtype: str  # a key of DTYPES
     rank_bucket: int  # one of RANK_BUCKETS
     aligned: bool  # every row length % 8 == 0 and every pointer 16-byte aligned: vector accesses
+    # the hash, worked out once: launchers look variants up in dicts on every launch
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -58,6 +60,14 @@ class Variant:
             raise ValueError(
                 f"loragen.cuda: rank bucket {self.rank_bucket} is not one of {', '.join(map(str, RANK_BUCKETS))}"
             )
+        object.__setattr__(self, "_hash", hash((self.dtype, self.rank_bucket, self.aligned)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, bool]]:
+        # rebuilt from its fields: a string's hash differs between processes
+        return (Variant, (self.dtype, self.rank_bucket, self.aligned))
 
     @property
     def label(self) -> str:

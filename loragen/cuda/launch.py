@@ -4,11 +4,12 @@
 CUDA tensors: without a GPU and driver, importing it raises or, worse, later calls can hang, so nothing
 here touches the driver at import time.
 
-Autograd runs backward on its own thread, where no CUDA context may be current; every launch therefore
-pushes PyTorch's primary context of the tensors' device onto the thread's context stack and pops it
-afterwards (``cuCtxPushCurrent`` / ``cuCtxPopCurrent``, also when loading or launching raises), so the
-thread's current context -- and with it the runtime's current device -- is left as it was found: a
-launch on cuda:1 from a thread working on cuda:0 leaves cuda:0 current. Kernels launched on a
+Autograd runs backward on its own thread, where no CUDA context may be current; a launch therefore
+checks the thread's current context (``cuCtxGetCurrent``) and, when it is not PyTorch's primary context
+of the tensors' device, pushes that context onto the thread's context stack and pops it afterwards
+(``cuCtxPushCurrent`` / ``cuCtxPopCurrent``, also when loading or launching raises), so the thread's
+current context -- and with it the runtime's current device -- is left as it was found: a launch on
+cuda:1 from a thread working on cuda:0 leaves cuda:0 current. Kernels launched on a
 capturing stream are recorded into the CUDA graph like any other; modules must be loaded before the
 capture starts (run one step first, as PyTorch's own graph warm-up does).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import struct
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -38,6 +40,8 @@ __all__ = [
     "pack_arguments",
 ]
 
+# each scalar C type's ``struct`` code (native size and alignment), for the parameter block
+_STRUCT_CODES = {"int": "i", "unsigned": "I", "float": "f", "u64": "Q"}
 _SCALAR_CTYPES: dict[str, type] = {
     "int": ctypes.c_int,
     "unsigned": ctypes.c_uint,
@@ -116,16 +120,22 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
 
 class _LaunchRecord:
     """One kernel variant ready to launch on one device from one thread: the function handle, threads per
-    block, and a prebuilt kernel-parameter block whose values :meth:`fill` rewrites in place per launch."""
+    block, and a prebuilt kernel-parameter block whose values :meth:`fill` rewrites in place per launch.
+
+    The block holds every parameter's value at its C offset (native alignment, as ``struct`` lays out
+    ``"@"`` formats) and ``pointers`` holds each value's address, the ``void**`` that ``cuLaunchKernel``
+    takes. One ``pack_into`` writes all values per launch, and checks the integers' ranges on the way.
+    """
 
     __slots__ = (
+        "block",
         "context",
         "function",
-        "kinds",
         "label",
+        "layout",
         "params_address",
+        "pointer_params",
         "pointers",
-        "slots",
         "spec",
         "threads",
     )
@@ -136,15 +146,18 @@ class _LaunchRecord:
         self.function = function
         self.context = context
         self.threads = spec.threads(variant)
-        # per parameter: None for a pointer, (low, high) for an integer, () for a float
-        self.kinds = tuple(
-            None if p.ctype.endswith("*") else _INTEGER_RANGES.get(p.ctype, ()) for p in spec.params
-        )
-        self.slots = [
-            ctypes.c_void_p() if p.ctype.endswith("*") else _SCALAR_CTYPES[p.ctype]() for p in spec.params
+        codes = ["P" if p.ctype.endswith("*") else _STRUCT_CODES[p.ctype] for p in spec.params]
+        self.layout = struct.Struct("@" + "".join(codes))
+        self.block = ctypes.create_string_buffer(max(self.layout.size, 1))
+        base = ctypes.addressof(self.block)
+        # a field's offset: the size of the fields before it plus its alignment padding
+        offsets = [
+            struct.calcsize("@" + "".join(codes[: i + 1])) - struct.calcsize("@" + code)
+            for i, code in enumerate(codes)
         ]
-        self.pointers = (ctypes.c_void_p * len(self.slots))(*(ctypes.addressof(v) for v in self.slots))
+        self.pointers = (ctypes.c_void_p * len(codes))(*(base + offset for offset in offsets))
         self.params_address = ctypes.addressof(self.pointers)
+        self.pointer_params = tuple(i for i, code in enumerate(codes) if code == "P")
 
     def fill(self, args: Sequence[object]) -> None:
         """Write ``args`` into the parameter block.
@@ -152,29 +165,22 @@ class _LaunchRecord:
         Raises:
             TypeError, KernelArgumentRangeError: as :func:`pack_arguments` (which words the message).
         """
-        if len(args) != len(self.slots):
-            pack_arguments(self.spec, args)
-        for slot, kind, value in zip(self.slots, self.kinds, args):
-            if kind is None:
-                if value is None:
-                    slot.value = None
-                elif type(value) is torch.Tensor or isinstance(value, torch.Tensor):  # the first: no call
-                    slot.value = value.data_ptr()
-                else:
-                    pack_arguments(self.spec, args)  # raises the TypeError naming the parameter
-            elif kind:
-                if not kind[0] <= value <= kind[1]:  # type: ignore[operator]
-                    pack_arguments(self.spec, args)  # raises KernelArgumentRangeError
-                slot.value = value
-            else:
-                slot.value = value
+        values = list(args)
+        try:
+            for i in self.pointer_params:
+                value = values[i]
+                values[i] = 0 if value is None else value.data_ptr()  # type: ignore[attr-defined]
+            self.layout.pack_into(self.block, 0, *values)
+        except (struct.error, TypeError, AttributeError, IndexError, OverflowError):
+            pack_arguments(self.spec, args)  # raises the error naming the parameter
+            raise
 
 
 class DriverLauncher:
     """Launches kernels through the CUDA driver API; modules are loaded once per device and variant.
 
     Per launch: one dictionary lookup for the launch record, the argument values written into its
-    prebuilt parameter block, one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
+    prebuilt parameter block (one ``struct.pack_into``), one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
     device's primary context is not already current on the thread) and ``cuLaunchKernel`` on PyTorch's
     current stream, passed as its raw handle. No lock and no error text unless something fails.
     """
@@ -189,6 +195,8 @@ class DriverLauncher:
         # (kernel name, variant, device index, thread id) -> record; a record's parameter block is
         # rewritten per launch, so each thread has its own
         self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
+        # the driver's cuCtxGetCurrent, cuLaunchKernel and CUDA_SUCCESS, looked up with the first record
+        self._calls: tuple[Any, Any, Any] = (None, None, None)
 
     @staticmethod
     def _driver() -> Any:
@@ -263,7 +271,13 @@ class DriverLauncher:
             with self._lock:
                 function = self._function(spec, variant, index)
         record = self._records[key] = _LaunchRecord(spec, variant, function, context)
+        self._bind_calls()
         return record
+
+    def _bind_calls(self) -> None:
+        """Look up the driver calls a launch makes once, not per launch."""
+        driver = self._driver()
+        self._calls = (driver.cuCtxGetCurrent, driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS)
 
     def launch(
         self,
@@ -273,17 +287,19 @@ class DriverLauncher:
         args: Sequence[object],
         device: torch.device,
     ) -> None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = device.index
+        if index is None:
+            index = torch.cuda.current_device()
         key = (spec.name, variant, index, threading.get_ident())
         record = self._records.get(key)
         if record is None:
             pack_arguments(spec, args)  # a bad argument changes nothing: checked before any driver call
             record = self._record(spec, variant, index, key)
         record.fill(args)
-        driver = self._driver()
+        get_current, launch_kernel, success = self._calls
         stream = _raw_stream(index)
-        if driver.cuCtxGetCurrent()[1] == record.context:
-            status = driver.cuLaunchKernel(
+        if get_current()[1] == record.context:
+            status = launch_kernel(
                 record.function,
                 grid[0],
                 grid[1],
@@ -298,7 +314,7 @@ class DriverLauncher:
             )[0]
         else:  # another context (or none) is current on this thread: push the device's, pop it after
             with self._current(record.context, spec.name):
-                status = driver.cuLaunchKernel(
+                status = launch_kernel(
                     record.function,
                     grid[0],
                     grid[1],
@@ -311,7 +327,7 @@ class DriverLauncher:
                     record.params_address,
                     0,
                 )[0]
-        if status != driver.CUresult.CUDA_SUCCESS:
+        if status != success:
             raise self._fail(status, "cuLaunchKernel", f"{spec.name} {record.label} grid={grid}")
 
     @contextlib.contextmanager

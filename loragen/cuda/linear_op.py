@@ -27,9 +27,11 @@ the same implementations through a plain ``torch.autograd.Function``: the custom
 wrappers would cost more host time per call than the rest of the op.
 
 Host path: everything that depends only on (shapes, dtype, device, launcher) -- the kernel variant, the
-routed launcher -- is kept in a :class:`~loragen.cuda.passes.Plan` per such key; A and B^T padded to the
-rank bucket in float32 are kept per parameter and refreshed only when the parameter's ``_version`` or
-data pointer changes (and on every call inside a CUDA-graph capture, so replays read fresh parameters).
+routed launcher, the four grids -- is kept in a :class:`~loragen.cuda.passes.Plan` per such key; A and
+B^T padded to the rank bucket in float32 are kept per parameter and refreshed only when the parameter's
+``_version`` or data pointer changes (and on every call inside a CUDA-graph capture, so replays read fresh
+parameters). The eager forward hands its backward the plan, those two buffers and the 2-D x it prepared,
+so backward looks nothing up again; scalars travel to ``apply`` as one tuple.
 
 Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which
 self-checks each kernel variant on its first use on a device and moves a failing one to the torch path
@@ -178,6 +180,12 @@ def _autocasting(x: Tensor) -> bool:
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every call
 
+# what an eager forward hands its backward: the plan, A and B^T as the kernels read them (the cached
+# buffers cannot change in between: A and B are saved for backward, so autograd refuses a step whose
+# parameters were modified after the forward) and x's shape (the eager Function saves x as the 2-D,
+# contiguous, aligned view or copy the kernels read)
+_Prepared = tuple[passes.Plan, Tensor, Tensor, torch.Size]
+
 
 def _without_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
     """The kernels run in the dtypes they are given: autocast off inside the op (a no-op context when it
@@ -199,7 +207,10 @@ def _lora_linear_impl(
 ) -> tuple[Tensor, Tensor]:
     """y (..., out) in x's dtype and h (N, R) float32 (saved for backward)."""
     with _without_autocast(x):
-        return _forward(x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher)
+        out, h, _, _ = _forward(
+            x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher
+        )
+    return out, h
 
 
 _lora_linear_op = torch.library.custom_op("loragen::lora_linear", _lora_linear_impl, mutates_args=())
@@ -216,7 +227,8 @@ def _forward(
     dropout_p: float,
     fan_in_fan_out: bool,
     launcher: int,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, _Prepared]:
+    """y, h, the 2-D x the kernels read, and what backward reuses."""
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
     plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
@@ -231,7 +243,7 @@ def _forward(
     # writes the output once more: no float32 (N, out) temporary
     passes.add_base(x2, weight if fan_in_fan_out else weight.t(), out2)
     passes.up(plan, h, bt32, bias, scaling, out2)
-    return out, h
+    return out, h, x2, (plan, a32, bt32, x.shape)
 
 
 @_lora_linear_op.register_fake
@@ -273,7 +285,19 @@ def _lora_linear_backward_impl(
     """The gradients of (x, weight, bias, lora_A, lora_B) flagged in ``needs``, in that order."""
     with _without_autocast(x):
         return _backward(
-            grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
+            grad_out,
+            x,
+            weight,
+            lora_A,
+            lora_B,
+            h,
+            rng,
+            scaling,
+            dropout_p,
+            fan_in_fan_out,
+            needs,
+            launcher,
+            None,
         )
 
 
@@ -295,31 +319,48 @@ def _backward(
     fan_in_fan_out: bool,
     needs: list[bool],
     launcher: int,
+    prepared: _Prepared | None,
 ) -> list[Tensor]:
+    """The gradients flagged in ``needs``. ``prepared``: what the eager forward worked out, ``x`` then
+    being the 2-D x the kernels read; None: ``x`` as the op took it, the rest looked up again (the
+    traced backward)."""
     need_x, need_w, need_b, need_a, need_bb = needs
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
-    x2 = x.reshape(-1, x.shape[-1])
-    plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
-    x2 = plan.prepare(x2)
-    g2 = plan.prepare(grad_out.reshape(plan.rows, out_features).to(x.dtype))
+    if prepared is None:
+        x_shape = x.shape
+        x2 = x.reshape(-1, x.shape[-1])
+        plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
+        x2 = plan.prepare(x2)
+        a32 = bt32 = None
+    else:
+        plan, a32, bt32, x_shape = prepared
+        x2 = x
+    g2 = grad_out.reshape(plan.rows, out_features)
+    g2 = plan.prepare(g2 if g2.dtype == x2.dtype else g2.to(x2.dtype))
     grad_x = grad_a = grad_bb = None
     if plan.rows == 0:
         grad_a = torch.zeros_like(lora_A) if need_a else None
         grad_bb = torch.zeros_like(lora_B) if need_bb else None
-        grad_x = torch.zeros_like(x) if need_x else None
+        grad_x = x2.new_zeros(x_shape) if need_x else None
     elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
-        bt32 = hostcache.factor(lora_B, plan, transpose=True)
+        if bt32 is None:
+            bt32 = hostcache.factor(lora_B, plan, transpose=True)
         dh, db = passes.grad_out(plan, g2, h, bt32, scaling)
-        if need_bb:
-            grad_bb = db[:, : plan.rank].to(lora_B.dtype).contiguous()  # at most one copy
+        if need_bb:  # columns past the rank only when the rank is not a bucket; at most one copy
+            grad_bb = db if plan.rank == db.shape[1] else db[:, : plan.rank].contiguous()
+            if grad_bb.dtype != lora_B.dtype:
+                grad_bb = grad_bb.to(lora_B.dtype)
         if need_x or need_a:
-            a32 = hostcache.factor(lora_A, plan, transpose=False)
+            if a32 is None:
+                a32 = hostcache.factor(lora_A, plan, transpose=False)
             gx, da = passes.grad_in(plan, x2, dh, a32, hostcache.dropout_args(rng, dropout_p), need_x)
             if need_a:  # rows past the rank only when the rank is not a bucket
-                grad_a = (da if plan.rank == da.shape[0] else da[: plan.rank]).to(lora_A.dtype)
+                grad_a = da if plan.rank == da.shape[0] else da[: plan.rank]
+                if grad_a.dtype != lora_A.dtype:
+                    grad_a = grad_a.to(lora_A.dtype)
             if gx is not None:
                 gx.addmm_(g2, weight.t() if fan_in_fan_out else weight)
-                grad_x = gx.view(x.shape)
+                grad_x = gx.view(x_shape)
     grad_w = None
     if need_w:
         grad_w = torch.mm(x2.t(), g2) if fan_in_fan_out else torch.mm(g2.t(), x2)
@@ -356,22 +397,47 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 
 
 def _gradients(ctx: Any, grad_out: Tensor, backward: Any) -> tuple[Tensor | None, ...]:
-    """The autograd formula shared by the custom op and the eager Function; ``backward`` is the
-    backward custom op (traced) or its implementation (eager)."""
-    x, weight, lora_A, lora_B, h, rng = ctx.saved_tensors
+    """The autograd formula shared by the custom op and the eager Function: ``backward(grad_out, saved
+    tensors, needs, ctx)`` is :func:`_traced_backward` or :func:`_eager_backward`."""
     needs = list(ctx.needs_input_grad[:5])
     needs[2] = needs[2] and ctx.has_bias
-    scaling, dropout_p, fan_in_fan_out, launcher = ctx.args
-    grads = iter(
-        backward(
-            grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
-        )
-    )
+    grads = iter(backward(grad_out, ctx.saved_tensors, needs, ctx))
     return (*[next(grads) if needed else None for needed in needs], None, None, None, None, None)
 
 
+def _traced_backward(grad_out: Tensor, saved: tuple[Any, ...], needs: list[bool], ctx: Any) -> list[Tensor]:
+    """The backward custom op (what torch.compile traces)."""
+    x, weight, lora_A, lora_B, h, rng = saved
+    scaling, dropout_p, fan_in_fan_out, launcher = ctx.args
+    return _lora_linear_backward_op(
+        grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
+    )
+
+
+def _eager_backward(grad_out: Tensor, saved: tuple[Any, ...], needs: list[bool], ctx: Any) -> list[Tensor]:
+    """The backward implementation, reusing what the eager forward prepared (``saved`` holds its 2-D x)."""
+    x2, weight, lora_A, lora_B, h, rng = saved
+    scaling, dropout_p, fan_in_fan_out, launcher = ctx.args
+    with _without_autocast(grad_out):
+        return _backward(
+            grad_out,
+            x2,
+            weight,
+            lora_A,
+            lora_B,
+            h,
+            rng,
+            scaling,
+            dropout_p,
+            fan_in_fan_out,
+            needs,
+            launcher,
+            ctx.prepared,
+        )
+
+
 def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
-    return _gradients(ctx, grad_out, _lora_linear_backward_op)
+    return _gradients(ctx, grad_out, _traced_backward)
 
 
 _lora_linear_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -379,18 +445,32 @@ _lora_linear_op.register_autograd(_autograd_backward, setup_context=_setup_conte
 
 class _LoraLinearFunction(torch.autograd.Function):
     """The eager path: the same forward, backward and saved tensors as ``loragen::lora_linear``, without
-    the custom-op dispatch (whose Python wrappers cost more host time per call than the whole op)."""
+    the custom-op dispatch (whose Python wrappers cost more host time per call than the whole op). The
+    scalars travel as one tuple ``(scaling, dropout_p, fan_in_fan_out, launcher)``: autograd looks at
+    every argument of ``apply``, so fewer arguments cost less."""
 
     @staticmethod
-    def forward(ctx: Any, *inputs: Any) -> Tensor:
-        out, h = _lora_linear_impl(*inputs)
-        _setup_context(ctx, inputs, (out, h))
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        lora_A: Tensor,
+        lora_B: Tensor,
+        rng: Tensor | None,
+        args: tuple[float, float, bool, int],
+    ) -> Tensor:
+        with _without_autocast(x):
+            out, h, x2, ctx.prepared = _forward(x, weight, bias, lora_A, lora_B, rng, *args)
+        ctx.save_for_backward(x2, weight, lora_A, lora_B, h, rng)
+        ctx.args = args
+        ctx.has_bias = bias is not None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        return _gradients(ctx, grad_out, _lora_linear_backward_impl)
+        return _gradients(ctx, grad_out, _eager_backward)[:7]
 
 
 def lora_linear_cuda(
@@ -442,8 +522,7 @@ def lora_linear_cuda(
     rng = None
     if p > 0:
         rng = draw_rng(x.device) if seed is None else seed_rng(seed, x.device)
-    handle = hostcache.launcher_handle(launcher)
-    args = (x, weight, bias, lora_A, lora_B, rng, float(scaling), p, fan_in_fan_out, handle)
+    scalars = (float(scaling), p, fan_in_fan_out, hostcache.launcher_handle(launcher))
     if torch.compiler.is_compiling():  # traced: the custom op, which torch.compile sees through its fake
-        return _lora_linear_op(*args)[0]
-    return _LoraLinearFunction.apply(*args)
+        return _lora_linear_op(x, weight, bias, lora_A, lora_B, rng, *scalars)[0]
+    return _LoraLinearFunction.apply(x, weight, bias, lora_A, lora_B, rng, scalars)

@@ -27,7 +27,8 @@ def _aligned16(t: Tensor) -> Tensor:
 
 
 class Plan:
-    """What forward decides and backward reuses: sizes, the variant, and the launcher that runs it.
+    """What forward decides and backward reuses: sizes, the variant, the launcher that runs it, and each
+    pass's grid (all fixed by the sizes, so worked out once per plan rather than per call).
 
     A launcher with a ``route(variant, device)`` method (:class:`loragen.cuda.selfcheck.CheckedLauncher`)
     is asked which launcher runs this variant on this device: the kernels, or the torch path.
@@ -43,6 +44,11 @@ class Plan:
         route = getattr(launcher, "route", None)
         self.launcher: KernelLauncher = route(self.variant, x2.device) if route is not None else launcher
         self.target_blocks = self.launcher.target_blocks(x2.device)
+        rows, cols, variant, blocks = self.rows, self.in_features, self.variant, self.target_blocks
+        self.down_grid = specs.plan_down(rows, cols, variant, blocks)
+        self.up_grid = specs.plan_up(rows, out_features, variant)
+        self.grad_out_grid = specs.plan_grad_out(rows, out_features, variant, blocks)
+        self.grad_in_grid = specs.plan_grad_in(rows, cols, variant, blocks)
 
     def prepare(self, t: Tensor) -> Tensor:
         """``t`` contiguous, and 16-byte aligned for an aligned variant."""
@@ -56,7 +62,7 @@ def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[Tensor | None, int,
     bucket = plan.variant.rank_bucket
     if plan.rows == 0:
         return x2.new_zeros((0, bucket), dtype=torch.float32)
-    grid = specs.plan_down(plan.rows, plan.in_features, plan.variant, plan.target_blocks)
+    grid = plan.down_grid
     h_part = torch.empty(grid.splits, plan.rows, bucket, dtype=torch.float32, device=plan.device)
     plan.launcher.launch(
         LORA_DOWN,
@@ -77,7 +83,7 @@ def up(plan: Plan, h: Tensor, bt32: Tensor, bias: Tensor | None, scaling: float,
     plan.launcher.launch(
         LORA_UP,
         plan.variant,
-        specs.plan_up(plan.rows, plan.out_features, plan.variant),
+        plan.up_grid,
         (h, bt32, bias_in, out, plan.rows, plan.out_features, plan.rank, float(scaling)),
         plan.device,
     )
@@ -97,7 +103,7 @@ def add_base(x2: Tensor, w_t: Tensor, out: Tensor) -> None:
 def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
     """dh = s g B (rows, R) and dB = s g^T h (out, R), float32."""
     bucket = plan.variant.rank_bucket
-    grid = specs.plan_grad_out(plan.rows, plan.out_features, plan.variant, plan.target_blocks)
+    grid = plan.grad_out_grid
     dh_part = torch.empty(grid.col_blocks, plan.rows, bucket, dtype=torch.float32, device=plan.device)
     db_part = torch.empty(grid.splits, plan.out_features, bucket, dtype=torch.float32, device=plan.device)
     plan.launcher.launch(
@@ -128,7 +134,7 @@ def grad_in(
 ) -> tuple[Tensor | None, Tensor]:
     """The LoRA part of grad_x (rows, in) in x's dtype (None unless ``need_x``) and dA (R, in) float32."""
     bucket = plan.variant.rank_bucket
-    grid = specs.plan_grad_in(plan.rows, plan.in_features, plan.variant, plan.target_blocks)
+    grid = plan.grad_in_grid
     gx = torch.empty_like(x2) if need_x else None
     da_part = torch.empty(grid.splits, bucket, plan.in_features, dtype=torch.float32, device=plan.device)
     plan.launcher.launch(

@@ -270,7 +270,7 @@ def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> Dow
     lane_cols = (32 if tile["mma"] else WARP * CHUNK) * tile["steps"]  # columns a warp covers per step
     max_splits = max(1, cols * ELEMENT_BYTES[variant.dtype] // (32 * variant.rank_bucket))
     wanted = wanted_blocks(LORA_DOWN, variant, target_blocks)
-    splits = min(math.ceil(cols / lane_cols), max_splits, max(1, math.ceil(wanted / row_blocks)))
+    splits = min(math.ceil(cols / lane_cols), max_splits, max(1, math.ceil(wanted / max(row_blocks, 1))))
     cols_per_split = math.ceil(cols / splits / lane_cols) * lane_cols
     splits = math.ceil(cols / cols_per_split)
     return DownPlan((row_blocks, splits), splits, cols_per_split)

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loragen.cuda import kernel_variants, launch, specs
 from loragen.cuda.cache import KernelCache
@@ -201,3 +203,55 @@ def test_bad_arguments_to_a_recorded_kernel_raise_as_before(fake):
         )
     with pytest.raises(TypeError, match=r"kernel lora_up takes 8 arguments, got 2"):
         fake.launcher.launch(fake.spec, variant, (1, 1), good[:2], torch.device("cuda", 0))
+
+
+_C_VALUES = {
+    "int": st.integers(-(2**31), 2**31 - 1),
+    "unsigned": st.integers(0, 2**32 - 1),
+    "u64": st.integers(0, 2**64 - 1),
+    "float": st.floats(width=32, allow_nan=False),
+}
+
+
+@st.composite
+def _kernel_arguments(draw: st.DrawFn) -> tuple[specs.KernelSpec, list[object]]:
+    spec = draw(st.sampled_from(sorted(specs.KERNELS.values(), key=lambda s: s.name)))
+    args: list[object] = []
+    for param in spec.params:
+        if param.ctype.endswith("*"):
+            args.append(draw(st.sampled_from([None, torch.zeros(draw(st.integers(1, 5)))])))
+        else:
+            args.append(draw(_C_VALUES[param.ctype]))
+    return spec, args
+
+
+@settings(max_examples=60, deadline=None)
+@given(_kernel_arguments())
+def test_the_parameter_block_holds_each_value_at_its_own_address(case):
+    """Each kernel's parameter block, read back through its pointer array as the driver reads it, holds
+    exactly the launch's values in their C types (pointers as data pointers, None as 0), whatever the mix
+    of 4- and 8-byte parameters."""
+    spec, args = case
+    record = launch._LaunchRecord(spec, kernel_variants.Variant("float32", 16, True), None, None)
+    record.fill(args)
+    record.fill(args)  # a second fill rewrites in place
+    driver = FakeDriver(spec)
+    driver.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, 0, record.params_address, 0)
+    read = driver.calls[-1][-1]
+    expected = [
+        (0 if a is None else a.data_ptr()) if p.ctype.endswith("*") else a for p, a in zip(spec.params, args)
+    ]
+    assert [v or 0 if p.ctype.endswith("*") else v for p, v in zip(spec.params, read)] == expected
+
+
+def test_an_unsigned_argument_out_of_range_is_refused_by_the_fast_path():
+    variant = kernel_variants.Variant("float32", 8, True)
+    spec = specs.KERNELS["lora_down"]
+    x, a, h = torch.zeros(1, 8), torch.zeros(8, 8), torch.zeros(1, 1, 8)
+    good = (x, a, h, 1, 8, 1, 8, None, 0, 1.0)
+    record = launch._LaunchRecord(spec, variant, None, None)
+    record.fill(good)
+    with pytest.raises(
+        launch.KernelArgumentRangeError, match=r"parameter threshold=-1 does not fit its C type unsigned"
+    ):
+        record.fill((*good[:8], -1, 1.0))

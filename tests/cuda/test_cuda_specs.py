@@ -141,3 +141,29 @@ def test_grids_fill_two_waves_on_an_h100_layer(rank):
         grad_out.splits == n * 2 // per_split
         or waves(specs.LORA_GRAD_OUT, grad_out.grid[0] * grad_out.grid[1]) >= 1.9
     )
+
+
+def test_a_variant_keeps_its_hash_across_processes():
+    """A variant's hash is worked out once; one pickled in another process (another string hash seed)
+    is rebuilt from its fields, so it finds the same dict entries as one made here."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys; from loragen.cuda.kernel_variants import Variant; "
+        "sys.stdout.buffer.write(pickle.dumps(Variant('bfloat16', 16, True)))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    made_there = pickle.loads(
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout
+    )
+    made_here = kernel_variants.Variant("bfloat16", 16, True)
+    assert made_there == made_here and hash(made_there) == hash(made_here)
+    assert {made_here: "found"}[made_there] == "found"
+
+
+def test_an_empty_input_gets_a_down_grid_with_no_row_blocks():
+    variant = kernel_variants.Variant("float32", 16, True)
+    assert specs.plan_down(0, 64, variant, 264).grid[0] == 0
