@@ -87,6 +87,8 @@ __all__ = [
     "counts_table",
     "host_counts",
     "host_times",
+    "stand_in_device",
+    "stand_in_driver_env",
     "stand_in_driver_times",
     "lora_step",
     "main",
@@ -482,7 +484,7 @@ def _interleaved_times(
 
 
 @contextlib.contextmanager
-def _stand_in_device() -> Iterator[DriverLauncher]:
+def stand_in_device() -> Iterator[DriverLauncher]:
     """A :class:`DriverLauncher` as on an H100 (132 multiprocessors) whose launch records hold a stand-in
     function and the stand-in driver's context, on a build of torch without CUDA: CPU tensors play
     device 0. Only the module loading (it needs a real cubin and driver) is left out."""
@@ -515,7 +517,7 @@ def _stand_in_device() -> Iterator[DriverLauncher]:
 def _stand_in_child(dtype_name: str, dropout: float) -> None:
     """Inside the child process: time the null driver and the stand-in driver side by side, print JSON."""
     dtype = getattr(torch, dtype_name)
-    with _stand_in_device() as launcher:
+    with stand_in_device() as launcher:
         steps = {
             kind: lora_step(
                 runs_on, kind="loragen", dtype=dtype, dropout=dropout, tokens=8, features=64, depth=8
@@ -525,6 +527,26 @@ def _stand_in_child(dtype_name: str, dropout: float) -> None:
         print(json.dumps(_interleaved_times(steps, rounds=15, calls=50, depth=8)))
 
 
+def stand_in_driver_env(folder: str) -> dict[str, str]:
+    """Build the stand-in driver library (benchmarks/stand_in_libcuda.c) into ``folder`` and return this
+    process's environment with ``folder`` first on ``LD_LIBRARY_PATH``, for a child that loads it as
+    ``libcuda``.
+
+    Raises:
+        RuntimeError: no C compiler (cc or gcc) on PATH.
+    """
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("the stand-in driver needs a C compiler (cc or gcc) on PATH")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_libcuda.c")
+    library = os.path.join(folder, "libcuda.so.1")
+    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, source], check=True)
+    os.symlink("libcuda.so.1", os.path.join(folder, "libcuda.so"))
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (folder, env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
 def stand_in_driver_times(dtype: torch.dtype = torch.float32, dropout: float = 0.05) -> dict[str, float]:
     """Host microseconds per layer of loragen's op on the null driver and through :class:`DriverLauncher`
     on the stand-in driver library (see the module docstring), timed side by side in a child process.
@@ -532,16 +554,8 @@ def stand_in_driver_times(dtype: torch.dtype = torch.float32, dropout: float = 0
     Raises:
         RuntimeError: no C compiler, no cuda-python, or the child failed (its output in the message).
     """
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("--stand-in-driver needs a C compiler (cc or gcc) on PATH")
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_libcuda.c")
     with tempfile.TemporaryDirectory() as folder:
-        library = os.path.join(folder, "libcuda.so.1")
-        subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, source], check=True)
-        os.symlink("libcuda.so.1", os.path.join(folder, "libcuda.so"))
-        env = dict(os.environ)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (folder, env.get("LD_LIBRARY_PATH")) if p)
+        env = stand_in_driver_env(folder)
         name = str(dtype).removeprefix("torch.")
         child = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--stand-in-child", name, str(dropout)],

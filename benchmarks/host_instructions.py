@@ -1,0 +1,236 @@
+"""Host work of a LoRA layer's forward + backward as CPU instructions, counted by valgrind's callgrind:
+a figure that does not move with the machine's load, unlike a time.
+
+    python benchmarks/host_instructions.py               # every kind, 5 steps of 8 chained layers
+    python benchmarks/host_instructions.py --steps 10 --kinds composition "loragen op"
+
+Each kind runs steps of 8 chained layers and one backward (as the layers of a model), on tiny CPU tensors
+(8 tokens, 64 -> 64, r = 16, dropout 0.05, float32), where the arithmetic costs next to nothing: what is
+counted is the host path (Python, torch's dispatch, autograd). After a warm-up, callgrind counts only the
+measured steps (a small library built here switches its instrumentation on and off around them). Kinds:
+
+* ``frozen``: ``F.linear`` alone; ``composition``: peft's way as functions (base linear, dropout, A and B
+  as separate products), :func:`loragen.reference.lora_linear_reference`;
+* ``loragen op``: :func:`loragen.cuda.linear_op.lora_linear_cuda` on the null driver of
+  benchmarks/cuda_host.py (everything but the launch calls); ``loragen op, CUDA launcher``: the same
+  through loragen's :class:`~loragen.cuda.launch.DriverLauncher` and cuda-python on the stand-in driver
+  library of benchmarks/stand_in_libcuda.c (every driver entry point returns at once);
+* ``torch path (GPU)``: the op on its torch path with the jiterator kernels stood in;
+* ``frozen module``, ``peft layer``, ``loragen layer``: whole modules -- a model of 8 ``nn.Linear``
+  frozen, with peft's LoRA layers, and with loragen's, whose op runs through the CUDA launcher on the
+  stand-in driver (CPU tensors take the CUDA op's path in place of the CPU op).
+
+Needs valgrind with its headers (``valgrind/callgrind.h``), a C compiler and cuda-python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+__all__ = ["KINDS", "count_instructions", "main"]
+
+KINDS = (
+    "frozen",
+    "composition",
+    "loragen op",
+    "loragen op, CUDA launcher",
+    "torch path (GPU)",
+    "frozen module",
+    "peft layer",
+    "loragen layer",
+)
+DEPTH = 8  # chained layers per step
+
+# switches callgrind's instrumentation on for the measured steps only (client requests from Python)
+_CONTROL_SOURCE = """
+#include <valgrind/callgrind.h>
+void measure_start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
+void measure_stop(void) { CALLGRIND_DUMP_STATS; CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def _cuda_host() -> Any:
+    """benchmarks/cuda_host.py, as a package module or from this folder."""
+    import importlib
+
+    if __package__:
+        return importlib.import_module(f"{__package__}.cuda_host")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    return importlib.import_module("cuda_host")
+
+
+def _module_step(kind: str, launcher: object) -> Callable[[], None]:
+    """One forward + backward of a model of 8 LoRA (or frozen) linears 64 -> 64."""
+    import peft
+
+    import loragen
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(DEPTH)])
+    config = {
+        "r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.05,
+        "target_modules": [str(i) for i in range(DEPTH)],
+    }
+    if kind == "peft layer":
+        model = peft.get_peft_model(model, peft.LoraConfig(**config))
+    elif kind == "loragen layer":
+        model = loragen.get_lora_model(model, loragen.LoraConfig(**config))
+    else:
+        model.requires_grad_(False)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    x = torch.randn(8, 64, requires_grad=True)
+    grad = torch.randn(8, 64)
+
+    def step() -> None:
+        x.grad = None
+        for p in trainable:
+            p.grad = None
+        model(x).backward(grad)
+
+    return step
+
+
+@contextlib.contextmanager
+def _cuda_op_on_cpu_tensors(launcher: object) -> Iterator[None]:
+    """loragen's layers run the CUDA op (on ``launcher``) where CPU tensors would take the CPU op."""
+    from loragen.cuda.linear_op import lora_linear_cuda
+    from loragen.ops import dispatch
+
+    class _CudaOp:
+        @staticmethod
+        def apply(
+            x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, rng: Any, seed: Any, fifo: bool
+        ) -> Any:
+            return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launcher)  # type: ignore[arg-type]
+
+    with mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp):
+        yield
+
+
+def _child(steps: int, kinds: list[str]) -> None:
+    """Inside valgrind: run each kind's steps between the instrumentation switches."""
+    cuda_host = _cuda_host()
+    control = ctypes.CDLL(os.environ["LORAGEN_MEASURE_LIBRARY"])
+    torch.set_num_threads(1)
+    with contextlib.ExitStack() as stack:
+        launcher = stack.enter_context(cuda_host.stand_in_device())
+        stack.enter_context(_cuda_op_on_cpu_tensors(launcher))
+        stack.enter_context(cuda_host.null_jiterator())
+        for kind in kinds:
+            if kind in ("frozen module", "peft layer", "loragen layer"):
+                step = _module_step(kind, launcher)
+            else:
+                runs_on = {"loragen op": cuda_host.NullLauncher(), "loragen op, CUDA launcher": launcher}
+                op_kind = "loragen" if kind.startswith("loragen op") else kind
+                step = cuda_host.lora_step(
+                    runs_on.get(kind), kind=op_kind, tokens=8, features=64, depth=DEPTH
+                )
+            for _ in range(5):
+                step()
+            control.measure_start()
+            for _ in range(steps):
+                step()
+            control.measure_stop()
+
+
+def count_instructions(steps: int = 5, kinds: tuple[str, ...] = KINDS) -> dict[str, int]:
+    """Instructions per layer (forward + backward) of each kind, counted by callgrind.
+
+    Raises:
+        RuntimeError: valgrind, its headers or a C compiler missing, or the run failed.
+    """
+    valgrind, compiler = shutil.which("valgrind"), shutil.which("cc") or shutil.which("gcc")
+    if valgrind is None or compiler is None:
+        raise RuntimeError("counting instructions needs valgrind and a C compiler (cc or gcc) on PATH")
+    cuda_host = _cuda_host()
+    with tempfile.TemporaryDirectory() as folder:
+        env = cuda_host.stand_in_driver_env(folder)
+        control = os.path.join(folder, "measure.c")
+        with open(control, "w") as out:
+            out.write(_CONTROL_SOURCE)
+        library = os.path.join(folder, "libmeasure.so")
+        built = subprocess.run(
+            [compiler, "-O1", "-shared", "-fPIC", "-o", library, control],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if built.returncode != 0:
+            raise RuntimeError(
+                f"building the callgrind switch failed (valgrind headers missing?):\n{built.stderr}"
+            )
+        env["LORAGEN_MEASURE_LIBRARY"] = library
+        output = os.path.join(folder, "callgrind.out")
+        python = os.path.realpath(sys.executable)  # the interpreter itself, not a wrapper script
+        run = subprocess.run(
+            [
+                valgrind,
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={output}",
+                python,
+                os.path.abspath(__file__),
+                "--child",
+                str(steps),
+                *kinds,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"the callgrind run failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
+        parts = sorted(glob.glob(output + ".*"), key=lambda path: int(path.rsplit(".", 1)[1]))
+        if len(parts) != len(kinds):
+            raise RuntimeError(f"expected {len(kinds)} callgrind dumps, found {len(parts)}")
+        counts = {}
+        for kind, part in zip(kinds, parts):
+            with open(part) as dump:
+                found = re.search(r"^totals: (\d+)", dump.read(), re.MULTILINE)
+            if found is None:
+                raise RuntimeError(f"no totals line in {part}")
+            counts[kind] = int(found.group(1)) // (steps * DEPTH)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> dict[str, int]:
+    """Print the instructions per layer of each kind as a markdown table; return them."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="measured steps of 8 layers per kind")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        _child(int(args.child[0]), args.child[1:])
+        return {}
+    counts = count_instructions(args.steps, tuple(args.kinds))
+    base = counts.get("composition")
+    print("host instructions per layer, forward + backward (8 tokens, 64 -> 64, r=16, dropout 0.05, float32)")
+    print("| kind | instructions | / composition |")
+    print("|---|---|---|")
+    for kind, count in counts.items():
+        ratio = f"{count / base:.2f}" if base else "-"
+        print(f"| {kind} | {count:,} | {ratio} |")
+    return counts
+
+
+if __name__ == "__main__":
+    main()
