@@ -34,6 +34,7 @@ __all__ = [
     "KEEP_SOURCE",
     "BlockDropout",
     "dropped",
+    "group_numbers",
     "jiterator_status",
     "keep_mask",
     "rng_keep_mask",
@@ -234,6 +235,74 @@ def keep_mask(start: int, numel: int, threshold: int, seed: int, offset: int, de
     return rng_keep_mask(rng_tensor(seed, offset, device), start, numel, threshold)
 
 
+# ---- group numbers and lane numbers, kept per device and stream -----------------------------------------
+# The grouped jiterator kernels read each group's number from an int64 counter 0, 1, 2, ... and each lane's
+# number from a float32 (8,) tensor. Both are made once per (device, stream) and grown by doubling, so a
+# call takes a cached (groups, 1) view instead of making two aranges. Kept per stream: the arange that
+# fills a counter is queued on the stream that first asked for it, and only that stream reads it (another
+# stream could read it before it is written). Never freed: a CUDA graph captured with one of them reads its
+# memory on every replay, so a counter that grows keeps its old storage alive (less memory than the new
+# one). Inside a capture nothing is made for the cache -- a tensor made there holds its values only once
+# the graph replays -- so a capture that finds no counter for its stream captures its own aranges.
+_MIN_GROUPS = 1 << 12  # the smallest counter: 32 KiB
+_MAX_VIEWS = 256  # cached (groups, 1) views before the view cache starts over (views only, no memory)
+
+
+class _Counter:
+    """The group counter and lane numbers of one (device, stream)."""
+
+    __slots__ = ("counter", "lanes", "retired")
+
+    def __init__(self, counter: Tensor, lanes: Tensor) -> None:
+        self.counter = counter  # int64 (n,): 0 .. n - 1
+        self.lanes = lanes  # float32 (8,): 0 .. 7
+        self.retired: list[Tensor] = []  # counters it outgrew, kept for CUDA graphs that read them
+
+
+_counters: dict[tuple[torch.device, int], _Counter] = {}
+_group_views: dict[tuple[torch.device, int, int], tuple[Tensor, Tensor]] = {}
+_counter_lock = threading.Lock()
+
+
+def _stream(device: torch.device) -> int:
+    """The current stream of a CUDA ``device`` as its raw handle (0 for other devices)."""
+    if device.type != "cuda":
+        return 0
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
+    """Group numbers 0 .. ``groups`` - 1 as int64 (groups, 1) and lane numbers 0 .. 7 as float32 (8,), on
+    ``device``, for kernels queued on its current stream: views of this (device, stream)'s cached counter
+    (no operation at all once a size was seen), or, inside a CUDA-graph capture that finds none, fresh
+    tensors made inside the capture."""
+    stream = _stream(device)
+    found = _group_views.get((device, stream, groups))
+    if found is not None:
+        return found
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    with _counter_lock:
+        entry = _counters.get((device, stream))
+        if entry is None or entry.counter.numel() < groups:
+            if capturing:  # nothing made here is cached: this capture gets its own aranges
+                numbers = torch.arange(groups, dtype=torch.int64, device=device).view(groups, 1)
+                return numbers, torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+            size = max(_MIN_GROUPS, 1 << (groups - 1).bit_length())
+            counter = torch.arange(size, dtype=torch.int64, device=device)
+            if entry is None:
+                lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+                entry = _counters[(device, stream)] = _Counter(counter, lanes)
+            else:
+                entry.retired.append(entry.counter)
+                entry.counter = counter
+        if len(_group_views) >= _MAX_VIEWS:
+            _group_views.clear()
+        found = _group_views[(device, stream, groups)] = entry.counter[:groups].view(groups, 1), entry.lanes
+    return found
+
+
 class BlockDropout:
     """The dropout of one block of a masked tensor whose element [0, 0] is flat element ``start``:
     applied to x and, in backward, to the x-shaped product dh A, with one keep-mask between them.
@@ -254,7 +323,7 @@ class BlockDropout:
         dropout, ``values`` itself when it is float32 (callers only read it)."""
         if self.threshold == 0:
             return values.float()
-        if values.device.type in JIT_DEVICE_TYPES and values.numel() and not _jit_failure:
+        if self._keep is None and values.device.type in JIT_DEVICE_TYPES and not _jit_failure and values.numel():
             try:
                 out = self._jitted(values)
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
@@ -268,36 +337,40 @@ class BlockDropout:
         return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
 
     def _jitted(self, values: Tensor) -> Tensor | None:
-        rows, cols = values.shape
-        if self._bits is None:
-            apply = _jit("apply")
+        """The keep bits from the Philox kernel (on the first call), then the apply kernel; None after a
+        jiterator failure."""
+        keep_bits = self._bits
+        if keep_bits is None:
+            rows, cols = values.shape
             numel = rows * cols
             grouped = numel % _PER_CALL == 0 and self.start % _PER_CALL == 0 and values.is_contiguous()
             philox = _jit("keep_bits" if grouped else "keep")
-            if philox is None or apply is None:
+            if philox is None or _jit("apply") is None:
                 return None
             device = values.device
             seed, offset = self.rng.unbind()  # views: the kernels read the words on the device
             if grouped:  # one Philox call per 8 elements: (groups, 1) keep bits, broadcast over 8 lanes
-                groups = torch.arange(numel // _PER_CALL, dtype=torch.int64, device=device)
+                groups, lanes = group_numbers(device, numel // _PER_CALL)
                 bits = philox(
                     groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold
                 )
-                lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
-                self._bits = bits.view(-1, 1), lanes, True
-            else:  # one call per element: its keep flag, read as lane 0
+            else:  # one call per element, its keep flag read as lane 0 (a count or start off 8: rare)
                 elements = torch.arange(numel, dtype=torch.int64, device=device).view(rows, cols)
-                keep = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
-                self._bits = keep, torch.zeros(1, dtype=torch.float32, device=device), False
-        apply = _jit("apply")
-        if apply is None:
+                bits = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
+                lanes = torch.zeros(1, dtype=torch.float32, device=device)
+            keep_bits = self._bits = bits, lanes, grouped
+        return self._apply(values, keep_bits)
+
+    def _apply(self, values: Tensor, keep_bits: tuple[Tensor, Tensor, bool]) -> Tensor | None:
+        apply = _jit_functions.get("apply")
+        if apply is None:  # the jiterator failed since the keep bits were made
             return None
-        bits, lanes, grouped = self._bits
-        if grouped:
-            if not values.is_contiguous():
-                values = values.contiguous()
-            return apply(values.view(-1, _PER_CALL), bits, lanes, keep_scale=self.keep_scale).view(rows, cols)
-        return apply(values, bits, lanes, keep_scale=self.keep_scale)
+        bits, lanes, grouped = keep_bits
+        if not grouped:
+            return apply(values, bits, lanes, keep_scale=self.keep_scale)
+        if not values.is_contiguous():
+            values = values.contiguous()
+        return apply(values.view(-1, _PER_CALL), bits, lanes, keep_scale=self.keep_scale).view(values.shape)
 
 
 def dropped(values: Tensor, rng: Tensor, start: int, threshold: int, keep_scale: float) -> Tensor:
