@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "APPLY_PAIR_SOURCE",
     "APPLY_SOURCE",
     "JIT_FUNCTIONS",
     "KEEP_BITS_SOURCE",
@@ -110,12 +111,24 @@ T loragen_apply_keep(T value, T bits, T lane, T keep_scale) {
 }
 """
 
-# each jiterator function: its source and its keyword arguments, in the order of the C++ parameters
-# after the tensor inputs (torch passes them in this order)
-JIT_FUNCTIONS: dict[str, tuple[str, dict[str, int | float]]] = {
-    "keep_bits": (KEEP_BITS_SOURCE, {"first_group": 0, "threshold": 0}),
-    "keep": (KEEP_SOURCE, {"start": 0, "threshold": 0}),
-    "apply": (APPLY_SOURCE, {"keep_scale": 1.0}),
+# One thread per element pair: ``first`` and ``second`` (x and dh A of one backward block) under the same
+# keep bit, in one kernel -- one launch fewer per backward than applying the bits to each. T is float32.
+APPLY_PAIR_SOURCE = r"""template <typename T>
+void loragen_apply_keep_pair(T first, T second, T bits, T lane, T keep_scale, T& first_out, T& second_out) {
+    const bool kept = (static_cast<unsigned>(bits) >> static_cast<unsigned>(lane)) & 1u;
+    first_out = kept ? first * keep_scale : T(0);
+    second_out = kept ? second * keep_scale : T(0);
+}
+"""
+
+# each jiterator function: its source, its keyword arguments in the order of the C++ parameters after the
+# tensor inputs (torch passes them in this order), and how many outputs it returns by reference (0: one
+# output, returned by value)
+JIT_FUNCTIONS: dict[str, tuple[str, dict[str, int | float], int]] = {
+    "keep_bits": (KEEP_BITS_SOURCE, {"first_group": 0, "threshold": 0}, 0),
+    "keep": (KEEP_SOURCE, {"start": 0, "threshold": 0}, 0),
+    "apply": (APPLY_SOURCE, {"keep_scale": 1.0}, 0),
+    "apply_pair": (APPLY_PAIR_SOURCE, {"keep_scale": 1.0}, 2),
 }
 
 # device types whose tensors take the jiterator kernels (loragen's host-work benchmark adds "cpu" with
@@ -146,8 +159,11 @@ def _jit(name: str) -> Callable[..., Tensor] | None:
         if name not in _jit_functions:
             from torch.cuda import jiterator
 
-            source, kwargs = JIT_FUNCTIONS[name]
-            _jit_functions[name] = jiterator._create_jit_fn(source, **kwargs)
+            source, kwargs, outputs = JIT_FUNCTIONS[name]
+            if outputs:
+                _jit_functions[name] = jiterator._create_multi_output_jit_fn(source, outputs, **kwargs)
+            else:
+                _jit_functions[name] = jiterator._create_jit_fn(source, **kwargs)
         return _jit_functions[name]
 
 
@@ -273,6 +289,11 @@ def _stream(device: torch.device) -> int:
     return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether work queued on ``device``'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
     """Group numbers 0 .. ``groups`` - 1 as int64 (groups, 1) and lane numbers 0 .. 7 as float32 (8,), on
     ``device``, for kernels queued on its current stream: views of this (device, stream)'s cached counter
@@ -282,7 +303,7 @@ def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
     found = _group_views.get((device, stream, groups))
     if found is not None:
         return found
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing(device)
     with _counter_lock:
         entry = _counters.get((device, stream))
         if entry is None or entry.counter.numel() < groups:
@@ -336,34 +357,53 @@ class BlockDropout:
             self._keep = rng_keep_mask(self.rng, self.start, rows * cols, self.threshold).view(rows, cols)
         return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
 
-    def _jitted(self, values: Tensor) -> Tensor | None:
-        """The keep bits from the Philox kernel (on the first call), then the apply kernel; None after a
-        jiterator failure."""
-        keep_bits = self._bits
-        if keep_bits is None:
-            rows, cols = values.shape
-            numel = rows * cols
-            grouped = numel % _PER_CALL == 0 and self.start % _PER_CALL == 0 and values.is_contiguous()
-            philox = _jit("keep_bits" if grouped else "keep")
-            if philox is None or _jit("apply") is None:
-                return None
-            device = values.device
-            seed, offset = self.rng.unbind()  # views: the kernels read the words on the device
-            if grouped:  # one Philox call per 8 elements: (groups, 1) keep bits, broadcast over 8 lanes
-                groups, lanes = group_numbers(device, numel // _PER_CALL)
-                bits = philox(
-                    groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold
-                )
-            else:  # one call per element, its keep flag read as lane 0 (a count or start off 8: rare)
-                elements = torch.arange(numel, dtype=torch.int64, device=device).view(rows, cols)
-                bits = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
-                lanes = torch.zeros(1, dtype=torch.float32, device=device)
-            keep_bits = self._bits = bits, lanes, grouped
-        return self._apply(values, keep_bits)
+    def pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
+        """``(self(first), self(second))`` for two tensors of one shape (x and dh A of a backward block):
+        on the jiterator path one kernel applies the keep bits to both."""
+        if (
+            self.threshold
+            and self._keep is None
+            and first.device.type in JIT_DEVICE_TYPES
+            and not _jit_failure
+            and first.numel()
+        ):
+            try:
+                out = self._jitted_pair(first, second)
+            except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
+                _jit_failed(exc)
+            else:
+                if out is not None:
+                    return out
+        return self(first), self(second)
 
-    def _apply(self, values: Tensor, keep_bits: tuple[Tensor, Tensor, bool]) -> Tensor | None:
-        apply = _jit_functions.get("apply")
-        if apply is None:  # the jiterator failed since the keep bits were made
+    def _keep_bits(self, values: Tensor) -> tuple[Tensor, Tensor, bool] | None:
+        """The keep bits for tensors shaped like ``values``, made by the Philox kernel on first use; None
+        after a jiterator failure."""
+        if self._bits is not None:
+            return self._bits
+        rows, cols = values.shape
+        numel = rows * cols
+        grouped = numel % _PER_CALL == 0 and self.start % _PER_CALL == 0 and values.is_contiguous()
+        philox = _jit("keep_bits" if grouped else "keep")
+        if philox is None:
+            return None
+        device = values.device
+        seed, offset = self.rng.unbind()  # views: the kernels read the words on the device
+        if grouped:  # one Philox call per 8 elements: (groups, 1) keep bits, broadcast over 8 lanes
+            groups, lanes = group_numbers(device, numel // _PER_CALL)
+            bits = philox(groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold)
+        else:  # one call per element, its keep flag read as lane 0 (a count or start off 8: rare)
+            elements = torch.arange(numel, dtype=torch.int64, device=device).view(rows, cols)
+            bits = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
+            lanes = torch.zeros(1, dtype=torch.float32, device=device)
+        self._bits = bits, lanes, grouped
+        return self._bits
+
+    def _jitted(self, values: Tensor) -> Tensor | None:
+        """The keep bits applied to ``values`` by the apply kernel; None after a jiterator failure."""
+        apply = _jit("apply")
+        keep_bits = None if apply is None else self._keep_bits(values)
+        if keep_bits is None or apply is None:
             return None
         bits, lanes, grouped = keep_bits
         if not grouped:
@@ -371,6 +411,25 @@ class BlockDropout:
         if not values.is_contiguous():
             values = values.contiguous()
         return apply(values.view(-1, _PER_CALL), bits, lanes, keep_scale=self.keep_scale).view(values.shape)
+
+    def _jitted_pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The keep bits applied to ``first`` and ``second`` by one kernel; None after a jiterator failure."""
+        apply_pair = _jit("apply_pair")
+        keep_bits = None if apply_pair is None else self._keep_bits(first)
+        if keep_bits is None or apply_pair is None:
+            return None
+        bits, lanes, grouped = keep_bits
+        if not grouped:
+            return apply_pair(first, second, bits, lanes, keep_scale=self.keep_scale)
+        shape = first.shape
+        if not first.is_contiguous():
+            first = first.contiguous()
+        if not second.is_contiguous():
+            second = second.contiguous()
+        one, two = apply_pair(
+            first.view(-1, _PER_CALL), second.view(-1, _PER_CALL), bits, lanes, keep_scale=self.keep_scale
+        )
+        return one.view(shape), two.view(shape)
 
 
 def dropped(values: Tensor, rng: Tensor, start: int, threshold: int, keep_scale: float) -> Tensor:

@@ -19,8 +19,8 @@ columns of h, dh and dB past the rank come out as exact zeros for finite inputs,
 Split reductions write the whole sum into partial 0 and zeros into the other partials, whose sum is all
 the caller reads.
 
-Dropout on a CUDA device costs two kernels for the keep bits and one per masked tensor
-(:mod:`loragen.cuda.torch_dropout`).
+Dropout on a CUDA device costs two kernels in forward (the keep bits, and x masked) and two in backward
+(the keep bits again, and x and dh A masked by one kernel) (:mod:`loragen.cuda.torch_dropout`).
 """
 
 from __future__ import annotations
@@ -158,15 +158,19 @@ def _grad_out(
 def _grad_in_block(
     x: Tensor, dh: Tensor, a: Tensor, gx: Tensor | None, da: Tensor, first: bool, drop: BlockDropout | None
 ) -> None:
-    xd = _f32(x) if drop is None else drop(x)  # one keep-mask for both products
-    da.addmm_(dh.t(), xd, beta=0 if first else 1)
     if gx is None:
+        da.addmm_(dh.t(), _f32(x) if drop is None else drop(x), beta=0 if first else 1)
         return
-    if drop is None and gx.dtype == torch.float32:
-        torch.mm(dh, a, out=gx)
+    if drop is None:
+        da.addmm_(dh.t(), _f32(x), beta=0 if first else 1)
+        if gx.dtype == torch.float32:
+            torch.mm(dh, a, out=gx)
+        else:
+            gx.copy_(torch.mm(dh, a))  # one rounding into gx
         return
-    product = torch.mm(dh, a)
-    gx.copy_(product if drop is None else drop(product))  # one rounding into gx
+    xd, product = drop.pair(x, torch.mm(dh, a))  # one keep-mask for both, applied by one kernel
+    da.addmm_(dh.t(), xd, beta=0 if first else 1)
+    gx.copy_(product)  # one rounding into gx
 
 
 def _grad_in(

@@ -82,19 +82,31 @@ def test_dropped_scales_kept_elements_and_zeroes_the_rest(dtype):
 @pytest.mark.parametrize("name", sorted(torch_dropout.JIT_FUNCTIONS))
 def test_jiterator_sources_parse_into_their_declared_arguments(name):
     """torch reads each source with a regular expression (the entry is the last function) and passes the
-    keyword arguments in their declared order after the tensors: both must line up with the C++
-    parameter list."""
+    keyword arguments in their declared order after the tensors, then the outputs of a function that
+    returns them by reference: all must line up with the C++ parameter list."""
     from torch.cuda import jiterator
 
-    source, kwargs = torch_dropout.JIT_FUNCTIONS[name]
-    fn = jiterator._create_jit_fn(source, **kwargs)
-    entry = {"keep_bits": "loragen_keep_bits", "keep": "loragen_keep", "apply": "loragen_apply_keep"}[name]
+    source, kwargs, outputs = torch_dropout.JIT_FUNCTIONS[name]
+    if outputs:
+        fn = jiterator._create_multi_output_jit_fn(source, outputs, **kwargs)
+    else:
+        fn = jiterator._create_jit_fn(source, **kwargs)
+    entry = {
+        "keep_bits": "loragen_keep_bits",
+        "keep": "loragen_keep",
+        "apply": "loragen_apply_keep",
+        "apply_pair": "loragen_apply_keep_pair",
+    }[name]
     assert fn.kernel_name == entry
+    assert fn.num_outputs == max(outputs, 1) and fn.return_by_ref == bool(outputs)
     signature = re.search(rf"{entry}\((.*?)\)\s*\{{", source, re.DOTALL)
     assert signature is not None
-    names = [param.split()[-1] for param in signature.group(1).split(",")]
-    tensors = {"keep_bits": 3, "keep": 3, "apply": 3}[name]
-    assert names[tensors:] == list(fn.kwargs_dict) == list(kwargs)
+    params = [param.split() for param in signature.group(1).split(",")]
+    tensors = {"keep_bits": 3, "keep": 3, "apply": 3, "apply_pair": 4}[name]
+    names = [param[-1] for param in params]
+    assert names[tensors : len(names) - outputs] == list(fn.kwargs_dict) == list(kwargs)
+    assert all(param[0] == "T&" for param in params[len(params) - outputs :])  # the outputs, by reference
+    assert source.lstrip().startswith("template <typename T>\n" + ("void" if outputs else "T"))
 
 
 class _Dispatches(TorchDispatchMode):
@@ -236,6 +248,12 @@ class _EmulatedJiterator:
         kept = (bits.to(torch.int64) >> lanes.to(torch.int64)) & 1
         return torch.where(kept.bool(), values.float() * keep_scale, 0.0)
 
+    def apply_pair(self, first, second, bits, lanes, *, keep_scale):
+        assert first.shape == second.shape
+        return self.apply(first, bits, lanes, keep_scale=keep_scale), self.apply(
+            second, bits, lanes, keep_scale=keep_scale
+        )
+
 
 @pytest.mark.parametrize(
     ("rows", "cols", "start"), [(1, 8, 0), (37, 45, 3), (30, 40, 40 * 7), (5, 7, 2**36 + 5), (6, 16, 2**36)]
@@ -246,7 +264,12 @@ def test_jiterator_branch_draws_the_philox_mask(monkeypatch, rows, cols, start):
     monkeypatch.setattr(
         torch_dropout,
         "_jit_functions",
-        {"keep_bits": emulated.keep_bits, "keep": emulated.keep, "apply": emulated.apply},
+        {
+            "keep_bits": emulated.keep_bits,
+            "keep": emulated.keep,
+            "apply": emulated.apply,
+            "apply_pair": emulated.apply_pair,
+        },
     )
     seed, offset, p = 2**64 - 17, 2**33 + 1, 0.3
     threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
