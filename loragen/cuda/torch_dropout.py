@@ -281,9 +281,7 @@ _counter_lock = threading.Lock()
 
 
 def _stream(device: torch.device) -> int:
-    """The current stream of a CUDA ``device`` as its raw handle (0 for other devices)."""
-    if device.type != "cuda":
-        return 0
+    """The current stream of CUDA ``device`` as its raw handle, without making a ``torch.cuda.Stream``."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
@@ -299,7 +297,7 @@ def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
     ``device``, for kernels queued on its current stream: views of this (device, stream)'s cached counter
     (no operation at all once a size was seen), or, inside a CUDA-graph capture that finds none, fresh
     tensors made inside the capture."""
-    stream = _stream(device)
+    stream = _stream(device) if device.type == "cuda" else 0
     found = _group_views.get((device, stream, groups))
     if found is not None:
         return found
@@ -344,7 +342,12 @@ class BlockDropout:
         dropout, ``values`` itself when it is float32 (callers only read it)."""
         if self.threshold == 0:
             return values.float()
-        if self._keep is None and values.device.type in JIT_DEVICE_TYPES and not _jit_failure and values.numel():
+        if (
+            self._keep is None
+            and values.device.type in JIT_DEVICE_TYPES
+            and not _jit_failure
+            and values.numel()
+        ):
             try:
                 out = self._jitted(values)
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same

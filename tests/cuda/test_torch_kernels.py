@@ -149,6 +149,31 @@ def test_a_training_step_dispatches_few_operations():
     assert with_dropout["aten.mul.Tensor"] - without["aten.mul.Tensor"] <= 2 * 11 + 3
 
 
+def test_a_jiterator_step_makes_no_constants_and_launches_four_kernels(monkeypatch):
+    """On the jiterator branch (stand-ins that allocate and run nothing, as on a GPU) a step after the
+    first makes no group or lane numbers (views of the cached counter) and calls four jiterator functions:
+    the keep bits and x masked in forward, the keep bits and x and dh A masked together in backward.
+    (Before: four aranges and five jiterator calls per step.)"""
+    from loragen._benchmarks.cuda_host import lora_step, null_jiterator
+
+    step = lora_step(None, tokens=16, features=64, dropout=0.1, kind="torch path (GPU)")
+    with null_jiterator():
+        step()
+        calls: collections.Counter[str] = collections.Counter()
+        for name, function in list(torch_dropout._jit_functions.items()):
+
+            def counted(*args, _name=name, _function=function, **kwargs):
+                calls[_name] += 1
+                return _function(*args, **kwargs)
+
+            monkeypatch.setitem(torch_dropout._jit_functions, name, counted)
+        with _Dispatches() as mode:
+            step()
+    assert calls == {"keep_bits": 2, "apply": 1, "apply_pair": 1}
+    assert not [op for op in mode.counts if "arange" in op or "zeros" in op or "full" in op]
+    assert mode.counts["aten.unbind.int"] == 2  # seed and offset, read on the device
+
+
 def test_torch_path_step_matches_the_float64_reference_with_dropout():
     (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(70, 72, 40, 8, torch.bfloat16, seed=12)
     state = torch.get_rng_state()
@@ -433,7 +458,18 @@ def jit_sources_on_host(tmp_path_factory) -> ctypes.CDLL:
     work = tmp_path_factory.mktemp("jiterator_sources")
     (work / "harness.cpp").write_text(_JIT_HARNESS.replace("SOURCES", sources))
     subprocess.run(
-        [cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-shared", "-fPIC", str(work / "harness.cpp"), "-o", str(work / "harness.so")],
+        [
+            cxx,
+            "-std=c++17",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-shared",
+            "-fPIC",
+            str(work / "harness.cpp"),
+            "-o",
+            str(work / "harness.so"),
+        ],
         check=True,
         capture_output=True,
     )
@@ -458,7 +494,13 @@ def test_jiterator_philox_sources_draw_the_philox_mask(jit_sources_on_host, firs
     groups = torch.arange(40, dtype=torch.int64)
     bits = torch.empty(40, dtype=torch.int64)
     jit_sources_on_host.keep_bits(
-        _ptr(groups), ctypes.c_int64(40), _i64(seed), _i64(offset), ctypes.c_int64(first), ctypes.c_int64(threshold), _ptr(bits)
+        _ptr(groups),
+        ctypes.c_int64(40),
+        _i64(seed),
+        _i64(offset),
+        ctypes.c_int64(first),
+        ctypes.c_int64(threshold),
+        _ptr(bits),
     )
     keep = keep_mask(8 * first, 8 * 40, threshold, seed, offset, CPU).view(40, 8).to(torch.int64)
     assert torch.equal(bits, (keep << torch.arange(8)).sum(1))
@@ -466,7 +508,13 @@ def test_jiterator_philox_sources_draw_the_philox_mask(jit_sources_on_host, firs
     elements = torch.arange(45, dtype=torch.int64)
     flags = torch.empty(45, dtype=torch.int64)
     jit_sources_on_host.keep(
-        _ptr(elements), ctypes.c_int64(45), _i64(seed), _i64(offset), ctypes.c_int64(start), ctypes.c_int64(threshold), _ptr(flags)
+        _ptr(elements),
+        ctypes.c_int64(45),
+        _i64(seed),
+        _i64(offset),
+        ctypes.c_int64(start),
+        ctypes.c_int64(threshold),
+        _ptr(flags),
     )
     assert torch.equal(flags, keep_mask(start, 45, threshold, seed, offset, CPU).to(torch.int64))
 
@@ -483,9 +531,18 @@ def test_jiterator_apply_sources_mask_and_scale(jit_sources_on_host):
     scale = philox.keep_scale(0.3)
     kept = ((bits.long() >> lanes.long()) & 1).bool()
     out, pair_first, pair_second = (torch.empty(n) for _ in range(3))
-    jit_sources_on_host.apply(_ptr(first), _ptr(bits), _ptr(lanes), ctypes.c_int64(n), ctypes.c_double(scale), _ptr(out))
+    jit_sources_on_host.apply(
+        _ptr(first), _ptr(bits), _ptr(lanes), ctypes.c_int64(n), ctypes.c_double(scale), _ptr(out)
+    )
     jit_sources_on_host.apply_pair(
-        _ptr(first), _ptr(second), _ptr(bits), _ptr(lanes), ctypes.c_int64(n), ctypes.c_double(scale), _ptr(pair_first), _ptr(pair_second)
+        _ptr(first),
+        _ptr(second),
+        _ptr(bits),
+        _ptr(lanes),
+        ctypes.c_int64(n),
+        ctypes.c_double(scale),
+        _ptr(pair_first),
+        _ptr(pair_second),
     )
     assert torch.equal(out, torch.where(kept, first * scale, 0.0))
     assert torch.equal(pair_first, out)
