@@ -548,3 +548,59 @@ def test_jiterator_apply_sources_mask_and_scale(jit_sources_on_host):
     assert torch.equal(pair_first, out)
     assert torch.equal(pair_second, torch.where(kept, second * scale, 0.0))
     assert 0 < int(kept.sum()) < n
+
+
+# each source called as jiterator's kernel calls it: per element, keyword arguments as int64 / double,
+# outputs by reference for the pair
+_JIT_DEVICE_WRAPPERS = r"""
+extern "C" __global__ void keep_bits(const long long* g, const long long* s, const long long* o, long long first,
+                                     long long threshold, long long* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = loragen_keep_bits<long long>(g[i], *s, *o, first, threshold);
+}
+extern "C" __global__ void keep(const long long* e, const long long* s, const long long* o, long long start,
+                                long long threshold, long long* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = loragen_keep<long long>(e[i], *s, *o, start, threshold);
+}
+extern "C" __global__ void apply(const float* v, const float* b, const float* l, double scale, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = loragen_apply_keep<float>(v[i], b[i / 8], l[i % 8], scale);
+}
+extern "C" __global__ void apply_pair(const float* v, const float* w, const float* b, const float* l, double scale,
+                                      float* first, float* second, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) loragen_apply_keep_pair<float>(v[i], w[i], b[i / 8], l[i % 8], scale, first[i], second[i]);
+}
+"""
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_jiterator_sources_compile_with_nvrtc(nvrtc_available, arch):
+    """The jiterator sources as NVRTC compiles them (jiterator's options: C++17, unannotated functions
+    compiled for the device), each called as jiterator calls it: they compile, and use no local memory."""
+    from cuda.bindings import nvrtc
+
+    from loragen.cuda.nvrtc import parse_ptxas_log
+
+    source = "".join(text for text, _, _ in torch_dropout.JIT_FUNCTIONS.values()) + _JIT_DEVICE_WRAPPERS
+    _, program = nvrtc.nvrtcCreateProgram(source.encode(), b"jiterator_sources.cu", 0, [], [])
+    options = [
+        b"--std=c++17",
+        b"-default-device",
+        f"--gpu-architecture={arch}".encode(),
+        b"--ptxas-options=-v",
+    ]
+    try:
+        (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        _, size = nvrtc.nvrtcGetProgramLogSize(program)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    text = log.rstrip(b"\x00").decode(errors="replace")
+    assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, text
+    resources = parse_ptxas_log(text)
+    assert set(resources) == {"keep_bits", "keep", "apply", "apply_pair"}
+    for name, used in resources.items():
+        assert used.stack_frame_bytes == used.spill_store_bytes == 0, (name, used)
