@@ -269,8 +269,8 @@ def keep_mask(start: int, numel: int, threshold: int, seed: int, offset: int, de
 # memory on every replay, so a counter that grows keeps its old storage alive (less memory than the new
 # one). Inside a capture nothing is made for the cache -- a tensor made there holds its values only once
 # the graph replays -- so a capture that finds no counter for its stream captures its own aranges.
-# Memory: 8 bytes per group of the largest block seen, at most BLOCK_ELEMENTS / 8 groups (32 MiB), and
-# the counters it outgrew, less than that again.
+# Memory: 8 bytes per group of the largest block seen (the torch path's blocks: at most 2**22 groups,
+# 32 MiB), and the counters it outgrew, less than that again.
 _MIN_GROUPS = 1 << 12  # the smallest counter: 32 KiB
 _MAX_VIEWS = 256  # cached (groups, 1) views before the view cache starts over (views only, no memory)
 
