@@ -17,9 +17,13 @@ in the inputs' common dtype, so the Philox kernels take only int64 inputs (eleme
 the two rng words), and the apply kernels' float32 lane numbers make their common dtype float32.
 
 Why not one kernel per masked tensor, with the group's Philox call inside the apply: every element would
-make its group's call again, 8 times the Philox work (about 100 integer instructions per element against
-6 to 8 bytes moved), which on an H100 (about 17 T int32 operations/s, 3.35 TB/s) makes the apply bound
-by integer throughput at 2 to 4 times the time of the memory-bound one, to save one launch per mask.
+make its group's call again, 8 times the Philox work. Compiled for sm_90 such an apply is about 115
+instructions per element, against 37 for :data:`APPLY_SOURCE` and 16 (129 per group of 8) for the keep
+bits; at an H100's issue rate (about 30 T thread-instructions/s) that is about 3.9 ps per element, bound by
+instructions, where the two kernels here take about 2.8 to 3.3 ps (the apply bound by its 7 to 8 bytes
+per element at 3.35 TB/s): a predicted 1.2 to 1.4 times the forward mask's device time, to save one
+launch. It would also need seed and offset passed as float32 bit patterns (jiterator converts every input
+to the common dtype, float32 there).
 
 Where the jiterator is unavailable (a CPU tensor, a torch built without it, a compile failure: one
 warning), :class:`BlockDropout` runs the vectorised torch formulation of :func:`rng_keep_mask`, about 80
