@@ -131,23 +131,30 @@ class NullLauncher:
 
 
 class _NullJitFunction:
-    """Stands in for a jiterator function: the output it would allocate, no kernel. (Each of loragen's
-    jiterator calls returns its first input's shape, in float32 when any input is floating point.)"""
+    """Stands in for a jiterator function: the outputs it would allocate, no kernel. (Each of loragen's
+    jiterator calls returns its first input's shape, in float32 when any input is floating point; one
+    tensor, or a tuple of ``outputs`` for a function that returns several.)"""
 
-    def __call__(self, *tensors: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    def __init__(self, outputs: int = 0) -> None:
+        self.outputs = outputs
+
+    def __call__(self, *tensors: torch.Tensor, **kwargs: object) -> Any:
         first = tensors[0]
         floating = any(t.is_floating_point() for t in tensors)
-        return torch.empty(first.shape, dtype=torch.float32 if floating else first.dtype, device=first.device)
+        dtype = torch.float32 if floating else first.dtype
+        if not self.outputs:
+            return torch.empty(first.shape, dtype=dtype, device=first.device)
+        return tuple(torch.empty(first.shape, dtype=dtype, device=first.device) for _ in range(self.outputs))
 
 
 @contextlib.contextmanager
 def null_jiterator(device_types: Sequence[str] = ("cuda", "cpu")) -> Iterator[None]:
     """Inside, the torch path's dropout takes its jiterator branch on tensors of ``device_types`` and
-    calls stand-ins that allocate the output and run nothing, as the null driver does for the kernels."""
-    names = torch_dropout.JIT_FUNCTIONS
+    calls stand-ins that allocate the outputs and run nothing, as the null driver does for the kernels."""
+    stand_ins = {name: _NullJitFunction(entry[2]) for name, entry in torch_dropout.JIT_FUNCTIONS.items()}
     with (
         mock.patch.object(torch_dropout, "JIT_DEVICE_TYPES", frozenset(device_types)),
-        mock.patch.dict(torch_dropout._jit_functions, {name: _NullJitFunction() for name in names}),
+        mock.patch.dict(torch_dropout._jit_functions, stand_ins),
     ):
         yield
 

@@ -7,15 +7,28 @@ torch path with dropout queues its work without waiting for the GPU, and runs in
 
 On a CUDA device it runs on kernels that torch's jiterator compiles at first use
 (:data:`JIT_FUNCTIONS`): :data:`KEEP_BITS_SOURCE` makes each group of 8 elements' keep bits with one
-Philox call (made once per masked tensor, used for x and, in backward, for dh A), and
-:data:`APPLY_SOURCE` writes ``x * 1/(1-p)`` or 0 in float32 -- the same bytes as the float32 copy of x
-the products need anyway. A tensor whose element count or start is not a multiple of 8 takes
-:data:`KEEP_SOURCE`, one Philox call per element. jiterator computes in the inputs' common dtype, so the
-Philox kernels take only int64 inputs (element or group numbers and the two rng words), and the apply
-kernel's float32 lane numbers make its common dtype float32. Where the jiterator is unavailable (a CPU
-tensor, a torch built without it, a compile failure: one warning), :class:`BlockDropout` runs the
-vectorised torch formulation of :func:`rng_keep_mask`, about 80 elementwise operations on one counter
-per 8 elements, all bit-identical to the jiterator kernels and to :func:`loragen.philox.dropout_keep_mask`.
+Philox call (made once per masked block, used for x and, in backward, for dh A), :data:`APPLY_SOURCE`
+writes ``x * 1/(1-p)`` or 0 in float32 -- the same bytes as the float32 copy of x the products need
+anyway --, and :data:`APPLY_PAIR_SOURCE` does that for x and dh A in one kernel. So a training step takes
+two kernels in forward and two in backward, and, once a size was seen, no other tensor: the group numbers
+are views of a counter kept per device and stream (:func:`group_numbers`). A tensor whose element count
+or start is not a multiple of 8 takes :data:`KEEP_SOURCE`, one Philox call per element. jiterator computes
+in the inputs' common dtype, so the Philox kernels take only int64 inputs (element or group numbers and
+the two rng words), and the apply kernels' float32 lane numbers make their common dtype float32.
+
+Why not one kernel per masked tensor, with the group's Philox call inside the apply: every element would
+make its group's call again, 8 times the Philox work. Compiled for sm_90 such an apply is about 115
+instructions per element, against 37 for :data:`APPLY_SOURCE` and 16 (129 per group of 8) for the keep
+bits; at an H100's issue rate (about 30 T thread-instructions/s) that is about 3.9 ps per element, bound by
+instructions, where the two kernels here take about 2.8 to 3.3 ps (the apply bound by its 7 to 8 bytes
+per element at 3.35 TB/s): a predicted 1.2 to 1.4 times the forward mask's device time, to save one
+launch. It would also need seed and offset passed as float32 bit patterns (jiterator converts every input
+to the common dtype, float32 there).
+
+Where the jiterator is unavailable (a CPU tensor, a torch built without it, a compile failure: one
+warning), :class:`BlockDropout` runs the vectorised torch formulation of :func:`rng_keep_mask`, about 80
+elementwise operations on one counter per 8 elements, all bit-identical to the jiterator kernels and to
+:func:`loragen.philox.dropout_keep_mask`.
 """
 
 from __future__ import annotations
@@ -28,12 +41,14 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "APPLY_PAIR_SOURCE",
     "APPLY_SOURCE",
     "JIT_FUNCTIONS",
     "KEEP_BITS_SOURCE",
     "KEEP_SOURCE",
     "BlockDropout",
     "dropped",
+    "group_numbers",
     "jiterator_status",
     "keep_mask",
     "rng_keep_mask",
@@ -109,12 +124,24 @@ T loragen_apply_keep(T value, T bits, T lane, T keep_scale) {
 }
 """
 
-# each jiterator function: its source and its keyword arguments, in the order of the C++ parameters
-# after the tensor inputs (torch passes them in this order)
-JIT_FUNCTIONS: dict[str, tuple[str, dict[str, int | float]]] = {
-    "keep_bits": (KEEP_BITS_SOURCE, {"first_group": 0, "threshold": 0}),
-    "keep": (KEEP_SOURCE, {"start": 0, "threshold": 0}),
-    "apply": (APPLY_SOURCE, {"keep_scale": 1.0}),
+# One thread per element pair: ``first`` and ``second`` (x and dh A of one backward block) under the same
+# keep bit, in one kernel -- one launch fewer per backward than applying the bits to each. T is float32.
+APPLY_PAIR_SOURCE = r"""template <typename T>
+void loragen_apply_keep_pair(T first, T second, T bits, T lane, T keep_scale, T& first_out, T& second_out) {
+    const bool kept = (static_cast<unsigned>(bits) >> static_cast<unsigned>(lane)) & 1u;
+    first_out = kept ? first * keep_scale : T(0);
+    second_out = kept ? second * keep_scale : T(0);
+}
+"""
+
+# each jiterator function: its source, its keyword arguments in the order of the C++ parameters after the
+# tensor inputs (torch passes them in this order), and how many outputs it returns by reference (0: one
+# output, returned by value)
+JIT_FUNCTIONS: dict[str, tuple[str, dict[str, int | float], int]] = {
+    "keep_bits": (KEEP_BITS_SOURCE, {"first_group": 0, "threshold": 0}, 0),
+    "keep": (KEEP_SOURCE, {"start": 0, "threshold": 0}, 0),
+    "apply": (APPLY_SOURCE, {"keep_scale": 1.0}, 0),
+    "apply_pair": (APPLY_PAIR_SOURCE, {"keep_scale": 1.0}, 2),
 }
 
 # device types whose tensors take the jiterator kernels (loragen's host-work benchmark adds "cpu" with
@@ -145,8 +172,11 @@ def _jit(name: str) -> Callable[..., Tensor] | None:
         if name not in _jit_functions:
             from torch.cuda import jiterator
 
-            source, kwargs = JIT_FUNCTIONS[name]
-            _jit_functions[name] = jiterator._create_jit_fn(source, **kwargs)
+            source, kwargs, outputs = JIT_FUNCTIONS[name]
+            if outputs:
+                _jit_functions[name] = jiterator._create_multi_output_jit_fn(source, outputs, **kwargs)
+            else:
+                _jit_functions[name] = jiterator._create_jit_fn(source, **kwargs)
         return _jit_functions[name]
 
 
@@ -234,6 +264,79 @@ def keep_mask(start: int, numel: int, threshold: int, seed: int, offset: int, de
     return rng_keep_mask(rng_tensor(seed, offset, device), start, numel, threshold)
 
 
+# ---- group numbers and lane numbers, kept per device and stream -----------------------------------------
+# The grouped jiterator kernels read each group's number from an int64 counter 0, 1, 2, ... and each lane's
+# number from a float32 (8,) tensor. Both are made once per (device, stream) and grown by doubling, so a
+# call takes a cached (groups, 1) view instead of making two aranges. Kept per stream: the arange that
+# fills a counter is queued on the stream that first asked for it, and only that stream reads it (another
+# stream could read it before it is written). Never freed: a CUDA graph captured with one of them reads its
+# memory on every replay, so a counter that grows keeps its old storage alive (less memory than the new
+# one). Inside a capture nothing is made for the cache -- a tensor made there holds its values only once
+# the graph replays -- so a capture that finds no counter for its stream captures its own aranges.
+# Memory: 8 bytes per group of the largest block seen (the torch path's blocks: at most 2**22 groups,
+# 32 MiB), and the counters it outgrew, less than that again.
+_MIN_GROUPS = 1 << 12  # the smallest counter: 32 KiB
+_MAX_VIEWS = 256  # cached (groups, 1) views before the view cache starts over (views only, no memory)
+
+
+class _Counter:
+    """The group counter and lane numbers of one (device, stream)."""
+
+    __slots__ = ("counter", "lanes", "retired")
+
+    def __init__(self, counter: Tensor, lanes: Tensor) -> None:
+        self.counter = counter  # int64 (n,): 0 .. n - 1
+        self.lanes = lanes  # float32 (8,): 0 .. 7
+        self.retired: list[Tensor] = []  # counters it outgrew, kept for CUDA graphs that read them
+
+
+_counters: dict[tuple[torch.device, int], _Counter] = {}
+_group_views: dict[tuple[torch.device, int, int], tuple[Tensor, Tensor]] = {}
+_counter_lock = threading.Lock()
+
+
+def _stream(device: torch.device) -> int:
+    """The current stream of CUDA ``device`` as its raw handle, without making a ``torch.cuda.Stream``."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work queued on ``device``'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
+    """Group numbers 0 .. ``groups`` - 1 as int64 (groups, 1) and lane numbers 0 .. 7 as float32 (8,), on
+    ``device``, for kernels queued on its current stream: views of this (device, stream)'s cached counter
+    (no operation at all once a size was seen), or, inside a CUDA-graph capture that finds none, fresh
+    tensors made inside the capture."""
+    stream = _stream(device) if device.type == "cuda" else 0
+    found = _group_views.get((device, stream, groups))
+    if found is not None:
+        return found
+    capturing = _capturing(device)
+    with _counter_lock:
+        entry = _counters.get((device, stream))
+        if entry is None or entry.counter.numel() < groups:
+            if capturing:  # nothing made here is cached: this capture gets its own aranges
+                numbers = torch.arange(groups, dtype=torch.int64, device=device).view(groups, 1)
+                return numbers, torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+            size = max(_MIN_GROUPS, 1 << (groups - 1).bit_length())
+            counter = torch.arange(size, dtype=torch.int64, device=device)
+            if entry is None:
+                lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+                entry = _counters[(device, stream)] = _Counter(counter, lanes)
+            else:
+                entry.retired.append(entry.counter)
+                entry.counter = counter
+        if len(_group_views) >= _MAX_VIEWS:
+            _group_views.clear()
+        found = _group_views[(device, stream, groups)] = entry.counter[:groups].view(groups, 1), entry.lanes
+    return found
+
+
 class BlockDropout:
     """The dropout of one block of a masked tensor whose element [0, 0] is flat element ``start``:
     applied to x and, in backward, to the x-shaped product dh A, with one keep-mask between them.
@@ -254,7 +357,12 @@ class BlockDropout:
         dropout, ``values`` itself when it is float32 (callers only read it)."""
         if self.threshold == 0:
             return values.float()
-        if values.device.type in JIT_DEVICE_TYPES and values.numel() and not _jit_failure:
+        if (
+            self._keep is None
+            and values.device.type in JIT_DEVICE_TYPES
+            and not _jit_failure
+            and values.numel()
+        ):
             try:
                 out = self._jitted(values)
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
@@ -267,37 +375,80 @@ class BlockDropout:
             self._keep = rng_keep_mask(self.rng, self.start, rows * cols, self.threshold).view(rows, cols)
         return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
 
-    def _jitted(self, values: Tensor) -> Tensor | None:
+    def pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
+        """``(self(first), self(second))`` for two tensors of one shape (x and dh A of a backward block):
+        on the jiterator path one kernel applies the keep bits to both."""
+        if (
+            self.threshold
+            and self._keep is None
+            and first.device.type in JIT_DEVICE_TYPES
+            and not _jit_failure
+            and first.numel()
+        ):
+            try:
+                out = self._jitted_pair(first, second)
+            except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
+                _jit_failed(exc)
+            else:
+                if out is not None:
+                    return out
+        return self(first), self(second)
+
+    def _keep_bits(self, values: Tensor) -> tuple[Tensor, Tensor, bool] | None:
+        """The keep bits for tensors shaped like ``values``, made by the Philox kernel on first use; None
+        after a jiterator failure."""
+        if self._bits is not None:
+            return self._bits
         rows, cols = values.shape
-        if self._bits is None:
-            apply = _jit("apply")
-            numel = rows * cols
-            grouped = numel % _PER_CALL == 0 and self.start % _PER_CALL == 0 and values.is_contiguous()
-            philox = _jit("keep_bits" if grouped else "keep")
-            if philox is None or apply is None:
-                return None
-            device = values.device
-            seed, offset = self.rng.unbind()  # views: the kernels read the words on the device
-            if grouped:  # one Philox call per 8 elements: (groups, 1) keep bits, broadcast over 8 lanes
-                groups = torch.arange(numel // _PER_CALL, dtype=torch.int64, device=device)
-                bits = philox(
-                    groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold
-                )
-                lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
-                self._bits = bits.view(-1, 1), lanes, True
-            else:  # one call per element: its keep flag, read as lane 0
-                elements = torch.arange(numel, dtype=torch.int64, device=device).view(rows, cols)
-                keep = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
-                self._bits = keep, torch.zeros(1, dtype=torch.float32, device=device), False
-        apply = _jit("apply")
-        if apply is None:
+        numel = rows * cols
+        grouped = numel % _PER_CALL == 0 and self.start % _PER_CALL == 0 and values.is_contiguous()
+        philox = _jit("keep_bits" if grouped else "keep")
+        if philox is None:
             return None
-        bits, lanes, grouped = self._bits
-        if grouped:
-            if not values.is_contiguous():
-                values = values.contiguous()
-            return apply(values.view(-1, _PER_CALL), bits, lanes, keep_scale=self.keep_scale).view(rows, cols)
-        return apply(values, bits, lanes, keep_scale=self.keep_scale)
+        device = values.device
+        seed, offset = self.rng.unbind()  # views: the kernels read the words on the device
+        if grouped:  # one Philox call per 8 elements: (groups, 1) keep bits, broadcast over 8 lanes
+            groups, lanes = group_numbers(device, numel // _PER_CALL)
+            bits = philox(groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold)
+        else:  # one call per element, its keep flag read as lane 0 (a count or start off 8: rare)
+            elements = torch.arange(numel, dtype=torch.int64, device=device).view(rows, cols)
+            bits = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
+            lanes = torch.zeros(1, dtype=torch.float32, device=device)
+        self._bits = bits, lanes, grouped
+        return self._bits
+
+    def _jitted(self, values: Tensor) -> Tensor | None:
+        """The keep bits applied to ``values`` by the apply kernel; None after a jiterator failure."""
+        apply = _jit("apply")
+        keep_bits = None if apply is None else self._keep_bits(values)
+        if keep_bits is None or apply is None:
+            return None
+        bits, lanes, grouped = keep_bits
+        if not grouped:
+            return apply(values, bits, lanes, keep_scale=self.keep_scale)
+        if not values.is_contiguous():
+            values = values.contiguous()
+        return apply(values.view(-1, _PER_CALL), bits, lanes, keep_scale=self.keep_scale).view(values.shape)
+
+    def _jitted_pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The keep bits applied to ``first`` and ``second`` by one kernel; None after a jiterator failure."""
+        apply_pair = _jit("apply_pair")
+        keep_bits = None if apply_pair is None else self._keep_bits(first)
+        if keep_bits is None or apply_pair is None:
+            return None
+        bits, lanes, grouped = keep_bits
+        if not grouped:
+            one, two = apply_pair(first, second, bits, lanes, keep_scale=self.keep_scale)
+            return one, two
+        shape = first.shape
+        if not first.is_contiguous():
+            first = first.contiguous()
+        if not second.is_contiguous():
+            second = second.contiguous()
+        one, two = apply_pair(
+            first.view(-1, _PER_CALL), second.view(-1, _PER_CALL), bits, lanes, keep_scale=self.keep_scale
+        )
+        return one.view(shape), two.view(shape)
 
 
 def dropped(values: Tensor, rng: Tensor, start: int, threshold: int, keep_scale: float) -> Tensor:

@@ -19,8 +19,8 @@ columns of h, dh and dB past the rank come out as exact zeros for finite inputs,
 Split reductions write the whole sum into partial 0 and zeros into the other partials, whose sum is all
 the caller reads.
 
-Dropout on a CUDA device costs two kernels for the keep bits and one per masked tensor
-(:mod:`loragen.cuda.torch_dropout`).
+Dropout on a CUDA device costs two kernels in forward (the keep bits, and x masked) and two in backward
+(the keep bits again, and x and dh A masked by one kernel) (:mod:`loragen.cuda.torch_dropout`).
 """
 
 from __future__ import annotations
@@ -90,12 +90,12 @@ def _down(
     h = _first_partial(h_part)
     if rows * cols <= BLOCK_ELEMENTS:
         drop = _dropout(rng, 0, threshold, keep_scale)
-        torch.mm(_f32(x) if drop is None else drop(x), lora_a.t(), out=h)
+        torch.mm(_f32(x) if drop is None else drop(x), lora_a.mT, out=h)
         return
     for begin, end in _row_blocks(rows, cols):
         drop = _dropout(rng, begin * cols, threshold, keep_scale)
         block = x[begin:end]
-        torch.mm(_f32(block) if drop is None else drop(block), lora_a.t(), out=h[begin:end])
+        torch.mm(_f32(block) if drop is None else drop(block), lora_a.mT, out=h[begin:end])
 
 
 def _up_block(h: Tensor, bt: Tensor, bias: Tensor | None, out: Tensor, scaling: float) -> None:
@@ -143,30 +143,34 @@ def _grad_out(
     """dh = s g B (rows, R) and dB = s g^T h (out, R), into partial 0 of each."""
     dh = _first_partial(dh_part)
     db = _first_partial(db_part)
-    b = lora_bt.t()  # (out, R)
+    b = lora_bt.mT  # (out, R)
     if rows * cols <= BLOCK_ELEMENTS:
         g = _f32(grad)
         dh.addmm_(g, b, beta=0, alpha=scaling)  # beta=0: what dh held (uninitialised) is not read
-        db.addmm_(g.t(), h, beta=0, alpha=scaling)
+        db.addmm_(g.mT, h, beta=0, alpha=scaling)
         return
     for index, (begin, end) in enumerate(_row_blocks(rows, cols)):
         g = _f32(grad[begin:end])
         dh[begin:end].addmm_(g, b, beta=0, alpha=scaling)
-        db.addmm_(g.t(), h[begin:end], beta=1 if index else 0, alpha=scaling)
+        db.addmm_(g.mT, h[begin:end], beta=1 if index else 0, alpha=scaling)
 
 
 def _grad_in_block(
     x: Tensor, dh: Tensor, a: Tensor, gx: Tensor | None, da: Tensor, first: bool, drop: BlockDropout | None
 ) -> None:
-    xd = _f32(x) if drop is None else drop(x)  # one keep-mask for both products
-    da.addmm_(dh.t(), xd, beta=0 if first else 1)
     if gx is None:
+        da.addmm_(dh.mT, _f32(x) if drop is None else drop(x), beta=0 if first else 1)
         return
-    if drop is None and gx.dtype == torch.float32:
-        torch.mm(dh, a, out=gx)
+    if drop is None:
+        da.addmm_(dh.mT, _f32(x), beta=0 if first else 1)
+        if gx.dtype == torch.float32:
+            torch.mm(dh, a, out=gx)
+        else:
+            gx.copy_(torch.mm(dh, a))  # one rounding into gx
         return
-    product = torch.mm(dh, a)
-    gx.copy_(product if drop is None else drop(product))  # one rounding into gx
+    xd, product = drop.pair(x, torch.mm(dh, a))  # one keep-mask for both, applied by one kernel
+    da.addmm_(dh.mT, xd, beta=0 if first else 1)
+    gx.copy_(product)  # one rounding into gx
 
 
 def _grad_in(

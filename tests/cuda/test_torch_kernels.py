@@ -7,8 +7,11 @@ tests/cuda/test_torch_kernels_gpu.py runs the jiterator kernel itself against th
 from __future__ import annotations
 
 import collections
+import ctypes
 import inspect
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -82,19 +85,31 @@ def test_dropped_scales_kept_elements_and_zeroes_the_rest(dtype):
 @pytest.mark.parametrize("name", sorted(torch_dropout.JIT_FUNCTIONS))
 def test_jiterator_sources_parse_into_their_declared_arguments(name):
     """torch reads each source with a regular expression (the entry is the last function) and passes the
-    keyword arguments in their declared order after the tensors: both must line up with the C++
-    parameter list."""
+    keyword arguments in their declared order after the tensors, then the outputs of a function that
+    returns them by reference: all must line up with the C++ parameter list."""
     from torch.cuda import jiterator
 
-    source, kwargs = torch_dropout.JIT_FUNCTIONS[name]
-    fn = jiterator._create_jit_fn(source, **kwargs)
-    entry = {"keep_bits": "loragen_keep_bits", "keep": "loragen_keep", "apply": "loragen_apply_keep"}[name]
+    source, kwargs, outputs = torch_dropout.JIT_FUNCTIONS[name]
+    if outputs:
+        fn = jiterator._create_multi_output_jit_fn(source, outputs, **kwargs)
+    else:
+        fn = jiterator._create_jit_fn(source, **kwargs)
+    entry = {
+        "keep_bits": "loragen_keep_bits",
+        "keep": "loragen_keep",
+        "apply": "loragen_apply_keep",
+        "apply_pair": "loragen_apply_keep_pair",
+    }[name]
     assert fn.kernel_name == entry
+    assert fn.num_outputs == max(outputs, 1) and fn.return_by_ref == bool(outputs)
     signature = re.search(rf"{entry}\((.*?)\)\s*\{{", source, re.DOTALL)
     assert signature is not None
-    names = [param.split()[-1] for param in signature.group(1).split(",")]
-    tensors = {"keep_bits": 3, "keep": 3, "apply": 3}[name]
-    assert names[tensors:] == list(fn.kwargs_dict) == list(kwargs)
+    params = [param.split() for param in signature.group(1).split(",")]
+    tensors = {"keep_bits": 3, "keep": 3, "apply": 3, "apply_pair": 4}[name]
+    names = [param[-1] for param in params]
+    assert names[tensors : len(names) - outputs] == list(fn.kwargs_dict) == list(kwargs)
+    assert all(param[0] == "T&" for param in params[len(params) - outputs :])  # the outputs, by reference
+    assert source.lstrip().startswith("template <typename T>\n" + ("void" if outputs else "T"))
 
 
 class _Dispatches(TorchDispatchMode):
@@ -132,6 +147,31 @@ def test_a_training_step_dispatches_few_operations():
     # per mask one int64 product per Philox round and one for the key schedule; one scaling per masked
     # tensor (x twice, dh A)
     assert with_dropout["aten.mul.Tensor"] - without["aten.mul.Tensor"] <= 2 * 11 + 3
+
+
+def test_a_jiterator_step_makes_no_constants_and_launches_four_kernels(monkeypatch):
+    """On the jiterator branch (stand-ins that allocate and run nothing, as on a GPU) a step after the
+    first makes no group or lane numbers (views of the cached counter) and calls four jiterator functions:
+    the keep bits and x masked in forward, the keep bits and x and dh A masked together in backward.
+    (Before: four aranges and five jiterator calls per step.)"""
+    from loragen._benchmarks.cuda_host import lora_step, null_jiterator
+
+    step = lora_step(None, tokens=16, features=64, dropout=0.1, kind="torch path (GPU)")
+    with null_jiterator():
+        step()
+        calls: collections.Counter[str] = collections.Counter()
+        for name, function in list(torch_dropout._jit_functions.items()):
+
+            def counted(*args, _name=name, _function=function, **kwargs):
+                calls[_name] += 1
+                return _function(*args, **kwargs)
+
+            monkeypatch.setitem(torch_dropout._jit_functions, name, counted)
+        with _Dispatches() as mode:
+            step()
+    assert calls == {"keep_bits": 2, "apply": 1, "apply_pair": 1}
+    assert not [op for op in mode.counts if "arange" in op or "zeros" in op or "full" in op]
+    assert mode.counts["aten.unbind.int"] == 2  # seed and offset, read on the device
 
 
 def test_torch_path_step_matches_the_float64_reference_with_dropout():
@@ -236,6 +276,12 @@ class _EmulatedJiterator:
         kept = (bits.to(torch.int64) >> lanes.to(torch.int64)) & 1
         return torch.where(kept.bool(), values.float() * keep_scale, 0.0)
 
+    def apply_pair(self, first, second, bits, lanes, *, keep_scale):
+        assert first.shape == second.shape
+        return self.apply(first, bits, lanes, keep_scale=keep_scale), self.apply(
+            second, bits, lanes, keep_scale=keep_scale
+        )
+
 
 @pytest.mark.parametrize(
     ("rows", "cols", "start"), [(1, 8, 0), (37, 45, 3), (30, 40, 40 * 7), (5, 7, 2**36 + 5), (6, 16, 2**36)]
@@ -246,7 +292,12 @@ def test_jiterator_branch_draws_the_philox_mask(monkeypatch, rows, cols, start):
     monkeypatch.setattr(
         torch_dropout,
         "_jit_functions",
-        {"keep_bits": emulated.keep_bits, "keep": emulated.keep, "apply": emulated.apply},
+        {
+            "keep_bits": emulated.keep_bits,
+            "keep": emulated.keep,
+            "apply": emulated.apply,
+            "apply_pair": emulated.apply_pair,
+        },
     )
     seed, offset, p = 2**64 - 17, 2**33 + 1, 0.3
     threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
@@ -257,3 +308,299 @@ def test_jiterator_branch_draws_the_philox_mask(monkeypatch, rows, cols, start):
         got = drop(values)
         assert got.dtype == torch.float32 and torch.equal(got, torch.where(keep, values.float() * scale, 0.0))
     assert torch_dropout.jiterator_status() == "ok"
+
+
+def _emulated_functions(calls: collections.Counter[str]) -> dict[str, object]:
+    """The emulated jiterator functions, each call counted by name in ``calls``."""
+    emulated = _EmulatedJiterator()
+
+    def counted(name: str):
+        function = getattr(emulated, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    return {name: counted(name) for name in torch_dropout.JIT_FUNCTIONS}
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "block_rows", "grouped", "per_element"),
+    [(37, 24, None, 1, 0), (37, 24, 8, 5, 0), (9, 21, None, 0, 1), (10, 21, 8, 1, 1)],
+)
+def test_jiterator_branch_step_equals_the_torch_formulation_step(
+    monkeypatch, rows, cols, block_rows, grouped, per_element
+):
+    """A whole forward + backward of the torch path on the jiterator branch (functions emulated from
+    loragen.philox) gives exactly the torch formulation's output and gradients: the wiring of the keep bits,
+    the apply kernel in forward and the pair kernel in backward. Per row block: one Philox kernel and one
+    apply in forward, one Philox kernel and one pair kernel in backward; the Philox kernel per group of 8
+    (``grouped`` blocks) or, for a block whose size or start is not a multiple of 8, per element."""
+
+    def step() -> list[torch.Tensor]:
+        (x, w, b, a, bb), _ = make_inputs(rows, cols, 16, 4, torch.bfloat16, seed=5)
+        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=2**64 - 9, launcher=TorchKernels())
+        y.float().square().sum().backward()
+        return [y.detach(), x.grad, a.grad, bb.grad]
+
+    if block_rows is not None:  # row blocks of 8 rows, each its own span of the mask
+        monkeypatch.setattr(torch_kernels, "BLOCK_ELEMENTS", block_rows * cols)
+    want = step()
+    calls: collections.Counter[str] = collections.Counter()
+    monkeypatch.setattr(torch_dropout, "JIT_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(torch_dropout, "_jit_functions", _emulated_functions(calls))
+    got = step()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    blocks = grouped + per_element
+    want_calls = {"keep_bits": 2 * grouped, "keep": 2 * per_element, "apply": blocks, "apply_pair": blocks}
+    assert calls == collections.Counter({name: n for name, n in want_calls.items() if n})
+    assert torch_dropout.jiterator_status() == "ok"
+
+
+def test_group_numbers_are_views_of_one_counter_per_device_and_stream(monkeypatch):
+    monkeypatch.setattr(torch_dropout, "_counters", {})
+    monkeypatch.setattr(torch_dropout, "_group_views", {})
+    groups, lanes = torch_dropout.group_numbers(CPU, 5)
+    assert groups.shape == (5, 1) and groups.dtype == torch.int64
+    assert torch.equal(groups.view(-1), torch.arange(5))
+    assert lanes.dtype == torch.float32 and torch.equal(lanes, torch.arange(8, dtype=torch.float32))
+    # one counter of the smallest size serves every count up to it: views, no new tensor
+    entry = torch_dropout._counters[(CPU, 0)]
+    assert entry.counter.numel() == torch_dropout._MIN_GROUPS
+    again, same_lanes = torch_dropout.group_numbers(CPU, 5)
+    assert again is groups and same_lanes is lanes  # cached: no operation at all
+    other, _ = torch_dropout.group_numbers(CPU, 300)
+    assert other.data_ptr() == groups.data_ptr() == entry.counter.data_ptr()
+    assert torch.equal(other.view(-1), torch.arange(300))
+    # past it: the counter doubles to the next power of two, the old one is kept (a captured graph may read it)
+    old = entry.counter
+    big, big_lanes = torch_dropout.group_numbers(CPU, torch_dropout._MIN_GROUPS * 3 + 1)
+    assert entry.counter.numel() == torch_dropout._MIN_GROUPS * 4 and entry.retired == [old]
+    assert torch.equal(big.view(-1), torch.arange(torch_dropout._MIN_GROUPS * 3 + 1))
+    assert big_lanes is lanes
+    # each device its own
+    meta, meta_lanes = torch_dropout.group_numbers(torch.device("meta"), 5)
+    assert meta.device.type == "meta" and meta_lanes.device.type == "meta"
+    assert set(torch_dropout._counters) == {(CPU, 0), (torch.device("meta"), 0)}
+
+
+def test_group_numbers_view_cache_starts_over_when_full(monkeypatch):
+    monkeypatch.setattr(torch_dropout, "_counters", {})
+    monkeypatch.setattr(torch_dropout, "_group_views", {})
+    monkeypatch.setattr(torch_dropout, "_MAX_VIEWS", 4)
+    for count in range(1, 10):
+        groups, _ = torch_dropout.group_numbers(CPU, count)
+        assert torch.equal(groups.view(-1), torch.arange(count))
+        assert len(torch_dropout._group_views) <= 4
+    assert len(torch_dropout._counters) == 1  # the views go, the counter stays
+
+
+def test_group_numbers_inside_a_capture_make_nothing_for_the_cache(monkeypatch):
+    """A tensor made inside a CUDA-graph capture holds its values only once the graph replays: a capture
+    that finds no counter big enough gets tensors of its own, cached nowhere; one made before the capture
+    serves it."""
+    monkeypatch.setattr(torch_dropout, "_counters", {})
+    monkeypatch.setattr(torch_dropout, "_group_views", {})
+    monkeypatch.setattr(torch_dropout, "_capturing", lambda device: True)
+    groups, lanes = torch_dropout.group_numbers(CPU, 7)
+    assert torch.equal(groups.view(-1), torch.arange(7)) and torch.equal(lanes, torch.arange(8.0))
+    assert torch_dropout._counters == {} and torch_dropout._group_views == {}
+    monkeypatch.setattr(torch_dropout, "_capturing", lambda device: False)
+    before, before_lanes = torch_dropout.group_numbers(CPU, 7)  # made outside the capture
+    monkeypatch.setattr(torch_dropout, "_capturing", lambda device: True)
+    inside, inside_lanes = torch_dropout.group_numbers(CPU, 9)
+    assert inside.data_ptr() == before.data_ptr() and inside_lanes is before_lanes
+    huge, _ = torch_dropout.group_numbers(CPU, torch_dropout._MIN_GROUPS + 1)  # would need a bigger counter
+    assert huge.data_ptr() != before.data_ptr()
+    assert torch_dropout._counters[(CPU, 0)].counter.numel() == torch_dropout._MIN_GROUPS
+    assert torch_dropout._counters[(CPU, 0)].retired == []
+
+
+# ---- the jiterator sources, built on the host with g++ -------------------------------------------------
+# Each source is the C++ function torch's jiterator inlines into its elementwise kernel, called per element
+# with the inputs converted to the common dtype (int64 for the Philox kernels, float32 for the apply
+# kernels) and the keyword arguments as int64 / double. The only CUDA intrinsic they use is __umulhi.
+_JIT_HARNESS = r"""
+#include <cstdint>
+static inline unsigned __umulhi(unsigned a, unsigned b) {
+    return static_cast<unsigned>((static_cast<unsigned long long>(a) * b) >> 32);
+}
+SOURCES
+extern "C" void keep_bits(const int64_t* group, int64_t n, int64_t seed, int64_t offset, int64_t first_group,
+                          int64_t threshold, int64_t* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = loragen_keep_bits<int64_t>(group[i], seed, offset, first_group, threshold);
+}
+extern "C" void keep(const int64_t* element, int64_t n, int64_t seed, int64_t offset, int64_t start,
+                     int64_t threshold, int64_t* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = loragen_keep<int64_t>(element[i], seed, offset, start, threshold);
+}
+extern "C" void apply(const float* value, const float* bits, const float* lane, int64_t n, double keep_scale,
+                      float* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = loragen_apply_keep<float>(value[i], bits[i], lane[i], keep_scale);
+}
+extern "C" void apply_pair(const float* first, const float* second, const float* bits, const float* lane,
+                           int64_t n, double keep_scale, float* first_out, float* second_out) {
+    for (int64_t i = 0; i < n; ++i)
+        loragen_apply_keep_pair<float>(first[i], second[i], bits[i], lane[i], keep_scale, first_out[i], second_out[i]);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def jit_sources_on_host(tmp_path_factory) -> ctypes.CDLL:
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ is needed to build the jiterator sources on the host")
+    sources = "".join(source for source, _, _ in torch_dropout.JIT_FUNCTIONS.values())
+    work = tmp_path_factory.mktemp("jiterator_sources")
+    (work / "harness.cpp").write_text(_JIT_HARNESS.replace("SOURCES", sources))
+    subprocess.run(
+        [
+            cxx,
+            "-std=c++17",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-shared",
+            "-fPIC",
+            str(work / "harness.cpp"),
+            "-o",
+            str(work / "harness.so"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return ctypes.CDLL(str(work / "harness.so"))
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _i64(value: int) -> ctypes.c_int64:
+    """An unsigned 64-bit value as the int64 bits the kernels receive."""
+    return ctypes.c_int64(value - 2**64 if value >= 2**63 else value)
+
+
+@settings(max_examples=25, deadline=None)
+@given(first=st.integers(0, 2**40), p=st.floats(0.01, 0.95), seed=u64, offset=u64)
+def test_jiterator_philox_sources_draw_the_philox_mask(jit_sources_on_host, first, p, seed, offset):
+    """KEEP_BITS_SOURCE and KEEP_SOURCE, compiled as C++, against loragen.philox's mask: group bits and
+    per-element flags, at counters past 2**32 groups and for seeds and offsets with the top bit set."""
+    threshold = philox.keep_threshold(p)
+    groups = torch.arange(40, dtype=torch.int64)
+    bits = torch.empty(40, dtype=torch.int64)
+    jit_sources_on_host.keep_bits(
+        _ptr(groups),
+        ctypes.c_int64(40),
+        _i64(seed),
+        _i64(offset),
+        ctypes.c_int64(first),
+        ctypes.c_int64(threshold),
+        _ptr(bits),
+    )
+    keep = keep_mask(8 * first, 8 * 40, threshold, seed, offset, CPU).view(40, 8).to(torch.int64)
+    assert torch.equal(bits, (keep << torch.arange(8)).sum(1))
+    start = 8 * first + 3  # mid-group
+    elements = torch.arange(45, dtype=torch.int64)
+    flags = torch.empty(45, dtype=torch.int64)
+    jit_sources_on_host.keep(
+        _ptr(elements),
+        ctypes.c_int64(45),
+        _i64(seed),
+        _i64(offset),
+        ctypes.c_int64(start),
+        ctypes.c_int64(threshold),
+        _ptr(flags),
+    )
+    assert torch.equal(flags, keep_mask(start, 45, threshold, seed, offset, CPU).to(torch.int64))
+
+
+def test_jiterator_apply_sources_mask_and_scale(jit_sources_on_host):
+    """APPLY_SOURCE and APPLY_PAIR_SOURCE, compiled as C++: bit ``lane`` of the group's bits keeps an element
+    (times keep_scale, rounded to float32 as torch's float32 product is) or drops it; the pair kernel applies
+    one bit to both of its inputs, exactly as two applies would."""
+    n = 64 * 8
+    gen = torch.Generator().manual_seed(1)
+    first, second = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e3
+    bits = torch.randint(0, 256, (n // 8,), generator=gen).repeat_interleave(8).float()
+    lanes = torch.arange(8, dtype=torch.float32).repeat(n // 8)
+    scale = philox.keep_scale(0.3)
+    kept = ((bits.long() >> lanes.long()) & 1).bool()
+    out, pair_first, pair_second = (torch.empty(n) for _ in range(3))
+    jit_sources_on_host.apply(
+        _ptr(first), _ptr(bits), _ptr(lanes), ctypes.c_int64(n), ctypes.c_double(scale), _ptr(out)
+    )
+    jit_sources_on_host.apply_pair(
+        _ptr(first),
+        _ptr(second),
+        _ptr(bits),
+        _ptr(lanes),
+        ctypes.c_int64(n),
+        ctypes.c_double(scale),
+        _ptr(pair_first),
+        _ptr(pair_second),
+    )
+    assert torch.equal(out, torch.where(kept, first * scale, 0.0))
+    assert torch.equal(pair_first, out)
+    assert torch.equal(pair_second, torch.where(kept, second * scale, 0.0))
+    assert 0 < int(kept.sum()) < n
+
+
+# each source called as jiterator's kernel calls it: per element, keyword arguments as int64 / double,
+# outputs by reference for the pair
+_JIT_DEVICE_WRAPPERS = r"""
+extern "C" __global__ void keep_bits(const long long* g, const long long* s, const long long* o, long long first,
+                                     long long threshold, long long* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = loragen_keep_bits<long long>(g[i], *s, *o, first, threshold);
+}
+extern "C" __global__ void keep(const long long* e, const long long* s, const long long* o, long long start,
+                                long long threshold, long long* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = loragen_keep<long long>(e[i], *s, *o, start, threshold);
+}
+extern "C" __global__ void apply(const float* v, const float* b, const float* l, double scale, float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = loragen_apply_keep<float>(v[i], b[i / 8], l[i % 8], scale);
+}
+extern "C" __global__ void apply_pair(const float* v, const float* w, const float* b, const float* l, double scale,
+                                      float* first, float* second, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) loragen_apply_keep_pair<float>(v[i], w[i], b[i / 8], l[i % 8], scale, first[i], second[i]);
+}
+"""
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_jiterator_sources_compile_with_nvrtc(nvrtc_available, arch):
+    """The jiterator sources as NVRTC compiles them (jiterator's options: C++17, unannotated functions
+    compiled for the device), each called as jiterator calls it: they compile, and use no local memory."""
+    from cuda.bindings import nvrtc
+
+    from loragen.cuda.nvrtc import parse_ptxas_log
+
+    source = "".join(text for text, _, _ in torch_dropout.JIT_FUNCTIONS.values()) + _JIT_DEVICE_WRAPPERS
+    _, program = nvrtc.nvrtcCreateProgram(source.encode(), b"jiterator_sources.cu", 0, [], [])
+    options = [
+        b"--std=c++17",
+        b"-default-device",
+        f"--gpu-architecture={arch}".encode(),
+        b"--ptxas-options=-v",
+    ]
+    try:
+        (status,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        _, size = nvrtc.nvrtcGetProgramLogSize(program)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    text = log.rstrip(b"\x00").decode(errors="replace")
+    assert status == nvrtc.nvrtcResult.NVRTC_SUCCESS, text
+    resources = parse_ptxas_log(text)
+    assert set(resources) == {"keep_bits", "keep", "apply", "apply_pair"}
+    for name, used in resources.items():
+        assert used.stack_frame_bytes == used.spill_store_bytes == 0, (name, used)

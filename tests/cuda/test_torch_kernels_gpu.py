@@ -141,3 +141,77 @@ def test_torch_path_captured_with_dropout_draws_the_replays_mask():
         assert torch.equal(masks[-1], expected)
     assert not torch.equal(masks[0], masks[1])
     assert torch_dropout.jiterator_status() == "ok"
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(64, 40), (37, 45)])
+def test_pair_kernel_masks_x_and_the_product_as_two_applies(rows, cols):
+    """Backward's one kernel for x and dh A (apply_pair, or the per-element keep flags for a block whose
+    size is not a multiple of 8): the same numbers as the torch formulation on the CPU."""
+    seed, p = 2**64 - 99, 0.35
+    threshold, scale = philox.keep_threshold(p), philox.keep_scale(p)
+    start = 8 * 1001
+    keep = keep_mask(start, rows * cols, threshold, seed, 0, torch.device("cpu")).view(rows, cols)
+    x = torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
+    product = torch.randn(rows, cols, device="cuda")
+    drop = torch_dropout.BlockDropout(rng_tensor(seed, 0, x.device), start, threshold, scale)
+    first, second = drop.pair(x, product)
+    assert torch_dropout.jiterator_status() == "ok"
+    assert torch.equal(first.cpu(), torch.where(keep, x.cpu().float() * scale, 0.0))
+    assert torch.equal(second.cpu(), torch.where(keep, product.cpu() * scale, 0.0))
+
+
+def test_group_numbers_are_kept_per_stream():
+    device = torch.device("cuda")
+    groups, lanes = torch_dropout.group_numbers(device, 1000)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other, other_lanes = torch_dropout.group_numbers(device, 1000)
+    torch.cuda.synchronize()
+    assert other.data_ptr() != groups.data_ptr() and other_lanes.data_ptr() != lanes.data_ptr()
+    assert torch.equal(groups.view(-1).cpu(), torch.arange(1000)) and torch.equal(other.cpu(), groups.cpu())
+    assert torch_dropout.group_numbers(device, 1000)[0] is groups
+
+
+def test_graph_captured_on_a_warmed_stream_survives_the_counter_growing():
+    """A capture on the stream the warm-up ran on reads that stream's cached counter; when a later eager
+    call outgrows it, the old counter is kept, so replays still draw the exact mask."""
+    from loragen.cuda.hostcache import launcher_handle
+    from loragen.cuda.linear_op import draw_rng
+
+    n, k, p = 96, 64, 0.3
+    static_x = (torch.rand(n, k) + 0.5).cuda()
+    eye, zeros = torch.eye(k, device="cuda"), torch.zeros(k, k, device="cuda")
+    handle = launcher_handle(TorchKernels())
+
+    def step():
+        rng = draw_rng(static_x.device)
+        y, _ = torch.ops.loragen.lora_linear(static_x, zeros, None, eye, eye, rng, 1.0, p, False, handle)
+        return rng, y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(2):
+            step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side), torch.no_grad():
+        static_rng, static_y = step()
+    with torch.cuda.stream(side), torch.no_grad():  # outgrows the counter the graph reads
+        big = torch.rand(8 * torch_dropout._MIN_GROUPS * 4, 16, device="cuda")
+        lora_linear_cuda(
+            big,
+            torch.zeros(16, 16, device="cuda"),
+            None,
+            torch.eye(16, device="cuda"),
+            torch.eye(16, device="cuda"),
+            1.0,
+            p,
+            True,
+            launcher=TorchKernels(),
+        )
+        torch.empty(8 * torch_dropout._MIN_GROUPS * 8, dtype=torch.int64, device="cuda").fill_(-1)
+    torch.cuda.synchronize()
+    for _ in range(2):
+        graph.replay()
+        seed, offset = (value & (2**64 - 1) for value in static_rng.tolist())
+        assert torch.equal((static_y != 0).cpu(), philox.dropout_keep_mask((n, k), p, seed, offset))
