@@ -72,18 +72,18 @@ def lora_linear(
     """
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"loragen.ops.lora_linear: dropout_p={dropout_p!r}; expected 0 <= p < 1")
-    if rng is None:
-        rng = switches.dropout_rng.get()  # type: ignore[assignment]
-    else:
+    if rng is not None:
         check_rng(rng)
-    dropout = training and dropout_p > 0.0
     args = (x, weight, bias, lora_A, lora_B, scaling, dropout_p, training)
     if not switches.fused.get():
         return lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         if x.is_cuda and cuda.is_available():
             return cuda.lora_linear_cuda(*args, fan_in_fan_out=fan_in_fan_out, seed=seed)
         return lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)
+    if rng is None:  # the CPU masks' generator
+        rng = switches.dropout_rng.get()  # type: ignore[assignment]
+    dropout = training and dropout_p > 0.0
     reason = fallback_reason(x, dropout)
     if reason is not None:
         if reason not in _logged_reasons and not torch.compiler.is_compiling():  # a log call breaks the graph

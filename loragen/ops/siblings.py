@@ -142,7 +142,7 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 def forward(layer: Any, x: Tensor) -> Tensor | None:
     """Run ``layer`` (a LoraLinear or LoraConv1D) as part of its sibling group, or return None to let
     it run :func:`loragen.ops.lora_linear` on its own."""
-    if not (switches.sibling_fusion.get() and switches.fused.get()) or x.device.type != "cpu":
+    if not x.is_cpu or not (switches.sibling_fusion.get() and switches.fused.get()):
         return None
     if torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
         return None
