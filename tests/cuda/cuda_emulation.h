@@ -53,6 +53,8 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 struct emu_dim3 { unsigned x, y, z; };
+// A kernel's entry point in a build (cuda_emulation.py's wrapper): the argument array, grid and block size.
+typedef void (*emu_entry)(void** args, unsigned grid_x, unsigned grid_y, unsigned threads);
 
 inline thread_local emu_dim3 threadIdx{0, 0, 0};
 inline emu_dim3 blockIdx{0, 0, 0};  // written by the launching thread between blocks, under the block barrier
