@@ -53,7 +53,9 @@ CASES = [
 def launcher(request) -> EmulatedLauncher:
     """The in-process kernels; a cold cache builds every variant CASES use up front, one g++ per core."""
     launcher = EmulatedLauncher(cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4)
-    launcher.prebuild((specs.LORA_DOWN, variant_of(*case.values[1:5])) for case in CASES)
+    launcher.prebuild(
+        (spec, variant_of(*case.values[1:5])) for case in CASES for spec in specs.KERNELS.values()
+    )
     return launcher
 
 
