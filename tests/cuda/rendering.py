@@ -4,7 +4,7 @@ and compiling many of them ahead of the tests that check them one by one."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -42,11 +42,13 @@ def precompile(cache: KernelCache, kernels: Iterable[tuple[RenderedKernel, str]]
             done.result()
 
 
-def selected_params(request: pytest.FixtureRequest, test: str, *names: str) -> list[tuple[object, ...]]:
-    """The values of parameters ``names`` of every selected (collected, not deselected) item of ``test``,
-    so that a fixture prepares only what the session will check."""
+def selected_params(
+    request: pytest.FixtureRequest, test: Callable[..., object], *names: str
+) -> list[tuple[object, ...]]:
+    """The values of parameters ``names`` of every selected (collected, not deselected) item of the test
+    function ``test``, so that a fixture prepares only what the session will check."""
     return [
         tuple(item.callspec.params[name] for name in names)
         for item in request.session.items
-        if getattr(item, "originalname", None) == test and hasattr(item, "callspec")
+        if getattr(item, "obj", None) is test and hasattr(item, "callspec")
     ]

@@ -122,7 +122,7 @@ def test_compile_without_cache(nvrtc_available):
 def variant_cubins(request, persistent_cache) -> KernelCache:
     """The persistent cache, holding every selected variant of the test below for every architecture:
     a cold cache compiles them ahead, one NVRTC per core, instead of one by one in the tests."""
-    selected = selected_params(request, "test_variant_compiles_without_spills", "name", "variant")
+    selected = selected_params(request, test_variant_compiles_without_spills, "name", "variant")
     kernels = [rendered(specs.KERNELS[name], variant) for name, variant in selected]
     precompile(persistent_cache, [(kernel, arch) for kernel in kernels for arch in specs.ARCHS])
     return persistent_cache

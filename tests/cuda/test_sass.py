@@ -57,7 +57,7 @@ def cubins(request) -> KernelCache:
         )
     cache = KernelCache(cache_folder(request.config, "loragen-cubins"))
     # a cold cache compiles the selected variants ahead, one NVRTC per core, not one by one in the tests
-    selected = selected_params(request, "test_sass_of_every_variant", "spec", "variant", "arch")
+    selected = selected_params(request, test_sass_of_every_variant, "spec", "variant", "arch")
     precompile(cache, [(rendered(spec, variant), arch) for spec, variant, arch in selected])
     return cache
 
