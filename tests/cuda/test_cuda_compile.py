@@ -2,9 +2,9 @@
 (no register spills), compile errors, the on-disk kernel cache, and a CPU path that never imports
 cuda.bindings.
 
-Compiling all variants takes a few minutes of NVRTC time on two cores; the cubins are kept in pytest's
-cache folder (keyed by source, options, architecture and NVRTC version), so later runs only recompile
-what changed. ``pytest --cache-clear`` forces a full rebuild.
+Compiling all variants takes about a minute of NVRTC time on two cores (compiled ahead, one per core);
+the cubins are kept in pytest's cache folder (keyed by source, options, architecture and NVRTC version),
+so later runs only recompile what changed. ``pytest --cache-clear`` forces a full rebuild.
 """
 
 from __future__ import annotations
