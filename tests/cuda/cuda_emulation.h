@@ -4,7 +4,7 @@
 // It is built to show the bugs a GPU has, not to hide them:
 // - every CUDA thread of a block is a real thread; __syncthreads and the warp shuffles are barriers made
 //   of a std::mutex and a std::condition_variable, so ThreadSanitizer sees exactly the ordering a GPU
-//   barrier gives (and a race the barriers leave open is a TSan report);
+//   barrier gives (and a race the barriers leave open is a TSan report); a shuffle is one barrier;
 // - blocks run one at a time in a shuffled order (seeded: EMU_BLOCK_SEED, 0 = launch order);
 // - `__shared__` arrays live in the section "emu_shared" and are filled with a NaN pattern before every
 //   block (EMU_SHARED_POISON), so nothing a block reads there comes from zero-initialisation or from the
@@ -53,6 +53,8 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 struct emu_dim3 { unsigned x, y, z; };
+// A kernel's entry point in a build (cuda_emulation.py's wrapper): the argument array, grid and block size.
+typedef void (*emu_entry)(void** args, unsigned grid_x, unsigned grid_y, unsigned threads);
 
 inline thread_local emu_dim3 threadIdx{0, 0, 0};
 inline emu_dim3 blockIdx{0, 0, 0};  // written by the launching thread between blocks, under the block barrier
@@ -83,22 +85,26 @@ class Barrier {
         std::unique_lock<std::mutex> lock(mutex_);
         const unsigned long generation = generation_;
         if (++arrived_ >= expected_) {
-            release();
+            release(lock);
         } else {
             wake_.wait(lock, [&] { return generation_ != generation; });
         }
     }
 
     void drop() {
-        std::lock_guard<std::mutex> lock(mutex_);
+        std::unique_lock<std::mutex> lock(mutex_);
         --expected_;
-        if (arrived_ > 0 && arrived_ >= expected_) release();
+        if (arrived_ > 0 && arrived_ >= expected_) release(lock);
     }
 
   private:
-    void release() {
+    // Opens the barrier, then wakes the waiters with the mutex already free: woken under it, each
+    // would block on it again at once (twice the thread switches, which dominate an emulated launch).
+    // The barriers outlive every thread that uses them (emu::launch joins its pool first).
+    void release(std::unique_lock<std::mutex>& lock) {
         arrived_ = 0;
         ++generation_;
+        lock.unlock();
         wake_.notify_all();
     }
 
@@ -111,7 +117,8 @@ class Barrier {
 
 struct Warp {
     Barrier barrier{32};
-    std::uint64_t slots[32];
+    std::uint64_t slots[2][32];  // successive shuffles alternate between the two rows
+    unsigned row[32] = {};  // per lane: the row its next shuffle writes (reset before every block)
 };
 
 struct Block {
@@ -123,16 +130,21 @@ inline Block* block = nullptr;  // the block running now (blocks run one at a ti
 
 inline Warp& warp() { return *block->warps[threadIdx.x / 32]; }
 
+// One barrier per shuffle: every lane writes its value, waits for the others, reads its source lane.
+// The next shuffle writes the other row of slots; this row is written again only by the shuffle after
+// that, past the next shuffle's barrier, which every lane reaches after its read here.
 template <typename T>
 T exchange(T value, int source_lane) {
     static_assert(sizeof(T) <= sizeof(std::uint64_t), "shuffle of a type wider than 64 bits");
     Warp& w = warp();
+    const unsigned lane = threadIdx.x % 32;
+    std::uint64_t* slots = w.slots[w.row[lane]];
+    w.row[lane] ^= 1u;
     std::uint64_t bits = 0;
     std::memcpy(&bits, &value, sizeof(T));
-    w.slots[threadIdx.x % 32] = bits;
+    slots[lane] = bits;
     w.barrier.arrive_and_wait();
-    std::uint64_t got = w.slots[source_lane & 31];
-    w.barrier.arrive_and_wait();  // nobody overwrites a slot before every lane has read
+    std::uint64_t got = slots[source_lane & 31];
     T out;
     std::memcpy(&out, &got, sizeof(T));
     return out;
@@ -202,6 +214,7 @@ inline void launch(unsigned grid_x, unsigned grid_y, unsigned threads, const std
         blk.barrier.reset(static_cast<int>(threads));
         for (unsigned w = 0; w < blk.warps.size(); ++w) {
             blk.warps[w]->barrier.reset(static_cast<int>(std::min(32u, threads - 32 * w)));
+            std::fill(std::begin(blk.warps[w]->row), std::end(blk.warps[w]->row), 0u);
         }
         poison_shared(poison);
         start.arrive_and_wait();

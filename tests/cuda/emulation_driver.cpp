@@ -1,8 +1,9 @@
 // A stand-alone program that runs one emulated kernel launch, so that it can be built with ASan, UBSan
 // or TSan and run as its own process (the sanitizers' runtimes cannot be loaded into Python).
 //
-//   driver LAUNCH_FILE OUTPUT_FILE
+//   driver KERNEL LAUNCH_FILE OUTPUT_FILE
 //
+// KERNEL names one of the kernels built into the program (emu_find, written by cuda_emulation.py).
 // LAUNCH_FILE (little-endian, written by tests/cuda/cuda_emulation.py):
 //   "EMU1", u32 grid_x, u32 grid_y, u32 threads, u32 argument count, then per argument
 //   u32 kind: 0 scalar (u32 size, bytes), 1 buffer (u64 lead, u64 size, bytes), 2 null pointer.
@@ -16,7 +17,7 @@
 #include <cstring>
 #include <vector>
 
-extern "C" void emu_run(void** args, unsigned grid_x, unsigned grid_y, unsigned threads);
+extern "C" emu_entry emu_find(const char* name);  // emu_entry: cuda_emulation.h, included by -include
 
 namespace {
 
@@ -48,8 +49,10 @@ struct Argument {
 }  // namespace
 
 int main(int argc, char** argv) {
-    if (argc != 3) Reader::fail("usage: driver LAUNCH_FILE OUTPUT_FILE");
-    std::FILE* in = std::fopen(argv[1], "rb");
+    if (argc != 4) Reader::fail("usage: driver KERNEL LAUNCH_FILE OUTPUT_FILE");
+    const emu_entry run = emu_find(argv[1]);
+    if (run == nullptr) Reader::fail("no such kernel in this program");
+    std::FILE* in = std::fopen(argv[2], "rb");
     if (in == nullptr) Reader::fail("cannot open the launch file");
     Reader read{in};
     char magic[4];
@@ -87,9 +90,9 @@ int main(int argc, char** argv) {
     }
     std::fclose(in);
 
-    emu_run(values.data(), grid_x, grid_y, threads);
+    run(values.data(), grid_x, grid_y, threads);
 
-    std::FILE* out = std::fopen(argv[2], "wb");
+    std::FILE* out = std::fopen(argv[3], "wb");
     if (out == nullptr) Reader::fail("cannot open the output file");
     for (Argument& a : arguments) {
         if (a.kind == 1 && a.size != 0 && std::fwrite(a.data, 1, a.size, out) != a.size) {

@@ -2,9 +2,9 @@
 (no register spills), compile errors, the on-disk kernel cache, and a CPU path that never imports
 cuda.bindings.
 
-Compiling all variants takes a few minutes of NVRTC time on two cores; the cubins are kept in pytest's
-cache folder (keyed by source, options, architecture and NVRTC version), so later runs only recompile
-what changed. ``pytest --cache-clear`` forces a full rebuild.
+Compiling all variants takes about a minute of NVRTC time on two cores (compiled ahead, one per core);
+the cubins are kept in pytest's cache folder (keyed by source, options, architecture and NVRTC version),
+so later runs only recompile what changed. ``pytest --cache-clear`` forces a full rebuild.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from loragen.cuda import kernel_variants, specs
 from loragen.cuda.cache import KernelCache, cache_key
 from loragen.cuda.nvrtc import CompiledKernel, KernelCompileError, parse_ptxas_log
 from loragen.cuda.render import KernelRenderError, RenderedKernel, render_kernel
-from tests.cuda.rendering import rendered
+from tests.cuda.rendering import precompile, rendered, selected_params
 
 # ---- rendering ----------------------------------------------------------------------------------------
 
@@ -118,15 +118,25 @@ def test_compile_without_cache(nvrtc_available):
         assert 0 < usage.registers <= 255 and not usage.spills
 
 
-@pytest.mark.slow  # ~4 minutes of NVRTC on two cores when the cubin cache is cold, seconds when warm
+@pytest.fixture(scope="module")
+def variant_cubins(request, persistent_cache) -> KernelCache:
+    """The persistent cache, holding every selected variant of the test below for every architecture:
+    a cold cache compiles them ahead, one NVRTC per core, instead of one by one in the tests."""
+    selected = selected_params(request, test_variant_compiles_without_spills, "name", "variant")
+    kernels = [rendered(specs.KERNELS[name], variant) for name, variant in selected]
+    precompile(persistent_cache, [(kernel, arch) for kernel in kernels for arch in specs.ARCHS])
+    return persistent_cache
+
+
+@pytest.mark.slow  # ~1 minute of NVRTC on two cores when the cubin cache is cold, seconds when warm
 @pytest.mark.parametrize(
     ("name", "variant"), [(s.name, v) for s, v in VARIANTS], ids=lambda x: getattr(x, "label", x)
 )
-def test_variant_compiles_without_spills(persistent_cache, name, variant):
+def test_variant_compiles_without_spills(variant_cubins, name, variant):
     spec = specs.KERNELS[name]
     kernel = rendered(spec, variant)
     for arch in specs.ARCHS:
-        compiled = persistent_cache.get(kernel, arch)
+        compiled = variant_cubins.get(kernel, arch)
         usage = compiled.resources[name]
         where = f"{kernel.description} on {arch}"
         assert not usage.spills, f"{where} spills: {usage}"

@@ -12,18 +12,13 @@ import pytest
 import torch
 
 from loragen import philox
-from loragen.cuda import kernel_variants
+from loragen.cuda import kernel_variants, specs
 from loragen.cuda.linear_op import CudaLoraError, draw_rng, lora_linear_cuda
 from loragen.cuda.torch_kernels import rng_values
-from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder
+from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder, variant_of
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="g++ is needed to build the emulated kernels")
-
-
-@pytest.fixture(scope="session")
-def launcher(request) -> EmulatedLauncher:
-    return EmulatedLauncher(cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4)
 
 
 CASES = [
@@ -52,6 +47,16 @@ CASES = [
     pytest.param(77, 88, 40, 27, torch.bfloat16, 0.15, False, True, id="bf16-r27-mma-grad-in-fifo"),
     pytest.param(18, 56, 24, 64, torch.bfloat16, 0.0, True, False, id="bf16-r64-mma-grad-in"),
 ]
+
+
+@pytest.fixture(scope="session")
+def launcher(request) -> EmulatedLauncher:
+    """The in-process kernels; a cold cache builds every variant CASES use up front, one g++ per core."""
+    launcher = EmulatedLauncher(cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4)
+    launcher.prebuild(
+        (spec, variant_of(*case.values[1:5])) for case in CASES for spec in specs.KERNELS.values()
+    )
+    return launcher
 
 
 @pytest.mark.parametrize(("n", "k", "o", "r", "dtype", "p", "bias", "fifo"), CASES)
@@ -109,8 +114,6 @@ def test_one_row_rank_one_bfloat16_gradient(launcher, kernels):
 
 def test_partial_sums_are_exercised(launcher):
     """The split-grids case must really split its reductions (target_blocks is small on purpose)."""
-    from loragen.cuda import specs
-
     variant = kernel_variants.Variant("float32", 8, True)
     assert specs.plan_down(70, 264, variant, 4).splits == 2
     assert specs.plan_grad_out(70, 296, variant, 4).splits == 2

@@ -26,17 +26,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from loragen.cuda import kernel_variants, specs
+from loragen.cuda import specs
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.specs import Param
 from tests.cuda.cuda_emulation import (
     CXX,
     EmulatedLauncher,
+    Kernel,
     SanitizerError,
     build,
     cache_folder,
+    prebuild,
     run_program,
-    wrapper,
+    variant_of,
 )
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
@@ -77,18 +79,19 @@ def run_lora(launcher: EmulatedLauncher, n, k, o, r, dtype, p, fifo) -> None:
         assert relative_error(got.grad, expected.grad) < TOLERANCE[dtype], name
 
 
-def variants_of(n, k, o, r, dtype) -> list[tuple[specs.KernelSpec, kernel_variants.Variant]]:
-    name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
-    variant = kernel_variants.Variant(name, kernel_variants.rank_bucket(r), k % 8 == 0 and o % 8 == 0)
-    return [(spec, variant) for spec in specs.KERNELS.values()]
+SANITIZERS = ("address", "thread")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sanitizer", ["address", "thread"])
+@pytest.mark.parametrize("sanitizer", SANITIZERS)
 @pytest.mark.parametrize(("n", "k", "o", "r", "dtype", "p", "fifo"), CASES)
 def test_sanitizers_pass_the_real_kernels(folder, sanitizer, n, k, o, r, dtype, p, fifo):
-    launcher = EmulatedLauncher(folder, target_blocks=4, sanitizer=sanitizer, block_seed=n)
-    launcher.prebuild(variants_of(n, k, o, r, dtype))
+    launchers = {s: EmulatedLauncher(folder, target_blocks=4, sanitizer=s, block_seed=n) for s in SANITIZERS}
+    # every kernel of this variant for both sanitizers at once, one g++ per core (one build each; the
+    # other sanitizer's test finds its build in the cache)
+    variant = variant_of(k, o, r, dtype)
+    prebuild((each, spec, variant) for each in launchers.values() for spec in specs.KERNELS.values())
+    launcher = launchers[sanitizer]
     run_lora(launcher, n, k, o, r, dtype, p, fifo)
     assert {name for name, _, _ in launcher.launches} == set(specs.KERNELS)
 
@@ -153,9 +156,9 @@ def test_sanitizer_traps_misaligned_vector_access_in_the_real_kernels(folder):
 
 def fixture(folder: Path, name: str, params: tuple[Param, ...], sanitizer: str, plant: str | None) -> Path:
     """tests/cuda/fixtures/<name>.cu built for ``sanitizer``, with ``plant`` defined when given."""
-    source = (FIXTURES / f"{name}.cu").read_text() + wrapper(name, params)
+    kernel = Kernel(name, params, (FIXTURES / f"{name}.cu").read_text())
     label = f"fixture-{name}-{plant or 'clean'}"
-    return build(folder, label, source, sanitizer=sanitizer, defines=[plant] if plant else [])
+    return build(folder, label, [kernel], sanitizer=sanitizer, defines=[plant] if plant else [])
 
 
 def floats(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -173,7 +176,7 @@ ROW_SUMS = (
 
 def row_sums(program: Path, seed: int = 1) -> None:
     x, out = floats(24, 128), torch.zeros(24)
-    run_program(program, (3, 1), 128, ROW_SUMS, (x, out, 24, 8), block_seed=seed, what="row_sums")
+    run_program(program, "row_sums", (3, 1), 128, ROW_SUMS, (x, out, 24, 8), block_seed=seed)
     assert torch.equal(out, x.sum(1))
 
 
@@ -194,7 +197,7 @@ SCALE4 = (Param("x", "const float*"), Param("out", "float*"), Param("n", "int"))
 
 def scale4(program: Path, n: int = 4 * 70 + 2) -> None:
     x, out = floats(n), torch.zeros(n)
-    run_program(program, (math.ceil(n / 4 / 32), 1), 32, SCALE4, (x, out, n), what="scale4")
+    run_program(program, "scale4", (math.ceil(n / 4 / 32), 1), 32, SCALE4, (x, out, n))
     assert torch.equal(out, 2 * x)  # the planted over-read leaves the results right
 
 
@@ -211,7 +214,7 @@ BLOCK_TOTAL = (Param("x", "const float*"), Param("out", "float*"), Param("n", "i
 
 def block_total(program: Path, n: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
     x, out = floats(n), torch.zeros(math.ceil(n / 128))
-    run_program(program, (out.numel(), 1), 128, BLOCK_TOTAL, (x, out, n), what="block_total")
+    run_program(program, "block_total", (out.numel(), 1), 128, BLOCK_TOTAL, (x, out, n))
     want = torch.nn.functional.pad(x, (0, 128 * out.numel() - n)).view(-1, 128).sum(1)
     return out, want
 
@@ -241,7 +244,7 @@ COPY_ROWS = (Param("x", "const float*"), Param("out", "float*"), Param("rows", "
 
 def copy_rows(program: Path, rows: int, cols: int) -> None:
     x, out = floats(rows, cols), torch.zeros(rows, cols)
-    run_program(program, (rows, 1), 32, COPY_ROWS, (x, out, rows, cols), what="copy_rows")
+    run_program(program, "copy_rows", (rows, 1), 32, COPY_ROWS, (x, out, rows, cols))
     assert torch.equal(out, x)
 
 
@@ -262,7 +265,7 @@ RUNNING_TOTALS = (Param("x", "const float*"), Param("totals", "float*"), Param("
 
 def running_totals(program: Path, seed: int) -> bool:
     x, totals = floats(16 * 10), torch.zeros(16)
-    run_program(program, (16, 1), 32, RUNNING_TOTALS, (x, totals, 10), block_seed=seed, what="running_totals")
+    run_program(program, "running_totals", (16, 1), 32, RUNNING_TOTALS, (x, totals, 10), block_seed=seed)
     return torch.equal(totals, x.view(16, 10).sum(1).cumsum(0))
 
 

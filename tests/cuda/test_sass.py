@@ -25,6 +25,7 @@ from loragen.cuda import specs
 from loragen.cuda.cache import KernelCache
 from loragen.cuda.render import render_kernel
 from tests.cuda.cuda_emulation import cache_folder
+from tests.cuda.rendering import precompile, rendered, selected_params
 from tests.cuda.sass import (
     ARCH_LIMITS,
     SassReport,
@@ -54,7 +55,11 @@ def cubins(request) -> KernelCache:
         pytest.skip(
             f"{' and '.join(MISSING)} not found (pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump)"
         )
-    return KernelCache(cache_folder(request.config, "loragen-cubins"))
+    cache = KernelCache(cache_folder(request.config, "loragen-cubins"))
+    # a cold cache compiles the selected variants ahead, one NVRTC per core, not one by one in the tests
+    selected = selected_params(request, test_sass_of_every_variant, "spec", "variant", "arch")
+    precompile(cache, [(rendered(spec, variant), arch) for spec, variant, arch in selected])
+    return cache
 
 
 ALL_VARIANTS = [*specs.all_variants(), *specs.optimizer_variants()]
