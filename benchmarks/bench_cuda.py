@@ -178,7 +178,7 @@ def kernel_benchmark(
     from loragen import philox
     from loragen.cuda import kernel_variants, passes
     from loragen.cuda.launch import default_launcher
-    from loragen.cuda.linear_op import seed_rng
+    from loragen.cuda.op_inputs import seed_rng
 
     torch.manual_seed(0)
     n, k, o, b = tokens, features, features, 2  # bf16

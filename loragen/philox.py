@@ -21,7 +21,7 @@ LoRA input ``x`` of shape (..., in): ``i = row * in + column`` over ``x.reshape(
 
 Where seeds come from: the CPU ops draw them from torch's default CPU generator (:func:`random_seed`);
 the CUDA op draws seed and offset with one device-side torch RNG op into a tensor its kernels read
-(:func:`loragen.cuda.linear_op.draw_rng`), which keeps CUDA-graph replays fresh. Either way
+(:func:`loragen.cuda.op_inputs.draw_rng`), which keeps CUDA-graph replays fresh. Either way
 ``torch.manual_seed`` reproduces a run and ``torch.utils.checkpoint``, which restores the RNG state of
 the devices involved, recomputes the same mask.
 """

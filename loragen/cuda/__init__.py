@@ -18,6 +18,7 @@ hostcache       what the op keeps between calls: plans, padded factors, launcher
 selfcheck       each variant checked on first use per device; failures -> one warning and the torch path
 torch_kernels   the torch path: each kernel's computation as torch products (cuBLAS), same outputs
 torch_dropout   the torch path's Philox keep-mask (jiterator kernels on a GPU)
+op_inputs       what the op accepts (checks, fallback reasons) and its dropout rng tensors
 linear_op       the custom ops, the eager autograd Function and :func:`lora_linear_cuda`
 optim           the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
 =============== =============================================================================
@@ -45,14 +46,15 @@ __all__ = [
 
 _LAZY = {
     "lora_linear_cuda": "loragen.cuda.linear_op",
-    "unsupported_reason": "loragen.cuda.linear_op",
-    "CudaLoraError": "loragen.cuda.linear_op",
+    "unsupported_reason": "loragen.cuda.op_inputs",
+    "CudaLoraError": "loragen.cuda.op_inputs",
     "KernelCompileError": "loragen.cuda.nvrtc",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from loragen.cuda.linear_op import CudaLoraError, lora_linear_cuda, unsupported_reason
+    from loragen.cuda.linear_op import lora_linear_cuda
     from loragen.cuda.nvrtc import KernelCompileError
+    from loragen.cuda.op_inputs import CudaLoraError, unsupported_reason
 
 
 _available: bool | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from loragen import philox
-from loragen.cuda.linear_op import draw_rng
+from loragen.cuda.op_inputs import draw_rng
 from loragen.cuda.torch_kernels import rng_values
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}

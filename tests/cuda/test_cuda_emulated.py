@@ -13,7 +13,8 @@ import torch
 
 from loragen import philox
 from loragen.cuda import kernel_variants, specs
-from loragen.cuda.linear_op import CudaLoraError, draw_rng, lora_linear_cuda
+from loragen.cuda.linear_op import lora_linear_cuda
+from loragen.cuda.op_inputs import CudaLoraError, draw_rng
 from loragen.cuda.torch_kernels import rng_values
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder, variant_of
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error

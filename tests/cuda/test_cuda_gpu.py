@@ -22,7 +22,7 @@ import torch
 
 import loragen.cuda
 from loragen import philox, switches
-from loragen.cuda.linear_op import draw_rng
+from loragen.cuda.op_inputs import draw_rng
 from loragen.cuda.torch_kernels import rng_values
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 

@@ -26,7 +26,8 @@ from loragen._benchmarks.cuda_host import (
 )
 from loragen.cuda import hostcache, kernel_variants
 from loragen.cuda.hostcache import launcher_handle
-from loragen.cuda.linear_op import CudaLoraError, draw_rng, lora_linear_cuda, seed_rng
+from loragen.cuda.linear_op import lora_linear_cuda
+from loragen.cuda.op_inputs import CudaLoraError, draw_rng, seed_rng
 from loragen.cuda.torch_kernels import TorchKernels, rng_values
 from loragen.reference import lora_linear_reference
 

@@ -154,7 +154,7 @@ def test_integer_arguments_outside_their_c_type_are_refused():
 
 
 def test_row_counts_past_int32_take_the_plain_composition():
-    from loragen.cuda.linear_op import unsupported_reason
+    from loragen.cuda.op_inputs import unsupported_reason
 
     x = torch.zeros(1, 8).expand(2**31, 8)  # 2**31 rows, no memory
     w, a, bb = torch.zeros(4, 8), torch.zeros(2, 8), torch.zeros(4, 2)

@@ -111,7 +111,7 @@ def test_torch_path_captured_with_dropout_draws_the_replays_mask():
     """The torch path inside a CUDA graph: each replay draws a fresh (seed, offset) on the device and
     applies exactly its Philox mask (A = B = identity, no base weight: y = x * keep / (1 - p))."""
     from loragen.cuda.hostcache import launcher_handle
-    from loragen.cuda.linear_op import draw_rng
+    from loragen.cuda.op_inputs import draw_rng
 
     n, k, p = 300, 64, 0.3
     static_x = (torch.rand(n, k) + 0.5).cuda()
@@ -176,7 +176,7 @@ def test_graph_captured_on_a_warmed_stream_survives_the_counter_growing():
     """A capture on the stream the warm-up ran on reads that stream's cached counter; when a later eager
     call outgrows it, the old counter is kept, so replays still draw the exact mask."""
     from loragen.cuda.hostcache import launcher_handle
-    from loragen.cuda.linear_op import draw_rng
+    from loragen.cuda.op_inputs import draw_rng
 
     n, k, p = 96, 64, 0.3
     static_x = (torch.rand(n, k) + 0.5).cuda()
