@@ -107,13 +107,13 @@ def test_torch_path_step_never_waits_for_the_device(monkeypatch, jiterator, seed
         assert torch_dropout.jiterator_status() == "ok"
 
 
-def test_torch_path_captured_with_dropout_draws_the_replays_mask():
-    """The torch path inside a CUDA graph: each replay draws a fresh (seed, offset) on the device and
-    applies exactly its Philox mask (A = B = identity, no base weight: y = x * keep / (1 - p))."""
+def _identity_dropout_step(n: int, k: int, p: float):
+    """x (n, k) through the torch path's op with A = B = identity and no base weight (y = x * keep / (1 - p)),
+    drawing its (seed, offset) on the device; warmed up twice on a side stream (the jiterator kernels
+    compile there). Returns (step, side stream); step() returns (rng, y)."""
     from loragen.cuda.hostcache import launcher_handle
     from loragen.cuda.op_inputs import draw_rng
 
-    n, k, p = 300, 64, 0.3
     static_x = (torch.rand(n, k) + 0.5).cuda()
     eye, zeros = torch.eye(k, device="cuda"), torch.zeros(k, k, device="cuda")
     handle = launcher_handle(TorchKernels())
@@ -126,8 +126,16 @@ def test_torch_path_captured_with_dropout_draws_the_replays_mask():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(2):  # warm-up outside the capture: the jiterator kernels compile here
+        for _ in range(2):
             step()
+    return step, side
+
+
+def test_torch_path_captured_with_dropout_draws_the_replays_mask():
+    """The torch path inside a CUDA graph: each replay draws a fresh (seed, offset) on the device and
+    applies exactly its Philox mask (A = B = identity, no base weight: y = x * keep / (1 - p))."""
+    n, k, p = 300, 64, 0.3
+    step, side = _identity_dropout_step(n, k, p)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
@@ -175,24 +183,8 @@ def test_group_numbers_are_kept_per_stream():
 def test_graph_captured_on_a_warmed_stream_survives_the_counter_growing():
     """A capture on the stream the warm-up ran on reads that stream's cached counter; when a later eager
     call outgrows it, the old counter is kept, so replays still draw the exact mask."""
-    from loragen.cuda.hostcache import launcher_handle
-    from loragen.cuda.op_inputs import draw_rng
-
     n, k, p = 96, 64, 0.3
-    static_x = (torch.rand(n, k) + 0.5).cuda()
-    eye, zeros = torch.eye(k, device="cuda"), torch.zeros(k, k, device="cuda")
-    handle = launcher_handle(TorchKernels())
-
-    def step():
-        rng = draw_rng(static_x.device)
-        y, _ = torch.ops.loragen.lora_linear(static_x, zeros, None, eye, eye, rng, 1.0, p, False, handle)
-        return rng, y
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(2):
-            step()
+    step, side = _identity_dropout_step(n, k, p)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side), torch.no_grad():
         static_rng, static_y = step()
