@@ -213,8 +213,9 @@ def test_backward_of_a_strided_input_and_a_layer_used_twice(launcher):
     _, w, b, a, bb = _inputs()
     w.requires_grad_()  # a trainable base as well: every gradient the op has
     b.requires_grad_()
-    strided = torch.randn(6, 2, 24).transpose(0, 1).requires_grad_()  # (2, 6, 24), not contiguous
-    grad = torch.randn(2, 6, 16)
+    gen = torch.Generator().manual_seed(11)
+    strided = torch.randn(6, 2, 24, generator=gen).transpose(0, 1).requires_grad_()  # (2, 6, 24), strided
+    grad = torch.randn(2, 6, 16, generator=gen)
 
     def run(op, **kwargs):
         for t in (strided, w, b, a, bb):
@@ -232,8 +233,9 @@ def test_backward_of_a_strided_input_and_a_layer_used_twice(launcher):
         assert [g.shape for g in got] == [g.shape for g in want]
         return
     torch.testing.assert_close(y_got, y_want)
-    for g, wg in zip(got, want):
-        torch.testing.assert_close(g, wg)
+    for g, wg in zip(got, want):  # float32 sums added in another order than autograd's: an error
+        # relative to the gradient's largest entries, not to each entry (some are sums that nearly cancel)
+        torch.testing.assert_close(g, wg, rtol=1e-5, atol=1e-5 * wg.abs().max().item())
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
