@@ -7,30 +7,37 @@
 #                 ./first-gpu-run-<UTC time>)
 #   --wheels DIR  wheels to install offline first (default: .gpu-wheels; made by
 #                 scripts/fetch_gpu_wheels.sh); packages missing there come from the index, if reachable
-#   --steps LIST  comma-separated subset of: system,install,selfcheck,tests,sanitize,bench (default: all)
+#   --steps LIST  comma-separated subset, run in this order:
+#                 system,install,selfcheck,tests,bench,torchbench,profile,sanitize (default: all)
 #   --quick       the benchmark with few rounds (bench_cuda.py --quick: all parts in about 3 minutes)
 #   --bench OPTS  options for benchmarks/bench_cuda.py instead (e.g. "--only model --batches 8")
 #
 # Run it from the repository root, in the Python environment that holds the CUDA build of torch
 # ($PYTHON, default python3). The install step puts loragen in that environment (editable, no
 # dependencies resolved online) and installs what is missing from the wheel folder. Every step runs
-# even when an earlier one failed; summary.md lists each step's exit status. The output folder holds
-# at most nine files:
+# even when an earlier one failed; summary.md lists each step's exit status. SANITIZE_TIMEOUT (seconds
+# per compute-sanitizer tool, default 300) bounds the slowest step. The output folder holds at most
+# twelve files:
 #
 #   summary.md      steps, exit statuses, the self-check outcomes, the test tally, the benchmark tables
 #   system.txt      date, kernel, nvidia-smi (and -q), Python, torch, CUDA, NVRTC, cuda-bindings, pip list
 #   install.txt     what was missing and how it was installed
 #   selfcheck.json  every kernel variant's self-check on this GPU: "ok" or the reason it falls back
-#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py (+ the self-check, launch and host-path tests)
-#   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
+#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py and test_torch_kernels_gpu.py (+ the
+#                   self-check, launch and host-path tests)
 #   bench.txt       benchmarks/bench_cuda.py's tables
 #   bench.json      the same numbers as JSON
+#   torchbench.txt  bench_cuda.py's small-layer and model parts on the torch path (LORAGEN_CUDA_KERNELS=torch)
+#   torchbench.json the same numbers as JSON
+#   ncu.csv         Nsight Compute: each LoRA kernel on the 4096^2 layer: time, DRAM throughput, registers,
+#                   occupancy, waves
+#   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
 #   run.log         everything printed, in order
 set -u
 
 PYTHON=${PYTHON:-python3}
 WHEELS=.gpu-wheels
-STEPS=system,install,selfcheck,tests,sanitize,bench
+STEPS=system,install,selfcheck,tests,bench,torchbench,profile,sanitize
 QUICK=0
 BENCH_OPTS=
 if [ -n "${OUT:-}" ]; then RESULTS="$OUT/first-gpu-run"; else RESULTS="first-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)"; fi
@@ -181,8 +188,8 @@ EOF
 }
 
 tests() {
-    "$PYTHON" -m pytest -rA -p no:cacheprovider tests/cuda/test_cuda_gpu.py tests/cuda/test_cuda_selfcheck.py \
-        tests/cuda/test_cuda_launch.py tests/cuda/test_cuda_host_path.py tests/cuda/test_cuda_bench.py \
+    "$PYTHON" -m pytest -rA -p no:cacheprovider tests/cuda/test_cuda_gpu.py tests/cuda/test_torch_kernels_gpu.py \
+        tests/cuda/test_cuda_selfcheck.py tests/cuda/test_cuda_launch.py tests/cuda/test_cuda_host_path.py tests/cuda/test_cuda_bench.py \
         2>&1 | tee "$RESULTS/tests.txt"
     return "${PIPESTATUS[0]}"
 }
@@ -200,7 +207,7 @@ sanitize() {
     : > "$RESULTS/sanitize.txt"
     for tool in memcheck racecheck; do
         echo "--- $tool" | tee -a "$RESULTS/sanitize.txt"
-        LORAGEN_CUDA_KERNELS=trust timeout 300 "$sanitizer" --tool "$tool" --report-api-errors no \
+        LORAGEN_CUDA_KERNELS=trust timeout "${SANITIZE_TIMEOUT:-300}" "$sanitizer" --tool "$tool" --report-api-errors no \
             --error-exitcode 99 --target-processes all \
             "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_gpu.py -k "$SANITIZE_TESTS" \
             2>&1 | tail -40 | tee -a "$RESULTS/sanitize.txt"
@@ -219,7 +226,40 @@ bench() {
     return "${PIPESTATUS[0]}"
 }
 
-for name in system install selfcheck tests sanitize bench; do
+# The parts of the benchmark that time a step (the small layer, the model), on the torch path: what users
+# get with LORAGEN_CUDA_KERNELS=torch or after a failed self-check.
+torchbench() {
+    local rounds=()
+    if [ "$QUICK" = 1 ]; then rounds=(--quick); fi
+    LORAGEN_CUDA_KERNELS=torch "$PYTHON" benchmarks/bench_cuda.py --only small --only model --no-graph \
+        --json "$RESULTS/torchbench.json" "${rounds[@]}" 2>&1 | tee "$RESULTS/torchbench.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+# Nsight Compute over the first launches of each LoRA kernel in the benchmark's kernel part (the 4096^2
+# layer, 4096 tokens, r=16, bf16). The kernels run unchecked so the self-check's small launches stay out.
+NCU_METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum
+NCU_METRICS+=,launch__registers_per_thread,launch__grid_size,launch__block_size,launch__waves_per_multiprocessor
+NCU_METRICS+=,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active
+NCU_METRICS+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+profile() {
+    local profiler
+    profiler=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    if [ -z "$profiler" ]; then
+        echo "ncu not found" | tee "$RESULTS/ncu.csv"
+        return 1
+    fi
+    LORAGEN_CUDA_KERNELS=trust timeout 240 "$profiler" --target-processes all --csv --kernel-name-base function \
+        --kernel-name "regex:^lora_" --launch-count 14 --metrics "$NCU_METRICS" \
+        "$PYTHON" benchmarks/bench_cuda.py --only kernels --rounds 1 > "$RESULTS/ncu.csv" 2> "$RESULTS/ncu.err"
+    local code=$?
+    grep -E '^"ID"|lora_' "$RESULTS/ncu.csv" | head -200 > "$RESULTS/ncu.tmp" && mv "$RESULTS/ncu.tmp" "$RESULTS/ncu.csv"
+    tail -5 "$RESULTS/ncu.err"
+    rm -f "$RESULTS/ncu.err"
+    return $code
+}
+
+for name in system install selfcheck tests bench torchbench profile sanitize; do
     if wanted "$name"; then step "$name" "$name"; fi
 done
 
@@ -251,6 +291,19 @@ done
         echo "## compute-sanitizer (sanitize.txt)"
         echo '```'
         grep -E "^---|ERROR SUMMARY|passed|failed" "$RESULTS/sanitize.txt" | tail -20
+        echo '```'
+    fi
+    if [ -f "$RESULTS/torchbench.txt" ]; then
+        echo
+        echo "## torch path (torchbench.txt)"
+        echo
+        tail -20 "$RESULTS/torchbench.txt"
+    fi
+    if [ -f "$RESULTS/ncu.csv" ]; then
+        echo
+        echo "## Nsight Compute (ncu.csv)"
+        echo '```'
+        cat "$RESULTS/ncu.csv"
         echo '```'
     fi
     if [ -f "$RESULTS/bench.txt" ]; then
