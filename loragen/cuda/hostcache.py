@@ -20,6 +20,7 @@ from torch import Tensor
 
 from loragen import philox, switches
 from loragen.cuda.launch import KernelLauncher
+from loragen.cuda.op_inputs import CudaLoraError
 from loragen.cuda.passes import Plan
 from loragen.cuda.selfcheck import default_checker
 
@@ -32,18 +33,30 @@ _launchers: list[KernelLauncher | None] = [None]
 _handles: dict[int, int] = {}
 
 
-@torch.compiler.assume_constant_result  # torch.compile runs it while tracing: the launcher is registered then
 def launcher_handle(launcher: KernelLauncher | None) -> int:
     """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher).
 
-    A launcher passed once is kept for the life of the process.
+    A launcher passed once is kept for the life of the process. Under ``torch.compile`` the table is
+    only read: the compiled graph runs the custom op before the tracer's own updates of module state
+    are replayed, so a launcher first seen while tracing could not be found by the op.
+
+    Raises:
+        CudaLoraError: ``launcher`` is first seen while ``torch.compile`` traces (call the op with it
+            once outside compilation first).
     """
     if launcher is None:
         return 0
     handle = _handles.get(id(launcher))
-    if handle is None or _launchers[handle] is not launcher:
-        handle = _handles[id(launcher)] = len(_launchers)
-        _launchers.append(launcher)
+    if handle is not None and _launchers[handle] is launcher:
+        return handle
+    if torch.compiler.is_compiling():
+        raise CudaLoraError(
+            f"lora_linear_cuda: launcher={type(launcher).__name__} is first used inside torch.compile; "
+            "call the op with it once outside compilation first (the compiled graph looks launchers up in "
+            "a table it cannot fill while tracing)"
+        )
+    handle = _handles[id(launcher)] = len(_launchers)
+    _launchers.append(launcher)
     return handle
 
 

@@ -342,22 +342,39 @@ def test_torch_compile_traces_the_op_without_graph_breaks():
     def step(x, a, bb):
         return lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True, launcher=launcher).square().sum()
 
+    want = step(x, a, bb)  # eager first: the launcher is registered outside tracing
+    want.backward()
+    wanted = [t.grad.clone() for t in (x, a, bb)]
+    for t in (x, a, bb):
+        t.grad = None
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     loss = compiled(x, a, bb)
     loss.backward()
-    grads = [t.grad.clone() for t in (x, a, bb)]
-    for t in (x, a, bb):
-        t.grad = None
-    want = step(x, a, bb)
-    want.backward()
     torch.testing.assert_close(loss, want)
-    for got, t in zip(grads, (x, a, bb)):
-        torch.testing.assert_close(got, t.grad)
+    for want_grad, t in zip(wanted, (x, a, bb)):
+        torch.testing.assert_close(t.grad, want_grad)
+
+
+def test_torch_compile_refuses_a_launcher_it_has_not_seen_outside_tracing():
+    x, w, b, a, bb = _inputs()
+    launcher = TorchKernels()
+    compiled = torch.compile(
+        lambda x: lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True, launcher=launcher),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    with pytest.raises(Exception, match=r"launcher=TorchKernels is first used inside torch\.compile"):
+        compiled(x)
+    lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True, launcher=launcher)  # registered now
+    torch.testing.assert_close(
+        compiled(x), lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True, launcher=launcher)
+    )
 
 
 def test_torch_compile_with_dropout_draws_a_fresh_mask_per_call():
     x, w, _b, a, bb = _inputs()
     launcher = TorchKernels()
+    lora_linear_cuda(x, w, None, a, bb, 1.0, 0.5, True, launcher=launcher)  # registers the launcher
     compiled = torch.compile(
         lambda x: lora_linear_cuda(x, w, None, a, bb, 1.0, 0.5, True, launcher=launcher),
         fullgraph=True,

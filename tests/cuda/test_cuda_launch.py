@@ -30,6 +30,9 @@ def fake(monkeypatch, tmp_path):
         torch.cuda, "get_device_properties", lambda index: SimpleNamespace(multi_processor_count=132)
     )
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=4242))
+    # the stream handle the launch passes: a CUDA build of torch would ask the real device (cuda:1 may not
+    # exist there), a CPU build asks torch.cuda.current_stream, patched above
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 4242)
 
     def compiler(kernel, arch):
         return CompiledKernel(kernel.name, arch, f"cubin for {kernel.name} {arch}".encode(), "")

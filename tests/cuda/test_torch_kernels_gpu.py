@@ -12,8 +12,9 @@ import loragen.cuda
 from loragen import philox, switches
 from loragen.cuda import torch_dropout
 from loragen.cuda.linear_op import lora_linear_cuda
+from loragen.cuda.op_inputs import draw_rng
 from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
-from loragen.cuda.torch_kernels import TorchKernels
+from loragen.cuda.torch_kernels import TorchKernels, rng_values
 from tests.cuda.lora_reference import make_inputs, relative_error
 
 pytestmark = [
@@ -68,8 +69,10 @@ def test_torch_path_draws_the_kernels_mask(shape):
             y = lora_linear_cuda(x, torch.zeros(k, k, device="cuda"), None, eye, eye, 1.0, 0.3, True)
         masks.append((y != 0).cpu())
     torch.manual_seed(21)
-    expected = philox.dropout_keep_mask((n, k), 0.3, philox.random_seed())
-    assert torch.equal(masks[0], expected) and torch.equal(masks[1], expected)
+    seed, offset = rng_values(draw_rng(torch.device("cuda")))  # the op's draw from the CUDA generator
+    expected = philox.dropout_keep_mask((n, k), 0.3, seed, offset)
+    assert torch.equal(masks[0], expected), "the kernels' mask"
+    assert torch.equal(masks[1], expected), "the torch path's mask"
 
 
 def test_torch_path_on_the_gpu_equals_the_torch_path_on_the_cpu():
