@@ -9,14 +9,16 @@ Without a CUDA device (or cuda-python) it says so and exits 2, except ``--only h
 
 1. ``layer``: the device and two measured ceilings (device-to-device copy bandwidth, a bf16 8192^3
    product); Linear 4096x4096 (no bias), 4096 tokens, r=16, bf16 base and float32 adapter,
-   forward + backward with grad_x: frozen base, peft, loragen, p = 0 and 0.1;
+   forward + backward with grad_x: frozen base, peft, loragen, p = 0 and 0.1, and the frozen base and
+   loragen captured in CUDA graphs (their ratio is the adapter's device-side cost, host work aside);
 2. ``kernels``: each loragen kernel alone on that layer: time, minimum bytes, achieved bandwidth;
 3. ``small``: host overhead, Linear 1024x1024, 64 tokens, r=16: frozen base, peft, loragen, and the
-   loragen step captured in a CUDA graph (``torch.cuda.graphs``) and replayed;
+   frozen base and loragen steps captured in CUDA graphs (``torch.cuda.graphs``) and replayed;
 4. ``model``: a Llama-shaped model (hidden 2048, 8 layers, intermediate 5504, 16 heads, seq 2048, LoRA
    r=16 on all seven projections, bf16 base, float32 adapters, AdamW), one training step at batch 1 and
-   8, dropout 0 and 0.05: frozen base, peft, loragen, and loragen's whole step captured in a CUDA graph
-   (AdamW with ``capturable=True``); step time, peak memory;
+   8, dropout 0 and 0.05: frozen base, peft, loragen, and the frozen base's and loragen's whole steps
+   captured in CUDA graphs (AdamW with ``capturable=True``); step time, peak memory (for a graphed step:
+   the device memory it holds, its graph's pool included);
 5. ``host``: Python calls, torch ops and allocations per forward + backward (benchmarks/cuda_host.py).
 
 Timing: CUDA events around each call, warm-up first, variants interleaved round by round (the order
@@ -129,8 +131,9 @@ class Holder(nn.Module):
 def layer_benchmark(
     tokens: int, features: int, rank: int, dropout: float, rounds: int, inner: int = 5, graph: bool = False
 ) -> dict[str, float]:
-    """Median ms of forward + backward (grad_x) of one layer: frozen base, peft, loragen (and loragen
-    replayed from a CUDA graph with ``graph``)."""
+    """Median ms of forward + backward (grad_x) of one layer: frozen base, peft, loragen (and, with
+    ``graph``, the frozen base and loragen replayed from CUDA graphs: their ratio is the device-side cost
+    of the adapter, with no host work in the way)."""
     import peft
 
     from loragen.layers import LoraLinear
@@ -167,6 +170,7 @@ def layer_benchmark(
 
     variants = {"frozen base": step(base), "peft": step(peft_model), "loragen": step(loragen_layer)}
     if graph:
+        variants["frozen base graphed"] = captured(step(base, keep_grads=True))
         variants["loragen graphed"] = captured(step(loragen_layer, keep_grads=True))
     return interleaved(variants, rounds, inner=inner)
 
@@ -235,8 +239,8 @@ def kernel_benchmark(
 
 
 def build_model(kind: str, rank: int, dropout: float) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """The model of part 4 on the GPU: "frozen base", "peft", "loragen" or "loragen graphed" (the last
-    with a capturable AdamW)."""
+    """The model of part 4 on the GPU: "frozen base", "peft", "loragen", "frozen base graphed" or
+    "loragen graphed" (the graphed loragen with a capturable AdamW)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -252,7 +256,7 @@ def build_model(kind: str, rank: int, dropout: float) -> tuple[nn.Module, torch.
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
         model: nn.Module = LlamaForCausalLM(config).bfloat16()
-    if kind == "frozen base":
+    if kind.startswith("frozen base"):
         model.requires_grad_(False)
         # gradients still flow through every layer, as in a LoRA step, minus the adapters
         embeddings = model.get_input_embeddings()  # type: ignore[operator]  # nn.Module's __getattr__
@@ -304,18 +308,26 @@ def model_step(
 def model_benchmark(
     seq: int, batch: int, rank: int, dropout: float, rounds: int, graph: bool
 ) -> dict[str, dict[str, float]]:
-    """Step ms, resident and peak memory of each kind; all kinds resident, timed interleaved."""
-    kinds = ["frozen base", "peft", "loragen"] + (["loragen graphed"] if graph else [])
+    """Step ms, resident and peak memory of each kind; all kinds resident, timed interleaved.
+
+    A graphed kind's temporaries live in its graph's private memory pool, which the allocator no longer
+    counts as allocated once capture ends; its peak is the device memory it holds after capture (the
+    allocator's reserved bytes, unused cache released before and after): parameters, optimizer states and
+    the graph's pool together."""
+    kinds = ["frozen base", "peft", "loragen"] + (["frozen base graphed", "loragen graphed"] if graph else [])
     ids = torch.randint(
         0, 32000, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
     )
     results: dict[str, dict[str, float]] = {}
     steps = {}
     for kind in kinds:
-        before = torch.cuda.memory_allocated()
+        graphed = kind.endswith("graphed")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         try:
             model, optimizer = build_model(kind, rank, dropout)
-            step = model_step(model, optimizer, ids, graphed=kind.endswith("graphed"))
+            step = model_step(model, optimizer, ids, graphed=graphed)
             for _ in range(2):  # grads and optimizer states exist from here on
                 step()
         except Exception as exc:  # a failed capture is reported, the other kinds still run
@@ -324,6 +336,12 @@ def model_benchmark(
             continue
         torch.cuda.synchronize()
         resident = torch.cuda.memory_allocated() - before
+        if graphed:
+            torch.cuda.empty_cache()
+            held = torch.cuda.memory_reserved() - reserved_before
+            results[kind] = {"resident_GiB": resident / GiB, "peak_GiB": held / GiB}
+            steps[kind] = step
+            continue
         start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         step()
@@ -361,6 +379,9 @@ def summary_rows(report: dict) -> list[dict[str, object]]:
             row["loragen/peft"] = ours / peft_ms
         if ours is not None and base:
             row["loragen/frozen"] = ours / base
+        graphed_base, graphed_ours = times.get("frozen base graphed"), times.get("loragen graphed")
+        if graphed_base and graphed_ours is not None:
+            row["graphed loragen/frozen"] = graphed_ours / graphed_base
         for kind, numbers in memory.items():
             row[f"{kind} peak GiB"] = numbers["peak_GiB"]
         rows.append(row)
@@ -442,7 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"measured: copy {limits['copy_GBps']:.0f} GB/s (read + write), bf16 GEMM {limits['bf16_gemm_TFLOPs']:.0f} TFLOP/s"
         )
     if "layer" in args.parts:
-        report["layer"] = {f"p={p}": layer_benchmark(4096, 4096, 16, p, args.rounds) for p in (0.0, 0.1)}
+        report["layer"] = {
+            f"p={p}": layer_benchmark(4096, 4096, 16, p, args.rounds, graph=not args.no_graph)
+            for p in (0.0, 0.1)
+        }
     if "kernels" in args.parts:
         for p in (0.0, 0.1):
             report[f"kernels p={p}"] = rows = kernel_benchmark(
