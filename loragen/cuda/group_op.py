@@ -146,7 +146,7 @@ def _stacked_a(factors: Sequence[Tensor], group: _GroupPlan) -> Tensor:
 # ---- the autograd node ---------------------------------------------------------------------------------
 
 
-class _GroupFunction(torch.autograd.Function):
+class _CudaGroupFunction(torch.autograd.Function):
     """``apply(x, (scalings, transposed, launcher handle), W_1, b_1, A_1, B_1, ..., W_k, b_k, A_k, B_k)``
     -> ``(y_1, ..., y_k)``; the passes of the module docstring."""
 
@@ -288,5 +288,5 @@ def lora_group_cuda(
         hostcache.launcher_handle(launcher),
     )
     tensors = [t for m in members for t in m[:4]]
-    outputs: tuple[Tensor, ...] = _GroupFunction.apply(x, static, *tensors)
+    outputs: tuple[Tensor, ...] = _CudaGroupFunction.apply(x, static, *tensors)
     return outputs

@@ -44,15 +44,19 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from loragen import switches
+from loragen import cuda, switches
 from loragen.ops.fused_linear import input_layout, lora_output, shaped_like_input
 from loragen.registry import TRANSPOSED, spec_for_lora_type
+
+if TYPE_CHECKING:
+    from loragen.cuda.launch import KernelLauncher
 
 __all__ = ["ROLE_ATTR", "Role", "forward", "role_of", "set_role", "transposed"]
 
@@ -127,7 +131,9 @@ def _eligible(layer: Any, x: Tensor) -> bool:
         # read below are what the layer computes
         and layer.runs_plain_first_adapter()
         and (layer.lora_dropout_p == 0.0 or not layer.training)
-        and lora_a.dtype == x.dtype
+        # on the CPU the factors in x's dtype (as the CPU op computes); the CUDA kernels read factors of
+        # any of their dtypes as float32 (lora_group_cuda declines the others)
+        and (lora_a.dtype == x.dtype or not x.is_cpu)
         and layer.weight.dtype == x.dtype
         and lora_a.device == x.device
         # plain tensors only: a sharded (DTensor) or otherwise wrapped factor runs the layer's own op
@@ -138,13 +144,45 @@ def _eligible(layer: Any, x: Tensor) -> bool:
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
+# runs a group: (x, members) -> every member's output, or None when the group cannot run as one
+_Runner = Callable[[Tensor, list[Any]], "tuple[Tensor, ...] | None"]
+
+
+def _cpu_group(x: Tensor, members: list[Any]) -> tuple[Tensor, ...]:
+    spec = tuple((m.scaling, transposed(m)) for m in members)
+    tensors = [t for m in members for t in (m.weight, m.bias, m.lora_A, m.lora_B)]
+    outputs: tuple[Tensor, ...] = _GroupFunction.apply(x, spec, *tensors)
+    return outputs
+
+
+# the kernel launcher of CUDA groups (None: the self-checked driver launcher); loragen's CPU tests set a
+# torch-path or null launcher here, with :func:`_runner` routing CPU tensors to :func:`_cuda_group`
+_cuda_launcher: KernelLauncher | None = None
+
+
+def _cuda_group(x: Tensor, members: list[Any]) -> tuple[Tensor, ...] | None:
+    from loragen.cuda.group_op import lora_group_cuda  # loaded on the first CUDA group only
+
+    factors = [(m.weight, m.bias, m.lora_A, m.lora_B, m.scaling, transposed(m)) for m in members]
+    return lora_group_cuda(x, factors, launcher=_cuda_launcher)
+
+
+def _runner(x: Tensor) -> _Runner | None:
+    """How a group runs on ``x``: the CPU node, loragen's CUDA group op, or None (each layer alone)."""
+    if x.is_cpu:
+        return None if torch.is_autocast_enabled("cpu") else _cpu_group
+    if x.is_cuda and cuda.is_available():
+        return _cuda_group  # autocast: lora_group_cuda declines
+    return None
+
 
 def forward(layer: Any, x: Tensor) -> Tensor | None:
     """Run ``layer`` (a LoraLinear or LoraConv1D) as part of its sibling group, or return None to let
     it run :func:`loragen.ops.lora_linear` on its own."""
-    if not x.is_cpu or not (switches.sibling_fusion.get() and switches.fused.get()):
+    if not (switches.sibling_fusion.get() and switches.fused.get()) or torch.compiler.is_compiling():
         return None
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+    run = _runner(x)
+    if run is None:
         return None
     role = role_of(layer)
     if role is None or not _eligible(layer, x):
@@ -154,14 +192,13 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     followers = [f for f in role.followers if _eligible(f, x)]
     if not followers:
         return None
-    return _as_leader(layer, x, followers)
+    return _as_leader(layer, x, followers, run)
 
 
-def _as_leader(layer: Any, x: Tensor, followers: list[Any]) -> Tensor:
-    members = [layer, *followers]
-    spec = tuple((m.scaling, transposed(m)) for m in members)
-    tensors = [t for m in members for t in (m.weight, m.bias, m.lora_A, m.lora_B)]
-    outputs = _GroupFunction.apply(x, spec, *tensors)
+def _as_leader(layer: Any, x: Tensor, followers: list[Any], run: _Runner) -> Tensor | None:
+    outputs = run(x, [layer, *followers])
+    if outputs is None:
+        return None  # no handout: every member computes its own
     handout = _Handout(weakref.ref(x), x._version)
     for follower, y in zip(followers, outputs[1:]):
         handout.outputs[id(follower)] = (y, _inputs_of(follower), follower.scaling)
