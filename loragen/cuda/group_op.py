@@ -73,21 +73,26 @@ class _GroupPlan:
 
     ``stacked``: the plan of ``lora_down`` / ``lora_grad_in`` over every block (rank b_1 + ... + b_k,
     its ``out_features`` set to in: those kernels read no row of length out, so only x's row length
-    decides whether their accesses are vectors).
+    decides whether their accesses are vectors). ``sizes``: the blocks, and the padding past them when
+    their sum is not a bucket; ``block``: the common block width when every block and the padding have
+    one (0 otherwise); ``zeros``: the padding's columns of dh, kept (read, never written).
     """
 
-    __slots__ = ("blocks", "members", "offsets", "pad", "stacked")
+    __slots__ = ("block", "members", "offsets", "sizes", "stacked", "zeros")
 
     def __init__(self, x2: Tensor, outs: Sequence[int], ranks: Sequence[int], handle: int) -> None:
         self.members = tuple(hostcache.plan(x2, out, rank, handle) for out, rank in zip(outs, ranks))
-        self.blocks = tuple(p.variant.rank_bucket for p in self.members)
+        blocks = [p.variant.rank_bucket for p in self.members]
         offsets, total = [], 0
-        for block in self.blocks:
+        for block in blocks:
             offsets.append(total)
             total += block
         self.offsets = tuple(offsets)
         self.stacked = hostcache.plan(x2, x2.shape[1], total, handle)
-        self.pad = self.stacked.variant.rank_bucket - total  # columns of H and dh past every block
+        pad = self.stacked.variant.rank_bucket - total
+        self.sizes = (*blocks, pad) if pad else tuple(blocks)
+        self.block = blocks[0] if len(set(self.sizes)) == 1 else 0
+        self.zeros = x2.new_zeros(x2.shape[0], pad, dtype=torch.float32) if pad else None
 
 
 _plans: dict[tuple[Any, ...], _GroupPlan] = {}
@@ -163,11 +168,21 @@ class _CudaGroupFunction(torch.autograd.Function):
         x2 = group.stacked.prepare(x2)
         stacked_a = _stacked_a(factors_a, group)  # type: ignore[arg-type]
         h_all = passes.down(group.stacked, x2, stacked_a, _NO_DROPOUT)
-        sizes = group.blocks if not group.pad else (*group.blocks, group.pad)
-        hs = [h.contiguous() for h in h_all.split(sizes, dim=1)[: len(outs)]]  # each (N, b_i), fresh
+        k = len(outs)
+        if group.block:  # one copy: (R / b, N, b), each h_i a contiguous (N, b) piece of it
+            hs = (
+                h_all.view(-1, h_all.shape[1] // group.block, group.block)
+                .transpose(0, 1)
+                .contiguous()
+                .unbind(0)[:k]
+            )
+        else:
+            hs = tuple(h.contiguous() for h in h_all.split(group.sizes, dim=1)[:k])  # each (N, b_i)
         bts, ys = [], []
         lead = x.shape[:-1]
-        for plan, w, t, bias, b, s, h in zip(group.members, weights, transposed, biases, factors_b, scalings, hs):
+        for plan, w, t, bias, b, s, h in zip(
+            group.members, weights, transposed, biases, factors_b, scalings, hs
+        ):
             bt = hostcache.factor(b, plan, transpose=True)  # type: ignore[arg-type]
             y = torch.empty(*lead, plan.out_features, dtype=x.dtype, device=x.device)  # fresh, final shape
             y2 = y.view(plan.rows, plan.out_features)
@@ -211,19 +226,22 @@ class _CudaGroupFunction(torch.autograd.Function):
                 dhs.append(dh)
                 if need[at + 3]:  # columns past the rank only when the rank is not a bucket
                     grad_b = db if plan.rank == db.shape[1] else db[:, : plan.rank].contiguous()
-                    result[at + 3] = grad_b if grad_b.dtype == factors_b[i].dtype else grad_b.to(factors_b[i].dtype)
+                    result[at + 3] = (
+                        grad_b if grad_b.dtype == factors_b[i].dtype else grad_b.to(factors_b[i].dtype)
+                    )
             if need[at]:
                 result[at] = torch.mm(x2.t(), g2) if transposed[i] else torch.mm(g2.t(), x2)
             if need[at + 1]:
                 result[at + 1] = g2.sum(0)
         if need_dh:
-            if group.pad:
-                dhs.append(x2.new_zeros(x2.shape[0], group.pad, dtype=torch.float32))
+            if group.zeros is not None:
+                dhs.append(group.zeros)
             gx, da = passes.grad_in(group.stacked, x2, torch.cat(dhs, dim=1), stacked_a, _NO_DROPOUT, need_x)
-            for i, a in enumerate(factors_a):
-                if need_a[i]:
-                    grad_a = da.narrow(0, group.offsets[i], a.shape[0])
-                    result[4 + 4 * i] = grad_a if grad_a.dtype == a.dtype else grad_a.to(a.dtype)
+            if any(need_a):
+                for i, (a, block) in enumerate(zip(factors_a, da.split(group.sizes))):
+                    if need_a[i]:  # rows past the rank only when the rank is not a bucket
+                        grad_a = block if block.shape[0] == a.shape[0] else block[: a.shape[0]]
+                        result[4 + 4 * i] = grad_a if grad_a.dtype == a.dtype else grad_a.to(a.dtype)
             if gx is not None:
                 for i in reversed(range(k)):  # the base terms onto the rank-r terms' buffer, beta = 1
                     g2 = g2s[i]
@@ -254,7 +272,9 @@ def group_reason(x: Tensor, members: Sequence[GroupMember]) -> str | None:
             return f"lora_A {tuple(a.shape)} does not read x (..., {in_features})"
         total += kernel_variants.rank_bucket(a.shape[0])
     if total > kernel_variants.MAX_RANK:
-        return f"the stacked rank buckets sum to {total} (the kernels take at most {kernel_variants.MAX_RANK})"
+        return (
+            f"the stacked rank buckets sum to {total} (the kernels take at most {kernel_variants.MAX_RANK})"
+        )
     return None
 
 

@@ -101,57 +101,61 @@ def transposed(layer: nn.Module) -> bool:
 # ---- run time ----------------------------------------------------------------------------------------
 
 
+# a member as the group ops take it: (weight, bias, lora_A, lora_B, scaling, fan_in_fan_out)
+_Member = tuple[Tensor, "Tensor | None", Tensor, Tensor, float, bool]
+# runs a group: (x, members) -> every member's output, or None when the group cannot run as one
+_Runner = Callable[[Tensor, list[_Member]], "tuple[Tensor, ...] | None"]
+
+
 @dataclass
 class _Handout:
     """Outputs the leader computed for its followers on one input tensor."""
 
     x: weakref.ReferenceType[Tensor]
     version: int
-    # id(layer) -> (its output, the tensors it was computed from with their versions, its scaling)
-    outputs: dict[int, tuple[Tensor, tuple[tuple[Tensor | None, int], ...], float]] = field(
-        default_factory=dict
-    )
+    # id(layer) -> (its output, the member it was computed from, the versions of the member's tensors)
+    outputs: dict[int, tuple[Tensor, _Member, tuple[int, ...]]] = field(default_factory=dict)
 
 
 _local = threading.local()
 
 
-def _inputs_of(layer: Any) -> tuple[tuple[Tensor | None, int], ...]:
-    return tuple(
-        (t, -1 if t is None else t._version) for t in (layer.weight, layer.bias, layer.lora_A, layer.lora_B)
-    )
+def _versions(member: _Member) -> tuple[int, ...]:
+    return tuple(-1 if t is None else t._version for t in member[:4])
 
 
-def _eligible(layer: Any, x: Tensor) -> bool:
-    """Whether ``layer`` may take part in a fused group for input ``x`` right now."""
-    lora_a = layer.lora_A
-    return (
-        layer.fused
-        # not merged, its own first adapter active as plain LoRA (not DoRA), no mixed batch: the factors
-        # read below are what the layer computes
-        and layer.runs_plain_first_adapter()
-        and (layer.lora_dropout_p == 0.0 or not layer.training)
+def _member(layer: Any, x: Tensor, run: _Runner) -> _Member | None:
+    """``layer``'s tensors and settings when it may take part in a group that ``run`` runs on ``x`` right
+    now, else None. Read once per call: the leader passes them to the group op and records them in the
+    hand-out, a follower compares its own with them."""
+    # not merged, its own first adapter active as plain LoRA (not DoRA), no mixed batch: the first
+    # adapter's factors, the layer's own lora_A and lora_B, are what the layer computes with
+    if not layer.fused or not layer.runs_plain_first_adapter():
+        return None
+    adapter = layer.running_adapter()
+    if adapter.lora_dropout_p != 0.0 and layer.training:
+        return None
+    weight, lora_a = layer.weight, layer.lora_A
+    if (
+        weight.dtype != x.dtype
         # on the CPU the factors in x's dtype (as the CPU op computes); the CUDA kernels read factors of
         # any of their dtypes as float32 (lora_group_cuda declines the others)
-        and (lora_a.dtype == x.dtype or not x.is_cpu)
-        and layer.weight.dtype == x.dtype
-        and lora_a.device == x.device
+        or (lora_a.dtype != x.dtype and run is _cpu_group)
+        or lora_a.device != x.device
         # plain tensors only: a sharded (DTensor) or otherwise wrapped factor runs the layer's own op
-        and type(lora_a) in _PLAIN
-        and type(layer.weight) in _PLAIN
-    )
+        or type(lora_a) not in _PLAIN
+        or type(weight) not in _PLAIN
+    ):
+        return None
+    return (weight, layer.bias, lora_a, layer.lora_B, adapter.scaling, transposed(layer))
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
-# runs a group: (x, members) -> every member's output, or None when the group cannot run as one
-_Runner = Callable[[Tensor, list[Any]], "tuple[Tensor, ...] | None"]
 
-
-def _cpu_group(x: Tensor, members: list[Any]) -> tuple[Tensor, ...]:
-    spec = tuple((m.scaling, transposed(m)) for m in members)
-    tensors = [t for m in members for t in (m.weight, m.bias, m.lora_A, m.lora_B)]
-    outputs: tuple[Tensor, ...] = _GroupFunction.apply(x, spec, *tensors)
+def _cpu_group(x: Tensor, members: list[_Member]) -> tuple[Tensor, ...]:
+    spec = tuple((m[4], m[5]) for m in members)
+    outputs: tuple[Tensor, ...] = _GroupFunction.apply(x, spec, *(t for m in members for t in m[:4]))
     return outputs
 
 
@@ -160,11 +164,10 @@ def _cpu_group(x: Tensor, members: list[Any]) -> tuple[Tensor, ...]:
 _cuda_launcher: KernelLauncher | None = None
 
 
-def _cuda_group(x: Tensor, members: list[Any]) -> tuple[Tensor, ...] | None:
+def _cuda_group(x: Tensor, members: list[_Member]) -> tuple[Tensor, ...] | None:
     from loragen.cuda.group_op import lora_group_cuda  # loaded on the first CUDA group only
 
-    factors = [(m.weight, m.bias, m.lora_A, m.lora_B, m.scaling, transposed(m)) for m in members]
-    return lora_group_cuda(x, factors, launcher=_cuda_launcher)
+    return lora_group_cuda(x, members, launcher=_cuda_launcher)
 
 
 def _runner(x: Tensor) -> _Runner | None:
@@ -181,32 +184,36 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     it run :func:`loragen.ops.lora_linear` on its own."""
     if not (switches.sibling_fusion.get() and switches.fused.get()) or torch.compiler.is_compiling():
         return None
+    role = role_of(layer)
+    if role is None:
+        return None
     run = _runner(x)
     if run is None:
         return None
-    role = role_of(layer)
-    if role is None or not _eligible(layer, x):
+    own = _member(layer, x, run)
+    if own is None:
         return None
     if not role.followers:
-        return _as_follower(layer, x)
-    followers = [f for f in role.followers if _eligible(f, x)]
+        return _as_follower(layer, x, own)
+    followers, members = [], [own]
+    for follower in role.followers:
+        member = _member(follower, x, run)
+        if member is not None:
+            followers.append(follower)
+            members.append(member)
     if not followers:
         return None
-    return _as_leader(layer, x, followers, run)
-
-
-def _as_leader(layer: Any, x: Tensor, followers: list[Any], run: _Runner) -> Tensor | None:
-    outputs = run(x, [layer, *followers])
+    outputs = run(x, members)
     if outputs is None:
-        return None  # no handout: every member computes its own
+        return None  # no hand-out: every member computes its own
     handout = _Handout(weakref.ref(x), x._version)
-    for follower, y in zip(followers, outputs[1:]):
-        handout.outputs[id(follower)] = (y, _inputs_of(follower), follower.scaling)
+    for follower, member, y in zip(followers, members[1:], outputs[1:]):
+        handout.outputs[id(follower)] = (y, member, _versions(member))
     _local.handout = handout
     return outputs[0]
 
 
-def _as_follower(layer: Any, x: Tensor) -> Tensor | None:
+def _as_follower(layer: Any, x: Tensor, own: _Member) -> Tensor | None:
     handout: _Handout | None = getattr(_local, "handout", None)
     if handout is None or handout.x() is not x or handout.version != x._version:
         return None
@@ -215,10 +222,11 @@ def _as_follower(layer: Any, x: Tensor) -> Tensor | None:
         _local.handout = None
     if entry is None:
         return None
-    y, inputs, scaling = entry
-    if scaling != layer.scaling or any(
-        a is not b or version != (-1 if b is None else b._version)
-        for (a, version), b in zip(inputs, (layer.weight, layer.bias, layer.lora_A, layer.lora_B))
+    y, member, versions = entry
+    if (
+        member[4] != own[4]
+        or any(a is not b for a, b in zip(member[:4], own[:4]))
+        or versions != _versions(own)
     ):
         return None  # changed since the leader ran: compute afresh
     return y

@@ -75,7 +75,9 @@ def _check_group(x, low, high, launcher, dtype, tolerance=None):
     gen = torch.Generator().manual_seed(7)
     group = lora_group_cuda(x, low, launcher=launcher)
     assert group is not None
-    separate = [lora_linear_cuda(x, *m[:4], m[4], 0.0, True, fan_in_fan_out=m[5], launcher=launcher) for m in low]
+    separate = [
+        lora_linear_cuda(x, *m[:4], m[4], 0.0, True, fan_in_fan_out=m[5], launcher=launcher) for m in low
+    ]
     grads = [torch.randn(y.shape, generator=gen).to(dtype) for y in separate]
     xr = x.detach().double().requires_grad_()
     wanted = [reference(xr, *h, m[4], None, m[5]) for m, h in zip(low, high)]
@@ -108,7 +110,9 @@ def _check_group(x, low, high, launcher, dtype, tolerance=None):
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     lead=st.sampled_from([(), (2,)]),
 )
-def test_group_equals_separate_layers_and_the_float64_reference(rows, k_in, outs, ranks, bias, fifo, dtype, lead):
+def test_group_equals_separate_layers_and_the_float64_reference(
+    rows, k_in, outs, ranks, bias, fifo, dtype, lead
+):
     ranks = ranks[: len(outs)]
     low, high = _members(k_in, outs, ranks, dtype, bias=bias, fifo=fifo)
     x = torch.randn(*lead, rows, k_in, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
@@ -140,7 +144,11 @@ def test_frozen_members_and_an_unused_output():
     torch.autograd.backward(want, [g0.double(), g2.double()])
     assert low[0][0].grad is None and low[1][2].grad is None
     assert relative_error(x.grad, xr.grad) < 1e-5
-    for name, got, exact in (("A0", low[0][2], high[0][2]), ("B2", low[2][3], high[2][3]), ("W2", low[2][0], high[2][0])):
+    for name, got, exact in (
+        ("A0", low[0][2], high[0][2]),
+        ("B2", low[2][3], high[2][3]),
+        ("W2", low[2][0], high[2][0]),
+    ):
         assert relative_error(got.grad, exact.grad) < 1e-5, name
     assert all(t.grad is None for t in low[1][:4] if t is not None)  # never used: no gradients, as a layer
 
@@ -278,7 +286,10 @@ def cuda_groups(monkeypatch):
 def _model(**kwargs) -> nn.Module:
     torch.manual_seed(0)
     model = loragen.get_lora_model(
-        _Attention(), loragen.LoraConfig(r=kwargs.pop("r", 8), lora_alpha=16, target_modules=["q", "k", "v", "o"], **kwargs)
+        _Attention(),
+        loragen.LoraConfig(
+            r=kwargs.pop("r", 8), lora_alpha=16, target_modules=["q", "k", "v", "o"], **kwargs
+        ),
     )
     for name, p in model.named_parameters():
         if "lora_B" in name:
