@@ -114,14 +114,15 @@ class _Handout:
     x: weakref.ReferenceType[Tensor]
     version: int
     # id(layer) -> (its output, the member it was computed from, the versions of the member's tensors)
-    outputs: dict[int, tuple[Tensor, _Member, tuple[int, ...]]] = field(default_factory=dict)
+    outputs: dict[int, tuple[Tensor, _Member, tuple[int, int, int, int]]] = field(default_factory=dict)
 
 
 _local = threading.local()
 
 
-def _versions(member: _Member) -> tuple[int, ...]:
-    return tuple(-1 if t is None else t._version for t in member[:4])
+def _versions(member: _Member) -> tuple[int, int, int, int]:
+    weight, bias, lora_a, lora_b = member[:4]
+    return (weight._version, -1 if bias is None else bias._version, lora_a._version, lora_b._version)
 
 
 def _member(layer: Any, x: Tensor, run: _Runner) -> _Member | None:
@@ -224,8 +225,11 @@ def _as_follower(layer: Any, x: Tensor, own: _Member) -> Tensor | None:
         return None
     y, member, versions = entry
     if (
-        member[4] != own[4]
-        or any(a is not b for a, b in zip(member[:4], own[:4]))
+        member[0] is not own[0]
+        or member[1] is not own[1]
+        or member[2] is not own[2]
+        or member[3] is not own[3]
+        or member[4] != own[4]
         or versions != _versions(own)
     ):
         return None  # changed since the leader ran: compute afresh
