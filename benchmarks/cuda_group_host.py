@@ -3,6 +3,7 @@ counted on the CPU.
 
     python benchmarks/cuda_group_host.py            # counts per forward + backward, as a table
     python benchmarks/cuda_group_host.py --time     # and host time per group (medians, interleaved)
+    python benchmarks/cuda_group_host.py --instructions   # and CPU instructions per group (callgrind)
 
 Three LoRA linears read one x (64 tokens, 1024 -> 1024 each, r = 16, no dropout, float32 adapters); one
 step is their forward and one backward of the three outputs. The kernels go to the null driver of
@@ -21,16 +22,28 @@ Host time (``--time``): microseconds per group's forward + backward on tiny tens
 features) on one thread, rounds of each kind interleaved, medians. What it leaves out on a GPU: the
 driver's own work per launch (about 2 us each for ``cuLaunchKernel`` on an H100 host), the caching
 allocator's, and cuBLAS's host work per product.
+
+CPU instructions (``--instructions``): per group's forward + backward on the same tiny tensors, counted by
+valgrind's callgrind around the measured steps only (as benchmarks/host_instructions.py counts them), the
+kernels launched through loragen's real CUDA launcher (:class:`~loragen.cuda.launch.DriverLauncher` and
+cuda-python) on the stand-in driver library of benchmarks/stand_in_libcuda.c: a figure that does not move
+with the machine's load. Needs valgrind with its headers, a C compiler and cuda-python.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import glob
 import importlib
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -40,17 +53,21 @@ from unittest import mock
 import torch
 from torch import nn
 
-__all__ = ["KINDS", "group_counts", "group_step", "group_times", "main"]
+__all__ = ["KINDS", "group_counts", "group_instructions", "group_step", "group_times", "main"]
 
 KINDS = ("frozen", "3 ops", "group op", "3 layers", "group layers")
 
 
-def _cuda_host() -> Any:
-    """benchmarks/cuda_host.py, as a package module or from this folder."""
+def _sibling(name: str) -> Any:
+    """benchmarks/<name>.py, as a package module or from this folder."""
     if __package__:
-        return importlib.import_module(f"{__package__}.cuda_host")
+        return importlib.import_module(f"{__package__}.{name}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    return importlib.import_module("cuda_host")
+    return importlib.import_module(name)
+
+
+def _cuda_host() -> Any:
+    return _sibling("cuda_host")
 
 
 class _QKV(nn.Module):
@@ -213,11 +230,96 @@ def group_times(
     return {kind: statistics.median(values) for kind, values in times.items()}
 
 
+def _child(steps: int, kinds: list[str]) -> None:
+    """Inside valgrind: each kind's steps between the instrumentation switches."""
+    cuda_host = _cuda_host()
+    control = ctypes.CDLL(os.environ["LORAGEN_MEASURE_LIBRARY"])
+    torch.set_num_threads(1)
+    with cuda_host.stand_in_device() as launcher, _as_on_a_gpu(launcher):
+        for kind in kinds:
+            step = group_step(kind, launcher, tokens=8, features=64)
+            for _ in range(5):
+                step()
+            control.measure_start()
+            for _ in range(steps):
+                step()
+            control.measure_stop()
+
+
+def group_instructions(steps: int = 5, kinds: tuple[str, ...] = KINDS) -> dict[str, int]:
+    """CPU instructions per group's forward + backward of each kind, counted by callgrind.
+
+    Raises:
+        RuntimeError: valgrind, its headers, a C compiler or cuda-python missing, or the run failed.
+    """
+    valgrind, compiler = shutil.which("valgrind"), shutil.which("cc") or shutil.which("gcc")
+    if valgrind is None or compiler is None:
+        raise RuntimeError("counting instructions needs valgrind and a C compiler (cc or gcc) on PATH")
+    cuda_host, host_instructions = _cuda_host(), _sibling("host_instructions")
+    with tempfile.TemporaryDirectory() as folder:
+        env = cuda_host.stand_in_driver_env(folder)
+        control = os.path.join(folder, "measure.c")
+        with open(control, "w") as out:
+            out.write(host_instructions._CONTROL_SOURCE)
+        library = os.path.join(folder, "libmeasure.so")
+        built = subprocess.run(
+            [compiler, "-O1", "-shared", "-fPIC", "-o", library, control],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if built.returncode != 0:
+            raise RuntimeError(
+                f"building the callgrind switch failed (valgrind headers missing?):\n{built.stderr}"
+            )
+        env["LORAGEN_MEASURE_LIBRARY"] = library
+        output = os.path.join(folder, "callgrind.out")
+        run = subprocess.run(
+            [
+                valgrind,
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--callgrind-out-file={output}",
+                os.path.realpath(sys.executable),
+                os.path.abspath(__file__),
+                "--child",
+                str(steps),
+                *kinds,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"the callgrind run failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
+        parts = sorted(glob.glob(output + ".*"), key=lambda path: int(path.rsplit(".", 1)[1]))
+        if len(parts) != len(kinds):
+            raise RuntimeError(f"expected {len(kinds)} callgrind dumps, found {len(parts)}")
+        counts = {}
+        for kind, part in zip(kinds, parts):
+            with open(part) as dump:
+                found = re.search(r"^totals: (\d+)", dump.read(), re.MULTILINE)
+            if found is None:
+                raise RuntimeError(f"no totals line in {part}")
+            counts[kind] = int(found.group(1)) // steps
+    return counts
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Print the counts (and with ``--time`` the host times) for float32 and bfloat16 x."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--time", action="store_true", help="also time the host path of each kind")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count CPU instructions per kind (callgrind, minutes)",
+    )
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        _child(int(args.child[0]), args.child[1:])
+        return {}
     cuda_host = _cuda_host()
     report: dict[str, Any] = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -235,6 +337,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             times = group_times(dtype)
             print(f"| {name} | " + " | ".join(f"{times[k]:.0f}" for k in KINDS) + " |")
             report[name]["time_us"] = times
+    if args.instructions:
+        counts = group_instructions()
+        print(
+            "\nCPU instructions per forward + backward of q, k, v (8 tokens, 64 -> 64, r=16, float32, callgrind)"
+        )
+        print("| kind | instructions | / 3 layers |")
+        print("|---|---|---|")
+        for kind, count in counts.items():
+            print(f"| {kind} | {count:,} | {count / counts['3 layers']:.2f} |")
+        report["instructions"] = counts
     return report
 
 

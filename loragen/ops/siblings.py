@@ -125,9 +125,10 @@ def _versions(member: _Member) -> tuple[int, int, int, int]:
     return (weight._version, -1 if bias is None else bias._version, lora_a._version, lora_b._version)
 
 
-def _member(layer: Any, x: Tensor, run: _Runner) -> _Member | None:
-    """``layer``'s tensors and settings when it may take part in a group that ``run`` runs on ``x`` right
-    now, else None. Read once per call: the leader passes them to the group op and records them in the
+def _member(layer: Any, dtype: torch.dtype, device: int, own_dtype: bool) -> _Member | None:
+    """``layer``'s tensors and settings when it may take part in a group on an input of ``dtype`` on
+    ``device`` (:meth:`torch.Tensor.get_device`) right now, else None; ``own_dtype``: its factors must be
+    in ``dtype`` too. Read once per call: the leader passes them to the group op and records them in the
     hand-out, a follower compares its own with them."""
     # not merged, its own first adapter active as plain LoRA (not DoRA), no mixed batch: the first
     # adapter's factors, the layer's own lora_A and lora_B, are what the layer computes with
@@ -138,11 +139,9 @@ def _member(layer: Any, x: Tensor, run: _Runner) -> _Member | None:
         return None
     weight, lora_a = layer.weight, layer.lora_A
     if (
-        weight.dtype != x.dtype
-        # on the CPU the factors in x's dtype (as the CPU op computes); the CUDA kernels read factors of
-        # any of their dtypes as float32 (lora_group_cuda declines the others)
-        or (lora_a.dtype != x.dtype and run is _cpu_group)
-        or lora_a.device != x.device
+        weight.dtype != dtype
+        or (own_dtype and lora_a.dtype != dtype)
+        or lora_a.get_device() != device
         # plain tensors only: a sharded (DTensor) or otherwise wrapped factor runs the layer's own op
         or type(lora_a) not in _PLAIN
         or type(weight) not in _PLAIN
@@ -191,14 +190,17 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     run = _runner(x)
     if run is None:
         return None
-    own = _member(layer, x, run)
+    # on the CPU the factors in x's dtype (as the CPU op computes); the CUDA kernels read factors of any
+    # of their dtypes as float32 (lora_group_cuda declines the others)
+    dtype, device, own_dtype = x.dtype, x.get_device(), run is _cpu_group
+    own = _member(layer, dtype, device, own_dtype)
     if own is None:
         return None
     if not role.followers:
         return _as_follower(layer, x, own)
     followers, members = [], [own]
     for follower in role.followers:
-        member = _member(follower, x, run)
+        member = _member(follower, dtype, device, own_dtype)
         if member is not None:
             followers.append(follower)
             members.append(member)
