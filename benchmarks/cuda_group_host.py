@@ -4,15 +4,16 @@ counted on the CPU.
     python benchmarks/cuda_group_host.py            # counts per forward + backward, as a table
     python benchmarks/cuda_group_host.py --time     # and host time per group (medians, interleaved)
     python benchmarks/cuda_group_host.py --instructions   # and CPU instructions per group (callgrind)
+    python benchmarks/cuda_group_host.py --device-work    # and the kernels a GPU would run, at model sizes
 
 Three LoRA linears read one x (64 tokens, 1024 -> 1024 each, r = 16, no dropout, float32 adapters); one
 step is their forward and one backward of the three outputs. The kernels go to the null driver of
 benchmarks/cuda_host.py (every launch's parameter block written, nothing run), so what is counted is the
 host path: Python calls, torch ops, allocations and launches (:func:`cuda_host.count_host_work`). Kinds:
 
-* ``3 ops`` / ``group op``: three :func:`~loragen.cuda.linear_op.lora_linear_cuda` calls, or one
+* ``separate ops`` / ``group op``: one :func:`~loragen.cuda.linear_op.lora_linear_cuda` calls, or one
   :func:`~loragen.cuda.group_op.lora_group_cuda` call (autograd then adds no x-gradients);
-* ``3 layers`` / ``group layers``: a module whose q, k and v are loragen LoRA layers, run as on a GPU --
+* ``separate layers`` / ``group layers``: a module whose q, k and v (or gate and up) are loragen LoRA layers, run as on a GPU --
   each layer's CUDA op, or sibling fusion's CUDA group -- on CPU tensors (the layers' CPU op replaced by
   the CUDA op, and sibling fusion routed to the CUDA group, both on the null driver): what a model pays,
   the layers' own Python (adapter lookups, eligibility, the leader's hand-out) included;
@@ -22,6 +23,11 @@ Host time (``--time``): microseconds per group's forward + backward on tiny tens
 features) on one thread, rounds of each kind interleaved, medians. What it leaves out on a GPU: the
 driver's own work per launch (about 2 us each for ``cuLaunchKernel`` on an H100 host), the caching
 allocator's, and cuBLAS's host work per product.
+
+Kernels a GPU would run (``--device-work``): per group's forward + backward at a model's sizes (2048
+tokens, 2048 features, r = 16, bfloat16 x), on ``meta`` tensors (shapes, no values): loragen's launches
+and the torch ops that launch a kernel of their own on a CUDA device (products, copies, concatenations,
+sums and fills; not views or allocations), as each costs the host a launch.
 
 CPU instructions (``--instructions``): per group's forward + backward on the same tiny tensors, counted by
 valgrind's callgrind around the measured steps only (as benchmarks/host_instructions.py counts them), the
@@ -52,10 +58,27 @@ from unittest import mock
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["KINDS", "group_counts", "group_instructions", "group_step", "group_times", "main"]
+__all__ = [
+    "GROUPS",
+    "KINDS",
+    "device_work",
+    "group_counts",
+    "group_instructions",
+    "group_step",
+    "group_times",
+    "main",
+]
 
-KINDS = ("frozen", "3 ops", "group op", "3 layers", "group layers")
+KINDS = ("frozen", "separate ops", "group op", "separate layers", "group layers")
+# each group's members' output features, as multiples of the input's (as in a Llama of hidden 2048 and
+# intermediate 5504, the model of benchmarks/bench_cuda.py)
+GROUPS: dict[str, tuple[float, ...]] = {"q, k, v": (1.0, 1.0, 1.0), "gate, up": (2.6875, 2.6875)}
+
+
+def _outs(group: str, features: int) -> tuple[int, ...]:
+    return tuple(int(features * ratio) // 8 * 8 for ratio in GROUPS[group])
 
 
 def _sibling(name: str) -> Any:
@@ -71,17 +94,29 @@ def _cuda_host() -> Any:
 
 
 class _QKV(nn.Module):
-    def __init__(self, features: int) -> None:
+    def __init__(self, features: int, outs: tuple[int, ...]) -> None:
         super().__init__()
-        self.q = nn.Linear(features, features, bias=False)
-        self.k = nn.Linear(features, features, bias=False)
-        self.v = nn.Linear(features, features, bias=False)
+        self.q = nn.Linear(features, outs[0], bias=False)
+        self.k = nn.Linear(features, outs[1], bias=False)
+        self.v = nn.Linear(features, outs[2], bias=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = self.q(x)
         k = self.k(x)
         v = self.v(x)
         return q, k, v
+
+
+class _GateUp(nn.Module):
+    def __init__(self, features: int, outs: tuple[int, ...]) -> None:
+        super().__init__()
+        self.gate = nn.Linear(features, outs[0], bias=False)
+        self.up = nn.Linear(features, outs[1], bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = self.gate(x)
+        up = self.up(x)
+        return gate, up
 
 
 @contextlib.contextmanager
@@ -117,8 +152,11 @@ def group_step(
     features: int = 1024,
     rank: int = 16,
     dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    outs: tuple[int, ...] | None = None,
 ) -> Callable[[], None]:
-    """One forward + backward of three LoRA linears reading one x, as ``kind`` (see the module docstring);
+    """One forward + backward of LoRA linears reading one x -- q, k and v of ``features`` outputs each, or
+    with ``outs`` two (gate and up) or three of those sizes --, as ``kind`` (see the module docstring);
     the layer kinds must run inside :func:`_as_on_a_gpu`.
 
     Raises:
@@ -130,22 +168,29 @@ def group_step(
     from loragen.cuda.linear_op import lora_linear_cuda
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, features, generator=gen).to(dtype).requires_grad_()
-    grads = [torch.randn(tokens, features, generator=gen).to(dtype) for _ in range(3)]
-    weights = [(torch.randn(features, features, generator=gen) / features**0.5).to(dtype) for _ in range(3)]
+
+    def random(*shape: int, scale: float = 1.0, to: torch.dtype = torch.float32) -> torch.Tensor:
+        if device == "meta":
+            return torch.empty(shape, dtype=to, device=device)
+        return (torch.randn(shape, generator=gen) * scale).to(to)
+
+    outs = (features,) * 3 if outs is None else outs
+    x = random(tokens, features, to=dtype).requires_grad_()
+    grads = [random(tokens, out, to=dtype) for out in outs]
+    weights = [random(out, features, scale=features**-0.5, to=dtype) for out in outs]
     factors = [
         (
-            (torch.randn(rank, features, generator=gen) / features**0.5).requires_grad_(),
-            (torch.randn(features, rank, generator=gen) * 0.02).requires_grad_(),
+            random(rank, features, scale=features**-0.5).requires_grad_(),
+            random(out, rank, scale=0.02).requires_grad_(),
         )
-        for _ in range(3)
+        for out in outs
     ]
     leaves = [x] + [t for pair in factors for t in pair]
     if kind == "frozen":
 
         def forward() -> tuple[torch.Tensor, ...]:
             return tuple(torch.nn.functional.linear(x, w) for w in weights)
-    elif kind == "3 ops":
+    elif kind == "separate ops":
 
         def forward() -> tuple[torch.Tensor, ...]:
             return tuple(
@@ -159,11 +204,12 @@ def group_step(
             outputs = lora_group_cuda(x, members, launcher=launcher)  # type: ignore[arg-type]
             assert outputs is not None  # the benchmark's own shapes: a group the kernels take
             return outputs
-    elif kind in ("3 layers", "group layers"):
+    elif kind in ("separate layers", "group layers"):
         torch.manual_seed(0)
+        module = (_QKV if len(outs) == 3 else _GateUp)(features, outs).to(dtype)
+        targets = [name for name, _ in module.named_children()]
         model = loragen.get_lora_model(
-            _QKV(features).to(dtype),
-            loragen.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q", "k", "v"]),
+            module, loragen.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
         )
         leaves = [x] + [p for p in model.parameters() if p.requires_grad]
         fuse = kind == "group layers"
@@ -183,19 +229,108 @@ def group_step(
     return step
 
 
-def group_counts(dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """:class:`cuda_host.Counts` per forward + backward of each of :data:`KINDS`."""
+# ops that only make views or allocate: no kernel of their own on a CUDA device
+_NO_KERNEL = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "t",
+        "transpose",
+        "select",
+        "slice",
+        "narrow",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "as_strided",
+        "reshape",
+        "expand",
+        "detach",
+        "alias",
+        "squeeze",
+        "unsqueeze",
+        "permute",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "resolve_conj",
+        "resolve_neg",
+    }
+)
+
+
+class _KernelOps(TorchDispatchMode):
+    """Records the torch ops dispatched inside it that would launch a kernel on a CUDA device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def device_work(
+    group: str = "q, k, v",
+    tokens: int = 2048,
+    features: int = 2048,
+    rank: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, dict[str, int]]:
+    """Per forward + backward of ``group`` (a key of :data:`GROUPS`) at these sizes, for "separate ops" and "group op": loragen's kernel
+    launches and torch's kernel-launching ops, each op by name (on ``meta`` tensors, the null driver)."""
+    cuda_host = _cuda_host()
+    results = {}
+    for kind in ("separate ops", "group op"):
+        launcher = cuda_host.NullLauncher()
+        step = group_step(
+            kind,
+            launcher,
+            tokens=tokens,
+            features=features,
+            rank=rank,
+            dtype=dtype,
+            device="meta",
+            outs=_outs(group, features),
+        )
+        step()  # plans and caches
+        launcher.launches.clear()
+        recorder = _KernelOps()
+        with recorder:
+            step()
+        found: dict[str, int] = {
+            "loragen launches": len(launcher.launches),
+            "torch kernels": len(recorder.ops),
+        }
+        for name in sorted(set(recorder.ops)):
+            found[name] = recorder.ops.count(name)
+        results[kind] = found
+    return results
+
+
+def group_counts(group: str = "q, k, v", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """:class:`cuda_host.Counts` per forward + backward of ``group`` for each of :data:`KINDS` (64 tokens,
+    1024 features)."""
     cuda_host = _cuda_host()
     results = {}
     for kind in KINDS:
         launcher = cuda_host.NullLauncher()
         with _as_on_a_gpu(launcher):
-            results[kind] = cuda_host.count_host_work(group_step(kind, launcher, dtype=dtype), launcher)
+            step = group_step(kind, launcher, dtype=dtype, outs=_outs(group, 1024))
+            results[kind] = cuda_host.count_host_work(step, launcher)
     return results
 
 
 def group_times(
     dtype: torch.dtype = torch.float32,
+    outs: tuple[int, ...] | None = None,
     *,
     rounds: int = 15,
     calls: int = 50,
@@ -212,7 +347,7 @@ def group_times(
     try:
         with _as_on_a_gpu(launcher):
             steps = {
-                kind: group_step(kind, launcher, dtype=dtype, tokens=tokens, features=features)
+                kind: group_step(kind, launcher, dtype=dtype, tokens=tokens, features=features, outs=outs)
                 for kind in KINDS
             }
             for step in steps.values():
@@ -230,14 +365,14 @@ def group_times(
     return {kind: statistics.median(values) for kind, values in times.items()}
 
 
-def _child(steps: int, kinds: list[str]) -> None:
+def _child(steps: int, group: str, kinds: list[str]) -> None:
     """Inside valgrind: each kind's steps between the instrumentation switches."""
     cuda_host = _cuda_host()
     control = ctypes.CDLL(os.environ["LORAGEN_MEASURE_LIBRARY"])
     torch.set_num_threads(1)
     with cuda_host.stand_in_device() as launcher, _as_on_a_gpu(launcher):
         for kind in kinds:
-            step = group_step(kind, launcher, tokens=8, features=64)
+            step = group_step(kind, launcher, tokens=8, features=64, outs=_outs(group, 64))
             for _ in range(5):
                 step()
             control.measure_start()
@@ -246,8 +381,11 @@ def _child(steps: int, kinds: list[str]) -> None:
             control.measure_stop()
 
 
-def group_instructions(steps: int = 5, kinds: tuple[str, ...] = KINDS) -> dict[str, int]:
-    """CPU instructions per group's forward + backward of each kind, counted by callgrind.
+def group_instructions(
+    group: str = "q, k, v", steps: int = 5, kinds: tuple[str, ...] = KINDS
+) -> dict[str, int]:
+    """CPU instructions per forward + backward of ``group`` of each kind, counted by callgrind (8 tokens,
+    64 features).
 
     Raises:
         RuntimeError: valgrind, its headers, a C compiler or cuda-python missing, or the run failed.
@@ -284,6 +422,7 @@ def group_instructions(steps: int = 5, kinds: tuple[str, ...] = KINDS) -> dict[s
                 os.path.abspath(__file__),
                 "--child",
                 str(steps),
+                group,
                 *kinds,
             ],
             env=env,
@@ -315,38 +454,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="also count CPU instructions per kind (callgrind, minutes)",
     )
+    parser.add_argument(
+        "--device-work", action="store_true", help="also count the kernels a GPU would run at model sizes"
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(int(args.child[0]), args.child[1:])
+        _child(int(args.child[0]), args.child[1], args.child[2:])
         return {}
     cuda_host = _cuda_host()
     report: dict[str, Any] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        name = str(dtype).removeprefix("torch.")
-        counts = group_counts(dtype)
-        print(f"\nhost work per forward + backward of q, k, v: 64 tokens, 1024 -> 1024, r=16, x {name}")
-        print(cuda_host.counts_table(counts))
-        report[name] = {kind: asdict(c) for kind, c in counts.items()}
-    if args.time:
-        print("\nhost time per forward + backward of q, k, v (us, median), 8 tokens, 64 -> 64, r=16")
-        print("| x | " + " | ".join(KINDS) + " |")
-        print("|---" * (len(KINDS) + 1) + "|")
+    for group in GROUPS:
+        found: dict[str, Any] = report.setdefault(group, {})
         for dtype in (torch.float32, torch.bfloat16):
             name = str(dtype).removeprefix("torch.")
-            times = group_times(dtype)
-            print(f"| {name} | " + " | ".join(f"{times[k]:.0f}" for k in KINDS) + " |")
-            report[name]["time_us"] = times
-    if args.instructions:
-        counts = group_instructions()
-        print(
-            "\nCPU instructions per forward + backward of q, k, v (8 tokens, 64 -> 64, r=16, float32, callgrind)"
-        )
-        print("| kind | instructions | / 3 layers |")
-        print("|---|---|---|")
-        for kind, count in counts.items():
-            print(f"| {kind} | {count:,} | {count / counts['3 layers']:.2f} |")
-        report["instructions"] = counts
+            counts = group_counts(group, dtype)
+            outs = " + ".join(map(str, _outs(group, 1024)))
+            print(f"\nhost work per forward + backward of {group}: 64 tokens, 1024 -> {outs}, r=16, x {name}")
+            print(cuda_host.counts_table(counts))
+            found[name] = {kind: asdict(c) for kind, c in counts.items()}
+        if args.time:
+            print(f"\nhost time per forward + backward of {group} (us, median), 8 tokens, 64 features, r=16")
+            print("| x | " + " | ".join(KINDS) + " |")
+            print("|---" * (len(KINDS) + 1) + "|")
+            for dtype in (torch.float32, torch.bfloat16):
+                name = str(dtype).removeprefix("torch.")
+                times = group_times(dtype, outs=_outs(group, 64))
+                print(f"| {name} | " + " | ".join(f"{times[k]:.0f}" for k in KINDS) + " |")
+                found[name]["time_us"] = times
+        if args.device_work:
+            work = device_work(group)
+            outs = " + ".join(map(str, _outs(group, 2048)))
+            print(
+                f"\nkernels per forward + backward of {group}: 2048 tokens, 2048 -> {outs}, r=16, x bfloat16"
+            )
+            names = sorted(
+                {n for counted in work.values() for n in counted} - {"loragen launches", "torch kernels"}
+            )
+            print("| kind | loragen launches | torch kernels | " + " | ".join(names) + " |")
+            print("|---" * (3 + len(names)) + "|")
+            for kind, counted in work.items():
+                cells = [str(counted["loragen launches"]), str(counted["torch kernels"])]
+                cells += [str(counted.get(n, 0)) for n in names]
+                print(f"| {kind} | " + " | ".join(cells) + " |")
+            found["device_work"] = work
+        if args.instructions:
+            instructions = group_instructions(group)
+            print(
+                f"\nCPU instructions per forward + backward of {group} (8 tokens, 64 features, r=16, float32)"
+            )
+            print("| kind | instructions | / separate layers |")
+            print("|---|---|---|")
+            for kind, count in instructions.items():
+                print(f"| {kind} | {count:,} | {count / instructions['separate layers']:.2f} |")
+            found["instructions"] = instructions
     return report
 
 
