@@ -3,7 +3,7 @@
 Attention's q, k and v projections read one tensor, and so do an MLP's gate and up projections. Each
 LoRA layer on its own reads that input three more times than the frozen layer does: ``h = x A^T`` in
 forward, ``dA = gh^T x`` and ``dx += gh A`` in backward. A group of k siblings runs as one node
-(:class:`_GroupFunction`) that pays each pass once:
+(:class:`_GroupFunction` on the CPU; on CUDA tensors see below) that pays each pass once:
 
 forward   H    = x [A_1; ...; A_k]^T                 (N, r_1 + ... + r_k): every h_i in one GEMM
           y_i  = b_i + h_i (s_i B_i^T) + x W_i^T     for each member, as the single-layer op computes it
@@ -33,11 +33,24 @@ eligible (fused, not merged, no active dropout, the input's dtype, plain tensors
 only if it is called with *the very tensor object* the leader saw, at the same version counter, with the
 same parameters at the same versions -- otherwise it computes its own output (the leader's work for it is
 wasted; no gradient flows through it). Correctness never depends on the plan. Outputs are fresh tensors
-(not views of one another), so callers may modify them in place.
+(not views of one another), so callers may modify them in place. Each member's tensors and settings are
+read once per call (:func:`_member`): the leader hands them to the group's op and records them with its
+hand-out, and a follower compares its own with them.
+
+**On CUDA tensors** the group runs :func:`loragen.cuda.group_op.lora_group_cuda`, built on the CUDA op's
+kernel passes: one ``lora_down`` launch for every h_i (the members' A stacked, each in a block of its rank
+bucket), each member's own base product and ``lora_up``, each member's ``lora_grad_out``, and one
+``lora_grad_in`` launch that yields every dA_i and the sum of the rank-r terms of dx, onto which each base
+term is accumulated (beta = 1): 2 + 2k launches and one autograd node where k layers make 4k launches,
+k nodes and k - 1 additions of x-gradients. The factors may be float32 while x is 16-bit, as for the
+single-layer CUDA op. The rounding of dx differs from the CPU node's (see that module): the kernel sums
+the rank-r terms in float32 and rounds once. Groups whose stacked rank buckets pass 64 run each member
+alone (:func:`loragen.cuda.group_op.group_reason` says why a group does not run).
 
 Not fused: dropout in training (each layer draws its own mask, so the inputs differ), autocast,
-``torch.compile``, devices other than the CPU, inputs whose dtype differs from the adapter's, and
-everything with :data:`loragen.switches.sibling_fusion` or :data:`loragen.switches.fused` off.
+``torch.compile``, devices other than the CPU and CUDA (and CUDA without loragen's kernels available),
+on the CPU inputs whose dtype differs from the adapter's, and everything with
+:data:`loragen.switches.sibling_fusion` or :data:`loragen.switches.fused` off.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from torch import nn
 
 import loragen
 from loragen import switches
-from loragen._benchmarks.cuda_host import NullLauncher
+from loragen._benchmarks.cuda_group_host import device_work, group_counts, group_step
+from loragen._benchmarks.cuda_host import NullLauncher, SyncRecorder
 from loragen.cuda import group_op, specs
 from loragen.cuda.group_op import group_reason, lora_group_cuda
 from loragen.cuda.kernel_variants import Variant
@@ -159,6 +160,43 @@ def test_outputs_are_fresh_tensors():
     ys = lora_group_cuda(x, low, launcher=TORCH_PATH)
     assert ys[0].untyped_storage().data_ptr() != ys[1].untyped_storage().data_ptr()
     assert all(y._base is None and y.is_contiguous() for y in ys)
+
+
+def test_a_member_whose_terms_cancel_stays_within_float32_rounding_of_its_largest_term():
+    """v's LoRA term cancels its base term in x's gradient (W_v = -s B_v A_v, terms ~3e4, their sum ~10).
+    The group adds every member's rank-r term in one buffer before the base terms, so q's and k's terms
+    are rounded against v's; the per-layer op rounds v's rank-r term alone before adding its base term.
+    Both land within float32 rounding of the largest term, the group no further than the per-layer op."""
+    gen = torch.Generator().manual_seed(2)
+    members = []
+    for _ in range(2):
+        w, a, b = (
+            torch.randn(16, 16, generator=gen) / 4,
+            torch.randn(4, 16, generator=gen) / 4,
+            torch.randn(16, 4, generator=gen),
+        )
+        members.append((w, None, a, b, 1.25, False))
+    big_a = torch.randn(4, 16, generator=gen, dtype=torch.float64) * 30
+    big_b = torch.randn(16, 4, generator=gen, dtype=torch.float64) * 30
+    members.append(((-1.25 * big_b @ big_a).float(), None, big_a.float(), big_b.float(), 1.25, False))
+    x = torch.randn(15, 16, generator=gen).requires_grad_()
+    grads = [torch.randn(15, 16, generator=gen) for _ in members]
+    terms = [
+        (m[4] * (g.double() @ m[3].double()) @ m[2].double(), g.double() @ m[0].double())
+        for m, g in zip(members, grads)
+    ]
+    exact = sum(lora + base for lora, base in terms)
+    largest = max(lora.abs().max().item() for lora, _ in terms)
+    assert largest > 100 * exact.abs().max().item()  # the cancellation is real
+    torch.autograd.backward(list(lora_group_cuda(x, members, launcher=TORCH_PATH)), grads)
+    group = (x.grad.double() - exact).abs().max().item()
+    x.grad = None
+    separate = [lora_linear_cuda(x, *m[:4], m[4], 0.0, True, launcher=TORCH_PATH) for m in members]
+    torch.autograd.backward(separate, grads)
+    per_layer = (x.grad.double() - exact).abs().max().item()
+    eps = torch.finfo(torch.float32).eps
+    assert per_layer < 16 * eps * largest and group < 16 * eps * largest
+    assert group <= 1.5 * per_layer
 
 
 # ---- launches, caches and what is declined ---------------------------------------------------------------
@@ -314,7 +352,7 @@ def _run(model, x, fuse):
     x = x.detach().requires_grad_()
     with switches.sibling_fusion.using(fuse):
         y = model(x)
-        (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        (y * torch.linspace(-1, 1, y.shape[-1], device=y.device, dtype=y.dtype)).sum().backward()
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -394,3 +432,92 @@ def test_ranks_past_the_largest_bucket_run_each_layer_alone(cuda_groups):
     assert "_CudaGroupFunctionBackward" not in _node_names(model(x.requires_grad_()))
     assert getattr(siblings._local, "handout", None) is None
     _assert_same(_run(model, x, True), _run(model, x, False))
+
+
+# ---- host work: counted on the null driver (benchmarks/cuda_group_host.py) ---------------------------------
+
+# Ceilings per forward + backward of q, k, v (64 tokens, 1024 -> 3 x 1024, r=16, float32 adapters, torch
+# 2.13) for Python calls / C calls / torch ops / allocations, plus a margin. Counted: the group op
+# 149 / 252-254 / 102-104 / 15-17 against 251 / 326 / 108 / 25 for three lora_linear_cuda calls; through
+# the layers 322 / 362-364 / 102-104 / 15-17 against 375 / 383 / 108 / 25.
+GROUP_CEILINGS = {
+    "group op": {"python_calls": 155, "c_calls": 262, "torch_ops": 107, "allocations": 18},
+    "group layers": {"python_calls": 330, "c_calls": 372, "torch_ops": 107, "allocations": 18},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_group_does_less_host_work_than_separate_layers(dtype):
+    counts = group_counts("q, k, v", dtype)
+    print(f"\n{dtype}: " + ", ".join(f"{kind}: {c}" for kind, c in counts.items()))
+    assert counts["separate ops"].launches == counts["separate layers"].launches == 12
+    assert counts["group op"].launches == counts["group layers"].launches == 8
+    for field in ("python_calls", "c_calls", "allocations"):
+        assert getattr(counts["group op"], field) < getattr(counts["separate ops"], field), field
+        assert getattr(counts["group layers"], field) < getattr(counts["separate layers"], field), field
+    for kind, ceilings in GROUP_CEILINGS.items():
+        for field, ceiling in ceilings.items():
+            assert getattr(counts[kind], field) <= ceiling, (kind, field, counts[kind])
+
+
+@pytest.mark.parametrize(("group", "separate", "grouped"), [("q, k, v", 32, 24), ("gate, up", 21, 18)])
+def test_a_group_launches_fewer_kernels_at_model_sizes(group, separate, grouped):
+    """At 2048 tokens and 2048 features (meta tensors): loragen's launches plus torch's kernel-launching ops.
+    The group drops k - 1 lora_down and lora_grad_in launches, their partial sums and autograd's k - 1
+    additions of x-gradients, and adds one copy (the h_i) and one concatenation (the dh_i)."""
+    work = device_work(group)
+    print(f"\n{group}: {work}")
+    assert work["separate ops"]["loragen launches"] + work["separate ops"]["torch kernels"] == separate
+    assert work["group op"]["loragen launches"] + work["group op"]["torch kernels"] == grouped
+    assert "add" not in work["group op"] and work["group op"]["cat"] == work["group op"]["clone"] == 1
+
+
+def test_no_group_step_waits_for_the_device():
+    """On ``meta`` tensors (no values), no op of a group's forward + backward reads a device value or copies
+    between host and device: the stacked A is refreshed on the device, the padding is kept there."""
+    launcher = NullLauncher()
+    step = group_step("group op", launcher, device="meta", dtype=torch.bfloat16)
+    recorder = SyncRecorder()
+    with recorder.watching():
+        step()  # plans and fills the caches
+        recorder.syncs.clear()
+        step()
+    assert recorder.syncs == []
+
+
+# ---- on a GPU (skipped without one) ----------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(
+    not loragen.cuda.is_available(), reason="needs a CUDA GPU and cuda-python (pip install -e '.[cuda]')"
+)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_a_gpu_layers_fuse_through_the_kernels_and_equal_separate_layers(dtype):
+    torch.manual_seed(0)
+    model = _model().to(device="cuda", dtype=dtype)
+    x = torch.randn(2, 37, 16, device="cuda", dtype=dtype)
+    assert "_CudaGroupFunctionBackward" in _node_names(model(x.requires_grad_()))
+    fused, plain = _run(model, x, True), _run(model, x, False)
+    for got, want in ((fused[0], plain[0]), (fused[1], plain[1])):
+        assert relative_error(got, want.cpu().double()) < TOLERANCE[dtype]
+    for name in plain[2]:
+        assert relative_error(fused[2][name], plain[2][name].cpu().double()) < TOLERANCE[dtype], name
+
+
+@needs_gpu
+def test_on_a_gpu_a_captured_group_reads_its_factors_afresh_on_every_replay():
+    low, _ = _members(64, [64, 32, 64], [16, 16, 16], torch.bfloat16)
+    low = [tuple(t.cuda().detach() if isinstance(t, torch.Tensor) else t for t in m) for m in low]
+    x = torch.randn(40, 64, device="cuda").to(torch.bfloat16)
+    lora_group_cuda(x, low)  # checks the variants and fills the caches before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = lora_group_cuda(x, low)
+    with torch.no_grad():
+        low[1][2].mul_(-3)  # in place, between replays
+    graph.replay()
+    for y, m in zip(captured, low):
+        want = lora_linear_cuda(x, *m[:4], m[4], 0.0, False)
+        assert relative_error(y, want.cpu().double()) < TOLERANCE[torch.bfloat16]
