@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -160,13 +160,17 @@ class _CudaGroupFunction(torch.autograd.Function):
         ctx: Any, x: Tensor, static: tuple[tuple[float, ...], tuple[bool, ...], int], *tensors: Tensor | None
     ) -> tuple[Tensor, ...]:
         scalings, transposed, handle = static
-        weights = tensors[0::4]
-        biases, factors_a, factors_b = tensors[1::4], tensors[2::4], tensors[3::4]
-        outs = tuple(w.shape[1] if t else w.shape[0] for w, t in zip(weights, transposed))  # type: ignore[union-attr]
+        # every member's weight, lora_A and lora_B is a tensor; only biases may be None
+        weights, biases = cast("tuple[Tensor, ...]", tensors[0::4]), tensors[1::4]
+        factors_a, factors_b = (
+            cast("tuple[Tensor, ...]", tensors[2::4]),
+            cast("tuple[Tensor, ...]", tensors[3::4]),
+        )
+        outs = tuple(w.shape[1] if t else w.shape[0] for w, t in zip(weights, transposed))
         x2 = x.reshape(-1, x.shape[-1])
-        group = _group_plan(x2, outs, tuple(a.shape[0] for a in factors_a), handle)  # type: ignore[union-attr]
+        group = _group_plan(x2, outs, tuple(a.shape[0] for a in factors_a), handle)
         x2 = group.stacked.prepare(x2)
-        stacked_a = _stacked_a(factors_a, group)  # type: ignore[arg-type]
+        stacked_a = _stacked_a(factors_a, group)
         h_all = passes.down(group.stacked, x2, stacked_a, _NO_DROPOUT)
         k = len(outs)
         if group.block:  # one copy: (R / b, N, b), each h_i a contiguous (N, b) piece of it
@@ -183,16 +187,16 @@ class _CudaGroupFunction(torch.autograd.Function):
         for plan, w, t, bias, b, s, h in zip(
             group.members, weights, transposed, biases, factors_b, scalings, hs
         ):
-            bt = hostcache.factor(b, plan, transpose=True)  # type: ignore[arg-type]
+            bt = hostcache.factor(b, plan, transpose=True)
             y = torch.empty(*lead, plan.out_features, dtype=x.dtype, device=x.device)  # fresh, final shape
             y2 = y.view(plan.rows, plan.out_features)
-            passes.add_base(x2, w if t else w.t(), y2)  # type: ignore[union-attr]
+            passes.add_base(x2, w if t else w.t(), y2)
             passes.up(plan, h, bt, bias, s, y2)
             bts.append(bt)
             ys.append(y)
         ctx.static, ctx.prepared = static, (group, stacked_a, bts, x.shape)
         ctx.set_materialize_grads(False)  # an output nobody used gets None: its member's terms are skipped
-        ctx.save_for_backward(x2, *weights, *factors_a, *factors_b, *hs)  # type: ignore[arg-type]
+        ctx.save_for_backward(x2, *weights, *factors_a, *factors_b, *hs)
         return tuple(ys)
 
     @staticmethod
@@ -244,9 +248,9 @@ class _CudaGroupFunction(torch.autograd.Function):
                         result[4 + 4 * i] = grad_a if grad_a.dtype == a.dtype else grad_a.to(a.dtype)
             if gx is not None:
                 for i in reversed(range(k)):  # the base terms onto the rank-r terms' buffer, beta = 1
-                    g2 = g2s[i]
-                    if g2 is not None:
-                        gx.addmm_(g2, weights[i].t() if transposed[i] else weights[i])
+                    g_i = g2s[i]
+                    if g_i is not None:
+                        gx.addmm_(g_i, weights[i].t() if transposed[i] else weights[i])
                 result[0] = gx.view(x_shape)
         return tuple(result)
 

@@ -268,7 +268,8 @@ def test_bad_members_raise_as_the_single_layer_op_words_it():
 EMULATED = [
     # rows, in, outs, ranks, dtype, bias, fifo
     pytest.param(45, 64, [64, 32, 40], [16, 16, 16], torch.bfloat16, True, False, id="bf16-qkv-r16-mma"),
-    pytest.param(29, 45, [37, 21], [5, 8], torch.float32, False, True, id="f32-unaligned-fifo"),
+    # blocks of 8 and 16 rows, padded to 32: the h_i are copied out one by one
+    pytest.param(29, 45, [37, 21], [5, 16], torch.float32, False, True, id="f32-unaligned-fifo-mixed-blocks"),
 ]
 
 
@@ -281,7 +282,7 @@ def emulated(request) -> EmulatedLauncher:
         Variant(str(dtype).removeprefix("torch."), bucket, aligned)
         for dtype, buckets, aligned in (
             (torch.bfloat16, (16, 64), True),
-            (torch.float32, (8, 16), False),
+            (torch.float32, (8, 16, 32), False),
         )
         for bucket in buckets
     }
