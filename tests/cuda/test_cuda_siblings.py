@@ -70,8 +70,18 @@ def _grads(x, members, outputs, grads):
     return [t.grad for t in _leaves(x, members)]
 
 
+def _error(got, want, magnitude):
+    """||got - want|| relative to ||want||, or to ||magnitude|| / 16 where that is larger: ``magnitude`` is
+    the same quantity computed from the absolute values of every input, so where the drawn terms cancel by
+    more than 16x (hypothesis finds 1 x 1 layers of rank 20 that do) the bound is on the terms' rounding,
+    not on the cancellation, and everywhere else it is the plain relative error."""
+    want = want.detach()
+    denominator = max(want.norm().item(), magnitude.detach().norm().item() / 16)
+    return (got.detach().cpu().double() - want).norm().item() / denominator
+
+
 def _check_group(x, low, high, launcher, dtype, tolerance=None):
-    """The group against k separate lora_linear_cuda calls and a float64 reference."""
+    """The group against k separate lora_linear_cuda calls and a float64 reference (see :func:`_error`)."""
     tolerance = TOLERANCE[dtype] if tolerance is None else tolerance
     gen = torch.Generator().manual_seed(7)
     group = lora_group_cuda(x, low, launcher=launcher)
@@ -82,18 +92,23 @@ def _check_group(x, low, high, launcher, dtype, tolerance=None):
     grads = [torch.randn(y.shape, generator=gen).to(dtype) for y in separate]
     xr = x.detach().double().requires_grad_()
     wanted = [reference(xr, *h, m[4], None, m[5]) for m, h in zip(low, high)]
-    for y, s, want in zip(group, separate, wanted):
+    xa = x.detach().double().abs().requires_grad_()
+    magnitudes = [tuple(None if t is None else t.detach().abs().requires_grad_() for t in h) for h in high]
+    scales = [reference(xa, *h, m[4], None, m[5]) for m, h in zip(low, magnitudes)]
+    for y, s, want, scale in zip(group, separate, wanted, scales):
         assert y.dtype == dtype and y.shape == s.shape
-        assert relative_error(y, want) < tolerance
-        assert relative_error(y, s.detach().double()) < tolerance
+        assert _error(y, want, scale) < tolerance
+        assert _error(y, s.double(), scale) < tolerance
     got = _grads(x, low, group, grads)
     per_layer = _grads(x, low, separate, grads)
     torch.autograd.backward(wanted, [g.double() for g in grads])
+    torch.autograd.backward(scales, [g.double().abs() for g in grads])
     exact = [xr.grad] + [t.grad for h in high for t in h if t is not None]
-    for i, (g, s, e) in enumerate(zip(got, per_layer, exact)):
+    bounds = [xa.grad] + [t.grad for h in magnitudes for t in h if t is not None]
+    for i, (g, s, e, bound) in enumerate(zip(got, per_layer, exact, bounds)):
         assert g.shape == s.shape and g.dtype == s.dtype, i
-        assert relative_error(g, e) < tolerance, i
-        assert relative_error(g, s.double()) < tolerance, i
+        assert _error(g, e, bound) < tolerance, i
+        assert _error(g, s.double(), bound) < tolerance, i
     return group
 
 
