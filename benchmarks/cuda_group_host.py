@@ -315,6 +315,57 @@ def device_work(
     return results
 
 
+MODEL_KINDS = ("frozen model", "separate layers model", "group layers model")
+
+
+def model_step(kind: str, *, hidden: int = 64, layers: int = 2, seq: int = 16) -> Callable[[], None]:
+    """One training step (forward, loss, backward) of a small Llama (``hidden``, intermediate 2.6875 x
+    hidden, ``layers`` layers, 4 heads, vocabulary 128, one sequence of ``seq`` tokens, float32) as
+    ``kind``: frozen (the input embeddings' gradient only), or with LoRA (r = 16, no dropout) on q, k, v,
+    o, gate, up and down, sibling fusion off or on; the LoRA kinds must run inside :func:`_as_on_a_gpu`.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import loragen
+    from loragen import switches
+
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model_step: kind={kind!r}; expected one of {', '.join(map(repr, MODEL_KINDS))}")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.6875) // 8 * 8,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=max(seq, 16),
+    )
+    model: nn.Module = LlamaForCausalLM(config)
+    if kind == "frozen model":
+        model.requires_grad_(False)
+    else:
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = loragen.get_lora_model(model, loragen.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+    model.train()
+    gen = torch.Generator().manual_seed(1)
+    embeds = torch.randn(1, seq, hidden, generator=gen).requires_grad_()
+    labels = torch.randint(0, 128, (1, seq), generator=gen)
+    leaves = [embeds] + [p for p in model.parameters() if p.requires_grad]
+    fuse = kind == "group layers model"
+
+    def step() -> None:
+        for t in leaves:
+            t.grad = None
+        with switches.sibling_fusion.using(fuse):
+            model(inputs_embeds=embeds, labels=labels).loss.backward()
+
+    return step
+
+
 def group_counts(group: str = "q, k, v", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """:class:`cuda_host.Counts` per forward + backward of ``group`` for each of :data:`KINDS` (64 tokens,
     1024 features)."""
@@ -372,7 +423,10 @@ def _child(steps: int, group: str, kinds: list[str]) -> None:
     torch.set_num_threads(1)
     with cuda_host.stand_in_device() as launcher, _as_on_a_gpu(launcher):
         for kind in kinds:
-            step = group_step(kind, launcher, tokens=8, features=64, outs=_outs(group, 64))
+            if group == "llama":
+                step = model_step(kind)
+            else:
+                step = group_step(kind, launcher, tokens=8, features=64, outs=_outs(group, 64))
             for _ in range(5):
                 step()
             control.measure_start()
@@ -385,7 +439,8 @@ def group_instructions(
     group: str = "q, k, v", steps: int = 5, kinds: tuple[str, ...] = KINDS
 ) -> dict[str, int]:
     """CPU instructions per forward + backward of ``group`` of each kind, counted by callgrind (8 tokens,
-    64 features).
+    64 features); ``group`` "llama": per training step of :func:`model_step`'s model, of each of
+    :data:`MODEL_KINDS`.
 
     Raises:
         RuntimeError: valgrind, its headers, a C compiler or cuda-python missing, or the run failed.
