@@ -31,7 +31,8 @@ member, :func:`role_of`) and runs it.
 **At run time** the plan is only a plan. The leader computes a member's output only while that member is
 eligible (fused, not merged, no active dropout, the input's dtype, plain tensors), and a member takes it
 only if it is called with *the very tensor object* the leader saw, at the same version counter, with the
-same parameters at the same versions -- otherwise it computes its own output (the leader's work for it is
+same parameters at the same versions, with gradients (and inference mode) as they were for the leader --
+otherwise it computes its own output (the leader's work for it is
 wasted; no gradient flows through it). Correctness never depends on the plan. Outputs are fresh tensors
 (not views of one another), so callers may modify them in place. Each member's tensors and settings are
 read once per call (:func:`_member`): the leader hands them to the group's op and records them with its
@@ -126,11 +127,16 @@ class _Handout:
 
     x: weakref.ReferenceType[Tensor]
     version: int
+    modes: tuple[bool, bool]  # gradients on, inference mode: a follower running otherwise computes its own
     # id(layer) -> (its output, the member it was computed from, the versions of the member's tensors)
     outputs: dict[int, tuple[Tensor, _Member, tuple[int, int, int, int]]] = field(default_factory=dict)
 
 
 _local = threading.local()
+
+
+def _modes() -> tuple[bool, bool]:
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
 def _versions(member: _Member) -> tuple[int, int, int, int]:
@@ -222,7 +228,7 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     outputs = run(x, members)
     if outputs is None:
         return None  # no hand-out: every member computes its own
-    handout = _Handout(weakref.ref(x), x._version)
+    handout = _Handout(weakref.ref(x), x._version, _modes())
     for follower, member, y in zip(followers, members[1:], outputs[1:]):
         handout.outputs[id(follower)] = (y, member, _versions(member))
     _local.handout = handout
@@ -231,7 +237,7 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
 
 def _as_follower(layer: Any, x: Tensor, own: _Member) -> Tensor | None:
     handout: _Handout | None = getattr(_local, "handout", None)
-    if handout is None or handout.x() is not x or handout.version != x._version:
+    if handout is None or handout.x() is not x or handout.version != x._version or handout.modes != _modes():
         return None
     entry = handout.outputs.pop(id(layer), None)
     if not handout.outputs:

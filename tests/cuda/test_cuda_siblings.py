@@ -537,3 +537,39 @@ def test_on_a_gpu_a_captured_group_reads_its_factors_afresh_on_every_replay():
     for y, m in zip(captured, low):
         want = lora_linear_cuda(x, *m[:4], m[4], 0.0, False)
         assert relative_error(y, want.cpu().double()) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("on_cuda_path", [False, True])
+def test_a_member_called_with_gradients_on_does_not_take_an_output_made_without(on_cuda_path, monkeypatch):
+    """The leader runs under ``torch.no_grad()``, a follower with gradients on: the follower's output must
+    carry its graph, so it computes its own rather than taking the leader's graph-less one."""
+    if on_cuda_path:
+        monkeypatch.setattr(siblings, "_runner", lambda x: siblings._cuda_group)
+        monkeypatch.setattr(siblings, "_cuda_launcher", TORCH_PATH)
+
+    torch.manual_seed(0)
+    model = loragen.get_lora_model(_Attention(), loragen.LoraConfig(r=4, target_modules=["q", "k", "v"]))
+    assert fused_groups(model) == [("q", "k", "v")]
+
+    # q (the leader) runs without gradients: hooks switch them off around its call only
+    def gradients_off(module, args):
+        torch.set_grad_enabled(False)
+
+    def gradients_on(module, args, output):
+        torch.set_grad_enabled(True)
+
+    model.q.register_forward_pre_hook(gradients_off)
+    model.q.register_forward_hook(gradients_on)
+    x = torch.randn(4, 16)
+    model(x).sum().backward()
+    assert model.k.lora_A.grad is not None and model.v.lora_A.grad is not None
+    assert model.q.lora_A.grad is None
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    with switches.sibling_fusion.using(True):
+        model(x).sum().backward()
+    with switches.sibling_fusion.using(False):
+        reference(x).sum().backward()
+    for name in ("k", "v"):
+        torch.testing.assert_close(getattr(model, name).lora_A.grad, getattr(reference, name).lora_A.grad)
