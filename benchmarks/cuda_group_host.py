@@ -5,6 +5,7 @@ counted on the CPU.
     python benchmarks/cuda_group_host.py --time     # and host time per group (medians, interleaved)
     python benchmarks/cuda_group_host.py --instructions   # and CPU instructions per group (callgrind)
     python benchmarks/cuda_group_host.py --device-work    # and the kernels a GPU would run, at model sizes
+    python benchmarks/cuda_group_host.py --model          # and a small Llama's step, fusion off and on
 
 Three LoRA linears read one x (64 tokens, 1024 -> 1024 each, r = 16, no dropout, float32 adapters); one
 step is their forward and one backward of the three outputs. The kernels go to the null driver of
@@ -390,27 +391,42 @@ def group_times(
 ) -> dict[str, float]:
     """Median host microseconds per group's forward + backward of each of :data:`KINDS`, on one thread,
     the kinds interleaved within each round."""
-    cuda_host = _cuda_host()
-    launcher = cuda_host.NullLauncher()
+    launcher = _cuda_host().NullLauncher()
+    with _as_on_a_gpu(launcher):
+        steps = {
+            kind: group_step(kind, launcher, dtype=dtype, tokens=tokens, features=features, outs=outs)
+            for kind in KINDS
+        }
+        return _interleaved(steps, launcher, rounds, calls)
+
+
+def model_times(rounds: int = 9, calls: int = 10) -> dict[str, float]:
+    """Median host milliseconds per training step of :func:`model_step`'s model, each of
+    :data:`MODEL_KINDS`, on one thread, interleaved."""
+    launcher = _cuda_host().NullLauncher()
+    with _as_on_a_gpu(launcher):
+        steps = {kind: model_step(kind) for kind in MODEL_KINDS}
+        return {kind: t / 1000 for kind, t in _interleaved(steps, launcher, rounds, calls).items()}
+
+
+def _interleaved(
+    steps: dict[str, Callable[[], None]], launcher: Any, rounds: int, calls: int
+) -> dict[str, float]:
+    """Median microseconds per call of each step, on one thread, the steps interleaved within each round."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    times: dict[str, list[float]] = {kind: [] for kind in steps}
     try:
-        with _as_on_a_gpu(launcher):
-            steps = {
-                kind: group_step(kind, launcher, dtype=dtype, tokens=tokens, features=features, outs=outs)
-                for kind in KINDS
-            }
-            for step in steps.values():
-                for _ in range(5):
+        for step in steps.values():
+            for _ in range(5):
+                step()
+        for _ in range(rounds):
+            for kind, step in steps.items():
+                launcher.launches.clear()
+                start = time.perf_counter()
+                for _ in range(calls):
                     step()
-            for _ in range(rounds):
-                for kind, step in steps.items():
-                    launcher.launches.clear()
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        step()
-                    times[kind].append((time.perf_counter() - start) / calls * 1e6)
+                times[kind].append((time.perf_counter() - start) / calls * 1e6)
     finally:
         torch.set_num_threads(threads)
     return {kind: statistics.median(values) for kind, values in times.items()}
@@ -512,6 +528,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--device-work", action="store_true", help="also count the kernels a GPU would run at model sizes"
     )
+    parser.add_argument(
+        "--model",
+        action="store_true",
+        help="also a small Llama's training step, sibling fusion off and on (times; with --instructions, callgrind)",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -563,6 +584,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for kind, count in instructions.items():
                 print(f"| {kind} | {count:,} | {count / instructions['separate layers']:.2f} |")
             found["instructions"] = instructions
+    if args.model:
+        found = report.setdefault("llama", {})
+        print(
+            "\nsmall Llama (hidden 64, 2 layers, 16 tokens), LoRA r=16 on q, k, v, o, gate, up, down, no dropout"
+        )
+        found["time_ms"] = times = model_times()
+        print("host ms per step (median): " + ", ".join(f"{kind} {t:.2f}" for kind, t in times.items()))
+        if args.instructions:
+            found["instructions"] = counts = group_instructions("llama", steps=3, kinds=MODEL_KINDS)
+            print("CPU instructions per step: " + ", ".join(f"{kind} {n:,}" for kind, n in counts.items()))
     return report
 
 
