@@ -36,7 +36,7 @@ otherwise it computes its own output (the leader's work for it is
 wasted; no gradient flows through it). Correctness never depends on the plan. Outputs are fresh tensors
 (not views of one another), so callers may modify them in place. Each member's tensors and settings are
 read once per call (:func:`_member`): the leader hands them to the group's op and records them with its
-hand-out, and a follower compares its own with them.
+hand-out, and a follower checks its own against them (:func:`_as_follower`).
 
 **On CUDA tensors** the group runs :func:`loragen.cuda.group_op.lora_group_cuda`, built on the CUDA op's
 kernel passes: one ``lora_down`` launch for every h_i (the members' A stacked, each in a block of its rank
@@ -148,7 +148,7 @@ def _member(layer: Any, dtype: torch.dtype, device: int, own_dtype: bool) -> _Me
     """``layer``'s tensors and settings when it may take part in a group on an input of ``dtype`` on
     ``device`` (:meth:`torch.Tensor.get_device`) right now, else None; ``own_dtype``: its factors must be
     in ``dtype`` too. Read once per call: the leader passes them to the group op and records them in the
-    hand-out, a follower compares its own with them."""
+    hand-out, where each follower finds its own (:func:`_as_follower`)."""
     # not merged, its own first adapter active as plain LoRA (not DoRA), no mixed batch: the first
     # adapter's factors, the layer's own lora_A and lora_B, are what the layer computes with
     if not layer.fused or not layer.runs_plain_first_adapter():
@@ -206,6 +206,8 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     role = role_of(layer)
     if role is None:
         return None
+    if not role.followers:
+        return _as_follower(layer, x)
     run = _runner(x)
     if run is None:
         return None
@@ -215,8 +217,6 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     own = _member(layer, dtype, device, own_dtype)
     if own is None:
         return None
-    if not role.followers:
-        return _as_follower(layer, x, own)
     followers, members = [], [own]
     for follower in role.followers:
         member = _member(follower, dtype, device, own_dtype)
@@ -235,23 +235,29 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     return outputs[0]
 
 
-def _as_follower(layer: Any, x: Tensor, own: _Member) -> Tensor | None:
+def _as_follower(layer: Any, x: Tensor) -> Tensor | None:
+    """The output the leader computed for ``layer`` on ``x``, if there is one and ``layer`` would compute
+    the same now: still fused, unmerged and running its first adapter as plain LoRA without active dropout,
+    with the very tensors the leader read, at the same versions, and the same scaling. (Their dtypes and
+    devices, which the leader checked, come with the tensors' identity.)"""
     handout: _Handout | None = getattr(_local, "handout", None)
     if handout is None or handout.x() is not x or handout.version != x._version or handout.modes != _modes():
         return None
     entry = handout.outputs.pop(id(layer), None)
     if not handout.outputs:
         _local.handout = None
-    if entry is None:
+    if entry is None or not layer.fused or not layer.runs_plain_first_adapter():
         return None
     y, member, versions = entry
+    adapter = layer.running_adapter()
     if (
-        member[0] is not own[0]
-        or member[1] is not own[1]
-        or member[2] is not own[2]
-        or member[3] is not own[3]
-        or member[4] != own[4]
-        or versions != _versions(own)
+        (adapter.lora_dropout_p != 0.0 and layer.training)
+        or member[0] is not layer.weight
+        or member[1] is not layer.bias
+        or member[2] is not layer.lora_A
+        or member[3] is not layer.lora_B
+        or member[4] != adapter.scaling
+        or versions != _versions(member)
     ):
         return None  # changed since the leader ran: compute afresh
     return y

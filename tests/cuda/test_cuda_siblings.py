@@ -573,3 +573,42 @@ def test_a_member_called_with_gradients_on_does_not_take_an_output_made_without(
         reference(x).sum().backward()
     for name in ("k", "v"):
         torch.testing.assert_close(getattr(model, name).lora_A.grad, getattr(reference, name).lora_A.grad)
+
+
+def _replace_factor(model):
+    with torch.no_grad():
+        model.k.lora_A = nn.Parameter(model.k.lora_A * -2)  # another tensor object, its version 0
+
+
+def _change_scaling(model):
+    model.k.running_adapter().scaling *= 3
+
+
+def _switch_adapter(model):
+    model.k.active_adapter = "other"  # k now runs its second adapter, not the one the leader read
+
+
+@pytest.mark.parametrize("on_cuda_path", [False, True])
+@pytest.mark.parametrize("change", [_replace_factor, _change_scaling, _switch_adapter])
+def test_a_member_changed_after_the_leader_ran_computes_its_own(change, on_cuda_path, monkeypatch):
+    """q's forward hook changes k after q (the leader) computed k's output: k must not take it."""
+    if on_cuda_path:
+        monkeypatch.setattr(siblings, "_runner", lambda x: siblings._cuda_group)
+        monkeypatch.setattr(siblings, "_cuda_launcher", TORCH_PATH)
+    outputs = {}
+    for fuse in (True, False):
+        model = _model()
+        # the same scaling as the first adapter (16 / 8): only the adapter itself differs
+        loragen.add_adapter(model, loragen.LoraConfig(r=2, lora_alpha=4, target_modules=["k"]), "other")
+        with torch.no_grad():
+            model.k.lora_adapters.other.lora_B.normal_()  # B = 0 at init would make its term vanish
+        model.q.register_forward_hook(lambda module, args, output, model=model: change(model))
+        model.k.register_forward_hook(
+            lambda module, args, output, fuse=fuse: outputs.__setitem__(fuse, output)
+        )
+        with switches.sibling_fusion.using(fuse):
+            model(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)))
+    assert not torch.allclose(
+        outputs[True], _model().k(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)))
+    )
+    torch.testing.assert_close(outputs[True], outputs[False], atol=1e-6, rtol=1e-5)
