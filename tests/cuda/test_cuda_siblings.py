@@ -314,6 +314,38 @@ def test_emulated_kernels_group_equals_separate_layers(emulated, rows, k_in, out
     assert sum(name == "lora_down" for name, _, _ in emulated.launches) == 1 + len(outs)  # group + separate
 
 
+@pytest.mark.slow
+def test_address_sanitizer_passes_the_group(request):
+    """The group's launches under ASan + UBSan: lora_up and lora_grad_out read each h_i through a view
+    into the copy of H (an offset into one buffer), lora_grad_in the concatenated dh -- every launch's
+    buffers are copied out as the tensors the kernels are handed, so a read past a view is a report."""
+    if CXX is None:
+        pytest.skip("g++ is needed to build the emulated kernels")
+    launcher = EmulatedLauncher(
+        cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4, sanitizer="address"
+    )
+    launcher.prebuild((specs.LORA_DOWN, Variant("bfloat16", bucket, True)) for bucket in (16, 64))
+    low, high = _members(64, [64, 32, 40], [16, 16, 16], torch.bfloat16)
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).requires_grad_()
+    ys = lora_group_cuda(x, low, launcher=launcher)
+    grads = [
+        torch.randn(y.shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        for i, y in enumerate(ys)
+    ]
+    torch.autograd.backward(list(ys), grads)
+    xr = x.detach().double().requires_grad_()
+    wanted = [reference(xr, *h, m[4], None, m[5]) for m, h in zip(low, high)]
+    torch.autograd.backward(wanted, [g.double() for g in grads])
+    for y, want in zip(ys, wanted):
+        assert relative_error(y, want) < TOLERANCE[torch.bfloat16]
+    assert relative_error(x.grad, xr.grad) < TOLERANCE[torch.bfloat16]
+    for m, h in zip(low, high):
+        for got, exact in zip(m[:4], h):
+            if got is not None:
+                assert relative_error(got.grad, exact.grad) < TOLERANCE[torch.bfloat16]
+    assert [name for name, _, _ in launcher.launches].count("lora_grad_in") == 1
+
+
 # ---- through the layers: the CUDA group behind sibling fusion ------------------------------------------
 
 
