@@ -3,7 +3,7 @@
 Attention's q, k and v projections read one tensor, and so do an MLP's gate and up projections. Each
 LoRA layer on its own reads that input three more times than the frozen layer does: ``h = x A^T`` in
 forward, ``dA = gh^T x`` and ``dx += gh A`` in backward. A group of k siblings runs as one node
-(:class:`_GroupFunction`) that pays each pass once:
+(:class:`_GroupFunction` on the CPU; on CUDA tensors see below) that pays each pass once:
 
 forward   H    = x [A_1; ...; A_k]^T                 (N, r_1 + ... + r_k): every h_i in one GEMM
           y_i  = b_i + h_i (s_i B_i^T) + x W_i^T     for each member, as the single-layer op computes it
@@ -31,28 +31,46 @@ member, :func:`role_of`) and runs it.
 **At run time** the plan is only a plan. The leader computes a member's output only while that member is
 eligible (fused, not merged, no active dropout, the input's dtype, plain tensors), and a member takes it
 only if it is called with *the very tensor object* the leader saw, at the same version counter, with the
-same parameters at the same versions -- otherwise it computes its own output (the leader's work for it is
+same parameters at the same versions, with gradients (and inference mode) as they were for the leader --
+otherwise it computes its own output (the leader's work for it is
 wasted; no gradient flows through it). Correctness never depends on the plan. Outputs are fresh tensors
-(not views of one another), so callers may modify them in place.
+(not views of one another), so callers may modify them in place. Each member's tensors and settings are
+read once per call (:func:`_member`): the leader hands them to the group's op and records them with its
+hand-out, and a follower checks its own against them (:func:`_as_follower`).
+
+**On CUDA tensors** the group runs :func:`loragen.cuda.group_op.lora_group_cuda`, built on the CUDA op's
+kernel passes: one ``lora_down`` launch for every h_i (the members' A stacked, each in a block of its rank
+bucket), each member's own base product and ``lora_up``, each member's ``lora_grad_out``, and one
+``lora_grad_in`` launch that yields every dA_i and the sum of the rank-r terms of dx, onto which each base
+term is accumulated (beta = 1): 2 + 2k launches and one autograd node where k layers make 4k launches,
+k nodes and k - 1 additions of x-gradients. The factors may be float32 while x is 16-bit, as for the
+single-layer CUDA op. The rounding of dx differs from the CPU node's (see that module): the kernel sums
+the rank-r terms in float32 and rounds once. Groups whose stacked rank buckets pass 64 run each member
+alone (:func:`loragen.cuda.group_op.group_reason` says why a group does not run).
 
 Not fused: dropout in training (each layer draws its own mask, so the inputs differ), autocast,
-``torch.compile``, devices other than the CPU, inputs whose dtype differs from the adapter's, and
-everything with :data:`loragen.switches.sibling_fusion` or :data:`loragen.switches.fused` off.
+``torch.compile``, devices other than the CPU and CUDA (and CUDA without loragen's kernels available),
+on the CPU inputs whose dtype differs from the adapter's, and everything with
+:data:`loragen.switches.sibling_fusion` or :data:`loragen.switches.fused` off.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from loragen import switches
+from loragen import cuda, switches
 from loragen.ops.fused_linear import input_layout, lora_output, shaped_like_input
 from loragen.registry import TRANSPOSED, spec_for_lora_type
+
+if TYPE_CHECKING:
+    from loragen.cuda.launch import KernelLauncher
 
 __all__ = ["ROLE_ATTR", "Role", "forward", "role_of", "set_role", "transposed"]
 
@@ -97,91 +115,149 @@ def transposed(layer: nn.Module) -> bool:
 # ---- run time ----------------------------------------------------------------------------------------
 
 
+# a member as the group ops take it: (weight, bias, lora_A, lora_B, scaling, fan_in_fan_out)
+_Member = tuple[Tensor, "Tensor | None", Tensor, Tensor, float, bool]
+# runs a group: (x, members) -> every member's output, or None when the group cannot run as one
+_Runner = Callable[[Tensor, list[_Member]], "tuple[Tensor, ...] | None"]
+
+
 @dataclass
 class _Handout:
     """Outputs the leader computed for its followers on one input tensor."""
 
     x: weakref.ReferenceType[Tensor]
     version: int
-    # id(layer) -> (its output, the tensors it was computed from with their versions, its scaling)
-    outputs: dict[int, tuple[Tensor, tuple[tuple[Tensor | None, int], ...], float]] = field(
-        default_factory=dict
-    )
+    modes: tuple[bool, bool]  # gradients on, inference mode: a follower running otherwise computes its own
+    # id(layer) -> (its output, the member it was computed from, the versions of the member's tensors)
+    outputs: dict[int, tuple[Tensor, _Member, tuple[int, int, int, int]]] = field(default_factory=dict)
 
 
 _local = threading.local()
 
 
-def _inputs_of(layer: Any) -> tuple[tuple[Tensor | None, int], ...]:
-    return tuple(
-        (t, -1 if t is None else t._version) for t in (layer.weight, layer.bias, layer.lora_A, layer.lora_B)
-    )
+def _modes() -> tuple[bool, bool]:
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
-def _eligible(layer: Any, x: Tensor) -> bool:
-    """Whether ``layer`` may take part in a fused group for input ``x`` right now."""
-    lora_a = layer.lora_A
-    return (
-        layer.fused
-        # not merged, its own first adapter active as plain LoRA (not DoRA), no mixed batch: the factors
-        # read below are what the layer computes
-        and layer.runs_plain_first_adapter()
-        and (layer.lora_dropout_p == 0.0 or not layer.training)
-        and lora_a.dtype == x.dtype
-        and layer.weight.dtype == x.dtype
-        and lora_a.device == x.device
+def _versions(member: _Member) -> tuple[int, int, int, int]:
+    weight, bias, lora_a, lora_b = member[:4]
+    return (weight._version, -1 if bias is None else bias._version, lora_a._version, lora_b._version)
+
+
+def _member(layer: Any, dtype: torch.dtype, device: int, own_dtype: bool) -> _Member | None:
+    """``layer``'s tensors and settings when it may take part in a group on an input of ``dtype`` on
+    ``device`` (:meth:`torch.Tensor.get_device`) right now, else None; ``own_dtype``: its factors must be
+    in ``dtype`` too. Read once per call: the leader passes them to the group op and records them in the
+    hand-out, where each follower finds its own (:func:`_as_follower`)."""
+    # not merged, its own first adapter active as plain LoRA (not DoRA), no mixed batch: the first
+    # adapter's factors, the layer's own lora_A and lora_B, are what the layer computes with
+    if not layer.fused or not layer.runs_plain_first_adapter():
+        return None
+    adapter = layer.running_adapter()
+    if adapter.lora_dropout_p != 0.0 and layer.training:
+        return None
+    weight, lora_a = layer.weight, layer.lora_A
+    if (
+        weight.dtype != dtype
+        or (own_dtype and lora_a.dtype != dtype)
+        or lora_a.get_device() != device
         # plain tensors only: a sharded (DTensor) or otherwise wrapped factor runs the layer's own op
-        and type(lora_a) in _PLAIN
-        and type(layer.weight) in _PLAIN
-    )
+        or type(lora_a) not in _PLAIN
+        or type(weight) not in _PLAIN
+    ):
+        return None
+    return (weight, layer.bias, lora_a, layer.lora_B, adapter.scaling, transposed(layer))
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
+def _cpu_group(x: Tensor, members: list[_Member]) -> tuple[Tensor, ...]:
+    spec = tuple((m[4], m[5]) for m in members)
+    outputs: tuple[Tensor, ...] = _GroupFunction.apply(x, spec, *(t for m in members for t in m[:4]))
+    return outputs
+
+
+# the kernel launcher of CUDA groups (None: the self-checked driver launcher); loragen's CPU tests set a
+# torch-path or null launcher here, with :func:`_runner` routing CPU tensors to :func:`_cuda_group`
+_cuda_launcher: KernelLauncher | None = None
+
+
+def _cuda_group(x: Tensor, members: list[_Member]) -> tuple[Tensor, ...] | None:
+    from loragen.cuda.group_op import lora_group_cuda  # loaded on the first CUDA group only
+
+    return lora_group_cuda(x, members, launcher=_cuda_launcher)
+
+
+def _runner(x: Tensor) -> _Runner | None:
+    """How a group runs on ``x``: the CPU node, loragen's CUDA group op, or None (each layer alone)."""
+    if x.is_cpu:
+        return None if torch.is_autocast_enabled("cpu") else _cpu_group
+    if x.is_cuda and cuda.is_available():
+        return _cuda_group  # autocast: lora_group_cuda declines
+    return None
+
+
 def forward(layer: Any, x: Tensor) -> Tensor | None:
     """Run ``layer`` (a LoraLinear or LoraConv1D) as part of its sibling group, or return None to let
     it run :func:`loragen.ops.lora_linear` on its own."""
-    if not x.is_cpu or not (switches.sibling_fusion.get() and switches.fused.get()):
-        return None
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
+    if not (switches.sibling_fusion.get() and switches.fused.get()) or torch.compiler.is_compiling():
         return None
     role = role_of(layer)
-    if role is None or not _eligible(layer, x):
+    if role is None:
         return None
     if not role.followers:
         return _as_follower(layer, x)
-    followers = [f for f in role.followers if _eligible(f, x)]
+    run = _runner(x)
+    if run is None:
+        return None
+    # on the CPU the factors in x's dtype (as the CPU op computes); the CUDA kernels read factors of any
+    # of their dtypes as float32 (lora_group_cuda declines the others)
+    dtype, device, own_dtype = x.dtype, x.get_device(), run is _cpu_group
+    own = _member(layer, dtype, device, own_dtype)
+    if own is None:
+        return None
+    followers, members = [], [own]
+    for follower in role.followers:
+        member = _member(follower, dtype, device, own_dtype)
+        if member is not None:
+            followers.append(follower)
+            members.append(member)
     if not followers:
         return None
-    return _as_leader(layer, x, followers)
-
-
-def _as_leader(layer: Any, x: Tensor, followers: list[Any]) -> Tensor:
-    members = [layer, *followers]
-    spec = tuple((m.scaling, transposed(m)) for m in members)
-    tensors = [t for m in members for t in (m.weight, m.bias, m.lora_A, m.lora_B)]
-    outputs = _GroupFunction.apply(x, spec, *tensors)
-    handout = _Handout(weakref.ref(x), x._version)
-    for follower, y in zip(followers, outputs[1:]):
-        handout.outputs[id(follower)] = (y, _inputs_of(follower), follower.scaling)
+    outputs = run(x, members)
+    if outputs is None:
+        return None  # no hand-out: every member computes its own
+    handout = _Handout(weakref.ref(x), x._version, _modes())
+    for follower, member, y in zip(followers, members[1:], outputs[1:]):
+        handout.outputs[id(follower)] = (y, member, _versions(member))
     _local.handout = handout
     return outputs[0]
 
 
 def _as_follower(layer: Any, x: Tensor) -> Tensor | None:
+    """The output the leader computed for ``layer`` on ``x``, if there is one and ``layer`` would compute
+    the same now: still fused, unmerged and running its first adapter as plain LoRA without active dropout,
+    with the very tensors the leader read, at the same versions, and the same scaling. (Their dtypes and
+    devices, which the leader checked, come with the tensors' identity.)"""
     handout: _Handout | None = getattr(_local, "handout", None)
-    if handout is None or handout.x() is not x or handout.version != x._version:
+    if handout is None or handout.x() is not x or handout.version != x._version or handout.modes != _modes():
         return None
     entry = handout.outputs.pop(id(layer), None)
     if not handout.outputs:
         _local.handout = None
-    if entry is None:
+    if entry is None or not layer.fused or not layer.runs_plain_first_adapter():
         return None
-    y, inputs, scaling = entry
-    if scaling != layer.scaling or any(
-        a is not b or version != (-1 if b is None else b._version)
-        for (a, version), b in zip(inputs, (layer.weight, layer.bias, layer.lora_A, layer.lora_B))
+    y, member, versions = entry
+    adapter = layer.running_adapter()
+    if (
+        (adapter.lora_dropout_p != 0.0 and layer.training)
+        or member[0] is not layer.weight
+        or member[1] is not layer.bias
+        or member[2] is not layer.lora_A
+        or member[3] is not layer.lora_B
+        or member[4] != adapter.scaling
+        or versions != _versions(member)
     ):
         return None  # changed since the leader ran: compute afresh
     return y
