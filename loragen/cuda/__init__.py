@@ -20,6 +20,8 @@ torch_kernels   the torch path: each kernel's computation as torch products (cuB
 torch_dropout   the torch path's Philox keep-mask (jiterator kernels on a GPU)
 op_inputs       what the op accepts (checks, fallback reasons) and its dropout rng tensors
 linear_op       the custom ops, the eager autograd Function and :func:`lora_linear_cuda`
+group_op        sibling LoRA layers reading one input (q/k/v, gate/up) as one autograd node: one
+                lora_down and one lora_grad_in launch for the whole group
 optim           the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
 =============== =============================================================================
 
