@@ -189,7 +189,8 @@ EOF
 
 tests() {
     "$PYTHON" -m pytest -rA -p no:cacheprovider tests/cuda/test_cuda_gpu.py tests/cuda/test_torch_kernels_gpu.py \
-        tests/cuda/test_cuda_siblings.py tests/cuda/test_cuda_selfcheck.py tests/cuda/test_cuda_launch.py tests/cuda/test_cuda_host_path.py tests/cuda/test_cuda_bench.py \
+        tests/cuda/test_cuda_siblings.py tests/cuda/test_cuda_selfcheck.py tests/cuda/test_cuda_launch.py \
+        tests/cuda/test_cuda_host_path.py tests/cuda/test_cuda_bench.py \
         2>&1 | tee "$RESULTS/tests.txt"
     return "${PIPESTATUS[0]}"
 }
