@@ -18,7 +18,9 @@ measured steps (a small library built here switches its instrumentation on and o
 * ``torch path (GPU)``: the op on its torch path with the jiterator kernels stood in;
 * ``frozen module``, ``peft layer``, ``loragen layer``: whole modules -- a model of 8 ``nn.Linear``
   frozen, with peft's LoRA layers, and with loragen's, whose op runs through the CUDA launcher on the
-  stand-in driver (CPU tensors take the CUDA op's path in place of the CPU op).
+  stand-in driver (CPU tensors take the CUDA op's path in place of the CPU op); ``loragen layer, torch
+  path``: loragen's layers with the op on its torch path (``LORAGEN_CUDA_KERNELS=torch``), the jiterator
+  kernels stood in.
 
 Needs valgrind with its headers (``valgrind/callgrind.h``), a C compiler and cuda-python.
 """
@@ -41,6 +43,8 @@ from unittest import mock
 
 import torch
 
+from loragen.cuda.torch_kernels import TorchKernels
+
 __all__ = ["KINDS", "count_instructions", "main"]
 
 KINDS = (
@@ -52,6 +56,7 @@ KINDS = (
     "frozen module",
     "peft layer",
     "loragen layer",
+    "loragen layer, torch path",
 )
 DEPTH = 8  # chained layers per step
 
@@ -108,8 +113,9 @@ def _module_step(kind: str, launcher: object) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def _cuda_op_on_cpu_tensors(launcher: object) -> Iterator[None]:
-    """loragen's layers run the CUDA op (on ``launcher``) where CPU tensors would take the CPU op."""
+def _cuda_op_on_cpu_tensors(launchers: list[object]) -> Iterator[None]:
+    """loragen's layers run the CUDA op (on ``launchers[0]``, which the caller may change) where CPU
+    tensors would take the CPU op."""
     from loragen.cuda.linear_op import lora_linear_cuda
     from loragen.ops import dispatch
 
@@ -118,7 +124,7 @@ def _cuda_op_on_cpu_tensors(launcher: object) -> Iterator[None]:
         def apply(
             x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, rng: Any, seed: Any, fifo: bool
         ) -> Any:
-            return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launcher)  # type: ignore[arg-type]
+            return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launchers[0])  # type: ignore[arg-type]
 
     with mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp):
         yield
@@ -131,10 +137,15 @@ def _child(steps: int, kinds: list[str]) -> None:
     torch.set_num_threads(1)
     with contextlib.ExitStack() as stack:
         launcher = stack.enter_context(cuda_host.stand_in_device())
-        stack.enter_context(_cuda_op_on_cpu_tensors(launcher))
+        layers_launcher: list[object] = [launcher]
+        stack.enter_context(_cuda_op_on_cpu_tensors(layers_launcher))
         stack.enter_context(cuda_host.null_jiterator())
         for kind in kinds:
-            if kind in ("frozen module", "peft layer", "loragen layer"):
+            if kind == "loragen layer, torch path":
+                layers_launcher[0] = TorchKernels()
+                step = _module_step("loragen layer", launcher)
+            elif kind in ("frozen module", "peft layer", "loragen layer"):
+                layers_launcher[0] = launcher
                 step = _module_step(kind, launcher)
             else:
                 runs_on = {"loragen op": cuda_host.NullLauncher(), "loragen op, CUDA launcher": launcher}

@@ -49,6 +49,8 @@ __all__ = [
     "BlockDropout",
     "dropped",
     "group_numbers",
+    "jit_failed",
+    "jit_function",
     "jiterator_status",
     "keep_mask",
     "rng_keep_mask",
@@ -161,7 +163,7 @@ def jiterator_status() -> str:
     return "ok" if _jit_functions else "unused"
 
 
-def _jit(name: str) -> Callable[..., Tensor] | None:
+def jit_function(name: str) -> Callable[..., Tensor] | None:
     """The jiterator function ``name`` of :data:`JIT_FUNCTIONS` (created once), or None after a failure."""
     found = _jit_functions.get(name)  # the common case: no lock
     if found is not None:
@@ -180,7 +182,7 @@ def _jit(name: str) -> Callable[..., Tensor] | None:
         return _jit_functions[name]
 
 
-def _jit_failed(exc: BaseException) -> None:
+def jit_failed(exc: BaseException) -> None:
     text = str(exc).strip()
     with _jit_lock:
         if _jit_failure:
@@ -353,8 +355,9 @@ class BlockDropout:
         self._bits: tuple[Tensor, Tensor, bool] | None = None  # jiterator: bits, lanes, grouped
 
     def __call__(self, values: Tensor) -> Tensor:
-        """``values`` (rows, cols) in float32, kept elements times keep_scale, dropped ones 0; without
-        dropout, ``values`` itself when it is float32 (callers only read it)."""
+        """``values`` (any shape, element [0, ..., 0] being flat element ``start``) in float32, kept
+        elements times keep_scale, dropped ones 0; without dropout, ``values`` itself when it is float32
+        (callers only read it)."""
         if self.threshold == 0:
             return values.float()
         if (
@@ -366,13 +369,14 @@ class BlockDropout:
             try:
                 out = self._jitted(values)
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
-                _jit_failed(exc)
+                jit_failed(exc)
             else:
                 if out is not None:
                     return out
-        rows, cols = values.shape
         if self._keep is None:
-            self._keep = rng_keep_mask(self.rng, self.start, rows * cols, self.threshold).view(rows, cols)
+            self._keep = rng_keep_mask(self.rng, self.start, values.numel(), self.threshold).view(
+                values.shape
+            )
         return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
 
     def pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
@@ -388,7 +392,7 @@ class BlockDropout:
             try:
                 out = self._jitted_pair(first, second)
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
-                _jit_failed(exc)
+                jit_failed(exc)
             else:
                 if out is not None:
                     return out
@@ -399,10 +403,9 @@ class BlockDropout:
         after a jiterator failure."""
         if self._bits is not None:
             return self._bits
-        rows, cols = values.shape
-        numel = rows * cols
+        numel = values.numel()
         grouped = numel % _PER_CALL == 0 and self.start % _PER_CALL == 0 and values.is_contiguous()
-        philox = _jit("keep_bits" if grouped else "keep")
+        philox = jit_function("keep_bits" if grouped else "keep")
         if philox is None:
             return None
         device = values.device
@@ -411,7 +414,7 @@ class BlockDropout:
             groups, lanes = group_numbers(device, numel // _PER_CALL)
             bits = philox(groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold)
         else:  # one call per element, its keep flag read as lane 0 (a count or start off 8: rare)
-            elements = torch.arange(numel, dtype=torch.int64, device=device).view(rows, cols)
+            elements = torch.arange(numel, dtype=torch.int64, device=device).view(values.shape)
             bits = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
             lanes = torch.zeros(1, dtype=torch.float32, device=device)
         self._bits = bits, lanes, grouped
@@ -419,7 +422,7 @@ class BlockDropout:
 
     def _jitted(self, values: Tensor) -> Tensor | None:
         """The keep bits applied to ``values`` by the apply kernel; None after a jiterator failure."""
-        apply = _jit("apply")
+        apply = jit_function("apply")
         keep_bits = None if apply is None else self._keep_bits(values)
         if keep_bits is None or apply is None:
             return None
@@ -432,7 +435,7 @@ class BlockDropout:
 
     def _jitted_pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor] | None:
         """The keep bits applied to ``first`` and ``second`` by one kernel; None after a jiterator failure."""
-        apply_pair = _jit("apply_pair")
+        apply_pair = jit_function("apply_pair")
         keep_bits = None if apply_pair is None else self._keep_bits(first)
         if keep_bits is None or apply_pair is None:
             return None

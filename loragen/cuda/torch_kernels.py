@@ -209,7 +209,17 @@ KERNELS: dict[str, Callable[..., None]] = {
 
 
 class TorchKernels:
-    """Runs the LoRA kernels' computations with torch operations; see the module docstring."""
+    """Runs the LoRA kernels' computations with torch operations; see the module docstring.
+
+    ``whole_op`` (the default): the eager op, routed here, runs :func:`loragen.cuda.torch_path.lora_linear_torch`
+    instead of the four passes (same results, less host work per call); False keeps it on the passes
+    (the self-check compares the kernels with the passes either way).
+    """
+
+    whole_op: bool = True
+
+    def __init__(self, whole_op: bool = True) -> None:
+        self.whole_op = whole_op
 
     def target_blocks(self, device: torch.device) -> int:
         """One block: the torch path needs no split reductions."""
