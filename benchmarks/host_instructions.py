@@ -3,9 +3,10 @@ a figure that does not move with the machine's load, unlike a time.
 
     python benchmarks/host_instructions.py               # every kind, 5 steps of 8 chained layers
     python benchmarks/host_instructions.py --steps 10 --kinds composition "loragen op"
+    python benchmarks/host_instructions.py --dropout 0  # without dropout
 
 Each kind runs steps of 8 chained layers and one backward (as the layers of a model), on tiny CPU tensors
-(8 tokens, 64 -> 64, r = 16, dropout 0.05, float32), where the arithmetic costs next to nothing: what is
+(8 tokens, 64 -> 64, r = 16, dropout 0.05 unless ``--dropout`` says otherwise, float32), where the arithmetic costs next to nothing: what is
 counted is the host path (Python, torch's dispatch, autograd). After a warm-up, callgrind counts only the
 measured steps (a small library built here switches its instrumentation on and off around them). Kinds:
 
@@ -78,7 +79,7 @@ def _cuda_host() -> Any:
     return importlib.import_module("cuda_host")
 
 
-def _module_step(kind: str, launcher: object) -> Callable[[], None]:
+def _module_step(kind: str, launcher: object, dropout: float) -> Callable[[], None]:
     """One forward + backward of a model of 8 LoRA (or frozen) linears 64 -> 64."""
     import peft
 
@@ -89,7 +90,7 @@ def _module_step(kind: str, launcher: object) -> Callable[[], None]:
     config = {
         "r": 16,
         "lora_alpha": 32,
-        "lora_dropout": 0.05,
+        "lora_dropout": dropout,
         "target_modules": [str(i) for i in range(DEPTH)],
     }
     if kind == "peft layer":
@@ -130,7 +131,7 @@ def _cuda_op_on_cpu_tensors(launchers: list[object]) -> Iterator[None]:
         yield
 
 
-def _child(steps: int, kinds: list[str]) -> None:
+def _child(steps: int, dropout: float, kinds: list[str]) -> None:
     """Inside valgrind: run each kind's steps between the instrumentation switches."""
     cuda_host = _cuda_host()
     control = ctypes.CDLL(os.environ["LORAGEN_MEASURE_LIBRARY"])
@@ -143,15 +144,15 @@ def _child(steps: int, kinds: list[str]) -> None:
         for kind in kinds:
             if kind == "loragen layer, torch path":
                 layers_launcher[0] = TorchKernels()
-                step = _module_step("loragen layer", launcher)
+                step = _module_step("loragen layer", launcher, dropout)
             elif kind in ("frozen module", "peft layer", "loragen layer"):
                 layers_launcher[0] = launcher
-                step = _module_step(kind, launcher)
+                step = _module_step(kind, launcher, dropout)
             else:
                 runs_on = {"loragen op": cuda_host.NullLauncher(), "loragen op, CUDA launcher": launcher}
                 op_kind = "loragen" if kind.startswith("loragen op") else kind
                 step = cuda_host.lora_step(
-                    runs_on.get(kind), kind=op_kind, tokens=8, features=64, depth=DEPTH
+                    runs_on.get(kind), kind=op_kind, tokens=8, features=64, depth=DEPTH, dropout=dropout
                 )
             for _ in range(5):
                 step()
@@ -161,7 +162,9 @@ def _child(steps: int, kinds: list[str]) -> None:
             control.measure_stop()
 
 
-def count_instructions(steps: int = 5, kinds: tuple[str, ...] = KINDS) -> dict[str, int]:
+def count_instructions(
+    steps: int = 5, kinds: tuple[str, ...] = KINDS, dropout: float = 0.05
+) -> dict[str, int]:
     """Instructions per layer (forward + backward) of each kind, counted by callgrind.
 
     Raises:
@@ -200,6 +203,7 @@ def count_instructions(steps: int = 5, kinds: tuple[str, ...] = KINDS) -> dict[s
                 os.path.abspath(__file__),
                 "--child",
                 str(steps),
+                str(dropout),
                 *kinds,
             ],
             env=env,
@@ -227,14 +231,18 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="measured steps of 8 layers per kind")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--dropout", type=float, default=0.05, help="the LoRA layers' dropout")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(int(args.child[0]), args.child[1:])
+        _child(int(args.child[0]), float(args.child[1]), args.child[2:])
         return {}
-    counts = count_instructions(args.steps, tuple(args.kinds))
+    counts = count_instructions(args.steps, tuple(args.kinds), args.dropout)
     base = counts.get("composition")
-    print("host instructions per layer, forward + backward (8 tokens, 64 -> 64, r=16, dropout 0.05, float32)")
+    print(
+        "host instructions per layer, forward + backward "
+        f"(8 tokens, 64 -> 64, r=16, dropout {args.dropout}, float32)"
+    )
     print("| kind | instructions | / composition |")
     print("|---|---|---|")
     for kind, count in counts.items():
