@@ -49,6 +49,7 @@ __all__ = [
     "BlockDropout",
     "dropped",
     "group_numbers",
+    "group_numbers_and_flags",
     "jit_failed",
     "jit_function",
     "jiterator_status",
@@ -282,18 +283,19 @@ _MAX_VIEWS = 256  # cached (groups, 1) views before the view cache starts over (
 
 
 class _Counter:
-    """The group counter and lane numbers of one (device, stream)."""
+    """The group counter, lane numbers and keep-flag table of one (device, stream)."""
 
-    __slots__ = ("counter", "lanes", "retired")
+    __slots__ = ("counter", "flags", "lanes", "retired")
 
-    def __init__(self, counter: Tensor, lanes: Tensor) -> None:
+    def __init__(self, counter: Tensor, lanes: Tensor, flags: Tensor) -> None:
         self.counter = counter  # int64 (n,): 0 .. n - 1
         self.lanes = lanes  # float32 (8,): 0 .. 7
+        self.flags = flags  # bool (256, 8): row b holds the 8 bits of b
         self.retired: list[Tensor] = []  # counters it outgrew, kept for CUDA graphs that read them
 
 
 _counters: dict[tuple[torch.device, int], _Counter] = {}
-_group_views: dict[tuple[torch.device, int, int], tuple[Tensor, Tensor]] = {}
+_group_views: dict[tuple[torch.device, int, int], tuple[Tensor, Tensor, Tensor]] = {}
 _counter_lock = threading.Lock()
 
 
@@ -309,11 +311,26 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _lanes(device: torch.device) -> tuple[Tensor, Tensor]:
+    """Lane numbers 0 .. 7 (float32) and the keep-flag table (bool (256, 8), row b the bits of b), made on
+    ``device``'s current stream."""
+    lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+    values = torch.arange(256, device=device).view(256, 1)
+    return lanes, values.bitwise_right_shift(lanes.to(torch.int64)).bitwise_and(1).bool()
+
+
 def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
     """Group numbers 0 .. ``groups`` - 1 as int64 (groups, 1) and lane numbers 0 .. 7 as float32 (8,), on
     ``device``, for kernels queued on its current stream: views of this (device, stream)'s cached counter
     (no operation at all once a size was seen), or, inside a CUDA-graph capture that finds none, fresh
     tensors made inside the capture."""
+    numbers, lanes, _ = group_numbers_and_flags(device, groups)
+    return numbers, lanes
+
+
+def group_numbers_and_flags(device: torch.device, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`group_numbers`, and a bool (256, 8) table whose row b holds the 8 bits of b: a group's keep
+    bits (:data:`KEEP_BITS_SOURCE`) looked up in it give the group's 8 keep flags."""
     stream = _stream(device) if device.type == "cuda" else 0
     found = _group_views.get((device, stream, groups))
     if found is not None:
@@ -324,18 +341,18 @@ def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
         if entry is None or entry.counter.numel() < groups:
             if capturing:  # nothing made here is cached: this capture gets its own aranges
                 numbers = torch.arange(groups, dtype=torch.int64, device=device).view(groups, 1)
-                return numbers, torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+                return (numbers, *_lanes(device))
             size = max(_MIN_GROUPS, 1 << (groups - 1).bit_length())
             counter = torch.arange(size, dtype=torch.int64, device=device)
             if entry is None:
-                lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
-                entry = _counters[(device, stream)] = _Counter(counter, lanes)
+                entry = _counters[(device, stream)] = _Counter(counter, *_lanes(device))
             else:
                 entry.retired.append(entry.counter)
                 entry.counter = counter
         if len(_group_views) >= _MAX_VIEWS:
             _group_views.clear()
-        found = _group_views[(device, stream, groups)] = entry.counter[:groups].view(groups, 1), entry.lanes
+        view = entry.counter[:groups].view(groups, 1)
+        found = _group_views[(device, stream, groups)] = view, entry.lanes, entry.flags
     return found
 
 

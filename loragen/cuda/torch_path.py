@@ -61,16 +61,15 @@ def runs_on_torch_path(x: Tensor, out_features: int, rank: int, handle: int) -> 
 
 
 # ---- dropout: the kernels' Philox mask over whole tensors ----------------------------------------------
-# What masks tensors shaped like x: on the jiterator, (keep bits, lane numbers, grouped) -- one Philox call
-# per 8 elements, 1 byte per element (:mod:`loragen.cuda.torch_dropout`) --; else the bool keep-mask of
-# the torch formulation.
-_Keep = tuple[Tensor, Tensor, bool] | Tensor
-_PER_CALL = 8
+_PER_CALL = 8  # elements per Philox call
 
 
-def _keep_for(rng: Tensor, x: Tensor, threshold: int) -> _Keep:
-    """The keep-mask of x's elements (flat element 0 first) for (seed, offset) = ``rng``, made on x's
-    device without the host reading ``rng``."""
+def _keep_for(rng: Tensor, x: Tensor, threshold: int) -> Tensor:
+    """The bool keep-mask of x's shape (flat element 0 first) for (seed, offset) = ``rng``, made on x's
+    device without the host reading ``rng``: on the jiterator one Philox call per 8 elements writes each
+    group's keep bits (:data:`loragen.cuda.torch_dropout.KEEP_BITS_SOURCE`), whose rows in a bool table of
+    the 8 bits of each byte value are the group's keep flags (one gather: 1 byte per element written);
+    else the torch formulation (:func:`loragen.cuda.torch_dropout.rng_keep_mask`)."""
     device = x.device
     numel = x.numel()
     if device.type in torch_dropout.JIT_DEVICE_TYPES and numel:
@@ -80,57 +79,14 @@ def _keep_for(rng: Tensor, x: Tensor, threshold: int) -> _Keep:
             try:
                 seed, offset = rng.unbind()  # views: the kernel reads the words on the device
                 if grouped:
-                    groups, lanes = torch_dropout.group_numbers(device, numel // _PER_CALL)
-                    return philox(groups, seed, offset, first_group=0, threshold=threshold), lanes, True
+                    groups, _, flags = torch_dropout.group_numbers_and_flags(device, numel // _PER_CALL)
+                    bits = philox(groups, seed, offset, first_group=0, threshold=threshold)  # int64 (G, 1)
+                    return torch.embedding(flags, bits).view(x.shape)  # each group's row of 8 flags
                 elements = torch.arange(numel, dtype=torch.int64, device=device).view(x.shape)
-                lanes = torch.zeros(1, dtype=torch.float32, device=device)  # each element's flag is lane 0
-                return philox(elements, seed, offset, start=0, threshold=threshold), lanes, False
+                return philox(elements, seed, offset, start=0, threshold=threshold).bool()
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
                 torch_dropout.jit_failed(exc)
     return torch_dropout.rng_keep_mask(rng, 0, numel, threshold).view(x.shape)
-
-
-def _masked(values: Tensor, keep: _Keep, keep_scale: float) -> Tensor:
-    """float32 ``values * keep_scale`` where kept, 0 where dropped (a fresh tensor of values' shape)."""
-    if isinstance(keep, Tensor):
-        return torch.where(keep, values.float() * keep_scale, 0.0)
-    bits, lanes, grouped = keep
-    apply = torch_dropout.jit_function("apply")
-    if apply is not None:
-        try:
-            if not grouped:
-                return apply(values, bits, lanes, keep_scale=keep_scale)
-            flat = values.contiguous().view(-1, _PER_CALL)
-            return apply(flat, bits, lanes, keep_scale=keep_scale).view(values.shape)
-        except Exception as exc:  # the keep bits hold the mask: the torch formulation applies them
-            torch_dropout.jit_failed(exc)
-    kept = ((bits >> lanes.to(torch.int64)) & 1).bool().reshape(values.shape)
-    return torch.where(kept, values.float() * keep_scale, 0.0)
-
-
-class _Masked(torch.autograd.Function):
-    """x (any shape, any dtype) -> float32 x * keep / (1 - p) for a keep-mask made beforehand
-    (:func:`_keep_for`); its own adjoint: backward masks the gradient alike (one elementwise kernel on the
-    jiterator), through this Function again when backward is differentiated."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, keep: _Keep, keep_scale: float) -> Tensor:
-        # the mask stays on ctx (1 byte per element on the jiterator, a bool per element else): backward
-        # reuses it instead of running the Philox kernel again
-        ctx.keep, ctx.keep_scale, ctx.dtype = keep, keep_scale, x.dtype
-        return _masked(x, keep, keep_scale)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        if torch.is_grad_enabled():  # backward is being differentiated
-            masked = _Masked.apply(grad, ctx.keep, ctx.keep_scale)
-        else:
-            masked = _masked(grad, ctx.keep, ctx.keep_scale)
-        return masked if ctx.dtype == torch.float32 else masked.to(ctx.dtype), None, None
-
-
-def _f32(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.float32 else t.float()
 
 
 def lora_linear_torch(
@@ -155,15 +111,19 @@ def lora_linear_torch(
     turned autocast off.
     """
     w = weight.t() if fan_in_fan_out else weight
-    if rng is None:
-        x32 = _f32(x)
-    else:
-        x32 = _Masked.apply(x, _keep_for(rng, x, threshold), keep_scale)
-    h = F.linear(x32, _f32(lora_A))  # float32 (..., r)
-    if x.dtype == torch.float32:
-        return F.linear(x, w, bias).add_(F.linear(h, lora_B), alpha=scaling)
+    f32 = torch.float32  # the casts below are skipped (no dispatch) for tensors already in float32
+    x32 = x if x.dtype == f32 else x.float()
+    if rng is not None:
+        # x times the bool mask: autograd keeps the mask (1 byte per element, as peft's dropout does) and
+        # masks the gradient alike; 1 / (1 - p) is folded into the scaling of the rank-r term
+        x32 = x32 * _keep_for(rng, x, threshold)
+        scaling = scaling * keep_scale
+    h = F.linear(x32, lora_A if lora_A.dtype == f32 else lora_A.float())  # float32 (..., r)
+    b32 = lora_B if lora_B.dtype == f32 else lora_B.float()
+    if x.dtype == f32:
+        return F.linear(x, w, bias).add_(F.linear(h, b32), alpha=scaling)
     # the base product rounded into x's dtype, then bias + s h B^T added to it in float32 and rounded once
     # (an in-place add onto a 16-bit tensor computes in float32); s folded into B, so that backward scales
     # the float32 gradient of B only, never a 16-bit gradient (the add's alpha would scale g in x's dtype)
-    term = F.linear(h, _f32(lora_B) * scaling, None if bias is None else bias.float())
+    term = F.linear(h, b32 * scaling, None if bias is None else bias.float())
     return F.linear(x, w).add_(term)
