@@ -9,9 +9,12 @@ On a CUDA device it runs on kernels that torch's jiterator compiles at first use
 (:data:`JIT_FUNCTIONS`): :data:`KEEP_BITS_SOURCE` makes each group of 8 elements' keep bits with one
 Philox call (made once per masked block, used for x and, in backward, for dh A), :data:`APPLY_SOURCE`
 writes ``x * 1/(1-p)`` or 0 in float32 -- the same bytes as the float32 copy of x the products need
-anyway --, and :data:`APPLY_PAIR_SOURCE` does that for x and dh A in one kernel. So a training step takes
-two kernels in forward and two in backward, and, once a size was seen, no other tensor: the group numbers
-are views of a counter kept per device and stream (:func:`group_numbers`). A tensor whose element count
+anyway --, and :data:`APPLY_PAIR_SOURCE` does that for x and dh A in one kernel. So a training step on
+the four passes (:class:`loragen.cuda.torch_kernels.TorchKernels`) takes two kernels in forward and two in
+backward, and, once a size was seen, no other tensor: the group numbers are views of a counter kept per
+device and stream (:func:`group_numbers`). The eager op's composition (:mod:`loragen.cuda.torch_path`)
+runs only the keep-bits kernel, once per step, and looks the bits up in a bool table of each byte's 8 bits
+(:func:`group_numbers_and_flags`, kept with the counter) to get x's keep-mask, which autograd keeps. A tensor whose element count
 or start is not a multiple of 8 takes :data:`KEEP_SOURCE`, one Philox call per element. jiterator computes
 in the inputs' common dtype, so the Philox kernels take only int64 inputs (element or group numbers and
 the two rng words), and the apply kernels' float32 lane numbers make their common dtype float32.

@@ -3,28 +3,30 @@
 When a call's kernel variant runs on the torch path (``LORAGEN_CUDA_KERNELS=torch``, a variant that
 failed its self-check, or a :class:`~loragen.cuda.torch_kernels.TorchKernels` launcher passed in), the
 eager op does not run the four passes one by one through :class:`TorchKernels`: it runs
-:func:`lora_linear_torch`, the few products peft's composition runs, with native autograd -- no Python
-in backward, no per-pass launch, buffer or partial sum -- so that at small batches, where a step is bound
-by the host's work per layer, the torch path costs no more host work than peft's layer. Only the dropout
-mask is loragen's own (:class:`_PhiloxDropout`): the kernels' Philox mask, made on the device from the
-op's ``rng`` tensor (:mod:`loragen.cuda.torch_dropout`), so a variant that falls back keeps the exact
-masks the kernels would have drawn, ``torch.utils.checkpoint`` recomputes the same mask, and a CUDA graph
-captured with dropout draws a fresh mask on every replay. Under ``torch.compile`` the op stays the custom
-op (:mod:`loragen.cuda.linear_op`), whose implementation runs the passes on the torch path.
+:func:`lora_linear_torch`, the products peft's composition runs, with torch's autograd -- no Python in
+backward, no autograd Function, no per-pass launch, buffer or partial sum -- so that at small batches,
+where a step is bound by the host's work per layer, the torch path costs about the host work of peft's
+layer. Only the dropout mask is loragen's own (:func:`_keep_for`): the kernels' Philox mask, made on the
+device from the op's ``rng`` tensor by one jiterator kernel (:mod:`loragen.cuda.torch_dropout`) and
+looked up as a bool keep-mask, so a variant that falls back keeps the exact masks the kernels would have
+drawn, ``torch.utils.checkpoint`` recomputes the same mask, and a CUDA graph captured with dropout draws
+a fresh mask on every replay. Under ``torch.compile`` the op stays the custom op
+(:mod:`loragen.cuda.linear_op`), whose implementation runs the passes on the torch path.
 
-Numerics, shapes as in :mod:`loragen.cuda.linear_op` (x (..., in), A (r, in), B (out, r)):
+Numerics, shapes as in :mod:`loragen.cuda.linear_op` (x (..., in), A (r, in), B (out, r)), keep the
+mask and ks = 1 / (1 - p) (1 without dropout):
 
-    h   = dropout(x) A^T                 float32 (x and the factors taken in float32)
-    y   = round(x W^T + bias + s h B^T)  the base product x W^T in x's dtype, as peft's base layer rounds
-                                         it; bias and the rank-r term added to it in float32, one rounding
+    h   = (x * keep) A^T                      float32 (x and the factors taken in float32)
+    y   = round(x W^T + bias + (s ks) h B^T)  the base product x W^T in x's dtype, as peft's base layer
+                                              rounds it; bias and the rank-r term added to it in float32,
+                                              one rounding
 
-as the passes compute them (float32 x: the bias in the base product's epilogue and the term added in
-float32, equal to float32 rounding). Backward is autograd's: grad_x = g W + round(dropout(dh A)) added in
-x's dtype, dA = dh^T dropout(x), dB = s g^T h, all products in float32 but g W.
+as the passes compute them up to float32 rounding (they scale x by ks before the product; float32 x
+takes the bias in the base product's epilogue). Backward is autograd's: grad_x = g W + round(keep *
+(dh A)) added in x's dtype, dA = dh^T (x * keep), dB = s ks g^T h, all in float32 but g W.
 
-Memory, as peft's composition: autograd keeps the float32 dropout(x) (or x cast to float32) for dA,
-where the kernels regenerate it from x; with dropout, also the keep bits, 1 byte per element of x (a
-bool mask's size).
+Memory, as peft's composition: autograd keeps the float32 x * keep (or x cast to float32) for dA, where
+the kernels read x itself again, and with dropout the bool mask (1 byte per element of x).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import Tensor
 
 from loragen import switches
 from loragen.cuda import hostcache, torch_dropout
-from loragen.cuda.torch_kernels import TorchKernels
+from loragen.cuda.torch_kernels import BLOCK_ELEMENTS, TorchKernels
 
 __all__ = ["lora_linear_torch", "runs_on_torch_path"]
 
@@ -86,7 +88,13 @@ def _keep_for(rng: Tensor, x: Tensor, threshold: int) -> Tensor:
                 return philox(elements, seed, offset, start=0, threshold=threshold).bool()
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
                 torch_dropout.jit_failed(exc)
-    return torch_dropout.rng_keep_mask(rng, 0, numel, threshold).view(x.shape)
+    step = BLOCK_ELEMENTS  # a multiple of 8: bounds the formulation's int64 temporaries
+    if numel <= step:
+        return torch_dropout.rng_keep_mask(rng, 0, numel, threshold).view(x.shape)
+    spans = [
+        torch_dropout.rng_keep_mask(rng, i, min(step, numel - i), threshold) for i in range(0, numel, step)
+    ]
+    return torch.cat(spans).view(x.shape)
 
 
 def lora_linear_torch(

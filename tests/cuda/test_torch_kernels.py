@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loragen import philox
-from loragen.cuda import torch_dropout, torch_kernels
+from loragen.cuda import torch_dropout, torch_kernels, torch_path
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP
 from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
@@ -238,6 +238,22 @@ def test_torch_path_composition_matches_the_passes_and_the_reference(p, dtype, f
     ):
         assert relative_error(got.reshape(expected.shape), expected) < bound
         assert relative_error(got.reshape(expected.shape), passes.reshape(expected.shape).double()) < bound
+
+
+def test_torch_path_mask_made_in_spans_is_the_whole_mask(monkeypatch):
+    """Past BLOCK_ELEMENTS the torch formulation makes the composition's mask in spans (bounding its int64
+    temporaries): the same mask, so the same output and gradients, bit for bit."""
+
+    def step() -> list[torch.Tensor]:
+        (x, w, b, a, bb), _ = make_inputs(37, 24, 16, 4, torch.float32, seed=4)
+        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=99, launcher=TorchKernels())
+        y.square().sum().backward()
+        return [y.detach(), x.grad, a.grad, bb.grad]
+
+    whole = step()
+    monkeypatch.setattr(torch_path, "BLOCK_ELEMENTS", 8 * 13)  # 9 spans, the last one partial
+    for got, want in zip(step(), whole):
+        assert torch.equal(got, want)
 
 
 def test_torch_path_backward_can_be_differentiated_through_the_mask():

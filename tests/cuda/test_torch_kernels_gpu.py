@@ -155,7 +155,7 @@ def test_torch_path_composition_captured_with_dropout_trains_on_the_replays_mask
     """The eager torch path (one composition, ``TorchKernels()``) with dropout inside a CUDA graph, forward
     and backward: each replay draws a fresh (seed, offset) on the device, the output holds exactly that
     Philox mask (A = B = identity, no base weight: y = x * keep / (1 - p)), and grad_x is the same mask
-    applied to the output gradient (its keep bits kept from forward)."""
+    applied to the output gradient (the mask autograd kept from forward)."""
     from loragen.cuda import linear_op
     from loragen.cuda.op_inputs import draw_rng
 
