@@ -8,6 +8,8 @@ this runs without a GPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -158,6 +160,49 @@ def _inputs(dtype=torch.float32, n=12, k=24, o=16, r=5, bias=True):
     a = (torch.randn(r, k, generator=gen) / k**0.5).requires_grad_()
     bb = torch.randn(o, r, generator=gen).requires_grad_()
     return x, w, b, a, bb
+
+
+class CountingTorchKernels(TorchKernels):
+    """The torch path, counting the passes launched on it."""
+
+    def __init__(self, whole_op: bool = True) -> None:
+        super().__init__(whole_op)
+        self.launches = 0
+
+    def launch(self, spec, variant, grid, args, device) -> None:
+        self.launches += 1
+        super().launch(spec, variant, grid, args, device)
+
+
+@pytest.mark.parametrize("how", ["failed self-check", "switch", "launcher passed in"])
+def test_the_torch_path_runs_as_one_composition(monkeypatch, how):
+    """However a call gets to the torch path -- its variant failed the self-check (here: kernels that
+    compute nothing), ``LORAGEN_CUDA_KERNELS=torch``, or a ``TorchKernels`` launcher passed in -- the eager
+    op runs :func:`loragen.cuda.torch_path.lora_linear_torch` (no pass is launched) and gives the
+    composition's result; ``TorchKernels(whole_op=False)`` keeps the passes."""
+    from loragen import switches
+    from loragen.cuda import selfcheck, torch_path
+
+    composed = []
+    real = torch_path.lora_linear_torch
+    monkeypatch.setattr(torch_path, "lora_linear_torch", lambda *args: composed.append(1) or real(*args))
+    torch_kernels = CountingTorchKernels()
+    if how == "launcher passed in":
+        launcher = torch_kernels
+    else:
+        launcher = selfcheck.CheckedLauncher(NullLauncher(), torch_kernels, isolate=False)
+    x, w, b, a, bb = _inputs()
+    with switches.cuda_kernels.using("torch" if how == "switch" else "check"):
+        with pytest.warns(RuntimeWarning) if how == "failed self-check" else contextlib.nullcontext():
+            lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)  # routed (and checked)
+        checked = torch_kernels.launches  # the self-check's reference passes
+        y = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)
+        y.sum().backward()
+    assert torch_kernels.launches == checked and len(composed) == 2
+    torch.testing.assert_close(y, lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False))
+    passes = CountingTorchKernels(whole_op=False)
+    lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=passes).sum().backward()
+    assert passes.launches == 4 and len(composed) == 2
 
 
 def test_plan_is_routed_once_per_shape_and_factors_refresh_only_when_the_parameter_changes():
