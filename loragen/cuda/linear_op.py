@@ -36,7 +36,9 @@ so backward looks nothing up again; scalars travel to ``apply`` as one tuple.
 Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which
 self-checks each kernel variant on its first use on a device and moves a failing one to the torch path
 (:mod:`loragen.cuda.torch_kernels`) with one warning; ``LORAGEN_CUDA_KERNELS`` (:data:`loragen.switches.cuda_kernels`)
-turns the check off or forces the torch path.
+turns the check off or forces the torch path. An eager call routed to the torch path runs
+:func:`loragen.cuda.torch_path.lora_linear_torch` (one composition with torch's autograd) instead of the
+Function below.
 
 Dropout: each forward draws its Philox seed and offset with one device-side torch RNG op (:func:`draw_rng`)
 into an int64 tensor of two elements that the kernels read through a pointer and backward reuses. So
