@@ -6,8 +6,8 @@ a figure that does not move with the machine's load, unlike a time.
     python benchmarks/host_instructions.py --dropout 0  # without dropout
 
 Each kind runs steps of 8 chained layers and one backward (as the layers of a model), on tiny CPU tensors
-(8 tokens, 64 -> 64, r = 16, dropout 0.05 unless ``--dropout`` says otherwise, float32), where the arithmetic costs next to nothing: what is
-counted is the host path (Python, torch's dispatch, autograd). After a warm-up, callgrind counts only the
+(8 tokens, 64 -> 64, r = 16, dropout 0.05 unless ``--dropout`` says otherwise, float32), where the
+arithmetic costs next to nothing: what is counted is the host path (Python, torch's dispatch, autograd). After a warm-up, callgrind counts only the
 measured steps (a small library built here switches its instrumentation on and off around them). Kinds:
 
 * ``frozen``: ``F.linear`` alone; ``composition``: peft's way as functions (base linear, dropout, A and B
@@ -20,8 +20,8 @@ measured steps (a small library built here switches its instrumentation on and o
 * ``frozen module``, ``peft layer``, ``loragen layer``: whole modules -- a model of 8 ``nn.Linear``
   frozen, with peft's LoRA layers, and with loragen's, whose op runs through the CUDA launcher on the
   stand-in driver (CPU tensors take the CUDA op's path in place of the CPU op); ``loragen layer, torch
-  path``: loragen's layers with the op on its torch path (``LORAGEN_CUDA_KERNELS=torch``), the jiterator
-  kernels stood in.
+  path``: loragen's layers with the op on a :class:`~loragen.cuda.torch_kernels.TorchKernels` launcher
+  (the torch path, as ``LORAGEN_CUDA_KERNELS=torch`` routes it), the jiterator kernels stood in.
 
 Needs valgrind with its headers (``valgrind/callgrind.h``), a C compiler and cuda-python.
 """

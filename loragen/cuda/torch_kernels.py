@@ -214,9 +214,10 @@ KERNELS: dict[str, Callable[..., None]] = {
 class TorchKernels:
     """Runs the LoRA kernels' computations with torch operations; see the module docstring.
 
-    ``whole_op`` (the default): the eager op, routed here, runs :func:`loragen.cuda.torch_path.lora_linear_torch`
-    instead of the four passes (same results, less host work per call); False keeps it on the passes
-    (the self-check compares the kernels with the passes either way).
+    ``whole_op`` (the default): the eager op, routed here, runs
+    :func:`loragen.cuda.torch_path.lora_linear_torch` instead of the four passes (the same results up to
+    float32 rounding, less host work per call); False keeps it on the passes (the self-check compares the
+    kernels with the passes either way).
     """
 
     whole_op: bool = True
