@@ -120,12 +120,14 @@ def lora_linear_torch(
     """
     w = weight.t() if fan_in_fan_out else weight
     f32 = torch.float32  # the casts below are skipped (no dispatch) for tensors already in float32
-    x32 = x if x.dtype == f32 else x.float()
+    x_lora = x  # the LoRA branch's input; the base product reads x itself
     if rng is not None:
-        # x times the bool mask: autograd keeps the mask (1 byte per element, as peft's dropout does) and
-        # masks the gradient alike; 1 / (1 - p) is folded into the scaling of the rank-r term
-        x32 = x32 * _keep_for(rng, x, threshold)
+        # x times the bool mask, in x's dtype (exact; half the bytes of a float32 product for 16-bit x):
+        # autograd keeps the mask (1 byte per element, as peft's dropout does) and masks the gradient
+        # alike; 1 / (1 - p) is folded into the scaling of the rank-r term
+        x_lora = x * _keep_for(rng, x, threshold)
         scaling = scaling * keep_scale
+    x32 = x_lora if x.dtype == f32 else x_lora.float()
     h = F.linear(x32, lora_A if lora_A.dtype == f32 else lora_A.float())  # float32 (..., r)
     b32 = lora_B if lora_B.dtype == f32 else lora_B.float()
     if x.dtype == f32:
