@@ -52,7 +52,12 @@ def runs_on_torch_path(x: Tensor, out_features: int, rank: int, handle: int) -> 
     on the torch path: the launcher its plan routes the kernel variant to is a whole-op
     :class:`TorchKernels`. Decided once per (dtype, device, sizes but the row count, launcher, switch),
     with the first call's plan (which self-checks a new variant); a variant that fails later, at a launch,
-    runs its passes on the torch path through the self-check's guard."""
+    runs its passes on the torch path through the self-check's guard.
+
+    Raises:
+        RuntimeError: the variant is new and a CUDA graph is being captured (the self-check refuses to
+            run inside a capture, as the kernel path does).
+    """
     key = (x.dtype, x.device, x.shape[-1], out_features, rank, handle, switches.cuda_kernels.get())
     found = _routes.get(key)
     if found is None:
