@@ -133,7 +133,8 @@ class NullLauncher:
 class _NullJitFunction:
     """Stands in for a jiterator function: the outputs it would allocate, no kernel. (Each of loragen's
     jiterator calls returns its first input's shape, in float32 when any input is floating point; one
-    tensor, or a tuple of ``outputs`` for a function that returns several.)"""
+    tensor, or a tuple of ``outputs`` for a function that returns several.) Integer outputs (keep bits)
+    are zeros, a valid value, so that what reads them runs as on a GPU."""
 
     def __init__(self, outputs: int = 0) -> None:
         self.outputs = outputs
@@ -143,6 +144,8 @@ class _NullJitFunction:
         floating = any(t.is_floating_point() for t in tensors)
         dtype = torch.float32 if floating else first.dtype
         if not self.outputs:
+            if not floating:  # keep bits: zeros, values the torch path may look up in a table
+                return torch.zeros(first.shape, dtype=dtype, device=first.device)
             return torch.empty(first.shape, dtype=dtype, device=first.device)
         return tuple(torch.empty(first.shape, dtype=dtype, device=first.device) for _ in range(self.outputs))
 

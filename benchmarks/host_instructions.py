@@ -3,10 +3,11 @@ a figure that does not move with the machine's load, unlike a time.
 
     python benchmarks/host_instructions.py               # every kind, 5 steps of 8 chained layers
     python benchmarks/host_instructions.py --steps 10 --kinds composition "loragen op"
+    python benchmarks/host_instructions.py --dropout 0  # without dropout
 
 Each kind runs steps of 8 chained layers and one backward (as the layers of a model), on tiny CPU tensors
-(8 tokens, 64 -> 64, r = 16, dropout 0.05, float32), where the arithmetic costs next to nothing: what is
-counted is the host path (Python, torch's dispatch, autograd). After a warm-up, callgrind counts only the
+(8 tokens, 64 -> 64, r = 16, dropout 0.05 unless ``--dropout`` says otherwise, float32), where the
+arithmetic costs next to nothing: what is counted is the host path (Python, torch's dispatch, autograd). After a warm-up, callgrind counts only the
 measured steps (a small library built here switches its instrumentation on and off around them). Kinds:
 
 * ``frozen``: ``F.linear`` alone; ``composition``: peft's way as functions (base linear, dropout, A and B
@@ -18,7 +19,9 @@ measured steps (a small library built here switches its instrumentation on and o
 * ``torch path (GPU)``: the op on its torch path with the jiterator kernels stood in;
 * ``frozen module``, ``peft layer``, ``loragen layer``: whole modules -- a model of 8 ``nn.Linear``
   frozen, with peft's LoRA layers, and with loragen's, whose op runs through the CUDA launcher on the
-  stand-in driver (CPU tensors take the CUDA op's path in place of the CPU op).
+  stand-in driver (CPU tensors take the CUDA op's path in place of the CPU op); ``loragen layer, torch
+  path``: loragen's layers with the op on a :class:`~loragen.cuda.torch_kernels.TorchKernels` launcher
+  (the torch path, as ``LORAGEN_CUDA_KERNELS=torch`` routes it), the jiterator kernels stood in.
 
 Needs valgrind with its headers (``valgrind/callgrind.h``), a C compiler and cuda-python.
 """
@@ -41,6 +44,8 @@ from unittest import mock
 
 import torch
 
+from loragen.cuda.torch_kernels import TorchKernels
+
 __all__ = ["KINDS", "count_instructions", "main"]
 
 KINDS = (
@@ -52,6 +57,7 @@ KINDS = (
     "frozen module",
     "peft layer",
     "loragen layer",
+    "loragen layer, torch path",
 )
 DEPTH = 8  # chained layers per step
 
@@ -73,7 +79,7 @@ def _cuda_host() -> Any:
     return importlib.import_module("cuda_host")
 
 
-def _module_step(kind: str, launcher: object) -> Callable[[], None]:
+def _module_step(kind: str, launcher: object, dropout: float) -> Callable[[], None]:
     """One forward + backward of a model of 8 LoRA (or frozen) linears 64 -> 64."""
     import peft
 
@@ -84,7 +90,7 @@ def _module_step(kind: str, launcher: object) -> Callable[[], None]:
     config = {
         "r": 16,
         "lora_alpha": 32,
-        "lora_dropout": 0.05,
+        "lora_dropout": dropout,
         "target_modules": [str(i) for i in range(DEPTH)],
     }
     if kind == "peft layer":
@@ -108,8 +114,9 @@ def _module_step(kind: str, launcher: object) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def _cuda_op_on_cpu_tensors(launcher: object) -> Iterator[None]:
-    """loragen's layers run the CUDA op (on ``launcher``) where CPU tensors would take the CPU op."""
+def _cuda_op_on_cpu_tensors(launchers: list[object]) -> Iterator[None]:
+    """loragen's layers run the CUDA op (on ``launchers[0]``, which the caller may change) where CPU
+    tensors would take the CPU op."""
     from loragen.cuda.linear_op import lora_linear_cuda
     from loragen.ops import dispatch
 
@@ -118,29 +125,34 @@ def _cuda_op_on_cpu_tensors(launcher: object) -> Iterator[None]:
         def apply(
             x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, rng: Any, seed: Any, fifo: bool
         ) -> Any:
-            return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launcher)  # type: ignore[arg-type]
+            return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launchers[0])  # type: ignore[arg-type]
 
     with mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp):
         yield
 
 
-def _child(steps: int, kinds: list[str]) -> None:
+def _child(steps: int, dropout: float, kinds: list[str]) -> None:
     """Inside valgrind: run each kind's steps between the instrumentation switches."""
     cuda_host = _cuda_host()
     control = ctypes.CDLL(os.environ["LORAGEN_MEASURE_LIBRARY"])
     torch.set_num_threads(1)
     with contextlib.ExitStack() as stack:
         launcher = stack.enter_context(cuda_host.stand_in_device())
-        stack.enter_context(_cuda_op_on_cpu_tensors(launcher))
+        layers_launcher: list[object] = [launcher]
+        stack.enter_context(_cuda_op_on_cpu_tensors(layers_launcher))
         stack.enter_context(cuda_host.null_jiterator())
         for kind in kinds:
-            if kind in ("frozen module", "peft layer", "loragen layer"):
-                step = _module_step(kind, launcher)
+            if kind == "loragen layer, torch path":
+                layers_launcher[0] = TorchKernels()
+                step = _module_step("loragen layer", launcher, dropout)
+            elif kind in ("frozen module", "peft layer", "loragen layer"):
+                layers_launcher[0] = launcher
+                step = _module_step(kind, launcher, dropout)
             else:
                 runs_on = {"loragen op": cuda_host.NullLauncher(), "loragen op, CUDA launcher": launcher}
                 op_kind = "loragen" if kind.startswith("loragen op") else kind
                 step = cuda_host.lora_step(
-                    runs_on.get(kind), kind=op_kind, tokens=8, features=64, depth=DEPTH
+                    runs_on.get(kind), kind=op_kind, tokens=8, features=64, depth=DEPTH, dropout=dropout
                 )
             for _ in range(5):
                 step()
@@ -150,7 +162,9 @@ def _child(steps: int, kinds: list[str]) -> None:
             control.measure_stop()
 
 
-def count_instructions(steps: int = 5, kinds: tuple[str, ...] = KINDS) -> dict[str, int]:
+def count_instructions(
+    steps: int = 5, kinds: tuple[str, ...] = KINDS, dropout: float = 0.05
+) -> dict[str, int]:
     """Instructions per layer (forward + backward) of each kind, counted by callgrind.
 
     Raises:
@@ -189,6 +203,7 @@ def count_instructions(steps: int = 5, kinds: tuple[str, ...] = KINDS) -> dict[s
                 os.path.abspath(__file__),
                 "--child",
                 str(steps),
+                str(dropout),
                 *kinds,
             ],
             env=env,
@@ -216,14 +231,18 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="measured steps of 8 layers per kind")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--dropout", type=float, default=0.05, help="the LoRA layers' dropout")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(int(args.child[0]), args.child[1:])
+        _child(int(args.child[0]), float(args.child[1]), args.child[2:])
         return {}
-    counts = count_instructions(args.steps, tuple(args.kinds))
+    counts = count_instructions(args.steps, tuple(args.kinds), args.dropout)
     base = counts.get("composition")
-    print("host instructions per layer, forward + backward (8 tokens, 64 -> 64, r=16, dropout 0.05, float32)")
+    print(
+        "host instructions per layer, forward + backward "
+        f"(8 tokens, 64 -> 64, r=16, dropout {args.dropout}, float32)"
+    )
     print("| kind | instructions | / composition |")
     print("|---|---|---|")
     for kind, count in counts.items():

@@ -17,6 +17,7 @@ passes          the four kernel passes of the op: argument lists, grids, partial
 hostcache       what the op keeps between calls: plans, padded factors, launcher handles
 selfcheck       each variant checked on first use per device; failures -> one warning and the torch path
 torch_kernels   the torch path: each kernel's computation as torch products (cuBLAS), same outputs
+torch_path      the eager op on the torch path: one composition with torch's autograd, and its routing
 torch_dropout   the torch path's Philox keep-mask (jiterator kernels on a GPU)
 op_inputs       what the op accepts (checks, fallback reasons) and its dropout rng tensors
 linear_op       the custom ops, the eager autograd Function and :func:`lora_linear_cuda`

@@ -36,7 +36,9 @@ so backward looks nothing up again; scalars travel to ``apply`` as one tuple.
 Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which
 self-checks each kernel variant on its first use on a device and moves a failing one to the torch path
 (:mod:`loragen.cuda.torch_kernels`) with one warning; ``LORAGEN_CUDA_KERNELS`` (:data:`loragen.switches.cuda_kernels`)
-turns the check off or forces the torch path.
+turns the check off or forces the torch path. An eager call routed to the torch path runs
+:func:`loragen.cuda.torch_path.lora_linear_torch` (one composition with torch's autograd) instead of the
+Function below.
 
 Dropout: each forward draws its Philox seed and offset with one device-side torch RNG op (:func:`draw_rng`)
 into an int64 tensor of two elements that the kernels read through a pointer and backward reuses. So
@@ -56,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loragen.cuda import hostcache, kernel_variants, passes
+from loragen.cuda import hostcache, kernel_variants, passes, torch_path
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.op_inputs import check_inputs, draw_rng, seed_rng, unsupported_reason
 from loragen.reference import lora_linear_reference
@@ -400,7 +402,8 @@ def lora_linear_cuda(
             mismatched shapes; ``dropout_p`` outside [0, 1); ``seed`` not unsigned 64-bit.
     """
     check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
-    if _autocasting(x):
+    autocasting = _autocasting(x)
+    if autocasting:
         dtype = torch.get_autocast_dtype("cuda")
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
@@ -416,4 +419,10 @@ def lora_linear_cuda(
     scalars = (float(scaling), p, fan_in_fan_out, hostcache.launcher_handle(launcher))
     if torch.compiler.is_compiling():  # traced: the custom op, which torch.compile sees through its fake
         return _lora_linear_op(x, weight, bias, lora_A, lora_B, rng, *scalars)[0]
+    if torch_path.runs_on_torch_path(x, lora_B.shape[0], lora_A.shape[0], scalars[3]):  # one composition
+        args = (x, weight, bias, lora_A, lora_B, scalars[0], *hostcache.dropout_args(rng, p), fan_in_fan_out)
+        if not autocasting:
+            return torch_path.lora_linear_torch(*args)
+        with torch.autocast("cuda", enabled=False):
+            return torch_path.lora_linear_torch(*args)
     return _LoraLinearFunction.apply(x, weight, bias, lora_A, lora_B, rng, scalars)

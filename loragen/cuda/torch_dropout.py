@@ -9,9 +9,12 @@ On a CUDA device it runs on kernels that torch's jiterator compiles at first use
 (:data:`JIT_FUNCTIONS`): :data:`KEEP_BITS_SOURCE` makes each group of 8 elements' keep bits with one
 Philox call (made once per masked block, used for x and, in backward, for dh A), :data:`APPLY_SOURCE`
 writes ``x * 1/(1-p)`` or 0 in float32 -- the same bytes as the float32 copy of x the products need
-anyway --, and :data:`APPLY_PAIR_SOURCE` does that for x and dh A in one kernel. So a training step takes
-two kernels in forward and two in backward, and, once a size was seen, no other tensor: the group numbers
-are views of a counter kept per device and stream (:func:`group_numbers`). A tensor whose element count
+anyway --, and :data:`APPLY_PAIR_SOURCE` does that for x and dh A in one kernel. So a training step on
+the four passes (:class:`loragen.cuda.torch_kernels.TorchKernels`) takes two kernels in forward and two in
+backward, and, once a size was seen, no other tensor: the group numbers are views of a counter kept per
+device and stream (:func:`group_numbers`). The eager op's composition (:mod:`loragen.cuda.torch_path`)
+runs only the keep-bits kernel, once per step, and looks the bits up in a bool table of each byte's 8 bits
+(:func:`group_numbers_and_flags`, kept with the counter) to get x's keep-mask, which autograd keeps. A tensor whose element count
 or start is not a multiple of 8 takes :data:`KEEP_SOURCE`, one Philox call per element. jiterator computes
 in the inputs' common dtype, so the Philox kernels take only int64 inputs (element or group numbers and
 the two rng words), and the apply kernels' float32 lane numbers make their common dtype float32.
@@ -49,6 +52,9 @@ __all__ = [
     "BlockDropout",
     "dropped",
     "group_numbers",
+    "group_numbers_and_flags",
+    "jit_failed",
+    "jit_function",
     "jiterator_status",
     "keep_mask",
     "rng_keep_mask",
@@ -161,7 +167,7 @@ def jiterator_status() -> str:
     return "ok" if _jit_functions else "unused"
 
 
-def _jit(name: str) -> Callable[..., Tensor] | None:
+def jit_function(name: str) -> Callable[..., Tensor] | None:
     """The jiterator function ``name`` of :data:`JIT_FUNCTIONS` (created once), or None after a failure."""
     found = _jit_functions.get(name)  # the common case: no lock
     if found is not None:
@@ -180,7 +186,7 @@ def _jit(name: str) -> Callable[..., Tensor] | None:
         return _jit_functions[name]
 
 
-def _jit_failed(exc: BaseException) -> None:
+def jit_failed(exc: BaseException) -> None:
     text = str(exc).strip()
     with _jit_lock:
         if _jit_failure:
@@ -280,18 +286,19 @@ _MAX_VIEWS = 256  # cached (groups, 1) views before the view cache starts over (
 
 
 class _Counter:
-    """The group counter and lane numbers of one (device, stream)."""
+    """The group counter, lane numbers and keep-flag table of one (device, stream)."""
 
-    __slots__ = ("counter", "lanes", "retired")
+    __slots__ = ("counter", "flags", "lanes", "retired")
 
-    def __init__(self, counter: Tensor, lanes: Tensor) -> None:
+    def __init__(self, counter: Tensor, lanes: Tensor, flags: Tensor) -> None:
         self.counter = counter  # int64 (n,): 0 .. n - 1
         self.lanes = lanes  # float32 (8,): 0 .. 7
+        self.flags = flags  # bool (256, 8): row b holds the 8 bits of b
         self.retired: list[Tensor] = []  # counters it outgrew, kept for CUDA graphs that read them
 
 
 _counters: dict[tuple[torch.device, int], _Counter] = {}
-_group_views: dict[tuple[torch.device, int, int], tuple[Tensor, Tensor]] = {}
+_group_views: dict[tuple[torch.device, int, int], tuple[Tensor, Tensor, Tensor]] = {}
 _counter_lock = threading.Lock()
 
 
@@ -307,11 +314,26 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _lanes(device: torch.device) -> tuple[Tensor, Tensor]:
+    """Lane numbers 0 .. 7 (float32) and the keep-flag table (bool (256, 8), row b the bits of b), made on
+    ``device``'s current stream."""
+    lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+    values = torch.arange(256, device=device).view(256, 1)
+    return lanes, values.bitwise_right_shift(lanes.to(torch.int64)).bitwise_and(1).bool()
+
+
 def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
     """Group numbers 0 .. ``groups`` - 1 as int64 (groups, 1) and lane numbers 0 .. 7 as float32 (8,), on
     ``device``, for kernels queued on its current stream: views of this (device, stream)'s cached counter
     (no operation at all once a size was seen), or, inside a CUDA-graph capture that finds none, fresh
     tensors made inside the capture."""
+    numbers, lanes, _ = group_numbers_and_flags(device, groups)
+    return numbers, lanes
+
+
+def group_numbers_and_flags(device: torch.device, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`group_numbers`, and a bool (256, 8) table whose row b holds the 8 bits of b: a group's keep
+    bits (:data:`KEEP_BITS_SOURCE`) looked up in it give the group's 8 keep flags."""
     stream = _stream(device) if device.type == "cuda" else 0
     found = _group_views.get((device, stream, groups))
     if found is not None:
@@ -322,18 +344,18 @@ def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
         if entry is None or entry.counter.numel() < groups:
             if capturing:  # nothing made here is cached: this capture gets its own aranges
                 numbers = torch.arange(groups, dtype=torch.int64, device=device).view(groups, 1)
-                return numbers, torch.arange(_PER_CALL, dtype=torch.float32, device=device)
+                return (numbers, *_lanes(device))
             size = max(_MIN_GROUPS, 1 << (groups - 1).bit_length())
             counter = torch.arange(size, dtype=torch.int64, device=device)
             if entry is None:
-                lanes = torch.arange(_PER_CALL, dtype=torch.float32, device=device)
-                entry = _counters[(device, stream)] = _Counter(counter, lanes)
+                entry = _counters[(device, stream)] = _Counter(counter, *_lanes(device))
             else:
                 entry.retired.append(entry.counter)
                 entry.counter = counter
         if len(_group_views) >= _MAX_VIEWS:
             _group_views.clear()
-        found = _group_views[(device, stream, groups)] = entry.counter[:groups].view(groups, 1), entry.lanes
+        view = entry.counter[:groups].view(groups, 1)
+        found = _group_views[(device, stream, groups)] = view, entry.lanes, entry.flags
     return found
 
 
@@ -353,8 +375,9 @@ class BlockDropout:
         self._bits: tuple[Tensor, Tensor, bool] | None = None  # jiterator: bits, lanes, grouped
 
     def __call__(self, values: Tensor) -> Tensor:
-        """``values`` (rows, cols) in float32, kept elements times keep_scale, dropped ones 0; without
-        dropout, ``values`` itself when it is float32 (callers only read it)."""
+        """``values`` (any shape, element [0, ..., 0] being flat element ``start``) in float32, kept
+        elements times keep_scale, dropped ones 0; without dropout, ``values`` itself when it is float32
+        (callers only read it)."""
         if self.threshold == 0:
             return values.float()
         if (
@@ -366,13 +389,14 @@ class BlockDropout:
             try:
                 out = self._jitted(values)
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
-                _jit_failed(exc)
+                jit_failed(exc)
             else:
                 if out is not None:
                     return out
-        rows, cols = values.shape
         if self._keep is None:
-            self._keep = rng_keep_mask(self.rng, self.start, rows * cols, self.threshold).view(rows, cols)
+            self._keep = rng_keep_mask(self.rng, self.start, values.numel(), self.threshold).view(
+                values.shape
+            )
         return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
 
     def pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
@@ -388,7 +412,7 @@ class BlockDropout:
             try:
                 out = self._jitted_pair(first, second)
             except Exception as exc:  # whatever stops the jiterator, the torch formulation gives the same
-                _jit_failed(exc)
+                jit_failed(exc)
             else:
                 if out is not None:
                     return out
@@ -399,10 +423,9 @@ class BlockDropout:
         after a jiterator failure."""
         if self._bits is not None:
             return self._bits
-        rows, cols = values.shape
-        numel = rows * cols
+        numel = values.numel()
         grouped = numel % _PER_CALL == 0 and self.start % _PER_CALL == 0 and values.is_contiguous()
-        philox = _jit("keep_bits" if grouped else "keep")
+        philox = jit_function("keep_bits" if grouped else "keep")
         if philox is None:
             return None
         device = values.device
@@ -411,7 +434,7 @@ class BlockDropout:
             groups, lanes = group_numbers(device, numel // _PER_CALL)
             bits = philox(groups, seed, offset, first_group=self.start // _PER_CALL, threshold=self.threshold)
         else:  # one call per element, its keep flag read as lane 0 (a count or start off 8: rare)
-            elements = torch.arange(numel, dtype=torch.int64, device=device).view(rows, cols)
+            elements = torch.arange(numel, dtype=torch.int64, device=device).view(values.shape)
             bits = philox(elements, seed, offset, start=self.start, threshold=self.threshold)
             lanes = torch.zeros(1, dtype=torch.float32, device=device)
         self._bits = bits, lanes, grouped
@@ -419,7 +442,7 @@ class BlockDropout:
 
     def _jitted(self, values: Tensor) -> Tensor | None:
         """The keep bits applied to ``values`` by the apply kernel; None after a jiterator failure."""
-        apply = _jit("apply")
+        apply = jit_function("apply")
         keep_bits = None if apply is None else self._keep_bits(values)
         if keep_bits is None or apply is None:
             return None
@@ -432,7 +455,7 @@ class BlockDropout:
 
     def _jitted_pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor] | None:
         """The keep bits applied to ``first`` and ``second`` by one kernel; None after a jiterator failure."""
-        apply_pair = _jit("apply_pair")
+        apply_pair = jit_function("apply_pair")
         keep_bits = None if apply_pair is None else self._keep_bits(first)
         if keep_bits is None or apply_pair is None:
             return None

@@ -3,9 +3,12 @@
 :class:`TorchKernels` is a :class:`~loragen.cuda.launch.KernelLauncher`: it takes a kernel's launch
 exactly as :mod:`loragen.cuda.passes` makes it -- the same argument list, in the order of the kernel's
 parameters (each function below names them as the kernel does) -- and writes the same outputs, so the
-autograd Function and its hand-written backward run unchanged on it. It is what a kernel variant runs on
-when it fails its self-check (:mod:`loragen.cuda.selfcheck`), what ``LORAGEN_CUDA_KERNELS=torch``
-selects, and the reference the self-check compares the kernels with.
+autograd Function and its hand-written backward run unchanged on it. It is the reference the self-check
+compares the kernels with, and what the custom op (``torch.compile``) runs for a variant on the torch
+path -- one that fails its self-check (:mod:`loragen.cuda.selfcheck`), or every variant with
+``LORAGEN_CUDA_KERNELS=torch``. The eager op, routed here, runs the same computation as one composition
+with torch's autograd instead (:mod:`loragen.cuda.torch_path`, less host work per call), unless the
+launcher is ``TorchKernels(whole_op=False)``.
 
 Products are taken in float32 over the whole tensors (x, g cast up once), every output is rounded once
 into its dtype, and the dropout mask is the Philox mask of :mod:`loragen.philox`, generated on the
@@ -209,7 +212,18 @@ KERNELS: dict[str, Callable[..., None]] = {
 
 
 class TorchKernels:
-    """Runs the LoRA kernels' computations with torch operations; see the module docstring."""
+    """Runs the LoRA kernels' computations with torch operations; see the module docstring.
+
+    ``whole_op`` (the default): the eager op, routed here, runs
+    :func:`loragen.cuda.torch_path.lora_linear_torch` instead of the four passes (the same results up to
+    float32 rounding, less host work per call); False keeps it on the passes (the self-check compares the
+    kernels with the passes either way).
+    """
+
+    whole_op: bool = True
+
+    def __init__(self, whole_op: bool = True) -> None:
+        self.whole_op = whole_op
 
     def target_blocks(self, device: torch.device) -> int:
         """One block: the torch path needs no split reductions."""

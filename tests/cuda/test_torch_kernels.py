@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import inspect
+import math
 import re
 import shutil
 import subprocess
@@ -20,11 +21,12 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loragen import philox
-from loragen.cuda import torch_dropout, torch_kernels
+from loragen.cuda import torch_dropout, torch_kernels, torch_path
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP
 from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
 from loragen.cuda.torch_kernels import TorchKernels
+from loragen.reference import lora_linear_reference
 from tests.cuda.lora_reference import make_inputs, mask_for, reference, relative_error
 
 CPU = torch.device("cpu")
@@ -136,24 +138,26 @@ def _training_step_dispatches(p: float) -> collections.Counter[str]:
 
 
 def test_a_training_step_dispatches_few_operations():
-    """One forward + backward of the torch path: without dropout 56 dispatches (86 before the products
-    ran over whole tensors and the padded rank); with dropout each Philox mask adds about 100 (six per
-    round, and the constants made on the device from aranges: no host-to-device copy), made once in
-    forward and once in backward. Before the vectorised formulation, a step dispatched 814 operations."""
+    """One forward + backward of the torch path (one composition with torch's autograd): without dropout
+    49 dispatches (51 on the four passes, 86 before they ran over whole tensors and the padded rank); with
+    dropout the Philox mask adds about 100 (six per round, and the constants made on the device from
+    aranges: no host-to-device copy), made once in forward and reused by backward (on the passes: made in
+    both, 255 in all). Before the vectorised formulation, a step dispatched 814 operations."""
     without = _training_step_dispatches(0.0)
     with_dropout = _training_step_dispatches(0.1)
-    assert sum(without.values()) <= 60
-    assert sum(with_dropout.values()) - sum(without.values()) <= 2 * 105
-    # per mask one int64 product per Philox round and one for the key schedule; one scaling per masked
-    # tensor (x twice, dh A)
-    assert with_dropout["aten.mul.Tensor"] - without["aten.mul.Tensor"] <= 2 * 11 + 3
+    assert sum(without.values()) <= 52
+    assert sum(with_dropout.values()) - sum(without.values()) <= 110
+    # one int64 product per Philox round and one for the key schedule; one scaling per masked tensor
+    # (x in forward, its gradient in backward)
+    assert with_dropout["aten.mul.Tensor"] - without["aten.mul.Tensor"] <= 11 + 2
 
 
-def test_a_jiterator_step_makes_no_constants_and_launches_four_kernels(monkeypatch):
+def test_a_jiterator_step_makes_no_constants_and_launches_one_kernel(monkeypatch):
     """On the jiterator branch (stand-ins that allocate and run nothing, as on a GPU) a step after the
-    first makes no group or lane numbers (views of the cached counter) and calls four jiterator functions:
-    the keep bits and x masked in forward, the keep bits and x and dh A masked together in backward.
-    (Before: four aranges and five jiterator calls per step.)"""
+    first makes no group numbers or flag table (views of the cached counter, the cached table) and calls
+    one jiterator function: the keep bits in forward, looked up as x's bool keep-mask, which autograd keeps
+    for backward. (Before: the keep bits and x masked in forward, the keep bits again and x and dh A masked
+    together in backward, four calls; before that, four aranges and five jiterator calls per step.)"""
     from loragen._benchmarks.cuda_host import lora_step, null_jiterator
 
     step = lora_step(None, tokens=16, features=64, dropout=0.1, kind="torch path (GPU)")
@@ -169,9 +173,10 @@ def test_a_jiterator_step_makes_no_constants_and_launches_four_kernels(monkeypat
             monkeypatch.setitem(torch_dropout._jit_functions, name, counted)
         with _Dispatches() as mode:
             step()
-    assert calls == {"keep_bits": 2, "apply": 1, "apply_pair": 1}
-    assert not [op for op in mode.counts if "arange" in op or "zeros" in op or "full" in op]
-    assert mode.counts["aten.unbind.int"] == 2  # seed and offset, read on the device
+    assert calls == {"keep_bits": 1}
+    assert not [op for op in mode.counts if "arange" in op or "full" in op]
+    assert mode.counts["aten.embedding.default"] == 1  # the keep bits' rows of the flag table
+    assert mode.counts["aten.unbind.int"] == 1  # seed and offset, read on the device
 
 
 def test_torch_path_step_matches_the_float64_reference_with_dropout():
@@ -205,6 +210,72 @@ def test_checkpoint_recomputes_the_torch_paths_mask():
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fan_in_fan_out", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_torch_path_composition_matches_the_passes_and_the_reference(p, dtype, fan_in_fan_out):
+    """The torch path as one composition (the default) against its four passes (``whole_op=False``) and the
+    float64 reference with the kernels' Philox mask: output and every gradient, the base trainable too, for
+    a 3-D x with a bias; the composition rounds the output once (base product in x's dtype, then bias and
+    the rank-r term added in float32), as the passes do."""
+    results = []
+    for launcher in (TorchKernels(), TorchKernels(whole_op=False)):
+        (x, w, b, a, bb), high = make_inputs(42, 40, 24, 5, dtype, seed=13, fan_in_fan_out=fan_in_fan_out)
+        x3 = x.detach().view(6, 7, 40).requires_grad_()
+        y = lora_linear_cuda(
+            x3, w, b, a, bb, 0.75, p, True, fan_in_fan_out=fan_in_fan_out, seed=321, launcher=launcher
+        )
+        grad = torch.randn(6, 7, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
+        y.backward(grad)
+        results.append([t.detach() for t in (y, x3.grad, w.grad, b.grad, a.grad, bb.grad)])
+    keep = None if p == 0 else philox.dropout_keep_mask((42, 40), p, 321).double() / (1 - p)
+    xr, wr, br, ar, bbr = high
+    want = reference(xr, wr, br, ar, bbr, 0.75, keep, fan_in_fan_out)
+    want.backward(grad.view(42, 24).double())
+    bound = 1e-5 if dtype == torch.float32 else 1.5e-2
+    for got, passes, expected in zip(
+        results[0], results[1], (want, xr.grad, wr.grad, br.grad, ar.grad, bbr.grad)
+    ):
+        assert relative_error(got.reshape(expected.shape), expected) < bound
+        assert relative_error(got.reshape(expected.shape), passes.reshape(expected.shape).double()) < bound
+
+
+def test_torch_path_mask_made_in_spans_is_the_whole_mask(monkeypatch):
+    """Past BLOCK_ELEMENTS the torch formulation makes the composition's mask in spans (bounding its int64
+    temporaries): the same mask, so the same output and gradients, bit for bit."""
+
+    def step() -> list[torch.Tensor]:
+        (x, w, b, a, bb), _ = make_inputs(37, 24, 16, 4, torch.float32, seed=4)
+        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=99, launcher=TorchKernels())
+        y.square().sum().backward()
+        return [y.detach(), x.grad, a.grad, bb.grad]
+
+    whole = step()
+    monkeypatch.setattr(torch_path, "BLOCK_ELEMENTS", 8 * 13)  # 9 spans, the last one partial
+    for got, want in zip(step(), whole):
+        assert torch.equal(got, want)
+
+
+def test_torch_path_backward_can_be_differentiated_through_the_mask():
+    """The torch path's mask is its own adjoint: a gradient of a gradient (here d/dA of ||grad_x||^2) goes
+    through the same keep-mask, equal to the plain composition with that mask."""
+    p, seed = 0.4, 77
+    (x, w, b, a, bb), _ = make_inputs(16, 24, 12, 4, torch.float32, seed=3)
+    grad = torch.randn(16, 12, generator=torch.Generator().manual_seed(4))
+    keep = philox.dropout_keep_mask((16, 24), p, seed)
+
+    def second_order(op, **kwargs):
+        y = op(x, w, b, a, bb, 1.5, p, True, **kwargs)
+        (gx,) = torch.autograd.grad(y, x, grad, create_graph=True)
+        (ga,) = torch.autograd.grad(gx.square().sum(), a)
+        return gx.detach(), ga
+
+    got = second_order(lora_linear_cuda, seed=seed, launcher=TorchKernels())
+    want = second_order(lora_linear_reference, keep=keep)
+    for g, expected in zip(got, want):
+        torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 @pytest.mark.parametrize("spec", [LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN], ids=lambda s: s.name)
 def test_each_torch_kernel_takes_its_kernels_arguments_in_order(spec):
     """The torch path reads a launch's arguments by position: its functions name them as the kernel does."""
@@ -220,7 +291,7 @@ def test_row_blocks_give_the_whole_tensor_results(monkeypatch, cols):
 
     def step() -> list[torch.Tensor]:
         (x, w, b, a, bb), _ = make_inputs(37, cols, 16, 4, torch.float32, seed=4)
-        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=99, launcher=TorchKernels())
+        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=99, launcher=TorchKernels(whole_op=False))
         y.square().sum().backward()
         return [y.detach(), x.grad, a.grad, bb.grad]
 
@@ -330,10 +401,11 @@ def _emulated_functions(calls: collections.Counter[str]) -> dict[str, object]:
     ("rows", "cols", "block_rows", "grouped", "per_element"),
     [(37, 24, None, 1, 0), (37, 24, 8, 5, 0), (9, 21, None, 0, 1), (10, 21, 8, 1, 1)],
 )
-def test_jiterator_branch_step_equals_the_torch_formulation_step(
+def test_jiterator_branch_step_on_the_passes_equals_the_torch_formulation_step(
     monkeypatch, rows, cols, block_rows, grouped, per_element
 ):
-    """A whole forward + backward of the torch path on the jiterator branch (functions emulated from
+    """A whole forward + backward of the torch path's four passes (``TorchKernels(whole_op=False)``, what
+    the self-check compares the kernels with) on the jiterator branch (functions emulated from
     loragen.philox) gives exactly the torch formulation's output and gradients: the wiring of the keep bits,
     the apply kernel in forward and the pair kernel in backward. Per row block: one Philox kernel and one
     apply in forward, one Philox kernel and one pair kernel in backward; the Philox kernel per group of 8
@@ -341,7 +413,8 @@ def test_jiterator_branch_step_equals_the_torch_formulation_step(
 
     def step() -> list[torch.Tensor]:
         (x, w, b, a, bb), _ = make_inputs(rows, cols, 16, 4, torch.bfloat16, seed=5)
-        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=2**64 - 9, launcher=TorchKernels())
+        launcher = TorchKernels(whole_op=False)
+        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=2**64 - 9, launcher=launcher)
         y.float().square().sum().backward()
         return [y.detach(), x.grad, a.grad, bb.grad]
 
@@ -357,6 +430,38 @@ def test_jiterator_branch_step_equals_the_torch_formulation_step(
     blocks = grouped + per_element
     want_calls = {"keep_bits": 2 * grouped, "keep": 2 * per_element, "apply": blocks, "apply_pair": blocks}
     assert calls == collections.Counter({name: n for name, n in want_calls.items() if n})
+    assert torch_dropout.jiterator_status() == "ok"
+
+
+@pytest.mark.parametrize(("shape", "philox"), [((37, 24), "keep_bits"), ((3, 3, 7), "keep")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_jiterator_branch_step_equals_the_torch_formulation_step(monkeypatch, shape, philox, dtype):
+    """The torch path as one composition (the default ``TorchKernels()``) on the jiterator branch
+    (functions emulated from loragen.philox): exactly the torch formulation's output and gradients, with one
+    Philox kernel (per group of 8, or per element for an element count off 8) in forward and its mask kept
+    by autograd for backward; and the same output and gradients as the four passes, up to float32
+    rounding."""
+
+    def step(launcher: TorchKernels) -> list[torch.Tensor]:
+        (x, w, b, a, bb), _ = make_inputs(math.prod(shape[:-1]), shape[-1], 16, 4, dtype, seed=5)
+        x3 = x.detach().view(shape).requires_grad_()
+        y = lora_linear_cuda(x3, w, b, a, bb, 0.5, 0.4, True, seed=2**64 - 9, launcher=launcher)
+        y.float().square().sum().backward()
+        return [y.detach(), x3.grad, a.grad, bb.grad]
+
+    want = step(TorchKernels())
+    passes = step(TorchKernels(whole_op=False))
+    calls: collections.Counter[str] = collections.Counter()
+    monkeypatch.setattr(torch_dropout, "JIT_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(torch_dropout, "_jit_functions", _emulated_functions(calls))
+    got = step(TorchKernels())
+    for g, w, p in zip(got, want, passes):
+        assert torch.equal(g, w)
+        tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(
+            g.float(), p.float(), rtol=tolerance, atol=tolerance * p.abs().max().item()
+        )
+    assert calls == {philox: 1}
     assert torch_dropout.jiterator_status() == "ok"
 
 

@@ -154,6 +154,56 @@ def test_torch_path_captured_with_dropout_draws_the_replays_mask():
     assert torch_dropout.jiterator_status() == "ok"
 
 
+def test_torch_path_composition_captured_with_dropout_trains_on_the_replays_mask(monkeypatch):
+    """The eager torch path (one composition, ``TorchKernels()``) with dropout inside a CUDA graph, forward
+    and backward: each replay draws a fresh (seed, offset) on the device, the output holds exactly that
+    Philox mask (A = B = identity, no base weight: y = x * keep / (1 - p)), and grad_x is the same mask
+    applied to the output gradient (the mask autograd kept from forward)."""
+    from loragen.cuda import linear_op
+    from loragen.cuda.op_inputs import draw_rng
+
+    n, k, p = 300, 64, 0.3
+    static_x = (torch.rand(n, k, device="cuda") + 0.5).requires_grad_()
+    eye, zeros = torch.eye(k, device="cuda"), torch.zeros(k, k, device="cuda")
+    grad = torch.ones(n, k, device="cuda")
+    launcher = TorchKernels()
+    rngs = []
+
+    def step():
+        static_x.grad = None
+        y = lora_linear_cuda(static_x, zeros, None, eye, eye, 1.0, p, True, launcher=launcher)
+        y.backward(grad)
+        return y.detach()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up: jiterator compiles, the group counter, the route
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+
+    def recording_draw(device):  # the (seed, offset) tensor the captured forward draws into
+        rngs.append(draw_rng(device))
+        return rngs[-1]
+
+    monkeypatch.setattr(linear_op, "draw_rng", recording_draw)
+    with torch.cuda.graph(graph):
+        static_y = step()
+    (static_rng,) = rngs
+    masks = []
+    for _ in range(2):
+        graph.replay()
+        seed, offset = (value & (2**64 - 1) for value in static_rng.tolist())
+        expected = philox.dropout_keep_mask((n, k), p, seed, offset)
+        masks.append((static_y != 0).cpu())
+        assert torch.equal(masks[-1], expected)
+        assert torch.equal((static_x.grad != 0).cpu(), expected)
+        torch.testing.assert_close(static_x.grad.cpu(), expected.float() / (1 - p))
+    assert not torch.equal(masks[0], masks[1])
+    assert torch_dropout.jiterator_status() == "ok"
+
+
 @pytest.mark.parametrize(("rows", "cols"), [(64, 40), (37, 45)])
 def test_pair_kernel_masks_x_and_the_product_as_two_applies(rows, cols):
     """Backward's one kernel for x and dh A (apply_pair, or the per-element keep flags for a block whose

@@ -151,10 +151,21 @@ def test_sibling_group_equals_the_reference_of_each_member_in_float64(ffo: bool)
     _check(fast, reference, tensors, x)
 
 
+@pytest.mark.parametrize("whole_op", [True, False], ids=["composition", "passes"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("ffo", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_cuda_torch_path_equals_the_reference(p: float, ffo: bool, bias: bool) -> None:
+def test_cuda_torch_path_equals_the_reference(
+    monkeypatch: pytest.MonkeyPatch, p: float, ffo: bool, bias: bool, whole_op: bool
+) -> None:
+    """The CUDA op on its torch path -- as one composition with torch's autograd, or as the four passes
+    with the hand-written backward -- against the float64 composition with the same mask."""
+    from loragen.cuda import linear_op
+
+    def no_fallback(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("lora_linear_cuda fell back to the plain composition")
+
+    monkeypatch.setattr(linear_op, "lora_linear_reference", no_fallback)  # the op runs, not its fallback
     high = _tensors(ffo, bias)
     high["magnitude"].requires_grad_(False)
     low = {
@@ -174,9 +185,10 @@ def test_cuda_torch_path_equals_the_reference(p: float, ffo: bool, bias: bool) -
         True,
         fan_in_fan_out=ffo,
         seed=SEED,
-        launcher=TorchKernels(),
+        launcher=TorchKernels(whole_op=whole_op),
     )
-    assert type(got.grad_fn).__name__ == "_LoraLinearFunctionBackward"  # the op ran, not its fallback
+    if not whole_op:
+        assert type(got.grad_fn).__name__ == "_LoraLinearFunctionBackward"
     want = lora_linear_reference(
         x_high,
         *(high[k] for k in ("weight", "bias", "lora_A", "lora_B")),
