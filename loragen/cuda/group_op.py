@@ -56,6 +56,7 @@ from loragen import switches
 from loragen.cuda import hostcache, kernel_variants, passes
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.op_inputs import check_inputs, unsupported_reason
+from loragen.cuda.torch_path import runs_on_torch_path
 
 __all__ = ["GroupMember", "group_reason", "lora_group_cuda"]
 
@@ -306,11 +307,14 @@ def lora_group_cuda(
         check_inputs(x, w, b, a, bb, t, 0.0, require_cuda=launcher is None)
     if group_reason(x, members) is not None:
         return None
-    static = (
-        tuple(float(m[4]) for m in members),
-        tuple(bool(m[5]) for m in members),
-        hostcache.launcher_handle(launcher),
-    )
+    handle = hostcache.launcher_handle(launcher)
+    # Where the torch path runs the whole op, each member's composition with torch's autograd is leaner
+    # than one node made of the passes' torch implementations: the members then run alone. The first
+    # member's route stands for the group's (the switch and the launcher decide it for all of them).
+    first = members[0]
+    if runs_on_torch_path(x, first[3].shape[0], first[2].shape[0], handle):
+        return None
+    static = (tuple(float(m[4]) for m in members), tuple(bool(m[5]) for m in members), handle)
     tensors = [t for m in members for t in m[:4]]
     outputs: tuple[Tensor, ...] = _CudaGroupFunction.apply(x, static, *tensors)
     return outputs

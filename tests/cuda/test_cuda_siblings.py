@@ -35,7 +35,7 @@ from loragen.sibling_planning import fused_groups
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder
 from tests.cuda.lora_reference import TOLERANCE, reference, relative_error
 
-TORCH_PATH = TorchKernels()
+TORCH_PATH = TorchKernels(whole_op=False)  # the four passes on torch, as the kernels run them
 
 
 def _members(k_in, outs, ranks, dtype, *, bias=True, fifo=False, seed=0, lora_dtype=torch.float32):
@@ -644,3 +644,13 @@ def test_a_member_changed_after_the_leader_ran_computes_its_own(change, on_cuda_
         outputs[True], _model().k(torch.randn(4, 16, generator=torch.Generator().manual_seed(0)))
     )
     torch.testing.assert_close(outputs[True], outputs[False], atol=1e-6, rtol=1e-5)
+
+
+def test_a_group_routed_to_the_whole_op_torch_path_runs_its_members_alone():
+    """Where the torch path runs the whole op as a composition with torch's autograd (the switch set to
+    torch, a failed self-check, a whole-op TorchKernels), the group declines and each member takes that
+    leaner path."""
+    low, _ = _members(32, (24, 16), (4, 8), torch.float32)
+    x = torch.randn(5, 32, requires_grad=True)
+    assert lora_group_cuda(x, low, launcher=TorchKernels()) is None
+    assert lora_group_cuda(x, low, launcher=TORCH_PATH) is not None
