@@ -280,12 +280,32 @@ def prebuild(builds: Iterable[tuple[EmulatedLauncher, KernelSpec, Variant]]) -> 
             done.result()
 
 
+@dataclass
+class SharedCounts:
+    """What a kernel's warps asked of shared memory (cuda_emulation.h counts it, per launch summed).
+
+    ``wavefronts - fewest`` is the extra wavefronts bank conflicts cost; ``unpaired`` counts warps whose
+    lanes made different numbers or widths of accesses, whose requests could not be paired up.
+    """
+
+    requests: int = 0
+    wavefronts: int = 0
+    fewest: int = 0
+    unpaired: int = 0
+
+    @property
+    def conflicts(self) -> int:
+        return self.wavefronts - self.fewest
+
+
 class EmulatedLauncher:
     """Launches kernels as host threads; ``target_blocks`` is small so tests exercise split grids.
 
     With ``sanitizer`` ("address" or "thread") each launch is a sanitized process of its own, its
     blocks shuffled with ``block_seed`` (in-process launches read EMU_BLOCK_SEED, default 1).
     ``edit(kernel name, source)`` may change a rendered kernel before it is built (planted bugs).
+    With ``trace_shared`` (in-process only) every launch logs its shared-memory accesses and
+    ``shared_counts[kernel name]`` sums what they cost (:class:`SharedCounts`).
     """
 
     def __init__(
@@ -295,9 +315,14 @@ class EmulatedLauncher:
         sanitizer: str | None = None,
         block_seed: int = 1,
         edit: Callable[[str, str], str] | None = None,
+        trace_shared: bool = False,
     ) -> None:
         if sanitizer not in SANITIZER_FLAGS:
             raise ValueError(f"sanitizer={sanitizer!r}; expected one of {list(SANITIZER_FLAGS)}")
+        if trace_shared and sanitizer is not None:
+            raise ValueError("trace_shared needs in-process launches (sanitizer=None)")
+        self.trace_shared = trace_shared
+        self.shared_counts: dict[str, SharedCounts] = {}
         self.build_dir = Path(build_dir)
         self.sanitizer = sanitizer
         self.block_seed = block_seed
@@ -351,8 +376,19 @@ class EmulatedLauncher:
         else:
             if program not in self._libraries:
                 self._libraries[program] = ctypes.CDLL(str(program))
+            library = self._libraries[program]
             values = pack_arguments(spec, args)
             pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-            run = getattr(self._libraries[program], f"emu_run_{spec.name}")
+            run = getattr(library, f"emu_run_{spec.name}")
+            library.emu_trace_shared(ctypes.c_int(int(self.trace_shared)))
             run(pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(threads))
+            if self.trace_shared:
+                counts = (ctypes.c_ulonglong * 4)()
+                library.emu_shared_counts(counts)
+                total = self.shared_counts.setdefault(spec.name, SharedCounts())
+                total.requests += counts[0]
+                total.wavefronts += counts[1]
+                total.fewest += counts[2]
+                total.unpaired += counts[3]
+                library.emu_trace_shared(ctypes.c_int(0))
         self.launches.append((spec.name, variant, grid))

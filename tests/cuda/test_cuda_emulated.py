@@ -320,3 +320,36 @@ def test_empty_batch_on_tensor_cores(launcher):
     out.sum().backward()
     assert empty.grad.shape == (0, 64)
     assert torch.count_nonzero(a.grad) == 0 and torch.count_nonzero(bb.grad) == 0
+
+
+# (rows, in, out, r, dtype): whole tiles (no lane past the end of a row or column, so each warp's lanes
+# make the same accesses and pair up into requests), one case per shared-memory layout: lora_grad_out's
+# tensor-core pass with rank tiles of 16 and of 32 (R = 64), and the CUDA-core passes of both kernels
+SHARED_CASES = [
+    pytest.param(64, 256, 256, 16, torch.bfloat16, id="bf16-r16-tensor-cores"),
+    pytest.param(32, 256, 256, 64, torch.bfloat16, id="bf16-r64-tensor-cores"),
+    pytest.param(32, 256, 256, 8, torch.float32, id="f32-r8-cuda-cores"),
+    pytest.param(32, 256, 256, 64, torch.float16, id="f16-r64-cuda-cores"),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "o", "r", "dtype"), SHARED_CASES)
+def test_shared_memory_requests_have_no_bank_conflicts(request, launcher, n, k, o, r, dtype):
+    """Every warp request to shared memory of the four kernels takes the fewest wavefronts its bytes
+    need, counted by the emulation from the addresses each lane touches (cuda_emulation.h). Before dh's
+    slots were swizzled, lora_grad_out's tensor-core pass stored the rows g and g + 2 of a half warp on
+    the same banks (two wavefronts more per 8-byte store; the rows g and g + 1 at rank tiles of 32), and
+    lora_grad_in's CUDA-core pass kept a lane's 8 dA sums side by side (lanes 4 apart on one bank)."""
+    traced = EmulatedLauncher(
+        cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4, trace_shared=True
+    )
+    (x, w, b, a, bb), _ = make_inputs(n, k, o, r, dtype, bias=True)
+    y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.1, True, launcher=traced)
+    y.backward(torch.randn(n, o, generator=torch.Generator().manual_seed(2)).to(dtype))
+    counts = traced.shared_counts
+    assert set(counts) == set(specs.KERNELS)
+    for name in ("lora_grad_out", "lora_grad_in"):  # the kernels that use shared memory
+        assert counts[name].requests > 0, name
+    for name, count in counts.items():
+        assert count.unpaired == 0, name
+        assert count.conflicts == 0, (name, count)
