@@ -28,7 +28,7 @@ import torch
 from loragen.cuda.cache import KernelCache, default_cache
 from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.render import render_kernel
-from loragen.cuda.specs import KernelSpec, render_params
+from loragen.cuda.specs import COUNTERS, KernelSpec, render_params
 from loragen.errors import LoraError
 
 __all__ = [
@@ -66,6 +66,12 @@ class CudaDriverError(RuntimeError):
 
 class KernelLauncher(Protocol):
     """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests.
+
+    A launcher that runs the kernels passes, to a kernel whose spec has ``counters``, one more argument
+    after ``args``: a buffer of :data:`~loragen.cuda.specs.COUNTERS` zeroed 32-bit words of its own, one
+    per device and stream (the kernels leave it zeroed). A launcher that computes the kernels' results
+    otherwise (:class:`loragen.cuda.torch_kernels.TorchKernels`) writes whole sums into partial 0 and
+    needs none.
 
     Optional methods others look for: ``arch(device) -> "sm_90"`` (the self-check refuses bfloat16
     before sm_80 without compiling) and ``route(variant, device) -> KernelLauncher``
@@ -130,6 +136,7 @@ class _LaunchRecord:
     __slots__ = (
         "block",
         "context",
+        "counters",
         "function",
         "label",
         "layout",
@@ -146,7 +153,10 @@ class _LaunchRecord:
         self.function = function
         self.context = context
         self.threads = spec.threads(variant)
+        self.counters = spec.counters
         codes = ["P" if p.ctype.endswith("*") else _STRUCT_CODES[p.ctype] for p in spec.params]
+        if spec.counters:  # the launcher's counter buffer, after the caller's arguments
+            codes.append("P")
         self.layout = struct.Struct("@" + "".join(codes))
         self.block = ctypes.create_string_buffer(max(self.layout.size, 1))
         base = ctypes.addressof(self.block)
@@ -157,10 +167,12 @@ class _LaunchRecord:
         ]
         self.pointers = (ctypes.c_void_p * len(codes))(*(base + offset for offset in offsets))
         self.params_address = ctypes.addressof(self.pointers)
-        self.pointer_params = tuple(i for i, code in enumerate(codes) if code == "P")
+        # the caller's pointer arguments (not the counter buffer, whose address fill() appends)
+        self.pointer_params = tuple(i for i, param in enumerate(spec.params) if param.ctype.endswith("*"))
 
-    def fill(self, args: Sequence[object]) -> None:
-        """Write ``args`` into the parameter block.
+    def fill(self, args: Sequence[object], counters: int = 0) -> None:
+        """Write ``args`` (and, for a spec with ``counters``, the counter buffer's address) into the
+        parameter block.
 
         Raises:
             TypeError, KernelArgumentRangeError: as :func:`pack_arguments` (which words the message).
@@ -170,6 +182,10 @@ class _LaunchRecord:
             for i in self.pointer_params:
                 value = values[i]
                 values[i] = 0 if value is None else value.data_ptr()  # type: ignore[attr-defined]
+            if self.counters:
+                if len(values) != len(self.spec.params):  # the counters would take a caller's place
+                    raise TypeError
+                values.append(counters)
             self.layout.pack_into(self.block, 0, *values)
         except (struct.error, TypeError, AttributeError, IndexError, OverflowError):
             pack_arguments(self.spec, args)  # raises the error naming the parameter
@@ -182,7 +198,9 @@ class DriverLauncher:
     Per launch: one dictionary lookup for the launch record, the argument values written into its
     prebuilt parameter block (one ``struct.pack_into``), one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
     device's primary context is not already current on the thread) and ``cuLaunchKernel`` on PyTorch's
-    current stream, passed as its raw handle. No lock and no error text unless something fails.
+    current stream, passed as its raw handle. No lock and no error text unless something fails. A kernel
+    with ``counters`` gets the counter buffer of its device and stream (one more lookup; made, zeroed,
+    on the first such launch on the stream).
     """
 
     def __init__(self, cache: KernelCache | None = None) -> None:
@@ -197,6 +215,9 @@ class DriverLauncher:
         self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
         # the driver's cuCtxGetCurrent, cuLaunchKernel and CUDA_SUCCESS, looked up with the first record
         self._calls: tuple[Any, Any, Any] = (None, None, None)
+        # (device index, raw stream) -> the counter buffer of kernels with ``counters`` (never freed: a
+        # captured CUDA graph may hold its address)
+        self._counters: dict[tuple[int, int], torch.Tensor] = {}
 
     @staticmethod
     def _driver() -> Any:
@@ -295,9 +316,15 @@ class DriverLauncher:
         if record is None:
             pack_arguments(spec, args)  # a bad argument changes nothing: checked before any driver call
             record = self._record(spec, variant, index, key)
-        record.fill(args)
         get_current, launch_kernel, success = self._calls
         stream = _raw_stream(index)
+        if record.counters:
+            counters = self._counters.get((index, stream))
+            if counters is None:
+                counters = self._counter_buffer(index, stream, args)
+            record.fill(args, counters.data_ptr())
+        else:
+            record.fill(args)
         if get_current()[1] == record.context:
             status = launch_kernel(
                 record.function,
@@ -329,6 +356,16 @@ class DriverLauncher:
                 )[0]
         if status != success:
             raise self._fail(status, "cuLaunchKernel", f"{spec.name} {record.label} grid={grid}")
+
+    def _counter_buffer(self, index: int, stream: int, args: Sequence[object]) -> torch.Tensor:
+        """A new zeroed counter buffer for (device, stream), on the device of the launch's tensors.
+
+        Zeroed on the current stream -- the launch's -- so the kernel finds it zero; the kernels leave it
+        so, and only launches on this stream, one after another, use it.
+        """
+        like = next(a for a in args if isinstance(a, torch.Tensor))
+        fresh = torch.zeros(COUNTERS, dtype=torch.int32, device=like.device)
+        return self._counters.setdefault((index, stream), fresh)  # another thread's, if it came first
 
     @contextlib.contextmanager
     def _current(self, context: Any, kernel: str) -> Iterator[None]:

@@ -3,7 +3,8 @@
 
 Each pass launches one kernel through the plan's launcher -- the CUDA driver, the torch path
 (:mod:`loragen.cuda.torch_kernels`) or, in loragen's CPU tests, an emulator -- and adds up its float32
-partial sums with torch (deterministic: no atomics). Shapes as in :mod:`loragen.cuda.linear_op`.
+partial sums with torch, but for lora_grad_out's dh, which the kernel adds up itself (its last block per
+row split, in a fixed order). Deterministic either way. Shapes as in :mod:`loragen.cuda.linear_op`.
 """
 
 from __future__ import annotations
@@ -124,7 +125,10 @@ def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) ->
         ),
         plan.device,
     )
-    dh = dh_part[0] if grid.col_blocks == 1 else dh_part.sum(0)
+    # dh: the kernel adds its partials into partial 0 (grid.dh_summed), as the torch path does; dh lives
+    # only until lora_grad_in reads it, so the view keeping every partial alive costs nothing. dB is the
+    # adapter's gradient, which autograd keeps: a fresh sum, not a view of the (splits, out, R) partials
+    dh = dh_part[0] if grid.col_blocks == 1 or grid.dh_summed else dh_part.sum(0)
     db = db_part[0] if grid.splits == 1 else db_part.sum(0)
     return dh, db
 

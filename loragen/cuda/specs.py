@@ -42,6 +42,7 @@ from loragen.cuda.kernel_variants import (
 __all__ = [
     "ADAMW8BIT",
     "ARCHS",
+    "COUNTERS",
     "KERNELS",
     "OPTIMIZER_KERNELS",
     "DownPlan",
@@ -61,6 +62,9 @@ __all__ = [
 ]
 
 ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
+# Words of the counter buffer a launcher passes to a kernel whose spec has ``counters`` (one per device and
+# stream, zero between launches: the kernels that count set every counter back to zero)
+COUNTERS = 4096
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,10 @@ class KernelSpec:
     params: tuple[Param, ...]
     tile: Callable[[Variant], dict[str, int]]
     by_rank: bool = True  # False: the template takes neither rank_bucket nor aligned (dtype-only variants)
+    # True: the kernel takes one more parameter after ``params``, ``unsigned* counters``, which every
+    # launcher supplies (callers never pass it): COUNTERS words, zero before the launch, which the kernel
+    # leaves zero. One buffer per device and stream, so that launches sharing it run one after another.
+    counters: bool = False
 
     @property
     def template(self) -> str:
@@ -139,6 +147,7 @@ LORA_GRAD_OUT = KernelSpec(
         ("float", "scaling"),
     ),
     grad_out_tile,
+    counters=True,  # dh's partial sums are added up in the kernel
 )
 LORA_GRAD_IN = KernelSpec(
     "lora_grad_in",
@@ -195,6 +204,8 @@ def render_params(spec: KernelSpec, variant: Variant) -> dict[str, object]:
     if spec.by_rank:
         params.update(rank_bucket=variant.rank_bucket, aligned=variant.aligned)
     params.update(spec.tile(variant))
+    if spec.counters:
+        params["counters"] = COUNTERS
     summary = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
     params["variant"] = f"Rendered by loragen.cuda.render for {variant.dtype}:\n// {summary}."
     return params
@@ -230,8 +241,9 @@ def max_optimizer_block(spec: KernelSpec) -> int:
 # ``target_blocks`` is two blocks per multiprocessor; a grid aims at ``target_blocks * min_blocks`` blocks:
 # two waves of the ``min_blocks`` blocks per multiprocessor the kernel's registers allow (its
 # __launch_bounds__), so that a multiprocessor finishing early takes another block and the last wave is
-# not a long tail. Split reductions write float32 partial sums that torch adds up afterwards
-# (deterministic, no atomics); the splits are capped so the partials stay a small fraction of the
+# not a long tail. Split reductions write float32 partial sums that torch adds up afterwards, except
+# lora_grad_out's dh, which the last block of each row split adds up in the kernel (in a fixed order:
+# deterministic); the splits are capped so the partials stay a small fraction of the
 # pass's main traffic, which can leave a grid short of two waves (see benchmarks/cuda_perf_model.py).
 
 
@@ -253,6 +265,8 @@ class SplitPlan:
     col_blocks: int
     splits: int
     rows_per_split: int
+    # lora_grad_out: the kernel adds dh's partials (one per column block) into partial 0 itself
+    dh_summed: bool = False
 
 
 def rank_tiles(spec: KernelSpec, variant: Variant) -> int:
@@ -321,10 +335,15 @@ def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) ->
     The dB partials (splits x cols x R float32, written and read back) are kept under half of g's bytes:
     with 256 columns per block the column blocks alone give a 4096-feature layer 16 blocks, so the row
     splits are what fills the GPU (32 splits at R = 16: 1.3 waves instead of 0.65 with a quarter).
+    The dh partials (column blocks x rows x R) are added up by the kernel itself (``dh_summed``) when its
+    groups, one per row split and rank tile, fit the :data:`COUNTERS` of the launcher's counter buffer.
     """
     per_split = 16 * variant.rank_bucket
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // per_split
-    return _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
+    plan = _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
+    # the kernel sums dh when its groups (row splits x rank tiles) fit the launcher's counters
+    summed = plan.splits * rank_tiles(LORA_GRAD_OUT, variant) <= COUNTERS
+    return SplitPlan(plan.grid, plan.col_blocks, plan.splits, plan.rows_per_split, dh_summed=summed)
 
 
 def plan_grad_in(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:

@@ -22,7 +22,8 @@
 // emu_shared_counts() returns requests, wavefronts, the fewest wavefronts the bytes need, and warps
 // whose lanes made different numbers or widths of accesses (their requests cannot be paired up).
 //
-// Only what the kernels need is here: full-warp shuffles, __syncthreads, __umulhi, float/bit casts,
+// Only what the kernels need is here: full-warp shuffles, __syncthreads (and __syncthreads_or),
+// atomicAdd and __threadfence, __umulhi, float/bit casts,
 // int min/max, the CUDA vector types, the correctly rounded float intrinsics (__fadd_rn, ...).
 #pragma once
 
@@ -135,6 +136,7 @@ struct Warp {
 struct Block {
     Barrier barrier;
     std::vector<std::unique_ptr<Warp>> warps;
+    std::atomic<int> vote{0};  // __syncthreads_or's result being gathered (zero between votes)
 };
 
 inline Block* block = nullptr;  // the block running now (blocks run one at a time)
@@ -292,6 +294,7 @@ inline void launch(unsigned grid_x, unsigned grid_y, unsigned threads, const std
             blk.warps[w]->barrier.reset(static_cast<int>(std::min(32u, threads - 32 * w)));
             std::fill(std::begin(blk.warps[w]->row), std::end(blk.warps[w]->row), 0u);
         }
+        blk.vote.store(0);
         poison_shared(poison);
         if (trace_shared) shared_log.assign(threads, {});
         start.arrive_and_wait();
@@ -305,6 +308,24 @@ inline void launch(unsigned grid_x, unsigned grid_y, unsigned threads, const std
 }  // namespace emu
 
 inline void __syncthreads() { emu::block->barrier.arrive_and_wait(); }
+
+// A barrier that also returns whether any thread's predicate was non-zero. Three barriers: the vote is
+// cleared by thread 0 only after every thread has read it, and set for the next vote only after that.
+inline int __syncthreads_or(int predicate) {
+    emu::Block& b = *emu::block;
+    b.barrier.arrive_and_wait();
+    if (predicate != 0) b.vote.store(1);
+    b.barrier.arrive_and_wait();
+    const int any = b.vote.load();
+    b.barrier.arrive_and_wait();
+    if (threadIdx.x == 0) b.vote.store(0);
+    return any;
+}
+
+// Device-wide atomics and fences: blocks run one at a time here, but the threads of a block are real
+// threads, so these are real atomics (ThreadSanitizer sees them as such).
+template <typename T> inline T atomicAdd(T* address, T value) { return std::atomic_ref<T>(*address).fetch_add(value); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 // Bank-conflict tracing from the test harness: on (counts reset) or off, and the counts so far
 // (kept in every build, `used`, though nothing in the build calls them).

@@ -35,7 +35,7 @@ import torch
 from loragen.cuda.kernel_variants import Variant, rank_bucket
 from loragen.cuda.launch import pack_arguments
 from loragen.cuda.render import render_kernel
-from loragen.cuda.specs import KERNELS, KernelSpec, Param, render_params
+from loragen.cuda.specs import COUNTERS, KERNELS, KernelSpec, Param, render_params
 
 HERE = Path(__file__).parent
 HEADER = HERE / "cuda_emulation.h"
@@ -246,10 +246,19 @@ def run_program(
     return done.stderr
 
 
+COUNTERS_PARAM = Param("counters", "unsigned*")
+
+
+def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
+    """The kernel's parameters as its C signature lists them: ``spec.params``, then the launcher's
+    counter buffer for a spec with ``counters``."""
+    return (*spec.params, COUNTERS_PARAM) if spec.counters else tuple(spec.params)
+
+
 def kernel_source(spec: KernelSpec, variant: Variant) -> tuple[Kernel, dict[str, str]]:
     """The rendered kernel, and the headers it includes."""
     rendered = render_kernel(spec.name, render_params(spec, variant))
-    return Kernel(spec.name, spec.params, rendered.source), dict(rendered.headers)
+    return Kernel(spec.name, kernel_params(spec), rendered.source), dict(rendered.headers)
 
 
 def variant_of(in_features: int, out_features: int, rank: int, dtype: torch.dtype) -> Variant:
@@ -306,6 +315,8 @@ class EmulatedLauncher:
     ``edit(kernel name, source)`` may change a rendered kernel before it is built (planted bugs).
     With ``trace_shared`` (in-process only) every launch logs its shared-memory accesses and
     ``shared_counts[kernel name]`` sums what they cost (:class:`SharedCounts`).
+    A kernel whose spec has ``counters`` gets ``counters`` (zeroed words, as a DriverLauncher keeps one
+    per stream) after its arguments; a launch that leaves any counter non-zero fails.
     """
 
     def __init__(
@@ -323,6 +334,7 @@ class EmulatedLauncher:
             raise ValueError("trace_shared needs in-process launches (sanitizer=None)")
         self.trace_shared = trace_shared
         self.shared_counts: dict[str, SharedCounts] = {}
+        self.counters = torch.zeros(COUNTERS, dtype=torch.int32)
         self.build_dir = Path(build_dir)
         self.sanitizer = sanitizer
         self.block_seed = block_seed
@@ -368,17 +380,19 @@ class EmulatedLauncher:
                 raise AssertionError(f"{spec.name}: non-contiguous tensor argument")
         program = self.program(spec, variant)
         threads = spec.threads(variant)
+        params = kernel_params(spec)
+        values = (*args, self.counters) if spec.counters else tuple(args)
         if self.sanitizer is not None:
             what = f"{spec.name} {variant.label} grid={grid} under {self.sanitizer}"
-            run_program(
-                program, spec.name, grid, threads, spec.params, args, block_seed=self.block_seed, what=what
-            )
+            run_program(program, spec.name, grid, threads, params, values, block_seed=self.block_seed, what=what)
         else:
             if program not in self._libraries:
                 self._libraries[program] = ctypes.CDLL(str(program))
             library = self._libraries[program]
-            values = pack_arguments(spec, args)
-            pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+            packed = pack_arguments(spec, args)
+            if spec.counters:
+                packed.append(ctypes.c_void_p(self.counters.data_ptr()))
+            pointers = (ctypes.c_void_p * len(packed))(*(ctypes.addressof(v) for v in packed))
             run = getattr(library, f"emu_run_{spec.name}")
             library.emu_trace_shared(ctypes.c_int(int(self.trace_shared)))
             run(pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(threads))
@@ -391,4 +405,8 @@ class EmulatedLauncher:
                 total.fewest += counts[2]
                 total.unpaired += counts[3]
                 library.emu_trace_shared(ctypes.c_int(0))
+        if spec.counters and bool(self.counters.any()):
+            left = self.counters.nonzero().flatten().tolist()
+            self.counters.zero_()
+            raise AssertionError(f"{spec.name} {variant.label} grid={grid} left counters {left[:8]} non-zero")
         self.launches.append((spec.name, variant, grid))

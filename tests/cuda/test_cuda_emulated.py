@@ -353,3 +353,49 @@ def test_shared_memory_requests_have_no_bank_conflicts(request, launcher, n, k, 
     for name, count in counts.items():
         assert count.unpaired == 0, name
         assert count.conflicts == 0, (name, count)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bucket", "rows", "cols"),
+    [
+        pytest.param(torch.bfloat16, 16, 200, 800, id="bf16-r16-tensor-cores"),  # 4 column blocks, the last of 32
+        pytest.param(torch.bfloat16, 64, 70, 520, id="bf16-r64-rank-tiles"),  # 2 rank tiles of 32
+        pytest.param(torch.float32, 8, 100, 2100, id="f32-r8-cuda-cores"),  # 3 column blocks of 1024
+        pytest.param(torch.bfloat16, 16, 50, 1030, id="bf16-r16-unaligned"),
+    ],
+)
+def test_grad_out_adds_up_dh_in_the_kernel(launcher, monkeypatch, dtype, bucket, rows, cols):
+    """lora_grad_out's last block per row split adds the split's dh partials into partial 0: what the
+    pass returns without a torch sum. Right against float64, bit for bit the same whichever block comes
+    last (three block orders), and the counters left at zero (the launcher checks every launch)."""
+    from loragen.cuda import passes
+
+    gen = torch.Generator().manual_seed(rows + cols + bucket)
+    g = torch.randn(rows, cols, generator=gen).to(dtype)
+    h = torch.randn(rows, bucket, generator=gen)
+    bt = torch.randn(bucket, cols, generator=gen) / cols**0.5
+    plan = passes.Plan(torch.zeros(rows, 8, dtype=dtype), cols, bucket, launcher)
+    grid = plan.grad_out_grid
+    assert grid.dh_summed and grid.col_blocks > 1
+    # three row splits (the plan caps them by the partials' bytes: one or two at these sizes), each a
+    # whole number of the kernel's steps, the last one shorter
+    step = specs.LORA_GRAD_OUT.tile(plan.variant)["rows_per_step"]
+    rows_per_split = -(-rows // 3 // step) * step
+    splits = -(-rows // rows_per_split)
+    assert splits == 3 and rows - 2 * rows_per_split < rows_per_split
+    sums = []
+    for seed in (0, 1, 7):
+        monkeypatch.setenv("EMU_BLOCK_SEED", str(seed))
+        dh_part = torch.full((grid.col_blocks, rows, bucket), float("nan"))
+        db_part = torch.empty(splits, cols, bucket)
+        args = (g, h, bt, dh_part, db_part, rows, cols, bucket, rows_per_split, 0.5)
+        launcher.launch(specs.LORA_GRAD_OUT, plan.variant, (grid.grid[0], splits), args, plan.device)
+        sums.append(dh_part[0].clone())
+        assert not torch.isnan(dh_part).any()  # the other partials stay as written
+    want = 0.5 * g.double() @ bt.to(dtype).double().t()  # B^T is rounded to bf16 on tensor cores only
+    if not kernel_variants.grad_out_uses_mma(plan.variant):
+        want = 0.5 * g.double() @ bt.double().t()
+    assert relative_error(sums[0], want) < (4e-3 if kernel_variants.grad_out_uses_mma(plan.variant) else 1e-5)
+    for other in sums[1:]:
+        assert torch.equal(other, sums[0])
+    assert not launcher.counters.any()
