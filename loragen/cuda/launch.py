@@ -136,7 +136,10 @@ class _LaunchRecord:
     __slots__ = (
         "block",
         "context",
+        "counter_address",
+        "counter_stream",
         "counters",
+        "counters_index",
         "function",
         "label",
         "layout",
@@ -154,6 +157,10 @@ class _LaunchRecord:
         self.context = context
         self.threads = spec.threads(variant)
         self.counters = spec.counters
+        self.counters_index = len(spec.params)  # where the counter buffer's address goes
+        # the stream of the last launch and its counter buffer's address (streams rarely change)
+        self.counter_stream: int | None = None
+        self.counter_address = 0
         codes = ["P" if p.ctype.endswith("*") else _STRUCT_CODES[p.ctype] for p in spec.params]
         if spec.counters:  # the launcher's counter buffer, after the caller's arguments
             codes.append("P")
@@ -177,15 +184,14 @@ class _LaunchRecord:
         Raises:
             TypeError, KernelArgumentRangeError: as :func:`pack_arguments` (which words the message).
         """
-        values = list(args)
+        # a list display, not list(args) nor append: no call that the host pays for per launch
+        values = [*args, counters] if self.counters else [*args]
         try:
+            if self.counters and values[self.counters_index] is not counters:  # one argument too many
+                raise TypeError
             for i in self.pointer_params:
                 value = values[i]
                 values[i] = 0 if value is None else value.data_ptr()  # type: ignore[attr-defined]
-            if self.counters:
-                if len(values) != len(self.spec.params):  # the counters would take a caller's place
-                    raise TypeError
-                values.append(counters)
             self.layout.pack_into(self.block, 0, *values)
         except (struct.error, TypeError, AttributeError, IndexError, OverflowError):
             pack_arguments(self.spec, args)  # raises the error naming the parameter
@@ -199,8 +205,8 @@ class DriverLauncher:
     prebuilt parameter block (one ``struct.pack_into``), one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
     device's primary context is not already current on the thread) and ``cuLaunchKernel`` on PyTorch's
     current stream, passed as its raw handle. No lock and no error text unless something fails. A kernel
-    with ``counters`` gets the counter buffer of its device and stream (one more lookup; made, zeroed,
-    on the first such launch on the stream).
+    with ``counters`` gets the counter buffer of its device and stream (made, zeroed, on the first such
+    launch on the stream; its address kept in the launch record while the stream stays the same).
     """
 
     def __init__(self, cache: KernelCache | None = None) -> None:
@@ -319,10 +325,10 @@ class DriverLauncher:
         get_current, launch_kernel, success = self._calls
         stream = _raw_stream(index)
         if record.counters:
-            counters = self._counters.get((index, stream))
-            if counters is None:
-                counters = self._counter_buffer(index, stream, args)
-            record.fill(args, counters.data_ptr())
+            if stream != record.counter_stream:
+                record.counter_address = self._counter_buffer(index, stream, args).data_ptr()
+                record.counter_stream = stream
+            record.fill(args, record.counter_address)
         else:
             record.fill(args)
         if get_current()[1] == record.context:
@@ -358,14 +364,18 @@ class DriverLauncher:
             raise self._fail(status, "cuLaunchKernel", f"{spec.name} {record.label} grid={grid}")
 
     def _counter_buffer(self, index: int, stream: int, args: Sequence[object]) -> torch.Tensor:
-        """A new zeroed counter buffer for (device, stream), on the device of the launch's tensors.
+        """The counter buffer of (device, stream); the first launch on the stream makes it, zeroed, on
+        the device of the launch's tensors.
 
         Zeroed on the current stream -- the launch's -- so the kernel finds it zero; the kernels leave it
         so, and only launches on this stream, one after another, use it.
         """
-        like = next(a for a in args if isinstance(a, torch.Tensor))
-        fresh = torch.zeros(COUNTERS, dtype=torch.int32, device=like.device)
-        return self._counters.setdefault((index, stream), fresh)  # another thread's, if it came first
+        counters = self._counters.get((index, stream))
+        if counters is None:
+            like = next(a for a in args if isinstance(a, torch.Tensor))
+            fresh = torch.zeros(COUNTERS, dtype=torch.int32, device=like.device)
+            counters = self._counters.setdefault((index, stream), fresh)  # another thread's, if first
+        return counters
 
     @contextlib.contextmanager
     def _current(self, context: Any, kernel: str) -> Iterator[None]:

@@ -73,6 +73,38 @@ def test_launch_sets_context_loads_once_and_packs_arguments(fake):
     assert fake.launcher.target_blocks(device) == 264
 
 
+def test_a_kernel_with_counters_gets_its_streams_zeroed_buffer_after_the_arguments(fake, monkeypatch):
+    """lora_grad_out's parameter block: the caller's arguments, then the launcher's counter buffer --
+    COUNTERS zeroed int32 words, one buffer per device and stream, reused by that stream's launches."""
+    spec = specs.LORA_GRAD_OUT
+    fake.driver.spec = spec
+    variant = kernel_variants.Variant("bfloat16", 16, True)
+    g, h, bt = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16), torch.zeros(16, 8)
+    dh, db = torch.zeros(1, 4, 16), torch.zeros(1, 8, 16)
+    args = (g, h, bt, dh, db, 4, 8, 16, 32, 0.5)
+    device = torch.device("cuda", 0)
+    fake.launcher.launch(spec, variant, (1, 1), args, device)
+    fake.launcher.launch(spec, variant, (1, 1), args, device)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=77))
+    fake.launcher.launch(spec, variant, (1, 1), args, device)
+    launches = [call[-1] for call in fake.driver.calls if call[0] == "launch"]
+    pointers = [g.data_ptr(), h.data_ptr(), bt.data_ptr(), dh.data_ptr(), db.data_ptr()]
+    assert all(values[:10] == [*pointers, 4, 8, 16, 32, 0.5] for values in launches)
+    buffers = fake.launcher._counters
+    assert sorted(buffers) == [(0, 77), (0, 4242)]
+    for buffer in buffers.values():
+        assert buffer.dtype == torch.int32 and buffer.numel() == specs.COUNTERS and not buffer.any()
+    assert [values[10] for values in launches] == [
+        buffers[(0, 4242)].data_ptr(),
+        buffers[(0, 4242)].data_ptr(),
+        buffers[(0, 77)].data_ptr(),
+    ]
+    # the counters never take the place of a missing argument, nor an extra one the counters' place
+    for wrong in (args[:-1], (*args, 1.0)):
+        with pytest.raises(TypeError, match=rf"kernel lora_grad_out takes 10 arguments, got {len(wrong)}"):
+            fake.launcher.launch(spec, variant, (1, 1), wrong, device)
+
+
 def test_launch_error_names_the_call_and_kernel(fake):
     fake.driver.fail_launch = True
     args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
