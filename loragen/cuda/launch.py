@@ -67,15 +67,12 @@ class CudaDriverError(RuntimeError):
 class KernelLauncher(Protocol):
     """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests.
 
-    A launcher that runs the kernels passes, to a kernel whose spec has ``counters``, one more argument
-    after ``args``: a buffer of :data:`~loragen.cuda.specs.COUNTERS` zeroed 32-bit words of its own, one
-    per device and stream (the kernels leave it zeroed). A launcher that computes the kernels' results
-    otherwise (:class:`loragen.cuda.torch_kernels.TorchKernels`) writes whole sums into partial 0 and
-    needs none.
-
-    Optional methods others look for: ``arch(device) -> "sm_90"`` (the self-check refuses bfloat16
-    before sm_80 without compiling) and ``route(variant, device) -> KernelLauncher``
-    (:class:`loragen.cuda.selfcheck.CheckedLauncher`: which launcher runs a variant).
+    A launcher that runs the kernels passes, to a kernel whose spec ``reduces``, two more arguments
+    after ``args``: a counter buffer of :data:`~loragen.cuda.specs.COUNTERS` zeroed 32-bit words and a
+    float32 scratch buffer of at least ``spec.reduces(variant, grid, args)`` elements, both its own, one
+    per device and stream (the kernels leave the counters zeroed). A launcher that computes the kernels'
+    results otherwise (:class:`loragen.cuda.torch_kernels.TorchKernels`) writes whole sums into partial
+    0 and needs neither.
     """
 
     def target_blocks(self, device: torch.device) -> int:
@@ -136,16 +133,16 @@ class _LaunchRecord:
     __slots__ = (
         "block",
         "context",
-        "counter_address",
-        "counter_stream",
-        "counters",
-        "counters_index",
+        "buffer_stream",
+        "buffers",
+        "extras_index",
         "function",
         "label",
         "layout",
         "params_address",
         "pointer_params",
         "pointers",
+        "reduces",
         "spec",
         "threads",
     )
@@ -156,14 +153,14 @@ class _LaunchRecord:
         self.function = function
         self.context = context
         self.threads = spec.threads(variant)
-        self.counters = spec.counters
-        self.counters_index = len(spec.params)  # where the counter buffer's address goes
-        # the stream of the last launch and its counter buffer's address (streams rarely change)
-        self.counter_stream: int | None = None
-        self.counter_address = 0
+        self.reduces = spec.reduces
+        self.extras_index = len(spec.params)  # where the counter buffer's address goes, scratch's after it
+        # the stream of the last launch and its buffers (streams rarely change)
+        self.buffer_stream: int | None = None
+        self.buffers: _StreamBuffers | None = None
         codes = ["P" if p.ctype.endswith("*") else _STRUCT_CODES[p.ctype] for p in spec.params]
-        if spec.counters:  # the launcher's counter buffer, after the caller's arguments
-            codes.append("P")
+        if spec.reduces is not None:  # the launcher's counter and scratch buffers, after the caller's arguments
+            codes += ["P", "P"]
         self.layout = struct.Struct("@" + "".join(codes))
         self.block = ctypes.create_string_buffer(max(self.layout.size, 1))
         base = ctypes.addressof(self.block)
@@ -174,20 +171,20 @@ class _LaunchRecord:
         ]
         self.pointers = (ctypes.c_void_p * len(codes))(*(base + offset for offset in offsets))
         self.params_address = ctypes.addressof(self.pointers)
-        # the caller's pointer arguments (not the counter buffer, whose address fill() appends)
+        # the caller's pointer arguments (not the launcher's buffers, whose addresses fill() appends)
         self.pointer_params = tuple(i for i, param in enumerate(spec.params) if param.ctype.endswith("*"))
 
-    def fill(self, args: Sequence[object], counters: int = 0) -> None:
-        """Write ``args`` (and, for a spec with ``counters``, the counter buffer's address) into the
-        parameter block.
+    def fill(self, args: Sequence[object], counters: int = 0, scratch: int = 0) -> None:
+        """Write ``args`` (and, for a spec that ``reduces``, the counter and scratch buffers' addresses)
+        into the parameter block.
 
         Raises:
             TypeError, KernelArgumentRangeError: as :func:`pack_arguments` (which words the message).
         """
         # a list display, not list(args) nor append: no call that the host pays for per launch
-        values = [*args, counters] if self.counters else [*args]
+        values = [*args, counters, scratch] if self.reduces is not None else [*args]
         try:
-            if self.counters and values[self.counters_index] is not counters:  # one argument too many
+            if self.reduces is not None and values[self.extras_index] is not counters:  # too many arguments
                 raise TypeError
             for i in self.pointer_params:
                 value = values[i]
@@ -198,6 +195,36 @@ class _LaunchRecord:
             raise
 
 
+class _StreamBuffers:
+    """The counter and scratch buffers the kernels that reduce use on one device and stream.
+
+    The counters are zeroed once, on the stream that first needs them -- so the first kernel finds them
+    zero -- and the kernels leave them so. Scratch holds partial sums between a kernel's blocks; only
+    launches on this stream, one after another, use it. A scratch buffer that is outgrown is kept, not
+    freed: a captured CUDA graph may hold its address.
+    """
+
+    __slots__ = ("counters", "counters_address", "device", "retired", "scratch", "scratch_address", "scratch_size")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.counters = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        self.counters_address = self.counters.data_ptr()
+        self.retired: list[torch.Tensor] = []
+        self.scratch = torch.empty(0, dtype=torch.float32, device=device)
+        self.scratch_address = self.scratch.data_ptr()
+        self.scratch_size = 0
+
+    def grow(self, need: int) -> None:
+        """Scratch of at least ``need`` floats: 1.5 times the old size at least, so a model whose layers
+        ask for more and more grows it a few times, not once per layer."""
+        if self.scratch_size:
+            self.retired.append(self.scratch)
+        self.scratch = torch.empty(max(need, self.scratch_size * 3 // 2), dtype=torch.float32, device=self.device)
+        self.scratch_address = self.scratch.data_ptr()
+        self.scratch_size = self.scratch.numel()
+
+
 class DriverLauncher:
     """Launches kernels through the CUDA driver API; modules are loaded once per device and variant.
 
@@ -205,8 +232,9 @@ class DriverLauncher:
     prebuilt parameter block (one ``struct.pack_into``), one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
     device's primary context is not already current on the thread) and ``cuLaunchKernel`` on PyTorch's
     current stream, passed as its raw handle. No lock and no error text unless something fails. A kernel
-    with ``counters`` gets the counter buffer of its device and stream (made, zeroed, on the first such
-    launch on the stream; its address kept in the launch record while the stream stays the same).
+    that ``reduces`` gets the counter and scratch buffers of its device and stream (made on the first
+    such launch on the stream, kept in the launch record while the stream stays the same; the scratch
+    grows when a launch needs more).
     """
 
     def __init__(self, cache: KernelCache | None = None) -> None:
@@ -221,9 +249,9 @@ class DriverLauncher:
         self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
         # the driver's cuCtxGetCurrent, cuLaunchKernel and CUDA_SUCCESS, looked up with the first record
         self._calls: tuple[Any, Any, Any] = (None, None, None)
-        # (device index, raw stream) -> the counter buffer of kernels with ``counters`` (never freed: a
+        # (device index, raw stream) -> the buffers of kernels that reduce (never freed: a
         # captured CUDA graph may hold its address)
-        self._counters: dict[tuple[int, int], torch.Tensor] = {}
+        self._buffers: dict[tuple[int, int], _StreamBuffers] = {}
 
     @staticmethod
     def _driver() -> Any:
@@ -324,11 +352,15 @@ class DriverLauncher:
             record = self._record(spec, variant, index, key)
         get_current, launch_kernel, success = self._calls
         stream = _raw_stream(index)
-        if record.counters:
-            if stream != record.counter_stream:
-                record.counter_address = self._counter_buffer(index, stream, args).data_ptr()
-                record.counter_stream = stream
-            record.fill(args, record.counter_address)
+        if record.reduces is not None:
+            buffers = record.buffers
+            if buffers is None or stream != record.buffer_stream:
+                buffers = record.buffers = self._stream_buffers(index, stream, args)
+                record.buffer_stream = stream
+            need = record.reduces(variant, grid, args)
+            if need > buffers.scratch_size:
+                buffers.grow(need)
+            record.fill(args, buffers.counters_address, buffers.scratch_address)
         else:
             record.fill(args)
         if get_current()[1] == record.context:
@@ -363,19 +395,15 @@ class DriverLauncher:
         if status != success:
             raise self._fail(status, "cuLaunchKernel", f"{spec.name} {record.label} grid={grid}")
 
-    def _counter_buffer(self, index: int, stream: int, args: Sequence[object]) -> torch.Tensor:
-        """The counter buffer of (device, stream); the first launch on the stream makes it, zeroed, on
-        the device of the launch's tensors.
-
-        Zeroed on the current stream -- the launch's -- so the kernel finds it zero; the kernels leave it
-        so, and only launches on this stream, one after another, use it.
-        """
-        counters = self._counters.get((index, stream))
-        if counters is None:
+    def _stream_buffers(self, index: int, stream: int, args: Sequence[object]) -> _StreamBuffers:
+        """The buffers of (device, stream); the first launch on the stream makes them, on the device of
+        the launch's tensors."""
+        buffers = self._buffers.get((index, stream))
+        if buffers is None:
             like = next(a for a in args if isinstance(a, torch.Tensor))
-            fresh = torch.zeros(COUNTERS, dtype=torch.int32, device=like.device)
-            counters = self._counters.setdefault((index, stream), fresh)  # another thread's, if first
-        return counters
+            # another thread's, if it came first
+            buffers = self._buffers.setdefault((index, stream), _StreamBuffers(like.device))
+        return buffers
 
     @contextlib.contextmanager
     def _current(self, context: Any, kernel: str) -> Iterator[None]:

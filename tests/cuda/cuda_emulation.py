@@ -246,13 +246,14 @@ def run_program(
     return done.stderr
 
 
-COUNTERS_PARAM = Param("counters", "unsigned*")
+# what a launcher adds to the arguments of a kernel that reduces (loragen.cuda.specs.KernelSpec.reduces)
+LAUNCHER_PARAMS = (Param("counters", "unsigned*"), Param("scratch", "float*"))
 
 
 def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
     """The kernel's parameters as its C signature lists them: ``spec.params``, then the launcher's
-    counter buffer for a spec with ``counters``."""
-    return (*spec.params, COUNTERS_PARAM) if spec.counters else tuple(spec.params)
+    counter and scratch buffers for a spec that reduces."""
+    return (*spec.params, *LAUNCHER_PARAMS) if spec.reduces is not None else tuple(spec.params)
 
 
 def kernel_source(spec: KernelSpec, variant: Variant) -> tuple[Kernel, dict[str, str]]:
@@ -315,8 +316,11 @@ class EmulatedLauncher:
     ``edit(kernel name, source)`` may change a rendered kernel before it is built (planted bugs).
     With ``trace_shared`` (in-process only) every launch logs its shared-memory accesses and
     ``shared_counts[kernel name]`` sums what they cost (:class:`SharedCounts`).
-    A kernel whose spec has ``counters`` gets ``counters`` (zeroed words, as a DriverLauncher keeps one
-    per stream) after its arguments; a launch that leaves any counter non-zero fails.
+    A kernel whose spec reduces gets ``counters`` (zeroed words, as a DriverLauncher keeps one per
+    stream) and a scratch buffer of the size the spec asks for, filled with NaN (nothing the kernel
+    reads there may come from before the launch), after its arguments; a launch that leaves any counter
+    non-zero fails. With ``reduce=False`` it gets null pointers instead: the kernel leaves its partial sums
+    to the caller (a launcher without the buffers).
     """
 
     def __init__(
@@ -327,6 +331,7 @@ class EmulatedLauncher:
         block_seed: int = 1,
         edit: Callable[[str, str], str] | None = None,
         trace_shared: bool = False,
+        reduce: bool = True,
     ) -> None:
         if sanitizer not in SANITIZER_FLAGS:
             raise ValueError(f"sanitizer={sanitizer!r}; expected one of {list(SANITIZER_FLAGS)}")
@@ -335,6 +340,7 @@ class EmulatedLauncher:
         self.trace_shared = trace_shared
         self.shared_counts: dict[str, SharedCounts] = {}
         self.counters = torch.zeros(COUNTERS, dtype=torch.int32)
+        self.reduce = reduce
         self.build_dir = Path(build_dir)
         self.sanitizer = sanitizer
         self.block_seed = block_seed
@@ -381,7 +387,12 @@ class EmulatedLauncher:
         program = self.program(spec, variant)
         threads = spec.threads(variant)
         params = kernel_params(spec)
-        values = (*args, self.counters) if spec.counters else tuple(args)
+        values = tuple(args)
+        if spec.reduces is not None and self.reduce:
+            scratch = torch.full((spec.reduces(variant, grid, args),), float("nan"))
+            values = (*values, self.counters, scratch)
+        elif spec.reduces is not None:
+            values = (*values, None, None)
         if self.sanitizer is not None:
             what = f"{spec.name} {variant.label} grid={grid} under {self.sanitizer}"
             run_program(program, spec.name, grid, threads, params, values, block_seed=self.block_seed, what=what)
@@ -390,8 +401,8 @@ class EmulatedLauncher:
                 self._libraries[program] = ctypes.CDLL(str(program))
             library = self._libraries[program]
             packed = pack_arguments(spec, args)
-            if spec.counters:
-                packed.append(ctypes.c_void_p(self.counters.data_ptr()))
+            # the launcher's buffers
+            packed += [ctypes.c_void_p(None if v is None else v.data_ptr()) for v in values[len(args) :]]
             pointers = (ctypes.c_void_p * len(packed))(*(ctypes.addressof(v) for v in packed))
             run = getattr(library, f"emu_run_{spec.name}")
             library.emu_trace_shared(ctypes.c_int(int(self.trace_shared)))
@@ -405,7 +416,7 @@ class EmulatedLauncher:
                 total.fewest += counts[2]
                 total.unpaired += counts[3]
                 library.emu_trace_shared(ctypes.c_int(0))
-        if spec.counters and bool(self.counters.any()):
+        if spec.reduces is not None and bool(self.counters.any()):
             left = self.counters.nonzero().flatten().tolist()
             self.counters.zero_()
             raise AssertionError(f"{spec.name} {variant.label} grid={grid} left counters {left[:8]} non-zero")

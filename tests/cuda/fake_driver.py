@@ -79,8 +79,9 @@ class FakeDriver:
         return ("stream", handle)
 
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        # the caller's parameters, then the launcher's counter buffer for a spec with counters
-        signature = [*self.spec.params, *([specs.Param("counters", "unsigned*")] if self.spec.counters else [])]
+        # the caller's parameters, then the launcher's counter and scratch buffers for a spec that reduces
+        extras = [specs.Param("counters", "unsigned*"), specs.Param("scratch", "float*")]
+        signature = [*self.spec.params, *(extras if self.spec.reduces is not None else [])]
         pointers = (ctypes.c_void_p * len(signature)).from_address(params)
         values = []
         for param, address in zip(signature, pointers):

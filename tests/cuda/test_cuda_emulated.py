@@ -364,38 +364,47 @@ def test_shared_memory_requests_have_no_bank_conflicts(request, launcher, n, k, 
         pytest.param(torch.bfloat16, 16, 50, 1030, id="bf16-r16-unaligned"),
     ],
 )
-def test_grad_out_adds_up_dh_in_the_kernel(launcher, monkeypatch, dtype, bucket, rows, cols):
-    """lora_grad_out's last block per row split adds the split's dh partials into partial 0: what the
-    pass returns without a torch sum. Right against float64, bit for bit the same whichever block comes
-    last (three block orders), and the counters left at zero (the launcher checks every launch)."""
+@pytest.mark.parametrize("adds_up", [True, False], ids=["in-kernel", "partials"])
+def test_grad_out_adds_up_its_partial_sums(request, monkeypatch, dtype, bucket, rows, cols, adds_up):
+    """lora_grad_out with several column blocks and three row splits. In the kernel (the launcher's
+    counters and scratch): the last block of each group adds dh's and dB's partials into the caller's
+    (rows, R) and (cols, R) -- right against float64, bit for bit the same whichever block comes last
+    (three block orders), the counters left at zero (the launcher checks every launch). Without the
+    launcher's buffers every partial lands in the caller's buffers, and they add up to the same."""
     from loragen.cuda import passes
 
+    launcher = EmulatedLauncher(
+        cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4, reduce=adds_up
+    )
     gen = torch.Generator().manual_seed(rows + cols + bucket)
     g = torch.randn(rows, cols, generator=gen).to(dtype)
     h = torch.randn(rows, bucket, generator=gen)
     bt = torch.randn(bucket, cols, generator=gen) / cols**0.5
     plan = passes.Plan(torch.zeros(rows, 8, dtype=dtype), cols, bucket, launcher)
     grid = plan.grad_out_grid
-    assert grid.dh_summed and grid.col_blocks > 1
+    assert grid.summed and grid.col_blocks > 1
     # three row splits (the plan caps them by the partials' bytes: one or two at these sizes), each a
     # whole number of the kernel's steps, the last one shorter
     step = specs.LORA_GRAD_OUT.tile(plan.variant)["rows_per_step"]
     rows_per_split = -(-rows // 3 // step) * step
     splits = -(-rows // rows_per_split)
     assert splits == 3 and rows - 2 * rows_per_split < rows_per_split
-    sums = []
+    results = []
     for seed in (0, 1, 7):
         monkeypatch.setenv("EMU_BLOCK_SEED", str(seed))
-        dh_part = torch.full((grid.col_blocks, rows, bucket), float("nan"))
-        db_part = torch.empty(splits, cols, bucket)
+        dh_part = torch.full((1 if adds_up else grid.col_blocks, rows, bucket), float("nan"))
+        db_part = torch.full((1 if adds_up else splits, cols, bucket), float("nan"))
         args = (g, h, bt, dh_part, db_part, rows, cols, bucket, rows_per_split, 0.5)
         launcher.launch(specs.LORA_GRAD_OUT, plan.variant, (grid.grid[0], splits), args, plan.device)
-        sums.append(dh_part[0].clone())
-        assert not torch.isnan(dh_part).any()  # the other partials stay as written
-    want = 0.5 * g.double() @ bt.to(dtype).double().t()  # B^T is rounded to bf16 on tensor cores only
-    if not kernel_variants.grad_out_uses_mma(plan.variant):
-        want = 0.5 * g.double() @ bt.double().t()
-    assert relative_error(sums[0], want) < (4e-3 if kernel_variants.grad_out_uses_mma(plan.variant) else 1e-5)
-    for other in sums[1:]:
-        assert torch.equal(other, sums[0])
+        assert not torch.isnan(dh_part).any() and not torch.isnan(db_part).any()
+        results.append((dh_part.sum(0), db_part.sum(0)))
+    mma = kernel_variants.grad_out_uses_mma(plan.variant)
+    b = bt.to(dtype).double() if mma else bt.double()  # B^T and h are rounded to bf16 on tensor cores
+    hd = h.to(dtype).double() if mma else h.double()
+    want_dh = 0.5 * g.double() @ b.t()
+    want_db = 0.5 * g.double().t() @ hd
+    assert relative_error(results[0][0], want_dh) < (4e-3 if mma else 1e-5)
+    assert relative_error(results[0][1], want_db) < (4e-3 if mma else 1e-5)
+    for other in results[1:]:
+        assert torch.equal(other[0], results[0][0]) and torch.equal(other[1], results[0][1])
     assert not launcher.counters.any()
