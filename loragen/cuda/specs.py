@@ -42,6 +42,7 @@ from loragen.cuda.kernel_variants import (
 __all__ = [
     "ADAMW8BIT",
     "ARCHS",
+    "CHUNK_MEMBERS",
     "COUNTERS",
     "KERNELS",
     "OPTIMIZER_KERNELS",
@@ -54,6 +55,7 @@ __all__ = [
     "optimizer_variants",
     "plan_down",
     "plan_grad_in",
+    "grad_out_counters",
     "plan_grad_out",
     "plan_up",
     "rank_tiles",
@@ -65,6 +67,9 @@ ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
 # Words of the counter buffer a launcher passes to a kernel whose spec ``reduces`` (one per device and
 # stream, zero between launches: the kernels that count set every counter back to zero)
 COUNTERS = 4096
+# partials a block of a kernel that reduces adds up at a time: a group's last block adds up its chunk of
+# this many, the last chunk the chunks' sums (two levels: the blocks that finish last add up little)
+CHUNK_MEMBERS = 8
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ def render_params(spec: KernelSpec, variant: Variant) -> dict[str, object]:
         params.update(rank_bucket=variant.rank_bucket, aligned=variant.aligned)
     params.update(spec.tile(variant))
     if spec.reduces is not None:
-        params["counters"] = COUNTERS
+        params.update(counters=COUNTERS, chunk_members=CHUNK_MEMBERS)
     summary = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
     params["variant"] = f"Rendered by loragen.cuda.render for {variant.dtype}:\n// {summary}."
     return params
@@ -353,10 +358,20 @@ def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) ->
     per_split = 16 * variant.rank_bucket
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // per_split
     plan = _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
-    # the kernel adds the partials up when its groups (the grid's columns, row splits x rank tiles) fit
-    # the launcher's counters; lora_grad_out.cu.j2 tests the same condition
-    summed = plan.grid[0] + plan.splits * rank_tiles(LORA_GRAD_OUT, variant) <= COUNTERS
+    summed = grad_out_counters(plan.grid, rank_tiles(LORA_GRAD_OUT, variant)) <= COUNTERS
     return SplitPlan(plan.grid, plan.col_blocks, plan.splits, plan.rows_per_split, summed=summed)
+
+
+def grad_out_counters(grid: tuple[int, int], tiles: int) -> int:
+    """Counters ``lora_grad_out`` needs on ``grid`` to add its partial sums up (it does when they fit
+    :data:`COUNTERS`; the template tests the same): per dB group (a grid column) and per dh group (a row
+    split and rank tile), one per chunk of :data:`CHUNK_MEMBERS` members and one for the group."""
+
+    def per_group(members: int) -> int:
+        return math.ceil(members / CHUNK_MEMBERS) + 1
+
+    columns, splits = grid
+    return columns * per_group(splits) + splits * tiles * per_group(columns // tiles)
 
 
 def plan_grad_in(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:

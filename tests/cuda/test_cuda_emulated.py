@@ -356,17 +356,19 @@ def test_shared_memory_requests_have_no_bank_conflicts(request, launcher, n, k, 
 
 
 @pytest.mark.parametrize(
-    ("dtype", "bucket", "rows", "cols"),
+    ("dtype", "bucket", "rows", "cols", "splits"),
     [
-        pytest.param(torch.bfloat16, 16, 200, 800, id="bf16-r16-tensor-cores"),  # 4 column blocks, the last of 32
-        pytest.param(torch.bfloat16, 64, 70, 520, id="bf16-r64-rank-tiles"),  # 2 rank tiles of 32
-        pytest.param(torch.float32, 8, 100, 2100, id="f32-r8-cuda-cores"),  # 3 column blocks of 1024
-        pytest.param(torch.bfloat16, 16, 50, 1030, id="bf16-r16-unaligned"),
+        # 9 column blocks, the last of 56 columns: dh in two levels (a chunk of 8, then the chunks)
+        pytest.param(torch.bfloat16, 16, 200, 2104, 3, id="bf16-r16-tensor-cores"),
+        pytest.param(torch.bfloat16, 64, 70, 520, 3, id="bf16-r64-rank-tiles"),  # 2 rank tiles of 32
+        # 3 column blocks of 1024; 13 row splits: dB in two levels (8 + 5)
+        pytest.param(torch.float32, 8, 100, 2100, 13, id="f32-r8-cuda-cores"),
+        pytest.param(torch.bfloat16, 16, 50, 1030, 3, id="bf16-r16-unaligned"),
     ],
 )
 @pytest.mark.parametrize("adds_up", [True, False], ids=["in-kernel", "partials"])
-def test_grad_out_adds_up_its_partial_sums(request, monkeypatch, dtype, bucket, rows, cols, adds_up):
-    """lora_grad_out with several column blocks and three row splits. In the kernel (the launcher's
+def test_grad_out_adds_up_its_partial_sums(request, monkeypatch, dtype, bucket, rows, cols, splits, adds_up):
+    """lora_grad_out with several column blocks and row splits. In the kernel (the launcher's
     counters and scratch): the last block of each group adds dh's and dB's partials into the caller's
     (rows, R) and (cols, R) -- right against float64, bit for bit the same whichever block comes last
     (three block orders), the counters left at zero (the launcher checks every launch). Without the
@@ -383,12 +385,12 @@ def test_grad_out_adds_up_its_partial_sums(request, monkeypatch, dtype, bucket, 
     plan = passes.Plan(torch.zeros(rows, 8, dtype=dtype), cols, bucket, launcher)
     grid = plan.grad_out_grid
     assert grid.summed and grid.col_blocks > 1
-    # three row splits (the plan caps them by the partials' bytes: one or two at these sizes), each a
+    assert kernel_variants.grad_out_uses_mma(plan.variant) == (dtype == torch.bfloat16 and cols % 8 == 0)
+    # the row splits (the plan caps them by the partials' bytes: one or two at these sizes), each a
     # whole number of the kernel's steps, the last one shorter
     step = specs.LORA_GRAD_OUT.tile(plan.variant)["rows_per_step"]
-    rows_per_split = -(-rows // 3 // step) * step
-    splits = -(-rows // rows_per_split)
-    assert splits == 3 and rows - 2 * rows_per_split < rows_per_split
+    rows_per_split = -(-rows // splits // step) * step
+    assert -(-rows // rows_per_split) == splits and rows - (splits - 1) * rows_per_split < rows_per_split
     results = []
     for seed in (0, 1, 7):
         monkeypatch.setenv("EMU_BLOCK_SEED", str(seed))
