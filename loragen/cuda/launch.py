@@ -132,9 +132,9 @@ class _LaunchRecord:
 
     __slots__ = (
         "block",
-        "context",
         "buffer_stream",
         "buffers",
+        "context",
         "extras_index",
         "function",
         "label",
@@ -159,7 +159,9 @@ class _LaunchRecord:
         self.buffer_stream: int | None = None
         self.buffers: _StreamBuffers | None = None
         codes = ["P" if p.ctype.endswith("*") else _STRUCT_CODES[p.ctype] for p in spec.params]
-        if spec.reduces is not None:  # the launcher's counter and scratch buffers, after the caller's arguments
+        if (
+            spec.reduces is not None
+        ):  # the launcher's counter and scratch buffers, after the caller's arguments
             codes += ["P", "P"]
         self.layout = struct.Struct("@" + "".join(codes))
         self.block = ctypes.create_string_buffer(max(self.layout.size, 1))
@@ -195,23 +197,37 @@ class _LaunchRecord:
             raise
 
 
+# streams per device whose counters one zeroed allocation holds (more streams: another allocation)
+_COUNTER_ROWS = 64
+
+
 class _StreamBuffers:
     """The counter and scratch buffers the kernels that reduce use on one device and stream.
 
-    The counters are zeroed once, on the stream that first needs them -- so the first kernel finds them
-    zero -- and the kernels leave them so. Scratch holds partial sums between a kernel's blocks; only
-    launches on this stream, one after another, use it. A scratch buffer that is outgrown is kept, not
-    freed: a captured CUDA graph may hold its address.
+    The counters are a row of a zeroed block made for the device's first such streams
+    (:meth:`DriverLauncher._stream_buffers`): made, and zeroed, at the device's first launch of such a
+    kernel, which runs before any CUDA-graph capture (a module must be loaded before one), so a stream
+    first seen inside a capture still finds its counters zero; the kernels leave them so. Scratch holds
+    partial sums between a kernel's blocks; only launches on this stream, one after another, use it. A
+    scratch buffer that is outgrown is kept, not freed: a captured CUDA graph may hold its address.
     """
 
-    __slots__ = ("counters", "counters_address", "device", "retired", "scratch", "scratch_address", "scratch_size")
+    __slots__ = (
+        "counters",
+        "counters_address",
+        "device",
+        "retired",
+        "scratch",
+        "scratch_address",
+        "scratch_size",
+    )
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.counters = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    def __init__(self, counters: torch.Tensor) -> None:
+        self.device = counters.device
+        self.counters = counters
         self.counters_address = self.counters.data_ptr()
         self.retired: list[torch.Tensor] = []
-        self.scratch = torch.empty(0, dtype=torch.float32, device=device)
+        self.scratch = torch.empty(0, dtype=torch.float32, device=self.device)
         self.scratch_address = self.scratch.data_ptr()
         self.scratch_size = 0
 
@@ -220,7 +236,9 @@ class _StreamBuffers:
         ask for more and more grows it a few times, not once per layer."""
         if self.scratch_size:
             self.retired.append(self.scratch)
-        self.scratch = torch.empty(max(need, self.scratch_size * 3 // 2), dtype=torch.float32, device=self.device)
+        self.scratch = torch.empty(
+            max(need, self.scratch_size * 3 // 2), dtype=torch.float32, device=self.device
+        )
         self.scratch_address = self.scratch.data_ptr()
         self.scratch_size = self.scratch.numel()
 
@@ -249,6 +267,8 @@ class DriverLauncher:
         self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
         # the driver's cuCtxGetCurrent, cuLaunchKernel and CUDA_SUCCESS, looked up with the first record
         self._calls: tuple[Any, Any, Any] = (None, None, None)
+        # device index -> blocks of _COUNTER_ROWS zeroed counter rows, and how many rows are taken
+        self._counter_rows: dict[int, tuple[list[torch.Tensor], int]] = {}
         # (device index, raw stream) -> the buffers of kernels that reduce (never freed: a
         # captured CUDA graph may hold its address)
         self._buffers: dict[tuple[int, int], _StreamBuffers] = {}
@@ -397,12 +417,21 @@ class DriverLauncher:
 
     def _stream_buffers(self, index: int, stream: int, args: Sequence[object]) -> _StreamBuffers:
         """The buffers of (device, stream); the first launch on the stream makes them, on the device of
-        the launch's tensors."""
+        the launch's tensors, with the next free row of the device's zeroed counter blocks."""
         buffers = self._buffers.get((index, stream))
         if buffers is None:
-            like = next(a for a in args if isinstance(a, torch.Tensor))
-            # another thread's, if it came first
-            buffers = self._buffers.setdefault((index, stream), _StreamBuffers(like.device))
+            with self._lock:
+                buffers = self._buffers.get((index, stream))
+                if buffers is None:
+                    like = next(a for a in args if isinstance(a, torch.Tensor))
+                    blocks, taken = self._counter_rows.get(index, ([], 0))
+                    if taken == len(blocks) * _COUNTER_ROWS:
+                        blocks.append(
+                            torch.zeros(_COUNTER_ROWS, COUNTERS, dtype=torch.int32, device=like.device)
+                        )
+                    row = blocks[taken // _COUNTER_ROWS][taken % _COUNTER_ROWS]
+                    self._counter_rows[index] = (blocks, taken + 1)
+                    buffers = self._buffers[(index, stream)] = _StreamBuffers(row)
         return buffers
 
     @contextlib.contextmanager

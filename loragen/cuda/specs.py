@@ -139,6 +139,8 @@ LORA_UP = KernelSpec(
     ),
     up_tile,
 )
+
+
 def _grad_out_scratch(variant: Variant, grid: tuple[int, int], args: Sequence[object]) -> int:
     """Floats of scratch ``lora_grad_out`` needs: dh's partials 1.. (column blocks - 1 of rows x R) and
     dB's (splits - 1 of cols x R), counted here with a column block per grid column (rank tiles

@@ -395,7 +395,9 @@ class EmulatedLauncher:
             values = (*values, None, None)
         if self.sanitizer is not None:
             what = f"{spec.name} {variant.label} grid={grid} under {self.sanitizer}"
-            run_program(program, spec.name, grid, threads, params, values, block_seed=self.block_seed, what=what)
+            run_program(
+                program, spec.name, grid, threads, params, values, block_seed=self.block_seed, what=what
+            )
         else:
             if program not in self._libraries:
                 self._libraries[program] = ctypes.CDLL(str(program))
