@@ -320,3 +320,93 @@ def test_empty_batch_on_tensor_cores(launcher):
     out.sum().backward()
     assert empty.grad.shape == (0, 64)
     assert torch.count_nonzero(a.grad) == 0 and torch.count_nonzero(bb.grad) == 0
+
+
+# (rows, in, out, r, dtype): whole tiles (no lane past the end of a row or column, so each warp's lanes
+# make the same accesses and pair up into requests), one case per shared-memory layout: lora_grad_out's
+# tensor-core pass with rank tiles of 16 and of 32 (R = 64), and the CUDA-core passes of both kernels
+SHARED_CASES = [
+    pytest.param(64, 256, 256, 16, torch.bfloat16, id="bf16-r16-tensor-cores"),
+    pytest.param(32, 256, 256, 64, torch.bfloat16, id="bf16-r64-tensor-cores"),
+    pytest.param(32, 256, 256, 8, torch.float32, id="f32-r8-cuda-cores"),
+    pytest.param(32, 256, 256, 64, torch.float16, id="f16-r64-cuda-cores"),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "o", "r", "dtype"), SHARED_CASES)
+def test_shared_memory_requests_have_no_bank_conflicts(request, launcher, n, k, o, r, dtype):
+    """Every warp request to shared memory of the four kernels takes the fewest wavefronts its bytes
+    need, counted by the emulation from the addresses each lane touches (cuda_emulation.h). Before dh's
+    slots were swizzled, lora_grad_out's tensor-core pass stored the rows g and g + 2 of a half warp on
+    the same banks (two wavefronts more per 8-byte store; the rows g and g + 1 at rank tiles of 32), and
+    lora_grad_in's CUDA-core pass kept a lane's 8 dA sums side by side (lanes 4 apart on one bank)."""
+    traced = EmulatedLauncher(
+        cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4, trace_shared=True
+    )
+    (x, w, b, a, bb), _ = make_inputs(n, k, o, r, dtype, bias=True)
+    y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.1, True, launcher=traced)
+    y.backward(torch.randn(n, o, generator=torch.Generator().manual_seed(2)).to(dtype))
+    counts = traced.shared_counts
+    assert set(counts) == set(specs.KERNELS)
+    for name in ("lora_grad_out", "lora_grad_in"):  # the kernels that use shared memory
+        assert counts[name].requests > 0, name
+    for name, count in counts.items():
+        assert count.unpaired == 0, name
+        assert count.conflicts == 0, (name, count)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bucket", "rows", "cols", "splits"),
+    [
+        # 9 column blocks, the last of 56 columns: dh in two levels (a chunk of 8, then the chunks)
+        pytest.param(torch.bfloat16, 16, 200, 2104, 3, id="bf16-r16-tensor-cores"),
+        pytest.param(torch.bfloat16, 64, 70, 520, 3, id="bf16-r64-rank-tiles"),  # 2 rank tiles of 32
+        # 3 column blocks of 1024; 13 row splits: dB in two levels (8 + 5)
+        pytest.param(torch.float32, 8, 100, 2100, 13, id="f32-r8-cuda-cores"),
+        pytest.param(torch.bfloat16, 16, 50, 1030, 3, id="bf16-r16-unaligned"),
+    ],
+)
+@pytest.mark.parametrize("adds_up", [True, False], ids=["in-kernel", "partials"])
+def test_grad_out_adds_up_its_partial_sums(request, monkeypatch, dtype, bucket, rows, cols, splits, adds_up):
+    """lora_grad_out with several column blocks and row splits. In the kernel (the launcher's
+    counters and scratch): the last block of each group adds dh's and dB's partials into the caller's
+    (rows, R) and (cols, R) -- right against float64, bit for bit the same whichever block comes last
+    (three block orders), the counters left at zero (the launcher checks every launch). Without the
+    launcher's buffers every partial lands in the caller's buffers, and they add up to the same."""
+    from loragen.cuda import passes
+
+    launcher = EmulatedLauncher(
+        cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4, reduce=adds_up
+    )
+    gen = torch.Generator().manual_seed(rows + cols + bucket)
+    g = torch.randn(rows, cols, generator=gen).to(dtype)
+    h = torch.randn(rows, bucket, generator=gen)
+    bt = torch.randn(bucket, cols, generator=gen) / cols**0.5
+    plan = passes.Plan(torch.zeros(rows, 8, dtype=dtype), cols, bucket, launcher)
+    grid = plan.grad_out_grid
+    assert grid.summed and grid.col_blocks > 1
+    assert kernel_variants.grad_out_uses_mma(plan.variant) == (dtype == torch.bfloat16 and cols % 8 == 0)
+    # the row splits (the plan caps them by the partials' bytes: one or two at these sizes), each a
+    # whole number of the kernel's steps, the last one shorter
+    step = specs.LORA_GRAD_OUT.tile(plan.variant)["rows_per_step"]
+    rows_per_split = -(-rows // splits // step) * step
+    assert -(-rows // rows_per_split) == splits and rows - (splits - 1) * rows_per_split < rows_per_split
+    results = []
+    for seed in (0, 1, 7):
+        monkeypatch.setenv("EMU_BLOCK_SEED", str(seed))
+        dh_part = torch.full((1 if adds_up else grid.col_blocks, rows, bucket), float("nan"))
+        db_part = torch.full((1 if adds_up else splits, cols, bucket), float("nan"))
+        args = (g, h, bt, dh_part, db_part, rows, cols, bucket, rows_per_split, 0.5)
+        launcher.launch(specs.LORA_GRAD_OUT, plan.variant, (grid.grid[0], splits), args, plan.device)
+        assert not torch.isnan(dh_part).any() and not torch.isnan(db_part).any()
+        results.append((dh_part.sum(0), db_part.sum(0)))
+    mma = kernel_variants.grad_out_uses_mma(plan.variant)
+    b = bt.to(dtype).double() if mma else bt.double()  # B^T and h are rounded to bf16 on tensor cores
+    hd = h.to(dtype).double() if mma else h.double()
+    want_dh = 0.5 * g.double() @ b.t()
+    want_db = 0.5 * g.double().t() @ hd
+    assert relative_error(results[0][0], want_dh) < (4e-3 if mma else 1e-5)
+    assert relative_error(results[0][1], want_db) < (4e-3 if mma else 1e-5)
+    for other in results[1:]:
+        assert torch.equal(other[0], results[0][0]) and torch.equal(other[1], results[0][1])
+    assert not launcher.counters.any()
