@@ -30,9 +30,10 @@ def fake(monkeypatch, tmp_path):
         torch.cuda, "get_device_properties", lambda index: SimpleNamespace(multi_processor_count=132)
     )
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=4242))
-    # the stream handle the launch passes: a CUDA build of torch would ask the real device (cuda:1 may not
-    # exist there), a CPU build asks torch.cuda.current_stream, patched above
-    monkeypatch.setattr(launch, "_raw_stream", lambda index: 4242)
+    # the stream handle the launch passes comes from torch.cuda.current_stream, patched above (and by tests
+    # that switch streams): a CUDA build of torch would otherwise ask the real device, where cuda:1 may
+    # not exist
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: torch.cuda.current_stream(index).cuda_stream)
 
     def compiler(kernel, arch):
         return CompiledKernel(kernel.name, arch, f"cubin for {kernel.name} {arch}".encode(), "")
