@@ -28,7 +28,7 @@ import torch
 from loragen.cuda.cache import KernelCache, default_cache
 from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.render import render_kernel
-from loragen.cuda.specs import COUNTERS, KernelSpec, render_params
+from loragen.cuda.specs import KernelSpec, render_params
 from loragen.errors import LoraError
 
 __all__ = [
@@ -67,12 +67,9 @@ class CudaDriverError(RuntimeError):
 class KernelLauncher(Protocol):
     """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests.
 
-    A launcher that runs the kernels passes, to a kernel whose spec ``reduces``, two more arguments
-    after ``args``: a counter buffer of :data:`~loragen.cuda.specs.COUNTERS` zeroed 32-bit words and a
-    float32 scratch buffer of at least ``spec.reduces(variant, grid, args)`` elements, both its own, one
-    per device and stream (the kernels leave the counters zeroed). A launcher that computes the kernels'
-    results otherwise (:class:`loragen.cuda.torch_kernels.TorchKernels`) writes whole sums into partial
-    0 and needs neither.
+    Optional methods others look for: ``arch(device) -> "sm_90"`` (the self-check refuses bfloat16
+    before sm_80 without compiling) and ``route(variant, device) -> KernelLauncher``
+    (:class:`loragen.cuda.selfcheck.CheckedLauncher`: which launcher runs a variant).
     """
 
     def target_blocks(self, device: torch.device) -> int:
@@ -132,17 +129,13 @@ class _LaunchRecord:
 
     __slots__ = (
         "block",
-        "buffer_stream",
-        "buffers",
         "context",
-        "extras_index",
         "function",
         "label",
         "layout",
         "params_address",
         "pointer_params",
         "pointers",
-        "reduces",
         "spec",
         "threads",
     )
@@ -153,16 +146,7 @@ class _LaunchRecord:
         self.function = function
         self.context = context
         self.threads = spec.threads(variant)
-        self.reduces = spec.reduces
-        self.extras_index = len(spec.params)  # where the counter buffer's address goes, scratch's after it
-        # the stream of the last launch and its buffers (streams rarely change)
-        self.buffer_stream: int | None = None
-        self.buffers: _StreamBuffers | None = None
         codes = ["P" if p.ctype.endswith("*") else _STRUCT_CODES[p.ctype] for p in spec.params]
-        if (
-            spec.reduces is not None
-        ):  # the launcher's counter and scratch buffers, after the caller's arguments
-            codes += ["P", "P"]
         self.layout = struct.Struct("@" + "".join(codes))
         self.block = ctypes.create_string_buffer(max(self.layout.size, 1))
         base = ctypes.addressof(self.block)
@@ -173,21 +157,16 @@ class _LaunchRecord:
         ]
         self.pointers = (ctypes.c_void_p * len(codes))(*(base + offset for offset in offsets))
         self.params_address = ctypes.addressof(self.pointers)
-        # the caller's pointer arguments (not the launcher's buffers, whose addresses fill() appends)
-        self.pointer_params = tuple(i for i, param in enumerate(spec.params) if param.ctype.endswith("*"))
+        self.pointer_params = tuple(i for i, code in enumerate(codes) if code == "P")
 
-    def fill(self, args: Sequence[object], counters: int = 0, scratch: int = 0) -> None:
-        """Write ``args`` (and, for a spec that ``reduces``, the counter and scratch buffers' addresses)
-        into the parameter block.
+    def fill(self, args: Sequence[object]) -> None:
+        """Write ``args`` into the parameter block.
 
         Raises:
             TypeError, KernelArgumentRangeError: as :func:`pack_arguments` (which words the message).
         """
-        # a list display, not list(args) nor append: no call that the host pays for per launch
-        values = [*args, counters, scratch] if self.reduces is not None else [*args]
+        values = list(args)
         try:
-            if self.reduces is not None and values[self.extras_index] is not counters:  # too many arguments
-                raise TypeError
             for i in self.pointer_params:
                 value = values[i]
                 values[i] = 0 if value is None else value.data_ptr()  # type: ignore[attr-defined]
@@ -197,62 +176,13 @@ class _LaunchRecord:
             raise
 
 
-# streams per device whose counters one zeroed allocation holds (more streams: another allocation)
-_COUNTER_ROWS = 64
-
-
-class _StreamBuffers:
-    """The counter and scratch buffers the kernels that reduce use on one device and stream.
-
-    The counters are a row of a zeroed block made for the device's first such streams
-    (:meth:`DriverLauncher._stream_buffers`): made, and zeroed, at the device's first launch of such a
-    kernel, which runs before any CUDA-graph capture (a module must be loaded before one), so a stream
-    first seen inside a capture still finds its counters zero; the kernels leave them so. Scratch holds
-    partial sums between a kernel's blocks; only launches on this stream, one after another, use it. A
-    scratch buffer that is outgrown is kept, not freed: a captured CUDA graph may hold its address.
-    """
-
-    __slots__ = (
-        "counters",
-        "counters_address",
-        "device",
-        "retired",
-        "scratch",
-        "scratch_address",
-        "scratch_size",
-    )
-
-    def __init__(self, counters: torch.Tensor) -> None:
-        self.device = counters.device
-        self.counters = counters
-        self.counters_address = self.counters.data_ptr()
-        self.retired: list[torch.Tensor] = []
-        self.scratch = torch.empty(0, dtype=torch.float32, device=self.device)
-        self.scratch_address = self.scratch.data_ptr()
-        self.scratch_size = 0
-
-    def grow(self, need: int) -> None:
-        """Scratch of at least ``need`` floats: 1.5 times the old size at least, so a model whose layers
-        ask for more and more grows it a few times, not once per layer."""
-        if self.scratch_size:
-            self.retired.append(self.scratch)
-        self.scratch = torch.empty(
-            max(need, self.scratch_size * 3 // 2), dtype=torch.float32, device=self.device
-        )
-        self.scratch_address = self.scratch.data_ptr()
-        self.scratch_size = self.scratch.numel()
-
-
 class DriverLauncher:
     """Launches kernels through the CUDA driver API; modules are loaded once per device and variant.
 
     Per launch: one dictionary lookup for the launch record, the argument values written into its
     prebuilt parameter block (one ``struct.pack_into``), one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
     device's primary context is not already current on the thread) and ``cuLaunchKernel`` on PyTorch's
-    current stream, passed as its raw handle. No lock and no error text unless something fails. A kernel
-    that ``reduces`` gets the counter and scratch buffers of its device and stream (made on the first
-    such launch on the stream, kept in the launch record while the stream stays the same; the scratch
-    grows when a launch needs more).
+    current stream, passed as its raw handle. No lock and no error text unless something fails.
     """
 
     def __init__(self, cache: KernelCache | None = None) -> None:
@@ -267,11 +197,6 @@ class DriverLauncher:
         self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
         # the driver's cuCtxGetCurrent, cuLaunchKernel and CUDA_SUCCESS, looked up with the first record
         self._calls: tuple[Any, Any, Any] = (None, None, None)
-        # device index -> blocks of _COUNTER_ROWS zeroed counter rows, and how many rows are taken
-        self._counter_rows: dict[int, tuple[list[torch.Tensor], int]] = {}
-        # (device index, raw stream) -> the buffers of kernels that reduce (never freed: a
-        # captured CUDA graph may hold its address)
-        self._buffers: dict[tuple[int, int], _StreamBuffers] = {}
 
     @staticmethod
     def _driver() -> Any:
@@ -370,19 +295,9 @@ class DriverLauncher:
         if record is None:
             pack_arguments(spec, args)  # a bad argument changes nothing: checked before any driver call
             record = self._record(spec, variant, index, key)
+        record.fill(args)
         get_current, launch_kernel, success = self._calls
         stream = _raw_stream(index)
-        if record.reduces is not None:
-            buffers = record.buffers
-            if buffers is None or stream != record.buffer_stream:
-                buffers = record.buffers = self._stream_buffers(index, stream, args)
-                record.buffer_stream = stream
-            need = record.reduces(variant, grid, args)
-            if need > buffers.scratch_size:
-                buffers.grow(need)
-            record.fill(args, buffers.counters_address, buffers.scratch_address)
-        else:
-            record.fill(args)
         if get_current()[1] == record.context:
             status = launch_kernel(
                 record.function,
@@ -414,25 +329,6 @@ class DriverLauncher:
                 )[0]
         if status != success:
             raise self._fail(status, "cuLaunchKernel", f"{spec.name} {record.label} grid={grid}")
-
-    def _stream_buffers(self, index: int, stream: int, args: Sequence[object]) -> _StreamBuffers:
-        """The buffers of (device, stream); the first launch on the stream makes them, on the device of
-        the launch's tensors, with the next free row of the device's zeroed counter blocks."""
-        buffers = self._buffers.get((index, stream))
-        if buffers is None:
-            with self._lock:
-                buffers = self._buffers.get((index, stream))
-                if buffers is None:
-                    like = next(a for a in args if isinstance(a, torch.Tensor))
-                    blocks, taken = self._counter_rows.get(index, ([], 0))
-                    if taken == len(blocks) * _COUNTER_ROWS:
-                        blocks.append(
-                            torch.zeros(_COUNTER_ROWS, COUNTERS, dtype=torch.int32, device=like.device)
-                        )
-                    row = blocks[taken // _COUNTER_ROWS][taken % _COUNTER_ROWS]
-                    self._counter_rows[index] = (blocks, taken + 1)
-                    buffers = self._buffers[(index, stream)] = _StreamBuffers(row)
-        return buffers
 
     @contextlib.contextmanager
     def _current(self, context: Any, kernel: str) -> Iterator[None]:

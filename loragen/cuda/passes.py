@@ -3,8 +3,7 @@
 
 Each pass launches one kernel through the plan's launcher -- the CUDA driver, the torch path
 (:mod:`loragen.cuda.torch_kernels`) or, in loragen's CPU tests, an emulator -- and adds up its float32
-partial sums with torch, but for lora_grad_out's, which the kernel adds up itself (the last block of each
-group, in a fixed order). Deterministic either way. Shapes as in :mod:`loragen.cuda.linear_op`.
+partial sums with torch (deterministic: no atomics). Shapes as in :mod:`loragen.cuda.linear_op`.
 """
 
 from __future__ import annotations
@@ -105,12 +104,8 @@ def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) ->
     """dh = s g B (rows, R) and dB = s g^T h (out, R), float32."""
     bucket = plan.variant.rank_bucket
     grid = plan.grad_out_grid
-    # summed: the kernel adds its partials up into partial 0, the only one allocated here (the others
-    # live in the launcher's scratch); the torch path writes whole sums into partial 0 anyway
-    dh_parts = 1 if grid.summed else grid.col_blocks
-    db_parts = 1 if grid.summed else grid.splits
-    dh_part = torch.empty(dh_parts, plan.rows, bucket, dtype=torch.float32, device=plan.device)
-    db_part = torch.empty(db_parts, plan.out_features, bucket, dtype=torch.float32, device=plan.device)
+    dh_part = torch.empty(grid.col_blocks, plan.rows, bucket, dtype=torch.float32, device=plan.device)
+    db_part = torch.empty(grid.splits, plan.out_features, bucket, dtype=torch.float32, device=plan.device)
     plan.launcher.launch(
         LORA_GRAD_OUT,
         plan.variant,
@@ -129,8 +124,8 @@ def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) ->
         ),
         plan.device,
     )
-    dh = dh_part[0] if dh_parts == 1 else dh_part.sum(0)
-    db = db_part[0] if db_parts == 1 else db_part.sum(0)
+    dh = dh_part[0] if grid.col_blocks == 1 else dh_part.sum(0)
+    db = db_part[0] if grid.splits == 1 else db_part.sum(0)
     return dh, db
 
 

@@ -23,7 +23,7 @@ part of :data:`KERNELS`, whose variants also vary by rank bucket and alignment.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from loragen.cuda.kernel_variants import (
@@ -42,8 +42,6 @@ from loragen.cuda.kernel_variants import (
 __all__ = [
     "ADAMW8BIT",
     "ARCHS",
-    "CHUNK_MEMBERS",
-    "COUNTERS",
     "KERNELS",
     "OPTIMIZER_KERNELS",
     "DownPlan",
@@ -55,7 +53,6 @@ __all__ = [
     "optimizer_variants",
     "plan_down",
     "plan_grad_in",
-    "grad_out_counters",
     "plan_grad_out",
     "plan_up",
     "rank_tiles",
@@ -64,12 +61,6 @@ __all__ = [
 ]
 
 ARCHS: tuple[str, ...] = ("sm_80", "sm_90")
-# Words of the counter buffer a launcher passes to a kernel whose spec ``reduces`` (one per device and
-# stream, zero between launches: the kernels that count set every counter back to zero)
-COUNTERS = 4096
-# partials a block of a kernel that reduces adds up at a time: a group's last block adds up its chunk of
-# this many, the last chunk the chunks' sums (two levels: the blocks that finish last add up little)
-CHUNK_MEMBERS = 8
 
 
 @dataclass(frozen=True)
@@ -88,12 +79,6 @@ class KernelSpec:
     params: tuple[Param, ...]
     tile: Callable[[Variant], dict[str, int]]
     by_rank: bool = True  # False: the template takes neither rank_bucket nor aligned (dtype-only variants)
-    # Set: the kernel adds up its own partial sums and takes two more parameters after ``params``, which
-    # a launcher that runs kernels supplies (callers never pass them): ``unsigned* counters``, COUNTERS
-    # words, zero before the launch and left zero, and ``float* scratch``, at least
-    # ``reduces(variant, grid, args)`` floats whose contents do not matter. One of each per device and
-    # stream, so that the launches sharing them run one after another.
-    reduces: Callable[[Variant, tuple[int, int], Sequence[object]], int] | None = None
 
     @property
     def template(self) -> str:
@@ -139,16 +124,6 @@ LORA_UP = KernelSpec(
     ),
     up_tile,
 )
-
-
-def _grad_out_scratch(variant: Variant, grid: tuple[int, int], args: Sequence[object]) -> int:
-    """Floats of scratch ``lora_grad_out`` needs: dh's partials 1.. (column blocks - 1 of rows x R) and
-    dB's (splits - 1 of cols x R), counted here with a column block per grid column (rank tiles
-    included: a little more than needed at R = 64, and no tile lookup per launch)."""
-    rows, cols = args[5], args[6]
-    return (grid[0] * rows + grid[1] * cols) * variant.rank_bucket  # type: ignore[operator]
-
-
 LORA_GRAD_OUT = KernelSpec(
     "lora_grad_out",
     _params(
@@ -164,7 +139,6 @@ LORA_GRAD_OUT = KernelSpec(
         ("float", "scaling"),
     ),
     grad_out_tile,
-    reduces=_grad_out_scratch,  # dh's and dB's partial sums are added up in the kernel
 )
 LORA_GRAD_IN = KernelSpec(
     "lora_grad_in",
@@ -221,8 +195,6 @@ def render_params(spec: KernelSpec, variant: Variant) -> dict[str, object]:
     if spec.by_rank:
         params.update(rank_bucket=variant.rank_bucket, aligned=variant.aligned)
     params.update(spec.tile(variant))
-    if spec.reduces is not None:
-        params.update(counters=COUNTERS, chunk_members=CHUNK_MEMBERS)
     summary = ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())
     params["variant"] = f"Rendered by loragen.cuda.render for {variant.dtype}:\n// {summary}."
     return params
@@ -258,9 +230,8 @@ def max_optimizer_block(spec: KernelSpec) -> int:
 # ``target_blocks`` is two blocks per multiprocessor; a grid aims at ``target_blocks * min_blocks`` blocks:
 # two waves of the ``min_blocks`` blocks per multiprocessor the kernel's registers allow (its
 # __launch_bounds__), so that a multiprocessor finishing early takes another block and the last wave is
-# not a long tail. Split reductions write float32 partial sums that torch adds up afterwards, except
-# lora_grad_out's, which the last block of each group adds up in the kernel (in a fixed order:
-# deterministic); the splits are capped so the partials stay a small fraction of the
+# not a long tail. Split reductions write float32 partial sums that torch adds up afterwards
+# (deterministic, no atomics); the splits are capped so the partials stay a small fraction of the
 # pass's main traffic, which can leave a grid short of two waves (see benchmarks/cuda_perf_model.py).
 
 
@@ -282,9 +253,6 @@ class SplitPlan:
     col_blocks: int
     splits: int
     rows_per_split: int
-    # lora_grad_out: the kernel adds up its partial sums itself, into partial 0 (then the only one the
-    # caller allocates; the others go to the launcher's scratch)
-    summed: bool = False
 
 
 def rank_tiles(spec: KernelSpec, variant: Variant) -> int:
@@ -353,27 +321,10 @@ def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) ->
     The dB partials (splits x cols x R float32, written and read back) are kept under half of g's bytes:
     with 256 columns per block the column blocks alone give a 4096-feature layer 16 blocks, so the row
     splits are what fills the GPU (32 splits at R = 16: 1.3 waves instead of 0.65 with a quarter).
-    The kernel adds both partial sums up itself (``summed``) when its groups -- one per row split and rank
-    tile for dh, one per column block and rank tile for dB -- fit the :data:`COUNTERS` of the launcher's
-    counter buffer; the caller then allocates partial 0 of each only.
     """
     per_split = 16 * variant.rank_bucket
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // per_split
-    plan = _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
-    summed = grad_out_counters(plan.grid, rank_tiles(LORA_GRAD_OUT, variant)) <= COUNTERS
-    return SplitPlan(plan.grid, plan.col_blocks, plan.splits, plan.rows_per_split, summed=summed)
-
-
-def grad_out_counters(grid: tuple[int, int], tiles: int) -> int:
-    """Counters ``lora_grad_out`` needs on ``grid`` to add its partial sums up (it does when they fit
-    :data:`COUNTERS`; the template tests the same): per dB group (a grid column) and per dh group (a row
-    split and rank tile), one per chunk of :data:`CHUNK_MEMBERS` members and one for the group."""
-
-    def per_group(members: int) -> int:
-        return math.ceil(members / CHUNK_MEMBERS) + 1
-
-    columns, splits = grid
-    return columns * per_group(splits) + splits * tiles * per_group(columns // tiles)
+    return _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
 
 
 def plan_grad_in(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:

@@ -13,17 +13,7 @@
 //   misaligned vector load or store is a run-time error naming the type and the address.
 // A thread that returns drops out of its barriers, as exited threads do on the GPU.
 //
-// Shared-memory bank conflicts: the kernels access __shared__ memory through loragen's shared_load /
-// shared_store, which call LORAGEN_SHARED_ACCESS (defined below). With tracing on (emu_trace_shared(1))
-// every lane logs the address and width of each access; after each block, the k-th accesses of a warp's
-// lanes form one request, counted as the GPU serves it: in phases of 128 bytes of lanes (32 lanes for
-// 4-byte words, 16 for 8-byte, 8 for 16-byte), each phase taking as many wavefronts as the most distinct
-// 32-bit words any one of the 32 banks holds (lanes reading the same word share it).
-// emu_shared_counts() returns requests, wavefronts, the fewest wavefronts the bytes need, and warps
-// whose lanes made different numbers or widths of accesses (their requests cannot be paired up).
-//
-// Only what the kernels need is here: full-warp shuffles, __syncthreads (and __syncthreads_or),
-// atomicAdd and __threadfence, __umulhi, float/bit casts,
+// Only what the kernels need is here: full-warp shuffles, __syncthreads, __umulhi, float/bit casts,
 // int min/max, the CUDA vector types, the correctly rounded float intrinsics (__fadd_rn, ...).
 #pragma once
 
@@ -39,7 +29,6 @@
 #include <mutex>
 #include <random>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #define __global__
@@ -47,10 +36,9 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __align__(n) __attribute__((aligned(n)))  // as CUDA defines it: allowed among the decl-specifiers
+#define __align__(n) alignas(n)
 // One static object per kernel, in a section of its own: emu::launch poisons it before every block.
 #define __shared__ static __attribute__((section("emu_shared")))
-#define LORAGEN_SHARED_ACCESS(pointer, bytes) ::emu::record_shared((pointer), (bytes))
 
 // CUDA's vector types, with CUDA's alignment (so misaligned accesses through them are caught).
 struct alignas(8) uint2 { unsigned x, y; };
@@ -136,75 +124,9 @@ struct Warp {
 struct Block {
     Barrier barrier;
     std::vector<std::unique_ptr<Warp>> warps;
-    std::atomic<int> vote{0};  // __syncthreads_or's result being gathered (zero between votes)
 };
 
 inline Block* block = nullptr;  // the block running now (blocks run one at a time)
-
-// ---- shared-memory bank conflicts (see the header comment) ----
-struct SharedAccess {
-    std::uintptr_t address;
-    unsigned bytes;
-};
-inline bool trace_shared = false;  // set between launches only (before the pool's threads start)
-inline std::vector<std::vector<SharedAccess>> shared_log;  // per thread of the block; each writes its own
-inline unsigned long long shared_counts[4] = {};  // requests, wavefronts, fewest wavefronts, unpaired warps
-
-inline void record_shared(const void* pointer, unsigned long bytes) {
-    if (!trace_shared) return;
-    shared_log[::threadIdx.x].push_back({reinterpret_cast<std::uintptr_t>(pointer), static_cast<unsigned>(bytes)});
-}
-
-// One warp request: the lanes' (lane, access) pairs, all of one width.
-inline void count_request(const std::vector<std::pair<unsigned, SharedAccess>>& request) {
-    const unsigned bytes = request.front().second.bytes;
-    const unsigned words = bytes < 4 ? 1 : bytes / 4;
-    const unsigned lanes_per_phase = bytes <= 4 ? 32 : 128 / bytes;
-    for (unsigned phase = 0; phase < 32 / lanes_per_phase; ++phase) {
-        std::vector<std::uintptr_t> touched;
-        for (const auto& [lane, access] : request) {
-            if (lane / lanes_per_phase != phase) continue;
-            for (unsigned i = 0; i < words; ++i) touched.push_back(access.address / 4 + i);
-        }
-        if (touched.empty()) continue;
-        std::sort(touched.begin(), touched.end());
-        touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
-        unsigned per_bank[32] = {};
-        unsigned most = 0;
-        for (std::uintptr_t word : touched) most = std::max(most, ++per_bank[word % 32]);
-        shared_counts[1] += most;
-        shared_counts[2] += (touched.size() + 31) / 32;
-    }
-    ++shared_counts[0];
-}
-
-// After a block: pair up each warp's lanes' k-th accesses into requests and count them.
-inline void count_bank_conflicts(unsigned threads) {
-    for (unsigned first = 0; first < threads; first += 32) {
-        const unsigned lanes = std::min(32u, threads - first);
-        std::size_t longest = 0, shortest = ~std::size_t{0};
-        for (unsigned lane = 0; lane < lanes; ++lane) {
-            longest = std::max(longest, shared_log[first + lane].size());
-            shortest = std::min(shortest, shared_log[first + lane].size());
-        }
-        bool unpaired = longest != shortest;
-        for (std::size_t k = 0; k < longest; ++k) {
-            std::vector<std::pair<unsigned, SharedAccess>> request;
-            for (unsigned lane = 0; lane < lanes; ++lane) {
-                const auto& log = shared_log[first + lane];
-                if (k < log.size()) request.push_back({lane, log[k]});
-            }
-            bool same_width = true;
-            for (const auto& entry : request) same_width = same_width && entry.second.bytes == request.front().second.bytes;
-            if (same_width) {
-                count_request(request);
-            } else {
-                unpaired = true;
-            }
-        }
-        shared_counts[3] += unpaired ? 1 : 0;
-    }
-}
 
 inline Warp& warp() { return *block->warps[threadIdx.x / 32]; }
 
@@ -294,12 +216,9 @@ inline void launch(unsigned grid_x, unsigned grid_y, unsigned threads, const std
             blk.warps[w]->barrier.reset(static_cast<int>(std::min(32u, threads - 32 * w)));
             std::fill(std::begin(blk.warps[w]->row), std::end(blk.warps[w]->row), 0u);
         }
-        blk.vote.store(0);
         poison_shared(poison);
-        if (trace_shared) shared_log.assign(threads, {});
         start.arrive_and_wait();
         finish.arrive_and_wait();
-        if (trace_shared) count_bank_conflicts(threads);
     }
     for (std::thread& th : pool) th.join();
     block = nullptr;
@@ -308,34 +227,6 @@ inline void launch(unsigned grid_x, unsigned grid_y, unsigned threads, const std
 }  // namespace emu
 
 inline void __syncthreads() { emu::block->barrier.arrive_and_wait(); }
-
-// A barrier that also returns whether any thread's predicate was non-zero. Three barriers: the vote is
-// cleared by thread 0 only after every thread has read it, and set for the next vote only after that.
-inline int __syncthreads_or(int predicate) {
-    emu::Block& b = *emu::block;
-    b.barrier.arrive_and_wait();
-    if (predicate != 0) b.vote.store(1);
-    b.barrier.arrive_and_wait();
-    const int any = b.vote.load();
-    b.barrier.arrive_and_wait();
-    if (threadIdx.x == 0) b.vote.store(0);
-    return any;
-}
-
-// Device-wide atomics and fences: blocks run one at a time here, but the threads of a block are real
-// threads, so these are real atomics (ThreadSanitizer sees them as such).
-template <typename T> inline T atomicAdd(T* address, T value) { return std::atomic_ref<T>(*address).fetch_add(value); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-
-// Bank-conflict tracing from the test harness: on (counts reset) or off, and the counts so far
-// (kept in every build, `used`, though nothing in the build calls them).
-extern "C" __attribute__((used)) inline void emu_trace_shared(int on) {
-    emu::trace_shared = on != 0;
-    std::fill(std::begin(emu::shared_counts), std::end(emu::shared_counts), 0ull);
-}
-extern "C" __attribute__((used)) inline void emu_shared_counts(unsigned long long* out) {
-    std::copy(std::begin(emu::shared_counts), std::end(emu::shared_counts), out);
-}
 
 template <typename T> inline T __shfl_sync(unsigned, T value, int lane) { return emu::exchange(value, lane); }
 

@@ -35,7 +35,7 @@ import torch
 from loragen.cuda.kernel_variants import Variant, rank_bucket
 from loragen.cuda.launch import pack_arguments
 from loragen.cuda.render import render_kernel
-from loragen.cuda.specs import COUNTERS, KERNELS, KernelSpec, Param, render_params
+from loragen.cuda.specs import KERNELS, KernelSpec, Param, render_params
 
 HERE = Path(__file__).parent
 HEADER = HERE / "cuda_emulation.h"
@@ -246,20 +246,10 @@ def run_program(
     return done.stderr
 
 
-# what a launcher adds to the arguments of a kernel that reduces (loragen.cuda.specs.KernelSpec.reduces)
-LAUNCHER_PARAMS = (Param("counters", "unsigned*"), Param("scratch", "float*"))
-
-
-def kernel_params(spec: KernelSpec) -> tuple[Param, ...]:
-    """The kernel's parameters as its C signature lists them: ``spec.params``, then the launcher's
-    counter and scratch buffers for a spec that reduces."""
-    return (*spec.params, *LAUNCHER_PARAMS) if spec.reduces is not None else tuple(spec.params)
-
-
 def kernel_source(spec: KernelSpec, variant: Variant) -> tuple[Kernel, dict[str, str]]:
     """The rendered kernel, and the headers it includes."""
     rendered = render_kernel(spec.name, render_params(spec, variant))
-    return Kernel(spec.name, kernel_params(spec), rendered.source), dict(rendered.headers)
+    return Kernel(spec.name, spec.params, rendered.source), dict(rendered.headers)
 
 
 def variant_of(in_features: int, out_features: int, rank: int, dtype: torch.dtype) -> Variant:
@@ -290,37 +280,12 @@ def prebuild(builds: Iterable[tuple[EmulatedLauncher, KernelSpec, Variant]]) -> 
             done.result()
 
 
-@dataclass
-class SharedCounts:
-    """What a kernel's warps asked of shared memory (cuda_emulation.h counts it, per launch summed).
-
-    ``wavefronts - fewest`` is the extra wavefronts bank conflicts cost; ``unpaired`` counts warps whose
-    lanes made different numbers or widths of accesses, whose requests could not be paired up.
-    """
-
-    requests: int = 0
-    wavefronts: int = 0
-    fewest: int = 0
-    unpaired: int = 0
-
-    @property
-    def conflicts(self) -> int:
-        return self.wavefronts - self.fewest
-
-
 class EmulatedLauncher:
     """Launches kernels as host threads; ``target_blocks`` is small so tests exercise split grids.
 
     With ``sanitizer`` ("address" or "thread") each launch is a sanitized process of its own, its
     blocks shuffled with ``block_seed`` (in-process launches read EMU_BLOCK_SEED, default 1).
     ``edit(kernel name, source)`` may change a rendered kernel before it is built (planted bugs).
-    With ``trace_shared`` (in-process only) every launch logs its shared-memory accesses and
-    ``shared_counts[kernel name]`` sums what they cost (:class:`SharedCounts`).
-    A kernel whose spec reduces gets ``counters`` (zeroed words, as a DriverLauncher keeps one per
-    stream) and a scratch buffer of the size the spec asks for, filled with NaN (nothing the kernel
-    reads there may come from before the launch), after its arguments; a launch that leaves any counter
-    non-zero fails. With ``reduce=False`` it gets null pointers instead: the kernel leaves its partial sums
-    to the caller (a launcher without the buffers).
     """
 
     def __init__(
@@ -330,17 +295,9 @@ class EmulatedLauncher:
         sanitizer: str | None = None,
         block_seed: int = 1,
         edit: Callable[[str, str], str] | None = None,
-        trace_shared: bool = False,
-        reduce: bool = True,
     ) -> None:
         if sanitizer not in SANITIZER_FLAGS:
             raise ValueError(f"sanitizer={sanitizer!r}; expected one of {list(SANITIZER_FLAGS)}")
-        if trace_shared and sanitizer is not None:
-            raise ValueError("trace_shared needs in-process launches (sanitizer=None)")
-        self.trace_shared = trace_shared
-        self.shared_counts: dict[str, SharedCounts] = {}
-        self.counters = torch.zeros(COUNTERS, dtype=torch.int32)
-        self.reduce = reduce
         self.build_dir = Path(build_dir)
         self.sanitizer = sanitizer
         self.block_seed = block_seed
@@ -386,40 +343,16 @@ class EmulatedLauncher:
                 raise AssertionError(f"{spec.name}: non-contiguous tensor argument")
         program = self.program(spec, variant)
         threads = spec.threads(variant)
-        params = kernel_params(spec)
-        values = tuple(args)
-        if spec.reduces is not None and self.reduce:
-            scratch = torch.full((spec.reduces(variant, grid, args),), float("nan"))
-            values = (*values, self.counters, scratch)
-        elif spec.reduces is not None:
-            values = (*values, None, None)
         if self.sanitizer is not None:
             what = f"{spec.name} {variant.label} grid={grid} under {self.sanitizer}"
             run_program(
-                program, spec.name, grid, threads, params, values, block_seed=self.block_seed, what=what
+                program, spec.name, grid, threads, spec.params, args, block_seed=self.block_seed, what=what
             )
         else:
             if program not in self._libraries:
                 self._libraries[program] = ctypes.CDLL(str(program))
-            library = self._libraries[program]
-            packed = pack_arguments(spec, args)
-            # the launcher's buffers
-            packed += [ctypes.c_void_p(None if v is None else v.data_ptr()) for v in values[len(args) :]]
-            pointers = (ctypes.c_void_p * len(packed))(*(ctypes.addressof(v) for v in packed))
-            run = getattr(library, f"emu_run_{spec.name}")
-            library.emu_trace_shared(ctypes.c_int(int(self.trace_shared)))
+            values = pack_arguments(spec, args)
+            pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+            run = getattr(self._libraries[program], f"emu_run_{spec.name}")
             run(pointers, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), ctypes.c_uint(threads))
-            if self.trace_shared:
-                counts = (ctypes.c_ulonglong * 4)()
-                library.emu_shared_counts(counts)
-                total = self.shared_counts.setdefault(spec.name, SharedCounts())
-                total.requests += counts[0]
-                total.wavefronts += counts[1]
-                total.fewest += counts[2]
-                total.unpaired += counts[3]
-                library.emu_trace_shared(ctypes.c_int(0))
-        if spec.reduces is not None and bool(self.counters.any()):
-            left = self.counters.nonzero().flatten().tolist()
-            self.counters.zero_()
-            raise AssertionError(f"{spec.name} {variant.label} grid={grid} left counters {left[:8]} non-zero")
         self.launches.append((spec.name, variant, grid))

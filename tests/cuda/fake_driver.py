@@ -79,12 +79,9 @@ class FakeDriver:
         return ("stream", handle)
 
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        # the caller's parameters, then the launcher's counter and scratch buffers for a spec that reduces
-        extras = [specs.Param("counters", "unsigned*"), specs.Param("scratch", "float*")]
-        signature = [*self.spec.params, *(extras if self.spec.reduces is not None else [])]
-        pointers = (ctypes.c_void_p * len(signature)).from_address(params)
+        pointers = (ctypes.c_void_p * len(self.spec.params)).from_address(params)
         values = []
-        for param, address in zip(signature, pointers):
+        for param, address in zip(self.spec.params, pointers):
             kind = ctypes.c_void_p if param.ctype.endswith("*") else _READ[param.ctype]
             values.append(kind.from_address(address).value)
         self.calls.append(("launch", function, (gx, gy, gz), (bx, by, bz), shared, stream, values))

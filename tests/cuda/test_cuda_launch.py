@@ -77,46 +77,6 @@ def test_launch_sets_context_loads_once_and_packs_arguments(fake):
     assert fake.launcher.target_blocks(device) == 264
 
 
-def test_a_kernel_that_reduces_gets_its_streams_buffers_after_the_arguments(fake, monkeypatch):
-    """lora_grad_out's parameter block: the caller's arguments, then the launcher's counter buffer
-    (COUNTERS zeroed int32 words) and scratch (at least what the spec asks for), one pair per device and
-    stream, reused by that stream's launches; a launch that needs more scratch grows it, keeping the old."""
-    spec = specs.LORA_GRAD_OUT
-    fake.driver.spec = spec
-    variant = kernel_variants.Variant("bfloat16", 16, True)
-    g, h, bt = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 16), torch.zeros(16, 8)
-    dh, db = torch.zeros(1, 4, 16), torch.zeros(1, 8, 16)
-    args = (g, h, bt, dh, db, 4, 8, 16, 32, 0.5)
-    device = torch.device("cuda", 0)
-    fake.launcher.launch(spec, variant, (1, 1), args, device)
-    fake.launcher.launch(spec, variant, (1, 1), args, device)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=77))
-    fake.launcher.launch(spec, variant, (1, 1), args, device)
-    big = (*args[:5], 400, *args[6:])  # rows: 400 -> (1 * 400 + 1 * 8) * 16 floats of scratch
-    fake.launcher.launch(spec, variant, (1, 1), big, device)
-    launches = [call[-1] for call in fake.driver.calls if call[0] == "launch"]
-    pointers = [g.data_ptr(), h.data_ptr(), bt.data_ptr(), dh.data_ptr(), db.data_ptr()]
-    assert all(values[:10] == [*pointers, 4, 8, 16, 32, 0.5] for values in launches[:3])
-    buffers = fake.launcher._buffers
-    assert sorted(buffers) == [(0, 77), (0, 4242)]
-    for each in buffers.values():
-        assert each.counters.dtype == torch.int32 and each.counters.numel() == specs.COUNTERS
-        assert not each.counters.any()
-    first, other = buffers[(0, 4242)], buffers[(0, 77)]
-    # rows of one block zeroed at the device's first such launch (before any graph capture can start)
-    assert other.counters.data_ptr() == first.counters.data_ptr() + specs.COUNTERS * 4
-    assert [values[10] for values in launches] == [first.counters.data_ptr()] * 2 + [
-        other.counters.data_ptr()
-    ] * 2
-    assert first.scratch.numel() >= (1 * 4 + 1 * 8) * 16 and first.retired == []
-    assert other.scratch.numel() >= (1 * 400 + 1 * 8) * 16 and len(other.retired) == 1  # grown
-    assert launches[-1][11] == other.scratch.data_ptr() != launches[-2][11]
-    # the buffers never take the place of a missing argument, nor an extra one the counters' place
-    for wrong in (args[:-1], (*args, 1.0)):
-        with pytest.raises(TypeError, match=rf"kernel lora_grad_out takes 10 arguments, got {len(wrong)}"):
-            fake.launcher.launch(spec, variant, (1, 1), wrong, device)
-
-
 def test_launch_error_names_the_call_and_kernel(fake):
     fake.driver.fail_launch = True
     args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
