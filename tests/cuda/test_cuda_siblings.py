@@ -508,7 +508,7 @@ def test_a_group_does_less_host_work_than_separate_layers(dtype):
             assert getattr(counts[kind], field) <= ceiling, (kind, field, counts[kind])
 
 
-@pytest.mark.parametrize(("group", "separate", "grouped"), [("q, k, v", 26, 18), ("gate, up", 17, 14)])
+@pytest.mark.parametrize(("group", "separate", "grouped"), [("q, k, v", 32, 24), ("gate, up", 21, 18)])
 def test_a_group_launches_fewer_kernels_at_model_sizes(group, separate, grouped):
     """At 2048 tokens and 2048 features (meta tensors): loragen's launches plus torch's kernel-launching ops.
     The group drops k - 1 lora_down and lora_grad_in launches, their partial sums and autograd's k - 1
