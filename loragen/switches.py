@@ -14,6 +14,8 @@ switch             values            what it controls
 ================= ================= ======================================================================
 fused              True / False      LoRA linears run loragen's fused op (True) or peft's plain composition
 sibling_fusion     True / False      LoRA linears reading one input share one autograd node
+cuda_sibling_     True / False      the same on CUDA tensors, through loragen's kernels (default off: see
+fusion                              docs/cuda.md, "Sibling groups on CUDA")
 cpu_kernels        True / False      the compiled kernels of the CPU dropout path (AVX-512 or AVX2 builds)
 cpu_kernel_variant "auto"/"avx512"/  which build of those kernels: the best the CPU runs (default), or one
                    "avx2"            forced (a CPU that cannot run it takes the numpy path)
@@ -45,6 +47,7 @@ __all__ = [
     "Switch",
     "fused",
     "sibling_fusion",
+    "cuda_sibling_fusion",
     "cpu_kernels",
     "cpu_kernel_variant",
     "dropout_rng",
@@ -128,6 +131,11 @@ fused: Switch[bool] = Switch(
 )
 sibling_fusion: Switch[bool] = Switch(
     "sibling_fusion", True, doc="LoRA linears reading one input share one autograd node"
+)
+cuda_sibling_fusion: Switch[bool] = Switch(
+    "cuda_sibling_fusion",
+    False,
+    doc="sibling fusion on CUDA tensors (loragen.cuda.group_op); off until measured on a GPU in a model",
 )
 cpu_kernels: Switch[bool] = Switch(
     "cpu_kernels", True, doc="the compiled kernels (AVX-512 or AVX2 builds) of the CPU dropout path"

@@ -193,7 +193,7 @@ def _runner(x: Tensor) -> _Runner | None:
     """How a group runs on ``x``: the CPU node, loragen's CUDA group op, or None (each layer alone)."""
     if x.is_cpu:
         return None if torch.is_autocast_enabled("cpu") else _cpu_group
-    if x.is_cuda and cuda.is_available():
+    if x.is_cuda and switches.cuda_sibling_fusion.get() and cuda.is_available():
         return _cuda_group  # autocast: lora_group_cuda declines
     return None
 

@@ -13,6 +13,7 @@ members run alone, outputs are fresh tensors.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -400,7 +401,8 @@ def _run(model, x, fuse):
     x = x.detach().requires_grad_()
     with switches.sibling_fusion.using(fuse):
         y = model(x)
-        (y * torch.linspace(-1, 1, y.shape[-1], device=y.device, dtype=y.dtype)).sum().backward()
+        # weights that do not sum to zero: k's term reaches every column alike, so its gradient would vanish
+        (y * torch.linspace(-0.5, 1.5, y.shape[-1], device=y.device, dtype=y.dtype)).sum().backward()
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -546,8 +548,9 @@ def test_on_a_gpu_layers_fuse_through_the_kernels_and_equal_separate_layers(dtyp
     torch.manual_seed(0)
     model = _model().to(device="cuda", dtype=dtype)
     x = torch.randn(2, 37, 16, device="cuda", dtype=dtype)
-    assert "_CudaGroupFunctionBackward" in _node_names(model(x.requires_grad_()))
-    fused, plain = _run(model, x, True), _run(model, x, False)
+    with switches.cuda_sibling_fusion.using(True):
+        assert "_CudaGroupFunctionBackward" in _node_names(model(x.requires_grad_()))
+        fused, plain = _run(model, x, True), _run(model, x, False)
     for got, want in ((fused[0], plain[0]), (fused[1], plain[1])):
         assert relative_error(got, want.cpu().double()) < TOLERANCE[dtype]
     for name in plain[2]:
@@ -654,3 +657,12 @@ def test_a_group_routed_to_the_whole_op_torch_path_runs_its_members_alone():
     x = torch.randn(5, 32, requires_grad=True)
     assert lora_group_cuda(x, low, launcher=TorchKernels()) is None
     assert lora_group_cuda(x, low, launcher=TORCH_PATH) is not None
+
+
+def test_cuda_tensors_run_as_groups_only_with_the_cuda_switch_on(monkeypatch):
+    """Sibling fusion on CUDA tensors is opt-in (switches.cuda_sibling_fusion): off, each layer runs alone."""
+    monkeypatch.setattr(siblings.cuda, "is_available", lambda: True)
+    x = SimpleNamespace(is_cpu=False, is_cuda=True)
+    assert siblings._runner(x) is None
+    with switches.cuda_sibling_fusion.using(True):
+        assert siblings._runner(x) is siblings._cuda_group
