@@ -38,7 +38,9 @@ wasted; no gradient flows through it). Correctness never depends on the plan. Ou
 read once per call (:func:`_member`): the leader hands them to the group's op and records them with its
 hand-out, and a follower checks its own against them (:func:`_as_follower`).
 
-**On CUDA tensors** the group runs :func:`loragen.cuda.group_op.lora_group_cuda`, built on the CUDA op's
+**On CUDA tensors**, with :data:`loragen.switches.cuda_sibling_fusion` on (it is off by default until the
+group has run in a whole model on a GPU; see docs/cuda.md), the group runs
+:func:`loragen.cuda.group_op.lora_group_cuda`, built on the CUDA op's
 kernel passes: one ``lora_down`` launch for every h_i (the members' A stacked, each in a block of its rank
 bucket), each member's own base product and ``lora_up``, each member's ``lora_grad_out``, and one
 ``lora_grad_in`` launch that yields every dA_i and the sum of the rank-r terms of dx, onto which each base
