@@ -42,15 +42,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import glob
 import importlib
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -461,59 +456,9 @@ def group_instructions(
     Raises:
         RuntimeError: valgrind, its headers, a C compiler or cuda-python missing, or the run failed.
     """
-    valgrind, compiler = shutil.which("valgrind"), shutil.which("cc") or shutil.which("gcc")
-    if valgrind is None or compiler is None:
-        raise RuntimeError("counting instructions needs valgrind and a C compiler (cc or gcc) on PATH")
-    cuda_host, host_instructions = _cuda_host(), _sibling("host_instructions")
-    with tempfile.TemporaryDirectory() as folder:
-        env = cuda_host.stand_in_driver_env(folder)
-        control = os.path.join(folder, "measure.c")
-        with open(control, "w") as out:
-            out.write(host_instructions._CONTROL_SOURCE)
-        library = os.path.join(folder, "libmeasure.so")
-        built = subprocess.run(
-            [compiler, "-O1", "-shared", "-fPIC", "-o", library, control],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if built.returncode != 0:
-            raise RuntimeError(
-                f"building the callgrind switch failed (valgrind headers missing?):\n{built.stderr}"
-            )
-        env["LORAGEN_MEASURE_LIBRARY"] = library
-        output = os.path.join(folder, "callgrind.out")
-        run = subprocess.run(
-            [
-                valgrind,
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                f"--callgrind-out-file={output}",
-                os.path.realpath(sys.executable),
-                os.path.abspath(__file__),
-                "--child",
-                str(steps),
-                group,
-                *kinds,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if run.returncode != 0:
-            raise RuntimeError(f"the callgrind run failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
-        parts = sorted(glob.glob(output + ".*"), key=lambda path: int(path.rsplit(".", 1)[1]))
-        if len(parts) != len(kinds):
-            raise RuntimeError(f"expected {len(kinds)} callgrind dumps, found {len(parts)}")
-        counts = {}
-        for kind, part in zip(kinds, parts):
-            with open(part) as dump:
-                found = re.search(r"^totals: (\d+)", dump.read(), re.MULTILINE)
-            if found is None:
-                raise RuntimeError(f"no totals line in {part}")
-            counts[kind] = int(found.group(1)) // steps
-    return counts
+    host_instructions = _sibling("host_instructions")
+    totals = host_instructions.callgrind_totals(__file__, [str(steps), group, *kinds], len(kinds))
+    return {kind: total // steps for kind, total in zip(kinds, totals)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

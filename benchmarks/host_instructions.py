@@ -162,10 +162,10 @@ def _child(steps: int, dropout: float, kinds: list[str]) -> None:
             control.measure_stop()
 
 
-def count_instructions(
-    steps: int = 5, kinds: tuple[str, ...] = KINDS, dropout: float = 0.05
-) -> dict[str, int]:
-    """Instructions per layer (forward + backward) of each kind, counted by callgrind.
+def callgrind_totals(script: str, child_args: list[str], dumps: int) -> list[int]:
+    """Run ``script --child *child_args`` under callgrind, with the stand-in driver library and the
+    measure_start/measure_stop switch (``LORAGEN_MEASURE_LIBRARY``) its child loads; return the
+    instruction totals of its ``dumps`` measured spans, in order.
 
     Raises:
         RuntimeError: valgrind, its headers or a C compiler missing, or the run failed.
@@ -193,19 +193,9 @@ def count_instructions(
         env["LORAGEN_MEASURE_LIBRARY"] = library
         output = os.path.join(folder, "callgrind.out")
         python = os.path.realpath(sys.executable)  # the interpreter itself, not a wrapper script
+        command = [valgrind, "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={output}"]
         run = subprocess.run(
-            [
-                valgrind,
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                f"--callgrind-out-file={output}",
-                python,
-                os.path.abspath(__file__),
-                "--child",
-                str(steps),
-                str(dropout),
-                *kinds,
-            ],
+            [*command, python, os.path.abspath(script), "--child", *child_args],
             env=env,
             capture_output=True,
             text=True,
@@ -214,16 +204,28 @@ def count_instructions(
         if run.returncode != 0:
             raise RuntimeError(f"the callgrind run failed:\n{run.stdout[-4000:]}{run.stderr[-4000:]}")
         parts = sorted(glob.glob(output + ".*"), key=lambda path: int(path.rsplit(".", 1)[1]))
-        if len(parts) != len(kinds):
-            raise RuntimeError(f"expected {len(kinds)} callgrind dumps, found {len(parts)}")
-        counts = {}
-        for kind, part in zip(kinds, parts):
+        if len(parts) != dumps:
+            raise RuntimeError(f"expected {dumps} callgrind dumps, found {len(parts)}")
+        totals = []
+        for part in parts:
             with open(part) as dump:
                 found = re.search(r"^totals: (\d+)", dump.read(), re.MULTILINE)
             if found is None:
                 raise RuntimeError(f"no totals line in {part}")
-            counts[kind] = int(found.group(1)) // (steps * DEPTH)
-    return counts
+            totals.append(int(found.group(1)))
+    return totals
+
+
+def count_instructions(
+    steps: int = 5, kinds: tuple[str, ...] = KINDS, dropout: float = 0.05
+) -> dict[str, int]:
+    """Instructions per layer (forward + backward) of each kind, counted by callgrind.
+
+    Raises:
+        RuntimeError: valgrind, its headers or a C compiler missing, or the run failed.
+    """
+    totals = callgrind_totals(__file__, [str(steps), str(dropout), *kinds], len(kinds))
+    return {kind: total // (steps * DEPTH) for kind, total in zip(kinds, totals)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, int]:

@@ -96,3 +96,16 @@ def make_tiny_model() -> Callable[[str, int], nn.Module]:
         return TINY_MODELS[kind]().eval()
 
     return make
+
+
+def autograd_node_names(output: torch.Tensor) -> set[str]:
+    """The class names of every autograd node ``output`` was made through (which ops ran as one node)."""
+    seen, stack, names = set(), [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names

@@ -33,6 +33,7 @@ from loragen.cuda.op_inputs import CudaLoraError
 from loragen.cuda.torch_kernels import TorchKernels
 from loragen.ops import siblings
 from loragen.sibling_planning import fused_groups
+from tests.conftest import autograd_node_names
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder
 from tests.cuda.lora_reference import TOLERANCE, reference, relative_error
 
@@ -384,18 +385,6 @@ def _model(**kwargs) -> nn.Module:
     return model
 
 
-def _node_names(output: torch.Tensor) -> set[str]:
-    seen, stack, names = set(), [output.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return names
-
-
 def _run(model, x, fuse):
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
@@ -418,7 +407,7 @@ def test_layers_fuse_through_the_cuda_group_and_equal_unfused_layers(cuda_groups
     model = _model()
     x = torch.randn(2, 5, 16)
     assert fused_groups(model) == [("q", "k", "v")]
-    assert "_CudaGroupFunctionBackward" in _node_names(model(x.requires_grad_()))
+    assert "_CudaGroupFunctionBackward" in autograd_node_names(model(x.requires_grad_()))
     for _ in range(2):
         _assert_same(_run(model, x, True), _run(model, x, False))
     assert getattr(siblings._local, "handout", None) is None  # every hand-out was taken
@@ -464,22 +453,22 @@ def test_merged_disabled_unfused_and_dropout_members_fall_back(cuda_groups):
     model = _model()
     x = torch.randn(4, 16, requires_grad=True)
     model.k.fused = False  # opts out: q and v still share
-    assert "_CudaGroupFunctionBackward" in _node_names(model(x))
+    assert "_CudaGroupFunctionBackward" in autograd_node_names(model(x))
     model.k.fused = True
     loragen.merge_adapter(model)
-    assert "_CudaGroupFunctionBackward" not in _node_names(model(x))
+    assert "_CudaGroupFunctionBackward" not in autograd_node_names(model(x))
     loragen.unmerge_adapter(model)
     with loragen.disable_adapter(model):
-        assert "_CudaGroupFunctionBackward" not in _node_names(model(x))
+        assert "_CudaGroupFunctionBackward" not in autograd_node_names(model(x))
     dropout = _model(lora_dropout=0.1).train()
-    assert "_CudaGroupFunctionBackward" not in _node_names(dropout(x))
-    assert "_CudaGroupFunctionBackward" in _node_names(dropout.eval()(x))
+    assert "_CudaGroupFunctionBackward" not in autograd_node_names(dropout(x))
+    assert "_CudaGroupFunctionBackward" in autograd_node_names(dropout.eval()(x))
 
 
 def test_ranks_past_the_largest_bucket_run_each_layer_alone(cuda_groups):
     model = _model(r=32)  # 32 + 32 + 32 > 64
     x = torch.randn(3, 16)
-    assert "_CudaGroupFunctionBackward" not in _node_names(model(x.requires_grad_()))
+    assert "_CudaGroupFunctionBackward" not in autograd_node_names(model(x.requires_grad_()))
     assert getattr(siblings._local, "handout", None) is None
     _assert_same(_run(model, x, True), _run(model, x, False))
 
@@ -549,7 +538,7 @@ def test_on_a_gpu_layers_fuse_through_the_kernels_and_equal_separate_layers(dtyp
     model = _model().to(device="cuda", dtype=dtype)
     x = torch.randn(2, 37, 16, device="cuda", dtype=dtype)
     with switches.cuda_sibling_fusion.using(True):
-        assert "_CudaGroupFunctionBackward" in _node_names(model(x.requires_grad_()))
+        assert "_CudaGroupFunctionBackward" in autograd_node_names(model(x.requires_grad_()))
         fused, plain = _run(model, x, True), _run(model, x, False)
     for got, want in ((fused[0], plain[0]), (fused[1], plain[1])):
         assert relative_error(got, want.cpu().double()) < TOLERANCE[dtype]

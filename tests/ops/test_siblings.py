@@ -15,20 +15,7 @@ import loragen
 from loragen import switches
 from loragen.ops import siblings
 from loragen.sibling_planning import fused_groups
-from tests.conftest import tiny_inputs
-
-
-def _node_names(output: torch.Tensor) -> set[str]:
-    seen, stack, names = set(), [output.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return names
-
+from tests.conftest import autograd_node_names, tiny_inputs
 
 # ---- fused results equal the per-layer op ----------------------------------------------------------------
 
@@ -93,7 +80,7 @@ def test_fused_equals_unfused_values_and_gradients(conv1d: bool, bias: bool, tra
     x = torch.randn(2, 5, 6)
     for _ in range(2):  # the first call resolves the groups and already fuses
         fused_out, fused_grads = _run(model, x, True)
-        assert "_GroupFunctionBackward" in _node_names(model(x))
+        assert "_GroupFunctionBackward" in autograd_node_names(model(x))
         plain_out, plain_grads = _run(model, x, False)
         torch.testing.assert_close(fused_out, plain_out, atol=1e-6, rtol=1e-5)
         assert fused_grads.keys() == plain_grads.keys()
@@ -118,7 +105,7 @@ def test_gradcheck_through_the_fused_group(conv1d: bool) -> None:
     def f(x: torch.Tensor, *ps: torch.Tensor) -> torch.Tensor:
         return functional_call(model, dict(zip(names, ps)), (x,))
 
-    assert "_GroupFunctionBackward" in _node_names(f(x, *params))
+    assert "_GroupFunctionBackward" in autograd_node_names(f(x, *params))
     assert torch.autograd.gradcheck(f, (x, *params))
 
 
@@ -227,8 +214,8 @@ def test_dropout_in_training_runs_alone_and_eval_fuses() -> None:
     torch.manual_seed(0)
     model = _lora(_Siblings(), lora_dropout=0.1)
     x = torch.randn(4, 6)
-    assert "_GroupFunctionBackward" not in _node_names(model.train()(x))
-    assert "_GroupFunctionBackward" in _node_names(model.eval()(x.requires_grad_(True)))
+    assert "_GroupFunctionBackward" not in autograd_node_names(model.train()(x))
+    assert "_GroupFunctionBackward" in autograd_node_names(model.eval()(x.requires_grad_(True)))
 
 
 def test_direct_calls_copies_and_switches() -> None:
@@ -245,9 +232,9 @@ def test_direct_calls_copies_and_switches() -> None:
 
     for switch in (switches.sibling_fusion.using(False), switches.fused.using(False)):
         with switch:
-            assert "_GroupFunctionBackward" not in _node_names(model(x))
+            assert "_GroupFunctionBackward" not in autograd_node_names(model(x))
     model.k.fused = False  # a sibling that opts out is left out; q and v still share
-    assert "_GroupFunctionBackward" in _node_names(model(x))
+    assert "_GroupFunctionBackward" in autograd_node_names(model(x))
 
 
 # ---- rounding: fused as close to peft as the per-layer op --------------------------------------------------
@@ -347,7 +334,7 @@ def test_a_member_whose_terms_cancel_sums_as_the_per_layer_op() -> None:
     for fuse in (True, False):
         with switches.sibling_fusion.using(fuse):
             grads[fuse] = _input_grad(model, x)
-    assert "_GroupFunctionBackward" in _node_names(model(x))
+    assert "_GroupFunctionBackward" in autograd_node_names(model(x))
     torch.testing.assert_close(
         grads[True], grads[False], rtol=1e-5, atol=1e-5 * grads[False].abs().max().item()
     )
