@@ -438,12 +438,7 @@ def _child(steps: int, group: str, kinds: list[str]) -> None:
                 step = model_step(kind)
             else:
                 step = group_step(kind, launcher, tokens=8, features=64, outs=_outs(group, 64))
-            for _ in range(5):
-                step()
-            control.measure_start()
-            for _ in range(steps):
-                step()
-            control.measure_stop()
+            _sibling("host_instructions").measured_steps(control, step, steps)
 
 
 def group_instructions(

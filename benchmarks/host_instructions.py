@@ -154,12 +154,18 @@ def _child(steps: int, dropout: float, kinds: list[str]) -> None:
                 step = cuda_host.lora_step(
                     runs_on.get(kind), kind=op_kind, tokens=8, features=64, depth=DEPTH, dropout=dropout
                 )
-            for _ in range(5):
-                step()
-            control.measure_start()
-            for _ in range(steps):
-                step()
-            control.measure_stop()
+            measured_steps(control, step, steps)
+
+
+def measured_steps(control: Any, step: Callable[[], None], steps: int, warmup: int = 5) -> None:
+    """Inside valgrind: ``warmup`` calls of ``step``, then ``steps`` calls between ``control``'s
+    measure_start and measure_stop (one callgrind dump)."""
+    for _ in range(warmup):
+        step()
+    control.measure_start()
+    for _ in range(steps):
+        step()
+    control.measure_stop()
 
 
 def callgrind_totals(script: str, child_args: list[str], dumps: int) -> list[int]:

@@ -134,6 +134,19 @@ def _identity_dropout_step(n: int, k: int, p: float):
     return step, side
 
 
+def _replayed_masks(graph, static_rng, static_y, p, replays=2):
+    """Replay ``graph`` ``replays`` times; after each, the keep-mask seen in ``static_y`` (nonzero
+    entries) and the Philox mask of the (seed, offset) the replay drew, which must be equal. Yields
+    (mask, expected) after the check, with the graph's outputs of that replay still in place."""
+    for _ in range(replays):
+        graph.replay()
+        seed, offset = (value & (2**64 - 1) for value in static_rng.tolist())
+        expected = philox.dropout_keep_mask(tuple(static_y.shape), p, seed, offset)
+        mask = (static_y != 0).cpu()
+        assert torch.equal(mask, expected)
+        yield mask, expected
+
+
 def test_torch_path_captured_with_dropout_draws_the_replays_mask():
     """The torch path inside a CUDA graph: each replay draws a fresh (seed, offset) on the device and
     applies exactly its Philox mask (A = B = identity, no base weight: y = x * keep / (1 - p))."""
@@ -143,13 +156,7 @@ def test_torch_path_captured_with_dropout_draws_the_replays_mask():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
         static_rng, static_y = step()
-    masks = []
-    for _ in range(2):
-        graph.replay()
-        seed, offset = (value & (2**64 - 1) for value in static_rng.tolist())
-        expected = philox.dropout_keep_mask((n, k), p, seed, offset)
-        masks.append((static_y != 0).cpu())
-        assert torch.equal(masks[-1], expected)
+    masks = [mask for mask, _ in _replayed_masks(graph, static_rng, static_y, p)]
     assert not torch.equal(masks[0], masks[1])
     assert torch_dropout.jiterator_status() == "ok"
 
@@ -192,12 +199,8 @@ def test_torch_path_composition_captured_with_dropout_trains_on_the_replays_mask
         static_y = step()
     (static_rng,) = rngs
     masks = []
-    for _ in range(2):
-        graph.replay()
-        seed, offset = (value & (2**64 - 1) for value in static_rng.tolist())
-        expected = philox.dropout_keep_mask((n, k), p, seed, offset)
-        masks.append((static_y != 0).cpu())
-        assert torch.equal(masks[-1], expected)
+    for mask, expected in _replayed_masks(graph, static_rng, static_y, p):
+        masks.append(mask)
         assert torch.equal((static_x.grad != 0).cpu(), expected)
         torch.testing.assert_close(static_x.grad.cpu(), expected.float() / (1 - p))
     assert not torch.equal(masks[0], masks[1])
