@@ -497,7 +497,8 @@ def _interleaved_times(
 def stand_in_device() -> Iterator[DriverLauncher]:
     """A :class:`DriverLauncher` as on an H100 (132 multiprocessors) whose launch records hold a stand-in
     function and the stand-in driver's context, on a build of torch without CUDA: CPU tensors play
-    device 0. Only the module loading (it needs a real cubin and driver) is left out."""
+    device 0. Only the module loading (it needs a real cubin and driver) is left out: every kernel is
+    the stand-in function, for the launch records and the C++ host path alike."""
     from cuda.bindings import driver
 
     launcher = DriverLauncher()
@@ -516,7 +517,13 @@ def stand_in_device() -> Iterator[DriverLauncher]:
     def device_zero() -> int:
         return 0
 
+    launcher._contexts[0] = context  # no torch.cuda.init() on a build without CUDA
+
+    def loaded(spec: KernelSpec, variant: Variant, index: int) -> Any:  # the C++ host path's handles
+        return function
+
     with (
+        mock.patch.object(launcher, "_function", loaded),
         mock.patch.object(launcher, "_record", record),
         mock.patch.object(cuda_launch, "_raw_stream", stream),
         mock.patch.object(torch.cuda, "current_device", device_zero),

@@ -17,6 +17,8 @@ measured steps (a small library built here switches its instrumentation on and o
   through loragen's :class:`~loragen.cuda.launch.DriverLauncher` and cuda-python on the stand-in driver
   library of benchmarks/stand_in_libcuda.c (every driver entry point returns at once);
 * ``torch path (GPU)``: the op on its torch path with the jiterator kernels stood in;
+* ``loragen op, native host``, ``loragen layer, native host``: the same with the C++ host path
+  (:mod:`loragen.cuda.native_host`, ``LORAGEN_CUDA_NATIVE_HOST=1``) on the stand-in driver;
 * ``frozen module``, ``peft layer``, ``loragen layer``: whole modules -- a model of 8 ``nn.Linear``
   frozen, with peft's LoRA layers, and with loragen's, whose op runs through the CUDA launcher on the
   stand-in driver (CPU tensors take the CUDA op's path in place of the CPU op); ``loragen layer, torch
@@ -44,6 +46,7 @@ from unittest import mock
 
 import torch
 
+from loragen import switches
 from loragen.cuda.torch_kernels import TorchKernels
 
 __all__ = ["KINDS", "count_instructions", "main"]
@@ -58,7 +61,10 @@ KINDS = (
     "peft layer",
     "loragen layer",
     "loragen layer, torch path",
+    "loragen op, native host",
+    "loragen layer, native host",
 )
+_NATIVE = ", native host"
 DEPTH = 8  # chained layers per step
 
 # switches callgrind's instrumentation on for the measured steps only (client requests from Python)
@@ -142,19 +148,25 @@ def _child(steps: int, dropout: float, kinds: list[str]) -> None:
         stack.enter_context(_cuda_op_on_cpu_tensors(layers_launcher))
         stack.enter_context(cuda_host.null_jiterator())
         for kind in kinds:
-            if kind == "loragen layer, torch path":
-                layers_launcher[0] = TorchKernels()
-                step = _module_step("loragen layer", launcher, dropout)
-            elif kind in ("frozen module", "peft layer", "loragen layer"):
-                layers_launcher[0] = launcher
-                step = _module_step(kind, launcher, dropout)
-            else:
-                runs_on = {"loragen op": cuda_host.NullLauncher(), "loragen op, CUDA launcher": launcher}
-                op_kind = "loragen" if kind.startswith("loragen op") else kind
-                step = cuda_host.lora_step(
-                    runs_on.get(kind), kind=op_kind, tokens=8, features=64, depth=DEPTH, dropout=dropout
-                )
-            measured_steps(control, step, steps)
+            native = kind.endswith(_NATIVE)  # the C++ host path, on the stand-in driver
+            base = kind.removesuffix(_NATIVE)
+            with switches.cuda_native_host.using(native):
+                if base == "loragen layer, torch path":
+                    layers_launcher[0] = TorchKernels()
+                    step = _module_step("loragen layer", launcher, dropout)
+                elif base in ("frozen module", "peft layer", "loragen layer"):
+                    layers_launcher[0] = launcher
+                    step = _module_step(base, launcher, dropout)
+                else:
+                    runs_on = {
+                        "loragen op": launcher if native else cuda_host.NullLauncher(),
+                        "loragen op, CUDA launcher": launcher,
+                    }
+                    op_kind = "loragen" if base.startswith("loragen op") else base
+                    step = cuda_host.lora_step(
+                        runs_on.get(base), kind=op_kind, tokens=8, features=64, depth=DEPTH, dropout=dropout
+                    )
+                measured_steps(control, step, steps)
 
 
 def measured_steps(control: Any, step: Callable[[], None], steps: int, warmup: int = 5) -> None:

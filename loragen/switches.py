@@ -16,6 +16,8 @@ fused              True / False      LoRA linears run loragen's fused op (True) 
 sibling_fusion     True / False      LoRA linears reading one input share one autograd node
 cuda_sibling_     True / False      the same on CUDA tensors, through loragen's kernels (default off: see
 fusion                              docs/cuda.md, "Sibling groups on CUDA")
+cuda_native_host   True / False      the CUDA op's per-call host work in C++ (default off: see docs/cuda.md,
+                                     "The host path in C++")
 cpu_kernels        True / False      the compiled kernels of the CPU dropout path (AVX-512 or AVX2 builds)
 cpu_kernel_variant "auto"/"avx512"/  which build of those kernels: the best the CPU runs (default), or one
                    "avx2"            forced (a CPU that cannot run it takes the numpy path)
@@ -48,6 +50,7 @@ __all__ = [
     "fused",
     "sibling_fusion",
     "cuda_sibling_fusion",
+    "cuda_native_host",
     "cpu_kernels",
     "cpu_kernel_variant",
     "dropout_rng",
@@ -136,6 +139,11 @@ cuda_sibling_fusion: Switch[bool] = Switch(
     "cuda_sibling_fusion",
     False,
     doc="sibling fusion on CUDA tensors (loragen.cuda.group_op); off until measured on a GPU in a model",
+)
+cuda_native_host: Switch[bool] = Switch(
+    "cuda_native_host",
+    False,
+    doc="the CUDA op's host path in C++ (loragen.cuda.native_host); off until measured on a GPU",
 )
 cpu_kernels: Switch[bool] = Switch(
     "cpu_kernels", True, doc="the compiled kernels (AVX-512 or AVX2 builds) of the CPU dropout path"

@@ -8,7 +8,7 @@
 #   --wheels DIR  wheels to install offline first (default: .gpu-wheels; made by
 #                 scripts/fetch_gpu_wheels.sh); packages missing there come from the index, if reachable
 #   --steps LIST  comma-separated subset, run in this order:
-#                 system,install,selfcheck,tests,bench,torchbench,profile,sanitize (default: all)
+#                 system,install,selfcheck,tests,bench,torchbench,native,profile,sanitize (default: all)
 #   --quick       the benchmark with few rounds (bench_cuda.py --quick: all parts in about 3 minutes)
 #   --bench OPTS  options for benchmarks/bench_cuda.py instead (e.g. "--only model --batches 8")
 #
@@ -17,7 +17,7 @@
 # dependencies resolved online) and installs what is missing from the wheel folder. Every step runs
 # even when an earlier one failed; summary.md lists each step's exit status. SANITIZE_TIMEOUT (seconds
 # per compute-sanitizer tool, default 300) bounds the slowest step. The output folder holds at most
-# twelve files:
+# thirteen files:
 #
 #   summary.md      steps, exit statuses, the self-check outcomes, the test tally, the benchmark tables
 #   system.txt      date, kernel, nvidia-smi (and -q), Python, torch, CUDA, NVRTC, cuda-bindings, pip list
@@ -29,6 +29,8 @@
 #   bench.json      the same numbers as JSON
 #   torchbench.txt  bench_cuda.py's small-layer and model parts on the torch path (LORAGEN_CUDA_KERNELS=torch)
 #   torchbench.json the same numbers as JSON
+#   native.txt      the C++ host path (LORAGEN_CUDA_NATIVE_HOST=1): the op's GPU tests through it, then
+#                   bench_cuda.py's small-layer and model parts (eager, beside peft and the frozen base)
 #   ncu.csv         Nsight Compute: each LoRA kernel on the 4096^2 layer: time, DRAM throughput, registers,
 #                   occupancy, waves
 #   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
@@ -37,7 +39,7 @@ set -u
 
 PYTHON=${PYTHON:-python3}
 WHEELS=.gpu-wheels
-STEPS=system,install,selfcheck,tests,bench,torchbench,profile,sanitize
+STEPS=system,install,selfcheck,tests,bench,torchbench,native,profile,sanitize
 QUICK=0
 BENCH_OPTS=
 if [ -n "${OUT:-}" ]; then RESULTS="$OUT/first-gpu-run"; else RESULTS="first-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)"; fi
@@ -48,7 +50,7 @@ while [ $# -gt 0 ]; do
         --steps) STEPS=$2; shift 2 ;;
         --quick) QUICK=1; shift ;;
         --bench) BENCH_OPTS=$2; shift 2 ;;
-        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
         *) echo "first_gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -237,6 +239,19 @@ torchbench() {
     return "${PIPESTATUS[0]}"
 }
 
+# The C++ host path (loragen.cuda.native_host): the op's GPU tests with it on (outputs and gradients
+# against float64, dropout masks, capture), then the host-bound parts of the benchmark.
+native() {
+    local rounds=()
+    if [ "$QUICK" = 1 ]; then rounds=(--quick); fi
+    {
+        LORAGEN_CUDA_NATIVE_HOST=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gpu.py 2>&1 | tail -30
+        LORAGEN_CUDA_NATIVE_HOST=1 "$PYTHON" benchmarks/bench_cuda.py --only small --only model --no-graph \
+            "${rounds[@]}" 2>&1
+    } | tee "$RESULTS/native.txt"
+    return "${PIPESTATUS[0]}"
+}
+
 # Nsight Compute over the first launches of each LoRA kernel in the benchmark's kernel part (the 4096^2
 # layer, 4096 tokens, r=16, bf16). The kernels run unchecked so the self-check's small launches stay out.
 NCU_METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum
@@ -260,7 +275,7 @@ profile() {
     return $code
 }
 
-for name in system install selfcheck tests bench torchbench profile sanitize; do
+for name in system install selfcheck tests bench torchbench native profile sanitize; do
     if wanted "$name"; then step "$name" "$name"; fi
 done
 
@@ -299,6 +314,13 @@ done
         echo "## torch path (torchbench.txt)"
         echo
         tail -20 "$RESULTS/torchbench.txt"
+    fi
+    if [ -f "$RESULTS/native.txt" ]; then
+        echo
+        echo "## C++ host path (native.txt)"
+        echo
+        grep -E "passed|failed" "$RESULTS/native.txt" | head -5
+        tail -20 "$RESULTS/native.txt"
     fi
     if [ -f "$RESULTS/ncu.csv" ]; then
         echo

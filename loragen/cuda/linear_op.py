@@ -58,7 +58,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loragen.cuda import hostcache, kernel_variants, passes, torch_path
+from loragen import switches
+from loragen.cuda import hostcache, kernel_variants, native_host, passes, torch_path
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.op_inputs import check_inputs, draw_rng, seed_rng, unsupported_reason
 from loragen.reference import lora_linear_reference
@@ -425,4 +426,10 @@ def lora_linear_cuda(
             return torch_path.lora_linear_torch(*args)
         with torch.autocast("cuda", enabled=False):
             return torch_path.lora_linear_torch(*args)
+    if switches.cuda_native_host.get() and not autocasting:  # the same passes, with the host work in C++
+        native = native_host.plan_id(x, lora_B.shape[0], lora_A.shape[0], scalars[3])
+        if native is not None:
+            return native_host.lora_linear_native(
+                x, weight, bias, lora_A, lora_B, rng, native, scalars[0], p, fan_in_fan_out
+            )
     return _LoraLinearFunction.apply(x, weight, bias, lora_A, lora_B, rng, scalars)

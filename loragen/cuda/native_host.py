@@ -1,0 +1,213 @@
+"""The CUDA LoRA op's per-call host work in C++ (opt-in: ``LORAGEN_CUDA_NATIVE_HOST=1``).
+
+At batch 1 a training step is bound by the host, and most of a LoRA layer's host work in the eager op is
+the Python around its torch calls and launches (docs/performance.md, "The host path"). Here the same passes
+as the eager ``torch.autograd.Function`` of :mod:`loragen.cuda.linear_op` run in C++
+(``kernels/lora_host.cpp``): a C++ autograd node whose forward and backward call ATen for allocations,
+sums and cuBLAS, and the driver's ``cuLaunchKernel`` for the four kernels, on torch's current stream.
+The arithmetic is the eager op's, pass by pass, so its results are the eager op's bit for bit.
+
+What stays in Python, once per plan (sizes, dtype, device, launcher, switch): the self-check and routing
+of the kernel variant, the grids, loading the modules (:class:`~loragen.cuda.passes.Plan`); its numbers,
+the four function handles and the driver's entry points go to the C++ side once
+(:func:`plan_id`). Per call Python does the op's input checks and one dictionary lookup, and calls the
+registered op ``torch.ops.loragen_host.lora_linear``.
+
+The library is built on first use with the C++ compiler (``$CXX``, ``c++``, ``g++`` or ``clang++``)
+against the installed torch's headers -- no Python headers, no CUDA toolkit: the driver's entry points
+arrive as addresses -- and cached under :func:`loragen.resources.kernel_cache_dir`. Where it cannot be
+built the op runs its Python path, with one warning saying why (:func:`status`).
+
+Not taken here (the Python path runs them): the torch path, inputs under autocast, ``torch.compile``,
+empty inputs, and launchers that cannot hand over native kernels (:meth:`native_kernels`). A variant the
+self-check passed that fails at a launch raises here (the Python path would move it to the torch path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loragen import resources, switches
+from loragen.cuda import hostcache
+from loragen.cuda.launch import NativeKernels
+
+__all__ = ["NATIVE_KERNEL_ORDER", "available", "kernel_signatures", "lora_linear_native", "plan_id", "status"]
+
+SOURCE = "lora_host.cpp"
+# the order of the kernels in NativeKernels and in register_plan's arguments
+NATIVE_KERNEL_ORDER = ("lora_down", "lora_up", "lora_grad_out", "lora_grad_in")
+
+_lock = threading.Lock()
+_library: list[Path | str] = []  # [the loaded library's path, or why it could not be had], once tried
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and (found := shutil.which(name)):
+            return found
+    return None
+
+
+def _flags() -> list[str]:
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        "-O2",
+        "-std=c++20",
+        "-fPIC",
+        "-shared",
+        "-w",  # torch's headers warn about themselves
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-L{root / 'lib'}",
+        f"-Wl,-rpath,{root / 'lib'}",
+    ]
+
+
+_LIBRARIES = ["-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def _build(source: str, compiler: str) -> Path:
+    """The built library, from the cache when this source, compiler, flags and torch were built before."""
+    flags = _flags()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([source, *flags, version, torch.__version__, sys.platform]).encode()
+    ).hexdigest()
+    target = resources.kernel_cache_dir() / "host" / f"lora_host.{key[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        src = Path(work) / SOURCE
+        src.write_text(source, encoding="utf-8")
+        built = Path(work) / target.name
+        command = [compiler, *flags, "-o", str(built), str(src), *_LIBRARIES]
+        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} {SOURCE} failed:\n{done.stderr.strip()[-4000:]}")
+        os.replace(built, target)  # atomic: a reader sees the whole library or none
+    return target
+
+
+def _load() -> Path | str:
+    """Build and load the library once per process; its path, or why it could not be had."""
+    with _lock:
+        if not _library:
+            compiler = _compiler()
+            try:
+                if compiler is None:
+                    raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
+                path = _build(resources.read_kernel(SOURCE), compiler)
+                torch.ops.load_library(str(path))
+                _library.append(path)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                _library.append(f"the C++ host path could not be built: {error}")
+                warnings.warn(
+                    f"loragen.cuda: {_library[0]}; LORAGEN_CUDA_NATIVE_HOST=1 falls back to the Python host path",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return _library[0]
+
+
+def available() -> bool:
+    """Whether the C++ host path is built and loaded (builds it on the first call)."""
+    return isinstance(_load(), Path)
+
+
+def status() -> str:
+    """``"loaded: <path>"`` or why the C++ host path could not be built (builds it on the first call)."""
+    found = _load()
+    return f"loaded: {found}" if isinstance(found, Path) else found
+
+
+_MISSING = object()
+_plans: dict[tuple[Any, ...], int | None] = {}
+
+
+def plan_id(x: Tensor, out_features: int, rank: int, handle: int) -> int | None:
+    """The C++ side's plan for these inputs, registered on first use; None where the call cannot run
+    there (an empty input, a launcher without native kernels, the library not built)."""
+    key = (x.shape, x.dtype, x.device, out_features, rank, handle, switches.cuda_kernels.get())
+    found = _plans.get(key, _MISSING)
+    if found is _MISSING:
+        found = _plans[key] = _register(x, out_features, rank, handle)
+    return found  # type: ignore[return-value]
+
+
+def _register(x: Tensor, out_features: int, rank: int, handle: int) -> int | None:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0 or not available():
+        return None
+    plan = hostcache.plan(x2, out_features, rank, handle)
+    native = getattr(plan.launcher, "native_kernels", None)
+    kernels: NativeKernels | None = None if native is None else native(plan.variant, plan.device)
+    if kernels is None:
+        return None
+    down, grad_out, grad_in = plan.down_grid, plan.grad_out_grid, plan.grad_in_grid
+    sizes = [
+        plan.rows,
+        plan.in_features,
+        plan.out_features,
+        plan.rank,
+        plan.variant.rank_bucket,
+        int(plan.variant.aligned),
+        *down.grid,
+        down.splits,
+        down.cols_per_split,
+        *plan.up_grid,
+        *grad_out.grid,
+        grad_out.col_blocks,
+        grad_out.splits,
+        grad_out.rows_per_split,
+        *grad_in.grid,
+        grad_in.splits,
+        grad_in.rows_per_split,
+    ]
+    functions = [value for pair in zip(kernels.functions, kernels.threads) for value in pair]
+    return int(torch.ops.loragen_host.register_plan(sizes, functions, list(kernels.driver)))
+
+
+def lora_linear_native(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    rng: Tensor | None,
+    plan: int,
+    scaling: float,
+    dropout_p: float,
+    fan_in_fan_out: bool,
+) -> Tensor:
+    """The eager op's forward through the C++ host path, with its C++ backward: inputs as
+    :func:`~loragen.cuda.linear_op.lora_linear_cuda` takes them once checked, ``plan`` from
+    :func:`plan_id`, ``rng`` the (seed, offset) tensor when ``dropout_p`` > 0."""
+    rng, threshold, keep_scale = hostcache.dropout_args(rng, dropout_p)
+    return torch.ops.loragen_host.lora_linear.default(
+        x, weight, bias, lora_A, lora_B, rng, plan, scaling, threshold, keep_scale, fan_in_fan_out
+    )
+
+
+def kernel_signatures() -> list[str]:
+    """The parameter lists the C++ launches fill in (``"lora_down(const scalar_t*,...)"``), for checking
+    them against :mod:`loragen.cuda.specs`."""
+    if not available():
+        raise RuntimeError(status())
+    return list(torch.ops.loragen_host.kernel_signatures())

@@ -1,0 +1,276 @@
+"""The CUDA op's C++ host path (loragen.cuda.native_host) on the CPU: kernels/lora_host.cpp built against
+torch, its launches going to a stand-in driver (tests/cuda/native_shim.c) whose cuLaunchKernel runs the
+emulated kernels on CPU tensors. It must give the Python host path's outputs and gradients bit for bit."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from loragen import switches
+from loragen.cuda import native_host, specs
+from loragen.cuda.launch import NativeKernels
+from loragen.cuda.linear_op import lora_linear_cuda
+from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder, variant_of
+from tests.cuda.lora_reference import make_inputs
+
+pytestmark = pytest.mark.skipif(
+    CXX is None or shutil.which("cc") is None, reason="g++ and cc build the host path and its stand-in driver"
+)
+
+CONTEXT = 0x5000  # the stand-in primary context
+
+
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory) -> ctypes.CDLL:
+    folder = tmp_path_factory.mktemp("native-shim")
+    built = folder / "native_shim.so"
+    source = Path(__file__).with_name("native_shim.c")
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(built), str(source)], check=True)
+    library = ctypes.CDLL(str(built))
+    library.shim_set_current.argtypes = [ctypes.c_void_p]
+    return library
+
+
+def _address(function: object) -> int:
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
+
+
+class NativeEmulatedLauncher(EmulatedLauncher):
+    """The emulated kernels, also handed to the C++ host path: each kernel's emu entry stands for its
+    CUfunction, and the shim's calls for the driver's."""
+
+    def __init__(self, folder: Path, shim: ctypes.CDLL) -> None:
+        super().__init__(folder, target_blocks=4)
+        self.shim = shim
+
+    def native_kernels(self, variant, device) -> NativeKernels:
+        functions = []
+        order = (specs.LORA_DOWN, specs.LORA_UP, specs.LORA_GRAD_OUT, specs.LORA_GRAD_IN)
+        for spec in order:
+            program = self.program(spec, variant)
+            library = self._libraries.setdefault(program, ctypes.CDLL(str(program)))
+            library.emu_find.restype = ctypes.c_void_p
+            library.emu_find.argtypes = [ctypes.c_char_p]
+            functions.append(int(library.emu_find(spec.name.encode())))
+        s = self.shim
+        driver = (
+            CONTEXT,
+            _address(s.shim_launch),
+            _address(s.shim_get_current),
+            _address(s.shim_push_current),
+            _address(s.shim_pop_current),
+            _address(s.shim_is_capturing),
+            _address(s.shim_error_name),
+        )
+        return NativeKernels(tuple(functions), tuple(spec.threads(variant) for spec in order), driver)
+
+
+@pytest.fixture(scope="module")
+def launcher(request, shim) -> NativeEmulatedLauncher:
+    if not native_host.available():
+        pytest.fail(f"the C++ host path did not build: {native_host.status()}")
+    return NativeEmulatedLauncher(cache_folder(request.config, "loragen-emulated-kernels"), shim)
+
+
+CASES = [
+    # n, k, o, r, dtype, p, bias, fan_in_fan_out, leading dims
+    pytest.param(37, 48, 40, 5, torch.float32, 0.3, True, False, (), id="f32-r5-dropout"),
+    pytest.param(29, 45, 37, 8, torch.float32, 0.25, True, True, (), id="f32-r8-unaligned-fifo"),
+    pytest.param(70, 264, 296, 1, torch.float32, 0.0, True, False, (), id="f32-r1-split-grids"),
+    pytest.param(32, 64, 24, 16, torch.bfloat16, 0.1, True, False, (4, 8), id="bf16-r16-dropout-3d"),
+    pytest.param(21, 24, 16, 64, torch.float16, 0.2, False, False, (), id="f16-r64-nobias"),
+    pytest.param(600, 48, 40, 16, torch.bfloat16, 0.2, False, False, (), id="bf16-r16-backward-row-splits"),
+    pytest.param(41, 1032, 24, 16, torch.bfloat16, 0.0, True, False, (), id="bf16-r16-down-column-splits"),
+]
+
+
+def _run(launcher, inputs, p, fifo, lead, native, seed=7, scaling=0.7):
+    x, w, b, a, bb = (None if t is None else t.detach().clone().requires_grad_() for t in inputs)
+    xin = x.view(*lead, x.shape[-1]) if lead else x
+    with switches.cuda_native_host.using(native):
+        y = lora_linear_cuda(
+            xin, w, b, a, bb, scaling, p, True, fan_in_fan_out=fifo, seed=seed, launcher=launcher
+        )
+        grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y.dtype)
+        y.backward(grad)
+    return y, [None if t is None else t.grad for t in (x, w, b, a, bb)]
+
+
+@pytest.mark.parametrize(("n", "k", "o", "r", "dtype", "p", "bias", "fifo", "lead"), CASES)
+def test_native_host_path_equals_the_python_path_bit_for_bit(
+    launcher, shim, n, k, o, r, dtype, p, bias, fifo, lead
+):
+    inputs, _ = make_inputs(n, k, o, r, dtype, bias=bias, fan_in_fan_out=fifo)
+    before = shim.shim_launches()
+    y_native, grads_native = _run(launcher, inputs, p, fifo, lead, native=True)
+    assert shim.shim_launches() - before == 4  # every pass went through the C++ launches
+    before = shim.shim_launches()
+    y_python, grads_python = _run(launcher, inputs, p, fifo, lead, native=False)
+    assert shim.shim_launches() == before  # ... and none of the Python path's
+    assert y_native.shape == (*lead, o) if lead else (n, o)
+    assert y_native.dtype == dtype
+    assert torch.equal(y_native, y_python)
+    for name, got, want in zip(("x", "weight", "bias", "A", "B"), grads_native, grads_python):
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_the_cpp_launches_fill_the_parameter_lists_of_the_kernel_specs(launcher):
+    want = [f"{s.name}({','.join(p.ctype for p in s.params)})" for s in specs.KERNELS.values()]
+    assert sorted(native_host.kernel_signatures()) == sorted(want)
+
+
+@pytest.mark.parametrize("needs", ["x only", "adapter only", "base trainable", "nothing but x"])
+def test_only_the_gradients_asked_for_are_made(launcher, needs):
+    (x, w, b, a, bb), _ = make_inputs(33, 64, 24, 8, torch.float32)
+    want_grad = {
+        "x only": (True, False, False, False, False),
+        "adapter only": (False, False, False, True, True),
+        "base trainable": (True, True, True, True, True),
+        "nothing but x": (True, False, False, False, False),
+    }[needs]
+    results = {}
+    for native in (True, False):
+        tensors = [t.detach().clone().requires_grad_(flag) for t, flag in zip((x, w, b, a, bb), want_grad)]
+        with switches.cuda_native_host.using(native):
+            y = lora_linear_cuda(*tensors, 2.0, 0.0, True, launcher=launcher)
+            y.square().sum().backward()
+        results[native] = [t.grad for t in tensors]
+    for flag, got, want in zip(want_grad, results[True], results[False]):
+        assert (got is not None) == flag
+        if flag:
+            assert torch.equal(got, want)
+
+
+def test_factors_are_copied_again_after_an_optimizer_step(launcher):
+    """The padded float32 A and B^T are kept per parameter: a step that changes them in place must reach
+    the next forward (their version counters move), and a parameter given new storage too."""
+    inputs, _ = make_inputs(16, 40, 24, 5, torch.float32)
+    x, w, b, a, bb = (t.detach().clone() for t in inputs)
+    a.requires_grad_()
+    bb.requires_grad_()
+    optimizer = torch.optim.SGD([a, bb], lr=0.5)
+    for step in range(3):
+        with switches.cuda_native_host.using(True):
+            y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+        with switches.cuda_native_host.using(False):
+            want = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+        assert torch.equal(y, want), step
+        optimizer.zero_grad()
+        y.square().sum().backward()
+        optimizer.step()
+    with torch.no_grad():
+        bb.data = bb.data * 2  # new storage, version counter of the new tensor
+    with switches.cuda_native_host.using(True):
+        y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
+    with switches.cuda_native_host.using(False):
+        assert torch.equal(y, lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher))
+
+
+def test_backward_refuses_a_factor_changed_after_the_forward(launcher):
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    with switches.cuda_native_host.using(True):
+        y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+    with torch.no_grad():
+        a.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_factor_cache_drops_the_entries_of_parameters_that_are_gone(launcher):
+    x = torch.randn(8, 40)
+    w = torch.randn(24, 40)
+    with switches.cuda_native_host.using(True):
+        for _ in range(700):
+            a, bb = torch.randn(5, 40), torch.randn(24, 5)  # rank 5: both padded, so both cached
+            lora_linear_cuda(x, w, None, a, bb, 1.0, 0.0, False, launcher=launcher)
+    del a, bb
+    gc.collect()
+    assert torch.ops.loragen_host.cached_factors() < 700
+
+
+def test_a_failed_launch_names_the_kernel_and_the_driver_error(launcher, shim):
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    shim.shim_fail_with(700)
+    try:
+        with switches.cuda_native_host.using(True):
+            with pytest.raises(
+                RuntimeError, match=r"cuLaunchKernel failed \(kernel lora_down .*CUDA_ERROR_ILLEGAL_ADDRESS"
+            ):
+                lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+    finally:
+        shim.shim_fail_with(0)
+
+
+def test_the_primary_context_is_pushed_only_when_another_is_current(launcher, shim):
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    with switches.cuda_native_host.using(True):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)  # plans, builds
+        shim.shim_set_current(None)
+        before = shim.shim_pushes()
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
+        assert shim.shim_pushes() - before == 2  # lora_down, lora_up
+        shim.shim_set_current(CONTEXT)
+        before = shim.shim_pushes()
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
+        assert shim.shim_pushes() == before
+
+
+def test_launchers_without_native_kernels_and_empty_inputs_take_the_python_path(request, shim):
+    plain = EmulatedLauncher(cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4)
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    before = shim.shim_launches()
+    with switches.cuda_native_host.using(True):
+        y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=plain)
+        y.sum().backward()
+        assert len(plain.launches) == 4
+        assert variant_of(40, 24, 5, torch.float32) == plain.launches[0][1]
+        empty = lora_linear_cuda(
+            x[:0], w, b, a, bb, 1.0, 0.0, True, launcher=NativeEmulatedLauncher(plain.build_dir, shim)
+        )
+    assert empty.shape == (0, 24)
+    assert shim.shim_launches() == before
+
+
+def test_a_library_that_cannot_be_built_warns_once_and_the_python_path_runs(monkeypatch, launcher):
+    monkeypatch.setattr(native_host, "_library", [])
+    monkeypatch.setattr(native_host, "_plans", {})
+    monkeypatch.setattr(native_host, "_compiler", lambda: None)
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    with switches.cuda_native_host.using(True):
+        with pytest.warns(
+            RuntimeWarning, match=r"no C\+\+ compiler found.*falls back to the Python host path"
+        ):
+            y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
+        assert native_host.status().startswith("the C++ host path could not be built")
+    with switches.cuda_native_host.using(False):
+        assert torch.equal(y, lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher))
+
+
+# per forward + backward of one layer (64 tokens, 64 -> 64, r = 16, dropout 0.05), counted as
+# benchmarks/cuda_host.py counts it: 35 Python calls (the step's own, the op's input checks and its call),
+# 40 C calls, 32 / 29 torch ops (float32 / bfloat16, the C++ side's included); the Python path on the same
+# emulated launcher makes about 190 Python calls
+NATIVE_CEILINGS = {"python_calls": 36, "c_calls": 42, "torch_ops": 32}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_work_of_the_native_path_stays_under_its_ceilings(launcher, dtype):
+    from benchmarks.cuda_host import count_host_work, lora_step
+
+    with switches.cuda_native_host.using(True):
+        native = count_host_work(lora_step(launcher, tokens=64, features=64, dtype=dtype))
+    with switches.cuda_native_host.using(False):
+        python = count_host_work(lora_step(launcher, tokens=64, features=64, dtype=dtype))
+    print(f"\n{dtype}: native {native}\npython {python}")
+    for name, ceiling in NATIVE_CEILINGS.items():
+        assert getattr(native, name) <= ceiling, (name, native)
+    assert native.python_calls * 4 < python.python_calls
