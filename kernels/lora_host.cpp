@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/randint.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -69,6 +70,8 @@ struct Kernel {
 
 // What Python worked out once per (sizes, dtype, device, launcher): loragen.cuda.passes.Plan.
 struct Plan {
+    at::ScalarType dtype = at::kFloat;  // x's
+    c10::Device device = c10::Device(c10::DeviceType::CPU);
     int rows = 0;
     int in_features = 0;
     int out_features = 0;
@@ -381,10 +384,45 @@ struct LoraLinear : public torch::autograd::Function<LoraLinear> {
     }
 };
 
+bool lora_dtype(const at::Tensor& t) {
+    const auto type = t.scalar_type();
+    return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
+}
+
+// Whether the inputs are what the plan was made and checked for (loragen/cuda/op_inputs.py's checks, in
+// the terms the plan fixes): a ValueError otherwise, before anything runs, so that the caller can take
+// the Python path, which words the error or runs the composition.
+void check_fits(const Plan& plan, int64_t plan_id, const at::Tensor& x, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                bool fan_in_fan_out) {
+    const auto dtype = plan.dtype;
+    const auto device = plan.device;
+    const int64_t in = plan.in_features, out = plan.out_features, rank = plan.rank;
+    const bool fits =
+        x.scalar_type() == dtype && x.device() == device && x.dim() >= 1 && x.size(-1) == in &&
+        x.numel() == static_cast<int64_t>(plan.rows) * in && weight.dim() == 2 &&
+        weight.size(0) == (fan_in_fan_out ? in : out) && weight.size(1) == (fan_in_fan_out ? out : in) &&
+        weight.scalar_type() == dtype && weight.device() == device &&
+        (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == out && bias->scalar_type() == dtype &&
+                               bias->device() == device)) &&
+        lora_a.dim() == 2 && lora_a.size(0) == rank && lora_a.size(1) == in && lora_dtype(lora_a) &&
+        lora_a.device() == device && lora_b.dim() == 2 && lora_b.size(0) == out && lora_b.size(1) == rank &&
+        lora_dtype(lora_b) && lora_b.device() == device;
+    TORCH_CHECK_VALUE(fits, "loragen_host: the inputs do not fit plan ", plan_id);
+}
+
 at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        const at::Tensor& lora_a, const at::Tensor& lora_b, const std::optional<at::Tensor>& rng,
-                       int64_t plan, double scaling, int64_t threshold, double keep_scale, bool fan_in_fan_out) {
-    return LoraLinear::apply(x, weight, bias, lora_a, lora_b, rng, plan, scaling, threshold, keep_scale,
+                       bool draw_rng, int64_t plan_id, double scaling, int64_t threshold, double keep_scale,
+                       bool fan_in_fan_out) {
+    check_fits(plan_at(plan_id), plan_id, x, weight, bias, lora_a, lora_b, fan_in_fan_out);
+    if (draw_rng && threshold != 0) {
+        // (seed, offset) from the device's generator, as loragen.cuda.op_inputs.draw_rng draws them
+        const at::Tensor drawn = at::randint(0, INT64_MAX, {2}, x.options().dtype(at::kLong));
+        return LoraLinear::apply(x, weight, bias, lora_a, lora_b, drawn, plan_id, scaling, threshold,
+                                 keep_scale, fan_in_fan_out);
+    }
+    return LoraLinear::apply(x, weight, bias, lora_a, lora_b, rng, plan_id, scaling, threshold, keep_scale,
                              fan_in_fan_out);
 }
 
@@ -398,15 +436,18 @@ unsigned checked_unsigned(int64_t value, const char* what) {
     return static_cast<unsigned>(value);
 }
 
-// sizes: rows, in, out, rank, bucket, aligned, down (grid x, grid y, splits, cols per split), up (grid x,
+// like: a tensor of x's dtype and device; sizes: rows, in, out, rank, bucket, aligned, down (grid x, grid y, splits, cols per split), up (grid x,
 // grid y), grad_out (grid x, grid y, column blocks, splits, rows per split), grad_in (grid x, grid y,
 // splits, rows per split); kernels: (function, threads) for down, up, grad_out, grad_in; driver: the
 // context, cuLaunchKernel, cuCtxGetCurrent, cuCtxPushCurrent, cuCtxPopCurrent, cuStreamIsCapturing (0:
 // none), cuGetErrorName (0: none).
-int64_t register_plan(at::IntArrayRef sizes, at::IntArrayRef kernels, at::IntArrayRef driver) {
+int64_t register_plan(const at::Tensor& like, at::IntArrayRef sizes, at::IntArrayRef kernels,
+                      at::IntArrayRef driver) {
     TORCH_CHECK(sizes.size() == 21 && kernels.size() == 8 && driver.size() == 7,
                 "loragen_host.register_plan: expected 21 sizes, 8 kernel values and 7 driver values");
     auto plan = std::make_unique<Plan>();
+    plan->dtype = like.scalar_type();
+    plan->device = like.device();
     plan->rows = checked_int(sizes[0], "rows");
     plan->in_features = checked_int(sizes[1], "in_features");
     plan->out_features = checked_int(sizes[2], "out_features");
@@ -456,8 +497,8 @@ int64_t cached_factors() {
 
 TORCH_LIBRARY(loragen_host, m) {
     m.def("lora_linear(Tensor x, Tensor weight, Tensor? bias, Tensor lora_A, Tensor lora_B, Tensor? rng, "
-          "int plan, float scaling, int threshold, float keep_scale, bool fan_in_fan_out) -> Tensor");
-    m.def("register_plan(int[] sizes, int[] kernels, int[] driver) -> int", &register_plan);
+          "bool draw_rng, int plan, float scaling, int threshold, float keep_scale, bool fan_in_fan_out) -> Tensor");
+    m.def("register_plan(Tensor like, int[] sizes, int[] kernels, int[] driver) -> int", &register_plan);
     m.def("kernel_signatures() -> str[]", &kernel_signatures);
     m.def("cached_factors() -> int", &cached_factors);
 }

@@ -402,6 +402,13 @@ def lora_linear_cuda(
         CudaLoraError: tensors not on one device, or not on a CUDA device when no launcher is given;
             mismatched shapes; ``dropout_p`` outside [0, 1); ``seed`` not unsigned 64-bit.
     """
+    if switches.cuda_native_host.get():  # a call like one before: the C++ side checks what the plan fixes
+        handle = hostcache.launcher_handle(launcher)
+        y = native_host.try_lora_linear(
+            x, weight, bias, lora_A, lora_B, scaling, dropout_p, training, fan_in_fan_out, seed, handle
+        )
+        if y is not None:
+            return y
     check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
     autocasting = _autocasting(x)
     if autocasting:
@@ -429,7 +436,8 @@ def lora_linear_cuda(
     if switches.cuda_native_host.get() and not autocasting:  # the same passes, with the host work in C++
         native = native_host.plan_id(x, lora_B.shape[0], lora_A.shape[0], scalars[3])
         if native is not None:
+            native_host.remember(x, lora_A, lora_B, fan_in_fan_out, scalars[3], native)
             return native_host.lora_linear_native(
-                x, weight, bias, lora_A, lora_B, rng, native, scalars[0], p, fan_in_fan_out
+                x, weight, bias, lora_A, lora_B, rng, False, native, scalars[0], p, fan_in_fan_out
             )
     return _LoraLinearFunction.apply(x, weight, bias, lora_A, lora_B, rng, scalars)

@@ -43,7 +43,16 @@ from loragen import resources, switches
 from loragen.cuda import hostcache
 from loragen.cuda.launch import NativeKernels
 
-__all__ = ["NATIVE_KERNEL_ORDER", "available", "kernel_signatures", "lora_linear_native", "plan_id", "status"]
+__all__ = [
+    "NATIVE_KERNEL_ORDER",
+    "available",
+    "kernel_signatures",
+    "lora_linear_native",
+    "plan_id",
+    "remember",
+    "status",
+    "try_lora_linear",
+]
 
 SOURCE = "lora_host.cpp"
 # the order of the kernels in NativeKernels and in register_plan's arguments
@@ -181,7 +190,7 @@ def _register(x: Tensor, out_features: int, rank: int, handle: int) -> int | Non
         grad_in.rows_per_split,
     ]
     functions = [value for pair in zip(kernels.functions, kernels.threads) for value in pair]
-    return int(torch.ops.loragen_host.register_plan(sizes, functions, list(kernels.driver)))
+    return int(torch.ops.loragen_host.register_plan(x2, sizes, functions, list(kernels.driver)))
 
 
 def lora_linear_native(
@@ -191,18 +200,86 @@ def lora_linear_native(
     lora_A: Tensor,
     lora_B: Tensor,
     rng: Tensor | None,
+    draw_rng: bool,
     plan: int,
     scaling: float,
     dropout_p: float,
     fan_in_fan_out: bool,
 ) -> Tensor:
-    """The eager op's forward through the C++ host path, with its C++ backward: inputs as
-    :func:`~loragen.cuda.linear_op.lora_linear_cuda` takes them once checked, ``plan`` from
-    :func:`plan_id`, ``rng`` the (seed, offset) tensor when ``dropout_p`` > 0."""
+    """The eager op through the C++ host path: inputs as :func:`~loragen.cuda.linear_op.lora_linear_cuda`
+    takes them once checked, ``plan`` from :func:`plan_id`. With dropout the mask's (seed, offset) is
+    ``rng``, or with ``draw_rng`` drawn by the C++ side from the device's generator as
+    :func:`~loragen.cuda.op_inputs.draw_rng` draws it (one ``randint`` either way).
+
+    Raises:
+        ValueError: the inputs do not fit ``plan`` (nothing ran; the caller takes the Python path).
+    """
     rng, threshold, keep_scale = hostcache.dropout_args(rng, dropout_p)
     return torch.ops.loragen_host.lora_linear.default(
-        x, weight, bias, lora_A, lora_B, rng, plan, scaling, threshold, keep_scale, fan_in_fan_out
+        x, weight, bias, lora_A, lora_B, rng, draw_rng, plan, scaling, threshold, keep_scale, fan_in_fan_out
     )
+
+
+# Calls whose plan is known, keyed by what decides it (x's shape, dtype and device, the factors' shapes,
+# the layout, the launcher and the kernel switch): :func:`try_lora_linear` runs them without the Python
+# input checks, which the C++ side repeats in the terms the plan fixes.
+_known: dict[tuple[Any, ...], int] = {}
+
+
+def remember(x: Tensor, lora_A: Tensor, lora_B: Tensor, fan_in_fan_out: bool, handle: int, plan: int) -> None:
+    """Note that calls like this one (whose inputs passed the Python checks) run on ``plan``."""
+    switch = switches.cuda_kernels.get()
+    _known[(x.shape, x.dtype, x.device, lora_A.shape, lora_B.shape, fan_in_fan_out, handle, switch)] = plan
+
+
+def try_lora_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    fan_in_fan_out: bool,
+    seed: int | None,
+    handle: int,
+) -> Tensor | None:
+    """The op on the C++ host path when a call like this one ran there before (:func:`remember`) and
+    the inputs fit its plan; None otherwise (nothing ran: the caller takes the whole Python path, which
+    checks the inputs and words any error)."""
+    plan = _known.get(
+        (
+            x.shape,
+            x.dtype,
+            x.device,
+            lora_A.shape,
+            lora_B.shape,
+            fan_in_fan_out,
+            handle,
+            switches.cuda_kernels.get(),
+        )
+    )
+    if plan is None or seed is not None or not 0.0 <= dropout_p < 1.0:
+        return None
+    if torch.compiler.is_compiling() or (x.is_cuda and torch.is_autocast_enabled("cuda")):
+        return None
+    try:
+        return lora_linear_native(
+            x,
+            weight,
+            bias,
+            lora_A,
+            lora_B,
+            None,
+            True,
+            plan,
+            float(scaling),
+            float(dropout_p) if training else 0.0,
+            fan_in_fan_out,
+        )
+    except ValueError:
+        return None
 
 
 def kernel_signatures() -> list[str]:

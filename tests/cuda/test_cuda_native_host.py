@@ -17,6 +17,7 @@ from loragen import switches
 from loragen.cuda import native_host, specs
 from loragen.cuda.launch import NativeKernels
 from loragen.cuda.linear_op import lora_linear_cuda
+from loragen.cuda.op_inputs import CudaLoraError
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder, variant_of
 from tests.cuda.lora_reference import make_inputs
 
@@ -243,6 +244,7 @@ def test_launchers_without_native_kernels_and_empty_inputs_take_the_python_path(
 def test_a_library_that_cannot_be_built_warns_once_and_the_python_path_runs(monkeypatch, launcher):
     monkeypatch.setattr(native_host, "_library", [])
     monkeypatch.setattr(native_host, "_plans", {})
+    monkeypatch.setattr(native_host, "_known", {})
     monkeypatch.setattr(native_host, "_compiler", lambda: None)
     (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
     with switches.cuda_native_host.using(True):
@@ -274,3 +276,86 @@ def test_host_work_of_the_native_path_stays_under_its_ceilings(launcher, dtype):
     for name, ceiling in NATIVE_CEILINGS.items():
         assert getattr(native, name) <= ceiling, (name, native)
     assert native.python_calls * 4 < python.python_calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert", "t5"])
+def test_real_architectures_train_the_same_on_both_host_paths(launcher, kind, monkeypatch):
+    """Tiny transformers models (their own modeling files; GPT-2's Conv1D is fan_in_fan_out), every linear
+    adapted, dropout on: each LoRA linear runs the CUDA op on the emulated kernels (as on a GPU) with the
+    C++ host path and with the Python one; losses and every gradient are equal."""
+    import loragen
+    from loragen.ops import dispatch
+    from tests.conftest import TINY_MODELS, tiny_inputs
+
+    class CudaOpOnCpuTensors:
+        @staticmethod
+        def apply(x, w, b, a, bb, scaling, p, rng, seed, fifo):
+            return lora_linear_cuda(x, w, b, a, bb, scaling, p, True, fan_in_fan_out=fifo, launcher=launcher)
+
+    monkeypatch.setattr(dispatch, "LoraLinearFunction", CudaOpOnCpuTensors)
+    results = {}
+    for native in (True, False):
+        torch.manual_seed(0)
+        config = loragen.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear")
+        model = loragen.get_lora_model(TINY_MODELS[kind](), config).train()
+        with torch.no_grad():  # B starts at zero: make the LoRA terms count
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+        before = shim_launches = launcher.shim.shim_launches()
+        torch.manual_seed(1)
+        with switches.sibling_fusion.using(False), switches.cuda_native_host.using(native):
+            logits = model(**tiny_inputs(kind)).logits
+            loss = logits.float().square().mean()
+            loss.backward()
+        launched = launcher.shim.shim_launches() - shim_launches
+        assert (launched > 0) == native, (kind, before, launched)
+        results[native] = (loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    (loss_native, grads_native), (loss_python, grads_python) = results[True], results[False]
+    assert torch.equal(loss_native, loss_python)
+    assert grads_native.keys() == grads_python.keys() and len(grads_native) >= 8
+    for name, grad in grads_native.items():
+        assert torch.equal(grad, grads_python[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repeated_calls_draw_the_same_masks_as_the_python_path(launcher, monkeypatch, dtype):
+    """After the first call (the whole Python path, which registers the plan) calls like it go straight
+    to the C++ side, which checks the inputs itself and draws (seed, offset) with the generator, as the
+    Python path does: step for step the same masks, outputs and gradients."""
+    from loragen.cuda import linear_op
+
+    checked = []
+    monkeypatch.setattr(linear_op, "check_inputs", lambda *args, **kwargs: checked.append(1))
+    inputs, _ = make_inputs(24, 40, 32, 6, dtype)
+    runs = {}
+    for native in (True, False):
+        x, w, b, a, bb = (t.detach().clone().requires_grad_() for t in inputs)
+        torch.manual_seed(11)
+        outputs = []
+        checked.clear()
+        with switches.cuda_native_host.using(native):
+            for _ in range(3):
+                y = lora_linear_cuda(x.view(4, 6, 40), w, b, a, bb, 0.5, 0.3, True, launcher=launcher)
+                y.square().sum().backward()
+                outputs.append((y, x.grad.clone(), a.grad.clone(), bb.grad.clone()))
+        runs[native] = (outputs, len(checked))
+    assert runs[True][1] == 1 and runs[False][1] == 3  # the C++ side checked the second and third calls
+    for got, want in zip(runs[True][0], runs[False][0]):
+        for g, e in zip(got, want):
+            assert torch.equal(g, e)
+
+
+def test_inputs_that_do_not_fit_the_plan_take_the_python_path(launcher):
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    with switches.cuda_native_host.using(True):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)  # the plan is known now
+        # float64 factors: the kernels do not take them, the composition runs (as without the C++ path)
+        got = lora_linear_cuda(x, w, b, a.double(), bb.double(), 1.0, 0.0, False, launcher=launcher)
+        with pytest.raises(CudaLoraError, match=r"bias \(23,\); expected \(24,\)"):
+            lora_linear_cuda(x, w, b[:23], a, bb, 1.0, 0.0, False, launcher=launcher)
+        with pytest.raises(CudaLoraError, match=r"weight \(24, 39\) is not \(out, in\)"):
+            lora_linear_cuda(x, w[:, :39], b, a, bb, 1.0, 0.0, False, launcher=launcher)
+    with switches.cuda_native_host.using(False):
+        want = lora_linear_cuda(x, w, b, a.double(), bb.double(), 1.0, 0.0, False, launcher=launcher)
+    assert got.dtype == want.dtype and torch.equal(got, want)
