@@ -5,6 +5,7 @@ emulated kernels on CPU tensors. It must give the Python host path's outputs and
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import shutil
 import subprocess
@@ -359,3 +360,28 @@ def test_inputs_that_do_not_fit_the_plan_take_the_python_path(launcher):
     with switches.cuda_native_host.using(False):
         want = lora_linear_cuda(x, w, b, a.double(), bb.double(), 1.0, 0.0, False, launcher=launcher)
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputes_the_mask_the_cpp_side_drew(launcher, reentrant):
+    """torch.utils.checkpoint restores the generator's state before recomputing: the C++ side's draw must
+    give the same (seed, offset) again, so the recomputed forward and the gradients equal a plain step's
+    (the Python path's, as the reference)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(native: bool, use_checkpoint: bool):
+        (x, w, b, a, bb), _ = make_inputs(20, 16, 8, 4, torch.float32, seed=3)
+        with switches.cuda_native_host.using(native):
+            lora_linear_cuda(x.detach(), w, b, a, bb, 1.5, 0.5, False, launcher=launcher)  # known plan
+            torch.manual_seed(123)
+            if use_checkpoint:
+                op = functools.partial(lora_linear_cuda, launcher=launcher)  # reentrant: no keywords
+                y = checkpoint(op, x, w, b, a, bb, 1.5, 0.5, True, use_reentrant=reentrant)
+            else:
+                y = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.5, True, launcher=launcher)
+            y.square().sum().backward()
+        return y.detach(), a.grad, bb.grad, x.grad
+
+    want = run(False, False)
+    for got, expected in zip(run(True, True), want):
+        assert torch.equal(got, expected)
