@@ -30,7 +30,8 @@
 #   torchbench.txt  bench_cuda.py's small-layer and model parts on the torch path (LORAGEN_CUDA_KERNELS=torch)
 #   torchbench.json the same numbers as JSON
 #   native.txt      the C++ host path (LORAGEN_CUDA_NATIVE_HOST=1): the op's GPU tests through it, then
-#                   bench_cuda.py's small-layer and model parts (eager, beside peft and the frozen base)
+#                   bench_cuda.py's small-layer and model parts with --native-host (eager: frozen base,
+#                   peft, loragen and loragen on the C++ host path, interleaved)
 #   ncu.csv         Nsight Compute: each LoRA kernel on the 4096^2 layer: time, DRAM throughput, registers,
 #                   occupancy, waves
 #   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
@@ -50,7 +51,7 @@ while [ $# -gt 0 ]; do
         --steps) STEPS=$2; shift 2 ;;
         --quick) QUICK=1; shift ;;
         --bench) BENCH_OPTS=$2; shift 2 ;;
-        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
         *) echo "first_gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -246,7 +247,7 @@ native() {
     if [ "$QUICK" = 1 ]; then rounds=(--quick); fi
     {
         LORAGEN_CUDA_NATIVE_HOST=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gpu.py 2>&1 | tail -30
-        LORAGEN_CUDA_NATIVE_HOST=1 "$PYTHON" benchmarks/bench_cuda.py --only small --only model --no-graph \
+        "$PYTHON" benchmarks/bench_cuda.py --only small --only model --no-graph --native-host \
             "${rounds[@]}" 2>&1
     } | tee "$RESULTS/native.txt"
     return "${PIPESTATUS[0]}"
