@@ -240,14 +240,16 @@ struct LoraLinear : public torch::autograd::Function<LoraLinear> {
                               const at::Tensor& lora_b, const std::optional<at::Tensor>& maybe_rng,
                               int64_t plan_id, double scaling, int64_t threshold, double keep_scale,
                               bool fan_in_fan_out) {
-        // below autograd's kernels: this node is the autograd record (forward already runs with grad off)
+        const Plan& plan = plan_at(plan_id);
+        // x as the kernels read it, saved for backward: made above autograd's view handling, so that a view
+        // of x shares x's version counter and an in-place change of x before backward is refused
+        at::Tensor x2 = prepared(x.reshape({-1, x.size(-1)}), plan);
+        // the rest below autograd's kernels: this node is the autograd record (grad mode is already off)
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         const at::Tensor bias = maybe_bias.value_or(at::Tensor());
         const at::Tensor rng = maybe_rng.value_or(at::Tensor());
-        const Plan& plan = plan_at(plan_id);
         void* stream = current_stream(x);
         const bool refresh = capturing(plan, stream);
-        at::Tensor x2 = prepared(x.reshape({-1, x.size(-1)}), plan);
         at::Tensor a32 = factor(lora_a, plan, false, refresh);
         at::Tensor bt32 = factor(lora_b, plan, true, refresh);
 

@@ -385,3 +385,17 @@ def test_checkpoint_recomputes_the_mask_the_cpp_side_drew(launcher, reentrant):
     want = run(False, False)
     for got, expected in zip(run(True, True), want):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_backward_refuses_an_input_changed_in_place_after_the_forward(launcher, native):
+    """The saved 2-D x is a view of x (x contiguous and aligned): it must share x's version counter, or a
+    backward after ``x.add_`` would use the changed values for dA without a word."""
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    x = x.detach().view(2, 8, 40)  # no grad: only A and B's gradients need x
+    with switches.cuda_native_host.using(native):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)  # the plan is known
+        y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+        x.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
