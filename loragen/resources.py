@@ -7,12 +7,24 @@ read them through this module so that code works the same from a checkout and fr
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+import tempfile
+from collections.abc import Sequence
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-__all__ = ["kernel_cache_dir", "kernels_dir", "list_kernels", "read_kernel", "read_template", "templates_dir"]
+__all__ = [
+    "build_library",
+    "kernel_cache_dir",
+    "kernels_dir",
+    "list_kernels",
+    "read_kernel",
+    "read_template",
+    "templates_dir",
+]
 
 
 def templates_dir() -> Traversable:
@@ -65,3 +77,48 @@ def kernel_cache_dir() -> Path:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "loragen" / "kernels"
+
+
+def build_library(
+    folder: Path,
+    stem: str,
+    source_name: str,
+    source: str,
+    command: Sequence[str],
+    libraries: Sequence[str] = (),
+    key: Sequence[str] = (),
+) -> Path:
+    """``source`` compiled into ``folder/<stem>.<hash>.so`` with ``command`` (the compiler and its flags),
+    or the cached library from an earlier build of the same source, command, compiler version and ``key``
+    (whatever else the build depends on). The build runs in a temporary folder beside the target and is
+    moved into place atomically: a reader sees the whole library or none.
+
+    Raises:
+        RuntimeError: the compiler failed (its messages' tail in the text).
+        OSError, subprocess.SubprocessError: the compiler could not be run.
+    """
+    compiler = command[0]
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
+    ).stdout
+    digest = hashlib.sha256("\0".join([source, *command, *libraries, version, *key]).encode()).hexdigest()
+    target = folder / f"{stem}.{digest[:16]}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        src = Path(work) / source_name
+        src.write_text(source, encoding="utf-8")
+        built = Path(work) / target.name
+        done = subprocess.run(
+            [*command, "-o", str(built), str(src), *libraries],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            flags = " ".join(command[1:])
+            raise RuntimeError(f"{compiler} {flags} {source_name} failed:\n{done.stderr.strip()[-4000:]}")
+        os.replace(built, target)
+    return target

@@ -25,12 +25,10 @@ self-check passed that fails at a launch raises here (the Python path would move
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -91,27 +89,15 @@ _LIBRARIES = ["-lc10", "-ltorch_cpu", "-ltorch"]
 
 def _build(source: str, compiler: str) -> Path:
     """The built library, from the cache when this source, compiler, flags and torch were built before."""
-    flags = _flags()
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
-    ).stdout
-    key = hashlib.sha256(
-        "\0".join([source, *flags, version, torch.__version__, sys.platform]).encode()
-    ).hexdigest()
-    target = resources.kernel_cache_dir() / "host" / f"lora_host.{key[:16]}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        src = Path(work) / SOURCE
-        src.write_text(source, encoding="utf-8")
-        built = Path(work) / target.name
-        command = [compiler, *flags, "-o", str(built), str(src), *_LIBRARIES]
-        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} {SOURCE} failed:\n{done.stderr.strip()[-4000:]}")
-        os.replace(built, target)  # atomic: a reader sees the whole library or none
-    return target
+    return resources.build_library(
+        resources.kernel_cache_dir() / "host",
+        "lora_host",
+        SOURCE,
+        source,
+        [compiler, *_flags()],
+        _LIBRARIES,
+        key=[torch.__version__, sys.platform],
+    )
 
 
 def _load() -> Path | str:

@@ -35,13 +35,11 @@ the same bits).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,26 +155,14 @@ def _compiler() -> str | None:
 
 def _build(source: str, compiler: str, variant: Variant) -> Path:
     flags = (COMMON_FLAGS[0], *variant.flags, *COMMON_FLAGS[1:])
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, timeout=60, check=False
-    ).stdout
-    key = hashlib.sha256(
-        "\0".join([source, *flags, version, _cpu_flags_line(), platform.machine()]).encode()
-    ).hexdigest()
-    target = _cache_dir() / f"lora_dropout_cpu.{variant.name}.{key[:16]}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        src = Path(work) / SOURCE
-        src.write_text(source, encoding="utf-8")
-        built = Path(work) / target.name
-        command = [compiler, *flags, "-o", str(built), str(src)]
-        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} {' '.join(flags)} {SOURCE} failed:\n{done.stderr.strip()}")
-        os.replace(built, target)  # atomic: a reader sees the whole library or none
-    return target
+    return resources.build_library(
+        _cache_dir(),
+        f"lora_dropout_cpu.{variant.name}",
+        SOURCE,
+        source,
+        [compiler, *flags],
+        key=[_cpu_flags_line(), platform.machine()],
+    )
 
 
 def _open(variant: Variant) -> ctypes.CDLL:

@@ -399,3 +399,13 @@ def test_backward_refuses_an_input_changed_in_place_after_the_forward(launcher, 
         x.add_(1.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
+
+
+def test_a_failing_cpp_compiler_is_reported_with_its_output(tmp_path, monkeypatch):
+    compiler = tmp_path / "c++"
+    compiler.write_text("#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho 'error: no luck' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("LORAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match=r"-std=c\+\+20 .* lora_host.cpp failed:\nerror: no luck"):
+        native_host._build("int x;", str(compiler))
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written is left to be loaded
