@@ -402,7 +402,8 @@ def lora_linear_cuda(
         CudaLoraError: tensors not on one device, or not on a CUDA device when no launcher is given;
             mismatched shapes; ``dropout_p`` outside [0, 1); ``seed`` not unsigned 64-bit.
     """
-    if switches.cuda_native_host.get():  # a call like one before: the C++ side checks what the plan fixes
+    # a call like one before, eager: the C++ side checks what the plan fixes
+    if switches.cuda_native_host.get() and not torch.compiler.is_compiling():
         handle = hostcache.launcher_handle(launcher)
         y = native_host.try_lora_linear(
             x, weight, bias, lora_A, lora_B, scaling, dropout_p, training, fan_in_fan_out, seed, handle

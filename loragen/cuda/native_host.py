@@ -233,7 +233,7 @@ def try_lora_linear(
 ) -> Tensor | None:
     """The op on the C++ host path when a call like this one ran there before (:func:`remember`) and
     the inputs fit its plan; None otherwise (nothing ran: the caller takes the whole Python path, which
-    checks the inputs and words any error)."""
+    checks the inputs and words any error). Eager calls only: the caller keeps ``torch.compile`` away."""
     plan = _known.get(
         (
             x.shape,
@@ -248,7 +248,7 @@ def try_lora_linear(
     )
     if plan is None or seed is not None or not 0.0 <= dropout_p < 1.0:
         return None
-    if torch.compiler.is_compiling() or (x.is_cuda and torch.is_autocast_enabled("cuda")):
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
         return None
     try:
         return lora_linear_native(

@@ -409,3 +409,24 @@ def test_a_failing_cpp_compiler_is_reported_with_its_output(tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match=r"-std=c\+\+20 .* lora_host.cpp failed:\nerror: no luck"):
         native_host._build("int x;", str(compiler))
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written is left to be loaded
+
+
+def test_torch_compile_traces_the_custom_op_with_the_switch_on(launcher):
+    """torch.compile sees the custom op (fake implementation included), as without the C++ host path:
+    no graph break, and the compiled step's loss and gradients are the eager C++ path's."""
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+
+    def step(x, a, bb):
+        return lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True, launcher=launcher).square().sum()
+
+    with switches.cuda_native_host.using(True):
+        want = step(x, a, bb)  # eager: registers the launcher and the plan
+        want.backward()
+        wanted = [t.grad.clone() for t in (x, a, bb)]
+        for t in (x, a, bb):
+            t.grad = None
+        loss = torch.compile(step, fullgraph=True, backend="aot_eager")(x, a, bb)
+        loss.backward()
+    torch.testing.assert_close(loss, want)
+    for want_grad, t in zip(wanted, (x, a, bb)):
+        torch.testing.assert_close(t.grad, want_grad)
