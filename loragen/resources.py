@@ -1,8 +1,10 @@
-"""Access to the non-Python files loragen ships: Jinja templates and CUDA kernel templates.
+"""Access to the non-Python files loragen ships: Jinja templates, CUDA kernel templates, and the C and
+C++ sources it compiles on first use (the CPU dropout kernels, the CUDA op's C++ host path).
 
 In the repository they live in the top-level ``templates/`` and ``kernels/`` folders; in a wheel (and an
 editable install) they are the resource packages ``loragen._templates`` and ``loragen._kernels``. Always
 read them through this module so that code works the same from a checkout and from an installed wheel.
+:func:`build_library` compiles a C or C++ source into the kernel cache (:func:`kernel_cache_dir`).
 """
 
 from __future__ import annotations
