@@ -502,6 +502,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"measured: copy {limits['copy_GBps']:.0f} GB/s (read + write), bf16 GEMM {limits['bf16_gemm_TFLOPs']:.0f} TFLOP/s"
         )
+    if gpu_parts and args.native_host:
+        from loragen.cuda import native_host
+
+        report["native_host"] = status = native_host.status()
+        print(f"C++ host path: {status}")
+        if not native_host.available():
+            print(f"  WARNING: {NATIVE!r} runs the Python host path: its numbers measure that path")
     if "layer" in args.parts:
         report["layer"] = {
             f"p={p}": layer_benchmark(

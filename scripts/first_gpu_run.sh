@@ -29,9 +29,9 @@
 #   bench.json      the same numbers as JSON
 #   torchbench.txt  bench_cuda.py's small-layer and model parts on the torch path (LORAGEN_CUDA_KERNELS=torch)
 #   torchbench.json the same numbers as JSON
-#   native.txt      the C++ host path (LORAGEN_CUDA_NATIVE_HOST=1): the op's GPU tests through it, then
-#                   bench_cuda.py's small-layer and model parts with --native-host (eager: frozen base,
-#                   peft, loragen and loragen on the C++ host path, interleaved)
+#   native.txt      the C++ host path (LORAGEN_CUDA_NATIVE_HOST=1): whether it built, its GPU tests, the op's
+#                   GPU tests through it, then bench_cuda.py's small-layer and model parts with --native-host
+#                   (eager: frozen base, peft, loragen and loragen on the C++ host path, interleaved)
 #   ncu.csv         Nsight Compute: each LoRA kernel on the 4096^2 layer: time, DRAM throughput, registers,
 #                   occupancy, waves
 #   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
@@ -246,6 +246,8 @@ native() {
     local rounds=()
     if [ "$QUICK" = 1 ]; then rounds=(--quick); fi
     {
+        "$PYTHON" -c "from loragen.cuda import native_host; print('C++ host path:', native_host.status())" 2>&1
+        "$PYTHON" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_native_host.py -k on_a_gpu 2>&1 | tail -10
         LORAGEN_CUDA_NATIVE_HOST=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gpu.py 2>&1 | tail -30
         "$PYTHON" benchmarks/bench_cuda.py --only small --only model --no-graph --native-host \
             "${rounds[@]}" 2>&1

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import loragen.cuda
 from loragen import switches
 from loragen.cuda import native_host, specs
 from loragen.cuda.launch import NativeKernels
@@ -430,3 +431,68 @@ def test_torch_compile_traces_the_custom_op_with_the_switch_on(launcher):
     torch.testing.assert_close(loss, want)
     for want_grad, t in zip(wanted, (x, a, bb)):
         torch.testing.assert_close(t.grad, want_grad)
+
+
+# ---- on a GPU (scripts/first_gpu_run.sh's native step) ------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not loragen.cuda.is_available(),
+    reason="needs a CUDA device and cuda-python",
+)
+
+
+@needs_gpu
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_the_cpp_path_equals_the_python_path(dtype, p):
+    """The real kernels, driver and cuBLAS: two steps of each host path from one generator state give the
+    same outputs and gradients, bit for bit (the same kernels and products run in the same order)."""
+    assert native_host.available(), native_host.status()
+    inputs, _ = make_inputs(257, 264, 136, 16, dtype, device="cuda")
+    runs = {}
+    for native in (True, False):
+        x, w, b, a, bb = (t.detach().clone().requires_grad_() for t in inputs)
+        torch.manual_seed(5)
+        steps = []
+        with switches.cuda_native_host.using(native):
+            for _ in range(2):
+                y = lora_linear_cuda(x, w, b, a, bb, 0.5, p, True)
+                y.float().square().sum().backward()
+                steps.append([y.detach().clone()] + [t.grad.clone() for t in (x, w, b, a, bb)])
+        runs[native] = steps
+    assert any(key[2].type == "cuda" for key in native_host._known)  # the C++ path ran on the GPU
+    for got_step, want_step in zip(runs[True], runs[False]):
+        for got, want in zip(got_step, want_step):
+            assert torch.equal(got, want)
+
+
+@needs_gpu
+def test_on_a_gpu_a_captured_forward_reads_the_factors_of_each_replay():
+    """Inside a CUDA-graph capture the padded factors are copied on every call (cuStreamIsCapturing), so
+    a replay after an in-place change of A computes with the new A; with dropout each replay draws a fresh
+    mask."""
+    (x, w, b, a, bb), _ = make_inputs(64, 128, 96, 8, torch.bfloat16, device="cuda")
+    x, w, b, a, bb = (t.detach() for t in (x, w, b, a, bb))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with switches.cuda_native_host.using(True):
+        with torch.cuda.stream(side):
+            for _ in range(2):  # plans, modules and the call table made before the capture
+                lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True)
+                lora_linear_cuda(x, w, b, a, bb, 0.5, 0.2, True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph, dropped = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True)
+        with torch.cuda.graph(dropped):
+            y_dropped = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.2, True)
+    with torch.no_grad():
+        a.mul_(2.0)
+    graph.replay()
+    with switches.cuda_native_host.using(False):
+        want = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True)
+    assert torch.equal(y, want)
+    dropped.replay()
+    first = y_dropped.clone()
+    dropped.replay()
+    assert not torch.equal(y_dropped, first)
