@@ -435,9 +435,8 @@ def lora_linear_cuda(
         with torch.autocast("cuda", enabled=False):
             return torch_path.lora_linear_torch(*args)
     if switches.cuda_native_host.get() and not autocasting:  # the same passes, with the host work in C++
-        native = native_host.plan_id(x, lora_B.shape[0], lora_A.shape[0], scalars[3])
+        native = native_host.plan_id(x, lora_A, lora_B, fan_in_fan_out, scalars[3])
         if native is not None:
-            native_host.remember(x, lora_A, lora_B, fan_in_fan_out, scalars[3], native)
             return native_host.lora_linear_native(
                 x, weight, bias, lora_A, lora_B, rng, False, native, scalars[0], p, fan_in_fan_out
             )

@@ -42,19 +42,15 @@ from loragen.cuda import hostcache
 from loragen.cuda.launch import NativeKernels
 
 __all__ = [
-    "NATIVE_KERNEL_ORDER",
     "available",
     "kernel_signatures",
     "lora_linear_native",
     "plan_id",
-    "remember",
     "status",
     "try_lora_linear",
 ]
 
 SOURCE = "lora_host.cpp"
-# the order of the kernels in NativeKernels and in register_plan's arguments
-NATIVE_KERNEL_ORDER = ("lora_down", "lora_up", "lora_grad_out", "lora_grad_in")
 
 _lock = threading.Lock()
 _library: list[Path | str] = []  # [the loaded library's path, or why it could not be had], once tried
@@ -133,16 +129,34 @@ def status() -> str:
 
 
 _MISSING = object()
+# The C++ side's plan (None: the call cannot run there) per key of what decides it: x's shape, dtype and
+# device, the factors' shapes, the layout, the launcher and the kernel switch. An entry is made only after
+# a call's inputs passed the Python checks, so :func:`try_lora_linear` runs later calls of a key that has a
+# plan without them (the C++ side repeats them in the terms the plan fixes).
 _plans: dict[tuple[Any, ...], int | None] = {}
 
 
-def plan_id(x: Tensor, out_features: int, rank: int, handle: int) -> int | None:
-    """The C++ side's plan for these inputs, registered on first use; None where the call cannot run
-    there (an empty input, a launcher without native kernels, the library not built)."""
-    key = (x.shape, x.dtype, x.device, out_features, rank, handle, switches.cuda_kernels.get())
+def _key(x: Tensor, lora_A: Tensor, lora_B: Tensor, fan_in_fan_out: bool, handle: int) -> tuple[Any, ...]:
+    return (
+        x.shape,
+        x.dtype,
+        x.device,
+        lora_A.shape,
+        lora_B.shape,
+        fan_in_fan_out,
+        handle,
+        switches.cuda_kernels.get(),
+    )
+
+
+def plan_id(x: Tensor, lora_A: Tensor, lora_B: Tensor, fan_in_fan_out: bool, handle: int) -> int | None:
+    """The C++ side's plan for these inputs (which the caller has checked), registered on first use; None
+    where the call cannot run there (an empty input, a launcher without native kernels, the library not
+    built)."""
+    key = _key(x, lora_A, lora_B, fan_in_fan_out, handle)
     found = _plans.get(key, _MISSING)
     if found is _MISSING:
-        found = _plans[key] = _register(x, out_features, rank, handle)
+        found = _plans[key] = _register(x, lora_B.shape[0], lora_A.shape[0], handle)
     return found  # type: ignore[return-value]
 
 
@@ -206,18 +220,6 @@ def lora_linear_native(
     )
 
 
-# Calls whose plan is known, keyed by what decides it (x's shape, dtype and device, the factors' shapes,
-# the layout, the launcher and the kernel switch): :func:`try_lora_linear` runs them without the Python
-# input checks, which the C++ side repeats in the terms the plan fixes.
-_known: dict[tuple[Any, ...], int] = {}
-
-
-def remember(x: Tensor, lora_A: Tensor, lora_B: Tensor, fan_in_fan_out: bool, handle: int, plan: int) -> None:
-    """Note that calls like this one (whose inputs passed the Python checks) run on ``plan``."""
-    switch = switches.cuda_kernels.get()
-    _known[(x.shape, x.dtype, x.device, lora_A.shape, lora_B.shape, fan_in_fan_out, handle, switch)] = plan
-
-
 def try_lora_linear(
     x: Tensor,
     weight: Tensor,
@@ -231,21 +233,10 @@ def try_lora_linear(
     seed: int | None,
     handle: int,
 ) -> Tensor | None:
-    """The op on the C++ host path when a call like this one ran there before (:func:`remember`) and
+    """The op on the C++ host path when a call like this one ran there before (:func:`plan_id`) and
     the inputs fit its plan; None otherwise (nothing ran: the caller takes the whole Python path, which
     checks the inputs and words any error). Eager calls only: the caller keeps ``torch.compile`` away."""
-    plan = _known.get(
-        (
-            x.shape,
-            x.dtype,
-            x.device,
-            lora_A.shape,
-            lora_B.shape,
-            fan_in_fan_out,
-            handle,
-            switches.cuda_kernels.get(),
-        )
-    )
+    plan = _plans.get(_key(x, lora_A, lora_B, fan_in_fan_out, handle))
     if plan is None or seed is not None or not 0.0 <= dropout_p < 1.0:
         return None
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
