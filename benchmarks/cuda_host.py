@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -261,16 +262,25 @@ def count_host_work(
         if event in calls:
             calls[event] += 1
 
-    sys.setprofile(profile)
+    # the garbage of earlier work is collected first and not during the counted steps: a collection there
+    # would count other objects' finalizers as the step's calls
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        step()
+        sys.setprofile(profile)
+        try:
+            step()
+        finally:
+            sys.setprofile(None)
+        before = len(launcher.launches) if launcher is not None else 0
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof:
+            step()
     finally:
-        sys.setprofile(None)
-    before = len(launcher.launches) if launcher is not None else 0
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        step()
+        if collecting:
+            gc.enable()
     launches = (len(launcher.launches) - before) if launcher is not None else 0
     events = prof.events()
     ops = sum(1 for e in events if e.name.startswith("aten::"))

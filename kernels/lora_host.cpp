@@ -13,6 +13,7 @@
 // Driver entry points arrive as addresses (register_plan), so nothing here links against libcuda: on a
 // GPU they are the driver's own; loragen's CPU tests pass a stand-in that runs emulated kernels on CPU
 // tensors, and the host benchmark one that returns at once.
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
@@ -392,8 +393,9 @@ bool lora_dtype(const at::Tensor& t) {
 }
 
 // Whether the inputs are what the plan was made and checked for (loragen/cuda/op_inputs.py's checks, in
-// the terms the plan fixes): a ValueError otherwise, before anything runs, so that the caller can take
-// the Python path, which words the error or runs the composition.
+// the terms the plan fixes), with autocast off for x's device (the Python path casts the inputs first):
+// a ValueError otherwise, before anything runs, so that the caller can take the Python path, which words
+// the error, casts, or runs the composition.
 void check_fits(const Plan& plan, int64_t plan_id, const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, const at::Tensor& lora_a, const at::Tensor& lora_b,
                 bool fan_in_fan_out) {
@@ -401,7 +403,8 @@ void check_fits(const Plan& plan, int64_t plan_id, const at::Tensor& x, const at
     const auto device = plan.device;
     const int64_t in = plan.in_features, out = plan.out_features, rank = plan.rank;
     const bool fits =
-        x.scalar_type() == dtype && x.device() == device && x.dim() >= 1 && x.size(-1) == in &&
+        !at::autocast::is_autocast_enabled(device.type()) && x.scalar_type() == dtype &&
+        x.device() == device && x.dim() >= 1 && x.size(-1) == in &&
         x.numel() == static_cast<int64_t>(plan.rows) * in && weight.dim() == 2 &&
         weight.size(0) == (fan_in_fan_out ? in : out) && weight.size(1) == (fan_in_fan_out ? out : in) &&
         weight.scalar_type() == dtype && weight.device() == device &&

@@ -24,7 +24,7 @@ from loragen.cuda.op_inputs import CudaLoraError
 from loragen.cuda.passes import Plan
 from loragen.cuda.selfcheck import default_checker
 
-__all__ = ["dropout_args", "factor", "launcher_handle", "plan"]
+__all__ = ["dropout_args", "dropout_constants", "factor", "launcher_handle", "plan"]
 
 
 # A custom op takes only tensors and scalars, so the launcher travels as an int: 0 is the default
@@ -127,12 +127,14 @@ def factor(t: Tensor, plan: Plan, transpose: bool) -> Tensor:
     return entry.buffer
 
 
-_dropout_constants: dict[float, tuple[int, float]] = {0.0: (0, 1.0)}
+# (threshold, keep_scale) per dropout probability that a call has validated and passed to dropout_args: a
+# probability found here is one the op's checks accept
+dropout_constants: dict[float, tuple[int, float]] = {0.0: (0, 1.0)}
 
 
 def dropout_args(rng: Tensor | None, p: float) -> tuple[Tensor | None, int, float]:
     """The kernels' dropout arguments ``(rng, threshold, keep_scale)`` (p validated by the caller)."""
-    constants = _dropout_constants.get(p)
+    constants = dropout_constants.get(p)
     if constants is None:
-        constants = _dropout_constants[p] = (philox.keep_threshold(p), philox.keep_scale(p))
+        constants = dropout_constants[p] = (philox.keep_threshold(p), philox.keep_scale(p))
     return (rng if constants[0] else None, *constants)

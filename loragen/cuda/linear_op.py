@@ -434,7 +434,8 @@ def lora_linear_cuda(
             return torch_path.lora_linear_torch(*args)
         with torch.autocast("cuda", enabled=False):
             return torch_path.lora_linear_torch(*args)
-    if switches.cuda_native_host.get() and not autocasting:  # the same passes, with the host work in C++
+    # the same passes with the host work in C++, which refuses autocast on x's device (casting is done here)
+    if switches.cuda_native_host.get() and not torch.is_autocast_enabled(x.device.type):
         native = native_host.plan_id(x, lora_A, lora_B, fan_in_fan_out, scalars[3])
         if native is not None:
             return native_host.lora_linear_native(

@@ -54,6 +54,9 @@ SOURCE = "lora_host.cpp"
 
 _lock = threading.Lock()
 _library: list[Path | str] = []  # [the loaded library's path, or why it could not be had], once tried
+# [torch.ops.loragen_host.lora_linear.default's own callable] once loaded: the overload object's __call__
+# is a Python frame that only passes its arguments on
+_op: list[Any] = []
 
 
 def _compiler() -> str | None:
@@ -106,6 +109,8 @@ def _load() -> Path | str:
                     raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
                 path = _build(resources.read_kernel(SOURCE), compiler)
                 torch.ops.load_library(str(path))
+                overload = torch.ops.loragen_host.lora_linear.default
+                _op.append(getattr(overload, "_op", overload))
                 _library.append(path)
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 _library.append(f"the C++ host path could not be built: {error}")
@@ -215,7 +220,7 @@ def lora_linear_native(
         ValueError: the inputs do not fit ``plan`` (nothing ran; the caller takes the Python path).
     """
     rng, threshold, keep_scale = hostcache.dropout_args(rng, dropout_p)
-    return torch.ops.loragen_host.lora_linear.default(
+    return _op[0](
         x, weight, bias, lora_A, lora_B, rng, draw_rng, plan, scaling, threshold, keep_scale, fan_in_fan_out
     )
 
@@ -235,25 +240,22 @@ def try_lora_linear(
 ) -> Tensor | None:
     """The op on the C++ host path when a call like this one ran there before (:func:`plan_id`) and
     the inputs fit its plan; None otherwise (nothing ran: the caller takes the whole Python path, which
-    checks the inputs and words any error). Eager calls only: the caller keeps ``torch.compile`` away."""
+    checks the inputs and words any error). Eager calls only: the caller keeps ``torch.compile`` away.
+
+    Per call this is the hot path of a LoRA layer at small batches, so it does only what the C++ side
+    cannot: find the plan, and the dropout constants of a probability some call validated before (the
+    C++ side refuses autocast and inputs that do not fit the plan)."""
     plan = _plans.get(_key(x, lora_A, lora_B, fan_in_fan_out, handle))
-    if plan is None or seed is not None or not 0.0 <= dropout_p < 1.0:
+    if plan is None or seed is not None:
         return None
-    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+    constants = hostcache.dropout_constants.get(dropout_p)  # checked even where it is not used
+    if constants is None:
         return None
+    if not training:
+        constants = hostcache.dropout_constants[0.0]
     try:
-        return lora_linear_native(
-            x,
-            weight,
-            bias,
-            lora_A,
-            lora_B,
-            None,
-            True,
-            plan,
-            float(scaling),
-            float(dropout_p) if training else 0.0,
-            fan_in_fan_out,
+        return _op[0](
+            x, weight, bias, lora_A, lora_B, None, True, plan, float(scaling), *constants, fan_in_fan_out
         )
     except ValueError:
         return None

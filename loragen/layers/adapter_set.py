@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from loragen.errors import AdapterNameError, LoraConversionError
+from loragen.layers.parameter_reads import parameter
 from loragen.layers.variants import LORA, Variant, variant_for
 from loragen.registry import Layout
 from loragen.validation import InitMode, check_flag, check_lora_args
@@ -123,17 +124,17 @@ class LoraAdapter:
     @property
     def factor_a(self) -> nn.Parameter:
         """A (``lora_A`` / ``lora_embedding_A``)."""
-        return getattr(self.holder, self.layout.factor_names[0])
+        return parameter(self.holder, self.layout.factor_names[0])
 
     @property
     def factor_b(self) -> nn.Parameter:
         """B (``lora_B`` / ``lora_embedding_B``)."""
-        return getattr(self.holder, self.layout.factor_names[1])
+        return parameter(self.holder, self.layout.factor_names[1])
 
     @property
     def magnitude(self) -> nn.Parameter:
         """DoRA's magnitude vector (only for the DoRA variant)."""
-        return getattr(self.holder, self.variant.extra_parameters[0])
+        return parameter(self.holder, self.variant.extra_parameters[0])
 
     def register(self, name: str, parameter: nn.Parameter) -> None:
         """Register ``parameter`` as this adapter's ``name`` (a factor, or one of the variant's own)."""

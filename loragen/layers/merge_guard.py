@@ -19,6 +19,7 @@ fresh one (:func:`without_guard` removes it from the state they copy).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -28,35 +29,55 @@ import torch
 __all__ = ["GUARD_ATTR", "MergeGuard", "guard_of", "reading", "without_guard", "writing"]
 
 GUARD_ATTR = "_merge_guard"
+# the interpreter runs one thread's step at a time (no free-threaded build, or its GIL turned back on)
+_GIL: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
+_RECOUNT_S = 0.005  # how often a waiting merge counts the forwards in flight again
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 class MergeGuard:
-    """A readers-writer turn: forwards read together, a merge writes alone."""
+    """A readers-writer turn: forwards read together, a merge writes alone.
+
+    A forward counts itself in by appending to ``_readers`` and then looking for a merge; a merge marks
+    itself in ``_writer`` and then waits for ``_readers`` to empty. Whichever of the two steps comes
+    second sees the other, so a forward and a merge never both go ahead. With the GIL each step is one
+    atomic list or attribute operation and a forward takes no lock (it runs on every call of every LoRA
+    layer); on a free-threaded interpreter the forward's two steps are taken under the lock.
+    """
 
     __slots__ = ("_changed", "_readers", "_writer")
 
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
-        self._readers = 0
+        self._readers: list[None] = []  # one entry per forward in flight
         self._writer: int | None = None  # the thread ident of the merge in progress
 
     def start_reading(self) -> bool:
         """Wait for a merge in another thread to finish, then count this forward in. False (nothing to
         undo) when this thread is the one merging."""
-        me = threading.get_ident()
-        with self._changed:
-            if self._writer == me:
+        readers = self._readers
+        while True:
+            if _GIL:
+                readers.append(None)
+                writer = self._writer
+            else:
+                with self._changed:
+                    readers.append(None)
+                    writer = self._writer
+            if writer is None:
+                return True
+            readers.pop()  # a merge holds the layer, or is waiting for the forwards in flight
+            if writer == threading.get_ident():
                 return False
-            while self._writer is not None:
-                self._changed.wait()
-            self._readers += 1
-        return True
+            with self._changed:
+                self._changed.notify_all()  # a merge counting the forwards in flight counts again
+                while self._writer is not None:
+                    self._changed.wait()
 
     def stop_reading(self) -> None:
-        with self._changed:
-            self._readers -= 1
-            if self._readers == 0:
+        self._readers.pop()
+        if self._writer is not None:
+            with self._changed:
                 self._changed.notify_all()
 
     def start_writing(self) -> bool:
@@ -66,9 +87,11 @@ class MergeGuard:
         with self._changed:
             if self._writer == me:
                 return False
-            while self._writer is not None or self._readers:
+            while self._writer is not None:
                 self._changed.wait()
             self._writer = me
+            while self._readers:  # forwards notify as they leave; the timeout covers a notification
+                self._changed.wait(_RECOUNT_S)  # sent between their pop and this check
         return True
 
     def stop_writing(self) -> None:

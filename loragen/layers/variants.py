@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from loragen.errors import LoraConversionError
 from loragen.layers import dora_magnitude
+from loragen.layers.parameter_reads import parameter
 from loragen.ops import dora_linear, lora_linear
 from loragen.ops.branch import lora_branch
 from loragen.reference import dora_linear_reference
@@ -100,8 +101,8 @@ class Variant:
         (:func:`loragen.ops.lora_linear`: CPU autograd Function or CUDA kernels)."""
         return lora_linear(
             x,
-            layer.weight,
-            layer.bias,
+            parameter(layer, "weight"),
+            parameter(layer, "bias"),
             adapter.factor_a,
             adapter.factor_b,
             adapter.scaling,
@@ -166,8 +167,8 @@ class DoraVariant(Variant):
     def fused_linear(self, layer: Any, x: Tensor, adapter: LoraAdapter) -> Tensor:
         return dora_linear(
             x,
-            layer.weight,
-            layer.bias,
+            parameter(layer, "weight"),
+            parameter(layer, "bias"),
             adapter.factor_a,
             adapter.factor_b,
             adapter.magnitude,

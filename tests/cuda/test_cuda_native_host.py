@@ -357,8 +357,36 @@ def test_inputs_that_do_not_fit_the_plan_take_the_python_path(launcher):
             lora_linear_cuda(x, w, b[:23], a, bb, 1.0, 0.0, False, launcher=launcher)
         with pytest.raises(CudaLoraError, match=r"weight \(24, 39\) is not \(out, in\)"):
             lora_linear_cuda(x, w[:, :39], b, a, bb, 1.0, 0.0, False, launcher=launcher)
+        # a probability no call validated: checked (and refused) even where it is not used
+        with pytest.raises(CudaLoraError, match=r"dropout_p=1.5; expected 0 <= p < 1"):
+            lora_linear_cuda(x, w, b, a, bb, 1.0, 1.5, False, launcher=launcher)
     with switches.cuda_native_host.using(False):
         want = lora_linear_cuda(x, w, b, a.double(), bb.double(), 1.0, 0.0, False, launcher=launcher)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_autocast_takes_the_python_path(launcher, monkeypatch):
+    """Under autocast for x's device the C++ side refuses the call (the Python path casts first)."""
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    calls = []
+    op = native_host._op[0]
+
+    def counted(*args):
+        y = op(*args)
+        calls.append(args[7])  # the calls the C++ side ran
+        return y
+
+    monkeypatch.setattr(native_host, "_op", [counted])
+    with switches.cuda_native_host.using(True):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)  # the plan is known now
+        ran = len(calls)
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
+        assert len(calls) == ran + 1  # the C++ side ran the call
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
+        assert len(calls) == ran + 1
+    with switches.cuda_native_host.using(False), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 

@@ -10,12 +10,22 @@ from __future__ import annotations
 import copy
 import pickle
 import threading
+import time
 
+import pytest
 import torch
 
 import loragen
 from loragen import LoraConfig
+from loragen.layers import merge_guard
 from loragen.layers.merge_guard import GUARD_ATTR, MergeGuard
+
+
+@pytest.fixture(params=[True, False], ids=["gil", "free-threaded"])
+def interpreter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways forwards count themselves in: lock-free under the GIL, under the lock without it."""
+    monkeypatch.setattr(merge_guard, "_GIL", request.param)
+    return bool(request.param)
 
 
 def _model() -> torch.nn.Module:
@@ -29,7 +39,7 @@ def _model() -> torch.nn.Module:
     return model.eval()
 
 
-def test_forward_during_merges_sees_merged_or_unmerged_weights() -> None:
+def test_forward_during_merges_sees_merged_or_unmerged_weights(interpreter: bool) -> None:
     model = _model()
     x = torch.randn(512, 256)
     with torch.no_grad():
@@ -57,7 +67,7 @@ def test_forward_during_merges_sees_merged_or_unmerged_weights() -> None:
     assert max(errors) < 1e-4, f"a forward saw a half-done merge: relative error {max(errors):.3g}"
 
 
-def test_a_merge_waits_for_forwards_and_forwards_wait_for_a_merge() -> None:
+def test_a_merge_waits_for_forwards_and_forwards_wait_for_a_merge(interpreter: bool) -> None:
     guard = MergeGuard()
     assert guard.start_reading()
     merged = threading.Event()
@@ -70,12 +80,67 @@ def test_a_merge_waits_for_forwards_and_forwards_wait_for_a_merge() -> None:
     writer = threading.Thread(target=merge)
     writer.start()
     assert not merged.wait(0.2)  # a forward is in flight
+    # a forward that starts while the merge waits for the ones in flight waits for the merge
+    late: list[bool] = []
+    reader = threading.Thread(target=lambda: late.append(guard.start_reading()))
+    reader.start()
+    reader.join(timeout=0.2)
+    assert reader.is_alive() and not late
     guard.stop_reading()
     writer.join(timeout=30)
     assert merged.is_set()
+    reader.join(timeout=30)
+    assert late == [True]
+    guard.stop_reading()
+    assert guard.start_writing()  # nothing left in flight
+    guard.stop_writing()
 
 
-def test_the_merging_thread_can_run_the_layer_itself() -> None:
+def test_many_forwards_and_merges_never_overlap(interpreter: bool) -> None:
+    """Threads entering and leaving as forwards and as merges: a merge never runs beside a forward or
+    another merge, and every thread finishes."""
+    guard = MergeGuard()
+    state = {"readers": 0, "writers": 0}
+    seen = threading.Lock()
+    overlaps: list[str] = []
+
+    def forward() -> None:
+        for _ in range(400):
+            assert guard.start_reading()
+            with seen:
+                state["readers"] += 1
+                if state["writers"]:
+                    overlaps.append("a forward beside a merge")
+            time.sleep(0)  # let the other threads run while this one is inside
+            with seen:
+                state["readers"] -= 1
+            guard.stop_reading()
+            time.sleep(0.0001)  # gaps in which a merge can start
+
+    def merge() -> None:
+        for _ in range(40):
+            assert guard.start_writing()
+            with seen:
+                if state["readers"] or state["writers"]:
+                    overlaps.append("a merge beside a forward or a merge")
+                state["writers"] += 1
+            time.sleep(0.0005)
+            with seen:
+                state["writers"] -= 1
+            guard.stop_writing()
+
+    threads = [threading.Thread(target=forward) for _ in range(4)] + [
+        threading.Thread(target=merge) for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not overlaps
+
+
+def test_the_merging_thread_can_run_the_layer_itself(interpreter: bool) -> None:
     guard = MergeGuard()
     assert guard.start_writing()
     assert not guard.start_reading()  # no wait, nothing to undo: a probe inside merge()
