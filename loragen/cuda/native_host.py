@@ -10,8 +10,9 @@ The arithmetic is the eager op's, pass by pass, so its results are the eager op'
 What stays in Python, once per plan (sizes, dtype, device, launcher, switch): the self-check and routing
 of the kernel variant, the grids, loading the modules (:class:`~loragen.cuda.passes.Plan`); its numbers,
 the four function handles and the driver's entry points go to the C++ side once
-(:func:`plan_id`). Per call Python does the op's input checks and one dictionary lookup, and calls the
-registered op ``torch.ops.loragen_host.lora_linear``.
+(:func:`plan_id`). Per call Python looks up the plan and the dropout constants (two dictionary lookups)
+and calls the registered op ``torch.ops.loragen_host.lora_linear``, which checks the inputs against the
+plan and refuses autocast (the call then takes the Python path).
 
 The library is built on first use with the C++ compiler (``$CXX``, ``c++``, ``g++`` or ``clang++``)
 against the installed torch's headers -- no Python headers, no CUDA toolkit: the driver's entry points
