@@ -8,7 +8,8 @@
 #   --wheels DIR  wheels to install offline first (default: .gpu-wheels; made by
 #                 scripts/fetch_gpu_wheels.sh); packages missing there come from the index, if reachable
 #   --steps LIST  comma-separated subset, run in this order:
-#                 system,install,selfcheck,tests,bench,torchbench,native,profile,sanitize (default: all)
+#                 system,install,selfcheck,tests,bench,torchbench,native,profile,sanitize,groups
+#                 (default: all)
 #   --quick       the benchmark with few rounds (bench_cuda.py --quick: all parts in about 3 minutes)
 #   --bench OPTS  options for benchmarks/bench_cuda.py instead (e.g. "--only model --batches 8")
 #
@@ -17,7 +18,7 @@
 # dependencies resolved online) and installs what is missing from the wheel folder. Every step runs
 # even when an earlier one failed; summary.md lists each step's exit status. SANITIZE_TIMEOUT (seconds
 # per compute-sanitizer tool, default 300) bounds the slowest step. The output folder holds at most
-# thirteen files:
+# fourteen files:
 #
 #   summary.md      steps, exit statuses, the self-check outcomes, the test tally, the benchmark tables
 #   system.txt      date, kernel, nvidia-smi (and -q), Python, torch, CUDA, NVRTC, cuda-bindings, pip list
@@ -35,12 +36,15 @@
 #   ncu.csv         Nsight Compute: each LoRA kernel on the 4096^2 layer: time, DRAM throughput, registers,
 #                   occupancy, waves
 #   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
+#   groups.txt      CUDA sibling groups (LORAGEN_CUDA_SIBLING_FUSION=1): the model benchmark at batch 1
+#                   without dropout, graphed kinds included (where an illegal memory access stopped it
+#                   once); if it fails, the same under compute-sanitizer memcheck, which names the kernel
 #   run.log         everything printed, in order
 set -u
 
 PYTHON=${PYTHON:-python3}
 WHEELS=.gpu-wheels
-STEPS=system,install,selfcheck,tests,bench,torchbench,native,profile,sanitize
+STEPS=system,install,selfcheck,tests,bench,torchbench,native,profile,sanitize,groups
 QUICK=0
 BENCH_OPTS=
 if [ -n "${OUT:-}" ]; then RESULTS="$OUT/first-gpu-run"; else RESULTS="first-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)"; fi
@@ -51,7 +55,7 @@ while [ $# -gt 0 ]; do
         --steps) STEPS=$2; shift 2 ;;
         --quick) QUICK=1; shift ;;
         --bench) BENCH_OPTS=$2; shift 2 ;;
-        -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
         *) echo "first_gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -278,7 +282,31 @@ profile() {
     return $code
 }
 
-for name in system install selfcheck tests bench torchbench native profile sanitize; do
+# CUDA sibling groups (opt-in): the model benchmark that once stopped with an illegal memory access with
+# them on; only where it fails again, the same run under memcheck (slow: one round, bounded by
+# SANITIZE_TIMEOUT) to name the kernel and the address.
+groups() {
+    local sanitizer code
+    local args=(benchmarks/bench_cuda.py --only model --batches 1 --dropouts 0 --model-rounds 2)
+    {
+        LORAGEN_CUDA_SIBLING_FUSION=1 "$PYTHON" "${args[@]}" 2>&1 | tail -40
+        code=${PIPESTATUS[0]}
+        echo "--- groups benchmark: exit $code"
+        if [ "$code" != 0 ]; then
+            sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+            if [ -n "$sanitizer" ]; then
+                LORAGEN_CUDA_SIBLING_FUSION=1 LORAGEN_CUDA_KERNELS=trust timeout "${SANITIZE_TIMEOUT:-300}" \
+                    "$sanitizer" --tool memcheck --report-api-errors no --target-processes all \
+                    "$PYTHON" "${args[@]}" --model-rounds 1 2>&1 | grep -v '^=========     Host Frame' | head -80
+                echo "--- groups under memcheck: exit ${PIPESTATUS[0]}"
+            fi
+        fi
+        return "$code"
+    } | tee "$RESULTS/groups.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+for name in system install selfcheck tests bench torchbench native profile sanitize groups; do
     if wanted "$name"; then step "$name" "$name"; fi
 done
 
