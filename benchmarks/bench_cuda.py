@@ -5,6 +5,7 @@
     python benchmarks/bench_cuda.py --only model --batches 8 --dropouts 0.05
     python benchmarks/bench_cuda.py --only host                 # host-work counts (no GPU needed)
     python benchmarks/bench_cuda.py --only small --only model --no-graph --native-host  # + the C++ host path
+    python benchmarks/bench_cuda.py --only model --batches 1 --autocast  # forward under bf16 autocast
 
 Without a CUDA device (or cuda-python) it says so and exits 2, except ``--only host``. Parts, in order:
 
@@ -24,6 +25,8 @@ Without a CUDA device (or cuda-python) it says so and exits 2, except ``--only h
 
 ``--native-host`` adds "loragen, C++ host" to parts 1, 3 and 4: loragen's layers with the op's per-call
 work in C++ (``LORAGEN_CUDA_NATIVE_HOST=1``, :mod:`loragen.cuda.native_host`), timed in the same rounds.
+``--autocast`` runs part 4's forwards under ``torch.autocast("cuda", dtype=torch.bfloat16)`` and their
+backward after it, as Trainer's ``bf16=True`` runs a step (peft's LoRA products then run in bf16).
 
 Timing: CUDA events around each call, warm-up first, variants interleaved round by round (the order
 rotates), medians. Inputs are random (B is not left at zero). The last lines are one markdown table of
@@ -314,14 +317,21 @@ def build_model(kind: str, rank: int, dropout: float) -> tuple[nn.Module, torch.
 
 
 def model_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, ids: torch.Tensor, graphed: bool = False
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    ids: torch.Tensor,
+    graphed: bool = False,
+    autocast: bool = False,
 ) -> Callable[[], None]:
-    """One training step; ``graphed``: the step is captured once and replayed (grads stay allocated)."""
+    """One training step; ``graphed``: the step is captured once and replayed (grads stay allocated);
+    ``autocast``: the forward under bf16 autocast, the backward after it."""
 
     def run() -> None:
         if graphed and optimizer is not None:
             optimizer.zero_grad(set_to_none=False)  # the grads live in the graph's memory: zero them there
-        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         if optimizer is not None:
             optimizer.step()
             if not graphed:
@@ -333,9 +343,17 @@ def model_step(
 
 
 def model_benchmark(
-    seq: int, batch: int, rank: int, dropout: float, rounds: int, graph: bool, native: bool = False
+    seq: int,
+    batch: int,
+    rank: int,
+    dropout: float,
+    rounds: int,
+    graph: bool,
+    native: bool = False,
+    autocast: bool = False,
 ) -> dict[str, dict[str, float]]:
-    """Step ms, resident and peak memory of each kind; all kinds resident, timed interleaved.
+    """Step ms, resident and peak memory of each kind; all kinds resident, timed interleaved; with
+    ``autocast`` each forward runs under bf16 autocast.
 
     A graphed kind's temporaries live in its graph's private memory pool, which the allocator no longer
     counts as allocated once capture ends; its peak is the device memory it holds after capture (the
@@ -355,7 +373,7 @@ def model_benchmark(
         before, reserved_before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         try:
             model, optimizer = build_model(kind, rank, dropout)
-            step = model_step(model, optimizer, ids, graphed=graphed)
+            step = model_step(model, optimizer, ids, graphed=graphed, autocast=autocast)
             if kind == NATIVE:
                 step = with_native_host(step)
             for _ in range(2):  # grads and optimizer states exist from here on
@@ -463,6 +481,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help=f"also time {NATIVE!r}: loragen on its C++ host path (small layer, 4096 layer, model)",
     )
+    parser.add_argument(
+        "--autocast", action="store_true", help="model steps with the forward under bf16 autocast"
+    )
     parser.add_argument("--json", help="write all numbers to this file")
     args = parser.parse_args(argv)
     args.parts = tuple(args.only or PARTS)
@@ -535,9 +556,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["model"] = model = {}
         for batch in args.batch_list:
             for p in args.dropout_list:
-                print(f"\nmodel: batch {batch}, dropout {p}", flush=True)
-                model[f"batch {batch}, p={p}"] = model_benchmark(
-                    2048, batch, 16, p, args.model_rounds, not args.no_graph, args.native_host
+                case = f"batch {batch}, p={p}" + (", autocast" if args.autocast else "")
+                print(f"\nmodel: {case}", flush=True)
+                model[case] = model_benchmark(
+                    2048, batch, 16, p, args.model_rounds, not args.no_graph, args.native_host, args.autocast
                 )
 
     if gpu_parts:

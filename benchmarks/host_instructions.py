@@ -4,6 +4,7 @@ a figure that does not move with the machine's load, unlike a time.
     python benchmarks/host_instructions.py               # every kind, 5 steps of 8 chained layers
     python benchmarks/host_instructions.py --steps 10 --kinds composition "loragen op"
     python benchmarks/host_instructions.py --dropout 0  # without dropout
+    python benchmarks/host_instructions.py --autocast --kinds "frozen module" "peft layer" "loragen layer"
 
 Each kind runs steps of 8 chained layers and one backward (as the layers of a model), on tiny CPU tensors
 (8 tokens, 64 -> 64, r = 16, dropout 0.05 unless ``--dropout`` says otherwise, float32), where the
@@ -24,6 +25,10 @@ measured steps (a small library built here switches its instrumentation on and o
   stand-in driver (CPU tensors take the CUDA op's path in place of the CPU op); ``loragen layer, torch
   path``: loragen's layers with the op on a :class:`~loragen.cuda.torch_kernels.TorchKernels` launcher
   (the torch path, as ``LORAGEN_CUDA_KERNELS=torch`` routes it), the jiterator kernels stood in.
+
+``--autocast`` runs the whole-module kinds' forward under bf16 autocast and their backward after it, as
+Trainer's ``bf16=True`` runs a step (the CPU's autocast here, which the op follows as it follows CUDA's
+on a GPU).
 
 Needs valgrind with its headers (``valgrind/callgrind.h``), a C compiler and cuda-python.
 """
@@ -49,7 +54,7 @@ import torch
 from loragen import switches
 from loragen.cuda.torch_kernels import TorchKernels
 
-__all__ = ["KINDS", "count_instructions", "main"]
+__all__ = ["KINDS", "MODULE_KINDS", "count_instructions", "main"]
 
 KINDS = (
     "frozen",
@@ -85,8 +90,18 @@ def _cuda_host() -> Any:
     return importlib.import_module("cuda_host")
 
 
-def _module_step(kind: str, launcher: object, dropout: float) -> Callable[[], None]:
-    """One forward + backward of a model of 8 LoRA (or frozen) linears 64 -> 64."""
+MODULE_KINDS = (
+    "frozen module",
+    "peft layer",
+    "loragen layer",
+    "loragen layer, torch path",
+    "loragen layer, native host",
+)
+
+
+def _module_step(kind: str, launcher: object, dropout: float, autocast: bool = False) -> Callable[[], None]:
+    """One forward (under bf16 autocast with ``autocast``) + backward of a model of 8 LoRA (or frozen)
+    linears 64 -> 64."""
     import peft
 
     import loragen
@@ -108,13 +123,15 @@ def _module_step(kind: str, launcher: object, dropout: float) -> Callable[[], No
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     x = torch.randn(8, 64, requires_grad=True)
-    grad = torch.randn(8, 64)
+    grad = torch.randn(8, 64, dtype=torch.bfloat16 if autocast else torch.float32)
 
     def step() -> None:
         x.grad = None
         for p in trainable:
             p.grad = None
-        model(x).backward(grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = model(x)
+        y.backward(grad)
 
     return step
 
@@ -133,11 +150,17 @@ def _cuda_op_on_cpu_tensors(launchers: list[object]) -> Iterator[None]:
         ) -> Any:
             return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launchers[0])  # type: ignore[arg-type]
 
-    with mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp):
+    def no_fallback(x: Any, dropout: bool) -> None:
+        """CUDA tensors go to the CUDA op under autocast too (CPU ones would take the composition)."""
+
+    with (
+        mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp),
+        mock.patch.object(dispatch, "fallback_reason", no_fallback),
+    ):
         yield
 
 
-def _child(steps: int, dropout: float, kinds: list[str]) -> None:
+def _child(steps: int, dropout: float, autocast: bool, kinds: list[str]) -> None:
     """Inside valgrind: run each kind's steps between the instrumentation switches."""
     cuda_host = _cuda_host()
     control = ctypes.CDLL(os.environ["LORAGEN_MEASURE_LIBRARY"])
@@ -153,10 +176,10 @@ def _child(steps: int, dropout: float, kinds: list[str]) -> None:
             with switches.cuda_native_host.using(native):
                 if base == "loragen layer, torch path":
                     layers_launcher[0] = TorchKernels()
-                    step = _module_step("loragen layer", launcher, dropout)
+                    step = _module_step("loragen layer", launcher, dropout, autocast)
                 elif base in ("frozen module", "peft layer", "loragen layer"):
                     layers_launcher[0] = launcher
-                    step = _module_step(base, launcher, dropout)
+                    step = _module_step(base, launcher, dropout, autocast)
                 else:
                     runs_on = {
                         "loragen op": launcher if native else cuda_host.NullLauncher(),
@@ -235,14 +258,18 @@ def callgrind_totals(script: str, child_args: list[str], dumps: int) -> list[int
 
 
 def count_instructions(
-    steps: int = 5, kinds: tuple[str, ...] = KINDS, dropout: float = 0.05
+    steps: int = 5, kinds: tuple[str, ...] = KINDS, dropout: float = 0.05, autocast: bool = False
 ) -> dict[str, int]:
-    """Instructions per layer (forward + backward) of each kind, counted by callgrind.
+    """Instructions per layer (forward + backward) of each kind, counted by callgrind; with ``autocast``
+    the forward runs under bf16 autocast (whole-module kinds only, :data:`MODULE_KINDS`).
 
     Raises:
+        ValueError: ``autocast`` with a kind that is not a whole module.
         RuntimeError: valgrind, its headers or a C compiler missing, or the run failed.
     """
-    totals = callgrind_totals(__file__, [str(steps), str(dropout), *kinds], len(kinds))
+    if autocast and (ops := [kind for kind in kinds if kind not in MODULE_KINDS]):
+        raise ValueError(f"--autocast measures whole modules ({', '.join(MODULE_KINDS)}), not {ops}")
+    totals = callgrind_totals(__file__, [str(steps), str(dropout), str(int(autocast)), *kinds], len(kinds))
     return {kind: total // (steps * DEPTH) for kind, total in zip(kinds, totals)}
 
 
@@ -252,16 +279,26 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     parser.add_argument("--steps", type=int, default=5, help="measured steps of 8 layers per kind")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--dropout", type=float, default=0.05, help="the LoRA layers' dropout")
+    parser.add_argument(
+        "--autocast", action="store_true", help="forward under bf16 autocast (whole-module kinds only)"
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(int(args.child[0]), float(args.child[1]), args.child[2:])
+        _child(int(args.child[0]), float(args.child[1]), args.child[2] == "1", args.child[3:])
         return {}
-    counts = count_instructions(args.steps, tuple(args.kinds), args.dropout)
+    kinds = tuple(args.kinds)
+    if args.autocast and "--kinds" not in (argv if argv is not None else sys.argv):
+        kinds = tuple(kind for kind in kinds if kind in MODULE_KINDS)
+    try:
+        counts = count_instructions(args.steps, kinds, args.dropout, args.autocast)
+    except ValueError as error:
+        parser.error(str(error))
     base = counts.get("composition")
     print(
         "host instructions per layer, forward + backward "
-        f"(8 tokens, 64 -> 64, r=16, dropout {args.dropout}, float32)"
+        f"(8 tokens, 64 -> 64, r=16, dropout {args.dropout}, float32"
+        f"{', forward under bf16 autocast' if args.autocast else ''})"
     )
     print("| kind | instructions | / composition |")
     print("|---|---|---|")

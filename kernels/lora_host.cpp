@@ -23,6 +23,7 @@
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -297,8 +298,10 @@ struct LoraLinear : public torch::autograd::Function<LoraLinear> {
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
-        // once differentiable (no graph of the backward is recorded): below autograd's kernels too
+        // once differentiable (no graph of the backward is recorded): below autograd's kernels too; and
+        // without autocast, should backward run inside an autocast region, as the forward ran
         at::AutoDispatchBelowADInplaceOrView below_autograd;
+        c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
         const auto args = ctx->saved_data["args"].toTuple();
         const auto& arg = args->elements();
         const Plan& plan = plan_at(arg[0].toInt());
@@ -393,34 +396,35 @@ bool lora_dtype(const at::Tensor& t) {
 }
 
 // Whether the inputs are what the plan was made and checked for (loragen/cuda/op_inputs.py's checks, in
-// the terms the plan fixes), with autocast off for x's device (the Python path casts the inputs first):
-// a ValueError otherwise, before anything runs, so that the caller can take the Python path, which words
-// the error, casts, or runs the composition.
+// the terms the plan fixes): a ValueError otherwise, before anything runs, so that the caller can take the
+// Python path, which words the error or runs the composition. ``cast``: x, weight and bias are about to be
+// cast to the plan's dtype (autocast), so any floating dtype fits.
 void check_fits(const Plan& plan, int64_t plan_id, const at::Tensor& x, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                bool fan_in_fan_out) {
+                bool fan_in_fan_out, bool cast) {
     const auto dtype = plan.dtype;
     const auto device = plan.device;
     const int64_t in = plan.in_features, out = plan.out_features, rank = plan.rank;
+    const auto base_dtype = [&](const at::Tensor& t) {
+        return cast ? at::isFloatingType(t.scalar_type()) : t.scalar_type() == dtype;
+    };
     const bool fits =
-        !at::autocast::is_autocast_enabled(device.type()) && x.scalar_type() == dtype &&
-        x.device() == device && x.dim() >= 1 && x.size(-1) == in &&
+        base_dtype(x) && x.device() == device && x.dim() >= 1 && x.size(-1) == in &&
         x.numel() == static_cast<int64_t>(plan.rows) * in && weight.dim() == 2 &&
         weight.size(0) == (fan_in_fan_out ? in : out) && weight.size(1) == (fan_in_fan_out ? out : in) &&
-        weight.scalar_type() == dtype && weight.device() == device &&
-        (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == out && bias->scalar_type() == dtype &&
-                               bias->device() == device)) &&
+        base_dtype(weight) && weight.device() == device &&
+        (!bias.has_value() ||
+         (bias->dim() == 1 && bias->size(0) == out && base_dtype(*bias) && bias->device() == device)) &&
         lora_a.dim() == 2 && lora_a.size(0) == rank && lora_a.size(1) == in && lora_dtype(lora_a) &&
         lora_a.device() == device && lora_b.dim() == 2 && lora_b.size(0) == out && lora_b.size(1) == rank &&
         lora_dtype(lora_b) && lora_b.device() == device;
     TORCH_CHECK_VALUE(fits, "loragen_host: the inputs do not fit plan ", plan_id);
 }
 
-at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       const at::Tensor& lora_a, const at::Tensor& lora_b, const std::optional<at::Tensor>& rng,
-                       bool draw_rng, int64_t plan_id, double scaling, int64_t threshold, double keep_scale,
-                       bool fan_in_fan_out) {
-    check_fits(plan_at(plan_id), plan_id, x, weight, bias, lora_a, lora_b, fan_in_fan_out);
+at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+               const at::Tensor& lora_a, const at::Tensor& lora_b, const std::optional<at::Tensor>& rng,
+               bool draw_rng, int64_t plan_id, double scaling, int64_t threshold, double keep_scale,
+               bool fan_in_fan_out) {
     if (draw_rng && threshold != 0) {
         // (seed, offset) from the device's generator, as loragen.cuda.op_inputs.draw_rng draws them
         const at::Tensor drawn = at::randint(0, INT64_MAX, {2}, x.options().dtype(at::kLong));
@@ -429,6 +433,36 @@ at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight, const std:
     }
     return LoraLinear::apply(x, weight, bias, lora_a, lora_b, rng, plan_id, scaling, threshold, keep_scale,
                              fan_in_fan_out);
+}
+
+at::Tensor lora_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const at::Tensor& lora_a, const at::Tensor& lora_b, const std::optional<at::Tensor>& rng,
+                       bool draw_rng, int64_t plan_id, double scaling, int64_t threshold, double keep_scale,
+                       bool fan_in_fan_out) {
+    const Plan& plan = plan_at(plan_id);
+    // autocast on x's device, for the devices that have it (as loragen.cuda.op_inputs.autocast_dtype)
+    const auto device_type = x.device().type();
+    const bool autocast = (device_type == at::kCUDA || device_type == at::kCPU) &&
+                          at::autocast::is_autocast_enabled(device_type);
+    if (!autocast) {
+        check_fits(plan, plan_id, x, weight, bias, lora_a, lora_b, fan_in_fan_out, false);
+        return run(x, weight, bias, lora_a, lora_b, rng, draw_rng, plan_id, scaling, threshold, keep_scale,
+                   fan_in_fan_out);
+    }
+    // Under autocast for x's device, as the Python path: x, weight and bias in the autocast dtype (as
+    // F.linear takes them; casts autograd records, no-ops where the dtype is already that), the factors as
+    // they are, and autocast off inside the op, whose kernels run in the dtypes they are given
+    TORCH_CHECK_VALUE(at::autocast::get_autocast_dtype(device_type) == plan.dtype,
+                      "loragen_host: the autocast dtype is not the dtype of plan ", plan_id);
+    check_fits(plan, plan_id, x, weight, bias, lora_a, lora_b, fan_in_fan_out, true);
+    const at::ScalarType dtype = plan.dtype;
+    const at::Tensor x_cast = x.to(dtype);
+    const at::Tensor weight_cast = weight.to(dtype);
+    const std::optional<at::Tensor> bias_cast =
+        bias.has_value() ? std::optional<at::Tensor>(bias->to(dtype)) : std::nullopt;
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    return run(x_cast, weight_cast, bias_cast, lora_a, lora_b, rng, draw_rng, plan_id, scaling, threshold,
+               keep_scale, fan_in_fan_out);
 }
 
 int checked_int(int64_t value, const char* what) {

@@ -32,7 +32,8 @@
 #   torchbench.json the same numbers as JSON
 #   native.txt      the C++ host path (LORAGEN_CUDA_NATIVE_HOST=1): whether it built, its GPU tests, the op's
 #                   GPU tests through it, then bench_cuda.py's small-layer and model parts with --native-host
-#                   (eager: frozen base, peft, loragen and loragen on the C++ host path, interleaved)
+#                   (eager: frozen base, peft, loragen and loragen on the C++ host path, interleaved), and
+#                   the batch-1 model step again with its forward under bf16 autocast (--autocast)
 #   ncu.csv         Nsight Compute: each LoRA kernel on the 4096^2 layer: time, DRAM throughput, registers,
 #                   occupancy, waves
 #   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
@@ -254,6 +255,9 @@ native() {
         "$PYTHON" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_native_host.py -k on_a_gpu 2>&1 | tail -10
         LORAGEN_CUDA_NATIVE_HOST=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gpu.py 2>&1 | tail -30
         "$PYTHON" benchmarks/bench_cuda.py --only small --only model --no-graph --native-host \
+            "${rounds[@]}" 2>&1
+        # batch 1 with the forward under bf16 autocast, as Trainer's bf16=True runs it
+        "$PYTHON" benchmarks/bench_cuda.py --only model --batches 1 --no-graph --native-host --autocast \
             "${rounds[@]}" 2>&1
     } | tee "$RESULTS/native.txt"
     return "${PIPESTATUS[0]}"

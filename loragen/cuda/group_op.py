@@ -55,7 +55,7 @@ from torch import Tensor
 from loragen import switches
 from loragen.cuda import hostcache, kernel_variants, passes
 from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.op_inputs import check_inputs, unsupported_reason
+from loragen.cuda.op_inputs import autocast_dtype, check_inputs, unsupported_reason
 from loragen.cuda.torch_path import runs_on_torch_path
 
 __all__ = ["GroupMember", "group_reason", "lora_group_cuda"]
@@ -263,7 +263,7 @@ def group_reason(x: Tensor, members: Sequence[GroupMember]) -> str | None:
     """Why ``members`` cannot run as one group on ``x`` (each then runs alone), or None when they can."""
     if torch.compiler.is_compiling():
         return "torch.compile traces each layer's custom op"
-    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+    if autocast_dtype(x) is not None:
         return "autocast is enabled"
     in_features = x.shape[-1]
     if x.numel() == 0:

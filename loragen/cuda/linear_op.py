@@ -61,15 +61,13 @@ from torch import Tensor
 from loragen import switches
 from loragen.cuda import hostcache, kernel_variants, native_host, passes, torch_path
 from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.op_inputs import check_inputs, draw_rng, seed_rng, unsupported_reason
+from loragen.cuda.op_inputs import autocast_dtype, check_inputs, draw_rng, seed_rng, unsupported_reason
 from loragen.reference import lora_linear_reference
 
 __all__ = ["lora_linear_cuda"]
 
 
 # ---- the custom ops --------------------------------------------------------------------------------
-def _autocasting(x: Tensor) -> bool:
-    return x.is_cuda and torch.is_autocast_enabled("cuda")
 
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every call
@@ -84,7 +82,7 @@ _Prepared = tuple[passes.Plan, Tensor, Tensor, torch.Size]
 def _without_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
     """The kernels run in the dtypes they are given: autocast off inside the op (a no-op context when it
     is not on, which is the common case and costs nothing)."""
-    return torch.autocast("cuda", enabled=False) if _autocasting(x) else _NO_CONTEXT
+    return _NO_CONTEXT if autocast_dtype(x) is None else torch.autocast(x.device.type, enabled=False)
 
 
 def _lora_linear_impl(
@@ -411,11 +409,10 @@ def lora_linear_cuda(
         if y is not None:
             return y
     check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
-    autocasting = _autocasting(x)
-    if autocasting:
-        dtype = torch.get_autocast_dtype("cuda")
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+    cast = autocast_dtype(x)
+    if cast is not None:
+        x, weight = x.to(cast), weight.to(cast)
+        bias = None if bias is None else bias.to(cast)
     reason = unsupported_reason(x, weight, bias, lora_A, lora_B, fan_in_fan_out=fan_in_fan_out)
     if reason is not None:
         return lora_linear_reference(
@@ -430,12 +427,12 @@ def lora_linear_cuda(
         return _lora_linear_op(x, weight, bias, lora_A, lora_B, rng, *scalars)[0]
     if torch_path.runs_on_torch_path(x, lora_B.shape[0], lora_A.shape[0], scalars[3]):  # one composition
         args = (x, weight, bias, lora_A, lora_B, scalars[0], *hostcache.dropout_args(rng, p), fan_in_fan_out)
-        if not autocasting:
+        if cast is None:
             return torch_path.lora_linear_torch(*args)
-        with torch.autocast("cuda", enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             return torch_path.lora_linear_torch(*args)
-    # the same passes with the host work in C++, which refuses autocast on x's device (casting is done here)
-    if switches.cuda_native_host.get() and not torch.is_autocast_enabled(x.device.type):
+    # the same passes with the host work in C++ (x, weight and bias are cast already; it turns autocast off)
+    if switches.cuda_native_host.get():
         native = native_host.plan_id(x, lora_A, lora_B, fan_in_fan_out, scalars[3])
         if native is not None:
             return native_host.lora_linear_native(

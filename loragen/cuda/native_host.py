@@ -12,14 +12,15 @@ of the kernel variant, the grids, loading the modules (:class:`~loragen.cuda.pas
 the four function handles and the driver's entry points go to the C++ side once
 (:func:`plan_id`). Per call Python looks up the plan and the dropout constants (two dictionary lookups)
 and calls the registered op ``torch.ops.loragen_host.lora_linear``, which checks the inputs against the
-plan and refuses autocast (the call then takes the Python path).
+plan (a call that does not fit takes the Python path). Under autocast it casts x, weight and bias to the
+autocast dtype, as the Python path does, and runs with autocast off.
 
 The library is built on first use with the C++ compiler (``$CXX``, ``c++``, ``g++`` or ``clang++``)
 against the installed torch's headers -- no Python headers, no CUDA toolkit: the driver's entry points
 arrive as addresses -- and cached under :func:`loragen.resources.kernel_cache_dir`. Where it cannot be
 built the op runs its Python path, with one warning saying why (:func:`status`).
 
-Not taken here (the Python path runs them): the torch path, inputs under autocast, ``torch.compile``,
+Not taken here (the Python path runs them): the torch path, ``torch.compile``,
 empty inputs, and launchers that cannot hand over native kernels (:meth:`native_kernels`). A variant the
 self-check passed that fails at a launch raises here (the Python path would move it to the torch path).
 """
@@ -41,6 +42,7 @@ from torch import Tensor
 from loragen import resources, switches
 from loragen.cuda import hostcache
 from loragen.cuda.launch import NativeKernels
+from loragen.cuda.op_inputs import autocast_dtype
 
 __all__ = [
     "available",
@@ -142,10 +144,12 @@ _MISSING = object()
 _plans: dict[tuple[Any, ...], int | None] = {}
 
 
-def _key(x: Tensor, lora_A: Tensor, lora_B: Tensor, fan_in_fan_out: bool, handle: int) -> tuple[Any, ...]:
+def _key(
+    x: Tensor, dtype: torch.dtype, lora_A: Tensor, lora_B: Tensor, fan_in_fan_out: bool, handle: int
+) -> tuple[Any, ...]:
     return (
         x.shape,
-        x.dtype,
+        dtype,
         x.device,
         lora_A.shape,
         lora_B.shape,
@@ -159,7 +163,7 @@ def plan_id(x: Tensor, lora_A: Tensor, lora_B: Tensor, fan_in_fan_out: bool, han
     """The C++ side's plan for these inputs (which the caller has checked), registered on first use; None
     where the call cannot run there (an empty input, a launcher without native kernels, the library not
     built)."""
-    key = _key(x, lora_A, lora_B, fan_in_fan_out, handle)
+    key = _key(x, x.dtype, lora_A, lora_B, fan_in_fan_out, handle)
     found = _plans.get(key, _MISSING)
     if found is _MISSING:
         found = _plans[key] = _register(x, lora_B.shape[0], lora_A.shape[0], handle)
@@ -245,8 +249,10 @@ def try_lora_linear(
 
     Per call this is the hot path of a LoRA layer at small batches, so it does only what the C++ side
     cannot: find the plan, and the dropout constants of a probability some call validated before (the
-    C++ side refuses autocast and inputs that do not fit the plan)."""
-    plan = _plans.get(_key(x, lora_A, lora_B, fan_in_fan_out, handle))
+    C++ side refuses inputs that do not fit the plan). Under autocast the plan is the one of x cast to the
+    autocast dtype, which the C++ side casts x, weight and bias to, as the Python path does."""
+    cast = autocast_dtype(x)
+    plan = _plans.get(_key(x, x.dtype if cast is None else cast, lora_A, lora_B, fan_in_fan_out, handle))
     if plan is None or seed is not None:
         return None
     constants = hostcache.dropout_constants.get(dropout_p)  # checked even where it is not used

@@ -15,7 +15,7 @@ from loragen.cuda.passes import DTYPE_NAMES
 from loragen.cuda.torch_dropout import rng_tensor
 from loragen.errors import LoraError
 
-__all__ = ["CudaLoraError", "check_inputs", "draw_rng", "seed_rng", "unsupported_reason"]
+__all__ = ["CudaLoraError", "autocast_dtype", "check_inputs", "draw_rng", "seed_rng", "unsupported_reason"]
 
 _WHERE = "loragen.cuda.lora_linear_cuda"
 
@@ -97,6 +97,22 @@ def check_inputs(
         raise CudaLoraError(
             f"{_WHERE}: lora_B {tuple(lora_B.shape)}; expected ({out_features}, {r}) for r={r}"
         )
+
+
+def autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype the op casts x, weight and bias to under autocast on x's device (as ``F.linear`` takes
+    them there), or None where autocast is off for x's device.
+
+    The op runs on CUDA tensors; loragen's CPU tests run it on CPU tensors, which follow the same rule
+    with the CPU's autocast (and its host benchmarks on meta tensors, which have no autocast).
+    """
+    if x.is_cuda:
+        device = "cuda"
+    elif x.is_cpu:
+        device = "cpu"
+    else:
+        return None
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def draw_rng(device: torch.device) -> Tensor:

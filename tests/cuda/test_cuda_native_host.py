@@ -16,7 +16,7 @@ import torch
 
 import loragen.cuda
 from loragen import switches
-from loragen.cuda import native_host, specs
+from loragen.cuda import hostcache, native_host, specs
 from loragen.cuda.launch import NativeKernels
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.op_inputs import CudaLoraError
@@ -279,11 +279,15 @@ def test_host_work_of_the_native_path_stays_under_its_ceilings(launcher, dtype):
     assert native.python_calls * 4 < python.python_calls
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "bert", "t5"])
-def test_real_architectures_train_the_same_on_both_host_paths(launcher, kind, monkeypatch):
+@pytest.mark.parametrize(
+    ("kind", "autocast"),
+    [("llama", False), ("gpt2", False), ("bert", False), ("t5", False), ("llama", True), ("gpt2", True)],
+)
+def test_real_architectures_train_the_same_on_both_host_paths(launcher, kind, autocast, monkeypatch):
     """Tiny transformers models (their own modeling files; GPT-2's Conv1D is fan_in_fan_out), every linear
-    adapted, dropout on: each LoRA linear runs the CUDA op on the emulated kernels (as on a GPU) with the
-    C++ host path and with the Python one; losses and every gradient are equal."""
+    adapted, dropout on, the forward under bf16 autocast or not (as Trainer's ``bf16=True`` runs it): each
+    LoRA linear runs the CUDA op on the emulated kernels (as on a GPU) with the C++ host path and with the
+    Python one; losses and every gradient are equal."""
     import loragen
     from loragen.ops import dispatch
     from tests.conftest import TINY_MODELS, tiny_inputs
@@ -294,6 +298,8 @@ def test_real_architectures_train_the_same_on_both_host_paths(launcher, kind, mo
             return lora_linear_cuda(x, w, b, a, bb, scaling, p, True, fan_in_fan_out=fifo, launcher=launcher)
 
     monkeypatch.setattr(dispatch, "LoraLinearFunction", CudaOpOnCpuTensors)
+    # as for CUDA tensors, which go to the CUDA op under autocast too (CPU ones take the composition)
+    monkeypatch.setattr(dispatch, "fallback_reason", lambda x, dropout: None)
     results = {}
     for native in (True, False):
         torch.manual_seed(0)
@@ -306,7 +312,9 @@ def test_real_architectures_train_the_same_on_both_host_paths(launcher, kind, mo
         before = shim_launches = launcher.shim.shim_launches()
         torch.manual_seed(1)
         with switches.sibling_fusion.using(False), switches.cuda_native_host.using(native):
-            logits = model(**tiny_inputs(kind)).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(**tiny_inputs(kind)).logits
+            assert logits.dtype == (torch.bfloat16 if autocast else torch.float32)
             loss = logits.float().square().mean()
             loss.backward()
         launched = launcher.shim.shim_launches() - shim_launches
@@ -365,29 +373,99 @@ def test_inputs_that_do_not_fit_the_plan_take_the_python_path(launcher):
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
-def test_autocast_takes_the_python_path(launcher, monkeypatch):
-    """Under autocast for x's device the C++ side refuses the call (the Python path casts first)."""
-    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
-    calls = []
+@pytest.mark.parametrize(
+    ("x_dtype", "base_dtype", "backward_under_autocast"),
+    [
+        # a float32 model under bf16 autocast: x, weight and bias cast on the way in
+        pytest.param(torch.float32, torch.float32, False, id="f32-model"),
+        # a bf16 model (Trainer's bf16=True on a bf16 checkpoint): the casts are no-ops
+        pytest.param(torch.bfloat16, torch.bfloat16, False, id="bf16-model"),
+        # backward called inside the autocast region: the op's backward runs without autocast all the same
+        pytest.param(torch.float32, torch.float32, True, id="f32-backward-inside"),
+    ],
+)
+def test_autocast_runs_on_the_cpp_side_as_on_the_python_path(
+    launcher, monkeypatch, x_dtype, base_dtype, backward_under_autocast
+):
+    """Under autocast for x's device (the CPU here, CUDA for users) the C++ side casts x, weight and bias
+    to the autocast dtype, as the Python path does, and runs the op with autocast off: after the first
+    call, which registers the plan of the cast x, calls go straight to it; outputs, masks and every
+    gradient (x's through its cast) equal the Python path's bit for bit."""
+    from loragen.cuda import linear_op
+
+    calls, checked = [], []
     op = native_host._op[0]
 
     def counted(*args):
-        y = op(*args)
         calls.append(args[7])  # the calls the C++ side ran
-        return y
+        return op(*args)
 
     monkeypatch.setattr(native_host, "_op", [counted])
-    with switches.cuda_native_host.using(True):
-        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)  # the plan is known now
-        ran = len(calls)
-        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
-        assert len(calls) == ran + 1  # the C++ side ran the call
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            got = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
-        assert len(calls) == ran + 1
+    monkeypatch.setattr(linear_op, "check_inputs", lambda *args, **kwargs: checked.append(1))
+    inputs, _ = make_inputs(24, 40, 32, 6, torch.float32)
+    runs = {}
+    for native in (True, False):
+        x, w, b, a, bb = inputs
+        x, w, b = (
+            t.detach().to(d).requires_grad_() for t, d in ((x, x_dtype), (w, base_dtype), (b, base_dtype))
+        )
+        a, bb = (t.detach().clone().requires_grad_() for t in (a, bb))
+        torch.manual_seed(5)
+        outputs = []
+        calls.clear()
+        checked.clear()
+        with switches.cuda_native_host.using(native):
+            for _ in range(3):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = lora_linear_cuda(x.view(4, 6, 40), w, b, a, bb, 0.5, 0.2, True, launcher=launcher)
+                    if backward_under_autocast:
+                        y.float().square().sum().backward()
+                if not backward_under_autocast:
+                    y.float().square().sum().backward()
+                grads = [t.grad.clone() for t in (x, w, b, a, bb)]
+                outputs.append((y, *grads))
+        runs[native] = (outputs, len(calls), len(checked))
+    # every call of the first run went to the C++ side; at least the second and third without the Python
+    # path's checks (the first too where an earlier case registered the plan of these inputs)
+    assert runs[True][1] == 3 and runs[True][2] <= 1 and runs[False][1:] == (0, 3)
+    for got, want in zip(runs[True][0], runs[False][0]):
+        assert got[0].dtype == torch.bfloat16  # the output in the autocast dtype, as F.linear's
+        assert [g.dtype for g in got[1:]] == [x_dtype, base_dtype, base_dtype, torch.float32, torch.float32]
+        for g, e in zip(got, want):
+            assert g.dtype == e.dtype and torch.equal(g, e)
+
+
+def test_a_backward_inside_autocast_computes_in_the_forwards_dtypes(launcher):
+    """A float32 forward without autocast, its backward called inside an autocast region: the C++
+    backward turns autocast off as the Python path's does, so the base weight's gradient is a float32
+    product on both paths (autocast would make it a bfloat16 one)."""
+    inputs, _ = make_inputs(24, 40, 32, 6, torch.float32)
+    grads = {}
+    for native in (True, False, True):  # the second native run goes straight to the C++ side
+        x, w, b, a, bb = (t.detach().clone().requires_grad_() for t in inputs)
+        with switches.cuda_native_host.using(native):
+            y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.0, True, launcher=launcher)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y.square().sum().backward()
+        grads.setdefault(native, []).append([t.grad for t in (x, w, b, a, bb)])
+    for got in grads[True]:
+        for g, e in zip(got, grads[False][0]):
+            assert g.dtype == torch.float32 and torch.equal(g, e)
+
+
+def test_the_cpp_side_refuses_an_autocast_dtype_that_is_not_its_plans(launcher):
+    """A plan fixes the kernels' dtype: called under autocast to another dtype, the registered op raises
+    a ValueError before anything runs (the Python path then casts and takes that dtype's plan)."""
+    (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
+    plan = native_host.plan_id(x, a, bb, False, hostcache.launcher_handle(launcher))
+    assert plan is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast dtype"):
+        native_host.lora_linear_native(x, w, b, a, bb, None, False, plan, 1.0, 0.0, False)
+    with switches.cuda_native_host.using(True), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
     with switches.cuda_native_host.using(False), torch.autocast("cpu", dtype=torch.bfloat16):
         want = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher)
-    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -469,11 +547,13 @@ needs_gpu = pytest.mark.skipif(
 
 
 @needs_gpu
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_a_gpu_the_cpp_path_equals_the_python_path(dtype, p):
+def test_on_a_gpu_the_cpp_path_equals_the_python_path(dtype, p, autocast):
     """The real kernels, driver and cuBLAS: two steps of each host path from one generator state give the
-    same outputs and gradients, bit for bit (the same kernels and products run in the same order)."""
+    same outputs and gradients, bit for bit (the same kernels and products run in the same order), with
+    the forward under bf16 autocast or not."""
     assert native_host.available(), native_host.status()
     inputs, _ = make_inputs(257, 264, 136, 16, dtype, device="cuda")
     runs = {}
@@ -483,7 +563,8 @@ def test_on_a_gpu_the_cpp_path_equals_the_python_path(dtype, p):
         steps = []
         with switches.cuda_native_host.using(native):
             for _ in range(2):
-                y = lora_linear_cuda(x, w, b, a, bb, 0.5, p, True)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    y = lora_linear_cuda(x, w, b, a, bb, 0.5, p, True)
                 y.float().square().sum().backward()
                 steps.append([y.detach().clone()] + [t.grad.clone() for t in (x, w, b, a, bb)])
         runs[native] = steps
