@@ -329,7 +329,8 @@ def model_step(
     def run() -> None:
         if graphed and optimizer is not None:
             optimizer.zero_grad(set_to_none=False)  # the grads live in the graph's memory: zero them there
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        # a captured step must not keep autocast's cast copies across replays: no cache when graphed
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=not graphed):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if optimizer is not None:

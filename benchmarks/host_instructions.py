@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import glob
 import os
 import re
@@ -124,12 +125,16 @@ def _module_step(kind: str, launcher: object, dropout: float, autocast: bool = F
     trainable = [p for p in model.parameters() if p.requires_grad]
     x = torch.randn(8, 64, requires_grad=True)
     grad = torch.randn(8, 64, dtype=torch.bfloat16 if autocast else torch.float32)
+    # entering torch.autocast costs host work of its own (even disabled): none where it is not asked for
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = (
+        functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext
+    )
 
     def step() -> None:
         x.grad = None
         for p in trainable:
             p.grad = None
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with context():
             y = model(x)
         y.backward(grad)
 

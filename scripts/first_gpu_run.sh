@@ -56,7 +56,7 @@ while [ $# -gt 0 ]; do
         --steps) STEPS=$2; shift 2 ;;
         --quick) QUICK=1; shift ;;
         --bench) BENCH_OPTS=$2; shift 2 ;;
-        -h|--help) sed -n '2,42p' "$0"; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;  # the header above
         *) echo "first_gpu_run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done

@@ -18,6 +18,7 @@ def test_quick_sets_few_rounds_and_lists_parse():
     full = bench_cuda.parse_args([])
     assert full.parts == bench_cuda.PARTS and (full.rounds, full.model_rounds) == (20, 10)
     assert bench_cuda.parse_args(["--quick", "--rounds", "7"]).rounds == 7
+    assert bench_cuda.parse_args(["--only", "model", "--autocast"]).autocast and not full.autocast
 
 
 def test_bad_lists_and_parts_are_refused(capsys):

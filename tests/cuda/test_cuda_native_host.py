@@ -468,24 +468,26 @@ def test_the_cpp_side_refuses_an_autocast_dtype_that_is_not_its_plans(launcher):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_recomputes_the_mask_the_cpp_side_drew(launcher, reentrant):
-    """torch.utils.checkpoint restores the generator's state before recomputing: the C++ side's draw must
-    give the same (seed, offset) again, so the recomputed forward and the gradients equal a plain step's
-    (the Python path's, as the reference)."""
+def test_checkpoint_recomputes_the_mask_the_cpp_side_drew(launcher, reentrant, autocast):
+    """torch.utils.checkpoint restores the generator's state (and autocast's) before recomputing: the C++
+    side's draw must give the same (seed, offset) again, and its casts the same inputs, so the recomputed
+    forward and the gradients equal a plain step's (the Python path's, as the reference)."""
     from torch.utils.checkpoint import checkpoint
 
     def run(native: bool, use_checkpoint: bool):
         (x, w, b, a, bb), _ = make_inputs(20, 16, 8, 4, torch.float32, seed=3)
         with switches.cuda_native_host.using(native):
-            lora_linear_cuda(x.detach(), w, b, a, bb, 1.5, 0.5, False, launcher=launcher)  # known plan
-            torch.manual_seed(123)
-            if use_checkpoint:
-                op = functools.partial(lora_linear_cuda, launcher=launcher)  # reentrant: no keywords
-                y = checkpoint(op, x, w, b, a, bb, 1.5, 0.5, True, use_reentrant=reentrant)
-            else:
-                y = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.5, True, launcher=launcher)
-            y.square().sum().backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                lora_linear_cuda(x.detach(), w, b, a, bb, 1.5, 0.5, False, launcher=launcher)  # known plan
+                torch.manual_seed(123)
+                if use_checkpoint:
+                    op = functools.partial(lora_linear_cuda, launcher=launcher)  # reentrant: no keywords
+                    y = checkpoint(op, x, w, b, a, bb, 1.5, 0.5, True, use_reentrant=reentrant)
+                else:
+                    y = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.5, True, launcher=launcher)
+            y.float().square().sum().backward()
         return y.detach(), a.grad, bb.grad, x.grad
 
     want = run(False, False)
