@@ -69,7 +69,6 @@ __all__ = ["lora_linear_cuda"]
 
 # ---- the custom ops --------------------------------------------------------------------------------
 
-
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every call
 
 # what an eager forward hands its backward: the plan, A and B^T as the kernels read them (the cached
