@@ -20,8 +20,11 @@ benchmarks/host_instructions.py (whose callgrind harness this uses). Levels:
   little more than a CUDA tensor's route);
 * ``CUDA op``: :func:`loragen.cuda.linear_op.lora_linear_cuda`;
 * ``C++ path``: :func:`loragen.cuda.native_host.try_lora_linear` (plan lookup, dropout constants);
-* ``registered op``: ``torch.ops.loragen_host.lora_linear`` called from Python (its boxing included),
-  then the C++ forward, and autograd's engine running its backward.
+* ``op entry``: the C++ op as the C++ path calls it -- its direct Python entry where the library has one,
+  else ``torch.ops.loragen_host.lora_linear`` (its boxing included) -- then the C++ forward, and
+  autograd's engine running its backward;
+* ``registered op``, below the table and not a level of it: ``torch.ops.loragen_host.lora_linear``
+  called from Python, for comparison with the direct entry.
 
 Needs what benchmarks/host_instructions.py needs (valgrind with its headers, a C compiler, cuda-python) and
 a C++ compiler for the host path.
@@ -42,7 +45,7 @@ import torch
 
 from loragen import switches
 
-__all__ = ["LEVELS", "count_levels", "main"]
+__all__ = ["EXTRA", "LEVELS", "count_levels", "main"]
 
 LEVELS = (
     "model",
@@ -53,8 +56,9 @@ LEVELS = (
     "dispatch",
     "CUDA op",
     "C++ path",
-    "registered op",
+    "op entry",
 )
+EXTRA = ("registered op",)  # counted after the levels, not one of them
 SCALING = 2.0  # lora_alpha 32 / r 16
 
 
@@ -106,12 +110,16 @@ def _calls(launcher: Any, layers: list[Any], dropout: float) -> dict[str, Callab
             h, weight, bias, lora_a, lora_b, SCALING, dropout, True, False, None, handle
         )
 
-    op = torch.ops.loragen_host.lora_linear.default
+    entry, registered_op = native_host._op[0], torch.ops.loragen_host.lora_linear.default
     args = (rng, True, plan, SCALING, threshold, keep_scale, False)
+
+    def op_entry(layer: Any, h: Any) -> Any:
+        weight, bias, lora_a, lora_b = tensors[id(layer)]
+        return entry(h, weight, bias, lora_a, lora_b, *args)
 
     def registered(layer: Any, h: Any) -> Any:
         weight, bias, lora_a, lora_b = tensors[id(layer)]
-        return op(h, weight, bias, lora_a, lora_b, *args)
+        return registered_op(h, weight, bias, lora_a, lora_b, *args)
 
     return {
         "module call": lambda layer, h: layer(h),
@@ -121,6 +129,7 @@ def _calls(launcher: Any, layers: list[Any], dropout: float) -> dict[str, Callab
         "dispatch": dispatched,
         "CUDA op": cuda_op,
         "C++ path": cpp_path,
+        "op entry": op_entry,
         "registered op": registered,
     }
 
@@ -148,7 +157,7 @@ def _child(steps: int, dropout: float) -> None:
         x = torch.randn(8, 64, requires_grad=True)
         grad = torch.randn(8, 64)
         calls = _calls(launcher, layers, dropout)
-        for level in LEVELS:
+        for level in (*LEVELS, *EXTRA):
             call = calls.get(level)
 
             def step(call: Callable[[Any, Any], Any] | None = call) -> None:
@@ -172,8 +181,9 @@ def count_levels(steps: int = 5, dropout: float = 0.0) -> dict[str, int]:
     Raises:
         RuntimeError: valgrind, its headers or a compiler missing, or the run failed.
     """
-    totals = host_instructions.callgrind_totals(__file__, [str(steps), str(dropout)], len(LEVELS))
-    return {level: total // (steps * DEPTH) for level, total in zip(LEVELS, totals)}
+    names = (*LEVELS, *EXTRA)
+    totals = host_instructions.callgrind_totals(__file__, [str(steps), str(dropout)], len(names))
+    return {level: total // (steps * DEPTH) for level, total in zip(names, totals)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, int]:
@@ -190,10 +200,13 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     print(f"host instructions per layer entered at each level (C++ host path, dropout {args.dropout})")
     print("| level | instructions | the level adds |")
     print("|---|---|---|")
-    below: list[int | None] = [*list(counts.values())[1:], None]
-    for (level, count), lower in zip(counts.items(), below):
+    levels = [counts[level] for level in LEVELS]
+    below: list[int | None] = [*levels[1:], None]
+    for level, count, lower in zip(LEVELS, levels, below):
         added = "" if lower is None else f"{count - lower:,}"
         print(f"| {level} | {count:,} | {added} |")
+    for extra in EXTRA:
+        print(f"\n{extra} (torch.ops, beside the op entry): {counts[extra]:,}")
     return counts
 
 

@@ -2,9 +2,11 @@
 // (lora_down, the base product, lora_up; lora_grad_out, lora_grad_in, the base gradient), with ATen for
 // allocations, sums and cuBLAS, and the four kernels launched through the driver's cuLaunchKernel.
 //
-// Built at run time by loragen/cuda/native_host.py against the installed torch's headers (no Python
-// headers: the ops are registered with the dispatcher and called through torch.ops.loragen_host), and
-// used only where LORAGEN_CUDA_NATIVE_HOST=1 asks for it. What stays in Python, once per plan: choosing
+// Built at run time by loragen/cuda/native_host.py against the installed torch's headers, and used only
+// where LORAGEN_CUDA_NATIVE_HOST=1 asks for it. The ops are registered with the dispatcher
+// (torch.ops.loragen_host); where Python's headers are installed the build also defines
+// LORAGEN_PYTHON_ENTRY, and the per-call op gets a direct Python entry (python_entry, at the end), which
+// leaves out torch.ops' boxing of the arguments. What stays in Python, once per plan: choosing
 // the kernel variant and its launcher (the self-check), the grids, loading the modules. What this file
 // does per call is what the Python path does per call, without the interpreter: the factors' padded
 // float32 copies (kept per parameter, refreshed when the parameter's version or storage changes, or
@@ -13,6 +15,9 @@
 // Driver entry points arrive as addresses (register_plan), so nothing here links against libcuda: on a
 // GPU they are the driver's own; loragen's CPU tests pass a stand-in that runs emulated kernels on CPU
 // tensors, and the host benchmark one that returns at once.
+#ifdef LORAGEN_PYTHON_ENTRY
+#include <Python.h>  // first, as Python's documentation asks
+#endif
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
@@ -533,6 +538,84 @@ int64_t cached_factors() {
 }
 
 }  // namespace
+
+#ifdef LORAGEN_PYTHON_ENTRY
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace {
+
+// The GIL released while the op runs, as torch.ops releases it: other Python threads go on meanwhile.
+struct WithoutGil {
+    PyThreadState* state = PyEval_SaveThread();
+    WithoutGil() = default;
+    WithoutGil(const WithoutGil&) = delete;
+    WithoutGil& operator=(const WithoutGil&) = delete;
+    ~WithoutGil() { PyEval_RestoreThread(state); }
+};
+
+// A tensor argument the entry takes as it is: a torch.Tensor or an nn.Parameter, exactly (a subclass may
+// override __torch_function__, which only torch.ops' call honours); None where the argument is optional.
+bool plain_tensor(PyObject* arg, bool optional) {
+    return (optional && arg == Py_None) || THPVariable_CheckExact(arg);
+}
+
+std::optional<at::Tensor> optional_tensor(PyObject* arg) {
+    if (arg == Py_None) return std::nullopt;
+    return THPVariable_Unpack(arg);
+}
+
+// lora_linear(x, weight, bias, lora_A, lora_B, rng, draw_rng, plan, scaling, threshold, keep_scale,
+// fan_in_fan_out), the registered op's arguments in its order, positional. NotImplemented, before anything
+// runs, where torch.ops would do more than call the op (a tensor subclass, a TorchFunctionMode): the caller
+// then calls torch.ops.loragen_host.lora_linear. Errors as torch.ops raises them (ValueError: the inputs do
+// not fit the plan).
+PyObject* python_lora_linear(PyObject* /*module*/, PyObject* const* args, Py_ssize_t count) {
+    HANDLE_TH_ERRORS
+    TORCH_CHECK_TYPE(count == 12, "loragen_host.lora_linear: expected 12 arguments, got ", count);
+    if (at::impl::torch_function_mode_enabled() || !plain_tensor(args[0], false) ||
+        !plain_tensor(args[1], false) || !plain_tensor(args[2], true) || !plain_tensor(args[3], false) ||
+        !plain_tensor(args[4], false) || !plain_tensor(args[5], true)) {
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    const int draw_rng = PyObject_IsTrue(args[6]);
+    const long long plan_id = PyLong_AsLongLong(args[7]);
+    const double scaling = PyFloat_AsDouble(args[8]);
+    const long long threshold = PyLong_AsLongLong(args[9]);
+    const double keep_scale = PyFloat_AsDouble(args[10]);
+    const int fan_in_fan_out = PyObject_IsTrue(args[11]);
+    if (PyErr_Occurred()) return nullptr;  // a scalar of the wrong type: TypeError
+    const at::Tensor& x = THPVariable_Unpack(args[0]);
+    const at::Tensor& weight = THPVariable_Unpack(args[1]);
+    const std::optional<at::Tensor> bias = optional_tensor(args[2]);
+    const at::Tensor& lora_a = THPVariable_Unpack(args[3]);
+    const at::Tensor& lora_b = THPVariable_Unpack(args[4]);
+    const std::optional<at::Tensor> rng = optional_tensor(args[5]);
+    at::Tensor out;
+    {
+        WithoutGil released;
+        RECORD_FUNCTION("loragen_host::lora_linear", std::vector<c10::IValue>({x, weight, lora_a, lora_b}));
+        out = lora_linear(x, weight, bias, lora_a, lora_b, rng, draw_rng != 0, plan_id, scaling, threshold,
+                          keep_scale, fan_in_fan_out != 0);
+    }
+    return THPVariable_Wrap(std::move(out));
+    END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef python_entry_method = {"lora_linear", reinterpret_cast<PyCFunction>(
+                                                      reinterpret_cast<void (*)()>(python_lora_linear)),
+                                   METH_FASTCALL, "loragen_host.lora_linear without torch.ops' boxing"};
+
+}  // namespace
+
+// The direct entry as a Python callable (a new reference); loragen/cuda/native_host.py takes it through
+// ctypes with the GIL held.
+extern "C" __attribute__((visibility("default"))) PyObject* loragen_host_python_entry() {
+    return PyCFunction_New(&python_entry_method, nullptr);
+}
+#endif
 
 TORCH_LIBRARY(loragen_host, m) {
     m.def("lora_linear(Tensor x, Tensor weight, Tensor? bias, Tensor lora_A, Tensor lora_B, Tensor? rng, "

@@ -18,6 +18,8 @@ cuda_sibling_     True / False      the same on CUDA tensors, through loragen's 
 fusion                              docs/cuda.md, "Sibling groups on CUDA")
 cuda_native_host   True / False      the CUDA op's per-call host work in C++ (default off: see docs/cuda.md,
                                      "The host path in C++")
+cuda_native_       True / False      that C++ path called from Python directly, not through torch.ops (where
+direct_call                          Python's headers are installed; read when the C++ path is first built)
 cpu_kernels        True / False      the compiled kernels of the CPU dropout path (AVX-512 or AVX2 builds)
 cpu_kernel_variant "auto"/"avx512"/  which build of those kernels: the best the CPU runs (default), or one
                    "avx2"            forced (a CPU that cannot run it takes the numpy path)
@@ -51,6 +53,7 @@ __all__ = [
     "sibling_fusion",
     "cuda_sibling_fusion",
     "cuda_native_host",
+    "cuda_native_direct_call",
     "cpu_kernels",
     "cpu_kernel_variant",
     "dropout_rng",
@@ -144,6 +147,11 @@ cuda_native_host: Switch[bool] = Switch(
     "cuda_native_host",
     False,
     doc="the CUDA op's host path in C++ (loragen.cuda.native_host); off until measured on a GPU",
+)
+cuda_native_direct_call: Switch[bool] = Switch(
+    "cuda_native_direct_call",
+    True,
+    doc="the C++ host path's direct Python entry (loragen.cuda.native_host), read when it is first built",
 )
 cpu_kernels: Switch[bool] = Switch(
     "cpu_kernels", True, doc="the compiled kernels (AVX-512 or AVX2 builds) of the CPU dropout path"

@@ -11,14 +11,22 @@ What stays in Python, once per plan (sizes, dtype, device, launcher, switch): th
 of the kernel variant, the grids, loading the modules (:class:`~loragen.cuda.passes.Plan`); its numbers,
 the four function handles and the driver's entry points go to the C++ side once
 (:func:`plan_id`). Per call Python looks up the plan and the dropout constants (two dictionary lookups)
-and calls the registered op ``torch.ops.loragen_host.lora_linear``, which checks the inputs against the
-plan (a call that does not fit takes the Python path). Under autocast it casts x, weight and bias to the
-autocast dtype, as the Python path does, and runs with autocast off.
+and calls the op, which checks the inputs against the plan (a call that does not fit takes the Python
+path). Under autocast it casts x, weight and bias to the autocast dtype, as the Python path does, and runs
+with autocast off.
+
+The op is registered with torch's dispatcher (``torch.ops.loragen_host.lora_linear``). Where Python's
+headers are installed the library also has a direct Python entry to the same C++ function, which takes
+the arguments as they are instead of matching them against the op's schema and boxing them (about 20 k
+host instructions per call, BENCHMARKS.md); it hands a call back to ``torch.ops`` (``NotImplemented``)
+wherever ``torch.ops`` would do more than call the op: a tensor subclass that may override
+``__torch_function__``, or an active ``TorchFunctionMode``. ``LORAGEN_CUDA_NATIVE_DIRECT_CALL=0``
+(:data:`loragen.switches.cuda_native_direct_call`, read at the build) leaves it out.
 
 The library is built on first use with the C++ compiler (``$CXX``, ``c++``, ``g++`` or ``clang++``)
-against the installed torch's headers -- no Python headers, no CUDA toolkit: the driver's entry points
-arrive as addresses -- and cached under :func:`loragen.resources.kernel_cache_dir`. Where it cannot be
-built the op runs its Python path, with one warning saying why (:func:`status`).
+against the installed torch's headers (and Python's, where installed) -- no CUDA toolkit: the driver's
+entry points arrive as addresses -- and cached under :func:`loragen.resources.kernel_cache_dir`. Where it
+cannot be built the op runs its Python path, with one warning saying why (:func:`status`).
 
 Not taken here (the Python path runs them): the torch path, ``torch.compile``,
 empty inputs, and launchers that cannot hand over native kernels (:meth:`native_kernels`). A variant the
@@ -27,10 +35,12 @@ self-check passed that fails at a launch raises here (the Python path would move
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import warnings
 from pathlib import Path
@@ -57,8 +67,10 @@ SOURCE = "lora_host.cpp"
 
 _lock = threading.Lock()
 _library: list[Path | str] = []  # [the loaded library's path, or why it could not be had], once tried
-# [torch.ops.loragen_host.lora_linear.default's own callable] once loaded: the overload object's __call__
-# is a Python frame that only passes its arguments on
+# Once loaded: [the op's callable, torch.ops.loragen_host.lora_linear.default's own callable]. The first is
+# the direct Python entry where the library has one (it returns NotImplemented for a call torch.ops must
+# take), else the second again; the overload object's __call__ would be a Python frame that only passes
+# its arguments on.
 _op: list[Any] = []
 
 
@@ -89,17 +101,43 @@ def _flags() -> list[str]:
 _LIBRARIES = ["-lc10", "-ltorch_cpu", "-ltorch"]
 
 
+def _python_include() -> Path | None:
+    """The folder of Python's headers where they are installed (``Python.h``), else None."""
+    include = sysconfig.get_paths().get("include")
+    return Path(include) if include and (Path(include) / "Python.h").is_file() else None
+
+
+def _direct_call_build() -> tuple[list[str], list[str]]:
+    """The flags and libraries that build the direct Python entry in (none without Python's headers, or
+    with the switch off)."""
+    include = _python_include()
+    if include is None or not switches.cuda_native_direct_call.get():
+        return [], []
+    return ["-DLORAGEN_PYTHON_ENTRY", f"-I{include}"], ["-ltorch_python"]
+
+
 def _build(source: str, compiler: str) -> Path:
     """The built library, from the cache when this source, compiler, flags and torch were built before."""
+    flags, libraries = _direct_call_build()
     return resources.build_library(
         resources.kernel_cache_dir() / "host",
         "lora_host",
         SOURCE,
         source,
-        [compiler, *_flags()],
-        _LIBRARIES,
+        [compiler, *_flags(), *flags],
+        [*_LIBRARIES, *libraries],
         key=[torch.__version__, sys.platform],
     )
+
+
+def _direct_entry(path: Path) -> Any:
+    """The library's direct Python entry (a new callable), or None where it was built without one."""
+    try:
+        make = ctypes.PyDLL(str(path)).loragen_host_python_entry
+    except AttributeError:
+        return None
+    make.restype = ctypes.py_object
+    return make()
 
 
 def _load() -> Path | str:
@@ -113,7 +151,9 @@ def _load() -> Path | str:
                 path = _build(resources.read_kernel(SOURCE), compiler)
                 torch.ops.load_library(str(path))
                 overload = torch.ops.loragen_host.lora_linear.default
-                _op.append(getattr(overload, "_op", overload))
+                boxed = getattr(overload, "_op", overload)
+                direct = _direct_entry(path)
+                _op.extend([boxed if direct is None else direct, boxed])
                 _library.append(path)
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 _library.append(f"the C++ host path could not be built: {error}")
@@ -131,9 +171,13 @@ def available() -> bool:
 
 
 def status() -> str:
-    """``"loaded: <path>"`` or why the C++ host path could not be built (builds it on the first call)."""
+    """``"loaded: <path>"`` (with ``", called directly"`` where the op has its direct Python entry, else
+    ``", called through torch.ops"``) or why the C++ host path could not be built (builds it on the first
+    call)."""
     found = _load()
-    return f"loaded: {found}" if isinstance(found, Path) else found
+    if not isinstance(found, Path):
+        return found
+    return f"loaded: {found}, called {'through torch.ops' if _op[0] is _op[1] else 'directly'}"
 
 
 _MISSING = object()
@@ -225,9 +269,24 @@ def lora_linear_native(
         ValueError: the inputs do not fit ``plan`` (nothing ran; the caller takes the Python path).
     """
     rng, threshold, keep_scale = hostcache.dropout_args(rng, dropout_p)
-    return _op[0](
-        x, weight, bias, lora_A, lora_B, rng, draw_rng, plan, scaling, threshold, keep_scale, fan_in_fan_out
+    args = (
+        x,
+        weight,
+        bias,
+        lora_A,
+        lora_B,
+        rng,
+        draw_rng,
+        plan,
+        scaling,
+        threshold,
+        keep_scale,
+        fan_in_fan_out,
     )
+    y = _op[0](*args)
+    if y is NotImplemented:  # a call torch.ops must take (a tensor subclass, a TorchFunctionMode)
+        y = _op[1](*args)
+    return y
 
 
 def try_lora_linear(
@@ -261,11 +320,16 @@ def try_lora_linear(
     if not training:
         constants = hostcache.dropout_constants[0.0]
     try:
-        return _op[0](
+        y = _op[0](
             x, weight, bias, lora_A, lora_B, None, True, plan, float(scaling), *constants, fan_in_fan_out
         )
+        if y is NotImplemented:  # a call torch.ops must take (a tensor subclass, a TorchFunctionMode)
+            y = _op[1](
+                x, weight, bias, lora_A, lora_B, None, True, plan, float(scaling), *constants, fan_in_fan_out
+            )
     except ValueError:
         return None
+    return y
 
 
 def kernel_signatures() -> list[str]:

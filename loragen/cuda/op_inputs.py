@@ -99,6 +99,10 @@ def check_inputs(
         )
 
 
+# whether autocast is on for any device (torch's own, argument-free check where it has one)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
 def autocast_dtype(x: Tensor) -> torch.dtype | None:
     """The dtype the op casts x, weight and bias to under autocast on x's device (as ``F.linear`` takes
     them there), or None where autocast is off for x's device.
@@ -106,6 +110,8 @@ def autocast_dtype(x: Tensor) -> torch.dtype | None:
     The op runs on CUDA tensors; loragen's CPU tests run it on CPU tensors, which follow the same rule
     with the CPU's autocast (and its host benchmarks on meta tensors, which have no autocast).
     """
+    if not _any_autocast():  # one call without arguments: the common case costs next to nothing
+        return None
     if x.is_cuda:
         device = "cuda"
     elif x.is_cpu:
