@@ -52,7 +52,7 @@ from torch import Tensor
 from loragen import resources, switches
 from loragen.cuda import hostcache
 from loragen.cuda.launch import NativeKernels
-from loragen.cuda.op_inputs import autocast_dtype
+from loragen.cuda.op_inputs import autocast_anywhere, autocast_dtype
 
 __all__ = [
     "available",
@@ -310,7 +310,7 @@ def try_lora_linear(
     cannot: find the plan, and the dropout constants of a probability some call validated before (the
     C++ side refuses inputs that do not fit the plan). Under autocast the plan is the one of x cast to the
     autocast dtype, which the C++ side casts x, weight and bias to, as the Python path does."""
-    cast = autocast_dtype(x)
+    cast = autocast_dtype(x) if autocast_anywhere() else None
     plan = _plans.get(_key(x, x.dtype if cast is None else cast, lora_A, lora_B, fan_in_fan_out, handle))
     if plan is None or seed is not None:
         return None

@@ -15,7 +15,15 @@ from loragen.cuda.passes import DTYPE_NAMES
 from loragen.cuda.torch_dropout import rng_tensor
 from loragen.errors import LoraError
 
-__all__ = ["CudaLoraError", "autocast_dtype", "check_inputs", "draw_rng", "seed_rng", "unsupported_reason"]
+__all__ = [
+    "CudaLoraError",
+    "autocast_anywhere",
+    "autocast_dtype",
+    "check_inputs",
+    "draw_rng",
+    "seed_rng",
+    "unsupported_reason",
+]
 
 _WHERE = "loragen.cuda.lora_linear_cuda"
 
@@ -99,8 +107,9 @@ def check_inputs(
         )
 
 
-# whether autocast is on for any device (torch's own, argument-free check where it has one)
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+#: Whether autocast is on for any device: torch's own argument-free check where it has one (a hot path
+#: asks this before :func:`autocast_dtype`, which it then need not call in the common case).
+autocast_anywhere = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def autocast_dtype(x: Tensor) -> torch.dtype | None:
@@ -110,7 +119,7 @@ def autocast_dtype(x: Tensor) -> torch.dtype | None:
     The op runs on CUDA tensors; loragen's CPU tests run it on CPU tensors, which follow the same rule
     with the CPU's autocast (and its host benchmarks on meta tensors, which have no autocast).
     """
-    if not _any_autocast():  # one call without arguments: the common case costs next to nothing
+    if not autocast_anywhere():  # one call without arguments: the common case costs next to nothing
         return None
     if x.is_cuda:
         device = "cuda"
