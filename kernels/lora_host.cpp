@@ -5,8 +5,8 @@
 // Built at run time by loragen/cuda/native_host.py against the installed torch's headers, and used only
 // where LORAGEN_CUDA_NATIVE_HOST=1 asks for it. The ops are registered with the dispatcher
 // (torch.ops.loragen_host); where Python's headers are installed the build also defines
-// LORAGEN_PYTHON_ENTRY, and the per-call op gets a direct Python entry (python_entry, at the end), which
-// leaves out torch.ops' boxing of the arguments. What stays in Python, once per plan: choosing
+// LORAGEN_PYTHON_ENTRY, and the per-call op gets a direct Python entry (python_lora_linear, at the end),
+// which leaves out torch.ops' boxing of the arguments. What stays in Python, once per plan: choosing
 // the kernel variant and its launcher (the self-check), the grids, loading the modules. What this file
 // does per call is what the Python path does per call, without the interpreter: the factors' padded
 // float32 copies (kept per parameter, refreshed when the parameter's version or storage changes, or
