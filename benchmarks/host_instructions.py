@@ -273,7 +273,7 @@ def count_instructions(
         RuntimeError: valgrind, its headers or a C compiler missing, or the run failed.
     """
     if autocast and (ops := [kind for kind in kinds if kind not in MODULE_KINDS]):
-        raise ValueError(f"--autocast measures whole modules ({', '.join(MODULE_KINDS)}), not {ops}")
+        raise ValueError(f"--autocast measures whole modules ({list(MODULE_KINDS)}), not {ops}")
     totals = callgrind_totals(__file__, [str(steps), str(dropout), str(int(autocast)), *kinds], len(kinds))
     return {kind: total // (steps * DEPTH) for kind, total in zip(kinds, totals)}
 
@@ -282,7 +282,9 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     """Print the instructions per layer of each kind as a markdown table; return them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="measured steps of 8 layers per kind")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument(
+        "--kinds", nargs="+", choices=KINDS, help="default: every kind (with --autocast, every module kind)"
+    )
     parser.add_argument("--dropout", type=float, default=0.05, help="the LoRA layers' dropout")
     parser.add_argument(
         "--autocast", action="store_true", help="forward under bf16 autocast (whole-module kinds only)"
@@ -292,9 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     if args.child:
         _child(int(args.child[0]), float(args.child[1]), args.child[2] == "1", args.child[3:])
         return {}
-    kinds = tuple(args.kinds)
-    if args.autocast and "--kinds" not in (argv if argv is not None else sys.argv):
-        kinds = tuple(kind for kind in kinds if kind in MODULE_KINDS)
+    kinds = tuple(args.kinds or (MODULE_KINDS if args.autocast else KINDS))
     try:
         counts = count_instructions(args.steps, kinds, args.dropout, args.autocast)
     except ValueError as error:
