@@ -33,8 +33,13 @@ docstring explains), which stays within float32 rounding of the sum's largest te
 
 Not run as a group -- :func:`lora_group_cuda` returns None and each member runs
 :func:`~loragen.cuda.linear_op.lora_linear_cuda` alone --: dropout (each member draws its own mask, so
-the members read different inputs), stacked ranks past the largest bucket, autocast, ``torch.compile``,
-empty inputs, and inputs the kernels do not take (:func:`~loragen.cuda.op_inputs.unsupported_reason`).
+the members read different inputs), stacked ranks past the largest bucket, ``torch.compile``, empty
+inputs, and inputs the kernels do not take (:func:`~loragen.cuda.op_inputs.unsupported_reason`).
+
+Under autocast (Trainer's and TRL's ``bf16=True``) the group does what the single-layer op does: x and
+every member's weight and bias are cast to the autocast dtype (casts autograd records, no-ops for a model
+already in that dtype), the factors are read as they are, and the node runs with autocast off, its
+backward too, wherever ``backward()`` is called.
 
 Host path: the group's plan (the members' :class:`~loragen.cuda.passes.Plan` and the stacked factor's,
 the block offsets) is kept per (sizes, dtype, device, launcher, switch), as the single-layer op keeps its
@@ -55,7 +60,7 @@ from torch import Tensor
 from loragen import switches
 from loragen.cuda import hostcache, kernel_variants, passes
 from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.op_inputs import autocast_dtype, check_inputs, unsupported_reason
+from loragen.cuda.op_inputs import autocast_anywhere, autocast_dtype, check_inputs, unsupported_reason
 from loragen.cuda.torch_path import runs_on_torch_path
 
 __all__ = ["GroupMember", "group_reason", "lora_group_cuda"]
@@ -203,6 +208,14 @@ class _CudaGroupFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        if not autocast_anywhere():
+            return _CudaGroupFunction._backward(ctx, grads)
+        # a backward() called inside an autocast region must not recast the float32 products
+        with torch.autocast(ctx.prepared[0].stacked.device.type, enabled=False):
+            return _CudaGroupFunction._backward(ctx, grads)
+
+    @staticmethod
+    def _backward(ctx: Any, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         scalings, transposed, _ = ctx.static
         # the stacked A and the B^T buffers as forward read them: they cannot have changed since, as the
         # parameters they copy are saved (autograd refuses a backward after an in-place change)
@@ -263,8 +276,6 @@ def group_reason(x: Tensor, members: Sequence[GroupMember]) -> str | None:
     """Why ``members`` cannot run as one group on ``x`` (each then runs alone), or None when they can."""
     if torch.compiler.is_compiling():
         return "torch.compile traces each layer's custom op"
-    if autocast_dtype(x) is not None:
-        return "autocast is enabled"
     in_features = x.shape[-1]
     if x.numel() == 0:
         return "an empty input"
@@ -291,9 +302,10 @@ def lora_group_cuda(
     Shapes: x (..., in); each member ``(weight, bias, lora_A, lora_B, scaling, fan_in_fan_out)`` as
     :func:`~loragen.cuda.linear_op.lora_linear_cuda` takes it: weight (out_i, in) -- (in, out_i) with
     ``fan_in_fan_out`` --, bias (out_i,) or None, lora_A (r_i, in), lora_B (out_i, r_i). Returns
-    ``(y_1, ..., y_k)``, y_i (..., out_i) in x's dtype, each a fresh tensor, with gradients to x and every
-    member's tensors that require them; or None where the group cannot run as one
-    (:func:`group_reason`): the caller then runs each member alone.
+    ``(y_1, ..., y_k)``, y_i (..., out_i) in x's dtype (the autocast dtype under autocast, as the
+    single-layer op), each a fresh tensor, with gradients to x and every member's tensors that require
+    them; or None where the group cannot run as one (:func:`group_reason`): the caller then runs each
+    member alone.
 
     Args:
         launcher: runs the kernels (default: the self-checked CUDA driver launcher); loragen's CPU tests
@@ -305,6 +317,12 @@ def lora_group_cuda(
     """
     for w, b, a, bb, _, t in members:
         check_inputs(x, w, b, a, bb, t, 0.0, require_cuda=launcher is None)
+    cast = autocast_dtype(x)
+    if cast is not None:  # as F.linear takes them under autocast; the factors as they are
+        x = x.to(cast)
+        members = [
+            (w.to(cast), None if b is None else b.to(cast), a, bb, s, t) for w, b, a, bb, s, t in members
+        ]
     if group_reason(x, members) is not None:
         return None
     handle = hostcache.launcher_handle(launcher)
@@ -316,5 +334,9 @@ def lora_group_cuda(
         return None
     static = (tuple(float(m[4]) for m in members), tuple(bool(m[5]) for m in members), handle)
     tensors = [t for m in members for t in m[:4]]
-    outputs: tuple[Tensor, ...] = _CudaGroupFunction.apply(x, static, *tensors)
+    if cast is None:
+        outputs: tuple[Tensor, ...] = _CudaGroupFunction.apply(x, static, *tensors)
+        return outputs
+    with torch.autocast(x.device.type, enabled=False):
+        outputs = _CudaGroupFunction.apply(x, static, *tensors)
     return outputs

@@ -50,7 +50,10 @@ single-layer CUDA op. The rounding of dx differs from the CPU node's (see that m
 the rank-r terms in float32 and rounds once. Groups whose stacked rank buckets pass 64 run each member
 alone (:func:`loragen.cuda.group_op.group_reason` says why a group does not run).
 
-Not fused: dropout in training (each layer draws its own mask, so the inputs differ), autocast,
+Under autocast the CUDA group casts as the single-layer op does (x, weights and biases to the autocast
+dtype) and runs; the CPU node does not run under the CPU's autocast.
+
+Not fused: dropout in training (each layer draws its own mask, so the inputs differ), the CPU's autocast,
 ``torch.compile``, devices other than the CPU and CUDA (and CUDA without loragen's kernels available),
 on the CPU inputs whose dtype differs from the adapter's, and everything with
 :data:`loragen.switches.sibling_fusion` or :data:`loragen.switches.fused` off.
@@ -196,7 +199,7 @@ def _runner(x: Tensor) -> _Runner | None:
     if x.is_cpu:
         return None if torch.is_autocast_enabled("cpu") else _cpu_group
     if x.is_cuda and switches.cuda_sibling_fusion.get() and cuda.is_available():
-        return _cuda_group  # autocast: lora_group_cuda declines
+        return _cuda_group
     return None
 
 

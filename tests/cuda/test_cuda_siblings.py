@@ -179,6 +179,59 @@ def test_outputs_are_fresh_tensors():
     assert all(y._base is None and y.is_contiguous() for y in ys)
 
 
+def _autocast_group(x, members, *, backward_inside):
+    """The group's outputs and every leaf's gradient with the forward under the CPU's bf16 autocast, and
+    backward() called inside that region or after it."""
+    gen = torch.Generator().manual_seed(11)
+    for t in _leaves(x, members):
+        t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = lora_group_cuda(x, members, launcher=TORCH_PATH)
+        assert ys is not None
+        grads = [torch.randn(y.shape, generator=gen).to(y.dtype) for y in ys]
+        if backward_inside:
+            torch.autograd.backward(list(ys), grads)
+    if not backward_inside:
+        torch.autograd.backward(list(ys), grads)
+    return [y.detach() for y in ys], [t.grad for t in _leaves(x, members)], grads
+
+
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward-after", "backward-inside"])
+def test_under_autocast_a_group_runs_on_its_cast_inputs(backward_inside):
+    """A float32 model under bf16 autocast: the group is the group of x, weights and biases cast to bf16
+    (the factors as they are), bit for bit, outputs and gradients -- the float32 leaves' through their
+    casts --, wherever backward() is called (inside the region autocast must not recast its products)."""
+    low, _ = _members(48, [40, 24, 40], [16, 5, 16], torch.float32, fifo=True)
+    x = torch.randn(3, 7, 48, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    ys, got, grads = _autocast_group(x, low, backward_inside=backward_inside)
+    assert all(y.dtype == torch.bfloat16 for y in ys)
+    assert [g.dtype for g in got] == [t.dtype for t in _leaves(x, low)]  # float32, as the leaves
+
+    def cast(t, j):  # weight and bias in bf16 (j < 2), the factors as float32 copies
+        return None if t is None else t.detach().to(torch.bfloat16 if j < 2 else t.dtype).requires_grad_()
+
+    xc = x.detach().to(torch.bfloat16).requires_grad_()
+    cast_members = [(*(cast(t, j) for j, t in enumerate(m[:4])), m[4], m[5]) for m in low]
+    want_ys = lora_group_cuda(xc, cast_members, launcher=TORCH_PATH)
+    torch.autograd.backward(list(want_ys), grads)
+    for y, want in zip(ys, want_ys):
+        assert torch.equal(y, want)
+    for i, (g, leaf) in enumerate(zip(got, _leaves(xc, cast_members))):
+        assert torch.equal(g, leaf.grad.to(g.dtype)), i
+
+
+def test_under_autocast_a_bf16_model_casts_nothing():
+    """A bf16 model under bf16 autocast: the same node as without autocast, gradients land on the leaves
+    themselves."""
+    low, _ = _members(32, [16, 16], [8, 8], torch.bfloat16)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).requires_grad_()
+    ys, got, grads = _autocast_group(x, low, backward_inside=False)
+    plain = lora_group_cuda(x, low, launcher=TORCH_PATH)
+    want = _grads(x, low, plain, grads)
+    assert all(torch.equal(y, p) for y, p in zip(ys, plain))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_a_member_whose_terms_cancel_stays_within_float32_rounding_of_its_largest_term():
     """v's LoRA term cancels its base term in x's gradient (W_v = -s B_v A_v, terms ~3e4, their sum ~10).
     The group adds every member's rank-r term in one buffer before the base terms, so q's and k's terms
@@ -413,6 +466,67 @@ def test_layers_fuse_through_the_cuda_group_and_equal_unfused_layers(cuda_groups
     assert getattr(siblings._local, "handout", None) is None  # every hand-out was taken
 
 
+def test_under_autocast_layers_fuse_through_the_cuda_group_and_match_unfused_layers(cuda_groups):
+    """Trainer's bf16=True on a float32 model: the group runs (one node), its outputs bf16 as each layer's
+    under autocast, and its outputs and gradients within bf16 rounding of the unfused layers'."""
+    model = _model()
+    x = torch.randn(2, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert "_CudaGroupFunctionBackward" in autograd_node_names(model(x.requires_grad_()))
+        fused, plain = _run(model, x, True), _run(model, x, False)
+    assert fused[0].dtype == plain[0].dtype == torch.bfloat16
+    assert fused[1].dtype == torch.float32
+    assert relative_error(fused[0], plain[0]) < 2e-2
+    assert relative_error(fused[1], plain[1]) < 2e-2
+    assert fused[2].keys() == plain[2].keys()
+    for name in fused[2]:
+        assert relative_error(fused[2][name], plain[2][name]) < 2e-2, name
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert", "t5"])
+def test_under_autocast_real_architectures_train_through_cuda_groups(cuda_groups, kind, monkeypatch):
+    """Tiny transformers models (their own modeling files: Llama's q/k/v and gate/up, BERT's
+    query/key/value, T5's q/k/v), every linear adapted, the forward under bf16 autocast as Trainer's
+    ``bf16=True`` runs it, each layer on the CUDA op as on a GPU: the sibling groups run as CUDA group
+    nodes, the logits equal the unfused model's, and every gradient is within bf16 rounding of its (the
+    group rounds each dx once, in float32, where separate layers round each member's term)."""
+    from loragen.ops import dispatch
+    from tests.conftest import TINY_MODELS, tiny_inputs
+
+    class CudaOpOnCpuTensors:
+        @staticmethod
+        def apply(x, w, b, a, bb, scaling, p, rng, seed, fifo):
+            return lora_linear_cuda(
+                x, w, b, a, bb, scaling, p, True, fan_in_fan_out=fifo, launcher=TORCH_PATH
+            )
+
+    monkeypatch.setattr(dispatch, "LoraLinearFunction", CudaOpOnCpuTensors)
+    monkeypatch.setattr(dispatch, "fallback_reason", lambda x, dropout: None)  # as for CUDA tensors
+    torch.manual_seed(0)
+    config = loragen.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    model = loragen.get_lora_model(TINY_MODELS[kind](), config).train()
+    with torch.no_grad():  # B starts at zero: make the LoRA terms count
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    assert fused_groups(model)
+    results = {}
+    for fuse in (True, False):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the model's own dropout draws the same masks in both runs
+        with switches.sibling_fusion.using(fuse), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(**tiny_inputs(kind)).logits
+        assert logits.dtype == torch.bfloat16
+        assert ("_CudaGroupFunctionBackward" in autograd_node_names(logits)) == fuse
+        logits.float().square().mean().backward()
+        results[fuse] = (logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    (fused, fused_grads), (plain, plain_grads) = results[True], results[False]
+    assert torch.equal(fused, plain)
+    assert fused_grads.keys() == plain_grads.keys()
+    for name, grad in fused_grads.items():
+        assert grad.dtype == torch.float32 and relative_error(grad, plain_grads[name]) < 3e-2, name
+
+
 def test_a_member_called_with_another_tensor_or_a_modified_one_computes_its_own(cuda_groups):
     class Rebound(_Attention):
         def forward(self, x):
@@ -544,6 +658,23 @@ def test_on_a_gpu_layers_fuse_through_the_kernels_and_equal_separate_layers(dtyp
         assert relative_error(got, want.cpu().double()) < TOLERANCE[dtype]
     for name in plain[2]:
         assert relative_error(fused[2][name], plain[2][name].cpu().double()) < TOLERANCE[dtype], name
+
+
+@needs_gpu
+def test_on_a_gpu_under_autocast_layers_fuse_and_equal_separate_layers():
+    """A float32 model under CUDA bf16 autocast: the group runs, in bf16, and matches separate layers."""
+    torch.manual_seed(0)
+    model = _model().to(device="cuda")
+    x = torch.randn(2, 37, 16, device="cuda")
+    with switches.cuda_sibling_fusion.using(True), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert "_CudaGroupFunctionBackward" in autograd_node_names(model(x.requires_grad_()))
+        fused, plain = _run(model, x, True), _run(model, x, False)
+    assert fused[0].dtype == plain[0].dtype == torch.bfloat16 and fused[1].dtype == torch.float32
+    for got, want in ((fused[0], plain[0]), (fused[1], plain[1])):
+        assert relative_error(got, want.cpu().double()) < TOLERANCE[torch.bfloat16]
+    for name in plain[2]:
+        want = plain[2][name].cpu().double()
+        assert relative_error(fused[2][name], want) < TOLERANCE[torch.bfloat16], name
 
 
 @needs_gpu
