@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,23 @@ def cubins(request) -> KernelCache:
     return cache
 
 
+@pytest.fixture(scope="session")
+def reports(request, cubins) -> dict[tuple[str, str, str], Future[tuple[SassReport, int]]]:
+    """Every selected variant's SASS report and ptxas's register count, disassembled ahead, one nvdisasm
+    per core (each takes about half a second; one after another they were most of this file's time).
+    Each is a finished future: a variant whose analysis failed fails its own test."""
+
+    def report(spec, variant, arch):
+        compiled = cubins.get(render_kernel(spec.name, specs.render_params(spec, variant)), arch)
+        ptxas = compiled.resources[spec.name]
+        sass = analyse(compiled.cubin, spec.name, arch, spec.threads(variant), ptxas.shared_bytes)
+        return sass, ptxas.registers
+
+    selected = selected_params(request, test_sass_of_every_variant, "spec", "variant", "arch")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return {(s.name, v.label, arch): pool.submit(report, s, v, arch) for s, v, arch in selected}
+
+
 ALL_VARIANTS = [*specs.all_variants(), *specs.optimizer_variants()]
 
 
@@ -75,13 +94,11 @@ def check_no_local_memory(report: SassReport, where: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "variant"), ALL_VARIANTS, ids=[f"{s.name}-{v.label}" for s, v in ALL_VARIANTS]
 )
-def test_sass_of_every_variant(cubins, spec, variant, arch):
-    compiled = cubins.get(render_kernel(spec.name, specs.render_params(spec, variant)), arch)
-    ptxas = compiled.resources[spec.name]
-    report = analyse(compiled.cubin, spec.name, arch, spec.threads(variant), ptxas.shared_bytes)
+def test_sass_of_every_variant(reports, spec, variant, arch):
+    report, ptxas_registers = reports[(spec.name, variant.label, arch)].result()
     where = f"{spec.name} {variant.label} on {arch}"
     check_no_local_memory(report, where)
-    assert report.registers == ptxas.registers, where  # cuobjdump agrees with ptxas
+    assert report.registers == ptxas_registers, where  # cuobjdump agrees with ptxas
     wanted = spec.tile(variant)["min_blocks"]
     assert report.occupancy["blocks_per_sm"] >= max(2, wanted), (
         f"{where}: {report.occupancy}, launch bounds want {wanted} (and every kernel at least 2)"
