@@ -149,11 +149,12 @@ def _versions(member: _Member) -> tuple[int, int, int, int]:
     return (weight._version, -1 if bias is None else bias._version, lora_a._version, lora_b._version)
 
 
-def _member(layer: Any, dtype: torch.dtype, device: int, own_dtype: bool) -> _Member | None:
-    """``layer``'s tensors and settings when it may take part in a group on an input of ``dtype`` on
-    ``device`` (:meth:`torch.Tensor.get_device`) right now, else None; ``own_dtype``: its factors must be
-    in ``dtype`` too. Read once per call: the leader passes them to the group op and records them in the
-    hand-out, where each follower finds its own (:func:`_as_follower`)."""
+def _member(layer: Any, dtype: torch.dtype | None, device: int, own_dtype: bool) -> _Member | None:
+    """``layer``'s tensors and settings when it may take part in a group on an input of ``dtype`` (None:
+    any, the group casts) on ``device`` (:meth:`torch.Tensor.get_device`) right now, else None;
+    ``own_dtype``: its factors must be in ``dtype`` too. Read once per call: the leader passes them to
+    the group op and records them in the hand-out, where each follower finds its own
+    (:func:`_as_follower`)."""
     # not merged, its own first adapter active as plain LoRA (not DoRA), no mixed batch: the first
     # adapter's factors, the layer's own lora_A and lora_B, are what the layer computes with
     if not layer.fused or not layer.runs_plain_first_adapter():
@@ -163,7 +164,7 @@ def _member(layer: Any, dtype: torch.dtype, device: int, own_dtype: bool) -> _Me
         return None
     weight, lora_a = layer.weight, layer.lora_A
     if (
-        weight.dtype != dtype
+        (dtype is not None and weight.dtype != dtype)
         or (own_dtype and lora_a.dtype != dtype)
         or lora_a.get_device() != device
         # plain tensors only: a sharded (DTensor) or otherwise wrapped factor runs the layer's own op
@@ -217,8 +218,12 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     if run is None:
         return None
     # on the CPU the factors in x's dtype (as the CPU op computes); the CUDA kernels read factors of any
-    # of their dtypes as float32 (lora_group_cuda declines the others)
-    dtype, device, own_dtype = x.dtype, x.get_device(), run is _cpu_group
+    # of their dtypes as float32 (lora_group_cuda declines the others), and under autocast the CUDA group
+    # casts x and the weights to one dtype, whatever theirs (dtype None: not checked)
+    dtype: torch.dtype | None = x.dtype
+    if run is _cuda_group and torch.is_autocast_enabled(x.device.type):
+        dtype = None
+    device, own_dtype = x.get_device(), run is _cpu_group
     own = _member(layer, dtype, device, own_dtype)
     if own is None:
         return None

@@ -466,16 +466,18 @@ def test_layers_fuse_through_the_cuda_group_and_equal_unfused_layers(cuda_groups
     assert getattr(siblings._local, "handout", None) is None  # every hand-out was taken
 
 
-def test_under_autocast_layers_fuse_through_the_cuda_group_and_match_unfused_layers(cuda_groups):
-    """Trainer's bf16=True on a float32 model: the group runs (one node), its outputs bf16 as each layer's
-    under autocast, and its outputs and gradients within bf16 rounding of the unfused layers'."""
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_under_autocast_layers_fuse_through_the_cuda_group_and_match_unfused_layers(cuda_groups, x_dtype):
+    """Trainer's bf16=True on a float32 model: the group runs (one node) -- on a bf16 input too, whose
+    dtype is not the weights' --, its outputs bf16 as each layer's under autocast, and its outputs and
+    gradients within bf16 rounding of the unfused layers'."""
     model = _model()
-    x = torch.randn(2, 5, 16)
+    x = torch.randn(2, 5, 16).to(x_dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert "_CudaGroupFunctionBackward" in autograd_node_names(model(x.requires_grad_()))
         fused, plain = _run(model, x, True), _run(model, x, False)
     assert fused[0].dtype == plain[0].dtype == torch.bfloat16
-    assert fused[1].dtype == torch.float32
+    assert fused[1].dtype == x_dtype
     assert relative_error(fused[0], plain[0]) < 2e-2
     assert relative_error(fused[1], plain[1]) < 2e-2
     assert fused[2].keys() == plain[2].keys()
