@@ -6,6 +6,7 @@ counted on the CPU.
     python benchmarks/cuda_group_host.py --instructions   # and CPU instructions per group (callgrind)
     python benchmarks/cuda_group_host.py --device-work    # and the kernels a GPU would run, at model sizes
     python benchmarks/cuda_group_host.py --model          # and a small Llama's step, fusion off and on
+    python benchmarks/cuda_group_host.py --autocast       # the counts with the forward under bf16 autocast
 
 Three LoRA linears read one x (64 tokens, 1024 -> 1024 each, r = 16, no dropout, float32 adapters); one
 step is their forward and one backward of the three outputs. The kernels go to the null driver of
@@ -19,6 +20,11 @@ host path: Python calls, torch ops, allocations and launches (:func:`cuda_host.c
   the CUDA op, and sibling fusion routed to the CUDA group, both on the null driver): what a model pays,
   the layers' own Python (adapter lookups, eligibility, the leader's hand-out) included;
 * ``frozen``: the three base linears alone (``F.linear``, x's gradient only), for scale.
+
+Under autocast (``--autocast``): the counts of float32 x and weights with each forward under the CPU's
+bf16 autocast, as Trainer's ``bf16=True`` runs a float32 model's forward (on CPU tensors the op follows the
+CPU's autocast as it follows CUDA's on a GPU): each layer's op and the group cast x and the weights to
+bf16 and run as without autocast.
 
 Host time (``--time``): microseconds per group's forward + backward on tiny tensors (8 tokens, 64
 features) on one thread, rounds of each kind interleaved, medians. What it leaves out on a GPU: the
@@ -132,8 +138,12 @@ def _as_on_a_gpu(launcher: object) -> Iterator[None]:
     def runner(x: torch.Tensor) -> Any:
         return siblings._cuda_group
 
+    def no_fallback(x: torch.Tensor, dropout: float) -> None:  # as for CUDA tensors, under autocast too
+        return None
+
     with (
         mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp),
+        mock.patch.object(dispatch, "fallback_reason", no_fallback),
         mock.patch.object(siblings, "_runner", runner),
         mock.patch.object(siblings, "_cuda_launcher", launcher),
     ):
@@ -150,10 +160,12 @@ def group_step(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     outs: tuple[int, ...] | None = None,
+    autocast: bool = False,
 ) -> Callable[[], None]:
     """One forward + backward of LoRA linears reading one x -- q, k and v of ``features`` outputs each, or
     with ``outs`` two (gate and up) or three of those sizes --, as ``kind`` (see the module docstring);
-    the layer kinds must run inside :func:`_as_on_a_gpu`.
+    the layer kinds must run inside :func:`_as_on_a_gpu`. ``autocast``: the forward under bf16 autocast
+    of ``device``.
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -222,7 +234,18 @@ def group_step(
             t.grad = None
         torch.autograd.backward(list(forward()), grads)
 
-    return step
+    if not autocast:
+        return step
+    grads_bf16 = [g.to(torch.bfloat16) for g in grads]  # the outputs' dtype under autocast
+
+    def step_under_autocast() -> None:
+        for t in leaves:
+            t.grad = None
+        with torch.autocast(device, dtype=torch.bfloat16):
+            outputs = forward()
+        torch.autograd.backward(list(outputs), grads_bf16)
+
+    return step_under_autocast
 
 
 # ops that only make views or allocate: no kernel of their own on a CUDA device
@@ -362,15 +385,17 @@ def model_step(kind: str, *, hidden: int = 64, layers: int = 2, seq: int = 16) -
     return step
 
 
-def group_counts(group: str = "q, k, v", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def group_counts(
+    group: str = "q, k, v", dtype: torch.dtype = torch.float32, autocast: bool = False
+) -> dict[str, Any]:
     """:class:`cuda_host.Counts` per forward + backward of ``group`` for each of :data:`KINDS` (64 tokens,
-    1024 features)."""
+    1024 features); ``autocast``: the forwards under bf16 autocast."""
     cuda_host = _cuda_host()
     results = {}
     for kind in KINDS:
         launcher = cuda_host.NullLauncher()
         with _as_on_a_gpu(launcher):
-            step = group_step(kind, launcher, dtype=dtype, outs=_outs(group, 1024))
+            step = group_step(kind, launcher, dtype=dtype, outs=_outs(group, 1024), autocast=autocast)
             results[kind] = cuda_host.count_host_work(step, launcher)
     return results
 
@@ -473,6 +498,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="also a small Llama's training step, sibling fusion off and on (times; with --instructions, callgrind)",
     )
+    parser.add_argument(
+        "--autocast",
+        action="store_true",
+        help="also the counts of float32 x and weights with the forward under bf16 autocast",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -489,6 +519,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"\nhost work per forward + backward of {group}: 64 tokens, 1024 -> {outs}, r=16, x {name}")
             print(cuda_host.counts_table(counts))
             found[name] = {kind: asdict(c) for kind, c in counts.items()}
+        if args.autocast:
+            counts = group_counts(group, torch.float32, autocast=True)
+            outs = " + ".join(map(str, _outs(group, 1024)))
+            print(
+                f"\nhost work per forward + backward of {group}: 64 tokens, 1024 -> {outs}, r=16, x float32,"
+                " forward under bf16 autocast"
+            )
+            print(cuda_host.counts_table(counts))
+            found["autocast"] = {kind: asdict(c) for kind, c in counts.items()}
         if args.time:
             print(f"\nhost time per forward + backward of {group} (us, median), 8 tokens, 64 features, r=16")
             print("| x | " + " | ".join(KINDS) + " |")

@@ -317,7 +317,7 @@ def lora_group_cuda(
     """
     for w, b, a, bb, _, t in members:
         check_inputs(x, w, b, a, bb, t, 0.0, require_cuda=launcher is None)
-    cast = autocast_dtype(x)
+    cast = autocast_dtype(x) if autocast_anywhere() else None
     if cast is not None:  # as F.linear takes them under autocast; the factors as they are
         x = x.to(cast)
         members = [

@@ -593,24 +593,32 @@ def test_ranks_past_the_largest_bucket_run_each_layer_alone(cuda_groups):
 
 # Ceilings per forward + backward of q, k, v (64 tokens, 1024 -> 3 x 1024, r=16, float32 adapters, torch
 # 2.13) for Python calls / C calls / torch ops / allocations, plus a margin. Counted: the group op
-# 152 / 252-254 / 102-104 / 15-17 against 251 / 326 / 108 / 25 for three lora_linear_cuda calls; through
-# the layers 320 / 364-366 / 102-104 / 15-17 against 375 / 383 / 108 / 25.
+# 155 / 255-257 / 102-104 / 15-17 against 263 / 338 / 108 / 25 for three lora_linear_cuda calls; through
+# the layers 302 / 353-355 / 102-104 / 15-17 against 366 / 395 / 108 / 25. Under bf16 autocast (x and
+# weights float32, cast by each op and by the group): the group op 171 / 302 / 124 / 22, the layers
+# 318 / 400 / 124 / 22 against 388 / 489 / 144 / 33.
 GROUP_CEILINGS = {
     "group op": {"python_calls": 158, "c_calls": 262, "torch_ops": 107, "allocations": 18},
-    "group layers": {"python_calls": 330, "c_calls": 372, "torch_ops": 107, "allocations": 18},
+    "group layers": {"python_calls": 310, "c_calls": 362, "torch_ops": 107, "allocations": 18},
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_group_does_less_host_work_than_separate_layers(dtype):
-    counts = group_counts("q, k, v", dtype)
+@pytest.mark.parametrize(
+    ("dtype", "autocast"),
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["float32", "bfloat16", "float32-autocast"],
+)
+def test_a_group_does_less_host_work_than_separate_layers(dtype, autocast):
+    """Counted on the null driver; under bf16 autocast (a float32 model as Trainer's bf16=True runs it)
+    the group runs too, on x and weights cast to bf16 (its ceilings are those without autocast's casts)."""
+    counts = group_counts("q, k, v", dtype, autocast=autocast)
     print(f"\n{dtype}: " + ", ".join(f"{kind}: {c}" for kind, c in counts.items()))
     assert counts["separate ops"].launches == counts["separate layers"].launches == 12
     assert counts["group op"].launches == counts["group layers"].launches == 8
     for field in ("python_calls", "c_calls", "allocations"):
         assert getattr(counts["group op"], field) < getattr(counts["separate ops"], field), field
         assert getattr(counts["group layers"], field) < getattr(counts["separate layers"], field), field
-    for kind, ceilings in GROUP_CEILINGS.items():
+    for kind, ceilings in GROUP_CEILINGS.items() if not autocast else ():
         for field, ceiling in ceilings.items():
             assert getattr(counts[kind], field) <= ceiling, (kind, field, counts[kind])
 
