@@ -14,16 +14,22 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from .harness import Variant, format_table, machine_summary, module_tensors, plain_composition, run_variants
+from .bench_llama import TARGETS
+from .harness import (
+    Variant,
+    add_timing_arguments,
+    benchmark_main,
+    dropout_tables,
+    module_tensors,
+    plain_composition,
+)
 
 __all__ = ["add_arguments", "build_variants", "main", "run"]
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class _Layer(nn.Module):
@@ -99,39 +105,37 @@ def build_variants(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this benchmark (shared with ``loragen bench decoder``)."""
-    parser.add_argument("--dropout", type=float, nargs="+", default=[0.0], help="LoRA dropout values")
-    parser.add_argument("--rounds", type=int, default=100, help="timed interleaved rounds (default 100)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
-    parser.add_argument("--quick", action="store_true", help="hidden 32, seq 8 and 3 rounds: a smoke test")
+    add_timing_arguments(parser, rounds=100, warmup=3, quick="hidden 32, seq 8 and 3 rounds", dropout=[0.0])
+
+
+def _title(shape: Mapping[str, int], p: float) -> str:
+    return (
+        f"one Llama decoder layer (hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
+        f"batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
+        f"forward + backward"
+    )
 
 
 def run(args: argparse.Namespace) -> str:
     """Run the benchmark for every dropout value; returns the Markdown tables."""
-    sizes: dict[str, int] = {}
-    rounds, warmup = args.rounds, args.warmup
-    if args.quick:
-        sizes = {"hidden": 32, "intermediate": 64, "heads": 4, "batch": 2, "seq": 8}
-        rounds, warmup = 3, 1
-    shape = {"hidden": 512, "intermediate": 1376, "batch": 4, "seq": 256, **sizes}
-    tables = [f"machine: {machine_summary()}"]
-    for p in args.dropout:
-        results = run_variants(build_variants(dropout=p, **sizes), rounds, warmup)
-        title = (
-            f"one Llama decoder layer (hidden {shape['hidden']}, intermediate {shape['intermediate']}, "
-            f"batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
-            f"forward + backward"
-        )
-        tables.append(format_table(results, title, ratio_to=["frozen", "peft"]))
-    return "\n\n".join(tables)
+    return dropout_tables(
+        args,
+        build_variants,
+        sizes={"hidden": 512, "intermediate": 1376, "heads": 8, "batch": 4, "seq": 256},
+        quick_sizes={"hidden": 32, "intermediate": 64, "heads": 4, "batch": 2, "seq": 8},
+        title=_title,
+        ratio_to=["frozen", "peft"],
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_decoder", description=__doc__.splitlines()[0]
+    return benchmark_main(
+        argv,
+        prog="python -m benchmarks.bench_decoder",
+        description=__doc__.splitlines()[0],
+        add_arguments=add_arguments,
+        run=run,
     )
-    add_arguments(parser)
-    print(run(parser.parse_args(argv)))
-    return 0
 
 
 if __name__ == "__main__":

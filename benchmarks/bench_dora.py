@@ -19,14 +19,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .bench_llama import TARGETS, _llama
+from .bench_llama import QUICK, QUICK_SIZES, SIZES, TARGETS, _llama, title
 from .harness import (
     Variant,
+    add_timing_arguments,
+    benchmark_main,
     causal_lm_training_variant,
-    format_table,
-    machine_summary,
+    dropout_tables,
     plain_composition,
-    run_variants,
 )
 
 __all__ = ["build_variants", "main", "run"]
@@ -77,57 +77,29 @@ def build_variants(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this benchmark."""
-    parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.05], help="LoRA dropout values")
-    parser.add_argument("--rounds", type=int, default=10, help="timed interleaved rounds (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument(
-        "--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test"
-    )
+    add_timing_arguments(parser, rounds=10, quick=QUICK, dropout=[0.0, 0.05])
 
 
 def run(args: argparse.Namespace) -> str:
     """Run the benchmark for every dropout value; returns the Markdown tables."""
-    sizes: dict[str, int] = {}
-    rounds, warmup = args.rounds, args.warmup
-    if args.quick:
-        sizes = {
-            "hidden": 32,
-            "intermediate": 64,
-            "layers": 2,
-            "heads": 4,
-            "vocab": 100,
-            "batch": 2,
-            "seq": 16,
-        }
-        rounds, warmup = 3, 1
-    shape = sizes or {
-        "hidden": 512,
-        "intermediate": 1376,
-        "layers": 4,
-        "heads": 8,
-        "vocab": 1000,
-        "batch": 4,
-        "seq": 256,
-    }
-    tables = [f"machine: {machine_summary()}"]
-    for p in args.dropout:
-        results = run_variants(build_variants(dropout=p, **sizes), rounds, warmup)
-        title = (
-            f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
-            f"layers, batch {shape['batch']} x seq {shape['seq']}), fp32, DoRA r=16, alpha 32, dropout {p:g}: "
-            f"training step with AdamW"
-        )
-        tables.append(format_table(results, title, ratio_to=["frozen", "peft DoRA"]))
-    return "\n\n".join(tables)
+    return dropout_tables(
+        args,
+        build_variants,
+        sizes=SIZES,
+        quick_sizes=QUICK_SIZES,
+        title=lambda shape, p: title(shape, f"DoRA r=16, alpha 32, dropout {p:g}"),
+        ratio_to=["frozen", "peft DoRA"],
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_dora", description=__doc__.splitlines()[0]
+    return benchmark_main(
+        argv,
+        prog="python -m benchmarks.bench_dora",
+        description=__doc__.splitlines()[0],
+        add_arguments=add_arguments,
+        run=run,
     )
-    add_arguments(parser)
-    print(run(parser.parse_args(argv)))
-    return 0
 
 
 if __name__ == "__main__":

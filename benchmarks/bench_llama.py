@@ -14,16 +14,37 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .harness import Variant, format_table, machine_summary, module_tensors, plain_composition, run_variants
+from .harness import (
+    Variant,
+    add_timing_arguments,
+    benchmark_main,
+    dropout_tables,
+    module_tensors,
+    plain_composition,
+)
 
-__all__ = ["TARGETS", "add_arguments", "build_variants", "main", "run"]
+__all__ = [
+    "QUICK",
+    "QUICK_SIZES",
+    "SIZES",
+    "TARGETS",
+    "add_arguments",
+    "build_variants",
+    "main",
+    "run",
+    "title",
+]
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: The tiny Llama's sizes (:func:`build_variants`' defaults), and those of ``--quick`` (:data:`QUICK`).
+SIZES = {"hidden": 512, "intermediate": 1376, "layers": 4, "heads": 8, "vocab": 1000, "batch": 4, "seq": 256}
+QUICK_SIZES = {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 4, "vocab": 100, "batch": 2, "seq": 16}
+QUICK = "a 2-layer hidden-32 model and 3 rounds"
 
 
 def _llama(hidden: int, intermediate: int, layers: int, heads: int, vocab: int, seq: int) -> nn.Module:
@@ -101,57 +122,37 @@ def build_variants(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this benchmark (shared with ``loragen bench llama``)."""
-    parser.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.05], help="LoRA dropout values")
-    parser.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument(
-        "--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test"
+    add_timing_arguments(parser, rounds=15, quick=QUICK, dropout=[0.0, 0.05])
+
+
+def title(shape: Mapping[str, int], what: str) -> str:
+    """The tiny Llama's table title: its ``shape`` (:data:`SIZES`' keys) and ``what`` trains."""
+    return (
+        f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
+        f"layers, batch {shape['batch']} x seq {shape['seq']}), fp32, {what}: training step with AdamW"
     )
 
 
 def run(args: argparse.Namespace) -> str:
     """Run the benchmark for every dropout value; returns the Markdown tables."""
-    sizes: dict[str, int] = {}
-    rounds, warmup = args.rounds, args.warmup
-    if args.quick:
-        sizes = {
-            "hidden": 32,
-            "intermediate": 64,
-            "layers": 2,
-            "heads": 4,
-            "vocab": 100,
-            "batch": 2,
-            "seq": 16,
-        }
-        rounds, warmup = 3, 1
-    shape = sizes or {
-        "hidden": 512,
-        "intermediate": 1376,
-        "layers": 4,
-        "heads": 8,
-        "vocab": 1000,
-        "batch": 4,
-        "seq": 256,
-    }
-    tables = [f"machine: {machine_summary()}"]
-    for p in args.dropout:
-        results = run_variants(build_variants(dropout=p, **sizes), rounds, warmup)
-        title = (
-            f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
-            f"layers, batch {shape['batch']} x seq {shape['seq']}), fp32, r=16, alpha 32, dropout {p:g}: "
-            f"training step with AdamW"
-        )
-        tables.append(format_table(results, title, ratio_to=["frozen", "peft"]))
-    return "\n\n".join(tables)
+    return dropout_tables(
+        args,
+        build_variants,
+        sizes=SIZES,
+        quick_sizes=QUICK_SIZES,
+        title=lambda shape, p: title(shape, f"r=16, alpha 32, dropout {p:g}"),
+        ratio_to=["frozen", "peft"],
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_llama", description=__doc__.splitlines()[0]
+    return benchmark_main(
+        argv,
+        prog="python -m benchmarks.bench_llama",
+        description=__doc__.splitlines()[0],
+        add_arguments=add_arguments,
+        run=run,
     )
-    add_arguments(parser)
-    print(run(parser.parse_args(argv)))
-    return 0
 
 
 if __name__ == "__main__":

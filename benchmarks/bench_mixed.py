@@ -22,8 +22,17 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .bench_llama import TARGETS, _llama
-from .harness import Result, Variant, format_table, machine_summary, run_variants
+from .bench_llama import QUICK, QUICK_SIZES, SIZES, TARGETS, _llama
+from .harness import (
+    Result,
+    Variant,
+    add_timing_arguments,
+    benchmark_main,
+    format_table,
+    machine_summary,
+    run_variants,
+    timing,
+)
 
 __all__ = ["ADAPTERS", "TARGETS", "build_variants", "main", "run"]
 
@@ -116,30 +125,14 @@ def _above_floor(results: list[Result]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this benchmark."""
-    parser.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument(
-        "--quick", action="store_true", help="a 2-layer hidden-32 model and 3 rounds: a smoke test"
-    )
+    add_timing_arguments(parser, rounds=15, quick=QUICK)
 
 
 def run(args: argparse.Namespace) -> str:
     """Run the benchmark; returns the Markdown table."""
-    sizes: dict[str, int] = {}
-    rounds, warmup = args.rounds, args.warmup
-    if args.quick:
-        sizes = {
-            "hidden": 32,
-            "intermediate": 64,
-            "layers": 2,
-            "heads": 4,
-            "vocab": 100,
-            "batch": 4,
-            "seq": 16,
-        }
-        rounds, warmup = 3, 1
-    shape = sizes or {"hidden": 512, "intermediate": 1376, "layers": 4, "batch": 4, "seq": 256}
-    results = run_variants(build_variants(**sizes), rounds, warmup)
+    sizes = {**QUICK_SIZES, "batch": len(ADAPTERS)} if args.quick else {}
+    shape = {**SIZES, **sizes}
+    results = run_variants(build_variants(**sizes), *timing(args))
     title = (
         f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} layers, "
         f"batch {shape['batch']} x seq {shape['seq']}), fp32, inference: 4 adapters r=16 on all 7 linears, "
@@ -150,12 +143,13 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_mixed", description=__doc__.splitlines()[0]
+    return benchmark_main(
+        argv,
+        prog="python -m benchmarks.bench_mixed",
+        description=__doc__.splitlines()[0],
+        add_arguments=add_arguments,
+        run=run,
     )
-    add_arguments(parser)
-    print(run(parser.parse_args(argv)))
-    return 0
 
 
 if __name__ == "__main__":

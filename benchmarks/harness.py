@@ -17,6 +17,7 @@ is how ``loragen bench --json`` gets the numbers without parsing Markdown.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import contextvars
 import copy
@@ -24,7 +25,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -32,7 +33,10 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "add_timing_arguments",
+    "benchmark_main",
     "causal_lm_training_variant",
+    "dropout_tables",
     "MiB",
     "Recording",
     "Result",
@@ -44,6 +48,7 @@ __all__ = [
     "recording",
     "run_variants",
     "saved_bytes",
+    "timing",
 ]
 
 MiB = float(1 << 20)
@@ -296,3 +301,70 @@ def machine_summary() -> str:
     if active is not None:
         active.machine = line
     return line
+
+
+# ---- the command line of a timed benchmark -------------------------------------------------------------
+
+
+def add_timing_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    rounds: int,
+    warmup: int = 2,
+    quick: str,
+    dropout: Sequence[float] | None = None,
+) -> None:
+    """The options of a benchmark timed by :func:`run_variants`: ``--rounds``, ``--warmup``, ``--quick``
+    (``quick`` says what it shrinks to) and, where ``dropout`` gives its defaults, ``--dropout``."""
+    if dropout is not None:
+        parser.add_argument(
+            "--dropout", type=float, nargs="+", default=list(dropout), help="LoRA dropout values"
+        )
+    parser.add_argument(
+        "--rounds", type=int, default=rounds, help=f"timed interleaved rounds (default {rounds})"
+    )
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed rounds first (default {warmup})")
+    parser.add_argument("--quick", action="store_true", help=f"{quick}: a smoke test")
+
+
+def timing(args: argparse.Namespace) -> tuple[int, int]:
+    """(rounds, warm-up rounds): the options' (:func:`add_timing_arguments`), or 3 and 1 with ``--quick``."""
+    return (3, 1) if args.quick else (args.rounds, args.warmup)
+
+
+def dropout_tables(
+    args: argparse.Namespace,
+    build: Callable[..., list[Variant]],
+    *,
+    sizes: Mapping[str, int],
+    quick_sizes: Mapping[str, int],
+    title: Callable[[Mapping[str, int], float], str],
+    ratio_to: Iterable[str],
+) -> str:
+    """One table per ``--dropout`` value: ``build(dropout=p)`` -- with ``quick_sizes`` as keyword arguments
+    under ``--quick``, ``build``'s own defaults (``sizes``) otherwise -- timed by :func:`run_variants` and
+    titled ``title(shape, p)``; the machine's line first. Returns the Markdown."""
+    override = dict(quick_sizes) if args.quick else {}
+    shape = {**sizes, **override}
+    rounds, warmup = timing(args)
+    tables = [f"machine: {machine_summary()}"]
+    for p in args.dropout:
+        results = run_variants(build(dropout=p, **override), rounds, warmup)
+        tables.append(format_table(results, title(shape, p), ratio_to=ratio_to))
+    return "\n\n".join(tables)
+
+
+def benchmark_main(
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], str],
+) -> int:
+    """A benchmark module's ``main``: its options (``add_arguments``) parsed from ``argv``, and what ``run``
+    returns printed."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    print(run(parser.parse_args(argv)))
+    return 0
