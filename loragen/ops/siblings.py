@@ -132,7 +132,8 @@ class _Handout:
 
     x: weakref.ReferenceType[Tensor]
     version: int
-    modes: tuple[bool, bool]  # gradients on, inference mode: a follower running otherwise computes its own
+    # gradients on, inference mode, autocast on x's device: a follower running otherwise computes its own
+    modes: tuple[bool, bool, bool]
     # id(layer) -> (its output, the member it was computed from, the versions of the member's tensors)
     outputs: dict[int, tuple[Tensor, _Member, tuple[int, int, int, int]]] = field(default_factory=dict)
 
@@ -140,8 +141,12 @@ class _Handout:
 _local = threading.local()
 
 
-def _modes() -> tuple[bool, bool]:
-    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+def _modes(x: Tensor) -> tuple[bool, bool, bool]:
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled(x.device.type),
+    )
 
 
 def _versions(member: _Member) -> tuple[int, int, int, int]:
@@ -238,7 +243,7 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     outputs = run(x, members)
     if outputs is None:
         return None  # no hand-out: every member computes its own
-    handout = _Handout(weakref.ref(x), x._version, _modes())
+    handout = _Handout(weakref.ref(x), x._version, _modes(x))
     for follower, member, y in zip(followers, members[1:], outputs[1:]):
         handout.outputs[id(follower)] = (y, member, _versions(member))
     _local.handout = handout
@@ -251,7 +256,7 @@ def _as_follower(layer: Any, x: Tensor) -> Tensor | None:
     with the very tensors the leader read, at the same versions, and the same scaling. (Their dtypes and
     devices, which the leader checked, come with the tensors' identity.)"""
     handout: _Handout | None = getattr(_local, "handout", None)
-    if handout is None or handout.x() is not x or handout.version != x._version or handout.modes != _modes():
+    if handout is None or handout.x() is not x or handout.version != x._version or handout.modes != _modes(x):
         return None
     entry = handout.outputs.pop(id(layer), None)
     if not handout.outputs:

@@ -546,6 +546,37 @@ def test_a_member_called_with_another_tensor_or_a_modified_one_computes_its_own(
     torch.testing.assert_close(fused, plain, atol=1e-6, rtol=1e-5)
 
 
+def test_a_member_called_outside_the_leaders_autocast_computes_its_own(cuda_groups):
+    """The leader ran under autocast (its hooks enter and leave the region around its call), which made
+    bf16 outputs for every member; k and v, called after the region, compute their own float32 outputs,
+    as they would unfused."""
+    torch.manual_seed(0)
+    model = _model()
+    region = torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def enter(module, args):
+        region.__enter__()
+
+    def leave(module, args, output):
+        region.__exit__(None, None, None)
+
+    model.q.register_forward_pre_hook(enter)
+    model.q.register_forward_hook(leave)
+    outputs = {}
+    for name in ("q", "k", "v"):
+        getattr(model, name).register_forward_hook(lambda m, a, y, name=name: outputs.__setitem__(name, y))
+    x = torch.randn(4, 16)
+    with switches.sibling_fusion.using(True):
+        model(x)
+        fused = dict(outputs)
+    with switches.sibling_fusion.using(False):
+        model(x)
+    assert [fused[n].dtype for n in ("q", "k", "v")] == [torch.bfloat16, torch.float32, torch.float32]
+    assert relative_error(fused["q"], outputs["q"]) < 2e-2  # the group's float32 h against bf16 products
+    for name in ("k", "v"):
+        torch.testing.assert_close(fused[name], outputs[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_a_member_whose_parameters_changed_after_the_leader_ran_computes_its_own(cuda_groups):
     class Bumped(_Attention):
         def forward(self, x):
