@@ -15,7 +15,7 @@ switch             values            what it controls
 fused              True / False      LoRA linears run loragen's fused op (True) or peft's plain composition
 sibling_fusion     True / False      LoRA linears reading one input share one autograd node
 cuda_sibling_     True / False      the same on CUDA tensors, through loragen's kernels (default off: see
-fusion                              docs/cuda.md, "Sibling groups on CUDA")
+fusion                              docs/cuda.md, "Sibling groups on CUDA"; not with cuda_native_host on)
 cuda_native_host   True / False      the CUDA op's per-call host work in C++ (default off: see docs/cuda.md,
                                      "The host path in C++")
 cuda_native_       True / False      that C++ path called from Python directly, not through torch.ops (where

@@ -201,10 +201,19 @@ def _cuda_group(x: Tensor, members: list[_Member]) -> tuple[Tensor, ...] | None:
 
 
 def _runner(x: Tensor) -> _Runner | None:
-    """How a group runs on ``x``: the CPU node, loragen's CUDA group op, or None (each layer alone)."""
+    """How a group runs on ``x``: the CPU node, loragen's CUDA group op, or None (each layer alone).
+
+    With the C++ host path on as well (and built), CUDA groups stay off: each layer's call there costs a
+    fraction of the group's Python host work per member (docs/performance.md), and what the group saves
+    on the device (two passes over x per extra member) is small beside it."""
     if x.is_cpu:
         return None if torch.is_autocast_enabled("cpu") else _cpu_group
     if x.is_cuda and switches.cuda_sibling_fusion.get() and cuda.is_available():
+        if switches.cuda_native_host.get():
+            from loragen.cuda import native_host  # loaded only with both switches on
+
+            if native_host.available():
+                return None
         return _cuda_group
     return None
 

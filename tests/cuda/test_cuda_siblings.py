@@ -827,3 +827,16 @@ def test_cuda_tensors_run_as_groups_only_with_the_cuda_switch_on(monkeypatch):
     assert siblings._runner(x) is None
     with switches.cuda_sibling_fusion.using(True):
         assert siblings._runner(x) is siblings._cuda_group
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_with_the_cpp_host_path_on_cuda_layers_take_it_instead_of_groups(monkeypatch, built):
+    """Both switches on: where the C++ host path is built each layer takes it (its host work per layer is
+    a fraction of a group member's); where it is not, the groups run."""
+    from loragen.cuda import native_host
+
+    monkeypatch.setattr(siblings.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(native_host, "available", lambda: built)
+    x = SimpleNamespace(is_cpu=False, is_cuda=True)
+    with switches.cuda_sibling_fusion.using(True), switches.cuda_native_host.using(True):
+        assert siblings._runner(x) is (None if built else siblings._cuda_group)
