@@ -208,12 +208,13 @@ def run_program(
     block_seed: int = 1,
     env: Mapping[str, str] | None = None,
     what: str | None = None,
+    timeout: float = 600,
 ) -> str:
     """One launch of ``kernel`` in a sanitized build: non-const tensors receive the kernel's writes.
 
     Returns the program's stderr. Raises :class:`SanitizerError` on a report (or any failure), and
     also when the kernel wrote to a ``const`` pointer's buffer. ``what`` names the launch in errors
-    (default: the kernel's name).
+    (default: the kernel's name); ``timeout`` bounds the launch (seconds).
     """
     what = what or kernel
     with tempfile.TemporaryDirectory(prefix="emu-launch-") as work:
@@ -225,7 +226,7 @@ def run_program(
             capture_output=True,
             text=True,
             env=environment,
-            timeout=600,
+            timeout=timeout,
             check=False,
         )
         if done.returncode != 0:
@@ -284,8 +285,9 @@ class EmulatedLauncher:
     """Launches kernels as host threads; ``target_blocks`` is small so tests exercise split grids.
 
     With ``sanitizer`` ("address" or "thread") each launch is a sanitized process of its own, its
-    blocks shuffled with ``block_seed`` (in-process launches read EMU_BLOCK_SEED, default 1).
-    ``edit(kernel name, source)`` may change a rendered kernel before it is built (planted bugs).
+    blocks shuffled with ``block_seed`` (in-process launches read EMU_BLOCK_SEED, default 1), given
+    ``timeout`` seconds. ``edit(kernel name, source)`` may change a rendered kernel before it is built
+    (planted bugs).
     """
 
     def __init__(
@@ -295,6 +297,7 @@ class EmulatedLauncher:
         sanitizer: str | None = None,
         block_seed: int = 1,
         edit: Callable[[str, str], str] | None = None,
+        timeout: float = 600,
     ) -> None:
         if sanitizer not in SANITIZER_FLAGS:
             raise ValueError(f"sanitizer={sanitizer!r}; expected one of {list(SANITIZER_FLAGS)}")
@@ -302,6 +305,7 @@ class EmulatedLauncher:
         self.sanitizer = sanitizer
         self.block_seed = block_seed
         self.edit = edit
+        self.timeout = timeout
         self._target_blocks = target_blocks
         self._builds: dict[tuple[tuple[str, ...], Variant], Path] = {}
         self._libraries: dict[Path, ctypes.CDLL] = {}
@@ -346,7 +350,15 @@ class EmulatedLauncher:
         if self.sanitizer is not None:
             what = f"{spec.name} {variant.label} grid={grid} under {self.sanitizer}"
             run_program(
-                program, spec.name, grid, threads, spec.params, args, block_seed=self.block_seed, what=what
+                program,
+                spec.name,
+                grid,
+                threads,
+                spec.params,
+                args,
+                block_seed=self.block_seed,
+                what=what,
+                timeout=self.timeout,
             )
         else:
             if program not in self._libraries:

@@ -13,6 +13,7 @@ members run alone, outputs are fresh tensors.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -367,6 +368,26 @@ def test_emulated_kernels_group_equals_separate_layers(emulated, rows, k_in, out
     emulated.launches.clear()
     _check_group(x, low, high, emulated, dtype)
     assert sum(name == "lora_down" for name, _, _ in emulated.launches) == 1 + len(outs)  # group + separate
+
+
+def test_the_group_emulation_script_checks_every_pass(emulated, capsys):
+    """scripts/emulate_group_kernels.py (the group's passes at a model's sizes under a sanitizer, by hand:
+    minutes per pass) at tiny sizes without a sanitizer: each pass launched as the group launches it, and
+    within tolerance."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "emulate_group_kernels.py"
+    spec = importlib.util.spec_from_file_location("emulate_group_kernels", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--rows", "45", "--features", "64", "--outs", "64,32,40", "--sanitizer", "none"]
+    argv += ["--target-blocks", "4", "--build-dir", str(emulated.build_dir)]
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    for name, launches in (("down", 1), ("up", 3), ("grad_out", 3), ("grad_in", 1)):
+        (line,) = [line for line in out.splitlines() if line.startswith(f"{name}: ")]
+        assert "(ok)" in line and line.count(f"lora_{name} (") == launches, line
 
 
 @pytest.mark.slow
