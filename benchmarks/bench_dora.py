@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .bench_llama import QUICK, QUICK_SIZES, SIZES, TARGETS, _llama, title
+from .bench_llama import QUICK, QUICK_SIZES, SIZES, TARGETS, _llama, llama_title
 from .harness import (
     Variant,
     add_timing_arguments,
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> str:
         build_variants,
         sizes=SIZES,
         quick_sizes=QUICK_SIZES,
-        title=lambda shape, p: title(shape, f"DoRA r=16, alpha 32, dropout {p:g}"),
+        title=lambda shape, p: llama_title(shape, f"DoRA r=16, alpha 32, dropout {p:g}"),
         ratio_to=["frozen", "peft DoRA"],
     )
 

@@ -37,7 +37,7 @@ __all__ = [
     "build_variants",
     "main",
     "run",
-    "title",
+    "llama_title",
 ]
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -125,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_timing_arguments(parser, rounds=15, quick=QUICK, dropout=[0.0, 0.05])
 
 
-def title(shape: Mapping[str, int], what: str) -> str:
+def llama_title(shape: Mapping[str, int], what: str) -> str:
     """The tiny Llama's table title: its ``shape`` (:data:`SIZES`' keys) and ``what`` trains."""
     return (
         f"tiny Llama (hidden {shape['hidden']}, intermediate {shape['intermediate']}, {shape['layers']} "
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> str:
         build_variants,
         sizes=SIZES,
         quick_sizes=QUICK_SIZES,
-        title=lambda shape, p: title(shape, f"r=16, alpha 32, dropout {p:g}"),
+        title=lambda shape, p: llama_title(shape, f"r=16, alpha 32, dropout {p:g}"),
         ratio_to=["frozen", "peft"],
     )
 
