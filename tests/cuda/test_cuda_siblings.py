@@ -511,8 +511,8 @@ def test_under_autocast_real_architectures_train_through_cuda_groups(cuda_groups
     """Tiny transformers models (their own modeling files: Llama's q/k/v and gate/up, BERT's
     query/key/value, T5's q/k/v), every linear adapted, the forward under bf16 autocast as Trainer's
     ``bf16=True`` runs it, each layer on the CUDA op as on a GPU: the sibling groups run as CUDA group
-    nodes, the logits equal the unfused model's, and every gradient is within bf16 rounding of its (the
-    group rounds each dx once, in float32, where separate layers round each member's term)."""
+    nodes, the logits equal the unfused model's, and every gradient is within bf16 rounding of the unfused
+    model's (the group rounds each dx once, in float32, where separate layers round each member's term)."""
     from loragen.ops import dispatch
     from tests.conftest import TINY_MODELS, tiny_inputs
 
