@@ -125,25 +125,13 @@ class _GateUp(nn.Module):
 def _as_on_a_gpu(launcher: object) -> Iterator[None]:
     """loragen's layers take the CUDA path on CPU tensors: each layer's CUDA op, and sibling fusion's
     CUDA group, on ``launcher``."""
-    from loragen.cuda.linear_op import lora_linear_cuda
-    from loragen.ops import dispatch, siblings
-
-    class _CudaOp:
-        @staticmethod
-        def apply(
-            x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, rng: Any, seed: Any, fifo: bool
-        ) -> Any:
-            return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launcher)  # type: ignore[arg-type]
+    from loragen.ops import siblings
 
     def runner(x: torch.Tensor) -> Any:
         return siblings._cuda_group
 
-    def no_fallback(x: torch.Tensor, dropout: float) -> None:  # as for CUDA tensors, under autocast too
-        return None
-
     with (
-        mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp),
-        mock.patch.object(dispatch, "fallback_reason", no_fallback),
+        _cuda_host().cuda_op_on_cpu_tensors([launcher]),
         mock.patch.object(siblings, "_runner", runner),
         mock.patch.object(siblings, "_cuda_launcher", launcher),
     ):

@@ -86,6 +86,7 @@ __all__ = [
     "count_host_work",
     "count_syncs",
     "counts_table",
+    "cuda_op_on_cpu_tensors",
     "host_counts",
     "host_times",
     "stand_in_device",
@@ -159,6 +160,31 @@ def null_jiterator(device_types: Sequence[str] = ("cuda", "cpu")) -> Iterator[No
     with (
         mock.patch.object(torch_dropout, "JIT_DEVICE_TYPES", frozenset(device_types)),
         mock.patch.dict(torch_dropout._jit_functions, stand_ins),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def cuda_op_on_cpu_tensors(launchers: list[object]) -> Iterator[None]:
+    """Inside, loragen's layers run the CUDA op on ``launchers[0]`` (which the caller may change) where CPU
+    tensors would take the CPU op, under autocast too (as CUDA tensors do; CPU ones would take the
+    composition)."""
+    from loragen.cuda.linear_op import lora_linear_cuda
+    from loragen.ops import dispatch
+
+    class _CudaOp:
+        @staticmethod
+        def apply(
+            x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, rng: Any, seed: Any, fifo: bool
+        ) -> Any:
+            return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launchers[0])  # type: ignore[arg-type]
+
+    def no_fallback(x: Any, dropout: float) -> None:
+        return None
+
+    with (
+        mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp),
+        mock.patch.object(dispatch, "fallback_reason", no_fallback),
     ):
         yield
 

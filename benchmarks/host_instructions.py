@@ -46,9 +46,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -141,30 +140,6 @@ def _module_step(kind: str, launcher: object, dropout: float, autocast: bool = F
     return step
 
 
-@contextlib.contextmanager
-def _cuda_op_on_cpu_tensors(launchers: list[object]) -> Iterator[None]:
-    """loragen's layers run the CUDA op (on ``launchers[0]``, which the caller may change) where CPU
-    tensors would take the CPU op."""
-    from loragen.cuda.linear_op import lora_linear_cuda
-    from loragen.ops import dispatch
-
-    class _CudaOp:
-        @staticmethod
-        def apply(
-            x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, rng: Any, seed: Any, fifo: bool
-        ) -> Any:
-            return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launchers[0])  # type: ignore[arg-type]
-
-    def no_fallback(x: Any, dropout: bool) -> None:
-        """CUDA tensors go to the CUDA op under autocast too (CPU ones would take the composition)."""
-
-    with (
-        mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp),
-        mock.patch.object(dispatch, "fallback_reason", no_fallback),
-    ):
-        yield
-
-
 def _child(steps: int, dropout: float, autocast: bool, kinds: list[str]) -> None:
     """Inside valgrind: run each kind's steps between the instrumentation switches."""
     cuda_host = _cuda_host()
@@ -173,7 +148,7 @@ def _child(steps: int, dropout: float, autocast: bool, kinds: list[str]) -> None
     with contextlib.ExitStack() as stack:
         launcher = stack.enter_context(cuda_host.stand_in_device())
         layers_launcher: list[object] = [launcher]
-        stack.enter_context(_cuda_op_on_cpu_tensors(layers_launcher))
+        stack.enter_context(cuda_host.cuda_op_on_cpu_tensors(layers_launcher))
         stack.enter_context(cuda_host.null_jiterator())
         for kind in kinds:
             native = kind.endswith(_NATIVE)  # the C++ host path, on the stand-in driver

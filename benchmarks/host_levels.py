@@ -144,7 +144,7 @@ def _child(steps: int, dropout: float) -> None:
     torch.set_num_threads(1)
     with contextlib.ExitStack() as stack:
         launcher = stack.enter_context(cuda_host.stand_in_device())
-        stack.enter_context(host_instructions._cuda_op_on_cpu_tensors([launcher]))
+        stack.enter_context(cuda_host.cuda_op_on_cpu_tensors([launcher]))
         stack.enter_context(switches.cuda_native_host.using(True))
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(DEPTH)])
