@@ -9,8 +9,8 @@
 // which leaves out torch.ops' boxing of the arguments. What stays in Python, once per plan: choosing
 // the kernel variant and its launcher (the self-check), the grids, loading the modules. What this file
 // does per call is what the Python path does per call, without the interpreter: the factors' padded
-// float32 copies (kept per parameter, refreshed when the parameter's version or storage changes, or
-// inside a CUDA-graph capture), the output and partial-sum allocations, four launches, the sums.
+// float32 copies (kept per parameter, refreshed when the parameter's version or storage changes, inside
+// a CUDA-graph capture, and after one), the output and partial-sum allocations, four launches, the sums.
 //
 // Driver entry points arrive as addresses (register_plan), so nothing here links against libcuda: on a
 // GPU they are the driver's own; loragen's CPU tests pass a stand-in that runs emulated kernels on CPU
@@ -26,7 +26,6 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
@@ -136,8 +135,10 @@ void launch(const Plan& plan, const Kernel& kernel, void* stream, void** params)
     }
 }
 
-bool capturing(const Plan& plan, void* stream) {
-    if (stream == nullptr || plan.driver.is_capturing == nullptr) return false;
+// Whether x's stream is being captured into a CUDA graph. The legacy default stream (handle 0) cannot be;
+// a CPU tensor (the tests' stand-in driver) asks the driver with no stream.
+bool capturing(const Plan& plan, const at::Tensor& x, void* stream) {
+    if (plan.driver.is_capturing == nullptr || (stream == nullptr && x.is_cuda())) return false;
     int status = 0;
     return plan.driver.is_capturing(stream, &status) == 0 && status != 0;
 }
@@ -146,14 +147,20 @@ bool capturing(const Plan& plan, void* stream) {
 
 // A (r, in) or B^T (r, out) as float32 (R, features), rows r..R-1 zero, one buffer per parameter; the
 // parameter is held weakly, and entries of parameters that are gone are dropped as the table grows.
+// Copied again when the parameter's version or storage changes, inside a CUDA-graph capture, and on every
+// call once a capture has read it (`captured`: a replay changes parameters in place, a captured optimizer
+// step, without moving their version counters). Work queued inside a capture runs only when the graph
+// replays, so the buffer is zeroed again by every call until one outside a capture has done it (`zeroed`).
 struct Factor {
-    Factor(const at::Tensor& t, at::Tensor zeros)
-        : source(t.getIntrusivePtr()), buffer(std::move(zeros)) {}
+    Factor(const at::Tensor& t, at::Tensor storage)
+        : source(t.getIntrusivePtr()), buffer(std::move(storage)) {}
     c10::weak_intrusive_ptr<c10::TensorImpl> source;
     at::Tensor buffer;
     uint32_t version = 0;
     const void* data = nullptr;
     bool filled = false;
+    bool captured = false;
+    bool zeroed = false;
 };
 
 struct FactorKey {
@@ -195,16 +202,22 @@ at::Tensor factor(const at::Tensor& t, const Plan& plan, bool transposed, bool r
         it->second.buffer.size(0) != plan.bucket || it->second.buffer.size(1) != features ||
         it->second.buffer.device() != t.device()) {
         if (factors.size() >= sweep_at) sweep_factors();
-        Factor fresh(t, at::zeros({plan.bucket, features}, t.options().dtype(at::kFloat)));
+        Factor fresh(t, at::empty({plan.bucket, features}, t.options().dtype(at::kFloat)));
         it = factors.insert_or_assign(key, std::move(fresh)).first;
     }
     Factor& entry = it->second;
-    if (refresh || !entry.filled || entry.version != version || entry.data != t.const_data_ptr()) {
+    if (refresh || entry.captured || !entry.filled || entry.version != version ||
+        entry.data != t.const_data_ptr()) {
+        if (!entry.zeroed) {
+            entry.buffer.zero_();
+            entry.zeroed = !refresh;
+        }
         const int64_t rank = transposed ? t.size(1) : t.size(0);
         entry.buffer.narrow(0, 0, rank).copy_(transposed ? t.t() : t);
         entry.version = version;
         entry.data = t.const_data_ptr();
         entry.filled = true;
+        entry.captured = entry.captured || refresh;
     }
     return entry.buffer;
 }
@@ -256,7 +269,7 @@ struct LoraLinear : public torch::autograd::Function<LoraLinear> {
         const at::Tensor bias = maybe_bias.value_or(at::Tensor());
         const at::Tensor rng = maybe_rng.value_or(at::Tensor());
         void* stream = current_stream(x);
-        const bool refresh = capturing(plan, stream);
+        const bool refresh = capturing(plan, x, stream);
         at::Tensor a32 = factor(lora_a, plan, false, refresh);
         at::Tensor bt32 = factor(lora_b, plan, true, refresh);
 

@@ -45,7 +45,8 @@ Host path: the group's plan (the members' :class:`~loragen.cuda.passes.Plan` and
 the block offsets) is kept per (sizes, dtype, device, launcher, switch), as the single-layer op keeps its
 plans (:mod:`loragen.cuda.hostcache`, which also keeps each B^T); the stacked A is kept per group and
 refreshed block by block, only for members whose A changed (``_version``, data pointer), and on every call
-inside a CUDA-graph capture.
+inside a CUDA-graph capture and after one (as :mod:`loragen.cuda.hostcache` keeps each factor). The zero
+columns that pad the dh_i to a bucket are views of zeros kept per (device, width), not per plan.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import torch
 from torch import Tensor
 
 from loragen import switches
-from loragen.cuda import hostcache, kernel_variants, passes
+from loragen.cuda import hostcache, kernel_variants, passes, torch_dropout
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.op_inputs import autocast_anywhere, autocast_dtype, check_inputs, unsupported_reason
 from loragen.cuda.torch_path import runs_on_torch_path
@@ -81,10 +82,10 @@ class _GroupPlan:
     its ``out_features`` set to in: those kernels read no row of length out, so only x's row length
     decides whether their accesses are vectors). ``sizes``: the blocks, and the padding past them when
     their sum is not a bucket; ``block``: the common block width when every block and the padding have
-    one (0 otherwise); ``zeros``: the padding's columns of dh, kept (read, never written).
+    one (0 otherwise); ``pad``: the padding's width (its columns of dh are zeros, :func:`_zero_columns`).
     """
 
-    __slots__ = ("block", "members", "offsets", "sizes", "stacked", "zeros")
+    __slots__ = ("block", "members", "offsets", "pad", "sizes", "stacked")
 
     def __init__(self, x2: Tensor, outs: Sequence[int], ranks: Sequence[int], handle: int) -> None:
         self.members = tuple(hostcache.plan(x2, out, rank, handle) for out, rank in zip(outs, ranks))
@@ -98,7 +99,7 @@ class _GroupPlan:
         pad = self.stacked.variant.rank_bucket - total
         self.sizes = (*blocks, pad) if pad else tuple(blocks)
         self.block = blocks[0] if len(set(self.sizes)) == 1 else 0
-        self.zeros = x2.new_zeros(x2.shape[0], pad, dtype=torch.float32) if pad else None
+        self.pad = pad
 
 
 _plans: dict[tuple[Any, ...], _GroupPlan] = {}
@@ -112,24 +113,51 @@ def _group_plan(x2: Tensor, outs: tuple[int, ...], ranks: tuple[int, ...], handl
     return found
 
 
-class _Stacked:
-    """The stacked A of one group, float32 (R, in), and what each block was copied from."""
+# float32 zeros per (device, width), a power of two of rows, grown as more rows come; the ones outgrown
+# are kept, since a CUDA graph captured with one reads it on every replay (at most as much again)
+_zeros: dict[tuple[torch.device, int], Tensor] = {}
+_outgrown: list[Tensor] = []
 
-    __slots__ = ("buffer", "data_ptrs", "sources", "versions")
+
+def _zero_columns(rows: int, width: int, device: torch.device, in_capture: bool) -> Tensor:
+    """(rows, width) float32 zeros on ``device``, read and never written: a view of the kept zeros (one
+    buffer per device and width, whatever the rows: plans are kept per shape, and a plan holding its own
+    zeros would keep device memory for every sequence length seen), or, inside a CUDA-graph capture
+    that finds them too small, a tensor for that call only (work queued there runs only on replay)."""
+    found = _zeros.get((device, width))
+    if found is None or found.shape[0] < rows:
+        fresh = torch.zeros(1 << max(rows - 1, 0).bit_length(), width, dtype=torch.float32, device=device)
+        if in_capture:
+            return fresh[:rows]
+        if found is not None:
+            _outgrown.append(found)
+        found = _zeros[(device, width)] = fresh
+    return found[:rows]
+
+
+class _Stacked:
+    """The stacked A of one group, float32 (R, in), what each block was copied from, whether a CUDA-graph
+    capture has read each block (copied on every call since), and whether the zero rows have been
+    written outside a capture; as :func:`loragen.cuda.hostcache.factor` keeps one factor."""
+
+    __slots__ = ("buffer", "captured", "data_ptrs", "sources", "versions", "zeroed")
 
     def __init__(self, factors: Sequence[Tensor], buffer: Tensor) -> None:
         self.sources = [weakref.ref(a) for a in factors]
         self.buffer = buffer
         self.versions = [-1] * len(factors)
         self.data_ptrs = [-1] * len(factors)
+        self.captured = [False] * len(factors)
+        self.zeroed = False
 
 
 _stacked: dict[tuple[int, ...], _Stacked] = {}
 
 
-def _stacked_a(factors: Sequence[Tensor], group: _GroupPlan) -> Tensor:
+def _stacked_a(factors: Sequence[Tensor], group: _GroupPlan, in_capture: bool) -> Tensor:
     """``[A_1; ...; A_k]`` as the kernels read it: float32 (R, in), member i's A at rows o_i..o_i+r_i-1,
-    every other row zero; copied block by block, only where a member's A changed since the last call."""
+    every other row zero; copied block by block, only where a member's A changed since the last call
+    (or a capture has read it)."""
     key = tuple(map(id, factors))
     entry = _stacked.get(key)
     bucket, features = group.stacked.variant.rank_bucket, group.stacked.in_features
@@ -139,18 +167,29 @@ def _stacked_a(factors: Sequence[Tensor], group: _GroupPlan) -> Tensor:
         or entry.buffer.shape != (bucket, features)
         or entry.buffer.device != factors[0].device
     ):
-        buffer = torch.zeros(bucket, features, dtype=torch.float32, device=factors[0].device)
+        buffer = torch.empty(bucket, features, dtype=torch.float32, device=factors[0].device)
         entry = _stacked[key] = _Stacked(factors, buffer)
         for a in factors:  # the entry goes with the first member that goes
             weakref.finalize(a, _stacked.pop, key, None)
-    capturing = factors[0].is_cuda and torch.cuda.is_current_stream_capturing()
+    zeroing = not entry.zeroed
+    if zeroing:  # a zero_ inside a capture writes only when the graph replays: every block copied again
+        with torch.no_grad():
+            entry.buffer.zero_()
+        entry.zeroed = not in_capture
     for i, a in enumerate(factors):
-        if capturing or entry.versions[i] != a._version or entry.data_ptrs[i] != a.data_ptr():
+        if (
+            zeroing
+            or in_capture
+            or entry.captured[i]
+            or entry.versions[i] != a._version
+            or entry.data_ptrs[i] != a.data_ptr()
+        ):
             offset = group.offsets[i]
             with torch.no_grad():
                 entry.buffer[offset : offset + a.shape[0]].copy_(a)
             entry.versions[i] = a._version
             entry.data_ptrs[i] = a.data_ptr()
+            entry.captured[i] = entry.captured[i] or in_capture
     return entry.buffer
 
 
@@ -174,9 +213,10 @@ class _CudaGroupFunction(torch.autograd.Function):
         )
         outs = tuple(w.shape[1] if t else w.shape[0] for w, t in zip(weights, transposed))
         x2 = x.reshape(-1, x.shape[-1])
+        in_capture = torch_dropout.capturing(x2.device)
         group = _group_plan(x2, outs, tuple(a.shape[0] for a in factors_a), handle)
         x2 = group.stacked.prepare(x2)
-        stacked_a = _stacked_a(factors_a, group)
+        stacked_a = _stacked_a(factors_a, group, in_capture)
         h_all = passes.down(group.stacked, x2, stacked_a, _NO_DROPOUT)
         k = len(outs)
         if group.block:  # one copy: (R / b, N, b), each h_i a contiguous (N, b) piece of it
@@ -193,7 +233,7 @@ class _CudaGroupFunction(torch.autograd.Function):
         for plan, w, t, bias, b, s, h in zip(
             group.members, weights, transposed, biases, factors_b, scalings, hs
         ):
-            bt = hostcache.factor(b, plan, transpose=True)
+            bt = hostcache.factor(b, plan, True, in_capture)
             y = torch.empty(*lead, plan.out_features, dtype=x.dtype, device=x.device)  # fresh, final shape
             y2 = y.view(plan.rows, plan.out_features)
             passes.add_base(x2, w if t else w.t(), y2)
@@ -252,8 +292,10 @@ class _CudaGroupFunction(torch.autograd.Function):
             if need[at + 1]:
                 result[at + 1] = g2.sum(0)
         if need_dh:
-            if group.zeros is not None:
-                dhs.append(group.zeros)
+            if group.pad:
+                dhs.append(
+                    _zero_columns(x2.shape[0], group.pad, x2.device, torch_dropout.capturing(x2.device))
+                )
             gx, da = passes.grad_in(group.stacked, x2, torch.cat(dhs, dim=1), stacked_a, _NO_DROPOUT, need_x)
             if any(need_a):
                 for i, (a, block) in enumerate(zip(factors_a, da.split(group.sizes))):

@@ -4,7 +4,11 @@
 * plans: the kernel variant and the routed launcher per (sizes, dtype, device, launcher, switch);
 * factors: A and B^T as the kernels read them -- float32, padded to the rank bucket -- one buffer per
   parameter, refreshed only when the parameter's ``_version`` or data pointer changes, and on every call
-  inside a CUDA-graph capture (so that each replay copies the parameters' current values);
+  inside a CUDA-graph capture (so that each replay copies the parameters' current values). A parameter
+  that a capture has read is copied on every call after it too: a replay changes parameters in place (a
+  captured optimizer step) without moving their version counters, so the counter no longer tells. And
+  work queued inside a capture runs only when the graph replays, so a buffer is zeroed again by every
+  call until one outside a capture has done it;
 * dropout constants per probability.
 
 Shapes as in :mod:`loragen.cuda.linear_op`.
@@ -83,23 +87,29 @@ def plan(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
 
 class _Factor:
     """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- kept in one
-    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer)."""
+    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer), or
+    on every call once a CUDA-graph capture has read it (``captured``); ``zeroed``: the padding rows'
+    zeros have been written outside a capture."""
 
-    __slots__ = ("buffer", "data_ptr", "source", "version")
+    __slots__ = ("buffer", "captured", "data_ptr", "source", "version", "zeroed")
 
     def __init__(self, source: Tensor, buffer: Tensor) -> None:
         self.source = weakref.ref(source)
         self.buffer = buffer
         self.version = -1
         self.data_ptr = -1
+        self.captured = False
+        self.zeroed = False
 
 
 _factors: dict[tuple[int, bool], _Factor] = {}
 
 
-def factor(t: Tensor, plan: Plan, transpose: bool) -> Tensor:
+def factor(t: Tensor, plan: Plan, transpose: bool, in_capture: bool) -> Tensor:
     """``t`` (lora_A (r, in), or lora_B (out, r) transposed) as float32 (R, features), padded with zero
-    rows to the rank bucket and 16-byte aligned, from the per-parameter cache."""
+    rows to the rank bucket and 16-byte aligned, from the per-parameter cache; ``in_capture``: the call
+    is being captured into a CUDA graph
+    (:func:`loragen.cuda.torch_dropout.capturing`, asked once per call)."""
     bucket = plan.variant.rank_bucket
     if not transpose and t.dtype == torch.float32 and t.shape[0] == bucket and t.is_contiguous():
         if not plan.variant.aligned or t.data_ptr() % 16 == 0:
@@ -114,16 +124,19 @@ def factor(t: Tensor, plan: Plan, transpose: bool) -> Tensor:
         or entry.buffer.shape[0] != bucket
         or entry.buffer.device != t.device
     ):
-        buffer = torch.zeros(bucket, features, dtype=torch.float32, device=t.device)  # fresh: aligned
+        buffer = torch.empty(bucket, features, dtype=torch.float32, device=t.device)  # fresh: aligned
         entry = _factors[key] = _Factor(t, buffer)
         weakref.finalize(t, _factors.pop, key, None)
-    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing or entry.version != t._version or entry.data_ptr != t.data_ptr():
+    if in_capture or entry.captured or entry.version != t._version or entry.data_ptr != t.data_ptr():
         rank = t.shape[1] if transpose else t.shape[0]
         with torch.no_grad():
+            if not entry.zeroed:  # a zero_ inside a capture writes only when the graph replays
+                entry.buffer.zero_()
+                entry.zeroed = not in_capture
             entry.buffer[:rank].copy_(t.t() if transpose else t)
         entry.version = t._version
         entry.data_ptr = t.data_ptr()
+        entry.captured = entry.captured or in_capture
     return entry.buffer
 
 

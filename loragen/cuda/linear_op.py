@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from loragen import switches
-from loragen.cuda import hostcache, kernel_variants, native_host, passes, torch_path
+from loragen.cuda import hostcache, kernel_variants, native_host, passes, torch_dropout, torch_path
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.op_inputs import autocast_dtype, check_inputs, draw_rng, seed_rng, unsupported_reason
 from loragen.reference import lora_linear_reference
@@ -124,8 +124,9 @@ def _forward(
     x2 = x.reshape(-1, x.shape[-1])
     plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
     x2 = plan.prepare(x2)
-    a32 = hostcache.factor(lora_A, plan, transpose=False)
-    bt32 = hostcache.factor(lora_B, plan, transpose=True)
+    in_capture = torch_dropout.capturing(x2.device)
+    a32 = hostcache.factor(lora_A, plan, False, in_capture)
+    bt32 = hostcache.factor(lora_B, plan, True, in_capture)
     h = passes.down(plan, x2, a32, hostcache.dropout_args(rng, dropout_p))
     # the output in its final shape, written through a 2-D view: no view of it escapes
     out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
@@ -234,8 +235,9 @@ def _backward(
         grad_bb = torch.zeros_like(lora_B) if need_bb else None
         grad_x = x2.new_zeros(x_shape) if need_x else None
     elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
+        in_capture = bt32 is None and torch_dropout.capturing(x2.device)
         if bt32 is None:
-            bt32 = hostcache.factor(lora_B, plan, transpose=True)
+            bt32 = hostcache.factor(lora_B, plan, True, in_capture)
         dh, db = passes.grad_out(plan, g2, h, bt32, scaling)
         if need_bb:  # columns past the rank only when the rank is not a bucket; at most one copy
             grad_bb = db if plan.rank == db.shape[1] else db[:, : plan.rank].contiguous()
@@ -243,7 +245,7 @@ def _backward(
                 grad_bb = grad_bb.to(lora_B.dtype)
         if need_x or need_a:
             if a32 is None:
-                a32 = hostcache.factor(lora_A, plan, transpose=False)
+                a32 = hostcache.factor(lora_A, plan, False, in_capture)
             gx, da = passes.grad_in(plan, x2, dh, a32, hostcache.dropout_args(rng, dropout_p), need_x)
             if need_a:  # rows past the rank only when the rank is not a bucket
                 grad_a = da if plan.rank == da.shape[0] else da[: plan.rank]

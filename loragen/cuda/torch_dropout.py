@@ -50,6 +50,7 @@ __all__ = [
     "KEEP_BITS_SOURCE",
     "KEEP_SOURCE",
     "BlockDropout",
+    "capturing",
     "dropped",
     "group_numbers",
     "group_numbers_and_flags",
@@ -309,7 +310,7 @@ def _stream(device: torch.device) -> int:
     return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
 
 
-def _capturing(device: torch.device) -> bool:
+def capturing(device: torch.device) -> bool:
     """Whether work queued on ``device``'s current stream is being captured into a CUDA graph."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -338,11 +339,11 @@ def group_numbers_and_flags(device: torch.device, groups: int) -> tuple[Tensor, 
     found = _group_views.get((device, stream, groups))
     if found is not None:
         return found
-    capturing = _capturing(device)
+    captured = capturing(device)
     with _counter_lock:
         entry = _counters.get((device, stream))
         if entry is None or entry.counter.numel() < groups:
-            if capturing:  # nothing made here is cached: this capture gets its own aranges
+            if captured:  # nothing made here is cached: this capture gets its own aranges
                 numbers = torch.arange(groups, dtype=torch.int64, device=device).view(groups, 1)
                 return (numbers, *_lanes(device))
             size = max(_MIN_GROUPS, 1 << (groups - 1).bit_length())

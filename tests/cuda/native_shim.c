@@ -1,7 +1,8 @@
 /* A stand-in for the driver entry points loragen's C++ host path calls (loragen/cuda/native_host.py), for
  * the CPU tests: cuLaunchKernel runs the kernel emulated on the host (the "function" is an emulated
  * build's emu_entry, tests/cuda/cuda_emulation.h), the context calls keep one current context per
- * thread and count pushes, and a launch can be made to fail with a chosen error. */
+ * thread and count pushes, a launch can be made to fail with a chosen error, and the stream can be made
+ * to look captured. */
 #include <stddef.h>
 
 typedef void (*emu_entry)(void **args, unsigned grid_x, unsigned grid_y, unsigned threads);
@@ -38,8 +39,10 @@ int shim_pop_current(void **context) {
     return 0;
 }
 
-int shim_is_capturing(void *stream, int *status) { /* CPU tensors pass no stream: never asked */
-    *status = 0;
+static int capturing;
+
+int shim_is_capturing(void *stream, int *status) { /* CPU tensors pass no stream */
+    *status = capturing;
     return 0;
 }
 
@@ -50,5 +53,6 @@ int shim_error_name(int error, const char **name) {
 
 void shim_set_current(void *context) { current = context; }
 void shim_fail_with(int error) { fail_with = error; }
+void shim_set_capturing(int status) { capturing = status; }
 int shim_pushes(void) { return pushes; }
 int shim_launches(void) { return launches; }

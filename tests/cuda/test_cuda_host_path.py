@@ -26,7 +26,7 @@ from loragen._benchmarks.cuda_host import (
     lora_step,
     null_jiterator,
 )
-from loragen.cuda import hostcache, kernel_variants
+from loragen.cuda import hostcache, kernel_variants, torch_dropout
 from loragen.cuda.hostcache import launcher_handle
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.op_inputs import CudaLoraError, draw_rng, seed_rng
@@ -34,9 +34,11 @@ from loragen.cuda.torch_kernels import TorchKernels, rng_values
 from loragen.reference import lora_linear_reference
 
 # Ceilings per forward + backward (64 tokens, 1024 -> 1024, r=16, dropout 0.05), Python calls / C calls /
-# torch ops / allocations, torch 2.13, plus a margin. The kernel path (null driver): 96 / 120 / 39 / 9 for
-# float32 and bfloat16 x, about 30 of those Python calls torch's own (autograd.Function.apply and
-# backward: shape comparisons, generator expressions, a logging level read), whose number moves by a few
+# torch ops / allocations, torch 2.13, plus a margin. The kernel path (null driver): 97 / 123 / 39 / 9 for
+# float32 and bfloat16 x (96 / 123 before the forward asked once whether a CUDA graph is being captured,
+# which on a GPU its two factor lookups asked each), about 30 of those Python calls torch's own
+# (autograd.Function.apply and backward: shape comparisons, generator expressions, a logging level read),
+# whose number moves by a few
 # with torch's version and its internal caches, hence the Python calls' margin (92 / 119 / 39 / 9 on an
 # earlier torch; before grids kept in the plan, the forward's plan, factors and 2-D x handed to
 # backward, no-op casts skipped and the parameter block packed in one call: 139 / 185 / 45 / 9 and
@@ -216,14 +218,14 @@ def test_plan_is_routed_once_per_shape_and_factors_refresh_only_when_the_paramet
     assert launcher.routes == 1  # forward and backward of three steps share one plan
 
     plan = hostcache.plan(x.reshape(-1, 24), 16, 5, launcher_handle(launcher))
-    first = hostcache.factor(a, plan, transpose=False)
-    assert hostcache.factor(a, plan, transpose=False) is first  # one buffer per parameter
+    first = hostcache.factor(a, plan, False, False)
+    assert hostcache.factor(a, plan, False, False) is first  # one buffer per parameter
     assert torch.equal(first[:5], a.detach()) and not first[5:].any()  # padded to the rank bucket
     with torch.no_grad():
         a.mul_(2)  # an optimizer step: _version changes
-    refreshed = hostcache.factor(a, plan, transpose=False)
+    refreshed = hostcache.factor(a, plan, False, False)
     assert refreshed is first and torch.equal(refreshed[:5], a.detach())
-    bt = hostcache.factor(bb, plan, transpose=True)
+    bt = hostcache.factor(bb, plan, True, False)
     assert bt.shape == (8, 16) and torch.equal(bt[:5], bb.detach().t())
     # the result follows the change too
     want = lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False)
@@ -235,17 +237,55 @@ def test_a_float32_factor_at_the_bucket_rank_is_used_without_a_copy():
     x, _w, _b, _, _ = _inputs()
     a = torch.randn(8, 24)  # r = 8 is its own bucket
     plan = hostcache.plan(x.detach().reshape(-1, 24), 16, 8, launcher_handle(TorchKernels()))
-    assert hostcache.factor(a, plan, transpose=False).data_ptr() == a.data_ptr()
+    assert hostcache.factor(a, plan, False, False).data_ptr() == a.data_ptr()
 
 
 def test_factor_cache_entry_goes_with_its_parameter():
     x, _w, _b, a, _bb = _inputs()
     plan = hostcache.plan(x.detach().reshape(-1, 24), 16, 5, launcher_handle(TorchKernels()))
-    hostcache.factor(a, plan, transpose=False)
+    hostcache.factor(a, plan, False, False)
     key = (id(a), False)
     assert key in hostcache._factors
     del a
     assert key not in hostcache._factors
+
+
+def test_a_factor_a_capture_has_read_is_copied_on_every_call_after_it(monkeypatch):
+    """A CUDA graph's replay changes parameters in place without moving their version counters (a captured
+    optimizer step), so once a capture has read a factor every call copies it again: an eager call after
+    replays computes with the values the replays left. (Changes through ``.data`` stand in for a replay's:
+    they do not move the version counter either.)"""
+    launcher = TorchKernels(whole_op=False)  # the four passes, through the cached factors
+    x, w, b, a, bb = _inputs()
+    lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)  # cached outside any capture
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
+    lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: False)
+    for step in range(2):
+        versions = a._version, bb._version
+        a.data.mul_(-2.0)
+        bb.data.add_(1.0)
+        assert (a._version, bb._version) == versions
+        got = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)
+        torch.testing.assert_close(got, lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False), msg=str(step))
+
+
+def test_a_factor_buffer_made_inside_a_capture_is_zeroed_until_a_call_outside_one_does_it():
+    """Work queued inside a CUDA-graph capture runs only when the graph replays, so a factor buffer first
+    made there has no zeros yet; each call inside a capture queues the zeroing again (a graph may replay
+    alone), and the first call outside one writes it. (Inside a real capture the fill does not run; NaN
+    stands in for what the buffer holds then.)"""
+    x, _w, _b, _a, bb = _inputs()
+    plan = hostcache.plan(x.detach().reshape(-1, 24), 16, 5, launcher_handle(TorchKernels()))
+    buffer = hostcache.factor(bb, plan, True, in_capture=True)
+    entry = hostcache._factors[(id(bb), True)]
+    assert buffer.shape == (8, 16) and not entry.zeroed and entry.captured
+    buffer[5:] = float("nan")
+    assert hostcache.factor(bb, plan, True, in_capture=True) is buffer
+    assert not buffer[5:].any() and not entry.zeroed
+    buffer[5:] = float("nan")
+    assert hostcache.factor(bb, plan, True, in_capture=False) is buffer
+    assert entry.zeroed and not buffer[5:].any() and torch.equal(buffer[:5], bb.detach().t())
 
 
 def test_backward_refuses_a_factor_changed_after_the_forward():

@@ -22,6 +22,7 @@ from loragen.cuda import hostcache, native_host, specs
 from loragen.cuda.launch import NativeKernels
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.op_inputs import CudaLoraError
+from loragen.reference import lora_linear_reference
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder, variant_of
 from tests.cuda.lora_reference import make_inputs
 
@@ -40,6 +41,7 @@ def shim(tmp_path_factory) -> ctypes.CDLL:
     subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-o", str(built), str(source)], check=True)
     library = ctypes.CDLL(str(built))
     library.shim_set_current.argtypes = [ctypes.c_void_p]
+    library.shim_set_capturing.argtypes = [ctypes.c_int]
     return library
 
 
@@ -188,6 +190,30 @@ def test_backward_refuses_a_factor_changed_after_the_forward(launcher):
         a.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_after_a_capture_the_factors_are_copied_on_every_call(launcher, shim):
+    """A CUDA graph's replay changes parameters in place without moving their version counters (a captured
+    optimizer step): once a capture (the stand-in driver's cuStreamIsCapturing saying so) has read the
+    factors, every call copies them again, so an eager call after replays computes with the values the
+    replays left (``.data`` changes stand in for a replay's: they do not move the counter either)."""
+    inputs, _ = make_inputs(16, 40, 24, 5, torch.float32)
+    x, w, b, a, bb = (t.detach().clone() for t in inputs)
+    with switches.cuda_native_host.using(True):
+        lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+        shim.shim_set_capturing(1)
+        try:
+            lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+        finally:
+            shim.shim_set_capturing(0)
+        for step in range(2):
+            versions = a._version, bb._version
+            a.data.mul_(-2.0)
+            bb.data.add_(1.0)
+            assert (a._version, bb._version) == versions
+            got = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+            want = lora_linear_reference(x, w, b, a, bb, 1.0, 0.0, False)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(step))
 
 
 def test_factor_cache_drops_the_entries_of_parameters_that_are_gone(launcher):

@@ -26,13 +26,14 @@ import loragen
 from loragen import switches
 from loragen._benchmarks.cuda_group_host import device_work, group_counts, group_step
 from loragen._benchmarks.cuda_host import NullLauncher, SyncRecorder
-from loragen.cuda import group_op, specs
+from loragen.cuda import group_op, specs, torch_dropout
 from loragen.cuda.group_op import group_reason, lora_group_cuda
 from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.op_inputs import CudaLoraError
 from loragen.cuda.torch_kernels import TorchKernels
 from loragen.ops import siblings
+from loragen.reference import lora_linear_reference
 from loragen.sibling_planning import fused_groups
 from tests.conftest import autograd_node_names
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder
@@ -311,6 +312,80 @@ def test_the_stacked_factor_is_kept_and_refreshed_when_a_member_changes():
 
     gc.collect()
     assert buffer.shape == (32, 16) and not any(e.buffer is buffer for e in group_op._stacked.values())
+
+
+def test_after_a_capture_the_group_copies_its_factors_on_every_call(monkeypatch):
+    """A CUDA graph's replay changes parameters in place without moving their version counters (a captured
+    optimizer step): once a capture has read a group's stacked A and its B^T buffers, every call copies
+    them again, so an eager call after replays computes with the values the replays left (``.data``
+    changes stand in for a replay's: they do not move the counter either)."""
+    low, _ = _members(16, [8, 12], [3, 8], torch.float32)
+    x = torch.randn(6, 16)
+    lora_group_cuda(x, low, launcher=TORCH_PATH)
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
+    lora_group_cuda(x, low, launcher=TORCH_PATH)
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: False)
+    for step in range(2):
+        for _w, _b, a, bb, _, _ in low:
+            a.data.mul_(-2.0)
+            bb.data.add_(1.0)
+        got = lora_group_cuda(x, low, launcher=TORCH_PATH)
+        for y, (w, b, a, bb, s, _) in zip(got, low):
+            want = lora_linear_reference(x, w, b, a, bb, s, 0.0, False)
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=str(step))
+
+
+def test_a_stacked_factor_made_inside_a_capture_gets_its_zeros_outside_it(monkeypatch):
+    """Work queued inside a CUDA-graph capture runs only when the graph replays: a stacked A made there is
+    zeroed again by each call until one outside a capture has done it. (Inside a real capture the fill
+    does not run; NaN stands in for what the buffer holds then.)"""
+    low, _ = _members(16, [8, 8, 8], [8, 8, 8], torch.float32)  # blocks of 8: 24 rows, bucket 32
+    x = torch.randn(5, 16, requires_grad=True)
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
+    lora_group_cuda(x, low, launcher=TORCH_PATH)
+    entry = group_op._stacked[tuple(id(m[2]) for m in low)]
+    assert not entry.zeroed and all(entry.captured)
+    entry.buffer[24:] = float("nan")
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: False)
+    got = lora_group_cuda(x, low, launcher=TORCH_PATH)
+    assert entry.zeroed and not entry.buffer[24:].any()
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(y.shape, generator=gen) for y in got]
+    torch.autograd.backward(got, grads)
+    group_grad = x.grad
+    x.grad = None
+    separate = [lora_linear_cuda(x, *m[:4], m[4], 0.0, True, launcher=TORCH_PATH) for m in low]
+    torch.autograd.backward(separate, grads)
+    for y, want in zip(got, separate):
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(group_grad, x.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_the_zero_columns_of_dh_are_kept_per_width_not_per_sequence_length(monkeypatch):
+    """Plans are kept per shape, so zeros held by each plan would keep device memory for every sequence
+    length a run meets: the padding columns are views of one buffer per (device, width) instead, grown to
+    a power of two of rows; the outgrown ones stay (a captured graph may read them), and a capture that
+    finds the buffer too small gets zeros of its own, kept nowhere."""
+    monkeypatch.setattr(group_op, "_zeros", {})
+    monkeypatch.setattr(group_op, "_outgrown", [])
+    low, _ = _members(16, [8, 8, 8], [8, 8, 8], torch.float32)  # 24 rows of A, bucket 32: 8 zero columns
+    for rows in (3, 5, 7, 8):  # 4 rows of zeros, then 8
+        x = torch.randn(rows, 16, requires_grad=True)
+        outputs = lora_group_cuda(x, low, launcher=TORCH_PATH)
+        torch.autograd.backward(outputs, [torch.ones_like(y) for y in outputs])
+        alone = [lora_linear_cuda(x, *m[:4], m[4], 0.0, True, launcher=TORCH_PATH) for m in low]
+        want = torch.autograd.grad(alone, x, [torch.ones_like(y) for y in alone])[0]
+        torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-5)
+    (kept,) = group_op._zeros.values()
+    assert kept.shape == (8, 8) and not kept.any()
+    assert [t.shape for t in group_op._outgrown] == [(4, 8)]
+    in_capture = group_op._zero_columns(20, 8, torch.device("cpu"), in_capture=True)
+    assert in_capture.shape == (20, 8) and group_op._zeros[(torch.device("cpu"), 8)] is kept
+    view = group_op._zero_columns(6, 8, torch.device("cpu"), in_capture=False)
+    assert view.shape == (6, 8) and view.data_ptr() == kept.data_ptr()
+    grown = group_op._zero_columns(9, 8, torch.device("cpu"), in_capture=False)
+    assert grown.shape == (9, 8) and group_op._zeros[(torch.device("cpu"), 8)].shape == (16, 8)
+    assert group_op._outgrown[-1] is kept
 
 
 def test_groups_the_kernels_cannot_take_are_declined():

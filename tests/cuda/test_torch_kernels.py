@@ -509,13 +509,13 @@ def test_group_numbers_inside_a_capture_make_nothing_for_the_cache(monkeypatch):
     serves it."""
     monkeypatch.setattr(torch_dropout, "_counters", {})
     monkeypatch.setattr(torch_dropout, "_group_views", {})
-    monkeypatch.setattr(torch_dropout, "_capturing", lambda device: True)
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
     groups, lanes = torch_dropout.group_numbers(CPU, 7)
     assert torch.equal(groups.view(-1), torch.arange(7)) and torch.equal(lanes, torch.arange(8.0))
     assert torch_dropout._counters == {} and torch_dropout._group_views == {}
-    monkeypatch.setattr(torch_dropout, "_capturing", lambda device: False)
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: False)
     before, before_lanes = torch_dropout.group_numbers(CPU, 7)  # made outside the capture
-    monkeypatch.setattr(torch_dropout, "_capturing", lambda device: True)
+    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
     inside, inside_lanes = torch_dropout.group_numbers(CPU, 9)
     assert inside.data_ptr() == before.data_ptr() and inside_lanes is before_lanes
     huge, _ = torch_dropout.group_numbers(CPU, torch_dropout._MIN_GROUPS + 1)  # would need a bigger counter
