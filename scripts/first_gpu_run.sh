@@ -24,8 +24,9 @@
 #   system.txt      date, kernel, nvidia-smi (and -q), Python, torch, CUDA, NVRTC, cuda-bindings, pip list
 #   install.txt     what was missing and how it was installed
 #   selfcheck.json  every kernel variant's self-check on this GPU: "ok" or the reason it falls back
-#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py, test_torch_kernels_gpu.py and
-#                   test_cuda_siblings.py (+ the self-check, launch and host-path tests)
+#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py, test_torch_kernels_gpu.py,
+#                   test_cuda_siblings.py and test_cuda_graphed_model.py (+ the self-check, launch and
+#                   host-path tests)
 #   bench.txt       benchmarks/bench_cuda.py's tables
 #   bench.json      the same numbers as JSON
 #   torchbench.txt  bench_cuda.py's small-layer and model parts on the torch path (LORAGEN_CUDA_KERNELS=torch)
@@ -198,7 +199,7 @@ EOF
 tests() {
     "$PYTHON" -m pytest -rA -p no:cacheprovider tests/cuda/test_cuda_gpu.py tests/cuda/test_torch_kernels_gpu.py \
         tests/cuda/test_cuda_siblings.py tests/cuda/test_cuda_selfcheck.py tests/cuda/test_cuda_launch.py \
-        tests/cuda/test_cuda_host_path.py tests/cuda/test_cuda_bench.py \
+        tests/cuda/test_cuda_host_path.py tests/cuda/test_cuda_bench.py tests/cuda/test_cuda_graphed_model.py \
         2>&1 | tee "$RESULTS/tests.txt"
     return "${PIPESTATUS[0]}"
 }
