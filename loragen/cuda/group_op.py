@@ -46,7 +46,7 @@ the block offsets) is kept per (sizes, dtype, device, launcher, switch), as the 
 plans (:mod:`loragen.cuda.hostcache`, which also keeps each B^T); the stacked A is kept per group and
 refreshed block by block, only for members whose A changed (``_version``, data pointer), and on every call
 inside a CUDA-graph capture and after one (as :mod:`loragen.cuda.hostcache` keeps each factor). The zero
-columns that pad the dh_i to a bucket are views of zeros kept per (device, width), not per plan.
+columns that pad the dh_i to a bucket are views of zeros kept per (device, stream, width), not per plan.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from loragen import switches
-from loragen.cuda import hostcache, kernel_variants, passes, torch_dropout
+from loragen.cuda import hostcache, kernel_variants, passes, streams
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.op_inputs import autocast_anywhere, autocast_dtype, check_inputs, unsupported_reason
 from loragen.cuda.torch_path import runs_on_torch_path
@@ -113,25 +113,27 @@ def _group_plan(x2: Tensor, outs: tuple[int, ...], ranks: tuple[int, ...], handl
     return found
 
 
-# float32 zeros per (device, width), a power of two of rows, grown as more rows come; the ones outgrown
-# are kept, since a CUDA graph captured with one reads it on every replay (at most as much again)
-_zeros: dict[tuple[torch.device, int], Tensor] = {}
+# float32 zeros per (device, stream, width), a power of two of rows, grown as more rows come; the ones
+# outgrown are kept, since a CUDA graph captured with one reads it on every replay (at most as much again)
+_zeros: dict[tuple[torch.device, int, int], Tensor] = {}
 _outgrown: list[Tensor] = []
 
 
 def _zero_columns(rows: int, width: int, device: torch.device, in_capture: bool) -> Tensor:
     """(rows, width) float32 zeros on ``device``, read and never written: a view of the kept zeros (one
-    buffer per device and width, whatever the rows: plans are kept per shape, and a plan holding its own
-    zeros would keep device memory for every sequence length seen), or, inside a CUDA-graph capture
-    that finds them too small, a tensor for that call only (work queued there runs only on replay)."""
-    found = _zeros.get((device, width))
+    buffer per device, stream and width, whatever the rows: plans are kept per shape, and a plan holding
+    its own zeros would keep device memory for every sequence length seen; per stream, so that no stream
+    reads zeros whose fill another stream has only queued), or, inside a CUDA-graph capture that finds
+    them too small, a tensor for that call only (work queued there runs only on replay)."""
+    key = (device, streams.current_handle(device), width)
+    found = _zeros.get(key)
     if found is None or found.shape[0] < rows:
         fresh = torch.zeros(1 << max(rows - 1, 0).bit_length(), width, dtype=torch.float32, device=device)
         if in_capture:
             return fresh[:rows]
         if found is not None:
             _outgrown.append(found)
-        found = _zeros[(device, width)] = fresh
+        found = _zeros[key] = fresh
     return found[:rows]
 
 
@@ -213,7 +215,7 @@ class _CudaGroupFunction(torch.autograd.Function):
         )
         outs = tuple(w.shape[1] if t else w.shape[0] for w, t in zip(weights, transposed))
         x2 = x.reshape(-1, x.shape[-1])
-        in_capture = torch_dropout.capturing(x2.device)
+        in_capture = streams.capturing(x2.device)
         group = _group_plan(x2, outs, tuple(a.shape[0] for a in factors_a), handle)
         x2 = group.stacked.prepare(x2)
         stacked_a = _stacked_a(factors_a, group, in_capture)
@@ -240,7 +242,8 @@ class _CudaGroupFunction(torch.autograd.Function):
             passes.up(plan, h, bt, bias, s, y2)
             bts.append(bt)
             ys.append(y)
-        ctx.static, ctx.prepared = static, (group, stacked_a, bts, x.shape)
+        zeros = _zero_columns(group.stacked.rows, group.pad, x2.device, in_capture) if group.pad else None
+        ctx.static, ctx.prepared = static, (group, stacked_a, bts, zeros, x.shape)
         ctx.set_materialize_grads(False)  # an output nobody used gets None: its member's terms are skipped
         ctx.save_for_backward(x2, *weights, *factors_a, *factors_b, *hs)
         return tuple(ys)
@@ -259,7 +262,7 @@ class _CudaGroupFunction(torch.autograd.Function):
         scalings, transposed, _ = ctx.static
         # the stacked A and the B^T buffers as forward read them: they cannot have changed since, as the
         # parameters they copy are saved (autograd refuses a backward after an in-place change)
-        group, stacked_a, bts, x_shape = ctx.prepared
+        group, stacked_a, bts, zeros, x_shape = ctx.prepared
         k = len(scalings)
         x2, *saved = ctx.saved_tensors
         weights, factors_a, factors_b, hs = saved[:k], saved[k : 2 * k], saved[2 * k : 3 * k], saved[3 * k :]
@@ -292,10 +295,8 @@ class _CudaGroupFunction(torch.autograd.Function):
             if need[at + 1]:
                 result[at + 1] = g2.sum(0)
         if need_dh:
-            if group.pad:
-                dhs.append(
-                    _zero_columns(x2.shape[0], group.pad, x2.device, torch_dropout.capturing(x2.device))
-                )
+            if zeros is not None:
+                dhs.append(zeros)
             gx, da = passes.grad_in(group.stacked, x2, torch.cat(dhs, dim=1), stacked_a, _NO_DROPOUT, need_x)
             if any(need_a):
                 for i, (a, block) in enumerate(zip(factors_a, da.split(group.sizes))):

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from loragen.cuda import streams
 from loragen.cuda.cache import KernelCache, default_cache
 from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.render import render_kernel
@@ -358,7 +359,7 @@ class DriverLauncher:
             record = self._record(spec, variant, index, key)
         record.fill(args)
         get_current, launch_kernel, success = self._calls
-        stream = _raw_stream(index)
+        stream = streams.raw_handle(index)
         if get_current()[1] == record.context:
             status = launch_kernel(
                 record.function,
@@ -401,15 +402,6 @@ class DriverLauncher:
             yield
         finally:
             self._check(driver.cuCtxPopCurrent(), "cuCtxPopCurrent", kernel)
-
-
-def _raw_stream(index: int) -> int:
-    """PyTorch's current stream on device ``index`` as the driver's handle (an int), without building a
-    ``torch.cuda.Stream`` object where PyTorch offers the raw handle."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(index))
-    return int(torch.cuda.current_stream(index).cuda_stream)
 
 
 def _index(device: torch.device) -> int:

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from loragen import switches
-from loragen.cuda import hostcache, kernel_variants, native_host, passes, torch_dropout, torch_path
+from loragen.cuda import hostcache, kernel_variants, native_host, passes, streams, torch_path
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.op_inputs import autocast_dtype, check_inputs, draw_rng, seed_rng, unsupported_reason
 from loragen.reference import lora_linear_reference
@@ -124,7 +124,7 @@ def _forward(
     x2 = x.reshape(-1, x.shape[-1])
     plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
     x2 = plan.prepare(x2)
-    in_capture = torch_dropout.capturing(x2.device)
+    in_capture = streams.capturing(x2.device)
     a32 = hostcache.factor(lora_A, plan, False, in_capture)
     bt32 = hostcache.factor(lora_B, plan, True, in_capture)
     h = passes.down(plan, x2, a32, hostcache.dropout_args(rng, dropout_p))
@@ -235,7 +235,7 @@ def _backward(
         grad_bb = torch.zeros_like(lora_B) if need_bb else None
         grad_x = x2.new_zeros(x_shape) if need_x else None
     elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
-        in_capture = bt32 is None and torch_dropout.capturing(x2.device)
+        in_capture = bt32 is None and streams.capturing(x2.device)
         if bt32 is None:
             bt32 = hostcache.factor(lora_B, plan, True, in_capture)
         dh, db = passes.grad_out(plan, g2, h, bt32, scaling)

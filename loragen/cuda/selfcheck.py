@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from loragen import philox, switches
-from loragen.cuda import passes
+from loragen.cuda import passes, streams
 from loragen.cuda.isolated import DRIVER_LAUNCHER, check_in_child
 from loragen.cuda.kernel_variants import Variant, rank_bucket
 from loragen.cuda.launch import CudaDriverError, KernelLauncher, NativeKernels, default_launcher
@@ -313,7 +313,7 @@ class CheckedLauncher:
         key = (variant, str(device))
         with self._lock:
             if key not in self._outcomes:
-                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                if streams.capturing(device):
                     raise RuntimeError(
                         f"loragen.cuda: kernel variant {variant.label} is used for the first time on {device} "
                         "while a CUDA graph is being captured; run one step before capturing (as PyTorch's "

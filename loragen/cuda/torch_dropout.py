@@ -43,6 +43,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from loragen.cuda import streams
+
 __all__ = [
     "APPLY_PAIR_SOURCE",
     "APPLY_SOURCE",
@@ -50,7 +52,6 @@ __all__ = [
     "KEEP_BITS_SOURCE",
     "KEEP_SOURCE",
     "BlockDropout",
-    "capturing",
     "dropped",
     "group_numbers",
     "group_numbers_and_flags",
@@ -303,18 +304,6 @@ _group_views: dict[tuple[torch.device, int, int], tuple[Tensor, Tensor, Tensor]]
 _counter_lock = threading.Lock()
 
 
-def _stream(device: torch.device) -> int:
-    """The current stream of CUDA ``device`` as its raw handle, without making a ``torch.cuda.Stream``."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(raw(index)) if raw is not None else int(torch.cuda.current_stream(index).cuda_stream)
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether work queued on ``device``'s current stream is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _lanes(device: torch.device) -> tuple[Tensor, Tensor]:
     """Lane numbers 0 .. 7 (float32) and the keep-flag table (bool (256, 8), row b the bits of b), made on
     ``device``'s current stream."""
@@ -335,11 +324,11 @@ def group_numbers(device: torch.device, groups: int) -> tuple[Tensor, Tensor]:
 def group_numbers_and_flags(device: torch.device, groups: int) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`group_numbers`, and a bool (256, 8) table whose row b holds the 8 bits of b: a group's keep
     bits (:data:`KEEP_BITS_SOURCE`) looked up in it give the group's 8 keep flags."""
-    stream = _stream(device) if device.type == "cuda" else 0
+    stream = streams.current_handle(device)
     found = _group_views.get((device, stream, groups))
     if found is not None:
         return found
-    captured = capturing(device)
+    captured = streams.capturing(device)
     with _counter_lock:
         entry = _counters.get((device, stream))
         if entry is None or entry.counter.numel() < groups:

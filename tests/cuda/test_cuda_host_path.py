@@ -26,7 +26,7 @@ from loragen._benchmarks.cuda_host import (
     lora_step,
     null_jiterator,
 )
-from loragen.cuda import hostcache, kernel_variants, torch_dropout
+from loragen.cuda import hostcache, kernel_variants, streams
 from loragen.cuda.hostcache import launcher_handle
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.op_inputs import CudaLoraError, draw_rng, seed_rng
@@ -258,9 +258,9 @@ def test_a_factor_a_capture_has_read_is_copied_on_every_call_after_it(monkeypatc
     launcher = TorchKernels(whole_op=False)  # the four passes, through the cached factors
     x, w, b, a, bb = _inputs()
     lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)  # cached outside any capture
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
+    monkeypatch.setattr(streams, "capturing", lambda device: True)
     lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: False)
+    monkeypatch.setattr(streams, "capturing", lambda device: False)
     for step in range(2):
         versions = a._version, bb._version
         a.data.mul_(-2.0)

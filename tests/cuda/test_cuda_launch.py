@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loragen.cuda import kernel_variants, launch, specs
+from loragen.cuda import kernel_variants, launch, specs, streams
 from loragen.cuda.cache import KernelCache
 from loragen.cuda.nvrtc import CompiledKernel
 from tests.cuda.fake_driver import FakeDriver
@@ -33,7 +33,7 @@ def fake(monkeypatch, tmp_path):
     # the stream handle the launch passes comes from torch.cuda.current_stream, patched above (and by tests
     # that switch streams): a CUDA build of torch would otherwise ask the real device, where cuda:1 may
     # not exist
-    monkeypatch.setattr(launch, "_raw_stream", lambda index: torch.cuda.current_stream(index).cuda_stream)
+    monkeypatch.setattr(streams, "raw_handle", lambda index: torch.cuda.current_stream(index).cuda_stream)
 
     def compiler(kernel, arch):
         return CompiledKernel(kernel.name, arch, f"cubin for {kernel.name} {arch}".encode(), "")

@@ -26,7 +26,7 @@ import loragen
 from loragen import switches
 from loragen._benchmarks.cuda_group_host import device_work, group_counts, group_step
 from loragen._benchmarks.cuda_host import NullLauncher, SyncRecorder
-from loragen.cuda import group_op, specs, torch_dropout
+from loragen.cuda import group_op, specs, streams
 from loragen.cuda.group_op import group_reason, lora_group_cuda
 from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.linear_op import lora_linear_cuda
@@ -322,9 +322,9 @@ def test_after_a_capture_the_group_copies_its_factors_on_every_call(monkeypatch)
     low, _ = _members(16, [8, 12], [3, 8], torch.float32)
     x = torch.randn(6, 16)
     lora_group_cuda(x, low, launcher=TORCH_PATH)
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
+    monkeypatch.setattr(streams, "capturing", lambda device: True)
     lora_group_cuda(x, low, launcher=TORCH_PATH)
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: False)
+    monkeypatch.setattr(streams, "capturing", lambda device: False)
     for step in range(2):
         for _w, _b, a, bb, _, _ in low:
             a.data.mul_(-2.0)
@@ -341,12 +341,12 @@ def test_a_stacked_factor_made_inside_a_capture_gets_its_zeros_outside_it(monkey
     does not run; NaN stands in for what the buffer holds then.)"""
     low, _ = _members(16, [8, 8, 8], [8, 8, 8], torch.float32)  # blocks of 8: 24 rows, bucket 32
     x = torch.randn(5, 16, requires_grad=True)
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
+    monkeypatch.setattr(streams, "capturing", lambda device: True)
     lora_group_cuda(x, low, launcher=TORCH_PATH)
     entry = group_op._stacked[tuple(id(m[2]) for m in low)]
     assert not entry.zeroed and all(entry.captured)
     entry.buffer[24:] = float("nan")
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: False)
+    monkeypatch.setattr(streams, "capturing", lambda device: False)
     got = lora_group_cuda(x, low, launcher=TORCH_PATH)
     assert entry.zeroed and not entry.buffer[24:].any()
     gen = torch.Generator().manual_seed(1)
@@ -361,9 +361,9 @@ def test_a_stacked_factor_made_inside_a_capture_gets_its_zeros_outside_it(monkey
     torch.testing.assert_close(group_grad, x.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_the_zero_columns_of_dh_are_kept_per_width_not_per_sequence_length(monkeypatch):
+def test_the_zero_columns_of_dh_are_kept_per_stream_and_width_not_per_sequence_length(monkeypatch):
     """Plans are kept per shape, so zeros held by each plan would keep device memory for every sequence
-    length a run meets: the padding columns are views of one buffer per (device, width) instead, grown to
+    length a run meets: the padding columns are views of one buffer per (device, stream, width) instead, grown to
     a power of two of rows; the outgrown ones stay (a captured graph may read them), and a capture that
     finds the buffer too small gets zeros of its own, kept nowhere."""
     monkeypatch.setattr(group_op, "_zeros", {})
@@ -380,11 +380,11 @@ def test_the_zero_columns_of_dh_are_kept_per_width_not_per_sequence_length(monke
     assert kept.shape == (8, 8) and not kept.any()
     assert [t.shape for t in group_op._outgrown] == [(4, 8)]
     in_capture = group_op._zero_columns(20, 8, torch.device("cpu"), in_capture=True)
-    assert in_capture.shape == (20, 8) and group_op._zeros[(torch.device("cpu"), 8)] is kept
+    assert in_capture.shape == (20, 8) and group_op._zeros[(torch.device("cpu"), 0, 8)] is kept
     view = group_op._zero_columns(6, 8, torch.device("cpu"), in_capture=False)
     assert view.shape == (6, 8) and view.data_ptr() == kept.data_ptr()
     grown = group_op._zero_columns(9, 8, torch.device("cpu"), in_capture=False)
-    assert grown.shape == (9, 8) and group_op._zeros[(torch.device("cpu"), 8)].shape == (16, 8)
+    assert grown.shape == (9, 8) and group_op._zeros[(torch.device("cpu"), 0, 8)].shape == (16, 8)
     assert group_op._outgrown[-1] is kept
 
 
@@ -720,13 +720,15 @@ def test_ranks_past_the_largest_bucket_run_each_layer_alone(cuda_groups):
 
 # Ceilings per forward + backward of q, k, v (64 tokens, 1024 -> 3 x 1024, r=16, float32 adapters, torch
 # 2.13) for Python calls / C calls / torch ops / allocations, plus a margin. Counted: the group op
-# 155 / 255-257 / 102-104 / 15-17 against 263 / 338 / 108 / 25 for three lora_linear_cuda calls; through
-# the layers 302 / 353-355 / 102-104 / 15-17 against 366 / 395 / 108 / 25. Under bf16 autocast (x and
-# weights float32, cast by each op and by the group): the group op 171 / 302 / 124 / 22, the layers
-# 318 / 400 / 124 / 22 against 388 / 489 / 144 / 33.
+# 158 / 256-258 / 104-106 / 15-17 against 266 / 338 / 108 / 25 for three lora_linear_cuda calls; through
+# the layers 305 / 357-359 / 104-106 / 15-17 against 369 / 395 / 108 / 25. Under bf16 autocast (x and
+# weights float32, cast by each op and by the group): the group op 174 / 303 / 126 / 22, the layers
+# 321 / 404 / 126 / 22 against 391 / 489 / 144 / 33. (Before each call asked once whether a CUDA graph is
+# being captured and the dh padding became a view of zeros kept per stream: the group op 155 / 255-257 /
+# 102-104 / 15-17, the layers 302 / 353-355.)
 GROUP_CEILINGS = {
-    "group op": {"python_calls": 158, "c_calls": 262, "torch_ops": 107, "allocations": 18},
-    "group layers": {"python_calls": 310, "c_calls": 362, "torch_ops": 107, "allocations": 18},
+    "group op": {"python_calls": 161, "c_calls": 262, "torch_ops": 109, "allocations": 18},
+    "group layers": {"python_calls": 310, "c_calls": 362, "torch_ops": 109, "allocations": 18},
 }
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loragen import philox
-from loragen.cuda import torch_dropout, torch_kernels, torch_path
+from loragen.cuda import streams, torch_dropout, torch_kernels, torch_path
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP
 from loragen.cuda.torch_dropout import dropped, keep_mask, rng_tensor
@@ -509,13 +509,13 @@ def test_group_numbers_inside_a_capture_make_nothing_for_the_cache(monkeypatch):
     serves it."""
     monkeypatch.setattr(torch_dropout, "_counters", {})
     monkeypatch.setattr(torch_dropout, "_group_views", {})
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
+    monkeypatch.setattr(streams, "capturing", lambda device: True)
     groups, lanes = torch_dropout.group_numbers(CPU, 7)
     assert torch.equal(groups.view(-1), torch.arange(7)) and torch.equal(lanes, torch.arange(8.0))
     assert torch_dropout._counters == {} and torch_dropout._group_views == {}
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: False)
+    monkeypatch.setattr(streams, "capturing", lambda device: False)
     before, before_lanes = torch_dropout.group_numbers(CPU, 7)  # made outside the capture
-    monkeypatch.setattr(torch_dropout, "capturing", lambda device: True)
+    monkeypatch.setattr(streams, "capturing", lambda device: True)
     inside, inside_lanes = torch_dropout.group_numbers(CPU, 9)
     assert inside.data_ptr() == before.data_ptr() and inside_lanes is before_lanes
     huge, _ = torch_dropout.group_numbers(CPU, torch_dropout._MIN_GROUPS + 1)  # would need a bigger counter
