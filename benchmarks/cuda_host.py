@@ -70,8 +70,7 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loragen.cuda import launch as cuda_launch
-from loragen.cuda import torch_dropout
+from loragen.cuda import streams, torch_dropout
 from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.launch import DriverLauncher, _LaunchRecord
 from loragen.cuda.specs import KernelSpec
@@ -561,7 +560,7 @@ def stand_in_device() -> Iterator[DriverLauncher]:
     with (
         mock.patch.object(launcher, "_function", loaded),
         mock.patch.object(launcher, "_record", record),
-        mock.patch.object(cuda_launch, "_raw_stream", stream),
+        mock.patch.object(streams, "raw_handle", stream),
         mock.patch.object(torch.cuda, "current_device", device_zero),
     ):
         yield launcher
