@@ -108,8 +108,7 @@ _factors: dict[tuple[int, bool], _Factor] = {}
 def factor(t: Tensor, plan: Plan, transpose: bool, in_capture: bool) -> Tensor:
     """``t`` (lora_A (r, in), or lora_B (out, r) transposed) as float32 (R, features), padded with zero
     rows to the rank bucket and 16-byte aligned, from the per-parameter cache; ``in_capture``: the call
-    is being captured into a CUDA graph
-    (:func:`loragen.cuda.streams.capturing`, asked once per call)."""
+    is being captured into a CUDA graph (:func:`loragen.cuda.streams.capturing`, asked once per call)."""
     bucket = plan.variant.rank_bucket
     if not transpose and t.dtype == torch.float32 and t.shape[0] == bucket and t.is_contiguous():
         if not plan.variant.aligned or t.data_ptr() % 16 == 0:

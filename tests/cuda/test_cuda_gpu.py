@@ -291,10 +291,11 @@ def test_an_eager_call_after_replays_reads_the_factors_the_replays_left(native):
             run(static_x, w, b, a, bb, 1.0, 0.0, training=False)
             a.mul_(0.5)  # the captured optimizer step
             bb.add_(0.25)
-        torch.testing.assert_close(run(static_x, w, b, a, bb, 1.0, 0.0, training=False), composed())
+        close = {"rtol": 1e-4, "atol": 1e-4}  # stale factors would be off by a quarter of LoRA's term or more
+        torch.testing.assert_close(run(static_x, w, b, a, bb, 1.0, 0.0, training=False), composed(), **close)
         for _ in range(2):
             graph.replay()
-        torch.testing.assert_close(run(static_x, w, b, a, bb, 1.0, 0.0, training=False), composed())
+        torch.testing.assert_close(run(static_x, w, b, a, bb, 1.0, 0.0, training=False), composed(), **close)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
