@@ -436,6 +436,11 @@ def summary_rows(report: dict) -> list[dict[str, object]]:
         graphed_base, graphed_ours = times.get("frozen base graphed"), times.get("loragen graphed")
         if graphed_base and graphed_ours is not None:
             row["graphed loragen/frozen"] = graphed_ours / graphed_base
+        # a graph replays only the device's work: above 1 where capture itself costs device time
+        if graphed_base and base:
+            row["frozen graphed/eager"] = graphed_base / base
+        if graphed_ours is not None and ours:
+            row["loragen graphed/eager"] = graphed_ours / ours
         for kind, numbers in memory.items():
             row[f"{kind} peak GiB"] = numbers["peak_GiB"]
         rows.append(row)

@@ -62,6 +62,24 @@ def test_summary_rows_and_markdown_table():
     assert len(table) == 5
 
 
+def test_graphed_steps_get_their_ratio_to_the_eager_ones():
+    """A replay runs only the device's work: frozen graphed / eager above 1 says capture itself costs
+    device time (the batch-8 question), the same for loragen."""
+    report = {
+        "model": {
+            "batch 8, p=0.0": {
+                "frozen base": {"step_ms": 120.0, "peak_GiB": 17.0},
+                "loragen": {"step_ms": 137.0, "peak_GiB": 17.4},
+                "frozen base graphed": {"step_ms": 132.0, "peak_GiB": 17.0},
+                "loragen graphed": {"step_ms": 151.0, "peak_GiB": 17.4},
+            }
+        }
+    }
+    (row,) = bench_cuda.summary_rows(report)
+    assert row["frozen graphed/eager"] == 1.1 and row["loragen graphed/eager"] == 151.0 / 137.0
+    assert row["graphed loragen/frozen"] == 151.0 / 132.0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
 def test_without_cuda_it_fails_clearly(capsys):
     assert bench_cuda.main(["--only", "layer"]) == 2
