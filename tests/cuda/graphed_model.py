@@ -20,9 +20,10 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 STEPS = 3  # steps compared, after the warm-up steps both sides take
 WARMUP = 2  # eager steps before the capture (on a side stream for the graphed model)
 # SGD: each parameter's change is lr times its gradient, so a kernel choice that rounds a bf16 product
-# differently moves a parameter by about lr * 1e-3 of its gradient, far under the changes compared
+# differently moves a parameter by about lr * 1e-3 of its gradient, far under the changes compared (a
+# replay reading factors one step old, or not updating them, is off by a whole step's change)
 LEARNING_RATE = 0.1
-TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 
 
 def build(device: str | torch.device, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
@@ -111,15 +112,19 @@ def compare() -> list[str]:
         problems.append(f"losses: graphed {graphed}, eager {eager}: {error}")
     initial, _, _ = build("cuda")
     before = dict(initial.named_parameters())
+    moved = 0.0
     for (name, got), (_, want) in zip(graphed_model.named_parameters(), eager_model.named_parameters()):
         if not got.requires_grad:
             continue
         if torch.equal(want, before[name]):
             problems.append(f"{name}: the eager steps did not change it")
+        moved = max(moved, (want - before[name]).abs().max().item())
         try:
             torch.testing.assert_close(got, want, **TOLERANCE)
         except AssertionError as error:
             problems.append(f"{name}: {error}")
+    if moved < 10 * TOLERANCE["atol"]:
+        problems.append(f"the steps moved no parameter by more than {moved:.2e}: too little to compare")
     return problems
 
 
