@@ -242,7 +242,14 @@ class _CudaGroupFunction(torch.autograd.Function):
             passes.up(plan, h, bt, bias, s, y2)
             bts.append(bt)
             ys.append(y)
-        zeros = _zero_columns(group.stacked.rows, group.pad, x2.device, in_capture) if group.pad else None
+        # the padding columns of dh, which backward's lora_grad_in reads only for x's or an A's gradient
+        need = ctx.needs_input_grad
+        need_dh = need[0] or any(need[4::4])
+        zeros = (
+            _zero_columns(group.stacked.rows, group.pad, x2.device, in_capture)
+            if group.pad and need_dh
+            else None
+        )
         ctx.static, ctx.prepared = static, (group, stacked_a, bts, zeros, x.shape)
         ctx.set_materialize_grads(False)  # an output nobody used gets None: its member's terms are skipped
         ctx.save_for_backward(x2, *weights, *factors_a, *factors_b, *hs)

@@ -235,6 +235,7 @@ def _backward(
         grad_bb = torch.zeros_like(lora_B) if need_bb else None
         grad_x = x2.new_zeros(x_shape) if need_x else None
     elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
+        # asked only where forward handed over no factors (the custom op's backward): both are None then
         in_capture = bt32 is None and streams.capturing(x2.device)
         if bt32 is None:
             bt32 = hostcache.factor(lora_B, plan, True, in_capture)
