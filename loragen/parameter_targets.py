@@ -18,6 +18,12 @@ targeted parameters of a module ``<module>{".base_layer" * (n - 1 - k)}.lora_A.w
 converts this way: it also targets those parameters, ``gate_up_proj`` (two linears fused) at twice the
 rank and twice the alpha (the same scaling). :func:`all_linear_parameters` gives the entries and
 :func:`expand_all_linear` the config loragen converts with (see ``loragen.convert``).
+
+One model type on purpose differs: peft 0.21 finds a model's family in transformers' table, which names
+``qwen2_moe`` only as the family of others (Qwen3-MoE, Qwen3-Next, ...), not as an entry of its own, so
+peft's ``all-linear`` leaves Qwen2-MoE's own experts and router untrained while it trains Qwen3-MoE's.
+loragen adapts them on Qwen2-MoE too (what ``all-linear`` meant there on transformers 4), and the config
+it saves names them, so ``PeftModel.from_pretrained`` loads the adapter with the same layers.
 """
 
 from __future__ import annotations
@@ -119,7 +125,7 @@ def peft_infix(names: Mapping[str, object] | Iterable[str], name: str) -> str:
 
 
 # transformers' checkpoint-conversion families whose experts and router were nn.Linear layers before
-# transformers 5 (peft converts exactly these for ``all-linear``); ``mixtral`` is its own family.
+# transformers 5 (peft converts these for ``all-linear``); each family's own model type belongs to it.
 _FUSED_FAMILIES = ("mixtral", "qwen2_moe")
 # (parameter entry, how many transformers 4 linears it fuses): the router's weight, the experts' stacks.
 _FUSED_ENTRIES = (("gate.weight", 1), ("gate_up_proj", 2), ("down_proj", 1))
@@ -135,20 +141,40 @@ def fused_expert_family(model: nn.Module) -> str | None:
     """The transformers conversion family (``"mixtral"`` or ``"qwen2_moe"``) of ``model`` when it is a
     transformers 5 MoE model whose experts and router were linear layers before, else None.
 
-    Read from ``model.config.model_type`` and transformers' own conversion table (the table peft reads);
-    None when transformers is not imported (then the model is not a transformers model).
+    Read from ``model.config.model_type`` and transformers' own conversion table (the table peft reads),
+    where a family's own model type belongs to it too (see the module docstring); None when transformers
+    is not imported (then the model is not a transformers model).
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if not isinstance(model_type, str) or "transformers" not in sys.modules:
-        return None
+    model_type = _model_type(model)
     if model_type in _FUSED_FAMILIES:
         return model_type
+    return _table_family(model_type)
+
+
+def _model_type(model: nn.Module) -> str | None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type if isinstance(model_type, str) and "transformers" in sys.modules else None
+
+
+def _table_family(model_type: str | None) -> str | None:
+    """The fused family transformers' conversion table gives ``model_type`` (None if none, or no table)."""
+    if model_type is None:
+        return None
     try:
         from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as table
     except ImportError:  # a transformers without the table (4.x) has no fused experts either
         return None
     family = table.get(model_type)
     return family if family in _FUSED_FAMILIES else None
+
+
+def _peft_converts(model: nn.Module) -> bool:
+    """Whether peft's own ``all-linear`` conversion runs on ``model`` (and moves the linears of
+    ``_MOVED_NAMES`` to the experts). peft looks the model type up in transformers' table, to which it adds
+    ``mixtral`` only: Qwen2-MoE's own model type is not converted by peft 0.21, and its linears stay module
+    targets there."""
+    model_type = _model_type(model)
+    return model_type == "mixtral" or _table_family(model_type) is not None
 
 
 def all_linear_parameters(model: nn.Module, linear_paths: Collection[str]) -> tuple[tuple[str, int], ...]:
@@ -182,7 +208,8 @@ def expand_all_linear(model: nn.Module, config: LoraConfig, linear_paths: Collec
     the shared experts' ``gate_proj`` / ``up_proj`` / ``down_proj``): their weights are listed by full name
     (``model.layers.0.mlp.gate_proj.weight``) too, which peft adapts with the same keys, shapes and
     outputs as loragen's ``LoraLinear`` there; loragen converts them as modules
-    (:func:`linear_weight_only`).
+    (:func:`linear_weight_only`). Where peft's conversion does not run (Qwen2-MoE's own model type) they
+    stay module targets in both and are not listed.
 
     Raises:
         LoraConfigError: the config cannot adapt parameters (``lora_dropout``, ``use_dora``,
@@ -194,7 +221,9 @@ def expand_all_linear(model: nn.Module, config: LoraConfig, linear_paths: Collec
     if not added:
         return config
     entries = list(config.target_parameters or ())
-    moved = _MOVED_NAMES[fused_expert_family(model) or "mixtral"]
+    # listed by name where peft's conversion drops them from target_modules; elsewhere both adapt them as
+    # modules (listing them too would target one layer twice, which peft refuses when it loads the adapter)
+    moved = _MOVED_NAMES[fused_expert_family(model) or "mixtral"] if _peft_converts(model) else ()
     for path in sorted(linear_paths):
         if path.rpartition(".")[2] in moved and f"{path}.weight" not in entries:
             entries.append(f"{path}.weight")

@@ -81,6 +81,20 @@ def _minimax() -> nn.Module:
     return transformers.MiniMaxForCausalLM(config)
 
 
+def _qwen2_moe() -> nn.Module:
+    config = transformers.Qwen2MoeConfig(
+        **_COMMON,
+        intermediate_size=24,
+        moe_intermediate_size=12,
+        shared_expert_intermediate_size=20,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
@@ -160,6 +174,38 @@ def test_peft_loads_the_all_linear_adapter_with_equal_outputs(
     again = loragen.load_adapter(copy.deepcopy(base), tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(again(_tokens()).logits, lora(_tokens()).logits)
+
+
+def test_qwen2_moe_adapts_the_experts_peft_leaves_out_and_peft_loads_them(tmp_path: Path) -> None:
+    # peft 0.21 does not convert Qwen2-MoE's own model type (its family's name is no entry of transformers'
+    # table): its all-linear trains the linears only, loragen's the experts and routers too
+    torch.manual_seed(0)
+    base = _qwen2_moe().eval()
+    lora = loragen.get_lora_model(
+        copy.deepcopy(base), loragen.LoraConfig(target_modules="all-linear", init_lora_weights=False)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(target_modules="all-linear"))
+    ours = _shapes(adapter_state_dict(lora, lora.loragen_config))
+    theirs = _shapes(peft.get_peft_model_state_dict(twin))
+    assert set(theirs) < set(ours)
+    assert {key: ours[key] for key in theirs} == theirs
+    extra = {
+        key.removeprefix("base_model.model.model.").split(".lora_")[0] for key in set(ours) - set(theirs)
+    }
+    layers = ("layers.0.mlp", "layers.1.mlp")
+    assert extra == {f"{layer}.{m}" for layer in layers for m in ("experts", "experts.base_layer", "gate")}
+    # the shared experts' linears stay module targets: the saved config lists only the fused parameters
+    loragen.save_adapter(lora, tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["target_parameters"] == ["gate.weight", "gate_up_proj", "down_proj"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path))
+    assert _shapes(peft.get_peft_model_state_dict(loaded)) == ours
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_tokens()).logits, lora(_tokens()).logits)
 
 
 def test_all_linear_with_dropout_on_an_moe_model_says_why() -> None:
