@@ -79,7 +79,23 @@ def interleaved(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def captured(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
+class Replay:
+    """A step captured into a CUDA graph; calling it replays the graph. It holds the step, and through it
+    the model, optimizer and inputs the graph reads: a ``CUDAGraph`` keeps none of them alive, and a graph
+    whose tensors were freed (their memory handed back to the driver by the next ``empty_cache``) reads
+    unmapped memory when it replays."""
+
+    __slots__ = ("graph", "step")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, step: Callable[[], object]) -> None:
+        self.graph = graph
+        self.step = step
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+def captured(step: Callable[[], object], warmup: int = 3) -> Replay:
     """``step`` captured into a CUDA graph (after a warm-up on a side stream); returns the replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -90,7 +106,7 @@ def captured(step: Callable[[], object], warmup: int = 3) -> Callable[[], None]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph.replay
+    return Replay(graph, step)
 
 
 # ---- ceilings -----------------------------------------------------------------------------------------
@@ -184,15 +200,15 @@ def layer_benchmark(
             if "lora_B" in name:
                 nn.init.normal_(param, std=0.02)  # never time on zeros
 
-    def step(module: nn.Module, keep_grads: bool = False) -> Callable[[], None]:
+    def step(module: nn.Module, inputs: torch.Tensor = x, keep_grads: bool = False) -> Callable[[], None]:
         params = [p for p in module.parameters() if p.requires_grad]
 
         def run() -> None:
-            if not keep_grads:  # a captured step accumulates into grads allocated inside the graph
-                x.grad = None
+            if not keep_grads:  # a captured step accumulates into the grads its warm-up allocated
+                inputs.grad = None
                 for p in params:
                     p.grad = None
-            module(x).backward(grad)
+            module(inputs).backward(grad)
 
         return run
 
@@ -200,8 +216,11 @@ def layer_benchmark(
     if native:
         variants[NATIVE] = with_native_host(step(loragen_layer))
     if graph:
-        variants["frozen base graphed"] = captured(step(base, keep_grads=True))
-        variants["loragen graphed"] = captured(step(loragen_layer, keep_grads=True))
+        # a graph accumulates into gradient tensors of its own input and layer: the eager steps set x's and
+        # their layers' .grad to None, which would free the tensors a graph shared with them writes into
+        for kind, layer in (("frozen base graphed", base), ("loragen graphed", loragen_layer)):
+            own = x.detach().clone().requires_grad_(True)
+            variants[kind] = captured(step(copy.deepcopy(layer), own, keep_grads=True))
     return interleaved(variants, rounds, inner=inner)
 
 

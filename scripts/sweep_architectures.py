@@ -8,8 +8,12 @@ values into loragen's (B random, so the LoRA terms show), runs forward and backw
 compares the first output and every LoRA gradient (fp32, 1e-5). Where the base model accepts a zero-size
 batch, loragen must too; ``model.train()`` with ``lora_dropout=0.1`` must run.
 
-Results: ``ok``, ``loragen crash``, ``mismatch``, ``peft also fails``, ``skipped`` (the base model cannot be
-built or run offline from a tiny config; the reason is given). Each model runs in a worker process under a
+Then the adapter files both ways: the folder ``loragen.save_adapter`` writes must load in
+``peft.PeftModel.from_pretrained`` with no missing or unexpected key and give loragen's output, and
+peft's own folder must load in ``loragen.load_adapter`` and give peft's.
+
+Results: ``ok``, ``loragen crash``, ``mismatch``, ``format mismatch``, ``peft also fails``, ``skipped`` (the
+base model cannot be built or run offline from a tiny config; the reason is given). Each model runs in a worker process under a
 per-model time limit; a worker that hangs is killed and the model recorded as ``timeout``.
 
     OMP_NUM_THREADS=1 python scripts/sweep_architectures.py --out /work/scratch/sweep_results.md [--only llama,bert]
@@ -329,6 +333,19 @@ def check(model_type: str) -> dict[str, Any]:
             return {"status": "ok (fp32 noise)", "detail": f"{noise}; {detail[:120]}"}
         return {"status": "mismatch", "detail": "; ".join([*notes, noise, detail])}
 
+    # the adapter files, both ways: loragen's folder in peft, peft's folder in loragen
+    try:
+        problem = _adapter_round_trip(model_type, ours, theirs, inputs, ours_out, peft_out)
+    except Exception as error:
+        _not_timeout(error)
+        problem = f"{type(error).__name__}: {str(error)[:200]}"
+    if problem is not None:
+        return {
+            "status": "format mismatch",
+            "detail": "; ".join([*notes, problem]),
+            "traceback": traceback.format_exc()[-1500:],
+        }
+
     # zero-size batch, where the base model takes one
     empty = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     try:
@@ -374,6 +391,51 @@ def check(model_type: str) -> dict[str, Any]:
             }
     targets_differ = any(note.startswith("targets differ") for note in notes)
     return {"status": "targets differ" if targets_differ else "ok", "detail": "; ".join(notes)}
+
+
+def _adapter_round_trip(
+    model_type: str, ours: Any, theirs: Any, inputs: dict[str, Any], ours_out: Any, peft_out: Any
+) -> str | None:
+    """What goes wrong when ``peft.PeftModel.from_pretrained`` reads the folder ``loragen.save_adapter``
+    wrote for ``ours``, or ``loragen.load_adapter`` the folder peft's ``save_pretrained`` wrote for
+    ``theirs`` (an error, a missing or unexpected key, another output), or None when nothing does."""
+    import tempfile
+
+    import peft
+    import torch
+
+    import loragen
+
+    def close(got: Any, want: Any) -> None:
+        want = want.detach()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+
+    with tempfile.TemporaryDirectory() as folder:
+        loragen.save_adapter(ours, folder)
+        fresh, _ = _build(model_type)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = peft.PeftModel.from_pretrained(fresh, folder)
+        keys = [str(w.message)[:160] for w in caught if "keys" in str(w.message).lower()]
+        if keys:
+            return f"peft reads loragen's folder: {keys[0]}"
+        with torch.no_grad():
+            try:
+                close(_run(loaded, inputs), ours_out)
+            except AssertionError as error:
+                return f"peft reads loragen's folder: output differs: {str(error)[:160]}"
+    with tempfile.TemporaryDirectory() as folder:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs.save_pretrained(folder)
+        fresh, _ = _build(model_type)
+        again = loragen.load_adapter(fresh, folder)
+        with torch.no_grad():
+            try:
+                close(_run(again, inputs), peft_out)
+            except AssertionError as error:
+                return f"loragen reads peft's folder: output differs: {str(error)[:160]}"
+    return None
 
 
 def _fp64_noise(
@@ -539,6 +601,7 @@ def _table(results: list[dict[str, Any]], command: str) -> str:
         "ok (fp32 noise)": 4.5,
         "loragen crash": 0,
         "mismatch": 1,
+        "format mismatch": 1.5,
         "timeout": 2,
         "targets differ": 3,
         "peft also fails": 4,
