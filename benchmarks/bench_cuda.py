@@ -36,6 +36,7 @@ every case (ratios loragen/peft and loragen/frozen); ``--json`` writes all numbe
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import statistics
