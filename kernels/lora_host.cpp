@@ -9,8 +9,9 @@
 // which leaves out torch.ops' boxing of the arguments. What stays in Python, once per plan: choosing
 // the kernel variant and its launcher (the self-check), the grids, loading the modules. What this file
 // does per call is what the Python path does per call, without the interpreter: the factors' padded
-// float32 copies (kept per parameter, refreshed when the parameter's version or storage changes, inside
-// a CUDA-graph capture, and after one), the output and partial-sum allocations, four launches, the sums.
+// float32 copies (kept per parameter, refreshed when the parameter's version, storage or rank changes,
+// after an optimizer step, inside a CUDA-graph capture, and after one), the output and partial-sum
+// allocations, four launches, the sums.
 //
 // Driver entry points arrive as addresses (register_plan), so nothing here links against libcuda: on a
 // GPU they are the driver's own; loragen's CPU tests pass a stand-in that runs emulated kernels on CPU
@@ -26,12 +27,14 @@
 #include <ATen/ops/mm.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/sum.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <memory>
@@ -147,10 +150,17 @@ bool capturing(const Plan& plan, const at::Tensor& x, void* stream) {
 
 // A (r, in) or B^T (r, out) as float32 (R, features), rows r..R-1 zero, one buffer per parameter; the
 // parameter is held weakly, and entries of parameters that are gone are dropped as the table grows.
-// Copied again when the parameter's version or storage changes, inside a CUDA-graph capture, and on every
-// call once a capture has read it (`captured`: a replay changes parameters in place, a captured optimizer
-// step, without moving their version counters). Work queued inside a capture runs only when the graph
-// replays, so the buffer is zeroed again by every call until one outside a capture has done it (`zeroed`).
+// Copied again when the parameter's version, storage or rank changes, after an optimizer step (`steps`:
+// some optimizers write parameters without moving their version counters; loragen/cuda/hostcache.py
+// reports every step through optimizer_stepped), inside a CUDA-graph capture, and on every call once a
+// capture has read it (`captured`: a replay changes parameters in place, a captured optimizer step,
+// without moving their version counters). Work queued inside a capture runs only when the graph replays,
+// so the buffer is zeroed again by every call until one outside a capture has done it (`zeroed`). The
+// buffer is made outside inference mode: one made under it could never be written again outside it.
+std::atomic<uint64_t> optimizer_steps{0};
+
+void optimizer_stepped() { optimizer_steps.fetch_add(1, std::memory_order_relaxed); }
+
 struct Factor {
     Factor(const at::Tensor& t, at::Tensor storage)
         : source(t.getIntrusivePtr()), buffer(std::move(storage)) {}
@@ -158,6 +168,8 @@ struct Factor {
     at::Tensor buffer;
     uint32_t version = 0;
     const void* data = nullptr;
+    uint64_t steps = 0;
+    int64_t rank = -1;
     bool filled = false;
     bool captured = false;
     bool zeroed = false;
@@ -202,20 +214,24 @@ at::Tensor factor(const at::Tensor& t, const Plan& plan, bool transposed, bool r
         it->second.buffer.size(0) != plan.bucket || it->second.buffer.size(1) != features ||
         it->second.buffer.device() != t.device()) {
         if (factors.size() >= sweep_at) sweep_factors();
+        c10::InferenceMode outside(false);
         Factor fresh(t, at::empty({plan.bucket, features}, t.options().dtype(at::kFloat)));
         it = factors.insert_or_assign(key, std::move(fresh)).first;
     }
     Factor& entry = it->second;
+    const uint64_t steps = optimizer_steps.load(std::memory_order_relaxed);
+    const int64_t rank = transposed ? t.size(1) : t.size(0);
     if (refresh || entry.captured || !entry.filled || entry.version != version ||
-        entry.data != t.const_data_ptr()) {
-        if (!entry.zeroed) {
+        entry.data != t.const_data_ptr() || entry.steps != steps || entry.rank != rank) {
+        if (!entry.zeroed || rank < entry.rank) {  // a smaller rank leaves rows that must be zero
             entry.buffer.zero_();
             entry.zeroed = !refresh;
         }
-        const int64_t rank = transposed ? t.size(1) : t.size(0);
         entry.buffer.narrow(0, 0, rank).copy_(transposed ? t.t() : t);
         entry.version = version;
         entry.data = t.const_data_ptr();
+        entry.steps = steps;
+        entry.rank = rank;
         entry.filled = true;
         entry.captured = entry.captured || refresh;
     }
@@ -636,6 +652,7 @@ TORCH_LIBRARY(loragen_host, m) {
     m.def("register_plan(Tensor like, int[] sizes, int[] kernels, int[] driver) -> int", &register_plan);
     m.def("kernel_signatures() -> str[]", &kernel_signatures);
     m.def("cached_factors() -> int", &cached_factors);
+    m.def("optimizer_stepped() -> ()", &optimizer_stepped);
 }
 
 TORCH_LIBRARY_IMPL(loragen_host, CompositeImplicitAutograd, m) { m.impl("lora_linear", &lora_linear); }

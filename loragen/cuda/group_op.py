@@ -82,12 +82,14 @@ class _GroupPlan:
     its ``out_features`` set to in: those kernels read no row of length out, so only x's row length
     decides whether their accesses are vectors). ``sizes``: the blocks, and the padding past them when
     their sum is not a bucket; ``block``: the common block width when every block and the padding have
-    one (0 otherwise); ``pad``: the padding's width (its columns of dh are zeros, :func:`_zero_columns`).
+    one (0 otherwise); ``pad``: the padding's width (its columns of dh are zeros, :func:`_zero_columns`);
+    ``ranks``: the members' ranks.
     """
 
-    __slots__ = ("block", "members", "offsets", "pad", "sizes", "stacked")
+    __slots__ = ("block", "members", "offsets", "pad", "ranks", "sizes", "stacked")
 
     def __init__(self, x2: Tensor, outs: Sequence[int], ranks: Sequence[int], handle: int) -> None:
+        self.ranks = tuple(ranks)
         self.members = tuple(hostcache.plan(x2, out, rank, handle) for out, rank in zip(outs, ranks))
         blocks = [p.variant.rank_bucket for p in self.members]
         offsets, total = [], 0
@@ -128,7 +130,7 @@ def _zero_columns(rows: int, width: int, device: torch.device, in_capture: bool)
     key = (device, streams.current_handle(device), width)
     found = _zeros.get(key)
     if found is None or found.shape[0] < rows:
-        fresh = torch.zeros(1 << max(rows - 1, 0).bit_length(), width, dtype=torch.float32, device=device)
+        fresh = hostcache.new_buffer(1 << max(rows - 1, 0).bit_length(), width, device=device).zero_()
         if in_capture:
             return fresh[:rows]
         if found is not None:
@@ -138,11 +140,12 @@ def _zero_columns(rows: int, width: int, device: torch.device, in_capture: bool)
 
 
 class _Stacked:
-    """The stacked A of one group, float32 (R, in), what each block was copied from, whether a CUDA-graph
-    capture has read each block (copied on every call since), and whether the zero rows have been
-    written outside a capture; as :func:`loragen.cuda.hostcache.factor` keeps one factor."""
+    """The stacked A of one group, float32 (R, in), what each block was copied from (and at which
+    optimizer step), whether a CUDA-graph capture has read each block (copied on every call since), the
+    members' ranks, and whether the zero rows have been written outside a capture; as
+    :func:`loragen.cuda.hostcache.factor` keeps one factor."""
 
-    __slots__ = ("buffer", "captured", "data_ptrs", "sources", "versions", "zeroed")
+    __slots__ = ("buffer", "captured", "data_ptrs", "ranks", "sources", "steps", "versions", "zeroed")
 
     def __init__(self, factors: Sequence[Tensor], buffer: Tensor) -> None:
         self.sources = [weakref.ref(a) for a in factors]
@@ -150,6 +153,8 @@ class _Stacked:
         self.versions = [-1] * len(factors)
         self.data_ptrs = [-1] * len(factors)
         self.captured = [False] * len(factors)
+        self.ranks: tuple[int, ...] = ()
+        self.steps = -1
         self.zeroed = False
 
 
@@ -159,7 +164,7 @@ _stacked: dict[tuple[int, ...], _Stacked] = {}
 def _stacked_a(factors: Sequence[Tensor], group: _GroupPlan, in_capture: bool) -> Tensor:
     """``[A_1; ...; A_k]`` as the kernels read it: float32 (R, in), member i's A at rows o_i..o_i+r_i-1,
     every other row zero; copied block by block, only where a member's A changed since the last call
-    (or a capture has read it)."""
+    (or a capture has read it; after an optimizer step every block)."""
     key = tuple(map(id, factors))
     entry = _stacked.get(key)
     bucket, features = group.stacked.variant.rank_bucket, group.stacked.in_features
@@ -169,11 +174,17 @@ def _stacked_a(factors: Sequence[Tensor], group: _GroupPlan, in_capture: bool) -
         or entry.buffer.shape != (bucket, features)
         or entry.buffer.device != factors[0].device
     ):
-        buffer = torch.empty(bucket, features, dtype=torch.float32, device=factors[0].device)
-        entry = _stacked[key] = _Stacked(factors, buffer)
+        entry = _stacked[key] = _Stacked(
+            factors, hostcache.new_buffer(bucket, features, device=factors[0].device)
+        )
         for a in factors:  # the entry goes with the first member that goes
             weakref.finalize(a, _stacked.pop, key, None)
-    zeroing = not entry.zeroed
+        hostcache.watch_optimizer_steps()
+    steps = hostcache.optimizer_steps()
+    stepped = entry.steps != steps
+    zeroing = not entry.zeroed or group.ranks != entry.ranks  # a smaller rank leaves rows that must be zero
+    entry.ranks = group.ranks
+    entry.steps = steps
     if zeroing:  # a zero_ inside a capture writes only when the graph replays: every block copied again
         with torch.no_grad():
             entry.buffer.zero_()
@@ -181,6 +192,7 @@ def _stacked_a(factors: Sequence[Tensor], group: _GroupPlan, in_capture: bool) -
     for i, a in enumerate(factors):
         if (
             zeroing
+            or stepped
             or in_capture
             or entry.captured[i]
             or entry.versions[i] != a._version
@@ -307,7 +319,8 @@ class _CudaGroupFunction(torch.autograd.Function):
             gx, da = passes.grad_in(group.stacked, x2, torch.cat(dhs, dim=1), stacked_a, _NO_DROPOUT, need_x)
             if any(need_a):
                 for i, (a, block) in enumerate(zip(factors_a, da.split(group.sizes))):
-                    if need_a[i]:  # rows past the rank only when the rank is not a bucket
+                    # a member whose output reached no loss gets no gradient, as a layer run alone
+                    if need_a[i] and g2s[i] is not None:  # rows past the rank only when it is not a bucket
                         grad_a = block if block.shape[0] == a.shape[0] else block[: a.shape[0]]
                         result[4 + 4 * i] = grad_a if grad_a.dtype == a.dtype else grad_a.to(a.dtype)
             if gx is not None:

@@ -3,12 +3,14 @@
 * launcher handles: a custom op takes only tensors and scalars, so the launcher travels as an int;
 * plans: the kernel variant and the routed launcher per (sizes, dtype, device, launcher, switch);
 * factors: A and B^T as the kernels read them -- float32, padded to the rank bucket -- one buffer per
-  parameter, refreshed only when the parameter's ``_version`` or data pointer changes, and on every call
-  inside a CUDA-graph capture (so that each replay copies the parameters' current values). A parameter
-  that a capture has read is copied on every call after it too: a replay changes parameters in place (a
-  captured optimizer step) without moving their version counters, so the counter no longer tells. And
-  work queued inside a capture runs only when the graph replays, so a buffer is zeroed again by every
-  call until one outside a capture has done it;
+  parameter, refreshed only when the parameter's ``_version``, data pointer or rank changes, after every
+  optimizer step (:func:`optimizer_steps`), and on every call inside a CUDA-graph capture (so that each
+  replay copies the parameters' current values). A parameter that a capture has read is copied on every
+  call after it too: a replay changes parameters in place (a captured optimizer step) without moving
+  their version counters, so the counter no longer tells. And work queued inside a capture runs only when
+  the graph replays, so a buffer is zeroed again by every call until one outside a capture has done it.
+  Buffers are made outside inference mode (one made under ``torch.inference_mode`` could never be
+  written again outside it);
 * dropout constants per probability.
 
 Shapes as in :mod:`loragen.cuda.linear_op`.
@@ -17,10 +19,12 @@ Shapes as in :mod:`loragen.cuda.linear_op`.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from loragen import philox, switches
 from loragen.cuda.launch import KernelLauncher
@@ -28,7 +32,16 @@ from loragen.cuda.op_inputs import CudaLoraError
 from loragen.cuda.passes import Plan
 from loragen.cuda.selfcheck import default_checker
 
-__all__ = ["dropout_args", "dropout_constants", "factor", "launcher_handle", "plan"]
+__all__ = [
+    "dropout_args",
+    "dropout_constants",
+    "factor",
+    "launcher_handle",
+    "new_buffer",
+    "optimizer_steps",
+    "plan",
+    "watch_optimizer_steps",
+]
 
 
 # A custom op takes only tensors and scalars, so the launcher travels as an int: 0 is the default
@@ -85,19 +98,53 @@ def plan(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
     return found
 
 
+# Optimizer steps taken in this process, counted by torch.optim's global step hook from the first cached
+# factor on. Some optimizers write parameters without moving their version counters (bitsandbytes' 8-bit
+# optimizers and other kernels that write through a raw pointer; FSDP2 copies gathered values into its
+# parameters with the counter kept), so a cached factor is copied again after every step as well. That
+# costs nothing more in training, where a torch optimizer's in-place update moves the counter anyway, and
+# nothing in inference, where no step is taken.
+_steps = 0
+_step_listeners: list[Callable[[], object]] = []
+_step_hook: list[Any] = []
+
+
+def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _steps
+    _steps += 1
+    for listener in _step_listeners:
+        listener()
+
+
+def watch_optimizer_steps(listener: Callable[[], object] | None = None) -> None:
+    """Count optimizer steps from now on (:func:`optimizer_steps`; the hook is registered once per
+    process), and call ``listener`` after each one too (the C++ host path's own factor cache)."""
+    if not _step_hook:
+        _step_hook.append(register_optimizer_step_post_hook(_stepped))
+    if listener is not None and listener not in _step_listeners:
+        _step_listeners.append(listener)
+
+
+def optimizer_steps() -> int:
+    """How many ``torch.optim.Optimizer`` steps this process has taken since :func:`watch_optimizer_steps`."""
+    return _steps
+
+
 class _Factor:
     """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- kept in one
-    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer), or
-    on every call once a CUDA-graph capture has read it (``captured``); ``zeroed``: the padding rows'
-    zeros have been written outside a capture."""
+    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer,
+    rank), after an optimizer step (``steps``), or on every call once a CUDA-graph capture has read it
+    (``captured``); ``zeroed``: the padding rows' zeros have been written outside a capture."""
 
-    __slots__ = ("buffer", "captured", "data_ptr", "source", "version", "zeroed")
+    __slots__ = ("buffer", "captured", "data_ptr", "rank", "source", "steps", "version", "zeroed")
 
     def __init__(self, source: Tensor, buffer: Tensor) -> None:
         self.source = weakref.ref(source)
         self.buffer = buffer
         self.version = -1
         self.data_ptr = -1
+        self.rank = -1
+        self.steps = -1
         self.captured = False
         self.zeroed = False
 
@@ -123,20 +170,37 @@ def factor(t: Tensor, plan: Plan, transpose: bool, in_capture: bool) -> Tensor:
         or entry.buffer.shape[0] != bucket
         or entry.buffer.device != t.device
     ):
-        buffer = torch.empty(bucket, features, dtype=torch.float32, device=t.device)  # fresh: aligned
-        entry = _factors[key] = _Factor(t, buffer)
+        entry = _factors[key] = _Factor(t, new_buffer(bucket, features, device=t.device))
         weakref.finalize(t, _factors.pop, key, None)
-    if in_capture or entry.captured or entry.version != t._version or entry.data_ptr != t.data_ptr():
-        rank = t.shape[1] if transpose else t.shape[0]
+        watch_optimizer_steps()
+    rank = t.shape[1] if transpose else t.shape[0]
+    if (
+        in_capture
+        or entry.captured
+        or entry.version != t._version
+        or entry.data_ptr != t.data_ptr()
+        or entry.steps != _steps
+        or entry.rank != rank
+    ):
         with torch.no_grad():
-            if not entry.zeroed:  # a zero_ inside a capture writes only when the graph replays
+            if not entry.zeroed or rank < entry.rank:  # a zero_ inside a capture writes only on replay
                 entry.buffer.zero_()
                 entry.zeroed = not in_capture
             entry.buffer[:rank].copy_(t.t() if transpose else t)
         entry.version = t._version
         entry.data_ptr = t.data_ptr()
+        entry.steps = _steps
+        entry.rank = rank
         entry.captured = entry.captured or in_capture
     return entry.buffer
+
+
+def new_buffer(*shape: int, device: torch.device) -> Tensor:
+    """A fresh float32 buffer for the caches (16-byte aligned, as every fresh allocation), made outside
+    inference mode: a tensor made under ``torch.inference_mode`` can never be written again outside it,
+    so a cache first filled during an evaluation would break the next training step."""
+    with torch.inference_mode(False):
+        return torch.empty(*shape, dtype=torch.float32, device=device)
 
 
 # (threshold, keep_scale) per dropout probability that a call has validated and passed to dropout_args: a

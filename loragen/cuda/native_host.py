@@ -155,6 +155,8 @@ def _load() -> Path | str:
                 direct = _direct_entry(path)
                 _op.extend([boxed if direct is None else direct, boxed])
                 _library.append(path)
+                # its factor cache copies parameters again after every optimizer step, as the Python one
+                hostcache.watch_optimizer_steps(torch.ops.loragen_host.optimizer_stepped)
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 _library.append(f"the C++ host path could not be built: {error}")
                 warnings.warn(

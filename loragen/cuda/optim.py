@@ -119,4 +119,6 @@ def adamw8bit_update_cuda(
         -(lr / (1.0 - beta1**step)),
     )
     (launcher or default_launcher()).launch(ADAMW8BIT, variant, (n_blocks, 1), args, param.device)
+    # the kernel writes through a raw pointer: tell autograd and version-keyed caches, as an in-place op does
+    torch.autograd.graph.increment_version(param)
     return True

@@ -363,7 +363,10 @@ class _GroupFunction(torch.autograd.Function):
             )  # (N, R); None: never called
             if any(need_a):
                 split = torch.mm(gh_all.t(), x2).split(ctx.ranks)  # one pass over x for every dA
-                grad_a = [g if wanted else None for g, wanted in zip(split, need_a)]
+                # a member whose output reached no loss gets no gradient, as a layer run alone
+                grad_a = [
+                    g if wanted and gh is not None else None for g, wanted, gh in zip(split, need_a, ghs)
+                ]
         if need_x:
             grad_x = _grad_input(ctx.spec, g2s, ghs, weights, factors_a)
             grad_x = shaped_like_input(

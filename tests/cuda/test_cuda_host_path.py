@@ -288,6 +288,66 @@ def test_a_factor_buffer_made_inside_a_capture_is_zeroed_until_a_call_outside_on
     assert entry.zeroed and not buffer[5:].any() and torch.equal(buffer[:5], bb.detach().t())
 
 
+class _RawWriteSGD(torch.optim.Optimizer):
+    """An SGD step written through ``.data``, as bitsandbytes' 8-bit optimizers and other kernels that
+    write through a raw pointer do: the parameters' version counters do not move."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__(params, {"lr": 0.5})
+
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_factors_are_copied_again_after_an_optimizer_step_that_keeps_version_counters():
+    launcher = TorchKernels(whole_op=False)  # the four passes, through the cached factors
+    x, w, b, a, bb = _inputs()
+    optimizer = _RawWriteSGD([a, bb])
+    for step in range(3):
+        versions = a._version, bb._version
+        y = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)
+        want = lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False)
+        torch.testing.assert_close(y, want, msg=f"step {step}")
+        y.square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert (a._version, bb._version) == versions  # only the step count tells the cache
+    # no step in between (gradient accumulation, inference): the cached copies are used as they are
+    plan = hostcache.plan(x.detach().reshape(-1, 24), 16, 5, launcher_handle(launcher))
+    kept = hostcache.factor(bb, plan, True, False)
+    with torch.no_grad():
+        kept[0, 0] += 1.0  # marks the buffer: a copy would overwrite the mark
+    assert hostcache.factor(bb, plan, True, False)[0, 0] == kept[0, 0]
+
+
+def test_factors_first_cached_under_inference_mode_train_afterwards():
+    """An evaluation under ``torch.inference_mode`` (Lightning's validation) before a training step: the
+    buffers it made must take the next optimizer step's values outside inference mode."""
+    launcher = TorchKernels(whole_op=False)
+    x, w, b, a, bb = _inputs()
+    with torch.inference_mode():
+        lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, False, launcher=launcher)
+    for _ in range(2):
+        lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher).sum().backward()
+        with torch.no_grad():
+            a.sub_(0.1 * a.grad)
+            bb.sub_(0.1 * bb.grad)
+        a.grad = bb.grad = None
+    got = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)
+    torch.testing.assert_close(got, lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False))
+
+
+def test_a_factor_whose_rank_shrinks_within_its_bucket_keeps_zero_padding():
+    launcher = TorchKernels(whole_op=False)
+    x, w, b, a, bb = _inputs()  # r = 5, bucket 8
+    lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, False, launcher=launcher)
+    a.data, bb.data = a.data[:3].clone(), bb.data[:, :3].clone()  # a pruned adapter, the same parameters
+    got = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, False, launcher=launcher)
+    torch.testing.assert_close(got, lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False))
+
+
 def test_backward_refuses_a_factor_changed_after_the_forward():
     """Backward reuses the forward's float32 copies of A and B^T; a factor changed in between would make
     them stale, and autograd refuses it (the factors are saved tensors)."""

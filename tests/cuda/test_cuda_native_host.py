@@ -182,6 +182,53 @@ def test_factors_are_copied_again_after_an_optimizer_step(launcher):
         assert torch.equal(y, lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher))
 
 
+class _RawWriteSGD(torch.optim.Optimizer):
+    """SGD written through ``.data``, as kernels writing through a raw pointer (bitsandbytes' 8-bit
+    optimizers) do: no version counter moves, only the optimizer step tells."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__(params, {"lr": 0.5})
+
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_factors_follow_inference_mode_steps_that_keep_version_counters_and_a_smaller_rank(launcher):
+    """The C++ cache as the Python one: a buffer first made under ``torch.inference_mode`` takes later
+    values, an optimizer step that moves no version counter reaches the next forward, and a rank that
+    shrinks within its bucket leaves zero rows."""
+    inputs, _ = make_inputs(16, 40, 24, 5, torch.float32)
+    x, w, b, a, bb = (t.detach().clone() for t in inputs)
+    a.requires_grad_()
+    bb.requires_grad_()
+
+    def native_call(train: bool) -> torch.Tensor:
+        with switches.cuda_native_host.using(True):
+            y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, train, launcher=launcher)
+        torch.testing.assert_close(
+            y, lora_linear_reference(x, w, b, a, bb, 1.0, 0.0, False), rtol=1e-4, atol=1e-4
+        )
+        return y
+
+    before = torch.ops.loragen_host.cached_factors()
+    with torch.inference_mode():
+        for _ in range(2):  # the first call registers the plan (Python path), the second runs in C++
+            native_call(False)
+    assert torch.ops.loragen_host.cached_factors() > before
+    optimizer = _RawWriteSGD([a, bb])
+    for _ in range(3):
+        versions = a._version, bb._version
+        native_call(True).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert (a._version, bb._version) == versions
+    a.data, bb.data = a.data[:3].clone(), bb.data[:, :3].clone()  # rank 5 -> 3, both in bucket 8
+    for _ in range(2):
+        native_call(False)
+
+
 def test_backward_refuses_a_factor_changed_after_the_forward(launcher):
     (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
     with switches.cuda_native_host.using(True):

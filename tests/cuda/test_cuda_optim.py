@@ -97,6 +97,7 @@ def test_emulated_kernel_matches_torch_path(launcher, numel, block_size, dtype, 
             want_param, grad, want_state, signed_code=SIGNED, unsigned_code=UNSIGNED, step=step, **hyper
         )
         got_param, got_state = param.clone(), clone_state(state)
+        version = got_param._version
         assert adamw8bit_update_cuda(
             got_param,
             grad,
@@ -107,6 +108,7 @@ def test_emulated_kernel_matches_torch_path(launcher, numel, block_size, dtype, 
             launcher=launcher,
             **hyper,
         )
+        assert got_param._version > version  # written in place, as torch's in-place ops report it
         m_normalized, v_normalized = pre_quantization(param, grad, state, hyper)
         assert_codes_match(got_state["exp_avg_codes"], want_state["exp_avg_codes"], m_normalized, SIGNED)
         assert_codes_match(

@@ -173,6 +173,46 @@ def test_frozen_members_and_an_unused_output():
     assert all(t.grad is None for t in low[1][:4] if t is not None)  # never used: no gradients, as a layer
 
 
+def test_an_unused_member_with_a_trainable_adapter_gets_no_gradient():
+    """A member whose output reached no loss leaves its A and B without gradients, as a layer run alone
+    (a zero gradient would still move them under weight decay or momentum)."""
+    low, _ = _members(16, [8, 8, 16], [4, 8, 8], torch.float32)
+    x = torch.randn(10, 16).requires_grad_()
+    ys = lora_group_cuda(x, low, launcher=TORCH_PATH)
+    torch.autograd.backward([ys[0], ys[2]], [torch.randn(10, 8), torch.randn(10, 16)])
+    assert low[1][2].grad is None and low[1][3].grad is None
+    assert low[0][2].grad is not None and low[2][2].grad is not None
+
+
+class _RawWriteStep(torch.optim.Optimizer):
+    """A step that writes the factors through ``.data`` (as kernels writing through a raw pointer do): no
+    version counter moves."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__(params, {})
+
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.mul_(-1.5)
+
+
+def test_a_group_first_run_under_inference_mode_follows_steps_that_keep_version_counters():
+    """The stacked A made under ``torch.inference_mode`` takes later values outside it, and is copied again
+    after an optimizer step that moves no version counter."""
+    low, _ = _members(16, [8, 8, 16], [4, 8, 8], torch.float32, bias=False)
+    x = torch.randn(10, 16)
+    optimizer = _RawWriteStep([m[2] for m in low])
+    with torch.inference_mode():
+        lora_group_cuda(x, low, launcher=TORCH_PATH)
+    for step in range(3):
+        ys = lora_group_cuda(x, low, launcher=TORCH_PATH)
+        for i, (y, (w, _, a, bb, s, t)) in enumerate(zip(ys, low)):
+            want = reference(x.double(), w.double(), None, a.double(), bb.double(), s, None, t)
+            assert relative_error(y, want) < 1e-5, (step, i)
+        optimizer.step()
+
+
 def test_outputs_are_fresh_tensors():
     low, _ = _members(16, [8, 8], [4, 4], torch.float32)
     x = torch.randn(2, 5, 16)

@@ -193,6 +193,28 @@ def test_a_sibling_called_with_another_tensor_computes_its_own() -> None:
         torch.testing.assert_close(fused_grads[name], plain_grads[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+class _DroppedValue(_Siblings):
+    """q, k and v read x, and v's output is dropped."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.q(x), self.k(x)
+        self.v(x)
+        return self.o(q) + k[..., :-1].tanh()
+
+
+def test_a_sibling_whose_output_is_dropped_gets_no_gradient() -> None:
+    """As a layer run alone: no gradient at all (a zero one would still move it under weight decay)."""
+    torch.manual_seed(0)
+    model = _lora(_DroppedValue())
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 6)
+    fused_out, fused_grads = _run(model, x, True)
+    plain_out, plain_grads = _run(reference, x, False)
+    assert not any(name.startswith("v.") for name in plain_grads)
+    assert fused_grads.keys() == plain_grads.keys()
+    torch.testing.assert_close(fused_out, plain_out, atol=1e-6, rtol=1e-5)
+
+
 def test_an_input_modified_in_place_between_calls_is_not_shared() -> None:
     class InPlace(_Siblings):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
