@@ -1,9 +1,16 @@
-"""benchmarks/bench_cuda.py's CPU side: the command line, the tables, and a clear failure without CUDA."""
+"""benchmarks/bench_cuda.py's CPU side: the command line, the tables, a captured step's lifetime, and a
+clear failure without CUDA."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+from collections.abc import Callable
+
 import pytest
 import torch
+from torch import nn
 
 from loragen._benchmarks import bench_cuda
 
@@ -102,3 +109,49 @@ def test_the_cpp_host_path_gets_its_own_ratios():
     assert row["loragen/peft"] == 0.8
     assert bench_cuda.parse_args(["--native-host"]).native_host
     assert not bench_cuda.parse_args([]).native_host
+
+
+class _Graph:
+    """Stands in for ``torch.cuda.CUDAGraph``: like it, it holds nothing of what it replays."""
+
+    replays = 0
+
+    def replay(self) -> None:
+        _Graph.replays += 1
+
+
+class _Stream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+def _training_step(model: nn.Module) -> Callable[[], None]:
+    x = torch.randn(2, 4)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    return step
+
+
+def test_a_captured_step_keeps_the_model_its_graph_reads_alive(monkeypatch):
+    """A CUDA graph keeps no tensor alive: were the replay only ``graph.replay``, a model held by nothing
+    else (the benchmark's frozen base graphed, once the loop built the next kind) would be freed, and its
+    memory handed back to the driver by the next ``empty_cache`` while the graph still reads it."""
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    model = nn.Linear(4, 4)
+    alive = weakref.ref(model)
+    replay = bench_cuda.captured(_training_step(model), warmup=2)
+    del model
+    gc.collect()
+    assert alive() is not None
+    before = _Graph.replays
+    replay()
+    assert _Graph.replays == before + 1
+    del replay
+    gc.collect()
+    assert alive() is None
