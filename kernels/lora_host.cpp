@@ -332,8 +332,14 @@ struct LoraLinear : public torch::autograd::Function<LoraLinear> {
     }
 
     static variable_list backward(AutogradContext* ctx, variable_list grads) {
-        // once differentiable (no graph of the backward is recorded): below autograd's kernels too; and
-        // without autocast, should backward run inside an autocast region, as the forward ran
+        // once differentiable: no graph of this backward is recorded, so backward(create_graph=True) is
+        // refused here, rather than its results coming back without their second-order terms
+        TORCH_CHECK(!at::GradMode::is_enabled(),
+                    "loragen: the CUDA LoRA op on the C++ host path is differentiable once; a backward with "
+                    "create_graph=True through it is not supported (turn LORAGEN_CUDA_NATIVE_HOST off: the "
+                    "Python path refuses only the second backward itself)");
+        // below autograd's kernels too; and without autocast, should backward run inside an autocast
+        // region, as the forward ran
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
         const auto args = ctx->saved_data["args"].toTuple();

@@ -111,6 +111,8 @@ def _group_plan(x2: Tensor, outs: tuple[int, ...], ranks: tuple[int, ...], handl
     key = (x2.shape, x2.dtype, x2.device, outs, ranks, handle, switches.cuda_kernels.get())
     found = _plans.get(key)
     if found is None:
+        if len(_plans) >= hostcache.MAX_PLANS:  # kept per shape: bounded as the layers' plans are
+            _plans.clear()
         found = _plans[key] = _GroupPlan(x2, outs, ranks, handle)
     return found
 

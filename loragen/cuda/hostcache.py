@@ -36,6 +36,7 @@ __all__ = [
     "dropout_args",
     "dropout_constants",
     "factor",
+    "MAX_PLANS",
     "launcher_handle",
     "new_buffer",
     "optimizer_steps",
@@ -83,6 +84,10 @@ def launcher(handle: int) -> KernelLauncher:
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
+# Plans are kept per shape: a run whose batches take ever new sequence lengths would add one per length
+# and layer shape for good. Past this many the table starts again (a plan is rebuilt in microseconds, and
+# the self-check's routing it reads is kept elsewhere); calls in flight keep the plans they hold.
+MAX_PLANS = 4096
 
 
 def plan(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
@@ -94,6 +99,8 @@ def plan(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
     key = (x2.shape, x2.dtype, x2.device, out_features, rank, handle, switches.cuda_kernels.get())
     found = _plans.get(key)
     if found is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
         found = _plans[key] = Plan(x2, out_features, rank, launcher(handle))
     return found
 

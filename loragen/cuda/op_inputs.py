@@ -53,8 +53,11 @@ def unsupported_reason(
         return f"LoRA dtype {lora_A.dtype}/{lora_B.dtype} (expected float32, float16 or bfloat16)"
     if not 1 <= lora_A.shape[0] <= kernel_variants.MAX_RANK:
         return f"rank r={lora_A.shape[0]} (the kernels take 1 <= r <= {kernel_variants.MAX_RANK})"
-    if max(x.shape[-1], weight.shape[0], weight.shape[1]) >= 2**31:
+    features = (x.shape[-1], weight.shape[0], weight.shape[1])
+    if max(features) >= 2**31:
         return "a feature dimension of 2**31 or more"
+    if 0 in features:
+        return "a feature dimension of 0 (no grid to launch)"
     if x.numel() // max(x.shape[-1], 1) >= 2**31:
         return "2**31 or more rows (the kernels take row counts as 32-bit int)"
     return None

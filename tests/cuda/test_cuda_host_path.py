@@ -233,6 +233,30 @@ def test_plan_is_routed_once_per_shape_and_factors_refresh_only_when_the_paramet
     torch.testing.assert_close(got, want)
 
 
+def test_the_plan_table_stays_bounded_over_ever_new_sequence_lengths(monkeypatch):
+    monkeypatch.setattr(hostcache, "MAX_PLANS", 3)
+    monkeypatch.setattr(hostcache, "_plans", {})
+    launcher = TorchKernels(whole_op=False)
+    _x, w, b, a, bb = _inputs()
+    for rows in range(1, 9):
+        x = torch.randn(rows, 24)
+        got = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)
+        torch.testing.assert_close(got, lora_linear_reference(x, w, b, a, bb, 1.5, 0.0, False))
+        assert len(hostcache._plans) <= 3
+
+
+@pytest.mark.parametrize(("k", "o"), [(0, 8), (8, 0)], ids=["no-in-features", "no-out-features"])
+def test_a_layer_without_features_takes_the_composition(k, o):
+    x = torch.randn(4, k, requires_grad=True)
+    w = torch.randn(o, k, requires_grad=True)
+    a = torch.randn(2, k, requires_grad=True)
+    bb = torch.randn(o, 2, requires_grad=True)
+    y = lora_linear_cuda(x, w, None, a, bb, 2.0, 0.0, True, launcher=TorchKernels(whole_op=False))
+    assert y.shape == (4, o)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and a.grad.shape == a.shape and bb.grad.shape == bb.shape
+
+
 def test_a_float32_factor_at_the_bucket_rank_is_used_without_a_copy():
     x, _w, _b, _, _ = _inputs()
     a = torch.randn(8, 24)  # r = 8 is its own bucket

@@ -229,6 +229,20 @@ def test_factors_follow_inference_mode_steps_that_keep_version_counters_and_a_sm
         native_call(False)
 
 
+def test_a_backward_that_would_record_a_graph_is_refused(launcher):
+    """No graph of the C++ backward is recorded: create_graph=True is refused, not answered with gradients
+    that lack their second-order terms."""
+    inputs, _ = make_inputs(16, 40, 24, 5, torch.float32)
+    x, w, b, a, bb = (t.detach().clone().requires_grad_() for t in inputs)
+    with switches.cuda_native_host.using(True):
+        for _ in range(2):  # the first call registers the plan (Python path), the second runs in C++
+            y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, True, launcher=launcher)
+    with pytest.raises(RuntimeError, match=r"differentiable once.*create_graph=True"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    (grad_x,) = torch.autograd.grad(y.square().sum(), x)  # without a graph: as before
+    assert grad_x.shape == x.shape
+
+
 def test_backward_refuses_a_factor_changed_after_the_forward(launcher):
     (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
     with switches.cuda_native_host.using(True):
