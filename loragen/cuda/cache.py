@@ -9,7 +9,7 @@ also carry the kernel, variant and architecture so the folder reads like a table
 Entry file format: one JSON header line (key, NVRTC version, ptxas log, SHA-256 and size of the cubin)
 followed by the raw cubin. Every write goes to a temporary file in the cache folder and is renamed into
 place, so readers never see half an entry; an entry that does not parse, whose key differs or whose
-checksum fails is deleted and rebuilt, never loaded.
+checksum fails is deleted (where the folder allows) and rebuilt, never loaded.
 
 The folder is ``$LORAGEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/loragen/kernels``, else
 ``~/.cache/loragen/kernels``. If it cannot be written, compiled kernels are kept in memory only.
@@ -17,6 +17,7 @@ The folder is ``$LORAGEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/loragen/kern
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -147,7 +148,11 @@ class KernelCache:
                 raise ValueError("checksum mismatch")
             log = str(header.get("log", ""))
         except (ValueError, TypeError, AttributeError):
-            path.unlink(missing_ok=True)  # corrupt or foreign: rebuilt by the caller
+            # corrupt or foreign: rebuilt by the caller. A folder this process may not change (a shared,
+            # read-only cache) keeps the file; the caller's store then finds it cannot write either and
+            # keeps the rebuilt kernel in memory.
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             return None
         return CompiledKernel(name, arch, cubin, log, parse_ptxas_log(log))
 

@@ -308,6 +308,31 @@ def test_existing_entry_survives_a_failed_rewrite(tmp_path, kernel, monkeypatch)
     assert entries(tmp_path) == [entry] and entry.read_bytes() == before
 
 
+def test_corrupt_entry_in_a_folder_that_cannot_be_written_is_rebuilt_in_memory(tmp_path, kernel, monkeypatch):
+    """A shared, read-only cache holding a bad entry: the entry can be neither deleted nor replaced, so
+    the kernel is compiled and kept in memory, and the file is left as it was."""
+    import pathlib
+
+    import loragen.cuda.cache
+
+    compiler = CountingCompiler()
+    KernelCache(tmp_path, compiler=compiler, nvrtc=(13, 5)).get(kernel, "sm_90")
+    (entry,) = entries(tmp_path)
+    entry.write_bytes(b"garbage")
+
+    def denied(*args, **kwargs):  # what a folder without write permission answers (tests run as root)
+        raise PermissionError(13, "Permission denied", str(entry))
+
+    monkeypatch.setattr(pathlib.Path, "unlink", denied)
+    monkeypatch.setattr(loragen.cuda.cache, "atomic_write_bytes", denied)
+    cache = KernelCache(tmp_path, compiler=compiler, nvrtc=(13, 5))
+    with pytest.warns(RuntimeWarning, match=r"cannot write the kernel cache .*Permission denied"):
+        compiled = cache.get(kernel, "sm_90")
+    assert compiled.cubin.startswith(b"cubin:sm_90:") and compiler.calls == 2
+    assert cache.get(kernel, "sm_90") is compiled and cache.compiles == 1  # from memory from now on
+    assert entries(tmp_path) == [entry] and entry.read_bytes() == b"garbage"
+
+
 def test_compile_error_is_not_cached(tmp_path, kernel):
     def failing(k: RenderedKernel, arch: str) -> CompiledKernel:
         raise KernelCompileError(k, arch, ("--std=c++17",), "error: nope", "NVRTC_ERROR_COMPILATION")
