@@ -44,7 +44,8 @@ def check_in_child(
 ) -> str | None:
     """:func:`loragen.cuda.selfcheck.check_variant` of ``variant`` on ``device`` in a child process
     whose launcher is made by calling ``launcher`` (``"module:attribute"``); None when it passed, else
-    the reason (a crash or a timeout of the child included)."""
+    the reason (a crash or a timeout of the child included, and a child that could not be started: the
+    variant is then not run unchecked, and the reason says why)."""
     index = (
         -1
         if device.type != "cuda"
@@ -68,6 +69,8 @@ def check_in_child(
         )
     except subprocess.TimeoutExpired:
         return f"crashed: the isolated self-check did not finish in {timeout:.0f} s"
+    except OSError as exc:  # no interpreter at sys.executable, a process limit reached, no memory to fork
+        return f"not checked: cannot start the isolated self-check's process {command[0]!r}: {exc}"
     for line in reversed(done.stdout.splitlines()):
         try:
             answer = json.loads(line)

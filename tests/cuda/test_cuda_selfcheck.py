@@ -348,6 +348,40 @@ def test_isolated_check_runs_in_a_child_process():
     assert reason.startswith("crashed: the isolated self-check's process exited with status")
 
 
+def test_an_isolated_check_that_cannot_start_says_why(monkeypatch):
+    from loragen.cuda.isolated import check_in_child
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")  # e.g. a virtualenv removed under a job
+    reason = check_in_child(kernel_variants.Variant("float32", 8, False), torch.device("cpu"))
+    assert re.fullmatch(
+        r"not checked: cannot start the isolated self-check's process '/nonexistent/python3': "
+        r"\[Errno 2\] No such file or directory.*",
+        reason,
+    ), reason
+
+
+def test_a_child_that_cannot_start_is_one_warning_and_not_retried(monkeypatch):
+    from loragen.cuda import isolated
+
+    starts = []
+
+    def no_process(*args, **kwargs):  # what a container at its process limit answers
+        starts.append(args)
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(isolated.subprocess, "run", no_process)
+    kernels = Counting(TorchKernels())
+    checker = selfcheck.CheckedLauncher(kernels, isolate=True)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"float32-r8-unaligned on cpu runs on the torch path .*cannot start the isolated self-check's "
+        r"process .*Resource temporarily unavailable",
+    ) as record:
+        run_twice(checker)
+    assert len(fallback_warnings(record)) == 1 and len(starts) == 1  # decided once, not on every call
+    assert kernels.launches == []
+
+
 def test_a_kernel_that_kills_the_process_only_kills_the_child():
     kernels = Counting(TorchKernels())
     checker = selfcheck.CheckedLauncher(
