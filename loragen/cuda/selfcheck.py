@@ -28,19 +28,19 @@ unusable, for the torch path too) takes only the child down, and its variant fal
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import sys
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from loragen import philox, switches
 from loragen.cuda import passes, streams
+from loragen.cuda.check_numerics import exact_float32_products
 from loragen.cuda.isolated import DRIVER_LAUNCHER, check_in_child
 from loragen.cuda.kernel_variants import Variant, rank_bucket
 from loragen.cuda.launch import CudaDriverError, KernelLauncher, NativeKernels, default_launcher
@@ -130,18 +130,6 @@ def _run(
     }
 
 
-@contextlib.contextmanager
-def _exact_float32() -> Iterator[None]:
-    """No TF32 in the torch path's float32 products while checking (a user may have turned it on)."""
-    matmul = torch.backends.cuda.matmul
-    previous = matmul.allow_tf32
-    matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        matmul.allow_tf32 = previous
-
-
 def _stage(exc: BaseException) -> str:
     if isinstance(exc, NvrtcUnavailableError):
         return "NVRTC unavailable"
@@ -177,7 +165,7 @@ def check_variant(
         if digits and int(digits) < 80:
             return f"unsupported: bfloat16 kernels need sm_80 or newer, {device} is {arch}"
     data = _problem(variant, device)
-    with torch.no_grad(), _exact_float32():
+    with torch.no_grad(), exact_float32_products():
         want = _run(variant, torch_path or TorchKernels(), data, None)
         try:
             got = _run(variant, kernels, data, want)

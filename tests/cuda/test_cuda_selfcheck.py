@@ -392,6 +392,126 @@ def test_a_kernel_that_kills_the_process_only_kills_the_child():
     assert kernels.launches == []  # the variant never ran here
 
 
+# ---- the check computes as designed whatever the caller set, and leaves the caller's settings as found ----
+
+PER_BACKEND = hasattr(torch.backends.cuda.matmul, "fp32_precision")  # torch >= 2.9
+needs_per_backend = pytest.mark.skipif(not PER_BACKEND, reason="this torch has no per-backend fp32_precision")
+
+
+def fp32_precision_owners() -> dict[str, object]:
+    """The objects whose ``fp32_precision`` a user may set (mkldnn's own is read only: its setter writes
+    the global one)."""
+    if not PER_BACKEND:
+        return {}
+    backends = torch.backends
+    return {
+        "global": backends,
+        "cuda.matmul": backends.cuda.matmul,
+        "cudnn": backends.cudnn,
+        "cudnn.conv": backends.cudnn.conv,
+        "cudnn.rnn": backends.cudnn.rnn,
+        "mkldnn.matmul": backends.mkldnn.matmul,
+        "mkldnn.conv": backends.mkldnn.conv,
+        "mkldnn.rnn": backends.mkldnn.rnn,
+    }
+
+
+def precision_settings() -> dict[str, object]:
+    """Every float32 precision setting as a user (or torch.compile) reads it; a read that raises is
+    recorded with its message."""
+    reads = {
+        "float32_matmul_precision": torch.get_float32_matmul_precision,
+        "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+        **{
+            name: (lambda owner=owner: owner.fp32_precision)
+            for name, owner in fp32_precision_owners().items()
+        },
+    }
+    if PER_BACKEND:
+        reads["mkldnn"] = lambda: torch.backends.mkldnn.fp32_precision
+    found: dict[str, object] = {}
+    for name, read in reads.items():
+        try:
+            found[name] = read()
+        except RuntimeError as exc:
+            found[name] = f"raises: {str(exc)[:60]}"
+    return found
+
+
+@pytest.fixture
+def precision_kept():
+    """Puts the process's float32 precision settings back after the test."""
+    before = precision_settings()
+    yield
+    torch.set_float32_matmul_precision(str(before["float32_matmul_precision"]))
+    torch.backends.cudnn.allow_tf32 = bool(before["cudnn.allow_tf32"])
+    for name, owner in fp32_precision_owners().items():
+        owner.fp32_precision = before[name]
+    assert precision_settings() == before
+
+
+USER_SETTINGS = {
+    "untouched": lambda: None,
+    "medium": lambda: torch.set_float32_matmul_precision("medium"),
+    "high": lambda: torch.set_float32_matmul_precision("high"),
+    "legacy cuBLAS and cuDNN flags": lambda: (
+        setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+        setattr(torch.backends.cudnn, "allow_tf32", False),
+    ),
+    "cuBLAS tf32": pytest.param(
+        lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"), marks=needs_per_backend
+    ),
+    "global tf32": pytest.param(
+        lambda: setattr(torch.backends, "fp32_precision", "tf32"), marks=needs_per_backend
+    ),
+    "cuDNN ieee": pytest.param(
+        lambda: setattr(torch.backends.cudnn, "fp32_precision", "ieee"), marks=needs_per_backend
+    ),
+}
+
+
+class Watching(TorchKernels):
+    """The torch path, noting the float32 matmul precision each of its launches computes under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.precisions: list[str] = []
+
+    def launch(self, spec, variant, grid, args, device):
+        if PER_BACKEND:
+            matmul = torch.backends
+            self.precisions.append(
+                f"{matmul.cuda.matmul.fp32_precision} {matmul.mkldnn.matmul.fp32_precision}"
+            )
+        else:
+            self.precisions.append(torch.get_float32_matmul_precision())
+        super().launch(spec, variant, grid, args, device)
+
+
+@pytest.mark.parametrize("setting", list(USER_SETTINGS.values()), ids=list(USER_SETTINGS))
+def test_check_runs_in_full_float32_and_leaves_the_precision_settings_as_found(precision_kept, setting):
+    setting()
+    before = precision_settings()
+    watching = Watching()
+    variant = kernel_variants.Variant("float32", 8, True)
+    assert selfcheck.check_variant(variant, torch.device("cpu"), TorchKernels(), watching) is None
+    assert set(watching.precisions) == ({"ieee ieee"} if PER_BACKEND else {"highest"})
+    assert precision_settings() == before
+
+
+def test_check_on_a_torch_with_one_precision_setting_keeps_medium(precision_kept, monkeypatch):
+    """torch before 2.9 has one process-wide setting, of which allow_tf32 is only a view."""
+    from loragen.cuda import check_numerics
+
+    monkeypatch.setattr(check_numerics, "_PER_BACKEND_PRECISION", False)
+    torch.set_float32_matmul_precision("medium")
+    seen: list[str] = []
+    with check_numerics.exact_float32_products():
+        seen.append(torch.get_float32_matmul_precision())
+    assert seen == ["highest"] and torch.get_float32_matmul_precision() == "medium"
+
+
 # ---- with the emulated kernels ------------------------------------------------------------------------
 
 needs_cxx = pytest.mark.skipif(CXX is None, reason="g++ is needed to build the emulated kernels")

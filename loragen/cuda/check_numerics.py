@@ -1,0 +1,64 @@
+"""The numeric settings the self-check computes under, whatever its caller chose.
+
+:func:`loragen.cuda.selfcheck.check_variant` compares the kernels with the torch path, and its bounds are
+sized for a torch path whose float32 products are full float32. A user may have allowed TF32 or bfloat16
+passes in them (``torch.set_float32_matmul_precision("medium")``, as Lightning and many training scripts
+do, or the per-backend ``fp32_precision`` settings). :func:`exact_float32_products` turns that off for the
+check and puts back exactly what it found, through the API this torch offers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["exact_float32_products"]
+
+# torch >= 2.9 keeps a float32 precision per backend and operation (``torch.backends.cuda.matmul.
+# fp32_precision``, "none" meaning "as the level above says"); older torch has one process-wide setting
+_PER_BACKEND_PRECISION = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def _matmul_precisions() -> list[Any]:
+    """The per-backend settings the torch path's float32 products read: cuBLAS's on a GPU, oneDNN's on
+    the CPU (where the tests check emulated kernels)."""
+    found: list[Any] = [torch.backends.cuda.matmul]
+    onednn = getattr(torch.backends.mkldnn, "matmul", None)
+    if onednn is not None and hasattr(onednn, "fp32_precision"):
+        found.append(onednn)
+    return found
+
+
+@contextlib.contextmanager
+def exact_float32_products() -> Iterator[None]:
+    """Float32 matrix products in full float32 inside the block (no TF32, no bfloat16 passes), and every
+    precision setting back as it was found afterwards.
+
+    With per-backend settings, only the cuBLAS and oneDNN matmul settings change (to ``"ieee"``) and
+    each gets back its own value (``"none"`` included), so :func:`torch.get_float32_matmul_precision`
+    answers as before and cuDNN's settings are never touched. The legacy ``allow_tf32`` flag is not
+    used: on such a torch, setting it mixes the two APIs, after which
+    :func:`torch.get_float32_matmul_precision` raises for the rest of the process. On older torch the one
+    setting goes to ``"highest"`` and back (``allow_tf32`` is only a view of it there: setting that back
+    would turn ``"medium"`` into ``"high"``).
+    """
+    if not _PER_BACKEND_PRECISION:
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(previous)
+        return
+    settings = _matmul_precisions()
+    found = [setting.fp32_precision for setting in settings]
+    try:
+        for setting in settings:
+            setting.fp32_precision = "ieee"
+        yield
+    finally:
+        for setting, value in zip(settings, found):
+            setting.fp32_precision = value
