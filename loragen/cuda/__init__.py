@@ -16,7 +16,8 @@ launch          the driver side: module loading and launches in PyTorch's primar
 passes          the four kernel passes of the op: argument lists, grids, partial sums
 hostcache       what the op keeps between calls: plans, padded factors, launcher handles
 selfcheck       each variant checked on first use per device; failures -> one warning and the torch path
-check_numerics  what the self-check computes under: full float32 products, the caller's settings kept
+check_numerics  what the self-check computes under: full float32 products and no autocast, whatever
+                the caller set (and its settings back as found)
 torch_kernels   the torch path: each kernel's computation as torch products (cuBLAS), same outputs
 torch_path      the eager op on the torch path: one composition with torch's autograd, and its routing
 torch_dropout   the torch path's Philox keep-mask (jiterator kernels on a GPU)

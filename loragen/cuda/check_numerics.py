@@ -5,6 +5,10 @@ sized for a torch path whose float32 products are full float32. A user may have 
 passes in them (``torch.set_float32_matmul_precision("medium")``, as Lightning and many training scripts
 do, or the per-backend ``fp32_precision`` settings). :func:`exact_float32_products` turns that off for the
 check and puts back exactly what it found, through the API this torch offers.
+
+The op may run the check from inside the caller's ``torch.autocast`` region (its first call is often
+there); autocast would cast the torch path's out-of-place products to 16 bits and move the reference by a
+third of the tolerance. :func:`autocast_off` turns it off for the check.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["exact_float32_products"]
+__all__ = ["autocast_off", "exact_float32_products"]
 
 # torch >= 2.9 keeps a float32 precision per backend and operation (``torch.backends.cuda.matmul.
 # fp32_precision``, "none" meaning "as the level above says"); older torch has one process-wide setting
@@ -62,3 +66,15 @@ def exact_float32_products() -> Iterator[None]:
     finally:
         for setting, value in zip(settings, found):
             setting.fp32_precision = value
+
+
+@contextlib.contextmanager
+def autocast_off(device: torch.device) -> Iterator[None]:
+    """No autocast inside the block for ``device``'s type or for the CPU (where the check builds its
+    problem, and where the tests check emulated kernels), whichever the caller had on; the caller's
+    autocast is back as found afterwards."""
+    with contextlib.ExitStack() as stack:
+        for device_type in dict.fromkeys(("cpu", device.type)):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield

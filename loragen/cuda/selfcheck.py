@@ -40,7 +40,7 @@ from torch import Tensor
 
 from loragen import philox, switches
 from loragen.cuda import passes, streams
-from loragen.cuda.check_numerics import exact_float32_products
+from loragen.cuda.check_numerics import autocast_off, exact_float32_products
 from loragen.cuda.isolated import DRIVER_LAUNCHER, check_in_child
 from loragen.cuda.kernel_variants import Variant, rank_bucket
 from loragen.cuda.launch import CudaDriverError, KernelLauncher, NativeKernels, default_launcher
@@ -157,6 +157,8 @@ def check_variant(
     them with the torch path; None when they agree, else the reason (stage and message).
 
     ``kernels`` may have an ``arch(device)`` method (``"sm_90"``); bfloat16 then needs sm_80 or newer.
+    Both sides run with full float32 products and without autocast, whatever the caller set
+    (:mod:`loragen.cuda.check_numerics`).
     """
     arch_of = getattr(kernels, "arch", None)
     if variant.dtype == "bfloat16" and arch_of is not None:
@@ -164,8 +166,8 @@ def check_variant(
         digits = "".join(c for c in arch if c.isdigit())
         if digits and int(digits) < 80:
             return f"unsupported: bfloat16 kernels need sm_80 or newer, {device} is {arch}"
-    data = _problem(variant, device)
-    with torch.no_grad(), exact_float32_products():
+    with torch.no_grad(), exact_float32_products(), autocast_off(device):
+        data = _problem(variant, device)
         want = _run(variant, torch_path or TorchKernels(), data, None)
         try:
             got = _run(variant, kernels, data, want)

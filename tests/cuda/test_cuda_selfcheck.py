@@ -512,6 +512,31 @@ def test_check_on_a_torch_with_one_precision_setting_keeps_medium(precision_kept
     assert seen == ["highest"] and torch.get_float32_matmul_precision() == "medium"
 
 
+class NotingAutocast(TorchKernels):
+    """The torch path, noting whether the CPU's autocast is on at each of its launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.autocast: list[bool] = []
+
+    def launch(self, spec, variant, grid, args, device):
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
+        super().launch(spec, variant, grid, args, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_check_runs_without_the_callers_autocast(dtype):
+    """The op's first call, under the caller's autocast, runs the check: autocast would cast the torch
+    path's float32 products to 16 bits and move the reference by a third of the tolerance."""
+    kernels, reference = NotingAutocast(), NotingAutocast()
+    variant = kernel_variants.Variant("bfloat16", 64, False)
+    with torch.autocast("cpu", dtype=dtype):
+        reason = selfcheck.check_variant(variant, torch.device("cpu"), kernels, reference)
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == dtype  # as found
+    assert reason is None
+    assert kernels.autocast == reference.autocast == [False] * 4
+
+
 # ---- with the emulated kernels ------------------------------------------------------------------------
 
 needs_cxx = pytest.mark.skipif(CXX is None, reason="g++ is needed to build the emulated kernels")
