@@ -21,14 +21,16 @@ import torch
 
 __all__ = ["autocast_off", "exact_float32_products"]
 
-# torch >= 2.9 keeps a float32 precision per backend and operation (``torch.backends.cuda.matmul.
-# fp32_precision``, "none" meaning "as the level above says"); older torch has one process-wide setting
+# torch >= 2.9 keeps a float32 precision per backend and operation as well (``torch.backends.cuda.matmul.
+# fp32_precision``, "none" meaning "as the level above says"); older torch has only the process-wide one
 _PER_BACKEND_PRECISION = hasattr(torch.backends.cuda.matmul, "fp32_precision")
 
 
 def _matmul_precisions() -> list[Any]:
-    """The per-backend settings the torch path's float32 products read: cuBLAS's on a GPU, oneDNN's on
-    the CPU (where the tests check emulated kernels)."""
+    """The per-backend settings the torch path's float32 products read (none before torch 2.9): cuBLAS's
+    on a GPU, oneDNN's on the CPU (where the tests check emulated kernels)."""
+    if not _PER_BACKEND_PRECISION:
+        return []
     found: list[Any] = [torch.backends.cuda.matmul]
     onednn = getattr(torch.backends.mkldnn, "matmul", None)
     if onednn is not None and hasattr(onednn, "fp32_precision"):
@@ -41,29 +43,31 @@ def exact_float32_products() -> Iterator[None]:
     """Float32 matrix products in full float32 inside the block (no TF32, no bfloat16 passes), and every
     precision setting back as it was found afterwards.
 
-    With per-backend settings, only the cuBLAS and oneDNN matmul settings change (to ``"ieee"``) and
-    each gets back its own value (``"none"`` included), so :func:`torch.get_float32_matmul_precision`
-    answers as before and cuDNN's settings are never touched. The legacy ``allow_tf32`` flag is not
-    used: on such a torch, setting it mixes the two APIs, after which
-    :func:`torch.get_float32_matmul_precision` raises for the rest of the process. On older torch the one
-    setting goes to ``"highest"`` and back (``allow_tf32`` is only a view of it there: setting that back
-    would turn ``"medium"`` into ``"high"``).
+    The process-wide setting goes to ``"highest"`` and back, and on torch >= 2.9 the cuBLAS and oneDNN
+    matmul settings go to ``"ieee"`` and back to their own values (``"none"`` included), in that order,
+    so that every reading -- :func:`torch.get_float32_matmul_precision`, ``allow_tf32``, each
+    ``fp32_precision`` -- answers inside the block without raising and afterwards as before. Where the
+    caller's per-backend settings already disagree with the process-wide one (reading it raises), that
+    one is left alone. The legacy ``allow_tf32`` flag is never set: on torch >= 2.9 that mixes the two
+    APIs, after which :func:`torch.get_float32_matmul_precision` can raise for the rest of the process;
+    before, it is only a view of the process-wide setting, and setting it back turns ``"medium"`` into
+    ``"high"``. cuDNN's settings are not touched.
     """
-    if not _PER_BACKEND_PRECISION:
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-        try:
-            yield
-        finally:
-            torch.set_float32_matmul_precision(previous)
-        return
+    try:
+        process_wide: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        process_wide = None
     settings = _matmul_precisions()
     found = [setting.fp32_precision for setting in settings]
     try:
+        if process_wide is not None:
+            torch.set_float32_matmul_precision("highest")
         for setting in settings:
             setting.fp32_precision = "ieee"
         yield
     finally:
+        if process_wide is not None:
+            torch.set_float32_matmul_precision(process_wide)
         for setting, value in zip(settings, found):
             setting.fp32_precision = value
 

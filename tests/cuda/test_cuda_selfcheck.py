@@ -472,21 +472,19 @@ USER_SETTINGS = {
 
 
 class Watching(TorchKernels):
-    """The torch path, noting the float32 matmul precision each of its launches computes under."""
+    """The torch path, noting the precision settings (as read) at each of its launches."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.precisions: list[str] = []
+        self.seen: list[dict[str, object]] = []
 
     def launch(self, spec, variant, grid, args, device):
-        if PER_BACKEND:
-            matmul = torch.backends
-            self.precisions.append(
-                f"{matmul.cuda.matmul.fp32_precision} {matmul.mkldnn.matmul.fp32_precision}"
-            )
-        else:
-            self.precisions.append(torch.get_float32_matmul_precision())
+        self.seen.append(precision_settings())
         super().launch(spec, variant, grid, args, device)
+
+
+def raising(settings: dict[str, object]) -> set[str]:
+    return {name for name, value in settings.items() if str(value).startswith("raises")}
 
 
 @pytest.mark.parametrize("setting", list(USER_SETTINGS.values()), ids=list(USER_SETTINGS))
@@ -496,7 +494,13 @@ def test_check_runs_in_full_float32_and_leaves_the_precision_settings_as_found(p
     watching = Watching()
     variant = kernel_variants.Variant("float32", 8, True)
     assert selfcheck.check_variant(variant, torch.device("cpu"), TorchKernels(), watching) is None
-    assert set(watching.precisions) == ({"ieee ieee"} if PER_BACKEND else {"highest"})
+    assert len(watching.seen) == 4
+    for inside in watching.seen:
+        if PER_BACKEND:
+            assert inside["cuda.matmul"] == inside["mkldnn.matmul"] == "ieee"
+        else:
+            assert inside["float32_matmul_precision"] == "highest"
+        assert raising(inside) <= raising(before)  # another thread reading them meanwhile gets an answer
     assert precision_settings() == before
 
 
