@@ -191,6 +191,16 @@ def check_variant(
     return None
 
 
+def _keyed(device: torch.device | str) -> torch.device:
+    """``device`` as the checker keys its decisions: a CUDA device without an index is the current one, as
+    on the op's tensors (so ``check_all("cuda")`` covers the op's calls on ``cuda:N``). Other devices are
+    kept as given: the tests emulate launches on ``cpu`` and ``cpu:0`` as two devices."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class _Guarded:
     """A checked variant's kernels; a launch error moves the variant to the torch path (one warning)."""
 
@@ -258,9 +268,12 @@ class CheckedLauncher:
             self._kernels = default_launcher()
         return self._kernels
 
-    def outcome(self, variant: Variant, device: str) -> str | None:
-        """``"ok"``, the reason the variant runs on the torch path, or None when not checked yet."""
-        return self._outcomes.get((variant, device))
+    def outcome(self, variant: Variant, device: torch.device | str) -> str | None:
+        """``"ok"``, the reason the variant runs on the torch path, or None when not checked yet
+        (``"cuda"``: the current CUDA device)."""
+        # the guarded launches ask with the name the decision is kept under: one lookup, nothing built
+        found = self._outcomes.get((variant, str(device)))
+        return found if found is not None else self._outcomes.get((variant, str(_keyed(device))))
 
     def outcomes(self) -> dict[str, str]:
         """Every decision so far: ``{"bfloat16-r16-aligned on cuda:0": "ok" or the reason}``."""
@@ -269,8 +282,9 @@ class CheckedLauncher:
                 f"{variant.label} on {device}": text for (variant, device), text in self._outcomes.items()
             }
 
-    def fail(self, variant: Variant, device: str, reason: str) -> None:
+    def fail(self, variant: Variant, device: torch.device | str, reason: str) -> None:
         """Move ``variant`` on ``device`` to the torch path, with one warning (later calls change nothing)."""
+        device = str(_keyed(device))
         with self._lock:
             if self._outcomes.get((variant, device), OK) != OK:
                 return
@@ -286,7 +300,8 @@ class CheckedLauncher:
         )
 
     def route(self, variant: Variant, device: torch.device) -> KernelLauncher:
-        """The launcher that runs ``variant`` on ``device`` now (checking it first when it is new).
+        """The launcher that runs ``variant`` on ``device`` now (checking it first when it is new); a CUDA
+        device without an index is the current one.
 
         Raises:
             RuntimeError: the variant has not been checked yet and a CUDA graph is being captured.
@@ -300,8 +315,12 @@ class CheckedLauncher:
         routed = self._routes.get((variant, device))
         if routed is not None:
             return routed
+        device = _keyed(device)
         key = (variant, str(device))
         with self._lock:
+            routed = self._routes.get((variant, device))
+            if routed is not None:  # asked as "cuda" after a use as cuda:N, or routed by another thread
+                return routed
             if key not in self._outcomes:
                 if streams.capturing(device):
                     raise RuntimeError(
@@ -316,13 +335,14 @@ class CheckedLauncher:
                 if reason is None:
                     self._outcomes[key] = OK
                 else:
-                    self.fail(variant, str(device), reason)
+                    self.fail(variant, device, reason)
             routed = _Guarded(self, key) if self._outcomes[key] == OK else self.torch_path
             self._routes[(variant, device)] = routed
         return routed
 
     def check_all(self, device: torch.device, variants: Sequence[Variant] | None = None) -> dict[str, str]:
-        """Check every variant (or ``variants``) on ``device`` now; :meth:`outcomes` afterwards."""
+        """Check every variant (or ``variants``) on ``device`` now (``"cuda"``: the current CUDA device);
+        :meth:`outcomes` afterwards."""
         for variant in variants or all_lora_variants():
             self.route(variant, device)
         return self.outcomes()

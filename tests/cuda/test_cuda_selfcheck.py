@@ -322,6 +322,37 @@ def test_capture_before_the_check_is_refused(monkeypatch):
         checker.route(kernel_variants.Variant("float32", 8, True), torch.device("cuda", 0))
 
 
+def test_a_cuda_device_without_index_is_the_current_device(monkeypatch):
+    """Pre-checking with check_all("cuda") covers the op's later calls on cuda:N (N the current device),
+    inside a capture too; outcome() and fail() take either spelling."""
+    from loragen.cuda import streams
+
+    checked: list[torch.device] = []
+    monkeypatch.setattr(
+        selfcheck, "check_variant", lambda variant, device, kernels, torch_path=None: checked.append(device)
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    capturing = [False]
+    monkeypatch.setattr(streams, "capturing", lambda device: capturing[0])
+    checker = selfcheck.CheckedLauncher(TorchKernels())
+    variant = kernel_variants.Variant("bfloat16", 16, True)
+    assert checker.check_all(torch.device("cuda"), [variant]) == {"bfloat16-r16-aligned on cuda:1": "ok"}
+    capturing[0] = True  # the op, inside a capture, routes with its tensors' device
+    routed = checker.route(variant, torch.device("cuda", 1))
+    assert checker.route(variant, torch.device("cuda")) is routed
+    assert checked == [torch.device("cuda", 1)]
+    assert checker.outcome(variant, "cuda") == checker.outcome(variant, torch.device("cuda", 1)) == "ok"
+    with pytest.warns(
+        RuntimeWarning, match=r"bfloat16-r16-aligned on cuda:1 runs on the torch path .*: planted"
+    ):
+        checker.fail(variant, "cuda", "planted")
+    assert checker.route(variant, torch.device("cuda", 1)) is checker.torch_path
+    with pytest.raises(
+        RuntimeError, match=r"bfloat16-r16-aligned is used for the first time on cuda:0 while"
+    ):
+        checker.route(variant, torch.device("cuda", 0))  # another device: not checked there yet
+
+
 def test_switch_value_is_checked(monkeypatch):
     assert switches.cuda_kernels.choices == ("check", "trust", "torch")
     with pytest.raises(ValueError, match=r"loragen.switches.cuda_kernels='on': expected one of"):
