@@ -82,7 +82,8 @@ class LoraConfigWarning(UserWarning):
 
 
 class TargetWarning(LoraConfigWarning):
-    """An entry of ``target_modules`` matches no module of the model (``strict_targets=True``: an error)."""
+    """An entry of ``target_modules`` matches no module of the model, or one of ``target_parameters`` no
+    parameter (``strict_targets=True``: an error)."""
 
 
 # LoraConfig fields of loragen's own: how loragen applies a config, not what the adapter is; to_peft leaves
@@ -204,7 +205,8 @@ class LoraConfig:
             name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.expert_parameters`).
         use_dora: DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude per output
             feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.dora_magnitude`).
-        strict_targets: an entry of a ``target_modules`` list that matches no module is an error
+        strict_targets: an entry of a ``target_modules`` list that matches no module, or of
+            ``target_parameters`` that matches no parameter, is an error
             (:class:`~loragen.errors.LoraConversionError`) instead of a :class:`TargetWarning`. loragen's own
             switch: not written to ``adapter_config.json`` (peft has no such field).
 

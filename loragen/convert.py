@@ -10,6 +10,7 @@ rewritten by ``loragen rewrite`` or expanded by ``@lora_convert``).
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -138,15 +139,44 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[
 def effective_config(model: nn.Module, config: LoraConfig) -> LoraConfig:
     """The config ``model`` is converted with: ``config``, with what ``all-linear`` adds on a transformers 5
     MoE model made explicit (the fused expert parameters and the router, as peft adds them; see
-    :func:`loragen.parameter_targets.expand_all_linear`). The model keeps this one, and saves it.
+    :func:`loragen.parameter_targets.expand_all_linear`), and what it leaves out that peft's would adapt
+    (:func:`_excluding_what_peft_adds`). The model keeps this one, and saves it.
 
     Raises:
         LoraConfigError: ``all-linear`` would add parameters this config cannot adapt (``lora_dropout`` ...).
     """
     if config.target_modules != ALL_LINEAR:
         return config
-    linear = resolve_target_modules(model, config)
-    return expand_all_linear(model, config, set(linear))
+    linear = set(resolve_target_modules(model, config))
+    return expand_all_linear(model, _excluding_what_peft_adds(model, config, linear), linear)
+
+
+def _excluding_what_peft_adds(model: nn.Module, config: LoraConfig, linear: set[str]) -> LoraConfig:
+    """``config`` with the ``nn.Linear`` modules loragen's ``all-linear`` leaves out and peft's takes (every
+    ``nn.Linear`` but the output head: ``nn.MultiheadAttention.out_proj``, whose weight is read without
+    calling it) added to ``exclude_modules``. Saved with the adapter, that makes peft's ``all-linear`` adapt
+    the same modules when it loads it; without it peft would add adapters whose keys the file lacks."""
+    heads = _output_head_names(model)
+    inside_lora = tuple(f"{path}." for path, m in model.named_modules() if path and isinstance(m, LoraLayer))
+    left_out = [
+        path
+        for path, m in model.named_modules()
+        if path
+        and isinstance(m, nn.Linear)
+        and not isinstance(m, LoraLayer)
+        and path not in linear
+        and path not in heads
+        and not path.startswith(inside_lora)
+        and not config.is_excluded(path)
+    ]
+    if not left_out:
+        return config
+    excluded = config.exclude_modules
+    if excluded is None:
+        return config.replace(exclude_modules=left_out)
+    if isinstance(excluded, str):  # a regex, which peft matches whole: one more alternative
+        return config.replace(exclude_modules=f"(?:{excluded})|" + "|".join(re.escape(p) for p in left_out))
+    return config.replace(exclude_modules=[*excluded, *left_out])
 
 
 def _report_unmatched(model: nn.Module, config: LoraConfig, planned: bool) -> None:

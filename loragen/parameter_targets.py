@@ -29,11 +29,12 @@ it saves names them, so ``PeftModel.from_pretrained`` loads the adapter with the
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Collection, Iterable, Mapping
 
 from torch import nn
 
-from loragen.config import LoraConfig
+from loragen.config import LoraConfig, TargetWarning
 from loragen.errors import LoraConfigError, LoraConversionError
 from loragen.registry import spec_for
 
@@ -70,10 +71,15 @@ def targeted_parameters(module: nn.Module, path: str, config: LoraConfig) -> tup
 def plan_parameters(model: nn.Module, config: LoraConfig) -> dict[str, tuple[str, ...]]:
     """``{module path: the names of its targeted parameters}`` for every module with one.
 
+    An entry that selects nothing is reported with a :class:`~loragen.config.TargetWarning` (with some of
+    the model's 2-D/3-D parameter names), as a ``target_modules`` entry is: peft converts with the other
+    entries, and its own ``all-linear`` conversion writes entries a model may not have (a model whose
+    layers are all dense).
+
     Raises:
-        LoraConversionError: an entry of ``target_parameters`` selects nothing (every such entry is named,
-            with some of the model's 2-D/3-D parameter names); a parameter of the top-level module is
-            selected (peft refuses it too); a selected parameter is not 2-D or 3-D.
+        LoraConversionError: with ``strict_targets=True``, an entry of ``target_parameters`` selects
+            nothing; a parameter of the top-level module is selected (peft refuses it too); a selected
+            parameter is not 2-D or 3-D.
     """
     entries = config.target_parameters or ()
     if not entries:
@@ -101,11 +107,18 @@ def plan_parameters(model: nn.Module, config: LoraConfig) -> dict[str, tuple[str
             planned[path] += (name,)
     unused = [entry for entry in entries if entry not in used]
     if unused:
-        raise LoraConversionError(
-            f"target_parameters entries {unused!r} match no parameter of {type(model).__name__}; "
-            f"an entry matches a parameter's full name or its dotted suffix. Its 2-D and 3-D parameters "
-            f"include: {_parameter_sample(model)}"
+        where = (
+            f"match no parameter of {type(model).__name__}; an entry matches a parameter's full name or its "
+            f"dotted suffix. Its 2-D and 3-D parameters include: {_parameter_sample(model)}"
         )
+        if config.strict_targets:
+            raise LoraConversionError(f"target_parameters entries {unused!r} {where} (strict_targets=True)")
+        for entry in unused:  # as target_modules entries: peft converts with the others, silently
+            warnings.warn(
+                f"target_parameters entry {entry!r} {where}. LoraConfig(strict_targets=True) makes this an error",
+                TargetWarning,
+                stacklevel=4,
+            )
     return planned
 
 

@@ -416,7 +416,7 @@ def _adapter_round_trip(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loaded = peft.PeftModel.from_pretrained(fresh, folder)
-        keys = [str(w.message)[:160] for w in caught if "keys" in str(w.message).lower()]
+        keys = [str(w.message)[:160] for w in caught if "missing adapter keys" in str(w.message)]
         if keys:
             return f"peft reads loragen's folder: {keys[0]}"
         with torch.no_grad():

@@ -37,6 +37,28 @@ class Toy(nn.Module):
         return self.head(torch.relu(self.proj(x))) + image.mean(dim=(1, 3)).unsqueeze(-1)
 
 
+class AttentionToy(nn.Module):
+    """An ``nn.MultiheadAttention`` beside linear layers: ``all-linear`` in peft takes its ``out_proj``,
+    loragen leaves it out (its weight is read without calling it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        x = self.attn(x, x, x, need_weights=False)[0]
+        return self.head(torch.relu(self.proj(x)))
+
+
+def _attention_toy() -> nn.Module:
+    torch.manual_seed(0)
+    return AttentionToy().eval()
+
+
 def _toy() -> nn.Module:
     torch.manual_seed(0)
     return Toy().eval()
@@ -84,6 +106,16 @@ CASES: dict[str, tuple[Callable[[], nn.Module], dict]] = {
     ),
     "regex": (_toy, dict(target_modules=r"(proj|conv\d)")),
     "grouped-conv2d": (_grouped_toy, dict(target_modules=["conv2"])),
+    # the saved config excludes the out_proj loragen left out, so peft's all-linear leaves it out too
+    "all-linear-beside-attention": (_attention_toy, dict(target_modules="all-linear")),
+    "all-linear-excluding-a-list": (
+        _attention_toy,
+        dict(target_modules="all-linear", exclude_modules=["head"]),
+    ),
+    "all-linear-excluding-a-regex": (
+        _attention_toy,
+        dict(target_modules="all-linear", exclude_modules=r".*hea."),
+    ),
 }
 # peft 0.21 gives a grouped conv's LoRA A all input channels (r, in, k, k) and B the groups
 # (out, r / groups, 1, 1); loragen's layer holds A (r, in / groups, k, k), B (out, r, 1, 1): different factors

@@ -13,6 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import loragen
 from loragen import switches
+from loragen.config import TargetWarning
 from loragen.errors import LoraConfigError, LoraConversionError, MixedBatchError
 from loragen.layers.expert_parameters import LoraParametersLayer
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED
@@ -155,9 +156,19 @@ def test_default_init_is_a_no_op_and_only_factors_train() -> None:
 
 
 def test_a_target_that_matches_nothing_is_named() -> None:
-    with pytest.raises(LoraConversionError, match=r"\['experts.up_proj'\] match no parameter.*gate_up_proj"):
-        loragen.get_lora_model(
+    """A warning naming the entry, as for target_modules (peft converts with the others), and an error
+    with strict_targets=True."""
+    with pytest.warns(TargetWarning, match=r"'experts.up_proj' match no parameter.*gate_up_proj"):
+        model = loragen.get_lora_model(
             make("mixtral"), _config(target_parameters=["gate_up_proj", "experts.up_proj"])
+        )
+    assert any(".lora_targets.gate_up_proj." in name for name, _ in model.named_parameters())
+    with pytest.raises(
+        LoraConversionError, match=r"\['experts.up_proj'\] match no parameter.*strict_targets"
+    ):
+        loragen.get_lora_model(
+            make("mixtral"),
+            _config(target_parameters=["gate_up_proj", "experts.up_proj"], strict_targets=True),
         )
 
 
