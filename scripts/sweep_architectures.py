@@ -339,7 +339,10 @@ def check(model_type: str) -> dict[str, Any]:
     except Exception as error:
         _not_timeout(error)
         problem = f"{type(error).__name__}: {str(error)[:200]}"
-    if problem is not None:
+    own = None if problem is None else _peft_own_round_trip(model_type, theirs, inputs, peft_out)
+    if own is not None:
+        notes.append(f"adapter files not judged: {own} ({problem[:80]})")
+    elif problem is not None:
         return {
             "status": "format mismatch",
             "detail": "; ".join([*notes, problem]),
@@ -435,6 +438,30 @@ def _adapter_round_trip(
                 close(_run(again, inputs), peft_out)
             except AssertionError as error:
                 return f"loragen reads peft's folder: output differs: {str(error)[:160]}"
+    return None
+
+
+def _peft_own_round_trip(model_type: str, theirs: Any, inputs: dict[str, Any], peft_out: Any) -> str | None:
+    """What goes wrong when peft reads the folder it wrote itself for ``theirs`` (a key reported missing,
+    another output), or None. Where that fails too, loragen's folder cannot be judged by peft."""
+    import tempfile
+
+    import peft
+    import torch
+
+    with tempfile.TemporaryDirectory() as folder:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs.save_pretrained(folder)
+        fresh, _ = _build(model_type)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again = peft.PeftModel.from_pretrained(fresh, folder)
+        if any("missing adapter keys" in str(w.message) for w in caught):
+            return "peft reports keys of its own folder missing"
+        with torch.no_grad():
+            if not torch.allclose(_run(again, inputs), peft_out.detach(), rtol=1e-5, atol=1e-5):
+                return "peft's reloaded output differs from its own"
     return None
 
 
