@@ -465,6 +465,12 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const std::optiona
                const at::Tensor& lora_a, const at::Tensor& lora_b, const std::optional<at::Tensor>& rng,
                bool draw_rng, int64_t plan_id, double scaling, int64_t threshold, double keep_scale,
                bool fan_in_fan_out) {
+    // the kernels read (seed, offset) through a pointer whenever dropout is on: refuse what would be read
+    // out of bounds (loragen's own callers always pass one or ask for it to be drawn)
+    TORCH_CHECK_VALUE(threshold == 0 || draw_rng ||
+                          (rng.has_value() && rng->scalar_type() == at::kLong && rng->numel() >= 2 &&
+                           rng->is_contiguous() && rng->device() == x.device()),
+                      "loragen_host: dropout needs rng, an int64 (seed, offset) tensor on x's device, or draw_rng");
     if (draw_rng && threshold != 0) {
         // (seed, offset) from the device's generator, as loragen.cuda.op_inputs.draw_rng draws them
         const at::Tensor drawn = at::randint(0, INT64_MAX, {2}, x.options().dtype(at::kLong));

@@ -243,6 +243,14 @@ def test_a_backward_that_would_record_a_graph_is_refused(launcher):
     assert grad_x.shape == x.shape
 
 
+@pytest.mark.parametrize("rng", [None, torch.zeros(1, dtype=torch.int64), torch.zeros(2)], ids=str)
+def test_the_op_refuses_dropout_without_a_usable_rng_tensor(launcher, rng):
+    """Called directly, the registered op refuses what its kernels would read out of bounds."""
+    tensors, (_, _, plan, scaling, threshold, keep_scale, fifo) = _op_args(launcher, p=0.2)
+    with pytest.raises(ValueError, match=r"dropout needs rng, an int64 \(seed, offset\) tensor"):
+        torch.ops.loragen_host.lora_linear(*tensors, rng, False, plan, scaling, threshold, keep_scale, fifo)
+
+
 def test_backward_refuses_a_factor_changed_after_the_forward(launcher):
     (x, w, b, a, bb), _ = make_inputs(16, 40, 24, 5, torch.float32)
     with switches.cuda_native_host.using(True):
