@@ -188,6 +188,15 @@ def check_variant(
                     f"(bound {bound:g} for {variant.dtype}) on the check problem "
                     f"{'x'.join(map(str, _shape(variant)))} (rows x in x out x rank)"
                 )
+        # the columns past the rank are read by the next pass against zero rows (NaN * 0 is NaN): exact zeros
+        rank = data["a"].shape[0]
+        for name, kernel in (("h", "lora_down"), ("dh", "lora_grad_out")):
+            padding = got[name][:, rank:]
+            if bool(padding.ne(0).any()):
+                return (
+                    f"numeric: {kernel} left non-zero values in {name}'s columns past the rank "
+                    f"({rank} of {variant.rank_bucket}), which the next pass reads"
+                )
     return None
 
 

@@ -232,6 +232,31 @@ def test_failure_gives_one_warning_and_the_torch_path(fake, monkeypatch, failure
         assert fake.cache.compiles == 0 and not fake.driver.calls  # nothing compiled or launched
 
 
+class PaddingNaN(TorchKernels):
+    """The torch path's passes, but one pass leaves NaN in its output's columns past the rank (unwritten
+    memory would hold anything), where the next pass reads them against zero rows."""
+
+    def __init__(self, kernel: str, output: str) -> None:
+        super().__init__()
+        self.kernel, self.output = kernel, output
+
+    def launch(self, spec, variant, grid, args, device):
+        super().launch(spec, variant, grid, args, device)
+        if spec.name == self.kernel:
+            names = [p.name for p in spec.params]
+            args[names.index(self.output)][..., -1] = float("nan")  # the bucket's last column
+
+
+@pytest.mark.parametrize(("kernel", "output"), [("lora_down", "h_part"), ("lora_grad_out", "dh_part")])
+def test_a_pass_that_leaves_nan_past_the_rank_fails_the_check(kernel, output):
+    variant = kernel_variants.Variant("float32", 8, True)  # the check problem's rank is 8 - 3
+    reason = selfcheck.check_variant(variant, torch.device("cpu"), PaddingNaN(kernel, output))
+    assert reason is not None
+    assert re.search(rf"numeric: {kernel} left non-zero values in d?h's columns past the rank", reason), (
+        reason
+    )
+
+
 def test_trust_mode_runs_unchecked_and_raises(fake):
     fake.driver.compile_error = "kernel.cu(1): error: planted"
     (x, w, b, a, bb), _ = make_inputs(9, 16, 8, 4, torch.float32)
