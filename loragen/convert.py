@@ -10,7 +10,6 @@ rewritten by ``loragen rewrite`` or expanded by ``@lora_convert``).
 from __future__ import annotations
 
 import importlib
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -18,13 +17,13 @@ from typing import TextIO, TypeVar
 
 from torch import nn
 
-from loragen.config import ALL_LINEAR, LoraConfig, TargetWarning
+from loragen.config import LoraConfig, TargetWarning
+from loragen.conversion_targets import effective_config, resolve_target_modules
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
 from loragen.layers.expert_parameters import lora_parameters_class
 from loragen.parameter_targets import (
-    expand_all_linear,
     linear_weight_only,
     plan_parameters,
     targeted_parameters,
@@ -93,90 +92,6 @@ def set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, new)
-
-
-def _output_head_names(model: nn.Module) -> set[str]:
-    """Paths of the output head that ``all-linear`` leaves out (transformers' output embeddings)."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if head is None:
-        return set()
-    return {name for name, m in model.named_modules() if m is head}
-
-
-def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[str, ...]:
-    """``config.target_modules`` with ``"all-linear"`` expanded to the model's linear-layer paths.
-
-    ``all-linear`` means every ``nn.Linear`` / transformers ``Conv1D`` except the output head (the
-    module returned by ``get_output_embeddings()`` on transformers models), as in peft.
-
-    Raises:
-        LoraConversionError: ``target_modules`` is not set.
-    """
-    targets = config.target_modules
-    if targets is None and config.target_parameters:
-        return ()  # only parameters are targeted
-    if targets is None:
-        raise LoraConversionError(
-            "LoraConfig.target_modules is None: name the modules to adapt, e.g. "
-            "target_modules=['q_proj', 'v_proj'], a regex, or 'all-linear' "
-            "(loragen has no per-architecture defaults)"
-        )
-    if targets != ALL_LINEAR:
-        return targets if isinstance(targets, str) else tuple(targets)
-    heads = _output_head_names(model)
-    return tuple(
-        name
-        for name, m in model.named_modules()
-        if name
-        and name not in heads
-        and not isinstance(m, LoraLayer)
-        and (spec := spec_for(m)) is not None
-        and spec.linear
-    )
-
-
-def effective_config(model: nn.Module, config: LoraConfig) -> LoraConfig:
-    """The config ``model`` is converted with: ``config``, with what ``all-linear`` adds on a transformers 5
-    MoE model made explicit (the fused expert parameters and the router, as peft adds them; see
-    :func:`loragen.parameter_targets.expand_all_linear`), and what it leaves out that peft's would adapt
-    (:func:`_excluding_what_peft_adds`). The model keeps this one, and saves it.
-
-    Raises:
-        LoraConfigError: ``all-linear`` would add parameters this config cannot adapt (``lora_dropout`` ...).
-    """
-    if config.target_modules != ALL_LINEAR:
-        return config
-    linear = set(resolve_target_modules(model, config))
-    return expand_all_linear(model, _excluding_what_peft_adds(model, config, linear), linear)
-
-
-def _excluding_what_peft_adds(model: nn.Module, config: LoraConfig, linear: set[str]) -> LoraConfig:
-    """``config`` with the ``nn.Linear`` modules loragen's ``all-linear`` leaves out and peft's takes (every
-    ``nn.Linear`` but the output head: ``nn.MultiheadAttention.out_proj``, whose weight is read without
-    calling it) added to ``exclude_modules``. Saved with the adapter, that makes peft's ``all-linear`` adapt
-    the same modules when it loads it; without it peft would add adapters whose keys the file lacks."""
-    heads = _output_head_names(model)
-    inside_lora = tuple(f"{path}." for path, m in model.named_modules() if path and isinstance(m, LoraLayer))
-    left_out = [
-        path
-        for path, m in model.named_modules()
-        if path
-        and isinstance(m, nn.Linear)
-        and not isinstance(m, LoraLayer)
-        and path not in linear
-        and path not in heads
-        and not path.startswith(inside_lora)
-        and not config.is_excluded(path)
-    ]
-    if not left_out:
-        return config
-    excluded = config.exclude_modules
-    if excluded is None:
-        return config.replace(exclude_modules=left_out)
-    if isinstance(excluded, str):  # a regex, which peft matches whole: one more alternative
-        return config.replace(exclude_modules=f"(?:{excluded})|" + "|".join(re.escape(p) for p in left_out))
-    return config.replace(exclude_modules=[*excluded, *left_out])
 
 
 def _report_unmatched(model: nn.Module, config: LoraConfig, planned: bool) -> None:
