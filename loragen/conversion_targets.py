@@ -17,7 +17,7 @@ from loragen.layers import LoraLayer
 from loragen.parameter_targets import expand_all_linear
 from loragen.registry import spec_for
 
-__all__ = ["effective_config", "resolve_target_modules"]
+__all__ = ["effective_config", "exclude_what_peft_adds", "resolve_target_modules"]
 
 
 def _output_head_names(model: nn.Module) -> set[str]:
@@ -65,7 +65,7 @@ def effective_config(model: nn.Module, config: LoraConfig) -> LoraConfig:
     """The config ``model`` is converted with: ``config``, with what ``all-linear`` adds on a transformers 5
     MoE model made explicit (the fused expert parameters and the router, as peft adds them; see
     :func:`loragen.parameter_targets.expand_all_linear`), and what it leaves out that peft's would adapt
-    (:func:`_excluding_what_peft_adds`). The model keeps this one, and saves it.
+    (:func:`exclude_what_peft_adds`). The model keeps this one, and saves it.
 
     Raises:
         LoraConfigError: ``all-linear`` would add parameters this config cannot adapt (``lora_dropout`` ...).
@@ -73,10 +73,10 @@ def effective_config(model: nn.Module, config: LoraConfig) -> LoraConfig:
     if config.target_modules != ALL_LINEAR:
         return config
     linear = set(resolve_target_modules(model, config))
-    return expand_all_linear(model, _excluding_what_peft_adds(model, config, linear), linear)
+    return expand_all_linear(model, exclude_what_peft_adds(model, config, linear), linear)
 
 
-def _excluding_what_peft_adds(model: nn.Module, config: LoraConfig, linear: set[str]) -> LoraConfig:
+def exclude_what_peft_adds(model: nn.Module, config: LoraConfig, linear: set[str]) -> LoraConfig:
     """``config`` with the ``nn.Linear`` modules loragen's ``all-linear`` leaves out and peft's takes (every
     ``nn.Linear`` but the output head: ``nn.MultiheadAttention.out_proj``, whose weight is read without
     calling it) added to ``exclude_modules``. Saved with the adapter, that makes peft's ``all-linear`` adapt

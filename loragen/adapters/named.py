@@ -27,6 +27,7 @@ from typing import TypeVar
 from torch import nn
 
 from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.conversion_targets import exclude_what_peft_adds
 from loragen.convert import (
     ADAPTER_CONFIGS_ATTR,
     CONFIG_ATTR,
@@ -235,8 +236,10 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
         for layer in find_lora_layers(model).values():
             layer.adapter_name = adapter_name
             set_active(layer, adapter_name)
-        record_config(model, adapter_name, config)
+        record_config(model, adapter_name, getattr(model, CONFIG_ATTR))  # as converted: all-linear explicit
         return model
+    if config.target_modules == ALL_LINEAR:  # the modules peft's all-linear would add, excluded for it
+        config = exclude_what_peft_adds(model, config, _linear_paths(model))
     _check_new_adapter(model, config, adapter_name)
     targets = _targets(model, config)
     single = [p for p, m in targets.items() if isinstance(m, LoraLayer) and not holds_several(m)]

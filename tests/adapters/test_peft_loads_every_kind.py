@@ -177,3 +177,25 @@ def test_several_adapters_load_in_peft_one_subfolder_each(tmp_path: Path) -> Non
     torch.testing.assert_close(_out(twin), first)
     twin.set_adapter("second")
     torch.testing.assert_close(_out(twin), second)
+
+
+def test_named_all_linear_adapters_beside_attention_load_in_peft_with_exactly_their_keys(
+    tmp_path: Path,
+) -> None:
+    """Each named adapter's config lists the out_proj loragen leaves out, whether the adapter converted
+    the model or joined the LoRA layers already there."""
+    model = _attention_toy()
+    config = loragen.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    loragen.add_adapter(model, config, "first")
+    loragen.add_adapter(model, config.replace(r=2), "second")
+    loragen.save_adapter(model, tmp_path)
+    first = _out(model)
+    loragen.set_adapter(model, "second")
+    second = _out(model)
+    twin = _peft_load(_attention_toy, tmp_path / "first")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # peft warns about missing or unexpected keys
+        twin.load_adapter(str(tmp_path / "second"), "second")
+    torch.testing.assert_close(_out(twin), first)
+    twin.set_adapter("second")
+    torch.testing.assert_close(_out(twin), second)
