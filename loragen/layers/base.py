@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from typing_extensions import Self
 
-from loragen.errors import LoraMergeError
+from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers.adapter_set import (
     ADAPTERS_ATTR,
     DEFAULT_ADAPTER,
@@ -295,7 +295,16 @@ class LoraLayer(nn.Module, ABC):
         if fast is not None:
             return fast
         result = self._base_output(x)
-        return result if adapter is None else adapter.variant.output(self, x, adapter, result)
+        if adapter is None:
+            return result
+        if not isinstance(result, Tensor):  # a Linear subclass whose forward returns several values
+            raise LoraConversionError(
+                f"{type(self).__qualname__}: its base layer {self.base_class.__qualname__} returns a "
+                f"{type(result).__name__}, not a tensor, so it has no single output to add a LoRA term to (an "
+                "MoE router returning scores and logits is one); leave it out of target_modules "
+                "(exclude_modules), or adapt its weight with target_parameters"
+            )
+        return adapter.variant.output(self, x, adapter, result)
 
     # ---- merging --------------------------------------------------------------------------------
 

@@ -186,3 +186,34 @@ def test_register_layer_errors_name_the_problem() -> None:
         loragen.register_layer(ToyLinear, LoraLinear)
     with pytest.raises(ValueError, match=r"torch\.nn\.Linear is registered already"):
         loragen.register_layer(nn.Linear)
+
+
+class ScoringRouter(nn.Linear):
+    """A linear router that returns (scores, logits), as transformers' Llama-4 and PhiMoE routers do."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        logits = super().forward(x)
+        return logits.softmax(-1), logits
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = ScoringRouter(6, 4)
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores, _ = self.router(x)
+        return self.proj(x) * scores.sum(-1, keepdim=True)
+
+
+def test_a_linear_subclass_returning_several_values_says_so_at_its_first_forward() -> None:
+    model = loragen.get_lora_model(Routed(), LoraConfig(target_modules="all-linear", init_lora_weights=False))
+    with pytest.raises(
+        LoraConversionError, match=r"LoraScoringRouter: .* returns a tuple, not a tensor.*exclude"
+    ):
+        model(torch.randn(2, 6))
+    excluded = loragen.get_lora_model(
+        Routed(), LoraConfig(target_modules="all-linear", exclude_modules=["router"], init_lora_weights=False)
+    )
+    assert excluded(torch.randn(2, 6)).shape == (2, 6)
