@@ -77,9 +77,9 @@ def plan_parameters(model: nn.Module, config: LoraConfig) -> dict[str, tuple[str
     layers are all dense).
 
     Raises:
-        LoraConversionError: with ``strict_targets=True``, an entry of ``target_parameters`` selects
-            nothing; a parameter of the top-level module is selected (peft refuses it too); a selected
-            parameter is not 2-D or 3-D.
+        LoraConversionError: an entry of ``target_parameters`` selects nothing, with
+            ``strict_targets=True`` or where nothing else is targeted; a parameter of the top-level module
+            is selected (peft refuses it too); a selected parameter is not 2-D or 3-D.
     """
     entries = config.target_parameters or ()
     if not entries:
@@ -111,8 +111,9 @@ def plan_parameters(model: nn.Module, config: LoraConfig) -> dict[str, tuple[str
             f"match no parameter of {type(model).__name__}; an entry matches a parameter's full name or its "
             f"dotted suffix. Its 2-D and 3-D parameters include: {_parameter_sample(model)}"
         )
-        if config.strict_targets:
-            raise LoraConversionError(f"target_parameters entries {unused!r} {where} (strict_targets=True)")
+        if config.strict_targets or (not planned and config.target_modules is None):  # nothing to adapt
+            strict = " (strict_targets=True)" if config.strict_targets else ""
+            raise LoraConversionError(f"target_parameters entries {unused!r} {where}{strict}")
         for entry in unused:  # as target_modules entries: peft converts with the others, silently
             warnings.warn(
                 f"target_parameters entry {entry!r} {where}. LoraConfig(strict_targets=True) makes this an error",

@@ -172,6 +172,15 @@ def test_a_target_that_matches_nothing_is_named() -> None:
         )
 
 
+def test_parameters_alone_that_match_nothing_are_an_error() -> None:
+    with pytest.raises(
+        LoraConversionError, match=r"\['experts.up_proj'\] match no parameter of MixtralForCausalLM"
+    ):
+        loragen.get_lora_model(
+            make("mixtral"), _config(target_modules=None, target_parameters=["experts.up_proj"])
+        )
+
+
 def test_a_module_targeted_both_ways_is_refused() -> None:
     model = make("mixtral")
     with pytest.raises(
