@@ -32,6 +32,7 @@ from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.op_inputs import CudaLoraError, draw_rng, seed_rng
 from loragen.cuda.torch_kernels import TorchKernels, rng_values
 from loragen.reference import lora_linear_reference
+from tests.cuda.raw_writes import RawWriteSGD
 
 # Ceilings per forward + backward (64 tokens, 1024 -> 1024, r=16, dropout 0.05), Python calls / C calls /
 # torch ops / allocations, torch 2.13, plus a margin. The kernel path (null driver): 97 / 123 / 39 / 9 for
@@ -312,23 +313,10 @@ def test_a_factor_buffer_made_inside_a_capture_is_zeroed_until_a_call_outside_on
     assert entry.zeroed and not buffer[5:].any() and torch.equal(buffer[:5], bb.detach().t())
 
 
-class _RawWriteSGD(torch.optim.Optimizer):
-    """An SGD step written through ``.data``, as bitsandbytes' 8-bit optimizers and other kernels that
-    write through a raw pointer do: the parameters' version counters do not move."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        super().__init__(params, {"lr": 0.5})
-
-    def step(self, closure: None = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.data.add_(p.grad, alpha=-group["lr"])
-
-
 def test_factors_are_copied_again_after_an_optimizer_step_that_keeps_version_counters():
     launcher = TorchKernels(whole_op=False)  # the four passes, through the cached factors
     x, w, b, a, bb = _inputs()
-    optimizer = _RawWriteSGD([a, bb])
+    optimizer = RawWriteSGD([a, bb])
     for step in range(3):
         versions = a._version, bb._version
         y = lora_linear_cuda(x, w, b, a, bb, 1.5, 0.0, True, launcher=launcher)

@@ -25,6 +25,7 @@ from loragen.cuda.op_inputs import CudaLoraError
 from loragen.reference import lora_linear_reference
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder, variant_of
 from tests.cuda.lora_reference import make_inputs
+from tests.cuda.raw_writes import RawWriteSGD
 
 pytestmark = pytest.mark.skipif(
     CXX is None or shutil.which("cc") is None, reason="g++ and cc build the host path and its stand-in driver"
@@ -182,19 +183,6 @@ def test_factors_are_copied_again_after_an_optimizer_step(launcher):
         assert torch.equal(y, lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=launcher))
 
 
-class _RawWriteSGD(torch.optim.Optimizer):
-    """SGD written through ``.data``, as kernels writing through a raw pointer (bitsandbytes' 8-bit
-    optimizers) do: no version counter moves, only the optimizer step tells."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        super().__init__(params, {"lr": 0.5})
-
-    def step(self, closure: None = None) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.data.add_(p.grad, alpha=-group["lr"])
-
-
 def test_factors_follow_inference_mode_steps_that_keep_version_counters_and_a_smaller_rank(launcher):
     """The C++ cache as the Python one: a buffer first made under ``torch.inference_mode`` takes later
     values, an optimizer step that moves no version counter reaches the next forward, and a rank that
@@ -217,7 +205,7 @@ def test_factors_follow_inference_mode_steps_that_keep_version_counters_and_a_sm
         for _ in range(2):  # the first call registers the plan (Python path), the second runs in C++
             native_call(False)
     assert torch.ops.loragen_host.cached_factors() > before
-    optimizer = _RawWriteSGD([a, bb])
+    optimizer = RawWriteSGD([a, bb])
     for _ in range(3):
         versions = a._version, bb._version
         native_call(True).square().sum().backward()
