@@ -16,7 +16,7 @@ Results: ``ok``, ``loragen crash``, ``mismatch``, ``format mismatch``, ``peft al
 base model cannot be built or run offline from a tiny config; the reason is given). Each model runs in a worker process under a
 per-model time limit; a worker that hangs is killed and the model recorded as ``timeout``.
 
-    OMP_NUM_THREADS=1 python scripts/sweep_architectures.py --out /work/scratch/sweep_results.md [--only llama,bert]
+    OMP_NUM_THREADS=1 python scripts/sweep_architectures.py --out sweep_results.md [--only llama,bert] [--dora]
 """
 
 from __future__ import annotations
@@ -174,6 +174,10 @@ def _first_float(output: Any) -> Any:
     raise LookupError("no floating output")
 
 
+# the LoRA settings both libraries convert with (r, alpha; --dora adds use_dora=True to both)
+LORA: dict[str, Any] = {"r": 4, "lora_alpha": 8}
+
+
 def _build(model_type: str, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     import torch
     from transformers import CONFIG_MAPPING
@@ -220,10 +224,10 @@ def check(model_type: str) -> dict[str, Any]:
         _not_timeout(error)
         return {"status": "skipped", "detail": f"base: {type(error).__name__}: {str(error)[:160]}"}
 
-    config = loragen.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    config = loragen.LoraConfig(**LORA, target_modules="all-linear")
     try:
         theirs, _ = _build(model_type)
-        theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        theirs = peft.get_peft_model(theirs, peft.LoraConfig(**LORA, target_modules="all-linear"))
         peft_out = _run(theirs, inputs)
     except Exception as error:
         _not_timeout(error)
@@ -267,7 +271,7 @@ def check(model_type: str) -> dict[str, Any]:
                 notes.append(f"parameter targets not compared: {sorted(hosts)[:3]}")
             stage = "peft convert (loragen's layers)"
             theirs, _ = _build(model_type)
-            theirs = peft.get_peft_model(theirs, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+            theirs = peft.get_peft_model(theirs, peft.LoraConfig(**LORA, target_modules=targets))
             stage = "convert"
         generator = torch.Generator().manual_seed(1)
         for name, p in theirs.named_parameters():
@@ -480,7 +484,7 @@ def _fp64_noise(
 
     targets = sorted({_lora_key(n).rsplit(".", 1)[0] for n in ours_params if n.endswith(".lora_A")})
     wide, _ = _build(model_type)
-    wide = peft.get_peft_model(wide, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    wide = peft.get_peft_model(wide, peft.LoraConfig(**LORA, target_modules=targets))
     theirs_params = dict(theirs.named_parameters())
     with torch.no_grad():
         for name, p in wide.named_parameters():
@@ -528,7 +532,7 @@ def _both_in_fp64(model_type: str, wide: Any, doubled: dict[str, Any], ref: Any,
 
     targets = sorted({_lora_key(n).rsplit(".", 1)[0] for n, _ in wide.named_parameters() if ".lora_A." in n})
     ours, _ = _build(model_type)
-    loragen.get_lora_model(ours, loragen.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    loragen.get_lora_model(ours, loragen.LoraConfig(**LORA, target_modules=targets))
     ours_params = dict(ours.named_parameters())
     wide_params = {_lora_key(n): p for n, p in wide.named_parameters() if ".lora_A." in n or ".lora_B." in n}
     with torch.no_grad():
@@ -647,9 +651,12 @@ def main() -> None:
     parser.add_argument("--out", default="sweep_results.md")
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--limit", type=int, default=60, help="seconds per model")
+    parser.add_argument("--dora", action="store_true", help="DoRA (use_dora=True) in both libraries")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("types", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.dora:
+        LORA["use_dora"] = True
     if args.worker:
         _worker(args.types, args.limit)
         return
@@ -659,7 +666,15 @@ def main() -> None:
     while len(done) < len(todo):
         pending = [t for t in todo if t not in done]
         process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--limit", str(args.limit), *pending],
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--limit",
+                str(args.limit),
+                *(["--dora"] if args.dora else []),
+                *pending,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
