@@ -244,7 +244,7 @@ class LoraConfig:
         check_flag(self.use_dora, "use_dora")
         check_flag(self.strict_targets, "strict_targets")
         check_init(self.init_lora_weights)
-        set_(self, "target_parameters", validation.check_parameter_targets(self.target_parameters, self))
+        set_(self, "target_parameters", validation.check_parameter_targets(self.target_parameters))
         for name in ("target_modules", "exclude_modules"):
             value = _freeze_names(name, getattr(self, name))
             if isinstance(value, str) and value != ALL_LINEAR:

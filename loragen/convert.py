@@ -19,7 +19,7 @@ from torch import nn
 
 from loragen.config import LoraConfig, TargetWarning
 from loragen.conversion_targets import effective_config, resolve_target_modules
-from loragen.errors import LoraConversionError, LoraMergeError
+from loragen.errors import LoraConfigError, LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
 from loragen.layers.expert_parameters import lora_parameters_class
@@ -30,6 +30,7 @@ from loragen.parameter_targets import (
 )
 from loragen.registry import refusal_for, spec_for, supported_type_names
 from loragen.sibling_planning import plan_siblings
+from loragen.validation import parameter_target_conflict
 
 __all__ = [
     "CONFIG_ATTR",
@@ -168,6 +169,13 @@ def plan_conversion(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
         for path, names in plan_parameters(model, config).items()
         if not (path in planned and linear_weight_only(planned[path], config, names))
     }
+    if parameters:  # what a parameter cannot take is refused where one is selected, as peft refuses it
+        selected = [f"{path}.{name}" for path, names in parameters.items() for name in names]
+        conflict = parameter_target_conflict(
+            config, ", ".join(selected[:3]) + (" ..." if len(selected) > 3 else "")
+        )
+        if conflict is not None:
+            raise LoraConfigError(conflict)
     both = sorted(set(parameters) & set(planned))
     if both:
         raise LoraConversionError(

@@ -34,9 +34,10 @@ from collections.abc import Collection, Iterable, Mapping
 
 from torch import nn
 
-from loragen.config import LoraConfig, TargetWarning
+from loragen.config import LoraConfig, LoraConfigWarning, TargetWarning
 from loragen.errors import LoraConfigError, LoraConversionError
 from loragen.registry import spec_for
+from loragen.validation import parameter_target_conflict
 
 __all__ = [
     "name_matches",
@@ -225,6 +226,10 @@ def expand_all_linear(model: nn.Module, config: LoraConfig, linear_paths: Collec
     (:func:`linear_weight_only`). Where peft's conversion does not run (Qwen2-MoE's own model type) they
     stay module targets in both and are not listed.
 
+    Where the config cannot adapt parameters (``lora_dropout``, ``use_dora``, ``fan_in_fan_out``) on a model
+    type peft's own conversion leaves alone (Qwen2-MoE), the config is returned unchanged, with a
+    :class:`~loragen.config.LoraConfigWarning`: the experts stay out, as in peft.
+
     Raises:
         LoraConfigError: the config cannot adapt parameters (``lora_dropout``, ``use_dora``,
             ``fan_in_fan_out``; peft refuses these too); the message says what ``all-linear`` adds here.
@@ -256,15 +261,23 @@ def expand_all_linear(model: nn.Module, config: LoraConfig, linear_paths: Collec
         and alphas == dict(config.alpha_pattern)
     ):
         return config
-    try:
+    conflict = parameter_target_conflict(config, str([entry for entry, _ in added]))
+    if conflict is None:
         return config.replace(target_parameters=entries, rank_pattern=ranks, alpha_pattern=alphas)
-    except LoraConfigError as exc:
-        family = fused_expert_family(model)
-        raise LoraConfigError(
-            f"target_modules='all-linear' on {type(model).__name__} (a {family}-family MoE model) also adapts the "
-            f"fused expert parameters {[e for e, _ in added]}, as peft does: {exc}. Or list the linear modules "
-            "to adapt instead of 'all-linear' (the experts are then left out)"
-        ) from None
+    family = fused_expert_family(model)
+    if not _peft_converts(model):  # peft's all-linear leaves them out here: so does loragen, when it must
+        warnings.warn(
+            f"target_modules='all-linear' on {type(model).__name__} leaves the fused expert parameters "
+            f"{[entry for entry, _ in added]} out, as peft does on this model type: {conflict}",
+            LoraConfigWarning,
+            stacklevel=5,
+        )
+        return config
+    raise LoraConfigError(
+        f"target_modules='all-linear' on {type(model).__name__} (a {family}-family MoE model) also adapts the "
+        f"fused expert parameters {[entry for entry, _ in added]}, as peft does: {conflict}. Or list the "
+        "linear modules to adapt instead of 'all-linear' (the experts are then left out)"
+    )
 
 
 def linear_weight_only(module: nn.Module, config: LoraConfig, names: tuple[str, ...]) -> bool:

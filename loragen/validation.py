@@ -22,6 +22,7 @@ __all__ = [
     "check_init",
     "check_lora_args",
     "check_parameter_targets",
+    "parameter_target_conflict",
 ]
 
 InitMode = bool | Literal["gaussian"]
@@ -77,13 +78,13 @@ def check_lora_args(
     check_init(init_lora_weights)
 
 
-def check_parameter_targets(value: Any, config: Any) -> tuple[str, ...] | None:
+def check_parameter_targets(value: Any) -> tuple[str, ...] | None:
     """``target_parameters``: None or a list of parameter names (peft's form; no regex string), as a tuple.
 
-    LoRA on a parameter adds a weight update, so it cannot drop out the input of the branch
-    (``config.lora_dropout`` must be 0) and has no ``fan_in_fan_out`` (peft refuses both too).
+    What a parameter cannot take (``lora_dropout``, ``use_dora``, ``fan_in_fan_out``) is refused where an
+    entry selects a parameter (:func:`parameter_target_conflict`), as peft refuses it: a config whose
+    entries select nothing in a model (peft's own ``all-linear`` writes such entries) loads as peft loads it.
     """
-    lora_dropout, fan_in_fan_out = config.lora_dropout, config.fan_in_fan_out
     field = "target_parameters"
     if value is None:
         return None
@@ -98,20 +99,30 @@ def check_parameter_targets(value: Any, config: Any) -> tuple[str, ...] | None:
             raise LoraConfigError(
                 f"{field}: {name!r} is not a parameter name (expected e.g. 'experts.down_proj')"
             )
-    if names and lora_dropout:
-        raise LoraConfigError(
-            f"{field}={names!r} with lora_dropout={lora_dropout!r}: LoRA on a parameter adds scaling * B @ A to "
-            "the weight, where no input is there to drop out; set lora_dropout=0 (peft refuses it too)"
-        )
-    if names and getattr(config, "use_dora", False):
-        raise LoraConfigError(
-            f"{field}={names!r} with use_dora=True: DoRA on targeted parameters is not supported "
-            "(peft refuses it too); set use_dora=False"
-        )
-    if names and fan_in_fan_out:
-        raise LoraConfigError(
-            f"{field}={names!r} with fan_in_fan_out=True: a targeted parameter's layout comes from its shape "
-            "(experts stored (num_experts, out, in), or (num_experts, in, out) on modules with is_transposed); "
-            "set fan_in_fan_out=False"
-        )
     return tuple(names)
+
+
+def parameter_target_conflict(config: Any, selected: str) -> str | None:
+    """Why ``config`` cannot adapt parameters (``selected`` names what it selects), or None when it can.
+
+    LoRA on a parameter adds a weight update, so it cannot drop out the input of the branch
+    (``lora_dropout`` must be 0), has no DoRA and no ``fan_in_fan_out`` (peft refuses all three too).
+    """
+    if config.lora_dropout:
+        return (
+            f"target_parameters selects {selected} with lora_dropout={config.lora_dropout!r}: LoRA on a parameter "
+            "adds scaling * B @ A to the weight, where no input is there to drop out; set lora_dropout=0 (peft "
+            "refuses it too)"
+        )
+    if getattr(config, "use_dora", False):
+        return (
+            f"target_parameters selects {selected} with use_dora=True: DoRA on targeted parameters is not "
+            "supported (peft refuses it too); set use_dora=False"
+        )
+    if config.fan_in_fan_out:
+        return (
+            f"target_parameters selects {selected} with fan_in_fan_out=True: a targeted parameter's layout "
+            "comes from its shape (experts stored (num_experts, out, in), or (num_experts, in, out) on modules "
+            "with is_transposed); set fan_in_fan_out=False"
+        )
+    return None

@@ -17,6 +17,7 @@ from torch import nn
 
 import loragen
 from loragen.adapters.save import adapter_state_dict
+from loragen.config import LoraConfigWarning
 from tests.layers.experts_models import VOCAB, mixtral, olmoe, qwen3_moe
 
 peft = pytest.importorskip("peft")
@@ -206,6 +207,26 @@ def test_qwen2_moe_adapts_the_experts_peft_leaves_out_and_peft_loads_them(tmp_pa
     assert _shapes(peft.get_peft_model_state_dict(loaded)) == ours
     with torch.no_grad():
         torch.testing.assert_close(loaded(_tokens()).logits, lora(_tokens()).logits)
+
+
+@pytest.mark.parametrize("fields", [{"lora_dropout": 0.1}, {"use_dora": True}], ids=["dropout", "dora"])
+def test_qwen2_moe_with_what_parameters_cannot_take_adapts_what_peft_adapts(fields: dict) -> None:
+    """Where peft's all-linear leaves the experts out anyway (Qwen2-MoE's own type), a config that cannot
+    adapt parameters converts the linears only, with a warning, instead of being refused."""
+    torch.manual_seed(0)
+    base = _qwen2_moe().eval()
+    with pytest.warns(LoraConfigWarning, match=r"leaves the fused expert parameters .* out"):
+        lora = loragen.get_lora_model(
+            copy.deepcopy(base), loragen.LoraConfig(target_modules="all-linear", **fields)
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = peft.get_peft_model(
+            copy.deepcopy(base), peft.LoraConfig(target_modules="all-linear", **fields)
+        )
+    assert _shapes(adapter_state_dict(lora, lora.loragen_config)) == _shapes(
+        peft.get_peft_model_state_dict(twin)
+    )
 
 
 def test_all_linear_with_dropout_on_an_moe_model_says_why() -> None:

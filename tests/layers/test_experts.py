@@ -192,15 +192,35 @@ def test_a_module_targeted_both_ways_is_refused() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"lora_dropout": 0.1}, "lora_dropout=0.1: LoRA on a parameter"),
-        ({"fan_in_fan_out": True}, "fan_in_fan_out=True"),
         ({"target_parameters": "experts.down_proj"}, "a regex string is not accepted"),
         ({"target_parameters": ["down_proj", ""]}, "'' is not a parameter name"),
     ],
 )
-def test_config_refuses_what_peft_refuses(kwargs: dict, message: str) -> None:
+def test_config_refuses_what_is_no_parameter_name(kwargs: dict, message: str) -> None:
     with pytest.raises(LoraConfigError, match=message):
         _config(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lora_dropout": 0.1}, "lora_dropout=0.1: LoRA on a parameter"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out=True"),
+        ({"use_dora": True}, "use_dora=True: DoRA on targeted parameters"),
+    ],
+)
+def test_conversion_refuses_what_peft_refuses_where_a_parameter_is_selected(
+    kwargs: dict, message: str
+) -> None:
+    """As peft: the config is accepted, selecting a parameter with it is not (peft's own all-linear writes
+    such a config for a model without MoE layers, where nothing is selected)."""
+    config = _config(**kwargs)
+    with pytest.raises(LoraConfigError, match=rf"selects model\.layers\.0\.mlp\.experts\.\w+.*{message}"):
+        loragen.get_lora_model(make("mixtral"), config)
+    nothing = _config(target_modules=["q_proj"], target_parameters=["experts.w9"], **kwargs)
+    with pytest.warns(TargetWarning, match="'experts.w9' match no parameter"):
+        model = loragen.get_lora_model(make("mixtral"), nothing)
+    assert any(name.endswith("q_proj.lora_A") for name, _ in model.named_parameters())
 
 
 def test_config_round_trips_through_peft() -> None:
@@ -349,8 +369,3 @@ def test_a_mixed_batch_is_refused_on_expert_parameters() -> None:
         torch.no_grad(),
     ):
         model(tokens())
-
-
-def test_dora_on_parameters_is_refused() -> None:
-    with pytest.raises(LoraConfigError, match="use_dora=True: DoRA on targeted parameters"):
-        _config(use_dora=True)
