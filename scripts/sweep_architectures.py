@@ -12,9 +12,12 @@ Then the adapter files both ways: the folder ``loragen.save_adapter`` writes mus
 ``peft.PeftModel.from_pretrained`` with no missing or unexpected key and give loragen's output, and
 peft's own folder must load in ``loragen.load_adapter`` and give peft's.
 
-Results: ``ok``, ``loragen crash``, ``mismatch``, ``format mismatch``, ``peft also fails``, ``skipped`` (the
-base model cannot be built or run offline from a tiny config; the reason is given). Each model runs in a worker process under a
-per-model time limit; a worker that hangs is killed and the model recorded as ``timeout``.
+Then ``loragen.merge_and_unload`` must give the same output with plain layers only.
+
+Results: ``ok``, ``loragen crash``, ``mismatch``, ``format mismatch``, ``merge mismatch``, ``peft also fails``,
+``skipped`` (the base model cannot be built or run offline from a tiny config; the reason is given). Each
+model runs in a worker process under a per-model time limit; a worker that hangs is killed and the model
+recorded as ``timeout``.
 
     OMP_NUM_THREADS=1 python scripts/sweep_architectures.py --out sweep_results.md [--only llama,bert] [--dora]
 """
@@ -22,6 +25,7 @@ per-model time limit; a worker that hangs is killed and the model recorded as ``
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import os
@@ -353,6 +357,24 @@ def check(model_type: str) -> dict[str, Any]:
             "traceback": traceback.format_exc()[-1500:],
         }
 
+    # merged into the base weights: the same output, as plain layers again
+    try:
+        merged = loragen.merge_and_unload(copy.deepcopy(ours))
+        with torch.no_grad():
+            got = _run(merged, inputs)
+        torch.testing.assert_close(
+            got, ours_out.detach(), rtol=1e-4, atol=1e-4 * max(1.0, ours_out.abs().max().item())
+        )
+        if loragen.convert.find_lora_layers(merged):
+            raise AssertionError("LoRA layers left after merge_and_unload")
+    except Exception as error:
+        _not_timeout(error)
+        return {
+            "status": "merge mismatch",
+            "detail": "; ".join([*notes, f"{type(error).__name__}: {str(error)[:200]}"]),
+            "traceback": traceback.format_exc()[-1500:],
+        }
+
     # zero-size batch, where the base model takes one
     empty = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     try:
@@ -633,6 +655,7 @@ def _table(results: list[dict[str, Any]], command: str) -> str:
         "loragen crash": 0,
         "mismatch": 1,
         "format mismatch": 1.5,
+        "merge mismatch": 1.6,
         "timeout": 2,
         "targets differ": 3,
         "peft also fails": 4,
