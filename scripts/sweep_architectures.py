@@ -369,11 +369,14 @@ def check(model_type: str) -> dict[str, Any]:
             raise AssertionError("LoRA layers left after merge_and_unload")
     except Exception as error:
         _not_timeout(error)
-        return {
-            "status": "merge mismatch",
-            "detail": "; ".join([*notes, f"{type(error).__name__}: {str(error)[:200]}"]),
-            "traceback": traceback.format_exc()[-1500:],
-        }
+        if isinstance(error, AssertionError) and _peft_merge_moves_output(theirs, inputs, peft_out):
+            notes.append("merge not judged: peft's own merge moves its output past the tolerance too")
+        else:
+            return {
+                "status": "merge mismatch",
+                "detail": "; ".join([*notes, f"{type(error).__name__}: {str(error)[:200]}"]),
+                "traceback": traceback.format_exc()[-1500:],
+            }
 
     # zero-size batch, where the base model takes one
     empty = {k: v[:0] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -465,6 +468,19 @@ def _adapter_round_trip(
             except AssertionError as error:
                 return f"loragen reads peft's folder: output differs: {str(error)[:160]}"
     return None
+
+
+def _peft_merge_moves_output(theirs: Any, inputs: dict[str, Any], peft_out: Any) -> bool:
+    """Whether peft's own ``merge_and_unload`` moves its output past the merge check's tolerance (a model
+    whose forward takes discrete decisions on its activations turns a rounding difference into another
+    output)."""
+    import torch
+
+    with torch.no_grad():
+        merged = copy.deepcopy(theirs).merge_and_unload()
+        got = _run(merged, inputs)
+    want = peft_out.detach()
+    return not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
 
 
 def _peft_own_round_trip(model_type: str, theirs: Any, inputs: dict[str, Any], peft_out: Any) -> str | None:
