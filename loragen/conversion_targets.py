@@ -17,10 +17,10 @@ from loragen.layers import LoraLayer
 from loragen.parameter_targets import expand_all_linear
 from loragen.registry import spec_for
 
-__all__ = ["effective_config", "exclude_what_peft_adds", "resolve_target_modules"]
+__all__ = ["effective_config", "exclude_what_peft_adds", "output_head_names", "resolve_target_modules"]
 
 
-def _output_head_names(model: nn.Module) -> set[str]:
+def output_head_names(model: nn.Module) -> set[str]:
     """Paths of the output head that ``all-linear`` leaves out (transformers' output embeddings)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -49,7 +49,7 @@ def resolve_target_modules(model: nn.Module, config: LoraConfig) -> str | tuple[
         )
     if targets != ALL_LINEAR:
         return targets if isinstance(targets, str) else tuple(targets)
-    heads = _output_head_names(model)
+    heads = output_head_names(model)
     return tuple(
         name
         for name, m in model.named_modules()
@@ -81,7 +81,7 @@ def exclude_what_peft_adds(model: nn.Module, config: LoraConfig, linear: set[str
     ``nn.Linear`` but the output head: ``nn.MultiheadAttention.out_proj``, whose weight is read without
     calling it) added to ``exclude_modules``. Saved with the adapter, that makes peft's ``all-linear`` adapt
     the same modules when it loads it; without it peft would add adapters whose keys the file lacks."""
-    heads = _output_head_names(model)
+    heads = output_head_names(model)
     inside_lora = tuple(f"{path}." for path, m in model.named_modules() if path and isinstance(m, LoraLayer))
     left_out = [
         path

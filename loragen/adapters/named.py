@@ -27,7 +27,7 @@ from typing import TypeVar
 from torch import nn
 
 from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.conversion_targets import exclude_what_peft_adds
+from loragen.conversion_targets import exclude_what_peft_adds, output_head_names
 from loragen.convert import (
     ADAPTER_CONFIGS_ATTR,
     CONFIG_ATTR,
@@ -135,11 +135,10 @@ def require_adapter(model: nn.Module, name: object, what: str = "adapter") -> st
 def _linear_paths(model: nn.Module) -> set[str]:
     """Paths ``all-linear`` selects (peft's rule: linear layers but the output head), LoRA layers included:
     they are targets of a further adapter too."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    heads = output_head_names(model)
     paths = set()
     for path, module in model.named_modules():
-        if not path or module is head:
+        if not path or path in heads:
             continue
         spec = spec_for_lora_type(type(module)) if isinstance(module, LoraLayer) else spec_for(module)
         if spec is not None and spec.linear:
