@@ -37,6 +37,7 @@ LR = 1e-2
 # a hang fails after this long; generous, because a loaded 2-core machine can take minutes to spawn and
 # import two ranks (90 s was once too short there while the ranks were fine)
 TIMEOUT_S = 600
+STEP_TIMEOUT_S = 300  # one rendezvous or collective
 
 
 class Classifier(nn.Module):
@@ -145,9 +146,11 @@ def _worker(rank: int, store_port: int, out_dir: str) -> None:
     # the rendezvous store lives in the parent, which outlives both ranks: a rank never loses the store
     # while the other still talks to it (with the store in rank 0, rank 1 could, and abort with
     # "terminate called without an active exception")
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
+    # a rank starved of CPU on a loaded 2-core machine may reach a collective minutes after the other: the
+    # store's and the group's timeouts stay under the hang deadline but far above a healthy run's seconds
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=STEP_TIMEOUT_S))
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=60)
+        "gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=timedelta(seconds=STEP_TIMEOUT_S)
     )
     out = Path(out_dir)
     try:
@@ -176,7 +179,7 @@ def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # port 0: the operating system picks a free port while the store binds it (no window for another
     # process to take a port chosen in advance)
     store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STEP_TIMEOUT_S)
     )
     context = mp.start_processes(
         _worker, args=(store.port, str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
