@@ -20,8 +20,12 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from loragen.adapters.folder import ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME, ADAPTER_WEIGHTS_NAME
-from loragen.adapters.keys import PEFT_PREFIX
+from loragen.adapters.folder import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_PICKLE_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    PEFT_PREFIX,
+)
 from loragen.adapters.named import adapter_configs, check_adapter_name, list_adapters, require_adapter
 from loragen.atomic import WriteError, atomic_dir
 from loragen.config import LoraConfig

@@ -215,7 +215,7 @@ class LoragenAdapterMethods:
         Raises:
             AdapterNameError: an unknown name.
         """
-        from loragen.adapters.keys import PEFT_PREFIX
+        from loragen.adapters.folder import PEFT_PREFIX
         from loragen.adapters.named import active_adapter, require_adapter
         from loragen.adapters.save import adapter_config_for, adapter_state_dict
 

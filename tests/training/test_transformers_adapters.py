@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import loragen
-from loragen.adapters.keys import PEFT_PREFIX
+from loragen.adapters.folder import PEFT_PREFIX
 from loragen.adapters.save import adapter_state_dict
 
 peft = pytest.importorskip("peft")
