@@ -108,8 +108,8 @@ def read_json_file(path: str | os.PathLike[str], error: type[LoraError]) -> Any:
 
 # ---- safetensors files -------------------------------------------------------------------------------------
 
-# safetensors dtype string -> (bytes per element, torch dtype name or None where torch has none)
-_ST_DTYPES: dict[str, tuple[int, str | None]] = {
+# safetensors dtype string -> (bytes per element, torch dtype name; a torch build may lack it)
+_ST_DTYPES: dict[str, tuple[int, str]] = {
     "BOOL": (1, "bool"),
     "U8": (1, "uint8"),
     "I8": (1, "int8"),
@@ -147,15 +147,9 @@ class TensorEntry:
         return self.end - self.start
 
     @property
-    def numel(self) -> int:
-        """The tensor's number of elements."""
-        return math.prod(self.shape)
-
-    @property
     def torch_dtype(self) -> torch.dtype | None:
         """The matching torch dtype, or None where this torch build has none."""
-        name = _ST_DTYPES[self.dtype][1]
-        return getattr(torch, name, None) if name else None
+        return getattr(torch, _ST_DTYPES[self.dtype][1], None)
 
 
 @dataclass(frozen=True)

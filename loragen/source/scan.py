@@ -1070,6 +1070,10 @@ class Site:
     conditional: bool
     container: str | None = None
 
+    def child(self, part: str, container: str) -> Site:
+        """The site of item ``part`` (``"0"``, ``"{i}"``, ``"key"``) of the ``container`` built here."""
+        return dataclasses.replace(self, path=f"{self.path}.{part}", container=container)
+
 
 @dataclasses.dataclass
 class Findings:
@@ -1129,13 +1133,9 @@ class InitWalker:
         if isinstance(node, cst.Name) and node.value in self.locals and node.value not in self.following:
             self.following.add(node.value)
             bindings = self.locals[node.value]
-            for bound, conditional in bindings:
-                self.value(
-                    bound,
-                    dataclasses.replace(
-                        site, conditional=site.conditional or conditional or len(bindings) > 1
-                    ),
-                )
+            for bound, branch in bindings:
+                conditional = site.conditional or branch or len(bindings) > 1
+                self.value(bound, dataclasses.replace(site, conditional=conditional))
             self.following.discard(node.value)
             return
         if not isinstance(node, cst.Call):
@@ -1168,9 +1168,7 @@ class InitWalker:
         positional = [a for a in call.args if a.keyword is None]
         if kind == "ModuleList":
             if positional:
-                self.items(
-                    positional[0].value, dataclasses.replace(site, path=f"{site.path}.{{i}}", container=kind)
-                )
+                self.items(positional[0].value, site.child("{i}", kind))
             return
         if kind == "ModuleDict":
             if positional:
@@ -1184,7 +1182,7 @@ class InitWalker:
                 return
         for index, arg in enumerate(positional):
             if arg.star:
-                self.items(arg.value, dataclasses.replace(site, path=f"{site.path}.{{i}}", container=kind))
+                self.items(arg.value, site.child("{i}", kind))
                 if any(self.builds_layer(a.value) for a in positional[index + 1 :]):
                     self.report(
                         arg.value,
@@ -1192,7 +1190,7 @@ class InitWalker:
                         f"items after *{code_of(arg.value)} in {kind} have indices known only at run time",
                     )
                 return
-            self.value(arg.value, dataclasses.replace(site, path=f"{site.path}.{index}", container=kind))
+            self.value(arg.value, site.child(str(index), kind))
 
     def items(self, node: cst.BaseExpression, site: Site) -> None:
         """A list-like value whose items land at ``site.path`` (already ending in ``.{i}``)."""
@@ -1218,43 +1216,37 @@ class InitWalker:
 
     def mapping(self, node: cst.BaseExpression, site: Site, kind: str) -> None:
         """A dict-like value (dict literal, comprehension, OrderedDict([...]), list of pairs)."""
+
+        def at(key: cst.BaseExpression | None) -> Site:  # a key known statically, else ``{key}``
+            text = None if key is None else string_value(key)
+            return site.child("{key}" if text is None else text, kind)
+
         if isinstance(node, cst.Call) and node.args:
             keywords = [a.keyword.value for a in node.args if a.keyword is not None]
             if len(keywords) == len(node.args):  # dict(a=..., b=...)
                 for keyword, a in zip(keywords, node.args):
-                    self.value(
-                        a.value, dataclasses.replace(site, path=f"{site.path}.{keyword}", container=kind)
-                    )
+                    self.value(a.value, site.child(keyword, kind))
                 return
             node = node.args[0].value
         if isinstance(node, cst.Dict):
             for element in node.elements:
                 if isinstance(element, cst.DictElement):
-                    key = string_value(element.key)
-                    path = f"{site.path}.{key}" if key is not None else f"{site.path}.{{key}}"
-                    self.value(element.value, dataclasses.replace(site, path=path, container=kind))
+                    self.value(element.value, at(element.key))
         elif isinstance(node, cst.DictComp):
-            self.value(node.value, dataclasses.replace(site, path=f"{site.path}.{{key}}", container=kind))
-        elif isinstance(node, (cst.List, cst.Tuple)):
-            for item in node.elements:
-                pair = item.value
+            self.value(node.value, at(None))
+        elif isinstance(node, (cst.List, cst.Tuple, cst.ListComp, cst.GeneratorExp)):
+            literal = isinstance(node, (cst.List, cst.Tuple))
+            pairs = (
+                [e.value for e in node.elements] if isinstance(node, (cst.List, cst.Tuple)) else [node.elt]
+            )
+            for pair in pairs:
                 if isinstance(pair, (cst.Tuple, cst.List)) and len(pair.elements) == 2:
-                    key = string_value(pair.elements[0].value)
-                    path = f"{site.path}.{key}" if key is not None else f"{site.path}.{{key}}"
-                    self.value(pair.elements[1].value, dataclasses.replace(site, path=path, container=kind))
-        elif isinstance(node, (cst.ListComp, cst.GeneratorExp)):
-            pair = node.elt
-            if isinstance(pair, (cst.Tuple, cst.List)) and len(pair.elements) == 2:
-                self.value(
-                    pair.elements[1].value,
-                    dataclasses.replace(site, path=f"{site.path}.{{key}}", container=kind),
-                )
+                    self.value(pair.elements[1].value, at(pair.elements[0].value if literal else None))
         elif self.builds_layer(node):
             self.report(
                 node,
                 site.attribute,
-                f"the entries of {site.attribute} come from {code_of(node)!s:.60}; "
-                "cannot follow them statically",
+                f"the entries of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically",
             )
 
     def other_call(self, call: cst.Call, site: Site) -> None:
@@ -1316,9 +1308,9 @@ class InitWalker:
     def _submodule(
         self, site: Site, call: cst.Call, callee: str, local: str | None, conditional: bool
     ) -> None:
-        location = self.names.loc(call)
+        where = self.names.loc(call)
         self.submodules.append(
-            SubmoduleField(self.owner, site.attribute, site.path, callee, location, local, conditional)
+            SubmoduleField(self.owner, site.attribute, site.path, callee, where, local, conditional)
         )
 
     def alias_classes(self, name: str) -> list[str] | None:
