@@ -244,17 +244,13 @@ def _bound_by(small: cst.BaseSmallStatement) -> dict[str, Binding]:
     return {}
 
 
-def _is_import(stmt: cst.CSTNode) -> bool:
-    return m.matches(stmt, _IMPORT)
-
-
 def _import_position(body: Sequence[Statement]) -> int:
     """Where new imports go: after the module's leading imports (or its docstring)."""
     position = 0
     for index, stmt in enumerate(body):
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
             break
-        if _is_import(stmt):
+        if m.matches(stmt, _IMPORT):
             position = index + 1
         elif index == 0 and m.matches(stmt, DOCSTRING):
             position = 1  # after the module docstring
@@ -292,11 +288,9 @@ def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_
         names = sorted(imports[module])
         if not names:
             continue
-        index = next((i for i, s in enumerate(body) if _extend_import(s, module, names) is not None), None)
-        if index is not None:
-            extended = _extend_import(body[index], module, names)
-            assert extended is not None  # just checked
-            body[index] = extended
+        extended = next(((i, j) for i, s in enumerate(body) if (j := _extend_import(s, module, names))), None)
+        if extended is not None:
+            body[extended[0]] = extended[1]
         else:
             new.append(cst.parse_statement(f"from {module} import {', '.join(names)}\n"))
     position = _import_position(body)
