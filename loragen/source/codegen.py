@@ -1,26 +1,14 @@
-"""Generated Python: the Jinja templates in ``templates/``, Python literals for values, and the edits a
-rewrite makes in a file, each keeping the surrounding formatting and comments.
-
-Templates only substitute values (``StrictUndefined``: a missing value is an error); every decision is made
-in Python. Literals are written as a person would (``16`` for ``16.0``, ``"q_proj"``, ``r"..."`` for a regex);
-:func:`config_literal` writes a :class:`~loragen.config.LoraConfig` with the fields that differ from the
-defaults. A rewrite (:class:`Editor`, :func:`add_preamble`, :func:`add_module_lines`):
-
-* swaps a targeted constructor's callee for its LoRA class and adds (or updates) the LoRA keywords the way
-  the call lays out its arguments: ``nn.Linear(a, b)`` -> ``LoraLinear(a, b, r=8, lora_alpha=16)``. A
-  keyword is written when the call passes it already, for ``r`` and ``lora_alpha``, and when the config's
-  value differs from the default in the LoRA class's signature (or the signature shows none);
-* makes relative imports absolute (for output written outside the package);
-* gives a class that holds LoRA layers ``loragen_config = LORA_CONFIG`` (after its docstring), and the
-  topmost transformers ``PreTrainedModel`` class the LoRA init in ``_init_weights``;
-* imports each LoRA class from where the registry says it lives and states its config after the imports,
-  ``LORA_CONFIG = LoraConfig(r=16, ...)``; among the file's definitions, each under a comment saying why,
-  ``LoraFalconLinear = lora_class_for(FalconLinear)`` after a layer subclass of the file, and
-  ``LoraAutoModel = lora_auto_class(AutoModel, [...], LORA_CONFIG)`` after its last class (see
-  :mod:`loragen.source.composite`).
-
-A line the file has already (a previous rewrite's) is updated in place, so rewriting again changes nothing.
-:class:`RewriteResult` is what :func:`loragen.rewrite_source` returns.
+"""Generated Python: the Jinja templates in ``templates/`` (they only substitute values; ``StrictUndefined``),
+Python literals written as a person would (``16`` for ``16.0``, ``r"..."`` for a regex, a
+:class:`~loragen.config.LoraConfig` with the fields that differ from the defaults), and the edits a rewrite
+makes in a file, each keeping the surrounding formatting and comments (:class:`Editor`,
+:func:`add_preamble`, :func:`add_module_lines`): a targeted constructor gets its LoRA class and keywords
+(``nn.Linear(a, b)`` -> ``LoraLinear(a, b, r=8, lora_alpha=16)``), relative imports become absolute, a class
+holding LoRA layers gets ``loragen_config = LORA_CONFIG``, the topmost ``PreTrainedModel`` the LoRA init in
+``_init_weights``, the module its imports, ``LORA_CONFIG = LoraConfig(...)`` and the bindings
+``LoraFalconLinear = lora_class_for(FalconLinear)`` / ``LoraAutoModel = lora_auto_class(AutoModel, ...)``
+(:mod:`loragen.source.composite`), each under a comment saying why. A line the file has already (a previous
+rewrite's) is updated in place, so rewriting again changes nothing.
 """
 
 from __future__ import annotations
@@ -379,8 +367,11 @@ _RELATIVE_IMPORT = re.compile(r"\bfrom[\s\\]+\.")
 def lora_keywords(
     spec: LayerType, r: int, alpha: float, config: LoraConfig, existing: set[str]
 ) -> dict[str, str]:
-    """The LoRA keywords, as source text, that a targeted call of ``spec``'s type gets (see the module
-    docstring); ``existing`` holds the keywords the call passes already.
+    """The LoRA keywords, as source text, that a targeted call of ``spec``'s type gets; ``existing`` holds the
+    keywords the call passes already. A keyword of the LoRA protocol (:meth:`loragen.LoraLayer.from_module`)
+    is written when the call passes it already, for ``r`` and ``lora_alpha``, and when the config's value
+    differs from the default in the LoRA class's signature (or the signature shows none), so the defaults
+    cannot drift from the layers'.
 
     Raises:
         ImportError: the LoRA class cannot be imported.

@@ -1,32 +1,19 @@
 """The scanner: the LoRA-convertible layer fields of the classes in Python source, found statically with
-libcst. It serves both code generators, :func:`loragen.lora_convert` and :func:`loragen.rewrite_source`.
+libcst, for both code generators (:func:`loragen.lora_convert`, :func:`loragen.rewrite_source`).
 
 A *layer field* is a module attribute built in ``__init__`` by a constructor of a registered layer type,
-matched by *qualified name*: ``nn.Linear``, ``torch.nn.Linear`` and ``from torch.nn import Linear as L``
-are the same; a user class that happens to be called ``Linear`` is not. The scanner follows
-``self.x = Layer(...)`` (annotated and tuple assignments too), locals (``proj = Layer(...); self.x = proj``),
-containers (``ModuleList``, ``Sequential``, ``ModuleDict``, comprehensions, ``OrderedDict``, ``append`` /
-``extend``, ``add_module``, ``setattr``, ``self.x["key"] = ...``, nested to any depth) and both branches of
-conditionals (``conditional=True``). The file's own layer subclasses (Falcon's ``class
-FalconLinear(nn.Linear)``) are layer types too, and sub-models built by transformers' auto classes
-(``AutoModel.from_config(...)``) are reported as :class:`FactoryCall`; a previous rewrite's module-level
-``LoraFalconLinear = lora_class_for(FalconLinear)`` and ``LoraAutoModel = lora_auto_class(AutoModel, ...)``
-lines are recognised, so a second rewrite changes nothing.
+matched by *qualified name* (``nn.Linear``, ``torch.nn.Linear`` and ``from torch.nn import Linear as L``
+are the same; a user's class called ``Linear`` is not), followed through locals, containers and both
+branches of conditionals (:class:`InitWalker`). The file's own layer subclasses (``class
+FalconLinear(nn.Linear)``) are layer types too; sub-models built by transformers' auto classes are
+:class:`FactoryCall`; a previous rewrite's lines are recognised, so a second rewrite changes nothing. What
+cannot be resolved statically is reported as :class:`Unresolved` with ``file:line``, never guessed.
 
-What it cannot resolve it reports as :class:`Unresolved` with ``file:line``, and never guesses: a layer built
-by a helper or a method, a constructor from ``getattr`` or a parameter, an attribute name computed at run
-time, a layer call no ``__init__`` walk claimed, a name from a star import or an unresolvable relative import.
-
-Speed and safety: Python's own parser reads the code first (clearest message for invalid code), and code
-nested deeper than :data:`MAX_NESTING` is refused before libcst sees it (libcst's parser crashes the process
-on very deep nesting). Scope analysis runs on a *skeleton* whose function bodies, except ``__init__`` and
-``get_output_embeddings``, are stubbed out with the same number of lines; the kept bodies are the full
-tree's own nodes. Everything found is keyed by the tree's node objects (which hash by identity), so the
-metadata wrapper never copies the tree.
-
-Layer types are read without importing torch (:func:`layer_types`): until :mod:`loragen.layers` is imported
-no type can have been registered, and the facts come from :data:`BUILTIN`, which a test holds equal to the
-registry.
+Python's parser checks the code first (its message for invalid code; nesting deeper than
+:data:`MAX_NESTING` is refused before libcst, whose parser crashes the process on it). Scope analysis runs on
+a :func:`skeleton` whose function bodies, but for ``__init__`` and ``get_output_embeddings``, are stubbed
+out; everything found is keyed by the full tree's own nodes (which hash by identity), so nothing is copied.
+Layer types are read without importing torch until :mod:`loragen.layers` is (:func:`layer_types`).
 """
 
 from __future__ import annotations
