@@ -1,24 +1,6 @@
-"""A safetensors checkpoint (one file, or a folder of shards with an index), opened from its headers, and
-which checkpoint tensor each adapter tensor changes: a one-to-one mapping, explained, never guessed.
-
-Nothing but headers (and the folder's ``config.json``, for the architecture the checkpoint was saved from)
-is read; tensor data is streamed later by the merge. Adapter keys name the paths of the model the adapter
-was trained on (peft's prefix removed: ``model.layers.0.self_attn.q_proj.weight``); a checkpoint may store
-the same model under another wrapper. The rule (:func:`resolve_keys`):
-
-1. Paths used as they are, when every one of them is a checkpoint tensor.
-2. Otherwise the checkpoint's known wrapper: its ``config.json`` names its architecture
-   (``"architectures": ["LlamaForCausalLM"]``), and transformers' ``base_model_prefix`` of that class, ``P``
-   (``"model"``), is where a task model keeps its base model; a base-model checkpoint (``LlamaModel``) stores
-   the same without ``P.``. So adapter paths are tried with ``P.`` removed from their front and with ``P.``
-   added; exactly one of these must fit. Without transformers, or for a class it does not know, there is no
-   known wrapper.
-3. Anything else only with explicit prefix rules (``--key-map OLD=NEW``, ``--strip-prefix P``): a path equal
-   to ``OLD`` or beginning with ``OLD.`` has that part replaced by ``NEW``; the rule with the longest ``OLD``
-   wins; paths no rule matches are used as they are.
-
-Whichever mapping applies, every adapter tensor must find its own checkpoint tensor: a path with no tensor,
-or two paths landing on one tensor, is refused, naming the keys.
+"""A safetensors checkpoint (one file, or a folder of shards with an index), opened from its headers alone,
+and which checkpoint tensor each adapter tensor changes (:func:`resolve_keys`): a one-to-one mapping,
+explained, never guessed. Tensor data is streamed later by the merge.
 """
 
 from __future__ import annotations
@@ -350,7 +332,17 @@ def _unused(rules: Iterable[PrefixRule], paths: Iterable[str]) -> list[PrefixRul
 def resolve_keys(
     targets: Mapping[str, Iterable[str]], checkpoint: Checkpoint, explicit: KeyMap | None = None
 ) -> tuple[KeyMap, dict[str, str]]:
-    """Map every adapter target path to its own checkpoint key, as the module docstring describes.
+    """Map every adapter target path to its own checkpoint key.
+
+    Adapter paths are those of the model the adapter was trained on (``model.layers.0.mlp.up_proj.weight``); a
+    checkpoint may store the same model under another wrapper. Tried in turn: (1) the paths as they are,
+    when every one is a checkpoint tensor; (2) the checkpoint's known wrapper: its ``config.json`` names its
+    architecture, and transformers' ``base_model_prefix`` of that class, ``P`` (``"model"``), is where a task
+    model keeps its base model, so the paths are tried with ``P.`` removed from their front and with ``P.``
+    added, and exactly one must fit (no wrapper without transformers or for a class it does not know);
+    (3) otherwise only ``explicit`` prefix rules (``--key-map OLD=NEW``, ``--strip-prefix P``): a path equal
+    to ``OLD`` or beginning with ``OLD.`` has that part replaced by ``NEW``, the longest ``OLD`` winning.
+    Every adapter tensor must find its own checkpoint tensor.
 
     Args:
         targets: ``{adapter path (model key) the merge changes: the adapter file keys behind it}``.
