@@ -50,7 +50,6 @@ __all__ = [
     "LoraFactors",
     "check_magnitudes",
     "group_lora_keys",
-    "lora_factors",
     "parse_adapter_key",
     "read_adapter",
     "read_adapter_config",
@@ -153,20 +152,6 @@ class LoraFactors:
         return tuple(k for k in (self.key_a, self.key_b) if k is not None)
 
 
-def lora_factors(module: str, keys: Mapping[str, str]) -> LoraFactors | None:
-    """One module's factors from ``{factor attribute name: file key}``.
-
-    Returns:
-        the factors, or ``None`` when the names belong to no single layout (``lora_A`` beside
-        ``lora_embedding_B``).
-    """
-    layouts = tuple(layout for layout in LAYOUTS.values() if set(keys) <= set(layout.factor_names))
-    if not layouts:
-        return None
-    a_name, b_name = layouts[0].factor_names
-    return LoraFactors(module, layouts, keys.get(a_name), keys.get(b_name))
-
-
 def group_lora_keys(keys: Iterable[AdapterKey], source: object) -> dict[str, LoraFactors]:
     """``{module path: its LoRA factors}`` for the LoRA keys among ``keys``, in module order (DoRA's
     magnitude vectors are not factors and are left out).
@@ -182,11 +167,12 @@ def group_lora_keys(keys: Iterable[AdapterKey], source: object) -> dict[str, Lor
     out: dict[str, LoraFactors] = {}
     mixed = []
     for module, names in sorted(by_module.items()):
-        factors = lora_factors(module, names)
-        if factors is None:
+        layouts = tuple(layout for layout in LAYOUTS.values() if set(names) <= set(layout.factor_names))
+        if not layouts:  # lora_A beside lora_embedding_B
             mixed.append(f"{module}: has factors of different layer types ({', '.join(sorted(names))})")
         else:
-            out[module] = factors
+            a_name, b_name = layouts[0].factor_names
+            out[module] = LoraFactors(module, layouts, names.get(a_name), names.get(b_name))
     if mixed:
         raise AdapterError(f"{source}: inconsistent LoRA tensors:\n  " + "\n  ".join(mixed))
     return out
