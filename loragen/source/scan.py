@@ -1464,7 +1464,7 @@ def scan_module(
     names = Resolver(tree, stripped, stubs, filename, module, package, hidden)
     found = Findings()
     classes = [_scan_class(names, found, name, node) for name, node in names.class_defs.items()]
-    report_unclaimed(names, found, hidden)
+    tree.visit(_Unclaimed(names, found, hidden))
     unresolved = sorted(found.unresolved, key=lambda u: (u.location.line, u.location.column))
     result = ScanResult(filename, module, tuple(classes), tuple(unresolved))
     bindings = (names.lora_bindings, found.factories, names.auto_bindings)
@@ -1512,40 +1512,29 @@ def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
     return ()
 
 
-def report_unclaimed(names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str]) -> None:
-    """Add an :class:`Unresolved` to ``found`` for every layer call of ``names.tree`` not yet claimed.
+class _Unclaimed(cst.CSTVisitor):
+    """The last pass: an :class:`Unresolved` for every layer call that no ``__init__`` walk claimed (built in a
+    helper, at module level, in another method), and for calls whose name may be a layer type but cannot be
+    resolved (a relative import without the module's package, a star import).
 
-    ``hidden`` maps each function to the source of the bodies the scanner did not read: a body whose
-    source names no layer type (under any name the module binds it to) is skipped unread.
+    ``hidden`` maps each function to the source of the body the scanner did not read: a body that names no
+    layer type under any name the module binds one to (``Linear as L``, its subclasses and LoRA bindings) is
+    skipped unread; in a stubbed body names resolve at module level (:meth:`Resolver.qualnames`).
     """
-    names.tree.visit(_Finder(names, found, hidden, _layer_words(names)))
 
-
-def _layer_words(names: Resolver) -> re.Pattern[str]:
-    """The words a call that this pass reports must contain: the registered types' own names, the module's
-    layer subclasses and LoRA bindings, and the names it imports a layer type under (``Linear as L``).
-
-    In a stubbed body names resolve at module level (:meth:`Resolver.qualnames`), so these are all."""
-    words = set(names.short_layer_names)
-    words.update(name.rpartition(".")[2] for name in (*names.layer_subclasses, *names.lora_bindings))
-    for assignment in names.global_scope.assignments:
-        bound = assignment.name
-        qualified = names.global_scope.get_qualified_names_for(bound)
-        if any(q.name.rpartition(".")[2] in names.short_layer_names for q in qualified):
-            words.add(bound)
-    return re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, words))) + r")\b")
-
-
-class _Finder(cst.CSTVisitor):
-    def __init__(
-        self, names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str], words: re.Pattern[str]
-    ) -> None:
+    def __init__(self, names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str]) -> None:
         self.names = names
         self.found = found
         self.hidden = hidden
-        self.words = words
         self.scopes: list[str] = []
         self.functions: list[cst.FunctionDef] = []
+        words = set(names.short_layer_names)
+        words.update(name.rpartition(".")[2] for name in (*names.layer_subclasses, *names.lora_bindings))
+        for assignment in names.global_scope.assignments:
+            qualified = names.global_scope.get_qualified_names_for(assignment.name)
+            if any(q.name.rpartition(".")[2] in names.short_layer_names for q in qualified):
+                words.add(assignment.name)
+        self.words = re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, words))) + r")\b")
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.scopes.append(f"class {node.name.value}")
