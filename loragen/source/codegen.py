@@ -478,13 +478,6 @@ def _append_args(
     return [*args[:-1], last.with_changes(comma=first, whitespace_after_arg=cst.SimpleWhitespace("")), *added]
 
 
-def _dotted(name: str) -> cst.Attribute | cst.Name:
-    node: cst.Attribute | cst.Name = cst.Name(name.split(".")[0])
-    for part in name.split(".")[1:]:
-        node = cst.Attribute(value=node, attr=cst.Name(part))
-    return node
-
-
 # matchers for the few statements of a class body or a module looked at by shape (not on the hot path, where
 # isinstance checks are several times cheaper)
 _CONFIG_ATTRIBUTE = m.Assign(
@@ -599,7 +592,9 @@ class Editor(cst.CSTTransformer):
             self.import_errors.append(f"relative import reaches above the package {self.package!r}")
             return updated_node
         return updated_node.with_changes(
-            relative=(), module=_dotted(absolute), whitespace_after_from=cst.SimpleWhitespace(" ")
+            relative=(),
+            module=cst.parse_expression(absolute),
+            whitespace_after_from=cst.SimpleWhitespace(" "),
         )
 
     def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
