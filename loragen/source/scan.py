@@ -1388,10 +1388,8 @@ class InitWalker:
                     key = string_value(index.value)
                     if key is None and isinstance(index.value, cst.Integer):
                         key = index.value.value
-                if key is None:
-                    self.value(value, Site(attribute, f"{attribute}.{{key}}", conditional, "ModuleDict"))
-                else:
-                    self.value(value, Site(attribute, f"{attribute}.{key}", conditional, "ModuleDict"))
+                site = Site(attribute, attribute, conditional)
+                self.value(value, site.child("{key}" if key is None else key, "ModuleDict"))
 
     def call_statement(self, call: cst.Call, conditional: bool) -> None:
         func = call.func
@@ -1399,7 +1397,7 @@ class InitWalker:
         if isinstance(func, cst.Attribute) and func.attr.value in ("append", "extend", "insert"):
             attribute = self.is_self_attr(func.value)
             if attribute is not None and call.args:
-                site = Site(attribute, f"{attribute}.{{i}}", conditional, "ModuleList")
+                site = Site(attribute, attribute, conditional).child("{i}", "ModuleList")
                 arg = call.args[-1].value
                 if func.attr.value == "extend":
                     self.items(arg, site)
