@@ -66,6 +66,11 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
 }
 
+# Below these a run's figures are not representative: medians of fewer rounds move with the machine's
+# load, and steps shorter than a few milliseconds are per-call overhead (Python, dispatch, allocation).
+MIN_ROUNDS = 5
+MIN_STEP_SECONDS = 0.010
+
 # What every benchmark imports besides loragen: the contestant (peft) and the Llama models.
 REQUIREMENTS = ("peft", "transformers")
 
@@ -78,9 +83,11 @@ its load. A progress line per round goes to stderr, with the time left.
 
 Needs peft and transformers: pip install -e '.[bench]' (from the loragen checkout).
 
+--quick runs tiny sizes for 3 rounds: a check that the benchmark runs, whose ratios mean nothing (its
+output says so, as does any run of fewer than {min_rounds} rounds or of steps under {min_ms:.0f} ms).
+
 benchmarks (expected wall-clock duration on a 2-core CPU, start-up included: at the default sizes on
-an idle machine -- a loaded one takes several times longer, the progress lines say how long; --quick:
-tiny sizes, 3 rounds):
+an idle machine -- a loaded one takes several times longer, the progress lines say how long):
 {table}
 """
 
@@ -136,7 +143,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run the side-by-side benchmarks (loragen vs peft vs the frozen base)",
-        description=DESCRIPTION.format(table=table),
+        description=DESCRIPTION.format(table=table, min_rounds=MIN_ROUNDS, min_ms=MIN_STEP_SECONDS * 1e3),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     kinds = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
@@ -176,11 +183,6 @@ def _add_benchmark_arguments(name: str, parser: argparse.ArgumentParser) -> None
     except (BenchmarksNotFound, ImportError):
         parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
 
-
-# Below these a run's figures are not representative: medians of fewer rounds move with the machine's
-# load, and steps shorter than a few milliseconds are per-call overhead (Python, dispatch, allocation).
-MIN_ROUNDS = 5
-MIN_STEP_SECONDS = 0.010
 
 _QUICK_CAVEAT = (
     "--quick is a smoke test, not a measurement: it runs each benchmark at tiny sizes for 3 rounds to check "
