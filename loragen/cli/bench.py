@@ -60,7 +60,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         _QUICK,
     ),
     "decoder": Benchmark(
-        "one decoder layer of that Llama: forward + backward, many rounds (small differences stand out)",
+        "one decoder layer of that Llama: forward + backward",
         "about 2 min",
         _QUICK,
     ),
