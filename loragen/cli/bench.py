@@ -288,8 +288,8 @@ def run(args: argparse.Namespace) -> int:
     if notes:
         text += "\n\nNot representative:\n" + listed
     text += (
-        f"\n\n(loragen bench {args.benchmark}: {seconds:.0f} s wall-clock from process start, of which "
-        f"{startup:.0f} s start-up: Python, torch, transformers and peft imported)"
+        f"\n\n(loragen bench {args.benchmark}: {seconds:.1f} s wall-clock from process start, of which "
+        f"{startup:.1f} s start-up: Python, torch, transformers and peft imported)"
     )
     if args.json != "-":
         print(text)

@@ -88,7 +88,8 @@ def test_bench_layer_quick_prints_tables_progress_and_json_file(tmp_path, capsys
     assert 0 < report["startup_seconds"] <= report["seconds"]
     footer = out.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"\(loragen bench layer: \d+ s wall-clock from process start, of which \d+ s start-up: .*\)", footer
+        r"\(loragen bench layer: \d+\.\d s wall-clock from process start, of which \d+\.\d s start-up: .*\)",
+        footer,
     )
 
 
