@@ -11,7 +11,10 @@ methods call loragen's functions:
 ==================================== ====================================================================
 ``load_adapter(folder, name)``        ``loragen.load_adapter(model, folder, adapter_name=name)``; a new
                                       name is added beside the others (not made active), as transformers
-                                      does; an existing name is refused (transformers refuses it too)
+                                      does; an existing name is refused (transformers refuses it too);
+                                      ``adapter_kwargs={"subfolder": ...}`` reads a folder inside it;
+                                      ``is_trainable=False``: eval mode, all frozen; ``True``: the new
+                                      LoRA layers in train mode, their factors trainable
 ``add_adapter(config, name)``         ``loragen.add_adapter`` then ``loragen.set_adapter`` (transformers
                                       activates it); a peft ``LoraConfig`` is read with ``from_peft``
 ``set_adapter(name)``                 ``loragen.set_adapter``
@@ -20,10 +23,14 @@ methods call loragen's functions:
 ``active_adapters()``                 ``[loragen.active_adapter(model)]``
 ``get_adapter_state_dict(name)``      the adapter's tensors under transformers' keys (peft's file keys
                                       without ``base_model.model.``)
-``delete_adapter(names)``             ``loragen.delete_adapter`` for each
-``save_pretrained(folder)``           ``loragen.save_adapter``: the adapter folder, as
-                                      ``PeftModel.save_pretrained`` writes it; ``full_model=True`` keeps
-                                      transformers' full-model save (config, base and LoRA weights)
+``delete_adapter(names)``             ``loragen.delete_adapter`` for each name once; the deleted
+                                      adapter's ``modules_to_save`` stop training, as in peft
+``save_pretrained(folder)``           ``loragen.save_adapter``: the adapter folder, the active adapter at
+                                      the root (as transformers), the others in ``<name>/`` (as
+                                      ``PeftModel.save_pretrained``), ``base_model_name_or_path`` the
+                                      model's ``name_or_path``; ``full_model=True`` keeps transformers'
+                                      full-model save (config, base and LoRA weights)
+``enable_peft_hotswap()``             refused: transformers allows it before the first adapter only
 ==================================== ====================================================================
 
 What cannot match raises a :class:`~loragen.errors.LoraError` naming the loragen call to use (several
@@ -82,6 +89,18 @@ def _lora_config(config: Any, where: str) -> LoraConfig:
     )
 
 
+# transformers' download keywords: meaningless for a local folder, which transformers reads without them
+_HUB_KEYWORDS = frozenset(
+    {"revision", "token", "cache_dir", "local_files_only", "force_download", "proxies", "user_agent"}
+)
+
+
+def _adapter_list(model: nn.Module) -> str:
+    from loragen.adapters.named import list_adapters
+
+    return "adapters " + ", ".join(map(repr, list_adapters(model)))
+
+
 def _refuse(where: str, what: str, instead: str) -> LoraError:
     return AdapterError(f"{where}: {what} is not supported on a loragen model; {instead}")
 
@@ -99,21 +118,28 @@ class LoragenAdapterMethods:
         adapter_state_dict: Any = None,
         is_trainable: bool = False,
         hotswap: bool | str = "auto",
+        adapter_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Load the adapter folder ``peft_model_id`` as adapter ``adapter_name`` (default ``"default"``).
+        """Load the adapter folder ``peft_model_id`` (``adapter_kwargs={"subfolder": ...}``: a folder inside
+        it) as adapter ``adapter_name`` (default ``"default"``).
 
-        A name the model does not hold yet is added beside its adapters and not made active; its factors
-        train with ``is_trainable=True``.
+        A name the model does not hold yet is added beside its adapters and not made active. As in
+        transformers: ``is_trainable=False`` puts the model in eval mode with every parameter frozen;
+        ``is_trainable=True`` makes the new factors train and puts the LoRA layers holding them in train
+        mode. Hub keywords in ``adapter_kwargs`` (``revision``, ``token``, ...) do not apply to a local folder
+        and are ignored, as transformers ignores them for one.
 
         Raises:
             AdapterNameError: the model holds an adapter of that name already (transformers refuses it too;
                 ``loragen.load_adapter(model, folder, adapter_name=name)`` loads new weights into it).
             AdapterError: not a local folder (hub ids: download the folder first), ``hotswap=True``,
-                ``adapter_state_dict``/``peft_config`` without a folder; see ``loragen.load_adapter``.
+                ``adapter_state_dict``/``peft_config`` without a folder, an ``adapter_kwargs`` key other than
+                ``subfolder`` and the hub keywords; see ``loragen.load_adapter``.
         """
         from loragen.adapters.load import load_adapter
         from loragen.adapters.named import list_adapters
+        from loragen.layers.adapter_set import has_adapter
 
         where = f"{type(self).__name__}.load_adapter"
         name = adapter_name or "default"
@@ -129,18 +155,48 @@ class LoragenAdapterMethods:
                 "an adapter given as peft_config/adapter_state_dict",
                 "save it as an adapter folder and pass the folder",
             )
-        if peft_model_id is None or not Path(peft_model_id).is_dir():
+        extra = dict(adapter_kwargs or {})
+        subfolder = extra.pop("subfolder", None) or ""
+        unknown = sorted(set(extra) - _HUB_KEYWORDS)
+        if unknown:
             raise AdapterError(
-                f"{where}: {peft_model_id!r} is not a local adapter folder; loragen loads folders "
-                "(download one from the hub first, e.g. huggingface_hub.snapshot_download)"
+                f"{where}: adapter_kwargs {unknown!r} are not understood; loragen reads a local folder and "
+                f"takes 'subfolder' (and ignores the hub keywords {sorted(_HUB_KEYWORDS)!r})"
             )
-        if name in list_adapters(self._as_module()):
+        folder = None if peft_model_id is None else Path(peft_model_id) / subfolder
+        if folder is None or not folder.is_dir():
+            raise AdapterError(
+                f"{where}: {str(folder) if folder else None!r} is not a local adapter folder; loragen loads "
+                "folders (download one from the hub first, e.g. huggingface_hub.snapshot_download)"
+            )
+        model = self._as_module()
+        if name in list_adapters(model):
             raise AdapterNameError(
                 f"{where}: the model holds an adapter {name!r} already; pass another adapter_name, or load new "
-                f"weights into it with loragen.load_adapter(model, {str(peft_model_id)!r}, adapter_name={name!r})"
+                f"weights into it with loragen.load_adapter(model, {str(folder)!r}, adapter_name={name!r})"
             )
-        with _enabled_while(self._as_module()):
-            load_adapter(self._as_module(), peft_model_id, adapter_name=name, trainable=bool(is_trainable))
+        with _enabled_while(model):
+            load_adapter(model, folder, adapter_name=name, trainable=bool(is_trainable))
+        if not is_trainable:
+            model.eval()
+            return
+        for layer in find_lora_layers(model).values():
+            if has_adapter(layer, name):
+                layer.train()
+
+    def enable_peft_hotswap(self, target_rank: int = 128, check_compiled: str = "error") -> None:
+        """Refused: transformers allows it only before the first adapter, and a loragen model holds one.
+
+        Raises:
+            AdapterError: always; it names the loragen call that replaces an adapter's weights in place.
+        """
+        raise _refuse(
+            f"{type(self).__name__}.enable_peft_hotswap",
+            "hotswapping",
+            "transformers allows enable_peft_hotswap only before the first adapter, and this model holds "
+            f"{_adapter_list(self._as_module())}; load new weights into an adapter of the same ranks with "
+            "loragen.load_adapter(model, folder, adapter_name=name)",
+        )
 
     def add_adapter(self, adapter_config: Any, adapter_name: str | None = None) -> None:
         """Add a fresh adapter ``adapter_name`` (default ``"default"``) and make it the active one, as
@@ -225,17 +281,34 @@ class LoragenAdapterMethods:
         tensors = adapter_state_dict(model, config, adapter_name=name, state_dict=state_dict)
         return {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
 
-    def delete_adapter(self, adapter_names: str | list[str]) -> None:
-        """Delete the adapters ``adapter_names`` (``loragen.delete_adapter`` for each)."""
-        from loragen.adapters.named import delete_adapter, require_adapter
+    def delete_adapter(self, adapter_names: str | list[str] | None) -> None:
+        """Delete the adapters ``adapter_names`` (each once; ``None`` or ``[]``: nothing), as transformers does.
+
+        What a deleted adapter trained in full (``modules_to_save``) is frozen again, as in peft: with no
+        adapter left, nothing trains.
+
+        Raises:
+            AdapterNameError: a name the model does not hold (nothing is deleted then).
+        """
+        from loragen.adapters.named import adapter_configs, delete_adapter, require_adapter
 
         model = self._as_module()
-        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        if adapter_names is None:
+            return
+        names = list(dict.fromkeys([adapter_names] if isinstance(adapter_names, str) else adapter_names))
         for name in names:
             require_adapter(model, name)
+        configs = adapter_configs(model)
         with _enabled_while(model):
             for name in names:
                 delete_adapter(model, name)
+        for name in names:
+            config = configs.get(name)
+            if config is None or not config.modules_to_save:
+                continue
+            for path, module in model.named_modules():
+                if path and config.is_module_to_save(path):
+                    module.requires_grad_(False)
 
     def save_pretrained(
         self,
@@ -249,8 +322,12 @@ class LoragenAdapterMethods:
         safe_serialization: bool = True,
         **kwargs: Any,
     ) -> None:
-        """Write the adapters to ``save_directory`` in peft's format, as ``PeftModel.save_pretrained`` does
-        (``loragen.save_adapter``: the folder loads in ``PeftModel.from_pretrained`` and ``loragen.load_adapter``).
+        """Write the adapters to ``save_directory`` in peft's format (``loragen.save_adapter``: the folder loads
+        in ``PeftModel.from_pretrained``, ``loragen.load_adapter`` and ``AutoModel*.from_pretrained``).
+
+        The active adapter goes at the root, as transformers saves it, and every other adapter in its
+        ``<name>/`` subfolder, as ``PeftModel.save_pretrained`` saves it; with ``selected_adapters``, peft's
+        layout (``"default"`` at the root).
 
         ``full_model=True``, or a model without LoRA layers (after ``loragen.merge_and_unload``, as peft's
         ``merge_and_unload`` returns the plain model): transformers' own save of the whole model (every other
@@ -261,7 +338,9 @@ class LoragenAdapterMethods:
             AdapterError: a keyword only the full-model save takes (``push_to_hub``, ``max_shard_size``,
                 ...) without ``full_model=True``, or ``safe_serialization=False`` (adapters are safetensors).
         """
+        from loragen.adapters.named import active_adapter
         from loragen.adapters.save import save_adapter
+        from loragen.layers.adapter_set import DEFAULT_ADAPTER
 
         if full_model or not find_lora_layers(self._as_module()):
             base_save = super().save_pretrained  # type: ignore[misc]
@@ -288,12 +367,15 @@ class LoragenAdapterMethods:
         embedding: bool | Literal["auto"] = (
             save_embedding_layers if isinstance(save_embedding_layers, bool) else "auto"
         )
+        model = self._as_module()
+        active = active_adapter(model)
         save_adapter(
-            self._as_module(),
+            model,
             save_directory,
             save_embedding_layers=embedding,
             state_dict=state_dict,
             selected_adapters=selected_adapters,
+            root_adapter=active if selected_adapters is None and active is not None else DEFAULT_ADAPTER,
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
