@@ -1,26 +1,21 @@
-"""``LoraTrainerCallback``: a peft adapter in every transformers ``Trainer`` checkpoint.
-
-Trainer knows how to save peft models, not loragen ones: for a loragen model it writes the whole model
-(``model.safetensors``: the base weights and the LoRA factors under their parameter names) into each
-``checkpoint-<step>`` folder, and ``trainer.save_model()`` does the same into the output folder. The
-callback adds the adapter in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``, what
-``loragen.save_adapter`` writes) next to Trainer's files in every checkpoint, so each checkpoint can be
-loaded with ``loragen.load_adapter`` or ``peft.PeftModel.from_pretrained``.
+"""``LoraTrainerCallback``: a transformers ``Trainer`` checkpoint of a loragen model holds its peft adapter.
 
 On a transformers model ``save_pretrained`` writes the adapter (peft's semantics,
 :mod:`loragen.training.transformers_adapters`), so Trainer's own save of a checkpoint and
-``trainer.save_model()`` write the adapter only, as for a peft model; the callback adds the full-model
-weights (``model.safetensors`` and ``config.json``, as Trainer wrote them before) to every checkpoint, which
-``resume_from_checkpoint`` needs. Without the callback a checkpoint holds only the adapter, from which
-Trainer cannot resume a model that is not a ``PeftModel``.
+``trainer.save_model()`` write the adapter, as for a peft model. Trainer resumes a model that is not a
+``PeftModel`` only from a model weights file, though; the callback adds one to every ``checkpoint-<step>``:
 
-With ``adapter_only=True`` checkpoints stay small: the callback writes a ``model.safetensors`` that holds
-only what trains (the LoRA factors, ``modules_to_save``, trained biases) under the model's own parameter
-names. The optimizer, scheduler and trainer state stay as Trainer wrote them.
-``trainer.train(resume_from_checkpoint=...)`` works either way: Trainer loads the weights file it finds
-(non-strictly, so the frozen base weights the small file leaves out stay as they are in the model). Trainer
-then warns that those keys are missing; the callback drops that one warning when the resume is exact (every
-missing key is a frozen tensor of the model, no trainable one is missing) and lets it through otherwise.
+* by default (as a peft user's checkpoints are), a ``model.safetensors`` that holds only what trains (the
+  LoRA factors, ``modules_to_save``, trained biases) under the model's own parameter names, beside the
+  adapter (``adapter_config.json`` + ``adapter_model.safetensors``, what ``loragen.save_adapter`` writes);
+* with ``full_model=True``, the whole model as transformers writes it (``model.safetensors`` and
+  ``config.json``), beside the adapter.
+
+The optimizer, scheduler and trainer state stay as Trainer wrote them, and
+``trainer.train(resume_from_checkpoint=...)`` is exact either way: Trainer loads the weights file it finds
+non-strictly, so the frozen base weights the small file leaves out stay as they are in the model. Trainer
+then warns that those keys are missing; the callback drops that one warning when every missing key is a
+frozen tensor of the model (no trainable one is missing) and lets it through otherwise.
 
 transformers is imported when the callback class is first used, so ``import loragen`` does not need it.
 """
@@ -37,9 +32,11 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import nn
 
+from loragen.adapters.named import active_adapter
 from loragen.adapters.save import save_adapter
 from loragen.atomic import atomic_file
 from loragen.errors import TrainingSetupError
+from loragen.layers.adapter_set import DEFAULT_ADAPTER
 from loragen.training.distributed import unwrap_model
 from loragen.training.transformers_adapters import LoragenAdapterMethods
 
@@ -81,8 +78,8 @@ _TRAINER_LOGGER = "transformers.trainer"
 
 
 class _ExactResumeFilter(logging.Filter):
-    """Drops Trainer's "missing keys" warning when every missing key is a frozen tensor of the model (an
-    ``adapter_only`` checkpoint leaves exactly those out on purpose); any other record passes."""
+    """Drops Trainer's "missing keys" warning when every missing key is a frozen tensor of the model (a
+    checkpoint without ``full_model`` leaves exactly those out on purpose); any other record passes."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -119,20 +116,22 @@ def make_trainer_callback_class() -> type:
     from transformers import TrainerCallback
 
     class LoraTrainerCallback(TrainerCallback):
-        """Writes the peft adapter into every Trainer checkpoint (see :mod:`loragen.training.trainer`).
+        """Writes the peft adapter, and what resuming needs, into every Trainer checkpoint (see
+        :mod:`loragen.training.trainer`).
 
         Args:
-            adapter_only: keep each checkpoint small: its model weights file holds only what trains.
+            full_model: write the whole model into each checkpoint; by default a checkpoint holds only what
+                trains (the adapter, and the trainable tensors under the model's names for resuming).
         """
 
-        def __init__(self, adapter_only: bool = False) -> None:
-            self.adapter_only = bool(adapter_only)
+        def __init__(self, full_model: bool = False) -> None:
+            self.full_model = bool(full_model)
             self._filter: _ExactResumeFilter | None = None
 
         def on_init_end(
             self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
         ) -> None:
-            if self.adapter_only and model is not None and self._filter is None:
+            if not self.full_model and model is not None and self._filter is None:
                 self._filter = _ExactResumeFilter(unwrap_model(model))
                 logging.getLogger(_TRAINER_LOGGER).addFilter(self._filter)
 
@@ -148,11 +147,11 @@ def make_trainer_callback_class() -> type:
                 return
             folder = _checkpoint_dir(args.output_dir, state.global_step)
             lora_model = _lora_model(model)
-            save_adapter(lora_model, folder)
-            if self.adapter_only:
+            save_adapter(lora_model, folder, root_adapter=active_adapter(lora_model) or DEFAULT_ADAPTER)
+            if not self.full_model:
                 _keep_only_trainable_weights(folder, lora_model)
             elif not any((folder / name).is_file() for name in _MODEL_WEIGHT_FILES):
-                # save_pretrained wrote the adapter (peft's semantics): add the full model Trainer resumes from
+                # save_pretrained wrote the adapter (peft's semantics): add the full model
                 if isinstance(lora_model, LoragenAdapterMethods):
                     lora_model.save_pretrained(folder, full_model=True)
 
