@@ -65,7 +65,7 @@ _CONVERSION_HOOKS: list[Callable[[nn.Module], None]] = []
 # loragen's own hook modules, imported (by name: they sit above this layer) before the first hooks run, so a
 # program that imported ``loragen.convert`` before torch -- ``import loragen`` then loads lazily -- gets
 # them too
-_BUILTIN_HOOK_MODULES = ("loragen.training.transformers_adapters",)
+_BUILTIN_HOOK_MODULES = ("loragen.training.transformers_integration",)
 
 
 def add_conversion_hook(hook: Callable[[nn.Module], None]) -> None:
