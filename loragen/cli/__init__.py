@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from loragen import __version__
+from loragen.config import LoraConfig
 from loragen.errors import LoraConfigError
 from loragen.validation import check_dropout
 
@@ -125,19 +126,29 @@ def probability(text: str) -> float:
 
 
 def add_lora_arguments(
-    parser: argparse.ArgumentParser, *, r_default: int | None, alpha_help: str, dropout_default: float | None
+    parser: argparse.ArgumentParser,
+    *,
+    r_default: int | None,
+    alpha_help: str,
+    dropout_default: float | None,
+    unset_help: str = "",
 ) -> None:
     """Add ``--r``, ``--lora-alpha`` and ``--lora-dropout`` (peft's field names) to ``parser``.
 
     Args:
         parser: the subcommand's parser.
-        r_default: the default rank (``None``: the command works it out, e.g. from a config file).
+        r_default: the default rank (``None``: ``LoraConfig``'s, unless the command finds another).
         alpha_help: what ``--lora-alpha`` defaults to, in words.
-        dropout_default: the default dropout (``None``: the command works it out).
+        dropout_default: the default dropout (``None``: as for ``r_default``).
+        unset_help: where else a value left at ``None`` comes from, in words (``", or the --config value"``).
     """
-    r_text = "" if r_default is None else f" (default {r_default})"
-    dropout_text = "" if dropout_default is None else f" (default {dropout_default:g})"
-    parser.add_argument("--r", type=positive_int, default=r_default, metavar="N", help=f"LoRA rank{r_text}")
+    r_text = f"{LoraConfig.r}{unset_help}" if r_default is None else str(r_default)
+    dropout = (
+        f"{LoraConfig.lora_dropout:g}{unset_help}" if dropout_default is None else f"{dropout_default:g}"
+    )
+    parser.add_argument(
+        "--r", type=positive_int, default=r_default, metavar="N", help=f"LoRA rank (default {r_text})"
+    )
     parser.add_argument(
         "--lora-alpha", type=finite_float, default=None, metavar="A", help=f"LoRA alpha ({alpha_help})"
     )
@@ -146,7 +157,7 @@ def add_lora_arguments(
         type=probability,
         default=dropout_default,
         metavar="P",
-        help=f"dropout on the LoRA branch's input{dropout_text}",
+        help=f"dropout on the LoRA branch's input (default {dropout})",
     )
 
 

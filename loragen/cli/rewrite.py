@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from loragen.atomic import atomic_file
-from loragen.cli import EXIT_INPUT, EXIT_OK, EXIT_USAGE, SUBCOMMANDS, error, finite_float, positive_int
+from loragen.cli import EXIT_INPUT, EXIT_OK, EXIT_USAGE, SUBCOMMANDS, add_lora_arguments, error
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConfigError
 from loragen.source.rewriter import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
@@ -107,23 +107,12 @@ def register(subparsers: Any) -> None:
         metavar="REGEX",
         help="target_modules as one regular expression matching whole module paths",
     )
-    parser.add_argument(
-        "--r",
-        type=positive_int,
-        metavar="N",
-        help=f"LoRA rank (default {_DEFAULTS.r}, or the --config value)",
-    )
-    parser.add_argument(
-        "--lora-alpha",
-        type=finite_float,
-        metavar="A",
-        help=f"LoRA alpha (default {_DEFAULTS.lora_alpha:g}, or the --config value)",
-    )
-    parser.add_argument(
-        "--lora-dropout",
-        type=finite_float,
-        metavar="P",
-        help=f"LoRA dropout (default {_DEFAULTS.lora_dropout:g}, or the --config value)",
+    add_lora_arguments(
+        parser,
+        r_default=None,
+        alpha_help=f"default {_DEFAULTS.lora_alpha:g}, or the --config value",
+        dropout_default=None,
+        unset_help=", or the --config value",
     )
     parser.add_argument(
         "--config",

@@ -36,33 +36,23 @@ methods call loragen's functions:
 ``enable_peft_hotswap()``             refused: transformers allows it before the first adapter only
 ==================================== ====================================================================
 
-What cannot match raises a :class:`~loragen.errors.LoraError` naming the loragen call to use (several
-active adapters at once, hub ids, hotswapping, adapter state dicts without a folder).
+What cannot match raises an :class:`~loragen.errors.AdapterError` naming the loragen call to use.
+A subclass and not per-instance methods: the instance stays free of bound methods (``copy.deepcopy``,
+``torch.save`` and pickling work), and ``isinstance`` and ``type(model).__name__`` (which transformers
+writes into ``config.architectures``) are unchanged.
 
-A subclass and not per-instance methods: the instance stays free of bound methods (no reference cycles,
-``copy.deepcopy`` and ``torch.save`` work; pickling rebuilds the subclass from the transformers class), and
-``isinstance`` and ``type(model).__name__`` (which transformers writes into ``config.architectures``)
-are unchanged. transformers is imported only when the model already is a transformers model.
+**Trainer checkpoints.** Trainer's own save of a checkpoint, and ``trainer.save_model()``, call
+``save_pretrained``: they write the adapter, as for a peft model. Trainer resumes a model that is not a
+``PeftModel`` only from a model weights file, though, and ``LoraTrainerCallback`` adds one to every
+``checkpoint-<step>``: by default a ``model.safetensors`` holding only what trains (LoRA factors,
+``modules_to_save``, trained biases) under the model's parameter names, so a checkpoint holds nothing of the
+frozen base, as a peft user's does; with ``full_model=True`` the whole model (``model.safetensors``,
+``config.json``). Resuming is exact either way: Trainer loads the file non-strictly, the frozen base weights
+stay as they are in the model, and the callback drops Trainer's "missing keys" warning when every missing
+key is a frozen tensor.
 
-**Trainer checkpoints.** With ``LoraTrainerCallback`` a transformers ``Trainer`` checkpoint of a loragen
-model holds its peft adapter. ``save_pretrained`` writes the adapter (above), so Trainer's own save of a checkpoint and
-``trainer.save_model()`` write the adapter, as for a peft model. Trainer resumes a model that is not a
-``PeftModel`` only from a model weights file, though; the callback adds one to every ``checkpoint-<step>``:
-
-* by default (as a peft user's checkpoints are), a ``model.safetensors`` that holds only what trains (the
-  LoRA factors, ``modules_to_save``, trained biases) under the model's own parameter names, beside the
-  adapter (``adapter_config.json`` + ``adapter_model.safetensors``, what ``loragen.save_adapter`` writes);
-* with ``full_model=True``, the whole model as transformers writes it (``model.safetensors`` and
-  ``config.json``), beside the adapter.
-
-The optimizer, scheduler and trainer state stay as Trainer wrote them, and
-``trainer.train(resume_from_checkpoint=...)`` is exact either way: Trainer loads the weights file it finds
-non-strictly, so the frozen base weights the small file leaves out stay as they are in the model. Trainer
-then warns that those keys are missing; the callback drops that one warning when every missing key is a
-frozen tensor of the model (no trainable one is missing) and lets it through otherwise.
-
-transformers is imported when the callback class is first used, so ``import loragen`` does not need it;
-what only the callback uses is imported when it runs.
+transformers is imported only for a model that is a transformers model already, and for the callback class
+when it is first used.
 """
 
 from __future__ import annotations
@@ -120,12 +110,6 @@ def _lora_config(config: Any, where: str) -> LoraConfig:
 _HUB_KEYWORDS = frozenset(
     {"revision", "token", "cache_dir", "local_files_only", "force_download", "proxies", "user_agent"}
 )
-
-
-def _adapter_list(model: nn.Module) -> str:
-    from loragen.adapters.named import list_adapters
-
-    return "adapters " + ", ".join(map(repr, list_adapters(model)))
 
 
 def _refuse(where: str, what: str, instead: str) -> LoraError:
@@ -217,11 +201,13 @@ class LoragenAdapterMethods:
         Raises:
             AdapterError: always; it names the loragen call that replaces an adapter's weights in place.
         """
+        from loragen.adapters.named import list_adapters
+
         raise _refuse(
             f"{type(self).__name__}.enable_peft_hotswap",
             "hotswapping",
             "transformers allows enable_peft_hotswap only before the first adapter, and this model holds "
-            f"{_adapter_list(self._as_module())}; load new weights into an adapter of the same ranks with "
+            f"adapters {list_adapters(self._as_module())}; load new weights into an adapter of the same ranks with "
             "loragen.load_adapter(model, folder, adapter_name=name)",
         )
 

@@ -92,12 +92,18 @@ def test_cli_invalid_python_exits_nonzero_with_file_line_and_writes_nothing(
         ),
         (["{src}/a.py", "--target-modules", ","], "--target-modules is empty"),
         (["{src}", "--target-modules", "q"], "2 files to rewrite: use -o FOLDER, --in-place or --diff"),
-        (["{src}/a.py", "--target-modules", "q", "--lora-dropout", "2"], "lora_dropout=2.0"),
     ],
 )
 def test_cli_usage_errors(sources: Path, capsys, args: list[str], message: str):
     assert run_cli(*[a.format(src=sources) for a in args]) == EXIT_USAGE
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_flag_value_is_a_usage_error_naming_the_range(sources: Path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(str(sources / "a.py"), "--target-modules", "q", "--lora-dropout", "2")
+    assert exit_info.value.code == EXIT_USAGE
+    assert "--lora-dropout: expected a probability with 0 <= p < 1, got '2'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
