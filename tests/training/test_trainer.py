@@ -174,6 +174,37 @@ def test_a_resume_that_lacks_a_trainable_tensor_still_warns(tmp_path: Path) -> N
     assert any("missing keys" in m and dropped in m for m in records.messages)
 
 
+def test_load_best_model_at_end_restores_the_best_checkpoints_adapter(tmp_path: Path) -> None:
+    # transformers' own case (test_peft_integration: "LoRA works with load_best_model_at_end"), on a loragen
+    # model whose checkpoints hold only what trains
+    model = _model()
+    args = _args(tmp_path, 4)
+    args.eval_strategy = "steps"
+    args.eval_steps = 2
+    args.load_best_model_at_end = True
+    args.metric_for_best_model = "loss"
+    args.greater_is_better = True  # the worse checkpoint (step 2) is "best": loading it changes the model
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=_dataset(),
+        eval_dataset=_dataset(4),
+        callbacks=[loragen.LoraTrainerCallback()],
+    )
+    records = _Records()
+    logging.getLogger("transformers.trainer").addHandler(records)
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("transformers.trainer").removeHandler(records)
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.name == "checkpoint-2"
+    saved = load_file(str(best / "model.safetensors"))
+    state = model.state_dict()
+    assert saved and all(torch.equal(state[key], value) for key, value in saved.items())
+    assert not [m for m in records.messages if "missing keys" in m]
+
+
 def test_trainer_save_model_writes_the_adapter_as_for_a_peft_model(tmp_path: Path) -> None:
     model = _model()
     trainer = transformers.Trainer(model=model, args=_args(tmp_path, 1), train_dataset=_dataset(4))
