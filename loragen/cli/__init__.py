@@ -1,16 +1,11 @@
 """The ``loragen`` command line: the parser, the flags the subcommands share, and how a command ends.
 
-:data:`SUBCOMMANDS` names the module of each command: ``rewrite`` (:mod:`loragen.cli.rewrite`), ``merge``
-and ``inspect`` (:mod:`loragen.cli.adapters`), ``bench`` and ``demo``. Each command's module defines
-``register_<command>(subparsers)`` (``register`` for a module of one command), which adds its parser with
-``func=run...``, a function of the parsed arguments that returns the exit status.
-
-Exit status everywhere: 0 success, 1 an error in the input (a missing or unreadable file, an invalid
-adapter or source; the message names the file), 2 a usage error (the command line itself: unknown or
-misspelt flags and commands, flag values, flags that contradict each other). A closed output pipe
-(``loragen inspect --json | head``) ends the command quietly with status 141, as a Unix tool that
-SIGPIPE ends. Only the command named on the command line is imported, so ``loragen --help`` and
-``loragen rewrite`` import no torch.
+:data:`SUBCOMMANDS` names each command's module and ``register`` function, which adds the command's parser
+with ``func``: the parsed arguments -> the exit status. Only the command named is imported (``loragen
+--help`` and ``loragen rewrite`` import no torch). Exit statuses, as docs/cli.md says: 0 success, 1 an
+input error (a missing or unreadable file, an invalid adapter or source), 2 a usage error (the command
+line itself), 141 when the output pipe closes early (``loragen inspect --json | head``: quietly, as a Unix
+tool that SIGPIPE ends).
 """
 
 from __future__ import annotations
@@ -166,21 +161,11 @@ def add_lora_arguments(
 
 def command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
     """The innermost (sub)command parser ``argv`` selects (``loragen bench llama ...``: bench's ``llama``)."""
-    tokens = list(argv)
-    while True:
-        subcommands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        chosen = None
-        for action in subcommands:
-            for index, token in enumerate(tokens):
-                if token in action.choices:
-                    chosen = action.choices[token]
-                    tokens = tokens[index + 1 :]
-                    break
-            if chosen is not None:
-                break
-        if chosen is None:
-            return parser
-        parser = chosen
+    for token in argv:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if actions and token in actions[0].choices:
+            parser = actions[0].choices[token]
+    return parser
 
 
 def flag_hints(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> str:

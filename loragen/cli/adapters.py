@@ -166,9 +166,9 @@ def register_inspect(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _adapter_folders(folder: Path) -> dict[str, Path]:
-    """``{name: folder}`` of the adapters in ``folder``: the root one (named ``"default"``, as
-    ``loragen.load_adapter`` names it) and one per ``<name>/`` subfolder holding an ``adapter_config.json``;
-    only the root when there are no named ones (its errors are then the report)."""
+    """``{name: folder}`` of the adapters in ``folder``: the root one (``"default"``, as ``load_adapter`` names
+    it; ``"(root)"`` beside a ``default/`` subfolder) and one per ``<name>/`` subfolder with an
+    ``adapter_config.json``; the root alone when there are no named ones (its errors are then the report)."""
     from loragen.adapters.folder import ADAPTER_CONFIG_NAME
 
     named = (
@@ -176,9 +176,9 @@ def _adapter_folders(folder: Path) -> dict[str, Path]:
         if folder.is_dir()
         else {}
     )
-    if not named or (folder / ADAPTER_CONFIG_NAME).is_file():
-        return {"default": folder, **named}
-    return named
+    if named and not (folder / ADAPTER_CONFIG_NAME).is_file():
+        return named
+    return {"(root)" if "default" in named else "default": folder, **named}
 
 
 def run_inspect(args: argparse.Namespace) -> int:

@@ -168,14 +168,9 @@ def _enable_input_grads(model: nn.Module) -> None:
         ) from None
 
 
-def _call_with(function: Callable[..., Any], keyword: str, value: Any) -> None:
-    function(**{keyword: value})
-
-
-def _checkpointing_switch(model: nn.Module) -> Callable[[dict[str, Any] | None], None]:
-    """A function that turns on transformers' checkpointing with the given ``torch.utils.checkpoint``
-    options (None: transformers' default): ``activation_checkpointing_enable``, or
-    ``gradient_checkpointing_enable`` before transformers 5.
+def _checkpointing_switch(model: nn.Module) -> tuple[Callable[..., Any], str]:
+    """transformers' method that turns checkpointing on, and its keyword for ``torch.utils.checkpoint``'s
+    options: ``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` before transformers 5.
 
     Raises:
         TrainingSetupError: the model has neither.
@@ -186,7 +181,7 @@ def _checkpointing_switch(model: nn.Module) -> Callable[[dict[str, Any] | None],
     ):
         enable = getattr(model, method, None)
         if callable(enable):
-            return functools.partial(_call_with, enable, keyword)
+            return enable, keyword
     raise TrainingSetupError(
         f"prepare_model_for_kbit_training: {type(model).__name__} has no gradient_checkpointing_enable() "
         "(a transformers model has); pass use_gradient_checkpointing=False and wrap its blocks in "
@@ -224,10 +219,10 @@ def prepare_model_for_kbit_training(
         if param.dtype in _HALF_DTYPES and not _is_quantized_parameter(param):
             param.data = param.data.to(torch.float32)
     if use_gradient_checkpointing and is_quantized(model):
-        enable_checkpointing = _checkpointing_switch(model)
+        enable_checkpointing, keyword = _checkpointing_switch(model)
         if kwargs.get("use_reentrant", True):
             _enable_input_grads(model)
-        enable_checkpointing(kwargs or None)
+        enable_checkpointing(**{keyword: kwargs or None})
     if find_lora_layers(model):
         mark_trainable(model)
     return model

@@ -200,6 +200,22 @@ def test_inspect_reports_every_named_adapter(
     assert all(r["totals"]["modules"] == 4 for r in report["adapters"].values())
 
 
+def test_inspect_names_the_root_adapter_apart_from_a_default_subfolder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _named_adapters(tmp_path / "adapter", ["default", "b"])
+    (tmp_path / "adapter" / "b").rename(tmp_path / "moved")
+    (tmp_path / "adapter" / "default").mkdir()
+    for item in (tmp_path / "adapter").iterdir():
+        if item.is_file():
+            item.rename(tmp_path / "adapter" / "default" / item.name)
+    for item in (tmp_path / "moved").iterdir():
+        item.rename(tmp_path / "adapter" / item.name)
+    # b at the root (save_pretrained's layout when b is active), "default" in its subfolder
+    assert main(["inspect", str(tmp_path / "adapter"), "--json"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)["adapters"]) == ["(root)", "default"]
+
+
 def test_inspect_of_a_single_adapter_keeps_its_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
