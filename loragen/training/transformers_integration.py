@@ -1,4 +1,7 @@
-"""transformers' adapter methods on a loragen model act on loragen's adapters, with peft's semantics.
+"""loragen in transformers: a loragen model's adapter methods, and its adapter in every Trainer checkpoint.
+
+**Adapter methods.** transformers' adapter methods on a loragen model act on loragen's adapters, with
+peft's semantics.
 
 A transformers ``PreTrainedModel`` carries ``PeftAdapterMixin``'s methods (``load_adapter``,
 ``add_adapter``, ``set_adapter``, ``save_pretrained`` ...). They drive peft: on a model loragen converted
@@ -11,7 +14,10 @@ methods call loragen's functions:
 ==================================== ====================================================================
 ``load_adapter(folder, name)``        ``loragen.load_adapter(model, folder, adapter_name=name)``; a new
                                       name is added beside the others (not made active), as transformers
-                                      does; an existing name is refused (transformers refuses it too)
+                                      does; an existing name is refused (transformers refuses it too);
+                                      ``adapter_kwargs={"subfolder": ...}`` reads a folder inside it;
+                                      ``is_trainable=False``: eval mode, all frozen; ``True``: the new
+                                      LoRA layers in train mode, their factors trainable
 ``add_adapter(config, name)``         ``loragen.add_adapter`` then ``loragen.set_adapter`` (transformers
                                       activates it); a peft ``LoraConfig`` is read with ``from_peft``
 ``set_adapter(name)``                 ``loragen.set_adapter``
@@ -20,23 +26,40 @@ methods call loragen's functions:
 ``active_adapters()``                 ``[loragen.active_adapter(model)]``
 ``get_adapter_state_dict(name)``      the adapter's tensors under transformers' keys (peft's file keys
                                       without ``base_model.model.``)
-``delete_adapter(names)``             ``loragen.delete_adapter`` for each
-``save_pretrained(folder)``           ``loragen.save_adapter``: the adapter folder, as
-                                      ``PeftModel.save_pretrained`` writes it; ``full_model=True`` keeps
-                                      transformers' full-model save (config, base and LoRA weights)
+``delete_adapter(names)``             ``loragen.delete_adapter`` for each name once; the deleted
+                                      adapter's ``modules_to_save`` stop training, as in peft
+``save_pretrained(folder)``           ``loragen.save_adapter``: the adapter folder, the active adapter at
+                                      the root (as transformers), the others in ``<name>/`` (as
+                                      ``PeftModel.save_pretrained``), ``base_model_name_or_path`` the
+                                      model's ``name_or_path``; ``full_model=True`` keeps transformers'
+                                      full-model save (config, base and LoRA weights)
+``enable_peft_hotswap()``             refused: transformers allows it before the first adapter only
 ==================================== ====================================================================
 
-What cannot match raises a :class:`~loragen.errors.LoraError` naming the loragen call to use (several
-active adapters at once, hub ids, hotswapping, adapter state dicts without a folder).
+What cannot match raises an :class:`~loragen.errors.AdapterError` naming the loragen call to use.
+A subclass and not per-instance methods: the instance stays free of bound methods (``copy.deepcopy``,
+``torch.save`` and pickling work), and ``isinstance`` and ``type(model).__name__`` (which transformers
+writes into ``config.architectures``) are unchanged.
 
-A subclass and not per-instance methods: the instance stays free of bound methods (no reference cycles,
-``copy.deepcopy`` and ``torch.save`` work; pickling rebuilds the subclass from the transformers class), and
-``isinstance`` and ``type(model).__name__`` (which transformers writes into ``config.architectures``)
-are unchanged. transformers is imported only when the model already is a transformers model.
+**Trainer checkpoints.** Trainer's own save of a checkpoint, and ``trainer.save_model()``, call
+``save_pretrained``: they write the adapter, as for a peft model. Trainer resumes a model that is not a
+``PeftModel`` only from a model weights file, though, and ``LoraTrainerCallback`` adds one to every
+``checkpoint-<step>``: by default a ``model.safetensors`` holding only what trains (LoRA factors,
+``modules_to_save``, trained biases) under the model's parameter names, so a checkpoint holds nothing of the
+frozen base, as a peft user's does; with ``full_model=True`` the whole model (``model.safetensors``,
+``config.json``). Resuming is exact either way: Trainer loads the file non-strictly, the frozen base weights
+stay as they are in the model, and the callback drops Trainer's "missing keys" warning when every missing
+key is a frozen tensor.
+
+transformers is imported only for a model that is a transformers model already, and for the callback class
+when it is first used.
 """
 
 from __future__ import annotations
 
+import ast
+import json
+import logging
 import os
 import sys
 import weakref
@@ -49,9 +72,10 @@ from torch import nn
 
 from loragen.config import LoraConfig
 from loragen.convert import add_conversion_hook, find_lora_layers
-from loragen.errors import AdapterError, AdapterNameError, LoraError
+from loragen.errors import AdapterError, AdapterNameError, LoraError, TrainingSetupError
 
-__all__ = ["install_adapter_methods", "LoragenAdapterMethods"]
+# LoraTrainerCallback itself is made on first access (module __getattr__ at the end)
+__all__ = ["install_adapter_methods", "LoragenAdapterMethods", "make_trainer_callback_class"]
 
 # the subclass made for each transformers class
 _SUBCLASSES: dict[type, type] = {}
@@ -82,6 +106,12 @@ def _lora_config(config: Any, where: str) -> LoraConfig:
     )
 
 
+# transformers' download keywords: meaningless for a local folder, which transformers reads without them
+_HUB_KEYWORDS = frozenset(
+    {"revision", "token", "cache_dir", "local_files_only", "force_download", "proxies", "user_agent"}
+)
+
+
 def _refuse(where: str, what: str, instead: str) -> LoraError:
     return AdapterError(f"{where}: {what} is not supported on a loragen model; {instead}")
 
@@ -99,21 +129,28 @@ class LoragenAdapterMethods:
         adapter_state_dict: Any = None,
         is_trainable: bool = False,
         hotswap: bool | str = "auto",
+        adapter_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """Load the adapter folder ``peft_model_id`` as adapter ``adapter_name`` (default ``"default"``).
+        """Load the adapter folder ``peft_model_id`` (``adapter_kwargs={"subfolder": ...}``: a folder inside
+        it) as adapter ``adapter_name`` (default ``"default"``).
 
-        A name the model does not hold yet is added beside its adapters and not made active; its factors
-        train with ``is_trainable=True``.
+        A name the model does not hold yet is added beside its adapters and not made active. As in
+        transformers: ``is_trainable=False`` puts the model in eval mode with every parameter frozen;
+        ``is_trainable=True`` makes the new factors train and puts the LoRA layers holding them in train
+        mode. Hub keywords in ``adapter_kwargs`` (``revision``, ``token``, ...) do not apply to a local folder
+        and are ignored, as transformers ignores them for one.
 
         Raises:
             AdapterNameError: the model holds an adapter of that name already (transformers refuses it too;
                 ``loragen.load_adapter(model, folder, adapter_name=name)`` loads new weights into it).
             AdapterError: not a local folder (hub ids: download the folder first), ``hotswap=True``,
-                ``adapter_state_dict``/``peft_config`` without a folder; see ``loragen.load_adapter``.
+                ``adapter_state_dict``/``peft_config`` without a folder, an ``adapter_kwargs`` key other than
+                ``subfolder`` and the hub keywords; see ``loragen.load_adapter``.
         """
         from loragen.adapters.load import load_adapter
         from loragen.adapters.named import list_adapters
+        from loragen.layers.adapter_set import has_adapter
 
         where = f"{type(self).__name__}.load_adapter"
         name = adapter_name or "default"
@@ -129,18 +166,50 @@ class LoragenAdapterMethods:
                 "an adapter given as peft_config/adapter_state_dict",
                 "save it as an adapter folder and pass the folder",
             )
-        if peft_model_id is None or not Path(peft_model_id).is_dir():
+        extra = dict(adapter_kwargs or {})
+        subfolder = extra.pop("subfolder", None) or ""
+        unknown = sorted(set(extra) - _HUB_KEYWORDS)
+        if unknown:
             raise AdapterError(
-                f"{where}: {peft_model_id!r} is not a local adapter folder; loragen loads folders "
-                "(download one from the hub first, e.g. huggingface_hub.snapshot_download)"
+                f"{where}: adapter_kwargs {unknown!r} are not understood; loragen reads a local folder and "
+                f"takes 'subfolder' (and ignores the hub keywords {sorted(_HUB_KEYWORDS)!r})"
             )
-        if name in list_adapters(self._as_module()):
+        folder = None if peft_model_id is None else Path(peft_model_id) / subfolder
+        if folder is None or not folder.is_dir():
+            raise AdapterError(
+                f"{where}: {str(folder) if folder else None!r} is not a local adapter folder; loragen loads "
+                "folders (download one from the hub first, e.g. huggingface_hub.snapshot_download)"
+            )
+        model = self._as_module()
+        if name in list_adapters(model):
             raise AdapterNameError(
                 f"{where}: the model holds an adapter {name!r} already; pass another adapter_name, or load new "
-                f"weights into it with loragen.load_adapter(model, {str(peft_model_id)!r}, adapter_name={name!r})"
+                f"weights into it with loragen.load_adapter(model, {str(folder)!r}, adapter_name={name!r})"
             )
-        with _enabled_while(self._as_module()):
-            load_adapter(self._as_module(), peft_model_id, adapter_name=name, trainable=bool(is_trainable))
+        with _enabled_while(model):
+            load_adapter(model, folder, adapter_name=name, trainable=bool(is_trainable))
+        if not is_trainable:
+            model.eval()
+            return
+        for layer in find_lora_layers(model).values():
+            if has_adapter(layer, name):
+                layer.train()
+
+    def enable_peft_hotswap(self, target_rank: int = 128, check_compiled: str = "error") -> None:
+        """Refused: transformers allows it only before the first adapter, and a loragen model holds one.
+
+        Raises:
+            AdapterError: always; it names the loragen call that replaces an adapter's weights in place.
+        """
+        from loragen.adapters.named import list_adapters
+
+        raise _refuse(
+            f"{type(self).__name__}.enable_peft_hotswap",
+            "hotswapping",
+            "transformers allows enable_peft_hotswap only before the first adapter, and this model holds "
+            f"adapters {list_adapters(self._as_module())}; load new weights into an adapter of the same ranks with "
+            "loragen.load_adapter(model, folder, adapter_name=name)",
+        )
 
     def add_adapter(self, adapter_config: Any, adapter_name: str | None = None) -> None:
         """Add a fresh adapter ``adapter_name`` (default ``"default"``) and make it the active one, as
@@ -225,17 +294,34 @@ class LoragenAdapterMethods:
         tensors = adapter_state_dict(model, config, adapter_name=name, state_dict=state_dict)
         return {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
 
-    def delete_adapter(self, adapter_names: str | list[str]) -> None:
-        """Delete the adapters ``adapter_names`` (``loragen.delete_adapter`` for each)."""
-        from loragen.adapters.named import delete_adapter, require_adapter
+    def delete_adapter(self, adapter_names: str | list[str] | None) -> None:
+        """Delete the adapters ``adapter_names`` (each once; ``None`` or ``[]``: nothing), as transformers does.
+
+        What a deleted adapter trained in full (``modules_to_save``) is frozen again, as in peft: with no
+        adapter left, nothing trains.
+
+        Raises:
+            AdapterNameError: a name the model does not hold (nothing is deleted then).
+        """
+        from loragen.adapters.named import adapter_configs, delete_adapter, require_adapter
 
         model = self._as_module()
-        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        if adapter_names is None:
+            return
+        names = list(dict.fromkeys([adapter_names] if isinstance(adapter_names, str) else adapter_names))
         for name in names:
             require_adapter(model, name)
+        configs = adapter_configs(model)
         with _enabled_while(model):
             for name in names:
                 delete_adapter(model, name)
+        for name in names:
+            config = configs.get(name)
+            if config is None or not config.modules_to_save:
+                continue
+            for path, module in model.named_modules():
+                if path and config.is_module_to_save(path):
+                    module.requires_grad_(False)
 
     def save_pretrained(
         self,
@@ -249,8 +335,12 @@ class LoragenAdapterMethods:
         safe_serialization: bool = True,
         **kwargs: Any,
     ) -> None:
-        """Write the adapters to ``save_directory`` in peft's format, as ``PeftModel.save_pretrained`` does
-        (``loragen.save_adapter``: the folder loads in ``PeftModel.from_pretrained`` and ``loragen.load_adapter``).
+        """Write the adapters to ``save_directory`` in peft's format (``loragen.save_adapter``: the folder loads
+        in ``PeftModel.from_pretrained``, ``loragen.load_adapter`` and ``AutoModel*.from_pretrained``).
+
+        The active adapter goes at the root, as transformers saves it, and every other adapter in its
+        ``<name>/`` subfolder, as ``PeftModel.save_pretrained`` saves it; with ``selected_adapters``, peft's
+        layout (``"default"`` at the root).
 
         ``full_model=True``, or a model without LoRA layers (after ``loragen.merge_and_unload``, as peft's
         ``merge_and_unload`` returns the plain model): transformers' own save of the whole model (every other
@@ -261,7 +351,9 @@ class LoragenAdapterMethods:
             AdapterError: a keyword only the full-model save takes (``push_to_hub``, ``max_shard_size``,
                 ...) without ``full_model=True``, or ``safe_serialization=False`` (adapters are safetensors).
         """
+        from loragen.adapters.named import active_adapter
         from loragen.adapters.save import save_adapter
+        from loragen.layers.adapter_set import DEFAULT_ADAPTER
 
         if full_model or not find_lora_layers(self._as_module()):
             base_save = super().save_pretrained  # type: ignore[misc]
@@ -288,12 +380,15 @@ class LoragenAdapterMethods:
         embedding: bool | Literal["auto"] = (
             save_embedding_layers if isinstance(save_embedding_layers, bool) else "auto"
         )
+        model = self._as_module()
+        active = active_adapter(model)
         save_adapter(
-            self._as_module(),
+            model,
             save_directory,
             save_embedding_layers=embedding,
             state_dict=state_dict,
             selected_adapters=selected_adapters,
+            root_adapter=active if selected_adapters is None and active is not None else DEFAULT_ADAPTER,
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -354,3 +449,144 @@ def install_adapter_methods(model: nn.Module) -> None:
 
 
 add_conversion_hook(install_adapter_methods)
+
+
+# ---- Trainer checkpoints -------------------------------------------------------------------------------
+
+# Trainer's names for the full-model weight files of a checkpoint (transformers.utils constants)
+_MODEL_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _checkpoint_dir(output_dir: str, step: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
+def _keep_only_trainable_weights(folder: Path, model: nn.Module) -> None:
+    """Replace Trainer's full-model weight files in ``folder`` with the trainable tensors only."""
+    from safetensors.torch import save_file
+
+    from loragen.atomic import atomic_file
+
+    for name in _MODEL_WEIGHT_FILES:
+        path = folder / name
+        if name.endswith(".index.json") and path.is_file():
+            for shard in set(json.loads(path.read_text()).get("weight_map", {}).values()):
+                (folder / shard).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+    trainable = {
+        name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad
+    }
+    with atomic_file(folder / "model.safetensors") as tmp:
+        save_file(trainable, str(tmp), metadata={"format": "pt"})
+
+
+_MISSING_PREFIX = (
+    "There were missing keys in the checkpoint model loaded: "  # Trainer._issue_warnings_after_load
+)
+_TRAINER_LOGGER = "transformers.trainer"
+
+
+class _ExactResumeFilter(logging.Filter):
+    """Drops Trainer's "missing keys" warning when every missing key is a frozen tensor of the model (a
+    checkpoint without ``full_model`` leaves exactly those out on purpose); any other record passes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._model = weakref.ref(model)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        model = self._model()
+        if model is None or not message.startswith(_MISSING_PREFIX):
+            return True
+        try:
+            missing = ast.literal_eval(message[len(_MISSING_PREFIX) :].rstrip("."))
+        except (ValueError, SyntaxError):
+            return True
+        if not isinstance(missing, (list, set, tuple)) or not missing:
+            return True
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        frozen = set(model.state_dict()) - trainable
+        return not all(isinstance(key, str) and key in frozen for key in missing)
+
+
+def _lora_model(model: nn.Module | None) -> nn.Module:
+    from loragen.training.distributed import unwrap_model
+
+    if model is None:
+        raise TrainingSetupError("LoraTrainerCallback: the Trainer passed no model to the callback")
+    return unwrap_model(model)
+
+
+def make_trainer_callback_class() -> type:
+    """The callback class, built on transformers' ``TrainerCallback`` (imported here, on first use).
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    from transformers import TrainerCallback
+
+    from loragen.adapters.named import active_adapter
+    from loragen.adapters.save import save_adapter
+    from loragen.layers.adapter_set import DEFAULT_ADAPTER
+
+    class LoraTrainerCallback(TrainerCallback):
+        """Writes the peft adapter, and what resuming needs, into every Trainer checkpoint (see
+        :mod:`loragen.training.transformers_integration`).
+
+        Args:
+            full_model: write the whole model into each checkpoint; by default a checkpoint holds only what
+                trains (the adapter, and the trainable tensors under the model's names for resuming).
+        """
+
+        def __init__(self, full_model: bool = False) -> None:
+            self.full_model = bool(full_model)
+            self._filter: _ExactResumeFilter | None = None
+
+        def on_init_end(
+            self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+        ) -> None:
+            if not self.full_model and model is not None and self._filter is None:
+                self._filter = _ExactResumeFilter(_lora_model(model))
+                logging.getLogger(_TRAINER_LOGGER).addFilter(self._filter)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._filter is not None:
+                logging.getLogger(_TRAINER_LOGGER).removeFilter(self._filter)
+                self._filter = None
+
+        def on_save(
+            self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+        ) -> None:
+            if not state.is_world_process_zero:
+                return
+            folder = _checkpoint_dir(args.output_dir, state.global_step)
+            lora_model = _lora_model(model)
+            save_adapter(lora_model, folder, root_adapter=active_adapter(lora_model) or DEFAULT_ADAPTER)
+            if not self.full_model:
+                _keep_only_trainable_weights(folder, lora_model)
+            elif not any((folder / name).is_file() for name in _MODEL_WEIGHT_FILES):
+                # save_pretrained wrote the adapter (peft's semantics): add the full model
+                if isinstance(lora_model, LoragenAdapterMethods):
+                    lora_model.save_pretrained(folder, full_model=True)
+
+    LoraTrainerCallback.__module__ = "loragen"
+    LoraTrainerCallback.__qualname__ = "LoraTrainerCallback"
+    return LoraTrainerCallback
+
+
+_class: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    global _class
+    if name == "LoraTrainerCallback":
+        if _class is None:
+            _class = make_trainer_callback_class()
+        return _class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
