@@ -25,7 +25,7 @@ from loragen.adapters.keys import LoraFactors
 from loragen.adapters.safetensors_file import SafetensorsReader, TensorEntry
 from loragen.config import LoraConfig
 from loragen.errors import MergeError
-from loragen.parameter_targets import name_matches
+from loragen.plan import entry_for, targets_parameters_of
 from loragen.registry import PLAIN, TRANSPOSED, Layout
 
 __all__ = ["MERGEABLE_DTYPES", "MergeOp", "MergePlan", "check_adapter_values", "plan_merge"]
@@ -244,12 +244,10 @@ def _refuse_parameter_targets(adapter: Adapter) -> None:
     entries = adapter.config.target_parameters
     if not entries:
         return
-    names = {entry.rpartition(".")[2] for entry in entries}
     keys = sorted(
         key
         for key, info in adapter.keys.items()
-        if info.is_lora
-        and any(name_matches(entries, f"{info.module.replace('.base_layer', '')}.{name}") for name in names)
+        if info.is_lora and targets_parameters_of(adapter.config, info.module.replace(".base_layer", ""))
     )
     shown = ", ".join(keys[:6]) + (f", ... ({len(keys) - 6} more)" if len(keys) > 6 else "")
     raise MergeError(
@@ -312,7 +310,8 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
         a, b = adapter.shapes[factors.key_a], adapter.shapes[factors.key_b]
         target = keys[f"{module}.weight"]
         entry = checkpoint.entry(target)
-        rank = config.rank_for(module)
+        values = entry_for(config, module)
+        rank = values.r
         if entry.dtype not in MERGEABLE_DTYPES:
             problems.append(
                 f"{target}: dtype {entry.dtype} cannot take a LoRA delta "
@@ -337,7 +336,7 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
             problems.append(str(exc))
             continue
         ops.setdefault(target, []).append(
-            MergeOp(target, "lora", (factors.key_a, factors.key_b), config.scaling_for(module), layout)
+            MergeOp(target, "lora", (factors.key_a, factors.key_b), values.scaling, layout)
         )
     if problems:
         raise MergeError(

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import libcst as cst
 
-from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.config import LoraConfig
 from loragen.source.codegen import config_literal, py_literal
 from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
 from loragen.source.fields import Diagnostic, LayerField, RewriteResult, RewrittenCall, ScannedModule
@@ -374,8 +374,6 @@ class RewritePlanner:
 
     def _warn_non_layer_targets(self) -> None:
         """Targets naming a container or a submodule: the runtime path refuses those, say so here."""
-        if self.config.target_modules == ALL_LINEAR:
-            return
         for scan in self.result.classes:
             candidates: dict[str, tuple[str, int]] = {}
             for sub in scan.submodules:
@@ -388,14 +386,10 @@ class RewritePlanner:
                 if f.container:
                     candidates.setdefault(f.attribute, (f"a {f.container}", f.location.line))
             for path, (kind, line) in candidates.items():
-                hit = next(
-                    (
-                        full
-                        for _, prefix in self.targets.contexts.get(scan.name, [(scan.name, "")])
-                        for full in instances(prefix + path, self.targets.extra_keys)
-                        if self.config.matches_target(full)
-                    ),
-                    None,
+                hit = self.targets.selected_non_layers(
+                    full
+                    for _, prefix in self.targets.contexts.get(scan.name, [(scan.name, "")])
+                    for full in instances(prefix + path, self.targets.extra_keys)
                 )
                 if hit is not None:
                     self.warnings.append(
