@@ -56,6 +56,7 @@ __all__ = [
     "trained_extras",
     "embedding_targeted",
     "targets_parameters_of",
+    "fused_expert_parameters",
     "max_rank",
     "default_target_modules",
 ]
@@ -834,6 +835,15 @@ def targets_parameters_of(config: LoraConfig, module: str) -> bool:
     names its entries end in: a file records modules, not which of their parameters were adapted)."""
     entries = config.target_parameters or ()
     return any(_selected(entries, f"{module}.{entry.rpartition('.')[2]}") for entry in entries)
+
+
+def fused_expert_parameters(config: LoraConfig, names: Iterable[str]) -> tuple[str, ...]:
+    """Which of ``names`` (``Class.attribute`` of parameters a source file declares) ``all-linear`` adapts
+    as fused expert stacks when the file's model is a transformers 5 MoE model, as peft does."""
+    if config.target_modules != ALL_LINEAR:
+        return ()
+    fused = {entry for entry, _ in _FUSED_ENTRIES if "." not in entry}
+    return tuple(name for name in names if name.rpartition(".")[2] in fused)
 
 
 def max_rank(config: LoraConfig) -> int:

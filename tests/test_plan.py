@@ -128,12 +128,17 @@ def test_nothing_outside_the_plan_interprets_the_matching_rules() -> None:
         for node in ast.walk(ast.parse(file.read_text(), str(file))):
             if isinstance(node, ast.Attribute) and (
                 node.attr in _RULE_METHODS
-                or (node.attr in _RULE_FIELDS and not (isinstance(node.value, ast.Name) and node.value.id == "args"))
+                or (
+                    node.attr in _RULE_FIELDS
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "args")
+                )
             ):
                 offenders.append(f"{file.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
     for template in sorted((ROOT / "templates").rglob("*.j2")):
         for number, line in enumerate(template.read_text().splitlines(), 1):
-            offenders += [f"{template.relative_to(ROOT)}:{number}: .{m}" for m in _RULE_METHODS if f".{m}(" in line]
+            offenders += [
+                f"{template.relative_to(ROOT)}:{number}: .{m}" for m in _RULE_METHODS if f".{m}(" in line
+            ]
     assert offenders == []
     assert not any(hasattr(LoraConfig, m) for m in _RULE_METHODS)
 

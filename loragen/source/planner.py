@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import libcst as cst
 
 from loragen.config import LoraConfig
+from loragen.plan import fused_expert_parameters
 from loragen.source.codegen import config_literal, py_literal
 from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
 from loragen.source.fields import Diagnostic, LayerField, RewriteResult, RewrittenCall, ScannedModule
@@ -36,6 +37,10 @@ _CONFIG_IMPORT = ("loragen", "LoraConfig")
 _HOOK_IMPORT = ("loragen.layers", "LoraLayer")
 # a relative import inside a function or class (indented), which an absolute-imports rewrite must reach
 _NESTED_RELATIVE_IMPORT = re.compile(r"^[ \t]+from[\s\\]+\.", re.MULTILINE)
+
+
+_CLASS = re.compile(r"class\s+(\w+)\b")
+_PARAMETER = re.compile(r"\s+self\.(\w+)\s*(?::[^=]+)?=\s*(?:torch\.)?(?:nn\.)?Parameter\(")
 
 
 def _method(node: cst.ClassDef, name: str) -> cst.FunctionDef | None:
@@ -82,6 +87,7 @@ class RewritePlanner:
             self._plan_call(call, fields)
         self.rewritten.sort(key=lambda c: (c.field.location.line, c.field.location.column))
         self._warn_non_layer_targets()
+        self._refuse_fused_experts()
         if self.config.target_parameters:  # parameters have no constructor call to swap: say so, keep none
             self.warnings.append(
                 Diagnostic(
@@ -371,6 +377,28 @@ class RewritePlanner:
                     f"{module}.{name}; rename it first",
                 )
         return missing
+
+    def _refuse_fused_experts(self) -> None:
+        """Parameters ``all-linear`` adapts on a transformers 5 MoE model (the fused expert stacks): a rewrite
+        cannot express LoRA on a parameter, so it refuses rather than give a model that differs from
+        ``loragen.get_lora_model``'s and peft's."""
+        declared: dict[str, int] = {}
+        owner = ""
+        for number, line in enumerate(self.lines, 1):
+            if (match := _CLASS.match(line)) is not None:
+                owner = match.group(1)
+            elif (match := _PARAMETER.match(line)) is not None and owner:
+                declared.setdefault(f"{owner}.{match.group(1)}", number)
+        fused = fused_expert_parameters(self.config, declared)
+        if fused:
+            self._error(
+                declared[fused[0]],
+                f"target_modules='all-linear' on a transformers 5 MoE model also adapts the fused expert "
+                f"parameters {', '.join(fused)} (as peft and loragen.get_lora_model do), and a source rewrite "
+                "cannot express LoRA on a parameter (it has no constructor call to swap). List the linear "
+                "modules to adapt instead of 'all-linear' (the experts then stay plain), or use "
+                "loragen.get_lora_model or @lora_convert",
+            )
 
     def _warn_non_layer_targets(self) -> None:
         """Targets naming a container or a submodule: the runtime path refuses those, say so here."""
