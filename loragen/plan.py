@@ -68,7 +68,7 @@ _SHOWN_PARAMETERS = 12
 
 # model_type -> the modules peft adapts when target_modules is None (peft's
 # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, peft/utils/constants.py)
-_DEFAULT_TARGETS: Mapping[str, tuple[str, ...]] = {
+_DEFAULT_TARGETS: Mapping[str, str | tuple[str, ...]] = {
     "t5": ("q", "v"),
     "mt5": ("q", "v"),
     "bart": ("q_proj", "v_proj"),
@@ -107,6 +107,8 @@ _DEFAULT_TARGETS: Mapping[str, tuple[str, ...]] = {
     "qwen3": ("q_proj", "v_proj"),
     "rwkv": ("key", "value", "receptance", "output"),
     "rwkv7": ("r_proj", "k_proj", "v_proj", "o_proj", "key", "value"),
+    "gemma4": r".*language_model\..*\.(q_proj|v_proj)",
+    "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj"),
 }
 # task_type -> the head modules peft trains in full beside the adapter (peft's PeftModelFor<Task> classes)
 _TASK_HEADS: Mapping[str, tuple[str, ...]] = {
@@ -116,7 +118,7 @@ _TASK_HEADS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def default_target_modules(model_type: str | None) -> tuple[str, ...] | None:
+def default_target_modules(model_type: str | None) -> str | tuple[str, ...] | None:
     """The modules peft adapts on a ``model_type`` model when ``target_modules`` is None (None: no default)."""
     return None if model_type is None else _DEFAULT_TARGETS.get(model_type)
 
@@ -514,7 +516,10 @@ def resolve_candidates(
             unsupported.append(f"{c.path} ({c.type_name})" if c.type_name else c.path)
         else:
             module_entries[c.path] = _entry(config, c.path, c.layer)
-    parameter_entries, unused, problems, conflicts = _plan_parameters(config, cands, module_entries)
+    parameter_entries, as_modules, unused, problems, conflicts = _plan_parameters(
+        config, cands, module_entries
+    )
+    module_entries.update((p, e) for p, e in as_modules.items() if p not in module_entries)
     both = sorted(set(parameter_entries) & set(module_entries))
     if both:
         conflicts.append(
@@ -556,7 +561,7 @@ def _with_defaults(config: LoraConfig, model_type: str | None) -> tuple[LoraConf
             "target_modules=['q_proj', 'v_proj'], a regex, or 'all-linear' (peft's per-architecture defaults "
             f"apply to transformers models, and {known})"
         )
-    return config.replace(target_modules=list(defaults)), None
+    return config.replace(target_modules=defaults if isinstance(defaults, str) else list(defaults)), None
 
 
 def _with_task_heads(config: LoraConfig) -> LoraConfig:
@@ -605,16 +610,17 @@ def _selected(entries: Iterable[str], key: str) -> list[str]:
 
 def _plan_parameters(
     config: LoraConfig, cands: Sequence[Candidate], modules: Mapping[str, PlanEntry]
-) -> tuple[dict[str, PlanEntry], tuple[str, ...], list[LoraError], list[LoraError]]:
-    """``({path: entry of its targeted parameters}, unused entries, problems, conflicts)``."""
+) -> tuple[dict[str, PlanEntry], dict[str, PlanEntry], tuple[str, ...], list[LoraError], list[LoraError]]:
+    """``({path: entry of its targeted parameters}, {path: entry of a linear adapted as a module},
+    unused entries, problems, conflicts)``."""
     entries = config.target_parameters or ()
     if not entries:
-        return {}, (), [], []
+        return {}, {}, (), [], []
     planned: dict[str, dict[str, tuple[int, float]]] = {}
     used: set[str] = set()
     problems: list[LoraError] = []
     conflicts: list[LoraError] = []
-    linear = {c.path for c in cands if c.linear}
+    as_modules: dict[str, PlanEntry] = {}
     for c in cands:
         for name, shape in c.parameters:
             key = f"{c.path}.{name}" if c.path else name
@@ -639,11 +645,6 @@ def _plan_parameters(
             else:
                 r, alpha, _ = _values(config, key)
                 planned.setdefault(c.path, {})[name] = (r, alpha)
-    # a linear's weight listed for peft (all-linear's explicit form) while the module is adapted anyway
-    if config.target_modules == ALL_LINEAR:
-        planned = {
-            p: n for p, n in planned.items() if not (p in modules and p in linear and list(n) == ["weight"])
-        }
     if planned:
         selected = [f"{p}.{n}" for p, names in planned.items() for n in names]
         conflict = _parameter_conflict(
@@ -651,8 +652,15 @@ def _plan_parameters(
         )
         if conflict is not None:
             conflicts.append(LoraConfigError(conflict))
+    # a linear's weight named by its full name (all-linear's explicit form for peft): the same adapter, keys and
+    # outputs as a LoRA layer of its type, which it becomes
+    layers = {c.path: c.layer for c in cands if c.linear and c.layer is not None}
+    for path in [p for p, n in planned.items() if list(n) == ["weight"] and p in layers]:
+        if f"{path}.weight" in entries:
+            del planned[path]
+            as_modules[path] = _entry(config, path, layers[path])
     out = {path: _entry(config, path, None, names) for path, names in planned.items()}
-    return out, tuple(e for e in entries if e not in used), problems, conflicts
+    return out, as_modules, tuple(e for e in entries if e not in used), problems, conflicts
 
 
 def _parameter_conflict(config: LoraConfig, selected: str) -> str | None:
@@ -749,7 +757,9 @@ def _expand_all_linear(
 
     Each fused entry found on a module outside ``linear`` joins ``target_parameters``; one fusing ``k``
     linears gets ``rank_pattern`` / ``alpha_pattern`` entries ``r * k`` / ``lora_alpha * k`` under the key
-    peft writes (``.*\\.gate_up_proj``), after the user's own keys. Where peft's conversion moves linears
+    peft writes (``.*\\.gate_up_proj``), after the user's own keys; the key also names one adapted linear,
+    preceded by a key of its own with its own values, since peft warns about a key that matches no adapted
+    module (a parameter is none). Where peft's conversion moves linears
     of :data:`_MOVED_NAMES` to parameters, their weights are listed by full name too (loragen still adapts
     them as modules, with the same keys). A config that cannot adapt parameters is refused, or, on a model
     type peft's own conversion leaves alone (Qwen2-MoE), returned unchanged with a warning.
@@ -772,13 +782,34 @@ def _expand_all_linear(
         if path.rpartition(".")[2] in moved and f"{path}.weight" not in entries:
             entries.append(f"{path}.weight")
     ranks, alphas = dict(config.rank_pattern), dict(config.alpha_pattern)
+    # peft warns about a pattern key that matches no targeted *module*, which a parameter's key never is: the
+    # key also names one adapted module (its own value first, so nothing changes for it) to load quietly
+    anchor = next(
+        (p for p in sorted(linear) if p.rpartition(".")[2] not in moved and not _is_excluded(config, p)), None
+    )
+    anchor_r, anchor_alpha, _ = _values(config, anchor or "")
     for entry, count in added:
         if entry not in entries:
             entries.append(entry)
-        if count > 1:
-            ranks.setdefault(rf".*\.{entry}", config.r * count)
-            alphas.setdefault(rf".*\.{entry}", config.lora_alpha * count)
+        if count > 1 and rf".*\.{entry}" not in ranks:  # peft's own key (a folder peft wrote) stands
+            key = rf".*\.{entry}"
+            if (
+                anchor is not None
+            ):  # the anchor's key is a prefix of the other: first in any order, sorted too
+                own = f"(?:{re.escape(anchor)})"
+                ranks.setdefault(own, anchor_r)
+                alphas.setdefault(own, anchor_alpha)
+                key = f"{own}|{key}"
+            ranks.setdefault(key, config.r * count)
+            alphas.setdefault(key, config.lora_alpha * count)
     conflict = _parameter_conflict(config, str([entry for entry, _ in added]))
+    if conflict is None and converts:
+        # named, as peft saves it after its own conversion: a string would make peft convert again when it
+        # loads the adapter, adding a rank key of its own that it then warns matches no module
+        names = sorted({p.rpartition(".")[2] for p in linear if p.rpartition(".")[2] not in moved})
+        return config.replace(
+            target_modules=names, target_parameters=entries, rank_pattern=ranks, alpha_pattern=alphas
+        )
     if conflict is None:
         return config.replace(target_parameters=entries, rank_pattern=ranks, alpha_pattern=alphas)
     if not converts:
