@@ -7,6 +7,7 @@ from pathlib import Path
 
 import peft
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from peft.tuners.tuners_utils import check_target_module_exists
@@ -154,3 +155,130 @@ def test_the_runtime_path_goes_through_resolve(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(loragen.convert, "resolve", spy)
     loragen.get_lora_model(_Model(), LoraConfig(target_modules=["q_proj"]))
     assert seen == ["_Model"]
+
+
+# ---- peft's habits: default targets per architecture, task heads --------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny(kind: str) -> nn.Module:
+    t = transformers
+    if kind == "llama":
+        return t.LlamaForCausalLM(
+            t.LlamaConfig(
+                vocab_size=64,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+            )
+        )
+    if kind == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32))
+    if kind == "opt":
+        return t.OPTForCausalLM(
+            t.OPTConfig(
+                vocab_size=64,
+                hidden_size=16,
+                ffn_dim=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                word_embed_proj_dim=16,
+                max_position_embeddings=32,
+            )
+        )
+    if kind == "falcon":
+        return t.FalconForCausalLM(
+            t.FalconConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+        )
+    if kind == "bloom":
+        return t.BloomForCausalLM(t.BloomConfig(vocab_size=64, hidden_size=16, n_layer=2, n_head=2))
+    raise ValueError(kind)
+
+
+def _peft_adapted(model: nn.Module) -> set[str]:
+    return {
+        name.removeprefix("base_model.model.")
+        for name, module in model.named_modules()
+        if hasattr(module, "lora_A") and name.startswith("base_model.model.")
+    }
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "opt", "falcon", "bloom"])
+def test_no_target_modules_adapts_what_peft_adapts(kind: str) -> None:
+    """``target_modules=None`` resolves per architecture as peft does (q_proj/v_proj on Llama and OPT, c_attn
+    on GPT-2, query_key_value on Falcon and BLOOM), and the kept config names them."""
+    base = _tiny(kind)
+    ours = loragen.get_lora_model(_copy(base), LoraConfig())
+    theirs = peft.get_peft_model(_copy(base), peft.LoraConfig())
+    assert set(loragen.convert.find_lora_layers(ours)) == _peft_adapted(theirs) != set()
+    assert sorted(ours.loragen_config.target_modules) == sorted(theirs.peft_config["default"].target_modules)
+    # a peft config without targets, through from_peft, too
+    again = loragen.get_lora_model(_copy(base), LoraConfig.from_peft(peft.LoraConfig().to_dict()))
+    assert set(loragen.convert.find_lora_layers(again)) == _peft_adapted(theirs)
+
+
+def test_no_target_modules_on_a_model_peft_has_no_default_for_names_the_fields() -> None:
+    with pytest.raises(LoraConversionError, match=r"target_modules is None: name the modules to adapt"):
+        loragen.get_lora_model(_Model(), LoraConfig())
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def _trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    ("task", "make", "head"),
+    [
+        ("SEQ_CLS", "LlamaForSequenceClassification", "score"),
+        ("TOKEN_CLS", "LlamaForTokenClassification", "score"),
+        ("QUESTION_ANS", "LlamaForQuestionAnswering", "qa_outputs"),
+    ],
+)
+def test_task_type_trains_the_head_as_peft_does(task: str, make: str, head: str, tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=3,
+        pad_token_id=0,
+    )
+    base = getattr(transformers, make)(config)
+    peft_config = peft.LoraConfig(task_type=task, target_modules=["q_proj"])
+    theirs = peft.get_peft_model(_copy(base), peft_config)
+    ours_config = LoraConfig.from_peft(peft_config.to_dict())
+    assert ours_config.task_type == task
+    assert LoraConfig.from_peft(ours_config.to_peft()) == ours_config
+    assert ours_config.to_peft()["task_type"] == task
+    ours = loragen.get_lora_model(_copy(base), ours_config)
+    head_module = ours.get_submodule(head)
+    assert all(p.requires_grad for p in head_module.parameters())
+    assert _trainable(ours) == _trainable(theirs)
+    # peft loads the saved folder with the head, and so does loragen
+    with torch.no_grad():
+        for p in head_module.parameters():
+            p.add_(1.0)
+    loragen.save_adapter(ours, tmp_path)
+    loaded = peft.PeftModel.from_pretrained(_copy(base), str(tmp_path))
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    ours.eval()
+
+    def out(model: nn.Module) -> torch.Tensor:
+        result = model(input_ids=torch.tensor([[1, 2, 3, 4]]))
+        return result.start_logits if task == "QUESTION_ANS" else result.logits
+
+    with torch.no_grad():
+        torch.testing.assert_close(out(loaded), out(ours))
+    again = loragen.load_adapter(_copy(base), tmp_path)
+    torch.testing.assert_close(again.get_submodule(head).weight, head_module.weight)
