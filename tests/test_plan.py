@@ -271,7 +271,6 @@ def test_task_type_trains_the_head_as_peft_does(task: str, make: str, head: str,
             p.add_(1.0)
     loragen.save_adapter(ours, tmp_path)
     loaded = peft.PeftModel.from_pretrained(_copy(base), str(tmp_path))
-    tokens = torch.tensor([[1, 2, 3, 4]])
     ours.eval()
 
     def out(model: nn.Module) -> torch.Tensor:
