@@ -68,43 +68,24 @@ _SHOWN_PARAMETERS = 12
 
 # model_type -> the modules peft adapts when target_modules is None (peft's
 # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, peft/utils/constants.py)
+_QV = ("q_proj", "v_proj")
+_QKV = ("query_key_value",)
 _DEFAULT_TARGETS: Mapping[str, str | tuple[str, ...]] = {
-    "t5": ("q", "v"),
-    "mt5": ("q", "v"),
-    "bart": ("q_proj", "v_proj"),
-    "gpt2": ("c_attn",),
-    "bloom": ("query_key_value",),
+    **dict.fromkeys(("t5", "mt5"), ("q", "v")),
+    **dict.fromkeys(("gpt2", "gpt_bigcode"), ("c_attn",)),
+    **dict.fromkeys(("bloom", "gpt_neox", "chatglm", "RefinedWebModel", "RefinedWeb", "falcon"), _QKV),
+    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra", "layoutlm"), ("query", "value")),
+    **dict.fromkeys(
+        ("bart", "opt", "gptj", "gpt_neo", "llama", "llama4", "mistral", "mixtral", "stablelm", "gemma"), _QV
+    ),
+    **dict.fromkeys(("gemma2", "gemma3_text", "qwen2", "qwen3"), _QV),
     "blip-2": ("q", "v", "q_proj", "v_proj"),
-    "opt": ("q_proj", "v_proj"),
-    "gptj": ("q_proj", "v_proj"),
-    "gpt_neox": ("query_key_value",),
-    "gpt_neo": ("q_proj", "v_proj"),
-    "bert": ("query", "value"),
-    "roberta": ("query", "value"),
-    "xlm-roberta": ("query", "value"),
-    "electra": ("query", "value"),
     "deberta-v2": ("query_proj", "value_proj"),
     "deberta": ("in_proj",),
-    "layoutlm": ("query", "value"),
-    "llama": ("q_proj", "v_proj"),
-    "llama4": ("q_proj", "v_proj"),
-    "chatglm": ("query_key_value",),
-    "gpt_bigcode": ("c_attn",),
     "mpt": ("Wqkv",),
-    "RefinedWebModel": ("query_key_value",),
-    "RefinedWeb": ("query_key_value",),
-    "falcon": ("query_key_value",),
     "btlm": ("c_proj", "c_attn"),
     "codegen": ("qkv_proj",),
-    "mistral": ("q_proj", "v_proj"),
-    "mixtral": ("q_proj", "v_proj"),
-    "stablelm": ("q_proj", "v_proj"),
     "phi": ("q_proj", "v_proj", "fc1", "fc2"),
-    "gemma": ("q_proj", "v_proj"),
-    "gemma2": ("q_proj", "v_proj"),
-    "gemma3_text": ("q_proj", "v_proj"),
-    "qwen2": ("q_proj", "v_proj"),
-    "qwen3": ("q_proj", "v_proj"),
     "rwkv": ("key", "value", "receptance", "output"),
     "rwkv7": ("r_proj", "k_proj", "v_proj", "o_proj", "key", "value"),
     "gemma4": r".*language_model\..*\.(q_proj|v_proj)",
@@ -202,8 +183,7 @@ class Candidate:
         output_head: whether it is the model's output head (``all-linear`` leaves it out).
         type_name: its type's qualified name, for messages.
         refusal: why loragen never adapts its type, or None.
-        torch_linear: whether it is an ``nn.Linear`` (peft's ``all-linear`` takes every one).
-        lora: whether it is a LoRA layer already (a further adapter's target).
+        torch_linear: whether it is a plain ``nn.Linear`` (peft's ``all-linear`` takes every one).
         parameters: its own parameters, ``(name, shape)`` in registration order.
     """
 
@@ -214,7 +194,6 @@ class Candidate:
     type_name: str = ""
     refusal: str | None = None
     torch_linear: bool = False
-    lora: bool = False
     parameters: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
@@ -321,7 +300,6 @@ def candidates_of(model: nn.Module, *, further: bool = False) -> list[Candidate]
                 type_name=f"{type(module).__module__}.{type(module).__qualname__}",
                 refusal=refusal,
                 torch_linear=isinstance(module, nn.Linear) and not lora,
-                lora=lora,
                 parameters=tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)),
             )
         )
@@ -413,14 +391,9 @@ def _raise_problems(plan: LoraPlan, candidates: Sequence[Candidate], name: str) 
         )
     listed = not isinstance(config.target_modules, str) and config.target_modules is not None
     if listed and plan.unmatched:
-        leaves = [
-            c.path
-            for c in candidates
-            if c.path and not any(d.path.startswith(c.path + ".") for d in candidates)
-        ]
         hint = (
             "an entry matches a module path exactly or as a dotted suffix (peft's rule). "
-            f"{name}'s modules include: {_sample(leaves, _SHOWN, '(the model has no submodules)')}"
+            f"{name}'s modules include: {_leaves(candidates)}"
         )
         if config.strict_targets:
             raise LoraConversionError(
@@ -457,15 +430,17 @@ def _raise_problems(plan: LoraPlan, candidates: Sequence[Candidate], name: str) 
             extra = f" with layers_to_transform={config.layers_to_transform!r}"
             if config.layers_pattern is not None:
                 extra += f", layers_pattern={config.layers_pattern!r}"
-        leaves = [
-            c.path
-            for c in candidates
-            if c.path and not any(d.path.startswith(c.path + ".") for d in candidates)
-        ]
         raise LoraConversionError(
             f"target_modules={patterns!r}{extra} matched no module of {name}. "
-            f"Its modules include: {_sample(leaves, _SHOWN, '(the model has no submodules)')}"
+            f"Its modules include: {_leaves(candidates)}"
         )
+
+
+def _leaves(candidates: Sequence[Candidate]) -> str:
+    """Some of the model's leaf module paths, for messages."""
+    parents = {c.path.rpartition(".")[0] for c in candidates if "." in c.path}
+    leaves = [c.path for c in candidates if c.path and c.path not in parents]
+    return _sample(leaves, _SHOWN, "(the model has no submodules)")
 
 
 def _sample(names: Sequence[str], shown: int, empty: str = "(none)") -> str:
