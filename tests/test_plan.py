@@ -16,6 +16,7 @@ from torch import nn
 import loragen
 from loragen import LoraConfig
 from loragen.errors import LoraConversionError
+from loragen.layers.adapter_set import has_adapter
 from loragen.plan import Candidate, candidates_of, entry_for, resolve, resolve_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,3 +282,11 @@ def test_task_type_trains_the_head_as_peft_does(task: str, make: str, head: str,
         torch.testing.assert_close(out(loaded), out(ours))
     again = loragen.load_adapter(_copy(base), tmp_path)
     torch.testing.assert_close(again.get_submodule(head).weight, head_module.weight)
+
+
+def test_a_further_adapter_without_targets_takes_peft_defaults_too() -> None:
+    model = loragen.get_lora_model(_tiny("llama"), LoraConfig(target_modules=["o_proj"]))
+    loragen.add_adapter(model, LoraConfig(), "second")
+    layers = loragen.convert.find_lora_layers(model)
+    holding = {path for path, layer in layers.items() if has_adapter(layer, "second")}
+    assert holding == {f"model.layers.{i}.self_attn.{m}" for i in (0, 1) for m in ("q_proj", "v_proj")}
