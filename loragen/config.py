@@ -2,14 +2,13 @@
 
 A :class:`LoraConfig` is validated when it is created; every error names the field and the value and
 says what would be accepted. :meth:`LoraConfig.from_peft` and :meth:`LoraConfig.to_peft` convert to and
-from peft's ``adapter_config.json`` dictionaries. Target matching (which module paths a config selects)
-lives here too, because the runtime converter, the decorator and the source rewriter must agree on it.
+from peft's ``adapter_config.json`` dictionaries. What the fields select in a model is decided by
+:mod:`loragen.plan`, the only reader of the matching fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,12 +23,13 @@ __all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "TargetWarning"
 ALL_LINEAR = "all-linear"
 BiasMode = Literal["none", "all", "lora_only"]
 _BIAS_MODES = ("none", "all", "lora_only")
+# peft's TaskType values (peft trains a task's head beside the adapter: see loragen.plan)
+TASK_TYPES = ("SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION")
 
 # peft fields that carry no meaning for a LoRA adapter's math (metadata), accepted and dropped.
 _PEFT_METADATA_FIELDS = frozenset(
     {
         "peft_type",
-        "task_type",
         "auto_mapping",
         "peft_version",
         "base_model_name_or_path",
@@ -129,20 +129,6 @@ def _check_regex(field: str, pattern: str) -> None:
         raise LoraConfigError(f"{field}={pattern!r} is not a valid regular expression: {exc}") from None
 
 
-def _name_matches(names: str | tuple[str, ...], path: str) -> bool:
-    """peft's rule: a string is a full-match regex; a list matches a name exactly or as a dotted suffix."""
-    if isinstance(names, str):
-        return re.fullmatch(names, path) is not None
-    return any(path == n or path.endswith("." + n) for n in names)
-
-
-def _pattern_lookup(patterns: Mapping[str, Any], path: str) -> str | None:
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", path):
-            return key
-    return None
-
-
 # peft init schemes that only choose starting values: once a saved adapter's weights are loaded it is a
 # plain LoRA adapter on the unchanged base, trained in both factors, so it loads as init_lora_weights=True.
 _VALUES_ONLY_INITS = ("eva", "orthogonal")
@@ -188,7 +174,8 @@ class LoraConfig:
         lora_alpha: default alpha; ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with use_rslora).
         lora_dropout: dropout probability on the LoRA branch's input, ``0 <= p < 1``.
         target_modules: a list of module names (exact path or dotted suffix), a regex string (full match
-            on the module path), or ``"all-linear"`` (every Linear / Conv1D except the output head).
+            on the module path), ``"all-linear"`` (every Linear / Conv1D except the output head), or None
+            (peft's defaults for the model type, e.g. ``q_proj`` / ``v_proj`` on Llama).
         exclude_modules: same forms as ``target_modules``; matching modules are never converted.
         modules_to_save: modules trained fully beside the adapter (hybrid mode), saved with it.
         bias: which biases train: ``"none"``, ``"all"``, or ``"lora_only"`` (biases of LoRA layers).
@@ -205,6 +192,9 @@ class LoraConfig:
             name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.expert_parameters`).
         use_dora: DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude per output
             feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.dora_magnitude`).
+        task_type: peft's task type (``"CAUSAL_LM"``, ``"SEQ_CLS"``, ...); as in peft, ``"SEQ_CLS"`` and
+            ``"TOKEN_CLS"`` also train the ``classifier`` / ``score`` head and ``"QUESTION_ANS"`` the
+            ``qa_outputs`` head in full (added to ``modules_to_save`` when the config is resolved).
         strict_targets: an entry of a ``target_modules`` list that matches no module, or of
             ``target_parameters`` that matches no parameter, is an error
             (:class:`~loragen.errors.LoraConversionError`) instead of a :class:`TargetWarning`. loragen's own
@@ -230,6 +220,7 @@ class LoraConfig:
     fan_in_fan_out: bool = False
     target_parameters: Sequence[str] | None = None
     use_dora: bool = False
+    task_type: str | None = None
     strict_targets: bool = False
 
     def __post_init__(self) -> None:
@@ -244,6 +235,12 @@ class LoraConfig:
         check_flag(self.use_dora, "use_dora")
         check_flag(self.strict_targets, "strict_targets")
         check_init(self.init_lora_weights)
+        task = getattr(self.task_type, "value", self.task_type)  # peft's TaskType enum
+        if task is not None and task not in TASK_TYPES:
+            raise LoraConfigError(
+                f"task_type={task!r}: expected None or one of {', '.join(map(repr, TASK_TYPES))}"
+            )
+        set_(self, "task_type", task)
         set_(self, "target_parameters", validation.check_parameter_targets(self.target_parameters))
         for name in ("target_modules", "exclude_modules"):
             value = _freeze_names(name, getattr(self, name))
@@ -288,98 +285,6 @@ class LoraConfig:
                 )
             set_(self, "layers_pattern", _freeze_names("layers_pattern", self.layers_pattern))
 
-    # ---- per-module values -------------------------------------------------------------------
-
-    def rank_for(self, path: str) -> int:
-        """The rank for the module at ``path`` (``rank_pattern`` override or ``r``)."""
-        key = _pattern_lookup(self.rank_pattern, path)
-        return self.r if key is None else int(self.rank_pattern[key])
-
-    def alpha_for(self, path: str) -> float:
-        """The alpha for the module at ``path`` (``alpha_pattern`` override or ``lora_alpha``)."""
-        key = _pattern_lookup(self.alpha_pattern, path)
-        return self.lora_alpha if key is None else self.alpha_pattern[key]
-
-    def scaling_for(self, path: str) -> float:
-        """``alpha / r`` (or ``alpha / sqrt(r)`` with ``use_rslora``) for the module at ``path``."""
-        r = self.rank_for(path)
-        return self.alpha_for(path) / (math.sqrt(r) if self.use_rslora else r)
-
-    # ---- matching -------------------------------------------------------------------------------
-
-    def is_excluded(self, path: str) -> bool:
-        """Whether ``exclude_modules`` or ``modules_to_save`` rule the module at ``path`` out.
-
-        A module to save is trained fully, so neither it nor anything inside it gets a LoRA adapter.
-        """
-        excluded = self.exclude_modules
-        if excluded is not None and _name_matches(
-            excluded if isinstance(excluded, str) else tuple(excluded), path
-        ):
-            return True
-        return any(
-            re.match(rf"(^|.*\.){re.escape(name)}($|\..*)", path) for name in self.modules_to_save or ()
-        )
-
-    def matches_target(self, path: str, target_modules: str | Sequence[str] | None = None) -> bool:
-        """Whether the module at ``path`` is a target (before type checks), with peft's rules.
-
-        ``target_modules`` overrides the config's (the converter passes the resolved ``all-linear`` list).
-        """
-        targets = self.target_modules if target_modules is None else target_modules
-        if targets is None or self.is_excluded(path):
-            return False
-        if isinstance(targets, str):
-            return re.fullmatch(targets, path) is not None
-        if path in targets:
-            return (
-                True  # a module named by its exact path is taken whatever layers_to_transform says (as peft)
-            )
-        if not _name_matches(tuple(targets), path):
-            return False
-        if self.layers_to_transform is None or (
-            not isinstance(self.layers_to_transform, int) and len(self.layers_to_transform) == 0
-        ):
-            return True
-        index = self.layer_index(path)
-        if index is None:
-            return False
-        if isinstance(self.layers_to_transform, int):
-            return index == self.layers_to_transform
-        return index in self.layers_to_transform
-
-    def layer_index(self, path: str) -> int | None:
-        """The layer index of ``path`` as peft finds it (the first numbered segment after a layer list)."""
-        patterns = self.layers_pattern
-        if not patterns:
-            m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)
-        else:
-            m = None
-            for pattern in (patterns,) if isinstance(patterns, str) else patterns:
-                m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path)
-                if m is not None:
-                    break
-        return None if m is None else int(m.group("idx"))
-
-    def unmatched_entries(self, paths: Iterable[str]) -> tuple[str, ...]:
-        """The entries of a ``target_modules`` list that select none of the module ``paths`` (peft's rule, with
-        ``exclude_modules``, ``modules_to_save`` and ``layers_to_transform`` applied); ``()`` for a regex
-        string, ``"all-linear"`` or None (those match as a whole). The runtime converter and
-        ``loragen rewrite`` report these."""
-        targets = self.target_modules
-        if targets is None or isinstance(targets, str):
-            return ()
-        remaining = list(targets)
-        for path in paths:
-            if not remaining:
-                break
-            remaining = [entry for entry in remaining if not self.matches_target(path, (entry,))]
-        return tuple(remaining)
-
-    def is_module_to_save(self, path: str) -> bool:
-        """Whether the module at ``path`` is listed in ``modules_to_save`` (exact name or dotted suffix)."""
-        return bool(self.modules_to_save) and _name_matches(tuple(self.modules_to_save or ()), path)
-
     # ---- peft interop -----------------------------------------------------------------------------
 
     def replace(self, **changes: Any) -> LoraConfig:
@@ -393,7 +298,6 @@ class LoraConfig:
         """
         out: dict[str, Any] = {
             "peft_type": "LORA",
-            "task_type": None,
             "base_model_name_or_path": None,
             "revision": None,
             "inference_mode": True,
@@ -414,7 +318,7 @@ class LoraConfig:
     def from_peft(cls, data: Mapping[str, Any], *, source: str = "adapter_config.json") -> LoraConfig:
         """Build a config from a peft ``adapter_config.json`` dictionary.
 
-        Metadata fields (``task_type``, ``base_model_name_or_path``, ...) are accepted and dropped. peft
+        Metadata fields (``base_model_name_or_path``, ``revision``, ...) are accepted and dropped. peft
         features loragen does not implement (``lora_bias``, LoftQ, ...) are refused unless they are
         at their "off" value. Fields loragen does not know at all are reported with a
         :class:`LoraConfigWarning` naming them.

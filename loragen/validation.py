@@ -22,7 +22,6 @@ __all__ = [
     "check_init",
     "check_lora_args",
     "check_parameter_targets",
-    "parameter_target_conflict",
 ]
 
 InitMode = bool | Literal["gaussian"]
@@ -82,8 +81,8 @@ def check_parameter_targets(value: Any) -> tuple[str, ...] | None:
     """``target_parameters``: None or a list of parameter names (peft's form; no regex string), as a tuple.
 
     What a parameter cannot take (``lora_dropout``, ``use_dora``, ``fan_in_fan_out``) is refused where an
-    entry selects a parameter (:func:`parameter_target_conflict`), as peft refuses it: a config whose
-    entries select nothing in a model (peft's own ``all-linear`` writes such entries) loads as peft loads it.
+    entry selects a parameter (:mod:`loragen.plan`), as peft refuses it: a config whose entries select
+    nothing in a model (peft's own ``all-linear`` writes such entries) loads as peft loads it.
     """
     field = "target_parameters"
     if value is None:
@@ -100,29 +99,3 @@ def check_parameter_targets(value: Any) -> tuple[str, ...] | None:
                 f"{field}: {name!r} is not a parameter name (expected e.g. 'experts.down_proj')"
             )
     return tuple(names)
-
-
-def parameter_target_conflict(config: Any, selected: str) -> str | None:
-    """Why ``config`` cannot adapt parameters (``selected`` names what it selects), or None when it can.
-
-    LoRA on a parameter adds a weight update, so it cannot drop out the input of the branch
-    (``lora_dropout`` must be 0), has no DoRA and no ``fan_in_fan_out`` (peft refuses all three too).
-    """
-    if config.lora_dropout:
-        return (
-            f"target_parameters selects {selected} with lora_dropout={config.lora_dropout!r}: LoRA on a parameter "
-            "adds scaling * B @ A to the weight, where no input is there to drop out; set lora_dropout=0 (peft "
-            "refuses it too)"
-        )
-    if getattr(config, "use_dora", False):
-        return (
-            f"target_parameters selects {selected} with use_dora=True: DoRA on targeted parameters is not "
-            "supported (peft refuses it too); set use_dora=False"
-        )
-    if config.fan_in_fan_out:
-        return (
-            f"target_parameters selects {selected} with fan_in_fan_out=True: a targeted parameter's layout "
-            "comes from its shape (experts stored (num_experts, out, in), or (num_experts, in, out) on modules "
-            "with is_transposed); set fan_in_fan_out=False"
-        )
-    return None

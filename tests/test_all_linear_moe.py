@@ -162,11 +162,17 @@ def test_peft_loads_the_all_linear_adapter_with_equal_outputs(
     lora = loragen.get_lora_model(copy.deepcopy(base), config)
     loragen.save_adapter(lora, tmp_path)
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert saved["target_modules"] == "all-linear"
-    assert saved["rank_pattern"] == {r".*\.gate_up_proj": 16}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    # all-linear named as peft saves it after its own conversion (a string would be converted again on load)
+    assert isinstance(saved["target_modules"], list) and "o_proj" in saved["target_modules"]
+    assert not set(saved["target_modules"]) & {"gate", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj"}
+    # gate_up_proj fuses two linears: twice the rank, under a key that also names one adapted module, whose own
+    # key comes first (so peft, which checks pattern keys against modules only, loads it without a warning)
+    (anchor, anchor_r), (key, r) = saved["rank_pattern"].items()
+    assert key == anchor + r"|.*\.gate_up_proj" and r == 16 and anchor_r == 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         twin = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path))
+    assert not [str(w.message) for w in caught if "did not match any targeted module" in str(w.message)]
     loaded = _shapes(peft.get_peft_model_state_dict(twin))
     assert loaded == _shapes(adapter_state_dict(lora, lora.loragen_config))
     with torch.no_grad():
@@ -263,3 +269,75 @@ def test_loragen_loads_what_peft_all_linear_saves(kind: str, tmp_path: Path) -> 
     loaded = loragen.load_adapter(copy.deepcopy(base), tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(loaded(_tokens()).logits, twin(_tokens()).logits)
+
+
+# ---- the three ways in give the same model ---------------------------------------------------------------
+
+
+def test_decorator_and_runtime_adapt_the_same_experts_and_the_rewrite_refuses_them() -> None:
+    """``all-linear`` on Mixtral: ``@lora_convert``'s generated ``get_lora_model`` adapts the fused expert
+    parameters and the router as ``loragen.get_lora_model`` does (the same plan: layers, ranks, keys,
+    trainable set, saved config); ``loragen rewrite`` cannot express LoRA on a parameter and says so."""
+    import inspect
+
+    from transformers.models.mixtral import modeling_mixtral as m
+
+    from loragen.source.decorator import GENERATED_METHODS, lora_convert
+
+    config = loragen.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    torch.manual_seed(0)
+    base = mixtral()
+    runtime = loragen.get_lora_model(copy.deepcopy(base), config)
+    classes = (m.MixtralAttention, m.MixtralSparseMoeBlock, m.MixtralForCausalLM)
+    try:
+        for cls in classes:
+            lora_convert(cls, config)
+        decorated = copy.deepcopy(base).get_lora_model()
+    finally:
+        for cls in classes:
+            for name in (*GENERATED_METHODS, "lora_fields", "lora_unresolved", "__lora_source__"):
+                if name in vars(cls):
+                    delattr(cls, name)
+
+    def described(model: nn.Module) -> dict[str, tuple[str, int]]:
+        return {
+            path: (type(layer).__name__, getattr(layer, "r", 0))
+            for path, layer in loragen.convert.find_lora_layers(model).items()
+        }
+
+    assert described(decorated) == described(runtime)
+    experts = [p for p, (kind, _) in described(runtime).items() if p.endswith("experts")]
+    assert experts, "all-linear adapts Mixtral's fused experts"
+    trainable = {n: tuple(p.shape) for n, p in runtime.named_parameters() if p.requires_grad}
+    assert {n: tuple(p.shape) for n, p in decorated.named_parameters() if p.requires_grad} == trainable
+    assert decorated.loragen_config == runtime.loragen_config
+    assert "gate_up_proj" in runtime.loragen_config.target_parameters
+    with torch.no_grad():  # a trained-looking adapter, then the same weights in both: the same outputs
+        for name, p in runtime.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
+    assert decorated.state_dict().keys() == runtime.state_dict().keys()
+    decorated.load_state_dict(runtime.state_dict())
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected, got = runtime(tokens).logits, decorated(tokens).logits
+        assert not torch.allclose(expected, base(tokens).logits, atol=1e-3)  # the adapters count
+        assert torch.allclose(got, expected, atol=1e-6)
+    assert (
+        adapter_state_dict(decorated, decorated.loragen_config).keys()
+        == adapter_state_dict(runtime, runtime.loragen_config).keys()
+    )
+
+    result = loragen.rewrite_source(
+        inspect.getsource(m), config, filename=m.__file__, package="transformers.models.mixtral"
+    )
+    assert not result.ok and not result.changed
+    (error,) = result.errors
+    assert (
+        "MixtralExperts.gate_up_proj" in error.message
+        and "cannot express LoRA on a parameter" in error.message
+    )
+    listed = loragen.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    assert loragen.rewrite_source(
+        inspect.getsource(m), listed, filename=m.__file__, package="transformers.models.mixtral"
+    ).ok

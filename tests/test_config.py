@@ -7,9 +7,6 @@ import warnings
 
 import peft
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from peft.tuners.tuners_utils import check_target_module_exists
 
 from loragen import LoraConfig, LoraConfigError
 from loragen.config import LoraConfigWarning
@@ -125,54 +122,6 @@ def test_from_peft_names_the_source_and_field() -> None:
         LoraConfig.from_peft({"peft_type": "LORA", "r": -2}, source="a/adapter_config.json")
     with pytest.raises(LoraConfigError, match=r"peft_type='IA3': loragen reads LoRA adapters only"):
         LoraConfig.from_peft({"peft_type": "IA3"})
-
-
-def test_rank_and_alpha_patterns() -> None:
-    cfg = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        rank_pattern={"q_proj": 2, r"layers\.1\..*v_proj": 4},
-        alpha_pattern={"v_proj": 3},
-        use_rslora=True,
-    )
-    assert cfg.rank_for("model.layers.0.self_attn.q_proj") == 2
-    assert cfg.rank_for("model.layers.1.self_attn.v_proj") == 4
-    assert cfg.rank_for("model.layers.0.self_attn.v_proj") == 8
-    assert cfg.alpha_for("model.layers.0.self_attn.v_proj") == 3
-    assert cfg.scaling_for("model.layers.1.self_attn.v_proj") == pytest.approx(3 / 2)
-
-
-# ---- matching equals peft's check_target_module_exists -----------------------------------------
-
-names = st.sampled_from(
-    ["q_proj", "v_proj", "o_proj", "mlp", "up_proj", "layers", "h", "attn", "0", "1", "2", "11"]
-)
-paths = st.lists(names, min_size=1, max_size=5).map(".".join)
-
-
-@given(
-    path=paths,
-    targets=st.one_of(
-        st.lists(names, min_size=1, max_size=3), st.sampled_from([r".*q_proj", r".*\.1\..*", "mlp"])
-    ),
-    exclude=st.one_of(st.none(), st.lists(names, min_size=1, max_size=2)),
-    layers=st.one_of(st.none(), st.lists(st.integers(0, 12), min_size=1, max_size=3)),
-    pattern=st.one_of(st.none(), st.sampled_from(["layers", "h"])),
-)
-def test_target_matching_equals_peft(path, targets, exclude, layers, pattern) -> None:
-    if isinstance(targets, str) and layers is not None:
-        layers = None
-    if layers is None:
-        pattern = None
-    cfg = dict(
-        target_modules=targets, exclude_modules=exclude, layers_to_transform=layers, layers_pattern=pattern
-    )
-    theirs = bool(check_target_module_exists(peft.LoraConfig(**cfg), path))
-    theirs = (
-        theirs
-        and type(check_target_module_exists(peft.LoraConfig(**cfg), path)).__name__ != "_ExcludedModule"
-    )
-    assert LoraConfig(**cfg).matches_target(path) == theirs
 
 
 @pytest.mark.parametrize("init", ["eva", "orthogonal"])

@@ -10,6 +10,7 @@ from torch import nn
 
 import loragen
 from loragen.config import TargetWarning
+from loragen.plan import Candidate, resolve_candidates
 
 
 class Attention(nn.Module):
@@ -78,7 +79,7 @@ def test_rewrite_and_run_time_report_the_same_entries() -> None:
     result = loragen.rewrite_source(SOURCE, config)
     assert result.unmatched_targets == ("q_prj",)
     paths = [name for name, _ in Attention().named_modules() if name]
-    assert config.unmatched_entries(paths) == ("q_prj",)
+    assert resolve_candidates(config, [Candidate(path, None) for path in paths]).unmatched == ("q_prj",)
 
 
 def test_strict_targets_is_not_written_for_peft() -> None:

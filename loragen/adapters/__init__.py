@@ -6,6 +6,6 @@
 * :mod:`~loragen.adapters.save`, :mod:`~loragen.adapters.load`: ``save_adapter`` / ``load_adapter``;
 * :mod:`~loragen.adapters.checkpoint`: a safetensors checkpoint (file or sharded folder), headers only, and
   which checkpoint tensor each adapter tensor changes (one to one);
-* :mod:`~loragen.adapters.merge_plan`, :mod:`~loragen.adapters.offline_merge`: ``loragen merge``, streaming;
+* :mod:`~loragen.adapters.offline_merge`: ``loragen merge``, streaming;
 * :mod:`~loragen.adapters.summary`: ``loragen inspect``.
 """

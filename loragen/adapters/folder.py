@@ -287,7 +287,7 @@ def read_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False, la
 
     Checks that every key is one loragen understands and that each module's LoRA factors are a pair of
     a registered layout (shared rank, matching dimensions); whether they fit a model is checked by
-    :func:`~loragen.adapters.load.load_adapter` (or :func:`~loragen.adapters.merge_plan.plan_merge`).
+    :func:`~loragen.adapters.load.load_adapter` (or :func:`~loragen.adapters.offline_merge.plan_merge`).
 
     Raises:
         AdapterError: missing files, a truncated or corrupt weights file (names the file), a pickled

@@ -24,13 +24,13 @@ from loragen.adapters.named import (
     record_config,
     set_trainable,
 )
+from loragen.config import LoraConfig
 from loragen.convert import (
     ADAPTER_CONFIGS_ATTR,
     CONFIG_ATTR,
     convert_module,
     find_lora_layers,
     mark_trainable,
-    plan_conversion,
     run_conversion_hooks,
     set_submodule,
 )
@@ -38,6 +38,7 @@ from loragen.errors import AdapterError
 from loragen.layers import LoraLayer
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter, set_active
 from loragen.layers.expert_parameters import LoraParametersLayer, scaling_owners
+from loragen.plan import entry_for, resolve, saved_modules
 
 __all__ = ["load_adapter"]
 
@@ -52,7 +53,7 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _plan_load(
-    model: nn.Module, adapter: Adapter, layers: Mapping[str, Factors], strict: bool
+    model: nn.Module, adapter: Adapter, config: LoraConfig, layers: Mapping[str, Factors], strict: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Match every adapter tensor to the model tensor it loads into; raise listing every problem.
 
@@ -61,7 +62,6 @@ def _plan_load(
     pairs, values already in the target's dtype and on its device.
     """
     named = _named_tensors(model)
-    config = adapter.config
     plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     mismatched: list[str] = []
     wrong_rank: list[str] = []
@@ -82,7 +82,7 @@ def _plan_load(
             target, target_name = owner.lora_parameters()[attr], attr.rsplit(".", 2)[1]
             found.add(f"{path}.{attr}")
             value = adapter.tensors[key]
-            rank = config.rank_for(f"{path}.{target_name}")
+            rank = entry_for(config, f"{path}.{target_name}").r
             if tuple(value.shape) != tuple(target.shape):
                 mismatched.append(f"{key}: expected shape {tuple(target.shape)}, found {tuple(value.shape)}")
             elif rank != owner.parameter_targets[target_name].r:
@@ -110,9 +110,9 @@ def _plan_load(
         value = adapter.tensors[key]
         if tuple(value.shape) != tuple(target.shape):
             mismatched.append(f"{key}: expected shape {tuple(target.shape)}, found {tuple(value.shape)}")
-        elif layer is not None and config.rank_for(info.module) != layer.r:
+        elif layer is not None and (rank := entry_for(config, info.module).r) != layer.r:
             wrong_rank.append(
-                f"{key}: the adapter config gives {info.module} rank {config.rank_for(info.module)}, "
+                f"{key}: the adapter config gives {info.module} rank {rank}, "
                 f"the file and the model's layer have rank {layer.r}"
             )
         else:
@@ -124,9 +124,9 @@ def _plan_load(
         for path, layer in layers.items()
         for attr, suffix in layer.peft_key_suffixes().items()
     }
-    for path, module in model.named_modules():
-        if path and config.is_module_to_save(path):
-            expected.update({f"{path}.{name}": f"{PEFT_PREFIX}{path}.{name}" for name in module.state_dict()})
+    for path in saved_modules(config, (path for path, _ in model.named_modules())):
+        state = model.get_submodule(path).state_dict()
+        expected.update({f"{path}.{name}": f"{PEFT_PREFIX}{path}.{name}" for name in state})
     missing = sorted(file_key for model_key, file_key in expected.items() if model_key not in found)
 
     problems = []
@@ -252,15 +252,17 @@ def load_adapter(
             )
         layers: Mapping[str, Factors] = existing
     else:
-        originals = plan_conversion(model, config)
+        plan = resolve(model, config)
+        config = plan.config
+        originals = plan.modules(model)
         # the new layers share the base parameters but are not installed yet: the model is unchanged
-        new_layers = {p: convert_module(module, config, p) for p, module in originals.items()}
+        new_layers = {p: convert_module(module, plan, p) for p, module in originals.items()}
         for layer in new_layers.values():
             layer.adapter_name = adapter_name
             set_active(layer, adapter_name)
         layers = {p: adapter_factors(layer, adapter_name) for p, layer in new_layers.items()}
     try:
-        plan = _plan_load(model, adapter, layers, strict)
+        pairs = _plan_load(model, adapter, config, layers, strict)
     except BaseException:
         if added:
             delete_adapter(model, adapter_name)
@@ -268,18 +270,19 @@ def load_adapter(
 
     # the factors of new layers need no backup: on failure the layers are dropped
     fresh = {id(t) for layer in new_layers.values() for t in layer.lora_parameters().values()}
-    snapshot = _Snapshot(model, [t for t, _ in plan if id(t) not in fresh], existing)
+    snapshot = _Snapshot(model, [t for t, _ in pairs if id(t) not in fresh], existing)
     try:
         for p, layer in new_layers.items():
             set_submodule(model, p, layer)
         with torch.no_grad():
-            for target, value in plan:
+            for target, value in pairs:
                 target.copy_(value)
         for p, factors in existing.items():
             for key, owner in scaling_owners(p, factors):
-                owner.lora_alpha = config.alpha_for(key)
-                owner.use_rslora = config.use_rslora
-                owner.scaling = config.scaling_for(key)
+                entry = entry_for(config, key)
+                owner.lora_alpha = entry.lora_alpha
+                owner.use_rslora = entry.use_rslora
+                owner.scaling = entry.scaling
         record_config(model, adapter_name, config)
         if trainable:
             mark_trainable(model)

@@ -26,15 +26,13 @@ from typing import TypeVar
 
 from torch import nn
 
-from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.conversion_targets import exclude_what_peft_adds, output_head_names
+from loragen.config import LoraConfig
 from loragen.convert import (
     ADAPTER_CONFIGS_ATTR,
     CONFIG_ATTR,
     convert_module,
     find_lora_layers,
     get_lora_model,
-    resolve_target_modules,
     set_submodule,
 )
 from loragen.errors import (
@@ -55,7 +53,7 @@ from loragen.layers.adapter_set import (
     remove_factors,
     set_active,
 )
-from loragen.registry import spec_for, spec_for_lora_type
+from loragen.plan import resolve
 from loragen.sibling_planning import plan_siblings
 
 __all__ = [
@@ -132,42 +130,6 @@ def require_adapter(model: nn.Module, name: object, what: str = "adapter") -> st
 # ---- adding ------------------------------------------------------------------------------------------
 
 
-def _linear_paths(model: nn.Module) -> set[str]:
-    """Paths ``all-linear`` selects (peft's rule: linear layers but the output head), LoRA layers included:
-    they are targets of a further adapter too."""
-    heads = output_head_names(model)
-    paths = set()
-    for path, module in model.named_modules():
-        if not path or path in heads:
-            continue
-        spec = spec_for_lora_type(type(module)) if isinstance(module, LoraLayer) else spec_for(module)
-        if spec is not None and spec.linear:
-            paths.add(path)
-    return paths
-
-
-def _targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
-    """The modules (plain or LoRA layers) ``config`` targets, by path; nothing inside a LoRA layer."""
-    if config.target_modules is None:
-        resolve_target_modules(model, config)  # raises, saying what to set
-    linear = _linear_paths(model) if config.target_modules == ALL_LINEAR else None
-    found: dict[str, nn.Module] = {}
-    inside: list[str] = []
-    for path, module in model.named_modules():
-        if not path or any(path.startswith(p + ".") for p in inside):
-            continue
-        if isinstance(module, LoraLayer):
-            inside.append(path)
-        chosen = path in linear if linear is not None else config.matches_target(path)
-        if chosen and (isinstance(module, LoraLayer) or spec_for(module) is not None or linear is None):
-            found[path] = module
-    if not found:
-        raise LoraConversionError(
-            f"target_modules={config.target_modules!r} matched no module of {type(model).__name__}"
-        )
-    return found
-
-
 def check_adapter_name(name: object) -> str:
     """``name`` if it can name an adapter: a non-empty string that is a key component and a folder name
     (``save_adapter`` writes adapter ``name`` to ``path/name``): no ``.`` (so no ``..``), no path
@@ -237,10 +199,10 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
             set_active(layer, adapter_name)
         record_config(model, adapter_name, getattr(model, CONFIG_ATTR))  # as converted: all-linear explicit
         return model
-    if config.target_modules == ALL_LINEAR:  # the modules peft's all-linear would add, excluded for it
-        config = exclude_what_peft_adds(model, config, _linear_paths(model))
     _check_new_adapter(model, config, adapter_name)
-    targets = _targets(model, config)
+    plan = resolve(model, config, further=True)
+    config = plan.config  # all-linear: the modules peft's would add are excluded for it
+    targets = plan.modules(model)
     single = [p for p, m in targets.items() if isinstance(m, LoraLayer) and not holds_several(m)]
     if single:
         raise LoraConversionError(
@@ -250,7 +212,7 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
     active = active_adapter(model)
     # build every new layer first, so a failure leaves the model as it was
     new_layers = {
-        path: convert_module(module, config, path)
+        path: convert_module(module, plan, path)
         for path, module in targets.items()
         if not isinstance(module, LoraLayer)
     }
@@ -262,16 +224,7 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
         set_submodule(model, path, layer)
     for path, module in targets.items():
         if isinstance(module, LoraLayer):
-            factors = add_factors(
-                module,
-                adapter_name,
-                r=config.rank_for(path),
-                lora_alpha=config.alpha_for(path),
-                lora_dropout=config.lora_dropout,
-                use_rslora=config.use_rslora,
-                init_lora_weights=config.init_lora_weights,
-                use_dora=config.use_dora,
-            )
+            factors = add_factors(module, adapter_name, **plan.entries[path].layer_kwargs())
             factors.requires_grad_(False)
     record_config(model, adapter_name, config)
     if new_layers:

@@ -1,7 +1,7 @@
 """Writing a model's adapter in peft's format: the config, the tensors under peft's keys, the folder.
 
 :func:`adapter_config_for` is the ``adapter_config.json`` a model gets, :func:`adapter_state_dict` the
-tensors of ``adapter_model.safetensors`` under peft's keys (see :mod:`loragen.adapters.keys`), and
+tensors of ``adapter_model.safetensors`` under peft's keys (see :mod:`loragen.adapters.folder`), and
 :func:`save_adapter` writes both as a folder, atomically (:mod:`loragen.atomic`).
 """
 
@@ -33,6 +33,7 @@ from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter, key_prefix
 from loragen.layers.expert_parameters import LoraParametersLayer, scaling_owners
+from loragen.plan import embedding_targeted, entry_for, trained_extras
 from loragen.registry import TRANSPOSED
 
 __all__ = ["adapter_config_for", "adapter_state_dict", "save_adapter"]
@@ -119,29 +120,17 @@ def adapter_config_for(model: nn.Module, adapter_name: str | None = None) -> Lor
                 f"use_dora={config.use_dora}; delete model.{CONFIG_ATTR} to save a config derived from the layers"
             )
         for key, owner in scaling_owners(path, layer):
-            if config.rank_for(key) != owner.r or not math.isclose(config.scaling_for(key), owner.scaling):
+            entry = entry_for(config, key)
+            if entry.r != owner.r or not math.isclose(entry.scaling, owner.scaling):
                 raise AdapterError(
                     f"{key}: the layer has r={owner.r}, scaling={owner.scaling:g} but the model's config gives "
-                    f"r={config.rank_for(key)}, scaling={config.scaling_for(key):g}; delete "
+                    f"r={entry.r}, scaling={entry.scaling:g}; delete "
                     f"model.{CONFIG_ATTR} to save a config derived from the layers"
                 )
     # peft's fan_in_fan_out means "weights stored (in, out)": the transposed layout
     if all(all_layers[p].layout is TRANSPOSED for p in layers) and not config.fan_in_fan_out:
         config = config.replace(fan_in_fan_out=True)
     return config
-
-
-def _embedding_targeted(model: nn.Module, config: LoraConfig) -> bool:
-    targets = config.target_modules
-    if isinstance(targets, str):
-        if targets == "all-linear":
-            return False
-        return any(
-            config.matches_target(path)
-            for path, _ in model.named_modules()
-            if path.rpartition(".")[2] in _EMBEDDING_LAYER_NAMES
-        )
-    return any(name in (targets or ()) for name in _EMBEDDING_LAYER_NAMES)
 
 
 def _tensor_for_file(key: str, t: torch.Tensor) -> torch.Tensor:
@@ -189,25 +178,26 @@ def adapter_state_dict(
         for attr, suffix in adapter_factors(layer, name).peft_key_suffixes().items():
             wanted[f"{PEFT_PREFIX}{path}.{suffix}"] = f"{owner}{attr}"
 
-    if config.bias == "all":  # as peft: every state-dict entry named "bias"
+    saved, bias = trained_extras(config, (path for path, _ in model.named_modules()))
+    if bias == "all":  # as peft: every state-dict entry named "bias"
         for name in full:
             if name == "bias" or name.endswith(".bias"):
                 module, _, param = name.rpartition(".")
                 infix = ".base_layer" if module in layers else ""
                 wanted[f"{PEFT_PREFIX}{module}{infix}.{param}"] = name
-    elif config.bias == "lora_only":
+    elif bias == "lora_only":
         for path, layer in layers.items():
             if layer.bias is not None:
                 wanted[f"{PEFT_PREFIX}{path}.base_layer.bias"] = f"{path}.bias"
 
-    for path, _ in model.named_modules():
-        if path and config.is_module_to_save(path):
-            for name in full:
-                if name.startswith(path + "."):
-                    wanted[f"{PEFT_PREFIX}{name}"] = name
+    for path in saved:
+        for name in full:
+            if name.startswith(path + "."):
+                wanted[f"{PEFT_PREFIX}{name}"] = name
 
     if save_embedding_layers == "auto":
-        save_embedding_layers = _embedding_targeted(model, config)
+        paths = [path for path, _ in model.named_modules()]
+        save_embedding_layers = embedding_targeted(config, paths, _EMBEDDING_LAYER_NAMES)
     if save_embedding_layers:
         embeddings = []
         for getter in ("get_input_embeddings", "get_output_embeddings"):

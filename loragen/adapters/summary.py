@@ -25,6 +25,7 @@ from loragen.adapters.folder import (
     read_adapter_config,
 )
 from loragen.errors import AdapterError
+from loragen.plan import entry_for
 from loragen.registry import EMBEDDING
 
 __all__ = ["ModuleSummary", "TensorSummary", "AdapterSummary", "inspect_adapter", "format_summary"]
@@ -173,8 +174,8 @@ def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False)
                 module=module,
                 kind=_kind(a_shape, EMBEDDING in factors.layouts),
                 r=a_shape[0],
-                alpha=config.alpha_for(module),
-                scale=config.scaling_for(module),
+                alpha=entry_for(config, module).lora_alpha,
+                scale=entry_for(config, module).scaling,
                 in_features=math.prod(a_shape[1:]),
                 out_features=b_shape[0],
                 params=math.prod(a_shape) + math.prod(b_shape),

@@ -20,6 +20,7 @@ from loragen.convert import find_lora_layers
 from loragen.errors import AdapterMixError, AdapterNameError
 from loragen.layers.adapter_set import adapter_factors, add_factors, has_adapter
 from loragen.layers.combine import COMBINATIONS, combine
+from loragen.plan import max_rank
 
 __all__ = ["add_weighted_adapter"]
 
@@ -27,7 +28,7 @@ __all__ = ["add_weighted_adapter"]
 def _max_rank(layers: Iterable[nn.Module], name: str, config: LoraConfig | None) -> int:
     """The largest rank adapter ``name`` has in any layer (peft: ``max(r, *rank_pattern.values())``)."""
     if config is not None:
-        return max(config.r, *config.rank_pattern.values()) if config.rank_pattern else config.r
+        return max_rank(config)
     return max(adapter_factors(layer, name).r for layer in layers if has_adapter(layer, name))
 
 

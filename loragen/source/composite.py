@@ -1,7 +1,7 @@
 """Sub-models of a rewritten composite model, built at run time: :func:`lora_auto_class`.
 
 A rewritten composite file (``loragen rewrite modeling_gemma3.py``) builds its sub-models through a LoRA auto
-class instead of transformers' ``AutoModel`` (see :mod:`loragen.source.names`)::
+class instead of transformers' ``AutoModel`` (see :mod:`loragen.source.scan`)::
 
     LoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel], LORA_CONFIG)
 
@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from loragen.config import LoraConfig
-from loragen.convert import convert_module, plan_conversion, resolve_target_modules, set_submodule
+from loragen.convert import apply_plan
 from loragen.layers import LoraLayer
+from loragen.plan import resolve
 
 __all__ = ["convert_sub_model", "lora_auto_class"]
 
@@ -42,13 +43,10 @@ def convert_sub_model(model: nn.Module, config: LoraConfig) -> nn.Module:
     Raises:
         LoraConversionError: as :func:`loragen.get_lora_model` (a targeted module of an unsupported type, ...).
     """
-    targets = resolve_target_modules(model, config)
-    if not any(path and config.matches_target(path, targets) for path, _ in model.named_modules()):
+    plan = resolve(model, config, optional=True)
+    if not plan.entries:
         return model
-    planned = plan_conversion(model, config)
-    replacements = {path: convert_module(module, config, path) for path, module in planned.items()}
-    for path, layer in replacements.items():
-        set_submodule(model, path, layer)
+    apply_plan(model, plan)
     _init_lora_too(model, config)
     return model
 

@@ -6,7 +6,8 @@ class's expansion (:mod:`loragen.source.expansion`, ``templates/decorator.py.j2`
 attaches it to the class:
 
 * ``get_lora_model(self, config=LORA_CONFIG)``: converts each targeted layer field with an explicit
-  ``LoraLinear.from_module(self.q_proj, r=config.rank_for(path), ...)``; child modules of decorated
+  ``LoraLinear.from_module(self.q_proj, **plan.entries[path].layer_kwargs())``, from the plan
+  :func:`loragen.plan.resolve` makes of the model (the one the runtime path applies); child modules of decorated
   classes run their own generated code, all others go through the runtime path. The result equals
   :func:`loragen.get_lora_model` on the same model (same layers, parameters, trainable set), and the
   model keeps its config as ``model.loragen_config`` (so ``loragen.mark_trainable(model)`` needs none);

@@ -96,7 +96,7 @@ def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lor
     of ``get_lora_model()`` when given."""
     imports = _Imports()
     imports.add("loragen.convert", "mark_trainable")
-    imports.add("loragen.convert", "plan_conversion")
+    imports.add("loragen.plan", "resolve")
     imports.add("loragen.source", "runtime")
     if config is not None:
         imports.add("loragen", "LoraConfig")

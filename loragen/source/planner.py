@@ -1,9 +1,9 @@
 """What a rewrite changes in one scanned file, and the rewritten code.
 
 :class:`RewritePlanner` decides, for every layer constructor call the scanner followed, whether the config
-targets it (:mod:`loragen.source.targets`) and with which LoRA class and keywords (:mod:`loragen.source.edits`);
+targets it (:mod:`loragen.source.targets`) and with which LoRA class and keywords (:mod:`loragen.source.codegen`);
 which classes record the config (``loragen_config = LORA_CONFIG``) and which get the transformers init hook;
-which imports the file needs (:mod:`loragen.source.preamble`). It reports what cannot be rewritten as errors
+which imports the file needs (:mod:`loragen.source.codegen`). It reports what cannot be rewritten as errors
 (with ``file:line``) and changes nothing then.
 """
 
@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import libcst as cst
 
-from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.config import LoraConfig
+from loragen.plan import fused_expert_parameters
 from loragen.source.codegen import (
     CONFIG_NAME,
     Diagnostic,
@@ -50,6 +51,10 @@ _CONFIG_IMPORT = ("loragen", "LoraConfig")
 _HOOK_IMPORT = ("loragen.layers", "LoraLayer")
 # a relative import inside a function or class (indented), which an absolute-imports rewrite must reach
 _NESTED_RELATIVE_IMPORT = re.compile(r"^[ \t]+from[\s\\]+\.", re.MULTILINE)
+
+
+_CLASS = re.compile(r"class\s+(\w+)\b")
+_PARAMETER = re.compile(r"\s+self\.(\w+)\s*(?::[^=]+)?=\s*(?:torch\.)?(?:nn\.)?Parameter\(")
 
 
 def _method(node: cst.ClassDef, name: str) -> cst.FunctionDef | None:
@@ -96,6 +101,7 @@ class RewritePlanner:
             self._plan_call(call, fields)
         self.rewritten.sort(key=lambda c: (c.field.location.line, c.field.location.column))
         self._warn_non_layer_targets()
+        self._refuse_fused_experts()
         if self.config.target_parameters:  # parameters have no constructor call to swap: say so, keep none
             self.warnings.append(
                 Diagnostic(
@@ -283,7 +289,7 @@ class RewritePlanner:
 
     def _wrap(self, call: cst.Call, lora_name: str | None, added: dict[str, str]) -> str | None:
         """The indentation of ``call``'s statement when the added keywords would make its last line longer
-        than the file's width (see :func:`~loragen.source.edits.edit_call`), else None."""
+        than the file's width (see :func:`~loragen.source.codegen.edit_call`), else None."""
         start = self.scanned.positions.get(call)
         end = self.scanned.positions.get(call.args[-1].value) if call.args else None
         if not added or start is None or end is None:
@@ -386,10 +392,30 @@ class RewritePlanner:
                 )
         return missing
 
+    def _refuse_fused_experts(self) -> None:
+        """Parameters ``all-linear`` adapts on a transformers 5 MoE model (the fused expert stacks): a rewrite
+        cannot express LoRA on a parameter, so it refuses rather than give a model that differs from
+        ``loragen.get_lora_model``'s and peft's."""
+        declared: dict[str, int] = {}
+        owner = ""
+        for number, line in enumerate(self.lines, 1):
+            if (match := _CLASS.match(line)) is not None:
+                owner = match.group(1)
+            elif (match := _PARAMETER.match(line)) is not None and owner:
+                declared.setdefault(f"{owner}.{match.group(1)}", number)
+        fused = fused_expert_parameters(self.config, declared)
+        if fused:
+            self._error(
+                declared[fused[0]],
+                f"target_modules='all-linear' on a transformers 5 MoE model also adapts the fused expert "
+                f"parameters {', '.join(fused)} (as peft and loragen.get_lora_model do), and a source rewrite "
+                "cannot express LoRA on a parameter (it has no constructor call to swap). List the linear "
+                "modules to adapt instead of 'all-linear' (the experts then stay plain), or use "
+                "loragen.get_lora_model or @lora_convert",
+            )
+
     def _warn_non_layer_targets(self) -> None:
         """Targets naming a container or a submodule: the runtime path refuses those, say so here."""
-        if self.config.target_modules == ALL_LINEAR:
-            return
         for scan in self.result.classes:
             candidates: dict[str, tuple[str, int]] = {}
             for sub in scan.submodules:
@@ -402,14 +428,10 @@ class RewritePlanner:
                 if f.container:
                     candidates.setdefault(f.attribute, (f"a {f.container}", f.location.line))
             for path, (kind, line) in candidates.items():
-                hit = next(
-                    (
-                        full
-                        for _, prefix in self.targets.contexts.get(scan.name, [(scan.name, "")])
-                        for full in instances(prefix + path, self.targets.extra_keys)
-                        if self.config.matches_target(full)
-                    ),
-                    None,
+                hit = self.targets.selected_non_layers(
+                    full
+                    for _, prefix in self.targets.contexts.get(scan.name, [(scan.name, "")])
+                    for full in instances(prefix + path, self.targets.extra_keys)
                 )
                 if hit is not None:
                     self.warnings.append(

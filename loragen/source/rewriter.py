@@ -20,8 +20,8 @@ What changes, and nothing else:
   random, B zero, as peft does). ``from_pretrained`` on a base checkpoint leaves them uninitialised
   otherwise: the model is built on the meta device and only ``_init_weights`` fills missing parameters.
 
-Targets are decided with the config's own rules (:meth:`LoraConfig.matches_target`, ``rank_for``,
-``alpha_for``) on module paths. A class's fields are matched under every path the class takes inside the
+Targets, ranks and alphas are decided by :func:`loragen.plan.resolve_candidates`, the rules the runtime
+path applies, on module paths. A class's fields are matched under every path the class takes inside the
 file's other classes (``LlamaAttention.q_proj`` as ``model.layers.{i}.self_attn.q_proj`` in
 ``LlamaForCausalLM``). A rewrite changes every instance of a class alike, so a config that picks only
 some instances of one field inside one model (``layers_to_transform``, a regex naming layer indices, an
@@ -32,9 +32,8 @@ Target entries that select no layer field of the file are listed in ``result.unm
 (``loragen rewrite`` makes those that match nothing in any of its files an error). Rewriting is
 idempotent: the output, rewritten again with the same config, is unchanged.
 
-The work is split into :mod:`~loragen.source.planner` (what changes), :mod:`~loragen.source.edits` and
-:mod:`~loragen.source.preamble` (the edits), :mod:`~loragen.source.targets` (the config's targets in a
-file) and :mod:`~loragen.source.fields` (what is returned).
+The work is split into :mod:`~loragen.source.planner` (what changes), :mod:`~loragen.source.codegen` (the
+edits and what is returned) and :mod:`~loragen.source.targets` (the config's targets in a file).
 """
 
 from __future__ import annotations

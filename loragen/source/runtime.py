@@ -15,6 +15,7 @@ from loragen.config import LoraConfig
 from loragen.convert import convert_module
 from loragen.errors import LoraConvertError
 from loragen.layers import LoraLayer
+from loragen.plan import LoraPlan
 
 __all__ = ["convert_child", "lora_layers_of", "require_config"]
 
@@ -44,7 +45,7 @@ def _is_expanded(module: nn.Module, method: str) -> bool:
 
 
 def convert_child(
-    parent: nn.Module, name: str, config: LoraConfig, planned: dict[str, nn.Module], path: str
+    parent: nn.Module, name: str, config: LoraPlan, planned: dict[str, nn.Module], path: str
 ) -> None:
     """Convert the planned layers in ``parent``'s child ``name`` (at module path ``path``).
 

@@ -4,7 +4,8 @@ A rewrite changes a class, so every instance of it: a field is targeted when the
 the paths the file gives its class (``LlamaAttention.q_proj`` is ``model.layers.{i}.self_attn.q_proj``
 inside ``LlamaForCausalLM``, ``q_proj`` on its own). ``{i}`` and ``{key}`` are tried with sample values;
 a config that picks only some of them (per-layer targets or ranks) cannot be written as one constructor
-call and is an error. Private: used by :func:`loragen.source.rewriter.rewrite_source`.
+call and is an error. The decisions are :func:`loragen.plan.resolve_candidates`'s, the rules the runtime
+path applies. Private: used by :func:`loragen.source.rewriter.rewrite_source` and the decorator.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator
 
-from loragen.config import ALL_LINEAR, LoraConfig
+from loragen.config import LoraConfig
+from loragen.plan import Candidate, LoraPlan, resolve_candidates
 from loragen.source.codegen import py_literal
 from loragen.source.scan import LayerField, ScanResult, layer_types
 
@@ -50,7 +52,8 @@ def instances(template: str, extra_keys: Iterable[str]) -> list[str]:
 
 
 class Targets:
-    """The config's matching rules applied to a field under every context the file gives its class."""
+    """The fields of a file as candidates of :func:`loragen.plan.resolve_candidates`: each field under every
+    context the file gives its class, asked of the plan the runtime path uses."""
 
     def __init__(self, config: LoraConfig, result: ScanResult) -> None:
         self.config = config
@@ -62,9 +65,10 @@ class Targets:
         self.extra_keys = (
             [] if targets is None or isinstance(targets, str) else [t.rpartition(".")[2] for t in targets]
         )
+        self._plans: dict[int, LoraPlan] = {}
 
     def _family_heads(self, root: str) -> set[str]:
-        """Paths ``all-linear`` leaves out in an instance of ``root`` (its output head)."""
+        """Paths of the output head in an instance of ``root``."""
         heads: set[str] = set()
         cls = self.by_name.get(root)
         seen: set[str] = set()
@@ -92,13 +96,26 @@ class Targets:
             todo.extend(cls.local_bases)
         return False
 
-    def matches(self, field: LayerField, path: str, target: str | None = None) -> bool:
-        """Whether the config (or only its list entry ``target``) selects ``field`` at module path ``path``."""
-        if self.config.target_modules == ALL_LINEAR:
-            spec = self.types.for_qualname(field.layer)
-            linear = spec is not None and spec.linear
-            return self.config.matches_target(path, (path,) if linear else ())
-        return self.config.matches_target(path, None if target is None else (target,))
+    def candidates(self, field: LayerField) -> list[Candidate]:
+        """``field`` at each of its sample paths. A field that is some model's output head is described as
+        the head everywhere: a rewrite changes every instance of its class alike."""
+        contexts = self.contexts.get(field.owner, [(field.owner, "")])
+        head = any(prefix + field.path in self._family_heads(root) for root, prefix in contexts)
+        spec = self.types.for_qualname(field.layer)
+        return [
+            Candidate(path, field.layer, linear=spec is not None and spec.linear, output_head=head)
+            for _, path in self.paths(field)
+        ]
+
+    def plan(self, field: LayerField) -> LoraPlan:
+        """The plan for ``field``'s sample paths."""
+        if id(field) not in self._plans:
+            self._plans[id(field)] = resolve_candidates(self.config, self.candidates(field))
+        return self._plans[id(field)]
+
+    def matches(self, field: LayerField, path: str) -> bool:
+        """Whether the config selects ``field`` at its sample module path ``path``."""
+        return path in self.plan(field)
 
     def paths(self, field: LayerField) -> Iterator[tuple[str, str]]:
         """``(root class, sample module path)`` for ``field`` under every context the file gives its class."""
@@ -108,30 +125,31 @@ class Targets:
 
     def selects(self, field: LayerField) -> bool:
         """Whether the config selects ``field`` under some context (the decorator's test for a branch)."""
-        return any(self.matches(field, path) for _, path in self.paths(field))
+        return bool(self.plan(field).entries)
+
+    def selected_non_layers(self, paths: Iterable[str]) -> str | None:
+        """The first of ``paths`` (of modules that are not layers: containers, sub-models) the config's
+        targets select, or None."""
+        plan = resolve_candidates(self.config, [Candidate(path, None) for path in paths])
+        return plan.unsupported[0] if plan.unsupported else None
 
     def unmatched(self) -> tuple[str, ...]:
-        """The entries of ``target_modules`` that select no layer field of the file under any context:
-        list entries by name (:meth:`LoraConfig.unmatched_entries`, the rule the runtime converter warns
-        with), or the whole regex / ``"all-linear"`` string."""
-        targets = self.config.target_modules
-        if targets is None:
+        """The entries of ``target_modules`` that select no layer field of the file under any context
+        (the rule the runtime converter warns with), or the whole regex / ``"all-linear"`` string."""
+        if self.config.target_modules is None:
             return ()
-        if isinstance(targets, str):
-            hit = any(self.matches(f, path) for f in self.result.fields for _, path in self.paths(f))
-            return () if hit else (targets,)
-        return self.config.unmatched_entries(path for f in self.result.fields for _, path in self.paths(f))
+        seen: dict[str, Candidate] = {}
+        for f in self.result.fields:
+            for c in self.candidates(f):
+                seen.setdefault(c.path, c)
+        return resolve_candidates(self.config, list(seen.values())).unmatched
 
     def decide(self, field: LayerField) -> Decision:
-        config = self.config
-        contexts = self.contexts.get(field.owner, [(field.owner, "")])
-        if config.target_modules == ALL_LINEAR and any(
-            prefix + field.path in self._family_heads(root) for root, prefix in contexts
-        ):
-            return Decision(False)  # the output head of some model in the file: all-linear leaves it out
+        """Whether ``field`` is rewritten, with which rank and alpha, or why it cannot be."""
+        plan = self.plan(field)
         by_root: dict[str, list[tuple[str, bool]]] = {}
         for root, path in self.paths(field):
-            by_root.setdefault(root, []).append((path, self.matches(field, path)))
+            by_root.setdefault(root, []).append((path, path in plan))
         where = f"{field.owner}.{field.pattern}"
         chosen: list[str] = []
         for root, results in by_root.items():
@@ -152,7 +170,7 @@ class Targets:
             return Decision(False)
         values: dict[tuple[int, float], list[str]] = {}
         for root in chosen:
-            root_values = {(config.rank_for(p), config.alpha_for(p)) for p, _ in by_root[root]}
+            root_values = {(plan.entries[p].r, plan.entries[p].lora_alpha) for p, _ in by_root[root]}
             if len(root_values) > 1:
                 return Decision(
                     True,

@@ -12,68 +12,47 @@
 
 from transformers.pytorch_utils import Conv1D
 
-from loragen.convert import mark_trainable, plan_conversion
+from loragen.convert import mark_trainable
 from loragen.layers import LoraConv1D
+from loragen.plan import resolve
 from loragen.source import runtime
 
 
 def get_lora_model(self, config=None):
     """Convert the targeted layers of this GPT2Attention to LoRA layers in place and return it.
 
-    The result equals ``loragen.get_lora_model(self, config)``: the same LoRA layers with the same
-    per-module rank and alpha, the same parameter names, the same trainable parameters.
+    The result equals ``loragen.get_lora_model(self, config)``: the same plan (``loragen.plan.resolve``)
+    gives the same LoRA layers with the same per-module rank and alpha, the same parameter names, the
+    same trainable parameters.
 
     Raises:
         LoraConvertError: no config (this class was decorated without one), or not a LoraConfig.
         LoraConversionError: as ``loragen.get_lora_model`` (no match, unsupported type, already LoRA).
     """
     config = runtime.require_config(config, "GPT2Attention")
-    planned = plan_conversion(self, config)
-    self._lora_convert(config, planned, "")
-    mark_trainable(self, config)
-    self.loragen_config = config
+    plan = resolve(self, config)
+    self._lora_convert(plan, plan.modules(self), "")
+    mark_trainable(self, plan.config)
+    self.loragen_config = plan.config
     return self
 
 
-def _lora_convert(self, config, planned, prefix):
-    """Replace every layer of ``planned`` (module path -> layer) found below ``prefix``, in module order."""
+def _lora_convert(self, plan, planned, prefix):
+    """Replace every layer of ``planned`` (module path -> layer, from ``plan``) found below ``prefix``, in
+    module order."""
     for name, child in list(self.named_children()):
         path = prefix + name
         if name == "c_attn" and type(child) is Conv1D:  # modeling_gpt2.py:103, 106
             if path in planned:
-                self.c_attn = LoraConv1D.from_module(
-                    child,
-                    r=config.rank_for(path),
-                    lora_alpha=config.alpha_for(path),
-                    lora_dropout=config.lora_dropout,
-                    use_rslora=config.use_rslora,
-                    use_dora=config.use_dora,
-                    init_lora_weights=config.init_lora_weights,
-                )
+                self.c_attn = LoraConv1D.from_module(child, **plan.entries[path].layer_kwargs())
         elif name == "q_attn" and type(child) is Conv1D:  # modeling_gpt2.py:104
             if path in planned:
-                self.q_attn = LoraConv1D.from_module(
-                    child,
-                    r=config.rank_for(path),
-                    lora_alpha=config.alpha_for(path),
-                    lora_dropout=config.lora_dropout,
-                    use_rslora=config.use_rslora,
-                    use_dora=config.use_dora,
-                    init_lora_weights=config.init_lora_weights,
-                )
+                self.q_attn = LoraConv1D.from_module(child, **plan.entries[path].layer_kwargs())
         elif name == "c_proj" and type(child) is Conv1D:  # modeling_gpt2.py:107
             if path in planned:
-                self.c_proj = LoraConv1D.from_module(
-                    child,
-                    r=config.rank_for(path),
-                    lora_alpha=config.alpha_for(path),
-                    lora_dropout=config.lora_dropout,
-                    use_rslora=config.use_rslora,
-                    use_dora=config.use_dora,
-                    init_lora_weights=config.init_lora_weights,
-                )
+                self.c_proj = LoraConv1D.from_module(child, **plan.entries[path].layer_kwargs())
         else:
-            runtime.convert_child(self, name, config, planned, path)
+            runtime.convert_child(self, name, plan, planned, path)
 
 
 def _lora_layers(self, prefix):

@@ -15,8 +15,9 @@
 from torch import nn
 
 from loragen import LoraConfig
-from loragen.convert import mark_trainable, plan_conversion
+from loragen.convert import mark_trainable
 from loragen.layers import LoraEmbedding, LoraLinear
+from loragen.plan import resolve
 from loragen.source import runtime
 
 # The config given to @lora_convert: get_lora_model() converts with it unless given another.
@@ -31,65 +32,43 @@ LORA_CONFIG = LoraConfig(
 def get_lora_model(self, config=LORA_CONFIG):
     """Convert the targeted layers of this Block to LoRA layers in place and return it.
 
-    The result equals ``loragen.get_lora_model(self, config)``: the same LoRA layers with the same
-    per-module rank and alpha, the same parameter names, the same trainable parameters.
+    The result equals ``loragen.get_lora_model(self, config)``: the same plan (``loragen.plan.resolve``)
+    gives the same LoRA layers with the same per-module rank and alpha, the same parameter names, the
+    same trainable parameters.
 
     Raises:
         LoraConvertError: no config, or not a LoraConfig.
         LoraConversionError: as ``loragen.get_lora_model`` (no match, unsupported type, already LoRA).
     """
     config = runtime.require_config(config, "Block")
-    planned = plan_conversion(self, config)
-    self._lora_convert(config, planned, "")
-    mark_trainable(self, config)
-    self.loragen_config = config
+    plan = resolve(self, config)
+    self._lora_convert(plan, plan.modules(self), "")
+    mark_trainable(self, plan.config)
+    self.loragen_config = plan.config
     return self
 
 
-def _lora_convert(self, config, planned, prefix):
-    """Replace every layer of ``planned`` (module path -> layer) found below ``prefix``, in module order."""
+def _lora_convert(self, plan, planned, prefix):
+    """Replace every layer of ``planned`` (module path -> layer, from ``plan``) found below ``prefix``, in
+    module order."""
     for name, child in list(self.named_children()):
         path = prefix + name
         if name == "emb" and type(child) is nn.Embedding:  # user_model.py:45
             if path in planned:
-                self.emb = LoraEmbedding.from_module(
-                    child,
-                    r=config.rank_for(path),
-                    lora_alpha=config.alpha_for(path),
-                    lora_dropout=config.lora_dropout,
-                    use_rslora=config.use_rslora,
-                    use_dora=config.use_dora,
-                    init_lora_weights=config.init_lora_weights,
-                )
+                self.emb = LoraEmbedding.from_module(child, **plan.entries[path].layer_kwargs())
         elif name == "fc1" and type(child) is nn.Linear:  # user_model.py:49, 51
             if path in planned:
-                self.fc1 = LoraLinear.from_module(
-                    child,
-                    r=config.rank_for(path),
-                    lora_alpha=config.alpha_for(path),
-                    lora_dropout=config.lora_dropout,
-                    use_rslora=config.use_rslora,
-                    use_dora=config.use_dora,
-                    init_lora_weights=config.init_lora_weights,
-                )
+                self.fc1 = LoraLinear.from_module(child, **plan.entries[path].layer_kwargs())
         elif name == "experts":  # in ModuleList, user_model.py:47
             for key, item in list(child.named_children()):
                 item_path = f"{path}.{key}"
                 if type(item) is nn.Linear and item_path in planned:
-                    layer = LoraLinear.from_module(
-                        item,
-                        r=config.rank_for(item_path),
-                        lora_alpha=config.alpha_for(item_path),
-                        lora_dropout=config.lora_dropout,
-                        use_rslora=config.use_rslora,
-                        use_dora=config.use_dora,
-                        init_lora_weights=config.init_lora_weights,
-                    )
+                    layer = LoraLinear.from_module(item, **plan.entries[item_path].layer_kwargs())
                     setattr(child, key, layer)
                 else:
-                    runtime.convert_child(child, key, config, planned, item_path)
+                    runtime.convert_child(child, key, plan, planned, item_path)
         else:
-            runtime.convert_child(self, name, config, planned, path)
+            runtime.convert_child(self, name, plan, planned, path)
 
 
 def _lora_layers(self, prefix):

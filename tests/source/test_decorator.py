@@ -179,7 +179,7 @@ def test_fields_and_readable_source():
     ]
     source = Net.__lora_source__
     assert source == expansion_source(Net, CONFIG)
-    assert "self.q_proj = LoraLinear.from_module(\n                    child,\n" in source
+    assert "self.q_proj = LoraLinear.from_module(child, **plan.entries[path].layer_kwargs())" in source
     assert 'elif name == "fc" and type(child) is nn.Conv1d:' in source
     compile(source, "<check>", "exec")
     assert Net.get_lora_model.__qualname__ == "Net.get_lora_model"
