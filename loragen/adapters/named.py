@@ -53,7 +53,7 @@ from loragen.layers.adapter_set import (
     remove_factors,
     set_active,
 )
-from loragen.plan import resolve
+from loragen.plan import resolve, saved_modules
 from loragen.sibling_planning import plan_siblings
 
 __all__ = [
@@ -268,6 +268,9 @@ def delete_adapter(model: nn.Module, adapter_name: str) -> None:
     plain model back). If the deleted adapter was active, the first remaining name in sorted order becomes
     active (peft's rule).
 
+    The modules the adapter trained in full (its ``modules_to_save``) are frozen again unless another
+    adapter also saves them, as in peft.
+
     Raises:
         AdapterNameError: ``model`` holds no adapter ``adapter_name``.
         LoraMergeError: the adapter is merged into some layer (unmerge first, as peft asks).
@@ -285,11 +288,17 @@ def delete_adapter(model: nn.Module, adapter_name: str) -> None:
             "call loragen.unmerge_adapter(model) first"
         )
     was_active = active_adapter(model) == adapter_name
+    configs = adapter_configs(model)
     for path, layer in layers.items():
         if has_adapter(layer, adapter_name) and not remove_factors(layer, adapter_name):
             set_submodule(model, path, layer.to_base())
-    configs = adapter_configs(model)
-    configs.pop(adapter_name, None)
+    deleted = configs.pop(adapter_name, None)
+    if deleted is not None and deleted.modules_to_save:  # what it trained in full is frozen again, as in peft
+        paths = [path for path, _ in model.named_modules()]
+        kept = {p for config in configs.values() if config is not None for p in saved_modules(config, paths)}
+        for path in saved_modules(deleted, paths):
+            if path not in kept:
+                model.get_submodule(path).requires_grad_(False)
     model.__dict__.pop(ADAPTER_CONFIGS_ATTR, None)
     remaining = list_adapters(model)
     if not remaining:

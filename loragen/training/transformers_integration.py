@@ -303,7 +303,7 @@ class LoragenAdapterMethods:
         Raises:
             AdapterNameError: a name the model does not hold (nothing is deleted then).
         """
-        from loragen.adapters.named import adapter_configs, delete_adapter, require_adapter
+        from loragen.adapters.named import delete_adapter, require_adapter
 
         model = self._as_module()
         if adapter_names is None:
@@ -311,17 +311,9 @@ class LoragenAdapterMethods:
         names = list(dict.fromkeys([adapter_names] if isinstance(adapter_names, str) else adapter_names))
         for name in names:
             require_adapter(model, name)
-        configs = adapter_configs(model)
         with _enabled_while(model):
             for name in names:
                 delete_adapter(model, name)
-        for name in names:
-            config = configs.get(name)
-            if config is None or not config.modules_to_save:
-                continue
-            for path, module in model.named_modules():
-                if path and config.is_module_to_save(path):
-                    module.requires_grad_(False)
 
     def save_pretrained(
         self,

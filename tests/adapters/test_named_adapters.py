@@ -288,3 +288,11 @@ def test_training_the_active_adapter_gives_peft_gradients(
                 _close(factors.factor_b.grad, peft_b.grad)
                 trained += 1
     assert trained == len([m for m in theirs.modules() if hasattr(m, "lora_A") and "other" in m.lora_A])
+
+
+def test_deleting_the_adapter_that_saves_a_module_freezes_it_again() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    loragen.get_lora_model(model, LoraConfig(r=2, target_modules=["0"], modules_to_save=["1"]))
+    assert all(p.requires_grad for p in model[1].parameters())
+    loragen.delete_adapter(model, "default")
+    assert not any(p.requires_grad for p in model.parameters())  # as in peft: with no adapter, nothing trains
