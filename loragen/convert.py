@@ -29,7 +29,6 @@ from loragen.parameter_targets import (
     targeted_parameters,
 )
 from loragen.registry import refusal_for, spec_for, supported_type_names
-from loragen.sibling_planning import plan_siblings
 from loragen.validation import parameter_target_conflict
 
 __all__ = [
@@ -282,8 +281,6 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
 
     ``config`` None means the config the model carries (:func:`carried_config`). ``bias="all"`` follows
     peft: every parameter named ``bias`` trains (not, say, T5's ``relative_attention_bias.weight``).
-    As the last step of every conversion (``get_lora_model``, ``load_adapter``, rewritten and decorated
-    models), it also plans sibling fusion (:func:`loragen.sibling_planning.plan_siblings`).
 
     Raises:
         LoraConversionError: ``config`` is None and the model carries no config (or different ones).
@@ -310,8 +307,6 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
         if path and config.is_module_to_save(path):
             for p in module.parameters():
                 p.requires_grad_(True)
-    # the model is complete now: plan which LoRA linears share their input (sibling fusion)
-    plan_siblings(model)
     run_conversion_hooks(model)
 
 

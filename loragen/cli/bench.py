@@ -56,7 +56,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         _QUICK,
     ),
     "decoder": Benchmark(
-        "one decoder layer of that Llama: forward + backward, with and without sibling fusion",
+        "one decoder layer of that Llama: forward + backward",
         "about 2 min",
         _QUICK,
     ),

@@ -5,7 +5,7 @@ This module imports bitsandbytes; :mod:`loragen.layers` registers both types by 
 only when a model holds such a layer (bitsandbytes stays an optional extra: ``pip install -e ".[bnb]"``).
 
 Forward: the base output is bitsandbytes' own forward (its dequantizing product); the LoRA term
-``scaling * B A dropout(x)`` is added onto it in place by :func:`loragen.ops.branch.lora_branch`, with a
+``scaling * B A dropout(x)`` is added onto it in place by :func:`loragen.ops.lora_branch`, with a
 hand-written backward, the dropout mask saved as bits and no x-sized copy. As in peft, the term runs in
 the adapter's dtype (float32: a quantized weight has no floating dtype to follow), then is cast to the
 base output's dtype, scaled and added. Adapters have peft's keys, so peft's bnb LoRA adapters load here and back.
@@ -32,9 +32,10 @@ from torch import Tensor
 
 from loragen.errors import LoraMergeError, RequantizationWarning
 from loragen.layers.adapter_set import LoraAdapter
-from loragen.layers.base import InitMode, LoraLayer
+from loragen.layers.base import InitMode, LoraLayer, writing
 from loragen.layers.linear import LoraLinearMixin
-from loragen.layers.merge_guard import writing
+from loragen.layers.variants import LORA
+from loragen.ops import lora_branch
 from loragen.reference import lora_term
 
 __all__ = ["LoraLinear4bit", "LoraLinear8bitLt", "QuantizedLoraMixin", "RequantizationWarning"]
@@ -63,9 +64,21 @@ class QuantizedLoraMixin(LoraLinearMixin):
             dtype=x.dtype,
         )
 
-    def _fused_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
-        """bitsandbytes' forward plus the term added onto its output in place (the variant's branch op)."""
-        return adapter.variant.fused_branch(self, x, adapter)
+    def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        """bitsandbytes' forward plus the term added onto its output in place (:func:`loragen.ops.lora_branch`);
+        with :attr:`fused` off or a DoRA adapter, peft's composition."""
+        if not (self.fused and adapter.variant is LORA):
+            return LoraLayer._adapted_output(self, x, adapter)
+        base = self._base_output(x)
+        return lora_branch(
+            base,
+            x,
+            adapter.factor_a,
+            adapter.factor_b,
+            adapter.scaling,
+            adapter.lora_dropout_p,
+            self.training,
+        )
 
     # ---- what a quantization format provides ---------------------------------------------------
 
@@ -103,7 +116,7 @@ class QuantizedLoraMixin(LoraLinearMixin):
             return
         self._check_mergeable()
         adapter = self.running_adapter()
-        self.__dict__["_merged_adapter"] = None if adapter is None else self.active_adapter
+        self._merged_adapter = None if adapter is None else self.active_adapter
         if adapter is None:  # no active adapter here: the weight stays as it is
             self.merged = True
             return
@@ -133,7 +146,8 @@ class QuantizedLoraMixin(LoraLinearMixin):
         re-quantizes the merged weight minus the update, a second rounding). A no-op if not merged."""
         if not self.merged:
             return
-        if self.__dict__.pop("_merged_adapter", self.adapter_name) is None:
+        name, self._merged_adapter = self._merged_adapter, None
+        if name is None:
             self.merged = False
             return
         if self._unmerged_state is None:

@@ -32,10 +32,7 @@ from typing_extensions import Self
 from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, lora_scaling
-from loragen.layers.base import LoraLayer, adapter_dtype_for
-from loragen.layers.cloning import clone_as, strip_to
-from loragen.layers.fast_paths import MIXED_ROUTE
-from loragen.layers.merge_guard import reading, writing
+from loragen.layers.base import LoraLayer, adapter_dtype_for, clone_as, reading, strip_to, writing
 from loragen.layers.variants import LORA, Variant
 from loragen.ops.expert_products import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
@@ -187,6 +184,7 @@ class LoraParametersLayer(LoraLayer):
             LoraConversionError: a name is not a 2-D or 3-D parameter of ``base``.
         """
         layer = clone_as(base, cls)
+        layer._init_lora_state()
         layout = EXPERTS_TRANSPOSED if getattr(base, "is_transposed", False) is True else EXPERTS
         holders = nn.ModuleDict()
         for name in (n for n, _ in base.named_parameters(recurse=False) if n in targets):
@@ -203,7 +201,7 @@ class LoraParametersLayer(LoraLayer):
         layer._modules[TARGETS] = holders
         first = cast(ParameterLora, next(iter(holders.values())))
         layer.r, layer.lora_alpha, layer.scaling = first.r, first.lora_alpha, first.scaling
-        layer.use_rslora, layer.lora_dropout_p, layer.merged = bool(use_rslora), 0.0, False
+        layer.use_rslora, layer.lora_dropout_p = bool(use_rslora), 0.0
         return layer
 
     # ---- what save / load / mark_trainable read --------------------------------------------------
@@ -241,7 +239,7 @@ class LoraParametersLayer(LoraLayer):
         Raises:
             MixedBatchError: inside ``loragen.mixed_batch`` (rows cannot take different weight updates).
         """
-        if self.__dict__.get(MIXED_ROUTE) is not None:
+        if self.mixed_route is not None:
             raise MixedBatchError(
                 f"{type(self).__qualname__}: a mixed batch (loragen.mixed_batch) cannot route rows through LoRA on "
                 "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
@@ -294,7 +292,7 @@ class LoraParametersLayer(LoraLayer):
         )  # otherwise (disabled, another adapter) nothing to add
         if active:
             self._add_deltas(1.0)
-        self.__dict__["_merged_adapter"] = self.adapter_name if active else None
+        self._merged_adapter = self.adapter_name if active else None
         self.merged = True
 
     @writing
@@ -303,7 +301,8 @@ class LoraParametersLayer(LoraLayer):
         """Subtract the updates again. A no-op if not merged."""
         if not self.merged:
             return
-        if self.__dict__.pop("_merged_adapter", self.adapter_name) is not None:
+        name, self._merged_adapter = self._merged_adapter, None
+        if name is not None:
             self._add_deltas(-1.0)
         self.merged = False
 

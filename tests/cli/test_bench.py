@@ -90,7 +90,6 @@ def test_bench_llama_quick_writes_markdown_and_fills_saved_over_frozen(tmp_path,
         "frozen",
         "peft",
         "loragen",
-        "loragen, no sibling fusion",
         "loragen unfused",
         "full fine-tuning",
     }
@@ -107,7 +106,7 @@ def test_bench_decoder_quick_json_on_stdout(capsys) -> None:
     report = json.loads(captured.out)  # nothing but the JSON on stdout
     (table,) = report["tables"]
     variants = {v["name"]: v for v in table["variants"]}
-    assert set(variants) == {"frozen", "peft", "loragen", "loragen, no sibling fusion", "loragen unfused"}
+    assert set(variants) == {"frozen", "peft", "loragen", "loragen unfused"}
     assert variants["loragen"]["saved_bytes"] <= variants["peft"]["saved_bytes"]
     assert variants["frozen"]["saved_bytes"] > 0 and variants["peft"]["saved_ratio"]["frozen"] > 1.0
     assert "bench: table 1: round 3/3" in captured.err
