@@ -39,13 +39,7 @@ import os
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-__all__ = [
-    "Switch",
-    "fused",
-    "cpu_kernels",
-    "cpu_kernel_variant",
-    "cuda_kernels",
-]
+__all__ = ["Switch", "fused", "cpu_kernels", "cpu_kernel_variant", "cuda_kernels"]
 
 T = TypeVar("T", bool, str)
 

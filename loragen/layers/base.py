@@ -1,34 +1,21 @@
-"""What every LoRA layer is (:class:`LoraLayer`): the contract a layer type fulfils, and the behaviour all
-share -- adapters, the forward, merging and unmerging -- plus turning a module into a LoRA layer and back.
+"""What every LoRA layer is (:class:`LoraLayer`): the contract a layer type fulfils and the behaviour all
+share -- adapters, the forward, merging -- and turning a module into a LoRA layer and back.
 
-A LoRA class derives from :class:`LoraLayer` and from the base layer class it replaces (``nn.Linear``,
-``nn.Embedding``, ...), so a LoRA layer keeps the base layer's ``weight`` / ``bias`` under their usual
-state-dict keys. :meth:`LoraLayer.from_module` makes one from an existing module by taking over its state
-(:func:`clone_as`: the same parameter objects, buffers, hooks and attributes, nothing copied), and
+A LoRA class derives from :class:`LoraLayer` and from the base layer class it replaces, so it keeps the
+base's ``weight`` / ``bias`` under their usual keys. :meth:`LoraLayer.from_module` takes over a module's
+state (:func:`clone_as`: the same parameters, buffers, hooks and attributes, nothing copied);
 :meth:`LoraLayer.to_base` gives the base layer back (:func:`strip_to`).
 
-Adding a layer type
--------------------
-A layer type provides ``base_class`` (:func:`loragen.register_layer` sets it), ``_factor_shapes()`` (the
-shapes of A and B at rank ``self.r``) and ``_adapter_output(x, adapter)`` (the term
-``scaling * B A dropout(x)`` of one adapter, shaped like the base output, in the adapter's dtype); and
-optionally ``_base_output(x)`` (default ``base_class.forward``), ``dora_variant`` (its DoRA strategy,
-:mod:`loragen.layers.variants`), ``linear_term`` (the term is ``scaling * (x A^T) B^T`` along the last
-dimension: a mixed batch stacks the adapters into two GEMMs) and ``_adapted_output(x, adapter)`` (the
-whole output with an adapter: a fused op, as :class:`loragen.LoraLinear` has). Its registry entry gives
-its layout (factor names, peft keys, merge maths). The rest is shared.
+A layer type provides ``base_class``, ``_factor_shapes()`` (A's and B's shapes at rank ``self.r``) and
+``_adapter_output(x, adapter)`` (``scaling * B A dropout(x)`` of one adapter, shaped like the base
+output); optionally ``_base_output(x)`` (default ``base_class.forward``), ``dora_variant``
+(:mod:`loragen.layers.variants`), ``linear_term`` (the term is ``scaling * (x A^T) B^T``: a mixed batch
+stacks adapters into two GEMMs) and ``_adapted_output(x, adapter)`` (the whole output with an adapter: a
+fused op, as :class:`loragen.LoraLinear` has). Its registry entry gives its layout. The rest is shared.
 
-Merging while another thread runs the layer
--------------------------------------------
-``merge()`` / ``unmerge()`` change ``weight`` in place and flip ``merged``; a forward in another thread
-could read the flag before the change and the weight after it. Each layer has a readers-writer
-:class:`MergeGuard`: forwards run together, a merge waits for the forwards in flight and forwards that
-start meanwhile wait for it; a forward the merging thread runs itself (a probe) does not wait. Under
-``torch.compile`` tracing the guard is skipped. Copies and pickles get a fresh guard.
-
-Turning a module into a LoRA layer: an instance-level ``forward`` (accelerate's ``add_hook_to_module``)
-is bound to the old object; accelerate's hook is moved onto the LoRA layer with accelerate's own
-function, any other instance-level ``forward`` is refused (loragen cannot know what it computes).
+``merge()`` / ``unmerge()`` change ``weight`` in place; a forward in another thread could read ``merged``
+before the change and the weight after it. A readers-writer :class:`MergeGuard` per layer makes them
+take turns (skipped under ``torch.compile`` tracing; copies and pickles get a fresh one).
 """
 
 from __future__ import annotations
@@ -187,15 +174,13 @@ _ACCELERATE_ATTRS = ("forward", "_old_forward", "_hf_hook")
 
 
 def clone_as(module: nn.Module, cls: type[M]) -> M:
-    """A new ``cls`` object holding ``module``'s state (parameters, buffers, submodules, hooks and
-    attributes shared, not copied).
-
-    ``cls`` must be ``type(module)`` itself, a subclass of it, or a class with the same instance layout
-    (a LoRA class built on the module's class, or the reverse for :func:`strip_to`).
+    """A new ``cls`` object (``type(module)``, a subclass, or a class of the same instance layout) holding
+    ``module``'s state: parameters, buffers, submodules, hooks and attributes shared, not copied.
+    accelerate's instance-level hook is moved onto it with accelerate's own function.
 
     Raises:
-        LoraConversionError: the module's ``forward`` is replaced on the instance by something other than
-            accelerate's hook.
+        LoraConversionError: another instance-level ``forward`` replaces the class's (loragen cannot know
+            what it computes).
     """
     state = dict(module.__dict__)
     hook = state.get("_hf_hook")
@@ -213,15 +198,10 @@ def clone_as(module: nn.Module, cls: type[M]) -> M:
     clone = cls.__new__(cls)
     clone.__dict__.update(state)
     if hook is not None:
-        _move_accelerate_hook(clone, hook)
+        from accelerate.hooks import add_hook_to_module  # present: the hook came from it
+
+        add_hook_to_module(clone, hook)
     return clone
-
-
-def _move_accelerate_hook(module: nn.Module, hook: Any) -> None:
-    """Install accelerate's ``hook`` on ``module`` the way accelerate does (it wraps the class forward)."""
-    from accelerate.hooks import add_hook_to_module  # present: the hook came from it
-
-    add_hook_to_module(module, hook)
 
 
 def strip_to(
@@ -476,7 +456,7 @@ class LoraLayer(nn.Module, ABC):
         row's own adapter's."""
         x = input  # torch's name for the argument
         if self.mixed_route is not None and self.active_adapter is not None:  # adapters off win, as in peft
-            return self.mixed_route.output(self, x)  # type: ignore[no-any-return]
+            return self.mixed_route.output(self, x)
         adapter = self.running_adapter()
         if adapter is None:  # merged, adapters disabled, or an adapter this layer does not hold
             return self._base_output(x)

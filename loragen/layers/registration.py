@@ -76,36 +76,25 @@ def register_builtin_types() -> None:
     """Register loragen's own layer types (idempotent). transformers' ``Conv1D`` and bitsandbytes' quantized
     linears are registered by name: their LoRA classes are imported (with transformers, bitsandbytes) only
     when a model holds such a layer (bitsandbytes is the optional extra ``loragen[bnb]``)."""
+    # (class, its module in torch.nn.modules, LoRA class, layout, all-linear and subclasses)
+    torch_types: list[tuple[str, str, type[nn.Module], Layout, bool]] = [
+        ("Conv1d", "conv", LoraConv1d, PLAIN, False),
+        ("Conv2d", "conv", LoraConv2d, PLAIN, False),
+        ("Embedding", "sparse", LoraEmbedding, EMBEDDING, False),
+        ("Linear", "linear", LoraLinear, PLAIN, True),
+    ]
     builtin = [  # in the order error messages list the supported types
-        LayerSpec(
-            "torch.nn.Conv1d",
-            "loragen.layers.LoraConv1d",
-            ("torch.nn.modules.conv.Conv1d",),
-            PLAIN,
-            lora_class=LoraConv1d,
-        ),
-        LayerSpec(
-            "torch.nn.Conv2d",
-            "loragen.layers.LoraConv2d",
-            ("torch.nn.modules.conv.Conv2d",),
-            PLAIN,
-            lora_class=LoraConv2d,
-        ),
-        LayerSpec(
-            "torch.nn.Embedding",
-            "loragen.layers.LoraEmbedding",
-            ("torch.nn.modules.sparse.Embedding",),
-            EMBEDDING,
-            lora_class=LoraEmbedding,
-        ),
-        LayerSpec(
-            "torch.nn.Linear",
-            "loragen.layers.LoraLinear",
-            ("torch.nn.modules.linear.Linear",),
-            PLAIN,
-            linear=True,
-            subclasses=True,
-            lora_class=LoraLinear,
+        *(
+            LayerSpec(
+                f"torch.nn.{name}",
+                f"loragen.layers.{lora.__name__}",
+                (f"torch.nn.modules.{module}.{name}",),
+                layout,
+                linear=linear,
+                subclasses=linear,
+                lora_class=lora,
+            )
+            for name, module, lora, layout, linear in torch_types
         ),
         LayerSpec(
             "transformers.pytorch_utils.Conv1D",

@@ -274,7 +274,9 @@ def _lib() -> ctypes.CDLL:
     return library
 
 
-def _check(name: str, **tensors: Tensor) -> None:
+def _call(name: str, numel: int, *args: Tensor | int | float, **tensors: Tensor) -> None:
+    """Check ``tensors`` (contiguous CPU float32, ``bits`` uint8 covering ``numel`` elements), then call the
+    kernel ``lora_<name>`` with ``args`` (tensors as pointers) and the thread count."""
     for arg, t in tensors.items():
         expected = torch.uint8 if arg == "bits" else torch.float32
         if t.dtype != expected or t.device.type != "cpu" or not t.is_contiguous():
@@ -282,13 +284,13 @@ def _check(name: str, **tensors: Tensor) -> None:
                 f"loragen.ops.cpu_kernels.{name}: {arg} must be a contiguous CPU {expected} tensor, "
                 f"got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})"
             )
-
-
-def _check_bits(name: str, bits: Tensor, numel: int) -> None:
+    bits = tensors["bits"]
     if bits.numel() * 8 < numel:
         raise ValueError(
             f"loragen.ops.cpu_kernels.{name}: bits has {bits.numel()} bytes for {numel} elements"
         )
+    values = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
+    getattr(_lib(), f"lora_{name}")(*values, bits.numel(), torch.get_num_threads())
 
 
 def masked_down(x: Tensor, bits: Tensor, lora_A: Tensor, scale: float) -> Tensor:
@@ -296,21 +298,8 @@ def masked_down(x: Tensor, bits: Tensor, lora_A: Tensor, scale: float) -> Tensor
     (n, width), r = x.shape, lora_A.shape[0]
     r16 = _rank16(r)
     at = _pad_rank(lora_A.t(), r16)  # (in, r16): a row of A^T is whole vector registers
-    _check("masked_down", x=x, bits=bits)
-    _check_bits("masked_down", bits, n * width)
     h = torch.empty(n, r16, dtype=torch.float32)
-    _lib().lora_masked_down(
-        x.data_ptr(),
-        bits.data_ptr(),
-        at.data_ptr(),
-        h.data_ptr(),
-        n,
-        width,
-        r16,
-        scale,
-        bits.numel(),
-        torch.get_num_threads(),
-    )
+    _call("masked_down", n * width, x, bits, at, h, n, width, r16, scale, x=x, bits=bits)
     return h if r16 == r else h[:, :r].contiguous()
 
 
@@ -319,40 +308,15 @@ def masked_grad_a(x: Tensor, bits: Tensor, gh: Tensor) -> Tensor:
     (n, width), r = x.shape, gh.shape[1]
     r16 = _rank16(r)
     gh = _pad_rank(gh, r16)
-    _check("masked_grad_a", x=x, bits=bits, gh=gh)
-    _check_bits("masked_grad_a", bits, n * width)
     at = torch.empty(width, r16, dtype=torch.float32)
-    _lib().lora_masked_grad_a(
-        x.data_ptr(),
-        bits.data_ptr(),
-        gh.data_ptr(),
-        at.data_ptr(),
-        n,
-        width,
-        r16,
-        bits.numel(),
-        torch.get_num_threads(),
-    )
+    _call("masked_grad_a", n * width, x, bits, gh, at, n, width, r16, x=x, bits=bits, gh=gh)
     return at[:, :r].t().contiguous()
 
 
 def masked_grad_x(gh: Tensor, lora_A: Tensor, bits: Tensor) -> Tensor:
     """``(gh A) * m`` for gh (N, r), lora_A (r, in) and the packed keep-mask of an (N, in) tensor."""
-    lora_A = lora_A.contiguous()
-    gh = gh.contiguous()
-    _check("masked_grad_x", gh=gh, lora_A=lora_A, bits=bits)
+    lora_A, gh = lora_A.contiguous(), gh.contiguous()
     (n, r), width = gh.shape, lora_A.shape[1]
-    _check_bits("masked_grad_x", bits, n * width)
     dx = torch.empty(n, width, dtype=torch.float32)
-    _lib().lora_masked_grad_x(
-        gh.data_ptr(),
-        lora_A.data_ptr(),
-        bits.data_ptr(),
-        dx.data_ptr(),
-        n,
-        width,
-        r,
-        bits.numel(),
-        torch.get_num_threads(),
-    )
+    _call("masked_grad_x", n * width, gh, lora_A, bits, dx, n, width, r, gh=gh, lora_A=lora_A, bits=bits)
     return dx

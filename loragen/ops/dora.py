@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loragen import switches
 from loragen.ops.fused import (
     check_dropout,
     fallback_reason,
@@ -167,10 +166,6 @@ def _reference_reason(
     x: Tensor, weight: Tensor, tensors: tuple[Tensor | None, ...], dropout: bool
 ) -> str | None:
     """Why :func:`dora_linear` runs the reference composition for these inputs, or None for the fused op."""
-    if not switches.fused.get():
-        return "loragen.switches.fused is off"
-    if x.device.type != "cpu":
-        return f"tensors on {x.device.type}: the fused DoRA op runs on the CPU"
     if weight.requires_grad:
         return "the base weight trains: the fused DoRA op gives no weight gradient"
     if any(t is not None and t.dtype != x.dtype for t in (weight, *tensors)):

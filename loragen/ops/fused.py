@@ -29,8 +29,8 @@ compute the same products from the same bits. Masks draw their seed from torch's
 so ``torch.manual_seed`` reproduces a run and ``torch.utils.checkpoint`` recomputes the same mask.
 
 :func:`lora_linear` sends CUDA tensors to :func:`loragen.cuda.lora_linear_cuda` and runs peft's plain
-composition (:mod:`loragen.reference`) with ``loragen.switches.fused`` off, on other devices and for the
-reasons of :func:`fallback_reason`.
+composition (:mod:`loragen.reference`) for the reasons of :func:`fallback_reason` (``switches.fused`` off,
+other devices, autocast, ``torch.compile`` with dropout).
 """
 
 from __future__ import annotations
@@ -62,12 +62,16 @@ _logged_reasons: set[str] = set()
 
 
 def fallback_reason(x: Tensor, dropout: bool) -> str | None:
-    """Why a CPU op runs peft's composition instead for a CPU tensor ``x``, or None when it runs.
+    """Why a CPU op runs peft's composition instead for input ``x``, or None when it runs.
 
     Under autocast the composition (made of ``F.linear``) keeps autocast's per-op dtypes. Under
     ``torch.compile`` with dropout, dynamo cannot trace the numpy mask generator, and inductor fuses the
     composition's dropout itself; without dropout the fused op compiles (no graph break).
     """
+    if not switches.fused.get():
+        return "loragen.switches.fused is off"
+    if x.device.type != "cpu":
+        return f"the CPU ops take CPU tensors (x is on {x.device.type})"
     if torch.is_autocast_enabled(x.device.type):
         return "autocast is enabled: the composition keeps autocast's per-op dtypes"
     if dropout and torch.compiler.is_compiling():
@@ -118,12 +122,8 @@ def lora_linear(
     """
     check_dropout("lora_linear", dropout_p)
     args = (x, weight, bias, lora_A, lora_B, scaling, dropout_p, training)
-    if not switches.fused.get():
-        return lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)
-    if not x.is_cpu:
-        if x.is_cuda and cuda.is_available():
-            return cuda.lora_linear_cuda(*args, fan_in_fan_out=fan_in_fan_out, seed=seed)
-        return lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)
+    if x.is_cuda and switches.fused.get() and cuda.is_available():
+        return cuda.lora_linear_cuda(*args, fan_in_fan_out=fan_in_fan_out, seed=seed)
     dropout = training and dropout_p > 0.0
     reason = fallback_reason(x, dropout)
     if reason is not None:
@@ -161,12 +161,7 @@ def lora_branch(
             "in their leading (batch) dimensions"
         )
     dropout = training and dropout_p > 0.0
-    if not switches.fused.get():
-        reason: str | None = "loragen.switches.fused is off"
-    elif x.device.type != "cpu":
-        reason = f"the fused branch runs on the CPU only (x is on {x.device.type})"
-    else:
-        reason = fallback_reason(x, dropout)
+    reason = fallback_reason(x, dropout)
     if reason is not None:
         log_fallback("lora_branch", reason)
         return lora_branch_reference(base, x, lora_A, lora_B, scaling, dropout_p, training)
