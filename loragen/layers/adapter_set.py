@@ -1,30 +1,17 @@
-"""The adapters of one LoRA layer: one :class:`LoraAdapter` per named adapter, the first one included.
-
-Storage
--------
-Every adapter of a layer is a :class:`LoraAdapter` in ``layer.lora_adapter_records`` (an ordered dict, name ->
-adapter): its settings (``r``, ``lora_alpha``, ``scaling``, ``lora_dropout_p``, ``use_rslora``), its
+"""The adapters of one LoRA layer: one :class:`LoraAdapter` per named adapter, in
+``layer.lora_adapter_records`` (name -> adapter, first adapter first), each with its settings, its
 :class:`~loragen.layers.variants.Variant` (plain LoRA or DoRA) and the module its parameters are registered
-on. Every adapter is made by :func:`add_factors` and removed by :func:`remove_factors`, the same way.
-
-Where the parameters are registered follows from one rule, :func:`_holder_for`, which keeps the state-dict
-keys of a single-adapter model exactly as they have always been (and as a base checkpoint plus peft's
-adapter expect them)::
+on; made by :func:`add_factors`, removed by :func:`remove_factors`. Where parameters live keeps a
+single-adapter model's keys as a base checkpoint plus peft's adapter expect them::
 
     <path>.lora_A                               the layer's first adapter (in insertion order)
     <path>.lora_adapters.<name>.lora_A          every further adapter, in an nn.ModuleDict
 
-(``lora_embedding_A`` / ``lora_embedding_B`` for embeddings; a variant's own parameter, DoRA's
-``lora_magnitude_vector``, sits beside the factors.) Deleting a layer's first adapter re-registers the
-next one's parameters on the layer itself (the same parameter objects: optimizer state stays valid, only
-their keys change). Deleting a layer's last adapter is the caller's business (:func:`loragen.delete_adapter`
-turns the layer back into its base layer).
-
-Which adapter runs
-------------------
-``layer.active_adapter`` names the adapter the forward adds (``None``: adapters disabled; a name the layer
-does not hold: the base output alone, as peft does for layers an adapter does not target); see
-:meth:`loragen.LoraLayer.forward`.
+(``lora_embedding_A`` for embeddings; DoRA's ``lora_magnitude_vector`` beside the factors.) Deleting the
+first adapter re-registers the next one's parameters on the layer (the same objects: optimizer state stays
+valid). ``layer.active_adapter`` names the adapter the forward adds (``None``: disabled; a name the layer
+does not hold: the base output alone, as in peft). :func:`combine` makes the factors of a weighted
+combination of a layer's adapters (:func:`loragen.add_weighted_adapter`).
 """
 
 from __future__ import annotations
@@ -248,7 +235,6 @@ def _holder_for(layer: Any, first: bool) -> nn.Module:
 def add_factors(
     layer: Any,
     name: str,
-    *,
     r: int,
     lora_alpha: float,
     lora_dropout: float = 0.0,

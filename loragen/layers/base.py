@@ -66,14 +66,10 @@ _RECOUNT_S = 0.005  # how often a waiting merge counts the forwards in flight ag
 
 
 class MergeGuard:
-    """A readers-writer turn: forwards read together, a merge writes alone.
-
-    A forward counts itself in by appending to ``_readers`` and then looking for a merge; a merge marks
-    itself in ``_writer`` and then waits for ``_readers`` to empty. Whichever of the two steps comes
-    second sees the other, so a forward and a merge never both go ahead. With the GIL each step is one
-    atomic list or attribute operation and a forward takes no lock (it runs on every call of every LoRA
-    layer); on a free-threaded interpreter the forward's two steps are taken under the lock.
-    """
+    """A readers-writer turn: forwards read together, a merge writes alone. A forward appends to
+    ``_readers`` and then looks for a merge; a merge marks ``_writer`` and then waits for ``_readers`` to
+    empty: whichever step comes second sees the other. With the GIL each step is atomic and a forward takes
+    no lock; on a free-threaded interpreter its two steps are taken under the lock."""
 
     __slots__ = ("_changed", "_readers", "_writer")
 
@@ -239,8 +235,7 @@ def _first_adapter_setting(name: str, doc: str, *, settable: bool = True) -> pro
 
 
 class LoraLayer(nn.Module, ABC):
-    """A LoRA layer: the contract every layer type fulfils (see the module docstring) and the behaviour
-    they share. Each concrete class also derives from the base layer class it replaces (:attr:`base_class`).
+    """A LoRA layer: the contract every layer type fulfils (module docstring) and the behaviour they share.
 
     Attributes:
         merged: whether the active adapter is currently added into ``weight``.
@@ -343,14 +338,7 @@ class LoraLayer(nn.Module, ABC):
         self._init_lora_state()
         self.lora_adapter_records = {}
         add_factors(
-            self,
-            DEFAULT_ADAPTER,
-            r=r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            use_rslora=use_rslora,
-            init_lora_weights=init_lora_weights,
-            use_dora=use_dora,
+            self, DEFAULT_ADAPTER, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora
         )
 
     @classmethod
@@ -365,13 +353,11 @@ class LoraLayer(nn.Module, ABC):
         init_lora_weights: InitMode = True,
         use_dora: bool = False,
     ) -> Self:
-        """The LoRA layer for an existing ``base`` module: it takes over ``base``'s state (the same
-        weight and bias parameters, buffers, hooks and attributes; nothing is copied) and adds an adapter
-        initialised as ``init_lora_weights`` says; with ``use_dora`` a DoRA adapter.
+        """The LoRA layer for an existing ``base`` module: it takes over ``base``'s state (:func:`clone_as`,
+        nothing is copied) and adds an adapter initialised as ``init_lora_weights`` says (DoRA: ``use_dora``).
 
         Raises:
-            LoraConfigError: an invalid LoRA argument (the message names it).
-            LoraConversionError: ``base``'s forward is replaced on the instance (see :func:`clone_as`), or
+            LoraConfigError: an invalid LoRA argument. LoraConversionError: see :func:`clone_as`, or
                 ``use_dora`` where DoRA is not supported.
         """
         layer = clone_as(base, cls)

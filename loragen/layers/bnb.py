@@ -1,23 +1,16 @@
-"""LoRA on bitsandbytes' quantized linears (QLoRA): ``Linear4bit`` (nf4 / fp4, with or without double
-quantization, any compute dtype) and ``Linear8bitLt``.
+"""LoRA on bitsandbytes' quantized linears (QLoRA): ``Linear4bit`` (nf4 / fp4, double quantization or not,
+any compute dtype) and ``Linear8bitLt``. Imported only when a model holds such a layer (bitsandbytes is
+the optional extra ``loragen[bnb]``).
 
-This module imports bitsandbytes; :mod:`loragen.layers` registers both types by name, so it is imported
-only when a model holds such a layer (bitsandbytes stays an optional extra: ``pip install -e ".[bnb]"``).
+Forward: bitsandbytes' own forward gives the base output; :func:`loragen.ops.lora_branch` adds the term
+onto it in place (hand-written backward, mask saved as bits, no x-sized copy). As in peft, the term runs in
+the adapter's float32, then is cast to the base output's dtype, scaled and added; keys are peft's.
 
-Forward: the base output is bitsandbytes' own forward (its dequantizing product); the LoRA term
-``scaling * B A dropout(x)`` is added onto it in place by :func:`loragen.ops.lora_branch`, with a
-hand-written backward, the dropout mask saved as bits and no x-sized copy. As in peft, the term runs in
-the adapter's dtype (float32: a quantized weight has no floating dtype to follow), then is cast to the
-base output's dtype, scaled and added. Adapters have peft's keys, so peft's bnb LoRA adapters load here and back.
-
-Merging cannot be exact: the merged weight ``W + scaling * B @ A`` has to be quantized again, to the same
-format (quant type, block size, double quantization, storage). loragen does what peft does — dequantize,
-add, re-quantize — and says what it cost: every merge emits a :class:`loragen.errors.RequantizationWarning`
-giving the largest absolute difference between the re-quantized weight and the exact merged weight (and,
-for scale, the largest entry of the update). Unmerging is where loragen differs from peft: peft
-re-quantizes ``W' - scaling * B @ A``, a second rounding that leaves the base weight off its original
-quantized values; loragen keeps the original quantized weight (a reference, the size of the quantized
-weight) while merged and puts it back bit for bit. ``merge_and_unload`` drops it.
+Merging cannot be exact: ``W + scaling * B @ A`` is quantized again in the same format. loragen does what
+peft does (dequantize, add, re-quantize) and warns what it cost (:class:`loragen.errors.RequantizationWarning`
+with the largest difference to the exact merged weight). Unmerging differs from peft, which re-quantizes
+``W' - scaling * B @ A`` (a second rounding): loragen keeps the original quantized weight while merged and
+puts it back bit for bit (``merge_and_unload`` drops it).
 """
 
 from __future__ import annotations
@@ -54,31 +47,16 @@ class QuantizedLoraMixin(LoraLinearMixin):
     def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
         # peft's order for quantized bases: the term in the adapter's dtype, cast to the base output's dtype
         # (bitsandbytes returns x's dtype), then scaled
-        return lora_term(
-            x,
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            self.training,
-            dtype=x.dtype,
-        )
+        a, b, s, p = adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p
+        return lora_term(x, a, b, s, p, self.training, dtype=x.dtype)
 
     def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
         """bitsandbytes' forward plus the term added onto its output in place (:func:`loragen.ops.lora_branch`);
         with :attr:`fused` off or a DoRA adapter, peft's composition."""
         if not (self.fused and adapter.variant is LORA):
             return LoraLayer._adapted_output(self, x, adapter)
-        base = self._base_output(x)
-        return lora_branch(
-            base,
-            x,
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            self.training,
-        )
+        a, b, s, p = adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p
+        return lora_branch(self._base_output(x), x, a, b, s, p, self.training)
 
     # ---- what a quantization format provides ---------------------------------------------------
 

@@ -89,31 +89,11 @@ class LoraLinearMixin(LoraLayer):
         if not (self.fused and self.fused_base):
             return super()._adapted_output(x, adapter)
         fan_in_fan_out = isinstance(adapter.layout, TransposedLayout)  # Conv1D stores W as (in, out)
-        bias = cast("Tensor | None", self.bias)
+        weights = (self.weight, cast("Tensor | None", self.bias), adapter.factor_a, adapter.factor_b)
+        settings = (adapter.scaling, adapter.lora_dropout_p, self.training)
         if adapter.variant is LORA:
-            return lora_linear(
-                x,
-                self.weight,
-                bias,
-                adapter.factor_a,
-                adapter.factor_b,
-                adapter.scaling,
-                adapter.lora_dropout_p,
-                self.training,
-                fan_in_fan_out=fan_in_fan_out,
-            )
-        return dora_linear(
-            x,
-            self.weight,
-            bias,
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.magnitude,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            self.training,
-            fan_in_fan_out=fan_in_fan_out,
-        )
+            return lora_linear(x, *weights, *settings, fan_in_fan_out=fan_in_fan_out)
+        return dora_linear(x, *weights, adapter.magnitude, *settings, fan_in_fan_out=fan_in_fan_out)
 
     def _check_mergeable(self) -> None:
         super()._check_mergeable()

@@ -1,45 +1,20 @@
-"""Which LoRA class a layer type gets: every layer type loragen converts is registered here -- its own
-types (:func:`register_builtin_types`, run when :mod:`loragen.layers` is imported) and a user's
-(:func:`register_layer`) -- and LoRA classes are made on demand for subclasses (:func:`lora_class_for`).
+"""Which LoRA class a layer type gets: loragen's own types (:func:`register_builtin_types`, run when
+:mod:`loragen.layers` is imported), a user's (:func:`register_layer`), and classes made on demand.
 
-Subclasses of a registered type (Falcon's ``FalconLinear``, ...) and layers a user registers as "behaves
-like a Linear" get a LoRA class derived from the LoRA class and the base class itself, so the base's own
-``forward`` computes the base output and every attribute of the base stays
-(``class LoraFalconLinear(LoraLinear, FalconLinear)``), made once per base class and cached. Its
-constructor takes the base class's arguments plus the LoRA keywords, so ``loragen rewrite`` can swap a
-constructor call as it does for ``nn.Linear``; the class is reachable by name in this module
-(``from loragen.layers.registration import LoraFalconLinear`` once made), and its objects pickle and
-deep-copy by rebuilding the class from the base class.
-
-``register_layer``: teach loragen a layer type of your own.
-
-After registration the type works in all three ways in (``get_lora_model``, ``@lora_convert``,
-``loragen rewrite``), in ``save_adapter`` / ``load_adapter`` and in ``loragen merge``, like the built-in
-types. Two ways to register:
-
-* ``register_layer(MyLinear)``: ``MyLinear`` behaves like a Linear — it has a ``weight`` stored
-  ``(out_features, in_features)`` (``layout="transposed"``: ``(in, out)``) and an optional ``bias``. Its
-  own ``forward`` computes the base output; loragen adds ``scaling * B A dropout(x)`` to it, merges by
-  adding ``scaling * B @ A`` to ``weight`` (after checking on a probe that ``forward`` is ``x W^T + b``),
-  and saves peft's ``lora_A`` / ``lora_B`` keys.
-* ``register_layer(MyLayer, MyLoraLayer)``: your own LoRA class, a subclass of both
-  :class:`loragen.LoraLayer` and ``MyLayer`` that provides what :class:`loragen.LoraLayer` lists as
-  abstract (``_factor_shapes`` and ``_adapter_output``; see :mod:`loragen.layers.base`); ``layout`` says
-  how its factors are named, initialised, saved and merged. It gets several named adapters, disabling,
-  merging and mixed batches from :class:`loragen.LoraLayer`.
-
-Example::
-
-    class ScaledLinear(nn.Module):
-        def __init__(self, d_in, d_out):
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(d_out, d_in))
-            self.bias = None
-        def forward(self, x):
-            return x @ self.weight.t()
+``register_layer(MyLinear)`` teaches a layer that behaves like a Linear (a ``weight`` stored ``(out, in)``,
+or ``(in, out)`` with ``layout="transposed"``, an optional ``bias``; its own ``forward`` computes the base
+output, merges are checked on a probe); ``register_layer(MyLayer, MyLoraLayer)`` takes a LoRA class of your
+own (a subclass of :class:`loragen.LoraLayer` and ``MyLayer``). Either then works in all three ways in,
+in save/load and in ``loragen merge``, like the built-in types::
 
     loragen.register_layer(ScaledLinear)
     model = loragen.get_lora_model(model, LoraConfig(target_modules=["proj"]))
+
+Subclasses of a registered type (Falcon's ``FalconLinear``) and "behaves like a Linear" types get a LoRA
+class derived from the LoRA class and the base class (``class LoraFalconLinear(LoraLinear, FalconLinear)``:
+the base's ``forward`` and attributes stay), made once and cached (:func:`lora_class_for`). Its constructor
+is the base's plus the LoRA keywords, so ``loragen rewrite`` can swap the call; it is reachable by name in
+this module once made, and its objects pickle by rebuilding the class from the base class.
 """
 
 from __future__ import annotations
@@ -193,7 +168,15 @@ def register_layer(
 
 # ---- LoRA classes made on demand ------------------------------------------------------------------
 
-_LORA_KEYWORDS = ("r", "lora_alpha", "lora_dropout", "use_rslora", "init_lora_weights", "use_dora")
+# the LoRA keywords a derived class's constructor takes, in _setup_lora's order, with their defaults
+_LORA_KEYWORDS: dict[str, Any] = {
+    "r": 8,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "use_rslora": False,
+    "init_lora_weights": True,
+    "use_dora": False,
+}
 _lock = threading.Lock()
 _derived: dict[tuple[type[LoraLayer], type[nn.Module]], type[LoraLayer]] = {}
 _by_name: dict[str, type[LoraLayer]] = {}
@@ -240,16 +223,9 @@ def derive_lora_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type
 
 def _make_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraLayer]:
     def __init__(self: LoraLayer, *args: Any, **kwargs: Any) -> None:
-        lora_kwargs = {name: kwargs.pop(name) for name in _LORA_KEYWORDS if name in kwargs}
+        settings = [kwargs.pop(name, default) for name, default in _LORA_KEYWORDS.items()]
         base_type.__init__(self, *args, **kwargs)
-        self._setup_lora(
-            lora_kwargs.get("r", 8),
-            lora_kwargs.get("lora_alpha", 8),
-            lora_kwargs.get("lora_dropout", 0.0),
-            lora_kwargs.get("use_rslora", False),
-            lora_kwargs.get("init_lora_weights", True),
-            lora_kwargs.get("use_dora", False),
-        )
+        self._setup_lora(*settings)
 
     def __reduce_ex__(self: LoraLayer, protocol: Any) -> tuple[Any, ...]:
         return _rebuild, (lora, base_type), self.__getstate__()

@@ -1,27 +1,15 @@
-"""Adapter variants: what plain LoRA and DoRA each add to a layer, as one strategy object per variant.
+"""Adapter variants: what plain LoRA and DoRA each add to a layer, one stateless strategy object per
+variant, chosen when the adapter is made (:func:`variant_for`, from ``use_dora``): ``check`` (refuse a
+layer it cannot run on), ``init`` (its own parameters: DoRA's magnitude), ``output`` (the layer's output
+given the base output), ``merge`` / ``unmerge``, and ``extra_parameters`` (saved under peft's names). A
+layer type names its DoRA variant in ``dora_variant`` (None: none); a fused op of a layer type
+(:class:`loragen.LoraLinear`'s) picks the plain or the DoRA op itself.
 
-Every adapter of a layer holds a :class:`Variant`, chosen once when the adapter is made (from the
-config's ``use_dora``, :func:`variant_for`). The layers never ask which variant they hold; they call it:
-
-==================  ====================================================================================
-``check``           refuse a layer the variant cannot run on (before anything is made)
-``init``            set up the variant's own parameters (DoRA: the magnitude vector, after the factors)
-``output``          the layer's output given the base output: plain LoRA adds ``scaling * B A dropout(x)``
-``merge/unmerge``   put the adapter into the weight and take it out again
-``extra_parameters``  the variant's own parameters, saved under the same names as peft saves them
-==================  ====================================================================================
-
-DoRA's forward depends on the layer family (peft's math per family): :class:`LinearDora` (Linear,
-transformers ``Conv1D``, registered Linear-like types), :class:`EmbeddingDora` and :class:`ConvDora`. A layer
-type names its DoRA variant in its ``dora_variant`` class attribute; None means it has none. (A fused op
-of a layer type, :class:`loragen.LoraLinear`'s, picks the plain or the DoRA op itself.)
-
-DoRA's per-layer parts (peft's shapes): ``lora_magnitude_vector``, one value per output feature --
-``(out,)`` for Linear and ``Conv1D``, ``(embedding_dim,)`` for Embedding, ``(1, out, 1, ...)`` for ConvNd --
-starts as the norm of ``W + s B A`` (a new DoRA adapter is a no-op). The norm is taken along the axis
-that holds one output's weights: rows of a Linear / ConvNd weight ``(out, in, *k)``, columns of a
-``Conv1D`` weight ``(in, out)`` and of an embedding table. Merging writes ``(m / n) * (W + s B A)``; the
-norm ``n`` of the unmerged weight is kept on the layer so unmerging divides by exactly that factor.
+DoRA follows peft's math per family: :class:`LinearDora` (Linear, ``Conv1D``, Linear-like types),
+:class:`EmbeddingDora`, :class:`ConvDora`. The magnitude ``lora_magnitude_vector`` has one value per output
+feature -- ``(out,)``, ``(embedding_dim,)``, ``(1, out, 1, ...)`` for ConvNd -- and starts as the norm of
+``W + s B A`` along the axis holding one output's weights (a new adapter is a no-op). Merging writes
+``(m / n) * (W + s B A)`` and keeps ``n`` on the layer, so unmerging divides by exactly that factor.
 """
 
 from __future__ import annotations
@@ -194,19 +182,9 @@ class LinearDora(DoraVariant):
     """DoRA on a Linear weight: peft's composition on the base output (:func:`loragen.reference.dora_linear_reference`)."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
-        return dora_linear_reference(
-            x,
-            layer.weight,
-            layer.bias,
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.magnitude,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            layer.training,
-            fan_in_fan_out=_transposed(layer),
-            result=result,
-        )
+        tensors = (x, layer.weight, layer.bias, adapter.factor_a, adapter.factor_b, adapter.magnitude)
+        settings = (adapter.scaling, adapter.lora_dropout_p, layer.training)
+        return dora_linear_reference(*tensors, *settings, fan_in_fan_out=_transposed(layer), result=result)
 
 
 class EmbeddingDora(DoraVariant):

@@ -1,35 +1,22 @@
-"""Compiled CPU kernels for the dropout path of the LoRA op (``kernels/lora_dropout_cpu.c``).
+"""Compiled CPU kernels for the dropout path of the LoRA ops (``kernels/lora_dropout_cpu.c``).
 
-With dropout, each rank-r product that touches x goes through the packed keep-mask. In numpy and
-BLAS that is an unpack pass, a masked copy of x and a GEMM, with numpy on one core while the other
-idles. The C kernels read the mask bits where they use them, so x is read once per product, no masked
-copy exists and all threads work (OpenMP, ``torch.get_num_threads()`` threads):
+With dropout, each rank-r product that touches x goes through the packed keep-mask; in numpy/BLAS that is
+an unpack pass, a masked copy of x and a GEMM, on one core. The C kernels read the mask bits where they
+use them: x is read once per product, no masked copy exists, and all threads work (OpenMP):
 
 ``masked_down(x, bits, A, scale)``   ``scale * (x * m) A^T``   (N, r)
 ``masked_grad_a(x, bits, gh)``       ``gh^T (x * m)``          (r, in)
 ``masked_grad_x(gh, A, bits)``       ``(gh A) * m``            (N, in)
 
-The source is built in one of two variants (:data:`VARIANTS`), the best one the CPU supports
-(:func:`candidates`, from the flags in ``/proc/cpuinfo``):
-
-``avx512``  ``-march=native -mprefer-vector-width=512``: AVX-512 (x86-64 with AVX-512F)
-``avx2``    ``-mavx2 -mfma -mtune=native``: the same kernels on 8-lane AVX2 registers (x86-64 with AVX2
-            and FMA: every x86-64 CPU since 2013-2015 that lacks AVX-512)
-
-``LORAGEN_CPU_KERNEL_VARIANT`` (:data:`loragen.switches.cpu_kernel_variant`: ``auto``, the default, or a variant's name)
-forces one variant; on a CPU that cannot run it the kernels are unavailable (never another variant).
-That is how both variants are tested on an AVX-512 machine. Other CPUs (no AVX2, or not x86) run the
-numpy/BLAS path.
-
-Each variant is compiled on first use with the C compiler (``$CC``, else ``cc``) as
-``-O3 <variant flags> -fopenmp -shared -fPIC`` and cached on disk in the ``cpu/`` folder of
-:func:`loragen.resources.kernel_cache_dir` (``$LORAGEN_CACHE_DIR``, else ``~/.cache/loragen/kernels``),
-keyed by the source, the flags, the compiler's version and the CPU's feature flags; the file is written
-atomically. A library reports the vector width it was built for (``lora_kernels_isa()``), which must be
-the variant's. Without a compiler, when compiling or loading every candidate fails, for dtypes other
-than float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and :mod:`loragen.ops` runs
-its numpy/BLAS path, which computes the same products (results agree to float32 rounding; the masks are
-the same bits).
+The source is built in the best of two variants (:data:`VARIANTS`) the CPU supports (:func:`candidates`,
+from ``/proc/cpuinfo``): ``avx512`` (``-march=native -mprefer-vector-width=512``) or ``avx2`` (``-mavx2
+-mfma``: x86-64 CPUs without AVX-512). ``LORAGEN_CPU_KERNEL_VARIANT`` (``auto`` or a variant's name)
+forces one; a CPU that cannot run it gets no kernels (that is how both are tested on one machine). Each
+variant is compiled on first use (``$CC``, else ``cc``) and cached in ``cpu/`` of
+:func:`loragen.resources.kernel_cache_dir`, keyed by the source, the flags, the compiler and the CPU's
+flags; a library must report the vector width of its variant. Without a compiler, for dtypes other than
+float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and the ops run the numpy/BLAS
+path, which computes the same products from the same mask bits.
 """
 
 from __future__ import annotations

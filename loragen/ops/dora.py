@@ -30,10 +30,8 @@ composition, which is also what this op is tested against.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -45,6 +43,7 @@ from loragen.ops.fused import (
     log_fallback,
     shaped_like_input,
 )
+from loragen.ops.masks import unpack_keep_mask
 from loragen.reference import dora_linear_reference, dora_weight_norm
 
 __all__ = ["DoraLinearFunction", "dora_linear"]
@@ -86,7 +85,9 @@ class DoraLinearFunction(torch.autograd.Function):
         c = magnitude.detach() / norm  # (out,)
 
         bits, seed = keep_bits(rows, in_features, dropout_p, seed)
-        xd = x2 if bits is None else _dropped(x2, _keep_mask(bits, x2.shape), dropout_p)
+        xd = (
+            x2 if bits is None else _dropped(x2, unpack_keep_mask(bits, x2.numel()).view(x2.shape), dropout_p)
+        )
         h = torch.mm(xd, lora_A.t())  # (N, r)
         w = torch.mm(h * scaling, lora_B.t()).addmm_(xd, w_t)  # (N, out): the rank-r term, then the GEMM
 
@@ -123,7 +124,11 @@ class DoraLinearFunction(torch.autograd.Function):
         need_x, _, need_bias, need_a, need_b, need_m = ctx.needs_input_grad[:6]
         s, p, ffo = ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out
         g2 = grad_out.reshape(ctx.rows, grad_out.shape[-1])
-        keep = None if bits is None else _keep_mask(bits, (ctx.rows, ctx.x_shape[-1]))  # unpacked once
+        keep = (
+            None
+            if bits is None
+            else unpack_keep_mask(bits, ctx.rows * ctx.x_shape[-1]).view(ctx.rows, ctx.x_shape[-1])
+        )  # unpacked once
         grad_x = grad_bias = grad_a = grad_b = grad_m = None
         if need_m:
             grad_m = (g2 * w).sum(0).div_(norm)
@@ -147,14 +152,6 @@ class DoraLinearFunction(torch.autograd.Function):
                         grad_x = _dropped(inner, keep, p).addmm_(g2, w_oi)
                     grad_x = shaped_like_input(grad_x, ctx.x_shape, ctx.x_layout)
         return grad_x, None, grad_bias, grad_a, grad_b, grad_m, None, None, None, None, None
-
-
-def _keep_mask(bits: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
-    """A packed keep-mask unpacked to bool of ``shape`` (numpy's table lookup: several times faster than
-    torch's shifts, see :class:`loragen.ops.masks.KeepMask`)."""
-    numel = math.prod(shape)
-    keep = np.unpackbits(bits.numpy(), count=numel, bitorder="little").view(np.bool_)
-    return torch.from_numpy(keep).view(shape)
 
 
 def _dropped(t: Tensor, keep: Tensor, p: float) -> Tensor:
@@ -207,22 +204,10 @@ def dora_linear(
             "one value per output feature"
         )
     dropout = training and dropout_p > 0.0
-    reason = _reference_reason(x, weight, (bias, lora_A, lora_B, magnitude), dropout)
+    tensors = (x, weight, bias, lora_A, lora_B, magnitude)
+    reason = _reference_reason(x, weight, tensors[2:], dropout)
     if reason is not None:
         log_fallback("dora_linear", reason)
-        return dora_linear_reference(
-            x,
-            weight,
-            bias,
-            lora_A,
-            lora_B,
-            magnitude,
-            scaling,
-            dropout_p,
-            training,
-            fan_in_fan_out=fan_in_fan_out,
-        )
+        return dora_linear_reference(*tensors, scaling, dropout_p, training, fan_in_fan_out=fan_in_fan_out)
     p = dropout_p if dropout else 0.0
-    return DoraLinearFunction.apply(
-        x, weight, bias, lora_A, lora_B, magnitude, scaling, p, seed, fan_in_fan_out
-    )
+    return DoraLinearFunction.apply(*tensors, scaling, p, seed, fan_in_fan_out)

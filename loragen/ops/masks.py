@@ -9,7 +9,6 @@ padded to whole 64-bit words), which the ops save for backward in place of an x-
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -56,44 +55,31 @@ def dropout_keep_bits(numel: int, p: float, seed: int) -> Tensor:
     return torch.from_numpy(acc.view(np.uint8))
 
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
-
-
 def unpack_keep_mask(bits: Tensor, numel: int) -> Tensor:
-    """The first ``numel`` elements of a packed mask (see :func:`dropout_keep_bits`) as bool."""
-    unpacked = (bits[: (numel + 7) // 8].unsqueeze(-1) >> _BIT_SHIFTS) & 1
-    return unpacked.view(torch.bool).view(-1)[:numel]
+    """The first ``numel`` elements of a packed mask (see :func:`dropout_keep_bits`) as bool: numpy's table
+    lookup, several times faster than torch's shifts."""
+    packed = bits[: (numel + 7) // 8].numpy()
+    return torch.from_numpy(np.unpackbits(packed, count=numel, bitorder="little").view(np.bool_))
 
 
 class KeepMask:
-    """A packed keep-mask applied to row blocks of an (N, in) tensor.
-
-    For the dtypes numpy has, numpy unpacks (a table lookup) and multiplies by the bool mask: 4-5x
-    faster than torch's shifts and ``where``, which do the work for bfloat16.
-    """
-
-    _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+    """A packed keep-mask applied to row blocks of an (N, in) tensor: numpy multiplies by the bool mask
+    where it has the dtype (4-5x faster than torch's ``where``, which does bfloat16)."""
 
     def __init__(self, bits: Tensor, in_features: int, dtype: torch.dtype) -> None:
-        self.bits = bits
-        self.in_features = in_features
-        self.bits_np = bits.numpy() if dtype in self._NUMPY_DTYPES else None
+        self.bits, self.in_features = bits, in_features
+        self.numpy = dtype in (torch.float16, torch.float32, torch.float64)
         self.zero = torch.zeros((), dtype=dtype)
 
-    def block(self, start: int, stop: int) -> Any:
+    def block(self, start: int, stop: int) -> Tensor:
         """The keep-mask of rows [start, stop) (start a multiple of 8), (stop - start, in) bool."""
         first, numel = start * self.in_features // 8, (stop - start) * self.in_features
-        if self.bits_np is not None:
-            packed = self.bits_np[first : first + (numel + 7) // 8]
-            return (
-                np.unpackbits(packed, count=numel, bitorder="little").view(np.bool_).reshape(stop - start, -1)
-            )
         return unpack_keep_mask(self.bits[first:], numel).view(stop - start, self.in_features)
 
-    def apply(self, src: Tensor, keep: Any, out: Tensor) -> Tensor:
+    def apply(self, src: Tensor, keep: Tensor, out: Tensor) -> Tensor:
         """``out = src * keep`` (``out`` may be ``src``); returns ``out``."""
-        if isinstance(keep, np.ndarray):
-            np.multiply(src.detach().numpy(), keep, out=out.detach().numpy())
+        if self.numpy:
+            np.multiply(src.detach().numpy(), keep.numpy(), out=out.detach().numpy())
         else:
             torch.where(keep, src, self.zero, out=out)
         return out
