@@ -84,10 +84,9 @@ class DoraLinearFunction(torch.autograd.Function):
         norm = norm.detach()
         c = magnitude.detach() / norm  # (out,)
 
-        bits, seed = keep_bits(rows, in_features, dropout_p, seed)
-        xd = (
-            x2 if bits is None else _dropped(x2, unpack_keep_mask(bits, x2.numel()).view(x2.shape), dropout_p)
-        )
+        bits, seed, _ = keep_bits(x2, lora_A, dropout_p, seed)
+        keep = None if bits is None else unpack_keep_mask(bits, x2.numel()).view(x2.shape)
+        xd = x2 if keep is None else _dropped(x2, keep, dropout_p)
         h = torch.mm(xd, lora_A.t())  # (N, r)
         w = torch.mm(h * scaling, lora_B.t()).addmm_(xd, w_t)  # (N, out): the rank-r term, then the GEMM
 

@@ -186,14 +186,16 @@ def shaped_like_input(grad_x: Tensor, shape: torch.Size, layout: tuple[int, ...]
 
 
 def keep_bits(
-    rows: int, in_features: int, dropout_p: float, seed: int | None
-) -> tuple[Tensor | None, int | None]:
-    """The packed keep-mask of an (rows, in) input and its seed (drawn from torch's CPU generator when None)."""
-    if dropout_p == 0.0:
-        return None, seed
+    x2: Tensor, lora_A: Tensor, p: float, seed: int | None
+) -> tuple[Tensor | None, int | None, bool]:
+    """The packed keep-mask of x2 (N, in) (None without dropout), its seed (drawn from torch's CPU generator
+    when None), and whether the compiled kernels take the masked products (:func:`cpu_kernels.available`)."""
+    if p == 0.0:
+        return None, seed, False
     if seed is None:
         seed = philox.random_seed()
-    return dropout_keep_bits(rows * in_features, dropout_p, seed), seed
+    compiled = x2.dtype == lora_A.dtype and cpu_kernels.available(lora_A.dtype, lora_A.shape[0])
+    return dropout_keep_bits(x2.numel(), p, seed), seed, compiled
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -217,8 +219,7 @@ class LoraLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # a view of x when x is contiguous
         rows = x2.shape[0]
         dtype = lora_A.dtype  # the LoRA branch runs in the adapter's dtype, as in peft
-        bits, seed = keep_bits(rows, x.shape[-1], dropout_p, seed)
-        compiled = bits is not None and x.dtype == dtype and cpu_kernels.available(dtype, lora_A.shape[0])
+        bits, seed, compiled = keep_bits(x2, lora_A, dropout_p, seed)
         h = lora_down(x2, lora_A, bits, dropout_p, compiled)
 
         w_t = weight if fan_in_fan_out else weight.t()  # (in, out)
@@ -240,20 +241,10 @@ class LoraLinearFunction(torch.autograd.Function):
 
         need_x, need_w, _, need_a, need_b = ctx.needs_input_grad[:5]
         ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out = scaling, dropout_p, fan_in_fan_out
-        ctx.x_shape, ctx.has_bias, ctx.compiled, ctx.x_layout = (
-            x.shape,
-            bias is not None,
-            compiled,
-            input_layout(x),
-        )
-        ctx.save_for_backward(
-            x2 if need_a or need_w else None,
-            weight if need_x else None,
-            lora_A,
-            lora_B,
-            h if need_b else None,
-            bits,
-        )
+        ctx.x_shape, ctx.has_bias, ctx.compiled = x.shape, bias is not None, compiled
+        ctx.x_layout = input_layout(x)
+        saved_x, saved_w = x2 if need_a or need_w else None, weight if need_x else None
+        ctx.save_for_backward(saved_x, saved_w, lora_A, lora_B, h if need_b else None, bits)
         return out
 
     @staticmethod
@@ -313,12 +304,7 @@ class LoraBranchFunction(torch.autograd.Function):
     ) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # a view of x when x is contiguous
         rows = x2.shape[0]
-        bits, seed = keep_bits(rows, x.shape[-1], dropout_p, seed)
-        compiled = (
-            bits is not None
-            and x.dtype == lora_A.dtype
-            and cpu_kernels.available(lora_A.dtype, lora_A.shape[0])
-        )
+        bits, seed, compiled = keep_bits(x2, lora_A, dropout_p, seed)
         h = lora_down(x2, lora_A, bits, dropout_p, compiled)
         in_place = not base._is_view()
         out = base if in_place else torch.empty_like(base)
@@ -333,16 +319,10 @@ class LoraBranchFunction(torch.autograd.Function):
         if in_place:
             ctx.mark_dirty(base)
         _, need_x, need_a, need_b = ctx.needs_input_grad[:4]
-        ctx.scaling, ctx.dropout_p, ctx.x_shape, ctx.x_dtype, ctx.compiled = (
-            scaling,
-            dropout_p,
-            x.shape,
-            x.dtype,
-            compiled,
-        )
-        ctx.save_for_backward(
-            x2 if need_a else None, lora_A if need_x else None, lora_B, h if need_b else None, bits
-        )
+        ctx.scaling, ctx.dropout_p, ctx.compiled = scaling, dropout_p, compiled
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        saved_x, saved_a = x2 if need_a else None, lora_A if need_x else None
+        ctx.save_for_backward(saved_x, saved_a, lora_B, h if need_b else None, bits)
         return out
 
     @staticmethod
