@@ -1,13 +1,8 @@
-"""loragen's process-wide switches, all with one naming scheme.
-
-Each switch is a :class:`Switch` object here, named like what it turns on. Its value:
-
-* starts from the environment variable ``LORAGEN_<NAME>`` (``LORAGEN_FUSED=0``) or its default;
-* is read with ``switches.<name>.get()``;
-* is changed for a block with ``with switches.<name>.using(value): ...`` (restored afterwards, also on
-  an exception).
-
-Switches are process-wide, not per thread, as torch's own global flags are.
+"""loragen's process-wide switches (not per thread, as torch's own global flags). Each is a :class:`Switch`
+named like what it turns on: its value starts from ``LORAGEN_<NAME>`` (``LORAGEN_FUSED=0``; booleans take
+``1/0``, ``true/false``, ``on/off``, ``yes/no``) or its default, is read with ``switches.<name>.get()`` and
+changed for a block with ``with switches.<name>.using(value):`` (restored afterwards). A value that is not
+understood raises :class:`ValueError` naming the variable.
 
 ================= ================= ======================================================================
 switch             values            what it controls
@@ -20,16 +15,7 @@ cuda_kernels       "check"/"trust"/  loragen's CUDA kernels: checked against the
                    "torch"           (default), used unchecked, or never used (the torch path instead)
 ================= ================= ======================================================================
 
-Environment values: ``1/0``, ``true/false``, ``on/off``, ``yes/no`` for the boolean switches; one of the
-listed strings for the others. A value that is not understood raises :class:`ValueError` naming the
-variable when the switch is first read.
-
-Example::
-
-    from loragen import switches
-
-    with switches.fused.using(False):   # compare against peft's composition
-        loss = model(x).sum()
+Example: ``with switches.fused.using(False): loss = model(x).sum()`` compares against peft's composition.
 """
 
 from __future__ import annotations
