@@ -37,7 +37,6 @@ from loragen.layers.adapter_set import (
     ADAPTERS_ATTR,
     DEFAULT_ADAPTER,
     LoraAdapter,
-    adapter_dtype_for,
     adapter_factors,
     add_factors,
     describe,
@@ -46,17 +45,7 @@ from loragen.layers.variants import Variant
 from loragen.registry import Layout, spec_for_lora_type
 from loragen.validation import InitMode
 
-__all__ = [
-    "InitMode",
-    "LoraLayer",
-    "LoraMergeError",
-    "MergeGuard",
-    "adapter_dtype_for",
-    "clone_as",
-    "reading",
-    "strip_to",
-    "writing",
-]
+__all__ = ["LoraLayer", "MergeGuard", "clone_as", "reading", "strip_to", "writing"]
 
 M = TypeVar("M", bound=nn.Module)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -79,8 +68,7 @@ class MergeGuard:
         self._writer: int | None = None  # the thread ident of the merge in progress
 
     def start_reading(self) -> bool:
-        """Wait for a merge in another thread to finish, then count this forward in. False (nothing to
-        undo) when this thread is the one merging."""
+        """Wait for another thread's merge, then count this forward in; False when this thread merges."""
         readers = self._readers
         while True:
             if _GIL:
@@ -107,8 +95,7 @@ class MergeGuard:
                 self._changed.notify_all()
 
     def start_writing(self) -> bool:
-        """Wait until no forward and no other merge runs, then hold the layer. False when this thread
-        already holds it (a nested merge)."""
+        """Wait until no forward and no other merge runs, then hold the layer; False when this thread does."""
         me = threading.get_ident()
         with self._changed:
             if self._writer == me:
@@ -131,15 +118,12 @@ def reading(forward: F) -> F:
 
     @functools.wraps(forward)
     def guarded(self: LoraLayer, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return forward(self, *args, **kwargs)
-        guard = self.merge_guard
-        if not guard.start_reading():
-            return forward(self, *args, **kwargs)
+        if torch.compiler.is_compiling() or not self.merge_guard.start_reading():
+            return forward(self, *args, **kwargs)  # traced, or inside this thread's own merge
         try:
             return forward(self, *args, **kwargs)
         finally:
-            guard.stop_reading()
+            self.merge_guard.stop_reading()
 
     return guarded  # type: ignore[return-value]
 
@@ -150,13 +134,12 @@ def writing(change: F) -> F:
 
     @functools.wraps(change)
     def guarded(self: LoraLayer, *args: Any, **kwargs: Any) -> Any:
-        guard = self.merge_guard
-        if not guard.start_writing():
-            return change(self, *args, **kwargs)
+        if not self.merge_guard.start_writing():
+            return change(self, *args, **kwargs)  # nested in this thread's own merge
         try:
             return change(self, *args, **kwargs)
         finally:
-            guard.stop_writing()
+            self.merge_guard.stop_writing()
 
     return guarded  # type: ignore[return-value]
 
@@ -240,12 +223,9 @@ class LoraLayer(nn.Module, ABC):
     Attributes:
         merged: whether the active adapter is currently added into ``weight``.
         active_adapter: the adapter the forward adds (``None``: none).
-        fused: whether the forward may run the layer type's fused op (set False on a layer to run peft's
-            plain composition).
-        lora_adapter_records: every adapter of the layer by name, first adapter first
-            (:mod:`loragen.layers.adapter_set`).
-        mixed_route: the per-row adapter names of a :func:`loragen.mixed_batch` under way, else None.
-        merge_guard: the layer's :class:`MergeGuard`.
+        fused: whether the forward may run the layer type's fused op (False: peft's plain composition).
+        lora_adapter_records: every adapter by name, first adapter first (:mod:`loragen.layers.adapter_set`).
+        mixed_route: a :func:`loragen.mixed_batch` under way, else None. merge_guard: the :class:`MergeGuard`.
         r, lora_alpha, scaling, lora_dropout_p, use_rslora, adapter_name: those of the layer's first adapter.
     """
 
@@ -283,15 +263,17 @@ class LoraLayer(nn.Module, ABC):
     lora_alpha = _first_adapter_setting("lora_alpha", "The first adapter's alpha.")
     scaling = _first_adapter_setting("scaling", "The first adapter's scaling of its term.")
     lora_dropout_p = _first_adapter_setting("lora_dropout_p", "The first adapter's dropout probability.")
-    use_rslora = _first_adapter_setting(
-        "use_rslora", "Whether the first adapter uses rank-stabilised scaling."
+    use_rslora = _first_adapter_setting("use_rslora", "Whether the first adapter uses rsLoRA's scaling.")
+    factor_a = _first_adapter_setting(
+        "factor_a", "The first adapter's A (``lora_A``, ``lora_embedding_A``).", settable=False
+    )
+    factor_b = _first_adapter_setting(
+        "factor_b", "The first adapter's B (``lora_B``, ``lora_embedding_B``).", settable=False
     )
 
     def __getstate__(self) -> dict[str, Any]:
         """The state copies and pickles carry: the merge guard (a lock) is left out."""
-        state = dict(super().__getstate__())
-        state.pop("merge_guard", None)
-        return state
+        return {key: value for key, value in super().__getstate__().items() if key != "merge_guard"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled layer gets a guard of its own."""
@@ -402,16 +384,6 @@ class LoraLayer(nn.Module, ABC):
         held = self.lora_adapter_records
         self.lora_adapter_records = {(name if i == 0 else k): v for i, (k, v) in enumerate(held.items())}
 
-    @property
-    def factor_a(self) -> nn.Parameter:
-        """The first adapter's A (``lora_A``, or ``lora_embedding_A``)."""
-        return self._first_adapter().factor_a
-
-    @property
-    def factor_b(self) -> nn.Parameter:
-        """The first adapter's B (``lora_B``, or ``lora_embedding_B``)."""
-        return self._first_adapter().factor_b
-
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         """The first adapter's parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}`` (plus a
         variant's own, DoRA's ``"lora_magnitude_vector"``)."""
@@ -427,8 +399,7 @@ class LoraLayer(nn.Module, ABC):
         self.layout.init_factors(first.factor_a, first.factor_b, first.r, init_lora_weights)
 
     def running_adapter(self) -> LoraAdapter | None:
-        """The adapter the forward adds now: the active one, unless the layer is merged, adapters are off
-        or the layer does not hold the active adapter."""
+        """The adapter the forward adds now: the active one, unless merged, disabled or not held here."""
         name = self.active_adapter
         if self.merged or name is None:
             return None
@@ -449,8 +420,8 @@ class LoraLayer(nn.Module, ABC):
         return self._adapted_output(x, adapter)
 
     def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        """The output with ``adapter``: the base output plus its term, as its variant composes them (plain
-        LoRA adds ``scaling * B A dropout(x)``; DoRA rescales). Layer types with a fused op override this.
+        """The output with ``adapter``: the base output plus its term as its variant composes them (LoRA
+        adds ``scaling * B A dropout(x)``); layer types with a fused op override this.
 
         Raises:
             LoraConversionError: the base layer returns something other than one tensor.
@@ -472,8 +443,7 @@ class LoraLayer(nn.Module, ABC):
         return torch.promote_types(self.weight.dtype, torch.float32)
 
     def delta_weight_of(self, adapter: LoraAdapter) -> Tensor:
-        """``scaling * B @ A`` of ``adapter`` in the base weight's layout, in float32 (float64 for float64
-        weights)."""
+        """``scaling * B @ A`` of ``adapter`` in the base weight's layout, in float32 (or float64)."""
         dtype = self._merge_dtype()
         return self.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
 
@@ -525,5 +495,5 @@ class LoraLayer(nn.Module, ABC):
         self.merged = False
 
     def lora_extra_repr(self) -> str:
-        """The first adapter's settings (further adapters show theirs in ``lora_adapters``), for ``extra_repr``."""
+        """The first adapter's settings, for ``extra_repr`` (further adapters show theirs in ``lora_adapters``)."""
         return describe(self._first_adapter()) + (", merged" if self.merged else "")

@@ -25,11 +25,12 @@ from torch import Tensor
 
 from loragen.errors import LoraMergeError, RequantizationWarning
 from loragen.layers.adapter_set import LoraAdapter
-from loragen.layers.base import InitMode, LoraLayer, writing
+from loragen.layers.base import LoraLayer, writing
 from loragen.layers.linear import LoraLinearMixin
 from loragen.layers.variants import LORA
 from loragen.ops import lora_branch
 from loragen.reference import lora_term
+from loragen.validation import InitMode
 
 __all__ = ["LoraLinear4bit", "LoraLinear8bitLt", "QuantizedLoraMixin", "RequantizationWarning"]
 

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loragen.layers.adapter_set import LoraAdapter
-from loragen.layers.base import InitMode, LoraLayer
+from loragen.layers.base import LoraLayer
 from loragen.layers.variants import CONV_DORA, Variant
+from loragen.validation import InitMode
 
 __all__ = ["LoraConv1d", "LoraConv2d"]
 

@@ -27,8 +27,8 @@ from typing_extensions import Self
 
 from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
-from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, lora_scaling
-from loragen.layers.base import LoraLayer, adapter_dtype_for, clone_as, reading, strip_to, writing
+from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
+from loragen.layers.base import LoraLayer, clone_as, reading, strip_to, writing
 from loragen.layers.variants import LORA, Variant
 from loragen.ops.expert_products import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
