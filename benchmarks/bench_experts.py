@@ -24,7 +24,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from .harness import Variant, format_table, machine_summary, module_tensors, run_variants
+from .harness import (
+    Variant,
+    add_timing_arguments,
+    benchmark_main,
+    format_table,
+    machine_summary,
+    module_tensors,
+    run_variants,
+    timing,
+)
 
 __all__ = ["add_arguments", "build_variants", "main", "run"]
 
@@ -111,30 +120,25 @@ def build_variants(
     ]
 
 
+QUICK_SIZES = {"hidden": 32, "intermediate": 48, "experts": 4, "batch": 2, "seq": 8}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of this benchmark."""
-    parser.add_argument("--rounds", type=int, default=40, help="timed interleaved rounds (default 40)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    add_timing_arguments(parser, rounds=40, warmup=3, quick="hidden 32, 4 experts, seq 8 and 3 rounds")
     parser.add_argument(
         "--implementation",
         default="grouped_mm",
         choices=["eager", "batched_mm", "grouped_mm"],
         help="transformers' experts implementation (default grouped_mm, transformers' default)",
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="hidden 32, 4 experts, seq 8, 3 rounds: a smoke test"
-    )
 
 
 def run(args: argparse.Namespace) -> str:
     """Run the benchmark; returns the Markdown table."""
-    sizes: dict[str, int] = {}
-    rounds, warmup = args.rounds, args.warmup
-    if args.quick:
-        sizes = {"hidden": 32, "intermediate": 48, "experts": 4, "batch": 2, "seq": 8}
-        rounds, warmup = 3, 1
+    sizes = QUICK_SIZES if args.quick else {}
     shape = {"hidden": 512, "intermediate": 1024, "experts": 8, "batch": 4, "seq": 128, **sizes}
-    results = run_variants(build_variants(implementation=args.implementation, **sizes), rounds, warmup)
+    results = run_variants(build_variants(implementation=args.implementation, **sizes), *timing(args))
     title = (
         f"one Mixtral MoE block (hidden {shape['hidden']}, expert intermediate {shape['intermediate']}, "
         f"{shape['experts']} experts, top-2, batch {shape['batch']} x seq {shape['seq']}, experts "
@@ -146,12 +150,13 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_experts", description=__doc__.splitlines()[0]
+    return benchmark_main(
+        argv,
+        prog="python -m benchmarks.bench_experts",
+        description=__doc__.splitlines()[0],
+        add_arguments=add_arguments,
+        run=run,
     )
-    add_arguments(parser)
-    print(run(parser.parse_args(argv)))
-    return 0
 
 
 if __name__ == "__main__":

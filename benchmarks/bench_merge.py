@@ -128,12 +128,9 @@ print(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHW
 # add their own constant memory to every measurement)
 LORAGEN_MERGE = (
     """
-import argparse, sys
-from loragen.cli import merge
-parser = argparse.ArgumentParser(prog="loragen")
-merge.register(parser.add_subparsers())
-args = parser.parse_args(sys.argv[1:])
-status = args.func(args)
+import sys
+from loragen.cli import main
+status = main(sys.argv[1:])
 """
     + REPORT_PEAK
 )

@@ -55,7 +55,6 @@ def build_variants(
     import peft
 
     import loragen
-    from loragen.layers.adapter_set import adapter_factors
 
     torch.manual_seed(0)
     base = _llama(hidden, intermediate, layers, heads, vocab, seq).eval()
@@ -78,13 +77,13 @@ def build_variants(
     for name in ADAPTERS:
         loragen.add_adapter(ours, config, name)
     ours.eval()
-    with torch.no_grad():  # the same factors on both sides
-        for path, layer in loragen.convert.find_lora_layers(ours).items():
+    with torch.no_grad():  # the same factors on both sides (docs/adapters.md: the parameter names)
+        for path in loragen.convert.find_lora_layers(ours):
             theirs = peft_model.base_model.model.get_submodule(path)
             for name in ADAPTERS:
-                factors = adapter_factors(layer, name)
-                factors.factor_a.copy_(theirs.lora_A[name].weight)
-                factors.factor_b.copy_(theirs.lora_B[name].weight)
+                prefix = path if name == ADAPTERS[0] else f"{path}.lora_adapters.{name}"
+                ours.get_parameter(f"{prefix}.lora_A").copy_(theirs.lora_A[name].weight)
+                ours.get_parameter(f"{prefix}.lora_B").copy_(theirs.lora_B[name].weight)
 
     def make(label: str, model: nn.Module, run: object) -> Variant:
         def forward() -> torch.Tensor:

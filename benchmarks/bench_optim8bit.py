@@ -34,7 +34,6 @@ from loragen._examples.demo import (
     load_model_class,
     pretrain_base,
 )
-from loragen.training.adamw8bit import AdamW8bit
 from loragen.training.optimizers import make_optimizer, optimizer_state_bytes
 
 
@@ -60,7 +59,7 @@ def demo_curves(steps: int, seed: int) -> None:
         model = model_cls()
         model.load_state_dict(base_state)
         torch.manual_seed(seed + 1)
-        model = loragen.get_lora_model(model, demo_config(options.rank))
+        model = loragen.get_lora_model(model, demo_config(options))
         if kwargs is None:
             optimizer = make_optimizer(model, lr=options.lr * lr_scale)
         else:
@@ -146,15 +145,14 @@ def hybrid_llama(repeats: int) -> None:
             f"| {name} | {nbytes:,} | {nbytes / ref - 1:+.1%} | {nbytes / trainable:.3f} | "
             f"{statistics.median(step_times[name]) * 1e3:.1f} ms |"
         )
-    assert isinstance(optimizers["AdamW8bit"], AdamW8bit)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for seed in args.seeds:
         demo_curves(args.steps, seed)

@@ -30,37 +30,31 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .bench_llama import TARGETS
+from .bench_llama import SIZES, TARGETS, _llama
 from .harness import (
     Variant,
+    add_timing_arguments,
     causal_lm_training_variant,
     format_table,
     machine_summary,
+    proc_status_bytes,
     run_variants,
+    timing,
 )
 
 __all__ = ["VARIANTS", "build_variant", "main", "run"]
 
 VARIANTS = ("frozen 4-bit", "peft", "loragen")
-FULL = {"hidden": 512, "intermediate": 1376, "layers": 4, "heads": 8, "vocab": 1000, "batch": 4, "seq": 256}
+FULL = SIZES
+# bitsandbytes quantizes in blocks of 64: the quick model's layers are at least that wide
 QUICK = {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "vocab": 100, "batch": 2, "seq": 16}
 
 
 def save_model(path: Path, shape: dict[str, int]) -> None:
-    """The tiny Llama (seed 0) written with ``save_pretrained`` to ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """The tiny Llama of :mod:`benchmarks.bench_llama` (seed 0) written with ``save_pretrained`` to ``path``."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["heads"],
-        vocab_size=shape["vocab"],
-        max_position_embeddings=max(shape["seq"], 16),
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = _llama(*(shape[k] for k in ("hidden", "intermediate", "layers", "heads", "vocab", "seq")))
+    model.save_pretrained(path)
 
 
 def load_4bit(path: Path, compute: str) -> nn.Module:
@@ -111,18 +105,10 @@ def _peak_growth(name: str, path: Path, shape: dict[str, int], dropout: float, c
     """In this process: build ``name``, run two steps, return the growth of the peak RSS in bytes."""
     variant = build_variant(name, path, shape, dropout, compute)
     Path("/proc/self/clear_refs").write_text("5")  # Linux: resets the peak (VmHWM) to the current RSS
-    before = _status_bytes("VmRSS")
+    before = proc_status_bytes("VmRSS")
     for _ in range(2):
         variant.step()
-    return _status_bytes("VmHWM") - before
-
-
-def _status_bytes(field: str) -> int:
-    """A ``kB`` field of /proc/self/status, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field} (peak memory needs Linux)")
+    return proc_status_bytes("VmHWM") - before
 
 
 def _peaks(path: Path, args: argparse.Namespace) -> dict[str, int]:
@@ -153,12 +139,11 @@ def _peaks(path: Path, args: argparse.Namespace) -> dict[str, int]:
 def run(args: argparse.Namespace) -> str:
     """Run the benchmark; returns the Markdown table (and the peak-memory lines)."""
     shape = QUICK if args.quick else FULL
-    rounds, warmup = (3, 1) if args.quick else (args.rounds, args.warmup)
     with tempfile.TemporaryDirectory(prefix="bench_qlora_") as folder:
         path = Path(folder)
         save_model(path, shape)
         variants = [build_variant(name, path, shape, args.dropout, args.compute_dtype) for name in VARIANTS]
-        results = run_variants(variants, rounds, warmup)
+        results = run_variants(variants, *timing(args))
         del variants
         peaks = {} if args.no_peak else _peaks(path, args)
     title = (
@@ -187,11 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=["float32", "bfloat16"],
         help="bnb_4bit_compute_dtype (default float32)",
     )
-    parser.add_argument("--rounds", type=int, default=10, help="timed interleaved rounds (default 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument(
-        "--quick", action="store_true", help="a 2-layer hidden-64 model and 3 rounds: a smoke test"
-    )
+    add_timing_arguments(parser, rounds=10, quick="a 2-layer hidden-64 model and 3 rounds")
     parser.add_argument("--no-peak", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--peak-of", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)

@@ -368,3 +368,15 @@ def benchmark_main(
     add_arguments(parser)
     print(run(parser.parse_args(argv)))
     return 0
+
+
+# ---- process memory (Linux) ------------------------------------------------------------------------------
+
+
+def proc_status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes; Linux only."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} (peak memory needs Linux)")

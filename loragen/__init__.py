@@ -58,7 +58,7 @@ _LAZY = {
     "lora_convert": "loragen.source.decorator",
     "rewrite_source": "loragen.source.rewriter",
     "RewriteResult": "loragen.source.rewriter",
-    "LoraTrainerCallback": "loragen.training.trainer",  # imports transformers
+    "LoraTrainerCallback": "loragen.training.transformers_integration",  # imports transformers
     # several named adapters
     "add_adapter": "loragen.adapters.named",
     "set_adapter": "loragen.adapters.named",
@@ -68,7 +68,7 @@ _LAZY = {
     "active_adapter": "loragen.adapters.named",
     "add_weighted_adapter": "loragen.adapters.weighted",
     "mixed_batch": "loragen.layers.mixed_batch",
-    "prepare_model_for_kbit_training": "loragen.training.kbit",
+    "prepare_model_for_kbit_training": "loragen.training.checkpointing",
     "RequantizationWarning": "loragen.errors",
 }
 
@@ -154,11 +154,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from loragen.source.decorator import lora_convert
     from loragen.source.rewriter import RewriteResult, rewrite_source
     from loragen.training.adamw8bit import AdamW8bit
-    from loragen.training.checkpointing import checkpoint_modules, enable_input_require_grads
+    from loragen.training.checkpointing import (
+        checkpoint_modules,
+        enable_input_require_grads,
+        prepare_model_for_kbit_training,
+    )
     from loragen.training.distributed import save_adapter_main_process, wrap_ddp
-    from loragen.training.kbit import prepare_model_for_kbit_training
     from loragen.training.optimizers import make_optimizer
-    from loragen.training.trainer import LoraTrainerCallback
+    from loragen.training.transformers_integration import LoraTrainerCallback
 
 
 def _load_torch_part() -> None:
@@ -167,7 +170,7 @@ def _load_torch_part() -> None:
     imports transformers only for a model that is a transformers model already)."""
     import loragen.convert
     import loragen.layers
-    import loragen.training.transformers_adapters  # noqa: F401
+    import loragen.training.transformers_integration  # noqa: F401
 
 
 # A program that has imported torch already pays nothing for the core: load it now, as it always was, so that

@@ -64,7 +64,7 @@ _CONVERSION_HOOKS: list[Callable[[nn.Module], None]] = []
 # loragen's own hook modules, imported (by name: they sit above this layer) before the first hooks run, so a
 # program that imported ``loragen.convert`` before torch -- ``import loragen`` then loads lazily -- gets
 # them too
-_BUILTIN_HOOK_MODULES = ("loragen.training.transformers_adapters",)
+_BUILTIN_HOOK_MODULES = ("loragen.training.transformers_integration",)
 
 
 def add_conversion_hook(hook: Callable[[nn.Module], None]) -> None:
@@ -324,10 +324,13 @@ def get_lora_model(model: M, config: LoraConfig) -> M:
     adapter per layer, and stacking a second silently is never what a user meant.
 
     Raises:
-        TypeError: ``config`` is not a :class:`~loragen.config.LoraConfig`.
+        TypeError: ``config`` is neither a :class:`~loragen.config.LoraConfig` nor a peft ``LoraConfig``
+            (which is read with :meth:`~loragen.config.LoraConfig.from_peft`).
         LoraConversionError: see :func:`plan_conversion`; nothing is changed when it raises.
         LoraConfigError: see :func:`effective_config`.
     """
+    if not isinstance(config, LoraConfig) and type(config).__module__.startswith("peft."):
+        config = LoraConfig.from_peft(config.to_dict(), source=f"peft {type(config).__name__}")
     if not isinstance(config, LoraConfig):
         raise TypeError(
             f"config must be a loragen.LoraConfig, got {type(config).__name__}; "

@@ -242,9 +242,11 @@ def test_missing_target_modules_is_explained() -> None:
         loragen.get_lora_model(nn.Sequential(nn.Linear(2, 2)), LoraConfig())
 
 
-def test_config_must_be_a_loraconfig() -> None:
-    with pytest.raises(TypeError, match=r"config must be a loragen\.LoraConfig, got LoraConfig.*from_peft"):
-        loragen.get_lora_model(nn.Sequential(nn.Linear(2, 2)), peft.LoraConfig(target_modules=["0"]))
+def test_config_is_a_loraconfig_or_a_peft_one() -> None:
+    model = loragen.get_lora_model(nn.Sequential(nn.Linear(2, 2)), peft.LoraConfig(r=2, target_modules=["0"]))
+    assert model.loragen_config == LoraConfig.from_peft(peft.LoraConfig(r=2, target_modules=["0"]).to_dict())
+    with pytest.raises(TypeError, match=r"config must be a loragen\.LoraConfig, got dict.*from_peft"):
+        loragen.get_lora_model(nn.Sequential(nn.Linear(2, 2)), {"r": 2})  # type: ignore[arg-type]
 
 
 def test_merge_without_lora_layers_is_an_error() -> None:

@@ -15,8 +15,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from loragen.adapters.folder import Adapter, read_adapter
-from loragen.adapters.keys import PEFT_PREFIX
+from loragen.adapters.folder import PEFT_PREFIX, Adapter, read_adapter
 from loragen.adapters.named import (
     add_adapter,
     check_adapter_name,

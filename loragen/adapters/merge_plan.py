@@ -18,11 +18,9 @@ from typing import Literal
 
 import torch
 
-from loragen.adapters.checkpoint import Checkpoint
-from loragen.adapters.folder import Adapter
-from loragen.adapters.key_map import KeyMap, resolve_keys
-from loragen.adapters.keys import LoraFactors
-from loragen.adapters.safetensors_file import SafetensorsReader, TensorEntry
+from loragen.adapters.checkpoint import Checkpoint, KeyMap, resolve_keys
+from loragen.adapters.files import SafetensorsReader, TensorEntry
+from loragen.adapters.folder import Adapter, LoraFactors
 from loragen.config import LoraConfig
 from loragen.errors import MergeError
 from loragen.parameter_targets import name_matches

@@ -24,16 +24,10 @@ from typing import Any, BinaryIO
 
 import torch
 
-from loragen.adapters.checkpoint import INDEX_SUFFIX, MERGE_MARKER_NAME, open_checkpoint
+from loragen.adapters.checkpoint import INDEX_SUFFIX, MERGE_MARKER_NAME, explicit_key_map, open_checkpoint
+from loragen.adapters.files import SafetensorsHeader, SafetensorsReader, TensorEntry, read_safetensors_header
 from loragen.adapters.folder import Adapter, read_adapter
-from loragen.adapters.key_map import explicit_key_map
 from loragen.adapters.merge_plan import MergeOp, MergePlan, check_adapter_values, plan_merge
-from loragen.adapters.safetensors_file import (
-    SafetensorsHeader,
-    SafetensorsReader,
-    TensorEntry,
-    read_safetensors_header,
-)
 from loragen.atomic import WriteError, atomic_dir, atomic_file
 from loragen.errors import AdapterError, MergeError
 

@@ -20,8 +20,12 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from loragen.adapters.folder import ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME, ADAPTER_WEIGHTS_NAME
-from loragen.adapters.keys import PEFT_PREFIX
+from loragen.adapters.folder import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_PICKLE_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    PEFT_PREFIX,
+)
 from loragen.adapters.named import adapter_configs, check_adapter_name, list_adapters, require_adapter
 from loragen.atomic import WriteError, atomic_dir
 from loragen.config import LoraConfig
@@ -250,13 +254,15 @@ def save_adapter(
     save_embedding_layers: bool | Literal["auto"] = "auto",
     state_dict: Mapping[str, torch.Tensor] | None = None,
     selected_adapters: list[str] | None = None,
+    root_adapter: str = DEFAULT_ADAPTER,
 ) -> Path:
     """Write ``model``'s adapters to the folder ``path`` in peft's format; returns the folder.
 
     Each adapter gets ``adapter_config.json`` (see :func:`adapter_config_for`) and
     ``adapter_model.safetensors`` (see :func:`adapter_state_dict`; metadata ``{"format": "pt"}``), in
-    ``path`` for the adapter named ``"default"`` and in ``path/<name>/`` for every other one, as peft's
-    ``save_pretrained`` lays them out. ``selected_adapters`` picks some (default: all). The folder is
+    ``path`` for the adapter named ``root_adapter`` (``"default"``) and in ``path/<name>/`` for every other
+    one, as peft's ``save_pretrained`` lays them out. The config names the model's ``name_or_path`` as
+    ``base_model_name_or_path``, as peft writes it. ``selected_adapters`` picks some (default: all). The folder is
     built beside ``path`` and renamed into place only when complete, so an error or a crash never leaves
     a half-written adapter; other files already in the folder are kept.
 
@@ -289,14 +295,15 @@ def save_adapter(
             state_dict=state_dict,
             adapter_name=name,
         )
-        written.append((name, json.dumps(config.to_peft(), indent=2, sort_keys=True) + "\n", tensors))
-    target = _check_target(path, [name for name, _, _ in written])
+        data = {**config.to_peft(), "base_model_name_or_path": model.__dict__.get("name_or_path") or None}
+        written.append((name, json.dumps(data, indent=2, sort_keys=True) + "\n", tensors))
+    target = _check_target(path, [name for name, _, _ in written], root_adapter)
     try:
         with atomic_dir(target) as tmp:
             if target.is_dir():
                 _carry_over(target, tmp)
             for name, config_text, tensors in written:
-                folder = tmp if name == DEFAULT_ADAPTER else tmp / name
+                folder = tmp if name == root_adapter else tmp / name
                 folder.mkdir(exist_ok=True)
                 for file_name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME):
                     # a subfolder carried over holds hard links to the old files: never write through them
@@ -315,7 +322,7 @@ def save_adapter(
     return target
 
 
-def _check_target(path: str | os.PathLike[str], names: list[str]) -> Path:
+def _check_target(path: str | os.PathLike[str], names: list[str], root_adapter: str) -> Path:
     """The folder ``save_adapter`` writes, checked before anything is built.
 
     Raises:
@@ -341,7 +348,7 @@ def _check_target(path: str | os.PathLike[str], names: list[str]) -> Path:
         raise AdapterError(f"{target} exists and is not a folder; an adapter is saved as a folder")
     for name in names:
         check_adapter_name(name)
-        if name == DEFAULT_ADAPTER:
+        if name == root_adapter:
             continue
         sub = target / name
         if sub.is_symlink():

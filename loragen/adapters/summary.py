@@ -13,14 +13,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from loragen.adapters.files import read_safetensors_header
 from loragen.adapters.folder import (
     ADAPTER_PICKLE_NAME,
     ADAPTER_WEIGHTS_NAME,
+    AdapterKey,
+    check_magnitudes,
+    group_lora_keys,
+    parse_adapter_key,
     read_adapter,
     read_adapter_config,
 )
-from loragen.adapters.keys import AdapterKey, check_magnitudes, group_lora_keys, parse_adapter_key
-from loragen.adapters.safetensors_file import read_safetensors_header
 from loragen.errors import AdapterError
 from loragen.registry import EMBEDDING
 

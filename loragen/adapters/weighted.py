@@ -10,7 +10,7 @@ active, and its factors are frozen (peft freezes it too).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -23,15 +23,11 @@ from loragen.layers.adapter_set import COMBINATIONS, adapter_factors, add_factor
 __all__ = ["add_weighted_adapter"]
 
 
-def _max_rank(model: nn.Module, name: str, config: LoraConfig | None) -> int:
+def _max_rank(layers: Iterable[nn.Module], name: str, config: LoraConfig | None) -> int:
     """The largest rank adapter ``name`` has in any layer (peft: ``max(r, *rank_pattern.values())``)."""
     if config is not None:
         return max(config.r, *config.rank_pattern.values()) if config.rank_pattern else config.r
-    return max(
-        adapter_factors(layer, name).r
-        for layer in find_lora_layers(model).values()
-        if has_adapter(layer, name)
-    )
+    return max(adapter_factors(layer, name).r for layer in layers if has_adapter(layer, name))
 
 
 def _new_targets(names: Sequence[str], configs: dict[str, LoraConfig | None]) -> str | list[str] | None:
@@ -103,9 +99,12 @@ def add_weighted_adapter(
     if len(names) == 1:
         combination_type = "linear"
     configs = adapter_configs(model)
+    layers = {
+        p: layer for p, layer in find_lora_layers(model).items() if any(has_adapter(layer, n) for n in names)
+    }
     variants = {  # each adapter's variant (one per adapter: it follows the adapter's config)
         n: adapter_factors(layer, n).variant
-        for layer in find_lora_layers(model).values()
+        for layer in layers.values()
         for n in names
         if has_adapter(layer, n)
     }
@@ -116,7 +115,7 @@ def add_weighted_adapter(
             f"add_weighted_adapter: adapter(s) {', '.join(map(repr, uncombinable))} use {title}; a weighted sum of "
             f"factors leaves out what {title} adds to them, so loragen does not combine {title} adapters"
         )
-    ranks = {name: _max_rank(model, name, configs.get(name)) for name in names}
+    ranks = {name: _max_rank(layers.values(), name, configs.get(name)) for name in names}
     if combination_type == "linear" and len(set(ranks.values())) > 1:
         described = ", ".join(f"{n!r} r={r}" for n, r in ranks.items())
         raise AdapterMixError(
@@ -126,9 +125,6 @@ def add_weighted_adapter(
         combination_type, svd_rank or max(ranks.values())
     )
     targets = _new_targets(names, configs)
-    layers = {
-        p: layer for p, layer in find_lora_layers(model).items() if any(has_adapter(layer, n) for n in names)
-    }
     first = configs.get(names[0])
     if first is None:
         config = LoraConfig(r=new_rank, lora_alpha=new_rank, target_modules=sorted(layers))

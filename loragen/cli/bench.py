@@ -3,6 +3,8 @@
 The benchmark code lives in the repository's ``benchmarks/`` folder and ships in the wheel as
 ``loragen._benchmarks``; a source checkout's ``benchmarks/`` is used when the package has none. peft
 and transformers come with the ``bench`` extra (``pip install -e '.[bench]'`` from the loragen checkout).
+A run too small or too short to be representative (``--quick``, few rounds, sub-10 ms steps) says so
+in its output; the closing line gives the wall-clock time from process start, start-up included.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import textwrap
 import time
@@ -24,6 +27,7 @@ __all__ = [
     "REQUIREMENTS",
     "Benchmark",
     "BenchmarksNotFound",
+    "caveats",
     "load_benchmark",
     "missing_requirements",
     "register",
@@ -62,6 +66,11 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
 }
 
+# Below these a run's figures are not representative: medians of fewer rounds move with the machine's
+# load, and steps shorter than a few milliseconds are per-call overhead (Python, dispatch, allocation).
+MIN_ROUNDS = 5
+MIN_STEP_SECONDS = 0.010
+
 # What every benchmark imports besides loragen: the contestant (peft) and the Llama models.
 REQUIREMENTS = ("peft", "transformers")
 
@@ -74,9 +83,11 @@ its load. A progress line per round goes to stderr, with the time left.
 
 Needs peft and transformers: pip install -e '.[bench]' (from the loragen checkout).
 
+--quick runs tiny sizes for 3 rounds: a check that the benchmark runs, whose ratios mean nothing (its
+output says so, as does any run of fewer than {min_rounds} rounds or of steps under {min_ms:.0f} ms).
+
 benchmarks (expected wall-clock duration on a 2-core CPU, start-up included: at the default sizes on
-an idle machine -- a loaded one takes several times longer, the progress lines say how long; --quick:
-tiny sizes, 3 rounds):
+an idle machine -- a loaded one takes several times longer, the progress lines say how long):
 {table}
 """
 
@@ -132,7 +143,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run the side-by-side benchmarks (loragen vs peft vs the frozen base)",
-        description=DESCRIPTION.format(table=table),
+        description=DESCRIPTION.format(table=table, min_rounds=MIN_ROUNDS, min_ms=MIN_STEP_SECONDS * 1e3),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     kinds = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
@@ -173,16 +184,71 @@ def _add_benchmark_arguments(name: str, parser: argparse.ArgumentParser) -> None
         parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
 
 
+_QUICK_CAVEAT = (
+    "--quick is a smoke test, not a measurement: it runs each benchmark at tiny sizes for 3 rounds to check "
+    "that every variant runs. At these sizes a step's time is Python and dispatch overhead, not the "
+    "arithmetic the fused op saves, so the ratios to peft say nothing about a real model (loragen can look "
+    "several times slower or faster). Run without --quick for the figures BENCHMARKS.md reports."
+)
+
+
+def caveats(quick: bool, tables: list[Any]) -> list[str]:
+    """Why a run's figures are not representative: ``--quick``, tables of fewer than :data:`MIN_ROUNDS`
+    rounds, or of variants whose median step is under :data:`MIN_STEP_SECONDS`. Empty when none applies.
+
+    Args:
+        quick: whether ``--quick`` was given.
+        tables: the run's recorded ``benchmarks.harness.Table`` objects.
+    """
+    notes = [_QUICK_CAVEAT] if quick else []
+    for number, table in enumerate(tables, 1):
+        data = table.to_json()
+        if not quick and data["rounds"] < MIN_ROUNDS:
+            notes.append(
+                f"table {number}: medians of {data['rounds']} rounds move with the machine's load; "
+                f"use --rounds {MIN_ROUNDS} or more"
+            )
+        short = [v["name"] for v in data["variants"] if v["median_s"] < MIN_STEP_SECONDS]
+        if short and not quick:
+            notes.append(
+                f"table {number}: {', '.join(short)} step in under {MIN_STEP_SECONDS * 1e3:.0f} ms, where "
+                "per-call overhead, not the arithmetic, sets the time; use larger sizes"
+            )
+    return notes
+
+
+def _seconds_since_start() -> float | None:
+    """Wall-clock seconds since this process started (from /proc on Linux), or None where unknown."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, after pid and (comm)
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_IMPORTED = time.perf_counter()  # the fallback start: when the CLI imported this module
+
+
+def _elapsed() -> float:
+    since_start = _seconds_since_start()
+    return since_start if since_start is not None else time.perf_counter() - _IMPORTED
+
+
 def _report(
-    args: argparse.Namespace, tables: list[Any], machine: str | None, seconds: float
+    args: argparse.Namespace, record: Any, seconds: float, startup: float, notes: list[str]
 ) -> dict[str, Any]:
     options = {k: v for k, v in vars(args).items() if k not in ("func", "command", "benchmark")}
     return {
         "benchmark": args.benchmark,
         "options": options,
-        "machine": machine,
+        "machine": record.machine,
         "seconds": seconds,
-        "tables": [table.to_json() for table in tables],
+        "startup_seconds": startup,
+        "representative": not notes,
+        "caveats": notes,
+        "tables": [table.to_json() for table in record.tables],
     }
 
 
@@ -208,19 +274,31 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     bench = BENCHMARKS[args.benchmark]
-    expected = bench.quick_duration if getattr(args, "quick", False) else bench.duration
+    quick = bool(getattr(args, "quick", False))
+    expected = bench.quick_duration if quick else bench.duration
     print(f"loragen bench {args.benchmark}: expected on a 2-core CPU: {expected}", file=sys.stderr)
-    start = time.perf_counter()
+    startup = _elapsed()
     with harness.recording(progress=sys.stderr) as record:
         text = module.run(args)
-    seconds = time.perf_counter() - start
-    text += f"\n\n(loragen bench {args.benchmark}: {seconds:.0f} s)"
+    seconds = _elapsed()
+    notes = caveats(quick, record.tables)
+    listed = "\n".join(
+        textwrap.fill(note, width=100, initial_indent="- ", subsequent_indent="  ") for note in notes
+    )
+    if notes:
+        text += "\n\nNot representative:\n" + listed
+    text += (
+        f"\n\n(loragen bench {args.benchmark}: {seconds:.1f} s wall-clock from process start, of which "
+        f"{startup:.1f} s start-up: Python, torch, transformers and peft imported)"
+    )
     if args.json != "-":
         print(text)
+    elif notes:
+        print("loragen bench: not representative:\n" + listed, file=sys.stderr)
     if args.output:
         atomic_write_text(args.output, text + "\n")
     if args.json is not None:
-        payload = json.dumps(_report(args, record.tables, record.machine, seconds), indent=1)
+        payload = json.dumps(_report(args, record, seconds, startup, notes), indent=1)
         if args.json == "-":
             print(payload)
         else:

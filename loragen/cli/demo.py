@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loragen.cli.flags import add_lora_arguments, positive_int
+from loragen.cli import EXIT_INPUT, EXIT_OK, SUBCOMMANDS, add_lora_arguments, positive_int
 from loragen.errors import LoraConfigError
 
 __all__ = ["register", "run"]
@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
     """Add the ``demo`` subcommand to the ``loragen`` parser."""
     parser = subparsers.add_parser(
         "demo",
-        help="run the main job end to end on scikit-learn's digits",
+        help=SUBCOMMANDS["demo"][2],
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_demo(options, out=sys.stdout, progress=sys.stderr)
     except (DemoError, LoraConfigError) as exc:
         print(f"loragen demo: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_INPUT
     if not result.ok:
         print("loragen demo: the run finished but a check failed (see the summary above)", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_INPUT
+    return EXIT_OK

@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from loragen.atomic import atomic_file
+from loragen.cli import EXIT_INPUT, EXIT_OK, EXIT_USAGE, SUBCOMMANDS, add_lora_arguments, error
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConfigError
 from loragen.source.rewriter import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
 
-__all__ = ["EXIT_FILE_ERRORS", "EXIT_OK", "EXIT_USAGE", "register", "run"]
-
-EXIT_OK = 0
-EXIT_FILE_ERRORS = 1  # some file could not be rewritten, or a target matches nothing; nothing is written
-EXIT_USAGE = 2  # bad arguments, missing files, an unreadable config
+__all__ = ["register", "run"]
 
 _DEFAULTS = LoraConfig()
 _REGEX_CHARACTERS = re.compile(r"[\\^$*+?{}\[\]()|]")
@@ -47,8 +44,9 @@ must match a whole module path (peft's rule for a string). A target that matches
 of the files is an error (unless a file builds sub-models with auto classes: they may hold it).
 
 Without -o/--in-place/--diff the rewritten file is printed (one SRC file only). A per-file summary
-and warnings go to stderr. Exit status: 0 done, 1 some file could not be rewritten or written, or a target
-matches nothing (nothing is written then; each error as file:line: message), 2 usage error.
+and warnings go to stderr. Exit status: 0 done; 1 an input error: a missing or unreadable SRC or --config,
+a file that cannot be rewritten or written, a target that matches nothing (nothing is written then; each
+error as file:line: message); 2 a usage error: flags, or outputs that collide (below).
 
 Writing: every output path is checked before the first file is written. Two sources that would land on
 one output file, an output that is one of the sources (without --in-place), or an output path blocked
@@ -68,28 +66,19 @@ examples:
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+class _Refused(Exception):
+    """The command cannot start: ``str(exc)`` says why, ``status`` is the exit status."""
 
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def register(subparsers: Any) -> None:
     """Add the ``rewrite`` subcommand to the ``loragen`` parser."""
     parser = subparsers.add_parser(
         "rewrite",
-        help="rewrite model source files so that targeted layers become LoRA layers",
+        help=SUBCOMMANDS["rewrite"][2],
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -118,23 +107,12 @@ def register(subparsers: Any) -> None:
         metavar="REGEX",
         help="target_modules as one regular expression matching whole module paths",
     )
-    parser.add_argument(
-        "--r",
-        type=_positive_int,
-        metavar="N",
-        help=f"LoRA rank (default {_DEFAULTS.r}, or the --config value)",
-    )
-    parser.add_argument(
-        "--lora-alpha",
-        type=_float,
-        metavar="A",
-        help=f"LoRA alpha (default {_DEFAULTS.lora_alpha:g}, or the --config value)",
-    )
-    parser.add_argument(
-        "--lora-dropout",
-        type=_float,
-        metavar="P",
-        help=f"LoRA dropout (default {_DEFAULTS.lora_dropout:g}, or the --config value)",
+    add_lora_arguments(
+        parser,
+        r_default=None,
+        alpha_help=f"default {_DEFAULTS.lora_alpha:g}, or the --config value",
+        dropout_default=None,
+        unset_help=", or the --config value",
     )
     parser.add_argument(
         "--config",
@@ -152,24 +130,30 @@ def register(subparsers: Any) -> None:
 
 
 def _target_names(text: str) -> str | list[str]:
-    """``--target-modules``: ``"all-linear"`` or the list of names; raises ValueError for a regex."""
+    """``--target-modules``: ``"all-linear"`` or the list of names; raises _Refused for a regex."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
-        raise ValueError("--target-modules is empty; give names like q_proj,v_proj or all-linear")
+        raise _Refused("--target-modules is empty; give names like q_proj,v_proj or all-linear", EXIT_USAGE)
     if names == [ALL_LINEAR]:
         return ALL_LINEAR
     for name in names:
         if _REGEX_CHARACTERS.search(name):
-            raise ValueError(
+            raise _Refused(
                 f"--target-modules {name!r} is not a module name: it looks like a regular expression. "
                 f"Pass it as --target-regex {text!r} (it must then match whole module paths, as in peft), "
-                "or name the modules (an exact path or a dotted suffix such as self_attn.q_proj)"
+                "or name the modules (an exact path or a dotted suffix such as self_attn.q_proj)",
+                EXIT_USAGE,
             )
     return names
 
 
 def _config(args: argparse.Namespace) -> LoraConfig:
-    """The LoraConfig from --config and the flags; raises ValueError with a message for the user."""
+    """The LoraConfig from --config and the flags.
+
+    Raises:
+        _Refused: an unreadable or invalid --config file (an input error), or flags that make no valid
+            config (a usage error).
+    """
     changes: dict[str, Any] = {}
     if args.target_modules is not None:
         changes["target_modules"] = _target_names(args.target_modules)
@@ -178,25 +162,26 @@ def _config(args: argparse.Namespace) -> LoraConfig:
     for flag in ("r", "lora_alpha", "lora_dropout"):
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
+    config = None
+    if args.config is not None:
+        path = args.config / "adapter_config.json" if args.config.is_dir() else args.config
+        try:
+            config = LoraConfig.from_peft(json.loads(path.read_text(encoding="utf-8")), source=str(path))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _Refused(f"{path}: cannot read: {exc}", EXIT_INPUT) from None
+        except json.JSONDecodeError as exc:
+            raise _Refused(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}", EXIT_INPUT) from None
+        except LoraConfigError as exc:
+            raise _Refused(str(exc), EXIT_INPUT) from None
     try:
-        if args.config is not None:
-            path = args.config / "adapter_config.json" if args.config.is_dir() else args.config
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{path}: cannot read: {exc}") from None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
-            config = LoraConfig.from_peft(data, source=str(path))
-            config = config.replace(**changes) if changes else config
-        else:
-            config = LoraConfig(**changes)
+        config = LoraConfig(**changes) if config is None else config.replace(**changes)
     except LoraConfigError as exc:
-        raise ValueError(str(exc)) from None
+        raise _Refused(str(exc), EXIT_USAGE) from None
     if config.target_modules is None:
-        raise ValueError(
+        raise _Refused(
             "no target modules: pass --target-modules a,b (or all-linear), --target-regex REGEX, "
-            "or --config adapter_config.json"
+            "or --config adapter_config.json",
+            EXIT_USAGE,
         )
     return config
 
@@ -214,9 +199,9 @@ def _collect(sources: list[Path]) -> list[tuple[Path, Path]]:
         elif source.is_file():
             files.append((source, Path(source.name)))
         else:
-            raise ValueError(f"{source}: no such file or folder")
+            raise _Refused(f"{source}: no such file or folder", EXIT_INPUT)
     if not files:
-        raise ValueError(f"no Python files in {', '.join(map(str, sources))}")
+        raise _Refused(f"no Python files in {', '.join(map(str, sources))}", EXIT_INPUT)
     return files
 
 
@@ -353,20 +338,17 @@ def _reads_as(path: Path, text: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Rewrite the sources; returns the exit status (0 done, 1 some file failed, 2 usage error)."""
-
-    def fail(message: str) -> int:
-        print(f"loragen rewrite: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
-
+    """Rewrite the sources; returns the exit status (0 done, 1 an input error, 2 a usage error)."""
     try:
         config = _config(args)
         files = _collect(args.sources)
-    except ValueError as exc:
-        return fail(str(exc))
+    except _Refused as exc:
+        return error("rewrite", str(exc), exc.status)
     to_stdout = not (args.output or args.in_place or args.diff)
     if to_stdout and len(files) > 1:
-        return fail(f"{len(files)} files to rewrite: use -o FOLDER, --in-place or --diff")
+        return error(
+            "rewrite", f"{len(files)} files to rewrite: use -o FOLDER, --in-place or --diff", EXIT_USAGE
+        )
     single_file_output = (
         args.output is not None
         and len(files) == 1
@@ -380,8 +362,8 @@ def run(args: argparse.Namespace) -> int:
     for path, relative in files:
         code, problem = _read(path)
         if problem is not None:
-            error = Diagnostic(str(path), *problem)
-            results.append((path, relative, "", RewriteResult("", False, str(path), errors=(error,))))
+            diagnostic = Diagnostic(str(path), *problem)
+            results.append((path, relative, "", RewriteResult("", False, str(path), errors=(diagnostic,))))
             continue
         package = args.package or module_name_for_path(path)[1]
         result = rewrite_source(
@@ -393,8 +375,8 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for *_, r in results if r.errors]
     if not args.quiet or failed or unmatched:
         for *_, result in results:
-            for error in result.errors:
-                print(str(error), file=sys.stderr)
+            for diagnostic in result.errors:
+                print(str(diagnostic), file=sys.stderr)
             if not args.quiet:
                 for warning in result.warnings:
                     print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
@@ -411,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
             else "a target matches nothing"
         )
         print(f"loragen rewrite: {what}; nothing was written", file=sys.stderr)
-        return EXIT_FILE_ERRORS
+        return EXIT_INPUT
 
     if to_stdout or args.diff:
         for path, _, code, result in results:
@@ -435,12 +417,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         planned = _plan_writes(args, writes, [path for path, *_ in results])
     except ValueError as exc:
-        for line in str(exc).splitlines():
-            print(f"loragen rewrite: error: {line}", file=sys.stderr)
+        error("rewrite", str(exc))
         print("loragen rewrite: nothing was written", file=sys.stderr)
         return EXIT_USAGE
     failure = _write_all(planned)
     if failure is not None:
-        print(f"loragen rewrite: error: {failure}", file=sys.stderr)
-        return EXIT_FILE_ERRORS
+        return error("rewrite", failure, EXIT_INPUT)
     return EXIT_OK

@@ -37,8 +37,7 @@ from loragen.config import LoraConfig
 from loragen.errors import LoraConvertError
 from loragen.registry import LayerSpec, specs
 from loragen.source.expansion import CONFIG_NAME, render_expansion
-from loragen.source.fields import ClassScan, ScanResult
-from loragen.source.scan import ScanError, scan_source
+from loragen.source.scan import ClassScan, ScanError, ScanResult, scan_source
 
 __all__ = ["GENERATED_METHODS", "LoraConvertError", "expansion_source", "lora_convert"]
 

@@ -21,14 +21,11 @@ from typing import Any
 from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR
 from loragen.registry import LayerSpec, spec_for_qualname
-from loragen.source.codegen import config_literal, importable, is_identifier, py_literal, render
-from loragen.source.fields import ClassScan, LayerField, ScanResult
-from loragen.source.names import LORA_CLASS_FOR
+from loragen.source.codegen import CONFIG_NAME, config_literal, is_identifier, py_literal, render
+from loragen.source.scan import LORA_CLASS_FOR, ClassScan, LayerField, ScanResult, importable
 from loragen.source.targets import Targets
 
 __all__ = ["CONFIG_NAME", "render_expansion"]
-
-CONFIG_NAME = "LORA_CONFIG"  # the module-level name of the decorator's config in the generated code
 
 
 class _Imports:

@@ -15,18 +15,32 @@ from collections.abc import Sequence
 import libcst as cst
 
 from loragen.config import ALL_LINEAR, LoraConfig
-from loragen.source.codegen import config_literal, py_literal
-from loragen.source.edits import Editor, config_attribute, edit_call, has_lora_hook, lora_keywords
-from loragen.source.fields import Diagnostic, LayerField, RewriteResult, RewrittenCall, ScannedModule
-from loragen.source.names import LORA_AUTO_CLASS, LORA_CLASS_FOR
-from loragen.source.preamble import (
+from loragen.source.codegen import (
     CONFIG_NAME,
+    Diagnostic,
+    Editor,
     ModuleLine,
+    RewriteResult,
+    RewrittenCall,
     add_module_lines,
     add_preamble,
+    config_attribute,
+    config_literal,
+    edit_call,
+    has_lora_hook,
+    lora_keywords,
+    py_literal,
     top_level_bindings,
 )
-from loragen.source.syntax import class_definitions, code_of, nested_statements
+from loragen.source.scan import (
+    LORA_AUTO_CLASS,
+    LORA_CLASS_FOR,
+    LayerField,
+    ScannedModule,
+    class_definitions,
+    code_of,
+    nested_statements,
+)
 from loragen.source.targets import PRETRAINED, Targets, instances
 
 __all__ = ["RewritePlanner"]

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from loragen.config import LoraConfig
-from loragen.source.fields import Diagnostic, RewriteResult, RewrittenCall
+from loragen.source.codegen import Diagnostic, RewriteResult, RewrittenCall
 from loragen.source.planner import RewritePlanner
 from loragen.source.scan import ScanError, scan_module
 

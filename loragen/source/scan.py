@@ -1,69 +1,1435 @@
-"""Find the LoRA-convertible layer fields of classes in Python source, statically, with libcst.
+"""The scanner: the LoRA-convertible layer fields of the classes in Python source, found statically with
+libcst, for both code generators (:func:`loragen.lora_convert`, :func:`loragen.rewrite_source`).
 
-One scanner serves both code generators: :func:`loragen.lora_convert` (which turns a class's fields
-into explicit conversion code) and :func:`loragen.rewrite_source` (which swaps the constructor calls
-of targeted fields for loragen layers).
+A *layer field* is a module attribute built in ``__init__`` by a constructor of a registered layer type,
+matched by *qualified name* (``nn.Linear``, ``torch.nn.Linear`` and ``from torch.nn import Linear as L``
+are the same; a user's class called ``Linear`` is not), followed through locals, containers and both
+branches of conditionals (:class:`InitWalker`). The file's own layer subclasses (``class
+FalconLinear(nn.Linear)``) are layer types too; sub-models built by transformers' auto classes are
+:class:`FactoryCall`; a previous rewrite's lines are recognised, so a second rewrite changes nothing. What
+cannot be resolved statically is reported as :class:`Unresolved` with ``file:line``, never guessed.
 
-A *layer field* is a module attribute built in ``__init__`` by a constructor that the registry
-(:mod:`loragen.registry`) knows, matched by *qualified name*: ``nn.Linear``, ``torch.nn.Linear`` and
-``from torch.nn import Linear as L`` are the same; a user class that happens to be called ``Linear``
-is not. The scanner follows:
-
-* ``self.x = Layer(...)``, ``self.x: T = Layer(...)``, ``self.a, self.b = Layer(...), Layer(...)``;
-* locals: ``proj = Layer(...); self.x = proj``;
-* containers: ``nn.ModuleList([...])`` and comprehensions (path ``x.{i}``), ``nn.Sequential(...)``
-  (``x.0``, ``x.1``, ... or the names of an ``OrderedDict``), ``nn.ModuleDict({...})`` (``x.key``,
-  ``x.{key}`` for comprehensions), ``self.x.append(...)`` / ``extend``, ``self.add_module("x", ...)``,
-  ``self.x["key"] = ...``, nested to any depth;
-* conditionals: both branches of ``if``/``else`` and of ``a if c else b`` (``conditional=True``).
-
-What it cannot resolve it reports as :class:`Unresolved` with ``file:line``, and never guesses: a layer
-built by a helper function or a method, a constructor obtained through ``getattr`` or passed in as an
-argument, an attribute name computed at run time, a layer constructed where no field can be followed.
-
-The work is split by concern: :mod:`~loragen.source.parse` (parsing, the skeleton),
-:mod:`~loragen.source.names` (qualified names), :mod:`~loragen.source.init_walk` (the ``__init__``
-walk); the results are the data classes of :mod:`~loragen.source.fields`. This module ties them together,
-and makes the last pass (:func:`report_unclaimed`): after the ``__init__`` walks, a call to a registered layer type that none of them claimed (built in a
-helper, at module level, in a method other than ``__init__``) is reported as
-:class:`~loragen.source.fields.Unresolved` with ``file:line``, and so are calls whose name may be a layer
-type but cannot be resolved: a relative import without the module's package, a star import.
+Python's parser checks the code first (its message for invalid code; nesting deeper than
+:data:`MAX_NESTING` is refused before libcst, whose parser crashes the process on it). Scope analysis runs on
+a :func:`skeleton` whose function bodies, but for ``__init__`` and ``get_output_embeddings``, are stubbed
+out; everything found is keyed by the full tree's own nodes (which hash by identity), so nothing is copied.
+Layer types are read without importing torch until :mod:`loragen.layers` is (:func:`layer_types`).
 """
 
 from __future__ import annotations
 
+import ast
+import bisect
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import itertools
 import re
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import libcst as cst
+import libcst.metadata as md
+from libcst._nodes.internal import CodegenState  # the base of libcst's own position providers
+from libcst.metadata import CodePosition, CodeRange
 
 from loragen.errors import ScanError
-from loragen.source.fields import (
-    ClassScan,
-    LayerField,
-    ScannedModule,
-    ScanResult,
-    SourceLocation,
-    SubmoduleField,
-    Unresolved,
-)
-from loragen.source.init_walk import Findings, InitWalker
-from loragen.source.names import Resolver
-from loragen.source.parse import parse, skeleton
-from loragen.source.syntax import code_of, nodes_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from loragen.registry import LayerSpec
 
 __all__ = [
+    "BUILTIN",
+    "LORA_AUTO_CLASS",
+    "LORA_CLASS_FOR",
+    "MAX_NESTING",
+    "NO_DEFAULT",
     "ClassScan",
+    "FactoryCall",
     "LayerField",
+    "LayerType",
+    "LayerTypes",
+    "Resolver",
     "ScanError",
     "ScanResult",
     "ScannedModule",
     "SourceLocation",
+    "SourcePositions",
     "SubmoduleField",
     "Unresolved",
-    "report_unclaimed",
+    "absolute_module",
+    "class_definitions",
+    "code_of",
+    "from_spec",
+    "importable",
+    "layer_types",
+    "nested_statements",
+    "parse",
     "scan_module",
     "scan_source",
+    "skeleton",
 ]
+
+
+# ---- syntax helpers: a node's code, dotted names, string literals, nested statements -----------------------
+
+_EMPTY = cst.Module(body=[])
+
+
+def code_of(node: cst.CSTNode) -> str:
+    """The source code of ``node`` (as libcst prints it, formatting kept)."""
+    return _EMPTY.code_for_node(node)
+
+
+def dotted_name(node: cst.CSTNode) -> str | None:
+    """``"a.b.c"`` for a ``Name`` / ``Attribute`` chain, None for anything else."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = dotted_name(node.value)
+        return None if base is None else f"{base}.{node.attr.value}"
+    return None
+
+
+def string_value(node: cst.BaseExpression) -> str | None:
+    """The value of a plain string literal (``"x"``, ``'x'``), None for anything else."""
+    if isinstance(node, cst.SimpleString):
+        value = node.evaluated_value
+        return value if isinstance(value, str) else None
+    return None
+
+
+def absolute_module(package: str, level: int, name: str | None) -> str | None:
+    """The absolute module a relative import names (``level`` dots inside ``package``), or None if it
+    reaches above the package's top."""
+    parts = package.split(".") if package else []
+    if level - 1 >= len(parts):
+        return None
+    base = parts[: len(parts) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def _block_statements(block: cst.BaseSuite) -> list[cst.CSTNode]:
+    if isinstance(block, cst.SimpleStatementSuite):  # `if x: a = 1`
+        return [cst.SimpleStatementLine(body=block.body)]
+    return list(block.body)
+
+
+def nested_statements(stmt: cst.CSTNode) -> list[cst.CSTNode]:
+    """The statements nested in an ``if`` / ``try`` / ``with`` / ``for`` / ``while`` / ``match``, all branches."""
+    blocks: list[cst.BaseSuite] = []
+    if isinstance(stmt, cst.If):
+        blocks.append(stmt.body)
+        orelse: cst.If | cst.Else | None = stmt.orelse
+        while orelse is not None:
+            blocks.append(orelse.body)
+            orelse = orelse.orelse if isinstance(orelse, cst.If) else None
+    elif isinstance(stmt, cst.Try):
+        blocks.append(stmt.body)
+        blocks.extend(h.body for h in stmt.handlers)
+        if stmt.orelse is not None:
+            blocks.append(stmt.orelse.body)
+        if stmt.finalbody is not None:
+            blocks.append(stmt.finalbody.body)
+    elif isinstance(stmt, (cst.For, cst.While)):
+        blocks.append(stmt.body)
+        if stmt.orelse is not None:
+            blocks.append(stmt.orelse.body)
+    elif isinstance(stmt, cst.With):
+        blocks.append(stmt.body)
+    elif isinstance(stmt, cst.Match):
+        blocks.extend(case.body for case in stmt.cases)
+    return [s for block in blocks for s in _block_statements(block)]
+
+
+def nodes_of(node: cst.CSTNode, kind: type[cst.CSTNode]) -> list[cst.CSTNode]:
+    """Every node of type ``kind`` inside ``node`` (itself included), in source order."""
+    found: list[cst.CSTNode] = []
+
+    class Collect(cst.CSTVisitor):
+        def on_visit(self, child: cst.CSTNode) -> bool:
+            if isinstance(child, kind):
+                found.append(child)
+            return True
+
+    node.visit(Collect())
+    return found
+
+
+def calls_in(node: cst.CSTNode) -> Sequence[cst.Call]:
+    """Every call inside ``node``, in source order."""
+    return [call for call in nodes_of(node, cst.Call) if isinstance(call, cst.Call)]
+
+
+def class_definitions(body: Sequence[cst.CSTNode], prefix: str = "") -> dict[str, cst.ClassDef]:
+    """The classes defined in ``body`` (and nested in them, in functions, in compound statements) by
+    qualified name, as Python spells it: ``"Outer.Inner"``, ``"make.<locals>.Local"``."""
+    found: dict[str, cst.ClassDef] = {}
+    for stmt in body:
+        if isinstance(stmt, cst.ClassDef):
+            found[prefix + stmt.name.value] = stmt
+            found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}."))
+        elif isinstance(stmt, cst.FunctionDef):
+            found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}.<locals>."))
+        elif isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)):
+            found.update(class_definitions(nested_statements(stmt), prefix))
+    return found
+
+
+# ---- parsing: Python's check, libcst's tree, the skeleton, positions ---------------------------------------
+
+MAX_NESTING = 100
+
+KEPT_BODIES = ("__init__", "get_output_embeddings")
+_DEFINES_CLASS = re.compile(r"^[ \t]*class[ \t]", re.MULTILINE)
+
+
+def parse(code: str, filename: str) -> cst.Module:
+    """Parse ``code`` into a libcst module.
+
+    Raises:
+        ScanError: ``code`` is not valid Python, holds a NUL character or text that is not Unicode, or is
+            nested deeper than :data:`MAX_NESTING`; names ``filename:line`` and what is wrong (Python's own
+            message for invalid code).
+    """
+    _check_with_python(code, filename)
+    try:
+        return cst.parse_module(code)
+    except (cst.ParserSyntaxError, SyntaxError, ValueError, RecursionError) as exc:
+        raise _libcst_error(filename, exc) from None
+
+
+def _check_with_python(code: str, filename: str) -> None:
+    """Python's parser on ``code``, then the nesting depth of its tree; raises :class:`ScanError`."""
+    nul = code.find("\0")
+    if nul >= 0:  # Python's message for it has no line
+        line = code.count("\n", 0, nul) + 1
+        raise ScanError("the source holds a NUL character (a binary file?)", filename=filename, line=line)
+    try:
+        tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+    except SyntaxError as exc:
+        raise ScanError(
+            exc.msg, filename=filename, line=exc.lineno or 1, column=max((exc.offset or 1) - 1, 0)
+        ) from None
+    except UnicodeError as exc:  # lone surrogates in a str
+        line = code.count("\n", 0, getattr(exc, "start", 0)) + 1
+        raise ScanError(
+            f"the source is not valid Unicode text: {exc}", filename=filename, line=line
+        ) from None
+    except (RecursionError, MemoryError):  # Python's own limit, deeper than ours
+        raise ScanError(f"nesting deeper than {MAX_NESTING}", filename=filename, line=1) from None
+    deep = _deeper_than(tree, MAX_NESTING)
+    if deep is not None:
+        raise ScanError(
+            f"nesting deeper than {MAX_NESTING} (brackets, calls or operators inside one another); "
+            "loragen reads model files, whose nesting is far shallower",
+            filename=filename,
+            line=deep,
+        )
+
+
+def _deeper_than(tree: ast.AST, limit: int) -> int | None:
+    """The line of the first node found more than ``limit`` levels down in ``tree``, or None."""
+    stack = [(tree, 0, 1)]
+    while stack:
+        node, depth, line = stack.pop()
+        line = getattr(node, "lineno", line)  # expression contexts (Load, Store) have no position
+        if depth > limit:
+            return line
+        stack.extend((child, depth + 1, line) for child in ast.iter_child_nodes(node))
+    return None
+
+
+def _libcst_error(filename: str, exc: Exception) -> ScanError:
+    """libcst refusing code that Python's parser accepts (syntax newer than libcst knows)."""
+    if isinstance(exc, cst.ParserSyntaxError):
+        return ScanError(
+            f"libcst cannot parse this: {exc.message}",
+            filename=filename,
+            line=exc.raw_line,
+            column=exc.raw_column,
+        )
+    if isinstance(exc, RecursionError):
+        return ScanError(
+            f"nesting deeper than libcst can parse ({MAX_NESTING} at most)", filename=filename, line=1
+        )
+    return ScanError(
+        f"libcst cannot parse this: {exc}", filename=filename, line=getattr(exc, "lineno", None) or 1
+    )
+
+
+def skeleton(
+    tree: cst.Module,
+) -> tuple[cst.Module, dict[cst.FunctionDef, cst.FunctionDef], dict[cst.FunctionDef, str]]:
+    """``tree`` with function bodies stubbed out (same line count), ``function -> its stub``, and
+    ``function -> the source of its body`` for the functions whose whole body was stubbed (keyed by the
+    nodes of ``tree``, which hash by identity).
+
+    Kept whole: the bodies named in :data:`KEPT_BODIES`, and the bodies of functions that define classes
+    (whose methods are stubbed in turn). Nothing the scanner follows lies in a wholly stubbed body, so
+    later passes may skip those bodies when their source shows nothing they look for.
+    """
+    stubs: dict[cst.FunctionDef, cst.FunctionDef] = {}
+    hidden: dict[cst.FunctionDef, str] = {}
+
+    def strip(stmt: cst.BaseStatement) -> cst.BaseStatement:
+        if isinstance(stmt, cst.FunctionDef):
+            if stmt.name.value in KEPT_BODIES or not isinstance(stmt.body, cst.IndentedBlock):
+                return stmt
+            text = code_of(stmt.body)
+            if _DEFINES_CLASS.search(text):
+                new = stmt.with_changes(body=stmt.body.with_changes(body=[strip(s) for s in stmt.body.body]))
+            else:
+                # one string literal spanning the body's lines keeps the line count in a single node
+                # (blank lines would be three nodes each, for every pass over the skeleton)
+                lines = "\n" * max(text.count("\n") - 2, 0)
+                stub = cst.SimpleStatementLine(body=[cst.Expr(cst.SimpleString(f'"""{lines}"""'))])
+                body = cst.IndentedBlock(body=[stub], header=stmt.body.header, indent=stmt.body.indent)
+                new = stmt.with_changes(body=body)
+                hidden[stmt] = text
+            stubs[stmt] = new
+            return new
+        if isinstance(stmt, cst.ClassDef) and isinstance(stmt.body, cst.IndentedBlock):
+            return stmt.with_changes(body=stmt.body.with_changes(body=[strip(s) for s in stmt.body.body]))
+        return stmt
+
+    return tree.with_changes(body=[strip(s) for s in tree.body]), stubs, hidden
+
+
+def without_signatures(skeleton: cst.Module, stubbed: set[cst.FunctionDef]) -> cst.Module:
+    """``skeleton`` with the ``stubbed`` functions' parameters, return annotations and decorators dropped.
+
+    What scope analysis needs: the names each scope binds, and the kept bodies. A stubbed function still
+    binds its name; its signature binds nothing outside it and holds no field, so analysing it is wasted
+    (about a third of a modeling file's skeleton). Names in those signatures then resolve at module level
+    (:meth:`Resolver.qualnames`). Everything else is ``skeleton``'s own nodes.
+    """
+
+    def strip(stmt: cst.BaseStatement) -> cst.BaseStatement:
+        if isinstance(stmt, cst.FunctionDef) and stmt in stubbed:
+            return stmt.with_changes(params=cst.Parameters(), returns=None, decorators=())
+        if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)) and isinstance(stmt.body, cst.IndentedBlock):
+            body = [strip(s) for s in stmt.body.body]
+            if any(new is not old for new, old in zip(body, stmt.body.body)):
+                return stmt.with_changes(body=stmt.body.with_changes(body=body))
+        return stmt
+
+    return skeleton.with_changes(body=[strip(s) for s in skeleton.body])
+
+
+_NEWLINE = re.compile(r"\r\n?|\n")
+
+
+class _TokenState(CodegenState):
+    """Code generation that notes, for every node, the indices of the tokens its range starts and ends at:
+    the syntactic range where the node records one, else all the whitespace it owns (as
+    :class:`~libcst.metadata.PositionProvider` decides). Line and column are worked out only for the nodes
+    asked about, so a pass costs little more than printing the code."""
+
+    def __init__(self, module: cst.Module) -> None:
+        super().__init__(default_indent=module.default_indent, default_newline=module.default_newline)
+        self.ranges: dict[cst.CSTNode, tuple[int, int]] = {}
+        self.starts: list[int] = []
+
+    def before_codegen(self, node: cst.CSTNode) -> None:
+        self.starts.append(len(self.tokens))
+
+    def after_codegen(self, node: cst.CSTNode) -> None:
+        start = self.starts.pop()
+        self.ranges.setdefault(node, (start, len(self.tokens)))
+
+    @contextlib.contextmanager
+    def record_syntactic_position(
+        self,
+        node: cst.CSTNode,
+        *,
+        start_node: cst.CSTNode | None = None,
+        end_node: cst.CSTNode | None = None,
+    ) -> Iterator[None]:
+        start = len(self.tokens)
+        try:
+            yield
+        finally:
+            end = len(self.tokens)
+            if start_node is not None:
+                start = self.ranges[start_node][0]
+            if end_node is not None:
+                end = self.ranges[end_node][1]
+            self.ranges[node] = (start, end)
+
+
+class SourcePositions(Mapping[cst.CSTNode, CodeRange]):
+    """``node -> CodeRange`` for every node of ``module``: what ``MetadataWrapper(module).resolve(PositionProvider)``
+    gives, keyed by the module's own nodes (nothing is copied)."""
+
+    def __init__(self, module: cst.Module) -> None:
+        state = _TokenState(module)
+        module._codegen(state)
+        self._ranges = state.ranges
+        self._offsets = list(itertools.accumulate(map(len, state.tokens), initial=0))
+        self._line_ends = [match.end() for match in _NEWLINE.finditer("".join(state.tokens))]
+
+    def _position(self, token: int) -> CodePosition:
+        offset = self._offsets[token]
+        line = bisect.bisect_right(self._line_ends, offset)
+        return CodePosition(line + 1, offset - (self._line_ends[line - 1] if line else 0))
+
+    def __getitem__(self, node: cst.CSTNode) -> CodeRange:
+        start, end = self._ranges[node]
+        return CodeRange(self._position(start), self._position(end))
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._ranges
+
+    def __iter__(self) -> Iterator[cst.CSTNode]:
+        return iter(self._ranges)
+
+    def __len__(self) -> int:
+        return len(self._ranges)
+
+
+# ---- the layer types matched, read without importing torch -------------------------------------------------
+
+NO_DEFAULT = inspect.Parameter.empty  # a keyword-only parameter without a default
+Keywords = tuple[tuple[str, object], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerType:
+    """One layer type as the source tools see it: the registry's :class:`~loragen.registry.LayerSpec` facts
+    that matching and rewriting use, and what the LoRA class's signature says.
+
+    Attributes:
+        base_qualname, lora_qualname, aliases, linear, subclasses: as in :class:`~loragen.registry.LayerSpec`.
+        protocol: the keyword-only parameters of the LoRA class's ``from_module`` (the LoRA protocol) and
+            their defaults (:data:`NO_DEFAULT` if none).
+        defaults: the keyword-only parameters of the LoRA class's constructor and their defaults.
+        takes_any: whether the constructor takes arbitrary keywords (``**kwargs``).
+        requires: the packages the LoRA class's module needs (it cannot be imported without them).
+        spec: the registry's spec this was read from (None: from :data:`BUILTIN`); its LoRA class is
+            imported on first use of :meth:`signature`.
+    """
+
+    base_qualname: str
+    lora_qualname: str
+    aliases: tuple[str, ...] = ()
+    linear: bool = False
+    subclasses: bool = False
+    protocol: Keywords = ()
+    defaults: Keywords = ()
+    takes_any: bool = False
+    requires: tuple[str, ...] = ()
+    spec: LayerSpec | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def qualnames(self) -> tuple[str, ...]:
+        """Every qualified name that denotes the base layer type."""
+        return (self.base_qualname, *self.aliases)
+
+    @property
+    def lora_name(self) -> str:
+        """The LoRA class's name (``"LoraLinear"``)."""
+        return self.lora_qualname.rpartition(".")[2]
+
+    @property
+    def lora_module(self) -> str:
+        """The module a rewritten file imports the LoRA class from."""
+        return self.lora_qualname.rpartition(".")[0]
+
+    def signature(self) -> tuple[dict[str, object], dict[str, object], bool]:
+        """``(protocol, defaults, takes_any)`` (see the attributes).
+
+        Raises:
+            ImportError: the LoRA class of a registered type cannot be imported.
+        """
+        if self.spec is None:
+            return dict(self.protocol), dict(self.defaults), self.takes_any
+        return _signature(self.spec.lora_type())
+
+    def importable(self) -> bool:
+        """Whether a rewritten file can import the LoRA class by its name (a registered type: checked by
+        importing it; a built-in type: its module's packages are installed)."""
+        if self.spec is None:
+            return all(importlib.util.find_spec(package) is not None for package in self.requires)
+        try:
+            return importable(self.spec.lora_qualname, self.spec.lora_type())
+        except ImportError:
+            return False
+
+
+def importable(qualname: str, obj: object) -> bool:
+    """Whether ``from <module> import <name>`` of ``qualname`` gives ``obj`` (generated code can name it)."""
+    module_name, _, name = qualname.rpartition(".")
+    if not module_name or "<locals>" in qualname or obj is None:
+        return False
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    return getattr(module, name, None) is obj
+
+
+def _keyword_only(function: object) -> dict[str, object]:
+    try:
+        parameters = inspect.signature(function).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return {}
+    return {n: p.default for n, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _signature(lora_class: type) -> tuple[dict[str, object], dict[str, object], bool]:
+    try:
+        parameters = inspect.signature(lora_class).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    except (TypeError, ValueError):
+        takes_any = False
+    return _keyword_only(getattr(lora_class, "from_module", None)), _keyword_only(lora_class), takes_any
+
+
+def from_spec(spec: LayerSpec) -> LayerType:
+    """The :class:`LayerType` of a registry spec (its LoRA class is read on first use)."""
+    return LayerType(
+        spec.base_qualname, spec.lora_qualname, spec.aliases, spec.linear, spec.subclasses, spec=spec
+    )
+
+
+_PROTOCOL: Keywords = (
+    ("r", 8),
+    ("lora_alpha", 8),
+    ("lora_dropout", 0.0),
+    ("use_rslora", False),
+    ("init_lora_weights", True),
+    ("use_dora", False),
+)
+_PLAIN: dict[str, Any] = {"protocol": _PROTOCOL, "defaults": _PROTOCOL}
+_LINEAR: dict[str, Any] = {**_PLAIN, "linear": True, "subclasses": True}
+
+
+# as loragen.layers.registration.register_builtin_types registers them, in its order
+BUILTIN: tuple[LayerType, ...] = (
+    *(
+        LayerType(f"torch.nn.{n}", f"loragen.layers.Lora{n}", (f"torch.nn.modules.{m}.{n}",), **_PLAIN)
+        for n, m in (("Conv1d", "conv"), ("Conv2d", "conv"), ("Embedding", "sparse"))
+    ),
+    LayerType("torch.nn.Linear", "loragen.layers.LoraLinear", ("torch.nn.modules.linear.Linear",), **_LINEAR),
+    LayerType(
+        "transformers.pytorch_utils.Conv1D",
+        "loragen.layers.LoraConv1D",
+        ("transformers.modeling_utils.Conv1D", "transformers.Conv1D"),
+        linear=True,
+        requires=("transformers",),
+        **_PLAIN,
+    ),
+    *(
+        LayerType(
+            f"bitsandbytes.nn.{n}",
+            f"loragen.layers.bnb.Lora{n}",
+            (f"bitsandbytes.nn.modules.{n}",),
+            requires=("bitsandbytes",),
+            **{**_LINEAR, "defaults": _PROTOCOL[:-1]},  # the quantized layers have no DoRA
+        )
+        for n in ("Linear4bit", "Linear8bitLt")
+    ),
+)
+
+
+class LayerTypes:
+    """The layer types of one registry state, looked up by qualified name."""
+
+    def __init__(self, types: Iterable[LayerType]) -> None:
+        self.all = tuple(types)
+        self._by_qualname = {q: t for t in self.all for q in t.qualnames}
+
+    def for_qualname(self, qualname: str) -> LayerType | None:
+        """The type a qualified name (``"torch.nn.Conv2d"``) denotes, or None."""
+        return self._by_qualname.get(qualname)
+
+
+_BUILTIN_TYPES = LayerTypes(BUILTIN)
+
+
+def layer_types() -> LayerTypes:
+    """The layer types to match now: the registry's once :mod:`loragen.layers` is imported (it registers
+    loragen's own types; a user's need it too), else :data:`BUILTIN`, without importing torch."""
+    if "loragen.layers" not in sys.modules:
+        return _BUILTIN_TYPES
+    from loragen.registry import specs
+
+    return LayerTypes(from_spec(spec) for spec in specs())
+
+
+# ---- what the scanner reports ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLocation:
+    """Where a node starts: ``file:line:column`` (line 1-based, column 0-based)."""
+
+    filename: str
+    line: int
+    column: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerField:
+    """A layer built in ``__init__`` and stored under a module path of its class.
+
+    Attributes:
+        owner: qualified name of the class in its module (``"LlamaAttention"``, ``"Outer.Inner"``).
+        attribute: the attribute of ``self`` that holds it or its container (``"layers"``).
+        path: module path relative to an instance of ``owner``; ``{i}`` stands for a list index and
+            ``{key}`` for a dictionary key only known at run time (``"layers.{i}.0"``).
+        layer: qualified name of the base layer type (``"torch.nn.Linear"``).
+        lora_name: the loragen class that replaces it (``"LoraLinear"``).
+        location: position of the constructor call.
+        conditional: built under ``if``/``else``, a conditional expression, ``try`` or a loop body.
+        container: ``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when built inside one.
+        is_lora: the call already builds the loragen layer (a rewritten file).
+        subclass: for a layer subclass defined in the scanned file (``FalconLinear``), its name; ``layer`` is
+            then the registered type it derives from and ``lora_name`` the name the file binds its LoRA
+            class to (``LoraFalconLinear = lora_class_for(FalconLinear)``).
+    """
+
+    owner: str
+    attribute: str
+    path: str
+    layer: str
+    lora_name: str
+    location: SourceLocation
+    conditional: bool = False
+    container: str | None = None
+    is_lora: bool = False
+    subclass: str | None = None
+
+    @property
+    def pattern(self) -> str:
+        """The path with run-time indices and keys as ``*`` (``"layers.*"``)."""
+        return re.sub(r"\{(i|key)\}", "*", self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmoduleField:
+    """A child module built from a class constructor that is not a layer (``self.mlp = LlamaMLP(config)``).
+
+    ``callee`` is the qualified name of the constructor; ``local_class`` the qualified name of the class
+    in the scanned module when it is defined there (used to follow containment inside one file).
+    """
+
+    owner: str
+    attribute: str
+    path: str
+    callee: str
+    location: SourceLocation
+    local_class: str | None = None
+    conditional: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FactoryCall:
+    """A sub-model built by a transformers auto class: ``self.language_model = AutoModel.from_config(...)``.
+
+    ``auto_class`` is the auto class as the file spells it (``"AutoModel"``), ``lora_name`` the LoRA auto class
+    a rewrite builds it with (``"LoraAutoModel"``), ``is_lora`` whether the call does so already.
+    """
+
+    owner: str
+    attribute: str
+    path: str
+    auto_class: str
+    lora_name: str
+    location: SourceLocation
+    is_lora: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Unresolved:
+    """Something the scanner saw but cannot resolve statically, with the reason."""
+
+    owner: str | None
+    attribute: str | None
+    location: SourceLocation
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassScan:
+    """What the scanner found in one class.
+
+    Attributes:
+        name: the class's qualified name in its module; ``location``: where it is defined.
+        local_bases: the classes of the same file it derives from; ``base_names``: the qualified names of
+            all its bases.
+        fields / submodules / unresolved: what its ``__init__`` builds, and what could not be followed.
+        output_head: what ``get_output_embeddings`` returns when the class defines it: ``("lm_head",)``
+            for ``return self.lm_head``, ``()`` for ``return None`` or anything not a ``self.<path>``; None
+            when the class does not define it.
+    """
+
+    name: str
+    location: SourceLocation
+    local_bases: tuple[str, ...]
+    base_names: tuple[str, ...]
+    fields: tuple[LayerField, ...]
+    submodules: tuple[SubmoduleField, ...]
+    unresolved: tuple[Unresolved, ...]
+    output_head: tuple[str, ...] | None = None
+    factories: tuple[FactoryCall, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanResult:
+    """What the scanner found in a module: its classes, and what it could not resolve anywhere."""
+
+    filename: str
+    module: str | None
+    classes: tuple[ClassScan, ...]
+    unresolved: tuple[Unresolved, ...]
+
+    def get(self, name: str) -> ClassScan | None:
+        """The class with qualified name ``name``, or None."""
+        return next((c for c in self.classes if c.name == name), None)
+
+    @property
+    def fields(self) -> list[LayerField]:
+        """All layer fields of all classes, in source order."""
+        return [f for c in self.classes for f in c.fields]
+
+    def contexts(self, name: str, *, limit: int = 64) -> list[tuple[str, str]]:
+        """Where instances of class ``name`` appear, following containment in this file.
+
+        Returns ``(root class, path prefix)`` pairs: the fields of ``name`` sit at ``prefix + field.path``
+        inside an instance of the root class. ``(name, "")`` (the class on its own) comes first. For
+        ``LlamaAttention`` in ``modeling_llama.py``: ``("LlamaAttention", "")``,
+        ``("LlamaDecoderLayer", "self_attn.")``, ``("LlamaModel", "layers.{i}.self_attn.")``,
+        ``("LlamaForCausalLM", "model.layers.{i}.self_attn.")``, ... Subclasses defined in the file run
+        their base's ``__init__``, so they share its placements.
+        """
+        subclasses: dict[str, set[str]] = {c.name: set() for c in self.classes}
+        for c in self.classes:
+            for base in c.local_bases:
+                subclasses.setdefault(base, set()).add(c.name)
+
+        def family(cls: str) -> set[str]:  # cls and its local subclasses: they all run cls.__init__
+            seen, todo = set(), [cls]
+            while todo:
+                item = todo.pop()
+                if item not in seen:
+                    seen.add(item)
+                    todo.extend(subclasses.get(item, ()))
+            return seen
+
+        result: list[tuple[str, str]] = []
+
+        def walk(cls: str, suffix: str, stack: tuple[str, ...]) -> None:
+            members = family(cls)
+            for member in [cls, *sorted(members - {cls})]:  # a subclass instance holds the same fields
+                if (member, suffix) not in result:
+                    result.append((member, suffix))
+            if len(result) >= limit or cls in stack:
+                return
+            for owner in self.classes:
+                for sub in owner.submodules:
+                    if sub.local_class in members:
+                        # the owner's subclasses run the owner's __init__ and hold the child too
+                        for holder in [owner.name, *sorted(family(owner.name) - {owner.name})]:
+                            walk(holder, f"{sub.path}.{suffix}", (*stack, cls))
+
+        walk(name, "", ())
+        return result
+
+
+@dataclasses.dataclass
+class ScannedModule:
+    """A parsed module and its scan, kept together for the rewriter; every map is keyed by the nodes of
+    ``tree`` itself (identity: two equal calls on two lines are two keys).
+
+    ``calls`` maps every followed layer constructor call to the fields it builds; ``positions`` gives the
+    source range of the nodes inside those calls; ``lora_bindings`` / ``auto_bindings`` are a previous
+    rewrite's module-level lines (name -> subclass / ``AutoX``), ``factories`` the auto-class calls.
+    ``hidden`` maps each function whose body the scanner did not read (:func:`skeleton`) to that body's
+    source: no followed call lies inside one, so the rewriter skips those without a relative import.
+    """
+
+    tree: cst.Module
+    result: ScanResult
+    calls: dict[cst.Call, list[LayerField]]
+    positions: Mapping[cst.CSTNode, CodeRange]
+    lora_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
+    factories: dict[cst.Call, FactoryCall] = dataclasses.field(default_factory=dict)
+    auto_bindings: dict[str, str] = dataclasses.field(default_factory=dict)
+    hidden: dict[cst.FunctionDef, str] = dataclasses.field(default_factory=dict)
+
+
+# ---- names: what a name in the module denotes, and where a node is ------------------------------------
+
+CONTAINERS = {
+    "ModuleList": ("torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"),
+    "Sequential": ("torch.nn.Sequential", "torch.nn.modules.container.Sequential"),
+    "ModuleDict": ("torch.nn.ModuleDict", "torch.nn.modules.container.ModuleDict"),
+}
+_COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
+AUTO_METHODS = ("from_config",)
+LORA_AUTO_CLASS = ("loragen.source.composite", "lora_auto_class")  # where a rewritten file imports it from
+_LORA_AUTO_CLASS_NAMES = frozenset({".".join(LORA_AUTO_CLASS), "loragen.lora_auto_class"})
+# transformers.AutoModel, transformers.models.auto.modeling_auto.AutoModelForCausalLM, ..auto.AutoModel
+_AUTO_CLASS = re.compile(r"^(transformers\.|\.)([\w.]*\.)?Auto[A-Z]\w*$")
+LORA_CLASS_FOR = ("loragen.layers", "lora_class_for")  # where a rewritten file imports it from
+_LORA_CLASS_FOR_NAMES = frozenset(
+    {"loragen.layers.lora_class_for", "loragen.layers.derived.lora_class_for", "loragen.lora_class_for"}
+)
+
+
+class LayerMatch(NamedTuple):
+    """What a constructor call builds: the registered type's spec, whether the call builds the LoRA class
+    already, and for a layer subclass defined in the file its name and the name of its LoRA class."""
+
+    spec: LayerType
+    is_lora: bool
+    subclass: str | None = None
+    lora_name: str | None = None
+
+
+def _layer_names() -> dict[str, tuple[LayerType, bool]]:
+    """Every qualified name a registered base type or its LoRA class is reachable under."""
+    names: dict[str, tuple[LayerType, bool]] = {}
+    for spec in layer_types().all:
+        for qualname in spec.qualnames:
+            names[qualname] = (spec, False)
+        names[spec.lora_qualname] = (spec, True)
+        if spec.lora_module.startswith("loragen."):
+            names[f"loragen.{spec.lora_name}"] = (spec, True)  # ``from loragen import LoraLinear``
+    return names
+
+
+def lora_auto_name(auto_spelling: str) -> str:
+    """The name a rewrite binds the LoRA auto class to: ``AutoModel`` -> ``LoraAutoModel``."""
+    return "Lora" + auto_spelling.rpartition(".")[2]
+
+
+def _assignments(body: Sequence[cst.CSTNode]) -> Iterator[tuple[str, cst.Call, bool]]:
+    """``(name, call, alone on its line)`` for every module-level ``name = call(argument, ...)`` in ``body``."""
+    for stmt in body:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if isinstance(small, cst.Assign) and len(small.targets) == 1:
+                target, value = small.targets[0].target, small.value
+                if isinstance(target, cst.Name) and isinstance(value, cst.Call) and value.args:
+                    yield target.value, value, len(stmt.body) == 1
+
+
+class Resolver:
+    """Names, definitions and positions of one parsed module: the qualified names a ``Name`` /
+    ``Attribute`` denotes, which registered layer type a constructor call builds, the classes and functions
+    the module defines, and ``file:line`` positions, also inside stubbed function bodies.
+
+    Args:
+        tree: the full module; ``skeleton`` / ``stubs`` / ``hidden``: its skeleton, stubbed functions and
+            wholly stubbed ones (as :func:`skeleton` gives them).
+        filename: for locations. ``module``: the module's dotted name (None: ``__scanned__``).
+        package: the module's package, to resolve relative imports (None: keep them relative).
+    """
+
+    def __init__(
+        self,
+        tree: cst.Module,
+        skeleton: cst.Module,
+        stubs: dict[cst.FunctionDef, cst.FunctionDef],
+        filename: str,
+        module: str | None,
+        package: str | None,
+        hidden: Mapping[cst.FunctionDef, str] | None = None,
+    ) -> None:
+        self.tree = tree
+        self.stubs = stubs
+        self.filename = filename
+        self.package = package
+        self.module_prefix = (module or "__scanned__") + "."
+        self._qualnames: dict[cst.CSTNode, frozenset[str]] = {}
+        # The scopes give a node's qualified names on demand (what QualifiedNameProvider and
+        # FullyQualifiedNameProvider wrap, at the cost of a whole-tree pass each); ``_normalise`` makes
+        # local names and relative imports absolute as the latter would.
+        stubbed = {stubs[function] for function in hidden or ()}
+        scoped = without_signatures(skeleton, stubbed)
+        wrapper = md.MetadataWrapper(scoped, unsafe_skip_copy=True)  # node identity: see module docstring
+        self.scopes: Mapping[cst.CSTNode, md.Scope | None] = wrapper.resolve(md.ScopeProvider)
+        self.positions: Mapping[cst.CSTNode, CodeRange] = SourcePositions(skeleton)
+        scope = self.scopes[wrapper.module]
+        if scope is None:  # libcst gives every module a global scope
+            raise ScanError("libcst found no module scope", filename=filename, line=1)
+        self.global_scope = scope
+        self.skeleton = skeleton
+        self.layer_names = _layer_names()
+        self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
+        # qualified name -> ClassDef / FunctionDef, with Python-style qualnames ("f.<locals>.C")
+        self.class_defs = class_definitions(self.skeleton.body)
+        self.function_defs: dict[str, cst.FunctionDef] = {}
+        top = list(self.skeleton.body)
+        self.layer_subclasses = self._layer_subclasses(
+            {s.name.value: s for s in top if isinstance(s, cst.ClassDef)}
+        )
+        # a previous rewrite's module-level lines: ``LoraFalconLinear = lora_class_for(FalconLinear)`` (name ->
+        # subclass) and ``LoraAutoModel = lora_auto_class(AutoModel, ...)`` (name -> the auto class's spelling)
+        self.lora_bindings = {
+            name: call.args[0].value.value
+            for name, call, _ in _assignments(top)
+            if len(call.args) == 1
+            and self.qualnames(call.func) & _LORA_CLASS_FOR_NAMES
+            and isinstance(call.args[0].value, cst.Name)
+            and call.args[0].value.value in self.layer_subclasses
+        }
+        self.auto_bindings = {
+            name: code_of(call.args[0].value)
+            for name, call, alone in _assignments(top)
+            if alone and self.qualnames(call.func) & _LORA_AUTO_CLASS_NAMES
+        }
+        self.star_imports: list[str] = []
+        self._index_star_imports(self.skeleton.body)
+        self._index_functions(tree.body, "")
+
+    # ---- definitions ---------------------------------------------------------------------------------
+
+    def _layer_subclasses(self, class_defs: Mapping[str, cst.ClassDef]) -> dict[str, LayerType]:
+        """The file's top-level classes that derive (directly or through other classes of the file) from a
+        registered type accepting subclasses: class name -> that type (LoRA classes do not count)."""
+        found: dict[str, LayerType] = {}
+        changed = True
+        while changed:  # a subclass of a subclass of the file: repeat until nothing new is found
+            changed = False
+            for name, node in class_defs.items():
+                for base in node.bases if name not in found else ():
+                    local = self.local_class(base.value)
+                    if local is not None:
+                        spec = found.get(local)
+                    else:
+                        hits = (self.layer_names.get(q) for q in sorted(self.qualnames(base.value)))
+                        spec = next((h[0] for h in hits if h and not h[1] and h[0].subclasses), None)
+                    if spec is not None:
+                        found[name] = spec
+                        changed = True
+                        break
+        return found
+
+    def _index_star_imports(self, body: Sequence[cst.CSTNode]) -> None:
+        """``from x import *`` at module level (also inside ``if`` / ``try``: Python allows no others)."""
+        for stmt in body:
+            if isinstance(stmt, _COMPOUND):
+                self._index_star_imports(nested_statements(stmt))
+            elif isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    if isinstance(small, cst.ImportFrom) and isinstance(small.names, cst.ImportStar):
+                        self.star_imports.append(code_of(small.module) if small.module else ".")
+
+    def _index_functions(self, body: Sequence[cst.CSTNode], prefix: str) -> None:
+        """Functions and methods of the full tree (their bodies intact) by qualified name."""
+        for stmt in body:
+            if isinstance(stmt, cst.ClassDef):
+                self._index_functions(stmt.body.body, prefix + stmt.name.value + ".")
+            elif isinstance(stmt, cst.FunctionDef):
+                self.function_defs[prefix + stmt.name.value] = stmt
+                self._index_functions(stmt.body.body, prefix + stmt.name.value + ".<locals>.")
+            elif isinstance(stmt, _COMPOUND):
+                self._index_functions(nested_statements(stmt), prefix)
+
+    def local_class(self, node: cst.CSTNode) -> str | None:
+        """The qualified name (in this module) of the class ``node`` denotes when the module defines it."""
+        return self._local(node, self.class_defs)
+
+    def local_function(self, node: cst.CSTNode) -> str | None:
+        """The qualified name of the function ``node`` denotes when the module defines it."""
+        return self._local(node, self.function_defs)
+
+    def _local(self, node: cst.CSTNode, defs: Mapping[str, object]) -> str | None:
+        for name in self.qualnames(node):
+            if name.startswith(self.module_prefix) and name[len(self.module_prefix) :] in defs:
+                return name[len(self.module_prefix) :]
+        return None
+
+    # ---- names -----------------------------------------------------------------------------------------
+
+    def qualnames(self, node: cst.CSTNode) -> set[str]:
+        """The absolute qualified names ``node`` may denote (relative ones when no package is known).
+
+        Remembered per node: the scan asks about a call's callee several times (layer, container, factory,
+        submodule), and libcst's scope lookup is its costliest step."""
+        found = self._qualnames.get(node)
+        if found is None:
+            found = self._qualnames[node] = self._lookup(node)
+        return set(found)
+
+    def _lookup(self, node: cst.CSTNode) -> frozenset[str]:
+        scope = self.scopes.get(node)
+        if scope is None:  # in a stubbed body: resolve the dotted name at module level
+            dotted = dotted_name(node)
+            at_top = self.global_scope.get_qualified_names_for(dotted) if dotted else ()
+            return frozenset(self._normalise(q) for q in at_top)
+        return frozenset(self._normalise(q) for q in scope.get_qualified_names_for(node))
+
+    def _normalise(self, q: md.QualifiedName) -> str:
+        """``q`` as an absolute name: a local name gets the module's, a relative import the package's."""
+        if q.source is md.QualifiedNameSource.LOCAL:
+            return self.module_prefix + q.name
+        if q.name.startswith(".") and self.package is not None:
+            level = len(q.name) - len(q.name.lstrip("."))
+            return absolute_module(self.package, level, q.name.lstrip(".")) or q.name
+        return q.name
+
+    def lora_name_for(self, subclass: str) -> str:
+        """The name the file binds ``subclass``'s LoRA class to: its existing binding, or ``Lora<subclass>``."""
+        bound = sorted(name for name, sub in self.lora_bindings.items() if sub == subclass)
+        return bound[0] if bound else f"Lora{subclass}"
+
+    def layer(self, call: cst.Call) -> LayerMatch | None:
+        """The registered layer type ``call`` constructs (and whether it is already the LoRA class)."""
+        subclass = self._local(call.func, self.layer_subclasses)
+        if subclass is not None:
+            return LayerMatch(self.layer_subclasses[subclass], False, subclass, self.lora_name_for(subclass))
+        bound = self._local(call.func, self.lora_bindings)
+        if bound is not None:
+            subclass = self.lora_bindings[bound]
+            return LayerMatch(self.layer_subclasses[subclass], True, subclass, bound)
+        for name in sorted(self.qualnames(call.func)):
+            hit = self.layer_names.get(name)
+            if hit is not None:
+                return LayerMatch(*hit)
+        return None
+
+    def auto_factory(self, call: cst.Call) -> tuple[str, bool] | None:
+        """``(the auto class as the file spells it, whether the call goes through the file's LoRA auto class
+        already)`` when ``call`` builds a sub-model with a transformers auto class
+        (``AutoModel.from_config(...)``), else None."""
+        func = call.func
+        if not (isinstance(func, cst.Attribute) and func.attr.value in AUTO_METHODS):
+            return None
+        bound = self._local(func.value, self.auto_bindings)
+        if bound is not None:
+            return self.auto_bindings[bound], True
+        if any(_AUTO_CLASS.match(name) for name in self.qualnames(func.value)):
+            return code_of(func.value), False
+        return None
+
+    def container_kind(self, call: cst.Call) -> str | None:
+        """``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when ``call`` builds one."""
+        names = self.qualnames(call.func)
+        return next((kind for kind, qualnames in CONTAINERS.items() if names & set(qualnames)), None)
+
+    # ---- positions -------------------------------------------------------------------------------------
+
+    def loc(self, node: cst.CSTNode, within: cst.FunctionDef | None = None) -> SourceLocation:
+        """Position of ``node``; ``within`` is the enclosing function when its body was stubbed."""
+        pos = self.positions.get(node)
+        if pos is None and within is not None:
+            stub = self.stubs.get(within)
+            if stub is None or stub not in self.positions:
+                return SourceLocation(self.filename, 1, 0)
+            mini = SourcePositions(cst.Module(body=[within]))
+            offset = mini[node].start.line - mini[within].start.line
+            return SourceLocation(
+                self.filename, self.positions[stub].start.line + offset, mini[node].start.column
+            )
+        if pos is None:
+            return SourceLocation(self.filename, 1, 0)
+        return SourceLocation(self.filename, pos.start.line, pos.start.column)
+
+
+# ---- the __init__ walk -------------------------------------------------------------------------------------
+
+_SETATTR = "builtins.setattr"
+_ORDERED_DICT = ("collections.OrderedDict", "builtins.dict", "typing.OrderedDict")
+_GETATTR = "builtins.getattr"
+
+
+@dataclasses.dataclass
+class Site:
+    """Where a value ends up: the attribute of self and the path below it."""
+
+    attribute: str
+    path: str
+    conditional: bool
+    container: str | None = None
+
+    def child(self, part: str, container: str) -> Site:
+        """The site of item ``part`` (``"0"``, ``"{i}"``, ``"key"``) of the ``container`` built here."""
+        return dataclasses.replace(self, path=f"{self.path}.{part}", container=container)
+
+
+@dataclasses.dataclass
+class Findings:
+    """What the walks of all classes of a module found, by call node.
+
+    ``calls`` maps every followed layer constructor call (the node itself) to the fields it builds,
+    ``claimed`` holds the calls accounted for (followed or reported) and ``unresolved`` everything
+    reported; ``factories`` the sub-models built by auto classes.
+    """
+
+    calls: dict[cst.Call, list[LayerField]] = dataclasses.field(default_factory=dict)
+    claimed: set[cst.Call] = dataclasses.field(default_factory=set)
+    unresolved: list[Unresolved] = dataclasses.field(default_factory=list)
+    factories: dict[cst.Call, FactoryCall] = dataclasses.field(default_factory=dict)
+
+
+class InitWalker:
+    """Walks one class's ``__init__`` statement by statement (every branch of ``if`` / ``try`` / loops /
+    ``match`` marked conditional) and follows each value stored on ``self`` through conditional expressions,
+    locals and containers to the constructor calls it holds; the fields, submodules, factories and
+    unresolved items land on the instance."""
+
+    def __init__(self, names: Resolver, found: Findings, owner: str) -> None:
+        self.names = names
+        self.found = found
+        self.owner = owner
+        self.fields: list[LayerField] = []
+        self.submodules: list[SubmoduleField] = []
+        self.unresolved: list[Unresolved] = []
+        self.factories: list[FactoryCall] = []
+        self.self_name = "self"
+        self.params: set[str] = set()
+        self.locals: dict[str, list[tuple[cst.BaseExpression, bool]]] = {}
+        self.following: set[str] = set()
+
+    def report(self, node: cst.CSTNode, attribute: str | None, reason: str) -> None:
+        item = Unresolved(self.owner, attribute, self.names.loc(node), reason)
+        self.unresolved.append(item)
+        self.found.unresolved.append(item)
+
+    def is_self_attr(self, node: cst.BaseExpression) -> str | None:
+        """``"x"`` for ``self.x``, None for anything else."""
+        if (
+            isinstance(node, cst.Attribute)
+            and isinstance(node.value, cst.Name)
+            and node.value.value == self.self_name
+        ):
+            return node.attr.value
+        return None
+
+    def value(self, node: cst.BaseExpression, site: Site) -> None:
+        if isinstance(node, cst.IfExp):
+            conditional_site = dataclasses.replace(site, conditional=True)
+            self.value(node.body, conditional_site)
+            self.value(node.orelse, conditional_site)
+            return
+        if isinstance(node, cst.Name) and node.value in self.locals and node.value not in self.following:
+            self.following.add(node.value)
+            bindings = self.locals[node.value]
+            for bound, branch in bindings:
+                conditional = site.conditional or branch or len(bindings) > 1
+                self.value(bound, dataclasses.replace(site, conditional=conditional))
+            self.following.discard(node.value)
+            return
+        if not isinstance(node, cst.Call):
+            return
+        hit = self.names.layer(node)
+        if hit is not None:
+            field = LayerField(
+                owner=self.owner,
+                attribute=site.attribute,
+                path=site.path,
+                layer=hit.spec.base_qualname,
+                lora_name=hit.lora_name or hit.spec.lora_name,
+                location=self.names.loc(node),
+                conditional=site.conditional,
+                container=site.container,
+                is_lora=hit.is_lora,
+                subclass=hit.subclass,
+            )
+            self.fields.append(field)
+            self.found.claimed.add(node)
+            self.found.calls.setdefault(node, []).append(field)
+            return
+        kind = self.names.container_kind(node)
+        if kind is not None:
+            self.container(node, kind, site)
+            return
+        self.other_call(node, site)
+
+    def container(self, call: cst.Call, kind: str, site: Site) -> None:
+        positional = [a for a in call.args if a.keyword is None]
+        if kind == "ModuleList":
+            if positional:
+                self.items(positional[0].value, site.child("{i}", kind))
+            return
+        if kind == "ModuleDict":
+            if positional:
+                self.mapping(positional[0].value, site, kind)
+            return
+        # Sequential(a, b, c) or Sequential(OrderedDict([...]))
+        if len(positional) == 1 and isinstance(positional[0].value, (cst.Call, cst.Dict, cst.DictComp)):
+            inner = positional[0].value
+            if not isinstance(inner, cst.Call) or self.names.qualnames(inner.func) & set(_ORDERED_DICT):
+                self.mapping(inner, site, kind)
+                return
+        for index, arg in enumerate(positional):
+            if arg.star:
+                self.items(arg.value, site.child("{i}", kind))
+                if any(self.builds_layer(a.value) for a in positional[index + 1 :]):
+                    self.report(
+                        arg.value,
+                        site.attribute,
+                        f"items after *{code_of(arg.value)} in {kind} have indices known only at run time",
+                    )
+                return
+            self.value(arg.value, site.child(str(index), kind))
+
+    def items(self, node: cst.BaseExpression, site: Site) -> None:
+        """A list-like value whose items land at ``site.path`` (already ending in ``.{i}``)."""
+        base = site.path.removesuffix(".{i}")
+        if isinstance(node, (cst.List, cst.Tuple)):
+            if any(isinstance(e, cst.StarredElement) for e in node.elements):
+                for element in node.elements:
+                    self.value(element.value, site)
+                return
+            for index, element in enumerate(node.elements):
+                self.value(element.value, dataclasses.replace(site, path=f"{base}.{index}"))
+        elif isinstance(node, (cst.ListComp, cst.GeneratorExp)):
+            self.value(node.elt, site)
+        elif isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add):
+            self.items(node.left, site)
+            self.items(node.right, site)
+        elif self.builds_layer(node):
+            self.report(
+                node,
+                site.attribute,
+                f"the items of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically",
+            )
+
+    def mapping(self, node: cst.BaseExpression, site: Site, kind: str) -> None:
+        """A dict-like value (dict literal, comprehension, OrderedDict([...]), list of pairs)."""
+
+        def at(key: cst.BaseExpression | None) -> Site:  # a key known statically, else ``{key}``
+            text = None if key is None else string_value(key)
+            return site.child("{key}" if text is None else text, kind)
+
+        if isinstance(node, cst.Call) and node.args:
+            keywords = [a.keyword.value for a in node.args if a.keyword is not None]
+            if len(keywords) == len(node.args):  # dict(a=..., b=...)
+                for keyword, a in zip(keywords, node.args):
+                    self.value(a.value, site.child(keyword, kind))
+                return
+            node = node.args[0].value
+        if isinstance(node, cst.Dict):
+            for element in node.elements:
+                if isinstance(element, cst.DictElement):
+                    self.value(element.value, at(element.key))
+        elif isinstance(node, cst.DictComp):
+            self.value(node.value, at(None))
+        elif isinstance(node, (cst.List, cst.Tuple, cst.ListComp, cst.GeneratorExp)):
+            literal = isinstance(node, (cst.List, cst.Tuple))
+            pairs = (
+                [e.value for e in node.elements] if isinstance(node, (cst.List, cst.Tuple)) else [node.elt]
+            )
+            for pair in pairs:
+                if isinstance(pair, (cst.Tuple, cst.List)) and len(pair.elements) == 2:
+                    self.value(pair.elements[1].value, at(pair.elements[0].value if literal else None))
+        elif self.builds_layer(node):
+            self.report(
+                node,
+                site.attribute,
+                f"the entries of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically",
+            )
+
+    def other_call(self, call: cst.Call, site: Site) -> None:
+        """A call that is neither a layer nor a container: a submodule, a factory, or unrelated."""
+        func = call.func
+        factory = self.names.auto_factory(call)
+        if factory is not None:  # self.language_model = AutoModel.from_config(config.text_config)
+            auto_class, is_lora = factory
+            name = (
+                code_of(func.value)
+                if is_lora and isinstance(func, cst.Attribute)
+                else lora_auto_name(auto_class)
+            )
+            item = FactoryCall(
+                self.owner, site.attribute, site.path, auto_class, name, self.names.loc(call), is_lora
+            )
+            self.factories.append(item)
+            self.found.factories[call] = item
+            return
+        names = self.names.qualnames(func)
+        local = self.names.local_class(func)
+        if local is not None:
+            self._submodule(site, call, local, local, site.conditional)
+            return
+        if isinstance(func, cst.Call) and _GETATTR in self.names.qualnames(func.func):
+            self.report(
+                call,
+                site.attribute,
+                f"{site.path} is built by {code_of(func)}(...); a constructor looked up "
+                "with getattr is known only at run time",
+            )
+            return
+        if isinstance(func, cst.Name) and func.value in self.locals and func.value not in self.params:
+            classes = self.alias_classes(func.value)
+            if classes is not None:  # attention_class = CrossAttention if cross else SelfAttention
+                for local in classes:
+                    self._submodule(site, call, local, local, True)
+                return
+        if isinstance(func, cst.Name) and (func.value in self.params or func.value in self.locals):
+            what = "a parameter of __init__" if func.value in self.params else "a local variable"
+            self.report(
+                call,
+                site.attribute,
+                f"{site.path} is built by {func.value}(...), {what}; its type is known only at run time",
+            )
+            return
+        if self.calls_layer_helper(call):
+            self.report(
+                call,
+                site.attribute,
+                f"{site.path} is built by the helper {code_of(func)}(...), which "
+                "constructs layers; move the constructor into __init__ to convert it",
+            )
+            return
+        external = sorted(n for n in names if not n.startswith(self.names.module_prefix))
+        if external and external[0].rpartition(".")[2][:1].isupper():  # a class, by its name
+            self._submodule(site, call, external[0], None, site.conditional)
+
+    def _submodule(
+        self, site: Site, call: cst.Call, callee: str, local: str | None, conditional: bool
+    ) -> None:
+        where = self.names.loc(call)
+        self.submodules.append(
+            SubmoduleField(self.owner, site.attribute, site.path, callee, where, local, conditional)
+        )
+
+    def alias_classes(self, name: str) -> list[str] | None:
+        """The local classes a local variable may hold (``cls = A if c else B``), or None if not only those."""
+        found: list[str] = []
+        todo = [value for value, _ in self.locals[name]]
+        while todo:
+            node = todo.pop(0)
+            if isinstance(node, cst.IfExp):
+                todo.extend((node.body, node.orelse))
+                continue
+            local = self.names.local_class(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
+            if local is None:
+                return None
+            found.append(local)
+        return list(dict.fromkeys(found)) or None
+
+    def calls_layer_helper(self, node: cst.BaseExpression) -> bool:
+        if not isinstance(node, cst.Call):
+            return False
+        helper = self.names.local_function(node.func)
+        method = self.is_self_attr(node.func)
+        if method is not None and f"{self.owner}.{method}" in self.names.function_defs:
+            helper = f"{self.owner}.{method}"
+        return helper is not None and self.builds_layer(self.names.function_defs[helper])
+
+    def builds_layer(self, node: cst.CSTNode) -> bool:
+        return any(self.names.layer(c) is not None for c in calls_in(node))
+
+    def scan_init(self, init: cst.FunctionDef) -> None:
+        """Walk ``init`` (the class's ``__init__``) and collect its fields."""
+        params = init.params
+        positional = [*params.posonly_params, *params.params]
+        if positional:
+            self.self_name = positional[0].name.value
+        for p in [*positional, *params.kwonly_params]:
+            self.params.add(p.name.value)
+        for star in (params.star_arg, params.star_kwarg):
+            if isinstance(star, cst.Param):
+                self.params.add(star.name.value)
+        self.params.discard(self.self_name)
+        self.statements(init.body.body, conditional=False)
+
+    def statements(self, body: Sequence[cst.CSTNode], conditional: bool) -> None:
+        for stmt in body:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    self.small_statement(small, conditional)
+            elif isinstance(stmt, (cst.If, cst.Try, cst.For, cst.While, cst.Match)):
+                self.statements(nested_statements(stmt), True)
+            elif isinstance(stmt, cst.With):
+                self.statements(nested_statements(stmt), conditional)
+            # nested def/class inside __init__: their layer calls are reported as unclaimed
+
+    def small_statement(self, small: cst.BaseSmallStatement, conditional: bool) -> None:
+        if isinstance(small, cst.Assign):
+            for target in small.targets:
+                self.assign(target.target, small.value, conditional)
+        elif isinstance(small, cst.AnnAssign) and small.value is not None:
+            self.assign(small.target, small.value, conditional)
+        elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+            self.call_statement(small.value, conditional)
+
+    def assign(self, target: cst.BaseExpression, value: cst.BaseExpression, conditional: bool) -> None:
+        attribute = self.is_self_attr(target)
+        if attribute is not None:
+            self.value(value, Site(attribute, attribute, conditional))
+            return
+        if isinstance(target, cst.Name):
+            self.locals.setdefault(target.value, []).append((value, conditional))
+            return
+        if isinstance(target, (cst.Tuple, cst.List)):
+            elements = [e.value for e in target.elements]
+            if isinstance(value, (cst.Tuple, cst.List)) and len(value.elements) == len(elements):
+                for sub_target, element in zip(elements, value.elements):
+                    self.assign(sub_target, element.value, conditional)
+            elif any(self.is_self_attr(e) for e in elements) and (
+                self.builds_layer(value) or self.calls_layer_helper(value)
+            ):
+                self.report(value, None, f"tuple assignment from {code_of(value)!s:.60} cannot be followed")
+            return
+        if isinstance(target, cst.Subscript):
+            attribute = self.is_self_attr(target.value)
+            if attribute is not None and len(target.slice) == 1:
+                index = target.slice[0].slice
+                key = None
+                if isinstance(index, cst.Index):
+                    key = string_value(index.value)
+                    if key is None and isinstance(index.value, cst.Integer):
+                        key = index.value.value
+                site = Site(attribute, attribute, conditional)
+                self.value(value, site.child("{key}" if key is None else key, "ModuleDict"))
+
+    def call_statement(self, call: cst.Call, conditional: bool) -> None:
+        func = call.func
+        # self.x.append(...), self.x.extend([...])
+        if isinstance(func, cst.Attribute) and func.attr.value in ("append", "extend", "insert"):
+            attribute = self.is_self_attr(func.value)
+            if attribute is not None and call.args:
+                site = Site(attribute, attribute, conditional).child("{i}", "ModuleList")
+                arg = call.args[-1].value
+                if func.attr.value == "extend":
+                    self.items(arg, site)
+                else:
+                    self.value(arg, site)
+            return
+        # self.add_module("x", ...), self.register_module("x", ...), setattr(self, "x", ...)
+        name_arg = value_arg = None
+
+        def is_self(node: cst.BaseExpression) -> bool:
+            return isinstance(node, cst.Name) and node.value == self.self_name
+
+        if isinstance(func, cst.Attribute) and func.attr.value in ("add_module", "register_module"):
+            if is_self(func.value) and len(call.args) == 2:
+                name_arg, value_arg = call.args[0].value, call.args[1].value
+        elif _SETATTR in self.names.qualnames(func) and len(call.args) == 3 and is_self(call.args[0].value):
+            name_arg, value_arg = call.args[1].value, call.args[2].value
+        if value_arg is None or name_arg is None:
+            return
+        name = string_value(name_arg)
+        if name is None:
+            self.report(
+                call,
+                None,
+                f"{code_of(func)}() with an attribute name computed at run time ({code_of(name_arg)}); "
+                "its module path cannot be known statically",
+            )
+            return
+        self.value(value_arg, Site(name, name, conditional))
+
+
+# ---- the scan ----------------------------------------------------------------------------------------------
 
 
 def scan_source(
@@ -72,14 +1438,10 @@ def scan_source(
     """Scan Python source for the layer fields of every class in it.
 
     Args:
-        code: the module's source.
-        filename: used in locations and messages.
+        code: the module's source; ``filename``: used in locations and messages.
         module: the module's dotted name (``"transformers.models.gpt2.modeling_gpt2"``), for names.
         package: the module's package, needed to resolve relative imports (``from ...pytorch_utils
             import Conv1D`` inside ``transformers.models.gpt2``).
-
-    Returns:
-        a :class:`ScanResult`.
 
     Raises:
         ScanError: ``code`` is not valid Python; the message starts with ``filename:line:``.
@@ -100,19 +1462,11 @@ def scan_module(
     names = Resolver(tree, stripped, stubs, filename, module, package, hidden)
     found = Findings()
     classes = [_scan_class(names, found, name, node) for name, node in names.class_defs.items()]
-    report_unclaimed(names, found, hidden)
+    tree.visit(_Unclaimed(names, found, hidden))
     unresolved = sorted(found.unresolved, key=lambda u: (u.location.line, u.location.column))
     result = ScanResult(filename, module, tuple(classes), tuple(unresolved))
-    return ScannedModule(
-        tree,
-        result,
-        found.calls,
-        names.positions,
-        names.lora_bindings,
-        found.factories,
-        names.auto_bindings,
-        hidden,
-    )
+    bindings = (names.lora_bindings, found.factories, names.auto_bindings)
+    return ScannedModule(tree, result, found.calls, names.positions, *bindings, hidden)
 
 
 def _scan_class(names: Resolver, found: Findings, name: str, node: cst.ClassDef) -> ClassScan:
@@ -156,40 +1510,29 @@ def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
     return ()
 
 
-def report_unclaimed(names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str]) -> None:
-    """Add an :class:`Unresolved` to ``found`` for every layer call of ``names.tree`` not yet claimed.
+class _Unclaimed(cst.CSTVisitor):
+    """The last pass: an :class:`Unresolved` for every layer call that no ``__init__`` walk claimed (built in a
+    helper, at module level, in another method), and for calls whose name may be a layer type but cannot be
+    resolved (a relative import without the module's package, a star import).
 
-    ``hidden`` maps each function to the source of the bodies the scanner did not read: a body whose
-    source names no layer type (under any name the module binds it to) is skipped unread.
+    ``hidden`` maps each function to the source of the body the scanner did not read: a body that names no
+    layer type under any name the module binds one to (``Linear as L``, its subclasses and LoRA bindings) is
+    skipped unread; in a stubbed body names resolve at module level (:meth:`Resolver.qualnames`).
     """
-    names.tree.visit(_Finder(names, found, hidden, _layer_words(names)))
 
-
-def _layer_words(names: Resolver) -> re.Pattern[str]:
-    """The words a call that this pass reports must contain: the registered types' own names, the module's
-    layer subclasses and LoRA bindings, and the names it imports a layer type under (``Linear as L``).
-
-    In a stubbed body names resolve at module level (:meth:`Resolver.qualnames`), so these are all."""
-    words = set(names.short_layer_names)
-    words.update(name.rpartition(".")[2] for name in (*names.layer_subclasses, *names.lora_bindings))
-    for assignment in names.global_scope.assignments:
-        bound = assignment.name
-        qualified = names.global_scope.get_qualified_names_for(bound)
-        if any(q.name.rpartition(".")[2] in names.short_layer_names for q in qualified):
-            words.add(bound)
-    return re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, words))) + r")\b")
-
-
-class _Finder(cst.CSTVisitor):
-    def __init__(
-        self, names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str], words: re.Pattern[str]
-    ) -> None:
+    def __init__(self, names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str]) -> None:
         self.names = names
         self.found = found
         self.hidden = hidden
-        self.words = words
         self.scopes: list[str] = []
         self.functions: list[cst.FunctionDef] = []
+        words = set(names.short_layer_names)
+        words.update(name.rpartition(".")[2] for name in (*names.layer_subclasses, *names.lora_bindings))
+        for assignment in names.global_scope.assignments:
+            qualified = names.global_scope.get_qualified_names_for(assignment.name)
+            if any(q.name.rpartition(".")[2] in names.short_layer_names for q in qualified):
+                words.add(assignment.name)
+        self.words = re.compile(r"\b(?:" + "|".join(sorted(map(re.escape, words))) + r")\b")
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.scopes.append(f"class {node.name.value}")

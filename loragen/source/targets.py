@@ -15,8 +15,7 @@ from collections.abc import Iterable, Iterator
 
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.source.codegen import py_literal
-from loragen.source.fields import LayerField, ScanResult
-from loragen.source.layer_types import layer_types
+from loragen.source.scan import LayerField, ScanResult, layer_types
 
 __all__ = ["PRETRAINED", "Decision", "Targets", "instances"]
 

@@ -1,4 +1,4 @@
-"""Gradient checkpointing for LoRA models.
+"""Gradient checkpointing for LoRA models, and the preparation of a 4-bit / 8-bit model for LoRA training.
 
 * :func:`enable_input_require_grads` — reentrant gradient checkpointing only back-propagates into a
   checkpointed block if one of its *inputs* requires grad. With a frozen embedding nothing does, the
@@ -6,6 +6,20 @@
   requires_grad=True"). The hook makes the embedding output require grad.
 * :func:`checkpoint_modules` — gradient checkpointing for any ``nn.Module`` (transformers models have
   ``gradient_checkpointing_enable()``; plain torch models do not).
+* :func:`prepare_model_for_kbit_training` — peft's steps, with peft's semantics, for a model loaded with
+  transformers' ``BitsAndBytesConfig`` (or any model holding bitsandbytes' quantized weights):
+
+  1. freeze every parameter (LoRA factors are added and made trainable afterwards by ``get_lora_model``);
+  2. cast every float16 / bfloat16 parameter that is not a quantized weight to float32: norms,
+     embeddings, the output head and biases then run in float32, which keeps training stable;
+  3. with gradient checkpointing asked for on a quantized model: make the input embeddings' output
+     require gradients (reentrant checkpointing, transformers' default, needs it, as above), then turn
+     checkpointing on with transformers' ``activation_checkpointing_enable``
+     (``gradient_checkpointing_enable`` before transformers 5), with transformers' default options unless
+     ``gradient_checkpointing_kwargs`` says.
+
+loragen's LoRA op draws its dropout seed from torch's CPU generator, which checkpointing restores before
+recomputing a segment: the recomputed forward uses the same dropout mask.
 """
 
 from __future__ import annotations
@@ -13,16 +27,24 @@ from __future__ import annotations
 import difflib
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from loragen.convert import find_lora_layers, mark_trainable
 from loragen.errors import TrainingSetupError
 
-__all__ = ["checkpoint_modules", "enable_input_require_grads"]
+__all__ = [
+    "checkpoint_modules",
+    "enable_input_require_grads",
+    "is_quantized",
+    "prepare_model_for_kbit_training",
+]
+
+M = TypeVar("M", bound=nn.Module)
 
 
 def _make_output_require_grad(module: nn.Module, inputs: Any, output: Any) -> None:
@@ -109,3 +131,98 @@ def checkpoint_modules(model: nn.Module, names: Iterable[str], *, use_reentrant:
         module._loragen_checkpointed = True
         wrapped.append(name)
     return wrapped
+
+
+# bitsandbytes' parameter classes for quantized weights, by name: no import of bitsandbytes needed
+_QUANTIZED_PARAMETER_TYPES = ("Params4bit", "Int8Params")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _is_quantized_parameter(param: torch.Tensor) -> bool:
+    return type(param).__name__ in _QUANTIZED_PARAMETER_TYPES
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether ``model`` was loaded in 4 or 8 bits (transformers' ``is_loaded_in_4bit`` /
+    ``is_loaded_in_8bit``) or holds a bitsandbytes quantized weight."""
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        return True
+    return any(_is_quantized_parameter(p) for p in model.parameters())
+
+
+def _enable_input_grads(model: nn.Module) -> None:
+    """Make the input embeddings' output require gradients (transformers' ``enable_input_require_grads``
+    where the model has it, else :func:`enable_input_require_grads`)."""
+    enable = getattr(model, "enable_input_require_grads", None)
+    if callable(enable):
+        enable()
+        return
+    try:
+        enable_input_require_grads(model)
+    except TrainingSetupError:
+        raise TrainingSetupError(
+            f"prepare_model_for_kbit_training: {type(model).__name__} has no enable_input_require_grads() "
+            "and no get_input_embeddings(); reentrant gradient checkpointing needs inputs that require "
+            "gradients. Pass gradient_checkpointing_kwargs={'use_reentrant': False}, or "
+            "use_gradient_checkpointing=False"
+        ) from None
+
+
+def _checkpointing_switch(model: nn.Module) -> tuple[Callable[..., Any], str]:
+    """transformers' method that turns checkpointing on, and its keyword for ``torch.utils.checkpoint``'s
+    options: ``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` before transformers 5.
+
+    Raises:
+        TrainingSetupError: the model has neither.
+    """
+    for method, keyword in (
+        ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+        ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
+    ):
+        enable = getattr(model, method, None)
+        if callable(enable):
+            return enable, keyword
+    raise TrainingSetupError(
+        f"prepare_model_for_kbit_training: {type(model).__name__} has no gradient_checkpointing_enable() "
+        "(a transformers model has); pass use_gradient_checkpointing=False and wrap its blocks in "
+        "torch.utils.checkpoint yourself"
+    )
+
+
+def prepare_model_for_kbit_training(
+    model: M,
+    use_gradient_checkpointing: bool = True,
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+) -> M:
+    """Prepare a 4-bit / 8-bit model for LoRA training, in place, as peft's function of the same name
+    does (the steps are in the module docstring); returns the same model.
+
+    Call it before :func:`loragen.get_lora_model`. Called on a model that has LoRA layers already, it
+    freezes the base as usual and then makes the LoRA parameters (and what the model's config trains)
+    trainable again.
+
+    Args:
+        model: the loaded model (a transformers model for gradient checkpointing).
+        use_gradient_checkpointing: turn on gradient checkpointing (only for a quantized model, as peft).
+        gradient_checkpointing_kwargs: passed to ``gradient_checkpointing_enable`` (for example
+            ``{"use_reentrant": False}``, which needs no input gradients and so skips step 3's hook).
+
+    Raises:
+        TrainingSetupError: checkpointing is asked for and the model has no ``gradient_checkpointing_enable``
+            (not a transformers model), or reentrant checkpointing is asked for and the model exposes no
+            input embeddings.
+    """
+    kwargs = dict(gradient_checkpointing_kwargs or {})
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for param in model.parameters():
+        if param.dtype in _HALF_DTYPES and not _is_quantized_parameter(param):
+            param.data = param.data.to(torch.float32)
+    if use_gradient_checkpointing and is_quantized(model):
+        enable_checkpointing, keyword = _checkpointing_switch(model)
+        if kwargs.get("use_reentrant", True):
+            _enable_input_grads(model)
+        enable_checkpointing(**{keyword: kwargs or None})
+    if find_lora_layers(model):
+        mark_trainable(model)
+    return model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -18,18 +17,9 @@ from tests.adapters.helpers import CASES, loragen_adapter, peft_adapter
 
 
 def main(argv: list[str]) -> int:
-    """``loragen ARGV`` through the real entry point (or ours alone while other subcommands are missing)."""
+    """``loragen ARGV`` through the real entry point."""
     from loragen import cli
 
-    try:
-        cli.build_parser()
-    except ModuleNotFoundError:
-        from loragen.cli import inspect_adapter
-
-        parser = argparse.ArgumentParser(prog="loragen")
-        inspect_adapter.register(parser.add_subparsers())
-        args = parser.parse_args(argv)
-        return args.func(args)
     return cli.main(argv)
 
 

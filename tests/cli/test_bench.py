@@ -1,5 +1,6 @@
 """loragen bench: the harness, a smoke run of each benchmark at tiny sizes (--quick), --json, progress on
-stderr, --help's expected durations, and the message naming the [bench] extra when peft is missing."""
+stderr, --help's expected durations, the caveat of a run too small to be representative, the closing
+time with start-up included, and the message naming the [bench] extra when peft is missing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 from loragen.cli import main
-from loragen.cli.bench import BENCHMARKS, load_benchmark
+from loragen.cli.bench import BENCHMARKS, MIN_ROUNDS, MIN_STEP_SECONDS, caveats, load_benchmark
+
+# the variants every CPU benchmark of the tiny Llama times (a benchmark may add ablation rows of its own)
+LLAMA_ROWS = {"frozen", "peft", "loragen", "loragen unfused"}
 
 
 def _harness():
@@ -78,6 +82,15 @@ def test_bench_layer_quick_prints_tables_progress_and_json_file(tmp_path, capsys
         assert v["time_ratio"]["peft"] == pytest.approx(v["median_s"] / variants["peft"]["median_s"])
         assert f"{v['saved_bytes'] / 2**20:.2f}" == rows[name][3]
     assert variants["frozen"]["saved_bytes"] == 0
+    # too small to mean anything, and said so in the output and the report; the time includes start-up
+    assert "Not representative:\n- --quick is a smoke test, not a measurement" in out
+    assert report["representative"] is False and report["caveats"][0].startswith("--quick is a smoke test")
+    assert 0 < report["startup_seconds"] <= report["seconds"]
+    footer = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"\(loragen bench layer: \d+\.\d s wall-clock from process start, of which \d+\.\d s start-up: .*\)",
+        footer,
+    )
 
 
 def test_bench_llama_quick_writes_markdown_and_fills_saved_over_frozen(tmp_path, capsys) -> None:
@@ -86,13 +99,7 @@ def test_bench_llama_quick_writes_markdown_and_fills_saved_over_frozen(tmp_path,
     printed = capsys.readouterr().out
     assert out_file.read_text().strip() == printed.strip()
     rows = _rows(printed)
-    assert set(rows) == {
-        "frozen",
-        "peft",
-        "loragen",
-        "loragen unfused",
-        "full fine-tuning",
-    }
+    assert LLAMA_ROWS | {"full fine-tuning"} <= set(rows)
     # a frozen network saves activations to pass gradients to its input embeddings: the column is filled
     (header,) = _headers(printed)
     assert header[-2:] == ["saved / frozen", "saved / peft"]
@@ -103,10 +110,11 @@ def test_bench_llama_quick_writes_markdown_and_fills_saved_over_frozen(tmp_path,
 def test_bench_decoder_quick_json_on_stdout(capsys) -> None:
     assert main(["bench", "decoder", "--quick", "--threads", "1", "--json"]) == 0
     captured = capsys.readouterr()
-    report = json.loads(captured.out)  # nothing but the JSON on stdout
+    report = json.loads(captured.out)  # nothing but the JSON on stdout: the caveat goes to stderr
+    assert "loragen bench: not representative:\n- --quick is a smoke test" in captured.err
     (table,) = report["tables"]
     variants = {v["name"]: v for v in table["variants"]}
-    assert set(variants) == {"frozen", "peft", "loragen", "loragen unfused"}
+    assert LLAMA_ROWS <= set(variants) and "full fine-tuning" not in variants
     assert variants["loragen"]["saved_bytes"] <= variants["peft"]["saved_bytes"]
     assert variants["frozen"]["saved_bytes"] > 0 and variants["peft"]["saved_ratio"]["frozen"] > 1.0
     assert "bench: table 1: round 3/3" in captured.err
@@ -186,3 +194,21 @@ def test_run_variants_reports_every_round(capsys) -> None:
         "bench: table 2: round 1/2 of 1 variants",
         "bench: table 2: round 2/2 of 1 variants",
     ]
+
+
+def _table(rounds: int, seconds: float):
+    harness = _harness()
+    results = [harness.Result(name, [seconds] * rounds, 0) for name in ("frozen", "loragen")]
+    return harness.Table("toy", results, ["frozen"])
+
+
+def test_caveats_name_quick_few_rounds_and_short_steps() -> None:
+    long_step = 2 * MIN_STEP_SECONDS
+    assert caveats(False, [_table(MIN_ROUNDS, long_step)]) == []  # representative: nothing to say
+    (few,) = caveats(False, [_table(MIN_ROUNDS - 1, long_step)])
+    assert few.startswith(f"table 1: medians of {MIN_ROUNDS - 1} rounds") and f"--rounds {MIN_ROUNDS}" in few
+    (short,) = caveats(False, [_table(MIN_ROUNDS, MIN_STEP_SECONDS / 2)])
+    assert short.startswith("table 1: frozen, loragen step in under 10 ms")
+    # --quick says why once, whatever its tables look like
+    (quick,) = caveats(True, [_table(3, MIN_STEP_SECONDS / 2)])
+    assert quick.startswith("--quick is a smoke test, not a measurement") and "BENCHMARKS.md" in quick

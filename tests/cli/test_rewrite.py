@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from loragen.cli import EXIT_INPUT, EXIT_USAGE
 from loragen.cli import rewrite as rewrite_command
 from loragen.config import LoraConfig
 
@@ -72,7 +73,7 @@ def test_cli_invalid_python_exits_nonzero_with_file_line_and_writes_nothing(
 ):
     (sources / "broken.py").write_text("import torch\n\nclass A(:\n    pass\n")
     originals = {p: p.read_bytes() for p in sources.rglob("*.py")}
-    assert run_cli(str(sources), "--in-place", "--target-modules", "q") == rewrite_command.EXIT_FILE_ERRORS
+    assert run_cli(str(sources), "--in-place", "--target-modules", "q") == EXIT_INPUT
     err = capsys.readouterr().err
     assert f"{sources / 'broken.py'}:3: invalid syntax\n" in err
     assert "nothing was written" in err
@@ -84,7 +85,6 @@ def test_cli_invalid_python_exits_nonzero_with_file_line_and_writes_nothing(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["missing.py", "--target-modules", "q"], "missing.py: no such file or folder"),
         (["{src}/a.py"], "no target modules"),
         (
             ["{src}/a.py", "--target-modules", r".*\.q"],
@@ -92,12 +92,30 @@ def test_cli_invalid_python_exits_nonzero_with_file_line_and_writes_nothing(
         ),
         (["{src}/a.py", "--target-modules", ","], "--target-modules is empty"),
         (["{src}", "--target-modules", "q"], "2 files to rewrite: use -o FOLDER, --in-place or --diff"),
-        (["{src}/a.py", "--target-modules", "q", "--lora-dropout", "2"], "lora_dropout=2.0"),
-        (["{src}/a.py", "--config", "{src}/a.py"], "not valid JSON"),
     ],
 )
 def test_cli_usage_errors(sources: Path, capsys, args: list[str], message: str):
-    assert run_cli(*[a.format(src=sources) for a in args]) == rewrite_command.EXIT_USAGE
+    assert run_cli(*[a.format(src=sources) for a in args]) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_flag_value_is_a_usage_error_naming_the_range(sources: Path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(str(sources / "a.py"), "--target-modules", "q", "--lora-dropout", "2")
+    assert exit_info.value.code == EXIT_USAGE
+    assert "--lora-dropout: expected a probability with 0 <= p < 1, got '2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.py", "--target-modules", "q"], "missing.py: no such file or folder"),
+        (["{src}/a.py", "--config", "{src}/a.py"], "not valid JSON"),
+        (["{src}/a.py", "--config", "{src}/missing.json"], "missing.json: cannot read"),
+    ],
+)
+def test_cli_input_errors(sources: Path, capsys, args: list[str], message: str):
+    assert run_cli(*[a.format(src=sources) for a in args]) == EXIT_INPUT
     assert message in capsys.readouterr().err
 
 
@@ -109,7 +127,7 @@ def test_in_place_never_damages_the_input_when_the_write_fails(sources: Path, mo
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", broken_replace)
-    assert run_cli(str(target), "--in-place", "--target-modules", "q") == rewrite_command.EXIT_FILE_ERRORS
+    assert run_cli(str(target), "--in-place", "--target-modules", "q") == EXIT_INPUT
     assert "loragen rewrite: error: cannot write: disk full; nothing was written\n" in capsys.readouterr().err
     assert target.read_bytes() == before
     assert [p.name for p in sources.iterdir() if p.is_file()] == ["a.py"]
@@ -121,7 +139,7 @@ def test_two_sources_onto_one_output_file_are_refused_before_writing(sources: Pa
     (other / "a.py").write_text((sources / "a.py").read_text().replace("self.q", "self.q2"))
     out = tmp_path / "out"
     status = run_cli(str(sources / "a.py"), str(other / "a.py"), "-o", str(out), "--target-modules", "q,q2")
-    assert status == rewrite_command.EXIT_USAGE
+    assert status == EXIT_USAGE
     err = capsys.readouterr().err
     assert (
         f"error: {out / 'a.py'}: both {sources / 'a.py'} and {other / 'a.py'} would be written here\n" in err
@@ -132,7 +150,7 @@ def test_two_sources_onto_one_output_file_are_refused_before_writing(sources: Pa
 def test_an_output_onto_a_source_needs_in_place(sources: Path, capsys):
     source = sources / "a.py"
     before = source.read_bytes()
-    assert run_cli(str(source), "-o", str(source), "--target-modules", "q") == rewrite_command.EXIT_USAGE
+    assert run_cli(str(source), "-o", str(source), "--target-modules", "q") == EXIT_USAGE
     assert "the output would overwrite the source" in capsys.readouterr().err
     # a folder written onto itself, and an output reached through a link, are the same mistake
     (sources / "link.py").symlink_to(source)
@@ -166,13 +184,13 @@ def test_a_file_in_the_way_of_an_output_folder_fails_before_anything_is_written(
     out.mkdir()
     (out / "sub").write_text("not a folder")
     status = run_cli(str(sources), "-o", str(out), "--target-modules", "q,v")
-    assert status == rewrite_command.EXIT_USAGE
+    assert status == EXIT_USAGE
     err = capsys.readouterr().err
     assert f"error: {out / 'sub' / 'b.py'}: {out / 'sub'} is a file, not a folder\n" in err
     assert sorted(p.name for p in out.iterdir()) == ["sub"]  # a.py, which had room, is not written either
     (out / "sub").unlink()
     (out / "a.py").mkdir()
-    assert run_cli(str(sources), "-o", str(out), "--target-modules", "q,v") == rewrite_command.EXIT_USAGE
+    assert run_cli(str(sources), "-o", str(out), "--target-modules", "q,v") == EXIT_USAGE
     assert f"{out / 'a.py'}: is a folder" in capsys.readouterr().err
     assert not (out / "sub").exists()
 
@@ -180,7 +198,7 @@ def test_a_file_in_the_way_of_an_output_folder_fails_before_anything_is_written(
 def test_a_target_that_matches_nothing_is_an_error_naming_it(sources: Path, tmp_path: Path, capsys):
     out = tmp_path / "out"
     status = run_cli(str(sources), "-o", str(out), "--target-modules", "q,q_prj,k")
-    assert status == rewrite_command.EXIT_FILE_ERRORS
+    assert status == EXIT_INPUT
     err = capsys.readouterr().err
     assert (
         "loragen rewrite: error: target_modules entry 'q_prj' matches no layer field in 2 file(s); "
@@ -199,7 +217,7 @@ def test_regex_targets_match_whole_module_paths(sources: Path, tmp_path: Path, c
     assert "self.k = LoraLinear(" in b and "self.v = nn.Linear(2, 2)" in b
     assert 'LORA_CONFIG = LoraConfig(target_modules="q|k")' in b
     status = run_cli(str(sources), "--diff", "--target-regex", "q_pr.*")
-    assert status == rewrite_command.EXIT_FILE_ERRORS
+    assert status == EXIT_INPUT
     assert "target_modules regex 'q_pr.*' matches no layer field in 2 file(s)" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one or the other
         run_cli(str(sources), "--diff", "--target-regex", "q", "--target-modules", "k")

@@ -14,8 +14,7 @@ import torch
 import loragen.cuda
 from loragen.cuda import kernel_variants, specs
 from loragen.cuda.optim import adamw8bit_update_cuda, kernel_supports
-from loragen.training.adamw8bit import AdamW8bit, adamw8bit_update_
-from loragen.training.quantization import dequantize_blockwise, dynamic_code
+from loragen.training.adamw8bit import AdamW8bit, adamw8bit_update_, dequantize_blockwise, dynamic_code
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
 from tests.cuda.rendering import rendered
 

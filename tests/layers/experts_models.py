@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import loragen
-from loragen.adapters.keys import PEFT_PREFIX
+from loragen.adapters.folder import PEFT_PREFIX
 from loragen.adapters.save import adapter_state_dict
 from loragen.convert import find_lora_layers
 

@@ -278,7 +278,7 @@ def test_merge_and_unload_gives_plain_quantized_layers(llama_dir: Path, fmt: tup
 def test_loragen_imports_without_bitsandbytes() -> None:
     code = (
         "import sys; sys.modules['bitsandbytes'] = None\n"
-        "import loragen, loragen.layers, loragen.training.kbit\n"
+        "import loragen, loragen.layers, loragen.training.checkpointing\n"
         "from loragen.registry import spec_for_qualname\n"
         "assert spec_for_qualname('bitsandbytes.nn.Linear4bit').base_type() is None\n"
         "model = loragen.get_lora_model(__import__('torch').nn.Sequential(__import__('torch').nn.Linear(4, 4)),\n"

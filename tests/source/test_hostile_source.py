@@ -13,7 +13,7 @@ import pytest
 
 from loragen import LoraConfig, rewrite_source
 from loragen.source.decorator import LoraConvertError, lora_convert
-from loragen.source.parse import MAX_NESTING
+from loragen.source.scan import MAX_NESTING
 
 MODEL = (
     "from torch import nn\n\nclass A(nn.Module):\n    def __init__(self):\n        super().__init__()\n"

@@ -1,5 +1,5 @@
 """The source tools without torch: ``rewrite_source`` and ``loragen rewrite`` import no torch, and the table of
-built-in layer types they read then (:data:`loragen.source.layer_types.BUILTIN`) is the registry's."""
+built-in layer types they read then (:data:`loragen.source.scan.BUILTIN`) is the registry's."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import loragen.layers  # noqa: F401  (registers the built-in types)
 from loragen import registry
 from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR
-from loragen.source.layer_types import BUILTIN, from_spec, layer_types
-from loragen.source.preamble import CONFIG_ATTR as SOURCE_CONFIG_ATTR
+from loragen.source.codegen import CONFIG_ATTR as SOURCE_CONFIG_ATTR
 from loragen.source.rewriter import rewrite_source
+from loragen.source.scan import BUILTIN, from_spec, layer_types
 
 MODEL = """\
 import torch

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loragen.source.parse import SourcePositions, skeleton
+from loragen.source.scan import SourcePositions, skeleton
 
 SNIPPETS = [
     "x = 1\n",

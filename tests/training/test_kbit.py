@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import loragen  # noqa: E402
 from loragen.convert import find_lora_layers  # noqa: E402
 from loragen.errors import TrainingSetupError  # noqa: E402
-from loragen.training.kbit import is_quantized, prepare_model_for_kbit_training  # noqa: E402
+from loragen.training.checkpointing import is_quantized, prepare_model_for_kbit_training  # noqa: E402
 
 
 @pytest.fixture(scope="module")

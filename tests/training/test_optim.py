@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from loragen.training.adamw8bit import AdamW8bit
+from loragen.training.adamw8bit import AdamW8bit, dequantize_blockwise, dynamic_code, quantize_blockwise
 from loragen.training.optimizers import make_optimizer, optimizer_state_bytes, trainable_parameters
-from loragen.training.quantization import dequantize_blockwise, dynamic_code, quantize_blockwise
 
 
 def _regression_model(seed: int = 0, width: int = 96) -> nn.Module:

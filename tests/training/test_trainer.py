@@ -1,6 +1,7 @@
 """``LoraTrainerCallback`` with transformers' Trainer and TRL's SFTTrainer: every checkpoint holds the peft
-adapter, the adapter loads in peft, and ``resume_from_checkpoint`` continues exactly where an
-uninterrupted run would be — also when checkpoints keep only the adapter."""
+adapter and, by default, nothing of the frozen base; the adapter loads in peft, and
+``resume_from_checkpoint`` continues exactly where an uninterrupted run would be (parameters and losses),
+with adapter-only checkpoints and with ``full_model=True`` ones."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _args(output_dir: Path, max_steps: int) -> transformers.TrainingArguments:
         learning_rate=1e-2,
         max_steps=max_steps,
         save_steps=2,
-        logging_steps=100,
+        logging_steps=1,
         report_to=[],
         use_cpu=True,
         seed=0,
@@ -63,32 +64,40 @@ def _lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(
-    output_dir: Path, max_steps: int, *, adapter_only: bool = False, resume: bool = False
-) -> torch.nn.Module:
+    output_dir: Path, max_steps: int, *, full_model: bool = False, resume: bool = False
+) -> tuple[torch.nn.Module, dict[int, float]]:
+    """The trained model and the loss logged at each step."""
     model = _model()
     trainer = transformers.Trainer(
         model=model,
         args=_args(output_dir, max_steps),
         train_dataset=_dataset(),
-        callbacks=[loragen.LoraTrainerCallback(adapter_only=adapter_only)],
+        callbacks=[loragen.LoraTrainerCallback(full_model=full_model)],
     )
     trainer.train(resume_from_checkpoint=str(output_dir / "checkpoint-2") if resume else None)
-    return model
+    losses = {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
+    return model, losses
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+def uninterrupted(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, dict[str, torch.Tensor], dict[int, float]]:
     out = tmp_path_factory.mktemp("uninterrupted")
-    return out, _lora_state(_train(out, 4))
+    model, losses = _train(out, 4)
+    return out, _lora_state(model), losses
 
 
-def test_every_checkpoint_holds_the_peft_adapter(uninterrupted) -> None:
-    out, final = uninterrupted
+def test_every_checkpoint_holds_the_peft_adapter_and_no_base_weight(uninterrupted) -> None:
+    out, final, _ = uninterrupted
+    trainable = {name for name, p in _model().named_parameters() if p.requires_grad}
     for step in (2, 4):
         folder = out / f"checkpoint-{step}"
         assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
-        assert (folder / "model.safetensors").is_file() and (folder / "trainer_state.json").is_file()
+        assert (folder / "trainer_state.json").is_file() and not (folder / "config.json").exists()
         assert json.loads((folder / "adapter_config.json").read_text())["peft_type"] == "LORA"
+        # the weights file Trainer resumes from holds what trains and nothing else
+        assert set(load_file(str(folder / "model.safetensors"))) == trainable
     saved = load_file(str(out / "checkpoint-4" / "adapter_model.safetensors"))
     assert saved["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].equal(
         final["model.layers.0.self_attn.q_proj.lora_A"]
@@ -103,20 +112,26 @@ def test_every_checkpoint_holds_the_peft_adapter(uninterrupted) -> None:
     )
 
 
-@pytest.mark.parametrize("adapter_only", [False, True])
+@pytest.mark.parametrize("full_model", [False, True])
 def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(
-    uninterrupted, tmp_path: Path, adapter_only
+    uninterrupted, tmp_path: Path, full_model: bool
 ) -> None:
-    _, expected = uninterrupted
-    _train(tmp_path, 2, adapter_only=adapter_only)
+    _, expected, expected_losses = uninterrupted
+    _train(tmp_path, 2, full_model=full_model)
     folder = tmp_path / "checkpoint-2"
     weights = load_file(str(folder / "model.safetensors"))
-    assert all("lora_" in key for key in weights) is adapter_only  # adapter_only: what trains, nothing else
-    assert (folder / "optimizer.pt").is_file()
-    resumed = _lora_state(_train(tmp_path, 4, adapter_only=adapter_only, resume=True))
+    assert all("lora_" in key for key in weights) is not full_model  # by default: what trains, nothing else
+    assert (folder / "config.json").is_file() is full_model
+    assert (folder / "optimizer.pt").is_file() and (folder / "adapter_model.safetensors").is_file()
+    model, losses = _train(tmp_path, 4, full_model=full_model, resume=True)
+    resumed = _lora_state(model)
     assert resumed.keys() == expected.keys()
     for key in expected:
         torch.testing.assert_close(resumed[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    # steps 1-2 come from the checkpoint's trainer state, 3-4 are trained after resuming
+    assert set(losses) == set(expected_losses) == {1, 2, 3, 4}
+    for step, loss in losses.items():
+        assert loss == pytest.approx(expected_losses[step], rel=1e-5), step
 
 
 class _Records(logging.Handler):
@@ -128,20 +143,20 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_an_exact_adapter_only_resume_does_not_warn_about_missing_base_weights(tmp_path: Path) -> None:
-    _train(tmp_path, 2, adapter_only=True)
+def test_an_exact_resume_does_not_warn_about_missing_base_weights(tmp_path: Path) -> None:
+    _train(tmp_path, 2)
     records = _Records()
     trainer_logger = logging.getLogger("transformers.trainer")
     trainer_logger.addHandler(records)
     try:
-        _train(tmp_path, 4, adapter_only=True, resume=True)
+        _train(tmp_path, 4, resume=True)
     finally:
         trainer_logger.removeHandler(records)
     assert not [m for m in records.messages if "missing keys" in m]
 
 
 def test_a_resume_that_lacks_a_trainable_tensor_still_warns(tmp_path: Path) -> None:
-    _train(tmp_path, 2, adapter_only=True)
+    _train(tmp_path, 2)
     weights = tmp_path / "checkpoint-2" / "model.safetensors"
     tensors = load_file(str(weights))
     dropped = "model.layers.0.self_attn.q_proj.lora_A"
@@ -153,10 +168,41 @@ def test_a_resume_that_lacks_a_trainable_tensor_still_warns(tmp_path: Path) -> N
     trainer_logger = logging.getLogger("transformers.trainer")
     trainer_logger.addHandler(records)
     try:
-        _train(tmp_path, 4, adapter_only=True, resume=True)
+        _train(tmp_path, 4, resume=True)
     finally:
         trainer_logger.removeHandler(records)
     assert any("missing keys" in m and dropped in m for m in records.messages)
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoints_adapter(tmp_path: Path) -> None:
+    # transformers' own case (test_peft_integration: "LoRA works with load_best_model_at_end"), on a loragen
+    # model whose checkpoints hold only what trains
+    model = _model()
+    args = _args(tmp_path, 4)
+    args.eval_strategy = "steps"
+    args.eval_steps = 2
+    args.load_best_model_at_end = True
+    args.metric_for_best_model = "loss"
+    args.greater_is_better = True  # the worse checkpoint (step 2) is "best": loading it changes the model
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=_dataset(),
+        eval_dataset=_dataset(4),
+        callbacks=[loragen.LoraTrainerCallback()],
+    )
+    records = _Records()
+    logging.getLogger("transformers.trainer").addHandler(records)
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("transformers.trainer").removeHandler(records)
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.name == "checkpoint-2"
+    saved = load_file(str(best / "model.safetensors"))
+    state = model.state_dict()
+    assert saved and all(torch.equal(state[key], value) for key, value in saved.items())
+    assert not [m for m in records.messages if "missing keys" in m]
 
 
 def test_trainer_save_model_writes_the_adapter_as_for_a_peft_model(tmp_path: Path) -> None:

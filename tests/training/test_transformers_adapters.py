@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import loragen
-from loragen.adapters.keys import PEFT_PREFIX
+from loragen.adapters.folder import PEFT_PREFIX
 from loragen.adapters.save import adapter_state_dict
 
 peft = pytest.importorskip("peft")
@@ -173,15 +173,20 @@ def test_transformers_adapter_methods_act_on_loragen_adapters(way: str, kind: st
     for key, value in expected.items():
         torch.testing.assert_close(got[key.removeprefix(PEFT_PREFIX)], value)
 
-    # save_pretrained: the adapter folder (B in its subfolder, as PeftModel.save_pretrained), peft loads it
+    # save_pretrained: the active adapter B at the root (as transformers), "default" in its subfolder (as
+    # PeftModel.save_pretrained); peft loads both
     out = tmp_path / "saved"
     model.save_pretrained(out)
-    assert (out / "adapter_config.json").is_file() and (out / "B" / "adapter_model.safetensors").is_file()
+    assert (out / "adapter_config.json").is_file() and (
+        out / "default" / "adapter_model.safetensors"
+    ).is_file()
     assert not (out / "config.json").exists() and not (out / "model.safetensors").exists()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        twin = peft.PeftModel.from_pretrained(_base(kind), str(out / "B"))
+        twin = peft.PeftModel.from_pretrained(_base(kind), str(out))
+        twin_a = peft.PeftModel.from_pretrained(_base(kind), str(out / "default"))
     torch.testing.assert_close(_logits(twin), only_b)
+    torch.testing.assert_close(_logits(twin_a), only_a)
 
 
 def test_set_adapter_while_disabled_takes_effect_once_enabled(tmp_path: Path) -> None:

@@ -1,18 +1,22 @@
-"""``loragen merge``: merge an adapter into a safetensors checkpoint without building the model."""
+"""The commands that read adapter folders: ``loragen merge`` (an adapter merged into a safetensors checkpoint
+without building the model) and ``loragen inspect`` (what an adapter folder holds)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import json
+from pathlib import Path
 
-__all__ = ["register", "run"]
+from loragen.cli import EXIT_INPUT, EXIT_OK, EXIT_USAGE, SUBCOMMANDS, error
+
+__all__ = ["register_inspect", "register_merge", "run_inspect", "run_merge"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register_merge(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``merge`` subcommand."""
     parser = subparsers.add_parser(
         "merge",
-        help="merge a peft/loragen adapter into a safetensors checkpoint (file or shard folder)",
+        help=SUBCOMMANDS["merge"][2],
         description=(
             "Merge a LoRA adapter folder (peft's format) into a safetensors checkpoint, tensor by tensor,\n"
             "without loading the model. BASE is a .safetensors file or a folder of shards with\n"
@@ -84,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="show a progress bar (default: when stderr is a terminal)",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run_merge)
 
 
 def _key_map_rule(text: str) -> tuple[str, str]:
@@ -94,15 +98,15 @@ def _key_map_rule(text: str) -> tuple[str, str]:
     return old, new
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``loragen merge``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
+def run_merge(args: argparse.Namespace) -> int:
+    """Run ``loragen merge``; returns the exit status (0 done, 1 an input error, 2 a usage error; the error
+    on stderr)."""
     from loragen.adapters.offline_merge import merge_checkpoint
     from loragen.errors import LoraError
 
     key_map = dict(args.key_map)
     if len(key_map) < len(args.key_map):
-        print("loragen merge: error: --key-map gives the same OLD twice", file=sys.stderr)
-        return 1
+        return error("merge", "--key-map gives the same OLD twice", EXIT_USAGE)
     try:
         report = merge_checkpoint(
             args.base,
@@ -116,8 +120,7 @@ def run(args: argparse.Namespace) -> int:
             allow_nonfinite=args.allow_nonfinite,
         )
     except (LoraError, OSError) as exc:
-        print(f"loragen merge: error: {exc}", file=sys.stderr)
-        return 1
+        return error("merge", str(exc))
     if args.dry_run:
         for path, key in report.keys.items():
             print(f"{path} -> {key}")
@@ -132,4 +135,73 @@ def run(args: argparse.Namespace) -> int:
             f"into {report.output} ({len(report.files)} file{'s' * (len(report.files) != 1)}; "
             f"{report.mapping})"
         )
-    return 0
+    return EXIT_OK
+
+
+def register_inspect(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``inspect`` subcommand."""
+    parser = subparsers.add_parser(
+        "inspect",
+        help=SUBCOMMANDS["inspect"][2],
+        description=(
+            "Show what a LoRA adapter folder (peft's format) holds: one row per adapted module with its "
+            "rank, alpha, scale, shape, parameter count and dtype, tensors saved in full, and totals. "
+            "A folder of several named adapters (the one at the root and each in its <name>/ subfolder, as "
+            "save_pretrained writes them) gets one report per adapter. Reads only the configs and the "
+            "safetensors headers."
+        ),
+    )
+    parser.add_argument("adapter", metavar="ADAPTER", help="adapter folder (adapter_config.json, ...)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print JSON instead of a table (several adapters: {"folder": ..., "adapters": {name: report}})',
+    )
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept a pickled adapter_model.bin (only from a trusted source)",
+    )
+    parser.set_defaults(func=run_inspect)
+
+
+def _adapter_folders(folder: Path) -> dict[str, Path]:
+    """``{name: folder}`` of the adapters in ``folder``: the root one (``"default"``, as ``load_adapter`` names
+    it; ``"(root)"`` beside a ``default/`` subfolder) and one per ``<name>/`` subfolder with an
+    ``adapter_config.json``; the root alone when there are no named ones (its errors are then the report)."""
+    from loragen.adapters.folder import ADAPTER_CONFIG_NAME
+
+    named = (
+        {sub.name: sub for sub in sorted(folder.iterdir()) if (sub / ADAPTER_CONFIG_NAME).is_file()}
+        if folder.is_dir()
+        else {}
+    )
+    if named and not (folder / ADAPTER_CONFIG_NAME).is_file():
+        return named
+    return {"(root)" if "default" in named else "default": folder, **named}
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Run ``loragen inspect``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
+    from loragen.adapters.summary import format_summary, inspect_adapter
+    from loragen.errors import LoraError
+
+    folder = Path(args.adapter)
+    try:
+        summaries = {
+            name: inspect_adapter(path, allow_pickle=args.allow_pickle)
+            for name, path in _adapter_folders(folder).items()
+        }
+    except (LoraError, OSError) as exc:
+        return error("inspect", str(exc), EXIT_INPUT)
+    if len(summaries) == 1 and "default" in summaries:
+        summary = summaries["default"]
+        print(json.dumps(summary.to_json(), indent=2) if args.json else format_summary(summary))
+    elif args.json:
+        reports = {name: summary.to_json() for name, summary in summaries.items()}
+        print(json.dumps({"folder": str(folder), "adapters": reports}, indent=2))
+    else:
+        print(f"{len(summaries)} adapters in {folder}: {', '.join(summaries)}")
+        for name, summary in summaries.items():
+            print(f"\n== adapter {name!r} ==\n{format_summary(summary)}")
+    return EXIT_OK

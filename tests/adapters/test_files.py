@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loragen.adapters.safetensors_file import SafetensorsReader, read_safetensors_header
+from loragen.adapters.files import SafetensorsReader, read_safetensors_header
 from loragen.errors import AdapterError
 
 

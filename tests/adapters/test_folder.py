@@ -10,8 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from loragen import LoraConfig, get_lora_model
-from loragen.adapters.folder import read_adapter
-from loragen.adapters.keys import AdapterKey, group_lora_keys, parse_adapter_key
+from loragen.adapters.folder import AdapterKey, group_lora_keys, parse_adapter_key, read_adapter
 from loragen.adapters.save import adapter_config_for
 from loragen.adapters.summary import inspect_adapter
 from loragen.errors import AdapterError
