@@ -173,9 +173,7 @@ def cuda_op_on_cpu_tensors(launchers: list[object]) -> Iterator[None]:
 
     class _CudaOp:
         @staticmethod
-        def apply(
-            x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, seed: Any, fifo: bool
-        ) -> Any:
+        def apply(x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, seed: Any, fifo: bool) -> Any:
             return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launchers[0])  # type: ignore[arg-type]
 
     def no_fallback(x: Any, dropout: float) -> None:
