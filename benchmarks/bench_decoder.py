@@ -1,10 +1,10 @@
-"""One tiny-Llama decoder layer, forward + backward: frozen vs peft vs loragen with and without sibling
-fusion (loragen.ops.siblings) vs loragen's plain composition, side by side.
+"""One tiny-Llama decoder layer, forward + backward: frozen vs peft vs loragen vs loragen's plain
+composition, side by side.
 
 The layer of ``bench_llama`` (hidden 512, intermediate 1376, 8 heads; batch 4 x seq 256, fp32; LoRA r=16,
 alpha 32 on q, k, v, o, gate, up, down), without the embedding, the head and the optimizer. A step is
 ~0.1 s instead of ~0.6 s, so many more interleaved rounds fit in a minute and differences of a few
-milliseconds -- what sibling fusion is worth -- stand out of a shared machine's noise.
+milliseconds stand out of a shared machine's noise.
 
     python -m benchmarks.bench_decoder            # dropout 0, 100 rounds
     loragen bench decoder [...]                   # the same through the CLI
@@ -62,7 +62,6 @@ def build_variants(
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     import loragen
-    import loragen.ops.siblings
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -80,10 +79,9 @@ def build_variants(
     base = _Layer(LlamaDecoderLayer(config, 0).train(), position_embeddings)
     grad_out = torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(1))
 
-    def make(name: str, model: nn.Module, siblings: bool = True) -> Variant:
+    def make(name: str, model: nn.Module) -> Variant:
         def forward() -> Tensor:
-            with loragen.switches.sibling_fusion.using(siblings):
-                return model(x.detach().requires_grad_(True))
+            return model(x.detach().requires_grad_(True))
 
         def step() -> None:
             for p in model.parameters():
@@ -98,7 +96,6 @@ def build_variants(
         make("frozen", copy.deepcopy(base).requires_grad_(False)),
         make("peft", peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**config_kwargs))),
         make("loragen", lora),
-        make("loragen, no sibling fusion", copy.deepcopy(lora), siblings=False),
         make("loragen unfused", plain_composition(lora)),
     ]
 

@@ -1,5 +1,5 @@
-"""A tiny Llama training step: frozen model vs peft vs loragen (fused op with and without sibling fusion,
-and the plain composition) vs full fine-tuning, side by side.
+"""A tiny Llama training step: frozen model vs peft vs loragen (fused op, and the plain composition) vs
+full fine-tuning, side by side.
 
 Model from config (no download): hidden 512, intermediate 1376, 4 layers, 8 heads, vocab 1000; batch
 4 x seq 256, fp32; LoRA r=16, alpha 32 on q, k, v, o, gate, up, down; AdamW step on what trains. The
@@ -23,8 +23,8 @@ from .harness import (
     Variant,
     add_timing_arguments,
     benchmark_main,
+    causal_lm_training_variant,
     dropout_tables,
-    module_tensors,
     plain_composition,
 )
 
@@ -79,28 +79,10 @@ def build_variants(
     import peft
 
     import loragen
-    import loragen.ops.siblings
 
     torch.manual_seed(0)
     base = _llama(hidden, intermediate, layers, heads, vocab, seq).train()
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
-
-    def make(name: str, model: nn.Module, siblings: bool = True) -> Variant:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4) if trainable else None
-
-        def forward() -> torch.Tensor:
-            with loragen.switches.sibling_fusion.using(siblings):
-                return model(input_ids=ids, labels=ids).loss
-
-        def step() -> None:
-            if optimizer is not None:
-                optimizer.zero_grad(set_to_none=True)
-            forward().backward()
-            if optimizer is not None:
-                optimizer.step()
-
-        return Variant(name, step, forward, module_tensors(model))
 
     frozen = copy.deepcopy(base).requires_grad_(False)
     frozen.enable_input_require_grads()  # gradients flow to the input embeddings and nowhere else
@@ -111,12 +93,11 @@ def build_variants(
     config = loragen.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=TARGETS)
     fused = loragen.get_lora_model(copy.deepcopy(base), config)
     return [
-        make("frozen", frozen),
-        make("peft", peft_model),
-        make("loragen", fused),
-        make("loragen, no sibling fusion", copy.deepcopy(fused), siblings=False),
-        make("loragen unfused", plain_composition(fused)),
-        make("full fine-tuning", copy.deepcopy(base)),
+        causal_lm_training_variant("frozen", frozen, ids),
+        causal_lm_training_variant("peft", peft_model, ids),
+        causal_lm_training_variant("loragen", fused, ids),
+        causal_lm_training_variant("loragen unfused", plain_composition(fused), ids),
+        causal_lm_training_variant("full fine-tuning", copy.deepcopy(base), ids),
     ]
 
 

@@ -169,21 +169,19 @@ def cuda_op_on_cpu_tensors(launchers: list[object]) -> Iterator[None]:
     tensors would take the CPU op, under autocast too (as CUDA tensors do; CPU ones would take the
     composition)."""
     from loragen.cuda.linear_op import lora_linear_cuda
-    from loragen.ops import dispatch
+    from loragen.ops import fused
 
     class _CudaOp:
         @staticmethod
-        def apply(
-            x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, rng: Any, seed: Any, fifo: bool
-        ) -> Any:
+        def apply(x: Any, w: Any, b: Any, a: Any, bb: Any, s: float, p: float, seed: Any, fifo: bool) -> Any:
             return lora_linear_cuda(x, w, b, a, bb, s, p, True, fan_in_fan_out=fifo, launcher=launchers[0])  # type: ignore[arg-type]
 
     def no_fallback(x: Any, dropout: float) -> None:
         return None
 
     with (
-        mock.patch.object(dispatch, "LoraLinearFunction", _CudaOp),
-        mock.patch.object(dispatch, "fallback_reason", no_fallback),
+        mock.patch.object(fused, "LoraLinearFunction", _CudaOp),
+        mock.patch.object(fused, "fallback_reason", no_fallback),
     ):
         yield
 

@@ -191,7 +191,7 @@ class LoraConfig:
         target_parameters: parameters adapted directly, e.g. MoE experts stored as 3-D parameters, by full
             name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.expert_parameters`).
         use_dora: DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude per output
-            feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.dora_magnitude`).
+            feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.variants`).
         task_type: peft's task type (``"CAUSAL_LM"``, ``"SEQ_CLS"``, ...); as in peft, ``"SEQ_CLS"`` and
             ``"TOKEN_CLS"`` also train the ``classifier`` / ``score`` head and ``"QUESTION_ANS"`` the
             ``qa_outputs`` head in full (added to ``modules_to_save`` when the config is resolved).

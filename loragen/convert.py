@@ -22,7 +22,6 @@ from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
 from loragen.layers.expert_parameters import lora_parameters_class
 from loragen.plan import LoraPlan, resolve, trained_extras
-from loragen.sibling_planning import plan_siblings
 
 __all__ = [
     "CONFIG_ATTR",
@@ -150,8 +149,6 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
 
     ``config`` None means the config the model carries (:func:`carried_config`). ``bias="all"`` follows
     peft: every parameter named ``bias`` trains (not, say, T5's ``relative_attention_bias.weight``).
-    As the last step of every conversion (``get_lora_model``, ``load_adapter``, rewritten and decorated
-    models), it also plans sibling fusion (:func:`loragen.sibling_planning.plan_siblings`).
 
     Raises:
         LoraConversionError: ``config`` is None and the model carries no config (or different ones).
@@ -178,8 +175,6 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
     for path in saved:
         for p in model.get_submodule(path).parameters():
             p.requires_grad_(True)
-    # the model is complete now: plan which LoRA linears share their input (sibling fusion)
-    plan_siblings(model)
     run_conversion_hooks(model)
 
 

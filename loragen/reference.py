@@ -1,5 +1,5 @@
 """peft's compositions in plain autograd: the references every fast op is checked against, and what runs
-where no fast op does (see :func:`loragen.ops.dispatch.fallback_reason` and
+where no fast op does (see :func:`loragen.ops.fused.fallback_reason` and
 :func:`loragen.cuda.unsupported_reason`).
 
 The LoRA term ``scaling * B A dropout(x)`` is written once, in :func:`lora_term`; the compositions built

@@ -1,61 +1,72 @@
-"""Reading a forward's source (loragen.forward_calls): which ``self.<name>(<var>)`` calls share an input."""
+"""The forward a newcomer reads is the forward that runs: a LoRA Linear's default training forward on the
+CPU, traced call by call from ``layer(x)`` to the autograd op, passes few loragen files and functions."""
 
 from __future__ import annotations
 
-import libcst
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
 import pytest
+import torch
+from torch import nn
 
-from loragen.forward_calls import call_groups, groups_in_source
+import loragen
+from loragen import LoraConfig
+from loragen.ops.fused import LoraLinearFunction
 
-
-def test_llama_attention_and_mlp_sources_give_qkv_and_gate_up() -> None:
-    from transformers.models.llama import modeling_llama
-
-    attention = call_groups(modeling_llama.LlamaAttention.forward)
-    mlp = call_groups(modeling_llama.LlamaMLP.forward)
-    assert attention == (("q_proj", "k_proj", "v_proj"),)
-    assert mlp == (("gate_proj", "up_proj"),)
+PACKAGE = Path(loragen.__file__).resolve().parent
+MAX_FILES = 6
 
 
-@pytest.mark.parametrize(
-    ("source", "expected"),
-    [
-        ("def f(self, x):\n    return self.a(x) + self.b(x) + self.c(x)\n", (("a", "b", "c"),)),
-        # an assignment to x between two calls separates them
-        ("def f(self, x):\n    y = self.a(x)\n    x = x + 1\n    return y + self.b(x)\n", ()),
-        ("def f(self, x):\n    x = self.a(x)\n    return self.b(x)\n", ()),
-        ("def f(self, x):\n    x += 1\n    y = self.a(x)\n    return y + self.b(x)\n", (("a", "b"),)),
-        # calls in different branches never run together
-        ("def f(self, x, c):\n    if c:\n        return self.a(x)\n    return self.b(x)\n", ()),
-        # keyword arguments, expressions and nested attributes are not plain single-input calls
-        ("def f(self, x):\n    return self.a(x=x) + self.b(x) + self.c(x + 1) + self.d.e(x)\n", ()),
-        # other variables make other groups; a name called twice counts once
-        (
-            "def f(me, x, z):\n    return me.a(x) + me.b(z) + me.c(x) + me.d(z) + me.a(x)\n",
-            (("a", "c"), ("b", "d")),
-        ),
-    ],
-)
-def test_call_groups_from_source(source: str, expected: tuple) -> None:
-    assert groups_in_source(source) == expected
+def _trace(call: Any) -> list[tuple[str, str]]:
+    """``(file relative to loragen/, function)`` of every loragen Python function ``call()`` enters, in
+    order, up to the first entry into the CPU autograd op's forward (included)."""
+    target = LoraLinearFunction.forward.__code__
+    seen: list[tuple[str, str]] = []
+    done = False
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        nonlocal done
+        if done or event != "call":
+            return
+        path = Path(frame.f_code.co_filename).resolve()
+        if PACKAGE in path.parents:
+            seen.append((path.relative_to(PACKAGE).as_posix(), frame.f_code.co_qualname))
+        done = frame.f_code is target
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    assert done, f"the forward never reached LoraLinearFunction.forward: {seen}"
+    return seen
 
 
-def test_unreadable_source_gives_no_groups() -> None:
-    namespace: dict = {}
-    exec(compile("def f(self, x):\n    return self.a(x) + self.b(x)\n", "<no file>", "exec"), namespace)
-    assert call_groups(namespace["f"]) == ()
+def _model(dropout: float) -> nn.Module:
+    model = nn.Sequential(nn.Linear(16, 16))
+    loragen.get_lora_model(model, LoraConfig(r=4, lora_dropout=dropout, target_modules=["0"]))
+    return model.train()
 
 
-def test_an_indented_method_is_read_as_written_in_its_class() -> None:
-    source = "    def f(self, x):\n        return self.a(x) + self.b(x)\n"
-    assert groups_in_source(source) == (("a", "b"),)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_linear_training_forward_passes_at_most_six_loragen_files(dropout: float) -> None:
+    model = _model(dropout)
+    x = torch.randn(3, 16, requires_grad=True)
+    calls = _trace(lambda: model(x))
+    files = list(dict.fromkeys(file for file, _ in calls))
+    assert len(files) <= MAX_FILES, calls
+    # it reads as the layer's own code: LoraLayer.forward, then the Linear's fused op
+    functions = [function for _, function in calls]
+    assert functions.index("LoraLayer.forward") < functions.index("LoraLinearMixin._adapted_output")
+    assert calls[-1] == ("ops/fused.py", "LoraLinearFunction.forward")
+    assert len(calls) <= 15, calls
 
 
-def test_source_without_a_function_gives_no_groups() -> None:
-    assert groups_in_source("x = self.a(y) + self.b(y)\n") == ()
-    assert groups_in_source("") == ()
-
-
-def test_invalid_source_raises_the_parser_error() -> None:
-    with pytest.raises(libcst.ParserSyntaxError, match="Syntax Error"):
-        groups_in_source("def f(self, x:\n")
+def test_the_traced_path_is_the_module_call() -> None:
+    """The trace starts inside loragen: nothing of the path is outside what the test counts."""
+    model = _model(0.0)
+    calls = _trace(lambda: model(torch.randn(2, 16)))
+    assert calls[0][0] == "layers/base.py"

@@ -54,7 +54,6 @@ from loragen.layers.adapter_set import (
     set_active,
 )
 from loragen.plan import resolve, saved_modules
-from loragen.sibling_planning import plan_siblings
 
 __all__ = [
     "DEFAULT_ADAPTER",
@@ -227,8 +226,6 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
             factors = add_factors(module, adapter_name, **plan.entries[path].layer_kwargs())
             factors.requires_grad_(False)
     record_config(model, adapter_name, config)
-    if new_layers:
-        plan_siblings(model)
     return model
 
 
@@ -309,7 +306,6 @@ def delete_adapter(model: nn.Module, adapter_name: str) -> None:
                 record_config(model, name, config)
         if was_active:
             set_adapter(model, sorted(remaining)[0])
-    plan_siblings(model)
 
 
 @contextmanager

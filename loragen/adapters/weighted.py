@@ -1,6 +1,6 @@
 """``add_weighted_adapter``: a new adapter that combines existing ones, as peft's does.
 
-The combinations themselves (``cat``, ``linear``, ``svd``) are :mod:`loragen.layers.combine`; this
+The combinations themselves (``cat``, ``linear``, ``svd``) are :func:`loragen.layers.adapter_set.combine`; this
 module checks that the adapters can be combined, works out the new adapter's rank and config the way
 peft does (``r = lora_alpha =`` the new rank, the union of the target modules, no rank or alpha patterns)
 and adds the new adapter to every layer that holds one of the adapters. The new adapter is not made
@@ -18,8 +18,7 @@ from loragen.adapters.named import adapter_configs, check_adapter_name, record_c
 from loragen.config import LoraConfig
 from loragen.convert import find_lora_layers
 from loragen.errors import AdapterMixError, AdapterNameError
-from loragen.layers.adapter_set import adapter_factors, add_factors, has_adapter
-from loragen.layers.combine import COMBINATIONS, combine
+from loragen.layers.adapter_set import COMBINATIONS, adapter_factors, add_factors, combine, has_adapter
 from loragen.plan import max_rank
 
 __all__ = ["add_weighted_adapter"]
@@ -64,7 +63,7 @@ def add_weighted_adapter(
 
     ``combination_type``: ``"cat"`` (exact; rank = the sum of the ranks), ``"linear"`` (every rank equal;
     an approximation) or ``"svd"`` (rank ``svd_rank``, default the largest rank): see
-    :mod:`loragen.layers.combine`. With one adapter, ``"linear"`` is used (as peft does). Weights may be
+    :func:`loragen.layers.adapter_set.combine`. With one adapter, ``"linear"`` is used (as peft does). Weights may be
     negative. The new adapter is not made active (:func:`loragen.set_adapter`).
 
     Raises:

@@ -12,24 +12,33 @@ adapters: :mod:`loragen.layers.adapter_set`):
 
     y = base(x) + scaling * B(A(dropout(x)))      scaling = lora_alpha / r  (/ sqrt(r) with rsLoRA)
 
-Merging adds ``scaling * B @ A`` to the base weight in its own layout, computed in float32 and rounded
-once. For convolutions the LoRA branch runs with *all* of the base layer's settings (stride, padding
-including ``'same'``, dilation, padding mode, groups), so merged and unmerged outputs agree for every
-configuration; with ``groups > 1`` the branch convolves with the composed ``B @ A`` weight, which is
-exactly what merging adds.
+=================== ====================================================================================
+module               concern
+=================== ====================================================================================
+base                 :class:`LoraLayer`: the contract, the forward, merging (and its guard), from/to base
+adapter_set          the named adapters of a layer (:class:`LoraAdapter`) and their weighted combinations
+variants             plain LoRA and DoRA, the strategies an adapter holds
+linear               ``LoraLinear``, Linear-like layers, transformers' ``Conv1D``: the fused op
+conv, embedding      ``LoraConv1d`` / ``LoraConv2d`` (every conv setting), ``LoraEmbedding``
+bnb                  bitsandbytes' 4-bit and 8-bit linears (QLoRA)
+expert_parameters    LoRA on targeted parameters (MoE expert stacks)
+mixed_batch          one batch, one adapter per row
+registration         which LoRA class a layer type gets: ``register_layer``, classes for subclasses
+=================== ====================================================================================
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from loragen.layers.adapter_set import LoraAdapter
-from loragen.layers.base import InitMode, LoraLayer, LoraMergeError, adapter_dtype_for
+from loragen.errors import LoraMergeError
+from loragen.layers.adapter_set import LoraAdapter, adapter_dtype_for
+from loragen.layers.base import LoraLayer
 from loragen.layers.conv import LoraConv1d, LoraConv2d
-from loragen.layers.derived import lora_class_for
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear, LoraLinearMixin
-from loragen.layers.registration import register_builtin_types, register_layer
+from loragen.layers.registration import lora_class_for, register_builtin_types, register_layer
+from loragen.validation import InitMode
 
 __all__ = [
     "InitMode",
@@ -52,7 +61,7 @@ register_builtin_types()
 
 def __getattr__(name: str) -> Any:
     if name == "LoraConv1D":  # built on first use: it imports transformers
-        from loragen.layers.hf_conv1d import build_lora_conv1d
+        from loragen.layers.linear import build_lora_conv1d
 
         cls = build_lora_conv1d()
         globals()[name] = cls  # built once; later lookups are plain module attributes

@@ -1,49 +1,37 @@
-"""The adapters of one LoRA layer: one :class:`LoraAdapter` per named adapter, the first one included.
-
-Storage
--------
-Every adapter of a layer is a :class:`LoraAdapter` in ``layer.lora_adapter_records`` (an ordered dict, name ->
-adapter): its settings (``r``, ``lora_alpha``, ``scaling``, ``lora_dropout_p``, ``use_rslora``), its
+"""The adapters of one LoRA layer: one :class:`LoraAdapter` per named adapter, in
+``layer.lora_adapter_records`` (name -> adapter, first adapter first), each with its settings, its
 :class:`~loragen.layers.variants.Variant` (plain LoRA or DoRA) and the module its parameters are registered
-on. Every adapter is made by :func:`add_factors` and removed by :func:`remove_factors`, the same way.
-
-Where the parameters are registered follows from one rule, :func:`_holder_for`, which keeps the state-dict
-keys of a single-adapter model exactly as they have always been (and as a base checkpoint plus peft's
-adapter expect them)::
+on; made by :func:`add_factors`, removed by :func:`remove_factors`. Where parameters live keeps a
+single-adapter model's keys as a base checkpoint plus peft's adapter expect them::
 
     <path>.lora_A                               the layer's first adapter (in insertion order)
     <path>.lora_adapters.<name>.lora_A          every further adapter, in an nn.ModuleDict
 
-(``lora_embedding_A`` / ``lora_embedding_B`` for embeddings; a variant's own parameter, DoRA's
-``lora_magnitude_vector``, sits beside the factors.) Deleting a layer's first adapter re-registers the
-next one's parameters on the layer itself (the same parameter objects: optimizer state stays valid, only
-their keys change). Deleting a layer's last adapter is the caller's business (:func:`loragen.delete_adapter`
-turns the layer back into its base layer).
-
-Which adapter runs
-------------------
-``layer.active_adapter`` names the adapter the forward adds (``None``: adapters disabled; a name the layer
-does not hold: the base output alone, as peft does for layers an adapter does not target); see
-:meth:`loragen.LoraLayer.forward`.
+(``lora_embedding_A`` for embeddings; DoRA's ``lora_magnitude_vector`` beside the factors.) Deleting the
+first adapter re-registers the next one's parameters on the layer (the same objects: optimizer state stays
+valid). ``layer.active_adapter`` names the adapter the forward adds (``None``: disabled; a name the layer
+does not hold: the base output alone, as in peft). :func:`combine` makes the factors of a weighted
+combination of a layer's adapters (:func:`loragen.add_weighted_adapter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from loragen.errors import AdapterNameError, LoraConversionError
-from loragen.layers.parameter_reads import parameter
+from loragen.errors import AdapterMixError, AdapterNameError, LoraConversionError
 from loragen.layers.variants import LORA, Variant, variant_for
 from loragen.registry import Layout
 from loragen.validation import InitMode, check_flag, check_lora_args
 
 __all__ = [
     "ADAPTERS_ATTR",
+    "COMBINATIONS",
     "DEFAULT_ADAPTER",
     "RECORDS_ATTR",
     "Factors",
@@ -52,6 +40,7 @@ __all__ = [
     "adapter_factors",
     "adapter_names",
     "add_factors",
+    "combine",
     "has_adapter",
     "holds_several",
     "key_prefix",
@@ -124,17 +113,17 @@ class LoraAdapter:
     @property
     def factor_a(self) -> nn.Parameter:
         """A (``lora_A`` / ``lora_embedding_A``)."""
-        return parameter(self.holder, self.layout.factor_names[0])
+        return getattr(self.holder, self.layout.factor_names[0])
 
     @property
     def factor_b(self) -> nn.Parameter:
         """B (``lora_B`` / ``lora_embedding_B``)."""
-        return parameter(self.holder, self.layout.factor_names[1])
+        return getattr(self.holder, self.layout.factor_names[1])
 
     @property
     def magnitude(self) -> nn.Parameter:
         """DoRA's magnitude vector (only for the DoRA variant)."""
-        return parameter(self.holder, self.variant.extra_parameters[0])
+        return getattr(self.holder, self.variant.extra_parameters[0])
 
     def register(self, name: str, parameter: nn.Parameter) -> None:
         """Register ``parameter`` as this adapter's ``name`` (a factor, or one of the variant's own)."""
@@ -184,7 +173,7 @@ class AdapterParameters(nn.Module):
 def records(layer: Any) -> dict[str, LoraAdapter]:
     """``layer``'s adapters by name, first adapter first (empty for a layer that holds its own single
     adapter, LoRA on targeted parameters)."""
-    found: dict[str, LoraAdapter] = layer.__dict__.get(RECORDS_ATTR, {})
+    found: dict[str, LoraAdapter] = getattr(layer, RECORDS_ATTR, {})
     return found
 
 
@@ -228,7 +217,7 @@ def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
 
 def holds_several(layer: Any) -> bool:
     """Whether further adapters can be added to ``layer`` (not to a layer that is its own single adapter)."""
-    return RECORDS_ATTR in layer.__dict__
+    return hasattr(layer, RECORDS_ATTR)
 
 
 def key_prefix(layer: Any, name: str) -> str:
@@ -246,7 +235,6 @@ def _holder_for(layer: Any, first: bool) -> nn.Module:
 def add_factors(
     layer: Any,
     name: str,
-    *,
     r: int,
     lora_alpha: float,
     lora_dropout: float = 0.0,
@@ -265,7 +253,7 @@ def add_factors(
         LoraConversionError: ``use_dora`` on a layer where DoRA is not supported, or a layer that holds
             one adapter only (names the type).
     """
-    held: dict[str, LoraAdapter] | None = layer.__dict__.get(RECORDS_ATTR)
+    held: dict[str, LoraAdapter] | None = getattr(layer, RECORDS_ATTR, None)
     if held is None:  # set up by LoraLayer._setup_lora (see holds_several)
         raise LoraConversionError(
             f"{type(layer).__qualname__} holds one adapter only (LoRA on targeted parameters): a further named "
@@ -334,7 +322,7 @@ def remove_factors(layer: Any, name: str) -> bool:
         successor.holder = layer
         for attr, param in params.items():
             successor.register(attr, param)
-        layer.__dict__[RECORDS_ATTR] = held  # the successor is now first in order, as it was
+        setattr(layer, RECORDS_ATTR, held)  # the successor is now first in order, as it was
     else:
         del further[name]
     if not len(further):
@@ -345,3 +333,81 @@ def remove_factors(layer: Any, name: str) -> bool:
 def set_active(layer: Any, name: str | None) -> None:
     """Make ``name`` the adapter ``layer``'s forward adds (``None``: none, the base layer alone)."""
     layer.active_adapter = name
+
+
+# ---- a weighted combination of one layer's adapters (loragen.add_weighted_adapter) ----------------------
+
+COMBINATIONS = ("cat", "linear", "svd")
+
+
+def combine(
+    parts: Sequence[tuple[str, Factors, float]],
+    combination_type: str,
+    new_rank: int,
+    *,
+    path: str = "",
+    svd_clamp: float | None = None,
+    svd_full_matrices: bool = True,
+    svd_driver: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(A, B)`` of rank ``new_rank`` combining ``parts`` (``(name, factors, weight)``) of one layer, as
+    peft's ``add_weighted_adapter`` does. With factors ``A_i``, ``B_i``, scaling ``s_i`` and weight ``w_i``
+    the new adapter has scaling 1 and:
+
+    ``cat``     ``A = [w_1 s_1 A_1; ...]``, ``B = [B_1 ...]``: exactly ``sum_i w_i s_i B_i A_i``
+    ``linear``  ``A = sum_i sign(c_i) sqrt|c_i| A_i``, ``B = sum_i sqrt|c_i| B_i``, ``c_i = w_i s_i``: one
+                rank for all; an approximation (cross terms ``B_i A_j`` appear)
+    ``svd``     the best rank-``new_rank`` approximation of ``sum_i w_i s_i B_i A_i`` (flattened to
+                ``(out, in * kernel)``); ``svd_clamp`` clamps to that quantile, as peft does
+
+    Raises:
+        AdapterMixError: ``linear`` with factors of different shapes (names the layer ``path``, the adapters
+            and their ranks).
+    """
+    first = parts[0][1]
+    a0, b0 = first.factor_a, first.factor_b
+    new_a = a0.new_zeros((new_rank, *a0.shape[1:]))
+    new_b = b0.new_zeros((b0.shape[0], new_rank, *b0.shape[2:]))
+    with torch.no_grad():
+        if combination_type == "cat":
+            a = torch.cat([f.factor_a * w * f.scaling for _, f, w in parts])
+            b = torch.cat([f.factor_b for _, f, w in parts], dim=1)
+            new_a[: a.shape[0]] = a
+            new_b[:, : b.shape[1]] = b
+            return new_a, new_b
+        if combination_type == "linear":
+            shapes = {name: tuple(f.factor_a.shape) for name, f, _ in parts}
+            if len(set(shapes.values())) > 1:
+                ranks = ", ".join(f"{name!r} r={shape[0]}" for name, shape in shapes.items())
+                raise AdapterMixError(
+                    f"{path}: combination_type='linear' needs adapters of one rank, here {ranks}; "
+                    "use 'cat' or 'svd'"
+                )
+            coeffs = [w * f.scaling for _, f, w in parts]
+            weights_a = torch.tensor([math.copysign(math.sqrt(abs(c)), c) for c in coeffs])
+            weights_b = torch.tensor([math.sqrt(abs(c)) for c in coeffs])
+            a = _weighted_sum([f.factor_a for _, f, _ in parts], weights_a)
+            b = _weighted_sum([f.factor_b for _, f, _ in parts], weights_b)
+            return a.to(a0.dtype), b.to(b0.dtype)
+        # svd
+        delta = _weighted_sum(
+            [f.factor_b.flatten(1) @ f.factor_a.flatten(1) * f.scaling for _, f, _ in parts],
+            torch.tensor([w for _, _, w in parts]),
+        )  # (out, in * kernel)
+        u, s, vh = torch.linalg.svd(delta, full_matrices=svd_full_matrices, driver=svd_driver)
+        u = u[:, :new_rank] @ torch.diag(s[:new_rank])
+        vh = vh[:new_rank, :]
+        if svd_clamp is not None:
+            high = torch.quantile(torch.cat([u.flatten(), vh.flatten()]), svd_clamp)
+            u, vh = u.clamp(-high, high), vh.clamp(-high, high)
+        kept = u.shape[1]  # below new_rank when the delta has fewer rows or columns
+        new_b.flatten(1)[:, :kept] = u.to(new_b.dtype)
+        new_a[:kept] = vh.view(kept, *a0.shape[1:]).to(new_a.dtype)
+        return new_a, new_b
+
+
+def _weighted_sum(tensors: list[Tensor], weights: Tensor) -> Tensor:
+    """``sum_i weights[i] * tensors[i]`` (stacked, as peft's task arithmetic sums)."""
+    stacked = torch.stack(tensors)
+    weights = weights.to(stacked.device, stacked.dtype).view(-1, *([1] * (stacked.dim() - 1)))
+    return (stacked * weights).sum(dim=0)

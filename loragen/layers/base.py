@@ -1,39 +1,31 @@
-"""What every LoRA layer type provides (the contract, :class:`LoraLayer`) and the behaviour they share:
-adapters, the forward, merging and unmerging.
+"""What every LoRA layer is (:class:`LoraLayer`): the contract a layer type fulfils and the behaviour all
+share -- adapters, the forward, merging -- and turning a module into a LoRA layer and back.
 
-A LoRA class derives from :class:`LoraLayer` and from the base layer class it replaces (``nn.Linear``,
-``nn.Embedding``, ...), so a LoRA layer keeps the base layer's ``weight`` / ``bias`` under their usual
-state-dict keys. :meth:`LoraLayer.from_module` makes one from an existing module by taking over that
-module's state (:mod:`loragen.layers.cloning`), and :meth:`LoraLayer.to_base` gives the base layer back.
+A LoRA class derives from :class:`LoraLayer` and from the base layer class it replaces, so it keeps the
+base's ``weight`` / ``bias`` under their usual keys. :meth:`LoraLayer.from_module` takes over a module's
+state (:func:`clone_as`: the same parameters, buffers, hooks and attributes, nothing copied);
+:meth:`LoraLayer.to_base` gives the base layer back (:func:`strip_to`).
 
-Adding a layer type
--------------------
-A layer type provides (``LoraLayer`` is an abstract base class: a class missing one of the abstract
-methods cannot be instantiated):
+A layer type provides ``base_class``, ``_factor_shapes()`` (A's and B's shapes at rank ``self.r``) and
+``_adapter_output(x, adapter)`` (``scaling * B A dropout(x)`` of one adapter, shaped like the base
+output); optionally ``_base_output(x)`` (default ``base_class.forward``), ``dora_variant``
+(:mod:`loragen.layers.variants`), ``linear_term`` (the term is ``scaling * (x A^T) B^T``: a mixed batch
+stacks adapters into two GEMMs) and ``_adapted_output(x, adapter)`` (the whole output with an adapter: a
+fused op, as :class:`loragen.LoraLinear` has). Its registry entry gives its layout. The rest is shared.
 
-* ``base_class``: the layer class it replaces (:func:`loragen.register_layer` sets it);
-* ``_factor_shapes()``: the shapes of A and B at the layer's rank ``self.r``;
-* ``_adapter_output(x, adapter)``: the adapter term ``scaling * B A dropout(x)`` of one adapter, shaped
-  like the base output, in the adapter's dtype;
-
-and optionally:
-
-* ``_base_output(x)``: the base output (default: ``base_class.forward``);
-* ``dora_variant``: its DoRA strategy (:mod:`loragen.layers.variants`; None: no DoRA);
-* ``linear_term``: True when the term is ``scaling * (x A^T) B^T`` along the last dimension, so a
-  mixed batch stacks the adapters into two GEMMs;
-* ``_fused_output(x, adapter)``: a fused op computing the whole output (the fused LoRA op, sibling
-  fusion); None to compute ``base + term``.
-
-Its registry entry (:func:`loragen.register_layer`) gives its layout (factor names, peft keys, merge
-maths). Everything else (several adapters, disabling, merging, DoRA, mixed batches, save and load) is
-shared.
+``merge()`` / ``unmerge()`` change ``weight`` in place; a forward in another thread could read ``merged``
+before the change and the weight after it. A readers-writer :class:`MergeGuard` per layer makes them
+take turns (skipped under ``torch.compile`` tracing; copies and pickles get a fresh one).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+import threading
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -44,22 +36,173 @@ from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers.adapter_set import (
     ADAPTERS_ATTR,
     DEFAULT_ADAPTER,
-    RECORDS_ATTR,
     LoraAdapter,
-    adapter_dtype_for,
     adapter_factors,
     add_factors,
     describe,
-    records,
 )
-from loragen.layers.cloning import clone_as, strip_to
-from loragen.layers.fast_paths import fast_output
-from loragen.layers.merge_guard import GUARD_ATTR, reading, without_guard, writing
-from loragen.layers.variants import LORA, Variant
+from loragen.layers.variants import Variant
 from loragen.registry import Layout, spec_for_lora_type
 from loragen.validation import InitMode
 
-__all__ = ["InitMode", "LoraLayer", "LoraMergeError", "adapter_dtype_for"]
+__all__ = ["LoraLayer", "MergeGuard", "clone_as", "reading", "strip_to", "writing"]
+
+M = TypeVar("M", bound=nn.Module)
+F = TypeVar("F", bound=Callable[..., Any])
+# the interpreter runs one thread's step at a time (no free-threaded build, or its GIL turned back on)
+_GIL: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
+_RECOUNT_S = 0.005  # how often a waiting merge counts the forwards in flight again
+
+
+class MergeGuard:
+    """A readers-writer turn: forwards read together, a merge writes alone. A forward appends to
+    ``_readers`` and then looks for a merge; a merge marks ``_writer`` and then waits for ``_readers`` to
+    empty: whichever step comes second sees the other. With the GIL each step is atomic and a forward takes
+    no lock; on a free-threaded interpreter its two steps are taken under the lock."""
+
+    __slots__ = ("_changed", "_readers", "_writer")
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._readers: list[None] = []  # one entry per forward in flight
+        self._writer: int | None = None  # the thread ident of the merge in progress
+
+    def start_reading(self) -> bool:
+        """Wait for another thread's merge, then count this forward in; False when this thread merges."""
+        readers = self._readers
+        while True:
+            if _GIL:
+                readers.append(None)
+                writer = self._writer
+            else:
+                with self._changed:
+                    readers.append(None)
+                    writer = self._writer
+            if writer is None:
+                return True
+            readers.pop()  # a merge holds the layer, or is waiting for the forwards in flight
+            if writer == threading.get_ident():
+                return False
+            with self._changed:
+                self._changed.notify_all()  # a merge counting the forwards in flight counts again
+                while self._writer is not None:
+                    self._changed.wait()
+
+    def stop_reading(self) -> None:
+        self._readers.pop()
+        if self._writer is not None:
+            with self._changed:
+                self._changed.notify_all()
+
+    def start_writing(self) -> bool:
+        """Wait until no forward and no other merge runs, then hold the layer; False when this thread does."""
+        me = threading.get_ident()
+        with self._changed:
+            if self._writer == me:
+                return False
+            while self._writer is not None:
+                self._changed.wait()
+            self._writer = me
+            while self._readers:  # forwards notify as they leave; the timeout covers a notification
+                self._changed.wait(_RECOUNT_S)  # sent between their pop and this check
+        return True
+
+    def stop_writing(self) -> None:
+        with self._changed:
+            self._writer = None
+            self._changed.notify_all()
+
+
+def reading(forward: F) -> F:
+    """Decorate a LoRA layer's ``forward``: it runs while no merge of that layer is in progress."""
+
+    @functools.wraps(forward)
+    def guarded(self: LoraLayer, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or not self.merge_guard.start_reading():
+            return forward(self, *args, **kwargs)  # traced, or inside this thread's own merge
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            self.merge_guard.stop_reading()
+
+    return guarded  # type: ignore[return-value]
+
+
+def writing(change: F) -> F:
+    """Decorate a LoRA layer's ``merge`` / ``unmerge``: it waits for the layer's forwards in flight, and
+    forwards that start meanwhile wait for it."""
+
+    @functools.wraps(change)
+    def guarded(self: LoraLayer, *args: Any, **kwargs: Any) -> Any:
+        if not self.merge_guard.start_writing():
+            return change(self, *args, **kwargs)  # nested in this thread's own merge
+        try:
+            return change(self, *args, **kwargs)
+        finally:
+            self.merge_guard.stop_writing()
+
+    return guarded  # type: ignore[return-value]
+
+
+# ---- turning a module into a LoRA layer and back -----------------------------------------------------
+
+# The containers of nn.Module state that a LoRA layer adds to (or removes from): copied, not shared.
+_OWN_CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+# What accelerate's add_hook_to_module puts on an instance.
+_ACCELERATE_ATTRS = ("forward", "_old_forward", "_hf_hook")
+
+
+def clone_as(module: nn.Module, cls: type[M]) -> M:
+    """A new ``cls`` object (``type(module)``, a subclass, or a class of the same instance layout) holding
+    ``module``'s state: parameters, buffers, submodules, hooks and attributes shared, not copied.
+    accelerate's instance-level hook is moved onto it with accelerate's own function.
+
+    Raises:
+        LoraConversionError: another instance-level ``forward`` replaces the class's (loragen cannot know
+            what it computes).
+    """
+    state = dict(module.__dict__)
+    hook = state.get("_hf_hook")
+    if "forward" in state and hook is None:
+        raise LoraConversionError(
+            f"{type(module).__qualname__} has an instance-level forward ({state['forward']!r}) in place of "
+            "its class's forward; loragen cannot tell what it computes. Remove the override before converting"
+        )
+    if hook is not None:
+        for name in _ACCELERATE_ATTRS:
+            state.pop(name, None)
+    for name in _OWN_CONTAINERS:
+        if name in state:
+            state[name] = type(state[name])(state[name])
+    clone = cls.__new__(cls)
+    clone.__dict__.update(state)
+    if hook is not None:
+        from accelerate.hooks import add_hook_to_module  # present: the hook came from it
+
+        add_hook_to_module(clone, hook)
+    return clone
+
+
+def strip_to(
+    layer: nn.Module,
+    cls: type[M],
+    parameters: tuple[str, ...],
+    modules: tuple[str, ...],
+    attributes: tuple[str, ...],
+) -> M:
+    """A ``cls`` object with ``layer``'s state minus the named LoRA ``parameters``, ``modules`` and
+    ``attributes``: the base layer a LoRA layer was made from, sharing its weight and every other state."""
+    base = clone_as(layer, cls)
+    for name in parameters:
+        base._parameters.pop(name, None)
+    for name in modules:
+        base._modules.pop(name, None)
+    for name in attributes:
+        base.__dict__.pop(name, None)
+    return base
+
+
+# ---- the LoRA layer ------------------------------------------------------------------------------------
 
 
 def _first_adapter_setting(name: str, doc: str, *, settable: bool = True) -> property:
@@ -75,16 +218,15 @@ def _first_adapter_setting(name: str, doc: str, *, settable: bool = True) -> pro
 
 
 class LoraLayer(nn.Module, ABC):
-    """A LoRA layer: the contract every layer type fulfils (see the module docstring) and the behaviour
-    they share. Each concrete class also derives from the base layer class it replaces (:attr:`base_class`).
+    """A LoRA layer: the contract every layer type fulfils (module docstring) and the behaviour they share.
 
     Attributes:
         merged: whether the active adapter is currently added into ``weight``.
         active_adapter: the adapter the forward adds (``None``: none).
-        fused: whether the forward may run the layer type's fused ops (set False on a layer to run
-            peft's plain composition).
-        r, lora_alpha, scaling, lora_dropout_p, use_rslora, adapter_name: those of the layer's first
-            adapter (every adapter: :mod:`loragen.layers.adapter_set`).
+        fused: whether the forward may run the layer type's fused op (False: peft's plain composition).
+        lora_adapter_records: every adapter by name, first adapter first (:mod:`loragen.layers.adapter_set`).
+        mixed_route: a :func:`loragen.mixed_batch` under way, else None. merge_guard: the :class:`MergeGuard`.
+        r, lora_alpha, scaling, lora_dropout_p, use_rslora, adapter_name: those of the layer's first adapter.
     """
 
     # the class this LoRA class replaces; to_base() returns an object of it
@@ -97,19 +239,23 @@ class LoraLayer(nn.Module, ABC):
     _lora_attributes: ClassVar[tuple[str, ...]] = (
         "merged",
         "fused",
-        "_sibling_role",
-        "_dora_merged_norm",
-        RECORDS_ATTR,
+        "lora_adapter_records",
         "active_adapter",
-        "_mixed_route",
+        "mixed_route",
+        "merge_guard",
         "_merged_adapter",
-        GUARD_ATTR,
+        "_dora_merged_norm",
     )
-    active_adapter: str | None = DEFAULT_ADAPTER
-    fused: bool = True
 
     weight: Tensor
     merged: bool
+    lora_adapter_records: dict[str, LoraAdapter]
+    merge_guard: MergeGuard
+    active_adapter: str | None = DEFAULT_ADAPTER
+    fused: bool = True
+    mixed_route: Any = None  # a loragen.layers.mixed_batch.MixedRoute while a mixed batch runs
+    _merged_adapter: str | None = None  # the adapter merge() added (None: none), for unmerge()
+    _dora_merged_norm: Tensor | None = None  # a merged DoRA adapter's weight norm, for unmerge()
 
     r = _first_adapter_setting(
         "r", "The first adapter's rank (fixed: the factors' shapes follow it).", settable=False
@@ -117,13 +263,22 @@ class LoraLayer(nn.Module, ABC):
     lora_alpha = _first_adapter_setting("lora_alpha", "The first adapter's alpha.")
     scaling = _first_adapter_setting("scaling", "The first adapter's scaling of its term.")
     lora_dropout_p = _first_adapter_setting("lora_dropout_p", "The first adapter's dropout probability.")
-    use_rslora = _first_adapter_setting(
-        "use_rslora", "Whether the first adapter uses rank-stabilised scaling."
+    use_rslora = _first_adapter_setting("use_rslora", "Whether the first adapter uses rsLoRA's scaling.")
+    factor_a = _first_adapter_setting(
+        "factor_a", "The first adapter's A (``lora_A``, ``lora_embedding_A``).", settable=False
+    )
+    factor_b = _first_adapter_setting(
+        "factor_b", "The first adapter's B (``lora_B``, ``lora_embedding_B``).", settable=False
     )
 
     def __getstate__(self) -> dict[str, Any]:
-        """The state copies and pickles carry: the merge guard (a lock) is left out; a copy makes its own."""
-        return without_guard(super().__getstate__())
+        """The state copies and pickles carry: the merge guard (a lock) is left out."""
+        return {key: value for key, value in super().__getstate__().items() if key != "merge_guard"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy or an unpickled layer gets a guard of its own."""
+        super().__setstate__(state)
+        self.merge_guard = MergeGuard()
 
     # ---- what a layer type provides --------------------------------------------------------------
 
@@ -140,11 +295,12 @@ class LoraLayer(nn.Module, ABC):
         result: Tensor = self.base_class.forward(self, x)
         return result
 
-    def _fused_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
-        """The whole output with ``adapter`` as one fused op, or None (this default) to compute base + term."""
-        return None
-
     # ---- making and unmaking ------------------------------------------------------------------------
+
+    def _init_lora_state(self) -> None:
+        """The per-layer state every LoRA layer holds (before its first adapter is made)."""
+        self.merged = False
+        self.merge_guard = MergeGuard()
 
     def _setup_lora(
         self,
@@ -161,17 +317,10 @@ class LoraLayer(nn.Module, ABC):
             LoraConfigError: an invalid LoRA argument (the message names it).
             LoraConversionError: ``use_dora`` where the layer type or its weight has no DoRA.
         """
-        self.merged = False
-        self.__dict__[RECORDS_ATTR] = {}
+        self._init_lora_state()
+        self.lora_adapter_records = {}
         add_factors(
-            self,
-            DEFAULT_ADAPTER,
-            r=r,
-            lora_alpha=lora_alpha,
-            lora_dropout=lora_dropout,
-            use_rslora=use_rslora,
-            init_lora_weights=init_lora_weights,
-            use_dora=use_dora,
+            self, DEFAULT_ADAPTER, r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora
         )
 
     @classmethod
@@ -186,14 +335,12 @@ class LoraLayer(nn.Module, ABC):
         init_lora_weights: InitMode = True,
         use_dora: bool = False,
     ) -> Self:
-        """The LoRA layer for an existing ``base`` module: it takes over ``base``'s state (the same
-        weight and bias parameters, buffers, hooks and attributes; nothing is copied) and adds an adapter
-        initialised as ``init_lora_weights`` says; with ``use_dora`` a DoRA adapter (:mod:`loragen.layers.dora_magnitude`).
+        """The LoRA layer for an existing ``base`` module: it takes over ``base``'s state (:func:`clone_as`,
+        nothing is copied) and adds an adapter initialised as ``init_lora_weights`` says (DoRA: ``use_dora``).
 
         Raises:
-            LoraConfigError: an invalid LoRA argument (the message names it).
-            LoraConversionError: ``base``'s forward is replaced on the instance (see
-                :func:`loragen.layers.cloning.clone_as`), or ``use_dora`` where DoRA is not supported.
+            LoraConfigError: an invalid LoRA argument. LoraConversionError: see :func:`clone_as`, or
+                ``use_dora`` where DoRA is not supported.
         """
         layer = clone_as(base, cls)
         layer._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
@@ -224,28 +371,18 @@ class LoraLayer(nn.Module, ABC):
         return spec.layout
 
     def _first_adapter(self) -> LoraAdapter:
-        return next(iter(records(self).values()))
+        return next(iter(self.lora_adapter_records.values()))
 
     @property
     def adapter_name(self) -> str:
         """The name of the layer's first adapter (whose parameters are the layer's own, ``<path>.lora_A``).
         Setting it renames that adapter."""
-        return next(iter(records(self)))
+        return next(iter(self.lora_adapter_records))
 
     @adapter_name.setter
     def adapter_name(self, name: str) -> None:
-        held = records(self)
-        self.__dict__[RECORDS_ATTR] = {(name if i == 0 else k): v for i, (k, v) in enumerate(held.items())}
-
-    @property
-    def factor_a(self) -> nn.Parameter:
-        """The first adapter's A (``lora_A``, or ``lora_embedding_A``)."""
-        return self._first_adapter().factor_a
-
-    @property
-    def factor_b(self) -> nn.Parameter:
-        """The first adapter's B (``lora_B``, or ``lora_embedding_B``)."""
-        return self._first_adapter().factor_b
+        held = self.lora_adapter_records
+        self.lora_adapter_records = {(name if i == 0 else k): v for i, (k, v) in enumerate(held.items())}
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         """The first adapter's parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}`` (plus a
@@ -253,50 +390,43 @@ class LoraLayer(nn.Module, ABC):
         return self._first_adapter().lora_parameters()
 
     def peft_key_suffixes(self) -> dict[str, str]:
-        """The first adapter's attribute name -> key suffix in peft's ``adapter_model.safetensors``
-        (see :meth:`loragen.layers.adapter_set.LoraAdapter.peft_key_suffixes`)."""
+        """The first adapter's attribute name -> key suffix in peft's ``adapter_model.safetensors``."""
         return self._first_adapter().peft_key_suffixes()
 
     def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
-        """(Re)initialise the first adapter's A and B as peft does (the layout's init:
-        :meth:`loragen.registry.Layout.init_factors`)."""
+        """(Re)initialise the first adapter's A and B as peft does (the layout's init)."""
         first = self._first_adapter()
         self.layout.init_factors(first.factor_a, first.factor_b, first.r, init_lora_weights)
 
     def running_adapter(self) -> LoraAdapter | None:
-        """The adapter the forward adds now: the active one, unless the layer is merged, adapters are off
-        or the layer does not hold the active adapter."""
+        """The adapter the forward adds now: the active one, unless merged, disabled or not held here."""
         name = self.active_adapter
         if self.merged or name is None:
             return None
-        return records(self).get(name)
-
-    def runs_plain_first_adapter(self) -> bool:
-        """Whether the forward computes exactly base + ``scaling * B A dropout(x)`` with the layer's own
-        ``lora_A``, ``lora_B`` and ``scaling``: not merged, no mixed batch, the first adapter active and
-        plain LoRA. Sibling fusion (:mod:`loragen.ops.siblings`) reads those attributes directly."""
-        adapter = self.running_adapter()
-        return (
-            adapter is not None
-            and adapter is self._first_adapter()
-            and adapter.variant is LORA
-            and self.__dict__.get("_mixed_route") is None
-        )
+        return self.lora_adapter_records.get(name)
 
     # ---- forward ------------------------------------------------------------------------------------
 
     @reading
     def forward(self, input: Tensor) -> Tensor:
-        """``base(x)`` plus the running adapter's term (its variant's: plain LoRA adds
-        ``scaling * B A dropout(x)``); a fused op where the layer type has one (:mod:`loragen.layers.fast_paths`)."""
+        """``base(x)`` plus the running adapter's term (:meth:`_adapted_output`); in a mixed batch, each
+        row's own adapter's."""
         x = input  # torch's name for the argument
+        if self.mixed_route is not None and self.active_adapter is not None:  # adapters off win, as in peft
+            return self.mixed_route.output(self, x)
         adapter = self.running_adapter()
-        fast = fast_output(self, x, adapter)
-        if fast is not None:
-            return fast
+        if adapter is None:  # merged, adapters disabled, or an adapter this layer does not hold
+            return self._base_output(x)
+        return self._adapted_output(x, adapter)
+
+    def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        """The output with ``adapter``: the base output plus its term as its variant composes them (LoRA
+        adds ``scaling * B A dropout(x)``); layer types with a fused op override this.
+
+        Raises:
+            LoraConversionError: the base layer returns something other than one tensor.
+        """
         result = self._base_output(x)
-        if adapter is None:
-            return result
         if not isinstance(result, Tensor):  # a Linear subclass whose forward returns several values
             raise LoraConversionError(
                 f"{type(self).__qualname__}: its base layer {self.base_class.__qualname__} returns a "
@@ -313,8 +443,7 @@ class LoraLayer(nn.Module, ABC):
         return torch.promote_types(self.weight.dtype, torch.float32)
 
     def delta_weight_of(self, adapter: LoraAdapter) -> Tensor:
-        """``scaling * B @ A`` of ``adapter`` in the base weight's layout, in float32 (float64 for float64
-        weights)."""
+        """``scaling * B @ A`` of ``adapter`` in the base weight's layout, in float32 (or float64)."""
         dtype = self._merge_dtype()
         return self.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
 
@@ -346,7 +475,7 @@ class LoraLayer(nn.Module, ABC):
         adapter = self.running_adapter()
         if adapter is not None:
             adapter.variant.merge(self, adapter)
-        self.__dict__["_merged_adapter"] = None if adapter is None else self.active_adapter
+        self._merged_adapter = None if adapter is None else self.active_adapter
         self.merged = True
 
     @writing
@@ -359,12 +488,12 @@ class LoraLayer(nn.Module, ABC):
         """
         if not self.merged:
             return
-        name = self.__dict__.pop("_merged_adapter", self.adapter_name)
-        adapter = None if name is None else records(self).get(name)
+        name, self._merged_adapter = self._merged_adapter, None
+        adapter = None if name is None else self.lora_adapter_records.get(name)
         if adapter is not None:
             adapter.variant.unmerge(self, adapter)
         self.merged = False
 
     def lora_extra_repr(self) -> str:
-        """The first adapter's settings (further adapters show theirs in ``lora_adapters``), for ``extra_repr``."""
+        """The first adapter's settings, for ``extra_repr`` (further adapters show theirs in ``lora_adapters``)."""
         return describe(self._first_adapter()) + (", merged" if self.merged else "")

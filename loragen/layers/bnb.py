@@ -1,23 +1,16 @@
-"""LoRA on bitsandbytes' quantized linears (QLoRA): ``Linear4bit`` (nf4 / fp4, with or without double
-quantization, any compute dtype) and ``Linear8bitLt``.
+"""LoRA on bitsandbytes' quantized linears (QLoRA): ``Linear4bit`` (nf4 / fp4, double quantization or not,
+any compute dtype) and ``Linear8bitLt``. Imported only when a model holds such a layer (bitsandbytes is
+the optional extra ``loragen[bnb]``).
 
-This module imports bitsandbytes; :mod:`loragen.layers` registers both types by name, so it is imported
-only when a model holds such a layer (bitsandbytes stays an optional extra: ``pip install -e ".[bnb]"``).
+Forward: bitsandbytes' own forward gives the base output; :func:`loragen.ops.lora_branch` adds the term
+onto it in place (hand-written backward, mask saved as bits, no x-sized copy). As in peft, the term runs in
+the adapter's float32, then is cast to the base output's dtype, scaled and added; keys are peft's.
 
-Forward: the base output is bitsandbytes' own forward (its dequantizing product); the LoRA term
-``scaling * B A dropout(x)`` is added onto it in place by :func:`loragen.ops.branch.lora_branch`, with a
-hand-written backward, the dropout mask saved as bits and no x-sized copy. As in peft, the term runs in
-the adapter's dtype (float32: a quantized weight has no floating dtype to follow), then is cast to the
-base output's dtype, scaled and added. Adapters have peft's keys, so peft's bnb LoRA adapters load here and back.
-
-Merging cannot be exact: the merged weight ``W + scaling * B @ A`` has to be quantized again, to the same
-format (quant type, block size, double quantization, storage). loragen does what peft does — dequantize,
-add, re-quantize — and says what it cost: every merge emits a :class:`loragen.errors.RequantizationWarning`
-giving the largest absolute difference between the re-quantized weight and the exact merged weight (and,
-for scale, the largest entry of the update). Unmerging is where loragen differs from peft: peft
-re-quantizes ``W' - scaling * B @ A``, a second rounding that leaves the base weight off its original
-quantized values; loragen keeps the original quantized weight (a reference, the size of the quantized
-weight) while merged and puts it back bit for bit. ``merge_and_unload`` drops it.
+Merging cannot be exact: ``W + scaling * B @ A`` is quantized again in the same format. loragen does what
+peft does (dequantize, add, re-quantize) and warns what it cost (:class:`loragen.errors.RequantizationWarning`
+with the largest difference to the exact merged weight). Unmerging differs from peft, which re-quantizes
+``W' - scaling * B @ A`` (a second rounding): loragen keeps the original quantized weight while merged and
+puts it back bit for bit (``merge_and_unload`` drops it).
 """
 
 from __future__ import annotations
@@ -32,10 +25,12 @@ from torch import Tensor
 
 from loragen.errors import LoraMergeError, RequantizationWarning
 from loragen.layers.adapter_set import LoraAdapter
-from loragen.layers.base import InitMode, LoraLayer
+from loragen.layers.base import LoraLayer, writing
 from loragen.layers.linear import LoraLinearMixin
-from loragen.layers.merge_guard import writing
+from loragen.layers.variants import LORA
+from loragen.ops import lora_branch
 from loragen.reference import lora_term
+from loragen.validation import InitMode
 
 __all__ = ["LoraLinear4bit", "LoraLinear8bitLt", "QuantizedLoraMixin", "RequantizationWarning"]
 
@@ -53,19 +48,16 @@ class QuantizedLoraMixin(LoraLinearMixin):
     def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
         # peft's order for quantized bases: the term in the adapter's dtype, cast to the base output's dtype
         # (bitsandbytes returns x's dtype), then scaled
-        return lora_term(
-            x,
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            self.training,
-            dtype=x.dtype,
-        )
+        a, b, s, p = adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p
+        return lora_term(x, a, b, s, p, self.training, dtype=x.dtype)
 
-    def _fused_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
-        """bitsandbytes' forward plus the term added onto its output in place (the variant's branch op)."""
-        return adapter.variant.fused_branch(self, x, adapter)
+    def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        """bitsandbytes' forward plus the term added onto its output in place (:func:`loragen.ops.lora_branch`);
+        with :attr:`fused` off or a DoRA adapter, peft's composition."""
+        if not (self.fused and adapter.variant is LORA):
+            return LoraLayer._adapted_output(self, x, adapter)
+        a, b, s, p = adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p
+        return lora_branch(self._base_output(x), x, a, b, s, p, self.training)
 
     # ---- what a quantization format provides ---------------------------------------------------
 
@@ -103,7 +95,7 @@ class QuantizedLoraMixin(LoraLinearMixin):
             return
         self._check_mergeable()
         adapter = self.running_adapter()
-        self.__dict__["_merged_adapter"] = None if adapter is None else self.active_adapter
+        self._merged_adapter = None if adapter is None else self.active_adapter
         if adapter is None:  # no active adapter here: the weight stays as it is
             self.merged = True
             return
@@ -133,7 +125,8 @@ class QuantizedLoraMixin(LoraLinearMixin):
         re-quantizes the merged weight minus the update, a second rounding). A no-op if not merged."""
         if not self.merged:
             return
-        if self.__dict__.pop("_merged_adapter", self.adapter_name) is None:
+        name, self._merged_adapter = self._merged_adapter, None
+        if name is None:
             self.merged = False
             return
         if self._unmerged_state is None:

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loragen.layers.adapter_set import LoraAdapter
-from loragen.layers.base import InitMode, LoraLayer
+from loragen.layers.base import LoraLayer
 from loragen.layers.variants import CONV_DORA, Variant
+from loragen.validation import InitMode
 
 __all__ = ["LoraConv1d", "LoraConv2d"]
 
@@ -32,6 +33,32 @@ class _LoraConvNd(LoraLayer):
     lora_A: nn.Parameter
     lora_B: nn.Parameter
     _conv_forward: Callable[[Tensor, Tensor, Tensor | None], Tensor]  # the torch conv class's
+
+    def _lora_conv_init(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, ...],
+        stride: int | tuple[int, ...] = 1,
+        padding: str | int | tuple[int, ...] = 0,
+        dilation: int | tuple[int, ...] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: PaddingMode = "zeros",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        r: int = 8,
+        lora_alpha: float = 8,
+        lora_dropout: float = 0.0,
+        use_rslora: bool = False,
+        init_lora_weights: InitMode = True,
+        use_dora: bool = False,
+    ) -> None:
+        """The torch conv's constructor plus the LoRA keywords (:class:`LoraConv1d`, :class:`LoraConv2d`)."""
+        base = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode)
+        self.base_class.__init__(self, *base, device, dtype)
+        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         ones = (1,) * len(self.kernel_size)
@@ -65,44 +92,9 @@ class LoraConv1d(nn.Conv1d, _LoraConvNd):
 
     _conv = staticmethod(F.conv1d)
     base_class = nn.Conv1d
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: int | tuple[int],
-        stride: int | tuple[int] = 1,
-        padding: str | int | tuple[int] = 0,
-        dilation: int | tuple[int] = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: PaddingMode = "zeros",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        r: int = 8,
-        lora_alpha: float = 8,
-        lora_dropout: float = 0.0,
-        use_rslora: bool = False,
-        init_lora_weights: InitMode = True,
-        use_dora: bool = False,
-    ) -> None:
-        super().__init__(
-            in_channels,
-            out_channels,
-            kernel_size,
-            stride,
-            padding,
-            dilation,
-            groups,
-            bias,
-            padding_mode,
-            device,
-            dtype,
-        )
-        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
-
-    # the torch conv class comes first in the MRO; take the LoRA forward explicitly
+    # the torch conv class comes first in the MRO (and calls its super().__init__()): take the LoRA
+    # constructor and forward explicitly
+    __init__ = _LoraConvNd._lora_conv_init
     forward = LoraLayer.forward
 
     def extra_repr(self) -> str:
@@ -114,44 +106,7 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
 
     _conv = staticmethod(F.conv2d)
     base_class = nn.Conv2d
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: int | tuple[int, int],
-        stride: int | tuple[int, int] = 1,
-        padding: str | int | tuple[int, int] = 0,
-        dilation: int | tuple[int, int] = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: PaddingMode = "zeros",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        r: int = 8,
-        lora_alpha: float = 8,
-        lora_dropout: float = 0.0,
-        use_rslora: bool = False,
-        init_lora_weights: InitMode = True,
-        use_dora: bool = False,
-    ) -> None:
-        super().__init__(
-            in_channels,
-            out_channels,
-            kernel_size,
-            stride,
-            padding,
-            dilation,
-            groups,
-            bias,
-            padding_mode,
-            device,
-            dtype,
-        )
-        self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
-
-    # the torch conv class comes first in the MRO; take the LoRA forward explicitly
+    __init__ = _LoraConvNd._lora_conv_init
     forward = LoraLayer.forward
 
     def extra_repr(self) -> str:

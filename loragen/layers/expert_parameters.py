@@ -1,19 +1,15 @@
 """LoRA on parameters a module reads itself (``LoraConfig.target_parameters``): MoE expert stacks.
 
-transformers 5 keeps the experts of Mixtral, Qwen3-MoE, OLMoE, DeepSeek, GLM-4-MoE, ... as 3-D
-parameters of one ``experts`` module (``gate_up_proj (E, 2*I, H)``, ``down_proj (E, H, I)``), not as
-``nn.Linear`` modules, so ``target_modules`` (and ``"all-linear"``) never reaches them; peft adapts them
-through ``target_parameters``, and so does loragen, with peft's math and adapter format.
+transformers 5 keeps the experts of Mixtral, Qwen3-MoE, OLMoE, ... as 3-D parameters of one ``experts``
+module (``gate_up_proj (E, 2*I, H)``, ``down_proj (E, H, I)``), which ``target_modules`` never reaches;
+peft adapts them through ``target_parameters``, and so does loragen, with peft's math and format.
 
-The converted module is the experts module itself, of a LoRA class derived from its own class (its keys,
+The converted module is the experts module itself, of a LoRA class derived from its own class (keys,
 attributes and ``forward`` stay), with one :class:`ParameterLora` per targeted parameter under
-``lora_targets.<name>``: ``lora_A (r*E, in)`` and ``lora_B (out, r*E)`` as peft stores them (see
-:class:`loragen.registry.ParameterLayout`). During the forward the module reads, in place of each targeted
-parameter, its effective weight ``W + scaling * B_e @ A_e`` made in one batched product
-(:mod:`loragen.ops.expert_products`, which says why weight space and what it costs). Dropout is not possible
-there (``lora_dropout`` must be 0, as in peft). Merging adds the same update to the stored parameter.
-
-In an adapter file, the factors of a module's ``k``-th of ``n`` targeted parameters (registration order) are
+``lora_targets.<name>`` (``lora_A (r*E, in)``, ``lora_B (out, r*E)``, :class:`loragen.registry.ParameterLayout`).
+During the forward the module reads each targeted parameter as ``W + scaling * B_e @ A_e``, made in one
+batched product (:mod:`loragen.ops.expert_products`); no dropout (as in peft). Merging adds the same update.
+In an adapter file the factors of a module's ``k``-th of ``n`` targets are
 ``<module>.{"base_layer." * (n-1-k)}lora_A.weight``: the keys of peft's nested ``ParamWrapper``.
 """
 
@@ -31,11 +27,8 @@ from typing_extensions import Self
 
 from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
-from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, lora_scaling
-from loragen.layers.base import LoraLayer, adapter_dtype_for
-from loragen.layers.cloning import clone_as, strip_to
-from loragen.layers.fast_paths import MIXED_ROUTE
-from loragen.layers.merge_guard import reading, writing
+from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
+from loragen.layers.base import LoraLayer, clone_as, reading, strip_to, writing
 from loragen.layers.variants import LORA, Variant
 from loragen.ops.expert_products import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
@@ -127,21 +120,19 @@ class LoraParametersLayer(LoraLayer):
     adapter_name: str = DEFAULT_ADAPTER
     variant: Variant = LORA  # plain LoRA in weight space
 
+    # one adapter only, itself: no pair of factor shapes, no term added to an output, no single A or B
+    # (every targeted parameter has its own, :attr:`parameter_targets`); a further named adapter is refused
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Not one pair of shapes here: every targeted parameter has its own (:attr:`parameter_targets`).
-
-        Raises:
-            LoraConversionError: always; a further named adapter cannot be added to targeted parameters.
-        """
         raise self._one_adapter_only()
 
     def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        """Not a term added to an output: the update is added to the weights the forward reads.
-
-        Raises:
-            LoraConversionError: always (the forward never calls it).
-        """
         raise self._one_adapter_only()
+
+    @property
+    def factor_a(self) -> nn.Parameter:
+        raise self._one_adapter_only()
+
+    factor_b = factor_a
 
     def _one_adapter_only(self) -> LoraConversionError:
         return LoraConversionError(
@@ -153,17 +144,6 @@ class LoraParametersLayer(LoraLayer):
     def layout(self) -> Layout:
         """PLAIN: the factors' names and peft suffixes (the per-parameter layout is each target's)."""
         return PLAIN
-
-    @property
-    def factor_a(self) -> nn.Parameter:
-        """Not one tensor here: every targeted parameter has its own (:attr:`parameter_targets`).
-
-        Raises:
-            LoraConversionError: always; a further named adapter cannot be added to targeted parameters.
-        """
-        raise self._one_adapter_only()
-
-    factor_b = factor_a
 
     @property
     def parameter_targets(self) -> dict[str, ParameterLora]:
@@ -187,6 +167,7 @@ class LoraParametersLayer(LoraLayer):
             LoraConversionError: a name is not a 2-D or 3-D parameter of ``base``.
         """
         layer = clone_as(base, cls)
+        layer._init_lora_state()
         layout = EXPERTS_TRANSPOSED if getattr(base, "is_transposed", False) is True else EXPERTS
         holders = nn.ModuleDict()
         for name in (n for n, _ in base.named_parameters(recurse=False) if n in targets):
@@ -203,7 +184,7 @@ class LoraParametersLayer(LoraLayer):
         layer._modules[TARGETS] = holders
         first = cast(ParameterLora, next(iter(holders.values())))
         layer.r, layer.lora_alpha, layer.scaling = first.r, first.lora_alpha, first.scaling
-        layer.use_rslora, layer.lora_dropout_p, layer.merged = bool(use_rslora), 0.0, False
+        layer.use_rslora, layer.lora_dropout_p = bool(use_rslora), 0.0
         return layer
 
     # ---- what save / load / mark_trainable read --------------------------------------------------
@@ -241,7 +222,7 @@ class LoraParametersLayer(LoraLayer):
         Raises:
             MixedBatchError: inside ``loragen.mixed_batch`` (rows cannot take different weight updates).
         """
-        if self.__dict__.get(MIXED_ROUTE) is not None:
+        if self.mixed_route is not None:
             raise MixedBatchError(
                 f"{type(self).__qualname__}: a mixed batch (loragen.mixed_batch) cannot route rows through LoRA on "
                 "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
@@ -249,14 +230,8 @@ class LoraParametersLayer(LoraLayer):
         if self.merged or self.active_adapter != self.adapter_name:
             return self.base_class.forward(self, *args, **kwargs)
         recipes = {
-            name: (
-                cast(Tensor, self._parameters[name]),
-                target.lora_A,
-                target.lora_B,
-                target.scaling,
-                target.layout,
-            )
-            for name, target in self.parameter_targets.items()
+            name: (cast(Tensor, self._parameters[name]), t.lora_A, t.lora_B, t.scaling, t.layout)
+            for name, t in self.parameter_targets.items()
         }
         made = {name: effective_weight(*recipe) for name, recipe in recipes.items()}
         saving = (
@@ -289,12 +264,10 @@ class LoraParametersLayer(LoraLayer):
         if self.merged:
             return
         self._check_mergeable()
-        active = (
-            self.active_adapter == self.adapter_name
-        )  # otherwise (disabled, another adapter) nothing to add
+        active = self.active_adapter == self.adapter_name  # else (disabled, another adapter) nothing to add
         if active:
             self._add_deltas(1.0)
-        self.__dict__["_merged_adapter"] = self.adapter_name if active else None
+        self._merged_adapter = self.adapter_name if active else None
         self.merged = True
 
     @writing
@@ -303,7 +276,8 @@ class LoraParametersLayer(LoraLayer):
         """Subtract the updates again. A no-op if not merged."""
         if not self.merged:
             return
-        if self.__dict__.pop("_merged_adapter", self.adapter_name) is not None:
+        name, self._merged_adapter = self._merged_adapter, None
+        if name is not None:
             self._add_deltas(-1.0)
         self.merged = False
 

@@ -1,17 +1,18 @@
-"""LoRA on linear layers: ``nn.Linear``, its subclasses, and layers that behave like a Linear.
+"""LoRA on linear layers: ``nn.Linear``, its subclasses, layers that behave like a Linear, and
+transformers' ``Conv1D`` (:class:`LoraConv1D`, built on first use: transformers is optional and slow to
+import).
 
 :class:`LoraLinearMixin` holds the LoRA behaviour of every layer whose weight is a Linear weight (stored
-``(out, in)``, or ``(in, out)`` for the TRANSPOSED layout of transformers' ``Conv1D``); a LoRA class is the
-mixin plus the base class. Its forward is :meth:`loragen.LoraLayer.forward`, ``base(x) + scaling * B A
-dropout(x)`` (:func:`loragen.reference.lora_term`); two kinds of base, told apart once per class
-(:attr:`LoraLinearMixin.fused_base`):
+``(out, in)``, or ``(in, out)`` for the TRANSPOSED layout of ``Conv1D``); a LoRA class is the mixin plus
+the base class. Its forward is :meth:`loragen.LoraLayer.forward`; with an adapter, two kinds of base,
+told apart once per class (:attr:`LoraLinearMixin.fused_base`):
 
 * the base's ``forward`` is ``nn.Linear``'s own (or ``Conv1D``'s): the whole layer runs as loragen's
-  fused op (:func:`loragen.ops.lora_linear`, or :func:`loragen.ops.dora_linear` for a DoRA adapter), which
-  computes ``x W^T + b`` and the LoRA term together and shares the rank-r down-projection with siblings
-  that read the same input;
-* any other ``forward`` (a subclass such as Falcon's ``FalconLinear``, a quantized layer, a user's layer):
-  the base output is the base's own ``forward``, and the adapter term is added to it.
+  fused op (:func:`loragen.ops.lora_linear`, or :func:`loragen.ops.dora_linear` for a DoRA adapter),
+  which computes ``x W^T + b`` and the LoRA term together;
+* any other ``forward`` (a subclass such as Falcon's ``FalconLinear``, a quantized layer, a user's
+  layer): the base output is the base's own ``forward``, and the adapter term
+  (:func:`loragen.reference.lora_term`) is added to it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from torch import Tensor, nn
 
 from loragen.errors import LoraMergeError
 from loragen.layers.adapter_set import LoraAdapter
-from loragen.layers.base import InitMode, LoraLayer
-from loragen.layers.variants import LINEAR_DORA, Variant
-from loragen.ops import siblings
+from loragen.layers.base import LoraLayer
+from loragen.layers.variants import LINEAR_DORA, LORA, Variant
+from loragen.ops import dora_linear, lora_linear
 from loragen.reference import lora_term
 from loragen.registry import TransposedLayout
+from loragen.validation import InitMode
 
-__all__ = ["LoraLinear", "LoraLinearMixin"]
+__all__ = ["LoraLinear", "LoraLinearMixin", "build_lora_conv1d"]
 
 
 class LoraLinearMixin(LoraLayer):
@@ -82,13 +84,17 @@ class LoraLinearMixin(LoraLayer):
             x, adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p, self.training
         )
 
-    def _fused_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
-        """The fused op for a base that is exactly ``x W^T + b``: sibling fusion when the layer is part of
-        a planned group, else the adapter variant's fused op; None for any other base."""
-        if not self.fused_base:
-            return None
-        y = siblings.forward(self, x)  # shares its down-projection with siblings reading x
-        return y if y is not None else adapter.variant.fused_linear(self, x, adapter)
+    def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
+        """``x W^T + b + scaling * B A dropout(x)`` as one fused op (DoRA: the fused DoRA op) when the
+        base is exactly ``x W^T + b`` and :attr:`fused` is on; else the base's own output plus the term."""
+        if not (self.fused and self.fused_base):
+            return super()._adapted_output(x, adapter)
+        fan_in_fan_out = isinstance(adapter.layout, TransposedLayout)  # Conv1D stores W as (in, out)
+        weights = (self.weight, cast("Tensor | None", self.bias), adapter.factor_a, adapter.factor_b)
+        settings = (adapter.scaling, adapter.lora_dropout_p, self.training)
+        if adapter.variant is LORA:
+            return lora_linear(x, *weights, *settings, fan_in_fan_out=fan_in_fan_out)
+        return dora_linear(x, *weights, adapter.magnitude, *settings, fan_in_fan_out=fan_in_fan_out)
 
     def _check_mergeable(self) -> None:
         super()._check_mergeable()
@@ -123,9 +129,7 @@ class LoraLinear(LoraLinearMixin, nn.Linear):
     """``nn.Linear`` with a LoRA adapter. Shapes: x (..., in) -> y (..., out).
 
     The constructor is ``nn.Linear``'s plus the LoRA keywords: ``nn.Linear(i, o)`` ->
-    ``LoraLinear(i, o, r=8)``. The forward runs the fused LoRA op (:func:`loragen.ops.lora_linear`),
-    sharing the rank-r down-projection with sibling layers that read the same input
-    (:mod:`loragen.ops.siblings`).
+    ``LoraLinear(i, o, r=8)``. The forward runs the fused LoRA op (:func:`loragen.ops.lora_linear`).
     """
 
     base_class = nn.Linear
@@ -147,3 +151,61 @@ class LoraLinear(LoraLinearMixin, nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
+
+
+def build_lora_conv1d() -> type[LoraLayer]:
+    """The ``LoraConv1D`` class (built once by :mod:`loragen.layers` on first use).
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    try:
+        from transformers.pytorch_utils import Conv1D as HFConv1D
+    except ImportError as exc:
+        raise ImportError(
+            "LoraConv1D wraps transformers' Conv1D: install transformers (pip install transformers)"
+        ) from exc
+
+    # Conv1D.forward is addmm(b, x, W) with W stored (in, out): x W^T + b in the TRANSPOSED layout
+    LoraLinearMixin.linear_forwards.add(HFConv1D.forward)
+
+    class LoraConv1D(LoraLinearMixin, HFConv1D):  # type: ignore[misc]
+        """transformers' ``Conv1D`` (GPT-2's c_attn, c_proj, c_fc) with a LoRA adapter.
+
+        ``Conv1D(nf, nx)`` stores its weight as (nx, nf) = (in, out); the LoRA factors keep the Linear
+        orientation, A (r, nx) and B (nf, r), as peft does, so adapters are interchangeable with peft.
+        """
+
+        base_class = HFConv1D
+
+        def __init__(
+            self,
+            nf: int,
+            nx: int,
+            *,
+            r: int = 8,
+            lora_alpha: float = 8,
+            lora_dropout: float = 0.0,
+            use_rslora: bool = False,
+            init_lora_weights: InitMode = True,
+            use_dora: bool = False,
+        ) -> None:
+            super().__init__(nf, nx)
+            self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
+
+        @property
+        def in_features(self) -> int:
+            return int(self.nx)
+
+        @property
+        def out_features(self) -> int:
+            return int(self.nf)
+
+        __repr__ = nn.Module.__repr__  # Conv1D's own __repr__ would hide the LoRA settings
+
+        def extra_repr(self) -> str:
+            return f"nf={self.nf}, nx={self.nx}, {self.lora_extra_repr()}"
+
+    LoraConv1D.__module__ = "loragen.layers"
+    LoraConv1D.__qualname__ = "LoraConv1D"
+    return LoraConv1D

@@ -5,31 +5,60 @@ output of the model with adapter ``names[i]`` active (``"__base__"``: no adapter
 ``model(x, adapter_names=names)`` does. A layer that does not hold a named adapter gives those rows its
 base output, as in peft.
 
-How it is computed: :mod:`loragen.layers.fast_paths` (every adapter of the batch in two GEMMs for
-Linear-like layers).
-
 As in peft, a mixed batch is for inference: the model must be in eval mode, and no layer may be merged;
 inside :func:`loragen.disable_adapter` every row gets the base model. The names are state on the model's
-layers for the duration of the block: two threads running one model with different names at once need
-one model each.
+layers (their ``mixed_route``) for the duration of the block: two threads running one model with
+different names at once need one model each.
+
+How it is computed. peft loops over the adapters of the batch: for each, it gathers that adapter's rows,
+runs its two factors on them and scatters the result back (k gathers, 2k small GEMMs and k scatters per
+layer). Here a layer whose term is ``scaling * (x A^T) B^T`` (``linear_term``) runs every adapter of the
+batch in two GEMMs, whatever k is::
+
+    H  = x [A_1; ...; A_k]^T              (rows, r_1 + ... + r_k)   one pass over x for every adapter
+    H *= M                                M[row, cols of adapter j] = scaling_j if the row uses j, else 0
+    y  = base(x) + H [B_1 ... B_k]^T      one GEMM adds every row's term
+
+The zeros in ``M`` make row ``i`` exactly ``scaling_j B_j A_j x_i`` for its adapter ``j``; the extra work
+is the other adapters' rank-r columns, small beside the base GEMM. Concatenated factors and masks are
+cached per layer for the duration of the context, keyed on the factors' versions. Other layers gather
+each adapter's rows (``index_select``) and add their term back (``index_add_``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from loragen.errors import MixedBatchError
-from loragen.layers.adapter_set import adapter_factors, adapter_names
+from loragen.layers.adapter_set import adapter_factors, adapter_names, records
 from loragen.layers.base import LoraLayer
-from loragen.layers.fast_paths import MIXED_ROUTE, MixedRoute
 
-__all__ = ["BASE_NAME", "MixedRoute", "mixed_batch"]
+__all__ = ["BASE_NAME", "MixedRoute", "mixed_batch", "mixed_rows"]
 
 BASE_NAME = "__base__"
+
+
+@dataclass
+class MixedRoute:
+    """The per-row adapter names of one mixed batch, as one layer sees them."""
+
+    path: str
+    names: tuple[str, ...]
+    # adapter name -> the rows that use it, in order of first appearance ("__base__" left out)
+    rows: dict[str, list[int]]
+    # per-layer cache of concatenated factors and masks, keyed by id(layer)
+    cache: dict[int, tuple[tuple[int, ...], Tensor, Tensor, Tensor]] = field(default_factory=dict)
+
+    def output(self, layer: LoraLayer, x: Tensor) -> Tensor:
+        """``layer``'s output for the mixed batch ``x`` (:func:`mixed_rows`)."""
+        return mixed_rows(layer, x, self)
 
 
 def _rows_by_adapter(names: Sequence[str]) -> dict[str, list[int]]:
@@ -85,13 +114,62 @@ def mixed_batch(model: nn.Module, names: Sequence[str]) -> Iterator[nn.Module]:
     cache: dict[int, Any] = {}
     previous = {}
     for path, layer in layers.items():
-        previous[path] = layer.__dict__.get(MIXED_ROUTE)
-        layer.__dict__[MIXED_ROUTE] = MixedRoute(path, tuple(names), rows, cache)
+        previous[path] = layer.mixed_route
+        layer.mixed_route = MixedRoute(path, tuple(names), rows, cache)
     try:
         yield model
     finally:
         for path, layer in layers.items():
-            if previous[path] is None:
-                layer.__dict__.pop(MIXED_ROUTE, None)
-            else:
-                layer.__dict__[MIXED_ROUTE] = previous[path]
+            layer.mixed_route = previous[path]
+
+
+def mixed_rows(layer: Any, x: Tensor, route: MixedRoute) -> Tensor:
+    """``layer``'s output for a mixed batch ``x``: base output plus each row's adapter term.
+
+    Raises:
+        MixedBatchError: the batch has another number of rows than the mixed batch has names.
+    """
+    if x.shape[0] != len(route.names):
+        raise MixedBatchError(
+            f"{route.path or type(layer).__name__}: mixed_batch was given {len(route.names)} adapter names but "
+            f"the batch has {x.shape[0]} rows (input shape {tuple(x.shape)}); give one name per row"
+        )
+    result: Tensor = layer._base_output(x)
+    held = records(layer)
+    used = [name for name in route.rows if name in held]
+    if not used:
+        return result
+    if type(layer).linear_term:  # two GEMMs in all
+        return _stacked_rows(layer, x, result, used, route)
+    for name in used:
+        index = torch.tensor(route.rows[name], device=x.device)
+        term = layer._adapter_output(x.index_select(0, index), held[name])
+        result = result.index_add(0, index, term.to(result.dtype))
+    return result
+
+
+def _stacked_rows(layer: Any, x: Tensor, result: Tensor, used: list[str], route: MixedRoute) -> Tensor:
+    held = records(layer)
+    adapters = [held[name] for name in used]
+    params = [t for a in adapters for t in (a.factor_a, a.factor_b)]
+    key = tuple(t._version for t in params) + tuple(id(t) for t in params)
+    cached = route.cache.get(id(layer))
+    if cached is None or cached[0] != key:
+        a_all = torch.cat([a.factor_a for a in adapters])  # (R, in)
+        b_all = torch.cat([a.factor_b for a in adapters], dim=1)  # (out, R)
+        mask = a_all.new_zeros(len(route.names), a_all.shape[0])  # (rows, R)
+        start = 0
+        for name, a in zip(used, adapters):
+            rows = torch.tensor(route.rows[name], device=mask.device)
+            mask[rows, start : start + a.r] = a.scaling
+            start += a.r
+        cached = (key, a_all, b_all, mask)
+        route.cache[id(layer)] = cached
+    _, a_all, b_all, mask = cached
+    hidden = F.linear(x.to(a_all.dtype), a_all)  # (rows, ..., R)
+    hidden = hidden * mask.view(mask.shape[0], *([1] * (hidden.dim() - 2)), mask.shape[1])
+    if result.dtype == b_all.dtype and result.is_contiguous() and not result.requires_grad:
+        flat = result.view(-1, result.shape[-1])
+        flat.addmm_(hidden.reshape(-1, hidden.shape[-1]), b_all.t())
+        return result
+    return (result + F.linear(hidden, b_all)).to(result.dtype)

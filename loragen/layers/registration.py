@@ -1,46 +1,33 @@
-"""Every layer type loragen converts is registered here: its own types (:func:`register_builtin_types`, run
-when :mod:`loragen.layers` is imported) and a user's (:func:`register_layer`).
+"""Which LoRA class a layer type gets: loragen's own types (:func:`register_builtin_types`, run when
+:mod:`loragen.layers` is imported), a user's (:func:`register_layer`), and classes made on demand.
 
-``register_layer``: teach loragen a layer type of your own.
-
-After registration the type works in all three ways in (``get_lora_model``, ``@lora_convert``,
-``loragen rewrite``), in ``save_adapter`` / ``load_adapter`` and in ``loragen merge``, like the built-in
-types. Two ways to register:
-
-* ``register_layer(MyLinear)``: ``MyLinear`` behaves like a Linear — it has a ``weight`` stored
-  ``(out_features, in_features)`` (``layout="transposed"``: ``(in, out)``) and an optional ``bias``. Its
-  own ``forward`` computes the base output; loragen adds ``scaling * B A dropout(x)`` to it, merges by
-  adding ``scaling * B @ A`` to ``weight`` (after checking on a probe that ``forward`` is ``x W^T + b``),
-  and saves peft's ``lora_A`` / ``lora_B`` keys.
-* ``register_layer(MyLayer, MyLoraLayer)``: your own LoRA class, a subclass of both
-  :class:`loragen.LoraLayer` and ``MyLayer`` that provides what :class:`loragen.LoraLayer` lists as
-  abstract (``_factor_shapes`` and ``_adapter_output``; see :mod:`loragen.layers.base`); ``layout`` says
-  how its factors are named, initialised, saved and merged. It gets several named adapters, disabling,
-  merging and mixed batches from :class:`loragen.LoraLayer`.
-
-Example::
-
-    class ScaledLinear(nn.Module):
-        def __init__(self, d_in, d_out):
-            super().__init__()
-            self.weight = nn.Parameter(torch.randn(d_out, d_in))
-            self.bias = None
-        def forward(self, x):
-            return x @ self.weight.t()
+``register_layer(MyLinear)`` teaches a layer that behaves like a Linear (a ``weight`` stored ``(out, in)``,
+or ``(in, out)`` with ``layout="transposed"``, an optional ``bias``; its own ``forward`` computes the base
+output, merges are checked on a probe); ``register_layer(MyLayer, MyLoraLayer)`` takes a LoRA class of your
+own (a subclass of :class:`loragen.LoraLayer` and ``MyLayer``). Either then works in all three ways in,
+in save/load and in ``loragen merge``, like the built-in types::
 
     loragen.register_layer(ScaledLinear)
     model = loragen.get_lora_model(model, LoraConfig(target_modules=["proj"]))
+
+Subclasses of a registered type (Falcon's ``FalconLinear``) and "behaves like a Linear" types get a LoRA
+class derived from the LoRA class and the base class (``class LoraFalconLinear(LoraLinear, FalconLinear)``:
+the base's ``forward`` and attributes stay), made once and cached (:func:`lora_class_for`). Its constructor
+is the base's plus the LoRA keywords, so ``loragen rewrite`` can swap the call; it is reachable by name in
+this module once made, and its objects pickle by rebuilding the class from the base class.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
+from loragen.errors import LoraConversionError
 from loragen.layers.base import LoraLayer
 from loragen.layers.conv import LoraConv1d, LoraConv2d
-from loragen.layers.derived import derive_lora_class
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear, LoraLinearMixin
 from loragen.registry import (
@@ -51,46 +38,38 @@ from loragen.registry import (
     EmbeddingLayout,
     LayerSpec,
     Layout,
+    refusal_for,
     register,
+    spec_for_type,
+    supported_type_names,
 )
 
-__all__ = ["register_builtin_types", "register_layer"]
+__all__ = ["derive_lora_class", "lora_class_for", "register_builtin_types", "register_layer"]
 
 
 def register_builtin_types() -> None:
     """Register loragen's own layer types (idempotent). transformers' ``Conv1D`` and bitsandbytes' quantized
     linears are registered by name: their LoRA classes are imported (with transformers, bitsandbytes) only
     when a model holds such a layer (bitsandbytes is the optional extra ``loragen[bnb]``)."""
+    # (class, its module in torch.nn.modules, LoRA class, layout, all-linear and subclasses)
+    torch_types: list[tuple[str, str, type[nn.Module], Layout, bool]] = [
+        ("Conv1d", "conv", LoraConv1d, PLAIN, False),
+        ("Conv2d", "conv", LoraConv2d, PLAIN, False),
+        ("Embedding", "sparse", LoraEmbedding, EMBEDDING, False),
+        ("Linear", "linear", LoraLinear, PLAIN, True),
+    ]
     builtin = [  # in the order error messages list the supported types
-        LayerSpec(
-            "torch.nn.Conv1d",
-            "loragen.layers.LoraConv1d",
-            ("torch.nn.modules.conv.Conv1d",),
-            PLAIN,
-            lora_class=LoraConv1d,
-        ),
-        LayerSpec(
-            "torch.nn.Conv2d",
-            "loragen.layers.LoraConv2d",
-            ("torch.nn.modules.conv.Conv2d",),
-            PLAIN,
-            lora_class=LoraConv2d,
-        ),
-        LayerSpec(
-            "torch.nn.Embedding",
-            "loragen.layers.LoraEmbedding",
-            ("torch.nn.modules.sparse.Embedding",),
-            EMBEDDING,
-            lora_class=LoraEmbedding,
-        ),
-        LayerSpec(
-            "torch.nn.Linear",
-            "loragen.layers.LoraLinear",
-            ("torch.nn.modules.linear.Linear",),
-            PLAIN,
-            linear=True,
-            subclasses=True,
-            lora_class=LoraLinear,
+        *(
+            LayerSpec(
+                f"torch.nn.{name}",
+                f"loragen.layers.{lora.__name__}",
+                (f"torch.nn.modules.{module}.{name}",),
+                layout,
+                linear=linear,
+                subclasses=linear,
+                lora_class=lora,
+            )
+            for name, module, lora, layout, linear in torch_types
         ),
         LayerSpec(
             "transformers.pytorch_utils.Conv1D",
@@ -185,3 +164,108 @@ def register_layer(
         base_class=base_type,
     )
     return register(spec, replace=replace)
+
+
+# ---- LoRA classes made on demand ------------------------------------------------------------------
+
+# the LoRA keywords a derived class's constructor takes, in _setup_lora's order, with their defaults
+_LORA_KEYWORDS: dict[str, Any] = {
+    "r": 8,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "use_rslora": False,
+    "init_lora_weights": True,
+    "use_dora": False,
+}
+_lock = threading.Lock()
+_derived: dict[tuple[type[LoraLayer], type[nn.Module]], type[LoraLayer]] = {}
+_by_name: dict[str, type[LoraLayer]] = {}
+
+
+def lora_class_for(base_type: type[nn.Module]) -> type[LoraLayer]:
+    """The LoRA class that replaces modules of ``base_type``: the registered LoRA class for a
+    registered type, a derived class (see the module docstring) for a subclass of one.
+
+    Raises:
+        LoraConversionError: ``base_type`` is not registered and not an accepted subclass of a registered
+            type; the message lists the supported types.
+    """
+    name = f"{base_type.__module__}.{base_type.__qualname__}"
+    refusal = refusal_for(base_type)
+    if refusal is not None:
+        raise LoraConversionError(f"{name} is not converted: {refusal}")
+    spec = spec_for_type(base_type)
+    if spec is None:
+        raise LoraConversionError(
+            f"{name} is not a supported layer type; supported: "
+            + ", ".join(supported_type_names())
+            + ". Teach loragen a type with loragen.register_layer(...)"
+        )
+    lora = spec.lora_type()
+    if not issubclass(lora, LoraLayer):
+        raise TypeError(f"{spec.lora_qualname} is not a LoraLayer subclass")
+    if base_type is spec.base_type() or issubclass(base_type, LoraLayer):
+        return lora
+    return derive_lora_class(lora, base_type)
+
+
+def derive_lora_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraLayer]:
+    """``class Lora<Base>(lora, base_type)`` with the base's constructor plus the LoRA keywords
+    (made once per pair and cached)."""
+    key = (lora, base_type)
+    with _lock:
+        cls = _derived.get(key)
+        if cls is None:
+            cls = _make_class(lora, base_type)
+            _derived[key] = cls
+    return cls
+
+
+def _make_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraLayer]:
+    def __init__(self: LoraLayer, *args: Any, **kwargs: Any) -> None:
+        settings = [kwargs.pop(name, default) for name, default in _LORA_KEYWORDS.items()]
+        base_type.__init__(self, *args, **kwargs)
+        self._setup_lora(*settings)
+
+    def __reduce_ex__(self: LoraLayer, protocol: Any) -> tuple[Any, ...]:
+        return _rebuild, (lora, base_type), self.__getstate__()
+
+    name = _unique_name(f"Lora{base_type.__name__}")
+    __init__.__doc__ = (
+        f"``{base_type.__qualname__}``'s constructor plus the LoRA keywords {', '.join(_LORA_KEYWORDS)}."
+    )
+    namespace = {
+        "__init__": __init__,
+        "__reduce_ex__": __reduce_ex__,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"``{base_type.__module__}.{base_type.__qualname__}`` with a LoRA adapter "
+        f"(made by loragen from {lora.__qualname__}).",
+        "base_class": base_type,
+    }
+    cls = type(name, (lora, base_type), namespace)
+    _by_name[name] = cls
+    return cls
+
+
+def _unique_name(name: str) -> str:
+    candidate, n = name, 2
+    while candidate in _by_name:
+        candidate, n = f"{name}{n}", n + 1
+    return candidate
+
+
+def _rebuild(lora: type[LoraLayer], base_type: type[nn.Module]) -> LoraLayer:
+    """An empty object of the derived class (pickle then restores its state)."""
+    cls = derive_lora_class(lora, base_type)
+    return cls.__new__(cls)
+
+
+def __getattr__(name: str) -> type[LoraLayer]:
+    cls = _by_name.get(name)
+    if cls is None:
+        raise AttributeError(
+            f"module {__name__!r} has no attribute {name!r}: derived LoRA classes exist once "
+            "loragen.layers.lora_class_for(<base class>) has made them"
+        )
+    return cls

@@ -1,21 +1,15 @@
-"""Adapter variants: what plain LoRA and DoRA each add to a layer, as one strategy object per variant.
+"""Adapter variants: what plain LoRA and DoRA each add to a layer, one stateless strategy object per
+variant, chosen when the adapter is made (:func:`variant_for`, from ``use_dora``): ``check`` (refuse a
+layer it cannot run on), ``init`` (its own parameters: DoRA's magnitude), ``output`` (the layer's output
+given the base output), ``merge`` / ``unmerge``, and ``extra_parameters`` (saved under peft's names). A
+layer type names its DoRA variant in ``dora_variant`` (None: none); a fused op of a layer type
+(:class:`loragen.LoraLinear`'s) picks the plain or the DoRA op itself.
 
-Every adapter of a layer holds a :class:`Variant`, chosen once when the adapter is made (from the
-config's ``use_dora``, :func:`variant_for`). The layers never ask which variant they hold; they call it:
-
-==================  ====================================================================================
-``check``           refuse a layer the variant cannot run on (before anything is made)
-``init``            set up the variant's own parameters (DoRA: the magnitude vector, after the factors)
-``output``          the layer's output given the base output: plain LoRA adds ``scaling * B A dropout(x)``
-``fused_linear``    the same output as one fused op, for a layer whose base is exactly ``x W^T + b``
-``fused_branch``    the output as the base output plus the term added in place (quantized bases)
-``merge/unmerge``   put the adapter into the weight and take it out again
-``extra_parameters``  the variant's own parameters, saved under the same names as peft saves them
-==================  ====================================================================================
-
-DoRA's forward depends on the layer family (peft's math per family): :class:`LinearDora` (Linear,
-transformers ``Conv1D``, registered Linear-like types), :class:`EmbeddingDora` and :class:`ConvDora`. A layer
-type names its DoRA variant in its ``dora_variant`` class attribute; None means it has none.
+DoRA follows peft's math per family: :class:`LinearDora` (Linear, ``Conv1D``, Linear-like types),
+:class:`EmbeddingDora`, :class:`ConvDora`. The magnitude ``lora_magnitude_vector`` has one value per output
+feature -- ``(out,)``, ``(embedding_dim,)``, ``(1, out, 1, ...)`` for ConvNd -- and starts as the norm of
+``W + s B A`` along the axis holding one output's weights (a new adapter is a no-op). Merging writes
+``(m / n) * (W + s B A)`` and keeps ``n`` on the layer, so unmerging divides by exactly that factor.
 """
 
 from __future__ import annotations
@@ -26,22 +20,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loragen.errors import LoraConversionError
-from loragen.layers import dora_magnitude
-from loragen.layers.parameter_reads import parameter
-from loragen.ops import dora_linear, lora_linear
-from loragen.ops.branch import lora_branch
+from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.reference import dora_linear_reference
-from loragen.registry import TransposedLayout
+from loragen.registry import PlainLayout, TransposedLayout
 
 __all__ = [
     "LORA",
+    "MAGNITUDE",
     "ConvDora",
     "EmbeddingDora",
     "LinearDora",
     "Variant",
     "variant_for",
+    "weight_norm",
 ]
+
+MAGNITUDE = "lora_magnitude_vector"
 
 
 class LoraAdapter(Protocol):
@@ -96,35 +90,6 @@ class Variant:
         the term computed in the adapter's dtype and the sum cast back to ``result``'s dtype."""
         return (result + layer._adapter_output(x, adapter)).to(result.dtype)
 
-    def fused_linear(self, layer: Any, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        """The whole output of a layer whose base is exactly ``x W^T + b``, as loragen's fused LoRA op
-        (:func:`loragen.ops.lora_linear`: CPU autograd Function or CUDA kernels)."""
-        return lora_linear(
-            x,
-            parameter(layer, "weight"),
-            parameter(layer, "bias"),
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            layer.training,
-            fan_in_fan_out=_transposed(layer),
-        )
-
-    def fused_branch(self, layer: Any, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
-        """The base's own output plus the term added onto it in place (:func:`loragen.ops.branch.lora_branch`,
-        hand-written backward); None where the variant has no such op."""
-        result: Tensor = layer._base_output(x)
-        return lora_branch(
-            result,
-            x,
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            layer.training,
-        )
-
     @torch.no_grad()
     def merge(self, layer: Any, adapter: LoraAdapter) -> None:
         """``W += scaling * B @ A`` in float32 (float64 for float64 weights), rounded once."""
@@ -149,64 +114,77 @@ class Variant:
 
 class DoraVariant(Variant):
     """DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude ``m`` per output feature
-    rescales ``W + scaling * B A`` to norm ``m`` (the norm detached); see :mod:`loragen.layers.dora_magnitude`."""
+    rescales ``W + scaling * B A`` to norm ``m`` (the norm detached)."""
 
     name = "dora"
     title = "DoRA"
     use_dora = True
-    extra_parameters = (dora_magnitude.MAGNITUDE,)
+    extra_parameters = (MAGNITUDE,)
     mixable = False  # peft refuses adapter_names with DoRA too
     combinable = False  # a sum of factors would leave out each adapter's magnitude
 
     def check(self, layer: Any) -> None:
-        dora_magnitude.check_dora_supported(layer)
+        """Raise unless DoRA can be set up on ``layer`` exactly as peft does.
+
+        Raises:
+            LoraConversionError: the base weight is not floating point (a quantized layer), or the layer is
+                a grouped convolution (peft has no DoRA for it either); the message names the type.
+        """
+        name = type(layer).__qualname__
+        if not layer.weight.dtype.is_floating_point:
+            raise LoraConversionError(
+                f"use_dora=True on {name}: its weight is stored as {layer.weight.dtype}; loragen's DoRA needs a "
+                "floating-point base weight (quantized bases are not supported with DoRA); set use_dora=False"
+            )
+        groups = getattr(layer, "groups", 1)
+        if groups != 1:
+            raise LoraConversionError(
+                f"use_dora=True on {name} with groups={groups}: DoRA on grouped convolutions is "
+                "not supported (peft has none either); set use_dora=False or exclude the layer"
+            )
 
     def init(self, layer: Any, adapter: LoraAdapter) -> None:
-        dora_magnitude.init_magnitude(layer, adapter)  # the norm of W + s B A: the new adapter is a no-op
-
-    def fused_linear(self, layer: Any, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        return dora_linear(
-            x,
-            parameter(layer, "weight"),
-            parameter(layer, "bias"),
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.magnitude,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            layer.training,
-            fan_in_fan_out=_transposed(layer),
-        )
-
-    def fused_branch(self, layer: Any, x: Tensor, adapter: LoraAdapter) -> Tensor | None:
-        return None
+        """The magnitude: the current norm of ``W + s B A``, as peft does (the new adapter is a no-op)."""
+        adapter.register(MAGNITUDE, nn.Parameter(weight_norm(layer, adapter).clone()))
 
     @torch.no_grad()
     def merge(self, layer: Any, adapter: LoraAdapter) -> None:
-        dora_magnitude.dora_merge(layer, adapter)  # W <- (m / ||W + s B A||) * (W + s B A)
+        """``W <- (m / n) * (W + s B A)`` with ``n = ||W + s B A||``, in float32 (float64 for float64
+        weights), rounded once; keeps ``n`` on the layer for :meth:`unmerge`."""
+        w = layer.weight
+        full = _directed(layer, adapter)
+        norm = _norm_of(layer, full)
+        factor = adapter.magnitude.to(full.dtype) / norm
+        w.copy_((_factor_view(layer, factor) * full).to(w.dtype))
+        layer._dora_merged_norm = norm
 
     @torch.no_grad()
     def unmerge(self, layer: Any, adapter: LoraAdapter) -> None:
-        dora_magnitude.dora_unmerge(layer, adapter)
+        """Undo :meth:`merge`: ``W <- W / (m / n) - s B A`` with the ``n`` merging used.
+
+        Raises:
+            LoraMergeError: merging left no norm (the layer was not merged in this process).
+        """
+        norm, layer._dora_merged_norm = layer._dora_merged_norm, None
+        if norm is None:
+            raise LoraMergeError(
+                f"cannot unmerge this DoRA {type(layer).__qualname__}: the weight norm from before merging is not "
+                "known (the layer was not merged in this process); reload the base weights instead"
+            )
+        w = layer.weight
+        dtype = layer._merge_dtype()
+        factor = adapter.magnitude.to(norm.dtype) / norm
+        delta = layer.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
+        w.copy_((w.to(norm.dtype) / _factor_view(layer, factor) - delta).to(w.dtype))
 
 
 class LinearDora(DoraVariant):
     """DoRA on a Linear weight: peft's composition on the base output (:func:`loragen.reference.dora_linear_reference`)."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
-        return dora_linear_reference(
-            x,
-            layer.weight,
-            layer.bias,
-            adapter.factor_a,
-            adapter.factor_b,
-            adapter.magnitude,
-            adapter.scaling,
-            adapter.lora_dropout_p,
-            layer.training,
-            fan_in_fan_out=_transposed(layer),
-            result=result,
-        )
+        tensors = (x, layer.weight, layer.bias, adapter.factor_a, adapter.factor_b, adapter.magnitude)
+        settings = (adapter.scaling, adapter.lora_dropout_p, layer.training)
+        return dora_linear_reference(*tensors, *settings, fan_in_fan_out=_transposed(layer), result=result)
 
 
 class EmbeddingDora(DoraVariant):
@@ -214,7 +192,7 @@ class EmbeddingDora(DoraVariant):
     embedding column, detached."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
-        c = adapter.magnitude / dora_magnitude.weight_norm(layer, adapter)
+        c = adapter.magnitude / weight_norm(layer, adapter)
         return (c * result + c * layer._adapter_output(x, adapter)).to(result.dtype)
 
 
@@ -229,7 +207,7 @@ class ConvDora(DoraVariant):
         if dropout:
             x_lora = F.dropout(x_lora, adapter.lora_dropout_p, True)
         lora = layer._unscaled_term(x_lora, adapter)
-        c = adapter.magnitude / dora_magnitude.weight_norm(layer, adapter)
+        c = adapter.magnitude / weight_norm(layer, adapter)
         if dropout:
             base = layer._conv_forward(x_lora, layer.weight.to(x_lora.dtype), None)
         elif layer.bias is not None:
@@ -237,6 +215,36 @@ class ConvDora(DoraVariant):
         else:
             base = result
         return (result + (c - 1) * base + c * lora * adapter.scaling).to(result.dtype)
+
+
+def _norm_of(layer: Any, full: Tensor) -> Tensor:
+    """The per-output norm of a full weight ``full`` in ``layer``'s layout, shaped like the magnitude."""
+    if isinstance(layer.layout, PlainLayout):
+        norm = torch.linalg.vector_norm(full.flatten(1), dim=1)  # (out,)
+        return norm if full.dim() == 2 else norm.view(1, -1, *([1] * (full.dim() - 2)))
+    return torch.linalg.vector_norm(full, dim=0)  # Conv1D (in, out), embedding (num, dim): per column
+
+
+def _factor_view(layer: Any, factor: Tensor) -> Tensor:
+    """``factor`` (shaped like the magnitude) broadcastable against the stored weight."""
+    flat = factor.reshape(-1)
+    if isinstance(layer.layout, PlainLayout):
+        return flat.view(-1, *([1] * (layer.weight.dim() - 1)))
+    return flat.view(1, -1)
+
+
+def _directed(layer: Any, adapter: LoraAdapter) -> Tensor:
+    """``W + s B A`` in the weight's layout, in float32 (float64 for float64 weights)."""
+    dtype = layer._merge_dtype()
+    delta = layer.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
+    return layer.weight.to(dtype) + delta
+
+
+def weight_norm(layer: Any, adapter: LoraAdapter) -> Tensor:
+    """``||W + s B A||`` of ``adapter`` per output feature, detached, shaped like the magnitude, in the
+    adapter's dtype."""
+    with torch.no_grad():
+        return _norm_of(layer, _directed(layer, adapter)).to(adapter.factor_a.dtype)
 
 
 LORA = Variant()

@@ -1,35 +1,22 @@
-"""Compiled CPU kernels for the dropout path of the LoRA op (``kernels/lora_dropout_cpu.c``).
+"""Compiled CPU kernels for the dropout path of the LoRA ops (``kernels/lora_dropout_cpu.c``).
 
-With dropout, each rank-r product that touches x goes through the packed keep-mask. In numpy and
-BLAS that is an unpack pass, a masked copy of x and a GEMM, with numpy on one core while the other
-idles. The C kernels read the mask bits where they use them, so x is read once per product, no masked
-copy exists and all threads work (OpenMP, ``torch.get_num_threads()`` threads):
+With dropout, each rank-r product that touches x goes through the packed keep-mask; in numpy/BLAS that is
+an unpack pass, a masked copy of x and a GEMM, on one core. The C kernels read the mask bits where they
+use them: x is read once per product, no masked copy exists, and all threads work (OpenMP):
 
 ``masked_down(x, bits, A, scale)``   ``scale * (x * m) A^T``   (N, r)
 ``masked_grad_a(x, bits, gh)``       ``gh^T (x * m)``          (r, in)
 ``masked_grad_x(gh, A, bits)``       ``(gh A) * m``            (N, in)
 
-The source is built in one of two variants (:data:`VARIANTS`), the best one the CPU supports
-(:func:`candidates`, from the flags in ``/proc/cpuinfo``):
-
-``avx512``  ``-march=native -mprefer-vector-width=512``: AVX-512 (x86-64 with AVX-512F)
-``avx2``    ``-mavx2 -mfma -mtune=native``: the same kernels on 8-lane AVX2 registers (x86-64 with AVX2
-            and FMA: every x86-64 CPU since 2013-2015 that lacks AVX-512)
-
-``LORAGEN_CPU_KERNEL_VARIANT`` (:data:`loragen.switches.cpu_kernel_variant`: ``auto``, the default, or a variant's name)
-forces one variant; on a CPU that cannot run it the kernels are unavailable (never another variant).
-That is how both variants are tested on an AVX-512 machine. Other CPUs (no AVX2, or not x86) run the
-numpy/BLAS path.
-
-Each variant is compiled on first use with the C compiler (``$CC``, else ``cc``) as
-``-O3 <variant flags> -fopenmp -shared -fPIC`` and cached on disk in the ``cpu/`` folder of
-:func:`loragen.resources.kernel_cache_dir` (``$LORAGEN_CACHE_DIR``, else ``~/.cache/loragen/kernels``),
-keyed by the source, the flags, the compiler's version and the CPU's feature flags; the file is written
-atomically. A library reports the vector width it was built for (``lora_kernels_isa()``), which must be
-the variant's. Without a compiler, when compiling or loading every candidate fails, for dtypes other
-than float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and :mod:`loragen.ops` runs
-its numpy/BLAS path, which computes the same products (results agree to float32 rounding; the masks are
-the same bits).
+The source is built in the best of two variants (:data:`VARIANTS`) the CPU supports (:func:`candidates`,
+from ``/proc/cpuinfo``): ``avx512`` (``-march=native -mprefer-vector-width=512``) or ``avx2`` (``-mavx2
+-mfma``: x86-64 CPUs without AVX-512). ``LORAGEN_CPU_KERNEL_VARIANT`` (``auto`` or a variant's name)
+forces one; a CPU that cannot run it gets no kernels (that is how both are tested on one machine). Each
+variant is compiled on first use (``$CC``, else ``cc``) and cached in ``cpu/`` of
+:func:`loragen.resources.kernel_cache_dir`, keyed by the source, the flags, the compiler and the CPU's
+flags; a library must report the vector width of its variant. Without a compiler, for dtypes other than
+float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and the ops run the numpy/BLAS
+path, which computes the same products from the same mask bits.
 """
 
 from __future__ import annotations
@@ -274,7 +261,9 @@ def _lib() -> ctypes.CDLL:
     return library
 
 
-def _check(name: str, **tensors: Tensor) -> None:
+def _call(name: str, numel: int, *args: Tensor | int | float, **tensors: Tensor) -> None:
+    """Check ``tensors`` (contiguous CPU float32, ``bits`` uint8 covering ``numel`` elements), then call the
+    kernel ``lora_<name>`` with ``args`` (tensors as pointers) and the thread count."""
     for arg, t in tensors.items():
         expected = torch.uint8 if arg == "bits" else torch.float32
         if t.dtype != expected or t.device.type != "cpu" or not t.is_contiguous():
@@ -282,13 +271,13 @@ def _check(name: str, **tensors: Tensor) -> None:
                 f"loragen.ops.cpu_kernels.{name}: {arg} must be a contiguous CPU {expected} tensor, "
                 f"got {t.dtype} on {t.device} (contiguous={t.is_contiguous()})"
             )
-
-
-def _check_bits(name: str, bits: Tensor, numel: int) -> None:
+    bits = tensors["bits"]
     if bits.numel() * 8 < numel:
         raise ValueError(
             f"loragen.ops.cpu_kernels.{name}: bits has {bits.numel()} bytes for {numel} elements"
         )
+    values = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
+    getattr(_lib(), f"lora_{name}")(*values, bits.numel(), torch.get_num_threads())
 
 
 def masked_down(x: Tensor, bits: Tensor, lora_A: Tensor, scale: float) -> Tensor:
@@ -296,21 +285,8 @@ def masked_down(x: Tensor, bits: Tensor, lora_A: Tensor, scale: float) -> Tensor
     (n, width), r = x.shape, lora_A.shape[0]
     r16 = _rank16(r)
     at = _pad_rank(lora_A.t(), r16)  # (in, r16): a row of A^T is whole vector registers
-    _check("masked_down", x=x, bits=bits)
-    _check_bits("masked_down", bits, n * width)
     h = torch.empty(n, r16, dtype=torch.float32)
-    _lib().lora_masked_down(
-        x.data_ptr(),
-        bits.data_ptr(),
-        at.data_ptr(),
-        h.data_ptr(),
-        n,
-        width,
-        r16,
-        scale,
-        bits.numel(),
-        torch.get_num_threads(),
-    )
+    _call("masked_down", n * width, x, bits, at, h, n, width, r16, scale, x=x, bits=bits)
     return h if r16 == r else h[:, :r].contiguous()
 
 
@@ -319,40 +295,15 @@ def masked_grad_a(x: Tensor, bits: Tensor, gh: Tensor) -> Tensor:
     (n, width), r = x.shape, gh.shape[1]
     r16 = _rank16(r)
     gh = _pad_rank(gh, r16)
-    _check("masked_grad_a", x=x, bits=bits, gh=gh)
-    _check_bits("masked_grad_a", bits, n * width)
     at = torch.empty(width, r16, dtype=torch.float32)
-    _lib().lora_masked_grad_a(
-        x.data_ptr(),
-        bits.data_ptr(),
-        gh.data_ptr(),
-        at.data_ptr(),
-        n,
-        width,
-        r16,
-        bits.numel(),
-        torch.get_num_threads(),
-    )
+    _call("masked_grad_a", n * width, x, bits, gh, at, n, width, r16, x=x, bits=bits, gh=gh)
     return at[:, :r].t().contiguous()
 
 
 def masked_grad_x(gh: Tensor, lora_A: Tensor, bits: Tensor) -> Tensor:
     """``(gh A) * m`` for gh (N, r), lora_A (r, in) and the packed keep-mask of an (N, in) tensor."""
-    lora_A = lora_A.contiguous()
-    gh = gh.contiguous()
-    _check("masked_grad_x", gh=gh, lora_A=lora_A, bits=bits)
+    lora_A, gh = lora_A.contiguous(), gh.contiguous()
     (n, r), width = gh.shape, lora_A.shape[1]
-    _check_bits("masked_grad_x", bits, n * width)
     dx = torch.empty(n, width, dtype=torch.float32)
-    _lib().lora_masked_grad_x(
-        gh.data_ptr(),
-        lora_A.data_ptr(),
-        bits.data_ptr(),
-        dx.data_ptr(),
-        n,
-        width,
-        r,
-        bits.numel(),
-        torch.get_num_threads(),
-    )
+    _call("masked_grad_x", n * width, gh, lora_A, bits, dx, n, width, r, gh=gh, lora_A=lora_A, bits=bits)
     return dx

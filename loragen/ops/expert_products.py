@@ -1,28 +1,18 @@
 """LoRA on targeted parameters (MoE expert stacks): every expert's effective weight in one batched product.
 
-A MoE block in transformers 5 keeps its experts as 3-D parameters, ``gate_up_proj (E, 2*I, H)`` and
-``down_proj (E, H, I)``, and its forward (eager loop, ``batched_mm`` or ``grouped_mm``) reads them by
-attribute. LoRA on such a parameter (peft's ``target_parameters``) is a weight update: during the forward the
-module sees ``W_e + s * B_e @ A_e`` for every expert ``e``.
+transformers 5 keeps a MoE block's experts as 3-D parameters (``gate_up_proj (E, 2*I, H)``, ``down_proj
+(E, H, I)``) that its forward (eager loop, ``batched_mm`` or ``grouped_mm``) reads by attribute. LoRA on
+them (peft's ``target_parameters``) is a weight update: the module sees ``W_e + s * B_e @ A_e``.
 
-Where to apply it. Per forward, with ``T`` routed token-expert pairs, rank ``r``, ``E`` experts of
-``out x in``:
+Weight space (here and in peft): one ``baddbmm`` makes all ``E`` effective weights (``2*E*out*in*r``
+FLOPs), the experts' own backward gives ``dL/dW'``, two batched products the factor gradients; no routing
+code of loragen's, so it works for every experts implementation. Activation space (``y += s * B_e A_e x``
+per routed token) is cheaper for few tokens but needs each architecture's routing copied.
 
-* in weight space (this module, and peft): one ``baddbmm`` makes all ``E`` effective weights,
-  ``2*E*out*in*r`` FLOPs, one read of ``W`` and one write of ``W'`` (``E*out*in`` elements each); the
-  backward gets ``dL/dW'`` from the experts' own backward and makes the factor gradients with two more
-  batched products (``4*E*out*in*r`` FLOPs). No per-expert Python loop, no routing code of our own: it
-  works for every experts implementation transformers has, because they all read the attribute.
-* in activation space (``y += s * B_e A_e x`` per routed token): ``2*T*r*(in+out)`` FLOPs, cheaper when
-  ``T << E*out*in / (in+out)``, but it needs the routing, i.e. a copy of each architecture's experts
-  forward. That is not generic and would not stay exact when transformers changes an implementation.
-
-So loragen works in weight space, like peft. What it does differently is memory: the experts' backward
-needs ``W'`` (``dL/dx = dL/dy @ W'_e``), and autograd keeps it alive from forward to backward, one extra
-copy of every adapted expert stack per layer. With :data:`loragen.switches.fused` on (the default),
+What differs from peft is memory: the experts' backward needs ``W'``, which autograd would keep from
+forward to backward (a copy of every adapted stack). With :data:`loragen.switches.fused` on,
 :func:`recompute_on_backward` saves a recipe instead (``W``, ``A``, ``B``, ``s``: tensors that exist
-anyway) and rebuilds ``W'`` once when the backward first needs it: ``2*E*out*in*r`` FLOPs more, ``E*out*in``
-elements fewer held per adapted parameter between forward and backward.
+anyway) and rebuilds ``W'`` once when the backward first needs it.
 """
 
 from __future__ import annotations

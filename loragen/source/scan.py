@@ -784,7 +784,7 @@ _LORA_AUTO_CLASS_NAMES = frozenset({".".join(LORA_AUTO_CLASS), "loragen.lora_aut
 _AUTO_CLASS = re.compile(r"^(transformers\.|\.)([\w.]*\.)?Auto[A-Z]\w*$")
 LORA_CLASS_FOR = ("loragen.layers", "lora_class_for")  # where a rewritten file imports it from
 _LORA_CLASS_FOR_NAMES = frozenset(
-    {"loragen.layers.lora_class_for", "loragen.layers.derived.lora_class_for", "loragen.lora_class_for"}
+    {"loragen.layers.lora_class_for", "loragen.layers.registration.lora_class_for", "loragen.lora_class_for"}
 )
 
 

@@ -21,14 +21,13 @@ from loragen import (
     merge_adapter,
     merge_and_unload,
     save_adapter,
-    switches,
 )
 from loragen.adapters.folder import read_adapter
 from loragen.cli import main
 from loragen.convert import find_lora_layers
 from loragen.errors import AdapterError, LoraConfigError, LoraConversionError
 from loragen.layers import LoraConv2d, LoraLinear
-from loragen.ops.masks import make_keep_bits, unpack_keep_mask
+from loragen.ops.masks import dropout_keep_bits, unpack_keep_mask
 from loragen.philox import random_seed
 from tests.adapters.helpers import WEIGHTS, make_model, model_inputs, perturb_trainable
 
@@ -163,7 +162,7 @@ def test_dropout_under_the_same_mask_equals_peft(make_base, fused: bool) -> None
     model.train()
 
     torch.manual_seed(7)  # the fused op draws its mask seed from torch's generator: the same draw here
-    keep = unpack_keep_mask(make_keep_bits(x.numel(), p, random_seed(), "bits"), x.numel()).view(x.shape)
+    keep = unpack_keep_mask(dropout_keep_bits(x.numel(), p, random_seed()), x.numel()).view(x.shape)
     if not fused or isinstance(
         base, _OwnForwardLinear
     ):  # the composition draws with torch's F.dropout: take its mask
@@ -171,8 +170,7 @@ def test_dropout_under_the_same_mask_equals_peft(make_base, fused: bool) -> None
         keep = torch.nn.functional.dropout(torch.ones_like(x), p, True) != 0
     peft_model.base_model.model.layer.lora_dropout["default"] = _FixedDropout(keep, p)
     torch.manual_seed(7)
-    with switches.dropout_rng.using("bits"):
-        ours_y = model(x)
+    ours_y = model(x)
     theirs_y = peft_model(x)
     torch.testing.assert_close(ours_y, theirs_y, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(theirs_y)

@@ -17,14 +17,14 @@ import torch
 
 import loragen
 from loragen import LoraConfig
-from loragen.layers import merge_guard
-from loragen.layers.merge_guard import GUARD_ATTR, MergeGuard
+from loragen.layers import base
+from loragen.layers.base import MergeGuard
 
 
 @pytest.fixture(params=[True, False], ids=["gil", "free-threaded"])
 def interpreter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Both ways forwards count themselves in: lock-free under the GIL, under the lock without it."""
-    monkeypatch.setattr(merge_guard, "_GIL", request.param)
+    monkeypatch.setattr(base, "_GIL", request.param)
     return bool(request.param)
 
 
@@ -154,11 +154,11 @@ def test_copies_and_pickles_of_a_layer_get_their_own_guard() -> None:
     model = _model()
     model(torch.randn(2, 256))
     layer = model[0]
-    assert isinstance(layer.__dict__.get(GUARD_ATTR), MergeGuard)
+    assert isinstance(layer.merge_guard, MergeGuard)
     for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
-        assert twin.__dict__.get(GUARD_ATTR) is None
+        assert isinstance(twin.merge_guard, MergeGuard) and twin.merge_guard is not layer.merge_guard
         x = torch.randn(3, 256)
         torch.testing.assert_close(twin(x), layer(x))
         twin.merge()
         torch.testing.assert_close(twin(x), layer(x), rtol=1e-4, atol=1e-4)
-    assert GUARD_ATTR not in vars(loragen.merge_and_unload(model)[0])
+    assert "merge_guard" not in vars(loragen.merge_and_unload(model)[0])

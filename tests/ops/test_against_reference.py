@@ -1,6 +1,6 @@
 """Every fast op against the one reference composition (loragen.reference, peft's math): outputs and the
 gradients of every input, with the dropout mask the op drew given to the reference. The CPU ops
-(fused_linear, branch, dora_linear, siblings) in float64; the CUDA op's torch path (the launcher the
+(lora_linear, lora_branch, dora_linear) in float64; the CUDA op's torch path (the launcher the
 kernels fall back to) in float32, its only dtype of products, against the float64 reference; the expert
 products (weight space) against a per-expert loop written from the layout's definition. Each op's
 backward is hand-written; this is where all of them are held to one definition."""
@@ -17,12 +17,10 @@ from loragen import philox
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.torch_kernels import TorchKernels
 from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED, ParameterLayout
-from loragen.ops.branch import LoraBranchFunction
-from loragen.ops.dora_linear import DoraLinearFunction
+from loragen.ops.dora import DoraLinearFunction
 from loragen.ops.expert_products import effective_weight, recompute_on_backward
-from loragen.ops.fused_linear import LoraLinearFunction
-from loragen.ops.masks import make_keep_bits, unpack_keep_mask
-from loragen.ops.siblings import _GroupFunction
+from loragen.ops.fused import LoraBranchFunction, LoraLinearFunction
+from loragen.ops.masks import dropout_keep_bits, unpack_keep_mask
 from loragen.reference import dora_linear_reference, lora_branch_reference, lora_linear_reference
 
 SEED = 1234
@@ -47,44 +45,44 @@ def _tensors(ffo: bool, bias: bool, seed: int = 0, out: int = 5) -> Tensors:
     }
 
 
-def _keep(x: torch.Tensor, p: float, rng: str) -> torch.Tensor | None:
+def _keep(x: torch.Tensor, p: float) -> torch.Tensor | None:
     if p == 0.0:
         return None
-    return unpack_keep_mask(make_keep_bits(x.numel(), p, SEED, rng), x.numel()).view(x.shape)
+    return unpack_keep_mask(dropout_keep_bits(x.numel(), p, SEED), x.numel()).view(x.shape)
 
 
-# each case: (fast, reference), both (x, tensors, p, rng, ffo) -> output; the reference gets the mask
-def _linear(x, t, p, rng, ffo):
+# each case: (fast, reference), both (x, tensors, p, ffo) -> output; the reference gets the mask
+def _linear(x, t, p, ffo):
     args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], SCALING, p)
-    return LoraLinearFunction.apply(*args, rng, SEED, ffo)
+    return LoraLinearFunction.apply(*args, SEED, ffo)
 
 
-def _linear_ref(x, t, p, rng, ffo):
+def _linear_ref(x, t, p, ffo):
     args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], SCALING, p, True)
-    return lora_linear_reference(*args, fan_in_fan_out=ffo, keep=_keep(x, p, rng))
+    return lora_linear_reference(*args, fan_in_fan_out=ffo, keep=_keep(x, p))
 
 
 def _base(x, t, ffo):
     return F.linear(x, t["weight"].t() if ffo else t["weight"], t["bias"])
 
 
-def _branch(x, t, p, rng, ffo):
-    return LoraBranchFunction.apply(_base(x, t, ffo), x, t["lora_A"], t["lora_B"], SCALING, p, rng, SEED)
+def _branch(x, t, p, ffo):
+    return LoraBranchFunction.apply(_base(x, t, ffo), x, t["lora_A"], t["lora_B"], SCALING, p, SEED)
 
 
-def _branch_ref(x, t, p, rng, ffo):
+def _branch_ref(x, t, p, ffo):
     args = (_base(x, t, ffo), x, t["lora_A"], t["lora_B"], SCALING, p, True)
-    return lora_branch_reference(*args, keep=_keep(x, p, rng))
+    return lora_branch_reference(*args, keep=_keep(x, p))
 
 
-def _dora(x, t, p, rng, ffo):
-    args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], t["magnitude"], SCALING, p, rng, SEED, ffo)
+def _dora(x, t, p, ffo):
+    args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], t["magnitude"], SCALING, p, SEED, ffo)
     return DoraLinearFunction.apply(*args)
 
 
-def _dora_ref(x, t, p, rng, ffo):
+def _dora_ref(x, t, p, ffo):
     args = (x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], t["magnitude"], SCALING, p, True)
-    return dora_linear_reference(*args, fan_in_fan_out=ffo, keep=_keep(x, p, rng))
+    return dora_linear_reference(*args, fan_in_fan_out=ffo, keep=_keep(x, p))
 
 
 OPS: dict[str, tuple[Callable, Callable]] = {
@@ -109,10 +107,10 @@ def _check(fast: Callable, reference: Callable, tensors: Tensors, x: torch.Tenso
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-@pytest.mark.parametrize(("p", "rng"), [(0.0, "bits"), (0.3, "bits"), (0.3, "philox")])
+@pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("ffo", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_op_equals_the_reference_in_float64(op: str, p: float, rng: str, ffo: bool, bias: bool) -> None:
+def test_op_equals_the_reference_in_float64(op: str, p: float, ffo: bool, bias: bool) -> None:
     tensors = _tensors(ffo, bias)
     if op == "dora_linear":  # the fused DoRA op takes a frozen base (dora_linear routes others away)
         tensors["weight"].requires_grad_(False)
@@ -121,34 +119,7 @@ def test_op_equals_the_reference_in_float64(op: str, p: float, rng: str, ffo: bo
     x = torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     x.requires_grad_(True)
     fast, reference = OPS[op]
-    _check(lambda: fast(x, tensors, p, rng, ffo), lambda: reference(x, tensors, p, rng, ffo), tensors, x)
-
-
-@pytest.mark.parametrize("ffo", [False, True])
-def test_sibling_group_equals_the_reference_of_each_member_in_float64(ffo: bool) -> None:
-    members = [
-        _tensors(ffo, bias, seed, out) for seed, (bias, out) in enumerate([(True, 5), (False, 6), (True, 4)])
-    ]
-    for t in members:
-        t["magnitude"].requires_grad_(False)
-    tensors = {f"{name}{i}": v for i, t in enumerate(members) for name, v in t.items()}
-    x = torch.randn(3, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64, requires_grad=True)
-    spec = tuple((SCALING * (i + 1), ffo) for i in range(len(members)))
-    flat = [t[name] for t in members for name in ("weight", "bias", "lora_A", "lora_B")]
-
-    def fast() -> torch.Tensor:
-        return torch.cat(_GroupFunction.apply(x, spec, *flat), dim=-1)
-
-    def reference() -> torch.Tensor:
-        outputs = [
-            lora_linear_reference(
-                x, t["weight"], t["bias"], t["lora_A"], t["lora_B"], s, 0.0, True, fan_in_fan_out=ffo
-            )
-            for t, (s, _) in zip(members, spec)
-        ]
-        return torch.cat(outputs, dim=-1)
-
-    _check(fast, reference, tensors, x)
+    _check(lambda: fast(x, tensors, p, ffo), lambda: reference(x, tensors, p, ffo), tensors, x)
 
 
 @pytest.mark.parametrize("whole_op", [True, False], ids=["composition", "passes"])

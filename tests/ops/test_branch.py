@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loragen import switches
-from loragen.ops.branch import lora_branch
-from loragen.ops.masks import make_keep_bits, unpack_keep_mask
+from loragen.ops.fused import lora_branch
+from loragen.ops.masks import dropout_keep_bits, unpack_keep_mask
 from loragen.reference import lora_branch_reference
 
 
@@ -23,24 +23,23 @@ def _inputs(dtype: torch.dtype, rows: int = 6, d_in: int = 24, d_out: int = 20, 
     return x, base_in, a, b
 
 
-def _expected(x, base, a, b, scaling, p, seed, rng):
+def _expected(x, base, a, b, scaling, p, seed):
     numel = x.numel()
-    keep = unpack_keep_mask(make_keep_bits(numel, p, seed, rng), numel).view(x.shape).to(x.dtype)
+    keep = unpack_keep_mask(dropout_keep_bits(numel, p, seed), numel).view(x.shape).to(x.dtype)
     return base + ((x * keep / (1 - p)) @ a.t() @ b.t()) * scaling
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("rng", ["bits", "philox"])
 @given(p=st.sampled_from([0.0, 0.1, 0.5]), seed=st.integers(0, 2**32))
-def test_branch_matches_formula_with_the_same_mask(dtype: torch.dtype, rng: str, p: float, seed: int) -> None:
+def test_branch_matches_formula_with_the_same_mask(dtype: torch.dtype, p: float, seed: int) -> None:
     # float32: values of magnitude ~10 (sums of products of unit normals), summed in another order by the
     # compiled kernels (their reduction order depends on the thread count)
     tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
     x, base_in, a, b = _inputs(dtype, seed=seed % 100)
-    out = lora_branch(base_in * 1.0, x, a, b, 0.75, p, True, rng=rng, seed=seed)
+    out = lora_branch(base_in * 1.0, x, a, b, 0.75, p, True, seed=seed)
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (x, base_in, a, b), grad)
-    expected = _expected(x, base_in * 1.0, a, b, 0.75, p, seed, rng)
+    expected = _expected(x, base_in * 1.0, a, b, 0.75, p, seed)
     want = torch.autograd.grad(expected, (x, base_in, a, b), grad)
     torch.testing.assert_close(out, expected, **tol)
     for g_got, g_want in zip(got, want):
@@ -75,22 +74,19 @@ def test_empty_input_and_errors() -> None:
         lora_branch(torch.zeros(1, 3), torch.zeros(1, 8), a, b, 1.0, 1.0, True)
     with pytest.raises(ValueError, match=r"leading \(batch\) dimensions"):
         lora_branch(torch.zeros(2, 3), torch.zeros(1, 8), a, b, 1.0, 0.0, True)
-    with pytest.raises(ValueError, match="rng='dice'"):
-        lora_branch(torch.zeros(1, 3), torch.zeros(1, 8), a, b, 1.0, 0.0, True, rng="dice")
 
 
 @pytest.mark.parametrize("compiled_kernels", [True, False])
-@pytest.mark.parametrize("rng", ["bits", "philox"])
-def test_dropout_with_an_input_that_needs_no_gradient(compiled_kernels: bool, rng: str) -> None:
+def test_dropout_with_an_input_that_needs_no_gradient(compiled_kernels: bool) -> None:
     """QLoRA's usual case: the base output and x carry no gradient (a frozen 4-bit model's first layer),
     dropout is on, only A and B train. Both dropout paths (compiled kernels and numpy/BLAS) give A and B
     the formula's gradients."""
     x, base_in, a, b = _inputs(torch.float32, rows=10)
     x, base = x.detach(), base_in.detach()
     with switches.cpu_kernels.using(compiled_kernels):
-        out = lora_branch(base.clone(), x, a, b, 0.5, 0.05, True, rng=rng, seed=11)
+        out = lora_branch(base.clone(), x, a, b, 0.5, 0.05, True, seed=11)
         grad = torch.randn_like(out)
         got = torch.autograd.grad(out, (a, b), grad)
-    want = torch.autograd.grad(_expected(x, base, a, b, 0.5, 0.05, 11, rng), (a, b), grad)
+    want = torch.autograd.grad(_expected(x, base, a, b, 0.5, 0.05, 11), (a, b), grad)
     for g_got, g_want in zip(got, want):
         torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-5)

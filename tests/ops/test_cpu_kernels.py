@@ -70,18 +70,16 @@ def _reference(x: torch.Tensor, bits: torch.Tensor, a: torch.Tensor, gh: torch.T
     width=st.integers(1, 70),
     r=st.sampled_from([1, 3, 8, 15, 16, 17, 32, 48, 64, 100]),
     p=st.sampled_from([0.05, 0.5]),
-    generator=st.sampled_from(["bits", "philox"]),
     seed=st.integers(0, 2**32),
 )
-def test_products_equal_the_float64_reference(variant, n, width, r, p, generator, seed) -> None:
+def test_products_equal_the_float64_reference(variant, n, width, r, p, seed) -> None:
     g = torch.Generator().manual_seed(seed)
     x, a, gh = (
         torch.randn(n, width, generator=g),
         torch.randn(r, width, generator=g),
         torch.randn(n, r, generator=g),
     )
-    make = ops.dropout_keep_bits if generator == "bits" else ops.philox_keep_bits
-    bits = make(n * width, p, seed)
+    bits = ops.dropout_keep_bits(n * width, p, seed)
     h, grad_a, grad_x = _reference(x, bits, a, gh)
     with _path(variant):
         down = cpu_kernels.masked_down(x, bits, a, 1.5)
@@ -114,7 +112,7 @@ def test_large_shapes_and_one_thread(variant: str) -> None:
         torch.testing.assert_close(dx.double(), grad_x, rtol=1e-4, atol=1e-4)
 
 
-def _op_results(path: str, rng: str, bias: bool, p: float = 0.2, seed: int = 11) -> list[torch.Tensor]:
+def _op_results(path: str, bias: bool, p: float = 0.2, seed: int = 11) -> list[torch.Tensor]:
     torch.manual_seed(0)
     x = torch.randn(3, 37, 40, requires_grad=True)
     w = torch.randn(24, 40, requires_grad=True)  # trainable base: every gradient is checked
@@ -123,17 +121,16 @@ def _op_results(path: str, rng: str, bias: bool, p: float = 0.2, seed: int = 11)
     grad = torch.randn(3, 37, 24)
     inputs = [t for t in (x, w, b, a, bb) if t is not None]
     with _path(path):
-        y = ops.lora_linear(x, w, b, a, bb, 2.0, p, True, rng=rng, seed=seed)
+        y = ops.lora_linear(x, w, b, a, bb, 2.0, p, True, seed=seed)
         return [y, *torch.autograd.grad(y, inputs, grad)]
 
 
 @pytest.mark.parametrize("path", VARIANTS)
-@pytest.mark.parametrize("rng", ["bits", "philox"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_op_gives_the_same_values_and_gradients_on_every_path(path: str, rng: str, bias: bool) -> None:
+def test_the_op_gives_the_same_values_and_gradients_on_every_path(path: str, bias: bool) -> None:
     # float32 sums over 111 rows in different orders (BLAS vs the kernels' row blocks): a few ulps of the
     # largest terms apart
-    for kernels, numpy in zip(_op_results(path, rng, bias), _op_results("numpy", rng, bias)):
+    for kernels, numpy in zip(_op_results(path, bias), _op_results("numpy", bias)):
         torch.testing.assert_close(kernels, numpy, rtol=1e-5, atol=1e-4)
 
 
@@ -143,10 +140,9 @@ def test_the_op_gives_the_same_values_and_gradients_on_every_path(path: str, rng
     width=st.integers(1, 70),
     r=st.sampled_from([1, 4, 16, 24]),
     p=st.sampled_from([0.01, 0.05, 0.3, 0.9]),
-    rng=st.sampled_from(["bits", "philox"]),
     seed=st.integers(0, 2**63 - 2),
 )
-def test_every_path_applies_the_generators_mask_and_peft_math(path, rows, width, r, p, rng, seed) -> None:
+def test_every_path_applies_the_generators_mask_and_peft_math(path, rows, width, r, p, seed) -> None:
     # peft's composition y = x W^T + b + s * B(A(dropout(x))) in float64 with the generator's mask is the
     # reference for y and every gradient; with W = 0 the zeros of dx are exactly the dropped elements, so
     # the mask each path applies is the generator's, bit for bit
@@ -158,10 +154,9 @@ def test_every_path_applies_the_generators_mask_and_peft_math(path, rows, width,
     bb = torch.randn(8, r, generator=g, requires_grad=True)
     grad = torch.randn(rows, 8, generator=g)
     with _path(path):
-        y = ops.lora_linear(x, w, b, a, bb, 0.5, p, True, rng=rng, seed=seed)
+        y = ops.lora_linear(x, w, b, a, bb, 0.5, p, True, seed=seed)
         dx, da, db = torch.autograd.grad(y, (x, a, bb), grad)
-    make = ops.dropout_keep_bits if rng == "bits" else ops.philox_keep_bits
-    keep = ops.unpack_keep_mask(make(x.numel(), p, seed), x.numel()).view(rows, width)
+    keep = ops.unpack_keep_mask(ops.dropout_keep_bits(x.numel(), p, seed), x.numel()).view(rows, width)
     assert torch.equal(dx != 0, keep)
     x64, a64, b64 = (t.detach().double().requires_grad_() for t in (x, a, bb))
     scale = 1.0 / (1.0 - p)

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loragen import switches
-from loragen.ops.dora_linear import DoraLinearFunction, dora_linear
-from loragen.ops.masks import make_keep_bits, unpack_keep_mask
+from loragen.ops.dora import DoraLinearFunction, dora_linear
+from loragen.ops.masks import dropout_keep_bits, unpack_keep_mask
 from loragen.reference import dora_linear_reference, dora_weight_norm
 
 
@@ -57,7 +57,7 @@ def _by_formula(
 
 
 def _keep(numel: int, p: float, seed: int) -> torch.Tensor:
-    return unpack_keep_mask(make_keep_bits(numel, p, seed, "bits"), numel).to(torch.float64)
+    return unpack_keep_mask(dropout_keep_bits(numel, p, seed), numel).to(torch.float64)
 
 
 @pytest.mark.parametrize("ffo", [False, True], ids=["linear", "conv1d-layout"])
@@ -71,7 +71,7 @@ def test_gradcheck_float64(p: float, ffo: bool) -> None:
     assert torch.allclose(norm, torch.linalg.vector_norm(w + 1.5 * t["lora_B"] @ t["lora_A"], dim=1))
 
     def fn(x, bias, a, b, m):  # type: ignore[no-untyped-def]
-        return DoraLinearFunction.apply(x, t["weight"], bias, a, b, m, 1.5, p, "bits", 11, ffo, norm)
+        return DoraLinearFunction.apply(x, t["weight"], bias, a, b, m, 1.5, p, 11, ffo, norm)
 
     inputs = (t["x"], t["bias"], t["lora_A"], t["lora_B"], t["magnitude"])
     assert torch.autograd.gradcheck(fn, inputs)
@@ -179,5 +179,3 @@ def test_errors_name_the_argument() -> None:
         dora_linear(*args, t["magnitude"], 1.0, 1.0, True)
     with pytest.raises(ValueError, match=r"magnitude has shape \(1, 4\); expected \(4,\)"):
         dora_linear(*args, t["magnitude"].view(1, 4), 1.0, 0.0, True)
-    with pytest.raises(ValueError, match=r"dropout rng='nope'"):
-        dora_linear(*args, t["magnitude"], 1.0, 0.1, True, rng="nope")  # type: ignore[arg-type]

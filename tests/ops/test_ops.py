@@ -65,15 +65,6 @@ def test_gradcheck_every_path(p, bias, trainable_base, fan_in_fan_out, batch) ->
     assert torch.autograd.gradcheck(fn, (x, w, b, a, bb))
 
 
-def test_gradcheck_philox_dropout() -> None:
-    x, w, b, a, bb = (t.requires_grad_() for t in make_inputs((3, 4), k=9))
-
-    def fn(x, w, b, a, bb):
-        return ops.lora_linear(x, w, b, a, bb, 1.3, 0.5, True, seed=99, rng="philox")
-
-    assert torch.autograd.gradcheck(fn, (x, w, b, a, bb))
-
-
 @given(
     batch=st.lists(st.integers(1, 4), min_size=1, max_size=3),
     k=st.integers(1, 12),
@@ -257,11 +248,10 @@ def test_tiny_llama_through_get_lora_model_equals_peft() -> None:
 # ---- dropout masks --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("generator", [ops.dropout_keep_bits, ops.philox_keep_bits])
 @pytest.mark.parametrize("p", [0.05, 0.1, 0.5, 0.9])
-def test_masks_keep_with_probability_one_minus_p(generator, p: float) -> None:
+def test_masks_keep_with_probability_one_minus_p(p: float) -> None:
     n = 200_003
-    keep = ops.unpack_keep_mask(generator(n, p, 17), n).double()
+    keep = ops.unpack_keep_mask(ops.dropout_keep_bits(n, p, 17), n).double()
     q = 1 - philox.keep_threshold(p) / 65536
     assert abs(keep.mean().item() - q) < 5 * (q * (1 - q) / n) ** 0.5
     # neighbours (same byte, next byte, next 64-bit word) are uncorrelated
@@ -294,12 +284,11 @@ def _identity_setup(n: int, k: int, dtype=torch.float32):
     return x, torch.zeros(k, k, dtype=dtype), eye_a, eye_b
 
 
-@pytest.mark.parametrize("rng", ["bits", "philox"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_and_backward_use_the_same_mask(rng: str, dtype: torch.dtype) -> None:
+def test_forward_and_backward_use_the_same_mask(dtype: torch.dtype) -> None:
     p = 0.3
     x, w, a, bb = _identity_setup(50, 40, dtype)
-    y = ops.lora_linear(x, w, None, a, bb, 1.0, p, True, rng=rng)
+    y = ops.lora_linear(x, w, None, a, bb, 1.0, p, True)
     kept = y != 0
     assert 0.6 < kept.float().mean().item() < 0.8
     torch.testing.assert_close(y[kept], (x / (1 - p))[kept])
@@ -308,16 +297,6 @@ def test_forward_and_backward_use_the_same_mask(rng: str, dtype: torch.dtype) ->
     assert torch.equal(x.grad != 0, kept)
     torch.testing.assert_close(x.grad[kept], torch.full_like(x.grad[kept], 1 / (1 - p)))
     torch.testing.assert_close(a.grad, (g @ bb).t() @ y.detach())  # dA = (dy B)^T dropout(x)
-
-
-def test_philox_mode_draws_the_mask_the_cuda_kernels_draw() -> None:
-    p = 0.25
-    x, w, a, bb = _identity_setup(12, 40)
-    state = torch.get_rng_state()
-    y = ops.lora_linear(x, w, None, a, bb, 1.0, p, True, rng="philox")
-    torch.set_rng_state(state)
-    expected = philox.dropout_keep_mask((12, 40), p, philox.random_seed())
-    assert torch.equal(y != 0, expected)
 
 
 def test_manual_seed_reproduces_and_eval_disables_dropout() -> None:
@@ -503,14 +482,13 @@ def _saved(fn) -> list[torch.Tensor]:
     return saved
 
 
-@pytest.mark.parametrize("rng", ["bits", "philox"])
-def test_saves_x_itself_h_and_at_most_a_bit_mask(rng: str) -> None:
+def test_saves_x_itself_h_and_a_bit_mask() -> None:
     n, k, o, r = 40, 24, 16, 4
     x = torch.randn(2, n // 2, k, requires_grad=True)
     w = torch.randn(o, k)
     a = torch.randn(r, k, requires_grad=True)
     bb = torch.randn(o, r, requires_grad=True)
-    saved = _saved(lambda: ops.lora_linear(x, w, None, a, bb, 1.0, 0.1, True, rng=rng))
+    saved = _saved(lambda: ops.lora_linear(x, w, None, a, bb, 1.0, 0.1, True))
     params = {t.untyped_storage().data_ptr() for t in (w, a, bb)}
     activations = [t for t in saved if t.untyped_storage().data_ptr() not in params]
     by_storage = {t.untyped_storage().data_ptr(): t for t in activations}
@@ -519,7 +497,7 @@ def test_saves_x_itself_h_and_at_most_a_bit_mask(rng: str) -> None:
     kinds = sorted((str(t.dtype), t.untyped_storage().nbytes()) for t in others)
     h_bytes = n * r * 4
     mask_bytes = (n * k + 63) // 64 * 8  # one bit per element, whole 64-bit words
-    expected = [("torch.float32", h_bytes)] + ([("torch.uint8", mask_bytes)] if rng == "bits" else [])
+    expected = [("torch.float32", h_bytes), ("torch.uint8", mask_bytes)]
     assert kinds == sorted(expected)
 
 
@@ -556,21 +534,11 @@ def test_autocast_runs_the_composition() -> None:
     assert y.dtype == torch.bfloat16  # what F.linear gives under autocast
 
 
-def test_the_dropout_rng_switch_sets_the_default() -> None:
-    x, w, a, bb = _identity_setup(12, 40)
-    state = torch.get_rng_state()
-    with switches.dropout_rng.using("philox"):
-        y = ops.lora_linear(x, w, None, a, bb, 1.0, 0.5, True)
-    torch.set_rng_state(state)
-    assert torch.equal(y != 0, philox.dropout_keep_mask((12, 40), 0.5, philox.random_seed()))
-
-
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"dropout_p": 1.0}, r"loragen.ops.lora_linear: dropout_p=1.0; expected 0 <= p < 1"),
         ({"dropout_p": -0.1}, r"dropout_p=-0.1"),
-        ({"rng": "mt19937"}, r"dropout rng='mt19937'; expected one of 'bits', 'philox'"),
     ],
 )
 def test_invalid_arguments(kwargs: dict, message: str) -> None:
@@ -582,12 +550,5 @@ def test_invalid_arguments(kwargs: dict, message: str) -> None:
 
 
 def test_invalid_generator_arguments() -> None:
-    with (
-        pytest.raises(ValueError, match=r"loragen.switches.dropout_rng='x'"),
-        switches.dropout_rng.using("x"),
-    ):
-        pass
-    with pytest.raises(ValueError, match=r"philox_keep_bits: seed=-1"):
-        ops.philox_keep_bits(10, 0.1, -1)
     with pytest.raises(ValueError, match=r"p=1.5"):
         ops.dropout_keep_bits(10, 1.5, 1)

@@ -215,14 +215,12 @@ def test_outputs_may_be_modified_in_place_with_the_right_gradients() -> None:
 def test_zero_rows_run_forward_and_backward_in_every_path() -> None:
     torch.manual_seed(0)
     for dropout in (0.0, 0.2):
-        for rng in ("bits", "philox"):
-            layer = loragen.LoraLinear(6, 4, r=2, lora_dropout=dropout, init_lora_weights=False)
-            for x in (torch.randn(0, 6, requires_grad=True), torch.randn(2, 0, 6, requires_grad=True)):
-                with loragen.switches.dropout_rng.using(rng):
-                    y = layer.train()(x)
-                y.sum().backward()
-                assert y.shape == (*x.shape[:-1], 4) and x.grad.shape == x.shape
-                assert torch.count_nonzero(layer.lora_A.grad) == 0
+        layer = loragen.LoraLinear(6, 4, r=2, lora_dropout=dropout, init_lora_weights=False)
+        for x in (torch.randn(0, 6, requires_grad=True), torch.randn(2, 0, 6, requires_grad=True)):
+            y = layer.train()(x)
+            y.sum().backward()
+            assert y.shape == (*x.shape[:-1], 4) and x.grad.shape == x.shape
+            assert torch.count_nonzero(layer.lora_A.grad) == 0
 
 
 @pytest.mark.parametrize("use_dora", [False, True])

@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULES = ("tests/ops/test_ops.py", "tests/ops/test_branch.py", "tests/ops/test_cpu_kernels.py")
 # single tests elsewhere that take the dropout path in float32
 TESTS = (
-    "tests/ops/test_siblings.py::test_dropout_in_training_runs_alone_and_eval_fuses",
     "tests/ops/test_real_architectures.py::test_zero_rows_run_forward_and_backward_in_every_path",
     "tests/layers/test_bnb.py::test_dropout_mask_follows_torch_seed",
     "tests/training/test_kbit.py::test_checkpointing_recomputes_the_same_dropout_mask",

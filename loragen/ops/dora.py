@@ -30,29 +30,29 @@ composition, which is also what this op is tested against.
 
 from __future__ import annotations
 
-import logging
-import math
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from loragen import philox, switches
-from loragen.ops.dispatch import fallback_reason
-from loragen.ops.fused_linear import input_layout, shaped_like_input
-from loragen.ops.masks import DropoutRng, check_rng, make_keep_bits
+from loragen.ops.fused import (
+    check_dropout,
+    fallback_reason,
+    input_layout,
+    keep_bits,
+    log_fallback,
+    shaped_like_input,
+)
+from loragen.ops.masks import unpack_keep_mask
 from loragen.reference import dora_linear_reference, dora_weight_norm
 
 __all__ = ["DoraLinearFunction", "dora_linear"]
-
-_log = logging.getLogger(__name__)
 
 
 class DoraLinearFunction(torch.autograd.Function):
     """:func:`dora_linear` on the CPU as one node; the formulas are in the module docstring.
 
-    ``apply(x, weight, bias, lora_A, lora_B, magnitude, scaling, dropout_p, rng, seed, fan_in_fan_out, norm)``,
+    ``apply(x, weight, bias, lora_A, lora_B, magnitude, scaling, dropout_p, seed, fan_in_fan_out, norm)``,
     all tensors of one dtype, ``dropout_p = 0`` meaning no dropout. The weight gets no gradient (a frozen
     base; :func:`dora_linear` sends a training weight to the reference composition). ``norm`` is the
     detached row norm when the caller has it (None: computed here); gradcheck passes it, because the norm
@@ -70,7 +70,6 @@ class DoraLinearFunction(torch.autograd.Function):
         magnitude: Tensor,
         scaling: float,
         dropout_p: float,
-        rng: str,
         seed: int | None,
         fan_in_fan_out: bool,
         norm: Tensor | None = None,
@@ -85,17 +84,11 @@ class DoraLinearFunction(torch.autograd.Function):
         norm = norm.detach()
         c = magnitude.detach() / norm  # (out,)
 
-        bits = None
-        xd = x2
-        if dropout_p > 0.0:
-            if seed is None:
-                seed = philox.random_seed()
-            bits = make_keep_bits(rows * in_features, dropout_p, seed, rng)
-            xd = _dropped(x2, _keep_mask(bits, x2.shape), dropout_p)
+        bits, seed, _ = keep_bits(x2, lora_A, dropout_p, seed)
+        keep = None if bits is None else unpack_keep_mask(bits, x2.numel()).view(x2.shape)
+        xd = x2 if keep is None else _dropped(x2, keep, dropout_p)
         h = torch.mm(xd, lora_A.t())  # (N, r)
-        w = torch.mm(h * scaling, lora_B.t()).addmm_(
-            xd, w_t
-        )  # (N, out): the rank-r term, then the GEMM onto it
+        w = torch.mm(h * scaling, lora_B.t()).addmm_(xd, w_t)  # (N, out): the rank-r term, then the GEMM
 
         # the output in its final shape, written through a 2-D view (callers may modify it in place)
         out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
@@ -130,7 +123,11 @@ class DoraLinearFunction(torch.autograd.Function):
         need_x, _, need_bias, need_a, need_b, need_m = ctx.needs_input_grad[:6]
         s, p, ffo = ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out
         g2 = grad_out.reshape(ctx.rows, grad_out.shape[-1])
-        keep = None if bits is None else _keep_mask(bits, (ctx.rows, ctx.x_shape[-1]))  # unpacked once
+        keep = (
+            None
+            if bits is None
+            else unpack_keep_mask(bits, ctx.rows * ctx.x_shape[-1]).view(ctx.rows, ctx.x_shape[-1])
+        )  # unpacked once
         grad_x = grad_bias = grad_a = grad_b = grad_m = None
         if need_m:
             grad_m = (g2 * w).sum(0).div_(norm)
@@ -153,15 +150,7 @@ class DoraLinearFunction(torch.autograd.Function):
                         inner = torch.mm(dh, lora_A).addmm_(g2 * (c - 1), w_oi)  # the gradient wrt xd
                         grad_x = _dropped(inner, keep, p).addmm_(g2, w_oi)
                     grad_x = shaped_like_input(grad_x, ctx.x_shape, ctx.x_layout)
-        return grad_x, None, grad_bias, grad_a, grad_b, grad_m, None, None, None, None, None, None
-
-
-def _keep_mask(bits: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
-    """A packed keep-mask unpacked to bool of ``shape`` (numpy's table lookup: several times faster than
-    torch's shifts, see :class:`loragen.ops.masks.KeepMask`)."""
-    numel = math.prod(shape)
-    keep = np.unpackbits(bits.numpy(), count=numel, bitorder="little").view(np.bool_)
-    return torch.from_numpy(keep).view(shape)
+        return grad_x, None, grad_bias, grad_a, grad_b, grad_m, None, None, None, None, None
 
 
 def _dropped(t: Tensor, keep: Tensor, p: float) -> Tensor:
@@ -169,17 +158,10 @@ def _dropped(t: Tensor, keep: Tensor, p: float) -> Tensor:
     return torch.where(keep, t, torch.zeros((), dtype=t.dtype)).mul_(1.0 / (1.0 - p))
 
 
-_logged_reasons: set[str] = set()
-
-
 def _reference_reason(
     x: Tensor, weight: Tensor, tensors: tuple[Tensor | None, ...], dropout: bool
 ) -> str | None:
     """Why :func:`dora_linear` runs the reference composition for these inputs, or None for the fused op."""
-    if not switches.fused.get():
-        return "loragen.switches.fused is off"
-    if x.device.type != "cpu":
-        return f"tensors on {x.device.type}: the fused DoRA op runs on the CPU"
     if weight.requires_grad:
         return "the base weight trains: the fused DoRA op gives no weight gradient"
     if any(t is not None and t.dtype != x.dtype for t in (weight, *tensors)):
@@ -199,7 +181,6 @@ def dora_linear(
     training: bool,
     *,
     fan_in_fan_out: bool = False,
-    rng: DropoutRng | None = None,
     seed: int | None = None,
 ) -> Tensor:
     """DoRA linear with peft's math (module docstring): a fresh tensor (..., out) in x's dtype.
@@ -210,42 +191,22 @@ def dora_linear(
     :class:`DoraLinearFunction`; everything else runs :func:`loragen.reference.dora_linear_reference`.
 
     Args:
-        rng: dropout mask generator, "bits" or "philox" (default: :data:`loragen.switches.dropout_rng`).
         seed: fixes the dropout mask (tests, gradcheck); None draws one from torch's CPU generator.
 
     Raises:
-        ValueError: ``dropout_p`` outside [0, 1), an unknown ``rng``, or a magnitude of the wrong shape.
+        ValueError: ``dropout_p`` outside [0, 1), or a magnitude of the wrong shape.
     """
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"loragen.ops.dora_linear: dropout_p={dropout_p!r}; expected 0 <= p < 1")
+    check_dropout("dora_linear", dropout_p)
     if tuple(magnitude.shape) != (lora_B.shape[0],):
         raise ValueError(
             f"loragen.ops.dora_linear: magnitude has shape {tuple(magnitude.shape)}; expected ({lora_B.shape[0]},), "
             "one value per output feature"
         )
-    if rng is None:
-        rng = switches.dropout_rng.get()  # type: ignore[assignment]
-    else:
-        check_rng(rng)
     dropout = training and dropout_p > 0.0
-    reason = _reference_reason(x, weight, (bias, lora_A, lora_B, magnitude), dropout)
+    tensors = (x, weight, bias, lora_A, lora_B, magnitude)
+    reason = _reference_reason(x, weight, tensors[2:], dropout)
     if reason is not None:
-        if reason not in _logged_reasons and not torch.compiler.is_compiling():  # a log call breaks the graph
-            _logged_reasons.add(reason)
-            _log.info("loragen.ops.dora_linear runs the plain composition: %s", reason)
-        return dora_linear_reference(
-            x,
-            weight,
-            bias,
-            lora_A,
-            lora_B,
-            magnitude,
-            scaling,
-            dropout_p,
-            training,
-            fan_in_fan_out=fan_in_fan_out,
-        )
+        log_fallback("dora_linear", reason)
+        return dora_linear_reference(*tensors, scaling, dropout_p, training, fan_in_fan_out=fan_in_fan_out)
     p = dropout_p if dropout else 0.0
-    return DoraLinearFunction.apply(
-        x, weight, bias, lora_A, lora_B, magnitude, scaling, p, rng, seed, fan_in_fan_out
-    )
+    return DoraLinearFunction.apply(*tensors, scaling, p, seed, fan_in_fan_out)

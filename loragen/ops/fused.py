@@ -1,0 +1,412 @@
+"""The LoRA linear op on the CPU: the whole layer (:func:`lora_linear`) or the LoRA term added onto a base
+output computed elsewhere (:func:`lora_branch`, quantized bases), each one autograd node with a
+hand-written backward.
+
+x is (N, in) after flattening the batch dimensions, s = scaling, m the dropout keep-mask, p its
+probability:
+
+lora_linear  forward   h  = (x * m / (1 - p)) A^T     (N, r), saved
+                       y  = b + h (s B^T)             rank-r term first...
+                       y += x W^T                     ...then the base GEMM accumulates onto it (beta = 1)
+             backward  dB = s h^T g                   (out, r)
+                       gh = s / (1 - p) * g B         (N, r)
+                       dA = gh^T (x * m)              (r, in)
+                       dx = (gh A) * m  then  dx += g W      the base GEMM accumulates again
+                       dW = g^T x,  db = sum(g)       only when the base trains
+lora_branch  forward   y  = base;  y += s * h B^T     in place on the base output
+             backward  the base output's gradient is g; dB, dA and the LoRA term of dx as above (the
+                       base's own backward adds g W)
+
+The two base GEMMs absorb the rank-r terms for free (reading C in a compute-bound GEMM costs nothing),
+where adding a term afterwards would be one more pass over an (N, out) or (N, in) tensor. Gradients are
+returned, so autograd adds them into existing ``.grad`` (micro-batches sum to the big batch).
+
+Saved for backward: x itself (a view, never a copy), h, and the keep-mask as packed bits
+(:mod:`loragen.ops.masks`: N * in / 8 bytes). peft's composition saves dropout(x) and a float mask, both
+x-sized. With dropout in float32 the three masked products run as compiled kernels
+(:mod:`loragen.ops.cpu_kernels`) that read the bits where they use them; elsewhere numpy/BLAS row blocks
+compute the same products from the same bits. Masks draw their seed from torch's default CPU generator,
+so ``torch.manual_seed`` reproduces a run and ``torch.utils.checkpoint`` recomputes the same mask.
+
+:func:`lora_linear` sends CUDA tensors to :func:`loragen.cuda.lora_linear_cuda` and runs peft's plain
+composition (:mod:`loragen.reference`) for the reasons of :func:`fallback_reason` (``switches.fused`` off,
+other devices, autocast, ``torch.compile`` with dropout).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loragen import cuda, philox, switches
+from loragen.ops import cpu_kernels
+from loragen.ops.masks import KeepMask, block_rows, dropout_keep_bits, row_blocks
+from loragen.reference import lora_branch_reference, lora_linear_reference
+
+__all__ = [
+    "LoraBranchFunction",
+    "LoraLinearFunction",
+    "fallback_reason",
+    "input_layout",
+    "keep_bits",
+    "lora_branch",
+    "lora_linear",
+    "shaped_like_input",
+]
+
+_log = logging.getLogger(__name__)
+_logged_reasons: set[str] = set()
+
+
+def fallback_reason(x: Tensor, dropout: bool) -> str | None:
+    """Why a CPU op runs peft's composition instead for input ``x``, or None when it runs.
+
+    Under autocast the composition (made of ``F.linear``) keeps autocast's per-op dtypes. Under
+    ``torch.compile`` with dropout, dynamo cannot trace the numpy mask generator, and inductor fuses the
+    composition's dropout itself; without dropout the fused op compiles (no graph break).
+    """
+    if not switches.fused.get():
+        return "loragen.switches.fused is off"
+    if x.device.type != "cpu":
+        return f"the CPU ops take CPU tensors (x is on {x.device.type})"
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast is enabled: the composition keeps autocast's per-op dtypes"
+    if dropout and torch.compiler.is_compiling():
+        return "torch.compile with dropout: the numpy mask generator cannot be traced"
+    return None
+
+
+def log_fallback(op: str, reason: str) -> None:
+    """Log once per reason that ``op`` runs the plain composition (never while compiling: a log call
+    breaks the graph)."""
+    if reason not in _logged_reasons and not torch.compiler.is_compiling():
+        _logged_reasons.add(reason)
+        _log.info("loragen.ops.%s runs the plain composition: %s", op, reason)
+
+
+def check_dropout(op: str, dropout_p: float) -> None:
+    """Raise ValueError unless ``0 <= dropout_p < 1``."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"loragen.ops.{op}: dropout_p={dropout_p!r}; expected 0 <= p < 1")
+
+
+def lora_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    fan_in_fan_out: bool = False,
+    seed: int | None = None,
+) -> Tensor:
+    """LoRA linear ``x W^T + b + scaling * B A dropout(x)`` as one fused op.
+
+    Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` (transformers'
+    ``Conv1D``) --, bias (out,) or None, lora_A (r, in), lora_B (out, r) -> (..., out) in x's dtype. The
+    LoRA branch runs in lora_A's dtype (x cast to it, as peft does) and is added to the base result with
+    one rounding. Dropout (``dropout_p``, only when ``training``) applies to the branch only, inverted.
+    Gradients flow to every input that requires them, the base weight and bias included.
+
+    Args:
+        seed: fixes the dropout mask (tests, gradcheck); None draws one from torch's CPU generator.
+
+    Raises:
+        ValueError: ``dropout_p`` outside [0, 1).
+    """
+    check_dropout("lora_linear", dropout_p)
+    args = (x, weight, bias, lora_A, lora_B, scaling, dropout_p, training)
+    if x.is_cuda and switches.fused.get() and cuda.is_available():
+        return cuda.lora_linear_cuda(*args, fan_in_fan_out=fan_in_fan_out, seed=seed)
+    dropout = training and dropout_p > 0.0
+    reason = fallback_reason(x, dropout)
+    if reason is not None:
+        log_fallback("lora_linear", reason)
+        return lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)
+    p = dropout_p if dropout else 0.0
+    return LoraLinearFunction.apply(x, weight, bias, lora_A, lora_B, scaling, p, seed, fan_in_fan_out)
+
+
+def lora_branch(
+    base: Tensor,
+    x: Tensor,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    scaling: float,
+    dropout_p: float,
+    training: bool,
+    *,
+    seed: int | None = None,
+) -> Tensor:
+    """``base + scaling * B A dropout(x)``: the LoRA term added onto a base output.
+
+    Shapes: base (..., out), x (..., in), lora_A (r, in), lora_B (out, r) -> (..., out) in base's dtype.
+    On the CPU the sum is written into ``base`` itself (unless it is a view) and returned: pass a base
+    output nothing else reads. With ``loragen.switches.fused`` off, on other devices and for the reasons
+    of :func:`fallback_reason` it runs :func:`loragen.reference.lora_branch_reference` (a new tensor).
+
+    Raises:
+        ValueError: ``dropout_p`` outside [0, 1), or ``base`` and ``x`` with different leading dimensions.
+    """
+    check_dropout("lora_branch", dropout_p)
+    if base.shape[:-1] != x.shape[:-1]:
+        raise ValueError(
+            f"loragen.ops.lora_branch: base output {tuple(base.shape)} and input {tuple(x.shape)} differ "
+            "in their leading (batch) dimensions"
+        )
+    dropout = training and dropout_p > 0.0
+    reason = fallback_reason(x, dropout)
+    if reason is not None:
+        log_fallback("lora_branch", reason)
+        return lora_branch_reference(base, x, lora_A, lora_B, scaling, dropout_p, training)
+    p = dropout_p if dropout else 0.0
+    return LoraBranchFunction.apply(base, x, lora_A, lora_B, scaling, p, seed)
+
+
+def input_layout(x: Tensor) -> tuple[int, ...] | None:
+    """The strides ``x``'s gradient should have: None when x is contiguous, else those
+    ``torch.empty_like(x)`` would give. torch's linear returns a non-contiguous input's gradient in the
+    input's layout, and some CPU backward kernels rely on it (BatchNorm2d's eval backward is wrong for a
+    channels-last gradient whose batch stride is not C*H*W: CvT's ``view(...).permute(0, 2, 1)``)."""
+    return None if x.is_contiguous() else torch.empty_like(x, device="meta").stride()
+
+
+def shaped_like_input(grad_x: Tensor, shape: torch.Size, layout: tuple[int, ...] | None) -> Tensor:
+    """The (N, in) gradient ``grad_x`` in x's shape and :func:`input_layout`'s strides."""
+    grad = grad_x.view(shape)
+    if layout is None:
+        return grad
+    return torch.empty_strided(shape, layout, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+def keep_bits(
+    x2: Tensor, lora_A: Tensor, p: float, seed: int | None
+) -> tuple[Tensor | None, int | None, bool]:
+    """The packed keep-mask of x2 (N, in) (None without dropout), its seed (drawn from torch's CPU generator
+    when None), and whether the compiled kernels take the masked products (:func:`cpu_kernels.available`)."""
+    if p == 0.0:
+        return None, seed, False
+    if seed is None:
+        seed = philox.random_seed()
+    compiled = x2.dtype == lora_A.dtype and cpu_kernels.available(lora_A.dtype, lora_A.shape[0])
+    return dropout_keep_bits(x2.numel(), p, seed), seed, compiled
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """:func:`lora_linear` on the CPU as one autograd node (formulas in the module docstring):
+    ``apply(x, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, fan_in_fan_out)``, ``dropout_p = 0``
+    meaning no dropout and ``seed`` None drawing one."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        lora_A: Tensor,
+        lora_B: Tensor,
+        scaling: float,
+        dropout_p: float,
+        seed: int | None,
+        fan_in_fan_out: bool,
+    ) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # a view of x when x is contiguous
+        rows = x2.shape[0]
+        dtype = lora_A.dtype  # the LoRA branch runs in the adapter's dtype, as in peft
+        bits, seed, compiled = keep_bits(x2, lora_A, dropout_p, seed)
+        h = lora_down(x2, lora_A, bits, dropout_p, compiled)
+
+        w_t = weight if fan_in_fan_out else weight.t()  # (in, out)
+        # the output in its final shape, written through a 2-D view (callers may modify it in place)
+        out = torch.empty(*x.shape[:-1], w_t.shape[1], dtype=x.dtype, device=x.device)
+        y = out.view(rows, w_t.shape[1])
+        if dtype == x.dtype:
+            if bias is not None:
+                torch.addmm(bias, h, lora_B.t(), alpha=scaling, out=y)
+            else:
+                torch.mm(h * scaling, lora_B.t(), out=y)  # scaling the (N, r) factor, not the (N, out) result
+            y.addmm_(x2, w_t)
+        else:  # as peft: the base in x's dtype, the term in the adapter's, added and rounded once
+            if bias is not None:
+                torch.addmm(bias, x2, w_t, out=y)
+            else:
+                torch.mm(x2, w_t, out=y)
+            y.add_(torch.mm(h, lora_B.t()), alpha=scaling)
+
+        need_x, need_w, _, need_a, need_b = ctx.needs_input_grad[:5]
+        ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out = scaling, dropout_p, fan_in_fan_out
+        ctx.x_shape, ctx.has_bias, ctx.compiled = x.shape, bias is not None, compiled
+        ctx.x_layout = input_layout(x)
+        saved_x, saved_w = x2 if need_a or need_w else None, weight if need_x else None
+        ctx.save_for_backward(saved_x, saved_w, lora_A, lora_B, h if need_b else None, bits)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x2, weight, lora_A, lora_B, h, bits = ctx.saved_tensors
+        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        s, p, ffo = ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g_lora = g2 if g2.dtype == lora_A.dtype else g2.to(lora_A.dtype)
+        grad_x = grad_w = grad_bias = grad_a = grad_b = None
+        if need_b:
+            grad_b = torch.mm(h.t(), g_lora).mul_(s).t()  # (out, r); h^T g is the faster layout
+        if need_x or need_a:
+            gh = torch.mm(g_lora, lora_B).mul_(s / (1.0 - p))  # (N, r)
+            w = weight.t() if ffo and need_x else weight  # (out, in); None when x needs no gradient
+            if bits is None and need_x:  # one product chain with the base gradient, peft's rounding
+                if gh.dtype != g2.dtype:  # the LoRA term in the adapter's dtype, added to the base gradient
+                    grad_x = torch.mm(g2, w).add_(torch.mm(gh, lora_A))
+                else:
+                    grad_x = torch.mm(gh, lora_A).addmm_(g2, w)
+                grad_a = lora_input_grads(x2, gh, lora_A, None, False, need_x=False, need_a=need_a)[1]
+            else:
+                grad_x, grad_a = lora_input_grads(
+                    x2, gh, lora_A, bits, ctx.compiled, need_x=need_x, need_a=need_a, x_dtype=g2.dtype
+                )
+                if grad_x is not None:
+                    grad_x.addmm_(g2, w)  # the base GEMM accumulates onto it
+        if need_w:
+            grad_w = torch.mm(x2.t(), g2) if ffo else torch.mm(g2.t(), x2)
+        if need_bias and ctx.has_bias:
+            grad_bias = g2.sum(0)
+        if grad_x is not None:
+            grad_x = shaped_like_input(grad_x, ctx.x_shape, ctx.x_layout)
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None
+
+
+class LoraBranchFunction(torch.autograd.Function):
+    """:func:`lora_branch` on the CPU as one autograd node (formulas in the module docstring):
+    ``apply(base, x, lora_A, lora_B, scaling, dropout_p, seed)``.
+
+    The sum is written into the base output itself: the base's autograd node does not save its output
+    (bitsandbytes' products save only the quantized weight), which makes this safe. A base output that is
+    a view of another tensor is left alone and the sum goes to a new tensor. Where the base output's
+    dtype differs from the adapter's (a bfloat16 model), the term is cast to it, scaled and added there,
+    in peft's order, so results agree with peft's bit for bit."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        base: Tensor,
+        x: Tensor,
+        lora_A: Tensor,
+        lora_B: Tensor,
+        scaling: float,
+        dropout_p: float,
+        seed: int | None,
+    ) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # a view of x when x is contiguous
+        rows = x2.shape[0]
+        bits, seed, compiled = keep_bits(x2, lora_A, dropout_p, seed)
+        h = lora_down(x2, lora_A, bits, dropout_p, compiled)
+        in_place = not base._is_view()
+        out = base if in_place else torch.empty_like(base)
+        y = out.view(rows, base.shape[-1])  # a 2-D view of out: nothing of it escapes
+        if base.dtype == lora_B.dtype:
+            if not in_place:
+                y.copy_(base.reshape(rows, -1))
+            y.addmm_(h, lora_B.t(), alpha=scaling)
+        else:  # as peft: the term in the adapter's dtype, cast to the base's, scaled, added
+            term = torch.mm(h, lora_B.t()).to(base.dtype).mul_(scaling)
+            torch.add(base.reshape(rows, -1), term, out=y)
+        if in_place:
+            ctx.mark_dirty(base)
+        _, need_x, need_a, need_b = ctx.needs_input_grad[:4]
+        ctx.scaling, ctx.dropout_p, ctx.compiled = scaling, dropout_p, compiled
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        saved_x, saved_a = x2 if need_a else None, lora_A if need_x else None
+        ctx.save_for_backward(saved_x, saved_a, lora_B, h if need_b else None, bits)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x2, lora_A, lora_B, h, bits = ctx.saved_tensors
+        need_base, need_x, need_a, need_b = ctx.needs_input_grad[:4]
+        s, p, dtype = ctx.scaling, ctx.dropout_p, lora_B.dtype
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if g2.dtype == dtype:
+            g_lora = g2
+        else:  # the forward scaled in the base's dtype: so does the gradient, before the cast
+            g_lora, s = (g2 * s).to(dtype), 1.0
+        grad_x = grad_a = grad_b = None
+        if need_b:
+            grad_b = torch.mm(h.t(), g_lora).mul_(s).t()  # (out, r)
+        if need_x or need_a:
+            gh = torch.mm(g_lora, lora_B).mul_(s / (1.0 - p))  # (N, r)
+            grad_x, grad_a = lora_input_grads(
+                x2, gh, lora_A, bits, ctx.compiled, need_x=need_x, need_a=need_a, x_dtype=ctx.x_dtype
+            )
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape).to(ctx.x_dtype)
+        return grad_out if need_base else None, grad_x, grad_a, grad_b, None, None, None
+
+
+def lora_down(x2: Tensor, lora_A: Tensor, bits: Tensor | None, p: float, compiled: bool) -> Tensor:
+    """``h = (x * m / (1 - p)) A^T`` (N, r) in the adapter's dtype for x2 (N, in), lora_A (r, in) and the
+    packed keep-mask ``bits`` (None: no dropout), without a masked copy of all of x: the compiled kernel
+    reads the mask where it uses it, the numpy/BLAS path masks one row block at a time."""
+    dtype = lora_A.dtype
+    if bits is None:
+        return torch.mm(x2 if x2.dtype == dtype else x2.to(dtype), lora_A.t())
+    if compiled:
+        return cpu_kernels.masked_down(x2.contiguous(), bits, lora_A, 1.0 / (1.0 - p))
+    rows, in_features = x2.shape
+    keep = KeepMask(bits, in_features, dtype)
+    h = torch.empty(rows, lora_A.shape[0], dtype=dtype, device=x2.device)
+    buffer = torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype)
+    for start, stop in row_blocks(rows, in_features):
+        xb = keep.apply(x2[start:stop].to(dtype), keep.block(start, stop), buffer[: stop - start])
+        torch.mm(xb, lora_A.t(), out=h[start:stop])
+    return h.mul_(1.0 / (1.0 - p))
+
+
+def lora_input_grads(
+    x2: Tensor,
+    gh: Tensor,
+    lora_A: Tensor,
+    bits: Tensor | None,
+    compiled: bool,
+    *,
+    need_x: bool,
+    need_a: bool,
+    x_dtype: torch.dtype | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The rank-r half of a LoRA backward, each part only when asked for: the LoRA term of dx,
+    ``(gh A) * m`` (N, in), and ``dA = gh^T (x * m)`` (r, in).
+
+    ``gh`` (N, r) is ``s / (1 - p) * g B`` in the adapter's dtype; ``bits`` the packed keep-mask (None:
+    m = 1); ``compiled`` picks the compiled kernels over the numpy/BLAS row blocks. dA comes in the
+    adapter's dtype; dx in ``x_dtype`` where the row blocks write it, else in the adapter's (callers cast).
+    With a mask, one unpacked block serves both products.
+    """
+    dtype = gh.dtype
+    if bits is None:
+        grad_a = torch.mm(gh.t(), x2 if x2.dtype == dtype else x2.to(dtype)) if need_a else None
+        return (torch.mm(gh, lora_A) if need_x else None), grad_a
+    if compiled:
+        grad_a = cpu_kernels.masked_grad_a(x2.contiguous(), bits, gh) if need_a else None
+        return (cpu_kernels.masked_grad_x(gh, lora_A, bits) if need_x else None), grad_a
+    (rows, rank), in_features = gh.shape, lora_A.shape[1] if lora_A is not None else x2.shape[1]
+    keep = KeepMask(bits, in_features, dtype)
+    out_dtype = x_dtype or dtype
+    grad_x = torch.empty(rows, in_features, dtype=out_dtype) if need_x else None
+    grad_a = torch.zeros(rank, in_features, dtype=dtype) if need_a else None
+    buffer = torch.empty(min(rows, block_rows(in_features)), in_features, dtype=dtype)
+    for start, stop in row_blocks(rows, in_features):
+        mask = keep.block(start, stop)
+        if grad_a is not None:
+            xb = keep.apply(x2[start:stop].to(dtype), mask, buffer[: stop - start])
+            grad_a.addmm_(gh[start:stop].t(), xb)
+        if grad_x is not None:
+            target = grad_x[start:stop] if out_dtype == dtype else buffer[: stop - start]
+            keep.apply(torch.mm(gh[start:stop], lora_A, out=target), mask, target)
+            if out_dtype != dtype:
+                grad_x[start:stop].copy_(target)
+    return grad_x, grad_a
