@@ -21,7 +21,6 @@ import ctypes
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,7 +29,7 @@ from loragen.cuda import streams
 from loragen.cuda.cache import KernelCache, default_cache
 from loragen.cuda.kernel_variants import Variant
 from loragen.cuda.render import render_kernel
-from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, KernelSpec, render_params
+from loragen.cuda.specs import KernelSpec, render_params
 from loragen.errors import LoraError
 
 __all__ = [
@@ -38,7 +37,6 @@ __all__ = [
     "DriverLauncher",
     "KernelArgumentRangeError",
     "KernelLauncher",
-    "NativeKernels",
     "default_launcher",
     "pack_arguments",
 ]
@@ -65,32 +63,6 @@ class KernelArgumentRangeError(LoraError, OverflowError):
 
 class CudaDriverError(RuntimeError):
     """A CUDA driver call failed; the message names the call, the error and the kernel."""
-
-
-@dataclass(frozen=True)
-class NativeKernels:
-    """A kernel variant's four kernels as the C++ host path (:mod:`loragen.cuda.native_host`) launches them.
-
-    ``functions`` and ``threads``: the ``CUfunction`` handles and threads per block of ``lora_down``,
-    ``lora_up``, ``lora_grad_out`` and ``lora_grad_in``, in that order. ``driver``: the device's primary
-    context, then the addresses of ``cuLaunchKernel``, ``cuCtxGetCurrent``, ``cuCtxPushCurrent``,
-    ``cuCtxPopCurrent``, ``cuStreamIsCapturing`` and ``cuGetErrorName`` (0: not offered).
-    """
-
-    functions: tuple[int, int, int, int]
-    threads: tuple[int, int, int, int]
-    driver: tuple[int, int, int, int, int, int, int]
-
-
-_NATIVE_SPECS = (LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN)
-_NATIVE_CALLS = (
-    "cuLaunchKernel",
-    "cuCtxGetCurrent",
-    "cuCtxPushCurrent",
-    "cuCtxPopCurrent",
-    "cuStreamIsCapturing",
-    "cuGetErrorName",
-)
 
 
 class KernelLauncher(Protocol):
@@ -292,38 +264,6 @@ class DriverLauncher:
             major, minor = torch.cuda.get_device_capability(index)
             arch = self._archs[index] = f"sm_{major}{minor}"
         return arch
-
-    def native_kernels(self, variant: Variant, device: torch.device) -> NativeKernels:
-        """The variant's four kernels on ``device`` (modules loaded now, in the device's primary context)
-        and the driver's entry points, for the C++ host path.
-
-        Raises:
-            CudaDriverError: loading a module or looking up an entry point failed.
-        """
-        index = _index(device)
-        with self._lock:
-            context = self._context(index)
-        with self._current(context, "native_kernels"):
-            with self._lock:
-                functions = tuple(int(self._function(spec, variant, index)) for spec in _NATIVE_SPECS)
-        driver = self._driver()
-        (version,) = self._check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
-        flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        addresses = []
-        for name in _NATIVE_CALLS:
-            found = self._check(
-                driver.cuGetProcAddress(name.encode(), version, flags), "cuGetProcAddress", name
-            )
-            addresses.append(int(found[0] or 0))
-        if not all(addresses[:4]):
-            raise CudaDriverError(
-                f"loragen.cuda: the driver offers none of {_NATIVE_CALLS[:4]} at version {version}"
-            )
-        return NativeKernels(
-            functions,  # type: ignore[arg-type]
-            tuple(spec.threads(variant) for spec in _NATIVE_SPECS),  # type: ignore[arg-type]
-            (int(context), *addresses),  # type: ignore[arg-type]
-        )
 
     def _record(self, spec: KernelSpec, variant: Variant, index: int, key: tuple) -> _LaunchRecord:
         """Load the variant's module (in the device's context) and build this thread's launch record."""

@@ -58,8 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loragen import switches
-from loragen.cuda import hostcache, kernel_variants, native_host, passes, streams, torch_path
+from loragen.cuda import hostcache, kernel_variants, passes, streams, torch_path
 from loragen.cuda.launch import KernelLauncher
 from loragen.cuda.op_inputs import autocast_dtype, check_inputs, draw_rng, seed_rng, unsupported_reason
 from loragen.reference import lora_linear_reference
@@ -402,14 +401,6 @@ def lora_linear_cuda(
         CudaLoraError: tensors not on one device, or not on a CUDA device when no launcher is given;
             mismatched shapes; ``dropout_p`` outside [0, 1); ``seed`` not unsigned 64-bit.
     """
-    # a call like one before, eager: the C++ side checks what the plan fixes
-    if switches.cuda_native_host.get() and not torch.compiler.is_compiling():
-        handle = hostcache.launcher_handle(launcher)
-        y = native_host.try_lora_linear(
-            x, weight, bias, lora_A, lora_B, scaling, dropout_p, training, fan_in_fan_out, seed, handle
-        )
-        if y is not None:
-            return y
     check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
     cast = autocast_dtype(x)
     if cast is not None:
@@ -433,11 +424,4 @@ def lora_linear_cuda(
             return torch_path.lora_linear_torch(*args)
         with torch.autocast(x.device.type, enabled=False):
             return torch_path.lora_linear_torch(*args)
-    # the same passes with the host work in C++ (x, weight and bias are cast already; it turns autocast off)
-    if switches.cuda_native_host.get():
-        native = native_host.plan_id(x, lora_A, lora_B, fan_in_fan_out, scalars[3])
-        if native is not None:
-            return native_host.lora_linear_native(
-                x, weight, bias, lora_A, lora_B, rng, False, native, scalars[0], p, fan_in_fan_out
-            )
     return _LoraLinearFunction.apply(x, weight, bias, lora_A, lora_B, rng, scalars)

@@ -43,7 +43,7 @@ from loragen.cuda import passes, streams
 from loragen.cuda.check_numerics import autocast_off, exact_float32_products
 from loragen.cuda.isolated import DRIVER_LAUNCHER, check_in_child
 from loragen.cuda.kernel_variants import Variant, rank_bucket
-from loragen.cuda.launch import CudaDriverError, KernelLauncher, NativeKernels, default_launcher
+from loragen.cuda.launch import CudaDriverError, KernelLauncher, default_launcher
 from loragen.cuda.nvrtc import KernelCompileError, NvrtcUnavailableError
 from loragen.cuda.specs import KernelSpec
 from loragen.cuda.torch_kernels import TorchKernels
@@ -219,15 +219,6 @@ class _Guarded:
 
     def target_blocks(self, device: torch.device) -> int:
         return self._checker.kernels.target_blocks(device)
-
-    def native_kernels(self, variant: Variant, device: torch.device) -> NativeKernels | None:
-        """The checked kernels for the C++ host path, or None (the variant failed, or the kernels'
-        launcher offers none)."""
-        native = getattr(self._checker.kernels, "native_kernels", None)
-        if native is None or self._checker.outcome(*self._key) != OK:
-            return None
-        found: NativeKernels | None = native(variant, device)
-        return found
 
     def launch(
         self,

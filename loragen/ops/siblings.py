@@ -38,23 +38,8 @@ wasted; no gradient flows through it). Correctness never depends on the plan. Ou
 read once per call (:func:`_member`): the leader hands them to the group's op and records them with its
 hand-out, and a follower checks its own against them (:func:`_as_follower`).
 
-**On CUDA tensors**, with :data:`loragen.switches.cuda_sibling_fusion` on (it is off by default until the
-group has run in a whole model on a GPU; see docs/cuda.md), the group runs
-:func:`loragen.cuda.group_op.lora_group_cuda`, built on the CUDA op's
-kernel passes: one ``lora_down`` launch for every h_i (the members' A stacked, each in a block of its rank
-bucket), each member's own base product and ``lora_up``, each member's ``lora_grad_out``, and one
-``lora_grad_in`` launch that yields every dA_i and the sum of the rank-r terms of dx, onto which each base
-term is accumulated (beta = 1): 2 + 2k launches and one autograd node where k layers make 4k launches,
-k nodes and k - 1 additions of x-gradients. The factors may be float32 while x is 16-bit, as for the
-single-layer CUDA op. The rounding of dx differs from the CPU node's (see that module): the kernel sums
-the rank-r terms in float32 and rounds once. Groups whose stacked rank buckets pass 64 run each member
-alone (:func:`loragen.cuda.group_op.group_reason` says why a group does not run).
-
-Under autocast the CUDA group casts as the single-layer op does (x, weights and biases to the autocast
-dtype) and runs; the CPU node does not run under the CPU's autocast.
-
 Not fused: dropout in training (each layer draws its own mask, so the inputs differ), the CPU's autocast,
-``torch.compile``, devices other than the CPU and CUDA (and CUDA without loragen's kernels available),
+``torch.compile``, devices other than the CPU,
 on the CPU inputs whose dtype differs from the adapter's, and everything with
 :data:`loragen.switches.sibling_fusion` or :data:`loragen.switches.fused` off.
 """
@@ -65,17 +50,14 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from loragen import cuda, switches
+from loragen import switches
 from loragen.ops.fused_linear import input_layout, lora_output, shaped_like_input
 from loragen.registry import TRANSPOSED, spec_for_lora_type
-
-if TYPE_CHECKING:
-    from loragen.cuda.launch import KernelLauncher
 
 __all__ = ["ROLE_ATTR", "Role", "forward", "role_of", "set_role", "transposed"]
 
@@ -189,32 +171,10 @@ def _cpu_group(x: Tensor, members: list[_Member]) -> tuple[Tensor, ...]:
     return outputs
 
 
-# the kernel launcher of CUDA groups (None: the self-checked driver launcher); loragen's CPU tests set a
-# torch-path or null launcher here, with :func:`_runner` routing CPU tensors to :func:`_cuda_group`
-_cuda_launcher: KernelLauncher | None = None
-
-
-def _cuda_group(x: Tensor, members: list[_Member]) -> tuple[Tensor, ...] | None:
-    from loragen.cuda.group_op import lora_group_cuda  # loaded on the first CUDA group only
-
-    return lora_group_cuda(x, members, launcher=_cuda_launcher)
-
-
 def _runner(x: Tensor) -> _Runner | None:
-    """How a group runs on ``x``: the CPU node, loragen's CUDA group op, or None (each layer alone).
-
-    With the C++ host path on as well (and built), CUDA groups stay off: each layer's call there costs a
-    fraction of the group's Python host work per member (docs/performance.md), and what the group saves
-    on the device (two passes over x per extra member) is small beside it."""
+    """How a group runs on ``x``: the CPU node, or None (each layer alone)."""
     if x.is_cpu:
         return None if torch.is_autocast_enabled("cpu") else _cpu_group
-    if x.is_cuda and switches.cuda_sibling_fusion.get() and cuda.is_available():
-        if switches.cuda_native_host.get():
-            from loragen.cuda import native_host  # loaded only with both switches on
-
-            if native_host.available():
-                return None
-        return _cuda_group
     return None
 
 
@@ -231,12 +191,8 @@ def forward(layer: Any, x: Tensor) -> Tensor | None:
     run = _runner(x)
     if run is None:
         return None
-    # on the CPU the factors in x's dtype (as the CPU op computes); the CUDA kernels read factors of any
-    # of their dtypes as float32 (lora_group_cuda declines the others), and under autocast the CUDA group
-    # casts x and the weights to one dtype, whatever theirs (dtype None: not checked)
+    # the factors in x's dtype (as the CPU op computes)
     dtype: torch.dtype | None = x.dtype
-    if run is _cuda_group and torch.is_autocast_enabled(x.device.type):
-        dtype = None
     device, own_dtype = x.get_device(), run is _cpu_group
     own = _member(layer, dtype, device, own_dtype)
     if own is None:
