@@ -207,42 +207,42 @@ def kernel_benchmark(
 ) -> list[dict]:
     """Each loragen kernel alone on the layer: us, minimum MB moved, GB/s, share of copy bandwidth."""
     from loragen import philox
-    from loragen.cuda import kernel_variants, passes
+    from loragen.cuda import kernels
     from loragen.cuda.launch import default_launcher
-    from loragen.cuda.op_inputs import seed_rng
+    from loragen.cuda.linear_op import seed_rng
 
     torch.manual_seed(0)
     n, k, o, b = tokens, features, features, 2  # bf16
     x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16)
-    R = kernel_variants.rank_bucket(rank)
+    R = kernels.rank_bucket(rank)
     a32 = torch.zeros(R, k, device="cuda")
     a32[:rank] = torch.randn(rank, k, device="cuda") / k**0.5
     bt32 = torch.zeros(R, o, device="cuda")
     bt32[:rank] = torch.randn(rank, o, device="cuda")
-    plan = passes.Plan(x, o, rank, default_launcher())
+    plan = kernels.Plan(x, o, rank, default_launcher())
     rng = seed_rng(1234, x.device)
     drop = (rng, philox.keep_threshold(dropout), philox.keep_scale(dropout)) if dropout else (None, 0, 1.0)
-    h = passes.down(plan, x, a32, drop)
-    dh, _ = passes.grad_out(plan, g, h, bt32, 1.0)
+    h = kernels.down(plan, x, a32, drop)
+    dh, _ = kernels.grad_out(plan, g, h, bt32, 1.0)
     out = torch.zeros(n, o, device="cuda", dtype=torch.bfloat16)  # the base product lora_up adds onto
     R = plan.variant.rank_bucket
 
     def up() -> None:
-        passes.up(plan, h, bt32, None, 1.0, out)
+        kernels.up(plan, h, bt32, None, 1.0, out)
 
     kernels = {  # minimum bytes: each large operand read or written once
         "lora_down  (h = drop(x) A^T)": (
-            lambda: passes.down(plan, x, a32, drop),
+            lambda: kernels.down(plan, x, a32, drop),
             n * k * b + n * R * 4 + rank * k * 4,
         ),
         "lora_up    (y += s h B^T, in place)": (up, 2 * n * o * b + n * R * 4 + rank * o * 4),
         "lora_grad_out (dh, dB)": (
-            lambda: passes.grad_out(plan, g, h, bt32, 1.0),
+            lambda: kernels.grad_out(plan, g, h, bt32, 1.0),
             n * o * b + 2 * n * R * 4 + o * R * 4,
         ),
         "lora_grad_in  (dA, gx0)": (
-            lambda: passes.grad_in(plan, x, dh, a32, drop, True),
+            lambda: kernels.grad_in(plan, x, dh, a32, drop, True),
             2 * n * k * b + n * R * 4 + R * k * 4,
         ),
     }

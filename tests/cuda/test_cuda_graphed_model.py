@@ -6,6 +6,7 @@ SGD): the losses of every replay and the trained parameters after them. On the C
 from __future__ import annotations
 
 import math
+
 import pytest
 import torch
 
