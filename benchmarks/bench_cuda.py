@@ -231,7 +231,7 @@ def kernel_benchmark(
     def up() -> None:
         kernels.up(plan, h, bt32, None, 1.0, out)
 
-    kernels = {  # minimum bytes: each large operand read or written once
+    timed = {  # minimum bytes: each large operand read or written once
         "lora_down  (h = drop(x) A^T)": (
             lambda: kernels.down(plan, x, a32, drop),
             n * k * b + n * R * 4 + rank * k * 4,
@@ -246,9 +246,9 @@ def kernel_benchmark(
             2 * n * k * b + n * R * 4 + R * k * 4,
         ),
     }
-    times = interleaved({name: fn for name, (fn, _) in kernels.items()}, rounds, inner=10)
+    times = interleaved({name: fn for name, (fn, _) in timed.items()}, rounds, inner=10)
     rows = []
-    for name, (_, nbytes) in kernels.items():
+    for name, (_, nbytes) in timed.items():
         gbps = nbytes / (times[name] * 1e-3) / 1e9
         rows.append(
             {
