@@ -303,7 +303,7 @@ def _grad_in(
 
 
 # each kernel's computation, taking the kernel's arguments in the order of its parameters
-# (tests/cuda/test_torch_route.py checks the names against the kernel specs)
+# (tests/cuda/test_cuda_selfcheck.py checks the names against the kernel specs)
 KERNELS: dict[str, Callable[..., None]] = {
     "lora_down": _down,
     "lora_up": _up,
