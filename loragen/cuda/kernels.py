@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ __all__ = [
     "DownPlan",
     "ELEMENT_BYTES",
     "KERNELS",
+    "KernelLauncher",
     "KernelSpec",
     "MAX_RANK",
     "OPTIMIZER_KERNELS",
@@ -67,10 +68,6 @@ __all__ = [
 ]
 
 # ---- variants and tiles -----------------------------------------------------------------------------
-
-if TYPE_CHECKING:
-    from torch import Tensor
-
 
 # torch dtype name -> the kernels' storage type (defined in kernels/lora_common.cuh.j2)
 DTYPES: dict[str, str] = {"float32": "float", "float16": "f16_t", "bfloat16": "bf16_t"}
