@@ -4,7 +4,6 @@
     python benchmarks/bench_cuda.py                             # the same with more rounds
     python benchmarks/bench_cuda.py --only model --batches 8 --dropouts 0.05
     python benchmarks/bench_cuda.py --only host                 # host-work counts (no GPU needed)
-    python benchmarks/bench_cuda.py --only small --only model --no-graph --native-host  # + the C++ host path
     python benchmarks/bench_cuda.py --only model --batches 1 --autocast  # forward under bf16 autocast
 
 Without a CUDA device (or cuda-python) it says so and exits 2, except ``--only host``. Parts, in order:
@@ -22,11 +21,6 @@ Without a CUDA device (or cuda-python) it says so and exits 2, except ``--only h
    captured in CUDA graphs (AdamW with ``capturable=True``); step time, peak memory (for a graphed step:
    the device memory it holds, its graph's pool included);
 5. ``host``: Python calls, torch ops and allocations per forward + backward (benchmarks/cuda_host.py).
-
-``--native-host`` adds "loragen, C++ host" to parts 1, 3 and 4: loragen's layers with the op's per-call
-work in C++ (``LORAGEN_CUDA_NATIVE_HOST=1``, :mod:`loragen.cuda.native_host`), timed in the same rounds.
-``--autocast`` runs part 4's forwards under ``torch.autocast("cuda", dtype=torch.bfloat16)`` and their
-backward after it, as Trainer's ``bf16=True`` runs a step (peft's LoRA products then run in bf16).
 
 Timing: CUDA events around each call, warm-up first, variants interleaved round by round (the order
 rotates), medians. Inputs are random (B is not left at zero). The last lines are one markdown table of
@@ -152,20 +146,6 @@ class Holder(nn.Module):
         return self.proj(x)
 
 
-NATIVE = "loragen, C++ host"  # loragen with LORAGEN_CUDA_NATIVE_HOST=1 (loragen.cuda.native_host)
-
-
-def with_native_host(step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with loragen's C++ host path switched on while it runs."""
-    from loragen import switches
-
-    def run() -> None:
-        with switches.cuda_native_host.using(True):
-            step()
-
-    return run
-
-
 def layer_benchmark(
     tokens: int,
     features: int,
@@ -174,11 +154,10 @@ def layer_benchmark(
     rounds: int,
     inner: int = 5,
     graph: bool = False,
-    native: bool = False,
 ) -> dict[str, float]:
     """Median ms of forward + backward (grad_x) of one layer: frozen base, peft, loragen (and, with
     ``graph``, the frozen base and loragen replayed from CUDA graphs: their ratio is the device-side cost
-    of the adapter, with no host work in the way; with ``native``, loragen on its C++ host path too)."""
+    of the adapter, with no host work in the way)."""
     import peft
 
     from loragen.layers import LoraLinear
@@ -214,8 +193,6 @@ def layer_benchmark(
         return run
 
     variants = {"frozen base": step(base), "peft": step(peft_model), "loragen": step(loragen_layer)}
-    if native:
-        variants[NATIVE] = with_native_host(step(loragen_layer))
     if graph:
         # a graph accumulates into gradient tensors of its own input and layer: the eager steps set x's and
         # their layers' .grad to None, which would free the tensors a graph shared with them writes into
@@ -230,48 +207,48 @@ def kernel_benchmark(
 ) -> list[dict]:
     """Each loragen kernel alone on the layer: us, minimum MB moved, GB/s, share of copy bandwidth."""
     from loragen import philox
-    from loragen.cuda import kernel_variants, passes
+    from loragen.cuda import kernels
     from loragen.cuda.launch import default_launcher
-    from loragen.cuda.op_inputs import seed_rng
+    from loragen.cuda.linear_op import seed_rng
 
     torch.manual_seed(0)
     n, k, o, b = tokens, features, features, 2  # bf16
     x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(n, o, device="cuda", dtype=torch.bfloat16)
-    R = kernel_variants.rank_bucket(rank)
+    R = kernels.rank_bucket(rank)
     a32 = torch.zeros(R, k, device="cuda")
     a32[:rank] = torch.randn(rank, k, device="cuda") / k**0.5
     bt32 = torch.zeros(R, o, device="cuda")
     bt32[:rank] = torch.randn(rank, o, device="cuda")
-    plan = passes.Plan(x, o, rank, default_launcher())
+    plan = kernels.Plan(x, o, rank, default_launcher())
     rng = seed_rng(1234, x.device)
     drop = (rng, philox.keep_threshold(dropout), philox.keep_scale(dropout)) if dropout else (None, 0, 1.0)
-    h = passes.down(plan, x, a32, drop)
-    dh, _ = passes.grad_out(plan, g, h, bt32, 1.0)
+    h = kernels.down(plan, x, a32, drop)
+    dh, _ = kernels.grad_out(plan, g, h, bt32, 1.0)
     out = torch.zeros(n, o, device="cuda", dtype=torch.bfloat16)  # the base product lora_up adds onto
     R = plan.variant.rank_bucket
 
     def up() -> None:
-        passes.up(plan, h, bt32, None, 1.0, out)
+        kernels.up(plan, h, bt32, None, 1.0, out)
 
-    kernels = {  # minimum bytes: each large operand read or written once
+    timed = {  # minimum bytes: each large operand read or written once
         "lora_down  (h = drop(x) A^T)": (
-            lambda: passes.down(plan, x, a32, drop),
+            lambda: kernels.down(plan, x, a32, drop),
             n * k * b + n * R * 4 + rank * k * 4,
         ),
         "lora_up    (y += s h B^T, in place)": (up, 2 * n * o * b + n * R * 4 + rank * o * 4),
         "lora_grad_out (dh, dB)": (
-            lambda: passes.grad_out(plan, g, h, bt32, 1.0),
+            lambda: kernels.grad_out(plan, g, h, bt32, 1.0),
             n * o * b + 2 * n * R * 4 + o * R * 4,
         ),
         "lora_grad_in  (dA, gx0)": (
-            lambda: passes.grad_in(plan, x, dh, a32, drop, True),
+            lambda: kernels.grad_in(plan, x, dh, a32, drop, True),
             2 * n * k * b + n * R * 4 + R * k * 4,
         ),
     }
-    times = interleaved({name: fn for name, (fn, _) in kernels.items()}, rounds, inner=10)
+    times = interleaved({name: fn for name, (fn, _) in timed.items()}, rounds, inner=10)
     rows = []
-    for name, (_, nbytes) in kernels.items():
+    for name, (_, nbytes) in timed.items():
         gbps = nbytes / (times[name] * 1e-3) / 1e9
         rows.append(
             {
@@ -370,7 +347,6 @@ def model_benchmark(
     dropout: float,
     rounds: int,
     graph: bool,
-    native: bool = False,
     autocast: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Step ms, resident and peak memory of each kind; all kinds resident, timed interleaved; with
@@ -380,7 +356,7 @@ def model_benchmark(
     counts as allocated once capture ends; its peak is the device memory it holds after capture (the
     allocator's reserved bytes, unused cache released before and after): parameters, optimizer states and
     the graph's pool together."""
-    kinds = ["frozen base", "peft", "loragen"] + ([NATIVE] if native else [])
+    kinds = ["frozen base", "peft", "loragen"]
     kinds += ["frozen base graphed", "loragen graphed"] if graph else []
     ids = torch.randint(
         0, 32000, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
@@ -395,8 +371,6 @@ def model_benchmark(
         try:
             model, optimizer = build_model(kind, rank, dropout)
             step = model_step(model, optimizer, ids, graphed=graphed, autocast=autocast)
-            if kind == NATIVE:
-                step = with_native_host(step)
             for _ in range(2):  # grads and optimizer states exist from here on
                 step()
         except Exception as exc:  # a failed capture is reported, the other kinds still run
@@ -448,11 +422,6 @@ def summary_rows(report: dict) -> list[dict[str, object]]:
             row["loragen/peft"] = ours / peft_ms
         if ours is not None and base:
             row["loragen/frozen"] = ours / base
-        native = times.get(NATIVE)
-        if native is not None and peft_ms:
-            row["C++ host/peft"] = native / peft_ms
-        if native is not None and base:
-            row["C++ host/frozen"] = native / base
         graphed_base, graphed_ours = times.get("frozen base graphed"), times.get("loragen graphed")
         if graphed_base and graphed_ours is not None:
             row["graphed loragen/frozen"] = graphed_ours / graphed_base
@@ -503,11 +472,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dropouts", default="0,0.05", help="model LoRA dropouts (default 0,0.05)")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph variants")
     parser.add_argument(
-        "--native-host",
-        action="store_true",
-        help=f"also time {NATIVE!r}: loragen on its C++ host path (small layer, 4096 layer, model)",
-    )
-    parser.add_argument(
         "--autocast", action="store_true", help="model steps with the forward under bf16 autocast"
     )
     parser.add_argument("--json", help="write all numbers to this file")
@@ -549,18 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"measured: copy {limits['copy_GBps']:.0f} GB/s (read + write), bf16 GEMM {limits['bf16_gemm_TFLOPs']:.0f} TFLOP/s"
         )
-    if gpu_parts and args.native_host:
-        from loragen.cuda import native_host
-
-        report["native_host"] = status = native_host.status()
-        print(f"C++ host path: {status}")
-        if not native_host.available():
-            print(f"  WARNING: {NATIVE!r} runs the Python host path: its numbers measure that path")
     if "layer" in args.parts:
         report["layer"] = {
-            f"p={p}": layer_benchmark(
-                4096, 4096, 16, p, args.rounds, graph=not args.no_graph, native=args.native_host
-            )
+            f"p={p}": layer_benchmark(4096, 4096, 16, p, args.rounds, graph=not args.no_graph)
             for p in (0.0, 0.1)
         }
     if "kernels" in args.parts:
@@ -573,9 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "small" in args.parts:
         graph = not args.no_graph
         report["small"] = {
-            f"p={p}": layer_benchmark(
-                64, 1024, 16, p, args.rounds, inner=20, graph=graph, native=args.native_host
-            )
+            f"p={p}": layer_benchmark(64, 1024, 16, p, args.rounds, inner=20, graph=graph)
             for p in (0.0, 0.05)
         }
     if "model" in args.parts:
@@ -585,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 case = f"batch {batch}, p={p}" + (", autocast" if args.autocast else "")
                 print(f"\nmodel: {case}", flush=True)
                 model[case] = model_benchmark(
-                    2048, batch, 16, p, args.model_rounds, not args.no_graph, args.native_host, args.autocast
+                    2048, batch, 16, p, args.model_rounds, not args.no_graph, args.autocast
                 )
 
     if gpu_parts:

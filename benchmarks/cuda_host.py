@@ -3,18 +3,15 @@ reads of device values on the host (syncs).
 
     python benchmarks/cuda_host.py                  # counts per forward + backward, as a table
     python benchmarks/cuda_host.py --time           # and host time per forward + backward
-    python benchmarks/cuda_host.py --time --stand-in-driver   # and through cuda-python's launch calls
     python benchmarks/bench_cuda.py --only host     # the counts, from the GPU benchmark
 
 A null driver (:class:`NullLauncher`) takes every kernel launch the op makes and runs nothing: per
 launch it writes the arguments into a prebuilt parameter block exactly as the CUDA driver launcher does
 (:class:`loragen.cuda.launch._LaunchRecord`), so what is counted is the op's host path -- everything but
 the two driver calls of a launch (``cuCtxGetCurrent``, ``cuLaunchKernel``) and the kernels themselves.
-The torch path (:class:`loragen.cuda.torch_kernels.TorchKernels`, ``LORAGEN_CUDA_KERNELS=torch``) is
-counted twice: as it runs on CPU tensors (the dropout mask from torch operations) and as it runs on a GPU,
-with the jiterator dropout kernels replaced by stand-ins that run nothing (:func:`null_jiterator`: the
-host work but for the jiterator's own launch). CPU tensors stand in for CUDA ones: the few steps that
-differ by device (the CUDA-graph capture check, the raw stream handle) are not counted.
+The torch route (``LORAGEN_CUDA_KERNELS=torch``: the composition with the kernels' Philox mask made
+from torch operations) is counted as it runs on CPU tensors. CPU tensors stand in for CUDA ones: the few
+steps that differ by device (the CUDA-graph capture check, the raw stream handle) are not counted.
 tests/cuda/test_cuda_host_path.py holds the op to ceilings on these counts.
 
 Counted per forward + backward of one LoRA linear (64 tokens, 1024 -> 1024, r=16, dropout 0.05,
@@ -37,14 +34,7 @@ Host time (:func:`host_times`, ``--time``): microseconds per forward + backward 
 tensors (8 tokens, 64 -> 64, r = 16, one thread), where the arithmetic costs next to nothing and the time
 is the host path: dispatch, autograd, Python. A step chains 8 calls and runs one backward, as the layers
 of a model do, and the time is per call. Rounds of each kind are interleaved and medians reported.
-What it leaves out on a GPU: the driver's own work in a launch, the caching allocator's work, the
-jiterator's own launch path (stood in on the torch path).
-
-With ``--stand-in-driver`` the time is also taken through loragen's real CUDA launcher
-(:class:`loragen.cuda.launch.DriverLauncher`: its launch records, cuda-python's ``cuCtxGetCurrent`` and
-``cuLaunchKernel`` wrappers) on a stand-in driver library built from benchmarks/stand_in_libcuda.c with
-the C compiler (each entry point returns success at once), in a child process that loads it in place of
-``libcuda``: the launch path's host cost but for the driver's own work. It needs cuda-python and ``cc``.
+What it leaves out on a GPU: the driver's own work in a launch, the caching allocator's work.
 """
 
 from __future__ import annotations
@@ -52,13 +42,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -70,11 +56,10 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loragen.cuda import streams, torch_dropout
-from loragen.cuda.kernel_variants import Variant
-from loragen.cuda.launch import DriverLauncher, _LaunchRecord
-from loragen.cuda.specs import KernelSpec
-from loragen.cuda.torch_kernels import TorchKernels
+import loragen
+from loragen.cuda.kernels import KernelSpec, Variant
+from loragen.cuda.launch import _LaunchRecord
+from loragen.cuda.selfcheck import TorchKernels
 
 __all__ = [
     "DEVICE_READS",
@@ -88,17 +73,13 @@ __all__ = [
     "cuda_op_on_cpu_tensors",
     "host_counts",
     "host_times",
-    "stand_in_device",
-    "stand_in_driver_env",
-    "stand_in_driver_times",
     "lora_step",
     "main",
-    "null_jiterator",
 ]
 
 # what each row of the table runs: the frozen base, peft's composition, and loragen's CUDA op on the null
-# driver, on the torch path as on CPU tensors, and on the torch path as on a GPU (jiterator stand-ins)
-KINDS = ("frozen", "composition", "loragen", "torch path", "torch path (GPU)")
+# driver and on the torch route
+KINDS = ("frozen", "composition", "loragen", "torch path")
 
 
 class NullLauncher:
@@ -129,38 +110,6 @@ class NullLauncher:
             record = self._records[(spec.name, variant)] = _LaunchRecord(spec, variant, None, None)
         record.fill(args)
         self.launches.append((spec.name, record.label, grid))
-
-
-class _NullJitFunction:
-    """Stands in for a jiterator function: the outputs it would allocate, no kernel. (Each of loragen's
-    jiterator calls returns its first input's shape, in float32 when any input is floating point; one
-    tensor, or a tuple of ``outputs`` for a function that returns several.) Integer outputs (keep bits)
-    are zeros, a valid value, so that what reads them runs as on a GPU."""
-
-    def __init__(self, outputs: int = 0) -> None:
-        self.outputs = outputs
-
-    def __call__(self, *tensors: torch.Tensor, **kwargs: object) -> Any:
-        first = tensors[0]
-        floating = any(t.is_floating_point() for t in tensors)
-        dtype = torch.float32 if floating else first.dtype
-        if not self.outputs:
-            if not floating:  # keep bits: zeros, values the torch path may look up in a table
-                return torch.zeros(first.shape, dtype=dtype, device=first.device)
-            return torch.empty(first.shape, dtype=dtype, device=first.device)
-        return tuple(torch.empty(first.shape, dtype=dtype, device=first.device) for _ in range(self.outputs))
-
-
-@contextlib.contextmanager
-def null_jiterator(device_types: Sequence[str] = ("cuda", "cpu")) -> Iterator[None]:
-    """Inside, the torch path's dropout takes its jiterator branch on tensors of ``device_types`` and
-    calls stand-ins that allocate the outputs and run nothing, as the null driver does for the kernels."""
-    stand_ins = {name: _NullJitFunction(entry[2]) for name, entry in torch_dropout.JIT_FUNCTIONS.items()}
-    with (
-        mock.patch.object(torch_dropout, "JIT_DEVICE_TYPES", frozenset(device_types)),
-        mock.patch.dict(torch_dropout._jit_functions, stand_ins),
-    ):
-        yield
 
 
 @contextlib.contextmanager
@@ -231,8 +180,8 @@ def lora_step(
     depth: int = 1,
 ) -> Callable[[], None]:
     """One forward + backward of a LoRA linear on CPU tensors: ``kind`` "loragen" (the CUDA op on
-    ``launcher``), "torch path" or "torch path (GPU)" (the CUDA op on the torch path, ``launcher`` or a
-    :class:`TorchKernels`; call the GPU one inside :func:`null_jiterator`), "composition" (peft's way: base
+    ``launcher``), "torch path" (the CUDA op on the torch route, ``launcher`` or a :class:`TorchKernels`),
+    "composition" (peft's way: base
     linear plus dropout, A and B as separate products) or "frozen" (the base linear alone, grad_x only).
     ``device``: where the tensors are (``"meta"`` for :func:`count_syncs`); ``seed``: an explicit dropout
     seed for the CUDA op (None: drawn per call); ``depth``: how many calls the forward chains, each
@@ -247,7 +196,7 @@ def lora_step(
     x, weight, a, b, grad = (t.to(device) for t in _inputs(tokens, features, rank, dtype))
     for t in (x, a, b):
         t.requires_grad_()
-    if kind in ("loragen", "torch path", "torch path (GPU)"):
+    if kind in ("loragen", "torch path"):
         runs_on = _launcher(kind, launcher)
 
         def layer(h: torch.Tensor) -> torch.Tensor:
@@ -327,7 +276,7 @@ DEVICE_READS = frozenset(
         "unique_consecutive",
     }
 )
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torch_dropout.__file__)))
+_PACKAGE_ROOT = os.path.dirname(os.path.abspath(loragen.__file__))
 
 
 def _loragen_line() -> str:
@@ -414,11 +363,9 @@ def count_syncs(
     dropout: float = 0.05,
     dtype: torch.dtype = torch.float32,
     seed: int | None = None,
-    jiterator: bool = True,
 ) -> list[str]:
     """The syncs of one forward + backward of the CUDA op on ``launcher`` (a :class:`NullLauncher` for the
-    kernel path, a :class:`TorchKernels` for the torch path, with ``jiterator`` its jiterator functions
-    replaced by stand-ins as on a GPU, else the torch formulation of the mask): one entry per sync, naming
+    kernel path, a :class:`TorchKernels` for the torch route): one entry per sync, naming
     the op and the loragen line that called it (empty when the step never waits for the device). ``seed``
     passes an explicit dropout seed.
 
@@ -439,8 +386,7 @@ def count_syncs(
         seed=seed,
     )
     recorder = SyncRecorder()
-    stand_ins = null_jiterator(("meta",)) if jiterator else contextlib.nullcontext()
-    with warnings.catch_warnings(), stand_ins:
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with recorder.watching():
             step()  # the first call plans and fills the caches
@@ -456,15 +402,12 @@ def host_counts(dtype: torch.dtype = torch.float32, dropout: float = 0.05) -> di
     for kind in KINDS:
         launcher = NullLauncher() if kind == "loragen" else None
         step = lora_step(launcher, dtype=dtype, dropout=dropout, kind=kind)
-        on_gpu = kind == "torch path (GPU)"
-        with null_jiterator() if on_gpu else contextlib.nullcontext():
-            counts = count_host_work(step, launcher)
+        counts = count_host_work(step, launcher)
         if kind not in ("frozen", "composition"):
             syncs = count_syncs(
                 NullLauncher() if kind == "loragen" else TorchKernels(),
                 dtype=dtype,
                 dropout=dropout,
-                jiterator=on_gpu,
             )
             counts = Counts(**{**asdict(counts), "syncs": len(syncs)})
         results[kind] = counts
@@ -508,123 +451,18 @@ def _interleaved_times(
     torch.set_num_threads(1)
     times: dict[str, list[float]] = {kind: [] for kind in steps}
     try:
-        with null_jiterator():  # only "torch path (GPU)" takes the jiterator branch (CPU tensors)
+        for step in steps.values():
+            for _ in range(max(2, calls // 10)):
+                step()
+        for _ in range(rounds):
             for kind, step in steps.items():
-                for _ in range(max(2, calls // 10)):
-                    step() if kind != "torch path" else _without_jiterator(step)
-            for _ in range(rounds):
-                for kind, step in steps.items():
-                    start = time.perf_counter()
-                    if kind == "torch path":
-                        _without_jiterator(step, calls)
-                    else:
-                        for _ in range(calls):
-                            step()
-                    times[kind].append((time.perf_counter() - start) / (calls * depth) * 1e6)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    step()
+                times[kind].append((time.perf_counter() - start) / (calls * depth) * 1e6)
     finally:
         torch.set_num_threads(threads)
     return {kind: statistics.median(values) for kind, values in times.items()}
-
-
-@contextlib.contextmanager
-def stand_in_device() -> Iterator[DriverLauncher]:
-    """A :class:`DriverLauncher` as on an H100 (132 multiprocessors) whose launch records hold a stand-in
-    function and the stand-in driver's context, on a build of torch without CUDA: CPU tensors play
-    device 0. Only the module loading (it needs a real cubin and driver) is left out: every kernel is
-    the stand-in function, for the launch records and the C++ host path alike."""
-    from cuda.bindings import driver
-
-    launcher = DriverLauncher()
-    launcher._sm_counts[0] = 132
-    (context,) = launcher._check(driver.cuDevicePrimaryCtxRetain(0), "cuDevicePrimaryCtxRetain")
-    function = driver.CUfunction(1)
-    launcher._bind_calls()
-
-    def record(spec: KernelSpec, variant: Variant, index: int, key: tuple[Any, ...]) -> _LaunchRecord:
-        made = launcher._records[key] = _LaunchRecord(spec, variant, function, context)
-        return made
-
-    def stream(index: int) -> int:  # the default stream's handle (a mock would cost more than a launch)
-        return 0
-
-    def device_zero() -> int:
-        return 0
-
-    launcher._contexts[0] = context  # no torch.cuda.init() on a build without CUDA
-
-    def loaded(spec: KernelSpec, variant: Variant, index: int) -> Any:  # the C++ host path's handles
-        return function
-
-    with (
-        mock.patch.object(launcher, "_function", loaded),
-        mock.patch.object(launcher, "_record", record),
-        mock.patch.object(streams, "raw_handle", stream),
-        mock.patch.object(torch.cuda, "current_device", device_zero),
-    ):
-        yield launcher
-
-
-def _stand_in_child(dtype_name: str, dropout: float) -> None:
-    """Inside the child process: time the null driver and the stand-in driver side by side, print JSON."""
-    dtype = getattr(torch, dtype_name)
-    with stand_in_device() as launcher:
-        steps = {
-            kind: lora_step(
-                runs_on, kind="loragen", dtype=dtype, dropout=dropout, tokens=8, features=64, depth=8
-            )
-            for kind, runs_on in (("loragen", NullLauncher()), ("loragen (driver)", launcher))
-        }
-        print(json.dumps(_interleaved_times(steps, rounds=15, calls=50, depth=8)))
-
-
-def stand_in_driver_env(folder: str) -> dict[str, str]:
-    """Build the stand-in driver library (benchmarks/stand_in_libcuda.c) into ``folder`` and return this
-    process's environment with ``folder`` first on ``LD_LIBRARY_PATH``, for a child that loads it as
-    ``libcuda``.
-
-    Raises:
-        RuntimeError: no C compiler (cc or gcc) on PATH.
-    """
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("the stand-in driver needs a C compiler (cc or gcc) on PATH")
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in_libcuda.c")
-    library = os.path.join(folder, "libcuda.so.1")
-    subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, source], check=True)
-    os.symlink("libcuda.so.1", os.path.join(folder, "libcuda.so"))
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (folder, env.get("LD_LIBRARY_PATH")) if p)
-    return env
-
-
-def stand_in_driver_times(dtype: torch.dtype = torch.float32, dropout: float = 0.05) -> dict[str, float]:
-    """Host microseconds per layer of loragen's op on the null driver and through :class:`DriverLauncher`
-    on the stand-in driver library (see the module docstring), timed side by side in a child process.
-
-    Raises:
-        RuntimeError: no C compiler, no cuda-python, or the child failed (its output in the message).
-    """
-    with tempfile.TemporaryDirectory() as folder:
-        env = stand_in_driver_env(folder)
-        name = str(dtype).removeprefix("torch.")
-        child = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--stand-in-child", name, str(dropout)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    if child.returncode != 0:
-        raise RuntimeError(f"the stand-in driver run failed:\n{child.stdout}{child.stderr}")
-    result: dict[str, float] = json.loads(child.stdout.strip().splitlines()[-1])
-    return result
-
-
-def _without_jiterator(step: Callable[[], None], calls: int = 1) -> None:
-    """``calls`` calls of ``step`` with the torch formulation of the mask (CPU tensors, as on the CPU)."""
-    with mock.patch.object(torch_dropout, "JIT_DEVICE_TYPES", frozenset({"cuda"})):
-        for _ in range(calls):
-            step()
 
 
 def counts_table(results: dict[str, Counts]) -> str:
@@ -649,16 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int | N
     parser.add_argument(
         "--time", action="store_true", help="also time the host path of each kind (about a minute)"
     )
-    parser.add_argument(
-        "--stand-in-driver",
-        action="store_true",
-        help="with --time: also time loragen's CUDA launcher on a stand-in driver library",
-    )
-    parser.add_argument("--stand-in-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.stand_in_child:
-        _stand_in_child(args.stand_in_child[0], float(args.stand_in_child[1]))
-        return {}
     report = {}
     for dtype in (torch.float32, torch.bfloat16):
         results = host_counts(dtype, args.dropout)
@@ -679,17 +508,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, int | N
             times = host_times(dtype, args.dropout)
             name = str(dtype).removeprefix("torch.")
             print(f"| {name} | " + " | ".join(f"{times[k]:.0f}" for k in KINDS) + " |")
-            report[name]["time_us"] = times  # type: ignore[assignment]
-        if args.stand_in_driver:
-            print("\nloragen's op, null driver vs its CUDA launcher on the stand-in driver (us per layer)")
-            print("| x | null driver | CUDA launcher, stand-in driver | per launch |")
-            print("|---|---|---|---|")
-            for dtype in (torch.float32, torch.bfloat16):
-                pair = stand_in_driver_times(dtype, args.dropout)
-                name = str(dtype).removeprefix("torch.")
-                null, driven = pair["loragen"], pair["loragen (driver)"]
-                print(f"| {name} | {null:.0f} | {driven:.0f} | +{(driven - null) / 4:.1f} |")
-                report[name]["stand_in_driver_us"] = pair  # type: ignore[assignment]
+            report[name]["time_us"] = times
     return report
 
 

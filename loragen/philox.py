@@ -1,9 +1,13 @@
-"""Philox4x32-10 dropout masks on the CPU, bit-identical to the masks loragen's CUDA kernels regenerate.
+"""Philox4x32-10 dropout masks with torch operations (any device), bit-identical to the masks loragen's
+CUDA kernels regenerate: loragen's one Python definition of its dropout masks.
 
 Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11) maps a 128-bit
 counter and a 64-bit key to 128 random bits. It is counter-based: any element's random bits can be
 computed on their own, so a kernel regenerates a dropout mask in backward instead of storing it, and
-this module -- pure torch, int64 arithmetic -- produces exactly the same mask on the CPU.
+this module -- torch operations in int64 arithmetic -- produces exactly the same mask on any device.
+:func:`rng_keep_mask` reads seed and offset from an int64 tensor on the device (as the kernels read
+their ``const u64* rng``), so the CUDA op's torch route draws the kernels' mask without the host ever
+waiting for the device.
 
 Mask layout (the contract shared with ``kernels/lora_common.cuh``)
 -------------------------------------------------------------------
@@ -21,7 +25,7 @@ LoRA input ``x`` of shape (..., in): ``i = row * in + column`` over ``x.reshape(
 
 Where seeds come from: the CPU ops draw them from torch's default CPU generator (:func:`random_seed`);
 the CUDA op draws seed and offset with one device-side torch RNG op into a tensor its kernels read
-(:func:`loragen.cuda.op_inputs.draw_rng`), which keeps CUDA-graph replays fresh. Either way
+(:func:`loragen.cuda.linear_op.draw_rng`), which keeps CUDA-graph replays fresh. Either way
 ``torch.manual_seed`` reproduces a run and ``torch.utils.checkpoint``, which restores the RNG state of
 the devices involved, recomputes the same mask.
 """
@@ -42,6 +46,8 @@ __all__ = [
     "keep_threshold",
     "philox4x32_10",
     "random_seed",
+    "rng_keep_mask",
+    "rng_tensor",
 ]
 
 ELEMENTS_PER_CALL = 8  # 128 random bits per call, 16 per element
@@ -54,15 +60,28 @@ _CHUNK_GROUPS = 1 << 18  # groups per vectorised chunk: ~10 MiB of int64 tempora
 
 
 def _mulhilo(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
-    """High and low 32-bit words of ``a * m`` for uint32 values held in int64 (no overflow).
+    """High and low 32-bit words of ``a * m`` for uint32 values held in int64.
 
-    The 64-bit product can exceed int64, so ``m`` is split into 16-bit halves: each partial product
-    stays below 2**48.
+    The int64 product wraps modulo 2**64 with the same low 64 bits as the unsigned 64-bit product, which
+    is exact (both factors are below 2**32), so its words are ``(p >> 32) & 0xFFFFFFFF`` and
+    ``p & 0xFFFFFFFF``.
     """
-    p_lo = a * (m & 0xFFFF)
-    p_hi = a * (m >> 16)
-    low_sum = p_lo + ((p_hi & 0xFFFF) << 16)
-    return (p_hi >> 16) + (low_sum >> 32), low_sum & _MASK32
+    p = a * m
+    return (p >> 32) & _MASK32, p & _MASK32
+
+
+def _rounds(
+    c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int | Tensor, k1: int | Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The ten Philox rounds on counter words held in int64 tensors; key words ints or int64 tensors
+    (broadcast), all in [0, 2**32)."""
+    for round_index in range(10):
+        if round_index > 0:
+            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+        hi0, lo0 = _mulhilo(c0, _M0)
+        hi1, lo1 = _mulhilo(c2, _M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
 
 
 def philox4x32_10(counter: Tensor, key: Sequence[int]) -> Tensor:
@@ -87,13 +106,7 @@ def philox4x32_10(counter: Tensor, key: Sequence[int]) -> Tensor:
     if not (0 <= k0 <= _MASK32 and 0 <= k1 <= _MASK32):
         raise ValueError(f"loragen.philox.philox4x32_10: key words must be in [0, 2**32), got {(k0, k1)}")
     c0, c1, c2, c3 = counter.unbind(-1)
-    for round_index in range(10):
-        if round_index > 0:
-            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
-        hi0, lo0 = _mulhilo(c0, _M0)
-        hi1, lo1 = _mulhilo(c2, _M1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return torch.stack([c0, c1, c2, c3], dim=-1)
+    return torch.stack(_rounds(c0, c1, c2, c3, k0, k1), dim=-1)
 
 
 def keep_threshold(p: float) -> int:
@@ -124,27 +137,53 @@ def _check_seed(name: str, value: int) -> int:
     return value
 
 
-def _keep_flat(numel: int, threshold: int, seed: int, offset: int) -> Tensor:
-    """Bool keep-mask of ``numel`` elements (flat), per the layout in the module docstring."""
-    seed = _check_seed("seed", seed)
-    offset = _check_seed("offset", offset)
-    key = (seed & _MASK32, seed >> 32)
-    groups = (numel + ELEMENTS_PER_CALL - 1) // ELEMENTS_PER_CALL
-    lane_shift = torch.tensor([0, 16] * 4, dtype=torch.int64)
-    lane_word = torch.arange(ELEMENTS_PER_CALL) // 2
+def rng_tensor(seed: int, offset: int, device: torch.device | str) -> Tensor:
+    """The int64 (2,) tensor holding unsigned 64-bit ``seed`` and ``offset`` as int64 bits, on ``device``.
+
+    Made with two fills (the values travel as kernel arguments): no host-to-device copy, so no wait for
+    the device and nothing a CUDA-graph capture refuses.
+
+    Raises:
+        ValueError: ``seed`` or ``offset`` is not an unsigned 64-bit integer.
+    """
+    words = [
+        v - (1 << 64) if v >= 1 << 63 else v
+        for v in (_check_seed("seed", seed), _check_seed("offset", offset))
+    ]
+    rng = torch.full((2,), words[1], dtype=torch.int64, device=device)
+    rng[0].fill_(words[0])
+    return rng
+
+
+def rng_keep_mask(rng: Tensor, start: int, numel: int, threshold: int) -> Tensor:
+    """Flat elements ``start .. start + numel - 1`` of the keep-mask (the layout in the module docstring)
+    for (seed, offset) = ``rng`` (int64 (2,), :func:`rng_tensor`), bool on ``rng``'s device; ``threshold``
+    is :func:`keep_threshold` of p. Seed and offset are read on the device, never by the host; every
+    constant is made there too (no host-to-device copy)."""
+    device = rng.device
+    if threshold == 0:
+        return torch.ones(numel, dtype=torch.bool, device=device)
+    seed, offset = rng.unbind()
+    key = (seed & _MASK32, (seed >> 32) & _MASK32)
+    offset_words = (offset & _MASK32, (offset >> 32) & _MASK32)
+    lane = torch.arange(ELEMENTS_PER_CALL, dtype=torch.int64, device=device)
+    lane_word, lane_shift = lane // 2, (lane % 2) * 16
+    first = start // ELEMENTS_PER_CALL
+    last = (start + numel + ELEMENTS_PER_CALL - 1) // ELEMENTS_PER_CALL
     chunks = []
-    for start in range(0, groups, _CHUNK_GROUPS):
-        q = torch.arange(start, min(start + _CHUNK_GROUPS, groups), dtype=torch.int64)
-        counter = torch.stack(
-            [q & _MASK32, q >> 32, torch.full_like(q, offset & _MASK32), torch.full_like(q, offset >> 32)],
+    for begin in range(first, last, _CHUNK_GROUPS):
+        q = torch.arange(begin, min(begin + _CHUNK_GROUPS, last), dtype=torch.int64, device=device)
+        words = torch.stack(
+            _rounds(q & _MASK32, q >> 32, offset_words[0].expand_as(q), offset_words[1].expand_as(q), *key),
             dim=-1,
-        )
-        words = philox4x32_10(counter, key)  # (G, 4)
+        )  # (G, 4)
         bits16 = (words[:, lane_word] >> lane_shift) & 0xFFFF  # (G, 8): lane j of group q
         chunks.append((bits16 >= threshold).reshape(-1))
     if not chunks:
-        return torch.zeros(0, dtype=torch.bool)
-    return torch.cat(chunks)[:numel]
+        return torch.zeros(0, dtype=torch.bool, device=device)
+    keep = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    skip = start - first * ELEMENTS_PER_CALL
+    return keep[skip : skip + numel]
 
 
 def dropout_keep_mask(shape: Sequence[int] | torch.Size, p: float, seed: int, offset: int = 0) -> Tensor:
@@ -165,10 +204,7 @@ def dropout_keep_mask(shape: Sequence[int] | torch.Size, p: float, seed: int, of
     """
     threshold = keep_threshold(p)
     size = torch.Size(shape)
-    if threshold == 0:
-        _check_seed("seed", seed), _check_seed("offset", offset)
-        return torch.ones(size, dtype=torch.bool)
-    return _keep_flat(size.numel(), threshold, seed, offset).view(size)
+    return rng_keep_mask(rng_tensor(seed, offset, "cpu"), 0, size.numel(), threshold).view(size)
 
 
 def keep_mask_bits(numel: int, keep_prob: float, seed: int, offset: int = 0) -> Tensor:

@@ -8,7 +8,7 @@
 #   --wheels DIR  wheels to install offline first (default: .gpu-wheels; made by
 #                 scripts/fetch_gpu_wheels.sh); packages missing there come from the index, if reachable
 #   --steps LIST  comma-separated subset, run in this order:
-#                 system,install,selfcheck,tests,bench,torchbench,native,profile,sanitize,groups
+#                 system,install,selfcheck,tests,bench,torchbench,profile,sanitize
 #                 (default: all)
 #   --quick       the benchmark with few rounds (bench_cuda.py --quick: all parts in about 3 minutes)
 #   --bench OPTS  options for benchmarks/bench_cuda.py instead (e.g. "--only model --batches 8")
@@ -18,35 +18,27 @@
 # dependencies resolved online) and installs what is missing from the wheel folder. Every step runs
 # even when an earlier one failed; summary.md lists each step's exit status. SANITIZE_TIMEOUT (seconds
 # per compute-sanitizer tool, default 300) bounds the slowest step. The output folder holds at most
-# fourteen files:
+# twelve files:
 #
 #   summary.md      steps, exit statuses, the self-check outcomes, the test tally, the benchmark tables
 #   system.txt      date, kernel, nvidia-smi (and -q), Python, torch, CUDA, NVRTC, cuda-bindings, pip list
 #   install.txt     what was missing and how it was installed
 #   selfcheck.json  every kernel variant's self-check on this GPU: "ok" or the reason it falls back
-#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py, test_torch_kernels_gpu.py,
-#                   test_cuda_siblings.py and test_cuda_graphed_model.py (+ the self-check, launch and
-#                   host-path tests)
+#   tests.txt       pytest -rA of tests/cuda/test_cuda_gpu.py and test_cuda_graphed_model.py (+ the
+#                   self-check, launch and host-path tests)
 #   bench.txt       benchmarks/bench_cuda.py's tables
 #   bench.json      the same numbers as JSON
 #   torchbench.txt  bench_cuda.py's small-layer and model parts on the torch path (LORAGEN_CUDA_KERNELS=torch)
 #   torchbench.json the same numbers as JSON
-#   native.txt      the C++ host path (LORAGEN_CUDA_NATIVE_HOST=1): whether it built, its GPU tests, the op's
-#                   GPU tests through it, then bench_cuda.py's small-layer and model parts with --native-host
-#                   (eager: frozen base, peft, loragen and loragen on the C++ host path, interleaved), and
-#                   the batch-1 model step again with its forward under bf16 autocast (--autocast)
 #   ncu.csv         Nsight Compute: each LoRA kernel on the 4096^2 layer: time, DRAM throughput, registers,
 #                   occupancy, waves
 #   sanitize.txt    compute-sanitizer memcheck and racecheck over a subset of test_cuda_gpu.py
-#   groups.txt      CUDA sibling groups (LORAGEN_CUDA_SIBLING_FUSION=1): the model benchmark at batch 1
-#                   without dropout, graphed kinds included (where an illegal memory access stopped it
-#                   once); if it fails, the same under compute-sanitizer memcheck, which names the kernel
 #   run.log         everything printed, in order
 set -u
 
 PYTHON=${PYTHON:-python3}
 WHEELS=.gpu-wheels
-STEPS=system,install,selfcheck,tests,bench,torchbench,native,profile,sanitize,groups
+STEPS=system,install,selfcheck,tests,bench,torchbench,profile,sanitize
 QUICK=0
 BENCH_OPTS=
 if [ -n "${OUT:-}" ]; then RESULTS="$OUT/first-gpu-run"; else RESULTS="first-gpu-run-$(date -u +%Y%m%dT%H%M%SZ)"; fi
@@ -197,8 +189,7 @@ EOF
 }
 
 tests() {
-    "$PYTHON" -m pytest -rA -p no:cacheprovider tests/cuda/test_cuda_gpu.py tests/cuda/test_torch_kernels_gpu.py \
-        tests/cuda/test_cuda_siblings.py tests/cuda/test_cuda_selfcheck.py tests/cuda/test_cuda_launch.py \
+    "$PYTHON" -m pytest -rA -p no:cacheprovider tests/cuda/test_cuda_gpu.py tests/cuda/test_cuda_selfcheck.py tests/cuda/test_cuda_launch.py \
         tests/cuda/test_cuda_host_path.py tests/cuda/test_cuda_bench.py tests/cuda/test_cuda_graphed_model.py \
         2>&1 | tee "$RESULTS/tests.txt"
     return "${PIPESTATUS[0]}"
@@ -246,24 +237,6 @@ torchbench() {
     return "${PIPESTATUS[0]}"
 }
 
-# The C++ host path (loragen.cuda.native_host): the op's GPU tests with it on (outputs and gradients
-# against float64, dropout masks, capture), then the host-bound parts of the benchmark.
-native() {
-    local rounds=()
-    if [ "$QUICK" = 1 ]; then rounds=(--quick); fi
-    {
-        "$PYTHON" -c "from loragen.cuda import native_host; print('C++ host path:', native_host.status())" 2>&1
-        "$PYTHON" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_native_host.py -k on_a_gpu 2>&1 | tail -10
-        LORAGEN_CUDA_NATIVE_HOST=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gpu.py 2>&1 | tail -30
-        "$PYTHON" benchmarks/bench_cuda.py --only small --only model --no-graph --native-host \
-            "${rounds[@]}" 2>&1
-        # batch 1 with the forward under bf16 autocast, as Trainer's bf16=True runs it
-        "$PYTHON" benchmarks/bench_cuda.py --only model --batches 1 --no-graph --native-host --autocast \
-            "${rounds[@]}" 2>&1
-    } | tee "$RESULTS/native.txt"
-    return "${PIPESTATUS[0]}"
-}
-
 # Nsight Compute over the first launches of each LoRA kernel in the benchmark's kernel part (the 4096^2
 # layer, 4096 tokens, r=16, bf16). The kernels run unchecked so the self-check's small launches stay out.
 NCU_METRICS=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum
@@ -287,32 +260,7 @@ profile() {
     return $code
 }
 
-# CUDA sibling groups (opt-in): the model benchmark that once stopped with an illegal memory access with
-# them on (most likely the benchmark's own freed graphed model, fixed since: this step confirms it); only
-# where it fails again, the same run under memcheck (slow: one round, bounded by SANITIZE_TIMEOUT) to name
-# the kernel and the address.
-groups() {
-    local sanitizer code
-    local args=(benchmarks/bench_cuda.py --only model --batches 1 --dropouts 0 --model-rounds 2)
-    {
-        LORAGEN_CUDA_SIBLING_FUSION=1 "$PYTHON" "${args[@]}" 2>&1 | tail -40
-        code=${PIPESTATUS[0]}
-        echo "--- groups benchmark: exit $code"
-        if [ "$code" != 0 ]; then
-            sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-            if [ -n "$sanitizer" ]; then
-                LORAGEN_CUDA_SIBLING_FUSION=1 LORAGEN_CUDA_KERNELS=trust timeout "${SANITIZE_TIMEOUT:-300}" \
-                    "$sanitizer" --tool memcheck --report-api-errors no --target-processes all \
-                    "$PYTHON" "${args[@]}" --model-rounds 1 2>&1 | grep -v '^=========     Host Frame' | head -80
-                echo "--- groups under memcheck: exit ${PIPESTATUS[0]}"
-            fi
-        fi
-        return "$code"
-    } | tee "$RESULTS/groups.txt"
-    return "${PIPESTATUS[0]}"
-}
-
-for name in system install selfcheck tests bench torchbench native profile sanitize groups; do
+for name in system install selfcheck tests bench torchbench profile sanitize; do
     if wanted "$name"; then step "$name" "$name"; fi
 done
 
@@ -351,13 +299,6 @@ done
         echo "## torch path (torchbench.txt)"
         echo
         tail -20 "$RESULTS/torchbench.txt"
-    fi
-    if [ -f "$RESULTS/native.txt" ]; then
-        echo
-        echo "## C++ host path (native.txt)"
-        echo
-        grep -E "passed|failed" "$RESULTS/native.txt" | head -5
-        tail -20 "$RESULTS/native.txt"
     fi
     if [ -f "$RESULTS/ncu.csv" ]; then
         echo

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loragen import philox
@@ -157,7 +157,7 @@ def device_mask_code(tmp_path_factory) -> ctypes.CDLL:
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("g++ is needed to build the kernels' mask code on the host")
-    from loragen.cuda.render import COMMON_HEADER, render_common_header
+    from loragen.cuda.build import COMMON_HEADER, render_common_header
 
     work = tmp_path_factory.mktemp("philox_device")
     (work / COMMON_HEADER).write_text(render_common_header())
@@ -207,3 +207,45 @@ def test_device_mask_code_matches_cpu(device_mask_code, start, count):
         first = start + 8 * i
         expected = sum(int(cpu[first + e]) << e for e in range(count))
         assert out[i] == expected, f"group starting at element {first}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    start=st.integers(0, 2**40),
+    numel=st.integers(1, 300),
+    p=st.floats(0.01, 0.95),
+    seed=st.integers(0, 2**64 - 1),
+    offset=st.integers(0, 2**64 - 1),
+)
+def test_rng_keep_mask_is_the_documented_mask_from_any_element(start, numel, p, seed, offset):
+    """Any span of the mask read from an rng tensor, including spans starting mid-group and counters past
+    2**32 groups, is the documented layout at its true position."""
+    threshold = philox.keep_threshold(p)
+    got = philox.rng_keep_mask(philox.rng_tensor(seed, offset, "cpu"), start, numel, threshold)
+    assert got.shape == (numel,) and got.dtype == torch.bool
+    first = start // 8 * 8
+    groups = torch.arange(first // 8, (start + numel + 7) // 8, dtype=torch.int64)
+    counter = torch.stack(
+        [
+            groups & 0xFFFFFFFF,
+            groups >> 32,
+            torch.full_like(groups, offset & 0xFFFFFFFF),
+            torch.full_like(groups, offset >> 32),
+        ],
+        dim=-1,
+    )
+    words = philox.philox4x32_10(counter, (seed & 0xFFFFFFFF, seed >> 32))
+    lanes = torch.arange(8)
+    bits = (words[:, lanes // 2] >> (16 * (lanes % 2))) & 0xFFFF
+    assert torch.equal(got, (bits >= threshold).reshape(-1)[start - first : start - first + numel])
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 1), (3, 5), (17, 40), (64, 8)])
+def test_rng_keep_mask_in_row_blocks_is_the_whole_mask(rows, cols):
+    seed, offset, p = 2**64 - 3, 2**63 + 11, 0.3
+    rng = philox.rng_tensor(seed, offset, "cpu")
+    want = philox.dropout_keep_mask((rows, cols), p, seed, offset).reshape(-1)
+    assert torch.equal(philox.rng_keep_mask(rng, 0, rows * cols, philox.keep_threshold(p)), want)
+    for begin in range(rows):
+        part = philox.rng_keep_mask(rng, begin * cols, cols, philox.keep_threshold(p))
+        assert torch.equal(part, want[begin * cols : (begin + 1) * cols])

@@ -1,32 +1,18 @@
 """loragen's CUDA path: LoRA kernels rendered from Jinja templates, compiled by NVRTC, launched on
 PyTorch's current stream.
 
-=============== =============================================================================
-module          concern
-=============== =============================================================================
-kernel_variants the variants (dtype, rank bucket, alignment) and each kernel's tiles
-specs           the kernels' parameters and grids
-render          kernels/*.cu.j2 -> CUDA C (Jinja, StrictUndefined; every decision in specs)
-nvrtc           CUDA C -> cubin per architecture; errors carry the kernel, parameters and log
-cache           cubins in memory and on disk (atomic entries, checksummed, rebuilt if corrupt)
-isolated        the self-check of a variant in a child process (a faulting kernel cannot take the
-                caller's CUDA context with it)
-launch          the driver side: module loading and launches in PyTorch's primary context, on
-                PyTorch's current stream, from prebuilt parameter blocks
-passes          the four kernel passes of the op: argument lists, grids, partial sums
-hostcache       what the op keeps between calls: plans, padded factors, launcher handles
-selfcheck       each variant checked on first use per device; failures -> one warning and the torch path
-check_numerics  what the self-check computes under: full float32 products and no autocast, whatever
-                the caller set (and its settings back as found)
-torch_kernels   the torch path: each kernel's computation as torch products (cuBLAS), same outputs
-torch_path      the eager op on the torch path: one composition with torch's autograd, and its routing
-torch_dropout   the torch path's Philox keep-mask (jiterator kernels on a GPU)
-op_inputs       what the op accepts (checks, fallback reasons) and its dropout rng tensors
-linear_op       the custom ops, the eager autograd Function and :func:`lora_linear_cuda`
-group_op        sibling LoRA layers reading one input (q/k/v, gate/up) as one autograd node: one
-                lora_down and one lora_grad_in launch for the whole group
-optim           the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
-=============== =============================================================================
+========== ========================================================================================
+module     concern
+========== ========================================================================================
+kernels    the kernel variants, their tiles, parameter lists and grids, and the op's four passes
+build      kernels/*.cu.j2 -> CUDA C (Jinja) -> cubin (NVRTC), kept in memory and on disk
+launch     the driver side: modules and launches in PyTorch's primary context and current stream
+selfcheck  each variant checked on first use per device (in a child process on a GPU); the torch
+           products a failing variant falls back to
+linear_op  :func:`lora_linear_cuda`: the one dispatcher, its checks, what it caches between calls, the
+           autograd Function and the custom ops for ``torch.compile``
+optim      the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
+========== ========================================================================================
 
 cuda-python is an optional extra (``pip install -e '.[cuda]'`` from the loragen checkout). Nothing here imports
 ``cuda.bindings`` or touches the driver unless :func:`is_available` is true and a CUDA tensor arrives;
@@ -51,15 +37,14 @@ __all__ = [
 
 _LAZY = {
     "lora_linear_cuda": "loragen.cuda.linear_op",
-    "unsupported_reason": "loragen.cuda.op_inputs",
-    "CudaLoraError": "loragen.cuda.op_inputs",
-    "KernelCompileError": "loragen.cuda.nvrtc",
+    "unsupported_reason": "loragen.cuda.linear_op",
+    "CudaLoraError": "loragen.cuda.linear_op",
+    "KernelCompileError": "loragen.cuda.build",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from loragen.cuda.linear_op import lora_linear_cuda
-    from loragen.cuda.nvrtc import KernelCompileError
-    from loragen.cuda.op_inputs import CudaLoraError, unsupported_reason
+    from loragen.cuda.build import KernelCompileError
+    from loragen.cuda.linear_op import CudaLoraError, lora_linear_cuda, unsupported_reason
 
 
 _available: bool | None = None

@@ -1,17 +1,7 @@
-"""Load compiled kernels and launch them: in PyTorch's primary context, on PyTorch's current stream.
+"""The driver side: modules loaded and kernels launched in PyTorch's primary context, on PyTorch's
+current stream, from parameter blocks built once per kernel variant and thread.
 
-``cuda.bindings.driver`` is imported only inside :class:`DriverLauncher` methods, which run only for
-CUDA tensors: without a GPU and driver, importing it raises or, worse, later calls can hang, so nothing
-here touches the driver at import time.
-
-Autograd runs backward on its own thread, where no CUDA context may be current; a launch therefore
-checks the thread's current context (``cuCtxGetCurrent``) and, when it is not PyTorch's primary context
-of the tensors' device, pushes that context onto the thread's context stack and pops it afterwards
-(``cuCtxPushCurrent`` / ``cuCtxPopCurrent``, also when loading or launching raises), so the thread's
-current context -- and with it the runtime's current device -- is left as it was found: a launch on
-cuda:1 from a thread working on cuda:0 leaves cuda:0 current. Kernels launched on a
-capturing stream are recorded into the CUDA graph like any other; modules must be loaded before the
-capture starts (run one step first, as PyTorch's own graph warm-up does).
+Nothing here imports ``cuda.bindings`` before :func:`loragen.cuda.is_available` says a GPU is there.
 """
 
 from __future__ import annotations
@@ -21,16 +11,12 @@ import ctypes
 import struct
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from loragen.cuda import streams
-from loragen.cuda.cache import KernelCache, default_cache
-from loragen.cuda.kernel_variants import Variant
-from loragen.cuda.render import render_kernel
-from loragen.cuda.specs import LORA_DOWN, LORA_GRAD_IN, LORA_GRAD_OUT, LORA_UP, KernelSpec, render_params
+from loragen.cuda.build import KernelCache, default_cache, render_kernel
+from loragen.cuda.kernels import KernelLauncher, KernelSpec, Variant, render_params
 from loragen.errors import LoraError
 
 __all__ = [
@@ -38,10 +24,38 @@ __all__ = [
     "DriverLauncher",
     "KernelArgumentRangeError",
     "KernelLauncher",
-    "NativeKernels",
+    "capturing",
+    "current_handle",
     "default_launcher",
     "pack_arguments",
+    "raw_handle",
 ]
+
+# ---- streams -----------------------------------------------------------------------------------------
+
+
+def raw_handle(index: int) -> int:
+    """PyTorch's current stream on CUDA device ``index`` as the driver's handle (an int), without building
+    a ``torch.cuda.Stream`` object where PyTorch offers the raw handle."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def current_handle(device: torch.device) -> int:
+    """:func:`raw_handle` of ``device`` (its index, or the current device's), 0 for a CPU device."""
+    if device.type != "cuda":
+        return 0
+    return raw_handle(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work queued on ``device``'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ---- the driver launcher -----------------------------------------------------------------------------
 
 # each scalar C type's ``struct`` code (native size and alignment), for the parameter block
 _STRUCT_CODES = {"int": "i", "unsigned": "I", "float": "f", "u64": "Q"}
@@ -65,57 +79,6 @@ class KernelArgumentRangeError(LoraError, OverflowError):
 
 class CudaDriverError(RuntimeError):
     """A CUDA driver call failed; the message names the call, the error and the kernel."""
-
-
-@dataclass(frozen=True)
-class NativeKernels:
-    """A kernel variant's four kernels as the C++ host path (:mod:`loragen.cuda.native_host`) launches them.
-
-    ``functions`` and ``threads``: the ``CUfunction`` handles and threads per block of ``lora_down``,
-    ``lora_up``, ``lora_grad_out`` and ``lora_grad_in``, in that order. ``driver``: the device's primary
-    context, then the addresses of ``cuLaunchKernel``, ``cuCtxGetCurrent``, ``cuCtxPushCurrent``,
-    ``cuCtxPopCurrent``, ``cuStreamIsCapturing`` and ``cuGetErrorName`` (0: not offered).
-    """
-
-    functions: tuple[int, int, int, int]
-    threads: tuple[int, int, int, int]
-    driver: tuple[int, int, int, int, int, int, int]
-
-
-_NATIVE_SPECS = (LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN)
-_NATIVE_CALLS = (
-    "cuLaunchKernel",
-    "cuCtxGetCurrent",
-    "cuCtxPushCurrent",
-    "cuCtxPopCurrent",
-    "cuStreamIsCapturing",
-    "cuGetErrorName",
-)
-
-
-class KernelLauncher(Protocol):
-    """Runs a kernel variant; :class:`DriverLauncher` on a GPU, an emulator in loragen's CPU tests.
-
-    Optional methods others look for: ``arch(device) -> "sm_90"`` (the self-check refuses bfloat16
-    before sm_80 without compiling), ``route(variant, device) -> KernelLauncher``
-    (:class:`loragen.cuda.selfcheck.CheckedLauncher`: which launcher runs a variant) and
-    ``native_kernels(variant, device) -> NativeKernels | None`` (what the C++ host path launches).
-    """
-
-    def target_blocks(self, device: torch.device) -> int:
-        """About two blocks per multiprocessor: how many blocks a grid should have to fill the device."""
-        ...
-
-    def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
-    ) -> None:
-        """Launch ``spec`` for ``variant`` on ``grid`` with ``spec.threads(variant)`` threads per block."""
-        ...
 
 
 def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
@@ -293,38 +256,6 @@ class DriverLauncher:
             arch = self._archs[index] = f"sm_{major}{minor}"
         return arch
 
-    def native_kernels(self, variant: Variant, device: torch.device) -> NativeKernels:
-        """The variant's four kernels on ``device`` (modules loaded now, in the device's primary context)
-        and the driver's entry points, for the C++ host path.
-
-        Raises:
-            CudaDriverError: loading a module or looking up an entry point failed.
-        """
-        index = _index(device)
-        with self._lock:
-            context = self._context(index)
-        with self._current(context, "native_kernels"):
-            with self._lock:
-                functions = tuple(int(self._function(spec, variant, index)) for spec in _NATIVE_SPECS)
-        driver = self._driver()
-        (version,) = self._check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
-        flags = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        addresses = []
-        for name in _NATIVE_CALLS:
-            found = self._check(
-                driver.cuGetProcAddress(name.encode(), version, flags), "cuGetProcAddress", name
-            )
-            addresses.append(int(found[0] or 0))
-        if not all(addresses[:4]):
-            raise CudaDriverError(
-                f"loragen.cuda: the driver offers none of {_NATIVE_CALLS[:4]} at version {version}"
-            )
-        return NativeKernels(
-            functions,  # type: ignore[arg-type]
-            tuple(spec.threads(variant) for spec in _NATIVE_SPECS),  # type: ignore[arg-type]
-            (int(context), *addresses),  # type: ignore[arg-type]
-        )
-
     def _record(self, spec: KernelSpec, variant: Variant, index: int, key: tuple) -> _LaunchRecord:
         """Load the variant's module (in the device's context) and build this thread's launch record."""
         with self._lock:
@@ -359,7 +290,7 @@ class DriverLauncher:
             record = self._record(spec, variant, index, key)
         record.fill(args)
         get_current, launch_kernel, success = self._calls
-        stream = streams.raw_handle(index)
+        stream = raw_handle(index)
         if get_current()[1] == record.context:
             status = launch_kernel(
                 record.function,
@@ -412,7 +343,7 @@ _default: DriverLauncher | None = None
 
 
 def default_launcher() -> DriverLauncher:
-    """The process-wide :class:`DriverLauncher` (kernels cached in :func:`~loragen.cuda.cache.default_cache`)."""
+    """The process-wide :class:`DriverLauncher` (kernels cached in :func:`~loragen.cuda.build.default_cache`)."""
     global _default
     if _default is None:
         _default = DriverLauncher()

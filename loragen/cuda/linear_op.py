@@ -1,70 +1,379 @@
-"""The LoRA linear op on CUDA: loragen's kernels for the rank-r part, cuBLAS for the base GEMMs.
+"""The LoRA linear op on CUDA: :func:`lora_linear_cuda`, its one dispatcher, and the op it runs.
 
-Shapes: x (N, in) after flattening, weight (out, in) -- (in, out) with ``fan_in_fan_out`` --,
+Routes, chosen per call:
+
+* **kernels** (the fast op): loragen's four kernels for the rank-r part, cuBLAS for the base GEMMs,
+  through :class:`_LoraLinearFunction` (eager) or the custom ops ``loragen::lora_linear`` and
+  ``loragen::lora_linear_backward`` (under ``torch.compile``; the same implementation, with fake
+  implementations so ``fullgraph=True`` traces through it);
+* **the torch composition** (:func:`loragen.reference.lora_linear_reference`, the oracle every fast
+  op is held to): inputs the kernels do not take (:func:`unsupported_reason`), and a variant on the
+  torch route (``LORAGEN_CUDA_KERNELS=torch`` or a failed self-check), where dropout keeps the
+  kernels' Philox mask (:func:`loragen.philox.rng_keep_mask`, made on the device).
+
+Shapes: x (..., in) flattened to (N, in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --,
 A (r, in), B (out, r), h = dropout(x) A^T (N, R) in float32, R = the rank bucket (columns past r are 0).
 
-forward   h   = lora_down(x)                        one pass over x, Philox mask regenerated
-          y   = x W^T                               cuBLAS, written in x's dtype
-          y   = round(y + (bias + s h B^T))         lora_up: reads y, adds bias and the rank-r term in
-                                                    float32, writes y once more in place
-backward  dh, dB = lora_grad_out(g)                 one pass over g (dh carries s)
-          gx, dA   = lora_grad_in(x, dh)            one pass over x, mask regenerated; gx = (dh A) * mask / (1-p)
-          gx += g W                                 cuBLAS, beta = 1
-          dW = g^T x, db = sum(g)                   only when the base is trainable
+forward   h   = lora_down(x)                  one pass over x, Philox mask regenerated
+          y   = x W^T                         cuBLAS, written in x's dtype
+          y   = round(y + (bias + s h B^T))   lora_up: adds bias and the rank-r term in float32 in place
+backward  dh, dB = lora_grad_out(g)           one pass over g (dh carries s)
+          gx, dA = lora_grad_in(x, dh)        one pass over x, mask regenerated
+          gx += g W                           cuBLAS, beta = 1
+          dW = g^T x, db = sum(g)             only when the base is trainable
 
-Split reductions come back as float32 partial sums that torch adds up (deterministic: no atomics).
-LoRA parameters may be float32 (peft's default for 16-bit models) or x's dtype; the kernels read them
-as float32 and accumulate in float32; the base product x W^T is rounded into x's dtype (as peft's base
-layer rounds it), and bias + the rank-r term are added to it in float32 with one more rounding: the
-rank-r term is never rounded to 16 bits on its own (peft rounds it before adding). (In backward, lora_grad_in writes the LoRA
-part of grad_x in x's dtype and cuBLAS adds g W to it: two roundings there, as in peft's composition.) The output is a fresh tensor (never a view),
-so callers may modify it in place.
-
-The op is two ``torch.library`` custom ops, ``loragen::lora_linear`` (forward, returns y and h) and
-``loragen::lora_linear_backward``, with fake implementations and the autograd formula registered, so
-``torch.compile(fullgraph=True)`` traces a LoRA model through them without graph breaks. Eager calls run
-the same implementations through a plain ``torch.autograd.Function``: the custom-op dispatch's Python
-wrappers would cost more host time per call than the rest of the op.
-
-Host path: everything that depends only on (shapes, dtype, device, launcher) -- the kernel variant, the
-routed launcher, the four grids -- is kept in a :class:`~loragen.cuda.passes.Plan` per such key; A and
-B^T padded to the rank bucket in float32 are kept per parameter and refreshed only when the parameter's
-``_version`` or data pointer changes (and on every call inside a CUDA-graph capture, so replays read fresh
-parameters). The eager forward hands its backward the plan, those two buffers and the 2-D x it prepared,
-so backward looks nothing up again; scalars travel to ``apply`` as one tuple.
-
-Which launcher runs the kernels: by default :func:`loragen.cuda.selfcheck.default_checker`, which
-self-checks each kernel variant on its first use on a device and moves a failing one to the torch path
-(:mod:`loragen.cuda.torch_kernels`) with one warning; ``LORAGEN_CUDA_KERNELS`` (:data:`loragen.switches.cuda_kernels`)
-turns the check off or forces the torch path. An eager call routed to the torch path runs
-:func:`loragen.cuda.torch_path.lora_linear_torch` (one composition with torch's autograd) instead of the
-Function below.
-
-Dropout: each forward draws its Philox seed and offset with one device-side torch RNG op (:func:`draw_rng`)
-into an int64 tensor of two elements that the kernels read through a pointer and backward reuses. So
-``torch.manual_seed`` reproduces a run, ``torch.utils.checkpoint`` (which restores the device's RNG
-state) recomputes the same mask, and a CUDA graph captured with dropout draws a fresh mask on every
-replay. :func:`loragen.philox.dropout_keep_mask` gives the identical mask on the CPU for the same
-(seed, offset) (:func:`loragen.cuda.torch_kernels.rng_values` reads them, for tests and tools). Nothing
-on the op's path reads a device value on the host -- neither the kernel path nor the torch path --, so
-a step never waits for the GPU (benchmarks/cuda_host.py counts such reads; its test holds them at 0).
+LoRA parameters may be float32 or x's dtype; the kernels read them as float32 and accumulate in float32.
+The output is a fresh tensor. What depends only on (shapes, dtype, device, launcher) -- the variant, the
+routed launcher, the grids -- is kept in a :class:`~loragen.cuda.kernels.Plan`; A and B^T padded to the
+rank bucket in float32 are kept per parameter and refreshed when its ``_version``, data pointer or rank
+changes, after any optimizer step (an optimizer may write through raw pointers), and on every call
+inside and after a CUDA-graph capture. Dropout's seed and offset are drawn per forward by one
+device-side torch RNG op into an int64 tensor the kernels read through a pointer (:func:`draw_rng`), so
+``torch.manual_seed`` reproduces a run, ``torch.utils.checkpoint`` recomputes the mask and a captured
+graph draws a fresh mask per replay; nothing on the op's path reads a device value on the host.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from loragen import switches
-from loragen.cuda import hostcache, kernel_variants, native_host, passes, streams, torch_path
-from loragen.cuda.launch import KernelLauncher
-from loragen.cuda.op_inputs import autocast_dtype, check_inputs, draw_rng, seed_rng, unsupported_reason
+from loragen import philox, switches
+from loragen.cuda import kernels, launch
+from loragen.cuda.kernels import DTYPE_NAMES, KernelLauncher, Plan
+from loragen.cuda.selfcheck import TorchKernels, default_checker
+from loragen.errors import LoraError
+from loragen.philox import rng_tensor
 from loragen.reference import lora_linear_reference
 
-__all__ = ["lora_linear_cuda"]
+__all__ = [
+    "CudaLoraError",
+    "MAX_PLANS",
+    "autocast_anywhere",
+    "autocast_dtype",
+    "check_inputs",
+    "draw_rng",
+    "dropout_args",
+    "dropout_constants",
+    "factor",
+    "launcher_handle",
+    "lora_linear_cuda",
+    "new_buffer",
+    "optimizer_steps",
+    "plan_for",
+    "seed_rng",
+    "unsupported_reason",
+    "watch_optimizer_steps",
+]
+
+# ---- what the op accepts ---------------------------------------------------------------------------
+
+_WHERE = "loragen.cuda.lora_linear_cuda"
+
+
+class CudaLoraError(LoraError, ValueError):
+    """Inputs the CUDA LoRA op cannot take; the message names the argument and what is accepted."""
+
+
+def unsupported_reason(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    *,
+    fan_in_fan_out: bool = False,
+) -> str | None:
+    """Why the CUDA kernels cannot run on these inputs, or None when they can.
+
+    :func:`lora_linear_cuda` falls back to the plain composition for the reasons returned here.
+    """
+    if x.dtype not in DTYPE_NAMES:
+        return f"x dtype {x.dtype} (kernels exist for float32, float16, bfloat16)"
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return f"base weight/bias dtype differs from x ({x.dtype})"
+    if lora_A.dtype not in DTYPE_NAMES or lora_B.dtype not in DTYPE_NAMES:
+        return f"LoRA dtype {lora_A.dtype}/{lora_B.dtype} (expected float32, float16 or bfloat16)"
+    if not 1 <= lora_A.shape[0] <= kernels.MAX_RANK:
+        return f"rank r={lora_A.shape[0]} (the kernels take 1 <= r <= {kernels.MAX_RANK})"
+    features = (x.shape[-1], weight.shape[0], weight.shape[1])
+    if max(features) >= 2**31:
+        return "a feature dimension of 2**31 or more"
+    if 0 in features:
+        return "a feature dimension of 0 (no grid to launch)"
+    if x.numel() // max(x.shape[-1], 1) >= 2**31:
+        return "2**31 or more rows (the kernels take row counts as 32-bit int)"
+    return None
+
+
+def _devices(tensors: tuple[Tensor | None, ...]) -> str:
+    names = ("x", "weight", "bias", "lora_A", "lora_B")
+    return ", ".join(f"{n}: {t.device}" for n, t in zip(names, tensors) if t is not None)
+
+
+def check_inputs(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Tensor,
+    lora_B: Tensor,
+    fan_in_fan_out: bool,
+    p: float,
+    require_cuda: bool,
+) -> None:
+    """Raise :class:`CudaLoraError` naming the first bad argument; messages are built only on failure."""
+    if not 0.0 <= p < 1.0:
+        raise CudaLoraError(f"{_WHERE}: dropout_p={p!r}; expected 0 <= p < 1")
+    device = x.device
+    if (
+        (require_cuda and device.type != "cuda")
+        or weight.device != device
+        or lora_A.device != device
+        or lora_B.device != device
+        or (bias is not None and bias.device != device)
+    ):
+        raise CudaLoraError(
+            f"{_WHERE}: all tensors must be on one CUDA device, got {_devices((x, weight, bias, lora_A, lora_B))}"
+        )
+    in_features = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[0 if fan_in_fan_out else 1] != in_features:
+        layout = "(in, out) with fan_in_fan_out" if fan_in_fan_out else "(out, in)"
+        raise CudaLoraError(
+            f"{_WHERE}: weight {tuple(weight.shape)} is not {layout} for x (..., {in_features})"
+        )
+    out_features = weight.shape[1 if fan_in_fan_out else 0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != out_features):
+        raise CudaLoraError(f"{_WHERE}: bias {tuple(bias.shape)}; expected ({out_features},)")
+    r = lora_A.shape[0]
+    if lora_A.dim() != 2 or lora_A.shape[1] != in_features:
+        raise CudaLoraError(f"{_WHERE}: lora_A {tuple(lora_A.shape)}; expected (r, {in_features})")
+    if lora_B.dim() != 2 or lora_B.shape[0] != out_features or lora_B.shape[1] != r:
+        raise CudaLoraError(
+            f"{_WHERE}: lora_B {tuple(lora_B.shape)}; expected ({out_features}, {r}) for r={r}"
+        )
+
+
+#: Whether autocast is on for any device: torch's own argument-free check where it has one (a hot path
+#: asks this before :func:`autocast_dtype`, which it then need not call in the common case).
+autocast_anywhere = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype the op casts x, weight and bias to under autocast on x's device (as ``F.linear`` takes
+    them there), or None where autocast is off for x's device.
+
+    The op runs on CUDA tensors; loragen's CPU tests run it on CPU tensors, which follow the same rule
+    with the CPU's autocast (and its host benchmarks on meta tensors, which have no autocast).
+    """
+    if not autocast_anywhere():  # one call without arguments: the common case costs next to nothing
+        return None
+    if x.is_cuda:
+        device = "cuda"
+    elif x.is_cpu:
+        device = "cpu"
+    else:
+        return None
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def draw_rng(device: torch.device) -> Tensor:
+    """A fresh (seed, offset) pair for one forward's dropout mask: int64 (2,) on ``device``, drawn by
+    torch's generator of that device (the CUDA generator on a GPU: safe inside CUDA-graph capture, fresh
+    values on every replay)."""
+    return torch.randint(0, (1 << 63) - 1, (2,), dtype=torch.int64, device=device)
+
+
+def seed_rng(seed: int, device: torch.device, offset: int = 0) -> Tensor:
+    """The rng tensor for an explicit unsigned 64-bit ``seed`` and ``offset`` (stored as int64 bits),
+    made on ``device`` without a host-to-device copy (so without waiting for the device).
+
+    Raises:
+        CudaLoraError: ``seed`` or ``offset`` is not an unsigned 64-bit integer.
+    """
+    for name, value in (("seed", seed), ("offset", offset)):
+        if not 0 <= value < 1 << 64:
+            raise CudaLoraError(f"{_WHERE}: {name}={value}; expected an unsigned 64-bit integer")
+    return rng_tensor(seed, offset, device)  # filled on the device: no host-to-device copy
+
+
+# ---- what the op keeps between calls ---------------------------------------------------------------
+
+# A custom op takes only tensors and scalars, so the launcher travels as an int: 0 is the default
+# self-checked driver launcher, others are launchers callers passed in (tests, the null driver).
+_launchers: list[KernelLauncher | None] = [None]
+_handles: dict[int, int] = {}
+
+
+def launcher_handle(launcher: KernelLauncher | None) -> int:
+    """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher).
+
+    A launcher passed once is kept for the life of the process. Under ``torch.compile`` the table is
+    only read: the compiled graph runs the custom op before the tracer's own updates of module state
+    are replayed, so a launcher first seen while tracing could not be found by the op.
+
+    Raises:
+        CudaLoraError: ``launcher`` is first seen while ``torch.compile`` traces (call the op with it
+            once outside compilation first).
+    """
+    if launcher is None:
+        return 0
+    handle = _handles.get(id(launcher))
+    if handle is not None and _launchers[handle] is launcher:
+        return handle
+    if torch.compiler.is_compiling():
+        raise CudaLoraError(
+            f"lora_linear_cuda: launcher={type(launcher).__name__} is first used inside torch.compile; "
+            "call the op with it once outside compilation first (the compiled graph looks launchers up in "
+            "a table it cannot fill while tracing)"
+        )
+    handle = _handles[id(launcher)] = len(_launchers)
+    _launchers.append(launcher)
+    return handle
+
+
+def launcher_of(handle: int) -> KernelLauncher:
+    launcher = _launchers[handle]
+    return default_checker() if launcher is None else launcher
+
+
+_plans: dict[tuple[Any, ...], Plan] = {}
+# Plans are kept per shape: a run whose batches take ever new sequence lengths would add one per length
+# and layer shape for good. Past this many the table starts again (a plan is rebuilt in microseconds, and
+# the self-check's routing it reads is kept elsewhere); calls in flight keep the plans they hold.
+MAX_PLANS = 4096
+
+
+def plan_for(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
+    """The cached :class:`Plan` for these sizes, dtype, device, launcher and kernel switch.
+
+    The routed launcher it holds stays right when a variant fails later: the self-check's guarded
+    launcher moves its launches to the torch path itself.
+    """
+    key = (x2.shape, x2.dtype, x2.device, out_features, rank, handle, switches.cuda_kernels.get())
+    found = _plans.get(key)
+    if found is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        found = _plans[key] = Plan(x2, out_features, rank, launcher_of(handle))
+    return found
+
+
+# Optimizer steps taken in this process, counted by torch.optim's global step hook from the first cached
+# factor on. Some optimizers write parameters without moving their version counters (bitsandbytes' 8-bit
+# optimizers and other kernels that write through a raw pointer; FSDP2 copies gathered values into its
+# parameters with the counter kept), so a cached factor is copied again after every step as well. That
+# costs nothing more in training, where a torch optimizer's in-place update moves the counter anyway, and
+# nothing in inference, where no step is taken.
+_steps = 0
+_step_hook: list[Any] = []
+
+
+def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    global _steps
+    _steps += 1
+
+
+def watch_optimizer_steps() -> None:
+    """Count optimizer steps from now on (:func:`optimizer_steps`; the hook is registered once per
+    process)."""
+    if not _step_hook:
+        _step_hook.append(register_optimizer_step_post_hook(_stepped))
+
+
+def optimizer_steps() -> int:
+    """How many ``torch.optim.Optimizer`` steps this process has taken since :func:`watch_optimizer_steps`."""
+    return _steps
+
+
+class _Factor:
+    """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- kept in one
+    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer,
+    rank), after an optimizer step (``steps``), or on every call once a CUDA-graph capture has read it
+    (``captured``); ``zeroed``: the padding rows' zeros have been written outside a capture."""
+
+    __slots__ = ("buffer", "captured", "data_ptr", "rank", "source", "steps", "version", "zeroed")
+
+    def __init__(self, source: Tensor, buffer: Tensor) -> None:
+        self.source = weakref.ref(source)
+        self.buffer = buffer
+        self.version = -1
+        self.data_ptr = -1
+        self.rank = -1
+        self.steps = -1
+        self.captured = False
+        self.zeroed = False
+
+
+_factors: dict[tuple[int, bool], _Factor] = {}
+
+
+def factor(t: Tensor, plan: Plan, transpose: bool, in_capture: bool) -> Tensor:
+    """``t`` (lora_A (r, in), or lora_B (out, r) transposed) as float32 (R, features), padded with zero
+    rows to the rank bucket and 16-byte aligned, from the per-parameter cache; ``in_capture``: the call
+    is being captured into a CUDA graph (:func:`loragen.cuda.launch.capturing`, asked once per call)."""
+    bucket = plan.variant.rank_bucket
+    if not transpose and t.dtype == torch.float32 and t.shape[0] == bucket and t.is_contiguous():
+        if not plan.variant.aligned or t.data_ptr() % 16 == 0:
+            return t  # already what the kernels read: no copy (the op runs without autograd: no detach)
+    key = (id(t), transpose)
+    entry = _factors.get(key)
+    features = t.shape[0] if transpose else t.shape[1]
+    if (
+        entry is None
+        or entry.source() is not t
+        or entry.buffer.shape[1] != features
+        or entry.buffer.shape[0] != bucket
+        or entry.buffer.device != t.device
+    ):
+        entry = _factors[key] = _Factor(t, new_buffer(bucket, features, device=t.device))
+        weakref.finalize(t, _factors.pop, key, None)
+        watch_optimizer_steps()
+    rank = t.shape[1] if transpose else t.shape[0]
+    if (
+        in_capture
+        or entry.captured
+        or entry.version != t._version
+        or entry.data_ptr != t.data_ptr()
+        or entry.steps != _steps
+        or entry.rank != rank
+    ):
+        with torch.no_grad():
+            if not entry.zeroed or rank < entry.rank:  # a zero_ inside a capture writes only on replay
+                entry.buffer.zero_()
+                entry.zeroed = not in_capture
+            entry.buffer[:rank].copy_(t.t() if transpose else t)
+        entry.version = t._version
+        entry.data_ptr = t.data_ptr()
+        entry.steps = _steps
+        entry.rank = rank
+        entry.captured = entry.captured or in_capture
+    return entry.buffer
+
+
+def new_buffer(*shape: int, device: torch.device) -> Tensor:
+    """A fresh float32 buffer for the caches (16-byte aligned, as every fresh allocation), made outside
+    inference mode: a tensor made under ``torch.inference_mode`` can never be written again outside it,
+    so a cache first filled during an evaluation would break the next training step."""
+    with torch.inference_mode(False):
+        return torch.empty(*shape, dtype=torch.float32, device=device)
+
+
+# (threshold, keep_scale) per dropout probability that a call has validated and passed to dropout_args: a
+# probability found here is one the op's checks accept
+dropout_constants: dict[float, tuple[int, float]] = {0.0: (0, 1.0)}
+
+
+def dropout_args(rng: Tensor | None, p: float) -> tuple[Tensor | None, int, float]:
+    """The kernels' dropout arguments ``(rng, threshold, keep_scale)`` (p validated by the caller)."""
+    constants = dropout_constants.get(p)
+    if constants is None:
+        constants = dropout_constants[p] = (philox.keep_threshold(p), philox.keep_scale(p))
+    return (rng if constants[0] else None, *constants)
 
 
 # ---- the custom ops --------------------------------------------------------------------------------
@@ -75,7 +384,7 @@ _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every c
 # buffers cannot change in between: A and B are saved for backward, so autograd refuses a step whose
 # parameters were modified after the forward) and x's shape (the eager Function saves x as the 2-D,
 # contiguous, aligned view or copy the kernels read)
-_Prepared = tuple[passes.Plan, Tensor, Tensor, torch.Size]
+_Prepared = tuple[kernels.Plan, Tensor, Tensor, torch.Size]
 
 
 def _without_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
@@ -122,19 +431,19 @@ def _forward(
     """y, h, the 2-D x the kernels read, and what backward reuses."""
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
-    plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
+    plan = plan_for(x2, out_features, lora_A.shape[0], launcher)
     x2 = plan.prepare(x2)
-    in_capture = streams.capturing(x2.device)
-    a32 = hostcache.factor(lora_A, plan, False, in_capture)
-    bt32 = hostcache.factor(lora_B, plan, True, in_capture)
-    h = passes.down(plan, x2, a32, hostcache.dropout_args(rng, dropout_p))
+    in_capture = launch.capturing(x2.device)
+    a32 = factor(lora_A, plan, False, in_capture)
+    bt32 = factor(lora_B, plan, True, in_capture)
+    h = kernels.down(plan, x2, a32, dropout_args(rng, dropout_p))
     # the output in its final shape, written through a 2-D view: no view of it escapes
     out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
     out2 = out.view(plan.rows, out_features)
     # cuBLAS writes the base product in x's dtype, then lora_up adds bias + s h B^T in float32 and
     # writes the output once more: no float32 (N, out) temporary
-    passes.add_base(x2, weight if fan_in_fan_out else weight.t(), out2)
-    passes.up(plan, h, bt32, bias, scaling, out2)
+    kernels.add_base(x2, weight if fan_in_fan_out else weight.t(), out2)
+    kernels.up(plan, h, bt32, bias, scaling, out2)
     return out, h, x2, (plan, a32, bt32, x.shape)
 
 
@@ -156,7 +465,7 @@ def _lora_linear_fake(
     for size in x.shape[:-1]:
         rows = rows * size
     out = x.new_empty((*x.shape[:-1], out_features))
-    h = x.new_empty((rows, kernel_variants.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
+    h = x.new_empty((rows, kernels.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
     return out, h
 
 
@@ -221,7 +530,7 @@ def _backward(
     if prepared is None:
         x_shape = x.shape
         x2 = x.reshape(-1, x.shape[-1])
-        plan = hostcache.plan(x2, out_features, lora_A.shape[0], launcher)
+        plan = plan_for(x2, out_features, lora_A.shape[0], launcher)
         x2 = plan.prepare(x2)
         a32 = bt32 = None
     else:
@@ -236,18 +545,18 @@ def _backward(
         grad_x = x2.new_zeros(x_shape) if need_x else None
     elif need_x or need_a or need_bb:  # grad_x always has a LoRA term, frozen adapter or not
         # asked only where forward handed over no factors (the custom op's backward): both are None then
-        in_capture = bt32 is None and streams.capturing(x2.device)
+        in_capture = bt32 is None and launch.capturing(x2.device)
         if bt32 is None:
-            bt32 = hostcache.factor(lora_B, plan, True, in_capture)
-        dh, db = passes.grad_out(plan, g2, h, bt32, scaling)
+            bt32 = factor(lora_B, plan, True, in_capture)
+        dh, db = kernels.grad_out(plan, g2, h, bt32, scaling)
         if need_bb:  # columns past the rank only when the rank is not a bucket; at most one copy
             grad_bb = db if plan.rank == db.shape[1] else db[:, : plan.rank].contiguous()
             if grad_bb.dtype != lora_B.dtype:
                 grad_bb = grad_bb.to(lora_B.dtype)
         if need_x or need_a:
             if a32 is None:
-                a32 = hostcache.factor(lora_A, plan, False, in_capture)
-            gx, da = passes.grad_in(plan, x2, dh, a32, hostcache.dropout_args(rng, dropout_p), need_x)
+                a32 = factor(lora_A, plan, False, in_capture)
+            gx, da = kernels.grad_in(plan, x2, dh, a32, dropout_args(rng, dropout_p), need_x)
             if need_a:  # rows past the rank only when the rank is not a bucket
                 grad_a = da if plan.rank == da.shape[0] else da[: plan.rank]
                 if grad_a.dtype != lora_A.dtype:
@@ -402,14 +711,6 @@ def lora_linear_cuda(
         CudaLoraError: tensors not on one device, or not on a CUDA device when no launcher is given;
             mismatched shapes; ``dropout_p`` outside [0, 1); ``seed`` not unsigned 64-bit.
     """
-    # a call like one before, eager: the C++ side checks what the plan fixes
-    if switches.cuda_native_host.get() and not torch.compiler.is_compiling():
-        handle = hostcache.launcher_handle(launcher)
-        y = native_host.try_lora_linear(
-            x, weight, bias, lora_A, lora_B, scaling, dropout_p, training, fan_in_fan_out, seed, handle
-        )
-        if y is not None:
-            return y
     check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
     cast = autocast_dtype(x)
     if cast is not None:
@@ -424,20 +725,38 @@ def lora_linear_cuda(
     rng = None
     if p > 0:
         rng = draw_rng(x.device) if seed is None else seed_rng(seed, x.device)
-    scalars = (float(scaling), p, fan_in_fan_out, hostcache.launcher_handle(launcher))
+    scalars = (float(scaling), p, fan_in_fan_out, launcher_handle(launcher))
     if torch.compiler.is_compiling():  # traced: the custom op, which torch.compile sees through its fake
         return _lora_linear_op(x, weight, bias, lora_A, lora_B, rng, *scalars)[0]
-    if torch_path.runs_on_torch_path(x, lora_B.shape[0], lora_A.shape[0], scalars[3]):  # one composition
-        args = (x, weight, bias, lora_A, lora_B, scalars[0], *hostcache.dropout_args(rng, p), fan_in_fan_out)
-        if cast is None:
-            return torch_path.lora_linear_torch(*args)
-        with torch.autocast(x.device.type, enabled=False):
-            return torch_path.lora_linear_torch(*args)
-    # the same passes with the host work in C++ (x, weight and bias are cast already; it turns autocast off)
-    if switches.cuda_native_host.get():
-        native = native_host.plan_id(x, lora_A, lora_B, fan_in_fan_out, scalars[3])
-        if native is not None:
-            return native_host.lora_linear_native(
-                x, weight, bias, lora_A, lora_B, rng, False, native, scalars[0], p, fan_in_fan_out
+    if _on_torch_route(x, lora_B.shape[0], lora_A.shape[0], scalars[3]):  # the composition, the kernels' mask
+        keep = None
+        if rng is not None:
+            keep = philox.rng_keep_mask(rng, 0, x.numel(), dropout_args(rng, p)[1]).view(x.shape)
+        with _NO_CONTEXT if cast is None else torch.autocast(x.device.type, enabled=False):
+            return lora_linear_reference(
+                x, weight, bias, lora_A, lora_B, scaling, p, True, fan_in_fan_out=fan_in_fan_out, keep=keep
             )
     return _LoraLinearFunction.apply(x, weight, bias, lora_A, lora_B, rng, scalars)
+
+
+# (x dtype, device, in, out, rank, launcher handle, kernel switch) -> whether the call takes the torch route
+_routes: dict[tuple[Any, ...], bool] = {}
+
+
+def _on_torch_route(x: Tensor, out_features: int, rank: int, handle: int) -> bool:
+    """Whether a call's variant runs on the torch route: its plan's routed launcher is a whole-op
+    :class:`TorchKernels` (``LORAGEN_CUDA_KERNELS=torch``, a failed self-check, or one passed in).
+    Decided once per (dtype, device, sizes but the row count, launcher, switch) with the first call's
+    plan, which self-checks a new variant; a variant that fails later, at a launch, runs its passes on
+    :class:`TorchKernels` through the self-check's guard.
+
+    Raises:
+        RuntimeError: the variant is new and a CUDA graph is being captured (the self-check refuses to
+            run inside a capture).
+    """
+    key = (x.dtype, x.device, x.shape[-1], out_features, rank, handle, switches.cuda_kernels.get())
+    found = _routes.get(key)
+    if found is None:
+        routed = plan_for(x.reshape(-1, x.shape[-1]), out_features, rank, handle).launcher
+        found = _routes[key] = isinstance(routed, TorchKernels) and routed.whole_op
+    return found

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from loragen.cuda.kernel_variants import RANK_BUCKETS, Variant
-from loragen.cuda.launch import KernelLauncher, default_launcher
-from loragen.cuda.specs import ADAMW8BIT, max_optimizer_block
+from loragen.cuda.kernels import ADAMW8BIT, RANK_BUCKETS, KernelLauncher, Variant, max_optimizer_block
+from loragen.cuda.launch import default_launcher
 
 __all__ = ["adamw8bit_update_cuda", "kernel_supports"]
 
@@ -39,7 +38,7 @@ def kernel_supports(
 
     It needs a contiguous float32/float16/bfloat16 parameter, a gradient of the same dtype and shape,
     contiguous states of the layout :class:`loragen.training.adamw8bit.AdamW8bit` creates with blocks of at most
-    :func:`~loragen.cuda.specs.max_optimizer_block` elements, and two float32 tables of 256 entries, all
+    :func:`~loragen.cuda.kernels.max_optimizer_block` elements, and two float32 tables of 256 entries, all
     on the parameter's device.
     """
     if param.dtype not in _DTYPE_NAMES or grad.dtype != param.dtype or grad.shape != param.shape:

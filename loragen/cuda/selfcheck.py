@@ -1,54 +1,424 @@
-"""Self-check of each kernel variant on its first use on a device, and the fallback to the torch path.
+"""Each kernel variant checked on its first use on a device, and the torch products it falls back to.
 
 loragen's CUDA kernels cannot be run where they are developed (no GPU), so they prove themselves where
 they first run. :class:`CheckedLauncher` (the default launcher of :func:`loragen.cuda.lora_linear_cuda`)
-is asked by each forward which launcher runs its variant -- (dtype, rank bucket, alignment) -- on its
-device. On the first ask per variant and device in a process it runs the variant's four passes (the
-kernels the op launches for it) on a small problem with odd sizes, an
-odd rank, dropout, and x and g given as views at a storage offset (for an unaligned variant the pointers
-are then not 16-byte aligned), and compares every output with the torch path
-(:mod:`loragen.cuda.torch_kernels`) on the same inputs.
+is asked by each call which launcher runs its variant -- (dtype, rank bucket, alignment) -- on its
+device. On the first ask per variant and device it runs the variant's four passes on a small problem
+with odd sizes, an odd rank, dropout, and x and g at a storage offset (unaligned pointers for an
+unaligned variant), and compares every pass's outputs with :class:`TorchKernels`, the same computation
+as torch products (cuBLAS), in full float32 and without the caller's autocast. On a GPU the check runs
+first in a child process, so a kernel that faults takes only the child down.
 
-Any failure -- NVRTC missing, an architecture NVRTC does not know, bfloat16 on a GPU older than sm_80,
-a compile error, a module the driver will not load, a launch error, or numbers that differ -- gives one
-``RuntimeWarning`` naming the variant, the device and the reason, and that variant runs on the torch
-path (cuBLAS products, the same hand-written backward) for the rest of the process. A later launch
-error of a checked variant does the same. On a GPU the check first runs in a child process
-(:mod:`loragen.cuda.isolated`): a kernel that faults (a sticky error that would leave the CUDA context
-unusable, for the torch path too) takes only the child down, and its variant falls back. :func:`CheckedLauncher.outcomes` lists what was decided.
+Any failure -- NVRTC missing, an unknown architecture, bfloat16 before sm_80, a compile, load or launch
+error, numbers that differ -- gives one ``RuntimeWarning`` naming the variant, the device and the reason,
+and the variant runs on the torch route for the rest of the process (a later launch error does the
+same). :meth:`CheckedLauncher.outcomes` lists what was decided.
 
-:data:`loragen.switches.cuda_kernels` (``LORAGEN_CUDA_KERNELS``) chooses per call:
-
-========= ==============================================================================================
-``check`` (default) check on first use, fall back on failure
-``trust`` the kernels run unchecked; their errors raise (for kernel development and measurements)
-``torch`` every variant runs on the torch path; the kernels are never compiled or launched
-========= ==============================================================================================
+:data:`loragen.switches.cuda_kernels` (``LORAGEN_CUDA_KERNELS``): ``check`` (default) as above;
+``trust`` runs the kernels unchecked, their errors raise (kernel development, sanitizers, profiling);
+``torch`` runs every variant on the torch route, never compiling or launching a kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
+import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from loragen import philox, switches
-from loragen.cuda import passes, streams
-from loragen.cuda.check_numerics import autocast_off, exact_float32_products
-from loragen.cuda.isolated import DRIVER_LAUNCHER, check_in_child
-from loragen.cuda.kernel_variants import Variant, rank_bucket
-from loragen.cuda.launch import CudaDriverError, KernelLauncher, NativeKernels, default_launcher
-from loragen.cuda.nvrtc import KernelCompileError, NvrtcUnavailableError
-from loragen.cuda.specs import KernelSpec
-from loragen.cuda.torch_kernels import TorchKernels
+from loragen.cuda import kernels, launch
+from loragen.cuda.build import KernelCompileError, NvrtcUnavailableError
+from loragen.cuda.kernels import KernelLauncher, KernelSpec, Variant, rank_bucket
+from loragen.cuda.launch import CudaDriverError, default_launcher
 
-__all__ = ["OK", "CheckedLauncher", "check_variant", "child_main", "default_checker"]
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "CheckedLauncher",
+    "DRIVER_LAUNCHER",
+    "OK",
+    "TorchKernels",
+    "autocast_off",
+    "check_in_child",
+    "check_variant",
+    "child_main",
+    "default_checker",
+    "exact_float32_products",
+    "rng_values",
+]
+
+# ---- what the check computes under ----------------------------------------------------------------
+
+# torch >= 2.9 keeps a float32 precision per backend and operation as well (``torch.backends.cuda.matmul.
+# fp32_precision``, "none" meaning "as the level above says"); older torch has only the process-wide one
+_PER_BACKEND_PRECISION = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def _matmul_precisions() -> list[Any]:
+    """The per-backend settings the torch path's float32 products read (none before torch 2.9): cuBLAS's
+    on a GPU, oneDNN's on the CPU (where the tests check emulated kernels)."""
+    if not _PER_BACKEND_PRECISION:
+        return []
+    found: list[Any] = [torch.backends.cuda.matmul]
+    onednn = getattr(torch.backends.mkldnn, "matmul", None)
+    if onednn is not None and hasattr(onednn, "fp32_precision"):
+        found.append(onednn)
+    return found
+
+
+@contextlib.contextmanager
+def exact_float32_products() -> Iterator[None]:
+    """Float32 matrix products in full float32 inside the block (no TF32, no bfloat16 passes), and every
+    precision setting back as it was found afterwards.
+
+    The process-wide setting goes to ``"highest"`` and back, and on torch >= 2.9 the cuBLAS and oneDNN
+    matmul settings go to ``"ieee"`` and back to their own values (``"none"`` included), in that order,
+    so that every reading -- :func:`torch.get_float32_matmul_precision`, ``allow_tf32``, each
+    ``fp32_precision`` -- answers inside the block without raising and afterwards as before. Where the
+    caller's per-backend settings already disagree with the process-wide one (reading it raises), that
+    one is left alone. The legacy ``allow_tf32`` flag is never set: on torch >= 2.9 that mixes the two
+    APIs, after which :func:`torch.get_float32_matmul_precision` can raise for the rest of the process;
+    before, it is only a view of the process-wide setting, and setting it back turns ``"medium"`` into
+    ``"high"``. cuDNN's settings are not touched.
+    """
+    try:
+        process_wide: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        process_wide = None
+    settings = _matmul_precisions()
+    found = [setting.fp32_precision for setting in settings]
+    try:
+        if process_wide is not None:
+            torch.set_float32_matmul_precision("highest")
+        for setting in settings:
+            setting.fp32_precision = "ieee"
+        yield
+    finally:
+        if process_wide is not None:
+            torch.set_float32_matmul_precision(process_wide)
+        for setting, value in zip(settings, found):
+            setting.fp32_precision = value
+
+
+@contextlib.contextmanager
+def autocast_off(device: torch.device) -> Iterator[None]:
+    """No autocast inside the block for ``device``'s type or for the CPU (where the check builds its
+    problem, and where the tests check emulated kernels), whichever the caller had on; the caller's
+    autocast is back as found afterwards."""
+    with contextlib.ExitStack() as stack:
+        for device_type in dict.fromkeys(("cpu", device.type)):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+# ---- TorchKernels: each kernel's computation as torch products ------------------------------------
+
+# elements per row block: a float32 block is 128 MiB, and a batch of 16k rows of 2048 features is one
+# block (the Philox temporaries of the torch formulation stay < 1 GiB); blocks start on a multiple of 8
+# rows, so each starts on a whole Philox group
+BLOCK_ELEMENTS = 1 << 25
+_MASK64 = (1 << 64) - 1
+
+
+def rng_values(rng: Tensor) -> tuple[int, int]:
+    """The (seed, offset) pair the kernels read through their ``rng`` pointer, as unsigned 64-bit ints.
+
+    For tests and tools on the host: reading a CUDA tensor waits for the device, so the op itself never
+    calls this (the torch path reads ``rng`` on the device, like the kernels).
+    """
+    seed, offset = rng.tolist()
+    return seed & _MASK64, offset & _MASK64
+
+
+def _row_blocks(rows: int, cols: int) -> list[tuple[int, int]]:
+    step = max(8, BLOCK_ELEMENTS // max(cols, 1) // 8 * 8)
+    return [(begin, min(rows, begin + step)) for begin in range(0, rows, step)]
+
+
+def _first_partial(parts: Tensor) -> Tensor:
+    """Zero every partial but the first, and return the first (which then holds the whole sum)."""
+    if parts.shape[0] > 1:
+        parts[1:].zero_()
+    return parts[0]
+
+
+def _f32(t: Tensor) -> Tensor:
+    """``t`` in float32: itself when it already is (no dispatch at all), else a float32 copy."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+class _Dropout:
+    """The dropout of one block of a masked tensor whose element [0, 0] is flat element ``start``: the
+    Philox keep-mask (:func:`loragen.philox.rng_keep_mask`, made on the block's device from the op's
+    ``rng`` tensor) applied to x and, in backward, to the x-shaped product dh A alike."""
+
+    def __init__(self, rng: Tensor, start: int, threshold: int, keep_scale: float) -> None:
+        self.rng, self.start, self.threshold, self.keep_scale = rng, start, threshold, keep_scale
+        self._keep: Tensor | None = None
+
+    def __call__(self, values: Tensor) -> Tensor:
+        """``values`` in float32, kept elements times keep_scale, dropped ones 0."""
+        if self._keep is None:
+            keep = philox.rng_keep_mask(self.rng, self.start, values.numel(), self.threshold)
+            self._keep = keep.view(values.shape)
+        return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
+
+
+def _dropout(rng: Tensor | None, start: int, threshold: int, keep_scale: float) -> _Dropout | None:
+    return None if threshold == 0 or rng is None else _Dropout(rng, start, threshold, keep_scale)
+
+
+def _down(
+    x: Tensor,
+    lora_a: Tensor,
+    h_part: Tensor,
+    rows: int,
+    cols: int,
+    rank: int,
+    cols_per_split: int,
+    rng: Tensor | None,
+    threshold: int,
+    keep_scale: float,
+) -> None:
+    """h = dropout(x) A^T (rows, R) into partial 0."""
+    h = _first_partial(h_part)
+    if rows * cols <= BLOCK_ELEMENTS:
+        drop = _dropout(rng, 0, threshold, keep_scale)
+        torch.mm(_f32(x) if drop is None else drop(x), lora_a.mT, out=h)
+        return
+    for begin, end in _row_blocks(rows, cols):
+        drop = _dropout(rng, begin * cols, threshold, keep_scale)
+        block = x[begin:end]
+        torch.mm(_f32(block) if drop is None else drop(block), lora_a.mT, out=h[begin:end])
+
+
+def _up_block(h: Tensor, bt: Tensor, bias: Tensor | None, out: Tensor, scaling: float) -> None:
+    if out.dtype == torch.float32:  # the op's float32 variant: in place, no temporary
+        if bias is not None:
+            out.add_(bias)
+        out.addmm_(h, bt, alpha=scaling)
+        return
+    term = out.float()  # the base product, as cuBLAS wrote it
+    if bias is not None:
+        term.add_(bias)
+    out.copy_(term.addmm_(h, bt, alpha=scaling))  # onto the base product, one rounding
+
+
+def _up(
+    h: Tensor,
+    lora_bt: Tensor,
+    bias: Tensor | None,
+    out: Tensor,
+    rows: int,
+    cols: int,
+    rank: int,
+    scaling: float,
+) -> None:
+    """out = round(out + bias + s h B^T) (rows, out) in place."""
+    if rows * cols <= BLOCK_ELEMENTS:
+        _up_block(h, lora_bt, bias, out, scaling)
+        return
+    for begin, end in _row_blocks(rows, cols):
+        _up_block(h[begin:end], lora_bt, bias, out[begin:end], scaling)
+
+
+def _grad_out(
+    grad: Tensor,
+    h: Tensor,
+    lora_bt: Tensor,
+    dh_part: Tensor,
+    db_part: Tensor,
+    rows: int,
+    cols: int,
+    rank: int,
+    rows_per_split: int,
+    scaling: float,
+) -> None:
+    """dh = s g B (rows, R) and dB = s g^T h (out, R), into partial 0 of each."""
+    dh = _first_partial(dh_part)
+    db = _first_partial(db_part)
+    b = lora_bt.mT  # (out, R)
+    if rows * cols <= BLOCK_ELEMENTS:
+        g = _f32(grad)
+        dh.addmm_(g, b, beta=0, alpha=scaling)  # beta=0: what dh held (uninitialised) is not read
+        db.addmm_(g.mT, h, beta=0, alpha=scaling)
+        return
+    for index, (begin, end) in enumerate(_row_blocks(rows, cols)):
+        g = _f32(grad[begin:end])
+        dh[begin:end].addmm_(g, b, beta=0, alpha=scaling)
+        db.addmm_(g.mT, h[begin:end], beta=1 if index else 0, alpha=scaling)
+
+
+def _grad_in_block(
+    x: Tensor, dh: Tensor, a: Tensor, gx: Tensor | None, da: Tensor, first: bool, drop: _Dropout | None
+) -> None:
+    if gx is None:
+        da.addmm_(dh.mT, _f32(x) if drop is None else drop(x), beta=0 if first else 1)
+        return
+    if drop is None:
+        da.addmm_(dh.mT, _f32(x), beta=0 if first else 1)
+        if gx.dtype == torch.float32:
+            torch.mm(dh, a, out=gx)
+        else:
+            gx.copy_(torch.mm(dh, a))  # one rounding into gx
+        return
+    xd, product = drop(x), drop(torch.mm(dh, a))  # one keep-mask for both
+    da.addmm_(dh.mT, xd, beta=0 if first else 1)
+    gx.copy_(product)  # one rounding into gx
+
+
+def _grad_in(
+    x: Tensor,
+    dh: Tensor,
+    lora_a: Tensor,
+    grad_x_lora: Tensor | None,
+    da_part: Tensor,
+    rows: int,
+    cols: int,
+    rank: int,
+    rows_per_split: int,
+    rng: Tensor | None,
+    threshold: int,
+    keep_scale: float,
+) -> None:
+    """gx = dropout(dh A) (rows, in) in x's dtype, and dA = dh^T dropout(x) (R, in) into partial 0."""
+    da = _first_partial(da_part)
+    if rows * cols <= BLOCK_ELEMENTS:
+        _grad_in_block(x, dh, lora_a, grad_x_lora, da, True, _dropout(rng, 0, threshold, keep_scale))
+        return
+    for begin, end in _row_blocks(rows, cols):
+        gx = None if grad_x_lora is None else grad_x_lora[begin:end]
+        drop = _dropout(rng, begin * cols, threshold, keep_scale)
+        _grad_in_block(x[begin:end], dh[begin:end], lora_a, gx, da, begin == 0, drop)
+
+
+# each kernel's computation, taking the kernel's arguments in the order of its parameters
+# (tests/cuda/test_cuda_selfcheck.py checks the names against the kernel specs)
+KERNELS: dict[str, Callable[..., None]] = {
+    "lora_down": _down,
+    "lora_up": _up,
+    "lora_grad_out": _grad_out,
+    "lora_grad_in": _grad_in,
+}
+
+
+class TorchKernels:
+    """Runs the LoRA kernels' computations with torch operations; see the module docstring.
+
+    ``whole_op`` (the default): the eager op, routed here, runs the reference composition
+    (:func:`loragen.reference.lora_linear_reference`, less host work per call) instead of the four
+    passes; False keeps it on the passes (loragen's CPU tests run the op's host side through them).
+    """
+
+    whole_op: bool = True
+
+    def __init__(self, whole_op: bool = True) -> None:
+        self.whole_op = whole_op
+
+    def target_blocks(self, device: torch.device) -> int:
+        """One block: the torch path needs no split reductions."""
+        return 1
+
+    def launch(
+        self,
+        spec: KernelSpec,
+        variant: Variant,
+        grid: tuple[int, int],
+        args: Sequence[object],
+        device: torch.device,
+    ) -> None:
+        """Compute what kernel ``spec`` computes for ``args`` (``variant`` and ``grid`` do not matter).
+
+        Raises:
+            KeyError: ``spec`` is not one of the four LoRA kernels.
+            TypeError: ``args`` does not match the kernel's parameter list.
+        """
+        run = KERNELS.get(spec.name)
+        if run is None:
+            raise KeyError(f"loragen.cuda.selfcheck: no torch path for kernel {spec.name!r}")
+        if len(args) != len(spec.params):
+            raise TypeError(
+                f"loragen.cuda.selfcheck: kernel {spec.name} takes {len(spec.params)} arguments, "
+                f"got {len(args)}"
+            )
+        if not torch.is_grad_enabled():  # the op's own calls: autograd already off
+            run(*args)
+            return
+        with torch.no_grad():
+            run(*args)
+
+
+# ---- the check in a child process -----------------------------------------------------------------
+
+DRIVER_LAUNCHER = "loragen.cuda.launch:DriverLauncher"
+TIMEOUT_S = 300.0  # imports, CUDA start, five NVRTC compiles and tiny launches: a hung kernel is a failure
+
+
+def _tail(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def _child_environment() -> dict[str, str]:
+    """The caller's environment, with its module search path: the child imports what the caller does."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+def check_in_child(
+    variant: Variant, device: torch.device, launcher: str = DRIVER_LAUNCHER, timeout: float = TIMEOUT_S
+) -> str | None:
+    """:func:`loragen.cuda.selfcheck.check_variant` of ``variant`` on ``device`` in a child process
+    whose launcher is made by calling ``launcher`` (``"module:attribute"``); None when it passed, else
+    the reason (a crash or a timeout of the child included, and a child that could not be started: the
+    variant is then not run unchecked, and the reason says why)."""
+    index = (
+        -1
+        if device.type != "cuda"
+        else device.index
+        if device.index is not None
+        else torch.cuda.current_device()
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "loragen.cuda.selfcheck",
+        variant.dtype,
+        str(variant.rank_bucket),
+        "aligned" if variant.aligned else "unaligned",
+        str(index),
+        launcher,
+    ]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, check=False, env=_child_environment()
+        )
+    except subprocess.TimeoutExpired:
+        return f"crashed: the isolated self-check did not finish in {timeout:.0f} s"
+    except OSError as exc:  # no interpreter at sys.executable, a process limit reached, no memory to fork
+        return f"not checked: cannot start the isolated self-check's process {command[0]!r}: {exc}"
+    for line in reversed(done.stdout.splitlines()):
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(answer, dict) and "reason" in answer:
+            return None if answer["reason"] is None else str(answer["reason"])
+    return f"crashed: the isolated self-check's process exited with status {done.returncode}: {_tail(done.stderr)}"
+
+
+# ---- the checked launcher --------------------------------------------------------------------------
 
 OK = "ok"
 # largest |kernel - torch path| relative to the largest |torch path| value, by the variant's dtype. Both
@@ -56,7 +426,7 @@ OK = "ok"
 # of 16-bit outputs (2**-8 for bfloat16, 2**-11 for float16), and where a kernel runs on tensor cores,
 # by A or B^T rounded to the 16-bit dtype (seen: 1.5e-3 for bfloat16, 2.3e-4 for float16 at R = 32-64).
 BOUNDS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-_TORCH_DTYPES = {name: dtype for dtype, name in passes.DTYPE_NAMES.items()}
+_TORCH_DTYPES = {name: dtype for dtype, name in kernels.DTYPE_NAMES.items()}
 _SEED = 0x0123_4567_89AB_CDEF  # both key words non-zero
 _OFFSET = 0x0000_0005_0000_0003  # both counter words non-zero
 _P = 0.25
@@ -101,22 +471,22 @@ def _run(
     provided, so a wrong pass is named by its own outputs only."""
     x, g = data["x"], data["g"]
     rank = data["a"].shape[0]
-    plan = passes.Plan(x, g.shape[1], rank, launcher)
+    plan = kernels.Plan(x, g.shape[1], rank, launcher)
     if plan.variant != variant:  # pragma: no cover - the problem is built for the variant
         raise AssertionError(f"self-check problem has variant {plan.variant.label}, not {variant.label}")
     x2, g2 = plan.prepare(x), plan.prepare(g)
-    a32 = plan.prepare(passes.pad_rank(data["a"], variant))  # as the op passes them: (R, in), (R, out)
-    bt32 = plan.prepare(passes.pad_rank(data["bt"], variant))
+    a32 = plan.prepare(kernels.pad_rank(data["a"], variant))  # as the op passes them: (R, in), (R, out)
+    bt32 = plan.prepare(kernels.pad_rank(data["bt"], variant))
     # seed and offset in device memory, as the op passes them; both non-zero so both words are read
     rng = torch.tensor([_SEED, _OFFSET], dtype=torch.int64, device=x.device)
     dropout = (rng, philox.keep_threshold(_P), philox.keep_scale(_P))
-    h = passes.down(plan, x2, a32, dropout)
+    h = kernels.down(plan, x2, a32, dropout)
     h_in = h if given is None else given["h"]
     term = g.clone()  # lora_up adds onto what is there (the base product in the op): any finite values
-    passes.up(plan, h_in, bt32, data["bias"], 0.75, term)
-    dh, db = passes.grad_out(plan, g2, h_in, bt32, 0.75)
+    kernels.up(plan, h_in, bt32, data["bias"], 0.75, term)
+    dh, db = kernels.grad_out(plan, g2, h_in, bt32, 0.75)
     dh_in = dh if given is None else given["dh"]
-    gx, da = passes.grad_in(plan, x2, dh_in, a32, dropout, True)
+    gx, da = kernels.grad_in(plan, x2, dh_in, a32, dropout, True)
     assert gx is not None  # need_x=True
     return {
         "h": h,
@@ -158,7 +528,7 @@ def check_variant(
 
     ``kernels`` may have an ``arch(device)`` method (``"sm_90"``); bfloat16 then needs sm_80 or newer.
     Both sides run with full float32 products and without autocast, whatever the caller set
-    (:mod:`loragen.cuda.check_numerics`).
+    (:mod:`loragen.cuda.selfcheck`).
     """
     arch_of = getattr(kernels, "arch", None)
     if variant.dtype == "bfloat16" and arch_of is not None:
@@ -220,15 +590,6 @@ class _Guarded:
     def target_blocks(self, device: torch.device) -> int:
         return self._checker.kernels.target_blocks(device)
 
-    def native_kernels(self, variant: Variant, device: torch.device) -> NativeKernels | None:
-        """The checked kernels for the C++ host path, or None (the variant failed, or the kernels'
-        launcher offers none)."""
-        native = getattr(self._checker.kernels, "native_kernels", None)
-        if native is None or self._checker.outcome(*self._key) != OK:
-            return None
-        found: NativeKernels | None = native(variant, device)
-        return found
-
     def launch(
         self,
         spec: KernelSpec,
@@ -258,7 +619,7 @@ class CheckedLauncher:
         isolate: bool | None = None,
         child_launcher: str = DRIVER_LAUNCHER,
     ) -> None:
-        """``isolate``: check in a child process first (:mod:`loragen.cuda.isolated`); default: on CUDA
+        """``isolate``: check in a child process first (:mod:`loragen.cuda.selfcheck`); default: on CUDA
         devices when ``kernels`` is the default driver launcher. ``child_launcher`` ("module:callable")
         makes the child's launcher."""
         self._kernels = kernels
@@ -331,7 +692,7 @@ class CheckedLauncher:
             if routed is not None:  # asked as "cuda" after a use as cuda:N, or routed by another thread
                 return routed
             if key not in self._outcomes:
-                if streams.capturing(device):
+                if launch.capturing(device):
                     raise RuntimeError(
                         f"loragen.cuda: kernel variant {variant.label} is used for the first time on {device} "
                         "while a CUDA graph is being captured; run one step before capturing (as PyTorch's "
@@ -373,7 +734,7 @@ class CheckedLauncher:
 
 def all_lora_variants() -> list[Variant]:
     """Every (dtype, rank bucket, alignment) the LoRA op can ask for."""
-    from loragen.cuda.kernel_variants import DTYPES, RANK_BUCKETS
+    from loragen.cuda.kernels import DTYPES, RANK_BUCKETS
 
     return [Variant(d, rank_bucket(b), a) for d in DTYPES for b in RANK_BUCKETS for a in (True, False)]
 
@@ -392,7 +753,7 @@ def default_checker() -> CheckedLauncher:
 
 
 def child_main(argv: list[str]) -> int:
-    """The child side of :func:`loragen.cuda.isolated.check_in_child`:
+    """The child side of :func:`loragen.cuda.selfcheck.check_in_child`:
     ``DTYPE BUCKET aligned|unaligned DEVICE_INDEX MODULE:LAUNCHER`` (index -1: the CPU); writes one JSON
     line ``{"reason": ...}`` to stdout."""
     dtype, bucket, alignment, index, launcher_path = argv

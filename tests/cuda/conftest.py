@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from loragen.cuda.cache import KernelCache
+from loragen.cuda.build import KernelCache
 
 
 @pytest.fixture(scope="session")
 def nvrtc_available() -> tuple[int, int]:
     """NVRTC's (major, minor) version; skips the test where cuda-python or NVRTC cannot load."""
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed (pip install -e '.[cuda]')")
-    from loragen.cuda.nvrtc import NvrtcUnavailableError, nvrtc_version
+    from loragen.cuda.build import NvrtcUnavailableError, nvrtc_version
 
     try:
         return nvrtc_version()

@@ -32,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-from loragen.cuda.kernel_variants import Variant, rank_bucket
+from loragen.cuda.build import render_kernel
+from loragen.cuda.kernels import KERNELS, KernelSpec, Param, Variant, rank_bucket, render_params
 from loragen.cuda.launch import pack_arguments
-from loragen.cuda.render import render_kernel
-from loragen.cuda.specs import KERNELS, KernelSpec, Param, render_params
 
 HERE = Path(__file__).parent
 HEADER = HERE / "cuda_emulation.h"
@@ -254,7 +253,7 @@ def kernel_source(spec: KernelSpec, variant: Variant) -> tuple[Kernel, dict[str,
 
 
 def variant_of(in_features: int, out_features: int, rank: int, dtype: torch.dtype) -> Variant:
-    """The variant loragen.cuda.passes.Plan picks for these sizes (tests prebuild it)."""
+    """The variant loragen.cuda.kernels.Plan picks for these sizes (tests prebuild it)."""
     name = str(dtype).removeprefix("torch.")
     aligned = in_features % 8 == 0 and out_features % 8 == 0
     return Variant(name, rank_bucket(rank), aligned)

@@ -7,7 +7,7 @@ import ctypes
 import threading
 from types import SimpleNamespace
 
-from loragen.cuda import specs
+from loragen.cuda import kernels as kern
 
 __all__ = ["FakeDriver"]
 
@@ -20,7 +20,7 @@ class FakeDriver:
 
     CUresult = SimpleNamespace(CUDA_SUCCESS=0)
 
-    def __init__(self, spec: specs.KernelSpec) -> None:
+    def __init__(self, spec: kern.KernelSpec) -> None:
         self.spec = spec
         self.calls: list[tuple] = []
         self.fail_launch = False

@@ -1,6 +1,6 @@
 // lora_grad_in: dA = dh^T dropout(x) and the LoRA part of grad_x, (dh A) * keep / (1 - p), in one
 // pass over x with the dropout mask regenerated.
-// Rendered by loragen.cuda.render for bfloat16:
+// Rendered by loragen.cuda.build for bfloat16:
 // scalar_t=bf16_t, rank_bucket=16, aligned=true, warps=4, min_blocks=3, mma=true, rank_tile=16, rows_per_step=64.
 //
 // dh already carries the LoRA scaling. A block owns 256 columns (each lane 8 consecutive ones: one

@@ -9,16 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from loragen.cuda import kernel_variants, specs
-from loragen.cuda.cache import KernelCache
-from loragen.cuda.render import RenderedKernel, render_kernel
+from loragen.cuda import kernels as kern
+from loragen.cuda.build import KernelCache, RenderedKernel, render_kernel
 
 __all__ = ["precompile", "rendered", "selected_params"]
 
 
-def rendered(spec: specs.KernelSpec, variant: kernel_variants.Variant) -> RenderedKernel:
+def rendered(spec: kern.KernelSpec, variant: kern.Variant) -> RenderedKernel:
     """The CUDA source of ``spec`` at ``variant``."""
-    return render_kernel(spec.name, specs.render_params(spec, variant))
+    return render_kernel(spec.name, kern.render_params(spec, variant))
 
 
 def precompile(cache: KernelCache, kernels: Iterable[tuple[RenderedKernel, str]]) -> None:

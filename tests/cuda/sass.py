@@ -241,11 +241,10 @@ def analyse(cubin: bytes, function: str, arch: str, threads: int, shared_bytes: 
 
 def report_variant(spec, variant, arch: str, cache=None) -> SassReport:  # type: ignore[no-untyped-def]
     """Compile (or fetch from ``cache``) one kernel variant for ``arch`` and analyse it."""
-    from loragen.cuda import specs
-    from loragen.cuda.nvrtc import compile_kernel
-    from loragen.cuda.render import render_kernel
+    from loragen.cuda import kernels
+    from loragen.cuda.build import compile_kernel, render_kernel
 
-    kernel = render_kernel(spec.name, specs.render_params(spec, variant))
+    kernel = render_kernel(spec.name, kernels.render_params(spec, variant))
     compiled = cache.get(kernel, arch) if cache is not None else compile_kernel(kernel, arch)
     shared = compiled.resources[spec.name].shared_bytes
     return analyse(compiled.cubin, spec.name, arch, spec.threads(variant), shared)
@@ -253,22 +252,22 @@ def report_variant(spec, variant, arch: str, cache=None) -> SassReport:  # type:
 
 def main(argv: list[str] | None = None) -> int:
     """Write (or print) the SASS table of every kernel variant for sm_80 and sm_90."""
-    from loragen.cuda import specs
-    from loragen.cuda.cache import KernelCache
+    from loragen.cuda import kernels
+    from loragen.cuda.build import KernelCache
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the table here (default: print it)")
     parser.add_argument("--cache", type=Path, help="a kernel cache folder (cubins reused between runs)")
-    parser.add_argument("--arch", action="append", help="default: every one of loragen.cuda.specs.ARCHS")
+    parser.add_argument("--arch", action="append", help="default: every one of loragen.cuda.kernels.ARCHS")
     args = parser.parse_args(argv)
     cache = KernelCache(args.cache) if args.cache else None
     rows = []
-    for spec, variant in [*specs.all_variants(), *specs.optimizer_variants()]:
-        for arch in args.arch or specs.ARCHS:
+    for spec, variant in [*kernels.all_variants(), *kernels.optimizer_variants()]:
+        for arch in args.arch or kernels.ARCHS:
             report = report_variant(spec, variant, arch, cache)
             rows.append({"kernel": spec.name, "variant": variant.label, **dataclasses.asdict(report)})
     from loragen import resources
-    from loragen.cuda.nvrtc import nvrtc_version
+    from loragen.cuda.build import nvrtc_version
 
     names = [*resources.list_kernels(), "lora_common.cuh.j2"]
     digest = hashlib.sha256(repr([resources.read_kernel(n) for n in names]).encode()).hexdigest()

@@ -93,24 +93,6 @@ def test_without_cuda_it_fails_clearly(capsys):
     assert "need a CUDA device and cuda-python" in capsys.readouterr().err
 
 
-def test_the_cpp_host_path_gets_its_own_ratios():
-    report = {
-        "model": {
-            "batch 1, p=0.0": {
-                "frozen base": {"step_ms": 20.0, "peak_GiB": 3.0},
-                "peft": {"step_ms": 50.0, "peak_GiB": 4.0},
-                "loragen": {"step_ms": 40.0, "peak_GiB": 3.2},
-                bench_cuda.NATIVE: {"step_ms": 30.0, "peak_GiB": 3.2},
-            }
-        }
-    }
-    (row,) = bench_cuda.summary_rows(report)
-    assert row["C++ host/peft"] == 0.6 and row["C++ host/frozen"] == 1.5
-    assert row["loragen/peft"] == 0.8
-    assert bench_cuda.parse_args(["--native-host"]).native_host
-    assert not bench_cuda.parse_args([]).native_host
-
-
 class _Graph:
     """Stands in for ``torch.cuda.CUDAGraph``: like it, it holds nothing of what it replays."""
 

@@ -19,15 +19,22 @@ from pathlib import Path
 
 import pytest
 
-from loragen.cuda import kernel_variants, specs
-from loragen.cuda.cache import KernelCache, cache_key
-from loragen.cuda.nvrtc import CompiledKernel, KernelCompileError, parse_ptxas_log
-from loragen.cuda.render import KernelRenderError, RenderedKernel, render_kernel
+from loragen.cuda import kernels as kern
+from loragen.cuda.build import (
+    CompiledKernel,
+    KernelCache,
+    KernelCompileError,
+    KernelRenderError,
+    RenderedKernel,
+    cache_key,
+    parse_ptxas_log,
+    render_kernel,
+)
 from tests.cuda.rendering import precompile, rendered, selected_params
 
 # ---- rendering ----------------------------------------------------------------------------------------
 
-VARIANTS = list(specs.all_variants())
+VARIANTS = list(kern.all_variants())
 
 
 def test_every_variant_renders_to_plain_cuda():
@@ -39,21 +46,21 @@ def test_every_variant_renders_to_plain_cuda():
         )
         assert f"constexpr int RANK_BUCKET = {variant.rank_bucket};" in kernel.source
         assert f"constexpr bool ALIGNED = {'true' if variant.aligned else 'false'};" in kernel.source
-        assert f"typedef {kernel_variants.DTYPES[variant.dtype]} scalar_t;" in kernel.source
+        assert f"typedef {kern.DTYPES[variant.dtype]} scalar_t;" in kernel.source
         assert kernel.headers[0][0] == "lora_common.cuh" and "philox4x32_10" in kernel.headers[0][1]
 
 
-@pytest.mark.parametrize("name", sorted(specs.KERNELS))
+@pytest.mark.parametrize("name", sorted(kern.KERNELS))
 def test_template_signature_matches_spec(name):
     """The launcher packs arguments from specs; the template's parameter list must agree with it."""
-    spec = specs.KERNELS[name]
-    source = rendered(spec, kernel_variants.Variant("bfloat16", 16, True)).source
+    spec = kern.KERNELS[name]
+    source = rendered(spec, kern.Variant("bfloat16", 16, True)).source
     match = re.search(rf"{name}\((.*?)\)\s*\{{", source, re.DOTALL)
     assert match is not None
     params = []
     for declaration in match.group(1).split(","):
         words = declaration.replace("__restrict__", "").replace("*", " * ").split()
-        params.append(specs.Param(words[-1], " ".join(words[:-1]).replace(" *", "*")))
+        params.append(kern.Param(words[-1], " ".join(words[:-1]).replace(" *", "*")))
     assert tuple(params) == spec.params
 
 
@@ -65,14 +72,14 @@ def test_rendered_kernel_matches_golden_file():
 
     Regenerate after an intended change: LORAGEN_REGEN_GOLDEN=1 pytest tests/cuda/test_cuda_compile.py -k golden
     """
-    source = rendered(specs.KERNELS["lora_grad_in"], kernel_variants.Variant("bfloat16", 16, True)).source
+    source = rendered(kern.KERNELS["lora_grad_in"], kern.Variant("bfloat16", 16, True)).source
     if os.environ.get("LORAGEN_REGEN_GOLDEN"):
         GOLDEN.write_text(source)
     assert GOLDEN.read_text() == source, f"{GOLDEN.name} is stale; see this test's docstring to regenerate it"
 
 
 def test_missing_parameter_names_kernel_and_variable():
-    params = specs.render_params(specs.KERNELS["lora_down"], kernel_variants.Variant("float16", 8, True))
+    params = kern.render_params(kern.KERNELS["lora_down"], kern.Variant("float16", 8, True))
     del params["rows_per_warp"]
     with pytest.raises(
         KernelRenderError,
@@ -82,7 +89,7 @@ def test_missing_parameter_names_kernel_and_variable():
 
 
 def test_unused_or_untyped_parameter_is_an_error():
-    params = specs.render_params(specs.KERNELS["lora_up"], kernel_variants.Variant("float16", 8, True))
+    params = kern.render_params(kern.KERNELS["lora_up"], kern.Variant("float16", 8, True))
     with pytest.raises(KernelRenderError, match=r"lora_up .* does not use parameter\(s\) tile_n; it uses"):
         render_kernel("lora_up", {**params, "tile_n": 4})
     with pytest.raises(
@@ -92,25 +99,25 @@ def test_unused_or_untyped_parameter_is_an_error():
 
 
 def test_rank_buckets():
-    assert [kernel_variants.rank_bucket(r) for r in (1, 8, 9, 16, 17, 33, 64)] == [8, 8, 16, 16, 32, 64, 64]
+    assert [kern.rank_bucket(r) for r in (1, 8, 9, 16, 17, 33, 64)] == [8, 8, 16, 16, 32, 64, 64]
     with pytest.raises(
         ValueError, match=r"LoRA rank r=65 is not supported by the CUDA kernels; expected 1 <= r <= 64"
     ):
-        kernel_variants.rank_bucket(65)
+        kern.rank_bucket(65)
     with pytest.raises(
         ValueError, match=r"dtype 'float64' has no kernels; supported: float32, float16, bfloat16"
     ):
-        kernel_variants.Variant("float64", 8, True)
+        kern.Variant("float64", 8, True)
 
 
 # ---- NVRTC ---------------------------------------------------------------------------------------------
 
 
 def test_compile_without_cache(nvrtc_available):
-    from loragen.cuda.nvrtc import compile_kernel
+    from loragen.cuda.build import compile_kernel
 
-    kernel = rendered(specs.KERNELS["lora_grad_in"], kernel_variants.Variant("bfloat16", 16, True))
-    for arch in specs.ARCHS:
+    kernel = rendered(kern.KERNELS["lora_grad_in"], kern.Variant("bfloat16", 16, True))
+    for arch in kern.ARCHS:
         compiled = compile_kernel(kernel, arch)
         assert compiled.cubin[:4] == b"\x7fELF" and compiled.arch == arch
         assert f"Compiling entry function 'lora_grad_in' for '{arch}'" in compiled.log
@@ -123,8 +130,8 @@ def variant_cubins(request, persistent_cache) -> KernelCache:
     """The persistent cache, holding every selected variant of the test below for every architecture:
     a cold cache compiles them ahead, one NVRTC per core, instead of one by one in the tests."""
     selected = selected_params(request, test_variant_compiles_without_spills, "name", "variant")
-    kernels = [rendered(specs.KERNELS[name], variant) for name, variant in selected]
-    precompile(persistent_cache, [(kernel, arch) for kernel in kernels for arch in specs.ARCHS])
+    kernels = [rendered(kern.KERNELS[name], variant) for name, variant in selected]
+    precompile(persistent_cache, [(kernel, arch) for kernel in kernels for arch in kern.ARCHS])
     return persistent_cache
 
 
@@ -133,9 +140,9 @@ def variant_cubins(request, persistent_cache) -> KernelCache:
     ("name", "variant"), [(s.name, v) for s, v in VARIANTS], ids=lambda x: getattr(x, "label", x)
 )
 def test_variant_compiles_without_spills(variant_cubins, name, variant):
-    spec = specs.KERNELS[name]
+    spec = kern.KERNELS[name]
     kernel = rendered(spec, variant)
-    for arch in specs.ARCHS:
+    for arch in kern.ARCHS:
         compiled = variant_cubins.get(kernel, arch)
         usage = compiled.resources[name]
         where = f"{kernel.description} on {arch}"
@@ -155,7 +162,7 @@ extern "C" __global__ void broken(float* out) {
 
 
 def test_compile_error_carries_kernel_params_and_full_log(nvrtc_available, tmp_path):
-    from loragen.cuda.nvrtc import compile_kernel
+    from loragen.cuda.build import compile_kernel
 
     (tmp_path / "broken.cu.j2").write_text(BROKEN_TEMPLATE)
     kernel = render_kernel("broken", {"rank_bucket": 16}, search_path=tmp_path)
@@ -171,9 +178,9 @@ def test_compile_error_carries_kernel_params_and_full_log(nvrtc_available, tmp_p
 
 
 def test_bad_arch_is_rejected(nvrtc_available):
-    from loragen.cuda.nvrtc import compile_kernel
+    from loragen.cuda.build import compile_kernel
 
-    kernel = rendered(specs.KERNELS["lora_up"], kernel_variants.Variant("float32", 8, True))
+    kernel = rendered(kern.KERNELS["lora_up"], kern.Variant("float32", 8, True))
     with pytest.raises(ValueError, match=r"arch='compute_90'; expected e\.g\. 'sm_80' or 'sm_90'"):
         compile_kernel(kernel, "compute_90")
 
@@ -216,7 +223,7 @@ class CountingCompiler:
 
 @pytest.fixture
 def kernel() -> RenderedKernel:
-    return rendered(specs.KERNELS["lora_down"], kernel_variants.Variant("bfloat16", 16, True))
+    return rendered(kern.KERNELS["lora_down"], kern.Variant("bfloat16", 16, True))
 
 
 def entries(folder: Path) -> list[Path]:
@@ -313,7 +320,7 @@ def test_corrupt_entry_in_a_folder_that_cannot_be_written_is_rebuilt_in_memory(t
     the kernel is compiled and kept in memory, and the file is left as it was."""
     import pathlib
 
-    import loragen.cuda.cache
+    import loragen.cuda.build
 
     compiler = CountingCompiler()
     KernelCache(tmp_path, compiler=compiler, nvrtc=(13, 5)).get(kernel, "sm_90")
@@ -324,7 +331,7 @@ def test_corrupt_entry_in_a_folder_that_cannot_be_written_is_rebuilt_in_memory(t
         raise PermissionError(13, "Permission denied", str(entry))
 
     monkeypatch.setattr(pathlib.Path, "unlink", denied)
-    monkeypatch.setattr(loragen.cuda.cache, "atomic_write_bytes", denied)
+    monkeypatch.setattr(loragen.cuda.build, "atomic_write_bytes", denied)
     cache = KernelCache(tmp_path, compiler=compiler, nvrtc=(13, 5))
     with pytest.warns(RuntimeWarning, match=r"cannot write the kernel cache .*Permission denied"):
         compiled = cache.get(kernel, "sm_90")
@@ -373,7 +380,7 @@ out.sum().backward()
 assert layer.lora_A.grad is not None
 assert loragen.cuda.is_available() is False
 from_loragen = [(name, caller) for name, caller in asked if "loragen" in caller]
-loaded = [m for m in ("loragen.cuda.launch", "loragen.cuda.nvrtc", "loragen.cuda.linear_op") if m in sys.modules]
+loaded = [m for m in ("loragen.cuda.launch", "loragen.cuda.build", "loragen.cuda.linear_op") if m in sys.modules]
 print(from_loragen, loaded)
 """
 

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from loragen import philox
-from loragen.cuda import kernel_variants, specs
-from loragen.cuda.linear_op import lora_linear_cuda
-from loragen.cuda.op_inputs import CudaLoraError, draw_rng
-from loragen.cuda.torch_kernels import rng_values
+from loragen.cuda import kernels as kern
+from loragen.cuda.linear_op import CudaLoraError, draw_rng, lora_linear_cuda
+from loragen.cuda.selfcheck import rng_values
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher, cache_folder, variant_of
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
@@ -55,7 +54,7 @@ def launcher(request) -> EmulatedLauncher:
     """The in-process kernels; a cold cache builds every variant CASES use up front, one g++ per core."""
     launcher = EmulatedLauncher(cache_folder(request.config, "loragen-emulated-kernels"), target_blocks=4)
     launcher.prebuild(
-        (spec, variant_of(*case.values[1:5])) for case in CASES for spec in specs.KERNELS.values()
+        (spec, variant_of(*case.values[1:5])) for case in CASES for spec in kern.KERNELS.values()
     )
     return launcher
 
@@ -92,7 +91,7 @@ def test_one_row_rank_one_bfloat16_gradient(launcher, kernels):
     against the unrounded g, peft's bfloat16 composition is 7.9% off as well."""
     import zlib
 
-    from loragen.cuda.torch_kernels import TorchKernels
+    from loragen.cuda.selfcheck import TorchKernels
 
     dtype, shape, r, p = torch.bfloat16, (1, 8, 8), 1, 0.0
     seed = zlib.crc32(repr((dtype, r, shape, p)).encode())
@@ -115,21 +114,21 @@ def test_one_row_rank_one_bfloat16_gradient(launcher, kernels):
 
 def test_partial_sums_are_exercised(launcher):
     """The split-grids case must really split its reductions (target_blocks is small on purpose)."""
-    variant = kernel_variants.Variant("float32", 8, True)
-    assert specs.plan_down(70, 264, variant, 4).splits == 2
-    assert specs.plan_grad_out(70, 296, variant, 4).splits == 2
-    assert specs.plan_grad_in(70, 264, variant, 4).splits > 1
-    bf16 = kernel_variants.Variant("bfloat16", 16, True)
-    down = specs.plan_down(41, 1032, bf16, 4)
+    variant = kern.Variant("float32", 8, True)
+    assert kern.plan_down(70, 264, variant, 4).splits == 2
+    assert kern.plan_grad_out(70, 296, variant, 4).splits == 2
+    assert kern.plan_grad_in(70, 264, variant, 4).splits > 1
+    bf16 = kern.Variant("bfloat16", 16, True)
+    down = kern.plan_down(41, 1032, bf16, 4)
     assert (down.splits, down.cols_per_split) == (3, 384)  # the last split: 264 columns
-    grad_out = specs.plan_grad_out(600, 40, bf16, 4)
+    grad_out = kern.plan_grad_out(600, 40, bf16, 4)
     assert (grad_out.splits, grad_out.rows_per_split) == (4, 160)
-    grad_in = specs.plan_grad_in(600, 48, bf16, 4)
+    grad_in = kern.plan_grad_in(600, 48, bf16, 4)
     assert (grad_in.splits, grad_in.rows_per_split, grad_in.col_blocks) == (3, 256, 2)
     # the CUDA-core pass's rank tiles: float16 at R = 16, 4 tiles of 4 (3 splits of 208, 208, 184 rows)
-    f16 = kernel_variants.Variant("float16", 16, True)
-    grad_in = specs.plan_grad_in(600, 48, f16, 4)
-    assert (grad_in.splits, grad_in.rows_per_split, specs.rank_tiles(specs.LORA_GRAD_IN, f16)) == (3, 208, 4)
+    f16 = kern.Variant("float16", 16, True)
+    grad_in = kern.plan_grad_in(600, 48, f16, 4)
+    assert (grad_in.splits, grad_in.rows_per_split, kern.rank_tiles(kern.LORA_GRAD_IN, f16)) == (3, 208, 4)
 
 
 def test_mask_is_the_cpu_philox_mask(launcher):
@@ -251,18 +250,17 @@ def test_grad_in_on_tensor_cores_keeps_float32_accuracy(launcher, rows, cols, bu
     dh is split into two bf16 terms, so 1e-5 fails if the second term is lost: one bf16 rounding of dh
     is ~2e-3), grad_x to bf16 rounding (A is rounded to bf16 once), and both zero where dropped."""
     from loragen import philox
-    from loragen.cuda import passes
 
     gen = torch.Generator().manual_seed(rows * 1000 + cols + bucket)
     x = torch.randn(rows, cols, generator=gen).to(torch.bfloat16)
     # dh over six decades, so a split that loses the small term shows in dA
     dh = torch.randn(rows, bucket, generator=gen) * 10 ** (6 * torch.rand(rows, bucket, generator=gen) - 3)
     a = torch.randn(bucket, cols, generator=gen) / cols**0.5
-    plan = passes.Plan(x, 8, bucket, launcher)
-    assert kernel_variants.grad_in_uses_mma(plan.variant)
+    plan = kern.Plan(x, 8, bucket, launcher)
+    assert kern.grad_in_uses_mma(plan.variant)
     seed, offset = 1234567, 89
     rng = torch.tensor([seed, offset], dtype=torch.int64)
-    gx, da = passes.grad_in(plan, x, dh, a, (rng, philox.keep_threshold(p), philox.keep_scale(p)), True)
+    gx, da = kern.grad_in(plan, x, dh, a, (rng, philox.keep_threshold(p), philox.keep_scale(p)), True)
 
     keep = philox.dropout_keep_mask((rows, cols), p, seed, offset).double() / (1 - p)
     xd = x.double() * keep
@@ -292,15 +290,14 @@ def test_up_on_tensor_cores_rounds_once(launcher, rows, cols, bucket):
     once and h split into two bf16 terms, so out is the float64 result rounded once -- but where it lies
     within float32 noise of a rounding boundary. One bf16 rounding of h instead makes about a quarter of
     the elements differ (this bound fails)."""
-    from loragen.cuda import passes
 
     gen = torch.Generator().manual_seed(rows + cols + bucket)
     h = torch.randn(rows, bucket, generator=gen) * 10 ** (2 * torch.rand(rows, bucket, generator=gen) - 1)
     bt = torch.randn(bucket, cols, generator=gen)
-    plan = passes.Plan(torch.zeros(rows, 8, dtype=torch.bfloat16), cols, bucket, launcher)
-    assert kernel_variants.up_uses_mma(plan.variant)
+    plan = kern.Plan(torch.zeros(rows, 8, dtype=torch.bfloat16), cols, bucket, launcher)
+    assert kern.up_uses_mma(plan.variant)
     out = torch.zeros(rows, cols, dtype=torch.bfloat16)
-    passes.up(plan, h, bt, None, 0.75, out)
+    kern.up(plan, h, bt, None, 0.75, out)
     want = 0.75 * h.double() @ bt.to(torch.bfloat16).double()
     differ = out.double() != want.to(torch.bfloat16).double()
     assert differ.float().mean().item() < 0.02

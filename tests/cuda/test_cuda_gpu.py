@@ -22,8 +22,8 @@ import torch
 
 import loragen.cuda
 from loragen import philox, switches
-from loragen.cuda.op_inputs import draw_rng
-from loragen.cuda.torch_kernels import rng_values
+from loragen.cuda.linear_op import draw_rng
+from loragen.cuda.selfcheck import rng_values
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
 
 pytestmark = [
@@ -221,7 +221,7 @@ def test_dropout_under_graph_capture_draws_a_fresh_mask_per_replay():
 def test_captured_training_step_with_dropout_equals_the_eager_step():
     """A captured forward + backward with dropout: each replay equals the eager op run with the (seed,
     offset) that replay drew on the device, bit for bit; two replays draw different ones."""
-    from loragen.cuda.hostcache import launcher_handle
+    from loragen.cuda.linear_op import launcher_handle
 
     (x, w, b, a, bb), _ = make_inputs(256, 264, 136, 16, torch.bfloat16, seed=14, device="cuda")
     static_x, w, b = x.detach().clone(), w.detach(), b.detach()
@@ -268,23 +268,18 @@ def test_graph_replay_reads_parameters_updated_between_replays():
     assert torch.equal(static_y, want)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["python host path", "c++ host path"])
-def test_an_eager_call_after_replays_reads_the_factors_the_replays_left(native):
+def test_an_eager_call_after_replays_reads_the_factors_the_replays_left():
     """A captured step that updates A and B in place (as a captured optimizer step does) moves no version
     counter when it replays; an eager call after the replays computes with the updated factors. The
     factors are first read inside the capture (their padded buffers made there, where the zero fill runs
     only on replay), so the eager call between capture and replay checks the zeros too."""
-    from loragen.cuda import native_host
-
-    if native and not native_host.available():
-        pytest.skip(f"the C++ host path did not build: {native_host.status()}")
     (x, w, b, a, bb), _ = make_inputs(64, 128, 72, 5, torch.float32, seed=16, device="cuda")  # r 5: padded
     static_x, w, b, a, bb = (t.detach() for t in (x, w, b, a, bb))
 
     def composed() -> torch.Tensor:
         return static_x @ w.t() + b + (static_x @ a.t()) @ bb.t()
 
-    with switches.cuda_native_host.using(native), torch.no_grad():
+    with torch.no_grad():
         run(static_x, w, b, a.clone(), bb.clone(), 1.0, 0.0, training=False)  # kernels loaded, not these A, B
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # on a stream of its own
@@ -355,7 +350,7 @@ def test_every_variant_passes_its_self_check():
 
 
 def test_torch_path_matches_the_kernels():
-    from loragen.cuda.torch_kernels import TorchKernels
+    from loragen.cuda.selfcheck import TorchKernels
 
     (x, w, b, a, bb), _ = make_inputs(257, 520, 136, 12, torch.bfloat16, seed=12, device="cuda")
     torch.manual_seed(5)
@@ -428,10 +423,37 @@ def test_launch_on_another_device_leaves_the_current_device():
 
 
 def test_default_checker_checks_in_a_child_process_first():
-    from loragen.cuda.kernel_variants import Variant
+    from loragen.cuda.kernels import Variant
     from loragen.cuda.selfcheck import CheckedLauncher
 
     checker = CheckedLauncher()  # the driver launcher: isolated check on CUDA devices
     with switches.cuda_kernels.using("check"):
         checker.route(Variant("bfloat16", 16, True), torch.device("cuda", torch.cuda.current_device()))
     assert set(checker.outcomes().values()) == {"ok"}, checker.outcomes()
+
+
+@pytest.mark.parametrize(("start", "numel"), [(0, 4096), (13, 1000)])
+def test_the_python_philox_on_the_gpu_draws_the_cpu_mask(start, numel):
+    """loragen.philox's one definition, run with torch operations on the GPU from a device rng tensor (as
+    the torch route runs it), gives the CPU's mask bit for bit."""
+    seed, offset, p = 2**64 - 5, 2**40 + 3, 0.3
+    rng = philox.rng_tensor(seed, offset, "cuda")
+    got = philox.rng_keep_mask(rng, start, numel, philox.keep_threshold(p)).cpu()
+    assert torch.equal(got, philox.dropout_keep_mask((start + numel,), p, seed, offset)[start:])
+
+
+def test_torch_route_captured_with_dropout_draws_a_fresh_mask_per_replay():
+    from loragen.cuda import lora_linear_cuda
+    from loragen.cuda.selfcheck import TorchKernels
+
+    (x, w, b, a, bb), _ = make_inputs(64, 128, 72, 8, torch.float32, seed=3, device="cuda")
+    x, w, b, a, bb = (t.detach() for t in (x, w, b, a, bb))
+    launcher = TorchKernels()
+    lora_linear_cuda(x, w, b, a, bb, 1.0, 0.5, True, launcher=launcher)  # routed outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.5, True, launcher=launcher)
+    graph.replay()
+    first = y.clone()
+    graph.replay()
+    assert torch.isfinite(y).all() and not torch.equal(first, y)

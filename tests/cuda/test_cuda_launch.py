@@ -13,15 +13,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loragen.cuda import kernel_variants, launch, specs, streams
-from loragen.cuda.cache import KernelCache
-from loragen.cuda.nvrtc import CompiledKernel
+from loragen.cuda import kernels as kern
+from loragen.cuda import launch
+from loragen.cuda.build import CompiledKernel, KernelCache
 from tests.cuda.fake_driver import FakeDriver
 
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    spec = specs.KERNELS["lora_up"]
+    spec = kern.KERNELS["lora_up"]
     driver = FakeDriver(spec)
     monkeypatch.setattr(launch.DriverLauncher, "_driver", staticmethod(lambda: driver))
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
@@ -33,7 +33,7 @@ def fake(monkeypatch, tmp_path):
     # the stream handle the launch passes comes from torch.cuda.current_stream, patched above (and by tests
     # that switch streams): a CUDA build of torch would otherwise ask the real device, where cuda:1 may
     # not exist
-    monkeypatch.setattr(streams, "raw_handle", lambda index: torch.cuda.current_stream(index).cuda_stream)
+    monkeypatch.setattr(launch, "raw_handle", lambda index: torch.cuda.current_stream(index).cuda_stream)
 
     def compiler(kernel, arch):
         return CompiledKernel(kernel.name, arch, f"cubin for {kernel.name} {arch}".encode(), "")
@@ -43,7 +43,7 @@ def fake(monkeypatch, tmp_path):
 
 
 def test_launch_sets_context_loads_once_and_packs_arguments(fake):
-    variant = kernel_variants.Variant("bfloat16", 16, True)
+    variant = kern.Variant("bfloat16", 16, True)
     h = torch.zeros(5, 16)
     bt = torch.zeros(4, 16)
     out = torch.zeros(5, 16, dtype=torch.bfloat16)
@@ -85,12 +85,12 @@ def test_launch_error_names_the_call_and_kernel(fake):
         match=r"cuLaunchKernel failed \(kernel lora_up float32-r8-aligned grid=\(1, 1\)\): CUDA_ERROR_ILLEGAL_ADDRESS",
     ):
         fake.launcher.launch(
-            fake.spec, kernel_variants.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 0)
+            fake.spec, kern.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 0)
         )
 
 
 def test_pack_arguments_checks_the_signature():
-    spec = specs.KERNELS["lora_up"]
+    spec = kern.KERNELS["lora_up"]
     with pytest.raises(TypeError, match=r"kernel lora_up takes 8 arguments, got 2"):
         launch.pack_arguments(spec, (None, None))
     with pytest.raises(TypeError, match=r"kernel lora_up parameter h needs a tensor, got 3"):
@@ -110,7 +110,7 @@ def test_launch_on_another_device_leaves_the_threads_context_current(fake, fail)
     fake.driver.fail_load = fail == "load"
     rows = 2**31 if fail == "argument" else 1
     args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), rows, 8, 1, 1.0)
-    variant = kernel_variants.Variant("float32", 8, True)
+    variant = kern.Variant("float32", 8, True)
     if fail is None:
         fake.launcher.launch(fake.spec, variant, (1, 1), args, torch.device("cuda", 1))
     else:
@@ -130,7 +130,7 @@ def test_launch_from_a_thread_without_a_context_leaves_none(fake):
     def work():
         args = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
         fake.launcher.launch(
-            fake.spec, kernel_variants.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 1)
+            fake.spec, kern.Variant("float32", 8, True), (1, 1), args, torch.device("cuda", 1)
         )
         seen.append(_current(fake.driver))
 
@@ -141,14 +141,14 @@ def test_launch_from_a_thread_without_a_context_leaves_none(fake):
 
 
 def test_integer_arguments_outside_their_c_type_are_refused():
-    spec = specs.KERNELS["lora_up"]
+    spec = kern.KERNELS["lora_up"]
     args = (None, None, None, None, 2**31, 8, 1, 1.0)
     with pytest.raises(
         launch.KernelArgumentRangeError,
         match=r"kernel lora_up parameter rows=2147483648 does not fit its C type int \(accepted: -2147483648 \.\. 2147483647\)",
     ):
         launch.pack_arguments(spec, args)
-    spec = specs.KERNELS["lora_down"]
+    spec = kern.KERNELS["lora_down"]
     ok = (None, None, None, 2**31 - 1, 8, 1, 8, None, 2**32 - 1, 1.0)
     assert launch.pack_arguments(spec, ok)[3].value == 2**31 - 1
     with pytest.raises(
@@ -158,7 +158,7 @@ def test_integer_arguments_outside_their_c_type_are_refused():
 
 
 def test_row_counts_past_int32_take_the_plain_composition():
-    from loragen.cuda.op_inputs import unsupported_reason
+    from loragen.cuda.linear_op import unsupported_reason
 
     x = torch.zeros(1, 8).expand(2**31, 8)  # 2**31 rows, no memory
     w, a, bb = torch.zeros(4, 8), torch.zeros(2, 8), torch.zeros(4, 2)
@@ -173,7 +173,7 @@ def test_launch_with_the_devices_context_current_pushes_nothing(fake):
     """The common case -- PyTorch's primary context already current on the thread -- launches with no
     context push/pop; the record's parameter block is rewritten with each launch's values."""
     fake.driver.cuCtxSetCurrent("ctx:device0")
-    variant = kernel_variants.Variant("float32", 8, True)
+    variant = kern.Variant("float32", 8, True)
     device = torch.device("cuda", 0)
     first = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
     second = (torch.zeros(2, 8), torch.zeros(1, 8), torch.zeros(8), torch.zeros(2, 8), 2, 8, 1, 0.5)
@@ -196,7 +196,7 @@ def test_launch_with_the_devices_context_current_pushes_nothing(fake):
 
 def test_bad_arguments_to_a_recorded_kernel_raise_as_before(fake):
     """The fast path's checks word their errors exactly as pack_arguments does."""
-    variant = kernel_variants.Variant("float32", 8, True)
+    variant = kern.Variant("float32", 8, True)
     good = (torch.zeros(1, 8), torch.zeros(1, 8), None, torch.zeros(1, 8), 1, 8, 1, 1.0)
     fake.launcher.launch(fake.spec, variant, (1, 1), good, torch.device("cuda", 0))
     with pytest.raises(TypeError, match=r"kernel lora_up parameter h needs a tensor, got 3"):
@@ -218,8 +218,8 @@ _C_VALUES = {
 
 
 @st.composite
-def _kernel_arguments(draw: st.DrawFn) -> tuple[specs.KernelSpec, list[object]]:
-    spec = draw(st.sampled_from(sorted(specs.KERNELS.values(), key=lambda s: s.name)))
+def _kernel_arguments(draw: st.DrawFn) -> tuple[kern.KernelSpec, list[object]]:
+    spec = draw(st.sampled_from(sorted(kern.KERNELS.values(), key=lambda s: s.name)))
     args: list[object] = []
     for param in spec.params:
         if param.ctype.endswith("*"):
@@ -236,7 +236,7 @@ def test_the_parameter_block_holds_each_value_at_its_own_address(case):
     exactly the launch's values in their C types (pointers as data pointers, None as 0), whatever the mix
     of 4- and 8-byte parameters."""
     spec, args = case
-    record = launch._LaunchRecord(spec, kernel_variants.Variant("float32", 16, True), None, None)
+    record = launch._LaunchRecord(spec, kern.Variant("float32", 16, True), None, None)
     record.fill(args)
     record.fill(args)  # a second fill rewrites in place
     driver = FakeDriver(spec)
@@ -249,8 +249,8 @@ def test_the_parameter_block_holds_each_value_at_its_own_address(case):
 
 
 def test_an_unsigned_argument_out_of_range_is_refused_by_the_fast_path():
-    variant = kernel_variants.Variant("float32", 8, True)
-    spec = specs.KERNELS["lora_down"]
+    variant = kern.Variant("float32", 8, True)
+    spec = kern.KERNELS["lora_down"]
     x, a, h = torch.zeros(1, 8), torch.zeros(8, 8), torch.zeros(1, 1, 8)
     good = (x, a, h, 1, 8, 1, 8, None, 0, 1.0)
     record = launch._LaunchRecord(spec, variant, None, None)

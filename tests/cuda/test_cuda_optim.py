@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import loragen.cuda
-from loragen.cuda import kernel_variants, specs
+from loragen.cuda import kernels as kern
 from loragen.cuda.optim import adamw8bit_update_cuda, kernel_supports
 from loragen.training.adamw8bit import AdamW8bit, adamw8bit_update_, dequantize_blockwise, dynamic_code
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
@@ -133,7 +133,7 @@ def test_kernel_refuses_what_it_cannot_take():
             raise AssertionError("must not launch")
 
     common = {"signed_code": SIGNED, "unsigned_code": UNSIGNED, "step": 1, "launcher": NoLaunch(), **HYPER}
-    assert specs.max_optimizer_block(specs.ADAMW8BIT) == 2048
+    assert kern.max_optimizer_block(kern.ADAMW8BIT) == 2048
     assert not adamw8bit_update_cuda(param, grad, state, **common)
     assert all(torch.equal(state[k], before[k]) for k in state)
     small = zero_state(5000, 256)
@@ -145,23 +145,23 @@ def test_kernel_refuses_what_it_cannot_take():
 
 
 def test_every_variant_renders_with_its_dtype():
-    optimizer_variants = list(specs.optimizer_variants())
-    assert [v.dtype for _, v in optimizer_variants] == list(kernel_variants.DTYPES)
+    optimizer_variants = list(kern.optimizer_variants())
+    assert [v.dtype for _, v in optimizer_variants] == list(kern.DTYPES)
     for spec, variant in optimizer_variants:
         source = rendered(spec, variant).source
-        assert "{{" not in source and f"typedef {kernel_variants.DTYPES[variant.dtype]} scalar_t;" in source
+        assert "{{" not in source and f"typedef {kern.DTYPES[variant.dtype]} scalar_t;" in source
         assert 'extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) adamw8bit(' in source
 
 
 @pytest.mark.parametrize(
     ("name", "variant"),
-    [(s.name, v) for s, v in specs.optimizer_variants()],
+    [(s.name, v) for s, v in kern.optimizer_variants()],
     ids=lambda x: getattr(x, "dtype", x),
 )
 def test_variant_compiles_without_spills(persistent_cache, name, variant):
-    spec = specs.OPTIMIZER_KERNELS[name]
+    spec = kern.OPTIMIZER_KERNELS[name]
     kernel = rendered(spec, variant)
-    for arch in specs.ARCHS:
+    for arch in kern.ARCHS:
         usage = persistent_cache.get(kernel, arch).resources[name]
         where = f"{kernel.description} on {arch}"
         assert not usage.spills, f"{where} spills: {usage}"

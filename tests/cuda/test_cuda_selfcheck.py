@@ -1,4 +1,9 @@
-"""The self-check and the torch path (loragen.cuda.selfcheck, loragen.cuda.torch_kernels) without a GPU.
+"""The self-check and the torch route (loragen.cuda.selfcheck) without a GPU.
+
+A variant on the torch route (``LORAGEN_CUDA_KERNELS=torch``, a failed self-check, a ``TorchKernels``
+launcher) runs the reference composition with the kernels' Philox mask; the four passes on
+``TorchKernels`` (what the self-check compares the kernels with, and what the custom op runs on that
+route) give the same results; both are judged against float64.
 
 Failures are staged with the fake driver of test_cuda_launch (compile, load and launch errors, NVRTC
 missing, an architecture NVRTC does not know, bfloat16 before sm_80, kernels that compute nothing) and
@@ -10,6 +15,8 @@ single rounding and its fresh (in-place safe) output are checked bit for bit wit
 
 from __future__ import annotations
 
+import collections
+import inspect
 import os
 import re
 import subprocess
@@ -21,13 +28,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loragen import philox, switches
-from loragen.cuda import kernel_variants, launch, selfcheck, specs
-from loragen.cuda.cache import KernelCache
+from loragen.cuda import kernels as kern
+from loragen.cuda import launch, selfcheck
+from loragen.cuda.build import CompiledKernel, KernelCache, KernelCompileError
 from loragen.cuda.linear_op import lora_linear_cuda
-from loragen.cuda.nvrtc import CompiledKernel, KernelCompileError
-from loragen.cuda.torch_kernels import TorchKernels, keep_mask
+from loragen.cuda.selfcheck import TorchKernels
+from loragen.reference import lora_linear_reference
 from tests.cuda.cuda_emulation import CXX, EmulatedLauncher
 from tests.cuda.fake_driver import FakeDriver
 from tests.cuda.lora_reference import TOLERANCE, make_inputs, mask_for, reference, relative_error
@@ -94,28 +103,6 @@ def test_torch_path_matches_the_float64_reference(dtype, n, k, o, r, p, fifo):
     run_and_compare(TorchKernels(), dtype, n, k, o, r, p, fifo)
 
 
-@pytest.mark.parametrize(("start", "numel"), [(0, 64), (3, 61), (13, 1), (1000, 203)])
-def test_keep_mask_is_philox_mask_from_any_element(start, numel):
-    seed, p = 2**63 + 12345, 0.3
-    full = philox.dropout_keep_mask((start + numel,), p, seed, offset=7)
-    got = keep_mask(start, numel, philox.keep_threshold(p), seed, 7, torch.device("cpu"))
-    assert torch.equal(got, full[start:])
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    start=st.integers(0, 5000),
-    numel=st.integers(0, 300),
-    p=st.floats(0.0, 0.95),
-    seed=st.integers(0, 2**64 - 1),
-    offset=st.integers(0, 2**64 - 1),
-)
-def test_keep_mask_property(start, numel, p, seed, offset):
-    full = philox.dropout_keep_mask((start + numel,), p, seed, offset)
-    got = keep_mask(start, numel, philox.keep_threshold(p), seed, offset, torch.device("cpu"))
-    assert got.shape == (numel,) and torch.equal(got, full[start:])
-
-
 @settings(max_examples=15, deadline=None)
 @given(
     n=st.integers(0, 40),
@@ -133,6 +120,145 @@ def test_torch_path_property(n, k, o, r, p, fifo):
         assert y.shape == (0, o)
         return
     run_and_compare(TorchKernels(), torch.float32, n, k, o, r, p, fifo)
+
+
+class _Dispatches(TorchDispatchMode):
+    """Counts every aten operation dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _training_step_dispatches(p: float) -> collections.Counter[str]:
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    a = torch.randn(8, 64, requires_grad=True)
+    b = torch.randn(48, 8, requires_grad=True)
+    with _Dispatches() as mode:
+        y = lora_linear_cuda(x, w, None, a, b, 2.0, p, True, launcher=TorchKernels())
+        y.float().sum().backward()
+    return mode.counts
+
+
+def test_a_training_step_dispatches_few_operations():
+    """One forward + backward on the torch route (the composition with torch's autograd): 50 operations
+    without dropout; the Philox mask adds 185 (about 16 per round on one counter per 8 elements, its
+    constants made on the device from aranges: no host-to-device copy), made once in forward and kept by
+    autograd for backward."""
+    without = _training_step_dispatches(0.0)
+    with_dropout = _training_step_dispatches(0.1)
+    assert sum(without.values()) <= 52
+    assert sum(with_dropout.values()) - sum(without.values()) <= 190
+
+
+def test_torch_route_step_matches_the_float64_reference_with_dropout():
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(70, 72, 40, 8, torch.bfloat16, seed=12)
+    state = torch.get_rng_state()
+    y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.2, True, launcher=TorchKernels())
+    want = reference(xr, wr, br, ar, bbr, 0.5, mask_for(state, (70, 72), 0.2), False)
+    assert relative_error(y, want) < 1.5e-2
+    grad = torch.randn(70, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    y.backward(grad)
+    want.backward(grad.double())
+    for got, expected in ((x, xr), (a, ar), (bb, bbr)):
+        assert relative_error(got.grad, expected.grad) < 1.5e-2
+
+
+def test_checkpoint_recomputes_the_torch_routes_mask():
+    from torch.utils.checkpoint import checkpoint
+
+    def run(use_checkpoint: bool) -> tuple[torch.Tensor, ...]:
+        (x, w, b, a, bb), _ = make_inputs(33, 40, 24, 4, torch.float32, seed=8)
+        torch.manual_seed(7)
+        args = (x, w, b, a, bb, 1.0, 0.4, True)
+        if use_checkpoint:
+            y = checkpoint(lora_linear_cuda, *args, use_reentrant=False, launcher=TorchKernels())
+        else:
+            y = lora_linear_cuda(*args, launcher=TorchKernels())
+        y.square().sum().backward()
+        return y.detach(), a.grad, x.grad
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fan_in_fan_out", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_torch_route_and_the_passes_match_the_float64_reference(p, dtype, fan_in_fan_out):
+    """The torch route (the composition) and the four passes on :class:`TorchKernels` (``whole_op=False``)
+    against the float64 reference with the kernels' Philox mask: output and every gradient, the base
+    trainable too, for a 3-D x with a bias."""
+    (_, high) = make_inputs(42, 40, 24, 5, dtype, seed=13, fan_in_fan_out=fan_in_fan_out)
+    grad = torch.randn(6, 7, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
+    keep = None if p == 0 else philox.dropout_keep_mask((42, 40), p, 321).double() / (1 - p)
+    xr, wr, br, ar, bbr = high
+    want = reference(xr, wr, br, ar, bbr, 0.75, keep, fan_in_fan_out)
+    want.backward(grad.view(42, 24).double())
+    bound = 1e-5 if dtype == torch.float32 else 1.5e-2
+    for launcher in (TorchKernels(), TorchKernels(whole_op=False)):
+        (x, w, b, a, bb), _ = make_inputs(42, 40, 24, 5, dtype, seed=13, fan_in_fan_out=fan_in_fan_out)
+        x3 = x.detach().view(6, 7, 40).requires_grad_()
+        y = lora_linear_cuda(
+            x3, w, b, a, bb, 0.75, p, True, fan_in_fan_out=fan_in_fan_out, seed=321, launcher=launcher
+        )
+        y.backward(grad)
+        got = (y, x3.grad, w.grad, b.grad, a.grad, bb.grad)
+        for g, expected in zip(got, (want, xr.grad, wr.grad, br.grad, ar.grad, bbr.grad)):
+            assert relative_error(g.reshape(expected.shape), expected) < bound
+
+
+def test_torch_route_backward_can_be_differentiated_through_the_mask():
+    """The torch route's mask is its own adjoint: a gradient of a gradient (here d/dA of ||grad_x||^2)
+    goes through the same keep-mask, equal to the plain composition with that mask."""
+    p, seed = 0.4, 77
+    (x, w, b, a, bb), _ = make_inputs(16, 24, 12, 4, torch.float32, seed=3)
+    grad = torch.randn(16, 12, generator=torch.Generator().manual_seed(4))
+    keep = philox.dropout_keep_mask((16, 24), p, seed)
+
+    def second_order(op, **kwargs):
+        y = op(x, w, b, a, bb, 1.5, p, True, **kwargs)
+        (gx,) = torch.autograd.grad(y, x, grad, create_graph=True)
+        (ga,) = torch.autograd.grad(gx.square().sum(), a)
+        return gx.detach(), ga
+
+    got = second_order(lora_linear_cuda, seed=seed, launcher=TorchKernels())
+    want = second_order(lora_linear_reference, keep=keep)
+    for g, expected in zip(got, want):
+        torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "spec", [kern.LORA_DOWN, kern.LORA_UP, kern.LORA_GRAD_OUT, kern.LORA_GRAD_IN], ids=lambda s: s.name
+)
+def test_each_torch_kernel_takes_its_kernels_arguments_in_order(spec):
+    """TorchKernels reads a launch's arguments by position: its functions name them as the kernel does."""
+    assert list(inspect.signature(selfcheck.KERNELS[spec.name]).parameters) == [p.name for p in spec.params]
+
+
+@pytest.mark.parametrize("cols", [24, 21])
+def test_row_blocks_give_the_whole_tensor_results(monkeypatch, cols):
+    """Past BLOCK_ELEMENTS the passes on TorchKernels work in row blocks (8-row multiples, so every block
+    starts on a Philox group): the same masks, and results equal up to float32 summation order."""
+
+    def step() -> list[torch.Tensor]:
+        (x, w, b, a, bb), _ = make_inputs(37, cols, 16, 4, torch.float32, seed=4)
+        y = lora_linear_cuda(x, w, b, a, bb, 0.5, 0.4, True, seed=99, launcher=TorchKernels(whole_op=False))
+        y.square().sum().backward()
+        return [y.detach(), x.grad, a.grad, bb.grad]
+
+    whole = step()
+    monkeypatch.setattr(selfcheck, "BLOCK_ELEMENTS", 8 * cols)  # blocks of 8 rows: 5 blocks
+    assert len(selfcheck._row_blocks(37, cols)) == 5
+    blocked = step()
+    for got, want in zip(blocked, whole):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(blocked[1] == 0, whole[1] == 0)  # grad_x: the same dropped elements
 
 
 def test_environment_sets_the_switch():
@@ -155,7 +281,7 @@ def test_environment_sets_the_switch():
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     """A DriverLauncher on the fake driver; its 'device' is whichever the CPU tensors are on."""
-    driver = FakeDriver(specs.LORA_UP)
+    driver = FakeDriver(kern.LORA_UP)
     driver.capability = (9, 0)
     driver.compile_error = None
     monkeypatch.setattr(launch.DriverLauncher, "_driver", staticmethod(lambda: driver))
@@ -249,7 +375,7 @@ class PaddingNaN(TorchKernels):
 
 @pytest.mark.parametrize(("kernel", "output"), [("lora_down", "h_part"), ("lora_grad_out", "dh_part")])
 def test_a_pass_that_leaves_nan_past_the_rank_fails_the_check(kernel, output):
-    variant = kernel_variants.Variant("float32", 8, True)  # the check problem's rank is 8 - 3
+    variant = kern.Variant("float32", 8, True)  # the check problem's rank is 8 - 3
     reason = selfcheck.check_variant(variant, torch.device("cpu"), PaddingNaN(kernel, output))
     assert reason is not None
     assert re.search(rf"numeric: {kernel} left non-zero values in d?h's columns past the rank", reason), (
@@ -267,7 +393,7 @@ def test_trust_mode_runs_unchecked_and_raises(fake):
 
 def test_real_nvrtc_refuses_an_unknown_arch_and_the_op_falls_back(monkeypatch, tmp_path, fake):
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
-    from loragen.cuda.nvrtc import compile_kernel
+    from loragen.cuda.build import compile_kernel
 
     fake.cache._compiler = compile_kernel
     fake.cache._nvrtc = None
@@ -290,7 +416,7 @@ def test_check_runs_once_per_variant_and_device():
     run_and_compare(checker, torch.float32, r=16)  # another variant: one more check
     assert len(kernels.launches) == len(checks) + 4 + per_call
     # the same variant on another device is checked there too
-    variant = kernel_variants.Variant("float32", 8, False)
+    variant = kern.Variant("float32", 8, False)
     before = len(kernels.launches)
     checker.route(variant, torch.device("cpu", 0))
     checker.route(variant, torch.device("cpu", 0))
@@ -327,7 +453,7 @@ def test_routing_after_the_first_use_takes_no_lock_and_allocates_nothing():
             return False
 
     checker = selfcheck.CheckedLauncher(TorchKernels())
-    variant, device = kernel_variants.Variant("float32", 8, True), torch.device("cpu")
+    variant, device = kern.Variant("float32", 8, True), torch.device("cpu")
     first = checker.route(variant, device)
     lock = checker._lock
     checker._lock = NoLock()
@@ -344,13 +470,13 @@ def test_capture_before_the_check_is_refused(monkeypatch):
     with pytest.raises(
         RuntimeError, match=r"float32-r8-aligned is used for the first time on cuda:0 while a CUDA graph"
     ):
-        checker.route(kernel_variants.Variant("float32", 8, True), torch.device("cuda", 0))
+        checker.route(kern.Variant("float32", 8, True), torch.device("cuda", 0))
 
 
 def test_a_cuda_device_without_index_is_the_current_device(monkeypatch):
     """Pre-checking with check_all("cuda") covers the op's later calls on cuda:N (N the current device),
     inside a capture too; outcome() and fail() take either spelling."""
-    from loragen.cuda import streams
+    from loragen.cuda import launch
 
     checked: list[torch.device] = []
     monkeypatch.setattr(
@@ -358,9 +484,9 @@ def test_a_cuda_device_without_index_is_the_current_device(monkeypatch):
     )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     capturing = [False]
-    monkeypatch.setattr(streams, "capturing", lambda device: capturing[0])
+    monkeypatch.setattr(launch, "capturing", lambda device: capturing[0])
     checker = selfcheck.CheckedLauncher(TorchKernels())
-    variant = kernel_variants.Variant("bfloat16", 16, True)
+    variant = kern.Variant("bfloat16", 16, True)
     assert checker.check_all(torch.device("cuda"), [variant]) == {"bfloat16-r16-aligned on cuda:1": "ok"}
     capturing[0] = True  # the op, inside a capture, routes with its tensors' device
     routed = checker.route(variant, torch.device("cuda", 1))
@@ -396,19 +522,19 @@ class Aborting:
 
 
 def test_isolated_check_runs_in_a_child_process():
-    from loragen.cuda.isolated import check_in_child
+    from loragen.cuda.selfcheck import check_in_child
 
-    variant = kernel_variants.Variant("float32", 8, False)
-    assert check_in_child(variant, torch.device("cpu"), "loragen.cuda.torch_kernels:TorchKernels") is None
+    variant = kern.Variant("float32", 8, False)
+    assert check_in_child(variant, torch.device("cpu"), "loragen.cuda.selfcheck:TorchKernels") is None
     reason = check_in_child(variant, torch.device("cpu"), "tests.cuda.test_cuda_selfcheck:Aborting")
     assert reason.startswith("crashed: the isolated self-check's process exited with status")
 
 
 def test_an_isolated_check_that_cannot_start_says_why(monkeypatch):
-    from loragen.cuda.isolated import check_in_child
+    from loragen.cuda.selfcheck import check_in_child
 
     monkeypatch.setattr(sys, "executable", "/nonexistent/python3")  # e.g. a virtualenv removed under a job
-    reason = check_in_child(kernel_variants.Variant("float32", 8, False), torch.device("cpu"))
+    reason = check_in_child(kern.Variant("float32", 8, False), torch.device("cpu"))
     assert re.fullmatch(
         r"not checked: cannot start the isolated self-check's process '/nonexistent/python3': "
         r"\[Errno 2\] No such file or directory.*",
@@ -417,7 +543,7 @@ def test_an_isolated_check_that_cannot_start_says_why(monkeypatch):
 
 
 def test_a_child_that_cannot_start_is_one_warning_and_not_retried(monkeypatch):
-    from loragen.cuda import isolated
+    from loragen.cuda import selfcheck
 
     starts = []
 
@@ -425,7 +551,7 @@ def test_a_child_that_cannot_start_is_one_warning_and_not_retried(monkeypatch):
         starts.append(args)
         raise BlockingIOError(11, "Resource temporarily unavailable")
 
-    monkeypatch.setattr(isolated.subprocess, "run", no_process)
+    monkeypatch.setattr(selfcheck.subprocess, "run", no_process)
     kernels = Counting(TorchKernels())
     checker = selfcheck.CheckedLauncher(kernels, isolate=True)
     with pytest.warns(
@@ -548,7 +674,7 @@ def test_check_runs_in_full_float32_and_leaves_the_precision_settings_as_found(p
     setting()
     before = precision_settings()
     watching = Watching()
-    variant = kernel_variants.Variant("float32", 8, True)
+    variant = kern.Variant("float32", 8, True)
     assert selfcheck.check_variant(variant, torch.device("cpu"), TorchKernels(), watching) is None
     assert len(watching.seen) == 4
     for inside in watching.seen:
@@ -562,12 +688,12 @@ def test_check_runs_in_full_float32_and_leaves_the_precision_settings_as_found(p
 
 def test_check_on_a_torch_with_one_precision_setting_keeps_medium(precision_kept, monkeypatch):
     """torch before 2.9 has one process-wide setting, of which allow_tf32 is only a view."""
-    from loragen.cuda import check_numerics
+    from loragen.cuda import selfcheck
 
-    monkeypatch.setattr(check_numerics, "_PER_BACKEND_PRECISION", False)
+    monkeypatch.setattr(selfcheck, "_PER_BACKEND_PRECISION", False)
     torch.set_float32_matmul_precision("medium")
     seen: list[str] = []
-    with check_numerics.exact_float32_products():
+    with selfcheck.exact_float32_products():
         seen.append(torch.get_float32_matmul_precision())
     assert seen == ["highest"] and torch.get_float32_matmul_precision() == "medium"
 
@@ -589,7 +715,7 @@ def test_check_runs_without_the_callers_autocast(dtype):
     """The op's first call, under the caller's autocast, runs the check: autocast would cast the torch
     path's float32 products to 16 bits and move the reference by a third of the tolerance."""
     kernels, reference = NotingAutocast(), NotingAutocast()
-    variant = kernel_variants.Variant("bfloat16", 64, False)
+    variant = kern.Variant("bfloat16", 64, False)
     with torch.autocast("cpu", dtype=dtype):
         reason = selfcheck.check_variant(variant, torch.device("cpu"), kernels, reference)
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == dtype  # as found
@@ -629,12 +755,10 @@ class PlantedBug:
 @pytest.mark.parametrize(
     "variant",
     [
-        kernel_variants.Variant("float32", 8, True),
-        kernel_variants.Variant("float32", 8, False),  # the x and g views are misaligned
-        kernel_variants.Variant(
-            "bfloat16", 64, True
-        ),  # tensor cores where the kernels use them: A rounded to bf16
-        kernel_variants.Variant("bfloat16", 16, True),  # every kernel on tensor cores at the common rank
+        kern.Variant("float32", 8, True),
+        kern.Variant("float32", 8, False),  # the x and g views are misaligned
+        kern.Variant("bfloat16", 64, True),  # tensor cores where the kernels use them: A rounded to bf16
+        kern.Variant("bfloat16", 16, True),  # every kernel on tensor cores at the common rank
     ],
     ids=lambda v: v.label,
 )
@@ -653,10 +777,10 @@ def test_planted_wrong_result_gives_one_warning_and_the_torch_path(emulated):
 
 
 @needs_cxx
-@pytest.mark.parametrize("launcher", ["emulated", "torch"])
-def test_forward_rounds_once(emulated, launcher):
-    """base = 256 and the rank-r term 1 + 2**-9: rounding the term to bfloat16 first (1.0) and then the
-    sum (257, a tie, to even: 256) gives 256; one rounding of 257.0019... gives 258."""
+def test_forward_rounds_once_and_the_torch_route_rounds_as_peft(emulated):
+    """base = 256 and the rank-r term 2**-9, bias 1: the kernels add bias and term to the base product in
+    float32 and round once (257.0019... -> 258); the torch route is peft's composition, whose base layer
+    rounds x W^T + b first (257, a tie, to even: 256), and equals it bit for bit."""
     n, k, o = 4, 8, 8
     x = torch.ones(n, k, dtype=torch.bfloat16)
     w = torch.full((o, k), 32.0, dtype=torch.bfloat16)
@@ -664,13 +788,13 @@ def test_forward_rounds_once(emulated, launcher):
     a = torch.zeros(1, k)
     a[0, 0] = 2.0**-9
     bb = torch.ones(o, 1)
-    y = lora_linear_cuda(
-        x, w, b, a, bb, 1.0, 0.0, False, launcher=emulated if launcher == "emulated" else TorchKernels()
-    )
+    y = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=emulated)
     once = (x.double() @ w.double().t() + b.double() + (x.double() @ a.double().t()) @ bb.double().t()).to(
         torch.bfloat16
     )
     assert torch.equal(y, once) and torch.equal(y, torch.full((n, o), 258.0, dtype=torch.bfloat16))
+    routed = lora_linear_cuda(x, w, b, a, bb, 1.0, 0.0, False, launcher=TorchKernels())
+    assert torch.equal(routed, lora_linear_reference(x, w, b, a, bb, 1.0, 0.0, False))
 
 
 @needs_cxx

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loragen.cuda import specs
+from loragen.cuda import kernels as kern
+from loragen.cuda.kernels import Param
 from loragen.cuda.linear_op import lora_linear_cuda
-from loragen.cuda.specs import Param
 from tests.cuda.cuda_emulation import (
     CXX,
     EmulatedLauncher,
@@ -90,10 +90,10 @@ def test_sanitizers_pass_the_real_kernels(folder, sanitizer, n, k, o, r, dtype, 
     # every kernel of this variant for both sanitizers at once, one g++ per core (one build each; the
     # other sanitizer's test finds its build in the cache)
     variant = variant_of(k, o, r, dtype)
-    prebuild((each, spec, variant) for each in launchers.values() for spec in specs.KERNELS.values())
+    prebuild((each, spec, variant) for each in launchers.values() for spec in kern.KERNELS.values())
     launcher = launchers[sanitizer]
     run_lora(launcher, n, k, o, r, dtype, p, fifo)
-    assert {name for name, _, _ in launcher.launches} == set(specs.KERNELS)
+    assert {name for name, _, _ in launcher.launches} == set(kern.KERNELS)
 
 
 def test_emulated_results_do_not_depend_on_block_order(folder, monkeypatch):
@@ -149,6 +149,48 @@ def test_sanitizer_traps_misaligned_vector_access_in_the_real_kernels(folder):
     launcher = ForceAligned(folder, target_blocks=4, sanitizer="address")
     with pytest.raises(SanitizerError, match=r"misaligned address 0x[0-9a-f]+ for type .*16 byte alignment"):
         run_lora(launcher, 9, 36, 16, 16, torch.bfloat16, 0.0, False)
+
+
+def _at_offset(t: torch.Tensor, elements: int) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose data starts ``elements`` elements into its storage: for 16-bit
+    dtypes and one element, 2 bytes past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + elements, dtype=t.dtype)
+    view = flat[elements:].view(t.shape)
+    view.copy_(t.detach())
+    return view.requires_grad_(t.requires_grad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["offset", "strided", "offset-3d"])
+def test_the_whole_op_hands_the_kernels_aligned_rows_whatever_the_inputs(folder, layout):
+    """The host side of the op is part of what is emulated: x, the output gradient and the bias reach an
+    aligned variant's 16-byte vector loads aligned, whatever the caller passed -- contiguous tensors at an
+    odd storage offset (2 bytes past a 16-byte boundary), strided views, a 3-D x at an offset. Under ASan
+    + UBSan a misaligned vector access is a report (:class:`SanitizerError`), so a host side that handed
+    such a tensor over as it came fails here; outputs and gradients are held to float64."""
+    n, k, o, r, dtype, p = 33, 64, 24, 16, torch.bfloat16, 0.1
+    launcher = EmulatedLauncher(folder, target_blocks=4, sanitizer="address", block_seed=n)
+    prebuild((launcher, spec, variant_of(k, o, r, dtype)) for spec in kern.KERNELS.values())
+    (x, w, b, a, bb), (xr, wr, br, ar, bbr) = make_inputs(n, k, o, r, dtype)
+    grad = torch.randn(n, o, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    g = grad.to(dtype)
+    if layout == "strided":  # every other row of a taller tensor, every other column of a wider one
+        x = torch.zeros(2 * n, 2 * k, dtype=dtype)[::2, ::2].copy_(x.detach()).requires_grad_()
+        g = torch.zeros(n, 2 * o, dtype=dtype)[:, ::2].copy_(g)
+        b = torch.zeros(2 * o, dtype=dtype)[::2].copy_(b.detach()).requires_grad_()
+    else:
+        x, g, b = _at_offset(x, 1), _at_offset(g, 1), _at_offset(b, 1)
+        assert x.data_ptr() % 16 == 2 and g.data_ptr() % 16 == 2 and b.data_ptr() % 16 == 2
+    x_in = x.view(3, 11, k) if layout == "offset-3d" else x
+    state = torch.get_rng_state()
+    y = lora_linear_cuda(x_in, w, b, a, bb, 0.7, p, True, launcher=launcher)
+    want = reference(xr, wr, br, ar, bbr, 0.7, mask_for(state, (n, k), p), False)
+    assert relative_error(y.reshape(n, o), want) < TOLERANCE[dtype]
+    y.backward(g.view(y.shape))
+    want.backward(grad)
+    for name, got, expected in (("x", x, xr), ("A", a, ar), ("B", bb, bbr), ("bias", b, br)):
+        assert relative_error(got.grad, expected.grad) < TOLERANCE[dtype], name
+    assert {name for name, _, _ in launcher.launches} == set(kern.KERNELS)
 
 
 # ---- planted bugs in small kernels ------------------------------------------------------------------------

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from loragen.cuda import specs
-from loragen.cuda.cache import KernelCache
-from loragen.cuda.render import render_kernel
+from loragen.cuda import kernels as kern
+from loragen.cuda.build import KernelCache, render_kernel
 from tests.cuda.cuda_emulation import cache_folder
 from tests.cuda.rendering import precompile, rendered, selected_params
 from tests.cuda.sass import (
@@ -47,7 +46,7 @@ MISSING = [name for name in ("nvdisasm", "cuobjdump") if tool(name) is None]
 @pytest.fixture(scope="session")
 def cubins(request) -> KernelCache:
     pytest.importorskip("cuda.bindings", reason="cuda-python is not installed (pip install 'loragen[dev]')")
-    from loragen.cuda.nvrtc import NvrtcUnavailableError, nvrtc_version
+    from loragen.cuda.build import NvrtcUnavailableError, nvrtc_version
 
     try:
         nvrtc_version()
@@ -71,7 +70,7 @@ def reports(request, cubins) -> dict[tuple[str, str, str], Future[tuple[SassRepo
     Each is a finished future: a variant whose analysis failed fails its own test."""
 
     def report(spec, variant, arch):
-        compiled = cubins.get(render_kernel(spec.name, specs.render_params(spec, variant)), arch)
+        compiled = cubins.get(render_kernel(spec.name, kern.render_params(spec, variant)), arch)
         ptxas = compiled.resources[spec.name]
         sass = analyse(compiled.cubin, spec.name, arch, spec.threads(variant), ptxas.shared_bytes)
         return sass, ptxas.registers
@@ -81,7 +80,7 @@ def reports(request, cubins) -> dict[tuple[str, str, str], Future[tuple[SassRepo
         return {(s.name, v.label, arch): pool.submit(report, s, v, arch) for s, v, arch in selected}
 
 
-ALL_VARIANTS = [*specs.all_variants(), *specs.optimizer_variants()]
+ALL_VARIANTS = [*kern.all_variants(), *kern.optimizer_variants()]
 
 
 def check_no_local_memory(report: SassReport, where: str) -> None:
@@ -90,7 +89,7 @@ def check_no_local_memory(report: SassReport, where: str) -> None:
 
 
 @pytest.mark.slow  # disassembles ~200 cubins; NVRTC compiles them first when the cache is cold
-@pytest.mark.parametrize("arch", specs.ARCHS)
+@pytest.mark.parametrize("arch", kern.ARCHS)
 @pytest.mark.parametrize(
     ("spec", "variant"), ALL_VARIANTS, ids=[f"{s.name}-{v.label}" for s, v in ALL_VARIANTS]
 )
@@ -105,7 +104,7 @@ def test_sass_of_every_variant(reports, spec, variant, arch):
     )
     assert report.registers <= register_bound(arch, spec.threads(variant), max(2, wanted)), where
 
-    if spec.name in specs.KERNELS and variant.aligned:
+    if spec.name in kern.KERNELS and variant.aligned:
         narrow = {b for b in report.widths("global", "load") | report.widths("global", "store") if b < 32}
         assert not narrow, (
             f"{where}: {sorted(narrow)}-bit global accesses in an aligned variant: {report.memory}"
@@ -132,7 +131,7 @@ def test_recorded_sass_table_covers_every_variant_within_its_register_bound():
     rows = {(row["kernel"], row["variant"], row["arch"]): row for row in table["kernels"]}
     for spec, variant in ALL_VARIANTS:
         wanted = max(2, spec.tile(variant)["min_blocks"])
-        for arch in specs.ARCHS:
+        for arch in kern.ARCHS:
             where = f"{spec.name} {variant.label} {arch}"
             row = rows[(spec.name, variant.label, arch)]
             assert row["threads"] == spec.threads(variant), f"{where}: regenerate benchmarks/kernel_sass.json"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from loragen import philox
 from loragen.cuda.linear_op import lora_linear_cuda
-from loragen.cuda.torch_kernels import TorchKernels
+from loragen.cuda.selfcheck import TorchKernels
 from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED, ParameterLayout
 from loragen.ops.dora import DoraLinearFunction
 from loragen.ops.expert_products import effective_weight, recompute_on_backward
@@ -129,14 +129,10 @@ def test_op_equals_the_reference_in_float64(op: str, p: float, ffo: bool, bias: 
 def test_cuda_torch_path_equals_the_reference(
     monkeypatch: pytest.MonkeyPatch, p: float, ffo: bool, bias: bool, whole_op: bool
 ) -> None:
-    """The CUDA op on its torch path -- as one composition with torch's autograd, or as the four passes
+    """The CUDA op on its torch route -- the composition with the kernels' Philox mask, or the four passes
     with the hand-written backward -- against the float64 composition with the same mask."""
     from loragen.cuda import linear_op
 
-    def no_fallback(*args: object, **kwargs: object) -> torch.Tensor:
-        raise AssertionError("lora_linear_cuda fell back to the plain composition")
-
-    monkeypatch.setattr(linear_op, "lora_linear_reference", no_fallback)  # the op runs, not its fallback
     high = _tensors(ffo, bias)
     high["magnitude"].requires_grad_(False)
     low = {
@@ -158,6 +154,8 @@ def test_cuda_torch_path_equals_the_reference(
         seed=SEED,
         launcher=TorchKernels(whole_op=whole_op),
     )
+    args = (x_low, *(low[k] for k in ("weight", "bias", "lora_A", "lora_B")))
+    assert linear_op.unsupported_reason(*args, fan_in_fan_out=ffo) is None  # not the fallback for inputs
     if not whole_op:
         assert type(got.grad_fn).__name__ == "_LoraLinearFunctionBackward"
     want = lora_linear_reference(
