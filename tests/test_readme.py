@@ -27,6 +27,7 @@ def test_the_readme_has_python_blocks() -> None:
     assert len(_blocks()) >= 3
 
 
+@pytest.mark.slow
 def test_the_readme_python_blocks_run_in_order(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     script = tmp_path / "readme_blocks.py"
