@@ -108,6 +108,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Print the seed of a random order (pytest-randomly), under -q too, so a failing order can be replayed."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+        terminalreporter.write_line(f"random order: --randomly-seed={seed} replays it")
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     """Say when only the unit tier runs, and how to run every tier."""
     if config.getoption("markexpr", "") == "unit":
