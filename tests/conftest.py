@@ -108,11 +108,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """Print the seed of a random order (pytest-randomly), under -q too, so a failing order can be replayed."""
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    """Print the seed of a random order (pytest-randomly), under -q too, so a failing order can be replayed;
+    and when the default unit tier left nothing to run, how to run the other tiers."""
     seed = getattr(config.option, "randomly_seed", None)
     if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
         terminalreporter.write_line(f"random order: --randomly-seed={seed} replays it")
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and config.getoption("markexpr", "") == "unit":
+        terminalreporter.write_line('the tests selected are outside the unit tier: -m "" runs every tier')
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
