@@ -55,16 +55,14 @@ FILE_TIERS = {
 
 # fixtures that compile native code: a test using one, directly or through another fixture, is a kernels test
 NVRTC_FIXTURES = {"nvrtc_available"}  # every cubin-compiling fixture depends on it
-EMULATION_FIXTURES = {
-    "launcher",
-    "emulated",
-    "shim",
-}  # g++: emulated kernels, the C++ host path on a fake driver
-HOST_BUILD_FIXTURES = {"device_mask_code", "jit_sources_on_host"}  # g++: kernel code built for the host
+# g++: the emulated kernels, and the C++ host path on a fake driver
+EMULATION_FIXTURES = {"launcher", "emulated", "shim"}
+# g++: kernel code built for the host
+HOST_BUILD_FIXTURES = {"device_mask_code", "jit_sources_on_host"}
 
 # xdist groups: tests that share an on-disk build cache (or session fixtures that fill one) run in one
 # worker, so each build is made once; tests that start processes of their own run one at a time
-TIER_GROUPS = {"sass": "nvrtc", "sanitizers": "emulation", "lint": "lint", "distributed": "processes"}
+TIER_GROUPS = {"sass": "nvrtc", "sanitizers": "sanitizers", "lint": "lint", "distributed": "processes"}
 
 
 def _fixtures(item: pytest.Item) -> set[str]:
@@ -90,11 +88,13 @@ def _tier(item: pytest.Item) -> str:
 
 def _group(item: pytest.Item, tier: str) -> str | None:
     """The xdist group of ``item`` (None: any worker)."""
+    if tier in TIER_GROUPS:
+        return TIER_GROUPS[tier]
     if _fixtures(item) & NVRTC_FIXTURES:
         return "nvrtc"
     if _fixtures(item) & EMULATION_FIXTURES:
         return "emulation"
-    return TIER_GROUPS.get(tier)
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)
