@@ -92,8 +92,8 @@ def _group(item: pytest.Item, tier: str) -> str | None:
         return TIER_GROUPS[tier]
     if _fixtures(item) & NVRTC_FIXTURES:
         return "nvrtc"
-    if _fixtures(item) & EMULATION_FIXTURES:
-        return "emulation"
+    if _fixtures(item) & (EMULATION_FIXTURES | HOST_BUILD_FIXTURES):
+        return "emulation"  # g++ builds: each module's made once
     return None
 
 
