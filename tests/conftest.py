@@ -102,6 +102,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark every test with its tier (before ``-m`` selects), and with its xdist group."""
     for item in items:
         tier = _tier(item)
+        # one tier each: a slow test of another tier is not selected by -m slow
+        item.own_markers[:] = [mark for mark in item.own_markers if mark.name not in TIERS]
         item.add_marker(getattr(pytest.mark, tier))
         group = _group(item, tier)
         if group is not None and item.get_closest_marker("xdist_group") is None:

@@ -505,7 +505,7 @@ def test_the_group_emulation_script_checks_every_pass(emulated, capsys):
         assert "(ok)" in line and line.count(f"lora_{name} (") == launches, line
 
 
-@pytest.mark.slow
+@pytest.mark.sanitizers
 def test_address_sanitizer_passes_the_group(request):
     """The group's launches under ASan + UBSan: lora_up and lora_grad_out read each h_i through a view
     into the copy of H (an offset into one buffer), lora_grad_in the concatenated dh -- every launch's
