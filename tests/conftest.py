@@ -12,8 +12,8 @@ others are assigned here by file and fixture, or by a ``@pytest.mark.<tier>`` on
 - ``slow``: slow integration tests (a child interpreter or pytest, the demo, the README's code).
 
 ``pytest -m ""`` runs every tier. Under pytest-xdist (``-n 2 --dist loadgroup``) the tests that compile
-into the same cache, and those that start processes of their own, run in one worker each, so no build is
-done twice and no two of them compete for the cores.
+into the same cache run in one worker, so no build is made twice, and the distributed tests run one at a
+time.
 """
 
 from __future__ import annotations
