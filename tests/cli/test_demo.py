@@ -164,6 +164,7 @@ def test_progress_to_nowhere_writes_nothing(capsys: pytest.CaptureFixture[str]) 
 # --- end to end -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_quick_demo_improves_the_metric_and_checks_out(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -222,6 +223,7 @@ def test_quick_demo_improves_the_metric_and_checks_out(
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_demo_is_deterministic_for_a_seed(tmp_path: Path) -> None:
     def losses(seed: int, name: str) -> tuple[list[float], list[float], float]:
         options = DemoOptions(steps=15, pretrain_steps=20, seed=seed, output=tmp_path / name, progress=False)

@@ -135,7 +135,7 @@ def variant_cubins(request, persistent_cache) -> KernelCache:
     return persistent_cache
 
 
-@pytest.mark.slow  # ~1 minute of NVRTC on two cores when the cubin cache is cold, seconds when warm
+@pytest.mark.kernels  # ~1 minute of NVRTC on two cores when the cubin cache is cold, seconds when warm
 @pytest.mark.parametrize(
     ("name", "variant"), [(s.name, v) for s, v in VARIANTS], ids=lambda x: getattr(x, "label", x)
 )

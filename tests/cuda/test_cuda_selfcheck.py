@@ -521,6 +521,7 @@ class Aborting:
         os.abort()
 
 
+@pytest.mark.slow
 def test_isolated_check_runs_in_a_child_process():
     from loragen.cuda.selfcheck import check_in_child
 
@@ -564,6 +565,7 @@ def test_a_child_that_cannot_start_is_one_warning_and_not_retried(monkeypatch):
     assert kernels.launches == []
 
 
+@pytest.mark.slow
 def test_a_kernel_that_kills_the_process_only_kills_the_child():
     kernels = Counting(TorchKernels())
     checker = selfcheck.CheckedLauncher(

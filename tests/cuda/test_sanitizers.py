@@ -82,7 +82,7 @@ def run_lora(launcher: EmulatedLauncher, n, k, o, r, dtype, p, fifo) -> None:
 SANITIZERS = ("address", "thread")
 
 
-@pytest.mark.slow
+@pytest.mark.sanitizers
 @pytest.mark.parametrize("sanitizer", SANITIZERS)
 @pytest.mark.parametrize(("n", "k", "o", "r", "dtype", "p", "fifo"), CASES)
 def test_sanitizers_pass_the_real_kernels(folder, sanitizer, n, k, o, r, dtype, p, fifo):
@@ -127,7 +127,7 @@ def single_buffer(name: str, source: str) -> str:
     return planted
 
 
-@pytest.mark.slow
+@pytest.mark.sanitizers
 def test_sanitizer_tsan_reports_the_single_buffer_race_in_lora_grad_out(folder):
     """The race issue 16 planted by hand, which passed the old emulation 3 times out of 3."""
     launcher = EmulatedLauncher(folder, target_blocks=1, sanitizer="thread", edit=single_buffer)
@@ -143,7 +143,7 @@ class ForceAligned(EmulatedLauncher):
         super().launch(spec, dataclasses.replace(variant, aligned=True), grid, args, device)
 
 
-@pytest.mark.slow
+@pytest.mark.sanitizers
 def test_sanitizer_traps_misaligned_vector_access_in_the_real_kernels(folder):
     """k = 36 bf16: rows start 72 bytes apart, so the aligned variant's 16-byte loads are misaligned."""
     launcher = ForceAligned(folder, target_blocks=4, sanitizer="address")

@@ -88,7 +88,7 @@ def check_no_local_memory(report: SassReport, where: str) -> None:
     assert report.count("local", "load") == report.count("local", "store") == 0, f"{where}: {report.memory}"
 
 
-@pytest.mark.slow  # disassembles ~200 cubins; NVRTC compiles them first when the cache is cold
+@pytest.mark.sass  # disassembles ~200 cubins; NVRTC compiles them first when the cache is cold
 @pytest.mark.parametrize("arch", kern.ARCHS)
 @pytest.mark.parametrize(
     ("spec", "variant"), ALL_VARIANTS, ids=[f"{s.name}-{v.label}" for s, v in ALL_VARIANTS]

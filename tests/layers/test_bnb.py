@@ -275,6 +275,7 @@ def test_merge_and_unload_gives_plain_quantized_layers(llama_dir: Path, fmt: tup
         assert not any("lora" in key for key in module.state_dict())
 
 
+@pytest.mark.slow
 def test_loragen_imports_without_bitsandbytes() -> None:
     code = (
         "import sys; sys.modules['bitsandbytes'] = None\n"

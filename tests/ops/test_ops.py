@@ -4,7 +4,6 @@ checkpointing, compile, dtypes, saved tensors and the fused switch."""
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import peft
@@ -417,10 +416,7 @@ def test_compile_with_dropout_falls_back_to_the_composition() -> None:
     assert ops.fallback_reason(x, dropout=True) is None  # outside compile the fused op runs
 
 
-@pytest.mark.skipif(
-    not os.environ.get("LORAGEN_TEST_INDUCTOR"),
-    reason="inductor compiles C++ for ~1 min; set LORAGEN_TEST_INDUCTOR=1",
-)
+@pytest.mark.kernels  # inductor compiles C++ for about a minute
 def test_compile_with_inductor() -> None:
     x, w, b, a, bb = make_inputs((4, 5), dtype=torch.float32)
     compiled = torch.compile(lambda x: ops.lora_linear(x, w, b, a, bb, 2.0, 0.0, True))

@@ -23,6 +23,7 @@ CONFIG = LoraConfig(target_modules=["q"])
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_two_thousand_nested_parentheses_are_an_error_not_a_crash():
     # libcst's native parser overflows its stack on this (the process dies with SIGSEGV): run it apart
     script = (

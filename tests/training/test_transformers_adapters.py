@@ -268,6 +268,7 @@ def test_a_plain_module_is_left_alone() -> None:
     assert type(model) is nn.Sequential
 
 
+@pytest.mark.slow
 def test_methods_come_whatever_the_import_order() -> None:
     # ``loragen.convert`` imported before torch: the package loads lazily and nothing imported the hook
     # module; the first conversion must still give the model loragen's adapter methods
