@@ -44,7 +44,6 @@ TIERS = ("kernels", "sanitizers", "sass", "packaging", "lint", "distributed", "s
 FILE_TIERS = {
     "test_cuda_emulated.py": "kernels",
     "test_cuda_compile.py": "kernels",
-    "test_cuda_native_host.py": "kernels",
     "test_sanitizers.py": "sanitizers",
     "test_sass.py": "sass",
     "test_package.py": "packaging",
@@ -55,8 +54,8 @@ FILE_TIERS = {
 
 # fixtures that compile native code: a test using one, directly or through another fixture, is a kernels test
 NVRTC_FIXTURES = {"nvrtc_available"}  # every cubin-compiling fixture depends on it
-# g++: the emulated kernels, and the C++ host path on a fake driver
-EMULATION_FIXTURES = {"launcher", "emulated", "shim"}
+# g++: the emulated kernels
+EMULATION_FIXTURES = {"launcher", "emulated"}
 # g++: kernel code built for the host
 HOST_BUILD_FIXTURES = {"device_mask_code", "jit_sources_on_host"}
 
