@@ -18,9 +18,9 @@ import math
 import os
 import re
 import struct
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +43,30 @@ __all__ = [
 
 # Real configs, indexes and headers nest a few levels; anything this deep is not one of them.
 MAX_DEPTH = 64
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A string, or an unterminated one to the end of the data: one way to match each byte, so the scan is linear
+# (an unterminated run of escaped quotes, ``"\"\"\"...``, must not be retried from every quote).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]")
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # an opening bracket is +1, a closing one -1 (int8)
+_CHUNK = 1 << 20
 
 
 def _depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects in ``data`` (brackets inside strings do not count)."""
+    """The deepest nesting of arrays and objects in ``data`` (brackets inside strings do not count).
+
+    Linear in ``len(data)``: two regular-expression passes and a running sum over the brackets, a chunk
+    at a time (a 100 MB header of brackets is never held as a Python list).
+    """
     brackets = _NOT_BRACKET.sub(b"", _STRING.sub(b"", data))
     if not brackets:
         return 0
-    return max(accumulate(1 if c in b"[{" else -1 for c in brackets))
+    steps = torch.frombuffer(bytearray(brackets.translate(_STEPS)), dtype=torch.int8)
+    depth = deepest = 0
+    for chunk in steps.split(_CHUNK):
+        running = chunk.to(torch.int64).cumsum(0).add_(depth)
+        deepest = max(deepest, int(running.max()))
+        depth = int(running[-1])
+    return deepest
 
 
 def _decode(data: bytes, source: str, error: type[LoraError], bom: bool) -> str:
@@ -88,6 +102,11 @@ def parse_json(data: bytes, source: str, error: type[LoraError], *, bom: bool = 
         if label:
             raise error(f"{head}invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
         raise error(f"{source}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    except ValueError:  # Python's limit on the digits of an integer it converts from text
+        raise error(
+            f"{head}JSON holds an integer of more than {sys.get_int_max_str_digits()} digits "
+            "(no config, index or header needs one)"
+        ) from None
     except RecursionError:  # the depth check makes this unreachable in practice; never a traceback
         raise error(f"{head}JSON nested too deeply to parse") from None
 

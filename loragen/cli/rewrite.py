@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import json
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from loragen.adapters.files import read_json_file
 from loragen.atomic import atomic_file
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConfigError
@@ -181,12 +181,7 @@ def _config(args: argparse.Namespace) -> LoraConfig:
     try:
         if args.config is not None:
             path = args.config / "adapter_config.json" if args.config.is_dir() else args.config
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"{path}: cannot read: {exc}") from None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}") from None
+            data = read_json_file(path, LoraConfigError)
             config = LoraConfig.from_peft(data, source=str(path))
             config = config.replace(**changes) if changes else config
         else:

@@ -93,7 +93,7 @@ def test_cli_invalid_python_exits_nonzero_with_file_line_and_writes_nothing(
         (["{src}/a.py", "--target-modules", ","], "--target-modules is empty"),
         (["{src}", "--target-modules", "q"], "2 files to rewrite: use -o FOLDER, --in-place or --diff"),
         (["{src}/a.py", "--target-modules", "q", "--lora-dropout", "2"], "lora_dropout=2.0"),
-        (["{src}/a.py", "--config", "{src}/a.py"], "not valid JSON"),
+        (["{src}/a.py", "--config", "{src}/a.py"], "invalid JSON"),
     ],
 )
 def test_cli_usage_errors(sources: Path, capsys, args: list[str], message: str):
