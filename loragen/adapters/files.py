@@ -7,7 +7,8 @@ UTF-8 byte order mark is accepted in files people edit; UTF-16 is named as such)
 would raise ``RecursionError``, by a scan linear in the input's size), an integer longer than Python converts
 (``sys.get_int_max_str_digits()``). Every JSON file loragen reads goes through :func:`parse_json`.
 
-A safetensors file is an 8-byte little-endian header length, a JSON header {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``) and the data section:
+A safetensors file is an 8-byte little-endian header length, a JSON header
+(``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``) and the data section:
 :func:`read_safetensors_header` parses and validates the header alone; :class:`SafetensorsReader` reads
 tensors, or ranges of their rows, from disk on access (adapters read lazily, checkpoints merged a block of
 rows at a time).
