@@ -5,7 +5,7 @@ Every failure is a :class:`~loragen.errors.LoraError` naming the file. JSON: byt
 UTF-8 byte order mark is accepted in files people edit; UTF-16 is named as such), invalid JSON
 (``file:line:column``), nesting deeper than :data:`MAX_DEPTH` (checked before parsing, where Python's parser
 would raise ``RecursionError``, by a scan linear in the input's size), an integer longer than Python converts
-(``sys.get_int_max_str_digits()``). Every JSON file loragen reads goes through :func:`parse_json`.
+(``sys.get_int_max_str_digits()``). Every JSON file a user hands loragen goes through :func:`parse_json`.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header
 (``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``) and the data section:
