@@ -22,14 +22,17 @@ import os
 import re
 import struct
 import sys
+from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from loragen.errors import AdapterError, LoraError
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: reading JSON (``loragen rewrite``) needs none
+    import torch
 
 __all__ = [
     "MAX_DEPTH",
@@ -51,25 +54,15 @@ MAX_DEPTH = 64
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]")
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # an opening bracket is +1, a closing one -1 (int8)
-_CHUNK = 1 << 20
 
 
 def _depth(data: bytes) -> int:
     """The deepest nesting of arrays and objects in ``data`` (brackets inside strings do not count).
 
-    Linear in ``len(data)``: two regular-expression passes and a running sum over the brackets, a chunk
-    at a time (a 100 MB header of brackets is never held as a Python list).
+    Linear in ``len(data)``: two regular-expression passes and a running sum over the brackets.
     """
     brackets = _NOT_BRACKET.sub(b"", _STRING.sub(b"", data))
-    if not brackets:
-        return 0
-    steps = torch.frombuffer(bytearray(brackets.translate(_STEPS)), dtype=torch.int8)
-    depth = deepest = 0
-    for chunk in steps.split(_CHUNK):
-        running = chunk.to(torch.int64).cumsum(0).add_(depth)
-        deepest = max(deepest, int(running.max()))
-        depth = int(running[-1])
-    return deepest
+    return max(accumulate(array("b", brackets.translate(_STEPS))), default=0)
 
 
 def _decode(data: bytes, source: str, error: type[LoraError], bom: bool) -> str:
@@ -171,6 +164,8 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """The matching torch dtype, or None where this torch build has none."""
+        import torch
+
         return getattr(torch, _ST_DTYPES[self.dtype][1], None)
 
 
@@ -270,7 +265,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     return SafetensorsHeader(path, prefix + raw, data_start, file_size, tensors, dict(metadata))
 
 
-class SafetensorsReader(Mapping[str, torch.Tensor]):
+class SafetensorsReader(Mapping[str, "torch.Tensor"]):
     """The tensors of a safetensors file, read from disk on access (nothing is cached or mapped).
 
     ``reader[name]`` reads a whole tensor; :meth:`rows` reads a range of its leading dimension, so a
@@ -296,6 +291,8 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         Raises:
             AdapterError: the file is shorter than its header says (changed since it was read).
         """
+        import torch
+
         entry = self.header.tensors[name]
         dtype = entry.torch_dtype
         if dtype is None:
