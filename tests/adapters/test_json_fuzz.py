@@ -142,8 +142,7 @@ def _timed(read, *args) -> tuple[Any, LoraError | None]:
 
 # ---- the JSON reader ---------------------------------------------------------------------------------------
 
-FUZZ = settings(
-    max_examples=150,
+FUZZ = settings(  # as many examples as the test profile asks (tests/conftest.py)
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
 )

@@ -129,7 +129,7 @@ INDENTS = [
 ]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(deadline=None)
 @given(
     indents=st.lists(st.sampled_from(INDENTS), min_size=3, max_size=3),
     comment=st.one_of(st.none(), st.tuples(st.integers(2, 5), st.sampled_from(["", *INDENTS]))),
