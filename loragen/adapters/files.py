@@ -4,7 +4,10 @@ safetensors files from their header, with tensor data read lazily.
 Every failure is a :class:`~loragen.errors.LoraError` naming the file. JSON: bytes that are not UTF-8 (a
 UTF-8 byte order mark is accepted in files people edit; UTF-16 is named as such), invalid JSON
 (``file:line:column``), nesting deeper than :data:`MAX_DEPTH` (checked before parsing, where Python's parser
-would raise ``RecursionError``). A safetensors file is an 8-byte little-endian header length, a JSON header
+would raise ``RecursionError``, by a scan linear in the input's size), an integer longer than Python converts
+(``sys.get_int_max_str_digits()``). Every JSON file a user hands loragen goes through :func:`parse_json`.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
 (``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``) and the data section:
 :func:`read_safetensors_header` parses and validates the header alone; :class:`SafetensorsReader` reads
 tensors, or ranges of their rows, from disk on access (adapters read lazily, checkpoints merged a block of
@@ -18,15 +21,18 @@ import math
 import os
 import re
 import struct
+import sys
+from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from loragen.errors import AdapterError, LoraError
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: reading JSON (``loragen rewrite``) needs none
+    import torch
 
 __all__ = [
     "MAX_DEPTH",
@@ -43,16 +49,20 @@ __all__ = [
 
 # Real configs, indexes and headers nest a few levels; anything this deep is not one of them.
 MAX_DEPTH = 64
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A string, or an unterminated one to the end of the data: one way to match each byte, so the scan is linear
+# (an unterminated run of escaped quotes, ``"\"\"\"...``, must not be retried from every quote).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]")
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # an opening bracket is +1, a closing one -1 (int8)
 
 
 def _depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects in ``data`` (brackets inside strings do not count)."""
+    """The deepest nesting of arrays and objects in ``data`` (brackets inside strings do not count).
+
+    Linear in ``len(data)``: two regular-expression passes and a running sum over the brackets.
+    """
     brackets = _NOT_BRACKET.sub(b"", _STRING.sub(b"", data))
-    if not brackets:
-        return 0
-    return max(accumulate(1 if c in b"[{" else -1 for c in brackets))
+    return max(accumulate(array("b", brackets.translate(_STEPS))), default=0)
 
 
 def _decode(data: bytes, source: str, error: type[LoraError], bom: bool) -> str:
@@ -88,6 +98,11 @@ def parse_json(data: bytes, source: str, error: type[LoraError], *, bom: bool = 
         if label:
             raise error(f"{head}invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
         raise error(f"{source}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    except ValueError:  # Python's limit on the digits of an integer it converts from text
+        raise error(
+            f"{head}JSON holds an integer of more than {sys.get_int_max_str_digits()} digits "
+            "(no config, index or header needs one)"
+        ) from None
     except RecursionError:  # the depth check makes this unreachable in practice; never a traceback
         raise error(f"{head}JSON nested too deeply to parse") from None
 
@@ -149,6 +164,8 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         """The matching torch dtype, or None where this torch build has none."""
+        import torch
+
         return getattr(torch, _ST_DTYPES[self.dtype][1], None)
 
 
@@ -248,7 +265,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     return SafetensorsHeader(path, prefix + raw, data_start, file_size, tensors, dict(metadata))
 
 
-class SafetensorsReader(Mapping[str, torch.Tensor]):
+class SafetensorsReader(Mapping[str, "torch.Tensor"]):
     """The tensors of a safetensors file, read from disk on access (nothing is cached or mapped).
 
     ``reader[name]`` reads a whole tensor; :meth:`rows` reads a range of its leading dimension, so a
@@ -274,6 +291,8 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         Raises:
             AdapterError: the file is shorter than its header says (changed since it was read).
         """
+        import torch
+
         entry = self.header.tensors[name]
         dtype = entry.torch_dtype
         if dtype is None:

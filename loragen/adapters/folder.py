@@ -36,7 +36,7 @@ from loragen.adapters.files import (
     read_safetensors_header,
 )
 from loragen.config import LoraConfig
-from loragen.errors import AdapterError
+from loragen.errors import AdapterError, LoraConfigError
 from loragen.registry import LAYOUTS, Layout, factor_suffixes
 
 __all__ = [
@@ -254,7 +254,27 @@ def read_adapter_config(path: str | os.PathLike[str]) -> tuple[LoraConfig, dict[
         raise AdapterError(
             f"{config_path}: expected a JSON object of peft's fields, got a {type(data).__name__}"
         )
+    _check_ranks(data, config_path)
     return LoraConfig.from_peft(data, source=str(config_path)), data
+
+
+# No layer is wider than this; a rank beyond it is a typo or a hostile file, refused before torch allocates it.
+_MAX_RANK = 1 << 20
+
+
+def _check_ranks(data: dict[str, Any], source: Path) -> None:
+    """Refuse a rank no layer can have before a model is converted to it (torch would fail to allocate it)."""
+    patterns = data.get("rank_pattern")
+    ranks = [("r", data.get("r"))]
+    if isinstance(patterns, dict):
+        ranks += [(f"rank_pattern[{key!r}]", value) for key, value in patterns.items()]
+    for name, rank in ranks:
+        if isinstance(rank, int) and rank > _MAX_RANK:
+            shown = str(rank) if rank < 10**40 else f"an integer of {len(str(rank))} digits"
+            raise LoraConfigError(
+                f"{source}: {name}={shown} is not a usable LoRA rank (at most {_MAX_RANK}; a rank is at most "
+                "the width of the layer it adapts)"
+            )
 
 
 def _load_safetensors(path: Path, lazy: bool) -> tuple[Mapping[str, torch.Tensor], SafetensorsHeader]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
-import json
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from loragen.adapters.files import read_json_file
 from loragen.atomic import atomic_file
 from loragen.cli import EXIT_INPUT, EXIT_OK, EXIT_USAGE, SUBCOMMANDS, add_lora_arguments, error
 from loragen.config import ALL_LINEAR, LoraConfig
@@ -166,11 +166,7 @@ def _config(args: argparse.Namespace) -> LoraConfig:
     if args.config is not None:
         path = args.config / "adapter_config.json" if args.config.is_dir() else args.config
         try:
-            config = LoraConfig.from_peft(json.loads(path.read_text(encoding="utf-8")), source=str(path))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise _Refused(f"{path}: cannot read: {exc}", EXIT_INPUT) from None
-        except json.JSONDecodeError as exc:
-            raise _Refused(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}", EXIT_INPUT) from None
+            config = LoraConfig.from_peft(read_json_file(path, LoraConfigError), source=str(path))
         except LoraConfigError as exc:
             raise _Refused(str(exc), EXIT_INPUT) from None
     try:

@@ -39,6 +39,7 @@ edits and what is returned) and :mod:`~loragen.source.targets` (the config's tar
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ from pathlib import Path
 from loragen.config import LoraConfig
 from loragen.source.codegen import Diagnostic, RewriteResult, RewrittenCall
 from loragen.source.planner import RewritePlanner
-from loragen.source.scan import ScanError, scan_module
+from loragen.source.scan import ScanError, scan_module, source_text
 
 __all__ = ["Diagnostic", "RewriteResult", "RewrittenCall", "module_name_for_path", "rewrite_source"]
 
@@ -120,12 +121,15 @@ def rewrite_source(
             1,
             "LoraConfig.target_modules is None: name the modules to adapt (e.g. --target-modules q_proj,v_proj)",
         )
+    text = source_text(code)  # the file's byte order mark, line ends and indentation are put back after
     try:
         with _collector_paused():
             scanned = scan_module(
-                code, filename=name, module=_module_name(filename, package), package=package
+                text.code, filename=name, module=_module_name(filename, package), package=package
             )
-            return RewritePlanner(code, config, name, package if absolute_imports else None, scanned).run()
+            planner = RewritePlanner(text.code, config, name, package if absolute_imports else None, scanned)
+            result = planner.run()
+        return dataclasses.replace(result, code=text.restore(result.code))
     except ScanError as exc:
         return failed(exc.line, exc.reason)
     except RecursionError:  # the parser's guard keeps far from this; a last line of defence

@@ -14,6 +14,8 @@ Python's parser checks the code first (its message for invalid code; nesting dee
 a :func:`skeleton` whose function bodies, but for ``__init__`` and ``get_output_embeddings``, are stubbed
 out; everything found is keyed by the full tree's own nodes (which hash by identity), so nothing is copied.
 Layer types are read without importing torch until :mod:`loragen.layers` is (:func:`layer_types`).
+Files Python reads but libcst cannot keep as they are (a byte order mark, ``\r`` line ends, some mixes of
+tabs and spaces) are scanned as :func:`source_text` gives them, which also gives the way back to their form.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import ast
 import bisect
 import contextlib
 import dataclasses
+import difflib
 import importlib
 import importlib.util
 import inspect
 import itertools
 import re
 import sys
+import tokenize
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -58,6 +62,7 @@ __all__ = [
     "ScannedModule",
     "SourceLocation",
     "SourcePositions",
+    "SourceText",
     "SubmoduleField",
     "Unresolved",
     "absolute_module",
@@ -71,6 +76,7 @@ __all__ = [
     "scan_module",
     "scan_source",
     "skeleton",
+    "source_text",
 ]
 
 
@@ -177,6 +183,187 @@ def class_definitions(body: Sequence[cst.CSTNode], prefix: str = "") -> dict[str
         elif isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)):
             found.update(class_definitions(nested_statements(stmt), prefix))
     return found
+
+
+# ---- the text as read: byte order mark, line ends, indentation ---------------------------------------------
+
+_LINE_END = re.compile(r"\r\n?|\n")
+_LINE = re.compile(r"[^\r\n]*(?:\r\n?|\n)|[^\r\n]+\Z")
+_TAB_IN_INDENT = re.compile(r"^[ \f]*\t", re.MULTILINE)
+_LEADING = re.compile(r"[ \t\f]*")
+_NOT_A_STATEMENT = {
+    tokenize.NL,
+    tokenize.NEWLINE,
+    tokenize.COMMENT,
+    tokenize.INDENT,
+    tokenize.DEDENT,
+    tokenize.ENDMARKER,
+}
+_BEFORE_A_STATEMENT = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceText:
+    """A source file's text in the form the scanner and the rewriter work on, and the way back to the file's.
+
+    Python reads a UTF-8 byte order mark, ``\r\n``, ``\r`` and ``\n`` line ends (mixed, even), and
+    indentation that mixes tabs and spaces consistently. libcst keeps neither a lone ``\r`` nor a block
+    whose indentation does not start with the indentation of the block around it (``\t`` under ``" \t"``).
+    ``code`` is the text without the mark, with ``\n`` line ends and, only where libcst needs it, the
+    indentation of statements as spaces (a tab to the next multiple of 8 columns, as Python counts);
+    its lines are the file's lines one for one. :meth:`restore` gives a rewrite of ``code`` the file's mark,
+    line ends and indentation back.
+    """
+
+    code: str
+    original: str  # the text without the mark
+    bom: bool
+    reindented: bool = False
+    statements: frozenset[int] = frozenset()  # where reindented: the lines (from 0) that start statements
+
+    def restore(self, rewritten: str) -> str:
+        """``rewritten`` (a rewrite of :attr:`code`) with the file's mark, line ends and indentation.
+
+        Lines the rewrite kept are the file's own lines; a new or changed line gets the file's first kind
+        of line end, and the file's indentation for the same column where ``code`` was re-indented.
+        """
+        mark = "\ufeff" if self.bom else ""
+        if rewritten == self.code:
+            return mark + self.original
+        if self.code == self.original:
+            return mark + rewritten
+        ends = set(_LINE_END.findall(self.original))
+        if not self.reindented and len(ends) == 1:
+            return mark + rewritten.replace("\n", ends.pop())
+        return mark + self._by_lines(rewritten)
+
+    def _by_lines(self, rewritten: str) -> str:
+        original, ours, theirs = (_LINE.findall(text) for text in (self.original, self.code, rewritten))
+        first_end = _LINE_END.search(self.original)
+        newline = first_end.group() if first_end else "\n"
+        # the column of each statement's indentation in ``code`` and the file's indentation for it
+        columns = {i: len(_indent(ours[i])) for i in self.statements}
+        indents = {i: _indent(original[i]) for i in self.statements}
+
+        def indent_for(column: int, following: int) -> str:
+            """The file's indentation for a new statement at ``column`` before line ``following``: that of
+            its next sibling, else of its previous one, else its parent's and spaces to the column."""
+            for i in range(following, len(ours)):
+                if i in columns and columns[i] <= column:
+                    if columns[i] == column:
+                        return indents[i]
+                    break
+            for i in range(following - 1, -1, -1):
+                if i in columns and columns[i] <= column:
+                    return indents[i] + " " * (column - columns[i])
+            return " " * column
+
+        def as_file(line: str, following: int, replaced: int | None) -> str:
+            body = line.rstrip("\n")
+            end = newline if len(body) < len(line) else ""
+            lead = _indent(body)
+            if not self.reindented or lead.strip(" ") or not body.strip():
+                return body + end
+            if replaced is not None and _indent(ours[replaced]) == lead:
+                return _indent(original[replaced]) + body[len(lead) :] + end
+            return indent_for(len(lead), following) + body[len(lead) :] + end
+
+        lines: list[str] = []
+        matcher = difflib.SequenceMatcher(None, ours, theirs, autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                lines += original[i1:i2]
+                continue
+            paired = tag == "replace" and i2 - i1 == j2 - j1  # a line changed in place (an edited call)
+            for k, line in enumerate(theirs[j1:j2]):
+                lines.append(as_file(line, i2, i1 + k if paired else None))
+        restored = "".join(lines)
+        if self.reindented and not _same_program(restored, rewritten):
+            # the file's indentation could not be carried over consistently: the rewrite's own spaces
+            return rewritten.replace("\n", newline)
+        return restored
+
+
+def source_text(code: str) -> SourceText:
+    """``code`` as the scanner reads it (see :class:`SourceText`); unchanged where Python and libcst agree."""
+    bom = code.startswith("\ufeff")
+    original = code[1:] if bom else code
+    text = _LINE_END.sub("\n", original) if "\r" in original else original
+    reindented = _reindented(text)
+    if reindented is None:
+        return SourceText(text, original, bom)
+    return SourceText(reindented[0], original, bom, reindented=True, statements=reindented[1])
+
+
+def _indent(line: str) -> str:
+    return _LEADING.match(line).group()  # type: ignore[union-attr]  # matches every string
+
+
+def _reindented(code: str) -> tuple[str, frozenset[int]] | None:
+    """``code`` with its statements (and comment lines) indented by spaces, and the lines (from 0) that start
+    statements, when tabs in their indentation are mixed in a way Python accepts and libcst cannot keep;
+    None when there is nothing to do (or Python refuses the code: the scanner then reports Python's own
+    message and line)."""
+    if not _TAB_IN_INDENT.search(code):
+        return None
+    lines = code.split("\n")
+    starts: list[tuple[int, int, bool]] = []  # (row, column, is a statement) of statements and comment lines
+    try:
+        ast.parse(code)
+        previous = tokenize.NEWLINE
+        for token in tokenize.generate_tokens(iter(line + "\n" for line in lines).__next__):
+            row, column = token.start
+            if token.type not in _NOT_A_STATEMENT and previous in _BEFORE_A_STATEMENT:
+                starts.append((row, column, True))
+            elif token.type == tokenize.COMMENT and not lines[row - 1][:column].strip(" \t\f"):
+                starts.append((row, column, False))
+            if token.type not in (tokenize.NL, tokenize.COMMENT):
+                previous = token.type
+    except (SyntaxError, tokenize.TokenError, ValueError, RecursionError, MemoryError):
+        return None
+    if not _libcst_cannot_keep([(lines[row - 1][:column], statement) for row, column, statement in starts]):
+        return None
+    for row, column, _ in starts:
+        lines[row - 1] = " " * _columns(lines[row - 1][:column]) + lines[row - 1][column:]
+    return "\n".join(lines), frozenset(row - 1 for row, _, statement in starts if statement)
+
+
+def _libcst_cannot_keep(indents: list[tuple[str, bool]]) -> bool:
+    """Whether a block's indentation does not start with the indentation of the block around it, or a
+    comment line's is neither a block's nor one of those continued (libcst loses some of those comments).
+
+    ``indents``: the indentation of each statement (True) and comment line (False), in order.
+    """
+    stack = [""]
+    for indent, statement in indents:
+        if not statement:
+            if indent not in stack and not indent.startswith(stack[-1]):
+                return True
+            continue
+        while len(stack) > 1 and _columns(indent) < _columns(stack[-1]):
+            stack.pop()
+        if indent == stack[-1]:
+            continue
+        if _columns(indent) > _columns(stack[-1]) and indent.startswith(stack[-1]):
+            stack.append(indent)
+            continue
+        return True
+    return False
+
+
+def _columns(indent: str) -> int:
+    """The column Python's tokenizer gives ``indent`` (tabs to the next multiple of 8, a form feed resets)."""
+    column = 0
+    for char in indent:
+        column = (column // 8 + 1) * 8 if char == "\t" else 0 if char == "\f" else column + 1
+    return column
+
+
+def _same_program(a: str, b: str) -> bool:
+    try:
+        return ast.dump(ast.parse(a)) == ast.dump(ast.parse(b))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
 
 
 # ---- parsing: Python's check, libcst's tree, the skeleton, positions ---------------------------------------

@@ -6,19 +6,23 @@ wrong encodings, wrong types, paths out of the folder), non-float or non-finite 
 from __future__ import annotations
 
 import json
+import re
 import struct
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loragen import AdapterError, LoraError, load_adapter, merge_and_unload, save_adapter
+from loragen import AdapterError, LoraConfigError, LoraError, load_adapter, merge_and_unload, save_adapter
 from loragen.adapters.offline_merge import merge_checkpoint
 from loragen.cli import main
 from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
 
 DEEP = 100_000  # far past Python's recursion limit
+# ``{"a": "\"\"\"...`` unterminated: a reader that retries a string from every quote takes minutes on it
+ESCAPED_QUOTES = 100_000
 
 
 def _write_raw(path: Path, header: bytes, data: bytes = b"") -> None:
@@ -62,8 +66,10 @@ def _merge_fails(base: Path, adapter: Path, out: Path, capsys, match: str, *flag
         (b"[" * DEEP + b"]" * DEEP, "JSON nested 100000 levels deep"),
         ('{"__metadata__": {"a": "é"}}'.encode("utf-16"), "the file is UTF-16"),
         (b'{"__metadata__": {"a": "\xff"}}', "not UTF-8"),
+        (b'{"a": ' + b"9" * 5000 + b"}", "JSON holds an integer of more than 4300 digits"),
+        (b'{"a": "' + b'\\"' * ESCAPED_QUOTES, "invalid JSON at line 1, column 7: Unterminated string"),
     ],
-    ids=["metadata-list", "metadata-int", "deep", "utf16", "latin1"],
+    ids=["metadata-list", "metadata-int", "deep", "utf16", "latin1", "huge-int", "escaped-quotes"],
 )
 def test_bad_adapter_headers_are_named_by_load_inspect_and_merge(
     files, tmp_path, capsys, header, match
@@ -92,8 +98,9 @@ def test_bad_checkpoint_header_is_named(files, tmp_path, capsys) -> None:
         (b"[" * DEEP + b"]" * DEEP, "JSON nested 100000 levels deep"),
         ('{"peft_type": "LORA"}'.encode("utf-16"), "the file is UTF-16"),
         (b"[1, 2]", "expected a JSON object of peft's fields, got a list"),
+        (b'{"r": ' + b"9" * 5000 + b"}", "JSON holds an integer of more than 4300 digits"),
     ],
-    ids=["deep", "utf16", "list"],
+    ids=["deep", "utf16", "list", "huge-int"],
 )
 def test_bad_adapter_configs_are_named(files, tmp_path, capsys, content, match) -> None:
     base, adapter = files
@@ -101,6 +108,42 @@ def test_bad_adapter_configs_are_named(files, tmp_path, capsys, content, match) 
     with pytest.raises(AdapterError, match="adapter_config.json: " + match):
         load_adapter(TinyNet(), adapter)
     _merge_fails(base, adapter, tmp_path / "out", capsys, match)
+
+
+def test_escaped_quotes_are_refused_at_once_by_every_reader(files, tmp_path, capsys) -> None:
+    _, adapter = files
+    (adapter / "adapter_config.json").write_bytes(b'{"a": "' + b'\\"' * ESCAPED_QUOTES)
+    started = time.perf_counter()
+    with pytest.raises(AdapterError, match=r"adapter_config\.json:1:7: invalid JSON: Unterminated string"):
+        load_adapter(TinyNet(), adapter)
+    assert main(["inspect", str(adapter)]) == 1
+    assert "Unterminated string" in capsys.readouterr().err
+    assert time.perf_counter() - started < 10  # linear: milliseconds; quadratic: minutes
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [
+        ("r", 10**30, "r=1000000000000000000000000000000"),
+        ("r", 2**40, "r=1099511627776"),
+        ("r", 10**4000, "r=an integer of 4001 digits"),
+        ("rank_pattern", {"q": 2**62}, "rank_pattern['q']=4611686018427387904"),
+    ],
+    ids=["r-1e30", "r-2^40", "r-4001-digits", "rank-pattern"],
+)
+def test_a_rank_no_layer_can_have_is_refused_naming_file_and_field(
+    files, tmp_path, capsys, field, value, shown
+):
+    base, adapter = files
+    config = adapter / "adapter_config.json"
+    data = json.loads(config.read_text())
+    data[field] = value
+    config.write_text(json.dumps(data))
+    with pytest.raises(
+        LoraConfigError, match=re.escape(f"adapter_config.json: {shown} is not a usable LoRA rank")
+    ):
+        load_adapter(TinyNet(), adapter)
+    _merge_fails(base, adapter, tmp_path / "out", capsys, f"{shown} is not a usable LoRA rank")
 
 
 def test_a_utf8_bom_in_adapter_config_is_accepted(files) -> None:
@@ -206,6 +249,9 @@ def test_fan_in_fan_out_on_a_square_weight_of_unknown_type_is_refused(files, tmp
     base, adapter = files
     _set_fan_in_fan_out(adapter)
     _merge_fails(base, adapter, tmp_path / "out", capsys, "a square weight [4, 4] with fan_in_fan_out=true")
+    with pytest.raises(LoraError, match=r"shows whether (q|v) is an nn\.Linear") as caught:
+        merge_checkpoint(base, adapter, tmp_path / "out")
+    assert "{" not in str(caught.value)
 
 
 def test_every_refusal_is_a_lora_error(files, tmp_path) -> None:
@@ -213,3 +259,46 @@ def test_every_refusal_is_a_lora_error(files, tmp_path) -> None:
     _set_fan_in_fan_out(adapter)
     with pytest.raises(LoraError):
         merge_checkpoint(base, adapter, tmp_path / "out")
+
+
+# ---- loragen rewrite --config: the same reader -----------------------------------------------------
+
+_MODEL_SOURCE = (
+    "from torch import nn\n\nclass A(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    "        self.q = nn.Linear(2, 2)\n        self.v = nn.Linear(2, 2)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"[" * DEEP + b"]" * DEEP, "adapter_config.json: JSON nested 100000 levels deep"),
+        (
+            b'{"r": ' + b"9" * 5000 + b"}",
+            "adapter_config.json: JSON holds an integer of more than 4300 digits",
+        ),
+        (b'{"a": "' + b'\\"' * ESCAPED_QUOTES, "adapter_config.json:1:7: invalid JSON: Unterminated string"),
+        ('{"r": 4}'.encode("utf-16"), "adapter_config.json: the file is UTF-16"),
+    ],
+    ids=["deep", "huge-int", "escaped-quotes", "utf16"],
+)
+def test_rewrite_config_is_read_like_an_adapter_config(tmp_path, capsys, content, match) -> None:
+    source = tmp_path / "model.py"
+    source.write_text(_MODEL_SOURCE)
+    (tmp_path / "adapter_config.json").write_bytes(content)
+    assert (
+        main(["rewrite", str(source), "--config", str(tmp_path / "adapter_config.json")]) == 1
+    )  # an input error (docs/cli.md)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert match in err, err
+
+
+def test_rewrite_config_accepts_a_utf8_bom_as_load_adapter_does(files, tmp_path, capsys) -> None:
+    _, adapter = files
+    config = adapter / "adapter_config.json"
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+    source = tmp_path / "model.py"
+    source.write_text(_MODEL_SOURCE)
+    assert main(["rewrite", str(source), "--config", str(adapter), "-q"]) == 0
+    assert "self.q = LoraLinear(2, 2, r=2, lora_alpha=4" in capsys.readouterr().out

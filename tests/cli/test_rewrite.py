@@ -110,8 +110,8 @@ def test_a_bad_flag_value_is_a_usage_error_naming_the_range(sources: Path, capsy
     ("args", "message"),
     [
         (["missing.py", "--target-modules", "q"], "missing.py: no such file or folder"),
-        (["{src}/a.py", "--config", "{src}/a.py"], "not valid JSON"),
-        (["{src}/a.py", "--config", "{src}/missing.json"], "missing.json: cannot read"),
+        (["{src}/a.py", "--config", "{src}/a.py"], "invalid JSON"),
+        (["{src}/a.py", "--config", "{src}/missing.json"], "missing.json: cannot be read"),
     ],
 )
 def test_cli_input_errors(sources: Path, capsys, args: list[str], message: str):
