@@ -21,7 +21,7 @@ from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
 from loragen.layers.expert_parameters import lora_parameters_class
-from loragen.plan import LoraPlan, resolve, trained_extras
+from loragen.plan import LoraPlan, resolve, saved_modules
 
 __all__ = [
     "CONFIG_ATTR",
@@ -156,7 +156,7 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
     if config is None:
         config = carried_config(model)
     lora_layers = find_lora_layers(model)
-    saved, bias = trained_extras(config, (path for path, _ in model.named_modules()))
+    saved, bias = saved_modules(config, (path for path, _ in model.named_modules())), config.bias
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in lora_layers.values():
