@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from loragen import validation
 from loragen.errors import LoraConfigError
-from loragen.validation import InitMode, check_alpha, check_dropout, check_flag, check_init, check_rank
+from loragen.validation import InitMode, check_rank
 
 __all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "TargetWarning", "ALL_LINEAR", "FrozenDict"]
 
@@ -208,16 +208,13 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        check_rank(self.r)
-        check_alpha(self.lora_alpha)
-        check_dropout(self.lora_dropout)
+        validation.check_lora_args(
+            self.r, self.lora_alpha, self.lora_dropout, self.use_rslora, self.init_lora_weights
+        )
         if self.bias not in _BIAS_MODES:
             raise LoraConfigError(f"bias={self.bias!r}: expected one of {', '.join(map(repr, _BIAS_MODES))}")
-        check_flag(self.use_rslora, "use_rslora")
-        check_flag(self.fan_in_fan_out, "fan_in_fan_out")
-        check_flag(self.use_dora, "use_dora")
-        check_flag(self.strict_targets, "strict_targets")
-        check_init(self.init_lora_weights)
+        for flag in ("fan_in_fan_out", "use_dora", "strict_targets"):
+            validation.check_flag(getattr(self, flag), flag)
         task = getattr(self.task_type, "value", self.task_type)  # peft's TaskType enum
         if task is not None and task not in TASK_TYPES:
             raise LoraConfigError(

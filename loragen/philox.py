@@ -66,14 +66,8 @@ def _rounds(
 
 
 def philox4x32_10(counter: Tensor, key: Sequence[int]) -> Tensor:
-    """Philox4x32-10 of each counter under one key.
-
-    Args:
-        counter: int64 tensor of shape (..., 4), each word in [0, 2**32).
-        key: two words ``(k0, k1)`` in [0, 2**32).
-
-    Returns:
-        int64 tensor of shape (..., 4), the four output words in [0, 2**32).
+    """Philox4x32-10 of each counter (int64 (..., 4)) under one key ``(k0, k1)``: int64 (..., 4), all
+    words in [0, 2**32).
 
     Raises:
         ValueError: ``counter`` is not int64 with a last dimension of 4, or a key word is out of range.
@@ -91,7 +85,7 @@ def philox4x32_10(counter: Tensor, key: Sequence[int]) -> Tensor:
 
 
 def keep_threshold(p: float) -> int:
-    """The 16-bit threshold for drop probability ``p``: an element is kept when its bits are >= it.
+    """The 16-bit threshold for drop probability ``p`` (an element is kept when its bits are >= it).
 
     Raises:
         ValueError: ``p`` is not in [0, 1).
@@ -165,17 +159,8 @@ def rng_keep_mask(rng: Tensor, start: int, numel: int, threshold: int) -> Tensor
 
 
 def dropout_keep_mask(shape: Sequence[int] | torch.Size, p: float, seed: int, offset: int = 0) -> Tensor:
-    """The keep-mask (True = kept) the CUDA kernels use for a tensor of ``shape``, on the CPU.
-
-    Args:
-        shape: the tensor's shape; elements are numbered in row-major order.
-        p: drop probability in [0, 1).
-        seed: unsigned 64-bit key (see :func:`random_seed`).
-        offset: unsigned 64-bit stream offset (upper counter words); different offsets give
-            independent masks under one seed.
-
-    Returns:
-        bool tensor of ``shape`` on the CPU.
+    """The keep-mask (bool, True = kept, on the CPU) the CUDA kernels use for a tensor of ``shape``, with
+    drop probability ``p`` and unsigned 64-bit ``seed`` and ``offset`` (independent masks per offset).
 
     Raises:
         ValueError: ``p``, ``seed`` or ``offset`` out of range.
