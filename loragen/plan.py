@@ -559,23 +559,21 @@ def _plan_parameters(
             if not hits:
                 continue
             used.update(hits)
-            if not c.path:
-                problems.append(
-                    LoraConversionError(
-                        f"target_parameters selects {key!r}, a parameter of the top-level {c.type_name.rpartition('.')[2]} "
-                        "itself; only parameters of submodules can be adapted"
-                    )
-                )
-            elif len(shape) not in (2, 3):
-                problems.append(
-                    LoraConversionError(
-                        f"target_parameters selects {key} of shape {list(shape)}: only 2-D (out, in) weights "
-                        "and 3-D expert stacks (num_experts, out, in) can take LoRA factors"
-                    )
-                )
-            else:
+            if c.path and len(shape) in (2, 3):
                 r, alpha, _ = _values(config, key)
                 planned.setdefault(c.path, {})[name] = (r, alpha)
+            elif not c.path:
+                problem = (
+                    f"target_parameters selects {key!r}, a parameter of the top-level {c.type_name.rpartition('.')[2]} "
+                    "itself; only parameters of submodules can be adapted"
+                )
+                problems.append(LoraConversionError(problem))
+            else:
+                problem = (
+                    f"target_parameters selects {key} of shape {list(shape)}: only 2-D (out, in) weights "
+                    "and 3-D expert stacks (num_experts, out, in) can take LoRA factors"
+                )
+                problems.append(LoraConversionError(problem))
     if planned:
         selected = [f"{p}.{n}" for p, names in planned.items() for n in names]
         conflict = _parameter_conflict(
