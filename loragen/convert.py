@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TextIO, TypeVar
 
 from torch import nn
@@ -32,6 +32,7 @@ __all__ = [
     "merge_adapter",
     "unmerge_adapter",
     "merge_and_unload",
+    "count_parameters",
     "print_trainable_parameters",
     "set_submodule",
     "add_conversion_hook",
@@ -249,10 +250,15 @@ def merge_and_unload(model: M) -> M:
     return model
 
 
+def count_parameters(params: Iterable[nn.Parameter]) -> tuple[int, int]:
+    """``(trainable, total)`` element counts over ``params``, each shared tensor counted once."""
+    unique = {id(p): p for p in params}.values()
+    return sum(p.numel() for p in unique if p.requires_grad), sum(p.numel() for p in unique)
+
+
 def print_trainable_parameters(model: nn.Module, file: TextIO | None = None) -> tuple[int, int]:
     """Print ``trainable params: T || all params: N || trainable%: P`` (as peft does); return ``(T, N)``."""
-    params = list(model.parameters())  # each shared tensor once
-    trainable, total = sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    trainable, total = count_parameters(model.parameters())
     share = 100.0 * trainable / total if total else 0.0
     print(
         f"trainable params: {trainable:,d} || all params: {total:,d} || trainable%: {share:.4f}",
