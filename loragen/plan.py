@@ -581,8 +581,7 @@ def _plan_parameters(
         )
         if conflict is not None:
             conflicts.append(LoraConfigError(conflict))
-    # a linear's weight named by its full name (all-linear's explicit form for peft): the same adapter, keys and
-    # outputs as a LoRA layer of its type, which it becomes
+    # a linear's weight named by its full name (all-linear's explicit form for peft) makes a LoRA layer of its type
     layers = {c.path: c.layer for c in cands if c.linear and c.layer is not None}
     for path in [p for p, n in planned.items() if list(n) == ["weight"] and p in layers]:
         if f"{path}.weight" in entries:
@@ -638,8 +637,7 @@ def _exclude_what_peft_adds(
     return config.replace(exclude_modules=[*excluded, *left_out])
 
 
-# transformers' checkpoint-conversion families whose experts and router were nn.Linear layers before
-# transformers 5 (peft converts these for all-linear); each family's own model type belongs to it.
+# transformers' conversion families whose experts and router were nn.Linear layers before transformers 5
 _FUSED_FAMILIES = ("mixtral", "qwen2_moe")
 # (parameter entry, how many transformers 4 linears it fuses): the router's weight, the experts' stacks.
 _FUSED_ENTRIES = (("gate.weight", 1), ("gate_up_proj", 2), ("down_proj", 1))
@@ -695,8 +693,7 @@ def _expand_all_linear(
         if path.rpartition(".")[2] in moved and f"{path}.weight" not in entries:
             entries.append(f"{path}.weight")
     ranks, alphas = dict(config.rank_pattern), dict(config.alpha_pattern)
-    # peft warns about a pattern key that matches no targeted *module*, which a parameter's key never is: the
-    # key also names one adapted module (its own value first, so nothing changes for it) to load quietly
+    # peft warns about a pattern key that matches no targeted module: the key also names one adapted module
     anchor = next(
         (p for p in sorted(linear) if p.rpartition(".")[2] not in moved and not _is_excluded(config, p)), None
     )
@@ -715,8 +712,7 @@ def _expand_all_linear(
             alphas.setdefault(key, config.lora_alpha * count)
     conflict = _parameter_conflict(config, str([entry for entry, _ in added]))
     if conflict is None and converts:
-        # named, as peft saves it after its own conversion: a string would make peft convert again when it
-        # loads the adapter, adding a rank key of its own that it then warns matches no module
+        # named, as peft saves it after its own conversion (a string would make peft convert again on load)
         names = sorted({p.rpartition(".")[2] for p in linear if p.rpartition(".")[2] not in moved})
         return config.replace(
             target_modules=names, target_parameters=entries, rank_pattern=ranks, alpha_pattern=alphas

@@ -209,10 +209,7 @@ def refusal_for(module_type: type[nn.Module]) -> str | None:
 
 def spec_for_qualname(qualname: str) -> LayerSpec | None:
     """The spec a qualified name (``"torch.nn.Conv2d"``, ``"transformers.pytorch_utils.Conv1D"``) denotes."""
-    for spec in _specs.values():
-        if qualname in spec.qualnames:
-            return spec
-    return None
+    return next((spec for spec in _specs.values() if qualname in spec.qualnames), None)
 
 
 _by_lora_type: dict[type, LayerSpec | None] = {}
@@ -220,23 +217,16 @@ _by_lora_type: dict[type, LayerSpec | None] = {}
 
 def spec_for_lora_type(lora_type: type) -> LayerSpec | None:
     """The spec whose LoRA class is ``lora_type`` or one of its bases. Cached per class."""
-    if lora_type in _by_lora_type:
-        return _by_lora_type[lora_type]
-    found = None
-    for cls in lora_type.__mro__:
-        found = next(
-            (
-                spec
-                for spec in _specs.values()
-                if spec.lora_class is cls
-                or (spec.lora_class is None and f"{cls.__module__}.{cls.__qualname__}" == spec.lora_qualname)
-            ),
-            None,
-        )
-        if found is not None:
-            break
-    _by_lora_type[lora_type] = found
-    return found
+    if lora_type not in _by_lora_type:
+        found = [
+            spec
+            for cls in lora_type.__mro__
+            for spec in _specs.values()
+            if spec.lora_class is cls
+            or (spec.lora_class is None and f"{cls.__module__}.{cls.__qualname__}" == spec.lora_qualname)
+        ]
+        _by_lora_type[lora_type] = found[0] if found else None
+    return _by_lora_type[lora_type]
 
 
 def supported_type_names() -> list[str]:
