@@ -165,16 +165,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def _load_torch_part() -> None:
-    """Import the torch-backed core: the conversion, the layer types (which register themselves with the
-    registry) and the hook that gives converted transformers models loragen's adapter methods (light: it
-    imports transformers only for a model that is a transformers model already)."""
+    """Import the torch-backed core: the conversion, the layer types (which register themselves) and the
+    hook that gives converted transformers models loragen's adapter methods."""
     import loragen.convert
     import loragen.layers
     import loragen.training.transformers_integration  # noqa: F401
 
 
-# A program that has imported torch already pays nothing for the core: load it now, as it always was, so that
-# ``from loragen.convert import get_lora_model`` finds transformers' adapter methods registered.
+# with torch imported already the core costs nothing: load it now, so transformers' adapter methods are registered
 if "torch" in sys.modules:
     _load_torch_part()
 
@@ -182,8 +180,7 @@ if "torch" in sys.modules:
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        # a subpackage the eager imports used to load (``loragen.layers.LoraLinear`` after ``import loragen``);
-        # ``from loragen import cuda`` inside loragen asks here first too, before importing the submodule
+        # a subpackage (``loragen.layers.LoraLinear`` after ``import loragen``, ``from loragen import cuda``)
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module 'loragen' has no attribute {name!r}")
         return importlib.import_module(f"{__name__}.{name}")

@@ -1,9 +1,6 @@
-"""LoraConfig: the adapter configuration, with peft's field names and semantics.
-
-A :class:`LoraConfig` is validated when it is created; every error names the field and the value and
-says what would be accepted. :meth:`LoraConfig.from_peft` and :meth:`LoraConfig.to_peft` convert to and
-from peft's ``adapter_config.json`` dictionaries. What the fields select in a model is decided by
-:mod:`loragen.plan`, the only reader of the matching fields.
+"""LoraConfig: the adapter configuration, with peft's field names and semantics, validated when it is
+created and converted to and from peft's ``adapter_config.json`` dictionaries. What the fields select in
+a model is decided by :mod:`loragen.plan`.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import Any, Literal
 
 from loragen import validation
 from loragen.errors import LoraConfigError
-from loragen.validation import InitMode, check_alpha, check_dropout, check_flag, check_init, check_rank
+from loragen.validation import InitMode, check_rank
 
 __all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "TargetWarning", "ALL_LINEAR", "FrozenDict"]
 
@@ -62,10 +59,7 @@ _PEFT_UNSUPPORTED_DEFAULTS: Mapping[str, Any] = {
 
 
 class FrozenDict(dict):
-    """A read-only dict: ``rank_pattern`` / ``alpha_pattern`` of a frozen config cannot change under it.
-
-    Unlike ``types.MappingProxyType`` it pickles and deep-copies, so models holding a config do too.
-    """
+    """A read-only dict for ``rank_pattern`` / ``alpha_pattern`` that pickles and deep-copies."""
 
     def _readonly(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("LoraConfig patterns are read-only; use config.replace(rank_pattern=...)")
@@ -86,8 +80,7 @@ class TargetWarning(LoraConfigWarning):
     parameter (``strict_targets=True``: an error)."""
 
 
-# LoraConfig fields of loragen's own: how loragen applies a config, not what the adapter is; to_peft leaves
-# them out (peft would warn about a field it does not know).
+# LoraConfig fields of loragen's own, which to_peft leaves out (peft would warn about them)
 _LORAGEN_ONLY_FIELDS = frozenset({"strict_targets"})
 
 
@@ -129,21 +122,15 @@ def _check_regex(field: str, pattern: str) -> None:
         raise LoraConfigError(f"{field}={pattern!r} is not a valid regular expression: {exc}") from None
 
 
-# peft init schemes that only choose starting values: once a saved adapter's weights are loaded it is a
-# plain LoRA adapter on the unchanged base, trained in both factors, so it loads as init_lora_weights=True.
+# peft init schemes that only choose starting values: a saved adapter loads as init_lora_weights=True
 _VALUES_ONLY_INITS = ("eva", "orthogonal")
-# peft init schemes that change the base model's weights when the adapter is created: the saved factors
-# reproduce the trained model only on those changed weights, which loragen does not have.
+# peft init schemes that change the base model's weights when the adapter is created
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 
 
 def _loaded_init(init: str, source: str) -> bool:
-    """The init mode a saved adapter with peft's ``init_lora_weights=init`` is loaded with.
-
-    Raises:
-        LoraConfigError: the scheme changes what the adapter computes or what trains, which loragen does
-            not reproduce; the message says what to do instead.
-    """
+    """The init mode a saved adapter with peft's ``init_lora_weights=init`` is loaded with, or an error
+    for a scheme loragen does not reproduce."""
     if init in _VALUES_ONLY_INITS:
         return True
     if init.startswith(_BASE_CHANGING_INITS):
@@ -174,8 +161,8 @@ class LoraConfig:
         lora_alpha: default alpha; ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with use_rslora).
         lora_dropout: dropout probability on the LoRA branch's input, ``0 <= p < 1``.
         target_modules: a list of module names (exact path or dotted suffix), a regex string (full match
-            on the module path), ``"all-linear"`` (every Linear / Conv1D except the output head), or None
-            (peft's defaults for the model type, e.g. ``q_proj`` / ``v_proj`` on Llama).
+            on the module path), ``"all-linear"`` (every linear layer except the output head), or None
+            (peft's defaults for the model type).
         exclude_modules: same forms as ``target_modules``; matching modules are never converted.
         modules_to_save: modules trained fully beside the adapter (hybrid mode), saved with it.
         bias: which biases train: ``"none"``, ``"all"``, or ``"lora_only"`` (biases of LoRA layers).
@@ -186,19 +173,15 @@ class LoraConfig:
             module path when ``re.match(rf"(.*\\.)?({pattern})$", path)`` does (first key wins).
         layers_to_transform: only convert modules in these layer indices (with a list ``target_modules``).
         layers_pattern: the name of the layer list (e.g. ``"layers"``, ``"h"``) used to find the index.
-        fan_in_fan_out: the targeted base weights are stored ``(in, out)`` (transformers ``Conv1D``
-            sets this per layer automatically).
-        target_parameters: parameters adapted directly, e.g. MoE experts stored as 3-D parameters, by full
-            name or dotted suffix (``"experts.gate_up_proj"``), as in peft (see :mod:`loragen.layers.expert_parameters`).
-        use_dora: DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude per output
-            feature, ``lora_magnitude_vector`` (see :mod:`loragen.layers.variants`).
+        fan_in_fan_out: the targeted base weights are stored ``(in, out)`` (set per ``Conv1D`` layer).
+        target_parameters: parameters adapted directly (e.g. 3-D MoE expert stacks), by full name or
+            dotted suffix (``"experts.gate_up_proj"``), as in peft.
+        use_dora: DoRA as peft computes it (a trained magnitude per output feature).
         task_type: peft's task type (``"CAUSAL_LM"``, ``"SEQ_CLS"``, ...); as in peft, ``"SEQ_CLS"`` and
             ``"TOKEN_CLS"`` also train the ``classifier`` / ``score`` head and ``"QUESTION_ANS"`` the
-            ``qa_outputs`` head in full (added to ``modules_to_save`` when the config is resolved).
-        strict_targets: an entry of a ``target_modules`` list that matches no module, or of
-            ``target_parameters`` that matches no parameter, is an error
-            (:class:`~loragen.errors.LoraConversionError`) instead of a :class:`TargetWarning`. loragen's own
-            switch: not written to ``adapter_config.json`` (peft has no such field).
+            ``qa_outputs`` head in full.
+        strict_targets: a list entry of ``target_modules`` / ``target_parameters`` that matches nothing
+            is an error instead of a :class:`TargetWarning` (loragen's own; not written for peft).
 
     Raises:
         LoraConfigError: on any invalid value; the message names the field and the value.
@@ -225,16 +208,13 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        check_rank(self.r)
-        check_alpha(self.lora_alpha)
-        check_dropout(self.lora_dropout)
+        validation.check_lora_args(
+            self.r, self.lora_alpha, self.lora_dropout, self.use_rslora, self.init_lora_weights
+        )
         if self.bias not in _BIAS_MODES:
             raise LoraConfigError(f"bias={self.bias!r}: expected one of {', '.join(map(repr, _BIAS_MODES))}")
-        check_flag(self.use_rslora, "use_rslora")
-        check_flag(self.fan_in_fan_out, "fan_in_fan_out")
-        check_flag(self.use_dora, "use_dora")
-        check_flag(self.strict_targets, "strict_targets")
-        check_init(self.init_lora_weights)
+        for flag in ("fan_in_fan_out", "use_dora", "strict_targets"):
+            validation.check_flag(getattr(self, flag), flag)
         task = getattr(self.task_type, "value", self.task_type)  # peft's TaskType enum
         if task is not None and task not in TASK_TYPES:
             raise LoraConfigError(
@@ -285,17 +265,12 @@ class LoraConfig:
                 )
             set_(self, "layers_pattern", _freeze_names("layers_pattern", self.layers_pattern))
 
-    # ---- peft interop -----------------------------------------------------------------------------
-
     def replace(self, **changes: Any) -> LoraConfig:
         """A copy with ``changes`` applied (validated like a new config)."""
         return dataclasses.replace(self, **changes)
 
     def to_peft(self) -> dict[str, Any]:
-        """The ``adapter_config.json`` dictionary peft writes for this configuration.
-
-        ``peft_type`` is ``"LORA"`` and ``inference_mode`` is true, as in a saved peft adapter.
-        """
+        """The ``adapter_config.json`` dictionary peft writes for this configuration."""
         out: dict[str, Any] = {
             "peft_type": "LORA",
             "base_model_name_or_path": None,
@@ -316,12 +291,9 @@ class LoraConfig:
 
     @classmethod
     def from_peft(cls, data: Mapping[str, Any], *, source: str = "adapter_config.json") -> LoraConfig:
-        """Build a config from a peft ``adapter_config.json`` dictionary.
-
-        Metadata fields (``base_model_name_or_path``, ``revision``, ...) are accepted and dropped. peft
-        features loragen does not implement (``lora_bias``, LoftQ, ...) are refused unless they are
-        at their "off" value. Fields loragen does not know at all are reported with a
-        :class:`LoraConfigWarning` naming them.
+        """Build a config from a peft ``adapter_config.json`` dictionary: metadata fields are dropped, peft
+        features loragen does not implement are refused unless "off", unknown fields are reported with a
+        :class:`LoraConfigWarning`.
 
         Raises:
             LoraConfigError: not a LoRA config, an unsupported feature switched on, or an invalid value;

@@ -1,10 +1,6 @@
-"""The runtime path: convert any ``nn.Module`` into a LoRA model, with peft's semantics.
-
-:func:`get_lora_model` replaces the targeted layers in place with LoRA layers that share the base
-weights, freezes everything but the LoRA factors (plus ``modules_to_save`` and biases per ``bias``) and
-returns the same model object. :func:`merge_adapter`, :func:`unmerge_adapter` and
-:func:`merge_and_unload` act on every LoRA layer of a model, whichever way it was made (converted here,
-rewritten by ``loragen rewrite`` or expanded by ``@lora_convert``).
+"""The runtime path: :func:`get_lora_model` converts any ``nn.Module`` in place into a LoRA model, with
+peft's semantics; :func:`merge_adapter`, :func:`unmerge_adapter` and :func:`merge_and_unload` act on every
+LoRA layer of a model, however it was made.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
 from loragen.layers.expert_parameters import lora_parameters_class
-from loragen.plan import LoraPlan, resolve, trained_extras
+from loragen.plan import LoraPlan, resolve, saved_modules
 
 __all__ = [
     "CONFIG_ATTR",
@@ -47,12 +43,9 @@ M = TypeVar("M", bound=nn.Module)
 CONFIG_ATTR = "loragen_config"
 # several named adapters: {name: config}, the model's first adapter first (loragen.adapters.named)
 ADAPTER_CONFIGS_ATTR = "loragen_adapter_configs"
-# called with a model once it holds LoRA layers (end of mark_trainable, end of a successful load_adapter):
-# the layers above register here (transformers' adapter methods), convert cannot import them
+# called with a model once it holds LoRA layers; modules above this layer register here
 _CONVERSION_HOOKS: list[Callable[[nn.Module], None]] = []
-# loragen's own hook modules, imported (by name: they sit above this layer) before the first hooks run, so a
-# program that imported ``loragen.convert`` before torch -- ``import loragen`` then loads lazily -- gets
-# them too
+# loragen's own hook modules, imported by name before the first hooks run
 _BUILTIN_HOOK_MODULES = ("loragen.training.transformers_integration",)
 
 
@@ -84,8 +77,7 @@ def set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def convert_module(module: nn.Module, plan: LoraPlan, path: str) -> LoraLayer:
-    """The LoRA layer the ``plan`` entry for ``path`` makes of ``module``: a LoRA layer of its type, or LoRA
-    on the parameters the entry names (:mod:`loragen.layers.expert_parameters`).
+    """The LoRA layer the ``plan`` entry for ``path`` makes of ``module`` (of its type, or on its parameters).
 
     Raises:
         LoraConversionError: the module's type is not supported, or a per-module value is invalid.
@@ -116,9 +108,8 @@ def apply_plan(model: nn.Module, plan: LoraPlan) -> dict[str, LoraLayer]:
 
 
 def carried_config(model: nn.Module) -> LoraConfig:
-    """The LoRA config ``model`` carries: ``model.loragen_config`` (set by :func:`get_lora_model`,
-    ``load_adapter`` and a decorated class's ``get_lora_model``; a rewritten class's ``LORA_CONFIG``), else the
-    one config its submodules carry (a rewritten class inside a model written by hand).
+    """The LoRA config ``model`` carries (``model.loragen_config``), else the one config its submodules
+    carry.
 
     Raises:
         LoraConversionError: the model carries none, or its submodules carry different ones.
@@ -156,7 +147,7 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
     if config is None:
         config = carried_config(model)
     lora_layers = find_lora_layers(model)
-    saved, bias = trained_extras(config, (path for path, _ in model.named_modules()))
+    saved, bias = saved_modules(config, (path for path, _ in model.named_modules())), config.bias
     for p in model.parameters():
         p.requires_grad_(False)
     for layer in lora_layers.values():
@@ -181,15 +172,10 @@ def mark_trainable(model: nn.Module, config: LoraConfig | None = None) -> None:
 def get_lora_model(model: M, config: LoraConfig) -> M:
     """Convert ``model`` in place into a LoRA model and return it.
 
-    Every module ``config`` targets is replaced by the LoRA layer of its type, sharing the base weight
-    and bias (no copy; a base checkpoint still loads into the model). All parameters are frozen except
-    the LoRA factors, the modules in ``modules_to_save`` (trained fully: hybrid LoRA + full fine-tuning)
-    and the biases selected by ``bias``. The config is kept as ``model.loragen_config`` for saving.
-    What is converted, and the config kept, is :func:`loragen.plan.resolve`'s plan (``all-linear`` on a
-    transformers 5 MoE model also adapts the fused expert parameters and the router, as peft does).
-
-    A model that already contains LoRA layers is refused: loragen keeps one adapter per layer, and
-    stacking a second silently is never what a user meant.
+    Every module ``config`` targets (:func:`loragen.plan.resolve`) is replaced by the LoRA layer of its
+    type, sharing the base weight and bias (a base checkpoint still loads). All parameters are frozen
+    except the LoRA factors, ``modules_to_save`` and the biases ``bias`` selects. The resolved config is
+    kept as ``model.loragen_config``. A model that already contains LoRA layers is refused.
 
     Raises:
         TypeError: ``config`` is neither a :class:`~loragen.config.LoraConfig` nor a peft ``LoraConfig``
@@ -266,16 +252,8 @@ def merge_and_unload(model: M) -> M:
 
 def count_parameters(params: Iterable[nn.Parameter]) -> tuple[int, int]:
     """``(trainable, total)`` element counts over ``params``, each shared tensor counted once."""
-    seen: set[int] = set()
-    trainable = total = 0
-    for p in params:
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel()
-        if p.requires_grad:
-            trainable += p.numel()
-    return trainable, total
+    unique = {id(p): p for p in params}.values()
+    return sum(p.numel() for p in unique if p.requires_grad), sum(p.numel() for p in unique)
 
 
 def print_trainable_parameters(model: nn.Module, file: TextIO | None = None) -> tuple[int, int]:

@@ -1,28 +1,8 @@
 """Every error loragen raises for a user's mistake derives from :class:`LoraError`.
 
-Catch ``loragen.LoraError`` to catch them all, or one of the subclasses below. Each subclass also
-derives from the built-in exception it replaced (``ValueError``, ``TypeError``, ``RuntimeError``), so
-code written against the built-in keeps working. Messages name what was wrong: the module path, config
-field, adapter key or ``file:line``, and what would be accepted.
-
-========================= =================== ==========================================================
-error                      also a              raised when
-========================= =================== ==========================================================
-LoraConfigError            ValueError          a :class:`~loragen.LoraConfig` value is invalid
-LoraConversionError        ValueError          a model cannot be converted as asked (``get_lora_model``)
-LoraMergeError             RuntimeError        a layer cannot be merged exactly (e.g. Embedding max_norm)
-LoraConvertError           TypeError           ``@lora_convert`` cannot expand a class
-ScanError                  ValueError          model source cannot be read by the scanner
-AdapterError               ValueError          an adapter folder cannot be read or does not fit the model
-MergeError                 ValueError          ``loragen merge`` cannot merge an adapter into a checkpoint
-TrainingSetupError         ValueError          a training helper is given a model or option it cannot use
-AdapterNameError           ValueError          a named adapter does not exist (or exists already)
-AdapterMixError            ValueError          ``add_weighted_adapter`` is given adapters it cannot combine
-MixedBatchError            ValueError          ``mixed_batch`` names do not fit the batch or the model
-========================= =================== ==========================================================
-
-One warning: :class:`RequantizationWarning` (a ``UserWarning``), when merging into a quantized weight
-(bitsandbytes 4-bit / 8-bit) rounds the merged weight; its message gives the largest error.
+Catch ``loragen.LoraError`` to catch them all, or one of the subclasses below; each also derives from
+the built-in exception it replaced (``ValueError``, ``TypeError``, ``RuntimeError``). Messages name what
+was wrong (module path, config field, adapter key or ``file:line``) and what would be accepted.
 """
 
 from __future__ import annotations

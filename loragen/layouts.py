@@ -1,8 +1,7 @@
 """Layouts: how a layer type's LoRA factors are named, saved in peft's files, initialised and merged into
-its weight, one class per kind of weight (:class:`PlainLayout`, :class:`TransposedLayout`,
-:class:`EmbeddingLayout`), and how factors line up with a targeted parameter (:class:`ParameterLayout`:
-MoE expert stacks). The registry (:mod:`loragen.registry`) gives each layer type its layout; merges in
-memory and streaming, adapter keys and the layers read the maths from here.
+its weight (:class:`PlainLayout`, :class:`TransposedLayout`, :class:`EmbeddingLayout`), and how factors
+line up with a targeted parameter (:class:`ParameterLayout`: MoE expert stacks). The registry gives each
+layer type its layout.
 """
 
 from __future__ import annotations
@@ -38,12 +37,10 @@ Shape = tuple[int, ...]
 @dataclasses.dataclass(frozen=True)
 class Layout(ABC):
     """How a layer's two LoRA factors are named, stored in peft's files, initialised and merged into its
-    weight. The maths differs per kind of weight, so each kind is a subclass that provides it:
-    :class:`PlainLayout`, :class:`TransposedLayout`, :class:`EmbeddingLayout`.
+    weight; each kind of weight is a subclass.
 
     Attributes:
-        name: the layout's name for messages and :func:`loragen.register_layer` (``"plain"``,
-            ``"transposed"``, ``"embedding"``).
+        name: the layout's name for messages and :func:`loragen.register_layer`.
         factor_names: the attribute names of A and B on a loragen layer.
         peft_suffixes: the key suffixes of A and B in peft's ``adapter_model.safetensors``.
     """
@@ -66,19 +63,12 @@ class Layout(ABC):
 
     @abstractmethod
     def delta_row_factors(self, a: Tensor, b: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        """Two matrices whose product is :meth:`delta_rows`, ``(rows, r)`` and ``(r, -1)``: a caller adds
-        them to a block in place, never materialising the delta (``block.addmm_(*factors, alpha=s)``)."""
-
-    def delta_rows(self, a: Tensor, b: Tensor, start: int, stop: int) -> Tensor:
-        """Rows ``start:stop`` of :meth:`delta` (its first dimension), computed from those rows only:
-        what a streaming merge adds to one block of a stored weight, flattened to ``(rows, -1)``."""
-        left, right = self.delta_row_factors(a, b, start, stop)
-        return left @ right
+        """``(rows, r)`` and ``(r, -1)`` matrices whose product is rows ``start:stop`` of :meth:`delta`
+        flattened, so a streaming merge adds a block in place (``block.addmm_(*factors, alpha=s)``)."""
 
     def init_factors(self, a: Tensor, b: Tensor, r: int, init: InitMode) -> None:
-        """Initialise new factors in place as peft does: ``True``: A kaiming-uniform(a=sqrt(5)), B zeros
-        (the adapter starts as a no-op); ``"gaussian"``: A normal(0, 1/r), B zeros; ``False``: both
-        kaiming-uniform (not a no-op). :class:`EmbeddingLayout` initialises the other way round."""
+        """Initialise new factors in place as peft does: ``True``: A kaiming-uniform(a=sqrt(5)), B zeros;
+        ``"gaussian"``: A normal(0, 1/r), B zeros; ``False``: both kaiming-uniform (not a no-op)."""
         with torch.no_grad():
             if init == "gaussian":
                 nn.init.normal_(a, std=1.0 / r)
@@ -130,7 +120,7 @@ class TransposedLayout(Layout):
 @dataclasses.dataclass(frozen=True)
 class EmbeddingLayout(TransposedLayout):
     """An embedding table ``(num_embeddings, dim)``: A ``(r, num_embeddings)``, B ``(dim, r)``; the update is
-    ``(B @ A)^T``, as for :class:`TransposedLayout`. peft initialises these factors the other way round."""
+    ``(B @ A)^T``."""
 
     def init_factors(self, a: Tensor, b: Tensor, r: int, init: InitMode) -> None:
         """peft's embedding init: A zeros, B normal(0, 1); ``False``: both standard normal."""
@@ -157,18 +147,14 @@ def factor_suffixes() -> Iterator[tuple[str, Layout, int]]:
             yield suffix, layout, index
 
 
-# ---- parameters targeted directly (LoraConfig.target_parameters) ------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class ParameterLayout:
     """How LoRA factors line up with a parameter targeted by ``target_parameters`` (peft's ``ParamWrapper``).
 
-    A 3-D parameter ``(E, d1, d2)`` stacks ``E`` experts. ``"experts"`` stores each expert as an
-    ``F.linear`` weight ``(out, in)`` (transformers' default); ``"experts_transposed"`` as ``(in, out)`` (modules
-    with ``is_transposed = True``, e.g. gpt-oss). A 2-D parameter ``(out, in)`` is one expert. The factors are
-    stored as peft stores them: ``A (r*E, in)`` and ``B (out, r*E)``; expert ``e`` owns rows ``e*r .. e*r+r-1``
-    of A and columns ``e, e+E, e+2E, ...`` of B, so its update is ``B_e @ A_e`` (``(B_e @ A_e)^T`` transposed).
+    A 3-D parameter stacks ``E`` experts, each ``(out, in)`` (``"experts"``) or ``(in, out)``
+    (``"experts_transposed"``: modules with ``is_transposed = True``); a 2-D ``(out, in)`` is one expert.
+    As in peft, ``A (r*E, in)`` and ``B (out, r*E)``: expert ``e`` owns rows ``e*r .. e*r+r-1`` of A and
+    columns ``e, e+E, e+2E, ...`` of B.
 
     Attributes:
         name: ``"experts"`` or ``"experts_transposed"``.

@@ -1,33 +1,20 @@
 """Philox4x32-10 dropout masks with torch operations (any device), bit-identical to the masks loragen's
-CUDA kernels regenerate: loragen's one Python definition of its dropout masks.
+CUDA kernels regenerate in backward: loragen's one Python definition of its dropout masks.
 
-Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11) maps a 128-bit
-counter and a 64-bit key to 128 random bits. It is counter-based: any element's random bits can be
-computed on their own, so a kernel regenerates a dropout mask in backward instead of storing it, and
-this module -- torch operations in int64 arithmetic -- produces exactly the same mask on any device.
-:func:`rng_keep_mask` reads seed and offset from an int64 tensor on the device (as the kernels read
-their ``const u64* rng``), so the CUDA op's torch route draws the kernels' mask without the host ever
-waiting for the device.
+Philox4x32-10 (Salmon et al., SC'11) maps a 128-bit counter and a 64-bit key to 128 random bits.
+:func:`rng_keep_mask` reads seed and offset from an int64 tensor on the device, as the kernels do, so
+the host never waits for the device.
 
 Mask layout (the contract shared with ``kernels/lora_common.cuh``)
 -------------------------------------------------------------------
-For a tensor of ``shape`` with ``numel`` elements, element ``i`` is its row-major flat index (for the
-LoRA input ``x`` of shape (..., in): ``i = row * in + column`` over ``x.reshape(-1, in)``).
+Element ``i`` is the row-major flat index of the tensor (for the LoRA input ``x`` (..., in),
+``i = row * in + column``).
 
 * one Philox call covers 8 consecutive elements: group ``q = i // 8``, lane ``j = i % 8``;
 * counter = ``(q mod 2**32, q >> 32, offset mod 2**32, offset >> 32)``, key = ``(seed mod 2**32,
   seed >> 32)`` (``seed`` and ``offset`` are unsigned 64-bit integers);
-* the call returns four 32-bit words ``w``; lane ``j`` takes the 16 bits
-  ``u = (w[j // 2] >> (16 * (j % 2))) & 0xFFFF``;
-* the element is kept when ``u >= keep_threshold(p)``, where ``keep_threshold(p) = round(p * 65536)``;
-  so the drop probability is ``p`` rounded to a multiple of 2**-16;
-* kept elements are scaled by ``1 / (1 - p)`` (inverted dropout), dropped ones are zero.
-
-Where seeds come from: the CPU ops draw them from torch's default CPU generator (:func:`random_seed`);
-the CUDA op draws seed and offset with one device-side torch RNG op into a tensor its kernels read
-(:func:`loragen.cuda.linear_op.draw_rng`), which keeps CUDA-graph replays fresh. Either way
-``torch.manual_seed`` reproduces a run and ``torch.utils.checkpoint``, which restores the RNG state of
-the devices involved, recomputes the same mask.
+* lane ``j`` takes the 16 bits ``u = (w[j // 2] >> (16 * (j % 2))) & 0xFFFF`` of the output words ``w``;
+* the element is kept when ``u >= keep_threshold(p) = round(p * 65536)``, and scaled by ``1 / (1 - p)``.
 """
 
 from __future__ import annotations
@@ -41,7 +28,6 @@ __all__ = [
     "ELEMENTS_PER_CALL",
     "THRESHOLD_BITS",
     "dropout_keep_mask",
-    "keep_mask_bits",
     "keep_scale",
     "keep_threshold",
     "philox4x32_10",
@@ -60,12 +46,8 @@ _CHUNK_GROUPS = 1 << 18  # groups per vectorised chunk: ~10 MiB of int64 tempora
 
 
 def _mulhilo(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
-    """High and low 32-bit words of ``a * m`` for uint32 values held in int64.
-
-    The int64 product wraps modulo 2**64 with the same low 64 bits as the unsigned 64-bit product, which
-    is exact (both factors are below 2**32), so its words are ``(p >> 32) & 0xFFFFFFFF`` and
-    ``p & 0xFFFFFFFF``.
-    """
+    """High and low 32-bit words of ``a * m`` for uint32 values held in int64 (whose product wraps with
+    the unsigned product's low 64 bits)."""
     p = a * m
     return (p >> 32) & _MASK32, p & _MASK32
 
@@ -73,8 +55,7 @@ def _mulhilo(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
 def _rounds(
     c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, k0: int | Tensor, k1: int | Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The ten Philox rounds on counter words held in int64 tensors; key words ints or int64 tensors
-    (broadcast), all in [0, 2**32)."""
+    """The ten Philox rounds on int64 counter words; key words ints or int64 tensors, all in [0, 2**32)."""
     for round_index in range(10):
         if round_index > 0:
             k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
@@ -85,14 +66,8 @@ def _rounds(
 
 
 def philox4x32_10(counter: Tensor, key: Sequence[int]) -> Tensor:
-    """Philox4x32-10 of each counter under one key.
-
-    Args:
-        counter: int64 tensor of shape (..., 4), each word in [0, 2**32).
-        key: two words ``(k0, k1)`` in [0, 2**32).
-
-    Returns:
-        int64 tensor of shape (..., 4), the four output words in [0, 2**32).
+    """Philox4x32-10 of each counter (int64 (..., 4)) under one key ``(k0, k1)``: int64 (..., 4), all
+    words in [0, 2**32).
 
     Raises:
         ValueError: ``counter`` is not int64 with a last dimension of 4, or a key word is out of range.
@@ -110,7 +85,7 @@ def philox4x32_10(counter: Tensor, key: Sequence[int]) -> Tensor:
 
 
 def keep_threshold(p: float) -> int:
-    """The 16-bit threshold for drop probability ``p``: an element is kept when its bits are >= it.
+    """The 16-bit threshold for drop probability ``p`` (an element is kept when its bits are >= it).
 
     Raises:
         ValueError: ``p`` is not in [0, 1).
@@ -138,10 +113,8 @@ def _check_seed(name: str, value: int) -> int:
 
 
 def rng_tensor(seed: int, offset: int, device: torch.device | str) -> Tensor:
-    """The int64 (2,) tensor holding unsigned 64-bit ``seed`` and ``offset`` as int64 bits, on ``device``.
-
-    Made with two fills (the values travel as kernel arguments): no host-to-device copy, so no wait for
-    the device and nothing a CUDA-graph capture refuses.
+    """The int64 (2,) tensor holding unsigned 64-bit ``seed`` and ``offset`` as int64 bits, on ``device``,
+    made by two fills (no host-to-device copy, which a CUDA-graph capture would refuse).
 
     Raises:
         ValueError: ``seed`` or ``offset`` is not an unsigned 64-bit integer.
@@ -156,10 +129,9 @@ def rng_tensor(seed: int, offset: int, device: torch.device | str) -> Tensor:
 
 
 def rng_keep_mask(rng: Tensor, start: int, numel: int, threshold: int) -> Tensor:
-    """Flat elements ``start .. start + numel - 1`` of the keep-mask (the layout in the module docstring)
-    for (seed, offset) = ``rng`` (int64 (2,), :func:`rng_tensor`), bool on ``rng``'s device; ``threshold``
-    is :func:`keep_threshold` of p. Seed and offset are read on the device, never by the host; every
-    constant is made there too (no host-to-device copy)."""
+    """Flat elements ``start .. start + numel - 1`` of the keep-mask for (seed, offset) = ``rng`` (int64
+    (2,), :func:`rng_tensor`), bool on ``rng``'s device; ``threshold`` is :func:`keep_threshold` of p.
+    Seed and offset are read on the device, never by the host."""
     device = rng.device
     if threshold == 0:
         return torch.ones(numel, dtype=torch.bool, device=device)
@@ -187,17 +159,8 @@ def rng_keep_mask(rng: Tensor, start: int, numel: int, threshold: int) -> Tensor
 
 
 def dropout_keep_mask(shape: Sequence[int] | torch.Size, p: float, seed: int, offset: int = 0) -> Tensor:
-    """The keep-mask (True = kept) the CUDA kernels use for a tensor of ``shape``, on the CPU.
-
-    Args:
-        shape: the tensor's shape; elements are numbered in row-major order.
-        p: drop probability in [0, 1).
-        seed: unsigned 64-bit key (see :func:`random_seed`).
-        offset: unsigned 64-bit stream offset (upper counter words); different offsets give
-            independent masks under one seed.
-
-    Returns:
-        bool tensor of ``shape`` on the CPU.
+    """The keep-mask (bool, True = kept, on the CPU) the CUDA kernels use for a tensor of ``shape``, with
+    drop probability ``p`` and unsigned 64-bit ``seed`` and ``offset`` (independent masks per offset).
 
     Raises:
         ValueError: ``p``, ``seed`` or ``offset`` out of range.
@@ -205,26 +168,6 @@ def dropout_keep_mask(shape: Sequence[int] | torch.Size, p: float, seed: int, of
     threshold = keep_threshold(p)
     size = torch.Size(shape)
     return rng_keep_mask(rng_tensor(seed, offset, "cpu"), 0, size.numel(), threshold).view(size)
-
-
-def keep_mask_bits(numel: int, keep_prob: float, seed: int, offset: int = 0) -> Tensor:
-    """The same mask packed into bits, as :mod:`loragen.ops` stores masks: element ``i`` is bit
-    ``i % 8`` of byte ``i // 8``, the byte count padded to whole 64-bit words (uint8, CPU).
-
-    ``keep_prob`` is ``1 - p``.
-
-    Raises:
-        ValueError: ``keep_prob`` not in (0, 1], or ``seed``/``offset`` out of range.
-    """
-    if not 0.0 < keep_prob <= 1.0:
-        raise ValueError(
-            f"loragen.philox.keep_mask_bits: keep_prob={keep_prob!r}; expected 0 < keep_prob <= 1"
-        )
-    keep = dropout_keep_mask((numel,), 1.0 - keep_prob, seed, offset)
-    padded = torch.zeros((numel + 63) // 64 * 64, dtype=torch.bool)
-    padded[:numel] = keep
-    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.int64)
-    return (padded.view(-1, 8).to(torch.int64) * weights).sum(-1).to(torch.uint8)
 
 
 def random_seed(generator: torch.Generator | None = None) -> int:

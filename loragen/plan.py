@@ -1,27 +1,14 @@
 """The one place a :class:`~loragen.config.LoraConfig`'s matching rules are read: config + model -> plan.
 
-:func:`resolve` interprets ``target_modules`` (names, a regex, ``"all-linear"``, or None: peft's
-per-architecture defaults), ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``,
-``rank_pattern`` / ``alpha_pattern``, ``target_parameters``, ``modules_to_save``, ``bias`` and
-``task_type`` against a model, and returns a :class:`LoraPlan`: per module path the layer kind, rank,
-alpha, scaling and variant, what else trains, and the config the converted model keeps and saves. It
-raises every error up front and changes nothing; :mod:`loragen.convert` applies plans.
+:func:`resolve` interprets the config's target, exclusion, layer, pattern, parameter, bias and task fields
+against a model and returns a :class:`LoraPlan` (per module path: layer kind, rank, alpha, scaling and
+variant; what else trains; the config the converted model keeps). It raises every error up front and
+changes nothing; :mod:`loragen.convert` applies plans. The rules work on :class:`Candidate` descriptions,
+so the source rewriter asks :func:`resolve_candidates` the same questions about source text. The functions
+at the end answer questions about module paths read from an adapter file.
 
-The rules work on :class:`Candidate` descriptions of modules, not on live modules, so the source rewriter
-(which reads source text) asks :func:`resolve_candidates` the same questions and gets the same answers.
-The functions at the end answer the questions asked of a config for module paths read from an adapter
-file (loading, saving, offline merging, summaries).
-
-``all-linear`` means every linear layer (``nn.Linear``, transformers ``Conv1D``, registered linear types)
-except the output head, as in peft. On a transformers 5 MoE model whose experts and router were linear
-layers before (the ``mixtral`` / ``qwen2_moe`` conversion families in transformers' table), peft 0.21 also
-targets the fused expert parameters and the router weight, ``gate_up_proj`` (two linears fused) at twice
-the rank and alpha; the plan does the same, and its config lists them for peft. peft finds the family in
-transformers' table, which names ``qwen2_moe`` only as the family of others: peft leaves Qwen2-MoE's own
-experts out, loragen adapts them and the saved config names them, so peft loads the same layers.
-
-A targeted parameter is selected by its full name (``<module path>.<name>``) or a dotted suffix, among a
-module's own parameters (peft's rule; ``exclude_modules`` and ``layers_to_transform`` do not apply).
+``all-linear`` follows peft 0.21, including on transformers 5 MoE models of the ``mixtral`` /
+``qwen2_moe`` conversion families, where it also adapts the fused expert parameters and the router.
 """
 
 from __future__ import annotations
@@ -41,8 +28,8 @@ from loragen.validation import InitMode
 if TYPE_CHECKING:
     from torch import nn
 
-# torch, the registry and the layers are imported where a live model is described: the source rewriter
-# asks the same rules about source text without importing torch.
+# torch, the registry and the layers are imported only where a live model is described (the rewriter
+# runs without torch)
 
 __all__ = [
     "Candidate",
@@ -53,18 +40,14 @@ __all__ = [
     "candidates_of",
     "entry_for",
     "saved_modules",
-    "trained_extras",
     "embedding_targeted",
     "targets_parameters_of",
     "fused_expert_parameters",
     "max_rank",
-    "default_target_modules",
 ]
 
 _SHOWN = 20
 _SHOWN_PARAMETERS = 12
-
-# ---- peft's per-architecture defaults (target_modules=None) and task heads -----------------------------
 
 # model_type -> the modules peft adapts when target_modules is None (peft's
 # TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, peft/utils/constants.py)
@@ -99,14 +82,6 @@ _TASK_HEADS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def default_target_modules(model_type: str | None) -> str | tuple[str, ...] | None:
-    """The modules peft adapts on a ``model_type`` model when ``target_modules`` is None (None: no default)."""
-    return None if model_type is None else _DEFAULT_TARGETS.get(model_type)
-
-
-# ---- the matching rules ---------------------------------------------------------------------------------
-
-
 def _name_matches(names: str | Sequence[str], path: str) -> bool:
     """peft's rule: a string is a full-match regex; a list matches a name exactly or as a dotted suffix."""
     if isinstance(names, str):
@@ -123,8 +98,7 @@ def _pattern_value(patterns: Mapping[str, Any], path: str, default: Any) -> Any:
 
 
 def _is_excluded(config: LoraConfig, path: str) -> bool:
-    """``exclude_modules`` or ``modules_to_save`` rule ``path`` out (a module to save trains in full, so
-    neither it nor anything inside it gets an adapter)."""
+    """``exclude_modules`` or ``modules_to_save`` (trained in full, with all inside it) rule ``path`` out."""
     excluded = config.exclude_modules
     if excluded is not None and _name_matches(excluded, path):
         return True
@@ -132,7 +106,7 @@ def _is_excluded(config: LoraConfig, path: str) -> bool:
 
 
 def _layer_index(config: LoraConfig, path: str) -> int | None:
-    """The layer index of ``path`` as peft finds it (the first numbered segment after a layer list)."""
+    """The layer index of ``path`` as peft finds it."""
     patterns = config.layers_pattern
     if not patterns:
         m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)
@@ -149,10 +123,8 @@ def _matches(config: LoraConfig, path: str, targets: str | Sequence[str]) -> boo
     """Whether ``targets`` (the config's, or one entry of its list) selects ``path``, with peft's rules."""
     if _is_excluded(config, path):
         return False
-    if isinstance(targets, str):
-        return re.fullmatch(targets, path) is not None
-    if path in targets:
-        return True  # a module named by its exact path is taken whatever layers_to_transform says (as peft)
+    if isinstance(targets, str) or path in targets:  # an exact path ignores layers_to_transform (as peft)
+        return _name_matches(targets, path)
     if not _name_matches(targets, path):
         return False
     layers = config.layers_to_transform
@@ -169,9 +141,6 @@ def _values(config: LoraConfig, path: str) -> tuple[int, float, float]:
     return r, alpha, alpha / (math.sqrt(r) if config.use_rslora else r)
 
 
-# ---- the plan -------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """A module the rules may select, described without the module itself.
@@ -179,8 +148,7 @@ class Candidate:
     Attributes:
         path: its dotted module path.
         layer: the qualified name of its type when loragen can adapt it, else None.
-        linear: whether it counts as linear for ``all-linear``.
-        output_head: whether it is the model's output head (``all-linear`` leaves it out).
+        linear / output_head: whether it counts as linear for ``all-linear`` / is the output head.
         type_name: its type's qualified name, for messages.
         refusal: why loragen never adapts its type, or None.
         torch_linear: whether it is a plain ``nn.Linear`` (peft's ``all-linear`` takes every one).
@@ -222,14 +190,8 @@ class PlanEntry:
 
     def layer_kwargs(self) -> dict[str, Any]:
         """The keywords of ``LoraLayer.from_module`` (and ``add_factors``) for this entry."""
-        return {
-            "r": self.r,
-            "lora_alpha": self.lora_alpha,
-            "lora_dropout": self.lora_dropout,
-            "use_rslora": self.use_rslora,
-            "init_lora_weights": self.init_lora_weights,
-            "use_dora": self.use_dora,
-        }
+        names = ("r", "lora_alpha", "lora_dropout", "use_rslora", "init_lora_weights", "use_dora")
+        return {name: getattr(self, name) for name in names}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,18 +199,17 @@ class LoraPlan:
     """A config interpreted against a model (or a description of its modules).
 
     Attributes:
-        config: the config the converted model keeps and saves: ``all-linear`` made explicit for peft
-            where it differs (MoE expert parameters, linears loragen leaves out), defaults resolved.
+        config: the config the converted model keeps and saves (defaults resolved, ``all-linear`` made
+            explicit for peft where it differs).
         entries: ``{module path: PlanEntry}`` in module order.
         modules_to_save: paths of the modules trained in full beside the adapter (and saved whole).
         bias: which biases train (``"none"``, ``"all"``, ``"lora_only"``).
-        unmatched: entries of a ``target_modules`` list that select no module (peft converts with the
-            others), or the whole regex / ``"all-linear"`` string when it selects nothing.
+        unmatched: entries of a ``target_modules`` list that select no module, or the whole string.
         unmatched_parameters: entries of ``target_parameters`` that select no parameter.
         refused: targeted modules of types loragen never adapts, ``"path (type): why"``.
         unsupported: targeted modules of types loragen cannot adapt, ``"path (type)"``.
-        problems: errors found before the targets are matched (targeted parameters that cannot be adapted).
-        conflicts: errors of what the targets select (a config that cannot adapt parameters, a module
+        problems: errors found before the targets are matched.
+        conflicts: errors of what the targets select (parameters the config cannot adapt, a module
             targeted twice).
     """
 
@@ -317,10 +278,10 @@ def resolve(
     """Interpret ``config`` against ``model``; change nothing.
 
     ``further``: plan a further named adapter on a model that may hold LoRA layers already (they are
-    targets too; nothing inside them is); otherwise a model with LoRA layers is refused. ``optional``: a
-    model in which the config targets nothing gets an empty plan instead of an error (a sub-model).
-    An entry of a ``target_modules`` list (or of ``target_parameters``) that matches nothing while others
-    do is reported with a :class:`~loragen.config.TargetWarning` per entry (peft is silent there).
+    targets too; nothing inside them is); otherwise a model with LoRA layers is refused. ``optional``: an
+    empty plan instead of an error when nothing is targeted (a sub-model). A list entry of
+    ``target_modules`` or ``target_parameters`` that matches nothing while others do gets a
+    :class:`~loragen.config.TargetWarning`.
 
     Raises:
         LoraConversionError: the model already has LoRA layers; ``target_modules`` is None and peft has no
@@ -459,10 +420,8 @@ def resolve_candidates(
 ) -> LoraPlan:
     """Interpret ``config`` against module descriptions; never raises for what it finds (the plan lists it).
 
-    ``model_type`` (``config.model_type`` of a transformers model) gives peft's default targets when
-    ``target_modules`` is None; ``moe`` (``(family, peft converts it)`` for a transformers 5 MoE model of the
-    ``"mixtral"`` / ``"qwen2_moe"`` families, whose experts were linears) makes ``all-linear`` adapt the
-    fused expert parameters as peft does.
+    ``model_type`` gives peft's default targets when ``target_modules`` is None; ``moe`` (``(family, peft
+    converts it)`` for a transformers 5 MoE model) makes ``all-linear`` adapt the fused expert parameters.
 
     Raises:
         LoraConfigError: ``all-linear`` adds expert parameters this config cannot adapt on a family peft
@@ -491,9 +450,7 @@ def resolve_candidates(
             unsupported.append(f"{c.path} ({c.type_name})" if c.type_name else c.path)
         else:
             module_entries[c.path] = _entry(config, c.path, c.layer)
-    parameter_entries, as_modules, unused, problems, conflicts = _plan_parameters(
-        config, cands, module_entries
-    )
+    parameter_entries, as_modules, unused, problems, conflicts = _plan_parameters(config, cands)
     module_entries.update((p, e) for p, e in as_modules.items() if p not in module_entries)
     both = sorted(set(parameter_entries) & set(module_entries))
     if both:
@@ -520,11 +477,10 @@ def resolve_candidates(
 
 
 def _with_defaults(config: LoraConfig, model_type: str | None) -> tuple[LoraConfig, LoraError | None]:
-    """``config`` with peft's default targets for ``model_type`` when ``target_modules`` is None, or the
-    error that there are none."""
+    """``config`` with peft's default targets when ``target_modules`` is None, or the error that there are none."""
     if config.target_modules is not None or config.target_parameters:
         return config, None
-    defaults = default_target_modules(model_type)
+    defaults = _DEFAULT_TARGETS.get(model_type or "")
     if defaults is None:
         known = (
             f"model type {model_type!r} has none"
@@ -584,7 +540,7 @@ def _selected(entries: Iterable[str], key: str) -> list[str]:
 
 
 def _plan_parameters(
-    config: LoraConfig, cands: Sequence[Candidate], modules: Mapping[str, PlanEntry]
+    config: LoraConfig, cands: Sequence[Candidate]
 ) -> tuple[dict[str, PlanEntry], dict[str, PlanEntry], tuple[str, ...], list[LoraError], list[LoraError]]:
     """``({path: entry of its targeted parameters}, {path: entry of a linear adapted as a module},
     unused entries, problems, conflicts)``."""
@@ -603,23 +559,21 @@ def _plan_parameters(
             if not hits:
                 continue
             used.update(hits)
-            if not c.path:
-                problems.append(
-                    LoraConversionError(
-                        f"target_parameters selects {key!r}, a parameter of the top-level {c.type_name.rpartition('.')[2]} "
-                        "itself; only parameters of submodules can be adapted"
-                    )
-                )
-            elif len(shape) not in (2, 3):
-                problems.append(
-                    LoraConversionError(
-                        f"target_parameters selects {key} of shape {list(shape)}: only 2-D (out, in) weights "
-                        "and 3-D expert stacks (num_experts, out, in) can take LoRA factors"
-                    )
-                )
-            else:
+            if c.path and len(shape) in (2, 3):
                 r, alpha, _ = _values(config, key)
                 planned.setdefault(c.path, {})[name] = (r, alpha)
+            elif not c.path:
+                problem = (
+                    f"target_parameters selects {key!r}, a parameter of the top-level {c.type_name.rpartition('.')[2]} "
+                    "itself; only parameters of submodules can be adapted"
+                )
+                problems.append(LoraConversionError(problem))
+            else:
+                problem = (
+                    f"target_parameters selects {key} of shape {list(shape)}: only 2-D (out, in) weights "
+                    "and 3-D expert stacks (num_experts, out, in) can take LoRA factors"
+                )
+                problems.append(LoraConversionError(problem))
     if planned:
         selected = [f"{p}.{n}" for p, names in planned.items() for n in names]
         conflict = _parameter_conflict(
@@ -627,8 +581,7 @@ def _plan_parameters(
         )
         if conflict is not None:
             conflicts.append(LoraConfigError(conflict))
-    # a linear's weight named by its full name (all-linear's explicit form for peft): the same adapter, keys and
-    # outputs as a LoRA layer of its type, which it becomes
+    # a linear's weight named by its full name (all-linear's explicit form for peft) makes a LoRA layer of its type
     layers = {c.path: c.layer for c in cands if c.linear and c.layer is not None}
     for path in [p for p, n in planned.items() if list(n) == ["weight"] and p in layers]:
         if f"{path}.weight" in entries:
@@ -639,9 +592,7 @@ def _plan_parameters(
 
 
 def _parameter_conflict(config: LoraConfig, selected: str) -> str | None:
-    """Why ``config`` cannot adapt parameters (``selected`` names what it selects), or None when it can:
-    LoRA on a parameter adds a weight update, so it has no input to drop out, no DoRA and no
-    ``fan_in_fan_out`` (peft refuses all three too)."""
+    """Why ``config`` cannot adapt the parameters ``selected`` names (as peft refuses), or None."""
     if config.lora_dropout:
         return (
             f"target_parameters selects {selected} with lora_dropout={config.lora_dropout!r}: LoRA on a parameter "
@@ -662,15 +613,11 @@ def _parameter_conflict(config: LoraConfig, selected: str) -> str | None:
     return None
 
 
-# ---- all-linear made explicit for peft ----------------------------------------------------------------
-
-
 def _exclude_what_peft_adds(
     config: LoraConfig, cands: Sequence[Candidate], linear: Collection[str]
 ) -> LoraConfig:
     """``config`` with the ``nn.Linear`` modules loragen's ``all-linear`` leaves out and peft's takes
-    (``nn.MultiheadAttention.out_proj``, whose weight is read without calling it) in ``exclude_modules``:
-    saved with the adapter, peft's ``all-linear`` then adapts the same modules."""
+    (``nn.MultiheadAttention.out_proj``) in ``exclude_modules``, so peft adapts the same modules."""
     left_out = [
         c.path
         for c in cands
@@ -690,8 +637,7 @@ def _exclude_what_peft_adds(
     return config.replace(exclude_modules=[*excluded, *left_out])
 
 
-# transformers' checkpoint-conversion families whose experts and router were nn.Linear layers before
-# transformers 5 (peft converts these for all-linear); each family's own model type belongs to it.
+# transformers' conversion families whose experts and router were nn.Linear layers before transformers 5
 _FUSED_FAMILIES = ("mixtral", "qwen2_moe")
 # (parameter entry, how many transformers 4 linears it fuses): the router's weight, the experts' stacks.
 _FUSED_ENTRIES = (("gate.weight", 1), ("gate_up_proj", 2), ("down_proj", 1))
@@ -704,25 +650,19 @@ _MOVED_NAMES = {
 
 def _moe_family(model: nn.Module) -> tuple[str, bool] | None:
     """``(family, peft converts it)`` for a transformers 5 MoE model of the ``mixtral`` / ``qwen2_moe``
-    conversion families, else None. peft looks the model type up in transformers' table, to which it adds
-    ``mixtral`` only: Qwen2-MoE's own model type is not converted by peft 0.21."""
+    conversion families, else None. peft finds the family in transformers' table, which names
+    ``qwen2_moe`` only as the family of others: peft 0.21 leaves Qwen2-MoE itself unconverted."""
     model_type = _model_type(model) if "transformers" in sys.modules else None
-    table = _table_family(model_type)
-    family = model_type if model_type in _FUSED_FAMILIES else table
-    if family is None:
-        return None
-    return family, model_type == "mixtral" or table is not None
-
-
-def _table_family(model_type: str | None) -> str | None:
     if model_type is None:
         return None
     try:
         from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN as table
-    except ImportError:  # a transformers without the table (4.x) has no fused experts either
-        return None
-    family = table.get(model_type)
-    return family if family in _FUSED_FAMILIES else None
+    except ImportError:  # a transformers without the table (4.x)
+        table = {}
+    listed = table.get(model_type)
+    listed = listed if listed in _FUSED_FAMILIES else None
+    family = model_type if model_type in _FUSED_FAMILIES else listed
+    return None if family is None else (family, model_type == "mixtral" or listed is not None)
 
 
 def _expand_all_linear(
@@ -730,14 +670,10 @@ def _expand_all_linear(
 ) -> LoraConfig:
     """``config`` with the parameters peft's ``all-linear`` adds on a fused-family MoE model made explicit.
 
-    Each fused entry found on a module outside ``linear`` joins ``target_parameters``; one fusing ``k``
-    linears gets ``rank_pattern`` / ``alpha_pattern`` entries ``r * k`` / ``lora_alpha * k`` under the key
-    peft writes (``.*\\.gate_up_proj``), after the user's own keys; the key also names one adapted linear,
-    preceded by a key of its own with its own values, since peft warns about a key that matches no adapted
-    module (a parameter is none). Where peft's conversion moves linears
-    of :data:`_MOVED_NAMES` to parameters, their weights are listed by full name too (loragen still adapts
-    them as modules, with the same keys). A config that cannot adapt parameters is refused, or, on a model
-    type peft's own conversion leaves alone (Qwen2-MoE), returned unchanged with a warning.
+    Each fused entry joins ``target_parameters``; one fusing ``k`` linears gets ``rank_pattern`` /
+    ``alpha_pattern`` values ``r * k`` / ``lora_alpha * k`` under peft's key (``.*\\.gate_up_proj``).
+    Linears peft's conversion moves to parameters (:data:`_MOVED_NAMES`) are listed by full name. A config
+    that cannot adapt parameters is refused, or, where peft does not convert (Qwen2-MoE), warned about.
     """
     found: dict[str, int] = {}
     for c in cands:
@@ -757,8 +693,7 @@ def _expand_all_linear(
         if path.rpartition(".")[2] in moved and f"{path}.weight" not in entries:
             entries.append(f"{path}.weight")
     ranks, alphas = dict(config.rank_pattern), dict(config.alpha_pattern)
-    # peft warns about a pattern key that matches no targeted *module*, which a parameter's key never is: the
-    # key also names one adapted module (its own value first, so nothing changes for it) to load quietly
+    # peft warns about a pattern key that matches no targeted module: the key also names one adapted module
     anchor = next(
         (p for p in sorted(linear) if p.rpartition(".")[2] not in moved and not _is_excluded(config, p)), None
     )
@@ -768,9 +703,7 @@ def _expand_all_linear(
             entries.append(entry)
         if count > 1 and rf".*\.{entry}" not in ranks:  # peft's own key (a folder peft wrote) stands
             key = rf".*\.{entry}"
-            if (
-                anchor is not None
-            ):  # the anchor's key is a prefix of the other: first in any order, sorted too
+            if anchor is not None:  # the anchor's own key first (in any order, sorted too)
                 own = f"(?:{re.escape(anchor)})"
                 ranks.setdefault(own, anchor_r)
                 alphas.setdefault(own, anchor_alpha)
@@ -779,8 +712,7 @@ def _expand_all_linear(
             alphas.setdefault(key, config.lora_alpha * count)
     conflict = _parameter_conflict(config, str([entry for entry, _ in added]))
     if conflict is None and converts:
-        # named, as peft saves it after its own conversion: a string would make peft convert again when it
-        # loads the adapter, adding a rank key of its own that it then warns matches no module
+        # named, as peft saves it after its own conversion (a string would make peft convert again on load)
         names = sorted({p.rpartition(".")[2] for p in linear if p.rpartition(".")[2] not in moved})
         return config.replace(
             target_modules=names, target_parameters=entries, rank_pattern=ranks, alpha_pattern=alphas
@@ -802,12 +734,9 @@ def _expand_all_linear(
     )
 
 
-# ---- questions asked of a saved adapter's config, for module paths read from its file ----------------------
-
-
 def entry_for(config: LoraConfig, path: str) -> PlanEntry:
-    """The plan entry ``config`` gives the module (or ``<module>.<parameter>``) at ``path`` of an adapter
-    file: its rank, alpha, scaling and variant (whether or not the config's targets select it)."""
+    """The plan entry ``config`` gives the module (or ``<module>.<parameter>``) at ``path``, whether or not
+    its targets select it."""
     return _entry(config, path, None)
 
 
@@ -815,19 +744,12 @@ def saved_modules(config: LoraConfig, paths: Iterable[str]) -> tuple[str, ...]:
     """The module ``paths`` that ``modules_to_save`` names (exact name or dotted suffix): trained in full
     and saved whole."""
     names = tuple(config.modules_to_save or ())
-    return tuple(p for p in paths if p and names and _name_matches(names, p)) if names else ()
-
-
-def trained_extras(config: LoraConfig, paths: Iterable[str]) -> tuple[tuple[str, ...], BiasMode]:
-    """What trains beside the LoRA factors of a model whose module paths are ``paths``: the modules to
-    save (:func:`saved_modules`) and which biases (``"none"``, ``"all"``: every parameter named ``bias``,
-    ``"lora_only"``: the LoRA layers' biases)."""
-    return saved_modules(config, paths), config.bias
+    return tuple(p for p in paths if p and _name_matches(names, p)) if names else ()
 
 
 def embedding_targeted(config: LoraConfig, paths: Iterable[str], names: Collection[str]) -> bool:
-    """Whether ``target_modules`` selects a module whose last name is one of ``names`` (the embedding layer
-    names peft checks for ``save_embedding_layers="auto"``); never under ``all-linear``."""
+    """Whether ``target_modules`` (not ``all-linear``) selects a module whose last name is in ``names``
+    (peft's check for ``save_embedding_layers="auto"``)."""
     targets = config.target_modules
     if targets == ALL_LINEAR or targets is None:
         return False
@@ -837,15 +759,14 @@ def embedding_targeted(config: LoraConfig, paths: Iterable[str], names: Collecti
 
 
 def targets_parameters_of(config: LoraConfig, module: str) -> bool:
-    """Whether ``target_parameters`` selects a parameter of the module at ``module`` (by the parameter
-    names its entries end in: a file records modules, not which of their parameters were adapted)."""
+    """Whether ``target_parameters`` selects a parameter of ``module`` (by the names its entries end in)."""
     entries = config.target_parameters or ()
     return any(_selected(entries, f"{module}.{entry.rpartition('.')[2]}") for entry in entries)
 
 
 def fused_expert_parameters(config: LoraConfig, names: Iterable[str]) -> tuple[str, ...]:
-    """Which of ``names`` (``Class.attribute`` of parameters a source file declares) ``all-linear`` adapts
-    as fused expert stacks when the file's model is a transformers 5 MoE model, as peft does."""
+    """Which of ``names`` (``Class.attribute`` of declared parameters) ``all-linear`` adapts as fused expert
+    stacks on a transformers 5 MoE model, as peft does."""
     if config.target_modules != ALL_LINEAR:
         return ()
     fused = {entry for entry, _ in _FUSED_ENTRIES if "." not in entry}

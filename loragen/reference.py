@@ -1,15 +1,7 @@
-"""peft's compositions in plain autograd: the references every fast op is checked against, and what runs
-where no fast op does (see :func:`loragen.ops.fused.fallback_reason` and
-:func:`loragen.cuda.unsupported_reason`).
-
-The LoRA term ``scaling * B A dropout(x)`` is written once, in :func:`lora_term`; the compositions built
-on it are the LoRA linear (:func:`lora_linear_reference`), the term added onto a base output computed
-elsewhere (:func:`lora_branch_reference`, quantized bases) and DoRA (:func:`dora_linear_reference`, with
-its row norm :func:`dora_weight_norm`). Each fast op of :mod:`loragen.ops` and :mod:`loragen.cuda` writes
-its own hand-derived forward and backward once, and is held to these.
-
-With ``keep`` (the dropout keep-mask the fast op drew), the same composition reproduces a fast op's
-dropout exactly; tests hold every op of :mod:`loragen.ops` to it (tests/ops/test_against_reference.py).
+"""peft's compositions in plain autograd: the references every fast op of :mod:`loragen.ops` and
+:mod:`loragen.cuda` is held to, and what runs where no fast op does. The LoRA term ``scaling * B A
+dropout(x)`` is written once, in :func:`lora_term`. With ``keep`` (the keep-mask a fast op drew), each
+composition reproduces that op's dropout exactly.
 """
 
 from __future__ import annotations
@@ -60,12 +52,10 @@ def lora_linear_reference(
     fan_in_fan_out: bool = False,
     keep: Tensor | None = None,
 ) -> Tensor:
-    """Plain-autograd LoRA linear, composed as peft composes it (``F.linear`` and ``F.dropout``).
+    """Plain-autograd LoRA linear, composed as peft composes it; the sum in the base result's dtype.
 
     Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, bias (out,) or None,
-    lora_A (r, in), lora_B (out, r) -> (..., out). The LoRA branch runs in the adapter's dtype and the
-    sum is cast back to the base result's dtype. ``keep`` (bool, x's shape) fixes the dropout mask
-    (:func:`lora_dropout`).
+    lora_A (r, in), lora_B (out, r) -> (..., out).
     """
     result = F.linear(x, weight.t() if fan_in_fan_out else weight, bias)
     return (result + lora_term(x, lora_A, lora_B, scaling, dropout_p, training, keep=keep)).to(result.dtype)
@@ -82,12 +72,8 @@ def lora_term(
     keep: Tensor | None = None,
     dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """The LoRA term of a linear layer, ``scaling * B A dropout(x)``, as peft computes it: x cast to the
-    adapter's dtype, dropout (only when ``training``) on the term's input alone; ``keep`` fixes the mask
-    (:func:`lora_dropout`).
-
-    ``dtype``: cast the product ``B A dropout(x)`` to it *before* scaling, peft's order for a term added
-    onto a base output it did not compute (quantized bases); None scales in the adapter's dtype.
+    """The LoRA term of a linear layer, ``scaling * B A dropout(x)``, as peft computes it (x cast to the
+    adapter's dtype). ``dtype``: cast the product to it *before* scaling, peft's order for quantized bases.
 
     Shapes: x (..., in), lora_A (r, in), lora_B (out, r) -> (..., out) in the adapter's dtype (or ``dtype``).
     """
@@ -109,9 +95,8 @@ def lora_branch_reference(
     *,
     keep: Tensor | None = None,
 ) -> Tensor:
-    """The LoRA term added onto a base output computed elsewhere, as peft does for quantized bases:
-    ``base + (B A dropout(x)).to(base.dtype) * scaling`` (:func:`lora_term`; a new tensor, ``base``
-    untouched). ``keep`` (bool, x's shape) fixes the dropout mask.
+    """``base + (B A dropout(x)).to(base.dtype) * scaling``, as peft adds the term onto a quantized base's
+    output (a new tensor).
 
     Shapes: base (..., out), x (..., in), lora_A (r, in), lora_B (out, r) -> (..., out) in base's dtype.
     """
@@ -146,13 +131,10 @@ def dora_linear_reference(
     result: Tensor | None = None,
     keep: Tensor | None = None,
 ) -> Tensor:
-    """peft's DoRA composition in plain autograd ops (any device, any dtype mix): with ``c = m / ||W + s B
-    A||`` per output (detached, :func:`dora_weight_norm`), ``y = result + (c - 1) * base + c * lora * s``,
-    where ``base`` is ``dropout(x) W^T`` with dropout (``x W^T`` without) and ``lora = B A dropout(x)``.
-
-    ``result`` is the base layer's own output ``x W^T + b`` when the caller has computed it (a base with
-    its own forward); otherwise it is computed here. The LoRA branch runs in lora_A's dtype, as in peft.
-    ``keep`` (bool, x's shape) fixes the dropout mask (:func:`lora_dropout`).
+    """peft's DoRA composition in plain autograd: with ``c = m / ||W + s B A||`` per output (detached),
+    ``y = result + (c - 1) * base + c * lora * s``, where ``base`` is ``dropout(x) W^T`` (``x W^T``
+    without dropout) and ``lora = B A dropout(x)`` in lora_A's dtype. ``result``: the base layer's own
+    output ``x W^T + b`` when the caller has it.
 
     Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, bias (out,) or None,
     lora_A (r, in), lora_B (out, r), magnitude (out,) -> (..., out) in ``result``'s dtype.

@@ -1,19 +1,9 @@
-"""The registry: every fact loragen knows per layer type, in one table.
+"""The registry: every fact loragen knows per layer type, in one table of :class:`LayerSpec`.
 
-A :class:`LayerSpec` says, for one base layer type (``torch.nn.Linear``, transformers' ``Conv1D``, a
-user's own layer):
-
-* how a module or a constructor call is matched: the qualified names of the base type (the decorator and
-  the rewriter match calls by qualified name; the runtime converter by type), and whether subclasses of
-  the base type are converted too;
-* which LoRA class replaces it, by importable qualified name (generated code imports it from there);
-* the :class:`~loragen.layouts.Layout` of its LoRA factors: their attribute names, peft's key suffixes,
-  their init and how the update ``B @ A`` lines up with the stored base weight (:mod:`loragen.layouts`);
-* whether it counts as a linear layer for ``target_modules="all-linear"``.
-
-:mod:`loragen.layers.registration` registers loragen's own types when :mod:`loragen.layers` is imported;
-:func:`loragen.register_layer` adds a user's. Everything else (conversion, the decorator, the rewriter,
-adapter save/load, ``loragen merge``, ``loragen inspect``, sibling fusion) reads these facts from here.
+A spec says how a base layer type is matched (by type, or by qualified name in source), which LoRA class
+replaces it, the :class:`~loragen.layouts.Layout` of its factors, and whether it counts as linear for
+``all-linear``. :mod:`loragen.layers.registration` registers loragen's own types;
+:func:`loragen.register_layer` adds a user's.
 """
 
 from __future__ import annotations
@@ -26,7 +16,6 @@ from functools import cache
 
 from torch import nn
 
-# the layouts are defined in loragen.layouts; re-exported here, where every per-type fact is looked up
 from loragen.layouts import (
     EMBEDDING,
     EXPERTS,
@@ -78,11 +67,9 @@ class LayerSpec:
         aliases: other qualified names the base type is reachable under (its defining module, re-exports).
         layout: the LoRA factors' names, peft key suffixes and merge layout.
         linear: whether the layer counts as "linear" for ``target_modules="all-linear"``.
-        subclasses: whether subclasses of the base type are converted too (their own ``forward`` computes
-            the base output); otherwise only the exact type matches.
-        lora_class: the LoRA class itself, when it is already imported (saves the import by name).
-        base_class: the base class itself, for types that cannot be imported by name (defined in a
-            function, or in ``__main__`` of another process).
+        subclasses: whether subclasses of the base type are converted too; otherwise only the exact type.
+        lora_class: the LoRA class itself, when it is already imported.
+        base_class: the base class itself, for types that cannot be imported by name.
     """
 
     base_qualname: str
@@ -110,11 +97,8 @@ class LayerSpec:
         return self.lora_qualname.rpartition(".")[0]
 
     def base_type(self) -> type[nn.Module] | None:
-        """The base class, or None when its package is not installed or not imported yet.
-
-        A package that is not imported cannot have built any module to convert, so looking a module up
-        never pays for importing, say, transformers.
-        """
+        """The base class, or None when its package is not installed or not imported yet (so a look-up
+        never imports, say, transformers)."""
         if self.base_class is not None:
             return self.base_class
         if self.base_qualname.partition(".")[0] not in sys.modules:
@@ -135,13 +119,6 @@ class LayerSpec:
                 f"the LoRA class {self.lora_qualname} for {self.base_qualname} cannot be imported"
             )
         return found
-
-    def matches(self, module: nn.Module) -> bool:
-        """Whether this spec converts ``module``: its exact type, or a subclass when :attr:`subclasses`."""
-        base = self.base_type()
-        if base is None:
-            return False
-        return type(module) is base or (self.subclasses and isinstance(module, base))
 
 
 @cache
@@ -232,35 +209,24 @@ def refusal_for(module_type: type[nn.Module]) -> str | None:
 
 def spec_for_qualname(qualname: str) -> LayerSpec | None:
     """The spec a qualified name (``"torch.nn.Conv2d"``, ``"transformers.pytorch_utils.Conv1D"``) denotes."""
-    for spec in _specs.values():
-        if qualname in spec.qualnames:
-            return spec
-    return None
+    return next((spec for spec in _specs.values() if qualname in spec.qualnames), None)
 
 
 _by_lora_type: dict[type, LayerSpec | None] = {}
 
 
 def spec_for_lora_type(lora_type: type) -> LayerSpec | None:
-    """The spec whose LoRA class is ``lora_type`` or one of its bases (LoRA classes made for
-    subclasses of a base type derive from that type's LoRA class). Cached per class."""
-    if lora_type in _by_lora_type:
-        return _by_lora_type[lora_type]
-    found = None
-    for cls in lora_type.__mro__:
-        found = next(
-            (
-                spec
-                for spec in _specs.values()
-                if spec.lora_class is cls
-                or (spec.lora_class is None and f"{cls.__module__}.{cls.__qualname__}" == spec.lora_qualname)
-            ),
-            None,
-        )
-        if found is not None:
-            break
-    _by_lora_type[lora_type] = found
-    return found
+    """The spec whose LoRA class is ``lora_type`` or one of its bases. Cached per class."""
+    if lora_type not in _by_lora_type:
+        found = [
+            spec
+            for cls in lora_type.__mro__
+            for spec in _specs.values()
+            if spec.lora_class is cls
+            or (spec.lora_class is None and f"{cls.__module__}.{cls.__qualname__}" == spec.lora_qualname)
+        ]
+        _by_lora_type[lora_type] = found[0] if found else None
+    return _by_lora_type[lora_type]
 
 
 def supported_type_names() -> list[str]:

@@ -1,10 +1,6 @@
-"""Access to the non-Python files loragen ships: Jinja templates, CUDA kernel templates, and the C and
-C++ sources it compiles on first use (the CPU dropout kernels, the CUDA op's C++ host path).
-
-In the repository they live in the top-level ``templates/`` and ``kernels/`` folders; in a wheel (and an
-editable install) they are the resource packages ``loragen._templates`` and ``loragen._kernels``. Always
-read them through this module so that code works the same from a checkout and from an installed wheel.
-:func:`build_library` compiles a C or C++ source into the kernel cache (:func:`kernel_cache_dir`).
+"""The non-Python files loragen ships (Jinja templates, CUDA kernel templates, C and C++ sources), read
+the same from a checkout (``templates/``, ``kernels/``) and from a wheel (``loragen._templates``,
+``loragen._kernels``), and :func:`build_library`, which compiles a C or C++ source into the kernel cache.
 """
 
 from __future__ import annotations
@@ -71,9 +67,8 @@ def list_kernels() -> list[str]:
 
 
 def kernel_cache_dir() -> Path:
-    """Where compiled kernels (CUDA cubins, the CPU kernels' library) are cached:
-    ``$LORAGEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/loragen/kernels``, else
-    ``~/.cache/loragen/kernels``. Not created here."""
+    """Where compiled kernels are cached: ``$LORAGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/loragen/kernels``,
+    else ``~/.cache/loragen/kernels``. Not created here."""
     explicit = os.environ.get("LORAGEN_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
@@ -91,9 +86,8 @@ def build_library(
     key: Sequence[str] = (),
 ) -> Path:
     """``source`` compiled into ``folder/<stem>.<hash>.so`` with ``command`` (the compiler and its flags),
-    or the cached library from an earlier build of the same source, command, compiler version and ``key``
-    (whatever else the build depends on). The build runs in a temporary folder beside the target and is
-    moved into place atomically: a reader sees the whole library or none.
+    or the cached build of the same source, command, compiler version and ``key``. The library is moved
+    into place atomically.
 
     Raises:
         RuntimeError: the compiler failed (its messages' tail in the text).

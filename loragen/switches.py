@@ -1,8 +1,7 @@
-"""loragen's process-wide switches (not per thread, as torch's own global flags). Each is a :class:`Switch`
-named like what it turns on: its value starts from ``LORAGEN_<NAME>`` (``LORAGEN_FUSED=0``; booleans take
+"""loragen's process-wide switches. Each :class:`Switch` starts from ``LORAGEN_<NAME>`` (booleans take
 ``1/0``, ``true/false``, ``on/off``, ``yes/no``) or its default, is read with ``switches.<name>.get()`` and
-changed for a block with ``with switches.<name>.using(value):`` (restored afterwards). A value that is not
-understood raises :class:`ValueError` naming the variable.
+changed for a block with ``with switches.<name>.using(value):``. A value not understood raises
+:class:`ValueError` naming the variable.
 
 ================= ================= ======================================================================
 switch             values            what it controls
@@ -14,8 +13,6 @@ cpu_kernel_variant "auto"/"avx512"/  which build of those kernels: the best the 
 cuda_kernels       "check"/"trust"/  loragen's CUDA kernels: checked against the torch path on first use
                    "torch"           (default), used unchecked, or never used (the torch path instead)
 ================= ================= ======================================================================
-
-Example: ``with switches.fused.using(False): loss = model(x).sum()`` compares against peft's composition.
 """
 
 from __future__ import annotations
@@ -34,20 +31,13 @@ _FALSE = ("0", "false", "off", "no")
 
 
 class Switch(Generic[T]):
-    """A process-wide setting with an environment default.
+    """A process-wide setting named ``name``, read from ``LORAGEN_<NAME>`` or ``default``; ``choices`` are
+    the accepted values of a string switch (``()`` for a boolean one)."""
 
-    Args:
-        name: the switch's name; its environment variable is ``LORAGEN_<NAME>``.
-        default: the value when the environment does not set one.
-        choices: the accepted values of a string switch (``()`` for a boolean switch).
-        doc: one line saying what the switch controls.
-    """
-
-    def __init__(self, name: str, default: T, choices: tuple[str, ...] = (), doc: str = "") -> None:
+    def __init__(self, name: str, default: T, choices: tuple[str, ...] = ()) -> None:
         self.name = name
         self.default: T = default
         self.choices = choices
-        self.doc = doc
         self._value: T | None = None
 
     @property
@@ -99,21 +89,8 @@ class Switch(Generic[T]):
         return f"Switch({self.name}={self.get()!r}, env {self.env_var})"
 
 
-fused: Switch[bool] = Switch(
-    "fused", True, doc="LoRA linears run loragen's fused op (False: peft's composition)"
-)
-cpu_kernels: Switch[bool] = Switch(
-    "cpu_kernels", True, doc="the compiled kernels (AVX-512 or AVX2 builds) of the CPU dropout path"
-)
-cpu_kernel_variant: Switch[str] = Switch(
-    "cpu_kernel_variant",
-    "auto",
-    ("auto", "avx512", "avx2"),  # loragen.ops.cpu_kernels.VARIANTS, best first
-    doc="which build of the compiled CPU dropout kernels: chosen by the CPU, or forced",
-)
-cuda_kernels: Switch[str] = Switch(
-    "cuda_kernels",
-    "check",
-    ("check", "trust", "torch"),
-    doc="CUDA kernels: self-checked on first use, trusted unchecked, or replaced by the torch path",
-)
+fused: Switch[bool] = Switch("fused", True)
+cpu_kernels: Switch[bool] = Switch("cpu_kernels", True)
+# the choices of loragen.ops.cpu_kernels.VARIANTS, best first
+cpu_kernel_variant: Switch[str] = Switch("cpu_kernel_variant", "auto", ("auto", "avx512", "avx2"))
+cuda_kernels: Switch[str] = Switch("cuda_kernels", "check", ("check", "trust", "torch"))

@@ -1,7 +1,5 @@
-"""Checks of LoRA hyperparameters, written once: :class:`~loragen.LoraConfig` and every LoRA layer's
-constructor call these, so a bad value gets the same message whichever way it comes in.
-
-Each check raises :class:`~loragen.errors.LoraConfigError` naming the field and the value, and says what
+"""Checks of LoRA hyperparameters, shared by :class:`~loragen.LoraConfig` and every LoRA layer's
+constructor; each raises :class:`~loragen.errors.LoraConfigError` naming the field, the value and what
 would be accepted.
 """
 
@@ -69,7 +67,7 @@ def check_init(value: Any, field: str = "init_lora_weights") -> InitMode:
 def check_lora_args(
     r: Any, lora_alpha: Any, lora_dropout: Any, use_rslora: Any, init_lora_weights: Any
 ) -> None:
-    """Check the per-layer LoRA arguments every LoRA layer takes (the same fields as the config)."""
+    """Check the LoRA arguments every LoRA layer takes (the same fields as the config)."""
     check_rank(r)
     check_alpha(lora_alpha)
     check_dropout(lora_dropout)
@@ -78,12 +76,7 @@ def check_lora_args(
 
 
 def check_parameter_targets(value: Any) -> tuple[str, ...] | None:
-    """``target_parameters``: None or a list of parameter names (peft's form; no regex string), as a tuple.
-
-    What a parameter cannot take (``lora_dropout``, ``use_dora``, ``fan_in_fan_out``) is refused where an
-    entry selects a parameter (:mod:`loragen.plan`), as peft refuses it: a config whose entries select
-    nothing in a model (peft's own ``all-linear`` writes such entries) loads as peft loads it.
-    """
+    """``target_parameters``: None or a list of parameter names (no regex string, as in peft), as a tuple."""
     field = "target_parameters"
     if value is None:
         return None

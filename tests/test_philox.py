@@ -100,17 +100,6 @@ def test_no_dropout_keeps_everything():
     assert philox.keep_threshold(0.1) == 6554 and philox.keep_scale(0.5) == 2.0
 
 
-def test_keep_mask_bits_packs_like_ops():
-    numel, p, seed = 1001, 0.2, 77
-    packed = philox.keep_mask_bits(numel, 1.0 - p, seed)
-    assert packed.dtype == torch.uint8 and packed.numel() == (numel + 63) // 64 * 8
-    unpacked = ((packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).bool().reshape(-1)[:numel]
-    assert torch.equal(unpacked, philox.dropout_keep_mask((numel,), p, seed))
-    ops = pytest.importorskip("loragen.ops")
-    if hasattr(ops, "unpack_keep_mask"):
-        assert torch.equal(ops.unpack_keep_mask(packed, numel), unpacked)
-
-
 def test_random_seed_follows_torch_manual_seed():
     torch.manual_seed(5)
     first = [philox.random_seed() for _ in range(3)]
@@ -132,8 +121,6 @@ def test_bad_seed_offset_and_inputs():
         philox.dropout_keep_mask((3,), 0.5, seed=-1)
     with pytest.raises(ValueError, match=r"offset=18446744073709551616; expected an unsigned 64-bit"):
         philox.dropout_keep_mask((3,), 0.5, seed=1, offset=2**64)
-    with pytest.raises(ValueError, match=r"keep_prob=0.0; expected 0 < keep_prob <= 1"):
-        philox.keep_mask_bits(8, 0.0, seed=1)
     with pytest.raises(ValueError, match=r"counter must be int64 of shape \(\.\.\., 4\)"):
         philox.philox4x32_10(torch.zeros(2, 3, dtype=torch.int64), (0, 0))
     with pytest.raises(ValueError, match=r"key words must be in \[0, 2\*\*32\)"):

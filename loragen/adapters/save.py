@@ -33,7 +33,7 @@ from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter, key_prefix
 from loragen.layers.expert_parameters import LoraParametersLayer, scaling_owners
-from loragen.plan import embedding_targeted, entry_for, trained_extras
+from loragen.plan import embedding_targeted, entry_for, saved_modules
 from loragen.registry import TRANSPOSED
 
 __all__ = ["adapter_config_for", "adapter_state_dict", "save_adapter"]
@@ -178,7 +178,7 @@ def adapter_state_dict(
         for attr, suffix in adapter_factors(layer, name).peft_key_suffixes().items():
             wanted[f"{PEFT_PREFIX}{path}.{suffix}"] = f"{owner}{attr}"
 
-    saved, bias = trained_extras(config, (path for path, _ in model.named_modules()))
+    saved, bias = saved_modules(config, (path for path, _ in model.named_modules())), config.bias
     if bias == "all":  # as peft: every state-dict entry named "bias"
         for name in full:
             if name == "bias" or name.endswith(".bias"):

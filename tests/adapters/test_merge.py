@@ -311,4 +311,3 @@ def test_row_blocks_of_every_layout_add_up_to_its_delta(
         stop = min(start + block, delta.shape[0])
         left, right = lay.delta_row_factors(a, b, start, stop)
         torch.testing.assert_close(left @ right, delta[start:stop].flatten(1))
-        torch.testing.assert_close(lay.delta_rows(a, b, start, stop), delta[start:stop].flatten(1))
