@@ -1,26 +1,10 @@
 """``@lora_convert``: generate explicit LoRA conversion code for a class from its source.
 
-The Python counterpart of candle-lora's ``#[replace_layer_fields]`` + ``#[derive(AutoLoraConvert)]``:
-the decorator reads the class's source with the libcst scanner (:mod:`loragen.source.scan`), renders the
-class's expansion (:mod:`loragen.source.expansion`, ``templates/decorator.py.j2``), compiles it and
-attaches it to the class:
-
-* ``get_lora_model(self, config=LORA_CONFIG)``: converts each targeted layer field with an explicit
-  ``LoraLinear.from_module(self.q_proj, **plan.entries[path].layer_kwargs())``, from the plan
-  :func:`loragen.plan.resolve` makes of the model (the one the runtime path applies); child modules of decorated
-  classes run their own generated code, all others go through the runtime path. The result equals
-  :func:`loragen.get_lora_model` on the same model (same layers, parameters, trainable set), and the
-  model keeps its config as ``model.loragen_config`` (so ``loragen.mark_trainable(model)`` needs none);
-* ``get_tensors()``: the LoRA factors under peft's adapter keys;
-* ``merge_weights()`` / ``unmerge_weights()``;
-* ``lora_fields`` (what the scanner found), ``lora_unresolved`` (what it could not resolve) and
-  ``__lora_source__``: the generated Python, exactly the code that runs. The decorator's config is a
-  literal in it (``LORA_CONFIG = LoraConfig(...)``), and it has branches only for the fields that config
-  targets.
-
-It works on classes of other packages too (``lora_convert(LlamaAttention)``): the class's module file is
-scanned so that its imports resolve. A class without retrievable source (made by ``exec`` or typed into a
-REPL) is refused with an error pointing to the runtime path.
+The decorator scans the class's module file (:mod:`loragen.source.scan`), renders its expansion
+(:mod:`loragen.source.expansion`), compiles it and attaches ``get_lora_model``, ``get_tensors``,
+``merge_weights`` and ``unmerge_weights`` to the class, with ``lora_fields``, ``lora_unresolved`` and
+``__lora_source__`` (the generated code, exactly what runs). ``get_lora_model`` gives what
+:func:`loragen.get_lora_model` gives on the same model (docs/ways-in.md).
 """
 
 from __future__ import annotations
@@ -185,7 +169,6 @@ def _scan_class(cls: type) -> tuple[ClassScan, ScanResult]:
 def _scan_file(
     filename: str, text: str, module: str, package: str | None, registered: tuple[LayerSpec, ...]
 ) -> ScanResult:
-    """Scans are cached by file content and the registered layer types (which the scanner matches):
-    decorating several classes of one file parses it once."""
+    """Cached by file content and registered layer types: several classes of one file parse it once."""
     del registered  # part of the cache key only
     return scan_source(text, filename=filename, module=module, package=package)

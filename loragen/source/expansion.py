@@ -1,14 +1,8 @@
 """The Python that :func:`loragen.lora_convert` generates for a class, rendered from
-``templates/decorator.py.j2``.
+``templates/decorator.py.j2``; every decision is made here.
 
-Every decision is made here: one branch per layer field (attribute and layer type) that the code
-converts explicitly, the imports it needs, the config literal, the comments that list what the scanner
-found. A field gets no branch (the runtime path converts it when a config targets it) when:
-
-* the decorator's config does not target it under any placement of the class in its file;
-* it is nested deeper than one container (``blocks.0.proj``);
-* its base type or its LoRA class cannot be imported by name (defined inside a function, or its name is
-  taken by another import of the generated code).
+A layer field gets an explicit branch unless the decorator's config does not target it, it is nested
+deeper than one container, or its classes cannot be imported by name; the runtime path converts the rest.
 """
 
 from __future__ import annotations

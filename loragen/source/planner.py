@@ -1,10 +1,8 @@
-"""What a rewrite changes in one scanned file, and the rewritten code.
+"""What a rewrite changes in one scanned file, and the rewritten code: :class:`RewritePlanner`.
 
-:class:`RewritePlanner` decides, for every layer constructor call the scanner followed, whether the config
-targets it (:mod:`loragen.source.targets`) and with which LoRA class and keywords (:mod:`loragen.source.codegen`);
-which classes record the config (``loragen_config = LORA_CONFIG``) and which get the transformers init hook;
-which imports the file needs (:mod:`loragen.source.codegen`). It reports what cannot be rewritten as errors
-(with ``file:line``) and changes nothing then.
+It decides which constructor calls the config targets and with which LoRA class and keywords, which classes
+record the config and get the transformers init hook, and which imports the file needs; what cannot be
+rewritten is reported as errors with ``file:line``, and nothing changes then.
 """
 
 from __future__ import annotations
@@ -57,10 +55,6 @@ _CLASS = re.compile(r"class\s+(\w+)\b")
 _PARAMETER = re.compile(r"\s+self\.(\w+)\s*(?::[^=]+)?=\s*(?:torch\.)?(?:nn\.)?Parameter\(")
 
 
-def _method(node: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-    return next((s for s in node.body.body if isinstance(s, cst.FunctionDef) and s.name.value == name), None)
-
-
 class RewritePlanner:
     """Plans and applies the rewrite of one scanned file (see the module docstring).
 
@@ -87,13 +81,15 @@ class RewritePlanner:
         self.edits: dict[cst.Call, tuple[str | None, dict[str, str], str | None]] = {}
         self.rewritten: list[RewrittenCall] = []
         self.derived: dict[str, str] = {}  # layer subclass of the file -> the name its LoRA class gets
-        self.auto_classes: dict[
-            str, str
-        ] = {}  # LoRA auto class -> the auto class (LoraAutoModel -> AutoModel)
+        # LoRA auto class -> the auto class (LoraAutoModel -> AutoModel)
+        self.auto_classes: dict[str, str] = {}
         self.factory_edits: dict[cst.Call, str] = {}  # AutoModel.from_config(...) call -> LoraAutoModel
 
     def _error(self, line: int, message: str) -> None:
         self.errors.append(Diagnostic(self.filename, line, message))
+
+    def _warn(self, line: int, message: str) -> None:
+        self.warnings.append(Diagnostic(self.filename, line, message))
 
     def run(self) -> RewriteResult:
         """The rewritten code and what was done; the input unchanged when there are errors."""
@@ -103,16 +99,11 @@ class RewritePlanner:
         self._warn_non_layer_targets()
         self._refuse_fused_experts()
         if self.config.target_parameters:  # parameters have no constructor call to swap: say so, keep none
-            self.warnings.append(
-                Diagnostic(
-                    self.filename,
-                    1,
-                    (
-                        f"target_parameters={list(self.config.target_parameters)} is not written into the source (a "
-                        "parameter has no constructor call to swap) and is left out of LORA_CONFIG; adapt those "
-                        "parameters with loragen.get_lora_model or @lora_convert on the original classes"
-                    ),
-                )
+            self._warn(
+                1,
+                f"target_parameters={list(self.config.target_parameters)} is not written into the source (a "
+                "parameter has no constructor call to swap) and is left out of LORA_CONFIG; adapt those "
+                "parameters with loragen.get_lora_model or @lora_convert on the original classes",
             )
         self._plan_factories()
         active = bool(self.rewritten or self.auto_classes)
@@ -157,10 +148,12 @@ class RewritePlanner:
         owners = {f.owner for call in self.edits for f in self.scanned.calls[call]}
         owners.update(self.scanned.factories[call].owner for call in self.factory_edits)
         targets: set[cst.CSTNode] = set(classes)
-        for owner in owners:
-            init = _method(nodes[owner], "__init__") if owner in nodes else None
-            if init is not None:
-                targets.add(init)
+        for owner in owners & nodes.keys():
+            targets.update(
+                s
+                for s in nodes[owner].body.body
+                if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"
+            )
         found: set[cst.FunctionDef] = set()
 
         def walk(body: Sequence[cst.CSTNode]) -> bool:
@@ -188,14 +181,11 @@ class RewritePlanner:
             if not factory.is_lora:
                 self.factory_edits[call] = factory.lora_name
             own = ", ".join(self._own_models()) or "none holds LoRA layers"
-            self.warnings.append(
-                Diagnostic(
-                    self.filename,
-                    factory.location.line,
-                    f"{factory.owner}.{factory.path} = {factory.auto_class}.from_config(...) builds transformers' own "
-                    f"class; rewritten to {factory.lora_name}, which builds this file's LoRA class for its config ({own}) "
-                    "and converts a class of another file when built (target_modules matched inside it)",
-                )
+            self._warn(
+                factory.location.line,
+                f"{factory.owner}.{factory.path} = {factory.auto_class}.from_config(...) builds transformers' own "
+                f"class; rewritten to {factory.lora_name}, which builds this file's LoRA class for its config ({own}) "
+                "and converts a class of another file when built (target_modules matched inside it)",
             )
 
     def _own_models(self) -> list[str]:
@@ -238,20 +228,17 @@ class RewritePlanner:
             if d.error:
                 self._error(f.location.line, d.error)
             if d.warning:
-                self.warnings.append(Diagnostic(self.filename, f.location.line, d.warning))
+                self._warn(f.location.line, d.warning)
         if any(d.error for _, d in decisions):
             return
         chosen = [(f, d) for f, d in decisions if d.targeted]
         if not chosen:
             if any(f.is_lora for f in fields):
                 f = fields[0]
-                self.warnings.append(
-                    Diagnostic(
-                        self.filename,
-                        f.location.line,
-                        f"{f.owner}.{f.pattern} is already a LoRA layer but is not targeted by this config; "
-                        "left as it is",
-                    )
+                self._warn(
+                    f.location.line,
+                    f"{f.owner}.{f.pattern} is already a LoRA layer but is not targeted by this config; "
+                    "left as it is",
                 )
             return
         field, decision = chosen[0]
@@ -327,7 +314,7 @@ class RewritePlanner:
         config_classes: set[cst.ClassDef] = set()
         for name in sorted(holders):
             node = nodes.get(name)
-            if node is None or self._inherits(name, holders):
+            if node is None or self.targets.ancestors(name) & holders:
                 continue
             current = config_attribute(node)
             if current is None:
@@ -340,21 +327,6 @@ class RewritePlanner:
                     f"(loragen_config = {CONFIG_NAME}): remove that line first",
                 )
         return hooks, config_classes
-
-    def _inherits(self, name: str, holders: set[str]) -> bool:
-        """Whether class ``name`` derives (through the file's classes) from another class of ``holders``."""
-        seen: set[str] = set()
-        scan = self.result.get(name)
-        todo = list(scan.local_bases) if scan else []
-        while todo:
-            base = todo.pop()
-            if base in holders:
-                return True
-            scan = self.result.get(base)
-            if scan is not None and base not in seen:
-                seen.add(base)
-                todo.extend(scan.local_bases)
-        return False
 
     def _missing_imports(self) -> dict[str, list[str]]:
         """The needed names the file does not import yet; a needed name bound to something else is an error."""
@@ -434,13 +406,10 @@ class RewritePlanner:
                     for full in instances(prefix + path, self.targets.extra_keys)
                 )
                 if hit is not None:
-                    self.warnings.append(
-                        Diagnostic(
-                            self.filename,
-                            line,
-                            f"target_modules matches {hit}: {scan.name}.{path} is {kind}, not a layer; it is left "
-                            "as it is (loragen.get_lora_model would refuse it): name the layers inside it instead",
-                        )
+                    self._warn(
+                        line,
+                        f"target_modules matches {hit}: {scan.name}.{path} is {kind}, not a layer; it is left "
+                        "as it is (loragen.get_lora_model would refuse it): name the layers inside it instead",
                     )
 
     def _result(self, code: str) -> RewriteResult:

@@ -1,39 +1,9 @@
 """Rewrite a model's source so that its targeted layers are built as loragen LoRA layers.
 
-:func:`rewrite_source` is the pure function behind ``loragen rewrite``: source in, :class:`RewriteResult`
-out, never an exception for bad input (invalid Python, a config it cannot express, a name clash are
-returned as errors with ``file:line``).
-
-What changes, and nothing else:
-
-* the constructor call of each targeted layer field: only the callee and added LoRA keywords,
-  ``nn.Linear(a, b, bias=False)`` -> ``LoraLinear(a, b, bias=False, r=8, lora_alpha=16)``;
-* the imports of the LoRA classes, from where the registry says they live
-  (``from loragen.layers import LoraLinear``, or a user's module for a type registered with
-  :func:`loragen.register_layer`);
-* the config, as a literal after the imports (``LORA_CONFIG = LoraConfig(...)``), and
-  ``loragen_config = LORA_CONFIG`` in each class that holds LoRA layers: the rewritten model knows its
-  config, so ``loragen.mark_trainable(model)`` and ``loragen.save_adapter`` need none;
-* with ``package`` given (a file inside an installed package, such as transformers'
-  ``modeling_llama.py``): relative imports become absolute, so the output works from anywhere;
-* in a transformers ``PreTrainedModel`` subclass: ``_init_weights`` also initialises LoRA factors (A
-  random, B zero, as peft does). ``from_pretrained`` on a base checkpoint leaves them uninitialised
-  otherwise: the model is built on the meta device and only ``_init_weights`` fills missing parameters.
-
-Targets, ranks and alphas are decided by :func:`loragen.plan.resolve_candidates`, the rules the runtime
-path applies, on module paths. A class's fields are matched under every path the class takes inside the
-file's other classes (``LlamaAttention.q_proj`` as ``model.layers.{i}.self_attn.q_proj`` in
-``LlamaForCausalLM``). A rewrite changes every instance of a class alike, so a config that picks only
-some instances of one field inside one model (``layers_to_transform``, a regex naming layer indices, an
-``exclude_modules`` entry for one layer, ``rank_pattern`` per layer) is reported as an error: use
-:func:`loragen.get_lora_model` or :func:`loragen.lora_convert` for those.
-
-Target entries that select no layer field of the file are listed in ``result.unmatched_targets``
-(``loragen rewrite`` makes those that match nothing in any of its files an error). Rewriting is
-idempotent: the output, rewritten again with the same config, is unchanged.
-
-The work is split into :mod:`~loragen.source.planner` (what changes), :mod:`~loragen.source.codegen` (the
-edits and what is returned) and :mod:`~loragen.source.targets` (the config's targets in a file).
+:func:`rewrite_source` is the pure function behind ``loragen rewrite`` (docs/ways-in.md): source in,
+:class:`RewriteResult` out; bad input (invalid Python, a config it cannot express, a name clash) comes back
+as errors with ``file:line``, never as an exception. :mod:`~loragen.source.planner` decides what changes,
+:mod:`~loragen.source.codegen` makes the edits, :mod:`~loragen.source.targets` matches the config's targets.
 """
 
 from __future__ import annotations
@@ -90,6 +60,14 @@ def rewrite_source(
 ) -> RewriteResult:
     """Rewrite the constructor calls of ``config``'s target layers in ``code`` into loragen layers.
 
+    Only these change: each targeted call's callee and added LoRA keywords (``nn.Linear(a, b)`` ->
+    ``LoraLinear(a, b, r=8, lora_alpha=16)``), the imports they need, the config as a literal
+    (``LORA_CONFIG = LoraConfig(...)``, recorded as ``loragen_config`` in each class holding LoRA layers), a
+    ``PreTrainedModel``'s ``_init_weights`` (which ``from_pretrained`` uses to initialise the LoRA factors)
+    and, with ``package``, relative imports. A rewrite changes every instance of a class alike, so a config
+    that picks only some instances of a field (``layers_to_transform``, per-layer ``rank_pattern``) is an
+    error. Rewriting is idempotent.
+
     Args:
         code: Python source of a module.
         config: which fields to target and their ``r`` / ``lora_alpha`` / ``lora_dropout`` / ...
@@ -136,12 +114,8 @@ def rewrite_source(
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for the duration (and resumed if it was running).
-
-    A rewrite builds syntax trees of millions of small objects that hold no reference cycles; the collector's
-    passes over them find nothing and grow with the tree (a third of the time of a 1 MB file). Memory freed by
-    reference counting is unaffected.
-    """
+    """Python's cyclic garbage collector paused: a syntax tree's millions of objects hold no cycles, and
+    the collector's passes over them took a third of the time of a large file."""
     enabled = gc.isenabled()
     gc.disable()
     try:

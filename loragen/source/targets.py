@@ -1,11 +1,8 @@
-"""Which layer fields a config targets in a source file, for :mod:`loragen.source.rewriter`.
+"""Which layer fields a config targets in a source file, for the rewriter and the decorator.
 
 A rewrite changes a class, so every instance of it: a field is targeted when the config selects it under
-the paths the file gives its class (``LlamaAttention.q_proj`` is ``model.layers.{i}.self_attn.q_proj``
-inside ``LlamaForCausalLM``, ``q_proj`` on its own). ``{i}`` and ``{key}`` are tried with sample values;
-a config that picks only some of them (per-layer targets or ranks) cannot be written as one constructor
-call and is an error. The decisions are :func:`loragen.plan.resolve_candidates`'s, the rules the runtime
-path applies. Private: used by :func:`loragen.source.rewriter.rewrite_source` and the decorator.
+every path the file gives its class (``LlamaAttention.q_proj`` as ``model.layers.{i}.self_attn.q_proj``),
+with ``{i}`` and ``{key}`` tried at sample values, by :func:`loragen.plan.resolve_candidates`.
 """
 
 from __future__ import annotations
@@ -69,7 +66,6 @@ class Targets:
 
     def _family_heads(self, root: str) -> set[str]:
         """Paths of the output head in an instance of ``root``."""
-        heads: set[str] = set()
         cls = self.by_name.get(root)
         seen: set[str] = set()
         while cls is not None and cls.name not in seen:
@@ -77,24 +73,25 @@ class Targets:
             if cls.output_head is not None:
                 return set(cls.output_head)
             cls = self.by_name.get(cls.local_bases[0]) if cls.local_bases else None
-        if self.is_pretrained(root):
-            heads.add("lm_head")  # PreTrainedModel.get_output_embeddings: self.lm_head
-        return heads
+        # PreTrainedModel.get_output_embeddings: self.lm_head
+        return {"lm_head"} if self.is_pretrained(root) else set()
+
+    def ancestors(self, name: str) -> set[str]:
+        """The classes that class ``name`` derives from through the file's classes."""
+        found: set[str] = set()
+        todo = [name]
+        while todo:
+            cls = self.by_name.get(todo.pop())
+            for base in cls.local_bases if cls is not None else ():
+                if base not in found:
+                    found.add(base)
+                    todo.append(base)
+        return found
 
     def is_pretrained(self, name: str) -> bool:
         """Whether class ``name`` derives from transformers' ``PreTrainedModel`` (through the file's classes)."""
-        seen: set[str] = set()
-        todo = [name]
-        while todo:
-            item = todo.pop()
-            cls = self.by_name.get(item)
-            if cls is None or item in seen:
-                continue
-            seen.add(item)
-            if any(b in PRETRAINED for b in cls.base_names):
-                return True
-            todo.extend(cls.local_bases)
-        return False
+        classes = [self.by_name.get(c) for c in {name} | self.ancestors(name)]
+        return any(b in PRETRAINED for cls in classes if cls is not None for b in cls.base_names)
 
     def candidates(self, field: LayerField) -> list[Candidate]:
         """``field`` at each of its sample paths. A field that is some model's output head is described as
@@ -112,10 +109,6 @@ class Targets:
         if id(field) not in self._plans:
             self._plans[id(field)] = resolve_candidates(self.config, self.candidates(field))
         return self._plans[id(field)]
-
-    def matches(self, field: LayerField, path: str) -> bool:
-        """Whether the config selects ``field`` at its sample module path ``path``."""
-        return path in self.plan(field)
 
     def paths(self, field: LayerField) -> Iterator[tuple[str, str]]:
         """``(root class, sample module path)`` for ``field`` under every context the file gives its class."""
