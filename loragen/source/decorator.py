@@ -206,9 +206,27 @@ class _Imports:
         return [f"from {m} import {', '.join(sorted(by_module[m]))}" for m in sorted(by_module)]
 
 
-def _spellings(spec: LayerSpec, imports: _Imports) -> tuple[str, str] | None:
-    """How the generated code names the base type and the LoRA class (importing them), or None when
-    either cannot be imported by name."""
+def _spellings(
+    field: LayerField, module: str, imports: _Imports, derived: dict[str, str]
+) -> tuple[str, str] | None:
+    """How the generated code names ``field``'s layer type and its LoRA class, importing them (a layer
+    subclass of the class's own ``module`` gets ``LoraFalconLinear = lora_class_for(FalconLinear)`` in
+    ``derived``), or None when either cannot be imported by name."""
+    spec = spec_for_qualname(field.layer)
+    if spec is None:
+        return None
+    subclass = field.subclass
+    if subclass is not None:
+        if not importable(f"{module}.{subclass}", getattr(sys.modules.get(module), subclass, None)):
+            return None
+        if not (
+            imports.add(module, subclass)
+            and imports.add(*LORA_CLASS_FOR)
+            and imports.add("<derived>", field.lora_name)
+        ):
+            return None
+        derived[field.lora_name] = f"{field.lora_name} = lora_class_for({subclass})"
+        return subclass, field.lora_name
     try:
         lora_ok = importable(spec.lora_qualname, spec.lora_type())
     except ImportError:
@@ -223,25 +241,6 @@ def _spellings(spec: LayerSpec, imports: _Imports) -> tuple[str, str] | None:
     if not (base_ok and imports.add(spec.lora_module, spec.lora_name)):
         return None
     return base, spec.lora_name
-
-
-def _subclass_spellings(
-    module: str, field: LayerField, imports: _Imports, derived: dict[str, str]
-) -> tuple[str, str] | None:
-    """How the generated code names a layer subclass of the class's own file and its LoRA class
-    (``LoraFalconLinear = lora_class_for(FalconLinear)``), or None when the subclass cannot be imported."""
-    subclass = field.subclass
-    assert subclass is not None  # only called for subclass fields
-    if not importable(f"{module}.{subclass}", getattr(sys.modules.get(module), subclass, None)):
-        return None
-    if not (
-        imports.add(module, subclass)
-        and imports.add(*LORA_CLASS_FOR)
-        and imports.add("<derived>", field.lora_name)
-    ):
-        return None
-    derived[field.lora_name] = f"{field.lora_name} = lora_class_for({subclass})"
-    return subclass, field.lora_name
 
 
 def _table(rows: Sequence[tuple[str, str, str]]) -> list[str]:
@@ -271,24 +270,12 @@ def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lor
         groups.setdefault((field.attribute, kind, min(field.path.count("."), 2)), []).append(field)
     derived: dict[str, str] = {}  # the LoRA classes of layer subclasses: name -> its line
     for (attribute, _, depth), fields in groups.items():
-        spec = spec_for_qualname(fields[0].layer)
         container = depth == 1
-        spelled: tuple[str, str] | None = None
-        if targets is not None and not any(targets.selects(f) for f in fields):
+        if targets is not None and not any(targets.plan(f).entries for f in fields):
             reason = f"not targeted by {CONFIG_NAME}"
         elif depth > 1:
             reason = "runtime path: nested in more than one container"
-        elif (
-            spec is None
-            or (
-                spelled := (
-                    _spellings(spec, imports)
-                    if fields[0].subclass is None
-                    else _subclass_spellings(cls.__module__, fields[0], imports, derived)
-                )
-            )
-            is None
-        ):
+        elif (spelled := _spellings(fields[0], cls.__module__, imports, derived)) is None:
             reason = "runtime path: its classes cannot be imported by name"
         else:
             base, lora = spelled
@@ -310,15 +297,9 @@ def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lor
     branches.sort(key=lambda b: b["container"])  # a container branch must not shadow a direct one
     rows: list[tuple[str, str, str]] = []
     for f in scan.fields:
-        extra = [
-            n
-            for n in (
-                f"in {f.container}" if f.container else "",
-                "conditional" if f.conditional else "",
-                notes.get(id(f), ""),
-            )
-            if n
-        ]
+        extra = [f"in {f.container}"] if f.container else []
+        extra += ["conditional"] if f.conditional else []
+        extra += [notes[id(f)]] if id(f) in notes else []
         where = f"{short}:{f.location.line}" + (f" ({', '.join(extra)})" if extra else "")
         layer = f"{f.subclass}({f.layer})" if f.subclass else f.layer
         rows.append((f.pattern, f"{layer} -> {f.lora_name}", where))

@@ -447,19 +447,23 @@ class RewritePlanner:
             wanted.append(("<loragen rewrite>", CONFIG_NAME))
         if any(name not in self.scanned.auto_bindings for name in self.auto_classes):
             wanted.append(LORA_AUTO_CLASS)
-        for name in sorted(self.auto_classes):
-            if name in bindings and name not in self.scanned.auto_bindings:
+        clashes = [
+            (
+                name,
+                f"the LoRA auto class of {auto} ({name} = lora_auto_class(...))",
+                self.scanned.auto_bindings,
+            )
+            for name, auto in sorted(self.auto_classes.items())
+        ] + [
+            (name, f"the LoRA class of {sub} ({name} = lora_class_for({sub}))", self.scanned.lora_bindings)
+            for sub, name in sorted(self.derived.items())
+        ]
+        for name, what, ours in clashes:
+            if name in bindings and name not in ours:
                 self._error(
                     1,
-                    f"the name {name} is already bound in this module; the rewrite binds it to the LoRA auto class "
-                    f"of {self.auto_classes[name]} ({name} = lora_auto_class(...)): rename it first",
-                )
-        for subclass, name in sorted(self.derived.items()):
-            if name in bindings and name not in self.scanned.lora_bindings:
-                self._error(
-                    1,
-                    f"the name {name} is already bound in this module; the rewrite binds it to the LoRA class of "
-                    f"{subclass} ({name} = lora_class_for({subclass})): rename it first",
+                    f"the name {name} is already bound in this module; the rewrite binds it to {what}: "
+                    "rename it first",
                 )
         for module, name in sorted(wanted):
             bound = bindings.get(name)

@@ -116,10 +116,6 @@ class Targets:
             for path in instances(prefix + field.path, self.extra_keys):
                 yield root, path
 
-    def selects(self, field: LayerField) -> bool:
-        """Whether the config selects ``field`` under some context (the decorator's test for a branch)."""
-        return bool(self.plan(field).entries)
-
     def selected_non_layers(self, paths: Iterable[str]) -> str | None:
         """The first of ``paths`` (of modules that are not layers: containers, sub-models) the config's
         targets select, or None."""
@@ -140,14 +136,14 @@ class Targets:
     def decide(self, field: LayerField) -> Decision:
         """Whether ``field`` is rewritten, with which rank and alpha, or why it cannot be."""
         plan = self.plan(field)
-        by_root: dict[str, list[tuple[str, bool]]] = {}
+        by_root: dict[str, list[str]] = {}
         for root, path in self.paths(field):
-            by_root.setdefault(root, []).append((path, path in plan))
+            by_root.setdefault(root, []).append(path)
         where = f"{field.owner}.{field.pattern}"
         chosen: list[str] = []
-        for root, results in by_root.items():
-            hits = [p for p, hit in results if hit]
-            misses = [p for p, hit in results if not hit]
+        for root, paths in by_root.items():
+            hits = [p for p in paths if p in plan]
+            misses = [p for p in paths if p not in plan]
             if hits and misses:
                 return Decision(
                     False,
@@ -161,9 +157,9 @@ class Targets:
                 chosen.append(root)
         if not chosen:
             return Decision(False)
-        values: dict[tuple[int, float], list[str]] = {}
+        per_root: dict[str, tuple[int, float]] = {}
         for root in chosen:
-            root_values = {(plan.entries[p].r, plan.entries[p].lora_alpha) for p, _ in by_root[root]}
+            root_values = {(plan.entries[p].r, plan.entries[p].lora_alpha) for p in by_root[root]}
             if len(root_values) > 1:
                 return Decision(
                     True,
@@ -173,11 +169,11 @@ class Targets:
                         "loragen.get_lora_model or @lora_convert"
                     ),
                 )
-            for value in root_values:
-                values.setdefault(value, []).append(root)
+            per_root[root] = root_values.pop()
         # with several roots (the class used on its own, inside a model, ...) prefer the outermost path
-        longest = max(chosen, key=lambda root: max(len(p) for p, _ in by_root[root]))
-        r, alpha = next(v for v, roots in values.items() if longest in roots)
+        longest = max(chosen, key=lambda root: max(len(p) for p in by_root[root]))
+        r, alpha = per_root[longest]
+        values = set(per_root.values())
         warning = None
         if len(values) > 1:
             warning = (
