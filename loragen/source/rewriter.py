@@ -124,14 +124,12 @@ def rewrite_source(
         a :class:`RewriteResult`; never raises for bad input: errors are in ``result.errors``.
     """
     name = filename or "<string>"
-    if not isinstance(code, str):
-        return RewriteResult(
-            str(code), False, name, errors=(Diagnostic(name, 1, "the source must be a str"),)
-        )
 
     def failed(line: int, message: str) -> RewriteResult:
-        return RewriteResult(code, False, name, errors=(Diagnostic(name, line, message),))
+        return RewriteResult(str(code), False, name, errors=(Diagnostic(name, line, message),))
 
+    if not isinstance(code, str):
+        return failed(1, "the source must be a str")
     if not isinstance(config, LoraConfig):
         return failed(1, f"config must be a loragen.LoraConfig, got {type(config).__name__}")
     if config.target_modules is None:
@@ -155,8 +153,7 @@ def rewrite_source(
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused: a syntax tree's millions of objects hold no cycles, and
-    the collector's passes over them took a third of the time of a large file."""
+    """Pause the cyclic garbage collector: syntax trees hold no cycles, and its passes over them are slow."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -252,8 +249,7 @@ class RewritePlanner:
         return self._result(tree.code)
 
     def _functions_to_edit(self, classes: set[cst.ClassDef]) -> set[cst.FunctionDef]:
-        """The functions holding an edit: the ``__init__`` of each class with an edited call (where the
-        scanner found it), and every function around those and around the edited ``classes``."""
+        """Each edited class's ``__init__``, and every function around those and ``classes``."""
         nodes = class_definitions(self.scanned.tree.body)
         owners = {f.owner for call in self.edits for f in self.scanned.calls[call]}
         owners.update(self.scanned.factories[call].owner for call in self.factory_edits)
@@ -284,8 +280,7 @@ class RewritePlanner:
         return found
 
     def _plan_factories(self) -> None:
-        """Sub-models built by transformers' auto classes: each call builds through the LoRA auto class, and
-        is reported at its line (the rewrite cannot tell statically which class it builds)."""
+        """Route each ``AutoModel.from_config`` call through the LoRA auto class, with a warning."""
         for call, factory in sorted(self.scanned.factories.items(), key=lambda item: item[1].location.line):
             self.auto_classes[factory.lora_name] = factory.auto_class
             if not factory.is_lora:
@@ -299,8 +294,7 @@ class RewritePlanner:
             )
 
     def _own_models(self) -> list[str]:
-        """The file's PreTrainedModel classes that hold rewritten layers, in source order: what its LoRA auto
-        classes build for their configs."""
+        """The file's PreTrainedModel classes holding rewritten layers (what its auto classes build)."""
         roots = {
             root
             for call in self.rewritten
@@ -310,8 +304,7 @@ class RewritePlanner:
         return [c.name for c in self.result.classes if c.name in roots and "." not in c.name]
 
     def _module_lines(self) -> list[ModuleLine]:
-        """The module-level lines the rewrite adds: the LoRA classes of the file's layer subclasses, and the
-        LoRA auto classes of a composite model."""
+        """The module-level LoRA auto classes and LoRA classes of the file's layer subclasses."""
         own = ", ".join(self._own_models())
         autos = []
         for name, auto in sorted(self.auto_classes.items()):
@@ -385,8 +378,7 @@ class RewritePlanner:
         self.rewritten.append(RewrittenCall(field, field.lora_name, decision.r, decision.alpha, changed))
 
     def _wrap(self, call: cst.Call, lora_name: str | None, added: dict[str, str]) -> str | None:
-        """The indentation of ``call``'s statement when the added keywords would make its last line longer
-        than the file's width (see :func:`~loragen.source.codegen.edit_call`), else None."""
+        """``call``'s indentation when the added keywords would make it wider than the file, else None."""
         start = self.scanned.positions.get(call)
         end = self.scanned.positions.get(call.args[-1].value) if call.args else None
         if not added or start is None or end is None:
@@ -405,8 +397,7 @@ class RewritePlanner:
         return first[: len(first) - len(first.lstrip())]
 
     def _class_edits(self) -> tuple[dict[cst.ClassDef, str], set[cst.ClassDef]]:
-        """The classes that get the transformers init hook, and those that get ``loragen_config``: the
-        owners of rewritten fields and the hook's class, each unless it inherits it from one of them."""
+        """The classes that get the init hook, and those that get ``loragen_config`` (unless inherited)."""
         nodes = class_definitions(self.scanned.tree.body)
         hooks: dict[cst.ClassDef, str] = {}
         holders = {c.field.owner for c in self.rewritten} | {f.owner for f in self.scanned.factories.values()}
@@ -479,9 +470,7 @@ class RewritePlanner:
         return missing
 
     def _refuse_fused_experts(self) -> None:
-        """Parameters ``all-linear`` adapts on a transformers 5 MoE model (the fused expert stacks): a rewrite
-        cannot express LoRA on a parameter, so it refuses rather than give a model that differs from
-        ``loragen.get_lora_model``'s and peft's."""
+        """Refuse ``all-linear`` on fused MoE expert parameters, which a rewrite cannot adapt (peft does)."""
         declared: dict[str, int] = {}
         owner = ""
         for number, line in enumerate(self.lines, 1):
