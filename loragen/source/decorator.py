@@ -195,8 +195,7 @@ class _Imports:
         self.names: dict[str, str] = {}  # bound name -> module
 
     def add(self, module: str, name: str) -> bool:
-        bound = self.names.setdefault(name, module)
-        return bound == module
+        return self.names.setdefault(name, module) == module
 
     def lines(self, loragen: bool) -> list[str]:
         by_module: dict[str, list[str]] = {}

@@ -48,7 +48,7 @@ from loragen.source.scan import (
     nested_statements,
     scan_module,
 )
-from loragen.source.targets import PRETRAINED, Targets, instances
+from loragen.source.targets import PRETRAINED, Targets
 
 __all__ = ["Diagnostic", "RewriteResult", "RewrittenCall", "module_name_for_path", "rewrite_source"]
 
@@ -503,11 +503,7 @@ class RewritePlanner:
                 if f.container:
                     candidates.setdefault(f.attribute, (f"a {f.container}", f.location.line))
             for path, (kind, line) in candidates.items():
-                hit = self.targets.selected_non_layers(
-                    full
-                    for _, prefix in self.targets.contexts.get(scan.name, [(scan.name, "")])
-                    for full in instances(prefix + path, self.targets.extra_keys)
-                )
+                hit = self.targets.selected_non_layers(p for _, p in self.targets.paths(scan.name, path))
                 if hit is not None:
                     self._warn(
                         line,

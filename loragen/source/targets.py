@@ -16,7 +16,7 @@ from loragen.plan import Candidate, LoraPlan, resolve_candidates
 from loragen.source.codegen import py_literal
 from loragen.source.scan import LayerField, ScanResult, layer_types
 
-__all__ = ["PRETRAINED", "Decision", "Targets", "instances"]
+__all__ = ["PRETRAINED", "Decision", "Targets"]
 
 PRETRAINED = ("transformers.modeling_utils.PreTrainedModel", "transformers.PreTrainedModel")
 _SAMPLE_INDICES = (0, 1, 2, 3, 7, 10, 11, 99)
@@ -34,7 +34,7 @@ class Decision:
     warning: str | None = None
 
 
-def instances(template: str, extra_keys: Iterable[str]) -> list[str]:
+def _instances(template: str, extra_keys: Iterable[str]) -> list[str]:
     """Concrete sample paths for a path with ``{i}`` / ``{key}`` placeholders."""
     if "{i}" not in template and "{key}" not in template:
         return [template]
@@ -101,7 +101,7 @@ class Targets:
         spec = self.types.for_qualname(field.layer)
         return [
             Candidate(path, field.layer, linear=spec is not None and spec.linear, output_head=head)
-            for _, path in self.paths(field)
+            for _, path in self.paths(field.owner, field.path)
         ]
 
     def plan(self, field: LayerField) -> LoraPlan:
@@ -110,11 +110,11 @@ class Targets:
             self._plans[id(field)] = resolve_candidates(self.config, self.candidates(field))
         return self._plans[id(field)]
 
-    def paths(self, field: LayerField) -> Iterator[tuple[str, str]]:
-        """``(root class, sample module path)`` for ``field`` under every context the file gives its class."""
-        for root, prefix in self.contexts.get(field.owner, [(field.owner, "")]):
-            for path in instances(prefix + field.path, self.extra_keys):
-                yield root, path
+    def paths(self, owner: str, path: str) -> Iterator[tuple[str, str]]:
+        """``(root class, sample module path)`` for ``path`` in class ``owner``, under each of its contexts."""
+        for root, prefix in self.contexts.get(owner, [(owner, "")]):
+            for sample in _instances(prefix + path, self.extra_keys):
+                yield root, sample
 
     def selected_non_layers(self, paths: Iterable[str]) -> str | None:
         """The first of ``paths`` (of modules that are not layers: containers, sub-models) the config's
@@ -137,7 +137,7 @@ class Targets:
         """Whether ``field`` is rewritten, with which rank and alpha, or why it cannot be."""
         plan = self.plan(field)
         by_root: dict[str, list[str]] = {}
-        for root, path in self.paths(field):
+        for root, path in self.paths(field.owner, field.path):
             by_root.setdefault(root, []).append(path)
         where = f"{field.owner}.{field.pattern}"
         chosen: list[str] = []
