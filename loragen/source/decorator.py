@@ -1,7 +1,7 @@
 """``@lora_convert``: generate explicit LoRA conversion code for a class from its source.
 
 The decorator scans the class's module file (:mod:`loragen.source.scan`), renders its expansion from
-``templates/decorator.py.j2`` (every decision is made here, in :func:`render_expansion`), compiles it and
+``templates/decorator.py.j2`` (every decision is made in Python, here), compiles it and
 attaches ``get_lora_model``, ``get_tensors``, ``merge_weights`` and ``unmerge_weights`` to the class, with
 ``lora_fields``, ``lora_unresolved`` and ``__lora_source__`` (the generated code, exactly what runs).
 ``get_lora_model`` gives what :func:`loragen.get_lora_model` gives on the same model (docs/ways-in.md).
@@ -105,7 +105,7 @@ def expansion_source(cls: type, config: LoraConfig | None = None) -> str:
         LoraConvertError: as :func:`lora_convert`.
     """
     scan, result = _scan_class(cls)
-    return render_expansion(cls, scan, result, config)
+    return _render_expansion(cls, scan, result, config)
 
 
 def _expand(cls: C, config: LoraConfig | None) -> C:
@@ -121,7 +121,7 @@ def _expand(cls: C, config: LoraConfig | None) -> C:
                 "use loragen.get_lora_model(model, config) instead of the decorator"
             )
     scan, result = _scan_class(cls)
-    source = render_expansion(cls, scan, result, config)
+    source = _render_expansion(cls, scan, result, config)
     filename = f"<loragen.lora_convert {cls.__module__}.{cls.__qualname__}>"
     # registered with linecache so tracebacks and inspect.getsource() show the generated lines
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
@@ -249,7 +249,7 @@ def _table(rows: Sequence[tuple[str, str, str]]) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
 
 
-def render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: LoraConfig | None) -> str:
+def _render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: LoraConfig | None) -> str:
     """The generated Python for ``cls`` (scanned as ``scan`` in ``result``), with ``config`` as the default
     of ``get_lora_model()`` when given."""
     imports = _Imports()

@@ -2,9 +2,8 @@
 
 :func:`rewrite_source` is the pure function behind ``loragen rewrite`` (docs/ways-in.md): source in,
 :class:`RewriteResult` out; bad input (invalid Python, a config it cannot express, a name clash) comes back
-as errors with ``file:line``, never as an exception. :class:`RewritePlanner` decides what changes in one
-scanned file, :mod:`~loragen.source.codegen` makes the edits, :mod:`~loragen.source.targets` matches the
-config's targets.
+as errors with ``file:line``, never as an exception. The planner here decides what changes,
+:mod:`~loragen.source.codegen` makes the edits, :mod:`~loragen.source.targets` matches the config's targets.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ _CONFIG_IMPORT = ("loragen", "LoraConfig")
 _HOOK_IMPORT = ("loragen.layers", "LoraLayer")
 # a relative import inside a function or class (indented), which an absolute-imports rewrite must reach
 _NESTED_RELATIVE_IMPORT = re.compile(r"^[ \t]+from[\s\\]+\.", re.MULTILINE)
-
-
+# a class header and a ``self.x = nn.Parameter(`` line, to find the parameters a class declares
 _CLASS = re.compile(r"class\s+(\w+)\b")
 _PARAMETER = re.compile(r"\s+self\.(\w+)\s*(?::[^=]+)?=\s*(?:torch\.)?(?:nn\.)?Parameter\(")
 
@@ -142,7 +140,7 @@ def rewrite_source(
             scanned = scan_module(
                 code, filename=name, module=_module_name(filename, package), package=package
             )
-            return RewritePlanner(code, config, name, package if absolute_imports else None, scanned).run()
+            return _RewritePlanner(code, config, name, package if absolute_imports else None, scanned).run()
     except ScanError as exc:
         return failed(exc.line, exc.reason)
     except RecursionError:  # the parser's guard keeps far from this; a last line of defence
@@ -163,7 +161,7 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-class RewritePlanner:
+class _RewritePlanner:
     """Plans and applies the rewrite of one scanned file: which constructor calls change and how, which
     classes record the config and get the transformers init hook, which imports the file needs; errors
     leave it unchanged. ``package`` (or None) makes relative imports absolute in the output."""
