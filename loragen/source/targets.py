@@ -1,8 +1,9 @@
 """Which layer fields a config targets in a source file, for the rewriter and the decorator.
 
-A rewrite changes a class, so every instance of it: a field is targeted when the config selects it under
-every path the file gives its class (``LlamaAttention.q_proj`` as ``model.layers.{i}.self_attn.q_proj``),
-with ``{i}`` and ``{key}`` tried at sample values, by :func:`loragen.plan.resolve_candidates`.
+A rewrite changes a class, so every instance of it: a field is targeted when the config selects it at the
+paths the file gives its class (``LlamaAttention.q_proj`` as ``model.layers.{i}.self_attn.q_proj``), with
+``{i}`` and ``{key}`` tried at sample values by :func:`loragen.plan.resolve_candidates`; a config that picks
+only some instances inside one model is an error.
 """
 
 from __future__ import annotations
