@@ -112,11 +112,10 @@ def rewrite_source(
         config: which fields to target and their ``r`` / ``lora_alpha`` / ``lora_dropout`` / ...
         filename: used in messages, and for the module's name (``model.py``: ``model``, so a layer type
             defined in the file and registered from ``model`` is recognised).
-        package: the package the file belongs to (``"transformers.models.llama"``); resolves relative
-            imports for matching (``from ...pytorch_utils import Conv1D``) and, with
-            ``absolute_imports``, rewrites them as absolute imports so the output is standalone.
-        absolute_imports: make relative imports absolute (needs ``package``); ``False`` for a file
-            rewritten in place, where its relative imports still work.
+        package: the package the file belongs to (``"transformers.models.llama"``), to resolve relative
+            imports (``from ...pytorch_utils import Conv1D``).
+        absolute_imports: with ``package``, write relative imports as absolute ones (a standalone output);
+            ``False`` for a file rewritten in place.
 
     Returns:
         a :class:`RewriteResult`; never raises for bad input: errors are in ``result.errors``.

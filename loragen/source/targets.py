@@ -126,8 +126,6 @@ class Targets:
     def unmatched(self) -> tuple[str, ...]:
         """The entries of ``target_modules`` that select no layer field of the file under any context
         (the rule the runtime converter warns with), or the whole regex / ``"all-linear"`` string."""
-        if self.config.target_modules is None:
-            return ()
         seen: dict[str, Candidate] = {}
         for f in self.result.fields:
             for c in self.candidates(f):
