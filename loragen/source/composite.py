@@ -1,21 +1,9 @@
 """Sub-models of a rewritten composite model, built at run time: :func:`lora_auto_class`.
 
-A rewritten composite file (``loragen rewrite modeling_gemma3.py``) builds its sub-models through a LoRA auto
-class instead of transformers' ``AutoModel`` (see :mod:`loragen.source.scan`)::
-
-    LoraAutoModel = lora_auto_class(AutoModel, [Gemma3TextModel], LORA_CONFIG)
-
-``LoraAutoModel.from_config(config.text_config)`` picks the model class as ``AutoModel.from_config`` would,
-and then:
-
-* when that class is one of the file's own (rewritten) classes, listed in the call, it builds that class, so
-  the sub-model has the file's LoRA layers (``Gemma3TextModel`` for a ``Gemma3TextConfig``);
-* otherwise (a class of another file: Gemma 3's SigLIP vision tower, LLaVA's CLIP and Llama) it builds
-  transformers' class and converts the layers the config targets in it, as :func:`loragen.get_lora_model`
-  would, with ``target_modules`` matched against module paths inside the sub-model.
-
-So the rewritten composite has the LoRA layers that ``get_lora_model`` gives the original composite for the
-same config (for targets that name layers, not full paths from the composite's root).
+A rewritten composite file builds its sub-models through ``LoraAutoModel = lora_auto_class(AutoModel,
+[Gemma3TextModel], LORA_CONFIG)`` instead of transformers' ``AutoModel``. Its ``from_config`` builds the
+file's own (rewritten) class when ``AutoModel`` would pick it, and otherwise builds transformers' class and
+converts the layers the config targets in it, as :func:`loragen.get_lora_model` would (docs/ways-in.md).
 """
 
 from __future__ import annotations
@@ -47,28 +35,18 @@ def convert_sub_model(model: nn.Module, config: LoraConfig) -> nn.Module:
     if not plan.entries:
         return model
     apply_plan(model, plan)
-    _init_lora_too(model, config)
-    return model
-
-
-def _init_lora_too(model: nn.Module, config: LoraConfig) -> None:
-    """Make a transformers sub-model's ``_init_weights`` initialise LoRA factors too.
-
-    ``from_pretrained`` builds a composite on the meta device and fills what the checkpoint lacks (the LoRA
-    factors) with each sub-model's own ``_init_weights``; the rewritten file's classes have a LoRA hook there,
-    transformers' classes do not, so this instance gets one.
-    """
     class_init = getattr(type(model), "_init_weights", None)
-    if class_init is None:
-        return
+    if class_init is not None:
+        # from_pretrained fills the LoRA factors a checkpoint lacks with _init_weights: give this instance the
+        # LoRA initialisation the rewritten classes' hook has
+        def _init_weights(self: nn.Module, module: nn.Module) -> None:
+            class_init(self, module)
+            if isinstance(module, LoraLayer):
+                with torch.no_grad():
+                    module.reset_lora_parameters(config.init_lora_weights)
 
-    def _init_weights(self: nn.Module, module: nn.Module) -> None:
-        class_init(self, module)
-        if isinstance(module, LoraLayer):
-            with torch.no_grad():
-                module.reset_lora_parameters(config.init_lora_weights)
-
-    object.__setattr__(model, "_init_weights", types.MethodType(_init_weights, model))
+        object.__setattr__(model, "_init_weights", types.MethodType(_init_weights, model))
+    return model
 
 
 def _mapped_class(auto_class: type, config: Any) -> type | None:

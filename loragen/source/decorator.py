@@ -1,26 +1,13 @@
 """``@lora_convert``: generate explicit LoRA conversion code for a class from its source.
 
-The Python counterpart of candle-lora's ``#[replace_layer_fields]`` + ``#[derive(AutoLoraConvert)]``:
-the decorator reads the class's source with the libcst scanner (:mod:`loragen.source.scan`), renders the
-class's expansion (:mod:`loragen.source.expansion`, ``templates/decorator.py.j2``), compiles it and
-attaches it to the class:
+The decorator scans the class's module file (:mod:`loragen.source.scan`), renders its expansion from
+``templates/decorator.py.j2`` (every decision is made in Python, here), compiles it and
+attaches ``get_lora_model``, ``get_tensors``, ``merge_weights`` and ``unmerge_weights`` to the class, with
+``lora_fields``, ``lora_unresolved`` and ``__lora_source__`` (the generated code, exactly what runs).
+``get_lora_model`` gives what :func:`loragen.get_lora_model` gives on the same model (docs/ways-in.md).
 
-* ``get_lora_model(self, config=LORA_CONFIG)``: converts each targeted layer field with an explicit
-  ``LoraLinear.from_module(self.q_proj, **plan.entries[path].layer_kwargs())``, from the plan
-  :func:`loragen.plan.resolve` makes of the model (the one the runtime path applies); child modules of decorated
-  classes run their own generated code, all others go through the runtime path. The result equals
-  :func:`loragen.get_lora_model` on the same model (same layers, parameters, trainable set), and the
-  model keeps its config as ``model.loragen_config`` (so ``loragen.mark_trainable(model)`` needs none);
-* ``get_tensors()``: the LoRA factors under peft's adapter keys;
-* ``merge_weights()`` / ``unmerge_weights()``;
-* ``lora_fields`` (what the scanner found), ``lora_unresolved`` (what it could not resolve) and
-  ``__lora_source__``: the generated Python, exactly the code that runs. The decorator's config is a
-  literal in it (``LORA_CONFIG = LoraConfig(...)``), and it has branches only for the fields that config
-  targets.
-
-It works on classes of other packages too (``lora_convert(LlamaAttention)``): the class's module file is
-scanned so that its imports resolve. A class without retrievable source (made by ``exec`` or typed into a
-REPL) is refused with an error pointing to the runtime path.
+A layer field gets an explicit branch unless the decorator's config does not target it, it is nested
+deeper than one container, or its classes cannot be imported by name; the runtime path converts the rest.
 """
 
 from __future__ import annotations
@@ -29,16 +16,27 @@ import functools
 import inspect
 import linecache
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar, overload
 
 from torch import nn
 
 from loragen.config import LoraConfig
+from loragen.convert import CONFIG_ATTR
 from loragen.errors import LoraConvertError
-from loragen.registry import LayerSpec, specs
-from loragen.source.expansion import CONFIG_NAME, render_expansion
-from loragen.source.scan import ClassScan, ScanError, ScanResult, scan_source
+from loragen.registry import LayerSpec, spec_for_qualname, specs
+from loragen.source.codegen import CONFIG_NAME, config_literal, is_identifier, py_literal, render
+from loragen.source.scan import (
+    LORA_CLASS_FOR,
+    ClassScan,
+    LayerField,
+    ScanError,
+    ScanResult,
+    importable,
+    scan_source,
+)
+from loragen.source.targets import Targets
 
 __all__ = ["GENERATED_METHODS", "LoraConvertError", "expansion_source", "lora_convert"]
 
@@ -107,7 +105,7 @@ def expansion_source(cls: type, config: LoraConfig | None = None) -> str:
         LoraConvertError: as :func:`lora_convert`.
     """
     scan, result = _scan_class(cls)
-    return render_expansion(cls, scan, result, config)
+    return _render_expansion(cls, scan, result, config)
 
 
 def _expand(cls: C, config: LoraConfig | None) -> C:
@@ -123,7 +121,7 @@ def _expand(cls: C, config: LoraConfig | None) -> C:
                 "use loragen.get_lora_model(model, config) instead of the decorator"
             )
     scan, result = _scan_class(cls)
-    source = render_expansion(cls, scan, result, config)
+    source = _render_expansion(cls, scan, result, config)
     filename = f"<loragen.lora_convert {cls.__module__}.{cls.__qualname__}>"
     # registered with linecache so tracebacks and inspect.getsource() show the generated lines
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
@@ -185,7 +183,137 @@ def _scan_class(cls: type) -> tuple[ClassScan, ScanResult]:
 def _scan_file(
     filename: str, text: str, module: str, package: str | None, registered: tuple[LayerSpec, ...]
 ) -> ScanResult:
-    """Scans are cached by file content and the registered layer types (which the scanner matches):
-    decorating several classes of one file parses it once."""
+    """Cached by file content and registered layer types: several classes of one file parse it once."""
     del registered  # part of the cache key only
     return scan_source(text, filename=filename, module=module, package=package)
+
+
+class _Imports:
+    """The generated code's ``from <module> import <name>`` lines; refuses a name bound twice."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}  # bound name -> module
+
+    def add(self, module: str, name: str) -> bool:
+        return self.names.setdefault(name, module) == module
+
+    def lines(self, loragen: bool) -> list[str]:
+        by_module: dict[str, list[str]] = {}
+        for name, module in self.names.items():
+            if not module.startswith("<") and module.startswith("loragen") == loragen:
+                by_module.setdefault(module, []).append(name)
+        return [f"from {m} import {', '.join(sorted(by_module[m]))}" for m in sorted(by_module)]
+
+
+def _spellings(
+    field: LayerField, module: str, imports: _Imports, derived: dict[str, str]
+) -> tuple[str, str] | None:
+    """How the generated code names ``field``'s layer type and its LoRA class, importing them (a layer
+    subclass of the class's own ``module`` gets ``LoraFalconLinear = lora_class_for(FalconLinear)`` in
+    ``derived``), or None when either cannot be imported by name."""
+    spec = spec_for_qualname(field.layer)
+    if spec is None:
+        return None
+    subclass = field.subclass
+    if subclass is not None:
+        if not importable(f"{module}.{subclass}", getattr(sys.modules.get(module), subclass, None)):
+            return None
+        if not (
+            imports.add(module, subclass)
+            and imports.add(*LORA_CLASS_FOR)
+            and imports.add("<derived>", field.lora_name)
+        ):
+            return None
+        derived[field.lora_name] = f"{field.lora_name} = lora_class_for({subclass})"
+        return subclass, field.lora_name
+    try:
+        lora_ok = importable(spec.lora_qualname, spec.lora_type())
+    except ImportError:
+        lora_ok = False
+    if not lora_ok or not importable(spec.base_qualname, spec.base_type()):
+        return None
+    module, _, name = spec.base_qualname.rpartition(".")
+    if module == "torch.nn":  # as model code spells it: nn.Linear
+        base_ok, base = imports.add("torch", "nn"), f"nn.{name}"
+    else:
+        base_ok, base = imports.add(module, name), name
+    if not (base_ok and imports.add(spec.lora_module, spec.lora_name)):
+        return None
+    return base, spec.lora_name
+
+
+def _table(rows: Sequence[tuple[str, str, str]]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def _render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: LoraConfig | None) -> str:
+    """The generated Python for ``cls`` (scanned as ``scan`` in ``result``), with ``config`` as the default
+    of ``get_lora_model()`` when given."""
+    imports = _Imports()
+    imports.add("loragen.convert", "mark_trainable")
+    imports.add("loragen.plan", "resolve")
+    imports.add("loragen.source", "runtime")
+    if config is not None:
+        imports.add("loragen", "LoraConfig")
+    targets = Targets(config, result) if config is not None else None
+    short = Path(scan.location.filename).name
+    branches: list[dict[str, Any]] = []
+    notes: dict[int, str] = {}
+    # one branch per attribute, layer type and depth (0: the field itself, 1: in a container, 2: deeper)
+    groups: dict[tuple[str, str, int], list[LayerField]] = {}
+    for field in scan.fields:
+        kind = field.subclass or field.layer
+        groups.setdefault((field.attribute, kind, min(field.path.count("."), 2)), []).append(field)
+    derived: dict[str, str] = {}  # the LoRA classes of layer subclasses: name -> its line
+    for (attribute, _, depth), fields in groups.items():
+        container = depth == 1
+        if targets is not None and not any(targets.plan(f).entries for f in fields):
+            reason = f"not targeted by {CONFIG_NAME}"
+        elif depth > 1:
+            reason = "runtime path: nested in more than one container"
+        elif (spelled := _spellings(fields[0], cls.__module__, imports, derived)) is None:
+            reason = "runtime path: its classes cannot be imported by name"
+        else:
+            base, lora = spelled
+            name = py_literal(attribute)
+            lines = ", ".join(str(line) for line in sorted({f.location.line for f in fields}))
+            branches.append(
+                {
+                    "attribute": name,
+                    "container": container,
+                    "base": base,
+                    "lora": lora,
+                    "target": f"self.{attribute}" if is_identifier(attribute) else f"self._modules[{name}]",
+                    "comment": (f"in {fields[0].container}, " if container else "") + f"{short}:{lines}",
+                }
+            )
+            continue
+        for f in fields:
+            notes[id(f)] = reason
+    branches.sort(key=lambda b: b["container"])  # a container branch must not shadow a direct one
+    rows: list[tuple[str, str, str]] = []
+    for f in scan.fields:
+        extra = [f"in {f.container}"] if f.container else []
+        extra += ["conditional"] if f.conditional else []
+        extra += [notes[id(f)]] if id(f) in notes else []
+        where = f"{short}:{f.location.line}" + (f" ({', '.join(extra)})" if extra else "")
+        layer = f"{f.subclass}({f.layer})" if f.subclass else f.layer
+        rows.append((f.pattern, f"{layer} -> {f.lora_name}", where))
+    return render(
+        "decorator.py.j2",
+        qualified_class=f"{cls.__module__}.{cls.__qualname__}",
+        class_name=cls.__name__,
+        location=f"{short}:{scan.location.line}",
+        field_rows=_table(rows),
+        unresolved_rows=[f"{short}:{u.location.line}: {u.reason}" for u in scan.unresolved],
+        imports=imports.lines(loragen=False),
+        loragen_imports=imports.lines(loragen=True),
+        derived_lines=list(derived.values()),
+        config_name=CONFIG_NAME,
+        config=None if config is None else config_literal(config, column=len(CONFIG_NAME) + 3),
+        config_attr=CONFIG_ATTR,
+        branches=branches,
+    )

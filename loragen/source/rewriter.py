@@ -1,39 +1,9 @@
 """Rewrite a model's source so that its targeted layers are built as loragen LoRA layers.
 
-:func:`rewrite_source` is the pure function behind ``loragen rewrite``: source in, :class:`RewriteResult`
-out, never an exception for bad input (invalid Python, a config it cannot express, a name clash are
-returned as errors with ``file:line``).
-
-What changes, and nothing else:
-
-* the constructor call of each targeted layer field: only the callee and added LoRA keywords,
-  ``nn.Linear(a, b, bias=False)`` -> ``LoraLinear(a, b, bias=False, r=8, lora_alpha=16)``;
-* the imports of the LoRA classes, from where the registry says they live
-  (``from loragen.layers import LoraLinear``, or a user's module for a type registered with
-  :func:`loragen.register_layer`);
-* the config, as a literal after the imports (``LORA_CONFIG = LoraConfig(...)``), and
-  ``loragen_config = LORA_CONFIG`` in each class that holds LoRA layers: the rewritten model knows its
-  config, so ``loragen.mark_trainable(model)`` and ``loragen.save_adapter`` need none;
-* with ``package`` given (a file inside an installed package, such as transformers'
-  ``modeling_llama.py``): relative imports become absolute, so the output works from anywhere;
-* in a transformers ``PreTrainedModel`` subclass: ``_init_weights`` also initialises LoRA factors (A
-  random, B zero, as peft does). ``from_pretrained`` on a base checkpoint leaves them uninitialised
-  otherwise: the model is built on the meta device and only ``_init_weights`` fills missing parameters.
-
-Targets, ranks and alphas are decided by :func:`loragen.plan.resolve_candidates`, the rules the runtime
-path applies, on module paths. A class's fields are matched under every path the class takes inside the
-file's other classes (``LlamaAttention.q_proj`` as ``model.layers.{i}.self_attn.q_proj`` in
-``LlamaForCausalLM``). A rewrite changes every instance of a class alike, so a config that picks only
-some instances of one field inside one model (``layers_to_transform``, a regex naming layer indices, an
-``exclude_modules`` entry for one layer, ``rank_pattern`` per layer) is reported as an error: use
-:func:`loragen.get_lora_model` or :func:`loragen.lora_convert` for those.
-
-Target entries that select no layer field of the file are listed in ``result.unmatched_targets``
-(``loragen rewrite`` makes those that match nothing in any of its files an error). Rewriting is
-idempotent: the output, rewritten again with the same config, is unchanged.
-
-The work is split into :mod:`~loragen.source.planner` (what changes), :mod:`~loragen.source.codegen` (the
-edits and what is returned) and :mod:`~loragen.source.targets` (the config's targets in a file).
+:func:`rewrite_source` is the pure function behind ``loragen rewrite`` (docs/ways-in.md): source in,
+:class:`RewriteResult` out; bad input (invalid Python, a config it cannot express, a name clash) comes back
+as errors with ``file:line``, never as an exception. The planner here decides what changes,
+:mod:`~loragen.source.codegen` makes the edits, :mod:`~loragen.source.targets` matches the config's targets.
 """
 
 from __future__ import annotations
@@ -42,15 +12,55 @@ import contextlib
 import dataclasses
 import gc
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import libcst as cst
+
 from loragen.config import LoraConfig
-from loragen.source.codegen import Diagnostic, RewriteResult, RewrittenCall
-from loragen.source.planner import RewritePlanner
-from loragen.source.scan import ScanError, scan_module, source_text
+from loragen.plan import fused_expert_parameters
+from loragen.source.codegen import (
+    CONFIG_NAME,
+    Diagnostic,
+    Editor,
+    ModuleLine,
+    RewriteResult,
+    RewrittenCall,
+    add_module_lines,
+    add_preamble,
+    config_attribute,
+    config_literal,
+    edit_call,
+    has_lora_hook,
+    lora_keywords,
+    py_literal,
+    top_level_bindings,
+)
+from loragen.source.scan import (
+    LORA_AUTO_CLASS,
+    LORA_CLASS_FOR,
+    LayerField,
+    ScanError,
+    ScannedModule,
+    class_definitions,
+    code_of,
+    nested_statements,
+    scan_module,
+    source_text,
+)
+from loragen.source.targets import PRETRAINED, Targets
 
 __all__ = ["Diagnostic", "RewriteResult", "RewrittenCall", "module_name_for_path", "rewrite_source"]
+
+# names the rewritten file imports besides the LoRA classes: (module, name)
+_CONFIG_IMPORT = ("loragen", "LoraConfig")
+_HOOK_IMPORT = ("loragen.layers", "LoraLayer")
+# a relative import inside a function or class (indented), which an absolute-imports rewrite must reach
+_NESTED_RELATIVE_IMPORT = re.compile(r"^[ \t]+from[\s\\]+\.", re.MULTILINE)
+# a class header and a ``self.x = nn.Parameter(`` line, to find the parameters a class declares
+_CLASS = re.compile(r"class\s+(\w+)\b")
+_PARAMETER = re.compile(r"\s+self\.(\w+)\s*(?::[^=]+)?=\s*(?:torch\.)?(?:nn\.)?Parameter\(")
 
 
 def module_name_for_path(path: str | os.PathLike[str]) -> tuple[str | None, str | None]:
@@ -91,29 +101,34 @@ def rewrite_source(
 ) -> RewriteResult:
     """Rewrite the constructor calls of ``config``'s target layers in ``code`` into loragen layers.
 
+    Only these change: each targeted call's callee and added LoRA keywords (``nn.Linear(a, b)`` ->
+    ``LoraLinear(a, b, r=8, lora_alpha=16)``), the imports they need, the config as a literal
+    (``LORA_CONFIG = LoraConfig(...)``, recorded as ``loragen_config`` in each class holding LoRA layers), a
+    ``PreTrainedModel``'s ``_init_weights`` (which ``from_pretrained`` uses to initialise the LoRA factors)
+    and, with ``package``, relative imports. A rewrite changes every instance of a class alike, so a config
+    that picks only some instances of a field (``layers_to_transform``, per-layer ``rank_pattern``) is an
+    error. Rewriting is idempotent.
+
     Args:
         code: Python source of a module.
         config: which fields to target and their ``r`` / ``lora_alpha`` / ``lora_dropout`` / ...
         filename: used in messages, and for the module's name (``model.py``: ``model``, so a layer type
             defined in the file and registered from ``model`` is recognised).
-        package: the package the file belongs to (``"transformers.models.llama"``); resolves relative
-            imports for matching (``from ...pytorch_utils import Conv1D``) and, with
-            ``absolute_imports``, rewrites them as absolute imports so the output is standalone.
-        absolute_imports: make relative imports absolute (needs ``package``); ``False`` for a file
-            rewritten in place, where its relative imports still work.
+        package: the package the file belongs to (``"transformers.models.llama"``), to resolve relative
+            imports (``from ...pytorch_utils import Conv1D``).
+        absolute_imports: with ``package``, write relative imports as absolute ones (a standalone output);
+            ``False`` for a file rewritten in place.
 
     Returns:
         a :class:`RewriteResult`; never raises for bad input: errors are in ``result.errors``.
     """
     name = filename or "<string>"
-    if not isinstance(code, str):
-        return RewriteResult(
-            str(code), False, name, errors=(Diagnostic(name, 1, "the source must be a str"),)
-        )
 
     def failed(line: int, message: str) -> RewriteResult:
-        return RewriteResult(code, False, name, errors=(Diagnostic(name, line, message),))
+        return RewriteResult(str(code), False, name, errors=(Diagnostic(name, line, message),))
 
+    if not isinstance(code, str):
+        return failed(1, "the source must be a str")
     if not isinstance(config, LoraConfig):
         return failed(1, f"config must be a loragen.LoraConfig, got {type(config).__name__}")
     if config.target_modules is None:
@@ -127,8 +142,9 @@ def rewrite_source(
             scanned = scan_module(
                 text.code, filename=name, module=_module_name(filename, package), package=package
             )
-            planner = RewritePlanner(text.code, config, name, package if absolute_imports else None, scanned)
-            result = planner.run()
+            result = _RewritePlanner(
+                text.code, config, name, package if absolute_imports else None, scanned
+            ).run()
         return dataclasses.replace(result, code=text.restore(result.code))
     except ScanError as exc:
         return failed(exc.line, exc.reason)
@@ -140,12 +156,7 @@ def rewrite_source(
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for the duration (and resumed if it was running).
-
-    A rewrite builds syntax trees of millions of small objects that hold no reference cycles; the collector's
-    passes over them find nothing and grow with the tree (a third of the time of a 1 MB file). Memory freed by
-    reference counting is unaffected.
-    """
+    """Pause the cyclic garbage collector: syntax trees hold no cycles, and its passes over them are slow."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -153,3 +164,370 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+class _RewritePlanner:
+    """Plans and applies the rewrite of one scanned file: which constructor calls change and how, which
+    classes record the config and get the transformers init hook, which imports the file needs; errors
+    leave it unchanged. ``package`` (or None) makes relative imports absolute in the output."""
+
+    def __init__(
+        self, code: str, config: LoraConfig, filename: str, package: str | None, scanned: ScannedModule
+    ) -> None:
+        self.code = code
+        self.config = config
+        self.filename = filename
+        self.package = package
+        self.scanned = scanned
+        self.result = scanned.result
+        self.targets = Targets(config, scanned.result)
+        self.errors: list[Diagnostic] = []
+        self.warnings = [Diagnostic(filename, u.location.line, u.reason) for u in scanned.result.unresolved]
+        self.lines = [line.rstrip("\r") for line in code.split("\n")]
+        # the line length the file keeps to, as far as its longest line tells (between 88 and 120)
+        self.width = min(120, max(88, *(len(line) for line in self.lines)))
+        self.imports: dict[str, set[str]] = {}
+        # keyed by the scanned tree's own nodes (see ScannedModule)
+        self.edits: dict[cst.Call, tuple[str | None, dict[str, str], str | None]] = {}
+        self.rewritten: list[RewrittenCall] = []
+        self.derived: dict[str, str] = {}  # layer subclass of the file -> the name its LoRA class gets
+        # LoRA auto class -> the auto class (LoraAutoModel -> AutoModel)
+        self.auto_classes: dict[str, str] = {}
+        self.factory_edits: dict[cst.Call, str] = {}  # AutoModel.from_config(...) call -> LoraAutoModel
+
+    def _error(self, line: int, message: str) -> None:
+        self.errors.append(Diagnostic(self.filename, line, message))
+
+    def _warn(self, line: int, message: str) -> None:
+        self.warnings.append(Diagnostic(self.filename, line, message))
+
+    def run(self) -> RewriteResult:
+        """The rewritten code and what was done; the input unchanged when there are errors."""
+        for call, fields in self.scanned.calls.items():
+            self._plan_call(call, fields)
+        self.rewritten.sort(key=lambda c: (c.field.location.line, c.field.location.column))
+        self._warn_non_layer_targets()
+        self._refuse_fused_experts()
+        if self.config.target_parameters:  # parameters have no constructor call to swap: say so, keep none
+            self._warn(
+                1,
+                f"target_parameters={list(self.config.target_parameters)} is not written into the source (a "
+                "parameter has no constructor call to swap) and is left out of LORA_CONFIG; adapt those "
+                "parameters with loragen.get_lora_model or @lora_convert on the original classes",
+            )
+        self._plan_factories()
+        active = bool(self.rewritten or self.auto_classes)
+        hooks: dict[cst.ClassDef, str] = {}
+        config_classes: set[cst.ClassDef] = set()
+        if active:
+            hooks, config_classes = self._class_edits()
+            self.imports.setdefault(_CONFIG_IMPORT[0], set()).add(_CONFIG_IMPORT[1])
+            if hooks:
+                self.imports.setdefault(_HOOK_IMPORT[0], set()).add(_HOOK_IMPORT[1])
+        missing = self._missing_imports()
+        if self.errors:
+            return self._result(self.code)
+        editor = Editor(
+            self.edits,
+            self.package,
+            hooks,
+            config_classes,
+            self.factory_edits,
+            self.scanned.hidden,
+            self._functions_to_edit(hooks.keys() | config_classes),
+            self.package is not None and _NESTED_RELATIVE_IMPORT.search(self.code) is not None,
+        )
+        tree = self.scanned.tree.visit(editor)
+        for message in editor.import_errors:
+            self._error(1, message)
+        if self.errors:
+            return self._result(self.code)
+        if active:
+            tree = add_preamble(
+                tree,
+                missing,
+                config_literal(self.config.replace(target_parameters=None), column=len(CONFIG_NAME) + 3),
+            )
+        tree = add_module_lines(tree, self._module_lines())
+        return self._result(tree.code)
+
+    def _functions_to_edit(self, classes: set[cst.ClassDef]) -> set[cst.FunctionDef]:
+        """Each edited class's ``__init__``, and every function around those and ``classes``."""
+        nodes = class_definitions(self.scanned.tree.body)
+        owners = {f.owner for call in self.edits for f in self.scanned.calls[call]}
+        owners.update(self.scanned.factories[call].owner for call in self.factory_edits)
+        targets: set[cst.CSTNode] = set(classes)
+        for owner in owners & nodes.keys():
+            targets.update(
+                s
+                for s in nodes[owner].body.body
+                if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"
+            )
+        found: set[cst.FunctionDef] = set()
+
+        def walk(body: Sequence[cst.CSTNode]) -> bool:
+            hit = False
+            for stmt in body:
+                if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                    inside = stmt in targets
+                    if isinstance(stmt.body, cst.IndentedBlock):
+                        inside = walk(stmt.body.body) or inside
+                    if inside and isinstance(stmt, cst.FunctionDef):
+                        found.add(stmt)
+                    hit = hit or inside
+                elif not isinstance(stmt, cst.SimpleStatementLine):
+                    hit = walk(nested_statements(stmt)) or hit
+            return hit
+
+        walk(self.scanned.tree.body)
+        return found
+
+    def _plan_factories(self) -> None:
+        """Route each ``AutoModel.from_config`` call through the LoRA auto class, with a warning."""
+        for call, factory in sorted(self.scanned.factories.items(), key=lambda item: item[1].location.line):
+            self.auto_classes[factory.lora_name] = factory.auto_class
+            if not factory.is_lora:
+                self.factory_edits[call] = factory.lora_name
+            own = ", ".join(self._own_models()) or "none holds LoRA layers"
+            self._warn(
+                factory.location.line,
+                f"{factory.owner}.{factory.path} = {factory.auto_class}.from_config(...) builds transformers' own "
+                f"class; rewritten to {factory.lora_name}, which builds this file's LoRA class for its config ({own}) "
+                "and converts a class of another file when built (target_modules matched inside it)",
+            )
+
+    def _own_models(self) -> list[str]:
+        """The file's PreTrainedModel classes holding rewritten layers (what its auto classes build)."""
+        roots = {
+            root
+            for call in self.rewritten
+            for root, _ in self.targets.contexts.get(call.field.owner, [])
+            if self.targets.is_pretrained(root)
+        }
+        return [c.name for c in self.result.classes if c.name in roots and "." not in c.name]
+
+    def _module_lines(self) -> list[ModuleLine]:
+        """The module-level LoRA auto classes and LoRA classes of the file's layer subclasses."""
+        own = ", ".join(self._own_models())
+        autos = []
+        for name, auto in sorted(self.auto_classes.items()):
+            value = f"lora_auto_class({auto}, [{own}], {CONFIG_NAME})"
+            if len(name) + 3 + len(value) > self.width:
+                value = f"lora_auto_class(\n    {auto},\n    [{own}],\n    {CONFIG_NAME},\n)"
+            comment = f"# Added by loragen rewrite: {auto} that builds this file's LoRA classes (loragen.source.composite)."
+            autos.append(ModuleLine(name, value, comment))
+        return autos + [
+            ModuleLine(
+                name,
+                f"lora_class_for({subclass})",
+                f"# Added by loragen rewrite: {subclass} with a LoRA adapter (its own forward computes the base output).",
+                after=subclass,
+            )
+            for subclass, name in sorted(self.derived.items())
+            if name not in self.scanned.lora_bindings
+        ]
+
+    def _plan_call(self, call: cst.Call, fields: list[LayerField]) -> None:
+        """Decide one constructor call (built for one or several fields)."""
+        decisions = [(f, self.targets.decide(f)) for f in fields]
+        for f, d in decisions:
+            if d.error:
+                self._error(f.location.line, d.error)
+            if d.warning:
+                self._warn(f.location.line, d.warning)
+        if any(d.error for _, d in decisions):
+            return
+        chosen = [(f, d) for f, d in decisions if d.targeted]
+        if not chosen:
+            if any(f.is_lora for f in fields):
+                f = fields[0]
+                self._warn(
+                    f.location.line,
+                    f"{f.owner}.{f.pattern} is already a LoRA layer but is not targeted by this config; "
+                    "left as it is",
+                )
+            return
+        field, decision = chosen[0]
+        if len(chosen) != len(decisions) or len({(d.r, d.alpha) for _, d in chosen}) > 1:
+            paths = ", ".join(f"{f.owner}.{f.pattern}" for f, _ in decisions)
+            self._error(
+                field.location.line,
+                f"one layer object is stored under several fields ({paths}) that the config treats "
+                "differently; cannot rewrite it",
+            )
+            return
+        spec = self.targets.types.for_qualname(field.layer)
+        if spec is None or not spec.importable():
+            self._error(
+                field.location.line,
+                f"{field.owner}.{field.pattern}: the LoRA class for {field.layer} cannot be imported by name"
+                + (f" ({spec.lora_qualname})" if spec else "")
+                + ", so a rewritten file could not use it; register a LoRA class defined at a module's top level",
+            )
+            return
+        existing = {a.keyword.value for a in call.args if a.keyword is not None}
+        keywords = lora_keywords(spec, decision.r, decision.alpha, self.config, existing)
+        lora_name = None if field.is_lora else field.lora_name
+        wrap = self._wrap(call, lora_name, {k: v for k, v in keywords.items() if k not in existing})
+        changed = not edit_call(call, lora_name, keywords, wrap).deep_equals(call)
+        if changed:
+            self.edits[call] = (lora_name, keywords, wrap)
+        if field.subclass is not None:  # LoraFalconLinear = lora_class_for(FalconLinear), after the class
+            self.derived[field.subclass] = field.lora_name
+            if field.lora_name not in self.scanned.lora_bindings:
+                self.imports.setdefault(LORA_CLASS_FOR[0], set()).add(LORA_CLASS_FOR[1])
+        elif lora_name is not None:
+            self.imports.setdefault(spec.lora_module, set()).add(lora_name)
+        self.rewritten.append(RewrittenCall(field, field.lora_name, decision.r, decision.alpha, changed))
+
+    def _wrap(self, call: cst.Call, lora_name: str | None, added: dict[str, str]) -> str | None:
+        """``call``'s indentation when the added keywords would make it wider than the file, else None."""
+        start = self.scanned.positions.get(call)
+        end = self.scanned.positions.get(call.args[-1].value) if call.args else None
+        if not added or start is None or end is None:
+            return None
+        grow = sum(len(f", {k}={v}") for k, v in added.items())
+        if lora_name is not None and start.start.line == end.end.line:
+            grow += len(lora_name) - len(code_of(call.func))
+        first = self.lines[start.start.line - 1]
+        rest = first[start.end.column :].strip() if start.start.line == start.end.line else ""
+        if rest and not rest.startswith("#"):
+            return None  # a one-line call inside a longer expression: relaying it out would read worse
+        last = self.lines[end.end.line - 1]
+        code = first[: start.end.column] if rest.startswith("#") else last  # a trailing comment may stick out
+        if len(code) + grow <= self.width:
+            return None
+        return first[: len(first) - len(first.lstrip())]
+
+    def _class_edits(self) -> tuple[dict[cst.ClassDef, str], set[cst.ClassDef]]:
+        """The classes that get the init hook, and those that get ``loragen_config`` (unless inherited)."""
+        nodes = class_definitions(self.scanned.tree.body)
+        hooks: dict[cst.ClassDef, str] = {}
+        holders = {c.field.owner for c in self.rewritten} | {f.owner for f in self.scanned.factories.values()}
+        for scan in self.result.classes:
+            # the topmost PreTrainedModel subclass of the file gets the hook; its subclasses inherit it
+            if not any(b in PRETRAINED for b in scan.base_names) or any(
+                self.targets.is_pretrained(base) for base in scan.local_bases
+            ):
+                continue
+            node = nodes.get(scan.name)
+            if node is not None:
+                holders.add(scan.name)
+                if not has_lora_hook(node):
+                    hooks[node] = py_literal(self.config.init_lora_weights)
+        config_classes: set[cst.ClassDef] = set()
+        for name in sorted(holders):
+            node = nodes.get(name)
+            if node is None or self.targets.ancestors(name) & holders:
+                continue
+            current = config_attribute(node)
+            if current is None:
+                config_classes.add(node)
+            elif current != CONFIG_NAME:
+                holder = self.result.get(name)
+                self._error(
+                    holder.location.line if holder else 1,
+                    f"class {name} sets loragen_config = {current} itself; a rewrite records its config there "
+                    f"(loragen_config = {CONFIG_NAME}): remove that line first",
+                )
+        return hooks, config_classes
+
+    def _missing_imports(self) -> dict[str, list[str]]:
+        """The needed names the file does not import yet; a needed name bound to something else is an error."""
+        bindings = top_level_bindings(self.scanned.tree)
+        missing: dict[str, list[str]] = {}
+        wanted = [(module, name) for module, names in self.imports.items() for name in names]
+        if self.rewritten or self.auto_classes:
+            wanted.append(("<loragen rewrite>", CONFIG_NAME))
+        if any(name not in self.scanned.auto_bindings for name in self.auto_classes):
+            wanted.append(LORA_AUTO_CLASS)
+        clashes = [
+            (
+                name,
+                f"the LoRA auto class of {auto} ({name} = lora_auto_class(...))",
+                self.scanned.auto_bindings,
+            )
+            for name, auto in sorted(self.auto_classes.items())
+        ] + [
+            (name, f"the LoRA class of {sub} ({name} = lora_class_for({sub}))", self.scanned.lora_bindings)
+            for sub, name in sorted(self.derived.items())
+        ]
+        for name, what, ours in clashes:
+            if name in bindings and name not in ours:
+                self._error(
+                    1,
+                    f"the name {name} is already bound in this module; the rewrite binds it to {what}: "
+                    "rename it first",
+                )
+        for module, name in sorted(wanted):
+            bound = bindings.get(name)
+            if bound is None:
+                if module != "<loragen rewrite>":
+                    missing.setdefault(module, []).append(name)
+            elif not bound.imports(module, name):
+                self._error(
+                    1,
+                    f"the name {name} is already bound in this module to something other than "
+                    f"{module}.{name}; rename it first",
+                )
+        return missing
+
+    def _refuse_fused_experts(self) -> None:
+        """Refuse ``all-linear`` on fused MoE expert parameters, which a rewrite cannot adapt (peft does)."""
+        declared: dict[str, int] = {}
+        owner = ""
+        for number, line in enumerate(self.lines, 1):
+            if (match := _CLASS.match(line)) is not None:
+                owner = match.group(1)
+            elif (match := _PARAMETER.match(line)) is not None and owner:
+                declared.setdefault(f"{owner}.{match.group(1)}", number)
+        fused = fused_expert_parameters(self.config, declared)
+        if fused:
+            self._error(
+                declared[fused[0]],
+                f"target_modules='all-linear' on a transformers 5 MoE model also adapts the fused expert "
+                f"parameters {', '.join(fused)} (as peft and loragen.get_lora_model do), and a source rewrite "
+                "cannot express LoRA on a parameter (it has no constructor call to swap). List the linear "
+                "modules to adapt instead of 'all-linear' (the experts then stay plain), or use "
+                "loragen.get_lora_model or @lora_convert",
+            )
+
+    def _warn_non_layer_targets(self) -> None:
+        """Targets naming a container or a submodule: the runtime path refuses those, say so here."""
+        for scan in self.result.classes:
+            candidates: dict[str, tuple[str, int]] = {}
+            for sub in scan.submodules:
+                if sub.path != sub.attribute:
+                    candidates.setdefault(sub.attribute, ("a module container", sub.location.line))
+                candidates.setdefault(
+                    sub.path, (f"a module of class {sub.callee.rpartition('.')[2]}", sub.location.line)
+                )
+            for f in scan.fields:
+                if f.container:
+                    candidates.setdefault(f.attribute, (f"a {f.container}", f.location.line))
+            for path, (kind, line) in candidates.items():
+                hit = self.targets.selected_non_layers(p for _, p in self.targets.paths(scan.name, path))
+                if hit is not None:
+                    self._warn(
+                        line,
+                        f"target_modules matches {hit}: {scan.name}.{path} is {kind}, not a layer; it is left "
+                        "as it is (loragen.get_lora_model would refuse it): name the layers inside it instead",
+                    )
+
+    def _result(self, code: str) -> RewriteResult:
+        errors = tuple(sorted(set(self.errors), key=lambda d: d.line))
+        return RewriteResult(
+            code=self.code if errors else code,
+            changed=not errors and code != self.code,
+            filename=self.filename,
+            rewritten=tuple(self.rewritten),
+            fields=tuple(self.result.fields),
+            # a composite's sub-models of other files may hold what the file itself does not
+            unmatched_targets=() if self.auto_classes else self.targets.unmatched(),
+            warnings=tuple(sorted(set(self.warnings), key=lambda d: d.line)),
+            errors=errors,
+            sub_models=tuple(
+                f"{f.owner}.{f.path}"
+                for f in sorted(self.scanned.factories.values(), key=lambda f: f.location.line)
+            ),
+        )

@@ -1,11 +1,9 @@
-"""Which layer fields a config targets in a source file, for :mod:`loragen.source.rewriter`.
+"""Which layer fields a config targets in a source file, for the rewriter and the decorator.
 
-A rewrite changes a class, so every instance of it: a field is targeted when the config selects it under
-the paths the file gives its class (``LlamaAttention.q_proj`` is ``model.layers.{i}.self_attn.q_proj``
-inside ``LlamaForCausalLM``, ``q_proj`` on its own). ``{i}`` and ``{key}`` are tried with sample values;
-a config that picks only some of them (per-layer targets or ranks) cannot be written as one constructor
-call and is an error. The decisions are :func:`loragen.plan.resolve_candidates`'s, the rules the runtime
-path applies. Private: used by :func:`loragen.source.rewriter.rewrite_source` and the decorator.
+A rewrite changes a class, so every instance of it: a field is targeted when the config selects it at the
+paths the file gives its class (``LlamaAttention.q_proj`` as ``model.layers.{i}.self_attn.q_proj``), with
+``{i}`` and ``{key}`` tried at sample values by :func:`loragen.plan.resolve_candidates`; a config that picks
+only some instances inside one model is an error.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from loragen.plan import Candidate, LoraPlan, resolve_candidates
 from loragen.source.codegen import py_literal
 from loragen.source.scan import LayerField, ScanResult, layer_types
 
-__all__ = ["PRETRAINED", "Decision", "Targets", "instances"]
+__all__ = ["PRETRAINED", "Decision", "Targets"]
 
 PRETRAINED = ("transformers.modeling_utils.PreTrainedModel", "transformers.PreTrainedModel")
 _SAMPLE_INDICES = (0, 1, 2, 3, 7, 10, 11, 99)
@@ -37,7 +35,7 @@ class Decision:
     warning: str | None = None
 
 
-def instances(template: str, extra_keys: Iterable[str]) -> list[str]:
+def _instances(template: str, extra_keys: Iterable[str]) -> list[str]:
     """Concrete sample paths for a path with ``{i}`` / ``{key}`` placeholders."""
     if "{i}" not in template and "{key}" not in template:
         return [template]
@@ -69,7 +67,6 @@ class Targets:
 
     def _family_heads(self, root: str) -> set[str]:
         """Paths of the output head in an instance of ``root``."""
-        heads: set[str] = set()
         cls = self.by_name.get(root)
         seen: set[str] = set()
         while cls is not None and cls.name not in seen:
@@ -77,24 +74,25 @@ class Targets:
             if cls.output_head is not None:
                 return set(cls.output_head)
             cls = self.by_name.get(cls.local_bases[0]) if cls.local_bases else None
-        if self.is_pretrained(root):
-            heads.add("lm_head")  # PreTrainedModel.get_output_embeddings: self.lm_head
-        return heads
+        # PreTrainedModel.get_output_embeddings: self.lm_head
+        return {"lm_head"} if self.is_pretrained(root) else set()
+
+    def ancestors(self, name: str) -> set[str]:
+        """The classes that class ``name`` derives from through the file's classes."""
+        found: set[str] = set()
+        todo = [name]
+        while todo:
+            cls = self.by_name.get(todo.pop())
+            for base in cls.local_bases if cls is not None else ():
+                if base not in found:
+                    found.add(base)
+                    todo.append(base)
+        return found
 
     def is_pretrained(self, name: str) -> bool:
         """Whether class ``name`` derives from transformers' ``PreTrainedModel`` (through the file's classes)."""
-        seen: set[str] = set()
-        todo = [name]
-        while todo:
-            item = todo.pop()
-            cls = self.by_name.get(item)
-            if cls is None or item in seen:
-                continue
-            seen.add(item)
-            if any(b in PRETRAINED for b in cls.base_names):
-                return True
-            todo.extend(cls.local_bases)
-        return False
+        classes = [self.by_name.get(c) for c in {name} | self.ancestors(name)]
+        return any(b in PRETRAINED for cls in classes if cls is not None for b in cls.base_names)
 
     def candidates(self, field: LayerField) -> list[Candidate]:
         """``field`` at each of its sample paths. A field that is some model's output head is described as
@@ -104,7 +102,7 @@ class Targets:
         spec = self.types.for_qualname(field.layer)
         return [
             Candidate(path, field.layer, linear=spec is not None and spec.linear, output_head=head)
-            for _, path in self.paths(field)
+            for _, path in self.paths(field.owner, field.path)
         ]
 
     def plan(self, field: LayerField) -> LoraPlan:
@@ -113,19 +111,11 @@ class Targets:
             self._plans[id(field)] = resolve_candidates(self.config, self.candidates(field))
         return self._plans[id(field)]
 
-    def matches(self, field: LayerField, path: str) -> bool:
-        """Whether the config selects ``field`` at its sample module path ``path``."""
-        return path in self.plan(field)
-
-    def paths(self, field: LayerField) -> Iterator[tuple[str, str]]:
-        """``(root class, sample module path)`` for ``field`` under every context the file gives its class."""
-        for root, prefix in self.contexts.get(field.owner, [(field.owner, "")]):
-            for path in instances(prefix + field.path, self.extra_keys):
-                yield root, path
-
-    def selects(self, field: LayerField) -> bool:
-        """Whether the config selects ``field`` under some context (the decorator's test for a branch)."""
-        return bool(self.plan(field).entries)
+    def paths(self, owner: str, path: str) -> Iterator[tuple[str, str]]:
+        """``(root class, sample module path)`` for ``path`` in class ``owner``, under each of its contexts."""
+        for root, prefix in self.contexts.get(owner, [(owner, "")]):
+            for sample in _instances(prefix + path, self.extra_keys):
+                yield root, sample
 
     def selected_non_layers(self, paths: Iterable[str]) -> str | None:
         """The first of ``paths`` (of modules that are not layers: containers, sub-models) the config's
@@ -136,8 +126,6 @@ class Targets:
     def unmatched(self) -> tuple[str, ...]:
         """The entries of ``target_modules`` that select no layer field of the file under any context
         (the rule the runtime converter warns with), or the whole regex / ``"all-linear"`` string."""
-        if self.config.target_modules is None:
-            return ()
         seen: dict[str, Candidate] = {}
         for f in self.result.fields:
             for c in self.candidates(f):
@@ -147,14 +135,14 @@ class Targets:
     def decide(self, field: LayerField) -> Decision:
         """Whether ``field`` is rewritten, with which rank and alpha, or why it cannot be."""
         plan = self.plan(field)
-        by_root: dict[str, list[tuple[str, bool]]] = {}
-        for root, path in self.paths(field):
-            by_root.setdefault(root, []).append((path, path in plan))
+        by_root: dict[str, list[str]] = {}
+        for root, path in self.paths(field.owner, field.path):
+            by_root.setdefault(root, []).append(path)
         where = f"{field.owner}.{field.pattern}"
         chosen: list[str] = []
-        for root, results in by_root.items():
-            hits = [p for p, hit in results if hit]
-            misses = [p for p, hit in results if not hit]
+        for root, paths in by_root.items():
+            hits = [p for p in paths if p in plan]
+            misses = [p for p in paths if p not in plan]
             if hits and misses:
                 return Decision(
                     False,
@@ -168,9 +156,9 @@ class Targets:
                 chosen.append(root)
         if not chosen:
             return Decision(False)
-        values: dict[tuple[int, float], list[str]] = {}
+        per_root: dict[str, tuple[int, float]] = {}
         for root in chosen:
-            root_values = {(plan.entries[p].r, plan.entries[p].lora_alpha) for p, _ in by_root[root]}
+            root_values = {(plan.entries[p].r, plan.entries[p].lora_alpha) for p in by_root[root]}
             if len(root_values) > 1:
                 return Decision(
                     True,
@@ -180,11 +168,11 @@ class Targets:
                         "loragen.get_lora_model or @lora_convert"
                     ),
                 )
-            for value in root_values:
-                values.setdefault(value, []).append(root)
+            per_root[root] = root_values.pop()
         # with several roots (the class used on its own, inside a model, ...) prefer the outermost path
-        longest = max(chosen, key=lambda root: max(len(p) for p, _ in by_root[root]))
-        r, alpha = next(v for v, roots in values.items() if longest in roots)
+        longest = max(chosen, key=lambda root: max(len(p) for p in by_root[root]))
+        r, alpha = per_root[longest]
+        values = set(per_root.values())
         warning = None
         if len(values) > 1:
             warning = (
