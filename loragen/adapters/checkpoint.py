@@ -1,6 +1,5 @@
-"""A safetensors checkpoint (one file, or a folder of shards with an index), opened from its headers alone,
-and which checkpoint tensor each adapter tensor changes (:func:`resolve_keys`): a one-to-one mapping,
-explained, never guessed. Tensor data is streamed later by the merge.
+"""A safetensors checkpoint (a file, or shards with an index) opened from its headers alone, and which
+checkpoint tensor each adapter tensor changes (:func:`resolve_keys`): one to one, explained, never guessed.
 """
 
 from __future__ import annotations
@@ -25,11 +24,7 @@ __all__ = [
     "explicit_key_map",
     "open_checkpoint",
     "resolve_keys",
-    "wrapper_prefixes",
 ]
-
-
-# ---- opening a checkpoint ----------------------------------------------------------------------------------
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MODEL_CONFIG_NAME = "config.json"
@@ -39,13 +34,9 @@ MERGE_MARKER_NAME = "loragen_merge.json"
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A safetensors checkpoint: one file, or a folder of shards with an index.
-
-    ``files`` are the safetensors files in index order, ``headers`` their parsed headers and
-    ``owner`` maps each tensor name to the file that holds it. ``architectures`` are the model classes
-    the ``config.json`` beside the checkpoint names (transformers writes it); ``config_note`` says where
-    they come from, or why there are none.
-    """
+    """A safetensors checkpoint: ``files`` in index order, their ``headers``, ``owner`` (tensor name ->
+    file); ``architectures`` from the ``config.json`` beside it, ``config_note`` where they come from or
+    why there are none."""
 
     root: Path
     files: tuple[Path, ...]
@@ -90,13 +81,8 @@ def _architectures(folder: Path) -> tuple[tuple[str, ...], str]:
 
 
 def _weight_map(index_path: Path) -> dict[str, str]:
-    """The ``weight_map`` of a shard index: tensor name -> shard file name in the index's folder.
-
-    Raises:
-        MergeError: the index is not JSON of that form, or names a shard that is not a plain file name
-            (a path such as ``../x.safetensors``, ``a/model.safetensors`` or an absolute path would be
-            read from, and written to, somewhere else than the checkpoint folder).
-    """
+    """The ``weight_map`` of a shard index; MergeError unless every shard is a plain file name (a path
+    would be read from, and written to, somewhere else than the checkpoint folder)."""
     data = read_json_file(index_path, MergeError)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
@@ -123,21 +109,17 @@ def _weight_map(index_path: Path) -> dict[str, str]:
 
 
 def _open(root: Path) -> tuple[tuple[Path, ...], Path | None, dict[Path, SafetensorsHeader], dict[str, Path]]:
-    if root.is_file():
-        header = _read_header(root)
-        return (root,), None, {root: header}, dict.fromkeys(header.tensors, root)
-    if not root.is_dir():
+    if not root.is_file() and not root.is_dir():
         raise MergeError(
             f"{root}: no such file or folder (expected a .safetensors file or a folder of shards)"
         )
-
-    indexes = sorted(root.glob("*" + INDEX_SUFFIX))
+    indexes = sorted(root.glob("*" + INDEX_SUFFIX)) if root.is_dir() else []
     if len(indexes) > 1:
         raise MergeError(
             f"{root}: several index files ({', '.join(p.name for p in indexes)}); pass one model's file"
         )
     if not indexes:
-        singles = sorted(root.glob("*.safetensors"))
+        singles = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
         if len(singles) != 1:
             found = ", ".join(p.name for p in singles) or "no .safetensors file"
             raise MergeError(
@@ -145,7 +127,6 @@ def _open(root: Path) -> tuple[tuple[Path, ...], Path | None, dict[Path, Safeten
             )
         header = _read_header(singles[0])
         return (singles[0],), None, {singles[0]: header}, dict.fromkeys(header.tensors, singles[0])
-
     index_path = indexes[0]
     weight_map = _weight_map(index_path)
     files = tuple(dict.fromkeys(root / name for name in weight_map.values()))
@@ -163,26 +144,16 @@ def _open(root: Path) -> tuple[tuple[Path, ...], Path | None, dict[Path, Safeten
 
 
 def open_checkpoint(base: str | os.PathLike[str]) -> Checkpoint:
-    """Read the headers of the checkpoint at ``base``: a ``.safetensors`` file or a folder.
-
-    A folder holds ``*.safetensors.index.json`` with its shards, or a single ``.safetensors`` file. The
-    ``config.json`` in the folder (for a file: beside it) gives the checkpoint's architectures.
+    """Read the headers of the checkpoint at ``base``: a ``.safetensors`` file, or a folder holding one
+    or shards with a ``*.safetensors.index.json``; ``config.json`` there gives its architectures.
 
     Raises:
-        MergeError: nothing to read, an index that is not JSON of the expected form or names shards that
-            are not plain file names in the folder, missing shards or tensors, a corrupt header.
+        MergeError: nothing to read, a malformed index, missing shards or tensors, a corrupt header.
     """
     root = Path(base)
     files, index_path, headers, owner = _open(root)
     architectures, note = _architectures(root if root.is_dir() else root.parent)
     return Checkpoint(root, files, index_path, headers, owner, architectures, note)
-
-
-# ---- adapter paths -> checkpoint keys ----------------------------------------------------------------------
-
-
-def _join(head: str, tail: str) -> str:
-    return f"{head}.{tail}" if head and tail else head or tail
 
 
 @dataclass(frozen=True)
@@ -198,7 +169,8 @@ class PrefixRule:
 
     def apply(self, path: str) -> str:
         """``path`` with its leading ``old`` replaced by ``new`` (assumes :meth:`matches`)."""
-        return _join(self.new, path[len(self.old) :].removeprefix(".") if self.old else path)
+        tail = path[len(self.old) :].removeprefix(".") if self.old else path
+        return f"{self.new}.{tail}" if self.new and tail else self.new or tail
 
     def describe(self) -> str:
         """``'old.' -> 'new.'``; ``'P.' removed`` / ``'P.' added`` when one side is empty."""
@@ -244,12 +216,11 @@ def _path(text: str, what: str) -> str:
 def explicit_key_map(
     key_map: Mapping[str, str] | None = None, strip_prefix: str | Iterable[str] | None = None
 ) -> KeyMap | None:
-    """The :class:`KeyMap` a caller asks for: ``key_map`` ``{OLD: NEW}`` prefix rewrites and
-    ``strip_prefix`` prefixes to remove (``P`` is the rule ``P -> ""``); ``None`` when neither is given.
+    """The :class:`KeyMap` of ``key_map`` ``{OLD: NEW}`` rewrites and ``strip_prefix`` (``P -> ""``);
+    ``None`` when neither is given.
 
     Raises:
-        MergeError: a prefix that is not a dotted path, a rule that changes nothing, or the same ``OLD``
-            given twice.
+        MergeError: a prefix that is not a dotted path, a rule that changes nothing, an ``OLD`` twice.
     """
     strips = [strip_prefix] if isinstance(strip_prefix, str) else list(strip_prefix or ())
     pairs = [(_path(p, "strip_prefix"), "") for p in strips]
@@ -268,41 +239,30 @@ def explicit_key_map(
     return KeyMap(tuple(PrefixRule(old, new) for old, new in pairs), "as given")
 
 
-def wrapper_prefixes(checkpoint: Checkpoint) -> tuple[list[tuple[str, str]], str]:
-    """``[(architecture, base_model_prefix)]`` for the checkpoint's architectures, and a note saying
-    where they come from or why there are none (no ``config.json``, no transformers, unknown class)."""
+def _candidates(checkpoint: Checkpoint) -> tuple[list[KeyMap], str]:
+    """The key maps of the checkpoint's known wrapper (its architectures' ``base_model_prefix``, removed
+    and added), and a note saying where it comes from or why there is none."""
     if not checkpoint.architectures:
         return [], checkpoint.config_note
+    names = ", ".join(checkpoint.architectures)
     try:
         transformers = importlib.import_module("transformers")
     except ImportError:
-        return (
-            [],
-            f"transformers is not installed, so the wrapper of {', '.join(checkpoint.architectures)} is unknown",
-        )
-    found, unknown = [], []
-    for name in checkpoint.architectures:
+        return [], f"transformers is not installed, so the wrapper of {names} is unknown"
+    maps: dict[PrefixRule, KeyMap] = {}
+    unknown = []
+    for arch in checkpoint.architectures:
         try:
-            prefix = getattr(getattr(transformers, name), "base_model_prefix", "")
+            prefix = getattr(getattr(transformers, arch), "base_model_prefix", "")
         except (AttributeError, ImportError, RuntimeError):
-            unknown.append(name)
+            unknown.append(arch)
             continue
         if isinstance(prefix, str) and prefix:
-            found.append((name, prefix))
-    note = f"{checkpoint.config_note} names {', '.join(checkpoint.architectures)}"
+            for rule in (PrefixRule(prefix, ""), PrefixRule("", prefix)):
+                maps.setdefault(rule, KeyMap((rule,), f"{arch}.base_model_prefix is {prefix!r}"))
+    note = f"{checkpoint.config_note} names {names}"
     if unknown:
         note += f"; transformers has no class {', '.join(unknown)}"
-    return found, note
-
-
-def _candidates(checkpoint: Checkpoint) -> tuple[list[KeyMap], str]:
-    """The checkpoint's known wrapper as key maps: each prefix removed, then added (once per prefix)."""
-    wrappers, note = wrapper_prefixes(checkpoint)
-    maps: dict[tuple[PrefixRule, ...], KeyMap] = {}
-    for arch, prefix in wrappers:
-        why = f"{arch}.base_model_prefix is {prefix!r}"
-        for rule in (PrefixRule(prefix, ""), PrefixRule("", prefix)):
-            maps.setdefault((rule,), KeyMap((rule,), why))
     return list(maps.values()), note
 
 
@@ -324,32 +284,16 @@ def _problems(targets: Mapping[str, Iterable[str]], names: set[str], key_map: Ke
     return problems
 
 
-def _unused(rules: Iterable[PrefixRule], paths: Iterable[str]) -> list[PrefixRule]:
-    paths = list(paths)
-    return [rule for rule in rules if rule.old and not any(rule.matches(p) for p in paths)]
-
-
 def resolve_keys(
     targets: Mapping[str, Iterable[str]], checkpoint: Checkpoint, explicit: KeyMap | None = None
 ) -> tuple[KeyMap, dict[str, str]]:
-    """Map every adapter target path to its own checkpoint key.
+    """Map every adapter target path (``{path: the adapter file keys behind it}``) to its own checkpoint key;
+    returns the key map used and ``{path: checkpoint key}``.
 
-    Adapter paths are those of the model the adapter was trained on (``model.layers.0.mlp.up_proj.weight``); a
-    checkpoint may store the same model under another wrapper. Tried in turn: (1) the paths as they are,
-    when every one is a checkpoint tensor; (2) the checkpoint's known wrapper: its ``config.json`` names its
-    architecture, and transformers' ``base_model_prefix`` of that class, ``P`` (``"model"``), is where a task
-    model keeps its base model, so the paths are tried with ``P.`` removed from their front and with ``P.``
-    added, and exactly one must fit (no wrapper without transformers or for a class it does not know);
-    (3) otherwise only ``explicit`` prefix rules (``--key-map OLD=NEW``, ``--strip-prefix P``): a path equal
-    to ``OLD`` or beginning with ``OLD.`` has that part replaced by ``NEW``, the longest ``OLD`` winning.
-    Every adapter tensor must find its own checkpoint tensor.
-
-    Args:
-        targets: ``{adapter path (model key) the merge changes: the adapter file keys behind it}``.
-        explicit: the caller's prefix rules (:func:`explicit_key_map`); then nothing else is tried.
-
-    Returns:
-        the key map used and ``{adapter path: checkpoint key}`` (one-to-one).
+    Tried in turn: (1) the paths as they are; (2) the checkpoint's known wrapper: transformers'
+    ``base_model_prefix`` ``P`` of its ``config.json`` architecture, removed from or added to the paths'
+    front, exactly one fitting. ``explicit`` prefix rules (:func:`explicit_key_map`: a path equal to
+    ``OLD`` or beginning with ``OLD.`` gets ``NEW`` instead, the longest ``OLD`` winning) replace both.
 
     Raises:
         MergeError: a path with no checkpoint tensor, two paths on one tensor, several default mappings
@@ -359,7 +303,7 @@ def resolve_keys(
     names = set(checkpoint.owner)
     note = ""
     if explicit is not None:
-        unused = _unused(explicit.rules, targets)
+        unused = [r for r in explicit.rules if r.old and not any(r.matches(p) for p in targets)]
         if unused:
             sample = ", ".join(list(targets)[:3])
             raise MergeError(

@@ -1,16 +1,10 @@
-"""Merge an adapter into a safetensors checkpoint offline, tensor by tensor, without the model class.
+"""``loragen merge``: merge an adapter into a safetensors checkpoint offline, without the model class.
 
-The checkpoint is read through its safetensors headers only (:mod:`loragen.adapters.checkpoint`) and
-every change is decided before writing (:func:`plan_merge`): each adapter tensor is mapped to its own
-checkpoint tensor (:mod:`loragen.adapters.checkpoint`); each LoRA module's factors must fit that tensor's shape
-under one of the layouts of its factor names (``Layout.fits`` and ``Layout.weight_shape``), and its rank
-must be the config's; every problem is reported together, before anything is written. Each output file gets the
-input's header verbatim (merging keeps every tensor's name, dtype and shape, so every byte offset stays
-the same) and its data section is streamed in file order: untouched byte ranges are copied as they are,
-and each tensor the adapter touches is merged a block of rows at a time, in fp32 (``W + scaling * B @ A``
-in the weight's layout, ``Layout.delta_row_factors``) and rounded once to its dtype. Peak memory is a few
-blocks plus one module's LoRA factors, whatever the size of the checkpoint or of its tensors. The output
-appears atomically (:mod:`loragen.atomic`), only once complete.
+Every change is decided from the checkpoint's headers and the adapter before a byte is written
+(:func:`plan_merge`). Each output file gets the input's header verbatim (same names, dtypes, shapes, so
+the same offsets); untouched byte ranges are copied, and each touched tensor is merged a block of rows
+at a time in fp32 and rounded once. Peak memory is a few blocks plus one module's factors; the output
+appears atomically (:mod:`loragen.atomic`).
 """
 
 from __future__ import annotations
@@ -71,13 +65,8 @@ MERGEABLE_DTYPES = ("F16", "BF16", "F32", "F64")
 
 @dataclass(frozen=True)
 class MergeOp:
-    """One change to one checkpoint tensor.
-
-    ``kind`` is ``"lora"`` (add ``scaling * B @ A``; ``layout`` is the registry layout in which the delta
-    lines up with the stored weight) or ``"replace"`` (the adapter holds the whole tensor:
-    modules_to_save, a trained bias, peft's saved embedding base weight). Replacements are applied
-    before LoRA deltas.
-    """
+    """One change to one checkpoint tensor: ``"lora"`` adds ``scaling * B @ A`` in ``layout``;
+    ``"replace"`` writes a tensor the adapter holds in full (applied before LoRA deltas)."""
 
     target: str
     kind: Literal["lora", "replace"]
@@ -88,11 +77,8 @@ class MergeOp:
 
 @dataclass(frozen=True)
 class MergePlan:
-    """Everything a merge will do, decided from headers and the adapter before a byte is written.
-
-    ``ops`` maps each checkpoint tensor to its changes; ``keys`` each adapter path (model key) to the
-    checkpoint key it changes (one-to-one); ``mapping`` describes the key map used (for messages).
-    """
+    """Everything a merge will do: ``ops`` per checkpoint tensor, ``keys`` from each adapter path to
+    its checkpoint key (one to one), ``mapping`` the key map used (for messages)."""
 
     checkpoint: Checkpoint
     adapter: Adapter
@@ -102,8 +88,7 @@ class MergePlan:
 
 
 def _targets(adapter: Adapter) -> dict[str, list[str]]:
-    """``{adapter path the merge changes: the file keys behind it}``: each LoRA module's ``weight``,
-    and the key of every tensor saved in full."""
+    """``{adapter path the merge changes: the file keys behind it}``."""
     targets = {f"{module}.weight": list(factors.keys) for module, factors in adapter.lora_modules().items()}
     for key, info in sorted(adapter.keys.items()):
         if not info.is_lora:
@@ -128,14 +113,10 @@ def _layout(
 ) -> Layout:
     """The layout in which ``B @ A`` lines up with ``entry``.
 
-    A square weight fits both ``nn.Linear``'s (out, in) and transformers ``Conv1D``'s (in, out) layout.
-    ``load_adapter`` (and peft) follow the layer's type there, never ``fan_in_fan_out``, so the merge
-    does too, from the adapter's other modules whose shapes tell (``evidence``: the layouts of the
-    unambiguous modules, by leaf name and under ``"*"`` for all): modules of the same name first, then
-    all of them. With no evidence, ``fan_in_fan_out=false`` means ``nn.Linear``; ``true`` (peft writes
-    it for ``Conv1D`` models but ignores it on an ``nn.Linear``) follows the checkpoint's architecture
-    (``architecture()``: TRANSPOSED when its transformers module uses ``Conv1D``), and is refused when
-    that is unknown.
+    A square weight fits both ``nn.Linear``'s (out, in) and ``Conv1D``'s (in, out) layout; as
+    ``load_adapter`` and peft follow the layer's type, so does the merge: from the unambiguous modules
+    (``evidence``: same leaf name first, then ``"*"``), else ``fan_in_fan_out=false`` means PLAIN and
+    ``true`` follows the checkpoint's architecture (``architecture()``), refused when that is unknown.
 
     Raises:
         MergeError: no layout of the module's factor names gives the tensor's shape (names both shapes),
@@ -173,8 +154,7 @@ def _layout(
 
 
 def _evidence(adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str]) -> dict[str, set[Layout]]:
-    """The layouts of the LoRA modules whose shapes fit exactly one of PLAIN and TRANSPOSED, by leaf name
-    and under ``"*"`` (see :func:`_layout`)."""
+    """The layouts of the unambiguous LoRA modules, by leaf name and under ``"*"``."""
     evidence: dict[str, set[Layout]] = {}
     for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None or TRANSPOSED not in factors.layouts:
@@ -192,8 +172,8 @@ def _evidence(adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str]) ->
 
 
 def _architecture_layout(checkpoint: Checkpoint) -> Layout | None:
-    """TRANSPOSED if the checkpoint's architectures (its ``config.json``) are transformers classes whose
-    modeling module uses ``Conv1D``, PLAIN if they are classes whose module does not, else None."""
+    """TRANSPOSED / PLAIN if the checkpoint's transformers architectures' modules do / do not use
+    ``Conv1D``; None when unknown."""
     if not checkpoint.architectures:
         return None
     try:
@@ -210,20 +190,9 @@ def _architecture_layout(checkpoint: Checkpoint) -> Layout | None:
 _FLOAT_DTYPES = frozenset(MERGEABLE_DTYPES)
 
 
-def _adapter_dtype(adapter: Adapter, key: str) -> str:
-    """The safetensors dtype name of adapter tensor ``key`` (e.g. ``"F32"``), read from the header
-    when the adapter is read lazily."""
-    if isinstance(adapter.tensors, SafetensorsReader):
-        return adapter.tensors.header.tensors[key].dtype
-    dtype = adapter.tensors[key].dtype
-    names = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
-    return names.get(str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
-
-
 def _dtype_problem(adapter: Adapter, key: str, entry: TensorEntry, lora: bool) -> str | None:
-    """Why adapter tensor ``key`` cannot go into ``entry`` (None if it can): LoRA factors must be
-    floating point; a replacement must be floating point for a floating-point tensor, else of its dtype."""
-    dtype = _adapter_dtype(adapter, key)
+    """Why adapter tensor ``key`` cannot go into ``entry``, or None."""
+    dtype = adapter.dtype_name(key)
     if dtype in _FLOAT_DTYPES:
         if lora or entry.dtype in _FLOAT_DTYPES:
             return None
@@ -237,9 +206,7 @@ def _dtype_problem(adapter: Adapter, key: str, entry: TensorEntry, lora: bool) -
 
 
 def check_adapter_values(plan: MergePlan, *, allow_nonfinite: bool = False, block: int = 1 << 22) -> None:
-    """Refuse adapter tensors holding NaN or inf before anything is written (unless ``allow_nonfinite``).
-
-    Reads every adapter tensor the plan uses once, ``block`` elements' worth of rows at a time.
+    """Refuse adapter tensors holding NaN or inf (unless ``allow_nonfinite``), ``block`` elements at a time.
 
     Raises:
         MergeError: a tensor holds NaN or inf (names every such key and the count).
@@ -250,18 +217,14 @@ def check_adapter_values(plan: MergePlan, *, allow_nonfinite: bool = False, bloc
     used = sorted({key for ops in plan.ops.values() for op in ops for key in op.source_keys})
     bad = []
     for key in used:
-        if _adapter_dtype(adapter, key) not in _FLOAT_DTYPES:
+        if adapter.dtype_name(key) not in _FLOAT_DTYPES:
             continue
         shape = adapter.shapes[key]
         rows = shape[0] if shape else 1
         step = max(1, block // max(1, math.prod(shape[1:])))
         count = 0
         for start in range(0, rows, step):
-            if isinstance(adapter.tensors, SafetensorsReader):
-                part = adapter.tensors.rows(key, start, min(rows, start + step))
-            else:
-                tensor = adapter.tensors[key]
-                part = tensor[start : start + step] if tensor.dim() else tensor
+            part = _rows(adapter.tensors, key, start, min(rows, start + step))
             count += int((~torch.isfinite(part)).sum())
         if count:
             bad.append(f"{key} ({count} NaN/inf values)")
@@ -274,9 +237,8 @@ def check_adapter_values(plan: MergePlan, *, allow_nonfinite: bool = False, bloc
 
 
 def _refuse_parameter_targets(adapter: Adapter) -> None:
-    """Raise when the adapter adapts parameters (``target_parameters``): which factors belong to which
-    parameter follows the module's parameter registration order (peft nests its wrappers in it), which a
-    checkpoint does not record, so a streaming merge could add an update to the wrong tensor."""
+    """Refuse ``target_parameters``: which factors go to which parameter follows the model's parameter
+    order, which a checkpoint does not record."""
     entries = adapter.config.target_parameters
     if not entries:
         return
@@ -297,15 +259,12 @@ def _refuse_parameter_targets(adapter: Adapter) -> None:
 def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None = None) -> MergePlan:
     """Decide every change the merge makes, checking that the adapter fits the checkpoint.
 
-    Args:
-        key_map: explicit prefix rules from adapter paths to checkpoint keys; by default only the paths
-            as they are and the checkpoint's known wrapper are accepted (see :mod:`~loragen.adapters.checkpoint`).
+    ``key_map``: explicit prefix rules (see :func:`~loragen.adapters.checkpoint.resolve_keys`).
 
     Raises:
-        MergeError: adapter tensors with no checkpoint tensor or sharing one (all listed, by key), shape
-            or rank mismatches, non-float target weights, adapter tensors of a dtype that would be cast
-            (LoRA factors must be floating point), a square weight whose layer type cannot be told (see
-            :func:`_layout`); nothing has been written.
+        MergeError: adapter tensors with no checkpoint tensor or sharing one, shape, rank or dtype
+            mismatches, a DoRA or ``target_parameters`` adapter, a square weight whose layer type cannot
+            be told; every problem is listed, by key.
     """
     config = adapter.config
     _refuse_parameter_targets(adapter)
@@ -347,7 +306,6 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
         target = keys[f"{module}.weight"]
         entry = checkpoint.entry(target)
         values = entry_for(config, module)
-        rank = values.r
         if entry.dtype not in MERGEABLE_DTYPES:
             problems.append(
                 f"{target}: dtype {entry.dtype} cannot take a LoRA delta "
@@ -360,9 +318,9 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
         if dtype_problems:
             problems.extend(dtype_problems)
             continue
-        if a[0] != rank:
+        if a[0] != values.r:
             problems.append(
-                f"{factors.key_a}: rank {a[0]}, but the adapter config gives {module} rank {rank} "
+                f"{factors.key_a}: rank {a[0]}, but the adapter config gives {module} rank {values.r} "
                 "(check r / rank_pattern)"
             )
             continue
@@ -414,12 +372,8 @@ def _merge_tensor(
     adapter: Adapter,
     dst: BinaryIO,
 ) -> None:
-    """Write the merged bytes of ``entry`` to ``dst``, a block of rows at a time.
-
-    Each block is widened to fp32 (fp64 stays fp64), takes its rows of every replacement and every
-    ``scaling * B @ A``, and is rounded once to the tensor's dtype. Memory: one block (about
-    ``_BLOCK_BYTES`` of the tensor's dtype, twice that in fp32) plus the module's LoRA factors.
-    """
+    """Write the merged bytes of ``entry`` to ``dst``, a block of rows at a time, computed in fp32
+    (fp64 stays fp64) and rounded once to the tensor's dtype."""
     dtype = entry.torch_dtype
     if dtype is None:
         raise MergeError(f"{entry.name}: dtype {entry.dtype} is not supported by this torch")
@@ -460,8 +414,8 @@ def _copy_range(src: BufferedReader, dst: BinaryIO, start: int, end: int, buffer
 
 def _write_file(
     header: SafetensorsHeader, out_path: Path, plan: MergePlan, advance: Callable[[int], None]
-) -> list[str]:
-    """Write ``header``'s file to ``out_path`` with the planned tensors merged; returns their names."""
+) -> None:
+    """Write ``header``'s file to ``out_path`` with the planned tensors merged."""
     merged = sorted((e for e in header.tensors.values() if e.name in plan.ops), key=lambda e: e.start)
     reader = SafetensorsReader(header)
     buffer = memoryview(bytearray(_BLOCK_BYTES))
@@ -477,7 +431,6 @@ def _write_file(
             position = entry.end
         _copy_range(src, dst, position, header.file_size, buffer)
         advance(header.file_size - position)
-    return [e.name for e in merged]
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -488,21 +441,10 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _chain(path: Path) -> list[tuple[int, int]]:
-    """The identities (device, inode) of ``path`` and of each of its existing folders up to the root,
-    links resolved: ``x`` is ``path`` or lies inside it when ``x``'s identity is in this chain."""
-    chain = []
-    for item in (path, *path.parents, *path.resolve().parents):
-        identity = _identity(item)
-        if identity is not None and identity not in chain:
-            chain.append(identity)
-    return chain
-
-
 def _overlaps(a: Path, b: Path) -> bool:
     """Whether ``a`` is ``b`` or lies inside it (by path and by inode, so hard links and bind mounts count)."""
     identity = _identity(b)
-    if identity is not None and identity in _chain(a):
+    if identity is not None and identity in map(_identity, (a, *a.parents, *a.resolve().parents)):
         return True
     resolved_a, resolved_b = a.resolve(), b.resolve()
     return resolved_a == resolved_b or resolved_b in resolved_a.parents
@@ -513,14 +455,8 @@ def _is_merge_output(folder: Path) -> bool:
 
 
 def _check_output(base: Path, adapter: Path, out: Path) -> None:
-    """Refuse an output that would write into or onto the base or the adapter, or replace other files.
-
-    Raises:
-        MergeError: ``out`` is the base or the adapter, lies inside one or contains one (by path or inode),
-            is a symbolic link, has the wrong kind (a file for a folder checkpoint, or the reverse), or is
-            an existing folder that is neither empty nor a previous ``loragen merge`` output (its
-            ``loragen_merge.json``), or an existing file that is not a safetensors checkpoint.
-    """
+    """Refuse an output that would write into or onto the base or the adapter, or replace other files
+    (see :func:`merge_checkpoint`), raising MergeError."""
     for what, other in (("base checkpoint", base), ("adapter", adapter)):
         if _overlaps(out, other):
             raise MergeError(
@@ -570,8 +506,7 @@ def _progress(total: int, enabled: bool | None) -> Any:
 
 
 def _extra_files(root: Path, shards: Iterable[Path]) -> list[Path]:
-    """The files of a checkpoint folder copied beside the merged shards: the index, config.json,
-    tokenizer files; not the shards (written merged) nor weights in other formats (they are unmerged)."""
+    """The files copied beside the merged shards: the index, config.json, tokenizer files..."""
     names = {p.name for p in shards} | {MERGE_MARKER_NAME}
     return [
         item
@@ -582,38 +517,30 @@ def _extra_files(root: Path, shards: Iterable[Path]) -> list[Path]:
     ]
 
 
-def _marker(plan: MergePlan) -> str:
-    """What ``loragen_merge.json`` records: that loragen wrote the folder, and from what."""
-    record = {
-        "loragen_merge": 1,
-        "base": str(plan.checkpoint.root.resolve()),
-        "adapter": str(plan.adapter.folder.resolve()),
-        "note": "written by loragen merge; a later loragen merge may replace this folder",
-    }
-    return json.dumps(record, indent=2) + "\n"
-
-
-def _write(
-    plan: MergePlan, out_path: Path, progress: bool | None
-) -> tuple[tuple[Path, ...], list[str], list[str]]:
-    """Write the merged checkpoint atomically; returns its files, the merged tensors, the extra files."""
+def _write(plan: MergePlan, out_path: Path, progress: bool | None) -> tuple[tuple[Path, ...], list[str]]:
+    """Write the merged checkpoint atomically; returns its files and the extra files copied."""
     checkpoint = plan.checkpoint
     total = sum(h.file_size for h in checkpoint.headers.values())
-    merged: list[str] = []
     extra: list[str] = []
     with _progress(total, progress) as bar:
-        if checkpoint.is_folder:
-            with atomic_dir(out_path) as tmp:
-                for shard in checkpoint.files:
-                    merged += _write_file(checkpoint.headers[shard], tmp / shard.name, plan, bar.update)
-                for item in _extra_files(checkpoint.root, checkpoint.files):
-                    shutil.copy2(item, tmp / item.name)  # the index is unchanged: same names, shards, sizes
-                    extra.append(item.name)
-                (tmp / MERGE_MARKER_NAME).write_text(_marker(plan), encoding="utf-8")
-            return tuple(out_path / shard.name for shard in checkpoint.files), merged, extra
-        with atomic_file(out_path) as tmp:
-            merged += _write_file(checkpoint.headers[checkpoint.root], tmp, plan, bar.update)
-        return (out_path,), merged, extra
+        if not checkpoint.is_folder:
+            with atomic_file(out_path) as tmp:
+                _write_file(checkpoint.headers[checkpoint.root], tmp, plan, bar.update)
+            return (out_path,), extra
+        with atomic_dir(out_path) as tmp:
+            for shard in checkpoint.files:
+                _write_file(checkpoint.headers[shard], tmp / shard.name, plan, bar.update)
+            for item in _extra_files(checkpoint.root, checkpoint.files):
+                shutil.copy2(item, tmp / item.name)  # the index is unchanged: same names, shards, sizes
+                extra.append(item.name)
+            record = {
+                "loragen_merge": 1,
+                "base": str(checkpoint.root.resolve()),
+                "adapter": str(plan.adapter.folder.resolve()),
+                "note": "written by loragen merge; a later loragen merge may replace this folder",
+            }
+            (tmp / MERGE_MARKER_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        return tuple(out_path / shard.name for shard in checkpoint.files), extra
 
 
 def merge_checkpoint(
@@ -630,30 +557,25 @@ def merge_checkpoint(
 ) -> MergeReport:
     """Merge ``adapter`` into the safetensors checkpoint ``base``, writing ``output``.
 
-    ``base`` is a ``.safetensors`` file (``output`` is then a file path) or a folder of shards with an
-    index (``output`` is then a folder with the same shards, the same index and copies of the folder's
-    other non-weight files such as ``config.json``). Tensors the adapter does not touch are copied
-    byte for byte; merged ones keep their dtype, computed in fp32 and rounded once. The output appears
-    atomically, only once complete. ``progress``: a progress bar on stderr (default: when it is a
-    terminal).
+    ``base`` is a ``.safetensors`` file (``output`` is then a file) or a folder of shards with an index
+    (``output`` is then a folder with the same shards, index and other non-weight files such as
+    ``config.json``). Untouched tensors are copied byte for byte; merged ones keep their dtype. The
+    output appears atomically, only once complete. ``progress``: a bar on stderr (default: on a terminal).
 
-    Which checkpoint tensor each adapter tensor changes is decided one to one: the adapter's paths as
-    they are, or under the checkpoint's known wrapper (its ``config.json`` architecture's
-    ``base_model_prefix``: see :mod:`loragen.adapters.checkpoint`). Anything else only through
-    ``key_map`` (``{OLD: NEW}``: adapter paths beginning with ``OLD`` get ``NEW`` instead) and
-    ``strip_prefix`` (prefixes removed from adapter paths); then nothing else is tried.
-    ``dry_run=True`` decides everything and writes nothing (``report.keys`` holds the key map).
+    Adapter paths map to checkpoint keys one to one: as they are, or under the checkpoint's known wrapper
+    (see :func:`~loragen.adapters.checkpoint.resolve_keys`); else only through ``key_map`` (``{OLD: NEW}``
+    prefix rewrites) and ``strip_prefix``. ``dry_run=True`` decides everything and writes nothing
+    (``report.keys`` holds the key map).
 
-    Only these outputs are written: a new path, an empty folder, a folder holding a previous merge
-    output (recognised by the ``loragen_merge.json`` every merged folder gets), or (for a one-file base)
-    an existing safetensors file; never the base or the adapter, nothing inside them or containing them.
-    Adapter tensors must be floating point and finite (``allow_nonfinite=True`` lets NaN and inf through).
+    Only a new path, an empty folder, a previous merge output (its ``loragen_merge.json``) or, for a
+    one-file base, an existing safetensors file is written; never the base or the adapter, nothing inside
+    or containing them. Adapter tensors must be floating point and finite (``allow_nonfinite=True`` lets
+    NaN and inf through).
 
     Raises:
-        MergeError: the output is refused (see above), an adapter tensor is not floating point or holds NaN
-            or inf (names the key), an adapter tensor finds no checkpoint tensor or
-            shares one with another (names the keys), shapes or ranks do not fit, or the checkpoint is
-            corrupt. Nothing is written in these cases.
+        MergeError: the output is refused, an adapter tensor is not floating point or not finite, does not
+            find its own checkpoint tensor, shapes or ranks do not fit, or the checkpoint is corrupt
+            (names the keys). Nothing is written then.
         AdapterError, LoraConfigError: the adapter folder cannot be read.
         WriteError: the output cannot be written (an ``OSError`` too); it is then left as it was.
     """
@@ -673,26 +595,27 @@ def merge_checkpoint(
     check_adapter_values(plan, allow_nonfinite=allow_nonfinite)
 
     files: tuple[Path, ...] = ()
-    merged: list[str] = [t for t in checkpoint.owner if t in plan.ops]
     extra: list[str] = []
     if not dry_run:
         try:
-            files, merged, extra = _write(plan, out_path, progress)
+            files, extra = _write(plan, out_path, progress)
         except WriteError:
             raise
         except OSError as exc:  # no space left, no permission: the output was not touched
             raise WriteError(
                 exc.errno, f"{out_path}: cannot write the merged checkpoint ({exc}); nothing was replaced"
             ) from exc
-    replaced = tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == "replace" for op in ops)))
-    lora = tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == "lora" for op in ops)))
+    kinds = {
+        kind: tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == kind for op in ops)))
+        for kind in ("lora", "replace")
+    }
     total = sum(h.file_size for h in checkpoint.headers.values())
     return MergeReport(
         output=out_path,
         files=files,
-        merged=lora,
-        replaced=replaced,
-        copied=len(checkpoint.owner) - len(merged),
+        merged=kinds["lora"],
+        replaced=kinds["replace"],
+        copied=len(checkpoint.owner) - len(plan.ops),
         bytes_written=0 if dry_run else total + sum(os.path.getsize(out_path / n) for n in extra),
         mapping=plan.mapping,
         extra_files=tuple(extra),

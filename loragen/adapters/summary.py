@@ -1,8 +1,5 @@
-"""What an adapter folder holds: target modules, ranks, alphas and scales, sizes, dtypes.
-
-Only the config and the safetensors header are read (no tensor data), so inspecting is instant for
-adapters of any size. :func:`inspect_adapter` returns an :class:`AdapterSummary`; :func:`format_summary`
-renders it as the table ``loragen inspect`` prints, and :meth:`AdapterSummary.to_json` as JSON.
+"""``loragen inspect``: what an adapter folder holds (targets, ranks, alphas, scales, sizes, dtypes),
+read from its config and safetensors header only, so instant for adapters of any size.
 """
 
 from __future__ import annotations
@@ -10,20 +7,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from loragen.adapters.files import read_safetensors_header
-from loragen.adapters.folder import (
-    ADAPTER_PICKLE_NAME,
-    ADAPTER_WEIGHTS_NAME,
-    AdapterKey,
-    check_magnitudes,
-    group_lora_keys,
-    parse_adapter_key,
-    read_adapter,
-    read_adapter_config,
-)
+from loragen.adapters.folder import read_adapter
 from loragen.errors import AdapterError
 from loragen.plan import entry_for
 from loragen.registry import EMBEDDING
@@ -130,61 +116,46 @@ def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False)
 
     Raises:
         AdapterError: missing files, a truncated or corrupt weights file, a pickle without
-            ``allow_pickle=True``.
+            ``allow_pickle=True``, inconsistent LoRA tensors.
         LoraConfigError: an invalid or unsupported config field.
     """
-    folder = Path(path)
-    config, raw = read_adapter_config(folder)
-    weights = folder / ADAPTER_WEIGHTS_NAME
-    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    if weights.is_file():
-        header = read_safetensors_header(weights)
-        shapes = {k: (e.shape, _DTYPE_NAMES.get(e.dtype, e.dtype.lower())) for k, e in header.tensors.items()}
-    elif (folder / ADAPTER_PICKLE_NAME).is_file():
-        adapter = read_adapter(folder, allow_pickle=allow_pickle)  # refuses the pickle unless allowed
-        weights = adapter.weights_path
-        shapes = {
-            k: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in adapter.tensors.items()
-        }
-    else:
-        raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS_NAME} (nor {ADAPTER_PICKLE_NAME})")
+    adapter = read_adapter(path, allow_pickle=allow_pickle, lazy=True)
+    shapes = adapter.shapes
 
-    lora_keys: list[AdapterKey] = []
-    full: list[TensorSummary] = []
-    for key in sorted(shapes):
-        info = parse_adapter_key(key)
-        if info is None:
-            continue
-        if info.is_lora:
-            lora_keys.append(info)
-        else:
-            shape, dtype = shapes[key]
-            full.append(TensorSummary(key, shape, math.prod(shape), dtype))
+    def dtype(key: str) -> str:
+        name = adapter.dtype_name(key)
+        return _DTYPE_NAMES.get(name, name.lower())
 
-    check_magnitudes(lora_keys, config.use_dora, weights)
+    full = [
+        TensorSummary(key, shapes[key], math.prod(shapes[key]), dtype(key))
+        for key, info in sorted(adapter.keys.items())
+        if not info.is_lora
+    ]
     modules = []
-    for module, factors in group_lora_keys(lora_keys, weights).items():
+    for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None:
             raise AdapterError(
-                f"{weights}: {module} has only {', '.join(factors.keys)}, expected both LoRA factors"
+                f"{adapter.weights_path}: {module} has only {', '.join(factors.keys)}, expected both LoRA factors"
             )
-        (a_shape, dtype), (b_shape, _) = shapes[factors.key_a], shapes[factors.key_b]
+        a_shape, b_shape = shapes[factors.key_a], shapes[factors.key_b]
+        entry = entry_for(adapter.config, module)
         modules.append(
             ModuleSummary(
                 module=module,
                 kind=_kind(a_shape, EMBEDDING in factors.layouts),
                 r=a_shape[0],
-                alpha=entry_for(config, module).lora_alpha,
-                scale=entry_for(config, module).scaling,
+                alpha=entry.lora_alpha,
+                scale=entry.scaling,
                 in_features=math.prod(a_shape[1:]),
                 out_features=b_shape[0],
                 params=math.prod(a_shape) + math.prod(b_shape),
-                dtype=dtype,
+                dtype=dtype(factors.key_a),
             )
         )
-    shown = {name: raw.get(name) for name in _CONFIG_FIELDS if name in raw}
+    shown = {name: adapter.config_dict.get(name) for name in _CONFIG_FIELDS if name in adapter.config_dict}
+    weights = adapter.weights_path
     return AdapterSummary(
-        str(folder), str(weights), weights.stat().st_size, shown, tuple(modules), tuple(full)
+        str(adapter.folder), str(weights), weights.stat().st_size, shown, tuple(modules), tuple(full)
     )
 
 
