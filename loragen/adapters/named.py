@@ -1,20 +1,8 @@
 """Several named adapters on one model, with peft's semantics: add, switch, delete, switch off.
 
-A model's adapters are the union of the adapters its LoRA layers hold (storage and key names:
-:mod:`loragen.layers.adapter_set`); their configs are kept on the model as
-``model.loragen_adapter_configs`` (``{name: LoraConfig}``, the model's first adapter first), and
-``model.loragen_config`` stays the first adapter's config, so everything written for one adapter (saving,
-``mark_trainable``) keeps working. One adapter is active at a time: every LoRA layer adds it, and it is
-the one that trains (its factors require grad, the others' do not), as after peft's ``set_adapter``.
-
-=========================== ===============================================================================
-``add_adapter``              a further adapter (not made active); a plain model is converted (it is active)
-``set_adapter``              make an adapter active (merged layers are unmerged first, with a warning)
-``delete_adapter``           drop an adapter; an active one is replaced by the first remaining name in
-                             sorted order (peft's rule); a layer left with none becomes its base layer again
-``disable_adapter``          context manager: the base model exactly (merged layers unmerged, then merged
-                             again on exit)
-=========================== ===============================================================================
+The adapters are those the LoRA layers hold (:mod:`loragen.layers.adapter_set`); their configs are kept
+as ``model.loragen_adapter_configs`` and ``model.loragen_config`` stays the first adapter's. One adapter
+is active at a time: every LoRA layer adds it, and only its factors train.
 """
 
 from __future__ import annotations
@@ -90,8 +78,7 @@ def active_adapter(model: nn.Module) -> str | None:
 
 
 def adapter_configs(model: nn.Module) -> dict[str, LoraConfig | None]:
-    """``{name: config}`` of ``model``'s adapters; ``None`` for an adapter whose layers carry no config
-    (a rewritten model written by hand: :func:`loragen.adapters.save.adapter_config_for` derives one)."""
+    """``{name: config}`` of ``model``'s adapters; ``None`` for one whose layers carry no config."""
     configs = model.__dict__.get(ADAPTER_CONFIGS_ATTR)
     if isinstance(configs, dict):
         return dict(configs)
@@ -126,18 +113,10 @@ def require_adapter(model: nn.Module, name: object, what: str = "adapter") -> st
     return name
 
 
-# ---- adding ------------------------------------------------------------------------------------------
-
-
 def check_adapter_name(name: object) -> str:
-    """``name`` if it can name an adapter: a non-empty string that is a key component and a folder name
-    (``save_adapter`` writes adapter ``name`` to ``path/name``): no ``.`` (so no ``..``), no path
-    separator (``/`` or ``\\``, so no absolute path), no NUL or other control character, and not
-    ``"__base__"`` (the mixed-batch name for no adapter).
-
-    Raises:
-        AdapterNameError: it cannot; the message says why.
-    """
+    """``name`` if it can name an adapter, a key component and a folder name (``save_adapter`` writes
+    ``path/name``); AdapterNameError, saying why, if it has a ``.``, ``/``, ``\\``, a control
+    character, is empty or is ``"__base__"`` (the mixed-batch name for no adapter)."""
     accepted = "expected a non-empty name without '.', '/', '\\' or control characters, other than '__base__'"
     if not isinstance(name, str):
         raise AdapterNameError(f"adapter_name={name!r}: a {type(name).__name__}, {accepted}")
@@ -177,10 +156,9 @@ def _check_new_adapter(model: nn.Module, config: LoraConfig, name: str) -> None:
 def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTER) -> M:
     """Add the adapter ``adapter_name`` with ``config`` to ``model``; returns the same model.
 
-    On a model with LoRA layers the new adapter is added beside the others and is *not* made active (its
-    factors are frozen), as in peft; targeted layers that are not LoRA layers yet become LoRA layers
-    holding only the new adapter. A model without LoRA layers is converted (``get_lora_model``) and the
-    new adapter is active and trainable.
+    Beside the others it is *not* made active (its factors are frozen), as in peft; targeted plain layers
+    become LoRA layers holding only it. A model without LoRA layers is converted (``get_lora_model``)
+    and the adapter is active and trainable.
 
     Raises:
         AdapterNameError: ``adapter_name`` exists already or is not a valid name.
@@ -229,14 +207,9 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
     return model
 
 
-# ---- switching ---------------------------------------------------------------------------------------
-
-
 def set_adapter(model: nn.Module, adapter_name: str, *, inference_mode: bool = False) -> None:
-    """Make ``adapter_name`` the adapter every LoRA layer of ``model`` adds.
-
-    Its factors require grad (unless ``inference_mode``), every other adapter's are frozen, as peft's
-    ``set_adapter`` does. Merged layers are unmerged first (with a warning).
+    """Make ``adapter_name`` the adapter every LoRA layer of ``model`` adds; only its factors require grad
+    (none with ``inference_mode``), as peft's. Merged layers are unmerged first (with a warning).
 
     Raises:
         AdapterNameError: ``model`` holds no adapter ``adapter_name`` (the message lists those it holds).
@@ -261,12 +234,9 @@ def set_trainable(model: nn.Module, adapter_name: str | None) -> None:
 def delete_adapter(model: nn.Module, adapter_name: str) -> None:
     """Remove the adapter ``adapter_name`` from ``model`` (every layer, its config).
 
-    A layer left without adapters becomes its base layer again (deleting a model's only adapter gives the
-    plain model back). If the deleted adapter was active, the first remaining name in sorted order becomes
-    active (peft's rule).
-
-    The modules the adapter trained in full (its ``modules_to_save``) are frozen again unless another
-    adapter also saves them, as in peft.
+    A layer left without adapters becomes its base layer again. If it was active, the first remaining
+    name in sorted order becomes active; the modules it trained in full are frozen again unless another
+    adapter saves them (peft's rules).
 
     Raises:
         AdapterNameError: ``model`` holds no adapter ``adapter_name``.
@@ -310,11 +280,8 @@ def delete_adapter(model: nn.Module, adapter_name: str) -> None:
 
 @contextmanager
 def disable_adapter(model: M) -> Iterator[M]:
-    """Within the block ``model`` computes exactly its base model: no LoRA layer adds an adapter, and
-    merged layers are unmerged (and merged again on exit). Yields ``model``.
-
-    ``bias`` trained with ``bias="all"`` / ``"lora_only"`` and ``modules_to_save`` are part of the base
-    model here (loragen keeps no second copy of them).
+    """Within the block ``model`` computes its base model (merged layers unmerged, merged again on exit).
+    Yields ``model``. Trained biases and ``modules_to_save`` stay (loragen keeps no second copy of them).
 
     Raises:
         AdapterError: the model has no LoRA layers.

@@ -135,8 +135,9 @@ def _layout(
         if config.fan_in_fan_out:
             raise MergeError(
                 f"{entry.name}: a square weight {list(entry.shape)} with fan_in_fan_out=true, and neither the "
-                "checkpoint's config.json architecture nor another module of the adapter shows whether {factors.module} is an nn.Linear (fan_in_fan_out is "
-                "ignored there, by peft and load_adapter) or a transformers Conv1D (weight stored (in, out)); "
+                f"checkpoint's config.json architecture nor another module of the adapter shows whether "
+                f"{factors.module} is an nn.Linear (fan_in_fan_out is ignored there, by peft and load_adapter) "
+                "or a transformers Conv1D (weight stored (in, out)); "
                 "set fan_in_fan_out to false in adapter_config.json if it is an nn.Linear, or merge in memory: "
                 "load_adapter(model, ADAPTER), merge_and_unload(model), model.save_pretrained(OUT)"
             )
