@@ -1,16 +1,11 @@
-"""``add_weighted_adapter``: a new adapter that combines existing ones, as peft's does.
-
-The combinations themselves (``cat``, ``linear``, ``svd``) are :func:`loragen.layers.adapter_set.combine`; this
-module checks that the adapters can be combined, works out the new adapter's rank and config the way
-peft does (``r = lora_alpha =`` the new rank, the union of the target modules, no rank or alpha patterns)
-and adds the new adapter to every layer that holds one of the adapters. The new adapter is not made
-active, and its factors are frozen (peft freezes it too).
+"""``add_weighted_adapter``: a new adapter that combines existing ones (:func:`~loragen.layers.adapter_set.combine`),
+with peft's rank and config (``r = lora_alpha =`` the new rank, the union of the targets, no patterns).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -22,13 +17,6 @@ from loragen.layers.adapter_set import COMBINATIONS, adapter_factors, add_factor
 from loragen.plan import max_rank
 
 __all__ = ["add_weighted_adapter"]
-
-
-def _max_rank(layers: Iterable[nn.Module], name: str, config: LoraConfig | None) -> int:
-    """The largest rank adapter ``name`` has in any layer (peft: ``max(r, *rank_pattern.values())``)."""
-    if config is not None:
-        return max_rank(config)
-    return max(adapter_factors(layer, name).r for layer in layers if has_adapter(layer, name))
 
 
 def _new_targets(names: Sequence[str], configs: dict[str, LoraConfig | None]) -> str | list[str] | None:
@@ -61,10 +49,9 @@ def add_weighted_adapter(
 ) -> None:
     """Add ``adapter_name``, the combination of ``adapters`` with ``weights``, to ``model`` (peft's semantics).
 
-    ``combination_type``: ``"cat"`` (exact; rank = the sum of the ranks), ``"linear"`` (every rank equal;
-    an approximation) or ``"svd"`` (rank ``svd_rank``, default the largest rank): see
-    :func:`loragen.layers.adapter_set.combine`. With one adapter, ``"linear"`` is used (as peft does). Weights may be
-    negative. The new adapter is not made active (:func:`loragen.set_adapter`).
+    ``combination_type``: ``"cat"`` (exact; rank = the sum of the ranks), ``"linear"`` (every rank equal)
+    or ``"svd"`` (rank ``svd_rank``, default the largest); ``"linear"`` for one adapter, as peft. Weights
+    may be negative. The new adapter is not made active and its factors are frozen, as in peft.
 
     Raises:
         AdapterNameError: an unknown adapter in ``adapters`` (the known ones are listed), or
@@ -116,7 +103,12 @@ def add_weighted_adapter(
             f"add_weighted_adapter: adapter(s) {', '.join(map(repr, uncombinable))} use {title}; a weighted sum of "
             f"factors leaves out what {title} adds to them, so loragen does not combine {title} adapters"
         )
-    ranks = {name: _max_rank(layers.values(), name, configs.get(name)) for name in names}
+    ranks = {  # the largest rank of each (peft: max(r, *rank_pattern.values()))
+        n: max_rank(c)
+        if (c := configs.get(n)) is not None
+        else max(adapter_factors(layer, n).r for layer in layers.values() if has_adapter(layer, n))
+        for n in names
+    }
     if combination_type == "linear" and len(set(ranks.values())) > 1:
         described = ", ".join(f"{n!r} r={r}" for n, r in ranks.items())
         raise AdapterMixError(

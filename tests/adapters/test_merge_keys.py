@@ -17,9 +17,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from loragen import LoraConfig, get_lora_model, save_adapter
-from loragen.adapters import checkpoint as checkpoint_module
-from loragen.adapters.checkpoint import Checkpoint, KeyMap, PrefixRule, explicit_key_map, resolve_keys
-from loragen.adapters.offline_merge import MergeError, merge_checkpoint
+from loragen.adapters import offline_merge as checkpoint_module
+from loragen.adapters.offline_merge import (
+    Checkpoint,
+    KeyMap,
+    MergeError,
+    PrefixRule,
+    explicit_key_map,
+    merge_checkpoint,
+    resolve_keys,
+)
 from tests.adapters.helpers import main, make_model, peft_adapter, perturb_trainable, save_checkpoint
 
 LLAMA_ADAPTER = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
