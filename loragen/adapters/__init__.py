@@ -1,3 +1,3 @@
 """Adapters on disk in peft's format: reading (``folder``), ``save``, ``load``, several named adapters
-(``named``, ``weighted``), ``loragen merge`` (``offline_merge``), ``loragen inspect`` (``summary``).
+(``named``), ``loragen merge`` (``offline_merge``), ``loragen inspect`` (``summary``).
 """

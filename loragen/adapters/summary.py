@@ -17,25 +17,10 @@ from loragen.registry import EMBEDDING
 __all__ = ["ModuleSummary", "TensorSummary", "AdapterSummary", "inspect_adapter", "format_summary"]
 
 _DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-_CONFIG_FIELDS = (
-    "peft_type",
-    "base_model_name_or_path",
-    "task_type",
-    "target_modules",
-    "target_parameters",
-    "exclude_modules",
-    "r",
-    "lora_alpha",
-    "use_rslora",
-    "lora_dropout",
-    "bias",
-    "modules_to_save",
-    "fan_in_fan_out",
-    "rank_pattern",
-    "alpha_pattern",
-    "layers_to_transform",
-    "layers_pattern",
-)
+# the config fields shown, in this order
+_CONFIG_FIELDS = """peft_type base_model_name_or_path task_type target_modules target_parameters exclude_modules
+r lora_alpha use_rslora lora_dropout bias modules_to_save fan_in_fan_out rank_pattern alpha_pattern
+layers_to_transform layers_pattern""".split()
 
 
 @dataclass(frozen=True)
@@ -105,12 +90,6 @@ class AdapterSummary:
         }
 
 
-def _kind(factor_a_shape: tuple[int, ...], embedding: bool) -> str:
-    if embedding:
-        return "embedding"
-    return {2: "linear", 3: "conv1d", 4: "conv2d"}.get(len(factor_a_shape), f"conv{len(factor_a_shape) - 2}d")
-
-
 def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> AdapterSummary:
     """Summarise the adapter folder ``path`` from its config and weights header.
 
@@ -142,7 +121,9 @@ def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False)
         modules.append(
             ModuleSummary(
                 module=module,
-                kind=_kind(a_shape, EMBEDDING in factors.layouts),
+                kind="embedding"
+                if EMBEDDING in factors.layouts
+                else {2: "linear", 3: "conv1d"}.get(len(a_shape), f"conv{len(a_shape) - 2}d"),
                 r=a_shape[0],
                 alpha=entry.lora_alpha,
                 scale=entry.scaling,
