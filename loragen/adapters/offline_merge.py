@@ -143,11 +143,19 @@ def _weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _open(root: Path) -> tuple[tuple[Path, ...], Path | None, dict[Path, SafetensorsHeader], dict[str, Path]]:
+def open_checkpoint(base: str | os.PathLike[str]) -> Checkpoint:
+    """Read the headers of the checkpoint at ``base``: a ``.safetensors`` file, or a folder holding one
+    or shards with a ``*.safetensors.index.json``; ``config.json`` there gives its architectures.
+
+    Raises:
+        MergeError: nothing to read, a malformed index, missing shards or tensors, a corrupt header.
+    """
+    root = Path(base)
     if not root.is_file() and not root.is_dir():
         raise MergeError(
             f"{root}: no such file or folder (expected a .safetensors file or a folder of shards)"
         )
+    architectures = _architectures(root if root.is_dir() else root.parent)
     indexes = sorted(root.glob("*" + INDEX_SUFFIX)) if root.is_dir() else []
     if len(indexes) > 1:
         raise MergeError(
@@ -161,7 +169,8 @@ def _open(root: Path) -> tuple[tuple[Path, ...], Path | None, dict[Path, Safeten
                 f"{root}: expected one .safetensors file, or shards with a *{INDEX_SUFFIX} index; found {found}"
             )
         header = _read_header(singles[0])
-        return (singles[0],), None, {singles[0]: header}, dict.fromkeys(header.tensors, singles[0])
+        owner = dict.fromkeys(header.tensors, singles[0])
+        return Checkpoint(root, (singles[0],), None, {singles[0]: header}, owner, *architectures)
     index_path = indexes[0]
     weight_map = _weight_map(index_path)
     files = tuple(dict.fromkeys(root / name for name in weight_map.values()))
@@ -175,20 +184,7 @@ def _open(root: Path) -> tuple[tuple[Path, ...], Path | None, dict[Path, Safeten
         raise MergeError(
             f"{index_path}: tensors listed in the index but not in their shard: {', '.join(absent[:10])}"
         )
-    return files, index_path, headers, owner
-
-
-def open_checkpoint(base: str | os.PathLike[str]) -> Checkpoint:
-    """Read the headers of the checkpoint at ``base``: a ``.safetensors`` file, or a folder holding one
-    or shards with a ``*.safetensors.index.json``; ``config.json`` there gives its architectures.
-
-    Raises:
-        MergeError: nothing to read, a malformed index, missing shards or tensors, a corrupt header.
-    """
-    root = Path(base)
-    files, index_path, headers, owner = _open(root)
-    architectures, note = _architectures(root if root.is_dir() else root.parent)
-    return Checkpoint(root, files, index_path, headers, owner, architectures, note)
+    return Checkpoint(root, files, index_path, headers, owner, *architectures)
 
 
 @dataclass(frozen=True)
@@ -505,18 +501,13 @@ def _architecture_layout(checkpoint: Checkpoint) -> Layout | None:
     return (TRANSPOSED if uses.pop() else PLAIN) if len(uses) == 1 else None
 
 
-_FLOAT_DTYPES = frozenset(MERGEABLE_DTYPES)
-
-
 def _dtype_problem(adapter: Adapter, key: str, entry: TensorEntry, lora: bool) -> str | None:
     """Why adapter tensor ``key`` cannot go into ``entry``, or None."""
     dtype = adapter.dtype_name(key)
-    if dtype in _FLOAT_DTYPES:
-        if lora or entry.dtype in _FLOAT_DTYPES:
-            return None
-    elif not lora and dtype == entry.dtype:
+    floating = lora or entry.dtype in MERGEABLE_DTYPES
+    if dtype in MERGEABLE_DTYPES if floating else dtype == entry.dtype:
         return None
-    accepted = "a floating-point dtype" if lora or entry.dtype in _FLOAT_DTYPES else entry.dtype
+    accepted = "a floating-point dtype" if floating else entry.dtype
     return (
         f"{key}: dtype {dtype} in {adapter.weights_path}, expected {accepted} ({', '.join(MERGEABLE_DTYPES)} "
         "for floating point); loragen merge does not cast it silently"
@@ -535,7 +526,7 @@ def check_adapter_values(plan: MergePlan, *, allow_nonfinite: bool = False, bloc
     used = sorted({key for ops in plan.ops.values() for op in ops for key in op.source_keys})
     bad = []
     for key in used:
-        if adapter.dtype_name(key) not in _FLOAT_DTYPES:
+        if adapter.dtype_name(key) not in MERGEABLE_DTYPES:
             continue
         shape = adapter.shapes[key]
         rows = shape[0] if shape else 1
@@ -554,26 +545,6 @@ def check_adapter_values(plan: MergePlan, *, allow_nonfinite: bool = False, bloc
         )
 
 
-def _refuse_parameter_targets(adapter: Adapter) -> None:
-    """Refuse ``target_parameters``: which factors go to which parameter follows the model's parameter
-    order, which a checkpoint does not record."""
-    entries = adapter.config.target_parameters
-    if not entries:
-        return
-    keys = sorted(
-        key
-        for key, info in adapter.keys.items()
-        if info.is_lora and targets_parameters_of(adapter.config, info.module.replace(".base_layer", ""))
-    )
-    shown = ", ".join(keys[:6]) + (f", ... ({len(keys) - 6} more)" if len(keys) > 6 else "")
-    raise MergeError(
-        f"the adapter adapts parameters directly (target_parameters={list(entries)}; keys {shown or 'none'}): "
-        "which factors belong to which parameter follows the module's parameter order in the model, which a "
-        "checkpoint does not record, so loragen merge does not merge them; nothing was written. Merge in "
-        "memory instead: load_adapter(model, ADAPTER), merge_and_unload(model), model.save_pretrained(OUT)"
-    )
-
-
 def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None = None) -> MergePlan:
     """Decide every change the merge makes, checking that the adapter fits the checkpoint.
 
@@ -585,7 +556,20 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
             be told; every problem is listed, by key.
     """
     config = adapter.config
-    _refuse_parameter_targets(adapter)
+    if config.target_parameters:  # which factors go to which parameter follows the model's parameter order
+        adapted = sorted(
+            key
+            for key, info in adapter.keys.items()
+            if info.is_lora and targets_parameters_of(config, info.module.replace(".base_layer", ""))
+        )
+        shown = ", ".join(adapted[:6]) + (f", ... ({len(adapted) - 6} more)" if len(adapted) > 6 else "")
+        raise MergeError(
+            f"the adapter adapts parameters directly (target_parameters={list(config.target_parameters)}; keys "
+            f"{shown or 'none'}): which factors belong to which parameter follows the module's parameter order "
+            "in the model, which a checkpoint does not record, so loragen merge does not merge them; nothing was "
+            "written. Merge in memory instead: load_adapter(model, ADAPTER), merge_and_unload(model), "
+            "model.save_pretrained(OUT)"
+        )
     if config.use_dora:
         raise MergeError(
             f"{adapter.folder}: a DoRA adapter (use_dora=true) cannot be merged by streaming: each output's "
