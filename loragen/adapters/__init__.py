@@ -1,3 +1,3 @@
-"""Adapters on disk in peft's format: reading (``folder``), ``save``, ``load``, several named adapters
-(``named``), ``loragen merge`` (``offline_merge``), ``loragen inspect`` (``summary``).
+"""Adapters on disk in peft's format: reading and ``loragen inspect`` (``folder``), ``save``, ``load``,
+several named adapters (``named``), ``loragen merge`` (``offline_merge``).
 """
