@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from io import BufferedReader
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import BinaryIO, Literal
 
 import torch
 
@@ -56,7 +56,6 @@ __all__ = [
     "resolve_keys",
 ]
 
-# Weight files of other formats are not copied next to the merged shards: they would hold unmerged weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 # Untouched bytes are copied, and merged tensors computed, in blocks of about this many bytes.
 _BLOCK_BYTES = 4 << 20
@@ -80,11 +79,6 @@ class Checkpoint:
     owner: dict[str, Path]
     architectures: tuple[str, ...] = ()
     config_note: str = ""
-
-    @property
-    def is_folder(self) -> bool:
-        """Whether the checkpoint is a folder (its output is then a folder too)."""
-        return self.root.is_dir()
 
     def entry(self, name: str) -> TensorEntry:
         """The header entry of tensor ``name`` (``KeyError`` if the checkpoint has no such tensor)."""
@@ -674,8 +668,7 @@ def _merge_tensor(
     """Write the merged bytes of ``entry`` to ``dst``, a block of rows at a time, computed in fp32
     (fp64 stays fp64) and rounded once to the tensor's dtype."""
     dtype = entry.torch_dtype
-    if dtype is None:
-        raise MergeError(f"{entry.name}: dtype {entry.dtype} is not supported by this torch")
+    assert dtype is not None  # plan_merge refuses the others
     # only replacements: no arithmetic, so integer tensors stay exact
     compute = dtype if all(op.kind == "replace" for op in ops) else torch.promote_types(dtype, torch.float32)
     factors = {
@@ -749,10 +742,6 @@ def _overlaps(a: Path, b: Path) -> bool:
     return resolved_a == resolved_b or resolved_b in resolved_a.parents
 
 
-def _is_merge_output(folder: Path) -> bool:
-    return (folder / MERGE_MARKER_NAME).is_file() and not (folder / MERGE_MARKER_NAME).is_symlink()
-
-
 def _check_output(base: Path, adapter: Path, out: Path) -> None:
     """Refuse an output that would write into or onto the base or the adapter, or replace other files
     (see :func:`merge_checkpoint`), raising MergeError."""
@@ -774,7 +763,8 @@ def _check_output(base: Path, adapter: Path, out: Path) -> None:
             raise MergeError(
                 f"{out} is a file, but the base {base} is a folder of shards: the output must be a folder"
             )
-        if out.is_dir() and not _is_merge_output(out):
+        marker = out / MERGE_MARKER_NAME
+        if out.is_dir() and not (marker.is_file() and not marker.is_symlink()):
             held = sorted(p.name for p in out.iterdir())
             if held:
                 shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
@@ -794,44 +784,35 @@ def _check_output(base: Path, adapter: Path, out: Path) -> None:
             ) from None
 
 
-def _progress(total: int, enabled: bool | None) -> Any:
-    from tqdm.auto import tqdm  # only a merge that writes needs it
-
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    return tqdm(
-        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merging", disable=not enabled
-    )
-
-
-def _extra_files(root: Path, shards: Iterable[Path]) -> list[Path]:
-    """The files copied beside the merged shards: the index, config.json, tokenizer files..."""
-    names = {p.name for p in shards} | {MERGE_MARKER_NAME}
-    return [
-        item
-        for item in sorted(root.iterdir())
-        if item.is_file()
-        and item.name not in names
-        and (item.name.endswith(INDEX_SUFFIX) or not item.name.endswith(_WEIGHT_SUFFIXES))
-    ]
-
-
 def _write(plan: MergePlan, out_path: Path, progress: bool | None) -> tuple[tuple[Path, ...], list[str]]:
     """Write the merged checkpoint atomically; returns its files and the extra files copied."""
     checkpoint = plan.checkpoint
+    from tqdm.auto import tqdm  # only a merge that writes needs it
+
     total = sum(h.file_size for h in checkpoint.headers.values())
+    shown = sys.stderr.isatty() if progress is None else progress
     extra: list[str] = []
-    with _progress(total, progress) as bar:
-        if not checkpoint.is_folder:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merging", disable=not shown
+    ) as bar:
+        if not checkpoint.root.is_dir():
             with atomic_file(out_path) as tmp:
                 _write_file(checkpoint.headers[checkpoint.root], tmp, plan, bar.update)
             return (out_path,), extra
         with atomic_dir(out_path) as tmp:
             for shard in checkpoint.files:
                 _write_file(checkpoint.headers[shard], tmp / shard.name, plan, bar.update)
-            for item in _extra_files(checkpoint.root, checkpoint.files):
-                shutil.copy2(item, tmp / item.name)  # the index is unchanged: same names, shards, sizes
-                extra.append(item.name)
+            # the index, config.json, tokenizer files; not the shards, nor (unmerged) weights of other formats
+            written = {p.name for p in checkpoint.files} | {MERGE_MARKER_NAME}
+            for item in sorted(checkpoint.root.iterdir()):
+                name = item.name
+                if (
+                    item.is_file()
+                    and name not in written
+                    and (name.endswith(INDEX_SUFFIX) or not name.endswith(_WEIGHT_SUFFIXES))
+                ):
+                    shutil.copy2(item, tmp / name)  # the index is unchanged: same names, shards, sizes
+                    extra.append(name)
             record = {
                 "loragen_merge": 1,
                 "base": str(checkpoint.root.resolve()),
