@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from loragen import LoraConfig, get_lora_model, save_adapter
-from loragen.adapters import offline_merge as checkpoint_module
+from loragen.adapters import offline_merge
 from loragen.adapters.offline_merge import (
     Checkpoint,
     KeyMap,
@@ -269,14 +269,14 @@ def test_without_config_json_the_wrapper_is_unknown(tmp_path: Path, capsys) -> N
 def test_without_transformers_the_wrapper_is_unknown(tmp_path: Path, monkeypatch) -> None:
     peft_adapter("llama", LLAMA_ADAPTER, tmp_path / "adapter")
     bare = save_checkpoint(make_model("llama").model, tmp_path / "bare", sharded=False)
-    real_import = checkpoint_module.importlib.import_module
+    real_import = offline_merge.importlib.import_module
 
     def no_transformers(name: str, *args):
         if name == "transformers":
             raise ImportError("No module named 'transformers'")
         return real_import(name, *args)
 
-    monkeypatch.setattr(checkpoint_module.importlib, "import_module", no_transformers)
+    monkeypatch.setattr(offline_merge.importlib, "import_module", no_transformers)
     with pytest.raises(
         MergeError, match=r"transformers is not installed, so the wrapper of LlamaModel is unknown"
     ):
