@@ -66,7 +66,7 @@ _LAZY = {
     "disable_adapter": "loragen.adapters.named",
     "list_adapters": "loragen.adapters.named",
     "active_adapter": "loragen.adapters.named",
-    "add_weighted_adapter": "loragen.adapters.weighted",
+    "add_weighted_adapter": "loragen.adapters.named",
     "mixed_batch": "loragen.layers.mixed_batch",
     "prepare_model_for_kbit_training": "loragen.training.checkpointing",
     "RequantizationWarning": "loragen.errors",
@@ -125,13 +125,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from loragen.adapters.named import (
         active_adapter,
         add_adapter,
+        add_weighted_adapter,
         delete_adapter,
         disable_adapter,
         list_adapters,
         set_adapter,
     )
     from loragen.adapters.save import save_adapter
-    from loragen.adapters.weighted import add_weighted_adapter
     from loragen.convert import (
         get_lora_model,
         mark_trainable,

@@ -1,23 +1,12 @@
-"""Atomic writes: every file loragen writes goes to a temporary name in the target folder first.
+"""Atomic writes: a crash or an exception leaves either the old content or the new one, never a half-written
+file and never a missing target.
 
-A crash or an exception at any point leaves either the old content or the new one in place, never a
-half-written file, and never a moment where the target is missing:
-
-- a file is written to a temporary file beside it and renamed onto it (``rename`` replaces atomically);
-- a folder (an adapter, a sharded checkpoint) is built in a temporary sibling folder and swapped in with
-  one exchange rename (Linux ``renameat2(RENAME_EXCHANGE)``); the old content, now under the temporary
-  name, is then deleted. Where the system has no exchange rename, the swap is journalled in the names:
-  the complete new folder is first renamed to ``.NAME.loragen-PID-X.new``, the old one to ``...old``,
-  the new one into place; the next write to that target finishes (or rolls back) a swap that was cut off.
-
-Temporary names are loragen's own (``.NAME.loragen-PID-RANDOM.tmp``). Writers to one target serialise on
-an advisory lock (``fcntl.flock``) on the target's parent folder, which creates no file; while holding
-it a writer deletes the temporary files and folders of that target that a killed writer left behind
-(only loragen's names, only for that target).
-
-Modes: the temporary files ``tempfile`` makes are private (0600 / 0700); before the rename each gets the
-mode a plain ``open()`` / ``mkdir()`` would have given it under the process umask, or, when it replaces
-an existing file or folder, that one's mode (so rewriting a script in place keeps its executable bit).
+A file is written to a temporary file beside it and renamed onto it. A folder is built in a temporary
+sibling and swapped in with one exchange rename (Linux ``renameat2(RENAME_EXCHANGE)``); without one, the
+swap is journalled in the names (``.NAME.loragen-PID-X.new`` / ``.old``) and the next write to that target
+finishes or rolls back a swap that was cut off. Writers to one target serialise on ``flock`` of its parent
+folder, and delete loragen's temporaries (``.NAME.loragen-PID-RANDOM.tmp``) that killed writers left.
+Written files get the mode of the file they replace, else what the umask gives a new one.
 """
 
 from __future__ import annotations
@@ -44,13 +33,7 @@ __all__ = ["WriteError", "atomic_write_bytes", "atomic_write_text", "atomic_file
 
 
 class WriteError(LoraError, OSError):
-    """A file or folder cannot be written where asked (a symbolic link, not a folder, no space left...).
-
-    Also an ``OSError`` (with its ``errno`` where one is known); the message names the path.
-    """
-
-
-# ---- modes and syncing ---------------------------------------------------------------------------
+    """A file or folder cannot be written where asked (a link, not a folder, no space...); an ``OSError``."""
 
 
 def _umask() -> int:
@@ -88,9 +71,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-# ---- the per-folder lock -------------------------------------------------------------------------
-
-
 class _FolderLock:
     """A process-wide reentrant lock on one folder, holding ``flock`` on it while any thread holds it."""
 
@@ -106,11 +86,8 @@ _LOCKS_GUARD = threading.Lock()
 
 @contextlib.contextmanager
 def _folder_locked(folder: Path) -> Iterator[bool]:
-    """Hold the writers' lock of ``folder``; yields whether other processes are locked out too.
-
-    The lock is ``flock`` on the folder itself (no lock file is created), reentrant within a process
-    (a writer may write beside its own target). Where ``flock`` is unavailable only threads are serialised.
-    """
+    """Hold the writers' lock of ``folder`` (``flock`` on it, reentrant in a process); yields whether
+    other processes are locked out too (where ``flock`` is unavailable only threads are)."""
     with _LOCKS_GUARD:
         lock = _LOCKS.setdefault(os.path.realpath(folder), _FolderLock())
     with lock.thread_lock:
@@ -133,9 +110,6 @@ def _folder_locked(folder: Path) -> Iterator[bool]:
             if lock.depth == 0 and lock.fd is not None:
                 os.close(lock.fd)  # closing the last descriptor releases the flock
                 lock.fd = None
-
-
-# ---- loragen's temporary names -------------------------------------------------------------------
 
 
 def _temp_name(target: Path, kind: str) -> Path:
@@ -168,11 +142,8 @@ def _remove(path: Path) -> None:
 
 
 def _recover_and_clean(target: Path) -> None:
-    """Finish a folder swap a killed writer left half done, then delete its leftovers (lock held).
-
-    Only a swap without an exchange rename can be cut off with the target missing: then the complete new
-    folder (``.new``) is put in place, else the old one (``.old``) is put back.
-    """
+    """Finish a folder swap a killed writer cut off (the target missing: ``.new`` is put in place, else
+    ``.old`` back), then delete its leftovers (lock held)."""
     found = _own_temporaries(target)
     if not os.path.lexists(target):
         for candidate in (*reversed(found["new"]), *reversed(found["old"])):
@@ -186,8 +157,6 @@ def _recover_and_clean(target: Path) -> None:
             if os.path.lexists(path) and path != target:
                 _remove(path)
 
-
-# ---- exchange rename -----------------------------------------------------------------------------
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -242,38 +211,32 @@ def _exchange(a: Path, b: Path) -> bool:
     raise WriteError(code, f"cannot swap {b} for its new content: {os.strerror(code)}", str(b))
 
 
-# ---- public writers ------------------------------------------------------------------------------
-
-
-def _target(path: str | os.PathLike[str]) -> Path:
-    """``path`` made absolute (links not followed); refuses a path naming no entry of a folder."""
+@contextlib.contextmanager
+def _locked(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield ``path`` made absolute (links not followed) with its folder's writers' lock held and the
+    leftovers of killed writers to it cleaned; refuses a path naming no entry of a folder."""
     raw = os.fspath(path)
     target = Path(os.path.abspath(raw))
     if not raw or Path(raw).name in ("", ".", "..") or target.name in ("", ".", ".."):
         raise WriteError(
             errno.EINVAL, f"{raw!r} names no file or folder of its own: give a path ending in a name"
         )
-    return target
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is fsynced, given its final mode (the
-    replaced file's, else the umask's) and renamed onto ``path``.
-
-    The caller writes the temporary file however it likes (``safetensors.torch.save_file`` takes a path).
-    On an exception the temporary file is removed and ``path`` is untouched. Writers to one folder take
-    turns; the temporary files of killed writers to ``path`` are deleted first.
-
-    Raises:
-        WriteError: ``path`` names no file (``""``, ``.``, ``..``), or the file cannot be renamed into place.
-    """
-    del mode  # the caller opens the file itself; kept for readability at call sites
-    target = _target(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _folder_locked(target.parent) as exclusive:
         if exclusive:
             _recover_and_clean(target)
+        yield target
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` for the caller to write; on success it is fsynced, given its
+    final mode and renamed onto ``path``; on an exception it is removed and ``path`` is untouched.
+
+    Raises:
+        WriteError: ``path`` names no file (``""``, ``.``, ``..``), or the file cannot be renamed into place.
+    """
+    with _locked(path) as target:
         tmp = _temp_name(target, "tmp")
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         try:
@@ -289,7 +252,7 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[Path
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder, then ``os.replace``)."""
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_file`)."""
     with atomic_file(path) as tmp:
         tmp.write_bytes(data)
 
@@ -311,8 +274,7 @@ def _finish_files(tmp: Path, target: Path) -> None:
                 continue
             with open(child, "rb") as fh:
                 os.fsync(fh.fileno())
-            # writers that create their files privately (safetensors writes 0600) do not decide the mode:
-            # a file gets the mode the same file had in the replaced folder, else the umask's
+            # not the writer's mode (safetensors writes 0600): the replaced file's, else the umask's
             os.chmod(child, _final_mode(target / relative / name, is_dir=False))
     os.chmod(tmp, _final_mode(target, is_dir=True))
 
@@ -337,23 +299,14 @@ def _swap_in(tmp: Path, target: Path) -> None:
 def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Build a folder atomically: yield an empty temporary folder beside ``path``, swap it in on success.
 
-    The files written into it (subfolders included) get the mode the same file had in the folder
-    replaced, else the umask's (whatever mode their writer created them with), and the folder itself
-    likewise. If ``path`` already exists it is replaced only after the new folder is complete, by an
-    exchange rename (or the journalled fallback described in the module docstring), so ``path`` always
-    holds the old or the new folder. On an exception the temporary folder is removed and ``path`` keeps
-    its old content. Writers to one folder take turns; a swap a killed writer cut off is finished, and
-    its temporary folders deleted, before the new one is built.
+    Its files get the mode the same file had in the folder replaced, else the umask's. ``path`` always
+    holds the old or the new folder; on an exception the temporary folder is removed.
 
     Raises:
         WriteError: ``path`` names no folder (``""``, ``.``, ``..``), is a symbolic link, or exists and is
             not a folder; or the new folder cannot be swapped in (the old one is then in place).
     """
-    target = _target(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _folder_locked(target.parent) as exclusive:
-        if exclusive:
-            _recover_and_clean(target)
+    with _locked(path) as target:
         if target.is_symlink():
             raise WriteError(
                 errno.EEXIST,

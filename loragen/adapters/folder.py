@@ -1,27 +1,20 @@
-"""An adapter folder in peft's format: its file keys and the model keys they address, and reading it into
-memory (or lazily) without touching any model.
+"""An adapter folder in peft's format: read into memory (or lazily) without touching any model, and
+summarised for ``loragen inspect`` (from its config and safetensors header only).
 
-An adapter folder holds ``adapter_config.json`` (peft's fields, see :meth:`LoraConfig.to_peft`) and
-``adapter_model.safetensors``, whose keys name each tensor after peft's wrapped model::
-
-    base_model.model.<module path>.lora_A.weight        a LoRA factor (suffixes: the registry's Layouts)
-    base_model.model.<module path>.lora_embedding_A
-    base_model.model.<module path>.lora_magnitude_vector   DoRA's magnitude (no ``.weight``, as peft saves it)
-    base_model.model.<module path>.weight               a module saved in full (modules_to_save)
-    base_model.model.<module path>.base_layer.bias      a LoRA layer's own bias (bias="all" / "lora_only")
-
-A loragen model holds the LoRA factors as plain parameters of the layer (``<module path>.lora_A``), so a
-file key maps to a model key by dropping the ``base_model.model.`` prefix, peft's ``base_layer`` and
-``modules_to_save`` infixes and the factor suffix; which suffixes name which factor of which layout comes
-from :mod:`loragen.registry` and nowhere else. A pickled ``adapter_model.bin`` is read only when the caller
-opts in (``allow_pickle=True``): unpickling can run arbitrary code.
+It holds ``adapter_config.json`` and ``adapter_model.safetensors``, whose keys name tensors after peft's
+wrapped model: ``base_model.model.<module>.lora_A.weight`` (a factor; suffixes from the registry's
+Layouts), ``...lora_magnitude_vector`` (DoRA), ``...<module>.weight`` (saved in full),
+``...<module>.base_layer.bias`` (a trained bias). A model key drops the prefix, peft's ``base_layer`` /
+``modules_to_save`` infixes and the factor suffix. ``adapter_model.bin`` is read only with
+``allow_pickle=True`` (unpickling can run arbitrary code).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +23,14 @@ import safetensors.torch
 import torch
 
 from loragen.adapters.files import (
-    SafetensorsHeader,
     SafetensorsReader,
     read_json_file,
     read_safetensors_header,
 )
 from loragen.config import LoraConfig
 from loragen.errors import AdapterError, LoraConfigError
-from loragen.registry import LAYOUTS, Layout, factor_suffixes
+from loragen.plan import entry_for
+from loragen.registry import EMBEDDING, LAYOUTS, Layout, factor_suffixes
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",
@@ -48,36 +41,29 @@ __all__ = [
     "Adapter",
     "AdapterKey",
     "LoraFactors",
-    "check_magnitudes",
+    "ModuleSummary",
+    "TensorSummary",
+    "AdapterSummary",
+    "inspect_adapter",
+    "format_summary",
     "group_lora_keys",
     "parse_adapter_key",
     "read_adapter",
     "read_adapter_config",
 ]
 
-
-# ---- adapter file keys -------------------------------------------------------------------------------------
-
 PEFT_PREFIX = "base_model.model."
 
-# Path components peft's LoRA layers use for tensors: all begin with this (lora_A, lora_embedding_B,
-# DoRA's lora_magnitude_vector, and variants loragen does not implement such as a LoRA bias).
+# every peft LoRA tensor has a path component beginning with this (lora_A, a LoRA bias loragen lacks...)
 _PEFT_LORA_PART = "lora_"
-# DoRA's magnitude vector: a LoRA tensor beside the factors (loragen.layers.dora_magnitude)
-MAGNITUDE = "lora_magnitude_vector"
-# Path components of peft's wrappers around a module saved in full, which carry no name of their own.
+MAGNITUDE = "lora_magnitude_vector"  # DoRA's, beside the factors
 _PEFT_WRAPPER_PARTS = ("base_layer", "modules_to_save")
 
 
 @dataclass(frozen=True)
 class AdapterKey:
-    """What one key of an adapter file addresses.
-
-    ``module`` is the module path in the model, ``name`` the LoRA factor's attribute name (a registry
-    Layout's ``factor_names``: ``lora_A``, ``lora_embedding_B``, ...; DoRA's ``lora_magnitude_vector``) or the parameter name (``weight``,
-    ``bias``) of a module saved in full (modules_to_save, a trained bias, peft's saved embedding base
-    weights).
-    """
+    """What one key of an adapter file addresses: ``module`` (its path in the model) and ``name``, a
+    LoRA factor's attribute (``lora_A``, ..., DoRA's magnitude) or a parameter saved in full (``weight``)."""
 
     key: str
     module: str
@@ -90,17 +76,8 @@ class AdapterKey:
         return f"{self.module}.{self.name}" if self.module else self.name
 
 
-def _factor_name_by_suffix() -> dict[str, str]:
-    """peft key suffix -> factor attribute name, longest suffix first, for every registered layout."""
-    names = {suffix: layout.factor_names[index] for suffix, layout, index in factor_suffixes()}
-    return dict(sorted(names.items(), key=lambda item: -len(item[0])))
-
-
 def parse_adapter_key(key: str) -> AdapterKey | None:
-    """Classify a peft adapter file key; ``None`` for peft-internal copies that carry no new data.
-
-    peft's ``bias="all"`` also saves ``<module>.original_module.*`` (the untouched original of a module
-    to save); those are skipped. ``<module>.modules_to_save.*`` is the same tensor as ``<module>.*``.
+    """Classify a peft adapter file key; ``None`` for peft's ``original_module`` copies (no new data).
 
     Raises:
         AdapterError: a peft LoRA tensor that is neither a factor of a registered layout nor DoRA's
@@ -109,10 +86,9 @@ def parse_adapter_key(key: str) -> AdapterKey | None:
     path = key.removeprefix(PEFT_PREFIX)
     if path.endswith("." + MAGNITUDE):
         return AdapterKey(key, path[: -len(MAGNITUDE) - 1], MAGNITUDE, True)
-    by_suffix = _factor_name_by_suffix()
-    for suffix, name in by_suffix.items():
+    for suffix, layout, index in sorted(factor_suffixes(), key=lambda item: -len(item[0])):
         if path.endswith("." + suffix):
-            return AdapterKey(key, path[: -len(suffix) - 1], name, True)
+            return AdapterKey(key, path[: -len(suffix) - 1], layout.factor_names[index], True)
     parts = path.split(".")
     lora_parts = [p for p in parts if p.startswith(_PEFT_LORA_PART)]
     if lora_parts:
@@ -129,12 +105,8 @@ def parse_adapter_key(key: str) -> AdapterKey | None:
 
 @dataclass(frozen=True)
 class LoraFactors:
-    """The LoRA factors one module has in an adapter file.
-
-    ``layouts`` are the registry layouts whose factor names these are (Linear/Conv and Conv1D weights
-    share ``lora_A``/``lora_B``: the stored weight's shape tells them apart when merging). ``key_a`` and
-    ``key_b`` are the file keys of A and B, ``None`` when the file lacks one.
-    """
+    """One module's LoRA factors in an adapter file: the ``layouts`` with these factor names (several:
+    Linear and Conv1D share them) and the file keys of A and B (``None`` when missing)."""
 
     module: str
     layouts: tuple[Layout, ...]
@@ -153,12 +125,10 @@ class LoraFactors:
 
 
 def group_lora_keys(keys: Iterable[AdapterKey], source: object) -> dict[str, LoraFactors]:
-    """``{module path: its LoRA factors}`` for the LoRA keys among ``keys``, in module order (DoRA's
-    magnitude vectors are not factors and are left out).
+    """``{module path: its LoRA factors}`` for the LoRA keys among ``keys``, in module order.
 
     Raises:
-        AdapterError: modules whose factors belong to different layouts (all listed, with ``source``,
-            the file they come from).
+        AdapterError: modules whose factors belong to different layouts (all listed, with ``source``).
     """
     by_module: dict[str, dict[str, str]] = {}
     for info in keys:
@@ -178,25 +148,6 @@ def group_lora_keys(keys: Iterable[AdapterKey], source: object) -> dict[str, Lor
     return out
 
 
-def check_magnitudes(keys: Iterable[AdapterKey], use_dora: bool, source: object) -> None:
-    """DoRA magnitude vectors belong only in an adapter whose config says ``use_dora``.
-
-    Raises:
-        AdapterError: ``source`` (the weights file) holds ``lora_magnitude_vector`` tensors but its config
-            has ``use_dora`` false: read as plain LoRA they would be dropped and the outputs would differ.
-    """
-    if use_dora:
-        return
-    stray = sorted(info.key for info in keys if info.is_lora and info.name == MAGNITUDE)
-    if stray:
-        raise AdapterError(
-            f"{source}: {stray[0]}: a DoRA magnitude ({MAGNITUDE}, {len(stray)} in all) in an adapter whose "
-            'adapter_config.json has use_dora=false; set "use_dora": true if it is a DoRA adapter'
-        )
-
-
-# ---- reading an adapter folder -----------------------------------------------------------------------------
-
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_PICKLE_NAME = "adapter_model.bin"
@@ -204,12 +155,8 @@ ADAPTER_PICKLE_NAME = "adapter_model.bin"
 
 @dataclass(frozen=True)
 class Adapter:
-    """An adapter folder, read into memory (or, with ``lazy=True``, its header, tensors read on access).
-
-    ``tensors`` maps each file key to its tensor (a :class:`SafetensorsReader` when read lazily),
-    ``shapes`` to its shape; ``keys`` maps each file key to what it addresses (peft-internal
-    duplicates are left out of ``keys``).
-    """
+    """An adapter folder: ``tensors`` (a :class:`SafetensorsReader` when lazy) and ``shapes`` by file key,
+    ``keys`` what each addresses (without peft's internal copies)."""
 
     folder: Path
     config: LoraConfig
@@ -224,28 +171,27 @@ class Adapter:
         """``{module path: its LoRA factors}`` for every module with LoRA tensors, in path order."""
         return group_lora_keys(self.keys.values(), self.weights_path)
 
-
-def _require_folder(path: Path) -> None:
-    if not path.is_dir():
-        what = "does not exist" if not path.exists() else "is not a folder"
-        raise AdapterError(
-            f"{path} {what}: an adapter is a folder with {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME}"
-        )
+    def dtype_name(self, key: str) -> str:
+        """The safetensors dtype name of tensor ``key`` (``"F32"``; torch's name for others, ``"int64"``)."""
+        if isinstance(self.tensors, SafetensorsReader):
+            return self.tensors.header.tensors[key].dtype
+        name = str(self.tensors[key].dtype).removeprefix("torch.")
+        return {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}.get(name, name)
 
 
 def read_adapter_config(path: str | os.PathLike[str]) -> tuple[LoraConfig, dict[str, Any]]:
-    """Read ``adapter_config.json`` from the adapter folder ``path``.
-
-    Returns:
-        the validated :class:`LoraConfig` and the raw JSON dictionary.
+    """Read ``adapter_config.json`` from the adapter folder ``path``: the :class:`LoraConfig` and the raw JSON.
 
     Raises:
-        AdapterError: the folder or the file is missing, or the file is not UTF-8, not valid JSON (names
-            file:line), nested too deeply, or not a JSON object.
+        AdapterError: the folder or the file is missing, or the file is not a JSON object (names file:line).
         LoraConfigError: a field is invalid or an unsupported peft feature is switched on (names the field).
     """
     folder = Path(path)
-    _require_folder(folder)
+    if not folder.is_dir():
+        what = "does not exist" if not folder.exists() else "is not a folder"
+        raise AdapterError(
+            f"{folder} {what}: an adapter is a folder with {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME}"
+        )
     config_path = folder / ADAPTER_CONFIG_NAME
     if not config_path.exists():
         raise AdapterError(f"{folder}: no {ADAPTER_CONFIG_NAME} (not an adapter folder)")
@@ -277,37 +223,9 @@ def _check_ranks(data: dict[str, Any], source: Path) -> None:
             )
 
 
-def _load_safetensors(path: Path, lazy: bool) -> tuple[Mapping[str, torch.Tensor], SafetensorsHeader]:
-    header = read_safetensors_header(path)
-    if lazy:
-        return SafetensorsReader(header), header
-    try:
-        tensors = safetensors.torch.load(path.read_bytes())
-    except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
-        raise AdapterError(f"{path}: corrupt safetensors file ({exc})") from None
-    return tensors, header
-
-
-def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a bad or unsafe pickle
-        raise AdapterError(f"{path}: cannot be loaded with torch.load(weights_only=True): {exc}") from None
-    if not isinstance(state, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        raise AdapterError(f"{path}: expected a dict of tensors")
-    return dict(state)
-
-
 def read_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False, lazy: bool = False) -> Adapter:
-    """Read and validate an adapter folder (config and weights) without touching any model.
-
-    ``lazy=True`` reads only the safetensors header; tensors are then read from disk on access.
-
-    Checks that every key is one loragen understands and that each module's LoRA factors are a pair of
-    a registered layout (shared rank, matching dimensions); whether they fit a model is checked by
-    :func:`~loragen.adapters.load.load_adapter` (or :func:`~loragen.adapters.offline_merge.plan_merge`).
+    """Read an adapter folder, checking every key and that each module's factors are a LoRA pair
+    (``lazy=True``: only the safetensors header; tensors are read on access).
 
     Raises:
         AdapterError: missing files, a truncated or corrupt weights file (names the file), a pickled
@@ -320,7 +238,13 @@ def read_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False, la
     metadata: dict[str, str] = {}
     tensors: Mapping[str, torch.Tensor]
     if weights_path.is_file():
-        tensors, header = _load_safetensors(weights_path, lazy)
+        header = read_safetensors_header(weights_path)
+        tensors = SafetensorsReader(header)
+        if not lazy:
+            try:
+                tensors = safetensors.torch.load(weights_path.read_bytes())
+            except (safetensors.SafetensorError, ValueError, RuntimeError) as exc:
+                raise AdapterError(f"{weights_path}: corrupt safetensors file ({exc})") from None
         shapes = {name: entry.shape for name, entry in header.tensors.items()}
         metadata = header.metadata
     elif (folder / ADAPTER_PICKLE_NAME).is_file():
@@ -330,7 +254,17 @@ def read_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False, la
                 f"{weights_path}: refusing to load a pickle file (it can run arbitrary code); convert it to "
                 f"{ADAPTER_WEIGHTS_NAME}, or pass allow_pickle=True if you trust its source"
             )
-        tensors = _load_pickle(weights_path)
+        try:
+            state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for a bad or unsafe pickle
+            raise AdapterError(
+                f"{weights_path}: cannot be loaded with torch.load(weights_only=True): {exc}"
+            ) from None
+        if not isinstance(state, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise AdapterError(f"{weights_path}: expected a dict of tensors")
+        tensors = dict(state)
         shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     else:
         raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS_NAME} (nor {ADAPTER_PICKLE_NAME})")
@@ -346,8 +280,13 @@ def read_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False, la
 
 
 def _check_pairs(adapter: Adapter) -> None:
-    """Both factors of a module must be a pair of its layout (a lone factor is reported as missing later)."""
-    check_magnitudes(adapter.keys.values(), adapter.config.use_dora, adapter.weights_path)
+    """Both factors of a module must be a pair of its layout (a lone one is reported later)."""
+    stray = sorted(info.key for info in adapter.keys.values() if info.is_lora and info.name == MAGNITUDE)
+    if stray and not adapter.config.use_dora:
+        raise AdapterError(
+            f"{adapter.weights_path}: {stray[0]}: a DoRA magnitude ({MAGNITUDE}, {len(stray)} in all) in an "
+            'adapter whose adapter_config.json has use_dora=false; set "use_dora": true if it is a DoRA adapter'
+        )
     problems = []
     for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None:
@@ -361,3 +300,186 @@ def _check_pairs(adapter: Adapter) -> None:
             )
     if problems:
         raise AdapterError(f"{adapter.weights_path}: inconsistent LoRA tensors:\n  " + "\n  ".join(problems))
+
+
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# the config fields shown, in this order
+_CONFIG_FIELDS = """peft_type base_model_name_or_path task_type target_modules target_parameters exclude_modules
+r lora_alpha use_rslora lora_dropout bias modules_to_save fan_in_fan_out rank_pattern alpha_pattern
+layers_to_transform layers_pattern""".split()
+
+
+@dataclass(frozen=True)
+class ModuleSummary:
+    """One LoRA-adapted module: ``kind`` is linear, embedding, conv1d, conv2d (from the factor shapes)."""
+
+    module: str
+    kind: str
+    r: int
+    alpha: float
+    scale: float
+    in_features: int
+    out_features: int
+    params: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TensorSummary:
+    """A tensor saved in full (a module to save, a trained bias, a saved embedding base weight)."""
+
+    key: str
+    shape: tuple[int, ...]
+    params: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class AdapterSummary:
+    """Everything ``loragen inspect`` shows."""
+
+    folder: str
+    weights_file: str
+    file_size: int
+    config: dict[str, Any]
+    modules: tuple[ModuleSummary, ...]
+    full_tensors: tuple[TensorSummary, ...]
+
+    @property
+    def lora_params(self) -> int:
+        return sum(m.params for m in self.modules)
+
+    @property
+    def full_params(self) -> int:
+        return sum(t.params for t in self.full_tensors)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted({m.dtype for m in self.modules} | {t.dtype for t in self.full_tensors}))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dictionary (the output of ``loragen inspect --json``)."""
+        return {
+            "folder": self.folder,
+            "weights_file": self.weights_file,
+            "file_size": self.file_size,
+            "config": self.config,
+            "totals": {
+                "modules": len(self.modules),
+                "lora_params": self.lora_params,
+                "full_params": self.full_params,
+                "params": self.lora_params + self.full_params,
+                "dtypes": list(self.dtypes),
+            },
+            "modules": [asdict(m) for m in self.modules],
+            "full_tensors": [{**asdict(t), "shape": list(t.shape)} for t in self.full_tensors],
+        }
+
+
+def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> AdapterSummary:
+    """Summarise the adapter folder ``path`` from its config and weights header.
+
+    Raises:
+        AdapterError: missing files, a truncated or corrupt weights file, a pickle without
+            ``allow_pickle=True``, inconsistent LoRA tensors.
+        LoraConfigError: an invalid or unsupported config field.
+    """
+    adapter = read_adapter(path, allow_pickle=allow_pickle, lazy=True)
+    shapes = adapter.shapes
+
+    def dtype(key: str) -> str:
+        name = adapter.dtype_name(key)
+        return _DTYPE_NAMES.get(name, name.lower())
+
+    full = [
+        TensorSummary(key, shapes[key], math.prod(shapes[key]), dtype(key))
+        for key, info in sorted(adapter.keys.items())
+        if not info.is_lora
+    ]
+    modules = []
+    for module, factors in adapter.lora_modules().items():
+        if factors.key_a is None or factors.key_b is None:
+            raise AdapterError(
+                f"{adapter.weights_path}: {module} has only {', '.join(factors.keys)}, expected both LoRA factors"
+            )
+        a_shape, b_shape = shapes[factors.key_a], shapes[factors.key_b]
+        entry = entry_for(adapter.config, module)
+        modules.append(
+            ModuleSummary(
+                module=module,
+                kind="embedding"
+                if EMBEDDING in factors.layouts
+                else {2: "linear", 3: "conv1d"}.get(len(a_shape), f"conv{len(a_shape) - 2}d"),
+                r=a_shape[0],
+                alpha=entry.lora_alpha,
+                scale=entry.scaling,
+                in_features=math.prod(a_shape[1:]),
+                out_features=b_shape[0],
+                params=math.prod(a_shape) + math.prod(b_shape),
+                dtype=dtype(factors.key_a),
+            )
+        )
+    shown = {name: adapter.config_dict.get(name) for name in _CONFIG_FIELDS if name in adapter.config_dict}
+    weights = adapter.weights_path
+    return AdapterSummary(
+        str(adapter.folder), str(weights), weights.stat().st_size, shown, tuple(modules), tuple(full)
+    )
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def format_summary(summary: AdapterSummary) -> str:
+    """The human-readable report ``loragen inspect`` prints: config, one row per module, totals."""
+    lines = [f"adapter: {summary.folder}"]
+    lines.append(f"weights: {summary.weights_file} ({_size(summary.file_size)})")
+    for name, value in summary.config.items():
+        if value not in (None, {}, [], False) or name in ("use_rslora", "r", "lora_alpha"):
+            lines.append(f"  {name}: {value}")
+    lines.append("")
+    rows = [
+        [
+            m.module,
+            m.kind,
+            str(m.r),
+            f"{m.alpha:g}",
+            f"{m.scale:.4g}",
+            f"{m.in_features}->{m.out_features}",
+            f"{m.params:,}",
+            m.dtype,
+        ]
+        for m in summary.modules
+    ]
+    lines += _table(
+        ["module", "type", "r", "alpha", "scale", "in->out", "params", "dtype"], rows, {2, 3, 4, 6}
+    )
+    if summary.full_tensors:
+        lines += ["", "saved in full:"]
+        lines += _table(
+            ["key", "shape", "params", "dtype"],
+            [[t.key, "x".join(map(str, t.shape)), f"{t.params:,}", t.dtype] for t in summary.full_tensors],
+            {2},
+        )
+    lines += [
+        "",
+        f"{len(summary.modules)} LoRA modules, {summary.lora_params:,} LoRA parameters"
+        + (f" + {summary.full_params:,} saved in full" if summary.full_tensors else "")
+        + f"; dtype {', '.join(summary.dtypes) or '-'}; file {_size(summary.file_size)}",
+    ]
+    return "\n".join(lines)

@@ -1,10 +1,4 @@
-"""Loading an adapter folder into a model, all or nothing.
-
-A plain model is first converted per the adapter's config; a model with LoRA layers is loaded into.
-Every adapter tensor is matched to the model tensor it loads into, and every problem (missing,
-unexpected, misshapen keys, wrong ranks) is reported together before the model is touched; a failure
-while applying puts the model back exactly as it was.
-"""
+"""Loading an adapter folder into a model, all or nothing (:func:`load_adapter`)."""
 
 from __future__ import annotations
 
@@ -55,12 +49,8 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def _plan_load(
     model: nn.Module, adapter: Adapter, config: LoraConfig, layers: Mapping[str, Factors], strict: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Match every adapter tensor to the model tensor it loads into; raise listing every problem.
-
-    ``layers`` are the LoRA layers the model has, or will have once converted (they share the base
-    parameters, so ``model``'s own tensors stand for everything else). Returns ``(model tensor, value)``
-    pairs, values already in the target's dtype and on its device.
-    """
+    """``(model tensor, value)`` for every adapter tensor, values in the target's dtype and device;
+    raises listing every problem. ``layers``: the LoRA layers the model has or will have once converted."""
     named = _named_tensors(model)
     plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     mismatched: list[str] = []
@@ -75,45 +65,35 @@ def _plan_load(
         for attr, suffix in layer.peft_key_suffixes().items()
     }
     for key, info in sorted(adapter.keys.items()):
+        value = adapter.tensors[key]
         layer = layers.get(info.module) if info.is_lora else None
         target: torch.Tensor | None
+        rank_of = None  # (the config's path, the model's rank, whose rank it is)
         if key in owned:
             path, owner, attr = owned[key]
-            target, target_name = owner.lora_parameters()[attr], attr.rsplit(".", 2)[1]
-            found.add(f"{path}.{attr}")
-            value = adapter.tensors[key]
-            rank = entry_for(config, f"{path}.{target_name}").r
-            if tuple(value.shape) != tuple(target.shape):
-                mismatched.append(f"{key}: expected shape {tuple(target.shape)}, found {tuple(value.shape)}")
-            elif rank != owner.parameter_targets[target_name].r:
-                wrong_rank.append(
-                    f"{key}: the adapter config gives {path}.{target_name} rank {rank}, the model's "
-                    f"factors have rank {owner.parameter_targets[target_name].r}"
-                )
-            else:
-                plan[id(target)] = (target, value)
-            continue
-        if info.is_lora:
-            target = layer.lora_parameters().get(info.name) if layer is not None else None
-            if layer is not None and target is None:
+            name = attr.rsplit(".", 2)[1]
+            target, model_key = owner.lora_parameters()[attr], f"{path}.{attr}"
+            rank_of = (f"{path}.{name}", owner.parameter_targets[name].r, "the model's factors have")
+        elif layer is not None:
+            target, model_key = layer.lora_parameters().get(info.name), info.model_key
+            if target is None:
                 mismatched.append(
                     f"{key}: {info.module} is a {type(model.get_submodule(info.module)).__name__}, whose factors are "
                     f"{' and '.join(layer.lora_parameters())}, not {info.name}"
                 )
                 continue
+            rank_of = (info.module, layer.r, "the file and the model's layer have")
         else:
-            target = named.get(info.model_key)
+            target, model_key = (None if info.is_lora else named.get(info.model_key)), info.model_key
         if target is None:
             unexpected.append(key)
             continue
-        found.add(info.model_key)
-        value = adapter.tensors[key]
+        found.add(model_key)
         if tuple(value.shape) != tuple(target.shape):
             mismatched.append(f"{key}: expected shape {tuple(target.shape)}, found {tuple(value.shape)}")
-        elif layer is not None and (rank := entry_for(config, info.module).r) != layer.r:
+        elif rank_of is not None and (rank := entry_for(config, rank_of[0]).r) != rank_of[1]:
             wrong_rank.append(
-                f"{key}: the adapter config gives {info.module} rank {rank}, "
-                f"the file and the model's layer have rank {layer.r}"
+                f"{key}: the adapter config gives {rank_of[0]} rank {rank}, {rank_of[2]} rank {rank_of[1]}"
             )
         else:
             plan[id(target)] = (target, value)
@@ -158,7 +138,7 @@ def _plan_load(
 
 
 class _Snapshot:
-    """What loading may change in a model, saved so that a failure can put it back exactly."""
+    """What loading may change in a model, to put back on failure."""
 
     def __init__(self, model: nn.Module, overwritten: list[torch.Tensor], layers: Mapping[str, Factors]):
         self.model = model
@@ -201,27 +181,18 @@ def load_adapter(
 ) -> M:
     """Load the adapter folder ``path`` (peft's format) into ``model``; returns the same model.
 
-    A model without LoRA layers is first converted per the saved config (targets, ``rank_pattern``,
-    ``alpha_pattern``, ``use_rslora`` all honoured). A model that has LoRA layers (converted, rewritten
-    or decorated) is loaded into: its layers must have the adapter's ranks, and take the adapter's alpha
-    and ``use_rslora``. ``trainable=False`` freezes every parameter (inference); ``True`` sets
-    ``requires_grad`` as :func:`~loragen.get_lora_model` does. The config is kept as
-    ``model.loragen_config``.
+    A model without LoRA layers is first converted per the saved config; one with LoRA layers is loaded
+    into (its ranks must be the adapter's; it takes the adapter's alpha and ``use_rslora``). An
+    ``adapter_name`` the model does not hold is added beside the others (not made active). One folder
+    holds one adapter (load ``path/<name>`` subfolders one by one). ``trainable=False`` freezes every
+    parameter; ``True`` sets ``requires_grad`` as :func:`~loragen.get_lora_model` does.
 
-    ``adapter_name`` names the adapter (peft's default, ``"default"``). Into a model that holds no
-    adapter of that name, the adapter is added beside the others (:func:`loragen.add_adapter`; it is not
-    made active); a model that holds one loads into it. One folder holds one adapter: load the
-    subfolders of a multi-adapter folder (``path/<name>``) one by one.
-
-    All or nothing: everything is checked before the model is touched, and on any error the model is
-    left exactly as it was.
+    All or nothing: everything is checked before the model is touched; on any error it is left as it was.
 
     Raises:
-        AdapterError: a missing folder or file; a truncated or corrupt weights file (names it); a pickled
-            ``adapter_model.bin`` without ``allow_pickle=True``; tensors whose shapes do not fit (key,
-            expected and found shape); keys the model expects but the file lacks (all listed); keys
-            nothing in the model takes (all listed); with ``strict=False`` missing and unexpected keys
-            are ignored. Also a model whose LoRA layers are merged.
+        AdapterError: a missing or corrupt file (names it), a pickle without ``allow_pickle=True``;
+            misshapen tensors, wrong ranks, keys the file lacks or nothing takes (all listed; missing and
+            unexpected keys are ignored with ``strict=False``); merged LoRA layers.
         LoraConfigError: an invalid or unsupported field in ``adapter_config.json`` (names the field).
         LoraConversionError: the config's targets match nothing in the model (names the targets), or
             match layers loragen cannot adapt.

@@ -1,26 +1,16 @@
-"""Several named adapters on one model, with peft's semantics: add, switch, delete, switch off.
+"""Several named adapters on one model, with peft's semantics: add, switch, delete, switch off, combine.
 
-A model's adapters are the union of the adapters its LoRA layers hold (storage and key names:
-:mod:`loragen.layers.adapter_set`); their configs are kept on the model as
-``model.loragen_adapter_configs`` (``{name: LoraConfig}``, the model's first adapter first), and
-``model.loragen_config`` stays the first adapter's config, so everything written for one adapter (saving,
-``mark_trainable``) keeps working. One adapter is active at a time: every LoRA layer adds it, and it is
-the one that trains (its factors require grad, the others' do not), as after peft's ``set_adapter``.
-
-=========================== ===============================================================================
-``add_adapter``              a further adapter (not made active); a plain model is converted (it is active)
-``set_adapter``              make an adapter active (merged layers are unmerged first, with a warning)
-``delete_adapter``           drop an adapter; an active one is replaced by the first remaining name in
-                             sorted order (peft's rule); a layer left with none becomes its base layer again
-``disable_adapter``          context manager: the base model exactly (merged layers unmerged, then merged
-                             again on exit)
-=========================== ===============================================================================
+The adapters are those the LoRA layers hold (:mod:`loragen.layers.adapter_set`); their configs are kept
+as ``model.loragen_adapter_configs`` and ``model.loragen_config`` stays the first adapter's. One adapter
+is active at a time: every LoRA layer adds it, and only its factors train. ``add_weighted_adapter``
+combines adapters into a new one with peft's rank and config.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -37,6 +27,7 @@ from loragen.convert import (
 )
 from loragen.errors import (
     AdapterError,
+    AdapterMixError,
     AdapterNameError,
     LoraConfigError,
     LoraConversionError,
@@ -44,16 +35,18 @@ from loragen.errors import (
 )
 from loragen.layers import LoraLayer
 from loragen.layers.adapter_set import (
+    COMBINATIONS,
     DEFAULT_ADAPTER,
     adapter_factors,
     adapter_names,
     add_factors,
+    combine,
     has_adapter,
     holds_several,
     remove_factors,
     set_active,
 )
-from loragen.plan import resolve, saved_modules
+from loragen.plan import max_rank, resolve, saved_modules
 
 __all__ = [
     "DEFAULT_ADAPTER",
@@ -68,6 +61,7 @@ __all__ = [
     "set_trainable",
     "delete_adapter",
     "disable_adapter",
+    "add_weighted_adapter",
 ]
 
 M = TypeVar("M", bound=nn.Module)
@@ -90,8 +84,7 @@ def active_adapter(model: nn.Module) -> str | None:
 
 
 def adapter_configs(model: nn.Module) -> dict[str, LoraConfig | None]:
-    """``{name: config}`` of ``model``'s adapters; ``None`` for an adapter whose layers carry no config
-    (a rewritten model written by hand: :func:`loragen.adapters.save.adapter_config_for` derives one)."""
+    """``{name: config}`` of ``model``'s adapters; ``None`` for one whose layers carry no config."""
     configs = model.__dict__.get(ADAPTER_CONFIGS_ATTR)
     if isinstance(configs, dict):
         return dict(configs)
@@ -126,18 +119,10 @@ def require_adapter(model: nn.Module, name: object, what: str = "adapter") -> st
     return name
 
 
-# ---- adding ------------------------------------------------------------------------------------------
-
-
 def check_adapter_name(name: object) -> str:
-    """``name`` if it can name an adapter: a non-empty string that is a key component and a folder name
-    (``save_adapter`` writes adapter ``name`` to ``path/name``): no ``.`` (so no ``..``), no path
-    separator (``/`` or ``\\``, so no absolute path), no NUL or other control character, and not
-    ``"__base__"`` (the mixed-batch name for no adapter).
-
-    Raises:
-        AdapterNameError: it cannot; the message says why.
-    """
+    """``name`` if it can name an adapter, a key component and a folder name (``save_adapter`` writes
+    ``path/name``); AdapterNameError, saying why, if it has a ``.``, ``/``, ``\\``, a control
+    character, is empty or is ``"__base__"`` (the mixed-batch name for no adapter)."""
     accepted = "expected a non-empty name without '.', '/', '\\' or control characters, other than '__base__'"
     if not isinstance(name, str):
         raise AdapterNameError(f"adapter_name={name!r}: a {type(name).__name__}, {accepted}")
@@ -177,10 +162,9 @@ def _check_new_adapter(model: nn.Module, config: LoraConfig, name: str) -> None:
 def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTER) -> M:
     """Add the adapter ``adapter_name`` with ``config`` to ``model``; returns the same model.
 
-    On a model with LoRA layers the new adapter is added beside the others and is *not* made active (its
-    factors are frozen), as in peft; targeted layers that are not LoRA layers yet become LoRA layers
-    holding only the new adapter. A model without LoRA layers is converted (``get_lora_model``) and the
-    new adapter is active and trainable.
+    Beside the others it is *not* made active (its factors are frozen), as in peft; targeted plain layers
+    become LoRA layers holding only it. A model without LoRA layers is converted (``get_lora_model``)
+    and the adapter is active and trainable.
 
     Raises:
         AdapterNameError: ``adapter_name`` exists already or is not a valid name.
@@ -229,14 +213,9 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
     return model
 
 
-# ---- switching ---------------------------------------------------------------------------------------
-
-
 def set_adapter(model: nn.Module, adapter_name: str, *, inference_mode: bool = False) -> None:
-    """Make ``adapter_name`` the adapter every LoRA layer of ``model`` adds.
-
-    Its factors require grad (unless ``inference_mode``), every other adapter's are frozen, as peft's
-    ``set_adapter`` does. Merged layers are unmerged first (with a warning).
+    """Make ``adapter_name`` the adapter every LoRA layer of ``model`` adds; only its factors require grad
+    (none with ``inference_mode``), as peft's. Merged layers are unmerged first (with a warning).
 
     Raises:
         AdapterNameError: ``model`` holds no adapter ``adapter_name`` (the message lists those it holds).
@@ -261,12 +240,9 @@ def set_trainable(model: nn.Module, adapter_name: str | None) -> None:
 def delete_adapter(model: nn.Module, adapter_name: str) -> None:
     """Remove the adapter ``adapter_name`` from ``model`` (every layer, its config).
 
-    A layer left without adapters becomes its base layer again (deleting a model's only adapter gives the
-    plain model back). If the deleted adapter was active, the first remaining name in sorted order becomes
-    active (peft's rule).
-
-    The modules the adapter trained in full (its ``modules_to_save``) are frozen again unless another
-    adapter also saves them, as in peft.
+    A layer left without adapters becomes its base layer again. If it was active, the first remaining
+    name in sorted order becomes active; the modules it trained in full are frozen again unless another
+    adapter saves them (peft's rules).
 
     Raises:
         AdapterNameError: ``model`` holds no adapter ``adapter_name``.
@@ -310,11 +286,8 @@ def delete_adapter(model: nn.Module, adapter_name: str) -> None:
 
 @contextmanager
 def disable_adapter(model: M) -> Iterator[M]:
-    """Within the block ``model`` computes exactly its base model: no LoRA layer adds an adapter, and
-    merged layers are unmerged (and merged again on exit). Yields ``model``.
-
-    ``bias`` trained with ``bias="all"`` / ``"lora_only"`` and ``modules_to_save`` are part of the base
-    model here (loragen keeps no second copy of them).
+    """Within the block ``model`` computes its base model (merged layers unmerged, merged again on exit).
+    Yields ``model``. Trained biases and ``modules_to_save`` stay (loragen keeps no second copy of them).
 
     Raises:
         AdapterError: the model has no LoRA layers.
@@ -334,3 +307,146 @@ def disable_adapter(model: M) -> Iterator[M]:
             set_active(layer, active)
             if merged:
                 layer.merge()
+
+
+def _new_targets(names: Sequence[str], configs: dict[str, LoraConfig | None]) -> str | list[str] | None:
+    targets = {n: configs[n].target_modules if configs[n] is not None else None for n in names}  # type: ignore[union-attr]
+    kinds = {n: "regex" if isinstance(t, str) else "list" for n, t in targets.items() if t is not None}
+    if len(set(kinds.values())) > 1:
+        described = ", ".join(f"{n!r}: target_modules={targets[n]!r}" for n in kinds)
+        raise AdapterMixError(
+            f"cannot combine adapters whose target_modules mix a regex (a string) and a list of names ({described}); "
+            "peft refuses them too"
+        )
+    if not kinds:
+        return None
+    if "regex" in kinds.values():
+        return "|".join(f"({targets[n]})" for n in kinds)
+    return sorted({t for n in kinds for t in targets[n]})  # type: ignore[union-attr]
+
+
+def add_weighted_adapter(
+    model: nn.Module,
+    adapters: Sequence[str],
+    weights: Sequence[float],
+    adapter_name: str,
+    combination_type: str = "svd",
+    *,
+    svd_rank: int | None = None,
+    svd_clamp: float | None = None,
+    svd_full_matrices: bool = True,
+    svd_driver: str | None = None,
+) -> None:
+    """Add ``adapter_name``, the combination of ``adapters`` with ``weights``, to ``model`` (peft's semantics).
+
+    ``combination_type``: ``"cat"`` (exact; rank = the sum of the ranks), ``"linear"`` (every rank equal)
+    or ``"svd"`` (rank ``svd_rank``, default the largest); ``"linear"`` for one adapter, as peft. Weights
+    may be negative. The new adapter is not made active and its factors are frozen, as in peft.
+
+    Raises:
+        AdapterNameError: an unknown adapter in ``adapters`` (the known ones are listed), or
+            ``adapter_name`` exists already (peft returns silently then; loragen says so).
+        AdapterMixError: ``weights`` and ``adapters`` differ in length, a weight is not a finite number, an
+            unknown ``combination_type``, ``"linear"`` over adapters of different ranks, DoRA adapters, or target_modules
+            that mix a regex and a list (the adapters and what differs are named).
+    """
+    names = list(adapters)
+    if not names:
+        raise AdapterMixError("add_weighted_adapter: adapters is empty; name at least one adapter")
+    for name in names:
+        require_adapter(model, name)
+    if len(weights) != len(names):
+        raise AdapterMixError(
+            f"add_weighted_adapter: {len(names)} adapters ({', '.join(map(repr, names))}) but {len(weights)} weights"
+        )
+    bad = [
+        w for w in weights if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
+    ]
+    if bad:
+        raise AdapterMixError(f"add_weighted_adapter: weights must be finite numbers, got {bad!r}")
+    if isinstance(adapter_name, str) and adapter_name in adapter_configs(model):
+        raise AdapterNameError(
+            f"add_weighted_adapter: an adapter {adapter_name!r} exists already; pick another name"
+        )
+    check_adapter_name(adapter_name)
+    if combination_type not in COMBINATIONS:
+        raise AdapterMixError(
+            f"add_weighted_adapter: combination_type={combination_type!r}; loragen implements "
+            f"{', '.join(map(repr, COMBINATIONS))}"
+        )
+    if len(names) == 1:
+        combination_type = "linear"
+    configs = adapter_configs(model)
+    layers = {
+        p: layer for p, layer in find_lora_layers(model).items() if any(has_adapter(layer, n) for n in names)
+    }
+    variants = {  # each adapter's variant (one per adapter: it follows the adapter's config)
+        n: adapter_factors(layer, n).variant
+        for layer in layers.values()
+        for n in names
+        if has_adapter(layer, n)
+    }
+    uncombinable = [n for n in names if n in variants and not variants[n].combinable]
+    if uncombinable:
+        title = variants[uncombinable[0]].title
+        raise AdapterMixError(
+            f"add_weighted_adapter: adapter(s) {', '.join(map(repr, uncombinable))} use {title}; a weighted sum of "
+            f"factors leaves out what {title} adds to them, so loragen does not combine {title} adapters"
+        )
+    ranks = {  # the largest rank of each (peft: max(r, *rank_pattern.values()))
+        n: max_rank(c)
+        if (c := configs.get(n)) is not None
+        else max(adapter_factors(layer, n).r for layer in layers.values() if has_adapter(layer, n))
+        for n in names
+    }
+    if combination_type == "linear" and len(set(ranks.values())) > 1:
+        described = ", ".join(f"{n!r} r={r}" for n, r in ranks.items())
+        raise AdapterMixError(
+            f"combination_type='linear' needs adapters of one rank, but {described}; use 'cat' or 'svd'"
+        )
+    new_rank = {"linear": ranks[names[0]], "cat": sum(ranks.values())}.get(
+        combination_type, svd_rank or max(ranks.values())
+    )
+    targets = _new_targets(names, configs)
+    first = configs.get(names[0])
+    if first is None:
+        config = LoraConfig(r=new_rank, lora_alpha=new_rank, target_modules=sorted(layers))
+    else:
+        config = first.replace(
+            r=new_rank,
+            lora_alpha=new_rank,
+            target_modules=targets if targets is not None else sorted(layers),
+            rank_pattern={},
+            alpha_pattern={},
+        )
+    # every layer's factors first: an error leaves the model unchanged
+    combined = {
+        path: combine(
+            [
+                (n, adapter_factors(layer, n), float(w))
+                for n, w in zip(names, weights)
+                if has_adapter(layer, n)
+            ],
+            combination_type,
+            new_rank,
+            path=path,
+            svd_clamp=svd_clamp,
+            svd_full_matrices=svd_full_matrices,
+            svd_driver=svd_driver,
+        )
+        for path, layer in layers.items()
+    }
+    for path, layer in layers.items():
+        a, b = combined[path]
+        factors = add_factors(
+            layer,
+            adapter_name,
+            r=new_rank,
+            lora_alpha=new_rank,
+            lora_dropout=config.lora_dropout,
+            use_rslora=config.use_rslora,
+        )
+        factors.factor_a.data.copy_(a)
+        factors.factor_b.data.copy_(b)
+        factors.requires_grad_(False)
+    record_config(model, adapter_name, config)

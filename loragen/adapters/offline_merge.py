@@ -1,16 +1,11 @@
-"""Merge an adapter into a safetensors checkpoint offline, tensor by tensor, without the model class.
+"""``loragen merge``: merge an adapter into a safetensors checkpoint offline, without the model class.
 
-The checkpoint is read through its safetensors headers only (:mod:`loragen.adapters.checkpoint`) and
-every change is decided before writing (:func:`plan_merge`): each adapter tensor is mapped to its own
-checkpoint tensor (:mod:`loragen.adapters.checkpoint`); each LoRA module's factors must fit that tensor's shape
-under one of the layouts of its factor names (``Layout.fits`` and ``Layout.weight_shape``), and its rank
-must be the config's; every problem is reported together, before anything is written. Each output file gets the
-input's header verbatim (merging keeps every tensor's name, dtype and shape, so every byte offset stays
-the same) and its data section is streamed in file order: untouched byte ranges are copied as they are,
-and each tensor the adapter touches is merged a block of rows at a time, in fp32 (``W + scaling * B @ A``
-in the weight's layout, ``Layout.delta_row_factors``) and rounded once to its dtype. Peak memory is a few
-blocks plus one module's LoRA factors, whatever the size of the checkpoint or of its tensors. The output
-appears atomically (:mod:`loragen.atomic`), only once complete.
+The checkpoint is opened from its headers alone (:func:`open_checkpoint`); each adapter tensor is mapped
+to its own checkpoint tensor (:func:`resolve_keys`: one to one, explained, never guessed) and every
+change is decided before a byte is written (:func:`plan_merge`). Each output file gets the input's header
+verbatim (same names, dtypes, shapes, so the same offsets); untouched byte ranges are copied, and each
+touched tensor is merged a block of rows at a time in fp32 and rounded once. Peak memory is a few blocks
+plus one module's factors; the output appears atomically (:mod:`loragen.atomic`).
 """
 
 from __future__ import annotations
@@ -26,20 +21,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from io import BufferedReader
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import BinaryIO, Literal
 
 import torch
 
-from loragen.adapters.checkpoint import (
-    INDEX_SUFFIX,
-    MERGE_MARKER_NAME,
-    Checkpoint,
-    KeyMap,
-    explicit_key_map,
-    open_checkpoint,
-    resolve_keys,
+from loragen.adapters.files import (
+    SafetensorsHeader,
+    SafetensorsReader,
+    TensorEntry,
+    read_json_file,
+    read_safetensors_header,
 )
-from loragen.adapters.files import SafetensorsHeader, SafetensorsReader, TensorEntry, read_safetensors_header
 from loragen.adapters.folder import Adapter, LoraFactors, read_adapter
 from loragen.atomic import WriteError, atomic_dir, atomic_file
 from loragen.config import LoraConfig
@@ -49,35 +41,339 @@ from loragen.registry import PLAIN, TRANSPOSED, Layout
 
 __all__ = [
     "MERGEABLE_DTYPES",
+    "Checkpoint",
+    "KeyMap",
     "MergeError",
     "MergeOp",
     "MergePlan",
     "MergeReport",
+    "PrefixRule",
     "check_adapter_values",
+    "explicit_key_map",
     "merge_checkpoint",
+    "open_checkpoint",
     "plan_merge",
+    "resolve_keys",
 ]
 
-# Weight files of other formats are not copied next to the merged shards: they would hold unmerged weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 # Untouched bytes are copied, and merged tensors computed, in blocks of about this many bytes.
 _BLOCK_BYTES = 4 << 20
 
+INDEX_SUFFIX = ".safetensors.index.json"
+MODEL_CONFIG_NAME = "config.json"
+# every folder loragen merge writes holds this file; a later merge may replace such a folder
+MERGE_MARKER_NAME = "loragen_merge.json"
 
-# ---- the plan: every change decided from the headers and the adapter ------------------------------------
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A safetensors checkpoint: ``files`` in index order, their ``headers``, ``owner`` (tensor name ->
+    file); ``architectures`` from the ``config.json`` beside it, ``config_note`` where they come from or
+    why there are none."""
+
+    root: Path
+    files: tuple[Path, ...]
+    index_path: Path | None
+    headers: dict[Path, SafetensorsHeader]
+    owner: dict[str, Path]
+    architectures: tuple[str, ...] = ()
+    config_note: str = ""
+
+    def entry(self, name: str) -> TensorEntry:
+        """The header entry of tensor ``name`` (``KeyError`` if the checkpoint has no such tensor)."""
+        return self.headers[self.owner[name]].tensors[name]
+
+
+def _read_header(path: Path) -> SafetensorsHeader:
+    try:
+        return read_safetensors_header(path)
+    except AdapterError as exc:
+        raise MergeError(str(exc)) from None
+
+
+def _architectures(folder: Path) -> tuple[tuple[str, ...], str]:
+    """The ``architectures`` of ``folder/config.json`` and a note on where they come from."""
+    path = folder / MODEL_CONFIG_NAME
+    if not path.is_file():
+        return (), f"no {MODEL_CONFIG_NAME} beside the checkpoint"
+    try:
+        data = read_json_file(path, MergeError)
+    except MergeError as exc:
+        return (), f"{path} cannot be read ({exc})"
+    names = (data.get("architectures") or []) if isinstance(data, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return (), f"{path}: 'architectures' is not a list of class names"
+    if not names:
+        return (), f"{path} names no architecture"
+    return tuple(names), str(path)
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a shard index; MergeError unless every shard is a plain file name (a path
+    would be read from, and written to, somewhere else than the checkpoint folder)."""
+    data = read_json_file(index_path, MergeError)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise MergeError(
+            f'{index_path}: not a safetensors index (expected {{"weight_map": {{tensor: shard file}}}})'
+        )
+    bad = {
+        name: shard
+        for name, shard in weight_map.items()
+        if not isinstance(shard, str)
+        or not shard
+        or shard in (".", "..")
+        or any(c in shard for c in "/\\\0")
+        or not shard.endswith(".safetensors")
+    }
+    if bad:
+        shown = ", ".join(f"{name!r}: {shard!r}" for name, shard in list(bad.items())[:5])
+        raise MergeError(
+            f"{index_path}: weight_map values must be shard file names in the same folder, ending in "
+            f".safetensors (no folders, no paths); got {shown}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        )
+    return weight_map
+
+
+def open_checkpoint(base: str | os.PathLike[str]) -> Checkpoint:
+    """Read the headers of the checkpoint at ``base``: a ``.safetensors`` file, or a folder holding one
+    or shards with a ``*.safetensors.index.json``; ``config.json`` there gives its architectures.
+
+    Raises:
+        MergeError: nothing to read, a malformed index, missing shards or tensors, a corrupt header.
+    """
+    root = Path(base)
+    if not root.is_file() and not root.is_dir():
+        raise MergeError(
+            f"{root}: no such file or folder (expected a .safetensors file or a folder of shards)"
+        )
+    architectures = _architectures(root if root.is_dir() else root.parent)
+    indexes = sorted(root.glob("*" + INDEX_SUFFIX)) if root.is_dir() else []
+    if len(indexes) > 1:
+        raise MergeError(
+            f"{root}: several index files ({', '.join(p.name for p in indexes)}); pass one model's file"
+        )
+    if not indexes:
+        singles = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+        if len(singles) != 1:
+            found = ", ".join(p.name for p in singles) or "no .safetensors file"
+            raise MergeError(
+                f"{root}: expected one .safetensors file, or shards with a *{INDEX_SUFFIX} index; found {found}"
+            )
+        header = _read_header(singles[0])
+        owner = dict.fromkeys(header.tensors, singles[0])
+        return Checkpoint(root, (singles[0],), None, {singles[0]: header}, owner, *architectures)
+    index_path = indexes[0]
+    weight_map = _weight_map(index_path)
+    files = tuple(dict.fromkeys(root / name for name in weight_map.values()))
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:
+        raise MergeError(f"{index_path}: shards missing from {root}: {', '.join(missing)}")
+    headers = {p: _read_header(p) for p in files}
+    owner = {name: root / shard for name, shard in weight_map.items()}
+    absent = [name for name, path in owner.items() if name not in headers[path].tensors]
+    if absent:
+        raise MergeError(
+            f"{index_path}: tensors listed in the index but not in their shard: {', '.join(absent[:10])}"
+        )
+    return Checkpoint(root, files, index_path, headers, owner, *architectures)
+
+
+@dataclass(frozen=True)
+class PrefixRule:
+    """Replace the leading path ``old`` (whole components; ``""``: every path) with ``new``."""
+
+    old: str
+    new: str
+
+    def matches(self, path: str) -> bool:
+        """Whether ``path`` is ``old`` or begins with ``old.``."""
+        return not self.old or path == self.old or path.startswith(self.old + ".")
+
+    def apply(self, path: str) -> str:
+        """``path`` with its leading ``old`` replaced by ``new`` (assumes :meth:`matches`)."""
+        tail = path[len(self.old) :].removeprefix(".") if self.old else path
+        return f"{self.new}.{tail}" if self.new and tail else self.new or tail
+
+    def describe(self) -> str:
+        """``'old.' -> 'new.'``; ``'P.' removed`` / ``'P.' added`` when one side is empty."""
+        if not self.new:
+            return f"{self.old + '.'!r} removed"
+        if not self.old:
+            return f"{self.new + '.'!r} added"
+        return f"{self.old + '.'!r} -> {self.new + '.'!r}"
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """Prefix rules from adapter paths to checkpoint keys, and why they apply (``reason``)."""
+
+    rules: tuple[PrefixRule, ...] = ()
+    reason: str = ""
+
+    def apply(self, path: str) -> str:
+        """The checkpoint key for ``path``: rewritten by the matching rule with the longest ``old``."""
+        matching = [rule for rule in self.rules if rule.matches(path)]
+        if not matching:
+            return path
+        return max(matching, key=lambda rule: len(rule.old)).apply(path)
+
+    def describe(self) -> str:
+        """One line for messages and the CLI's report."""
+        if not self.rules:
+            return "adapter paths used as they are"
+        rules = "; ".join(rule.describe() for rule in self.rules)
+        return f"adapter paths with {rules}" + (f" ({self.reason})" if self.reason else "")
+
+
+IDENTITY = KeyMap()
+
+
+def _path(text: str, what: str) -> str:
+    path = text.strip().removesuffix(".")
+    if path.startswith(".") or ".." in path or any(c.isspace() for c in path):
+        raise MergeError(f"{what}: {text!r} is not a dotted path prefix (like 'model' or 'model.layers')")
+    return path
+
+
+def explicit_key_map(
+    key_map: Mapping[str, str] | None = None, strip_prefix: str | Iterable[str] | None = None
+) -> KeyMap | None:
+    """The :class:`KeyMap` of ``key_map`` ``{OLD: NEW}`` rewrites and ``strip_prefix`` (``P -> ""``);
+    ``None`` when neither is given.
+
+    Raises:
+        MergeError: a prefix that is not a dotted path, a rule that changes nothing, an ``OLD`` twice.
+    """
+    strips = [strip_prefix] if isinstance(strip_prefix, str) else list(strip_prefix or ())
+    pairs = [(_path(p, "strip_prefix"), "") for p in strips]
+    pairs += [(_path(old, "key_map"), _path(new, "key_map")) for old, new in (key_map or {}).items()]
+    if not pairs:
+        return None
+    idle = [old for old, new in pairs if old == new]
+    if idle:
+        raise MergeError(f"the key map rule {idle[0]!r} -> {idle[0]!r} changes nothing; leave it out")
+    olds = [old for old, _ in pairs]
+    twice = sorted({old for old in olds if olds.count(old) > 1})
+    if twice:
+        raise MergeError(
+            f"the key map rewrites {', '.join(map(repr, twice))} more than once; give each prefix once"
+        )
+    return KeyMap(tuple(PrefixRule(old, new) for old, new in pairs), "as given")
+
+
+def _candidates(checkpoint: Checkpoint) -> tuple[list[KeyMap], str]:
+    """The key maps of the checkpoint's known wrapper (its architectures' ``base_model_prefix``, removed
+    and added), and a note saying where it comes from or why there is none."""
+    if not checkpoint.architectures:
+        return [], checkpoint.config_note
+    names = ", ".join(checkpoint.architectures)
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError:
+        return [], f"transformers is not installed, so the wrapper of {names} is unknown"
+    maps: dict[PrefixRule, KeyMap] = {}
+    unknown = []
+    for arch in checkpoint.architectures:
+        try:
+            prefix = getattr(getattr(transformers, arch), "base_model_prefix", "")
+        except (AttributeError, ImportError, RuntimeError):
+            unknown.append(arch)
+            continue
+        if isinstance(prefix, str) and prefix:
+            for rule in (PrefixRule(prefix, ""), PrefixRule("", prefix)):
+                maps.setdefault(rule, KeyMap((rule,), f"{arch}.base_model_prefix is {prefix!r}"))
+    note = f"{checkpoint.config_note} names {names}"
+    if unknown:
+        note += f"; transformers has no class {', '.join(unknown)}"
+    return list(maps.values()), note
+
+
+def _problems(targets: Mapping[str, Iterable[str]], names: set[str], key_map: KeyMap) -> list[str]:
+    """Every target with no checkpoint tensor, and every checkpoint tensor two targets land on."""
+    landing: dict[str, list[str]] = {}
+    problems = []
+    for target, keys in targets.items():
+        found = key_map.apply(target)
+        if found not in names:
+            problems.append(f"{', '.join(keys)}: no checkpoint tensor {found}")
+        landing.setdefault(found, []).append(target)
+    for found, sources in landing.items():
+        if len(sources) > 1 and found in names:
+            keys = "; ".join(", ".join(targets[s]) for s in sources)
+            problems.append(
+                f"{keys}: {len(sources)} adapter tensors would land on one checkpoint tensor {found}"
+            )
+    return problems
+
+
+def resolve_keys(
+    targets: Mapping[str, Iterable[str]], checkpoint: Checkpoint, explicit: KeyMap | None = None
+) -> tuple[KeyMap, dict[str, str]]:
+    """Map every adapter target path (``{path: the adapter file keys behind it}``) to its own checkpoint key;
+    returns the key map used and ``{path: checkpoint key}``.
+
+    Tried in turn: (1) the paths as they are; (2) the checkpoint's known wrapper: transformers'
+    ``base_model_prefix`` ``P`` of its ``config.json`` architecture, removed from or added to the paths'
+    front, exactly one fitting. ``explicit`` prefix rules (:func:`explicit_key_map`: a path equal to
+    ``OLD`` or beginning with ``OLD.`` gets ``NEW`` instead, the longest ``OLD`` winning) replace both.
+
+    Raises:
+        MergeError: a path with no checkpoint tensor, two paths on one tensor, several default mappings
+            that fit, or an explicit rule that matches no path; the message names the keys.
+    """
+    targets = {t: tuple(keys) for t, keys in sorted(targets.items())}
+    names = set(checkpoint.owner)
+    note = ""
+    if explicit is not None:
+        unused = [r for r in explicit.rules if r.old and not any(r.matches(p) for p in targets)]
+        if unused:
+            sample = ", ".join(list(targets)[:3])
+            raise MergeError(
+                f"the key map rule {unused[0].describe()} matches no adapter path (adapter paths, without "
+                f"peft's base_model.model. prefix, look like: {sample})"
+            )
+        results = [(explicit, _problems(targets, names, explicit))]
+    else:
+        results = [(IDENTITY, _problems(targets, names, IDENTITY))]
+        if results[0][1]:  # only then is the wrapper looked up (it may import transformers)
+            wrappers, note = _candidates(checkpoint)
+            results += [(key_map, _problems(targets, names, key_map)) for key_map in wrappers]
+    fitting = [key_map for key_map, problems in results if not problems]
+    if len(fitting) > 1:
+        raise MergeError(
+            f"the adapter fits the checkpoint {checkpoint.root} in several ways ("
+            + "; ".join(m.describe() for m in fitting)
+            + "): choose one with --key-map / --strip-prefix (merge_checkpoint(key_map=..., strip_prefix=...))"
+        )
+    if fitting:
+        return fitting[0], {t: fitting[0].apply(t) for t in targets}
+
+    best, problems = min(results, key=lambda item: len(item[1]))
+    lines = "\n  ".join(problems)
+    others = "".join(
+        f"\nalso tried: {m.describe()}: {len(p)} problem{'s' * (len(p) > 1)}"
+        for m, p in results
+        if m is not best
+    )
+    wrapper = f"\nthe checkpoint's wrapper: {note}" if note else ""
+    raise MergeError(
+        f"the adapter does not fit the checkpoint {checkpoint.root} ({best.describe()}; every adapter "
+        f"tensor must find its own checkpoint tensor):\n  {lines}{others}{wrapper}\n"
+        "if the checkpoint names the model's modules differently, map them explicitly with "
+        "--key-map OLD=NEW or --strip-prefix PREFIX (merge_checkpoint(key_map=..., strip_prefix=...))"
+    )
+
 
 MERGEABLE_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 @dataclass(frozen=True)
 class MergeOp:
-    """One change to one checkpoint tensor.
-
-    ``kind`` is ``"lora"`` (add ``scaling * B @ A``; ``layout`` is the registry layout in which the delta
-    lines up with the stored weight) or ``"replace"`` (the adapter holds the whole tensor:
-    modules_to_save, a trained bias, peft's saved embedding base weight). Replacements are applied
-    before LoRA deltas.
-    """
+    """One change to one checkpoint tensor: ``"lora"`` adds ``scaling * B @ A`` in ``layout``;
+    ``"replace"`` writes a tensor the adapter holds in full (applied before LoRA deltas)."""
 
     target: str
     kind: Literal["lora", "replace"]
@@ -88,11 +384,8 @@ class MergeOp:
 
 @dataclass(frozen=True)
 class MergePlan:
-    """Everything a merge will do, decided from headers and the adapter before a byte is written.
-
-    ``ops`` maps each checkpoint tensor to its changes; ``keys`` each adapter path (model key) to the
-    checkpoint key it changes (one-to-one); ``mapping`` describes the key map used (for messages).
-    """
+    """Everything a merge will do: ``ops`` per checkpoint tensor, ``keys`` from each adapter path to
+    its checkpoint key (one to one), ``mapping`` the key map used (for messages)."""
 
     checkpoint: Checkpoint
     adapter: Adapter
@@ -102,8 +395,7 @@ class MergePlan:
 
 
 def _targets(adapter: Adapter) -> dict[str, list[str]]:
-    """``{adapter path the merge changes: the file keys behind it}``: each LoRA module's ``weight``,
-    and the key of every tensor saved in full."""
+    """``{adapter path the merge changes: the file keys behind it}``."""
     targets = {f"{module}.weight": list(factors.keys) for module, factors in adapter.lora_modules().items()}
     for key, info in sorted(adapter.keys.items()):
         if not info.is_lora:
@@ -128,14 +420,10 @@ def _layout(
 ) -> Layout:
     """The layout in which ``B @ A`` lines up with ``entry``.
 
-    A square weight fits both ``nn.Linear``'s (out, in) and transformers ``Conv1D``'s (in, out) layout.
-    ``load_adapter`` (and peft) follow the layer's type there, never ``fan_in_fan_out``, so the merge
-    does too, from the adapter's other modules whose shapes tell (``evidence``: the layouts of the
-    unambiguous modules, by leaf name and under ``"*"`` for all): modules of the same name first, then
-    all of them. With no evidence, ``fan_in_fan_out=false`` means ``nn.Linear``; ``true`` (peft writes
-    it for ``Conv1D`` models but ignores it on an ``nn.Linear``) follows the checkpoint's architecture
-    (``architecture()``: TRANSPOSED when its transformers module uses ``Conv1D``), and is refused when
-    that is unknown.
+    A square weight fits both ``nn.Linear``'s (out, in) and ``Conv1D``'s (in, out) layout; as
+    ``load_adapter`` and peft follow the layer's type, so does the merge: from the unambiguous modules
+    (``evidence``: same leaf name first, then ``"*"``), else ``fan_in_fan_out=false`` means PLAIN and
+    ``true`` follows the checkpoint's architecture (``architecture()``), refused when that is unknown.
 
     Raises:
         MergeError: no layout of the module's factor names gives the tensor's shape (names both shapes),
@@ -154,8 +442,9 @@ def _layout(
         if config.fan_in_fan_out:
             raise MergeError(
                 f"{entry.name}: a square weight {list(entry.shape)} with fan_in_fan_out=true, and neither the "
-                f"checkpoint's config.json architecture nor another module of the adapter shows whether {factors.module} is an nn.Linear (fan_in_fan_out is "
-                "ignored there, by peft and load_adapter) or a transformers Conv1D (weight stored (in, out)); "
+                f"checkpoint's config.json architecture nor another module of the adapter shows whether "
+                f"{factors.module} is an nn.Linear (fan_in_fan_out is ignored there, by peft and load_adapter) "
+                "or a transformers Conv1D (weight stored (in, out)); "
                 "set fan_in_fan_out to false in adapter_config.json if it is an nn.Linear, or merge in memory: "
                 "load_adapter(model, ADAPTER), merge_and_unload(model), model.save_pretrained(OUT)"
             )
@@ -173,8 +462,7 @@ def _layout(
 
 
 def _evidence(adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str]) -> dict[str, set[Layout]]:
-    """The layouts of the LoRA modules whose shapes fit exactly one of PLAIN and TRANSPOSED, by leaf name
-    and under ``"*"`` (see :func:`_layout`)."""
+    """The layouts of the unambiguous LoRA modules, by leaf name and under ``"*"``."""
     evidence: dict[str, set[Layout]] = {}
     for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None or TRANSPOSED not in factors.layouts:
@@ -192,8 +480,8 @@ def _evidence(adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str]) ->
 
 
 def _architecture_layout(checkpoint: Checkpoint) -> Layout | None:
-    """TRANSPOSED if the checkpoint's architectures (its ``config.json``) are transformers classes whose
-    modeling module uses ``Conv1D``, PLAIN if they are classes whose module does not, else None."""
+    """TRANSPOSED / PLAIN if the checkpoint's transformers architectures' modules do / do not use
+    ``Conv1D``; None when unknown."""
     if not checkpoint.architectures:
         return None
     try:
@@ -207,29 +495,13 @@ def _architecture_layout(checkpoint: Checkpoint) -> Layout | None:
     return (TRANSPOSED if uses.pop() else PLAIN) if len(uses) == 1 else None
 
 
-_FLOAT_DTYPES = frozenset(MERGEABLE_DTYPES)
-
-
-def _adapter_dtype(adapter: Adapter, key: str) -> str:
-    """The safetensors dtype name of adapter tensor ``key`` (e.g. ``"F32"``), read from the header
-    when the adapter is read lazily."""
-    if isinstance(adapter.tensors, SafetensorsReader):
-        return adapter.tensors.header.tensors[key].dtype
-    dtype = adapter.tensors[key].dtype
-    names = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
-    return names.get(str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
-
-
 def _dtype_problem(adapter: Adapter, key: str, entry: TensorEntry, lora: bool) -> str | None:
-    """Why adapter tensor ``key`` cannot go into ``entry`` (None if it can): LoRA factors must be
-    floating point; a replacement must be floating point for a floating-point tensor, else of its dtype."""
-    dtype = _adapter_dtype(adapter, key)
-    if dtype in _FLOAT_DTYPES:
-        if lora or entry.dtype in _FLOAT_DTYPES:
-            return None
-    elif not lora and dtype == entry.dtype:
+    """Why adapter tensor ``key`` cannot go into ``entry``, or None."""
+    dtype = adapter.dtype_name(key)
+    floating = lora or entry.dtype in MERGEABLE_DTYPES
+    if dtype in MERGEABLE_DTYPES if floating else dtype == entry.dtype:
         return None
-    accepted = "a floating-point dtype" if lora or entry.dtype in _FLOAT_DTYPES else entry.dtype
+    accepted = "a floating-point dtype" if floating else entry.dtype
     return (
         f"{key}: dtype {dtype} in {adapter.weights_path}, expected {accepted} ({', '.join(MERGEABLE_DTYPES)} "
         "for floating point); loragen merge does not cast it silently"
@@ -237,9 +509,7 @@ def _dtype_problem(adapter: Adapter, key: str, entry: TensorEntry, lora: bool) -
 
 
 def check_adapter_values(plan: MergePlan, *, allow_nonfinite: bool = False, block: int = 1 << 22) -> None:
-    """Refuse adapter tensors holding NaN or inf before anything is written (unless ``allow_nonfinite``).
-
-    Reads every adapter tensor the plan uses once, ``block`` elements' worth of rows at a time.
+    """Refuse adapter tensors holding NaN or inf (unless ``allow_nonfinite``), ``block`` elements at a time.
 
     Raises:
         MergeError: a tensor holds NaN or inf (names every such key and the count).
@@ -250,18 +520,14 @@ def check_adapter_values(plan: MergePlan, *, allow_nonfinite: bool = False, bloc
     used = sorted({key for ops in plan.ops.values() for op in ops for key in op.source_keys})
     bad = []
     for key in used:
-        if _adapter_dtype(adapter, key) not in _FLOAT_DTYPES:
+        if adapter.dtype_name(key) not in MERGEABLE_DTYPES:
             continue
         shape = adapter.shapes[key]
         rows = shape[0] if shape else 1
         step = max(1, block // max(1, math.prod(shape[1:])))
         count = 0
         for start in range(0, rows, step):
-            if isinstance(adapter.tensors, SafetensorsReader):
-                part = adapter.tensors.rows(key, start, min(rows, start + step))
-            else:
-                tensor = adapter.tensors[key]
-                part = tensor[start : start + step] if tensor.dim() else tensor
+            part = _rows(adapter.tensors, key, start, min(rows, start + step))
             count += int((~torch.isfinite(part)).sum())
         if count:
             bad.append(f"{key} ({count} NaN/inf values)")
@@ -273,42 +539,31 @@ def check_adapter_values(plan: MergePlan, *, allow_nonfinite: bool = False, bloc
         )
 
 
-def _refuse_parameter_targets(adapter: Adapter) -> None:
-    """Raise when the adapter adapts parameters (``target_parameters``): which factors belong to which
-    parameter follows the module's parameter registration order (peft nests its wrappers in it), which a
-    checkpoint does not record, so a streaming merge could add an update to the wrong tensor."""
-    entries = adapter.config.target_parameters
-    if not entries:
-        return
-    keys = sorted(
-        key
-        for key, info in adapter.keys.items()
-        if info.is_lora and targets_parameters_of(adapter.config, info.module.replace(".base_layer", ""))
-    )
-    shown = ", ".join(keys[:6]) + (f", ... ({len(keys) - 6} more)" if len(keys) > 6 else "")
-    raise MergeError(
-        f"the adapter adapts parameters directly (target_parameters={list(entries)}; keys {shown or 'none'}): "
-        "which factors belong to which parameter follows the module's parameter order in the model, which a "
-        "checkpoint does not record, so loragen merge does not merge them; nothing was written. Merge in "
-        "memory instead: load_adapter(model, ADAPTER), merge_and_unload(model), model.save_pretrained(OUT)"
-    )
-
-
 def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None = None) -> MergePlan:
     """Decide every change the merge makes, checking that the adapter fits the checkpoint.
 
-    Args:
-        key_map: explicit prefix rules from adapter paths to checkpoint keys; by default only the paths
-            as they are and the checkpoint's known wrapper are accepted (see :mod:`~loragen.adapters.checkpoint`).
+    ``key_map``: explicit prefix rules (see :func:`resolve_keys`).
 
     Raises:
-        MergeError: adapter tensors with no checkpoint tensor or sharing one (all listed, by key), shape
-            or rank mismatches, non-float target weights, adapter tensors of a dtype that would be cast
-            (LoRA factors must be floating point), a square weight whose layer type cannot be told (see
-            :func:`_layout`); nothing has been written.
+        MergeError: adapter tensors with no checkpoint tensor or sharing one, shape, rank or dtype
+            mismatches, a DoRA or ``target_parameters`` adapter, a square weight whose layer type cannot
+            be told; every problem is listed, by key.
     """
     config = adapter.config
-    _refuse_parameter_targets(adapter)
+    if config.target_parameters:  # which factors go to which parameter follows the model's parameter order
+        adapted = sorted(
+            key
+            for key, info in adapter.keys.items()
+            if info.is_lora and targets_parameters_of(config, info.module.replace(".base_layer", ""))
+        )
+        shown = ", ".join(adapted[:6]) + (f", ... ({len(adapted) - 6} more)" if len(adapted) > 6 else "")
+        raise MergeError(
+            f"the adapter adapts parameters directly (target_parameters={list(config.target_parameters)}; keys "
+            f"{shown or 'none'}): which factors belong to which parameter follows the module's parameter order "
+            "in the model, which a checkpoint does not record, so loragen merge does not merge them; nothing was "
+            "written. Merge in memory instead: load_adapter(model, ADAPTER), merge_and_unload(model), "
+            "model.save_pretrained(OUT)"
+        )
     if config.use_dora:
         raise MergeError(
             f"{adapter.folder}: a DoRA adapter (use_dora=true) cannot be merged by streaming: each output's "
@@ -347,7 +602,6 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
         target = keys[f"{module}.weight"]
         entry = checkpoint.entry(target)
         values = entry_for(config, module)
-        rank = values.r
         if entry.dtype not in MERGEABLE_DTYPES:
             problems.append(
                 f"{target}: dtype {entry.dtype} cannot take a LoRA delta "
@@ -360,9 +614,9 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
         if dtype_problems:
             problems.extend(dtype_problems)
             continue
-        if a[0] != rank:
+        if a[0] != values.r:
             problems.append(
-                f"{factors.key_a}: rank {a[0]}, but the adapter config gives {module} rank {rank} "
+                f"{factors.key_a}: rank {a[0]}, but the adapter config gives {module} rank {values.r} "
                 "(check r / rank_pattern)"
             )
             continue
@@ -380,9 +634,6 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
         )
     ordered = {t: tuple(sorted(o, key=lambda op: op.kind != "replace")) for t, o in ops.items()}
     return MergePlan(checkpoint, adapter, ordered, keys, used_map.describe())
-
-
-# ---- the writer ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -414,15 +665,10 @@ def _merge_tensor(
     adapter: Adapter,
     dst: BinaryIO,
 ) -> None:
-    """Write the merged bytes of ``entry`` to ``dst``, a block of rows at a time.
-
-    Each block is widened to fp32 (fp64 stays fp64), takes its rows of every replacement and every
-    ``scaling * B @ A``, and is rounded once to the tensor's dtype. Memory: one block (about
-    ``_BLOCK_BYTES`` of the tensor's dtype, twice that in fp32) plus the module's LoRA factors.
-    """
+    """Write the merged bytes of ``entry`` to ``dst``, a block of rows at a time, computed in fp32
+    (fp64 stays fp64) and rounded once to the tensor's dtype."""
     dtype = entry.torch_dtype
-    if dtype is None:
-        raise MergeError(f"{entry.name}: dtype {entry.dtype} is not supported by this torch")
+    assert dtype is not None  # plan_merge refuses the others
     # only replacements: no arithmetic, so integer tensors stay exact
     compute = dtype if all(op.kind == "replace" for op in ops) else torch.promote_types(dtype, torch.float32)
     factors = {
@@ -460,8 +706,8 @@ def _copy_range(src: BufferedReader, dst: BinaryIO, start: int, end: int, buffer
 
 def _write_file(
     header: SafetensorsHeader, out_path: Path, plan: MergePlan, advance: Callable[[int], None]
-) -> list[str]:
-    """Write ``header``'s file to ``out_path`` with the planned tensors merged; returns their names."""
+) -> None:
+    """Write ``header``'s file to ``out_path`` with the planned tensors merged."""
     merged = sorted((e for e in header.tensors.values() if e.name in plan.ops), key=lambda e: e.start)
     reader = SafetensorsReader(header)
     buffer = memoryview(bytearray(_BLOCK_BYTES))
@@ -477,7 +723,6 @@ def _write_file(
             position = entry.end
         _copy_range(src, dst, position, header.file_size, buffer)
         advance(header.file_size - position)
-    return [e.name for e in merged]
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -488,39 +733,18 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _chain(path: Path) -> list[tuple[int, int]]:
-    """The identities (device, inode) of ``path`` and of each of its existing folders up to the root,
-    links resolved: ``x`` is ``path`` or lies inside it when ``x``'s identity is in this chain."""
-    chain = []
-    for item in (path, *path.parents, *path.resolve().parents):
-        identity = _identity(item)
-        if identity is not None and identity not in chain:
-            chain.append(identity)
-    return chain
-
-
 def _overlaps(a: Path, b: Path) -> bool:
     """Whether ``a`` is ``b`` or lies inside it (by path and by inode, so hard links and bind mounts count)."""
     identity = _identity(b)
-    if identity is not None and identity in _chain(a):
+    if identity is not None and identity in map(_identity, (a, *a.parents, *a.resolve().parents)):
         return True
     resolved_a, resolved_b = a.resolve(), b.resolve()
     return resolved_a == resolved_b or resolved_b in resolved_a.parents
 
 
-def _is_merge_output(folder: Path) -> bool:
-    return (folder / MERGE_MARKER_NAME).is_file() and not (folder / MERGE_MARKER_NAME).is_symlink()
-
-
 def _check_output(base: Path, adapter: Path, out: Path) -> None:
-    """Refuse an output that would write into or onto the base or the adapter, or replace other files.
-
-    Raises:
-        MergeError: ``out`` is the base or the adapter, lies inside one or contains one (by path or inode),
-            is a symbolic link, has the wrong kind (a file for a folder checkpoint, or the reverse), or is
-            an existing folder that is neither empty nor a previous ``loragen merge`` output (its
-            ``loragen_merge.json``), or an existing file that is not a safetensors checkpoint.
-    """
+    """Refuse an output that would write into or onto the base or the adapter, or replace other files
+    (see :func:`merge_checkpoint`), raising MergeError."""
     for what, other in (("base checkpoint", base), ("adapter", adapter)):
         if _overlaps(out, other):
             raise MergeError(
@@ -539,7 +763,8 @@ def _check_output(base: Path, adapter: Path, out: Path) -> None:
             raise MergeError(
                 f"{out} is a file, but the base {base} is a folder of shards: the output must be a folder"
             )
-        if out.is_dir() and not _is_merge_output(out):
+        marker = out / MERGE_MARKER_NAME
+        if out.is_dir() and not (marker.is_file() and not marker.is_symlink()):
             held = sorted(p.name for p in out.iterdir())
             if held:
                 shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
@@ -559,61 +784,43 @@ def _check_output(base: Path, adapter: Path, out: Path) -> None:
             ) from None
 
 
-def _progress(total: int, enabled: bool | None) -> Any:
+def _write(plan: MergePlan, out_path: Path, progress: bool | None) -> tuple[tuple[Path, ...], list[str]]:
+    """Write the merged checkpoint atomically; returns its files and the extra files copied."""
+    checkpoint = plan.checkpoint
     from tqdm.auto import tqdm  # only a merge that writes needs it
 
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    return tqdm(
-        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merging", disable=not enabled
-    )
-
-
-def _extra_files(root: Path, shards: Iterable[Path]) -> list[Path]:
-    """The files of a checkpoint folder copied beside the merged shards: the index, config.json,
-    tokenizer files; not the shards (written merged) nor weights in other formats (they are unmerged)."""
-    names = {p.name for p in shards} | {MERGE_MARKER_NAME}
-    return [
-        item
-        for item in sorted(root.iterdir())
-        if item.is_file()
-        and item.name not in names
-        and (item.name.endswith(INDEX_SUFFIX) or not item.name.endswith(_WEIGHT_SUFFIXES))
-    ]
-
-
-def _marker(plan: MergePlan) -> str:
-    """What ``loragen_merge.json`` records: that loragen wrote the folder, and from what."""
-    record = {
-        "loragen_merge": 1,
-        "base": str(plan.checkpoint.root.resolve()),
-        "adapter": str(plan.adapter.folder.resolve()),
-        "note": "written by loragen merge; a later loragen merge may replace this folder",
-    }
-    return json.dumps(record, indent=2) + "\n"
-
-
-def _write(
-    plan: MergePlan, out_path: Path, progress: bool | None
-) -> tuple[tuple[Path, ...], list[str], list[str]]:
-    """Write the merged checkpoint atomically; returns its files, the merged tensors, the extra files."""
-    checkpoint = plan.checkpoint
     total = sum(h.file_size for h in checkpoint.headers.values())
-    merged: list[str] = []
+    shown = sys.stderr.isatty() if progress is None else progress
     extra: list[str] = []
-    with _progress(total, progress) as bar:
-        if checkpoint.is_folder:
-            with atomic_dir(out_path) as tmp:
-                for shard in checkpoint.files:
-                    merged += _write_file(checkpoint.headers[shard], tmp / shard.name, plan, bar.update)
-                for item in _extra_files(checkpoint.root, checkpoint.files):
-                    shutil.copy2(item, tmp / item.name)  # the index is unchanged: same names, shards, sizes
-                    extra.append(item.name)
-                (tmp / MERGE_MARKER_NAME).write_text(_marker(plan), encoding="utf-8")
-            return tuple(out_path / shard.name for shard in checkpoint.files), merged, extra
-        with atomic_file(out_path) as tmp:
-            merged += _write_file(checkpoint.headers[checkpoint.root], tmp, plan, bar.update)
-        return (out_path,), merged, extra
+    with tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merging", disable=not shown
+    ) as bar:
+        if not checkpoint.root.is_dir():
+            with atomic_file(out_path) as tmp:
+                _write_file(checkpoint.headers[checkpoint.root], tmp, plan, bar.update)
+            return (out_path,), extra
+        with atomic_dir(out_path) as tmp:
+            for shard in checkpoint.files:
+                _write_file(checkpoint.headers[shard], tmp / shard.name, plan, bar.update)
+            # the index, config.json, tokenizer files; not the shards, nor (unmerged) weights of other formats
+            written = {p.name for p in checkpoint.files} | {MERGE_MARKER_NAME}
+            for item in sorted(checkpoint.root.iterdir()):
+                name = item.name
+                if (
+                    item.is_file()
+                    and name not in written
+                    and (name.endswith(INDEX_SUFFIX) or not name.endswith(_WEIGHT_SUFFIXES))
+                ):
+                    shutil.copy2(item, tmp / name)  # the index is unchanged: same names, shards, sizes
+                    extra.append(name)
+            record = {
+                "loragen_merge": 1,
+                "base": str(checkpoint.root.resolve()),
+                "adapter": str(plan.adapter.folder.resolve()),
+                "note": "written by loragen merge; a later loragen merge may replace this folder",
+            }
+            (tmp / MERGE_MARKER_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        return tuple(out_path / shard.name for shard in checkpoint.files), extra
 
 
 def merge_checkpoint(
@@ -630,30 +837,25 @@ def merge_checkpoint(
 ) -> MergeReport:
     """Merge ``adapter`` into the safetensors checkpoint ``base``, writing ``output``.
 
-    ``base`` is a ``.safetensors`` file (``output`` is then a file path) or a folder of shards with an
-    index (``output`` is then a folder with the same shards, the same index and copies of the folder's
-    other non-weight files such as ``config.json``). Tensors the adapter does not touch are copied
-    byte for byte; merged ones keep their dtype, computed in fp32 and rounded once. The output appears
-    atomically, only once complete. ``progress``: a progress bar on stderr (default: when it is a
-    terminal).
+    ``base`` is a ``.safetensors`` file (``output`` is then a file) or a folder of shards with an index
+    (``output`` is then a folder with the same shards, index and other non-weight files such as
+    ``config.json``). Untouched tensors are copied byte for byte; merged ones keep their dtype. The
+    output appears atomically, only once complete. ``progress``: a bar on stderr (default: on a terminal).
 
-    Which checkpoint tensor each adapter tensor changes is decided one to one: the adapter's paths as
-    they are, or under the checkpoint's known wrapper (its ``config.json`` architecture's
-    ``base_model_prefix``: see :mod:`loragen.adapters.checkpoint`). Anything else only through
-    ``key_map`` (``{OLD: NEW}``: adapter paths beginning with ``OLD`` get ``NEW`` instead) and
-    ``strip_prefix`` (prefixes removed from adapter paths); then nothing else is tried.
-    ``dry_run=True`` decides everything and writes nothing (``report.keys`` holds the key map).
+    Adapter paths map to checkpoint keys one to one: as they are, or under the checkpoint's known wrapper
+    (see :func:`resolve_keys`); else only through ``key_map`` (``{OLD: NEW}``
+    prefix rewrites) and ``strip_prefix``. ``dry_run=True`` decides everything and writes nothing
+    (``report.keys`` holds the key map).
 
-    Only these outputs are written: a new path, an empty folder, a folder holding a previous merge
-    output (recognised by the ``loragen_merge.json`` every merged folder gets), or (for a one-file base)
-    an existing safetensors file; never the base or the adapter, nothing inside them or containing them.
-    Adapter tensors must be floating point and finite (``allow_nonfinite=True`` lets NaN and inf through).
+    Only a new path, an empty folder, a previous merge output (its ``loragen_merge.json``) or, for a
+    one-file base, an existing safetensors file is written; never the base or the adapter, nothing inside
+    or containing them. Adapter tensors must be floating point and finite (``allow_nonfinite=True`` lets
+    NaN and inf through).
 
     Raises:
-        MergeError: the output is refused (see above), an adapter tensor is not floating point or holds NaN
-            or inf (names the key), an adapter tensor finds no checkpoint tensor or
-            shares one with another (names the keys), shapes or ranks do not fit, or the checkpoint is
-            corrupt. Nothing is written in these cases.
+        MergeError: the output is refused, an adapter tensor is not floating point or not finite, does not
+            find its own checkpoint tensor, shapes or ranks do not fit, or the checkpoint is corrupt
+            (names the keys). Nothing is written then.
         AdapterError, LoraConfigError: the adapter folder cannot be read.
         WriteError: the output cannot be written (an ``OSError`` too); it is then left as it was.
     """
@@ -673,26 +875,27 @@ def merge_checkpoint(
     check_adapter_values(plan, allow_nonfinite=allow_nonfinite)
 
     files: tuple[Path, ...] = ()
-    merged: list[str] = [t for t in checkpoint.owner if t in plan.ops]
     extra: list[str] = []
     if not dry_run:
         try:
-            files, merged, extra = _write(plan, out_path, progress)
+            files, extra = _write(plan, out_path, progress)
         except WriteError:
             raise
         except OSError as exc:  # no space left, no permission: the output was not touched
             raise WriteError(
                 exc.errno, f"{out_path}: cannot write the merged checkpoint ({exc}); nothing was replaced"
             ) from exc
-    replaced = tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == "replace" for op in ops)))
-    lora = tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == "lora" for op in ops)))
+    kinds = {
+        kind: tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == kind for op in ops)))
+        for kind in ("lora", "replace")
+    }
     total = sum(h.file_size for h in checkpoint.headers.values())
     return MergeReport(
         output=out_path,
         files=files,
-        merged=lora,
-        replaced=replaced,
-        copied=len(checkpoint.owner) - len(merged),
+        merged=kinds["lora"],
+        replaced=kinds["replace"],
+        copied=len(checkpoint.owner) - len(plan.ops),
         bytes_written=0 if dry_run else total + sum(os.path.getsize(out_path / n) for n in extra),
         mapping=plan.mapping,
         extra_files=tuple(extra),

@@ -1,8 +1,5 @@
-"""Writing a model's adapter in peft's format: the config, the tensors under peft's keys, the folder.
-
-:func:`adapter_config_for` is the ``adapter_config.json`` a model gets, :func:`adapter_state_dict` the
-tensors of ``adapter_model.safetensors`` under peft's keys (see :mod:`loragen.adapters.folder`), and
-:func:`save_adapter` writes both as a folder, atomically (:mod:`loragen.atomic`).
+"""Writing a model's adapters in peft's format: :func:`adapter_config_for` (``adapter_config.json``),
+:func:`adapter_state_dict` (the tensors under peft's keys) and :func:`save_adapter` (the folder, atomically).
 """
 
 from __future__ import annotations
@@ -38,8 +35,7 @@ from loragen.registry import TRANSPOSED
 
 __all__ = ["adapter_config_for", "adapter_state_dict", "save_adapter"]
 
-# peft saves the base weights of a targeted input/output embedding, because their rows may have been
-# resized; "auto" does the same, so both write the same keys for the same model.
+# peft saves the base weights of a targeted input/output embedding (their rows may have been resized)
 _EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 
 
@@ -49,7 +45,7 @@ def _most_common(values: list[Any]) -> Any:
 
 
 def _derived_config(model: nn.Module, layers: Mapping[str, Factors]) -> LoraConfig:
-    """A config that reproduces ``layers`` (for models with no stored config, e.g. rewritten ones)."""
+    """A config that reproduces ``layers`` (for models with no stored config)."""
     adapted = [p for p, layer in layers.items() if isinstance(layer, LoraParametersLayer)]
     if adapted:
         raise AdapterError(
@@ -93,13 +89,11 @@ def _derived_config(model: nn.Module, layers: Mapping[str, Factors]) -> LoraConf
 
 
 def adapter_config_for(model: nn.Module, adapter_name: str | None = None) -> LoraConfig:
-    """The config :func:`save_adapter` writes for ``model``.
+    """The config :func:`save_adapter` writes for ``model``'s adapter ``adapter_name`` (default: its first).
 
-    The config stored by ``get_lora_model`` (``model.loragen_config``) when there is one, else one
-    derived from the LoRA layers (ranks and alphas per path go to ``rank_pattern`` / ``alpha_pattern``).
-    Models whose LoRA layers are all transformers ``Conv1D`` get ``fan_in_fan_out=True``, as peft
-    writes for them (tools that merge without the model need it for square weights). ``adapter_name``:
-    which of several adapters (default: the model's first).
+    The config stored by ``get_lora_model`` (``model.loragen_config``), else one derived from the LoRA
+    layers (per-path ranks and alphas in ``rank_pattern`` / ``alpha_pattern``); ``fan_in_fan_out=True``
+    when every LoRA layer is a transformers ``Conv1D``, as peft writes.
 
     Raises:
         AdapterError: the model has no LoRA layers, the config disagrees with a layer's rank, scaling or
@@ -151,17 +145,13 @@ def adapter_state_dict(
     state_dict: Mapping[str, torch.Tensor] | None = None,
     adapter_name: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of ``model``'s adapter (``adapter_name``; default: its first) under peft's file keys
-    (contiguous CPU copies).
+    """The tensors of ``model``'s adapter ``adapter_name`` (default: its first) under peft's file keys,
+    as contiguous CPU copies.
 
-    LoRA factors, the state of every module in ``config.modules_to_save`` under its own key, biases per
-    ``config.bias``, and with ``save_embedding_layers`` (``"auto"``: when ``target_modules`` names
-    ``embed_tokens`` or ``lm_head``, as peft does) the base weights of LoRA-adapted input/output embeddings.
-
-    Args:
-        state_dict: take the tensors from this mapping of the model's own state-dict keys instead of from
-            its modules (FSDP2 shards parameters; its gathered full state is passed here). It must hold
-            every tensor the adapter saves.
+    LoRA factors, ``config.modules_to_save``, biases per ``config.bias`` and, with
+    ``save_embedding_layers`` (``"auto"``: when ``target_modules`` names ``embed_tokens`` or ``lm_head``,
+    as peft), the base weights of LoRA-adapted input/output embeddings. ``state_dict`` (model keys ->
+    tensors, e.g. FSDP2's gathered state) supplies the tensors instead of the modules.
 
     Raises:
         AdapterError: ``state_dict`` lacks a tensor the adapter saves (every such key is listed).
@@ -214,10 +204,8 @@ def adapter_state_dict(
 
 
 def _carry_over(old: Path, new: Path) -> None:
-    """Keep files that are not the adapter's own (a README, tokenizer files) when replacing a folder.
-
-    Hard links where possible: nothing is copied, and the old folder can then be deleted.
-    """
+    """Keep the files that are not the adapter's own (a README...) when replacing a folder, hard-linked
+    where possible."""
     ours = {ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, ADAPTER_PICKLE_NAME}
 
     def link_or_copy(src: str, dst: str) -> None:
@@ -248,22 +236,16 @@ def save_adapter(
 ) -> Path:
     """Write ``model``'s adapters to the folder ``path`` in peft's format; returns the folder.
 
-    Each adapter gets ``adapter_config.json`` (see :func:`adapter_config_for`) and
-    ``adapter_model.safetensors`` (see :func:`adapter_state_dict`; metadata ``{"format": "pt"}``), in
-    ``path`` for the adapter named ``root_adapter`` (``"default"``) and in ``path/<name>/`` for every other
-    one, as peft's ``save_pretrained`` lays them out. The config names the model's ``name_or_path`` as
-    ``base_model_name_or_path``, as peft writes it. ``selected_adapters`` picks some (default: all). The folder is
-    built beside ``path`` and renamed into place only when complete, so an error or a crash never leaves
-    a half-written adapter; other files already in the folder are kept.
-
-    ``state_dict`` (model keys -> tensors) supplies the tensors instead of the model's modules: see
-    :func:`adapter_state_dict` (FSDP2 models save their gathered state this way).
+    Each adapter gets ``adapter_config.json`` (:func:`adapter_config_for`, with the model's
+    ``name_or_path`` as ``base_model_name_or_path``) and ``adapter_model.safetensors``
+    (:func:`adapter_state_dict`), in ``path`` for ``root_adapter`` and in ``path/<name>/`` for the others,
+    as peft's ``save_pretrained``. ``selected_adapters`` picks some (default: all). The folder appears
+    atomically, only once complete; other files already in it are kept.
 
     Raises:
-        AdapterError: the model has no LoRA layers, its config disagrees with its layers, or
-            ``state_dict`` lacks a tensor the adapter saves.
-        AdapterError: ``path`` is ``.``/``..``, a symbolic link, a file, or holds a symbolic link or a
-            file where an adapter's subfolder goes; a tensor is on the meta device (names it).
+        AdapterError: the model has no LoRA layers, its config disagrees with its layers, ``state_dict``
+            lacks a tensor, a tensor is on the meta device; ``path`` is ``.``/``..``, a symbolic link, a
+            file, or holds a link or a file where an adapter's subfolder goes.
         AdapterNameError: an unknown name in ``selected_adapters``, or a name that cannot be a folder name.
         WriteError: the folder cannot be written (no space left, no permission; an ``OSError`` too): the
             old one is then untouched and no temporary folder is left.
@@ -313,13 +295,7 @@ def save_adapter(
 
 
 def _check_target(path: str | os.PathLike[str], names: list[str], root_adapter: str) -> Path:
-    """The folder ``save_adapter`` writes, checked before anything is built.
-
-    Raises:
-        AdapterError: ``path`` names no folder of its own (``.``, ``..``), is a symbolic link (dangling
-            or not), is a file, or holds a non-folder or a symbolic link where an adapter's subfolder goes.
-        AdapterNameError: a name that cannot be a folder name (``check_adapter_name``).
-    """
+    """The folder ``save_adapter`` writes, checked (see there) before anything is built."""
     raw = os.fspath(path)
     if not raw or Path(raw).name in ("", ".", ".."):
         raise AdapterError(

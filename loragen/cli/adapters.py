@@ -183,7 +183,7 @@ def _adapter_folders(folder: Path) -> dict[str, Path]:
 
 def run_inspect(args: argparse.Namespace) -> int:
     """Run ``loragen inspect``; returns the exit status (0 on success, 1 on an error, reported on stderr)."""
-    from loragen.adapters.summary import format_summary, inspect_adapter
+    from loragen.adapters.folder import format_summary, inspect_adapter
     from loragen.errors import LoraError
 
     folder = Path(args.adapter)

@@ -10,9 +10,14 @@ import torch
 from safetensors.torch import save_file
 
 from loragen import LoraConfig, get_lora_model
-from loragen.adapters.folder import AdapterKey, group_lora_keys, parse_adapter_key, read_adapter
+from loragen.adapters.folder import (
+    AdapterKey,
+    group_lora_keys,
+    inspect_adapter,
+    parse_adapter_key,
+    read_adapter,
+)
 from loragen.adapters.save import adapter_config_for
-from loragen.adapters.summary import inspect_adapter
 from loragen.errors import AdapterError
 from loragen.registry import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, Layout, PlainLayout, factor_suffixes
 from tests.adapters.helpers import CASES, main, make_model

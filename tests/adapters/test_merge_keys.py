@@ -17,9 +17,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from loragen import LoraConfig, get_lora_model, save_adapter
-from loragen.adapters import checkpoint as checkpoint_module
-from loragen.adapters.checkpoint import Checkpoint, KeyMap, PrefixRule, explicit_key_map, resolve_keys
-from loragen.adapters.offline_merge import MergeError, merge_checkpoint
+from loragen.adapters import offline_merge
+from loragen.adapters.offline_merge import (
+    Checkpoint,
+    KeyMap,
+    MergeError,
+    PrefixRule,
+    explicit_key_map,
+    merge_checkpoint,
+    resolve_keys,
+)
 from tests.adapters.helpers import main, make_model, peft_adapter, perturb_trainable, save_checkpoint
 
 LLAMA_ADAPTER = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -262,14 +269,14 @@ def test_without_config_json_the_wrapper_is_unknown(tmp_path: Path, capsys) -> N
 def test_without_transformers_the_wrapper_is_unknown(tmp_path: Path, monkeypatch) -> None:
     peft_adapter("llama", LLAMA_ADAPTER, tmp_path / "adapter")
     bare = save_checkpoint(make_model("llama").model, tmp_path / "bare", sharded=False)
-    real_import = checkpoint_module.importlib.import_module
+    real_import = offline_merge.importlib.import_module
 
     def no_transformers(name: str, *args):
         if name == "transformers":
             raise ImportError("No module named 'transformers'")
         return real_import(name, *args)
 
-    monkeypatch.setattr(checkpoint_module.importlib, "import_module", no_transformers)
+    monkeypatch.setattr(offline_merge.importlib, "import_module", no_transformers)
     with pytest.raises(
         MergeError, match=r"transformers is not installed, so the wrapper of LlamaModel is unknown"
     ):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loragen.adapters.summary import format_summary, inspect_adapter
+from loragen.adapters.folder import format_summary, inspect_adapter
 from loragen.errors import AdapterError
 from tests.adapters.helpers import CASES, loragen_adapter, peft_adapter
 
