@@ -116,15 +116,10 @@ def add_lora_arguments(
     dropout_default: float | None,
     unset_help: str = "",
 ) -> None:
-    """Add ``--r``, ``--lora-alpha`` and ``--lora-dropout`` (peft's field names) to ``parser``.
+    """Add ``--r``, ``--lora-alpha`` and ``--lora-dropout`` (peft's field names) to ``parser``, with these
+    defaults (``None``: ``LoraConfig``'s, or where ``unset_help`` says) and ``alpha_help`` saying what
+    ``--lora-alpha`` defaults to."""
 
-    Args:
-        parser: the subcommand's parser.
-        r_default: the default rank (``None``: ``LoraConfig``'s, unless the command finds another).
-        alpha_help: what ``--lora-alpha`` defaults to, in words.
-        dropout_default: the default dropout (``None``: as for ``r_default``).
-        unset_help: where else a value left at ``None`` comes from, in words (``", or the --config value"``).
-    """
     r_text = f"{LoraConfig.r}{unset_help}" if r_default is None else str(r_default)
     dropout = (
         f"{LoraConfig.lora_dropout:g}{unset_help}" if dropout_default is None else f"{dropout_default:g}"

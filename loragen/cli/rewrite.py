@@ -241,13 +241,6 @@ def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
     return messages
 
 
-def _output_path(args: argparse.Namespace, source: Path, relative: Path, single_file: bool) -> Path:
-    """Where the rewrite of ``source`` goes: itself (``--in-place``), ``OUT`` or ``OUT/relative``."""
-    if args.in_place:
-        return source
-    return args.output if single_file else args.output / relative
-
-
 def _blocking_file(path: Path) -> Path | None:
     """The nearest existing ancestor of ``path`` when it is not a folder (so ``path`` cannot be created)."""
     for parent in path.parents:
@@ -257,10 +250,9 @@ def _blocking_file(path: Path) -> Path | None:
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return os.path.samefile(a, b)
-    except OSError:
-        return False
+    return False
 
 
 def _plan_writes(
@@ -331,10 +323,9 @@ def _write_all(planned: list[tuple[Path, str]]) -> str | None:
 
 
 def _reads_as(path: Path, text: str) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return path.read_bytes() == text.encode("utf-8")
-    except OSError:
-        return False
+    return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -373,19 +364,17 @@ def run(args: argparse.Namespace) -> int:
 
     unmatched = _unmatched(config, [r for *_, r in results])
     failed = [r for *_, r in results if r.errors]
-    if not args.quiet or failed or unmatched:
-        for *_, result in results:
-            for diagnostic in result.errors:
-                print(str(diagnostic), file=sys.stderr)
-            if not args.quiet:
-                for warning in result.warnings:
-                    print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
-                if (
-                    result.fields or result.sub_models or result.errors or len(results) == 1
-                ):  # files without layers: nothing to say
-                    print(result.summary(), file=sys.stderr)
-        for message in unmatched:
-            print(f"loragen rewrite: error: {message}", file=sys.stderr)
+    for *_, result in results:
+        for diagnostic in result.errors:
+            print(str(diagnostic), file=sys.stderr)
+        if not args.quiet:
+            for warning in result.warnings:
+                print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
+            # a file without layers has nothing to say
+            if result.fields or result.sub_models or result.errors or len(results) == 1:
+                print(result.summary(), file=sys.stderr)
+    for message in unmatched:
+        error("rewrite", message)
     if failed or unmatched:
         what = (
             f"{len(failed)} of {len(results)} files could not be rewritten"
@@ -409,8 +398,12 @@ def run(args: argparse.Namespace) -> int:
                     )
                 )
         return EXIT_OK
-    writes = [
-        (path, _output_path(args, path, relative, single_file_output), result.code)
+    writes = [  # (source, where its rewrite goes: itself, OUT or OUT/relative, text)
+        (
+            path,
+            path if args.in_place else args.output if single_file_output else args.output / relative,
+            result.code,
+        )
         for path, relative, _, result in results
         if result.changed or not args.in_place
     ]

@@ -40,10 +40,7 @@ def _make_output_require_grad(module: nn.Module, inputs: Any, output: Any) -> No
 
 def enable_input_require_grads(model: nn.Module, module: nn.Module | None = None) -> RemovableHandle:
     """Make the output of ``module`` (default: ``model.get_input_embeddings()``) require grad, as reentrant
-    gradient checkpointing needs on a model whose input embedding is frozen.
-
-    Returns:
-        The hook handle; ``handle.remove()`` undoes it.
+    gradient checkpointing needs on a model whose input embedding is frozen; returns the hook's handle.
 
     Raises:
         TrainingSetupError: no ``module`` was given and ``model`` has no ``get_input_embeddings()``.
@@ -63,11 +60,8 @@ def _checkpointed_forward(forward: Callable[..., Any], use_reentrant: bool, *arg
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if use_reentrant and kwargs:
-        # Reentrant checkpointing takes positional inputs only; keyword arguments (attention masks,
-        # position ids) are bound to the function instead, as transformers does.
-        return torch.utils.checkpoint.checkpoint(
-            functools.partial(forward, **kwargs), *args, use_reentrant=True
-        )
+        # reentrant checkpointing takes positional inputs only: bind the others, as transformers does
+        forward, kwargs = functools.partial(forward, **kwargs), {}
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=use_reentrant, **kwargs)
 
 
@@ -77,13 +71,11 @@ def checkpoint_modules(model: nn.Module, names: Iterable[str], *, use_reentrant:
 
     Args:
         model: the model.
-        names: submodule paths as in ``model.named_modules()`` (``"blocks.0"``, ...).
+        names: submodule paths as in ``model.named_modules()`` (``"blocks.0"``, ...); returned as wrapped.
         use_reentrant: the checkpoint flavour. With ``True``, call :func:`enable_input_require_grads`
             on the frozen layer feeding the first checkpointed module; gradients then flow only through
             positional inputs (keyword arguments are bound to the forward).
 
-    Returns:
-        The paths that were wrapped, in the order given.
 
     Raises:
         TrainingSetupError: a name is not a submodule of ``model`` (the message lists close names), or a

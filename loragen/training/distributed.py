@@ -47,14 +47,10 @@ def is_main_process() -> bool:
 def wrap_ddp(
     model: nn.Module, *, reentrant_checkpointing: bool = False, **ddp_kwargs: Any
 ) -> nn.parallel.DistributedDataParallel:
-    """Wrap a LoRA model in ``DistributedDataParallel``; only what trains is synchronized, so
-    ``find_unused_parameters`` defaults to ``False``.
+    """Wrap ``model`` (converted, on its device) in ``DistributedDataParallel``, which synchronizes only what
+    trains, with ``find_unused_parameters=False`` unless ``ddp_kwargs`` say; ``reentrant_checkpointing``
+    (the model uses ``use_reentrant=True``) declares the graph static, so each parameter is reduced once.
 
-    Args:
-        model: the converted model, already on its device; ``torch.distributed`` must be initialized.
-        reentrant_checkpointing: set when the model uses ``use_reentrant=True`` checkpointing; the
-            graph is then declared static so that each parameter is reduced once per step.
-        **ddp_kwargs: passed to ``DistributedDataParallel``.
 
     Raises:
         TrainingSetupError: ``torch.distributed`` is not initialized, or nothing in ``model`` trains.
