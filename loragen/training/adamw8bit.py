@@ -371,8 +371,8 @@ class AdamW8bit(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by :meth:`state_dict`, keeping the saved dtypes (torch's would cast the uint8
-        codes and fp32 scales to the parameter's dtype)."""
+        """Load a state saved by :meth:`state_dict`, keeping the saved dtypes (torch's casts them)."""
+
         saved_state = {index: dict(entry) for index, entry in state_dict["state"].items()}
         saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
         super().load_state_dict(state_dict)

@@ -491,10 +491,10 @@ def make_trainer_callback_class() -> type:
             save_adapter(lora_model, folder, root_adapter=active_adapter(lora_model) or DEFAULT_ADAPTER)
             if not self.full_model:
                 _keep_only_trainable_weights(folder, lora_model)
-            elif not any((folder / name).is_file() for name in _MODEL_WEIGHT_FILES):
-                # save_pretrained wrote the adapter (peft's semantics): add the full model
-                if isinstance(lora_model, LoragenAdapterMethods):
-                    lora_model.save_pretrained(folder, full_model=True)
+            elif isinstance(lora_model, LoragenAdapterMethods) and not any(
+                (folder / name).is_file() for name in _MODEL_WEIGHT_FILES
+            ):  # save_pretrained wrote the adapter (peft's semantics): add the full model
+                lora_model.save_pretrained(folder, full_model=True)
 
     LoraTrainerCallback.__module__ = "loragen"
     LoraTrainerCallback.__qualname__ = "LoraTrainerCallback"
