@@ -225,17 +225,13 @@ def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
     if not readable:
         return []
     unmatched = set.intersection(*(set(r.unmatched_targets) for r in readable))
-    if not unmatched:
-        return []
     found = list(dict.fromkeys(f.pattern for r in readable for f in r.fields))
     shown = ", ".join(found[:20]) + (", ..." if len(found) > 20 else "") if found else "none"
-    messages = []
-    for entry in sorted(unmatched):
-        what = "target_modules regex" if isinstance(config.target_modules, str) else "target_modules entry"
-        messages.append(
-            f"{what} {entry!r} matches no layer field in {len(readable)} file(s); layer fields found: {shown}"
-        )
-    return messages
+    what = "target_modules regex" if isinstance(config.target_modules, str) else "target_modules entry"
+    return [
+        f"{what} {entry!r} matches no layer field in {len(readable)} file(s); layer fields found: {shown}"
+        for entry in sorted(unmatched)
+    ]
 
 
 def _blocking_file(path: Path) -> Path | None:
