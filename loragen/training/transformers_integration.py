@@ -41,17 +41,6 @@ __all__ = ["install_adapter_methods", "LoragenAdapterMethods", "make_trainer_cal
 _DISABLED: weakref.WeakKeyDictionary[nn.Module, AbstractContextManager[Any]] = weakref.WeakKeyDictionary()
 
 
-def _peft_adapter_mixin() -> type | None:
-    if "transformers" not in sys.modules:
-        return None  # the model cannot be a transformers model then
-    try:
-        from transformers.integrations import PeftAdapterMixin
-    except ImportError:  # pragma: no cover - a transformers without the mixin has no adapter methods
-        return None
-    mixin: type = PeftAdapterMixin
-    return mixin
-
-
 # transformers' download keywords: meaningless for a local folder, which transformers reads without them
 _HUB_KEYWORDS = frozenset(
     {"revision", "token", "cache_dir", "local_files_only", "force_download", "proxies", "user_agent"}
@@ -368,10 +357,13 @@ def _rebuild(base: type) -> nn.Module:
 def install_adapter_methods(model: nn.Module) -> None:
     """Switch a transformers model that holds loragen LoRA layers to its class with loragen's adapter
     methods (see the module docstring); any other model, or one switched already, is left as it is."""
-    mixin = _peft_adapter_mixin()
-    if mixin is None or not isinstance(model, mixin) or isinstance(model, LoragenAdapterMethods):
+    if "transformers" not in sys.modules or isinstance(model, LoragenAdapterMethods):
+        return  # without transformers imported, the model is not a transformers model
+    try:
+        from transformers.integrations import PeftAdapterMixin
+    except ImportError:  # pragma: no cover - a transformers without the mixin has no adapter methods
         return
-    if find_lora_layers(model):
+    if isinstance(model, PeftAdapterMixin) and find_lora_layers(model):
         model.__class__ = _subclass_for(cast(type, type(model)))
 
 
