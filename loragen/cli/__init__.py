@@ -78,11 +78,7 @@ def error(command: str, message: str, status: int = EXIT_INPUT) -> int:
 
 
 def positive_int(text: str) -> int:
-    """An ``argparse`` type: a positive integer.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is not an integer, or not positive.
-    """
+    """An ``argparse`` type: a positive integer (else ``argparse.ArgumentTypeError``)."""
     try:
         value = int(text)
     except ValueError:
@@ -93,11 +89,7 @@ def positive_int(text: str) -> int:
 
 
 def finite_float(text: str) -> float:
-    """An ``argparse`` type: a finite number.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is not a number, or is infinite or NaN.
-    """
+    """An ``argparse`` type: a finite number (else ``argparse.ArgumentTypeError``)."""
     try:
         value = float(text)
     except ValueError:
@@ -108,11 +100,7 @@ def finite_float(text: str) -> float:
 
 
 def probability(text: str) -> float:
-    """An ``argparse`` type: a dropout probability ``0 <= p < 1`` (checked as ``LoraConfig`` checks it).
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is not a number in that range.
-    """
+    """An ``argparse`` type: a dropout probability ``0 <= p < 1`` (else ``argparse.ArgumentTypeError``)."""
     value = finite_float(text)
     try:
         return check_dropout(value)
@@ -128,15 +116,10 @@ def add_lora_arguments(
     dropout_default: float | None,
     unset_help: str = "",
 ) -> None:
-    """Add ``--r``, ``--lora-alpha`` and ``--lora-dropout`` (peft's field names) to ``parser``.
+    """Add ``--r``, ``--lora-alpha`` and ``--lora-dropout`` (peft's field names) to ``parser``, with these
+    defaults (``None``: ``LoraConfig``'s, or where ``unset_help`` says) and ``alpha_help`` saying what
+    ``--lora-alpha`` defaults to."""
 
-    Args:
-        parser: the subcommand's parser.
-        r_default: the default rank (``None``: ``LoraConfig``'s, unless the command finds another).
-        alpha_help: what ``--lora-alpha`` defaults to, in words.
-        dropout_default: the default dropout (``None``: as for ``r_default``).
-        unset_help: where else a value left at ``None`` comes from, in words (``", or the --config value"``).
-    """
     r_text = f"{LoraConfig.r}{unset_help}" if r_default is None else str(r_default)
     dropout = (
         f"{LoraConfig.lora_dropout:g}{unset_help}" if dropout_default is None else f"{dropout_default:g}"
@@ -170,8 +153,7 @@ def command_parser(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argp
 
 def flag_hints(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> str:
     """``"; --rank: did you mean --r?"`` for each flag in ``tokens`` that is not one of ``parser``'s options
-    but close to one (difflib; abbreviations are not options: ``--target-module`` gets a hint too); ``""``
-    when there is none."""
+    but close to one; ``""`` when there is none."""
     options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
     hints = []
     for token in tokens:
@@ -187,13 +169,8 @@ def flag_hints(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argument parser that takes no abbreviated flags and whose errors name the option an unknown flag
-    was probably meant to be.
-
-    Subcommand parsers are made with the parent's class, so every subcommand gets it; each remembers the
-    arguments it was given to find the unknown flags when it reports an error (a missing required option
-    is often a misspelt one).
-    """
+    """An argument parser (and, through argparse, its subcommands') that takes no abbreviated flags and
+    whose errors name the option an unknown flag was probably meant to be."""
 
     _given: tuple[str, ...] = ()
 
@@ -211,11 +188,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``loragen`` argument parser with the subcommands ``commands`` registered in full (None: every one);
-    the others are listed with their one-line help only.
-
-    Registering a subcommand imports its module, and some need torch to describe their options
-    (``bench`` reads them from the benchmarks): ``loragen --help`` and ``loragen rewrite`` import no torch.
-    """
+    the others are listed with their one-line help only, so that their modules are not imported."""
     parser = _Parser(
         prog="loragen",
         description="Convert PyTorch models into LoRA models, train them fast, read and write peft adapters.",
@@ -229,17 +202,6 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
         else:
             subparsers.add_parser(command, help=help_text)
     return parser
-
-
-def _quiet_broken_pipe() -> int:
-    # the reader went away (``| head``): point stdout at /dev/null so that the interpreter's final flush
-    # does not fail a second time, and end as a tool that SIGPIPE ends
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    finally:
-        os.close(devnull)
-    return EXIT_BROKEN_PIPE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -264,7 +226,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
         return status
     except BrokenPipeError:
-        return _quiet_broken_pipe()
+        # the reader went away (``| head``): stdout to /dev/null, so that the interpreter's final flush
+        # does not fail again, and end as a tool that SIGPIPE ends
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
     except KeyboardInterrupt:
         print("loragen: interrupted", file=sys.stderr)
         return 130

@@ -1,10 +1,7 @@
 """``loragen bench``: the side-by-side benchmarks (loragen vs peft vs the frozen base).
 
-The benchmark code lives in the repository's ``benchmarks/`` folder and ships in the wheel as
-``loragen._benchmarks``; a source checkout's ``benchmarks/`` is used when the package has none. peft
-and transformers come with the ``bench`` extra (``pip install -e '.[bench]'`` from the loragen checkout).
-A run too small or too short to be representative (``--quick``, few rounds, sub-10 ms steps) says so
-in its output; the closing line gives the wall-clock time from process start, start-up included.
+The benchmarks ship in the wheel as ``loragen._benchmarks`` (a source checkout's ``benchmarks/`` otherwise);
+a run too small or too short to be representative says so in its output.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from loragen.atomic import atomic_write_text
+from loragen.cli import SUBCOMMANDS
 
 __all__ = [
     "BENCHMARKS",
@@ -43,10 +41,7 @@ class Benchmark(NamedTuple):
     quick_duration: str
 
 
-# Wall-clock durations on a 2-core CPU, start-up included (importing torch, transformers and peft takes
-# 10-20 s on an idle machine). Default sizes: BENCHMARKS.md's runs on an idle machine scaled to the default
-# rounds. --quick: measured (`loragen bench NAME --quick`), 27-47 s with the two cores loaded, 2-4 min with
-# them shared by many processes (load ~15), of which the benchmark itself took 30-70 s.
+# wall-clock durations on a 2-core CPU, start-up included
 _QUICK = "under 1 min on an idle machine, up to 4 min on a heavily shared one"
 BENCHMARKS: dict[str, Benchmark] = {
     "layer": Benchmark(
@@ -66,8 +61,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
 }
 
-# Below these a run's figures are not representative: medians of fewer rounds move with the machine's
-# load, and steps shorter than a few milliseconds are per-call overhead (Python, dispatch, allocation).
+# below these a run's figures are not representative: medians move with the load, steps are overhead
 MIN_ROUNDS = 5
 MIN_STEP_SECONDS = 0.010
 
@@ -142,7 +136,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser = subparsers.add_parser(
         "bench",
-        help="run the side-by-side benchmarks (loragen vs peft vs the frozen base)",
+        help=SUBCOMMANDS["bench"][2],
         description=DESCRIPTION.format(table=table, min_rounds=MIN_ROUNDS, min_ms=MIN_STEP_SECONDS * 1e3),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -160,7 +154,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 width=100,
             ),
         )
-        _add_benchmark_arguments(name, sub)
+        try:  # the benchmark module's own options; without the modules only the common ones
+            load_benchmark(name).add_arguments(sub)
+        except (BenchmarksNotFound, ImportError):
+            sub.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
         sub.add_argument(
             "--threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
         )
@@ -176,14 +173,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         sub.set_defaults(func=run)
 
 
-def _add_benchmark_arguments(name: str, parser: argparse.ArgumentParser) -> None:
-    # the options are the benchmark module's own; without the modules only the common ones exist
-    try:
-        load_benchmark(name).add_arguments(parser)
-    except (BenchmarksNotFound, ImportError):
-        parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-
-
 _QUICK_CAVEAT = (
     "--quick is a smoke test, not a measurement: it runs each benchmark at tiny sizes for 3 rounds to check "
     "that every variant runs. At these sizes a step's time is Python and dispatch overhead, not the "
@@ -193,13 +182,9 @@ _QUICK_CAVEAT = (
 
 
 def caveats(quick: bool, tables: list[Any]) -> list[str]:
-    """Why a run's figures are not representative: ``--quick``, tables of fewer than :data:`MIN_ROUNDS`
-    rounds, or of variants whose median step is under :data:`MIN_STEP_SECONDS`. Empty when none applies.
-
-    Args:
-        quick: whether ``--quick`` was given.
-        tables: the run's recorded ``benchmarks.harness.Table`` objects.
-    """
+    """Why a run's figures are not representative (``--quick``, tables of fewer than :data:`MIN_ROUNDS`
+    rounds, variants whose median step is under :data:`MIN_STEP_SECONDS`); ``tables`` are the run's
+    recorded ``benchmarks.harness.Table`` objects. Empty when none applies."""
     notes = [_QUICK_CAVEAT] if quick else []
     for number, table in enumerate(tables, 1):
         data = table.to_json()
@@ -217,39 +202,18 @@ def caveats(quick: bool, tables: list[Any]) -> list[str]:
     return notes
 
 
-def _seconds_since_start() -> float | None:
-    """Wall-clock seconds since this process started (from /proc on Linux), or None where unknown."""
+_IMPORTED = time.perf_counter()  # the fallback start: when the CLI imported this module
+
+
+def _elapsed() -> float:
+    """Wall-clock seconds since this process started (from /proc on Linux; else since this import)."""
     try:
         stat = Path("/proc/self/stat").read_text()
         uptime = float(Path("/proc/uptime").read_text().split()[0])
         start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, after pid and (comm)
         return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
-        return None
-
-
-_IMPORTED = time.perf_counter()  # the fallback start: when the CLI imported this module
-
-
-def _elapsed() -> float:
-    since_start = _seconds_since_start()
-    return since_start if since_start is not None else time.perf_counter() - _IMPORTED
-
-
-def _report(
-    args: argparse.Namespace, record: Any, seconds: float, startup: float, notes: list[str]
-) -> dict[str, Any]:
-    options = {k: v for k, v in vars(args).items() if k not in ("func", "command", "benchmark")}
-    return {
-        "benchmark": args.benchmark,
-        "options": options,
-        "machine": record.machine,
-        "seconds": seconds,
-        "startup_seconds": startup,
-        "representative": not notes,
-        "caveats": notes,
-        "tables": [table.to_json() for table in record.tables],
-    }
+        return time.perf_counter() - _IMPORTED
 
 
 def run(args: argparse.Namespace) -> int:
@@ -298,7 +262,17 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         atomic_write_text(args.output, text + "\n")
     if args.json is not None:
-        payload = json.dumps(_report(args, record, seconds, startup, notes), indent=1)
+        report = {
+            "benchmark": args.benchmark,
+            "options": {k: v for k, v in vars(args).items() if k not in ("func", "command", "benchmark")},
+            "machine": record.machine,
+            "seconds": seconds,
+            "startup_seconds": startup,
+            "representative": not notes,
+            "caveats": notes,
+            "tables": [table.to_json() for table in record.tables],
+        }
+        payload = json.dumps(report, indent=1)
         if args.json == "-":
             print(payload)
         else:

@@ -6,6 +6,7 @@ The demo's code ships with the examples (``examples/demo/``, installed as ``lora
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,8 @@ from loragen.errors import LoraConfigError
 __all__ = ["register", "run"]
 
 DESCRIPTION = """\
-The main job end to end, offline. On a 2-core CPU shared with other work it takes about 5 minutes
-(--quick: about 2); a heavily loaded machine takes several times longer (--quick took 10 minutes with
-the load average at 20). The progress lines on stderr say how long is left. It will:
+The main job end to end, offline. On a 2-core CPU it takes about 5 minutes (--quick: about 2); a heavily
+loaded machine takes several times longer. The progress lines on stderr say how long is left. It will:
 rewrite the bundled model file (examples/digits_model.py) with `loragen rewrite` and show the diff;
 pretrain it on upright handwritten digits (scikit-learn's dataset); LoRA-fine-tune it on the same
 digits rotated by 90 degrees (LoRA on the convolutions and hidden layer, the head trained fully);
@@ -76,20 +76,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo; exit status 0 when the metric improved and every check passed, 1 otherwise."""
     from loragen._examples.demo import DemoError, DemoOptions, run_demo
 
-    options = DemoOptions(
-        steps=args.steps,
-        pretrain_steps=args.pretrain_steps,
-        r=args.r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        output=args.output,
-        device=args.device,
-        seed=args.seed,
-        lr=args.lr,
-        eight_bit=args.eight_bit,
-        quick=args.quick,
-        progress=not args.no_progress,
-    )
+    given = {f.name for f in dataclasses.fields(DemoOptions)} & set(vars(args))
+    options = DemoOptions(**{name: getattr(args, name) for name in given}, progress=not args.no_progress)
     try:
         result = run_demo(options, out=sys.stdout, progress=sys.stderr)
     except (DemoError, LoraConfigError) as exc:

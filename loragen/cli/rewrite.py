@@ -27,33 +27,30 @@ DESCRIPTION = f"""\
 Rewrite the constructor calls of targeted layer fields into loragen LoRA layers: only the callee
 changes and LoRA keywords are added (nn.Linear(a, b, bias=False) -> LoraLinear(a, b, bias=False,
 r={_DEFAULTS.r}, lora_alpha={_DEFAULTS.lora_alpha:g})). The file also gets the loragen imports and its config as
-LORA_CONFIG = LoraConfig(...), which the classes holding LoRA layers carry as `loragen_config`, so
-loragen.mark_trainable(model) needs no config. Formatting and comments are kept. A file inside an
-installed package (e.g. transformers' modeling_llama.py) written elsewhere gets absolute imports, so
-the output is standalone. Rewriting is idempotent.
+LORA_CONFIG = LoraConfig(...), carried by its LoRA classes as `loragen_config` (so
+loragen.mark_trainable(model) needs no config). Formatting and comments are kept; rewriting is
+idempotent. A package file (e.g. transformers' modeling_llama.py) written elsewhere gets absolute
+imports, so the output is standalone.
 
-An nn.Linear subclass defined in the file (Falcon's FalconLinear) gets its LoRA class bound after it
-(LoraFalconLinear = lora_class_for(FalconLinear)). Sub-models built with AutoModel.from_config (composite
-models: Gemma 3, LLaVA, Qwen3-VL, ...) are built through a LoRA auto class (LoraAutoModel =
-lora_auto_class(AutoModel, [...], LORA_CONFIG)): the file's rewritten class for its config, or transformers'
-class converted when built; each such call is reported as a warning at file:line.
+An nn.Linear subclass defined in the file gets its LoRA class bound after it (LoraFalconLinear =
+lora_class_for(FalconLinear)). Sub-models built with AutoModel.from_config (Gemma 3, LLaVA, ...) are
+built through a LoRA auto class (LoraAutoModel = lora_auto_class(AutoModel, [...], LORA_CONFIG)),
+each reported as a warning at file:line.
 
-Targets follow peft's LoraConfig.target_modules: --target-modules takes module names (an exact path
-or a dotted suffix, comma-separated) or all-linear; --target-regex takes one regular expression that
-must match a whole module path (peft's rule for a string). A target that matches no layer field in any
-of the files is an error (unless a file builds sub-models with auto classes: they may hold it).
+Targets follow peft's target_modules: --target-modules takes module names (an exact path or a dotted
+suffix, comma-separated) or all-linear; --target-regex one regular expression that must match a whole
+module path. A target that matches no layer field in any file is an error (unless a file builds
+sub-models with auto classes: they may hold it).
 
-Without -o/--in-place/--diff the rewritten file is printed (one SRC file only). A per-file summary
-and warnings go to stderr. Exit status: 0 done; 1 an input error: a missing or unreadable SRC or --config,
-a file that cannot be rewritten or written, a target that matches nothing (nothing is written then; each
-error as file:line: message); 2 a usage error: flags, or outputs that collide (below).
+Without -o/--in-place/--diff the rewritten file is printed (one SRC file only); a per-file summary and
+warnings go to stderr. Exit status: 0 done; 1 an input error: a missing or unreadable SRC or --config,
+a file that cannot be rewritten or written, a target that matches nothing (nothing is written then;
+each error as file:line: message); 2 a usage error: flags, or outputs that collide.
 
-Writing: every output path is checked before the first file is written. Two sources that would land on
-one output file, an output that is one of the sources (without --in-place), or an output path blocked
-by a file where a folder is needed are usage errors, and nothing is written. Each file is written to a
-temporary file beside it and renamed into place, keeping the mode of the file it replaces. Symbolic
-links are followed on purpose: --in-place on a link (or -o onto a link) rewrites the file the link
-points to and keeps the link.
+Every output path is checked before the first write: two sources onto one output, an output that is a
+source (without --in-place), or a file where a folder is needed are usage errors, and nothing is
+written. Each file goes to a temporary file beside it, renamed into place with the replaced file's mode.
+Symbolic links are followed: the file a link points to is rewritten and the link kept.
 """
 
 EPILOG = f"""\
@@ -224,24 +221,13 @@ def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
     if not readable:
         return []
     unmatched = set.intersection(*(set(r.unmatched_targets) for r in readable))
-    if not unmatched:
-        return []
     found = list(dict.fromkeys(f.pattern for r in readable for f in r.fields))
     shown = ", ".join(found[:20]) + (", ..." if len(found) > 20 else "") if found else "none"
-    messages = []
-    for entry in sorted(unmatched):
-        what = "target_modules regex" if isinstance(config.target_modules, str) else "target_modules entry"
-        messages.append(
-            f"{what} {entry!r} matches no layer field in {len(readable)} file(s); layer fields found: {shown}"
-        )
-    return messages
-
-
-def _output_path(args: argparse.Namespace, source: Path, relative: Path, single_file: bool) -> Path:
-    """Where the rewrite of ``source`` goes: itself (``--in-place``), ``OUT`` or ``OUT/relative``."""
-    if args.in_place:
-        return source
-    return args.output if single_file else args.output / relative
+    what = "target_modules regex" if isinstance(config.target_modules, str) else "target_modules entry"
+    return [
+        f"{what} {entry!r} matches no layer field in {len(readable)} file(s); layer fields found: {shown}"
+        for entry in sorted(unmatched)
+    ]
 
 
 def _blocking_file(path: Path) -> Path | None:
@@ -253,10 +239,9 @@ def _blocking_file(path: Path) -> Path | None:
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return os.path.samefile(a, b)
-    except OSError:
-        return False
+    return False
 
 
 def _plan_writes(
@@ -327,10 +312,9 @@ def _write_all(planned: list[tuple[Path, str]]) -> str | None:
 
 
 def _reads_as(path: Path, text: str) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return path.read_bytes() == text.encode("utf-8")
-    except OSError:
-        return False
+    return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -369,19 +353,17 @@ def run(args: argparse.Namespace) -> int:
 
     unmatched = _unmatched(config, [r for *_, r in results])
     failed = [r for *_, r in results if r.errors]
-    if not args.quiet or failed or unmatched:
-        for *_, result in results:
-            for diagnostic in result.errors:
-                print(str(diagnostic), file=sys.stderr)
-            if not args.quiet:
-                for warning in result.warnings:
-                    print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
-                if (
-                    result.fields or result.sub_models or result.errors or len(results) == 1
-                ):  # files without layers: nothing to say
-                    print(result.summary(), file=sys.stderr)
-        for message in unmatched:
-            print(f"loragen rewrite: error: {message}", file=sys.stderr)
+    for *_, result in results:
+        for diagnostic in result.errors:
+            print(str(diagnostic), file=sys.stderr)
+        if not args.quiet:
+            for warning in result.warnings:
+                print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
+            # a file without layers has nothing to say
+            if result.fields or result.sub_models or result.errors or len(results) == 1:
+                print(result.summary(), file=sys.stderr)
+    for message in unmatched:
+        error("rewrite", message)
     if failed or unmatched:
         what = (
             f"{len(failed)} of {len(results)} files could not be rewritten"
@@ -405,8 +387,12 @@ def run(args: argparse.Namespace) -> int:
                     )
                 )
         return EXIT_OK
-    writes = [
-        (path, _output_path(args, path, relative, single_file_output), result.code)
+    writes = [  # (source, where its rewrite goes: itself, OUT or OUT/relative, text)
+        (
+            path,
+            path if args.in_place else args.output if single_file_output else args.output / relative,
+            result.code,
+        )
         for path, relative, _, result in results
         if result.changed or not args.in_place
     ]

@@ -1,23 +1,11 @@
 """``AdamW8bit``: AdamW with both moments kept as one byte per element, and the quantization that stores them.
 
-The state format is block-wise dynamic 8-bit quantization, the scheme of Dettmers et al., "8-bit Optimizers
-via Block-wise Quantization" (2022), used by bitsandbytes:
-
-* a tensor is cut into blocks of ``block_size`` elements; a block stores one fp32 scale (its largest
-  magnitude) and one byte per element;
-* the byte indexes a fixed table of 256 values in ``[-1, 1]`` (``[0, 1]`` for the second moment, which is
-  never negative) whose spacing is *dynamic*: the table covers seven decades, and each decade gets twice
-  the entries of the one below it, so small values keep their relative precision instead of collapsing to
-  zero as they would on a linear grid.
-
-A step dequantizes a parameter's moments to fp32, runs the ordinary AdamW update with them, and
-quantizes the new moments again (nearest table entry). Tensors smaller than ``min_8bit_size`` elements
-(biases, norms, small LoRA factors) keep fp32 moments, as in bitsandbytes: they cost little and
-quantizing them saves little.
-
-The update runs in plain torch ops on any device; on CUDA, :func:`adamw8bit_update_` hands supported
-tensors to one fused kernel (``kernels/adamw8bit.cu.j2``, compiled by NVRTC like the LoRA kernels) that
-reproduces the torch path's codes exactly.
+The state format is bitsandbytes' block-wise dynamic 8-bit quantization (Dettmers et al., 2022): each
+block of ``block_size`` elements stores one fp32 scale (its largest magnitude) and one byte per element,
+an index into a fixed 256-entry table whose spacing is dynamic (each of seven decades gets twice the
+entries of the one below), so small values keep their relative precision. A step dequantizes the moments,
+runs the AdamW update in fp32 and quantizes them again; tensors under ``min_8bit_size`` elements keep fp32
+moments. On CUDA one fused kernel (``kernels/adamw8bit.cu.j2``) reproduces the torch path's codes exactly.
 """
 
 from __future__ import annotations
@@ -49,16 +37,9 @@ _DECADES = 7  # the dynamic table spans magnitudes from about 1e-7 to 1
 def dynamic_code(signed: bool) -> torch.Tensor:
     """The 256-entry dynamic quantization table, sorted ascending, float32.
 
-    Decade ``d`` (0 = smallest) holds magnitudes ``10**(d - 6) * f`` where the fractions ``f`` are the
-    centres of an even split of ``[0.1, 1]`` into ``2**d`` parts (``2**(d + 1)`` parts when unsigned: the
-    sign bit is spent on precision instead). The table also holds exactly ``0`` and ``1`` so that zeros
-    and each block's largest magnitude are stored without error.
-
-    Args:
-        signed: ``True`` for values in ``[-1, 1]`` (first moment), ``False`` for ``[0, 1]`` (second moment).
-
-    Returns:
-        A new tensor of shape ``(256,)``, dtype float32, strictly increasing.
+    Decade ``d`` (0 = smallest) holds magnitudes ``10**(d - 6) * f``, ``f`` the centres of an even split of
+    ``[0.1, 1]`` into ``2**d`` parts (``2**(d + 1)`` unsigned), plus exactly ``0`` and ``1``. ``signed``:
+    values in ``[-1, 1]`` (first moment), else ``[0, 1]`` (second moment). Returns a new ``(256,)`` tensor.
     """
     return _build_dynamic_code(signed).clone()
 
@@ -74,10 +55,7 @@ def _build_dynamic_code(signed: bool) -> torch.Tensor:
     values = [*magnitudes, 0.0, 1.0]
     if signed:
         values += [-m for m in magnitudes]
-    table = torch.tensor(sorted(values), dtype=torch.float32)
-    if table.numel() != 256 or not bool((table[1:] > table[:-1]).all()):
-        raise RuntimeError("internal error: the dynamic quantization table must hold 256 distinct values")
-    return table
+    return torch.tensor(sorted(values), dtype=torch.float32)
 
 
 _LUT_SHIFT = 15  # buckets of 2**15 float32 bit patterns: relative width 2**-8, below the table's spacing
@@ -86,16 +64,10 @@ _LUT_MASK = (1 << (32 - _LUT_SHIFT)) - 1  # keeps the sign bit as the bucket num
 
 @functools.cache
 def _lookup(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tables (on ``device``) for finding the nearest :func:`dynamic_code` entry of a value in ``[-1, 1]`` fast.
-
-    A float32's bit pattern, read as an integer, orders values of one sign by magnitude, so its top
-    bits name a narrow bucket of values. ``first[bucket]`` is the nearest entry for the bucket's lowest
-    value (the most negative one for negative buckets). Buckets are narrower than the gap between two
-    midpoints of the table, so the nearest entry of any value in the bucket is ``first[bucket]`` or the
-    next one up: one comparison with the midpoint between them decides.
-
-    Returns:
-        ``(first, midpoints)``: int32 per bucket, and the table's 255 midpoints padded with ``inf``.
+    """``(first, midpoints)`` on ``device``: for each bucket of float32 bit patterns (top bits), the nearest
+    :func:`dynamic_code` entry of its lowest value (int32), and the table's midpoints padded with ``inf``.
+    A bucket is narrower than the gap between two midpoints, so a value's nearest entry is ``first`` or the
+    next one up: one comparison with the midpoint decides.
     """
     code = _build_dynamic_code(signed)
     midpoints = torch.cat(((code[1:] + code[:-1]) / 2, torch.tensor([math.inf])))
@@ -112,11 +84,7 @@ def _lookup(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Ten
 
 
 def _dynamic_indices(normalized: torch.Tensor, signed: bool, keep_nonzero: bool) -> torch.Tensor:
-    """Index of the nearest :func:`dynamic_code` entry for each value of ``normalized`` (in [-1, 1]).
-
-    A binary search over the 256 entries (``torch.bucketize``) costs 100-200 ns per element on a CPU;
-    the bucket table of :func:`_lookup` needs two gathers and a comparison.
-    """
+    """Index of the nearest :func:`dynamic_code` entry for each value of ``normalized`` (in [-1, 1])."""
     first, midpoints = _lookup(signed, normalized.device)
     buckets = ((normalized.view(torch.int32) >> _LUT_SHIFT) & _LUT_MASK).view(-1)
     below = torch.index_select(first, 0, buckets)  # index_select: much faster than t[idx] on a CPU
@@ -159,18 +127,13 @@ def quantize_blocks(
 def quantize_blockwise(
     values: torch.Tensor, code: torch.Tensor, block_size: int, *, keep_nonzero: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``values`` block by block to indices into ``code`` (nearest entry).
-
-    Args:
-        values: float tensor of any shape; it is flattened and zero-padded to whole blocks.
-        code: sorted table of 256 values in ``[-1, 1]`` (see :func:`dynamic_code`), on ``values``' device.
-        block_size: elements per block (> 0).
-        keep_nonzero: round non-zero values that are nearest to ``0.0`` to the smallest entry of their
-            sign instead (used for the second moment).
+    """Quantize ``values`` (any shape; flattened, zero-padded to whole blocks) block by block to indices of
+    the nearest entries of ``code`` (a sorted table of 256 values in ``[-1, 1]`` on ``values``' device).
+    ``keep_nonzero`` rounds non-zero values nearest to ``0.0`` to the smallest entry of their sign instead.
 
     Returns:
-        ``(codes, absmax)``: uint8 tensor ``(n_blocks, block_size)`` and float32 tensor ``(n_blocks,)``
-        holding each block's largest magnitude. An all-zero block gets scale 0 and code ``0.0``.
+        ``(codes, absmax)``: uint8 ``(n_blocks, block_size)`` and each block's largest magnitude, float32
+        ``(n_blocks,)``.
 
     Raises:
         ValueError: ``block_size`` is not positive.
@@ -187,17 +150,10 @@ def quantize_blockwise(
 def dequantize_blockwise(
     codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, shape: torch.Size | None = None
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise`.
+    """Inverse of :func:`quantize_blockwise`: float32 ``(n_blocks, block_size)`` from uint8 ``codes`` of that
+    shape, float32 ``absmax`` ``(n_blocks,)`` and their table ``code``; with ``shape``, the padding is dropped
+    and the result reshaped to it."""
 
-    Args:
-        codes: uint8 tensor ``(n_blocks, block_size)``.
-        absmax: float32 tensor ``(n_blocks,)``.
-        code: the table the codes index into.
-        shape: if given, the padding is dropped and the result reshaped to it.
-
-    Returns:
-        float32 tensor ``(n_blocks, block_size)``, or ``shape`` when given.
-    """
     blocks = (
         torch.index_select(code, 0, codes.reshape(-1).to(torch.int32)).view(codes.shape) * absmax[:, None]
     )
@@ -230,10 +186,8 @@ def adamw8bit_update_(
 
     ``state`` holds ``exp_avg_codes`` / ``exp_avg_sq_codes`` (uint8, ``(n_blocks, block_size)``) and
     ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (float32, ``(n_blocks,)``), updated in place. The
-    parameter update uses the fp32 moments *before* requantization, so the rounding only affects later
-    steps. Work proceeds in chunks of blocks, so the fp32 temporaries stay small for large parameters.
-    On a CUDA device with loragen's kernels available, one kernel launch does the update
-    (:func:`loragen.cuda.optim.adamw8bit_update_cuda`); inputs it does not take run the torch code below.
+    parameter update uses the fp32 moments before requantization. CUDA tensors the kernel takes
+    (:func:`loragen.cuda.optim.adamw8bit_update_cuda`) run as one launch.
     """
     if param.is_cuda:
         from loragen.cuda.optim import adamw8bit_update_cuda  # NVRTC machinery: only for CUDA tensors
@@ -289,18 +243,9 @@ def adamw8bit_update_(
             param.copy_(flat_param.view(param.shape))
 
 
-def _adamw_fp32_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict[str, Any],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-) -> None:
+def _adamw_fp32_update_(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], **hyper: Any) -> None:
+    lr, beta1, beta2, step = hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["step"]
+    eps, weight_decay = hyper["eps"], hyper["weight_decay"]
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
     grad32 = grad.float()
     exp_avg.lerp_(grad32, 1.0 - beta1)
@@ -318,15 +263,12 @@ def _adamw_fp32_update_(
 
 
 class AdamW8bit(torch.optim.Optimizer):
-    """AdamW whose two moments are stored block-wise quantized to 8 bits (see the module docstring).
-
-    Drop-in for ``torch.optim.AdamW`` (same hyper-parameters and defaults, decoupled weight decay, bias
-    correction). Per quantized parameter element it stores 2 bytes plus ``8 / block_size`` bytes of block
-    scales, against 8 bytes for fp32 AdamW: about 74% less with the default ``block_size=256``.
+    """AdamW whose two moments are stored block-wise quantized to 8 bits (see the module docstring); a
+    drop-in for ``torch.optim.AdamW`` (same hyper-parameters and defaults).
 
     Args:
         params: parameters or parameter groups, as for any torch optimizer.
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (``weight_decay`` defaults to 0.01 there too).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         block_size: elements per quantization block (one fp32 scale each).
         min_8bit_size: parameters with fewer elements keep fp32 moments.
 
@@ -377,17 +319,14 @@ class AdamW8bit(torch.optim.Optimizer):
                 "would straddle shards. Use torch.optim.AdamW (make_optimizer(..., eight_bit=False))"
             )
         state["step"] = 0
-        if param.numel() < self.min_8bit_size:
-            state["exp_avg"] = torch.zeros_like(
-                param, dtype=torch.float32, memory_format=torch.preserve_format
-            )
-            state["exp_avg_sq"] = torch.zeros_like(
-                param, dtype=torch.float32, memory_format=torch.preserve_format
-            )
-            return
         n_blocks = -(-param.numel() // self.block_size)
         for name in ("exp_avg", "exp_avg_sq"):
-            # Code index of 0.0 in each table; an all-zero block has scale 0, so any index decodes to 0.
+            if param.numel() < self.min_8bit_size:
+                state[name] = torch.zeros_like(
+                    param, dtype=torch.float32, memory_format=torch.preserve_format
+                )
+                continue
+            # an all-zero block has scale 0, so any code decodes to 0
             state[f"{name}_codes"] = torch.zeros(
                 n_blocks, self.block_size, dtype=torch.uint8, device=param.device
             )
@@ -395,11 +334,8 @@ class AdamW8bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step; ``closure`` re-evaluates the loss, as for any torch optimizer.
+        """One optimization step; ``closure`` re-evaluates the loss. Raises RuntimeError on a sparse gradient."""
 
-        Raises:
-            RuntimeError: a parameter has a sparse gradient (not supported).
-        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -428,31 +364,19 @@ class AdamW8bit(torch.optim.Optimizer):
                 if "exp_avg" in state:
                     _adamw_fp32_update_(param, param.grad, state, **hyper)
                 else:
-                    signed_code, unsigned_code = self._tables(param.device)
+                    signed, unsigned = self._tables(param.device)
                     adamw8bit_update_(
-                        param,
-                        param.grad,
-                        state,
-                        signed_code=signed_code,
-                        unsigned_code=unsigned_code,
-                        **hyper,
+                        param, param.grad, state, signed_code=signed, unsigned_code=unsigned, **hyper
                     )
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by :meth:`state_dict`, keeping the saved dtypes.
+        """Load a state saved by :meth:`state_dict`, keeping the saved dtypes (torch's casts them)."""
 
-        ``torch.optim.Optimizer.load_state_dict`` casts every floating or integer state tensor to the
-        parameter's dtype, which would turn the uint8 codes into floats and round the fp32 block scales
-        of a bf16 parameter; the saved tensors are put back with their own dtypes afterwards.
-        """
         saved_state = {index: dict(entry) for index, entry in state_dict["state"].items()}
         saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
         super().load_state_dict(state_dict)
         params = [param for group in self.param_groups for param in group["params"]]
         for index, param in zip(saved_ids, params):
             for key, value in saved_state.get(index, {}).items():
-                if torch.is_tensor(value):
-                    self.state[param][key] = value.to(device=param.device)
-                else:
-                    self.state[param][key] = value
+                self.state[param][key] = value.to(device=param.device) if torch.is_tensor(value) else value

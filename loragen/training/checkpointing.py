@@ -1,25 +1,10 @@
 """Gradient checkpointing for LoRA models, and the preparation of a 4-bit / 8-bit model for LoRA training.
 
-* :func:`enable_input_require_grads` — reentrant gradient checkpointing only back-propagates into a
-  checkpointed block if one of its *inputs* requires grad. With a frozen embedding nothing does, the
-  LoRA weights inside the blocks silently get no gradient (torch only warns "None of the inputs have
-  requires_grad=True"). The hook makes the embedding output require grad.
-* :func:`checkpoint_modules` — gradient checkpointing for any ``nn.Module`` (transformers models have
-  ``gradient_checkpointing_enable()``; plain torch models do not).
-* :func:`prepare_model_for_kbit_training` — peft's steps, with peft's semantics, for a model loaded with
-  transformers' ``BitsAndBytesConfig`` (or any model holding bitsandbytes' quantized weights):
-
-  1. freeze every parameter (LoRA factors are added and made trainable afterwards by ``get_lora_model``);
-  2. cast every float16 / bfloat16 parameter that is not a quantized weight to float32: norms,
-     embeddings, the output head and biases then run in float32, which keeps training stable;
-  3. with gradient checkpointing asked for on a quantized model: make the input embeddings' output
-     require gradients (reentrant checkpointing, transformers' default, needs it, as above), then turn
-     checkpointing on with transformers' ``activation_checkpointing_enable``
-     (``gradient_checkpointing_enable`` before transformers 5), with transformers' default options unless
-     ``gradient_checkpointing_kwargs`` says.
-
-loragen's LoRA op draws its dropout seed from torch's CPU generator, which checkpointing restores before
-recomputing a segment: the recomputed forward uses the same dropout mask.
+Reentrant checkpointing only back-propagates into a block if one of its inputs requires grad; with a
+frozen embedding none does and the LoRA weights inside silently get no gradient, hence
+:func:`enable_input_require_grads`. :func:`checkpoint_modules` checkpoints any ``nn.Module``'s blocks, and
+:func:`prepare_model_for_kbit_training` is peft's function of that name. The LoRA op's dropout seed comes
+from torch's CPU generator, which checkpointing restores: a recomputed forward draws the same mask.
 """
 
 from __future__ import annotations
@@ -54,19 +39,8 @@ def _make_output_require_grad(module: nn.Module, inputs: Any, output: Any) -> No
 
 
 def enable_input_require_grads(model: nn.Module, module: nn.Module | None = None) -> RemovableHandle:
-    """Make the output of ``module`` (default: ``model.get_input_embeddings()``) require grad.
-
-    Needed for *reentrant* gradient checkpointing (``use_reentrant=True``, e.g.
-    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})``) on a
-    model whose input embedding is frozen, which is every LoRA model that does not train its embedding.
-
-    Args:
-        model: the (LoRA) model.
-        module: the module whose output feeds the checkpointed blocks; defaults to the model's input
-            embedding as transformers defines it.
-
-    Returns:
-        The hook handle; ``handle.remove()`` undoes it.
+    """Make the output of ``module`` (default: ``model.get_input_embeddings()``) require grad, as reentrant
+    gradient checkpointing needs on a model whose input embedding is frozen; returns the hook's handle.
 
     Raises:
         TrainingSetupError: no ``module`` was given and ``model`` has no ``get_input_embeddings()``.
@@ -86,30 +60,22 @@ def _checkpointed_forward(forward: Callable[..., Any], use_reentrant: bool, *arg
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if use_reentrant and kwargs:
-        # Reentrant checkpointing takes positional inputs only; keyword arguments (attention masks,
-        # position ids) are bound to the function instead, as transformers does.
-        return torch.utils.checkpoint.checkpoint(
-            functools.partial(forward, **kwargs), *args, use_reentrant=True
-        )
+        # reentrant checkpointing takes positional inputs only: bind the others, as transformers does
+        forward, kwargs = functools.partial(forward, **kwargs), {}
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=use_reentrant, **kwargs)
 
 
 def checkpoint_modules(model: nn.Module, names: Iterable[str], *, use_reentrant: bool = False) -> list[str]:
-    """Run each named submodule under ``torch.utils.checkpoint`` (activations recomputed in backward).
+    """Run each named submodule under ``torch.utils.checkpoint``, in place (its forward runs again in
+    backward, so it must not mutate state: ``use_cache=False`` for transformers models).
 
     Args:
-        model: the model; it is changed in place (each selected module's ``forward`` is wrapped).
-        names: submodule paths as in ``model.named_modules()`` (``"blocks.0"``, ``"blocks.1"``, ...).
+        model: the model.
+        names: submodule paths as in ``model.named_modules()`` (``"blocks.0"``, ...); returned as wrapped.
         use_reentrant: the checkpoint flavour. With ``True``, call :func:`enable_input_require_grads`
-            on the layer feeding the first checkpointed module if that layer is frozen; keyword
-            arguments of the wrapped forward are then bound to it (reentrant checkpointing passes only
-            positional inputs), so gradients flow only through the positional ones.
+            on the frozen layer feeding the first checkpointed module; gradients then flow only through
+            positional inputs (keyword arguments are bound to the forward).
 
-    A checkpointed module runs its forward twice (again during backward), so it must not mutate state
-    across calls: turn key/value caches off while training (``use_cache=False`` for transformers models).
-
-    Returns:
-        The paths that were wrapped, in the order given.
 
     Raises:
         TrainingSetupError: a name is not a submodule of ``model`` (the message lists close names), or a
@@ -135,7 +101,6 @@ def checkpoint_modules(model: nn.Module, names: Iterable[str], *, use_reentrant:
 
 # bitsandbytes' parameter classes for quantized weights, by name: no import of bitsandbytes needed
 _QUANTIZED_PARAMETER_TYPES = ("Params4bit", "Int8Params")
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _is_quantized_parameter(param: torch.Tensor) -> bool:
@@ -151,8 +116,7 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 def _enable_input_grads(model: nn.Module) -> None:
-    """Make the input embeddings' output require gradients (transformers' ``enable_input_require_grads``
-    where the model has it, else :func:`enable_input_require_grads`)."""
+    """transformers' ``enable_input_require_grads`` where the model has it, else ours."""
     enable = getattr(model, "enable_input_require_grads", None)
     if callable(enable):
         enable()
@@ -169,12 +133,8 @@ def _enable_input_grads(model: nn.Module) -> None:
 
 
 def _checkpointing_switch(model: nn.Module) -> tuple[Callable[..., Any], str]:
-    """transformers' method that turns checkpointing on, and its keyword for ``torch.utils.checkpoint``'s
-    options: ``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` before transformers 5.
-
-    Raises:
-        TrainingSetupError: the model has neither.
-    """
+    """transformers' method that turns checkpointing on (``gradient_checkpointing_enable`` before
+    transformers 5), and its keyword for ``torch.utils.checkpoint``'s options."""
     for method, keyword in (
         ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
         ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),
@@ -194,18 +154,14 @@ def prepare_model_for_kbit_training(
     use_gradient_checkpointing: bool = True,
     gradient_checkpointing_kwargs: dict[str, Any] | None = None,
 ) -> M:
-    """Prepare a 4-bit / 8-bit model for LoRA training, in place, as peft's function of the same name
-    does (the steps are in the module docstring); returns the same model.
+    """Prepare a 4-bit / 8-bit model for LoRA training, in place, as peft's function of that name does;
+    returns the same model. Call it before :func:`loragen.get_lora_model`.
 
-    Call it before :func:`loragen.get_lora_model`. Called on a model that has LoRA layers already, it
-    freezes the base as usual and then makes the LoRA parameters (and what the model's config trains)
-    trainable again.
-
-    Args:
-        model: the loaded model (a transformers model for gradient checkpointing).
-        use_gradient_checkpointing: turn on gradient checkpointing (only for a quantized model, as peft).
-        gradient_checkpointing_kwargs: passed to ``gradient_checkpointing_enable`` (for example
-            ``{"use_reentrant": False}``, which needs no input gradients and so skips step 3's hook).
+    It freezes every parameter, casts each float16 / bfloat16 parameter that is not a quantized weight to
+    float32 (norms, embeddings, head and biases: stable training) and, for a quantized model with
+    ``use_gradient_checkpointing``, turns transformers' checkpointing on with
+    ``gradient_checkpointing_kwargs`` (after making the input embeddings' output require grad, unless
+    ``use_reentrant`` is false). On a model with LoRA layers already, their factors train again.
 
     Raises:
         TrainingSetupError: checkpointing is asked for and the model has no ``gradient_checkpointing_enable``
@@ -215,8 +171,7 @@ def prepare_model_for_kbit_training(
     kwargs = dict(gradient_checkpointing_kwargs or {})
     for param in model.parameters():
         param.requires_grad_(False)
-    for param in model.parameters():
-        if param.dtype in _HALF_DTYPES and not _is_quantized_parameter(param):
+        if param.dtype in (torch.float16, torch.bfloat16) and not _is_quantized_parameter(param):
             param.data = param.data.to(torch.float32)
     if use_gradient_checkpointing and is_quantized(model):
         enable_checkpointing, keyword = _checkpointing_switch(model)

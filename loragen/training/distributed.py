@@ -1,12 +1,5 @@
-"""Distributed training of LoRA models: DDP, FSDP2, and saving once from rank 0.
-
-* :func:`wrap_ddp` — ``DistributedDataParallel`` for a LoRA model: checks that something trains, keeps
-  ``find_unused_parameters=False`` (frozen base parameters are not part of DDP's reducer, so LoRA plus
-  ``modules_to_save`` needs no unused-parameter search), and declares a static graph when reentrant
-  checkpointing is on (otherwise DDP sees each checkpointed parameter "ready twice").
-* :func:`unwrap_model`, :func:`is_main_process`, :func:`save_adapter_main_process` — saving once, from
-  rank 0, from a wrapped model (DDP, ``torch.compile``, FSDP2's sharded parameters gathered first).
-"""
+"""Distributed training of LoRA models: ``DistributedDataParallel`` with settings that suit LoRA, and saving
+the adapter once, from rank 0, from a wrapped model (DDP, ``torch.compile``, FSDP2)."""
 
 from __future__ import annotations
 
@@ -22,13 +15,9 @@ from loragen.adapters.save import save_adapter
 from loragen.errors import TrainingSetupError
 
 if dist.is_available():
-    # Imported now, before any process group exists, on purpose. torch.distributed.nn.functional binds
-    # ``group=group.WORLD`` as default arguments when it is first imported; imported after
-    # init_process_group (torch.distributed.checkpoint imports it, and FSDP2's saving below uses that),
-    # those defaults hold the default process group for the life of the interpreter, past
-    # destroy_process_group, and its gloo threads are then torn down at interpreter exit in whatever
-    # order the module cleanup takes: now and then a rank aborts with "terminate called without an
-    # active exception". Imported first, the defaults hold None.
+    # Imported before any process group exists: torch.distributed.nn.functional binds group.WORLD as
+    # default arguments on first import, and imported later (by FSDP2's saving) they would keep the default
+    # group alive past destroy_process_group, so that a rank may abort at interpreter exit.
     import torch.distributed.nn
 
 __all__ = [
@@ -58,17 +47,10 @@ def is_main_process() -> bool:
 def wrap_ddp(
     model: nn.Module, *, reentrant_checkpointing: bool = False, **ddp_kwargs: Any
 ) -> nn.parallel.DistributedDataParallel:
-    """Wrap a LoRA model in ``DistributedDataParallel`` with settings that work for LoRA training.
+    """Wrap ``model`` (converted, on its device) in ``DistributedDataParallel``, which synchronizes only what
+    trains, with ``find_unused_parameters=False`` unless ``ddp_kwargs`` say; ``reentrant_checkpointing``
+    (the model uses ``use_reentrant=True``) declares the graph static, so each parameter is reduced once.
 
-    Frozen parameters are skipped by DDP, so only LoRA weights, ``modules_to_save`` and trained biases
-    are synchronized, and ``find_unused_parameters`` stays ``False`` (the default here) unless the
-    caller's forward really skips a trainable module.
-
-    Args:
-        model: the converted model, already on its device; ``torch.distributed`` must be initialized.
-        reentrant_checkpointing: set when the model uses ``use_reentrant=True`` checkpointing; the
-            graph is then declared static so that each parameter is reduced once per step.
-        **ddp_kwargs: passed to ``DistributedDataParallel`` (``device_ids``, ``find_unused_parameters``...).
 
     Raises:
         TrainingSetupError: ``torch.distributed`` is not initialized, or nothing in ``model`` trains.
@@ -89,12 +71,12 @@ def wrap_ddp(
     return nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
 
 
-def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+def _is_fsdp2(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -109,13 +91,9 @@ def _gather_trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter_main_process(
     model: nn.Module, path: str | os.PathLike[str], **save_kwargs: Any
 ) -> Path | None:
-    """Save the adapter with :func:`loragen.save_adapter` from rank 0 only, then wait for all ranks.
-
-    Call it on every rank (it also works outside ``torch.distributed``). DDP / ``torch.compile`` wrappers
-    are removed with :func:`unwrap_model`. For an FSDP2 (``fully_shard``) model the trainable tensors are
-    first gathered to full size on every rank (a collective), and rank 0 writes them under the same peft
-    keys. Ranks other than 0 write nothing and return ``None``; every rank returns only after the folder
-    is complete, so a load that follows on any rank sees it.
+    """Save the adapter with :func:`loragen.save_adapter` from rank 0 only; call it on every rank (or
+    outside ``torch.distributed``). Wrappers are removed with :func:`unwrap_model`; an FSDP2 model's
+    trainable tensors are gathered first (a collective). Every rank returns once the folder is complete.
 
     Returns:
         The adapter folder on rank 0, ``None`` elsewhere.
@@ -124,23 +102,20 @@ def save_adapter_main_process(
         TrainingSetupError: on ranks other than 0 when rank 0 failed to save (rank 0 raises its own
             error); ``save_kwargs`` given for an FSDP2 model.
     """
-
     inner = unwrap_model(model)
-    sharded = bool(_fsdp2_modules(inner))
-    if sharded and save_kwargs:
-        raise TrainingSetupError(
-            f"save_adapter_main_process: options {sorted(save_kwargs)} are not supported for FSDP2 models"
-        )
-    gathered = _gather_trainable_state(inner) if sharded else None
+    if _is_fsdp2(inner):
+        if save_kwargs:
+            raise TrainingSetupError(
+                f"save_adapter_main_process: options {sorted(save_kwargs)} are not supported for FSDP2 models"
+            )
+        save_kwargs = {"state_dict": _gather_trainable_state(inner)}
     target: Path | None = None
     failure: BaseException | None = None
     if is_main_process():
         target = Path(path)
         try:
-            if gathered is None:
-                save_adapter(inner, target, **save_kwargs)
-            else:
-                save_adapter(inner, target, state_dict=gathered)
+            save_adapter(inner, target, **save_kwargs)
+
         except Exception as exc:
             failure = exc
     if dist.is_available() and dist.is_initialized():

@@ -1,9 +1,4 @@
-"""``make_optimizer``: AdamW over only what trains.
-
-A LoRA model freezes almost everything, so the optimizer should only see what trains: AdamW with fp32
-states, or :class:`loragen.training.adamw8bit.AdamW8bit` when the hybrid case (LoRA plus fully trained
-``modules_to_save`` such as an ``lm_head``) makes AdamW's two fp32 moments per element dominate memory.
-"""
+"""``make_optimizer``: AdamW (fp32 or :class:`~loragen.training.adamw8bit.AdamW8bit`) over only what trains."""
 
 from __future__ import annotations
 
@@ -18,11 +13,7 @@ __all__ = ["make_optimizer", "optimizer_state_bytes", "trainable_parameters"]
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by an optimizer's per-parameter state tensors (moments, codes, scales, step counters).
-
-    For :class:`AdamW8bit` the two shared 256-entry tables are counted too. Works for any torch
-    optimizer; this is the figure the 8-bit benchmark compares.
-    """
+    """Bytes held by any torch optimizer's per-parameter state tensors (and :class:`AdamW8bit`'s tables)."""
     total = 0
     for entry in optimizer.state.values():
         for value in entry.values():
@@ -55,16 +46,12 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW over only the trainable parameters of ``model`` (fp32 states, or 8-bit with ``eight_bit``).
 
-    With ``weight_decay > 0`` parameters of dimension <= 1 (biases, norm weights) go to a group without
-    weight decay, the usual practice, unless ``decay_1d`` is true. LoRA factors are 2-D (or 4-D for
-    convolutions) and are decayed.
-
     Args:
         model: a model after ``get_lora_model`` (or any module; frozen parameters are left out).
-        lr: learning rate.
-        weight_decay, betas, eps: AdamW hyper-parameters.
+        lr, weight_decay, betas, eps: AdamW hyper-parameters.
         eight_bit: build :class:`AdamW8bit` instead of ``torch.optim.AdamW``.
-        decay_1d: also decay biases and other 1-D parameters.
+        decay_1d: also decay parameters of dimension <= 1 (biases, norms), which otherwise go to a group
+            without weight decay.
         **eight_bit_options: ``block_size`` / ``min_8bit_size`` for :class:`AdamW8bit`.
 
     Raises:
@@ -83,15 +70,14 @@ def make_optimizer(
             f"make_optimizer: {sorted(eight_bit_options)} only apply with eight_bit=True "
             "(accepted: block_size, min_8bit_size)"
         )
+    groups: list[dict[str, Any]] = [{"params": [p for _, p in named], "weight_decay": weight_decay}]
     if weight_decay > 0 and not decay_1d:
-        decayed = [p for _, p in named if p.ndim > 1]
-        plain = [p for _, p in named if p.ndim <= 1]
-        groups: list[dict[str, Any]] = [{"params": decayed, "weight_decay": weight_decay}]
-        if plain:
-            groups.append({"params": plain, "weight_decay": 0.0})
+        groups = [
+            {"params": [p for _, p in named if p.ndim > 1], "weight_decay": weight_decay},
+            {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
+        ]
         groups = [g for g in groups if g["params"]]
-    else:
-        groups = [{"params": [p for _, p in named], "weight_decay": weight_decay}]
+
     if eight_bit:
         unknown = set(eight_bit_options) - {"block_size", "min_8bit_size"}
         if unknown:

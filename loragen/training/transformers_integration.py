@@ -1,63 +1,22 @@
 """loragen in transformers: a loragen model's adapter methods, and its adapter in every Trainer checkpoint.
 
-**Adapter methods.** transformers' adapter methods on a loragen model act on loragen's adapters, with
-peft's semantics.
+Once a transformers model holds loragen LoRA layers, its class is switched to a subclass of the same
+name whose ``PeftAdapterMixin`` methods (``load_adapter``, ``add_adapter``, ``set_adapter``,
+``disable_adapters`` / ``enable_adapters``, ``active_adapters``, ``get_adapter_state_dict``,
+``delete_adapter``, ``save_pretrained``) call loragen's functions with peft's semantics instead of
+driving peft; what cannot match raises an :class:`~loragen.errors.AdapterError` naming the loragen call
+to use. A subclass, not per-instance methods, so that deepcopy and pickling work and ``isinstance`` and
+``type(model).__name__`` are unchanged.
 
-A transformers ``PreTrainedModel`` carries ``PeftAdapterMixin``'s methods (``load_adapter``,
-``add_adapter``, ``set_adapter``, ``save_pretrained`` ...). They drive peft: on a model loragen converted
-they would wrap loragen's LoRA layers in peft layers (two adapters stacked), fail on a version check, or
-save the whole model. Once a transformers model holds loragen LoRA layers (``get_lora_model``,
-``load_adapter``, ``add_adapter``, a decorated class's ``get_lora_model``, ``mark_trainable`` on a
-rewritten model) its class is switched to a subclass made for it here, with the same name, whose adapter
-methods call loragen's functions:
-
-==================================== ====================================================================
-``load_adapter(folder, name)``        ``loragen.load_adapter(model, folder, adapter_name=name)``; a new
-                                      name is added beside the others (not made active), as transformers
-                                      does; an existing name is refused (transformers refuses it too);
-                                      ``adapter_kwargs={"subfolder": ...}`` reads a folder inside it;
-                                      ``is_trainable=False``: eval mode, all frozen; ``True``: the new
-                                      LoRA layers in train mode, their factors trainable
-``add_adapter(config, name)``         ``loragen.add_adapter`` then ``loragen.set_adapter`` (transformers
-                                      activates it); a peft ``LoraConfig`` is read with ``from_peft``
-``set_adapter(name)``                 ``loragen.set_adapter``
-``disable_adapters()`` /              ``loragen.disable_adapter(model)`` entered / left: the base model
-``enable_adapters()``                 exactly in between
-``active_adapters()``                 ``[loragen.active_adapter(model)]``
-``get_adapter_state_dict(name)``      the adapter's tensors under transformers' keys (peft's file keys
-                                      without ``base_model.model.``)
-``delete_adapter(names)``             ``loragen.delete_adapter`` for each name once; the deleted
-                                      adapter's ``modules_to_save`` stop training, as in peft
-``save_pretrained(folder)``           ``loragen.save_adapter``: the adapter folder, the active adapter at
-                                      the root (as transformers), the others in ``<name>/`` (as
-                                      ``PeftModel.save_pretrained``), ``base_model_name_or_path`` the
-                                      model's ``name_or_path``; ``full_model=True`` keeps transformers'
-                                      full-model save (config, base and LoRA weights)
-``enable_peft_hotswap()``             refused: transformers allows it before the first adapter only
-==================================== ====================================================================
-
-What cannot match raises an :class:`~loragen.errors.AdapterError` naming the loragen call to use.
-A subclass and not per-instance methods: the instance stays free of bound methods (``copy.deepcopy``,
-``torch.save`` and pickling work), and ``isinstance`` and ``type(model).__name__`` (which transformers
-writes into ``config.architectures``) are unchanged.
-
-**Trainer checkpoints.** Trainer's own save of a checkpoint, and ``trainer.save_model()``, call
-``save_pretrained``: they write the adapter, as for a peft model. Trainer resumes a model that is not a
-``PeftModel`` only from a model weights file, though, and ``LoraTrainerCallback`` adds one to every
-``checkpoint-<step>``: by default a ``model.safetensors`` holding only what trains (LoRA factors,
-``modules_to_save``, trained biases) under the model's parameter names, so a checkpoint holds nothing of the
-frozen base, as a peft user's does; with ``full_model=True`` the whole model (``model.safetensors``,
-``config.json``). Resuming is exact either way: Trainer loads the file non-strictly, the frozen base weights
-stay as they are in the model, and the callback drops Trainer's "missing keys" warning when every missing
-key is a frozen tensor.
-
-transformers is imported only for a model that is a transformers model already, and for the callback class
-when it is first used.
+``LoraTrainerCallback`` makes every Trainer checkpoint hold the peft adapter and, for resuming, a
+``model.safetensors`` with only what trains (the whole model with ``full_model=True``); Trainer's
+"missing keys" warning is dropped when every missing key is a frozen tensor.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import logging
 import os
@@ -77,33 +36,9 @@ from loragen.errors import AdapterError, AdapterNameError, LoraError, TrainingSe
 # LoraTrainerCallback itself is made on first access (module __getattr__ at the end)
 __all__ = ["install_adapter_methods", "LoragenAdapterMethods", "make_trainer_callback_class"]
 
-# the subclass made for each transformers class
-_SUBCLASSES: dict[type, type] = {}
+
 # disable_adapters() holds loragen's disable_adapter context open until enable_adapters()
 _DISABLED: weakref.WeakKeyDictionary[nn.Module, AbstractContextManager[Any]] = weakref.WeakKeyDictionary()
-
-
-def _peft_adapter_mixin() -> type | None:
-    if "transformers" not in sys.modules:
-        return None  # the model cannot be a transformers model then
-    try:
-        from transformers.integrations import PeftAdapterMixin
-    except ImportError:  # pragma: no cover - a transformers without the mixin has no adapter methods
-        return None
-    mixin: type = PeftAdapterMixin
-    return mixin
-
-
-def _lora_config(config: Any, where: str) -> LoraConfig:
-    """A loragen config from a loragen or a peft ``LoraConfig``."""
-    if isinstance(config, LoraConfig):
-        return config
-    to_dict = getattr(config, "to_dict", None)
-    if callable(to_dict):
-        return LoraConfig.from_peft(to_dict(), source=f"{where}: {type(config).__name__}")
-    raise AdapterError(
-        f"{where}: expected a loragen.LoraConfig or a peft LoraConfig, got {type(config).__name__}"
-    )
 
 
 # transformers' download keywords: meaningless for a local folder, which transformers reads without them
@@ -133,20 +68,16 @@ class LoragenAdapterMethods:
         **kwargs: Any,
     ) -> None:
         """Load the adapter folder ``peft_model_id`` (``adapter_kwargs={"subfolder": ...}``: a folder inside
-        it) as adapter ``adapter_name`` (default ``"default"``).
+        it) as a new adapter ``adapter_name`` (default ``"default"``), not made active.
 
-        A name the model does not hold yet is added beside its adapters and not made active. As in
-        transformers: ``is_trainable=False`` puts the model in eval mode with every parameter frozen;
-        ``is_trainable=True`` makes the new factors train and puts the LoRA layers holding them in train
-        mode. Hub keywords in ``adapter_kwargs`` (``revision``, ``token``, ...) do not apply to a local folder
-        and are ignored, as transformers ignores them for one.
+        As in transformers: ``is_trainable=False`` puts the model in eval mode with every parameter frozen;
+        ``True`` makes the new factors train and their LoRA layers train mode. Hub keywords in
+        ``adapter_kwargs`` (``revision``, ``token``, ...) are ignored for a local folder, as transformers does.
 
         Raises:
-            AdapterNameError: the model holds an adapter of that name already (transformers refuses it too;
-                ``loragen.load_adapter(model, folder, adapter_name=name)`` loads new weights into it).
-            AdapterError: not a local folder (hub ids: download the folder first), ``hotswap=True``,
-                ``adapter_state_dict``/``peft_config`` without a folder, an ``adapter_kwargs`` key other than
-                ``subfolder`` and the hub keywords; see ``loragen.load_adapter``.
+            AdapterNameError: the model holds an adapter of that name already.
+            AdapterError: not a local folder, ``hotswap=True``, ``adapter_state_dict``/``peft_config``, an
+                unknown ``adapter_kwargs`` key; see ``loragen.load_adapter``.
         """
         from loragen.adapters.load import load_adapter
         from loragen.adapters.named import list_adapters
@@ -199,7 +130,7 @@ class LoragenAdapterMethods:
         """Refused: transformers allows it only before the first adapter, and a loragen model holds one.
 
         Raises:
-            AdapterError: always; it names the loragen call that replaces an adapter's weights in place.
+            AdapterError: always.
         """
         from loragen.adapters.named import list_adapters
 
@@ -223,7 +154,14 @@ class LoragenAdapterMethods:
         from loragen.adapters.named import add_adapter, set_adapter
 
         name = adapter_name or "default"
-        config = _lora_config(adapter_config, f"{type(self).__name__}.add_adapter")
+        where = f"{type(self).__name__}.add_adapter"
+        config = adapter_config
+        if not isinstance(config, LoraConfig):
+            if not callable(getattr(config, "to_dict", None)):
+                raise AdapterError(
+                    f"{where}: expected a loragen.LoraConfig or a peft LoraConfig, got {type(config).__name__}"
+                )
+            config = LoraConfig.from_peft(config.to_dict(), source=f"{where}: {type(config).__name__}")
         model = self._as_module()
         with _enabled_while(model):
             add_adapter(model, config, name)
@@ -233,8 +171,7 @@ class LoragenAdapterMethods:
         """Make ``adapter_name`` the active adapter (its factors train, the others' are frozen).
 
         Raises:
-            AdapterError: several names (loragen adds one adapter at a time: combine them with
-                ``loragen.add_weighted_adapter``, or route rows with ``loragen.mixed_batch``).
+            AdapterError: several names (loragen has one active adapter).
             AdapterNameError: an unknown name.
         """
         from loragen.adapters.named import set_adapter
@@ -279,7 +216,7 @@ class LoragenAdapterMethods:
         self, adapter_name: str | None = None, state_dict: Any = None
     ) -> dict[str, Any]:
         """The tensors of adapter ``adapter_name`` (default: the active one) under transformers' keys: peft's
-        file keys without ``base_model.model.`` (``model.layers.0.self_attn.q_proj.lora_A.weight``).
+        file keys without ``base_model.model.``.
 
         Raises:
             AdapterNameError: an unknown name.
@@ -295,10 +232,8 @@ class LoragenAdapterMethods:
         return {key.removeprefix(PEFT_PREFIX): value for key, value in tensors.items()}
 
     def delete_adapter(self, adapter_names: str | list[str] | None) -> None:
-        """Delete the adapters ``adapter_names`` (each once; ``None`` or ``[]``: nothing), as transformers does.
-
-        What a deleted adapter trained in full (``modules_to_save``) is frozen again, as in peft: with no
-        adapter left, nothing trains.
+        """Delete the adapters ``adapter_names`` (each once; ``None`` or ``[]``: nothing), as transformers does;
+        their ``modules_to_save`` stop training, as in peft.
 
         Raises:
             AdapterNameError: a name the model does not hold (nothing is deleted then).
@@ -327,21 +262,17 @@ class LoragenAdapterMethods:
         safe_serialization: bool = True,
         **kwargs: Any,
     ) -> None:
-        """Write the adapters to ``save_directory`` in peft's format (``loragen.save_adapter``: the folder loads
-        in ``PeftModel.from_pretrained``, ``loragen.load_adapter`` and ``AutoModel*.from_pretrained``).
+        """Write the adapters to ``save_directory`` in peft's format with ``loragen.save_adapter``: the active
+        one at the root (as transformers), the others in ``<name>/`` (as ``PeftModel.save_pretrained``); with
+        ``selected_adapters``, peft's layout (``"default"`` at the root). ``state_dict`` (the model's keys,
+        e.g. Trainer's gathered state) supplies the tensors.
 
-        The active adapter goes at the root, as transformers saves it, and every other adapter in its
-        ``<name>/`` subfolder, as ``PeftModel.save_pretrained`` saves it; with ``selected_adapters``, peft's
-        layout (``"default"`` at the root).
-
-        ``full_model=True``, or a model without LoRA layers (after ``loragen.merge_and_unload``, as peft's
-        ``merge_and_unload`` returns the plain model): transformers' own save of the whole model (every other
-        keyword goes to it). ``state_dict`` (the model's keys, e.g. Trainer's gathered state) supplies the
-        tensors.
+        ``full_model=True``, or a model without LoRA layers (after ``merge_and_unload``): transformers' own
+        save of the whole model, which takes every other keyword.
 
         Raises:
-            AdapterError: a keyword only the full-model save takes (``push_to_hub``, ``max_shard_size``,
-                ...) without ``full_model=True``, or ``safe_serialization=False`` (adapters are safetensors).
+            AdapterError: a full-model-only keyword (``push_to_hub``, ...) without ``full_model=True``, or
+                ``safe_serialization=False``.
         """
         from loragen.adapters.named import active_adapter
         from loragen.adapters.save import save_adapter
@@ -384,8 +315,7 @@ class LoragenAdapterMethods:
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        # pickle names classes by module and qualified name, which find the transformers class: rebuild
-        # this subclass from it instead
+        # pickle would find the transformers class by name: rebuild this subclass from it instead
         reduced = super().__reduce_ex__(protocol)
         if isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[1][:1] == (type(self),):
             return (_rebuild, (self._loragen_base,), *reduced[2:])
@@ -397,8 +327,7 @@ class LoragenAdapterMethods:
 
 @contextmanager
 def _enabled_while(model: nn.Module) -> Iterator[None]:
-    """Adapters switched on for a change made while ``disable_adapters()`` is in force, and off again
-    after it: the disabled state restores what was active when it began, which the change may alter."""
+    """Adapters on for a change made while ``disable_adapters()`` is in force, and off again after it."""
     context = _DISABLED.pop(model, None)
     if context is None:
         yield
@@ -411,33 +340,31 @@ def _enabled_while(model: nn.Module) -> Iterator[None]:
             LoragenAdapterMethods.disable_adapters(cast(Any, model))
 
 
+@functools.cache
 def _subclass_for(base: type) -> type:
-    sub = _SUBCLASSES.get(base)
-    if sub is None:
-        sub = type(
-            base.__name__,
-            (LoragenAdapterMethods, base),
-            {"__module__": base.__module__, "__qualname__": base.__qualname__, "_loragen_base": base},
-        )
-        _SUBCLASSES[base] = sub
-    return sub
+    return type(
+        base.__name__,
+        (LoragenAdapterMethods, base),
+        {"__module__": base.__module__, "__qualname__": base.__qualname__, "_loragen_base": base},
+    )
 
 
 def _rebuild(base: type) -> nn.Module:
-    """A bare instance of ``base``'s loragen subclass, for unpickling."""
-    sub = _subclass_for(base)
-    return cast(nn.Module, object.__new__(sub))  # what pickle's copyreg.__newobj__ does for the class
+    """A bare instance of ``base``'s loragen subclass, for unpickling (as pickle's ``__newobj__`` makes)."""
+    return cast(nn.Module, object.__new__(_subclass_for(base)))
 
 
 def install_adapter_methods(model: nn.Module) -> None:
     """Switch a transformers model that holds loragen LoRA layers to its class with loragen's adapter
     methods (see the module docstring); any other model, or one switched already, is left as it is."""
-    mixin = _peft_adapter_mixin()
-    if mixin is None or not isinstance(model, mixin) or isinstance(model, LoragenAdapterMethods):
+    if "transformers" not in sys.modules or isinstance(model, LoragenAdapterMethods):
+        return  # without transformers imported, the model is not a transformers model
+    try:
+        from transformers.integrations import PeftAdapterMixin
+    except ImportError:  # pragma: no cover - a transformers without the mixin has no adapter methods
         return
-    if not find_lora_layers(model):
-        return
-    model.__class__ = _subclass_for(type(model))
+    if isinstance(model, PeftAdapterMixin) and find_lora_layers(model):
+        model.__class__ = _subclass_for(cast(type, type(model)))
 
 
 add_conversion_hook(install_adapter_methods)
@@ -452,10 +379,6 @@ _MODEL_WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-
-
-def _checkpoint_dir(output_dir: str, step: int) -> Path:
-    return Path(output_dir) / f"checkpoint-{step}"
 
 
 def _keep_only_trainable_weights(folder: Path, model: nn.Module) -> None:
@@ -484,8 +407,7 @@ _TRAINER_LOGGER = "transformers.trainer"
 
 
 class _ExactResumeFilter(logging.Filter):
-    """Drops Trainer's "missing keys" warning when every missing key is a frozen tensor of the model (a
-    checkpoint without ``full_model`` leaves exactly those out on purpose); any other record passes."""
+    """Drops Trainer's "missing keys" warning when every missing key is a frozen tensor of the model."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -515,6 +437,7 @@ def _lora_model(model: nn.Module | None) -> nn.Module:
     return unwrap_model(model)
 
 
+@functools.cache
 def make_trainer_callback_class() -> type:
     """The callback class, built on transformers' ``TrainerCallback`` (imported here, on first use).
 
@@ -528,12 +451,10 @@ def make_trainer_callback_class() -> type:
     from loragen.layers.adapter_set import DEFAULT_ADAPTER
 
     class LoraTrainerCallback(TrainerCallback):
-        """Writes the peft adapter, and what resuming needs, into every Trainer checkpoint (see
-        :mod:`loragen.training.transformers_integration`).
+        """Writes the peft adapter, and what resuming needs, into every Trainer checkpoint.
 
         Args:
-            full_model: write the whole model into each checkpoint; by default a checkpoint holds only what
-                trains (the adapter, and the trainable tensors under the model's names for resuming).
+            full_model: write the whole model into each checkpoint; by default only what trains.
         """
 
         def __init__(self, full_model: bool = False) -> None:
@@ -557,28 +478,22 @@ def make_trainer_callback_class() -> type:
         ) -> None:
             if not state.is_world_process_zero:
                 return
-            folder = _checkpoint_dir(args.output_dir, state.global_step)
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             lora_model = _lora_model(model)
             save_adapter(lora_model, folder, root_adapter=active_adapter(lora_model) or DEFAULT_ADAPTER)
             if not self.full_model:
                 _keep_only_trainable_weights(folder, lora_model)
-            elif not any((folder / name).is_file() for name in _MODEL_WEIGHT_FILES):
-                # save_pretrained wrote the adapter (peft's semantics): add the full model
-                if isinstance(lora_model, LoragenAdapterMethods):
-                    lora_model.save_pretrained(folder, full_model=True)
+            elif isinstance(lora_model, LoragenAdapterMethods) and not any(
+                (folder / name).is_file() for name in _MODEL_WEIGHT_FILES
+            ):  # save_pretrained wrote the adapter (peft's semantics): add the full model
+                lora_model.save_pretrained(folder, full_model=True)
 
     LoraTrainerCallback.__module__ = "loragen"
     LoraTrainerCallback.__qualname__ = "LoraTrainerCallback"
     return LoraTrainerCallback
 
 
-_class: type | None = None
-
-
 def __getattr__(name: str) -> Any:
-    global _class
     if name == "LoraTrainerCallback":
-        if _class is None:
-            _class = make_trainer_callback_class()
-        return _class
+        return make_trainer_callback_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
