@@ -55,7 +55,7 @@ class _LoraConvNd(LoraLayer):
         init_lora_weights: InitMode = True,
         use_dora: bool = False,
     ) -> None:
-        """The torch conv's constructor plus the LoRA keywords (:class:`LoraConv1d`, :class:`LoraConv2d`)."""
+        """The torch conv's constructor plus the LoRA keywords."""
         base = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode)
         self.base_class.__init__(self, *base, device, dtype)
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)

@@ -1,16 +1,12 @@
-"""LoRA on parameters a module reads itself (``LoraConfig.target_parameters``): MoE expert stacks.
-
-transformers 5 keeps the experts of Mixtral, Qwen3-MoE, OLMoE, ... as 3-D parameters of one ``experts``
-module (``gate_up_proj (E, 2*I, H)``, ``down_proj (E, H, I)``), which ``target_modules`` never reaches;
-peft adapts them through ``target_parameters``, and so does loragen, with peft's math and format.
+"""LoRA on parameters a module reads itself (``LoraConfig.target_parameters``): MoE expert stacks such as
+transformers 5's ``gate_up_proj (E, 2*I, H)`` / ``down_proj (E, H, I)``, with peft's math and format.
 
 The converted module is the experts module itself, of a LoRA class derived from its own class (keys,
 attributes and ``forward`` stay), with one :class:`ParameterLora` per targeted parameter under
-``lora_targets.<name>`` (``lora_A (r*E, in)``, ``lora_B (out, r*E)``, :class:`loragen.registry.ParameterLayout`).
-During the forward the module reads each targeted parameter as ``W + scaling * B_e @ A_e``, made in one
-batched product (:mod:`loragen.ops.expert_products`); no dropout (as in peft). Merging adds the same update.
-In an adapter file the factors of a module's ``k``-th of ``n`` targets are
-``<module>.{"base_layer." * (n-1-k)}lora_A.weight``: the keys of peft's nested ``ParamWrapper``.
+``lora_targets.<name>``. During the forward the module reads each one as ``W + scaling * B_e @ A_e``
+(:mod:`loragen.ops.expert_products`; no dropout, as in peft); merging adds the same update. In an adapter
+file the factors of a module's ``k``-th of ``n`` targets are ``<module>.{"base_layer." * (n-1-k)}lora_A.weight``,
+the keys of peft's nested ``ParamWrapper``.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from typing_extensions import Self
 from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
-from loragen.layers.base import LoraLayer, clone_as, reading, strip_to, writing
+from loragen.layers.base import LoraLayer, clone_as, reading, strip_to
 from loragen.layers.variants import LORA, Variant
 from loragen.ops.expert_products import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
@@ -40,22 +36,8 @@ TARGETS = "lora_targets"
 
 
 class ParameterLora(nn.Module):
-    """The LoRA factors of one targeted parameter: ``lora_A (r*E, in)``, ``lora_B (out, r*E)``.
-
-    Attributes:
-        parameter_name: the targeted parameter's name on its module. layout: how the factors line up with it.
-        num_experts: ``E`` (1 for a 2-D parameter). r, lora_alpha, use_rslora, scaling: as on every LoRA layer.
-    """
-
-    lora_A: nn.Parameter
-    lora_B: nn.Parameter
-    parameter_name: str
-    layout: ParameterLayout
-    num_experts: int
-    r: int
-    lora_alpha: float
-    use_rslora: bool
-    scaling: float
+    """The LoRA factors of one targeted parameter: ``lora_A (r*E, in)``, ``lora_B (out, r*E)``, with its own
+    ``r``, ``lora_alpha``, ``use_rslora``, ``scaling``, ``layout`` and ``num_experts`` (1 for a 2-D one)."""
 
     def __init__(
         self,
@@ -83,8 +65,7 @@ class ParameterLora(nn.Module):
 
     @torch.no_grad()
     def reset(self, init_lora_weights: InitMode = True) -> None:
-        """(Re)initialise as peft does: A kaiming-uniform (normal(0, 1/r) for ``"gaussian"``), B zeros;
-        ``False``: both kaiming-uniform."""
+        """(Re)initialise as peft does (A kaiming-uniform or ``"gaussian"``, B zeros; ``False``: both random)."""
         PLAIN.init_factors(self.lora_A, self.lora_B, self.r, init_lora_weights)
 
     def delta(self, weight: Tensor) -> Tensor:
@@ -105,10 +86,9 @@ class ParameterLora(nn.Module):
 class LoraParametersLayer(LoraLayer):
     """A module whose targeted parameters carry LoRA factors (mixed into the module's own class).
 
-    ``r``, ``lora_alpha``, ``scaling`` and ``use_rslora`` on the layer are those of its first target (the
-    targets may differ through ``rank_pattern`` / ``alpha_pattern``, keyed by the parameter's full name);
-    each :class:`ParameterLora` holds its own. The module holds one adapter, itself (a further named adapter
-    cannot target parameters): :func:`loragen.layers.adapter_set.adapter_factors` returns the module.
+    It holds one adapter, itself (:func:`loragen.layers.adapter_set.adapter_factors` returns it); its
+    ``r``, ``lora_alpha``, ``scaling`` and ``use_rslora`` are its first target's (``rank_pattern`` /
+    ``alpha_pattern`` can give each target its own, keyed by the parameter's full name).
     """
 
     # its one adapter's settings, plain attributes here (a factor layer reads them from its first adapter)
@@ -142,7 +122,7 @@ class LoraParametersLayer(LoraLayer):
 
     @property
     def layout(self) -> Layout:
-        """PLAIN: the factors' names and peft suffixes (the per-parameter layout is each target's)."""
+        """PLAIN: the factors' names and peft suffixes (each target has its own layout for the maths)."""
         return PLAIN
 
     @property
@@ -160,8 +140,8 @@ class LoraParametersLayer(LoraLayer):
         use_rslora: bool = False,
         init_lora_weights: InitMode = True,
     ) -> Self:
-        """The LoRA module for ``base`` with factors on the parameters ``targets`` names,
-        ``{name: (r, lora_alpha)}``; it takes over ``base``'s state (nothing is copied).
+        """The LoRA module for ``base`` with factors on the parameters ``targets`` names, ``{name: (r, lora_alpha)}``,
+        taking over ``base``'s state.
 
         Raises:
             LoraConversionError: a name is not a 2-D or 3-D parameter of ``base``.
@@ -190,7 +170,7 @@ class LoraParametersLayer(LoraLayer):
     # ---- what save / load / mark_trainable read --------------------------------------------------
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
-        """``{"lora_targets.<name>.lora_A": ..., ...}``: the factors under their model keys below this module."""
+        """``{"lora_targets.<name>.lora_A": ..., ...}``: the factors by their keys below this module."""
         return {
             f"{TARGETS}.{name}.{attr}": getattr(target, attr)
             for name, target in self.parameter_targets.items()
@@ -198,7 +178,7 @@ class LoraParametersLayer(LoraLayer):
         }
 
     def peft_key_suffixes(self) -> dict[str, str]:
-        """Attribute path -> peft's key suffix: ``[base_layer.]*lora_A.weight`` per target (see module doc)."""
+        """Attribute path -> peft's key suffix, ``[base_layer.]*lora_A.weight`` (module docstring)."""
         names = list(self.parameter_targets)
         return {
             f"{TARGETS}.{name}.{attr}": "base_layer." * (len(names) - 1 - i) + f"{attr}.weight"
@@ -215,9 +195,8 @@ class LoraParametersLayer(LoraLayer):
 
     @reading
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's own forward, reading ``W + scaling * B_e @ A_e`` for each targeted parameter ``W``.
-
-        Merged, disabled (``active_adapter`` None) or another adapter's turn: the stored parameters.
+        """The module's own forward, reading ``W + scaling * B_e @ A_e`` for each targeted parameter ``W`` (merged,
+        disabled or another adapter's turn: the stored parameters).
 
         Raises:
             MixedBatchError: inside ``loragen.mixed_batch`` (rows cannot take different weight updates).
@@ -227,7 +206,7 @@ class LoraParametersLayer(LoraLayer):
                 f"{type(self).__qualname__}: a mixed batch (loragen.mixed_batch) cannot route rows through LoRA on "
                 "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
             )
-        if self.merged or self.active_adapter != self.adapter_name:
+        if self.running_adapter() is None:
             return self.base_class.forward(self, *args, **kwargs)
         recipes = {
             name: (cast(Tensor, self._parameters[name]), t.lora_A, t.lora_B, t.scaling, t.layout)
@@ -257,29 +236,15 @@ class LoraParametersLayer(LoraLayer):
                     "parameter (a parametrization computes it, or it is quantized)"
                 )
 
-    @writing
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Add every target's ``scaling * B_e @ A_e`` into its parameter (float32 math, rounded once)."""
-        if self.merged:
-            return
-        self._check_mergeable()
-        active = self.active_adapter == self.adapter_name  # else (disabled, another adapter) nothing to add
-        if active:
-            self._add_deltas(1.0)
-        self._merged_adapter = self.adapter_name if active else None
-        self.merged = True
+    def running_adapter(self) -> Any:
+        """Itself, its one adapter, when that is active and not merged; else None."""
+        return None if self.merged or self.active_adapter != self.adapter_name else self
 
-    @writing
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        """Subtract the updates again. A no-op if not merged."""
-        if not self.merged:
-            return
-        name, self._merged_adapter = self._merged_adapter, None
-        if name is not None:
-            self._add_deltas(-1.0)
-        self.merged = False
+    def _merge_adapter(self, adapter: Any) -> None:
+        self._add_deltas(1.0)
+
+    def _unmerge_adapter(self, name: str) -> None:
+        self._add_deltas(-1.0)
 
     def _add_deltas(self, sign: float) -> None:
         for name, target in self.parameter_targets.items():
@@ -297,11 +262,8 @@ class LoraParametersLayer(LoraLayer):
 
 @contextlib.contextmanager
 def _shadowed(module: nn.Module, values: dict[str, Tensor]) -> Iterator[None]:
-    """While active, ``module.<name>`` reads ``values[name]`` instead of the registered parameter.
-
-    The value goes into the instance ``__dict__``, which attribute lookup reads before ``nn.Module``'s
-    ``__getattr__`` finds the parameter; the parameter itself (and the state dict) is untouched.
-    """
+    """While active, ``module.<name>`` reads ``values[name]`` (from the instance ``__dict__``, which lookup reads
+    before ``nn.Module.__getattr__``); the registered parameter and the state dict are untouched."""
     for name, value in values.items():
         object.__setattr__(module, name, value)
     try:
@@ -344,9 +306,8 @@ def _rebuild(base_type: type[nn.Module]) -> LoraParametersLayer:
 
 
 def scaling_owners(path: str, layer: Any) -> Sequence[tuple[str, Any]]:
-    """``(config key, object holding r / lora_alpha / use_rslora / scaling)`` for each adapted part of the
-    layer at ``path``: the layer itself, or each targeted parameter (keyed ``<path>.<name>``, the name
-    ``rank_pattern`` and ``alpha_pattern`` match, as in peft)."""
+    """``(config key, owner of r / lora_alpha / use_rslora / scaling)`` for each adapted part of the layer at
+    ``path``: the layer, or each targeted parameter (keyed ``<path>.<name>``, as ``rank_pattern`` matches)."""
     if isinstance(layer, LoraParametersLayer):
         return [(f"{path}.{name}", target) for name, target in layer.parameter_targets.items()]
     return [(path, layer)]

@@ -1,18 +1,8 @@
-"""The CPU autograd ops of LoRA layers, each with a hand-written backward.
-
-=============== =======================================================================================
-module           concern
-=============== =======================================================================================
-fused            :func:`lora_linear` (the whole LoRA linear; CUDA tensors go to :mod:`loragen.cuda`) and
-                 :func:`lora_branch` (the term added onto a base output computed elsewhere: quantized bases)
-dora             :func:`dora_linear`: DoRA as one autograd node
-expert_products  LoRA on targeted parameters (MoE expert stacks) in weight space
-masks            dropout keep-masks as packed bits, row blocks
-cpu_kernels      compiled kernels (AVX-512 and AVX2 builds) for the masked rank-r products
-=============== =======================================================================================
-
-peft's plain compositions, every op's reference and the fallback where an op does not run, are
-:mod:`loragen.reference`. The switches (fused op on/off, compiled CPU kernels) are :mod:`loragen.switches`.
+"""The CPU autograd ops of LoRA layers, each with a hand-written backward: :mod:`~loragen.ops.fused`
+(``lora_linear``, ``lora_branch``), :mod:`~loragen.ops.dora` (``dora_linear``),
+:mod:`~loragen.ops.expert_products` (MoE expert stacks), :mod:`~loragen.ops.masks` (dropout masks as
+packed bits) and :mod:`~loragen.ops.cpu_kernels` (compiled masked products). References:
+:mod:`loragen.reference`.
 """
 
 from __future__ import annotations

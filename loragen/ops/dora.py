@@ -1,31 +1,20 @@
 """The fused DoRA linear op: ``dora_linear``, peft's DoRA math as one autograd node.
 
-DoRA (Liu et al. 2024, arXiv 2402.09353) splits the adapted weight into a magnitude ``m`` (one value per
-output) and a direction ``W + s B A``; with ``n = ||W + s B A||`` per output row, computed each step and
-*detached* from the graph as the paper's section 4.3 and peft do, and ``c = m / n`` (out,):
+DoRA (arXiv 2402.09353) rescales the direction ``W + s B A`` to a trained magnitude ``m`` per output; with
+``n = ||W + s B A||`` per output row (detached, as in the paper's section 4.3 and peft) and ``c = m / n``:
 
 without dropout   y = c * (x W^T + s (x A^T) B^T) + b
-with dropout d    y = x W^T + b + (c - 1) * (d(x) W^T) + c * s (d(x) A^T) B^T      (peft's formula:
-                  the direction is applied to the dropped-out input, the base term to x itself)
+with dropout d    y = x W^T + b + (c - 1) * (d(x) W^T) + c * s (d(x) A^T) B^T      (peft's formula)
 
-On the CPU, x flattened to (N, in), xd = d(x) (x itself without dropout), s = scaling:
+On the CPU, x flattened to (N, in), xd = d(x) (x itself without dropout):
 
-forward   n  = ||W + s B A||_rows                   once per call, (out, in) temporary, never x-sized
-          h  = xd A^T                               (N, r), saved
-          w  = xd W^T + s h B^T                     (N, out), saved: the direction's output, m's gradient
-          y  = c * w + b  [ + (x - xd) W^T ]        the bracket only with dropout: x W^T - xd W^T in one GEMM
-backward  gc = c * g
-          dm = sum_N(g * w) / n                     n detached: no gradient flows into the norm
-          dB = s gc^T h,  dh = s gc B,  dA = dh^T xd
-          dx = gc W + dh A                          one base GEMM without dropout
-          dx = g W + mask/(1-p) * ((c - 1) g W + dh A)      two with dropout (x and xd differ)
-          db = sum_N(g)
+forward   h = xd A^T (N, r);  w = xd W^T + s h B^T (N, out);  y = c * w + b  [ + (x - xd) W^T ]
+backward  gc = c * g;  dm = sum_N(g * w) / n;  dB = s gc^T h;  dh = s gc B;  dA = dh^T xd;  db = sum_N(g)
+          dx = gc W + dh A                                   without dropout
+          dx = g W + mask/(1-p) * ((c - 1) g W + dh A)      with dropout
 
-So the base product is one GEMM per direction (peft runs ``F.linear`` twice with dropout and composes
-the result in six (N, out) elementwise passes), and what is saved is x (a view), h, w, and the dropout
-mask as packed bits -- not x-sized float copies of the mask or of d(x). The weight gradient (a base
-weight that trains) and mixed dtypes run :func:`loragen.reference.dora_linear_reference`, peft's plain
-composition, which is also what this op is tested against.
+Saved: x (a view), h, w and the mask as packed bits. A training base weight and mixed dtypes run
+:func:`loragen.reference.dora_linear_reference`, peft's composition, which this op is tested against.
 """
 
 from __future__ import annotations
@@ -50,13 +39,10 @@ __all__ = ["DoraLinearFunction", "dora_linear"]
 
 
 class DoraLinearFunction(torch.autograd.Function):
-    """:func:`dora_linear` on the CPU as one node; the formulas are in the module docstring.
+    """:func:`dora_linear` on the CPU as one node (module docstring): tensors of one dtype, a frozen weight.
 
-    ``apply(x, weight, bias, lora_A, lora_B, magnitude, scaling, dropout_p, seed, fan_in_fan_out, norm)``,
-    all tensors of one dtype, ``dropout_p = 0`` meaning no dropout. The weight gets no gradient (a frozen
-    base; :func:`dora_linear` sends a training weight to the reference composition). ``norm`` is the
-    detached row norm when the caller has it (None: computed here); gradcheck passes it, because the norm
-    is a constant of the backward but a function of A and B for finite differences.
+    ``norm`` is the detached row norm when the caller has it (None: computed here); gradcheck passes it,
+    as the norm is a constant of the backward but a function of A and B for finite differences.
     """
 
     @staticmethod
@@ -123,11 +109,9 @@ class DoraLinearFunction(torch.autograd.Function):
         need_x, _, need_bias, need_a, need_b, need_m = ctx.needs_input_grad[:6]
         s, p, ffo = ctx.scaling, ctx.dropout_p, ctx.fan_in_fan_out
         g2 = grad_out.reshape(ctx.rows, grad_out.shape[-1])
-        keep = (
-            None
-            if bits is None
-            else unpack_keep_mask(bits, ctx.rows * ctx.x_shape[-1]).view(ctx.rows, ctx.x_shape[-1])
-        )  # unpacked once
+        keep = None  # unpacked once for every product
+        if bits is not None:
+            keep = unpack_keep_mask(bits, ctx.rows * ctx.x_shape[-1]).view(ctx.rows, ctx.x_shape[-1])
         grad_x = grad_bias = grad_a = grad_b = grad_m = None
         if need_m:
             grad_m = (g2 * w).sum(0).div_(norm)
@@ -161,7 +145,7 @@ def _dropped(t: Tensor, keep: Tensor, p: float) -> Tensor:
 def _reference_reason(
     x: Tensor, weight: Tensor, tensors: tuple[Tensor | None, ...], dropout: bool
 ) -> str | None:
-    """Why :func:`dora_linear` runs the reference composition for these inputs, or None for the fused op."""
+    """Why :func:`dora_linear` runs the reference composition, or None for the fused op."""
     if weight.requires_grad:
         return "the base weight trains: the fused DoRA op gives no weight gradient"
     if any(t is not None and t.dtype != x.dtype for t in (weight, *tensors)):
@@ -187,11 +171,7 @@ def dora_linear(
 
     Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --, bias (out,) or None,
     lora_A (r, in), lora_B (out, r), magnitude (out,). Dropout (``dropout_p``, only when ``training``)
-    applies to the adapter's input. CPU tensors of one dtype with a frozen weight run
-    :class:`DoraLinearFunction`; everything else runs :func:`loragen.reference.dora_linear_reference`.
-
-    Args:
-        seed: fixes the dropout mask (tests, gradcheck); None draws one from torch's CPU generator.
+    applies to the adapter's input; ``seed`` fixes its mask (None: drawn from torch's CPU generator).
 
     Raises:
         ValueError: ``dropout_p`` outside [0, 1), or a magnitude of the wrong shape.

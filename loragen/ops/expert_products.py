@@ -1,18 +1,10 @@
-"""LoRA on targeted parameters (MoE expert stacks): every expert's effective weight in one batched product.
+"""LoRA on targeted parameters (MoE expert stacks) in weight space: the module reads ``W_e + s * B_e @ A_e``.
 
-transformers 5 keeps a MoE block's experts as 3-D parameters (``gate_up_proj (E, 2*I, H)``, ``down_proj
-(E, H, I)``) that its forward (eager loop, ``batched_mm`` or ``grouped_mm``) reads by attribute. LoRA on
-them (peft's ``target_parameters``) is a weight update: the module sees ``W_e + s * B_e @ A_e``.
-
-Weight space (here and in peft): one ``baddbmm`` makes all ``E`` effective weights (``2*E*out*in*r``
-FLOPs), the experts' own backward gives ``dL/dW'``, two batched products the factor gradients; no routing
-code of loragen's, so it works for every experts implementation. Activation space (``y += s * B_e A_e x``
-per routed token) is cheaper for few tokens but needs each architecture's routing copied.
-
-What differs from peft is memory: the experts' backward needs ``W'``, which autograd would keep from
-forward to backward (a copy of every adapted stack). With :data:`loragen.switches.fused` on,
-:func:`recompute_on_backward` saves a recipe instead (``W``, ``A``, ``B``, ``s``: tensors that exist
-anyway) and rebuilds ``W'`` once when the backward first needs it.
+One ``baddbmm`` makes all ``E`` effective weights, the experts' own backward gives ``dL/dW'`` and two
+batched products the factor gradients, so every experts implementation (eager loop, ``batched_mm``,
+``grouped_mm``) works without routing code of loragen's. With :data:`loragen.switches.fused` on,
+:func:`recompute_on_backward` saves a recipe (``W``, ``A``, ``B``, ``s``) in place of ``W'`` and rebuilds it
+once when the backward needs it: no copy of every adapted stack lives from forward to backward.
 """
 
 from __future__ import annotations
@@ -30,11 +22,8 @@ __all__ = ["effective_weight", "recompute_on_backward"]
 
 
 def effective_weight(weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout) -> Tensor:
-    """``W + scaling * B_e @ A_e`` for every expert of ``weight`` (2-D or 3-D), in ``weight``'s dtype.
-
-    One ``baddbmm``; the factors are cast to ``weight``'s dtype first, as peft does. Autocast is off for
-    it: the module must see its parameter in the parameter's own dtype.
-    """
+    """``W + scaling * B_e @ A_e`` for every expert of ``weight`` (2-D or 3-D), in ``weight``'s dtype (factors
+    cast first, as peft does; autocast off: the module must see its parameter's own dtype)."""
     shape = tuple(weight.shape)
     experts = layout.features(shape)[0]
     left, right = layout.expert_factors(a.to(weight.dtype), b.to(weight.dtype), experts, weight.dim())
@@ -81,13 +70,10 @@ def recompute_on_backward(
     recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, float, ParameterLayout]],
 ) -> Iterator[None]:
     """While active, tensors autograd saves that live in the storage of one of the effective weights
-    (``recipes``' keys: the weight itself, an expert's slice, a transpose) are saved as a recipe and rebuilt
-    when the backward unpacks them, instead of being kept alive. Every other saved tensor goes to the hooks
-    that were active outside (activation checkpointing still drops it), or is saved as usual.
-
-    ``recipes`` maps each effective weight to ``(W, A, B, scaling, layout)``, the arguments of
-    :func:`effective_weight` that made it. The factors must not change between forward and backward (an
-    optimizer steps after the backward), as with activation checkpointing.
+    (``recipes``' keys, each mapped to the :func:`effective_weight` arguments that made it) are saved as a
+    recipe and rebuilt when the backward unpacks them. Every other saved tensor goes to the hooks active
+    outside (activation checkpointing still drops it), or is saved as usual. The factors must not change
+    between forward and backward, as with activation checkpointing.
     """
     # no reference to the effective weights themselves: autograd keeps the hooks with what it saved
     by_storage = {

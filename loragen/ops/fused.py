@@ -1,36 +1,19 @@
 """The LoRA linear op on the CPU: the whole layer (:func:`lora_linear`) or the LoRA term added onto a base
-output computed elsewhere (:func:`lora_branch`, quantized bases), each one autograd node with a
-hand-written backward.
-
-x is (N, in) after flattening the batch dimensions, s = scaling, m the dropout keep-mask, p its
-probability:
+output computed elsewhere (:func:`lora_branch`, quantized bases), each one autograd node with a hand-written
+backward. x is (N, in) after flattening, s = scaling, m the dropout keep-mask, p its probability:
 
 lora_linear  forward   h  = (x * m / (1 - p)) A^T     (N, r), saved
-                       y  = b + h (s B^T)             rank-r term first...
-                       y += x W^T                     ...then the base GEMM accumulates onto it (beta = 1)
-             backward  dB = s h^T g                   (out, r)
-                       gh = s / (1 - p) * g B         (N, r)
-                       dA = gh^T (x * m)              (r, in)
-                       dx = (gh A) * m  then  dx += g W      the base GEMM accumulates again
-                       dW = g^T x,  db = sum(g)       only when the base trains
+                       y  = b + h (s B^T);  y += x W^T   the base GEMM accumulates onto the rank-r term
+             backward  dB = s h^T g,  gh = s / (1 - p) * g B,  dA = gh^T (x * m)
+                       dx = (gh A) * m;  dx += g W;  dW = g^T x, db = sum(g) only when the base trains
 lora_branch  forward   y  = base;  y += s * h B^T     in place on the base output
-             backward  the base output's gradient is g; dB, dA and the LoRA term of dx as above (the
-                       base's own backward adds g W)
+             backward  g flows to the base output; dB, dA and the LoRA term of dx as above
 
-The two base GEMMs absorb the rank-r terms for free (reading C in a compute-bound GEMM costs nothing),
-where adding a term afterwards would be one more pass over an (N, out) or (N, in) tensor. Gradients are
-returned, so autograd adds them into existing ``.grad`` (micro-batches sum to the big batch).
-
-Saved for backward: x itself (a view, never a copy), h, and the keep-mask as packed bits
-(:mod:`loragen.ops.masks`: N * in / 8 bytes). peft's composition saves dropout(x) and a float mask, both
-x-sized. With dropout in float32 the three masked products run as compiled kernels
-(:mod:`loragen.ops.cpu_kernels`) that read the bits where they use them; elsewhere numpy/BLAS row blocks
-compute the same products from the same bits. Masks draw their seed from torch's default CPU generator,
-so ``torch.manual_seed`` reproduces a run and ``torch.utils.checkpoint`` recomputes the same mask.
-
-:func:`lora_linear` sends CUDA tensors to :func:`loragen.cuda.lora_linear_cuda` and runs peft's plain
-composition (:mod:`loragen.reference`) for the reasons of :func:`fallback_reason` (``switches.fused`` off,
-other devices, autocast, ``torch.compile`` with dropout).
+Saved for backward: x (a view), h and the keep-mask as packed bits (:mod:`loragen.ops.masks`), seeded from
+torch's CPU generator (``torch.manual_seed`` reproduces it, ``torch.utils.checkpoint`` recomputes it). With
+dropout in float32 the masked products run as compiled kernels (:mod:`loragen.ops.cpu_kernels`), else as
+numpy/BLAS row blocks. CUDA tensors go to :func:`loragen.cuda.lora_linear_cuda`; :func:`fallback_reason`
+says when peft's plain composition (:mod:`loragen.reference`) runs instead.
 """
 
 from __future__ import annotations
@@ -62,12 +45,8 @@ _logged_reasons: set[str] = set()
 
 
 def fallback_reason(x: Tensor, dropout: bool) -> str | None:
-    """Why a CPU op runs peft's composition instead for input ``x``, or None when it runs.
-
-    Under autocast the composition (made of ``F.linear``) keeps autocast's per-op dtypes. Under
-    ``torch.compile`` with dropout, dynamo cannot trace the numpy mask generator, and inductor fuses the
-    composition's dropout itself; without dropout the fused op compiles (no graph break).
-    """
+    """Why a CPU op runs peft's composition instead for input ``x``, or None when it runs (autocast keeps its
+    per-op dtypes; dynamo cannot trace the numpy mask generator, so compiling with dropout falls back)."""
     if not switches.fused.get():
         return "loragen.switches.fused is off"
     if x.device.type != "cpu":
@@ -80,8 +59,7 @@ def fallback_reason(x: Tensor, dropout: bool) -> str | None:
 
 
 def log_fallback(op: str, reason: str) -> None:
-    """Log once per reason that ``op`` runs the plain composition (never while compiling: a log call
-    breaks the graph)."""
+    """Log once per reason that ``op`` runs the plain composition (not while compiling: breaks the graph)."""
     if reason not in _logged_reasons and not torch.compiler.is_compiling():
         _logged_reasons.add(reason)
         _log.info("loragen.ops.%s runs the plain composition: %s", op, reason)
@@ -108,14 +86,11 @@ def lora_linear(
 ) -> Tensor:
     """LoRA linear ``x W^T + b + scaling * B A dropout(x)`` as one fused op.
 
-    Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` (transformers'
-    ``Conv1D``) --, bias (out,) or None, lora_A (r, in), lora_B (out, r) -> (..., out) in x's dtype. The
-    LoRA branch runs in lora_A's dtype (x cast to it, as peft does) and is added to the base result with
-    one rounding. Dropout (``dropout_p``, only when ``training``) applies to the branch only, inverted.
-    Gradients flow to every input that requires them, the base weight and bias included.
-
-    Args:
-        seed: fixes the dropout mask (tests, gradcheck); None draws one from torch's CPU generator.
+    Shapes: x (..., in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` (transformers' ``Conv1D``) --,
+    bias (out,) or None, lora_A (r, in), lora_B (out, r) -> (..., out) in x's dtype. The branch runs in
+    lora_A's dtype (as in peft) and is added to the base result with one rounding. Dropout (``dropout_p``,
+    only when ``training``) applies to the branch; ``seed`` fixes its mask (None: drawn from torch's CPU
+    generator). Gradients flow to every input that requires them, base weight and bias included.
 
     Raises:
         ValueError: ``dropout_p`` outside [0, 1).
@@ -147,9 +122,8 @@ def lora_branch(
     """``base + scaling * B A dropout(x)``: the LoRA term added onto a base output.
 
     Shapes: base (..., out), x (..., in), lora_A (r, in), lora_B (out, r) -> (..., out) in base's dtype.
-    On the CPU the sum is written into ``base`` itself (unless it is a view) and returned: pass a base
-    output nothing else reads. With ``loragen.switches.fused`` off, on other devices and for the reasons
-    of :func:`fallback_reason` it runs :func:`loragen.reference.lora_branch_reference` (a new tensor).
+    On the CPU the sum is written into ``base`` itself (unless it is a view): pass a base output nothing else
+    reads. Where :func:`fallback_reason` says so it returns a new tensor (the reference composition).
 
     Raises:
         ValueError: ``dropout_p`` outside [0, 1), or ``base`` and ``x`` with different leading dimensions.
@@ -170,10 +144,8 @@ def lora_branch(
 
 
 def input_layout(x: Tensor) -> tuple[int, ...] | None:
-    """The strides ``x``'s gradient should have: None when x is contiguous, else those
-    ``torch.empty_like(x)`` would give. torch's linear returns a non-contiguous input's gradient in the
-    input's layout, and some CPU backward kernels rely on it (BatchNorm2d's eval backward is wrong for a
-    channels-last gradient whose batch stride is not C*H*W: CvT's ``view(...).permute(0, 2, 1)``)."""
+    """The strides x's gradient should have (None: contiguous), as torch's linear gives it; some CPU backward
+    kernels rely on it (BatchNorm2d's eval backward on CvT's permuted channels-last input)."""
     return None if x.is_contiguous() else torch.empty_like(x, device="meta").stride()
 
 
@@ -188,8 +160,7 @@ def shaped_like_input(grad_x: Tensor, shape: torch.Size, layout: tuple[int, ...]
 def keep_bits(
     x2: Tensor, lora_A: Tensor, p: float, seed: int | None
 ) -> tuple[Tensor | None, int | None, bool]:
-    """The packed keep-mask of x2 (N, in) (None without dropout), its seed (drawn from torch's CPU generator
-    when None), and whether the compiled kernels take the masked products (:func:`cpu_kernels.available`)."""
+    """The packed keep-mask of x2 (N, in) (None: no dropout), its seed, whether the compiled kernels run."""
     if p == 0.0:
         return None, seed, False
     if seed is None:
@@ -199,9 +170,7 @@ def keep_bits(
 
 
 class LoraLinearFunction(torch.autograd.Function):
-    """:func:`lora_linear` on the CPU as one autograd node (formulas in the module docstring):
-    ``apply(x, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, fan_in_fan_out)``, ``dropout_p = 0``
-    meaning no dropout and ``seed`` None drawing one."""
+    """:func:`lora_linear` on the CPU as one autograd node (module docstring); ``dropout_p = 0``: none."""
 
     @staticmethod
     def forward(
@@ -282,14 +251,12 @@ class LoraLinearFunction(torch.autograd.Function):
 
 
 class LoraBranchFunction(torch.autograd.Function):
-    """:func:`lora_branch` on the CPU as one autograd node (formulas in the module docstring):
-    ``apply(base, x, lora_A, lora_B, scaling, dropout_p, seed)``.
+    """:func:`lora_branch` on the CPU as one autograd node (module docstring).
 
-    The sum is written into the base output itself: the base's autograd node does not save its output
-    (bitsandbytes' products save only the quantized weight), which makes this safe. A base output that is
-    a view of another tensor is left alone and the sum goes to a new tensor. Where the base output's
-    dtype differs from the adapter's (a bfloat16 model), the term is cast to it, scaled and added there,
-    in peft's order, so results agree with peft's bit for bit."""
+    The sum is written into the base output (unless it is a view): the base's node does not save its output
+    (bitsandbytes' products save only the quantized weight). Where the base's dtype differs from the
+    adapter's, the term is cast, scaled and added in peft's order, so results match peft's bit for bit.
+    """
 
     @staticmethod
     def forward(
@@ -349,9 +316,7 @@ class LoraBranchFunction(torch.autograd.Function):
 
 
 def lora_down(x2: Tensor, lora_A: Tensor, bits: Tensor | None, p: float, compiled: bool) -> Tensor:
-    """``h = (x * m / (1 - p)) A^T`` (N, r) in the adapter's dtype for x2 (N, in), lora_A (r, in) and the
-    packed keep-mask ``bits`` (None: no dropout), without a masked copy of all of x: the compiled kernel
-    reads the mask where it uses it, the numpy/BLAS path masks one row block at a time."""
+    """``h = (x * m / (1 - p)) A^T`` (N, r) in the adapter's dtype, without a masked copy of all of x."""
     dtype = lora_A.dtype
     if bits is None:
         return torch.mm(x2 if x2.dtype == dtype else x2.to(dtype), lora_A.t())
@@ -378,14 +343,9 @@ def lora_input_grads(
     need_a: bool,
     x_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """The rank-r half of a LoRA backward, each part only when asked for: the LoRA term of dx,
-    ``(gh A) * m`` (N, in), and ``dA = gh^T (x * m)`` (r, in).
-
-    ``gh`` (N, r) is ``s / (1 - p) * g B`` in the adapter's dtype; ``bits`` the packed keep-mask (None:
-    m = 1); ``compiled`` picks the compiled kernels over the numpy/BLAS row blocks. dA comes in the
-    adapter's dtype; dx in ``x_dtype`` where the row blocks write it, else in the adapter's (callers cast).
-    With a mask, one unpacked block serves both products.
-    """
+    """The rank-r half of a LoRA backward, each part only when asked for: dx's LoRA term ``(gh A) * m``
+    (N, in) and ``dA = gh^T (x * m)`` (r, in), with ``gh = s / (1 - p) * g B`` (N, r) in the adapter's
+    dtype. dx comes in ``x_dtype`` from the row blocks, else in the adapter's (callers cast)."""
     dtype = gh.dtype
     if bits is None:
         grad_a = torch.mm(gh.t(), x2 if x2.dtype == dtype else x2.to(dtype)) if need_a else None
