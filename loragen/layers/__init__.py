@@ -1,18 +1,14 @@
 """LoRA layers: Linear, Embedding, Conv1d, Conv2d and transformers' Conv1D.
 
-Each subclasses the torch layer it replaces (``weight`` / ``bias`` keep their state-dict keys; the
-constructor is the torch one plus LoRA keywords: ``nn.Linear(i, o)`` -> ``LoraLinear(i, o, r=8)``) and
-holds its first adapter's factors as plain parameters, as loralib does:
+Each subclasses the torch layer it replaces (``weight`` / ``bias`` keep their keys; the constructor is
+the torch one plus LoRA keywords: ``nn.Linear(i, o)`` -> ``LoraLinear(i, o, r=8)``) and holds its first
+adapter's factors as plain parameters, as loralib does:
 
     Linear, Conv1D   lora_A (r, in_features)          lora_B (out_features, r)
     Embedding        lora_embedding_A (r, num_emb)    lora_embedding_B (embedding_dim, r)
     ConvNd           lora_A (r, in_ch // groups, *k)  lora_B (out_ch, r, 1, ...)
 
     y = base(x) + scaling * B(A(dropout(x)))      scaling = lora_alpha / r  (/ sqrt(r) with rsLoRA)
-
-Modules: base (the contract, forward, merging), adapter_set (named adapters), variants (LoRA, DoRA),
-linear, conv, embedding, bnb (QLoRA), expert_parameters (MoE expert stacks), mixed_batch (an adapter per
-row), registration (which LoRA class a layer type gets).
 """
 
 from __future__ import annotations

@@ -305,8 +305,6 @@ def set_active(layer: Any, name: str | None) -> None:
     layer.active_adapter = name
 
 
-# ---- a weighted combination of one layer's adapters (loragen.add_weighted_adapter) ----------------------
-
 COMBINATIONS = ("cat", "linear", "svd")
 
 

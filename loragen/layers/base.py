@@ -133,8 +133,6 @@ def writing(change: F) -> F:
     return guarded  # type: ignore[return-value]
 
 
-# ---- turning a module into a LoRA layer and back -----------------------------------------------------
-
 # The containers of nn.Module state that a LoRA layer adds to (or removes from): copied, not shared.
 _OWN_CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 # What accelerate's add_hook_to_module puts on an instance.
@@ -186,9 +184,6 @@ def strip_to(
     for name in attributes:
         base.__dict__.pop(name, None)
     return base
-
-
-# ---- the LoRA layer ------------------------------------------------------------------------------------
 
 
 def _first_adapter_setting(name: str, doc: str, *, settable: bool = True) -> property:
@@ -322,8 +317,6 @@ class LoraLayer(nn.Module, ABC):
             self, self.base_class, tuple(self.lora_parameters()), (ADAPTERS_ATTR,), self._lora_attributes
         )
 
-    # ---- adapters -------------------------------------------------------------------------------------
-
     @property
     def layout(self) -> Layout:
         """The registry's layout of this layer type (factor names, peft key suffixes, init and merge maths).
@@ -372,8 +365,6 @@ class LoraLayer(nn.Module, ABC):
             return None
         return self.lora_adapter_records.get(name)
 
-    # ---- forward ------------------------------------------------------------------------------------
-
     @reading
     def forward(self, input: Tensor) -> Tensor:
         """``base(x)`` plus the running adapter's term; in a mixed batch, each row's own adapter's."""
@@ -400,8 +391,6 @@ class LoraLayer(nn.Module, ABC):
                 "(exclude_modules), or adapt its weight with target_parameters"
             )
         return adapter.variant.output(self, x, adapter, result)
-
-    # ---- merging --------------------------------------------------------------------------------
 
     def _merge_dtype(self) -> torch.dtype:
         """float32, or float64 for float64 weights: merges never compute in less than float32."""

@@ -52,8 +52,6 @@ class QuantizedLoraMixin(LoraLinearMixin):
         a, b, s, p = adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p
         return lora_branch(self._base_output(x), x, a, b, s, p, self.training)
 
-    # ---- what a quantization format provides ---------------------------------------------------
-
     def dequantized_weight(self) -> Tensor:
         """The weight as bitsandbytes' kernels see it: (out, in), float32."""
         raise NotImplementedError
@@ -72,8 +70,6 @@ class QuantizedLoraMixin(LoraLinearMixin):
     def quantization_name(self) -> str:
         """The format in words, for messages (``"nf4 (double quantization)"``, ``"int8"``)."""
         raise NotImplementedError
-
-    # ---- merging --------------------------------------------------------------------------------
 
     def _check_mergeable(self) -> None:
         LoraLayer._check_mergeable(self)  # the probe of LoraLinearMixin cannot read a quantized weight
@@ -186,24 +182,16 @@ class LoraLinear4bit(QuantizedLoraMixin, bnb.nn.Linear4bit):
 
     def _quantize_into(self, dense: Tensor) -> None:
         data, state = self._packed()
-        weight = self.weight
-        packed, new_state = bnb.functional.quantize_4bit(
-            dense.to(device=data.device, dtype=state.dtype),  # the dtype the weight was quantized from
-            blocksize=state.blocksize,
-            compress_statistics=state.nested,
-            quant_type=state.quant_type,
-            quant_storage=getattr(weight, "quant_storage", data.dtype),
-        )
+        settings: dict[str, Any] = {
+            "blocksize": state.blocksize,
+            "compress_statistics": state.nested,
+            "quant_type": state.quant_type,
+            "quant_storage": getattr(self.weight, "quant_storage", data.dtype),
+        }
+        # quantized from the dtype the weight was quantized from
+        packed, new_state = bnb.functional.quantize_4bit(dense.to(data.device, state.dtype), **settings)
         self.weight = bnb.nn.Params4bit(
-            packed,
-            requires_grad=False,
-            quant_state=new_state,
-            blocksize=state.blocksize,
-            compress_statistics=state.nested,
-            quant_type=state.quant_type,
-            quant_storage=getattr(weight, "quant_storage", data.dtype),
-            module=self,
-            bnb_quantized=True,
+            packed, requires_grad=False, quant_state=new_state, module=self, bnb_quantized=True, **settings
         )
         self.quant_state = new_state
 

@@ -61,12 +61,8 @@ class _LoraConvNd(LoraLayer):
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        ones = (1,) * len(self.kernel_size)
-        return (self.r, self.in_channels // self.groups, *self.kernel_size), (
-            self.out_channels,
-            self.r,
-            *ones,
-        )
+        a_shape = (self.r, self.in_channels // self.groups, *self.kernel_size)
+        return a_shape, (self.out_channels, self.r, *(1,) * len(self.kernel_size))
 
     def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
         x_lora = x.to(adapter.factor_a.dtype)

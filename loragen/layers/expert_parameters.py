@@ -167,8 +167,6 @@ class LoraParametersLayer(LoraLayer):
         layer.use_rslora, layer.lora_dropout_p = bool(use_rslora), 0.0
         return layer
 
-    # ---- what save / load / mark_trainable read --------------------------------------------------
-
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         """``{"lora_targets.<name>.lora_A": ..., ...}``: the factors by their keys below this module."""
         return {
@@ -190,8 +188,6 @@ class LoraParametersLayer(LoraLayer):
         """(Re)initialise every target's factors (see :meth:`ParameterLora.reset`)."""
         for target in self.parameter_targets.values():
             target.reset(init_lora_weights)
-
-    # ---- forward ----------------------------------------------------------------------------------
 
     @reading
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -220,8 +216,6 @@ class LoraParametersLayer(LoraLayer):
         )
         with saving, _shadowed(self, made):
             return self.base_class.forward(self, *args, **kwargs)
-
-    # ---- merging ------------------------------------------------------------------------------------
 
     def _check_mergeable(self) -> None:
         for name in self.parameter_targets:
@@ -284,15 +278,15 @@ def lora_parameters_class(base_type: type[nn.Module]) -> type[LoraParametersLaye
     with _lock:
         cls = _classes.get(base_type)
         if cls is None:
+            name = f"Lora{base_type.__name__}"
             namespace = {
                 "__module__": __name__,
-                "__qualname__": f"Lora{base_type.__name__}",
+                "__qualname__": name,
                 "__doc__": f"``{base_type.__module__}.{base_type.__qualname__}`` with LoRA on targeted parameters.",
                 "base_class": base_type,
                 "__reduce_ex__": _reduce_ex,
             }
-            cls = type(f"Lora{base_type.__name__}", (LoraParametersLayer, base_type), namespace)
-            _classes[base_type] = cls
+            cls = _classes[base_type] = type(name, (LoraParametersLayer, base_type), namespace)
     return cls
 
 

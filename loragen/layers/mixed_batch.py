@@ -1,19 +1,14 @@
 """``mixed_batch``: one forward pass in which each row of the batch uses its own adapter.
 
-``with loragen.mixed_batch(model, ["a", "b", "__base__", "a"]): model(x)`` gives row ``i`` of ``x`` the
-output with adapter ``names[i]`` (``"__base__"``: none), as peft's ``model(x, adapter_names=names)``; a
-layer that does not hold a named adapter gives those rows its base output. As in peft it is for
-inference (eval mode, nothing merged; inside :func:`loragen.disable_adapter` every row gets the base).
-The names are state on the layers for the block: two threads running one model need one model each.
+``with loragen.mixed_batch(model, ["a", "b", "__base__", "a"]): model(x)`` gives row ``i`` the output
+with adapter ``names[i]`` (``"__base__"``: none), as peft's ``model(x, adapter_names=names)``; a layer
+without a named adapter gives those rows its base output. As in peft it is for inference (eval mode,
+nothing merged; inside :func:`loragen.disable_adapter` every row gets the base). The names are state on
+the layers for the block: two threads running one model need one model each.
 
-Where peft gathers, computes and scatters per adapter, a layer with a ``linear_term`` runs every adapter
-of the batch in two GEMMs (``M[row, cols of adapter j] = scaling_j`` if the row uses ``j``, else 0)::
-
-    H  = x [A_1; ...; A_k]^T  *  M          (rows, r_1 + ... + r_k)
-    y  = base(x) + H [B_1 ... B_k]^T
-
-The concatenated factors and masks are cached per layer for the block, keyed on the factors' versions.
-Other layers gather each adapter's rows and add their term back.
+A layer with a ``linear_term`` runs every adapter of the batch in two GEMMs, where peft gathers and
+scatters per adapter: ``y = base(x) + ((x [A_1; ...; A_k]^T) * M) [B_1 ... B_k]^T`` with
+``M[row, cols of adapter j] = scaling_j`` if the row uses ``j``, else 0 (cached per layer for the block).
 """
 
 from __future__ import annotations

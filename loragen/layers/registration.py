@@ -1,18 +1,14 @@
 """Which LoRA class a layer type gets: loragen's own types (:func:`register_builtin_types`), a user's
 (:func:`register_layer`), and classes derived on demand.
 
-``register_layer(MyLinear)`` teaches a layer that behaves like a Linear (a ``weight`` stored ``(out, in)``,
-or ``(in, out)`` with ``layout="transposed"``, an optional ``bias``; merges are checked on a probe);
-``register_layer(MyLayer, MyLoraLayer)`` takes your own subclass of :class:`loragen.LoraLayer` and
-``MyLayer``. Either then works in every way in, in save/load and in ``loragen merge``::
-
-    loragen.register_layer(ScaledLinear)
-    model = loragen.get_lora_model(model, LoraConfig(target_modules=["proj"]))
+``register_layer(MyLinear)`` teaches a layer that behaves like a Linear (``weight`` ``(out, in)``, or
+``(in, out)`` with ``layout="transposed"``, optional ``bias``); ``register_layer(MyLayer, MyLoraLayer)``
+takes your own subclass of :class:`loragen.LoraLayer` and ``MyLayer``. Either then works in every way in,
+in save/load and in ``loragen merge``.
 
 Subclasses of a registered type (Falcon's ``FalconLinear``) get ``class LoraFalconLinear(LoraLinear,
-FalconLinear)``, made once (:func:`lora_class_for`): the base's ``forward`` and attributes stay, its
-constructor is the base's plus the LoRA keywords (``loragen rewrite`` swaps the call), it is reachable
-by name in this module once made, and its objects pickle by rebuilding the class.
+FalconLinear)``, made once (:func:`lora_class_for`), with the base's ``forward`` and the base's constructor
+plus the LoRA keywords; it is reachable by name in this module and pickles by rebuilding the class.
 """
 
 from __future__ import annotations
@@ -162,8 +158,6 @@ def register_layer(
     return register(spec, replace=replace)
 
 
-# ---- LoRA classes made on demand ------------------------------------------------------------------
-
 # the LoRA keywords a derived class's constructor takes, in _setup_lora's order, with their defaults
 _LORA_KEYWORDS: dict[str, Any] = {
     "r": 8,
@@ -206,12 +200,10 @@ def lora_class_for(base_type: type[nn.Module]) -> type[LoraLayer]:
 
 def derive_lora_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraLayer]:
     """``class Lora<Base>(lora, base_type)`` with the base's constructor plus the LoRA keywords, made once."""
-    key = (lora, base_type)
     with _lock:
-        cls = _derived.get(key)
+        cls = _derived.get((lora, base_type))
         if cls is None:
-            cls = _make_class(lora, base_type)
-            _derived[key] = cls
+            cls = _derived[lora, base_type] = _make_class(lora, base_type)
     return cls
 
 
@@ -224,7 +216,9 @@ def _make_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraL
     def __reduce_ex__(self: LoraLayer, protocol: Any) -> tuple[Any, ...]:
         return _rebuild, (lora, base_type), self.__getstate__()
 
-    name = _unique_name(f"Lora{base_type.__name__}")
+    name, n = f"Lora{base_type.__name__}", 2
+    while name in _by_name:  # another base class of the same name
+        name, n = f"Lora{base_type.__name__}{n}", n + 1
     __init__.__doc__ = (
         f"``{base_type.__qualname__}``'s constructor plus the LoRA keywords {', '.join(_LORA_KEYWORDS)}."
     )
@@ -240,13 +234,6 @@ def _make_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraL
     cls = type(name, (lora, base_type), namespace)
     _by_name[name] = cls
     return cls
-
-
-def _unique_name(name: str) -> str:
-    candidate, n = name, 2
-    while candidate in _by_name:
-        candidate, n = f"{name}{n}", n + 1
-    return candidate
 
 
 def _rebuild(lora: type[LoraLayer], base_type: type[nn.Module]) -> LoraLayer:

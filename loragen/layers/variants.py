@@ -10,7 +10,7 @@ and keeps ``n`` on the layer, so unmerging divides by exactly that factor.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from torch import Tensor, nn
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.reference import dora_linear_reference
 from loragen.registry import PlainLayout, TransposedLayout
+
+if TYPE_CHECKING:  # adapter_set imports this module
+    from loragen.layers.adapter_set import LoraAdapter
 
 __all__ = [
     "LORA",
@@ -32,24 +35,6 @@ __all__ = [
 ]
 
 MAGNITUDE = "lora_magnitude_vector"
-
-
-class LoraAdapter(Protocol):
-    """What a variant reads of one adapter (:class:`loragen.layers.adapter_set.LoraAdapter`)."""
-
-    scaling: float
-    lora_dropout_p: float
-
-    @property
-    def factor_a(self) -> nn.Parameter: ...
-
-    @property
-    def factor_b(self) -> nn.Parameter: ...
-
-    @property
-    def magnitude(self) -> nn.Parameter: ...
-
-    def register(self, name: str, parameter: nn.Parameter) -> None: ...
 
 
 class Variant:

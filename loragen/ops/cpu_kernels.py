@@ -77,10 +77,6 @@ _built: dict[str, ctypes.CDLL | str] = {}  # variant name -> its library, or why
 _chosen: dict[str, tuple[Variant | None, str]] = {}  # requested -> (variant, "") or (None, why not)
 
 
-def _cache_dir() -> Path:
-    return resources.kernel_cache_dir() / "cpu"
-
-
 def _cpu_flags_line() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -126,7 +122,7 @@ def _compiler() -> str | None:
 def _build(source: str, compiler: str, variant: Variant) -> Path:
     flags = (COMMON_FLAGS[0], *variant.flags, *COMMON_FLAGS[1:])
     return resources.build_library(
-        _cache_dir(),
+        resources.kernel_cache_dir() / "cpu",
         f"lora_dropout_cpu.{variant.name}",
         SOURCE,
         source,
@@ -235,13 +231,6 @@ def status() -> str:
     return f"loaded: {variant()}"
 
 
-def _lib() -> ctypes.CDLL:
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"loragen.ops.cpu_kernels: not available: {status()}")
-    return library
-
-
 def _call(name: str, numel: int, *args: Tensor | int | float, **tensors: Tensor) -> None:
     """Check ``tensors`` (contiguous CPU float32, ``bits`` uint8 covering ``numel``), call ``lora_<name>``."""
     for arg, t in tensors.items():
@@ -256,8 +245,11 @@ def _call(name: str, numel: int, *args: Tensor | int | float, **tensors: Tensor)
         raise ValueError(
             f"loragen.ops.cpu_kernels.{name}: bits has {bits.numel()} bytes for {numel} elements"
         )
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"loragen.ops.cpu_kernels: not available: {status()}")
     values = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
-    getattr(_lib(), f"lora_{name}")(*values, bits.numel(), torch.get_num_threads())
+    getattr(library, f"lora_{name}")(*values, bits.numel(), torch.get_num_threads())
 
 
 def masked_down(x: Tensor, bits: Tensor, lora_A: Tensor, scale: float) -> Tensor:

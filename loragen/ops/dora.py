@@ -1,7 +1,7 @@
 """The fused DoRA linear op: ``dora_linear``, peft's DoRA math as one autograd node.
 
-DoRA (arXiv 2402.09353) rescales the direction ``W + s B A`` to a trained magnitude ``m`` per output; with
-``n = ||W + s B A||`` per output row (detached, as in the paper's section 4.3 and peft) and ``c = m / n``:
+DoRA (arXiv 2402.09353) rescales the direction ``W + s B A`` to a trained magnitude ``m``; with
+``n = ||W + s B A||`` per output row (detached, as in peft) and ``c = m / n``:
 
 without dropout   y = c * (x W^T + s (x A^T) B^T) + b
 with dropout d    y = x W^T + b + (c - 1) * (d(x) W^T) + c * s (d(x) A^T) B^T      (peft's formula)
@@ -10,11 +10,10 @@ On the CPU, x flattened to (N, in), xd = d(x) (x itself without dropout):
 
 forward   h = xd A^T (N, r);  w = xd W^T + s h B^T (N, out);  y = c * w + b  [ + (x - xd) W^T ]
 backward  gc = c * g;  dm = sum_N(g * w) / n;  dB = s gc^T h;  dh = s gc B;  dA = dh^T xd;  db = sum_N(g)
-          dx = gc W + dh A                                   without dropout
-          dx = g W + mask/(1-p) * ((c - 1) g W + dh A)      with dropout
+          dx = gc W + dh A  (no dropout),  g W + mask/(1-p) * ((c - 1) g W + dh A)  (dropout)
 
-Saved: x (a view), h, w and the mask as packed bits. A training base weight and mixed dtypes run
-:func:`loragen.reference.dora_linear_reference`, peft's composition, which this op is tested against.
+Saved: x (a view), h, w and the mask as packed bits. A training base weight and mixed dtypes run peft's
+composition, :func:`loragen.reference.dora_linear_reference`, which this op is tested against.
 """
 
 from __future__ import annotations
@@ -26,10 +25,9 @@ from torch import Tensor
 
 from loragen.ops.fused import (
     check_dropout,
-    fallback_reason,
+    cpu_dropout,
     input_layout,
     keep_bits,
-    log_fallback,
     shaped_like_input,
 )
 from loragen.ops.masks import unpack_keep_mask
@@ -70,7 +68,7 @@ class DoraLinearFunction(torch.autograd.Function):
         norm = norm.detach()
         c = magnitude.detach() / norm  # (out,)
 
-        bits, seed, _ = keep_bits(x2, lora_A, dropout_p, seed)
+        bits, _ = keep_bits(x2, lora_A, dropout_p, seed)
         keep = None if bits is None else unpack_keep_mask(bits, x2.numel()).view(x2.shape)
         xd = x2 if keep is None else _dropped(x2, keep, dropout_p)
         h = torch.mm(xd, lora_A.t())  # (N, r)
@@ -142,17 +140,6 @@ def _dropped(t: Tensor, keep: Tensor, p: float) -> Tensor:
     return torch.where(keep, t, torch.zeros((), dtype=t.dtype)).mul_(1.0 / (1.0 - p))
 
 
-def _reference_reason(
-    x: Tensor, weight: Tensor, tensors: tuple[Tensor | None, ...], dropout: bool
-) -> str | None:
-    """Why :func:`dora_linear` runs the reference composition, or None for the fused op."""
-    if weight.requires_grad:
-        return "the base weight trains: the fused DoRA op gives no weight gradient"
-    if any(t is not None and t.dtype != x.dtype for t in (weight, *tensors)):
-        return "mixed dtypes: the composition casts as peft does"
-    return fallback_reason(x, dropout)
-
-
 def dora_linear(
     x: Tensor,
     weight: Tensor,
@@ -182,11 +169,13 @@ def dora_linear(
             f"loragen.ops.dora_linear: magnitude has shape {tuple(magnitude.shape)}; expected ({lora_B.shape[0]},), "
             "one value per output feature"
         )
-    dropout = training and dropout_p > 0.0
     tensors = (x, weight, bias, lora_A, lora_B, magnitude)
-    reason = _reference_reason(x, weight, tensors[2:], dropout)
-    if reason is not None:
-        log_fallback("dora_linear", reason)
+    reason = None
+    if weight.requires_grad:
+        reason = "the base weight trains: the fused DoRA op gives no weight gradient"
+    elif any(t is not None and t.dtype != x.dtype for t in tensors[1:]):
+        reason = "mixed dtypes: the composition casts as peft does"
+    p = cpu_dropout("dora_linear", x, dropout_p, training, reason)
+    if p is None:
         return dora_linear_reference(*tensors, scaling, dropout_p, training, fan_in_fan_out=fan_in_fan_out)
-    p = dropout_p if dropout else 0.0
     return DoraLinearFunction.apply(*tensors, scaling, p, seed, fan_in_fan_out)

@@ -32,6 +32,7 @@ from loragen.reference import lora_branch_reference, lora_linear_reference
 __all__ = [
     "LoraBranchFunction",
     "LoraLinearFunction",
+    "cpu_dropout",
     "fallback_reason",
     "input_layout",
     "keep_bits",
@@ -58,11 +59,19 @@ def fallback_reason(x: Tensor, dropout: bool) -> str | None:
     return None
 
 
-def log_fallback(op: str, reason: str) -> None:
-    """Log once per reason that ``op`` runs the plain composition (not while compiling: breaks the graph)."""
+def cpu_dropout(
+    op: str, x: Tensor, dropout_p: float, training: bool, reason: str | None = None
+) -> float | None:
+    """The dropout probability the CPU op ``op`` runs with (0: none), or None where it runs the plain
+    composition: for ``reason``, else :func:`fallback_reason`'s, logged once (not while compiling)."""
+    dropout = training and dropout_p > 0.0
+    reason = reason or fallback_reason(x, dropout)
+    if reason is None:
+        return dropout_p if dropout else 0.0
     if reason not in _logged_reasons and not torch.compiler.is_compiling():
         _logged_reasons.add(reason)
         _log.info("loragen.ops.%s runs the plain composition: %s", op, reason)
+    return None
 
 
 def check_dropout(op: str, dropout_p: float) -> None:
@@ -99,12 +108,9 @@ def lora_linear(
     args = (x, weight, bias, lora_A, lora_B, scaling, dropout_p, training)
     if x.is_cuda and switches.fused.get() and cuda.is_available():
         return cuda.lora_linear_cuda(*args, fan_in_fan_out=fan_in_fan_out, seed=seed)
-    dropout = training and dropout_p > 0.0
-    reason = fallback_reason(x, dropout)
-    if reason is not None:
-        log_fallback("lora_linear", reason)
+    p = cpu_dropout("lora_linear", x, dropout_p, training)
+    if p is None:
         return lora_linear_reference(*args, fan_in_fan_out=fan_in_fan_out)
-    p = dropout_p if dropout else 0.0
     return LoraLinearFunction.apply(x, weight, bias, lora_A, lora_B, scaling, p, seed, fan_in_fan_out)
 
 
@@ -134,12 +140,9 @@ def lora_branch(
             f"loragen.ops.lora_branch: base output {tuple(base.shape)} and input {tuple(x.shape)} differ "
             "in their leading (batch) dimensions"
         )
-    dropout = training and dropout_p > 0.0
-    reason = fallback_reason(x, dropout)
-    if reason is not None:
-        log_fallback("lora_branch", reason)
+    p = cpu_dropout("lora_branch", x, dropout_p, training)
+    if p is None:
         return lora_branch_reference(base, x, lora_A, lora_B, scaling, dropout_p, training)
-    p = dropout_p if dropout else 0.0
     return LoraBranchFunction.apply(base, x, lora_A, lora_B, scaling, p, seed)
 
 
@@ -157,16 +160,14 @@ def shaped_like_input(grad_x: Tensor, shape: torch.Size, layout: tuple[int, ...]
     return torch.empty_strided(shape, layout, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
-def keep_bits(
-    x2: Tensor, lora_A: Tensor, p: float, seed: int | None
-) -> tuple[Tensor | None, int | None, bool]:
-    """The packed keep-mask of x2 (N, in) (None: no dropout), its seed, whether the compiled kernels run."""
+def keep_bits(x2: Tensor, lora_A: Tensor, p: float, seed: int | None) -> tuple[Tensor | None, bool]:
+    """The packed keep-mask of x2 (N, in) (None: no dropout; ``seed`` None: drawn from torch's CPU
+    generator) and whether the compiled kernels run."""
     if p == 0.0:
-        return None, seed, False
-    if seed is None:
-        seed = philox.random_seed()
+        return None, False
+    seed = philox.random_seed() if seed is None else seed
     compiled = x2.dtype == lora_A.dtype and cpu_kernels.available(lora_A.dtype, lora_A.shape[0])
-    return dropout_keep_bits(x2.numel(), p, seed), seed, compiled
+    return dropout_keep_bits(x2.numel(), p, seed), compiled
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -188,9 +189,8 @@ class LoraLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # a view of x when x is contiguous
         rows = x2.shape[0]
         dtype = lora_A.dtype  # the LoRA branch runs in the adapter's dtype, as in peft
-        bits, seed, compiled = keep_bits(x2, lora_A, dropout_p, seed)
+        bits, compiled = keep_bits(x2, lora_A, dropout_p, seed)
         h = lora_down(x2, lora_A, bits, dropout_p, compiled)
-
         w_t = weight if fan_in_fan_out else weight.t()  # (in, out)
         # the output in its final shape, written through a 2-D view (callers may modify it in place)
         out = torch.empty(*x.shape[:-1], w_t.shape[1], dtype=x.dtype, device=x.device)
@@ -271,7 +271,7 @@ class LoraBranchFunction(torch.autograd.Function):
     ) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # a view of x when x is contiguous
         rows = x2.shape[0]
-        bits, seed, compiled = keep_bits(x2, lora_A, dropout_p, seed)
+        bits, compiled = keep_bits(x2, lora_A, dropout_p, seed)
         h = lora_down(x2, lora_A, bits, dropout_p, compiled)
         in_place = not base._is_view()
         out = base if in_place else torch.empty_like(base)
