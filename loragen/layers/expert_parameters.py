@@ -3,17 +3,20 @@ transformers 5's ``gate_up_proj (E, 2*I, H)`` / ``down_proj (E, H, I)``, with pe
 
 The converted module is the experts module itself, of a LoRA class derived from its own class (keys,
 attributes and ``forward`` stay), with one :class:`ParameterLora` per targeted parameter under
-``lora_targets.<name>``. During the forward the module reads each one as ``W + scaling * B_e @ A_e``
-(:mod:`loragen.ops.expert_products`; no dropout, as in peft); merging adds the same update. In an adapter
-file the factors of a module's ``k``-th of ``n`` targets are ``<module>.{"base_layer." * (n-1-k)}lora_A.weight``,
-the keys of peft's nested ``ParamWrapper``.
+``lora_targets.<name>``. During the forward the module reads each one as ``W + scaling * B_e @ A_e``, all
+experts in one ``baddbmm`` (:func:`effective_weight`; no dropout, as in peft), so every experts
+implementation works without routing code of loragen's; merging adds the same update. With
+:data:`loragen.switches.fused` on, :func:`recompute_on_backward` saves ``W``, ``A``, ``B`` in place of the
+effective weight and rebuilds it once in the backward. In an adapter file the factors of a module's
+``k``-th of ``n`` targets are ``<module>.{"base_layer." * (n-1-k)}lora_A.weight``, as peft's nested
+``ParamWrapper`` saves them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -26,11 +29,17 @@ from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
 from loragen.layers.base import LoraLayer, clone_as, reading, strip_to
 from loragen.layers.variants import LORA, Variant
-from loragen.ops.expert_products import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 from loragen.validation import InitMode, check_lora_args
 
-__all__ = ["ParameterLora", "LoraParametersLayer", "lora_parameters_class", "scaling_owners"]
+__all__ = [
+    "LoraParametersLayer",
+    "ParameterLora",
+    "effective_weight",
+    "lora_parameters_class",
+    "recompute_on_backward",
+    "scaling_owners",
+]
 
 TARGETS = "lora_targets"
 
@@ -305,3 +314,85 @@ def scaling_owners(path: str, layer: Any) -> Sequence[tuple[str, Any]]:
     if isinstance(layer, LoraParametersLayer):
         return [(f"{path}.{name}", target) for name, target in layer.parameter_targets.items()]
     return [(path, layer)]
+
+
+def effective_weight(weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout) -> Tensor:
+    """``W + scaling * B_e @ A_e`` for every expert of ``weight`` (2-D or 3-D), in ``weight``'s dtype (factors
+    cast first, as peft does; autocast off: the module must see its parameter's own dtype)."""
+    shape = tuple(weight.shape)
+    experts = layout.features(shape)[0]
+    left, right = layout.expert_factors(a.to(weight.dtype), b.to(weight.dtype), experts, weight.dim())
+    stacked = weight if weight.dim() == 3 else weight.unsqueeze(0)
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        out = torch.baddbmm(stacked, left, right, alpha=scaling)
+    return out.view(shape)
+
+
+class _Recipe:
+    """How to rebuild one effective weight in the backward (once, then shared by every saved view)."""
+
+    def __init__(self, weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout):
+        self.args = (weight.detach(), a.detach(), b.detach(), scaling, layout)
+        self.value: Tensor | None = None
+
+    def get(self) -> Tensor:
+        if self.value is None:
+            with torch.no_grad():
+                self.value = effective_weight(*self.args)
+        return self.value
+
+
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that were active around :func:`recompute_on_backward`."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
+def _outer_hooks() -> tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None:
+    """The saved-tensor hooks active now (activation checkpointing's, ``save_on_cpu``'s), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        return top(False) if top is not None else None
+    except TypeError:  # older signature
+        return None
+
+
+@contextlib.contextmanager
+def recompute_on_backward(
+    recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, float, ParameterLayout]],
+) -> Iterator[None]:
+    """While active, tensors autograd saves that live in the storage of one of the effective weights
+    (``recipes``' keys, each mapped to the :func:`effective_weight` arguments that made it) are saved as a
+    recipe and rebuilt when the backward unpacks them. Every other saved tensor goes to the hooks active
+    outside (activation checkpointing still drops it), or is saved as usual. The factors must not change
+    between forward and backward, as with activation checkpointing.
+    """
+    # no reference to the effective weights themselves: autograd keeps the hooks with what it saved
+    by_storage = {
+        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _Recipe(*args))
+        for w, args in recipes.items()
+    }
+    outer = _outer_hooks()
+
+    def pack(t: Tensor) -> Any:
+        found = None
+        if t.layout == torch.strided and t.device.type != "meta":
+            found = by_storage.get(t.untyped_storage().data_ptr())
+        if found is None or t.dtype != found[0]:
+            return t if outer is None else _Outer(outer[0](t))
+        return (found[2], tuple(t.shape), tuple(t.stride()), t.storage_offset() - found[1])
+
+    def unpack(packed: Any) -> Tensor:
+        if isinstance(packed, _Outer):
+            return outer[1](packed.packed) if outer is not None else packed.packed
+        if not isinstance(packed, tuple):
+            return packed
+        recipe, size, stride, offset = packed
+        value = recipe.get()
+        return value.as_strided(size, stride, value.storage_offset() + offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

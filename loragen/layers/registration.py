@@ -13,6 +13,7 @@ plus the LoRA keywords; it is reachable by name in this module and pickles by re
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -158,14 +159,11 @@ def register_layer(
     return register(spec, replace=replace)
 
 
-# the LoRA keywords a derived class's constructor takes, in _setup_lora's order, with their defaults
+# the LoRA keywords a derived class's constructor takes, with their defaults: from_module's, in its order
 _LORA_KEYWORDS: dict[str, Any] = {
-    "r": 8,
-    "lora_alpha": 8,
-    "lora_dropout": 0.0,
-    "use_rslora": False,
-    "init_lora_weights": True,
-    "use_dora": False,
+    name: p.default
+    for name, p in inspect.signature(LoraLayer.from_module).parameters.items()
+    if p.kind is p.KEYWORD_ONLY
 }
 _lock = threading.Lock()
 _derived: dict[tuple[type[LoraLayer], type[nn.Module]], type[LoraLayer]] = {}

@@ -1,16 +1,16 @@
-"""The CPU autograd ops of LoRA layers, each with a hand-written backward: :mod:`~loragen.ops.fused`
-(``lora_linear``, ``lora_branch``), :mod:`~loragen.ops.dora` (``dora_linear``),
-:mod:`~loragen.ops.expert_products` (MoE expert stacks), :mod:`~loragen.ops.masks` (dropout masks as
-packed bits) and :mod:`~loragen.ops.cpu_kernels` (compiled masked products). References:
-:mod:`loragen.reference`.
+"""The CPU autograd ops of LoRA layers, each with a hand-written backward (:mod:`~loragen.ops.fused`:
+``lora_linear``, ``lora_branch``, ``dora_linear``), with dropout masks as packed bits
+(:mod:`~loragen.ops.masks`) and compiled masked products (:mod:`~loragen.ops.cpu_kernels`).
+References: :mod:`loragen.reference`.
 """
 
 from __future__ import annotations
 
-from loragen.ops.dora import DoraLinearFunction, dora_linear
 from loragen.ops.fused import (
+    DoraLinearFunction,
     LoraBranchFunction,
     LoraLinearFunction,
+    dora_linear,
     fallback_reason,
     lora_branch,
     lora_linear,

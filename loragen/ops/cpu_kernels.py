@@ -149,16 +149,6 @@ def _open(variant: Variant) -> ctypes.CDLL:
     return library
 
 
-def _variant_library(variant: Variant) -> ctypes.CDLL | str:
-    """The variant's library, built and loaded once per process, or why it could not be."""
-    if variant.name not in _built:
-        try:
-            _built[variant.name] = _open(variant)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            _built[variant.name] = f"{variant.name}: {error}"
-    return _built[variant.name]
-
-
 def _choice() -> Variant | None:
     """The variant in use for the requested one, the first candidate that builds and loads, or None."""
     requested = switches.cpu_kernel_variant.get()
@@ -167,7 +157,12 @@ def _choice() -> Variant | None:
             tried = candidates(cpu_features(), platform.machine(), requested)
             reasons = []
             for candidate in tried:
-                library = _variant_library(candidate)
+                if candidate.name not in _built:  # built and loaded once per process, or why not
+                    try:
+                        _built[candidate.name] = _open(candidate)
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                        _built[candidate.name] = f"{candidate.name}: {error}"
+                library = _built[candidate.name]
                 if not isinstance(library, str):
                     _chosen[requested] = (candidate, "")
                     break
