@@ -39,8 +39,7 @@ class QuantizedLoraMixin(LoraLinearMixin):
     _unmerged_state: tuple[Any, ...] | None = None
 
     def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        # peft's order for quantized bases: the term in the adapter's dtype, cast to the base output's dtype
-        # (bitsandbytes returns x's dtype), then scaled
+        # peft's order: the term in the adapter's dtype, cast to the output's (x's) dtype, then scaled
         a, b, s, p = adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p
         return lora_term(x, a, b, s, p, self.training, dtype=x.dtype)
 
@@ -156,9 +155,8 @@ class LoraLinear4bit(QuantizedLoraMixin, bnb.nn.Linear4bit):
         """The packed weight and its quant state in bitsandbytes' canonical layout."""
         data, state = self.weight.data, self._quant_state()
         if getattr(state, "packing_format_for_cpu", False):
-            # bitsandbytes repacks a weight in place for AVX512-BF16 CPUs at its first no-grad eval forward
-            # (bf16 block scales, no double quantization). Its inverse rewrites the state it is given, so
-            # it gets a copy: the layer's own weight and state stay as they are.
+            # bitsandbytes repacks a weight in place for AVX512-BF16 CPUs at its first no-grad eval forward;
+            # its inverse rewrites the state it is given, so it gets a copy
             from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
             data, state = _convert_weight_packed_for_cpu_inverse(data, copy.deepcopy(state))
@@ -188,8 +186,8 @@ class LoraLinear4bit(QuantizedLoraMixin, bnb.nn.Linear4bit):
             "quant_type": state.quant_type,
             "quant_storage": getattr(self.weight, "quant_storage", data.dtype),
         }
-        # quantized from the dtype the weight was quantized from
-        packed, new_state = bnb.functional.quantize_4bit(dense.to(data.device, state.dtype), **settings)
+        dense = dense.to(data.device, state.dtype)  # the dtype the weight was quantized from
+        packed, new_state = bnb.functional.quantize_4bit(dense, **settings)
         self.weight = bnb.nn.Params4bit(
             packed, requires_grad=False, quant_state=new_state, module=self, bnb_quantized=True, **settings
         )

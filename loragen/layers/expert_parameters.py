@@ -109,8 +109,7 @@ class LoraParametersLayer(LoraLayer):
     adapter_name: str = DEFAULT_ADAPTER
     variant: Variant = LORA  # plain LoRA in weight space
 
-    # one adapter only, itself: no pair of factor shapes, no term added to an output, no single A or B
-    # (every targeted parameter has its own, :attr:`parameter_targets`); a further named adapter is refused
+    # one adapter only, itself, with factors per target: the single-adapter contract refuses
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise self._one_adapter_only()
 

@@ -426,7 +426,6 @@ class DoraLinearFunction(torch.autograd.Function):
         h = torch.mm(xd, lora_A.t())  # (N, r)
         w = torch.mm(h * scaling, lora_B.t()).addmm_(xd, w_t)  # (N, out): the rank-r term, then the GEMM
 
-        # the output in its final shape, written through a 2-D view (callers may modify it in place)
         out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
         y = out.view(rows, out_features)
         if bias is not None:
