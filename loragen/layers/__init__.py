@@ -1,30 +1,14 @@
 """LoRA layers: Linear, Embedding, Conv1d, Conv2d and transformers' Conv1D.
 
-Each LoRA layer *subclasses* the torch layer it replaces, so it keeps the base ``weight`` / ``bias``
-parameters under their usual state-dict keys (a base checkpoint loads into a converted model unchanged)
-and its constructor is a superset of the torch one: ``nn.Linear(i, o)`` -> ``LoraLinear(i, o, r=8)``.
-A single-adapter layer's LoRA factors are plain parameters on the layer (as in loralib; further named
-adapters: :mod:`loragen.layers.adapter_set`):
+Each subclasses the torch layer it replaces (``weight`` / ``bias`` keep their keys; the constructor is
+the torch one plus LoRA keywords: ``nn.Linear(i, o)`` -> ``LoraLinear(i, o, r=8)``) and holds its first
+adapter's factors as plain parameters, as loralib does:
 
     Linear, Conv1D   lora_A (r, in_features)          lora_B (out_features, r)
     Embedding        lora_embedding_A (r, num_emb)    lora_embedding_B (embedding_dim, r)
     ConvNd           lora_A (r, in_ch // groups, *k)  lora_B (out_ch, r, 1, ...)
 
     y = base(x) + scaling * B(A(dropout(x)))      scaling = lora_alpha / r  (/ sqrt(r) with rsLoRA)
-
-=================== ====================================================================================
-module               concern
-=================== ====================================================================================
-base                 :class:`LoraLayer`: the contract, the forward, merging (and its guard), from/to base
-adapter_set          the named adapters of a layer (:class:`LoraAdapter`) and their weighted combinations
-variants             plain LoRA and DoRA, the strategies an adapter holds
-linear               ``LoraLinear``, Linear-like layers, transformers' ``Conv1D``: the fused op
-conv, embedding      ``LoraConv1d`` / ``LoraConv2d`` (every conv setting), ``LoraEmbedding``
-bnb                  bitsandbytes' 4-bit and 8-bit linears (QLoRA)
-expert_parameters    LoRA on targeted parameters (MoE expert stacks)
-mixed_batch          one batch, one adapter per row
-registration         which LoRA class a layer type gets: ``register_layer``, classes for subclasses
-=================== ====================================================================================
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""The adapters of one LoRA layer: one :class:`LoraAdapter` per named adapter, in
-``layer.lora_adapter_records`` (name -> adapter, first adapter first), each with its settings, its
-:class:`~loragen.layers.variants.Variant` (plain LoRA or DoRA) and the module its parameters are registered
-on; made by :func:`add_factors`, removed by :func:`remove_factors`. Where parameters live keeps a
-single-adapter model's keys as a base checkpoint plus peft's adapter expect them::
+"""The named adapters of one LoRA layer: ``layer.lora_adapter_records`` maps each name to a
+:class:`LoraAdapter` (settings, :class:`~loragen.layers.variants.Variant`, where its parameters live), first
+adapter first; :func:`add_factors` and :func:`remove_factors` change it, :func:`combine` makes a weighted
+combination (:func:`loragen.add_weighted_adapter`). A single-adapter model keeps the keys a base
+checkpoint and peft's adapter expect::
 
-    <path>.lora_A                               the layer's first adapter (in insertion order)
+    <path>.lora_A                               the layer's first adapter
     <path>.lora_adapters.<name>.lora_A          every further adapter, in an nn.ModuleDict
-
-(``lora_embedding_A`` for embeddings; DoRA's ``lora_magnitude_vector`` beside the factors.) Deleting the
-first adapter re-registers the next one's parameters on the layer (the same objects: optimizer state stays
-valid). ``layer.active_adapter`` names the adapter the forward adds (``None``: disabled; a name the layer
-does not hold: the base output alone, as in peft). :func:`combine` makes the factors of a weighted
-combination of a layer's adapters (:func:`loragen.add_weighted_adapter`).
 """
 
 from __future__ import annotations
@@ -55,8 +49,8 @@ RECORDS_ATTR = "lora_adapter_records"  # name -> LoraAdapter, every adapter of t
 
 
 class Factors(Protocol):
-    """What save, load and the model-level functions read of one adapter of a layer: a :class:`LoraAdapter`,
-    or a layer that is its own single adapter (LoRA on targeted parameters)."""
+    """What save, load and the model-level functions read of one adapter: a :class:`LoraAdapter`, or a layer
+    that is its own single adapter (LoRA on targeted parameters)."""
 
     r: int
     lora_alpha: float
@@ -87,15 +81,8 @@ def lora_scaling(r: int, lora_alpha: float, use_rslora: bool) -> float:
 class LoraAdapter:
     """One named adapter of a LoRA layer: settings, variant, and where its parameters are registered.
 
-    The parameters are read from :attr:`holder` on every access, so whatever replaces them there (``.to()``,
-    ``load_state_dict(assign=True)``, FSDP) is what the adapter computes with.
-
-    Attributes:
-        r: rank. lora_alpha: alpha. lora_dropout_p: dropout probability on the term's input.
-        use_rslora: rank-stabilised scaling. scaling: ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA).
-        variant: plain LoRA or DoRA (:mod:`loragen.layers.variants`).
-        layout: the layer type's layout (the factors' attribute names and peft key suffixes).
-        holder: the module the parameters are registered on (the layer, or its entry in ``lora_adapters``).
+    The parameters are read from :attr:`holder` (the layer, or its entry in ``lora_adapters``) on every
+    access, so whatever replaces them there (``.to()``, ``load_state_dict(assign=True)``, FSDP) is used.
     """
 
     r: int
@@ -134,13 +121,12 @@ class LoraAdapter:
         return (*self.layout.factor_names, *self.variant.extra_parameters)
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
-        """The parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}`` (plus the variant's own)."""
+        """The parameters by attribute name (``lora_A``, ``lora_B``, the variant's own)."""
         return {name: getattr(self.holder, name) for name in self.parameter_names()}
 
     def peft_key_suffixes(self) -> dict[str, str]:
-        """Attribute name -> peft's key suffix in ``adapter_model.safetensors``: ``lora_A.weight`` (Linear,
-        Conv), ``lora_embedding_A`` (Embedding, no ``.weight``); a variant's own parameter under its name
-        (``lora_magnitude_vector``), as peft saves it."""
+        """Attribute name -> peft's key suffix: ``lora_A.weight`` (Linear, Conv), ``lora_embedding_A``
+        (Embedding), a variant's own parameter under its name (``lora_magnitude_vector``)."""
         suffixes = dict(zip(self.layout.factor_names, self.layout.peft_suffixes))
         suffixes.update({name: name for name in self.variant.extra_parameters})
         return suffixes
@@ -161,8 +147,7 @@ def describe(adapter: LoraAdapter) -> str:
 
 
 class AdapterParameters(nn.Module):
-    """Where a layer's further adapter registers its parameters (``<path>.lora_adapters.<name>.lora_A``);
-    its repr shows the adapter's settings."""
+    """Where a layer's further adapter registers its parameters; its repr shows the adapter's settings."""
 
     adapter: LoraAdapter
 
@@ -171,8 +156,7 @@ class AdapterParameters(nn.Module):
 
 
 def records(layer: Any) -> dict[str, LoraAdapter]:
-    """``layer``'s adapters by name, first adapter first (empty for a layer that holds its own single
-    adapter, LoRA on targeted parameters)."""
+    """``layer``'s adapters by name, first first (empty for a layer that is its own single adapter)."""
     found: dict[str, LoraAdapter] = getattr(layer, RECORDS_ATTR, {})
     return found
 
@@ -204,12 +188,8 @@ def adapter_factors(layer: Any, name: str) -> Factors:
 
 
 def adapter_dtype_for(base_dtype: torch.dtype) -> torch.dtype:
-    """The dtype LoRA factors get for a base weight of ``base_dtype``.
-
-    Half-precision bases (fp16, bf16) get float32 adapters, as peft does by default: the factors are
-    small and their updates would lose most of their bits in 8 significant bits. Other floating dtypes
-    are kept.
-    """
+    """The dtype LoRA factors get for a base weight of ``base_dtype``: float32 for fp16, bf16 and
+    non-floating weights (as peft: small updates would lose their bits in half precision), else the same."""
     if base_dtype in (torch.float16, torch.bfloat16) or not base_dtype.is_floating_point:
         return torch.float32
     return base_dtype
@@ -221,15 +201,9 @@ def holds_several(layer: Any) -> bool:
 
 
 def key_prefix(layer: Any, name: str) -> str:
-    """The state-dict key prefix of adapter ``name``'s parameters below ``layer``: ``""`` for the layer's
-    first adapter (``lora_A``), ``"lora_adapters.<name>."`` for the others (see :func:`_holder_for`)."""
+    """The state-dict key prefix of adapter ``name`` below ``layer``: ``""`` for the first adapter,
+    ``"lora_adapters.<name>."`` for the others."""
     return "" if name == adapter_names(layer)[0] else f"{ADAPTERS_ATTR}.{name}."
-
-
-def _holder_for(layer: Any, first: bool) -> nn.Module:
-    """Where a new adapter's parameters are registered: the layer itself for its first adapter (the keys a
-    single-adapter model has always had), a module of their own (put in ``layer.lora_adapters``) for the others."""
-    return layer if first else AdapterParameters()
 
 
 def add_factors(
@@ -242,16 +216,15 @@ def add_factors(
     init_lora_weights: InitMode = True,
     use_dora: bool = False,
 ) -> LoraAdapter:
-    """Give ``layer`` an adapter ``name``: factors of the layer type's shapes (``_factor_shapes``) at rank
-    ``r``, initialised as peft does (the layout's init), on the weight's device, in the dtype of the
-    layer's other adapters (else :func:`adapter_dtype_for` the weight's); then the
-    variant's own parameters (DoRA: the magnitude, the norm of ``W + s B A``). It is not made active.
+    """Give ``layer`` a new, inactive adapter ``name``: factors of rank ``r`` in the layer type's shapes,
+    initialised as peft does, on the weight's device, in the dtype of the layer's other adapters (else
+    :func:`adapter_dtype_for` the weight's), and the variant's own parameters (DoRA's magnitude).
 
     Raises:
         AdapterNameError: the layer holds an adapter ``name`` already.
         LoraConfigError: an invalid LoRA argument.
-        LoraConversionError: ``use_dora`` on a layer where DoRA is not supported, or a layer that holds
-            one adapter only (names the type).
+        LoraConversionError: ``use_dora`` where DoRA is not supported, or a layer that holds one adapter
+            only (names the type).
     """
     held: dict[str, LoraAdapter] | None = getattr(layer, RECORDS_ATTR, None)
     if held is None:  # set up by LoraLayer._setup_lora (see holds_several)
@@ -278,8 +251,8 @@ def add_factors(
         b = torch.empty(b_shape, device=weight.device, dtype=dtype)
         if weight.device.type != "meta":
             layout.init_factors(a, b, r, init_lora_weights)
-        adapter.holder = _holder_for(layer, first)
-        if isinstance(adapter.holder, AdapterParameters):
+        if not first:  # further adapters register on a module of their own
+            adapter.holder = AdapterParameters()
             adapter.holder.adapter = adapter
         adapter.register(layout.factor_names[0], nn.Parameter(a))
         adapter.register(layout.factor_names[1], nn.Parameter(b))
@@ -297,11 +270,8 @@ def add_factors(
 
 
 def remove_factors(layer: Any, name: str) -> bool:
-    """Remove ``layer``'s adapter ``name``; returns whether the layer still holds an adapter.
-
-    Removing the first adapter registers the next one's parameters on the layer itself (the same
-    parameter objects; see the module docstring). The layer's active adapter is left as it is (see
-    :func:`set_active`).
+    """Remove ``layer``'s adapter ``name``; returns whether the layer still holds an adapter. Removing the
+    first adapter registers the next one's parameters (the same objects) on the layer itself.
 
     Raises:
         AdapterNameError: the layer holds no adapter ``name``.
@@ -335,8 +305,6 @@ def set_active(layer: Any, name: str | None) -> None:
     layer.active_adapter = name
 
 
-# ---- a weighted combination of one layer's adapters (loragen.add_weighted_adapter) ----------------------
-
 COMBINATIONS = ("cat", "linear", "svd")
 
 
@@ -350,19 +318,17 @@ def combine(
     svd_full_matrices: bool = True,
     svd_driver: str | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(A, B)`` of rank ``new_rank`` combining ``parts`` (``(name, factors, weight)``) of one layer, as
-    peft's ``add_weighted_adapter`` does. With factors ``A_i``, ``B_i``, scaling ``s_i`` and weight ``w_i``
-    the new adapter has scaling 1 and:
+    """``(A, B)`` of rank ``new_rank`` combining ``parts`` (``(name, factors, weight)``) of one layer as peft's
+    ``add_weighted_adapter`` does; with scaling ``s_i`` and weight ``w_i`` the new adapter has scaling 1 and:
 
     ``cat``     ``A = [w_1 s_1 A_1; ...]``, ``B = [B_1 ...]``: exactly ``sum_i w_i s_i B_i A_i``
-    ``linear``  ``A = sum_i sign(c_i) sqrt|c_i| A_i``, ``B = sum_i sqrt|c_i| B_i``, ``c_i = w_i s_i``: one
-                rank for all; an approximation (cross terms ``B_i A_j`` appear)
+    ``linear``  ``A = sum_i sign(c_i) sqrt|c_i| A_i``, ``B = sum_i sqrt|c_i| B_i``, ``c_i = w_i s_i``
+                (one rank for all; cross terms ``B_i A_j`` make it an approximation)
     ``svd``     the best rank-``new_rank`` approximation of ``sum_i w_i s_i B_i A_i`` (flattened to
                 ``(out, in * kernel)``); ``svd_clamp`` clamps to that quantile, as peft does
 
     Raises:
-        AdapterMixError: ``linear`` with factors of different shapes (names the layer ``path``, the adapters
-            and their ranks).
+        AdapterMixError: ``linear`` with factors of different shapes (names ``path``, adapters, ranks).
     """
     first = parts[0][1]
     a0, b0 = first.factor_a, first.factor_b
@@ -407,7 +373,7 @@ def combine(
 
 
 def _weighted_sum(tensors: list[Tensor], weights: Tensor) -> Tensor:
-    """``sum_i weights[i] * tensors[i]`` (stacked, as peft's task arithmetic sums)."""
+    """``sum_i weights[i] * tensors[i]``."""
     stacked = torch.stack(tensors)
     weights = weights.to(stacked.device, stacked.dtype).view(-1, *([1] * (stacked.dim() - 1)))
     return (stacked * weights).sum(dim=0)

@@ -1,21 +1,11 @@
-"""What every LoRA layer is (:class:`LoraLayer`): the contract a layer type fulfils and the behaviour all
-share -- adapters, the forward, merging -- and turning a module into a LoRA layer and back.
+"""What every LoRA layer is (:class:`LoraLayer`): the contract a layer type fulfils, the behaviour all
+share (adapters, the forward, merging and its thread guard), and turning a module into a LoRA layer
+(:func:`clone_as`: the same state, nothing copied) and back (:func:`strip_to`).
 
-A LoRA class derives from :class:`LoraLayer` and from the base layer class it replaces, so it keeps the
-base's ``weight`` / ``bias`` under their usual keys. :meth:`LoraLayer.from_module` takes over a module's
-state (:func:`clone_as`: the same parameters, buffers, hooks and attributes, nothing copied);
-:meth:`LoraLayer.to_base` gives the base layer back (:func:`strip_to`).
-
-A layer type provides ``base_class``, ``_factor_shapes()`` (A's and B's shapes at rank ``self.r``) and
-``_adapter_output(x, adapter)`` (``scaling * B A dropout(x)`` of one adapter, shaped like the base
-output); optionally ``_base_output(x)`` (default ``base_class.forward``), ``dora_variant``
-(:mod:`loragen.layers.variants`), ``linear_term`` (the term is ``scaling * (x A^T) B^T``: a mixed batch
-stacks adapters into two GEMMs) and ``_adapted_output(x, adapter)`` (the whole output with an adapter: a
-fused op, as :class:`loragen.LoraLinear` has). Its registry entry gives its layout. The rest is shared.
-
-``merge()`` / ``unmerge()`` change ``weight`` in place; a forward in another thread could read ``merged``
-before the change and the weight after it. A readers-writer :class:`MergeGuard` per layer makes them
-take turns (skipped under ``torch.compile`` tracing; copies and pickles get a fresh one).
+A layer type derives from :class:`LoraLayer` and the base class it replaces, and provides ``base_class``,
+``_factor_shapes()`` and ``_adapter_output(x, adapter)``; optionally ``_base_output(x)``,
+``dora_variant`` (:mod:`loragen.layers.variants`), ``linear_term`` (the term is ``scaling * (x A^T) B^T``:
+a mixed batch stacks adapters into two GEMMs) and ``_adapted_output(x, adapter)`` (a fused op).
 """
 
 from __future__ import annotations
@@ -49,16 +39,16 @@ __all__ = ["LoraLayer", "MergeGuard", "clone_as", "reading", "strip_to", "writin
 
 M = TypeVar("M", bound=nn.Module)
 F = TypeVar("F", bound=Callable[..., Any])
-# the interpreter runs one thread's step at a time (no free-threaded build, or its GIL turned back on)
 _GIL: bool = getattr(sys, "_is_gil_enabled", lambda: True)()
 _RECOUNT_S = 0.005  # how often a waiting merge counts the forwards in flight again
 
 
 class MergeGuard:
-    """A readers-writer turn: forwards read together, a merge writes alone. A forward appends to
-    ``_readers`` and then looks for a merge; a merge marks ``_writer`` and then waits for ``_readers`` to
-    empty: whichever step comes second sees the other. With the GIL each step is atomic and a forward takes
-    no lock; on a free-threaded interpreter its two steps are taken under the lock."""
+    """A readers-writer turn per layer: forwards read together, ``merge()`` / ``unmerge()`` write alone (a
+    forward could otherwise read ``merged`` before a change and the weight after it). A forward counts
+    itself in ``_readers``, then looks for ``_writer``; a merge sets ``_writer``, then waits for
+    ``_readers`` to empty: whichever comes second sees the other. Under the GIL each step is atomic and a
+    forward takes no lock; free-threaded, its two steps run under the lock."""
 
     __slots__ = ("_changed", "_readers", "_writer")
 
@@ -129,8 +119,7 @@ def reading(forward: F) -> F:
 
 
 def writing(change: F) -> F:
-    """Decorate a LoRA layer's ``merge`` / ``unmerge``: it waits for the layer's forwards in flight, and
-    forwards that start meanwhile wait for it."""
+    """Decorate a LoRA layer's ``merge`` / ``unmerge``: it waits for the forwards in flight and holds off new ones."""
 
     @functools.wraps(change)
     def guarded(self: LoraLayer, *args: Any, **kwargs: Any) -> Any:
@@ -144,8 +133,6 @@ def writing(change: F) -> F:
     return guarded  # type: ignore[return-value]
 
 
-# ---- turning a module into a LoRA layer and back -----------------------------------------------------
-
 # The containers of nn.Module state that a LoRA layer adds to (or removes from): copied, not shared.
 _OWN_CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 # What accelerate's add_hook_to_module puts on an instance.
@@ -153,13 +140,11 @@ _ACCELERATE_ATTRS = ("forward", "_old_forward", "_hf_hook")
 
 
 def clone_as(module: nn.Module, cls: type[M]) -> M:
-    """A new ``cls`` object (``type(module)``, a subclass, or a class of the same instance layout) holding
-    ``module``'s state: parameters, buffers, submodules, hooks and attributes shared, not copied.
-    accelerate's instance-level hook is moved onto it with accelerate's own function.
+    """A new ``cls`` object (``type(module)``, a subclass, or a class of the same instance layout) sharing
+    ``module``'s state: parameters, buffers, submodules, hooks, attributes; accelerate's hook is moved onto it.
 
     Raises:
-        LoraConversionError: another instance-level ``forward`` replaces the class's (loragen cannot know
-            what it computes).
+        LoraConversionError: another instance-level ``forward`` replaces the class's.
     """
     state = dict(module.__dict__)
     hook = state.get("_hf_hook")
@@ -190,8 +175,7 @@ def strip_to(
     modules: tuple[str, ...],
     attributes: tuple[str, ...],
 ) -> M:
-    """A ``cls`` object with ``layer``'s state minus the named LoRA ``parameters``, ``modules`` and
-    ``attributes``: the base layer a LoRA layer was made from, sharing its weight and every other state."""
+    """A ``cls`` object with ``layer``'s state minus the named LoRA ``parameters``, ``modules`` and ``attributes``."""
     base = clone_as(layer, cls)
     for name in parameters:
         base._parameters.pop(name, None)
@@ -200,9 +184,6 @@ def strip_to(
     for name in attributes:
         base.__dict__.pop(name, None)
     return base
-
-
-# ---- the LoRA layer ------------------------------------------------------------------------------------
 
 
 def _first_adapter_setting(name: str, doc: str, *, settable: bool = True) -> property:
@@ -221,21 +202,16 @@ class LoraLayer(nn.Module, ABC):
     """A LoRA layer: the contract every layer type fulfils (module docstring) and the behaviour they share.
 
     Attributes:
-        merged: whether the active adapter is currently added into ``weight``.
-        active_adapter: the adapter the forward adds (``None``: none).
-        fused: whether the forward may run the layer type's fused op (False: peft's plain composition).
-        lora_adapter_records: every adapter by name, first adapter first (:mod:`loragen.layers.adapter_set`).
-        mixed_route: a :func:`loragen.mixed_batch` under way, else None. merge_guard: the :class:`MergeGuard`.
+        merged: whether the active adapter is added into ``weight``. active_adapter: the adapter the forward
+            adds (``None``: none). fused: whether the layer type's fused op may run (False: peft's composition).
+        lora_adapter_records: every adapter by name, first first. mixed_route: the running mixed batch, if any.
         r, lora_alpha, scaling, lora_dropout_p, use_rslora, adapter_name: those of the layer's first adapter.
     """
 
-    # the class this LoRA class replaces; to_base() returns an object of it
     base_class: ClassVar[type[nn.Module]]
-    # the DoRA strategy of this layer type (loragen.layers.variants); None: no DoRA
     dora_variant: ClassVar[Variant | None] = None
-    # the adapter term is scaling * (x A^T) B^T along the last dimension (mixed batches stack adapters)
     linear_term: ClassVar[bool] = False
-    # instance attributes the LoRA setup adds (besides the parameters): removed again by to_base()
+    # instance attributes the LoRA setup adds (besides the parameters): to_base() removes them
     _lora_attributes: ClassVar[tuple[str, ...]] = (
         "merged",
         "fused",
@@ -257,30 +233,22 @@ class LoraLayer(nn.Module, ABC):
     _merged_adapter: str | None = None  # the adapter merge() added (None: none), for unmerge()
     _dora_merged_norm: Tensor | None = None  # a merged DoRA adapter's weight norm, for unmerge()
 
-    r = _first_adapter_setting(
-        "r", "The first adapter's rank (fixed: the factors' shapes follow it).", settable=False
-    )
+    r = _first_adapter_setting("r", "The first adapter's rank.", settable=False)
     lora_alpha = _first_adapter_setting("lora_alpha", "The first adapter's alpha.")
     scaling = _first_adapter_setting("scaling", "The first adapter's scaling of its term.")
     lora_dropout_p = _first_adapter_setting("lora_dropout_p", "The first adapter's dropout probability.")
     use_rslora = _first_adapter_setting("use_rslora", "Whether the first adapter uses rsLoRA's scaling.")
-    factor_a = _first_adapter_setting(
-        "factor_a", "The first adapter's A (``lora_A``, ``lora_embedding_A``).", settable=False
-    )
-    factor_b = _first_adapter_setting(
-        "factor_b", "The first adapter's B (``lora_B``, ``lora_embedding_B``).", settable=False
-    )
+    factor_a = _first_adapter_setting("factor_a", "The first adapter's A.", settable=False)
+    factor_b = _first_adapter_setting("factor_b", "The first adapter's B.", settable=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        """The state copies and pickles carry: the merge guard (a lock) is left out."""
+        """Copies and pickles leave the merge guard (a lock) out."""
         return {key: value for key, value in super().__getstate__().items() if key != "merge_guard"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled layer gets a guard of its own."""
         super().__setstate__(state)
         self.merge_guard = MergeGuard()
-
-    # ---- what a layer type provides --------------------------------------------------------------
 
     @abstractmethod
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -295,10 +263,8 @@ class LoraLayer(nn.Module, ABC):
         result: Tensor = self.base_class.forward(self, x)
         return result
 
-    # ---- making and unmaking ------------------------------------------------------------------------
-
     def _init_lora_state(self) -> None:
-        """The per-layer state every LoRA layer holds (before its first adapter is made)."""
+        """The per-layer state every LoRA layer holds before its first adapter."""
         self.merged = False
         self.merge_guard = MergeGuard()
 
@@ -311,11 +277,10 @@ class LoraLayer(nn.Module, ABC):
         init_lora_weights: InitMode,
         use_dora: bool = False,
     ) -> None:
-        """Make the layer's first adapter (``"default"``); every constructor and :meth:`from_module` calls it.
+        """Make the layer's first adapter (``"default"``).
 
         Raises:
-            LoraConfigError: an invalid LoRA argument (the message names it).
-            LoraConversionError: ``use_dora`` where the layer type or its weight has no DoRA.
+            LoraConfigError: an invalid LoRA argument. LoraConversionError: ``use_dora`` without DoRA support.
         """
         self._init_lora_state()
         self.lora_adapter_records = {}
@@ -335,8 +300,7 @@ class LoraLayer(nn.Module, ABC):
         init_lora_weights: InitMode = True,
         use_dora: bool = False,
     ) -> Self:
-        """The LoRA layer for an existing ``base`` module: it takes over ``base``'s state (:func:`clone_as`,
-        nothing is copied) and adds an adapter initialised as ``init_lora_weights`` says (DoRA: ``use_dora``).
+        """The LoRA layer for ``base``, taking over its state (:func:`clone_as`), with one adapter.
 
         Raises:
             LoraConfigError: an invalid LoRA argument. LoraConversionError: see :func:`clone_as`, or
@@ -347,17 +311,15 @@ class LoraLayer(nn.Module, ABC):
         return layer
 
     def to_base(self) -> nn.Module:
-        """The base layer again (an object of :attr:`base_class`) holding this layer's current, possibly
-        merged, weight and bias: the same parameter objects and every other state, minus the LoRA parts."""
+        """The base layer again (:attr:`base_class`) with this layer's current, possibly merged, parameters and
+        state, minus the LoRA parts."""
         return strip_to(
             self, self.base_class, tuple(self.lora_parameters()), (ADAPTERS_ATTR,), self._lora_attributes
         )
 
-    # ---- adapters -------------------------------------------------------------------------------------
-
     @property
     def layout(self) -> Layout:
-        """The registry's layout of this layer type: factor names, peft key suffixes, init and merge maths.
+        """The registry's layout of this layer type (factor names, peft key suffixes, init and merge maths).
 
         Raises:
             TypeError: the class is not registered (see :func:`loragen.register_layer`).
@@ -375,8 +337,7 @@ class LoraLayer(nn.Module, ABC):
 
     @property
     def adapter_name(self) -> str:
-        """The name of the layer's first adapter (whose parameters are the layer's own, ``<path>.lora_A``).
-        Setting it renames that adapter."""
+        """The name of the layer's first adapter (whose parameters are the layer's own); setting it renames it."""
         return next(iter(self.lora_adapter_records))
 
     @adapter_name.setter
@@ -385,8 +346,7 @@ class LoraLayer(nn.Module, ABC):
         self.lora_adapter_records = {(name if i == 0 else k): v for i, (k, v) in enumerate(held.items())}
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
-        """The first adapter's parameters by attribute name, ``{"lora_A": ..., "lora_B": ...}`` (plus a
-        variant's own, DoRA's ``"lora_magnitude_vector"``)."""
+        """The first adapter's parameters by attribute name (``lora_A``, ``lora_B``, DoRA's magnitude)."""
         return self._first_adapter().lora_parameters()
 
     def peft_key_suffixes(self) -> dict[str, str]:
@@ -394,7 +354,7 @@ class LoraLayer(nn.Module, ABC):
         return self._first_adapter().peft_key_suffixes()
 
     def reset_lora_parameters(self, init_lora_weights: InitMode = True) -> None:
-        """(Re)initialise the first adapter's A and B as peft does (the layout's init)."""
+        """(Re)initialise the first adapter's A and B as peft does."""
         first = self._first_adapter()
         self.layout.init_factors(first.factor_a, first.factor_b, first.r, init_lora_weights)
 
@@ -405,12 +365,9 @@ class LoraLayer(nn.Module, ABC):
             return None
         return self.lora_adapter_records.get(name)
 
-    # ---- forward ------------------------------------------------------------------------------------
-
     @reading
     def forward(self, input: Tensor) -> Tensor:
-        """``base(x)`` plus the running adapter's term (:meth:`_adapted_output`); in a mixed batch, each
-        row's own adapter's."""
+        """``base(x)`` plus the running adapter's term; in a mixed batch, each row's own adapter's."""
         x = input  # torch's name for the argument
         if self.mixed_route is not None and self.active_adapter is not None:  # adapters off win, as in peft
             return self.mixed_route.output(self, x)
@@ -420,8 +377,7 @@ class LoraLayer(nn.Module, ABC):
         return self._adapted_output(x, adapter)
 
     def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        """The output with ``adapter``: the base output plus its term as its variant composes them (LoRA
-        adds ``scaling * B A dropout(x)``); layer types with a fused op override this.
+        """The output with ``adapter``: the base output and its term as its variant composes them.
 
         Raises:
             LoraConversionError: the base layer returns something other than one tensor.
@@ -436,19 +392,17 @@ class LoraLayer(nn.Module, ABC):
             )
         return adapter.variant.output(self, x, adapter, result)
 
-    # ---- merging --------------------------------------------------------------------------------
-
     def _merge_dtype(self) -> torch.dtype:
         """float32, or float64 for float64 weights: merges never compute in less than float32."""
         return torch.promote_types(self.weight.dtype, torch.float32)
 
     def delta_weight_of(self, adapter: LoraAdapter) -> Tensor:
-        """``scaling * B @ A`` of ``adapter`` in the base weight's layout, in float32 (or float64)."""
+        """``scaling * B @ A`` of ``adapter`` in the base weight's layout, in :meth:`_merge_dtype`."""
         dtype = self._merge_dtype()
         return self.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
 
     def delta_weight(self, adapter: str | None = None) -> Tensor:
-        """:meth:`delta_weight_of` the adapter named ``adapter`` (None: the layer's first adapter).
+        """:meth:`delta_weight_of` the adapter named ``adapter`` (None: the first).
 
         Raises:
             AdapterNameError: the layer holds no adapter ``adapter``.
@@ -467,33 +421,37 @@ class LoraLayer(nn.Module, ABC):
     @writing
     @torch.no_grad()
     def merge(self) -> None:
-        """Add the active adapter into ``weight`` (its variant's merge; float32 math, rounded once). A no-op
-        if merged; with no active adapter, or one the layer does not hold, ``weight`` stays as it is."""
+        """Add the active adapter into ``weight`` (float32 math, rounded once). A no-op if merged; with no
+        active adapter held here, ``weight`` stays as it is."""
         if self.merged:
             return
         self._check_mergeable()
         adapter = self.running_adapter()
-        if adapter is not None:
-            adapter.variant.merge(self, adapter)
         self._merged_adapter = None if adapter is None else self.active_adapter
+        if adapter is not None:
+            self._merge_adapter(adapter)
         self.merged = True
 
     @writing
     @torch.no_grad()
     def unmerge(self) -> None:
-        """Take the merged adapter out of ``weight`` again. A no-op if not merged.
-
-        In float32 the original weight comes back up to rounding; in fp16/bf16 each merge/unmerge
-        round trip can move a weight by up to one unit in its last place.
-        """
+        """Take the merged adapter out of ``weight`` again (float32: the original up to rounding; fp16/bf16: up
+        to one unit in the last place per round trip). A no-op if not merged."""
         if not self.merged:
             return
         name, self._merged_adapter = self._merged_adapter, None
-        adapter = None if name is None else self.lora_adapter_records.get(name)
-        if adapter is not None:
-            adapter.variant.unmerge(self, adapter)
+        if name is not None:
+            self._unmerge_adapter(name)
         self.merged = False
 
+    def _merge_adapter(self, adapter: LoraAdapter) -> None:
+        adapter.variant.merge(self, adapter)
+
+    def _unmerge_adapter(self, name: str) -> None:
+        adapter = self.lora_adapter_records.get(name)  # None: deleted since merging
+        if adapter is not None:
+            adapter.variant.unmerge(self, adapter)
+
     def lora_extra_repr(self) -> str:
-        """The first adapter's settings, for ``extra_repr`` (further adapters show theirs in ``lora_adapters``)."""
+        """The first adapter's settings, for ``extra_repr``."""
         return describe(self._first_adapter()) + (", merged" if self.merged else "")

@@ -1,16 +1,11 @@
 """LoRA on bitsandbytes' quantized linears (QLoRA): ``Linear4bit`` (nf4 / fp4, double quantization or not,
-any compute dtype) and ``Linear8bitLt``. Imported only when a model holds such a layer (bitsandbytes is
-the optional extra ``loragen[bnb]``).
+any compute dtype) and ``Linear8bitLt``; imported only when a model holds one (extra ``loragen[bnb]``).
 
-Forward: bitsandbytes' own forward gives the base output; :func:`loragen.ops.lora_branch` adds the term
-onto it in place (hand-written backward, mask saved as bits, no x-sized copy). As in peft, the term runs in
-the adapter's float32, then is cast to the base output's dtype, scaled and added; keys are peft's.
-
-Merging cannot be exact: ``W + scaling * B @ A`` is quantized again in the same format. loragen does what
-peft does (dequantize, add, re-quantize) and warns what it cost (:class:`loragen.errors.RequantizationWarning`
-with the largest difference to the exact merged weight). Unmerging differs from peft, which re-quantizes
-``W' - scaling * B @ A`` (a second rounding): loragen keeps the original quantized weight while merged and
-puts it back bit for bit (``merge_and_unload`` drops it).
+Forward: bitsandbytes' forward gives the base output and :func:`loragen.ops.lora_branch` adds the term
+onto it in place; as in peft the term runs in the adapter's float32, is cast to the output's dtype,
+scaled and added. Merging dequantizes, adds ``scaling * B @ A`` and re-quantizes as peft does, warning
+what the rounding cost (:class:`loragen.errors.RequantizationWarning`); unmerging puts the original
+quantized weight back bit for bit (peft re-quantizes a second time).
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from torch import Tensor
 
 from loragen.errors import LoraMergeError, RequantizationWarning
 from loragen.layers.adapter_set import LoraAdapter
-from loragen.layers.base import LoraLayer, writing
+from loragen.layers.base import LoraLayer
 from loragen.layers.linear import LoraLinearMixin
 from loragen.layers.variants import LORA
 from loragen.ops import lora_branch
@@ -36,9 +31,7 @@ __all__ = ["LoraLinear4bit", "LoraLinear8bitLt", "QuantizedLoraMixin", "Requanti
 
 
 class QuantizedLoraMixin(LoraLinearMixin):
-    """LoRA on a quantized linear: bitsandbytes' forward for the base, loragen's fused branch for the
-    LoRA term, merges that re-quantize (and warn how much that rounds) and unmerges that restore the
-    original quantized weight. Subclasses say how their weight is dequantized and quantized again."""
+    """LoRA on a quantized linear; subclasses say how their weight is dequantized and quantized again."""
 
     _lora_attributes = (*LoraLinearMixin._lora_attributes, "_unmerged_state")
 
@@ -46,23 +39,20 @@ class QuantizedLoraMixin(LoraLinearMixin):
     _unmerged_state: tuple[Any, ...] | None = None
 
     def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        # peft's order for quantized bases: the term in the adapter's dtype, cast to the base output's dtype
-        # (bitsandbytes returns x's dtype), then scaled
+        # peft's order: the term in the adapter's dtype, cast to the output's (x's) dtype, then scaled
         a, b, s, p = adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p
         return lora_term(x, a, b, s, p, self.training, dtype=x.dtype)
 
     def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        """bitsandbytes' forward plus the term added onto its output in place (:func:`loragen.ops.lora_branch`);
-        with :attr:`fused` off or a DoRA adapter, peft's composition."""
+        """bitsandbytes' forward plus the term added in place (:func:`loragen.ops.lora_branch`); with
+        :attr:`fused` off or a DoRA adapter, peft's composition."""
         if not (self.fused and adapter.variant is LORA):
             return LoraLayer._adapted_output(self, x, adapter)
         a, b, s, p = adapter.factor_a, adapter.factor_b, adapter.scaling, adapter.lora_dropout_p
         return lora_branch(self._base_output(x), x, a, b, s, p, self.training)
 
-    # ---- what a quantization format provides ---------------------------------------------------
-
     def dequantized_weight(self) -> Tensor:
-        """The weight as bitsandbytes' kernels see it, dequantized: (out, in), float32."""
+        """The weight as bitsandbytes' kernels see it: (out, in), float32."""
         raise NotImplementedError
 
     def _snapshot(self) -> tuple[Any, ...]:
@@ -80,32 +70,19 @@ class QuantizedLoraMixin(LoraLinearMixin):
         """The format in words, for messages (``"nf4 (double quantization)"``, ``"int8"``)."""
         raise NotImplementedError
 
-    # ---- merging --------------------------------------------------------------------------------
-
     def _check_mergeable(self) -> None:
         LoraLayer._check_mergeable(self)  # the probe of LoraLinearMixin cannot read a quantized weight
 
-    @writing
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Dequantize the weight, add the active adapter's ``scaling * B @ A`` in float32 and quantize the
-        sum again in the layer's format; warns (:class:`RequantizationWarning`) with the rounding that adds. A no-op if
-        merged. :meth:`unmerge` restores the original quantized weight exactly."""
-        if self.merged:
-            return
-        self._check_mergeable()
-        adapter = self.running_adapter()
-        self._merged_adapter = None if adapter is None else self.active_adapter
-        if adapter is None:  # no active adapter here: the weight stays as it is
-            self.merged = True
-            return
+    def _merge_adapter(self, adapter: LoraAdapter) -> None:
+        """Dequantize, add ``scaling * B @ A`` in float32 and quantize again in the layer's format; warns
+        (:class:`RequantizationWarning`) with the rounding that adds. Unmerging restores the original."""
         snapshot = self._snapshot()
         delta = self.delta_weight_of(adapter).float()
         exact = self.dequantized_weight().add_(delta)
         self._quantize_into(exact)
         error = (self.dequantized_weight() - exact).abs().max().item() if exact.numel() else 0.0
         self._unmerged_state = snapshot
-        self.merged = True
+        self.merged = True  # before warning: a warning raised as an error leaves a merged layer
         update = delta.abs().max().item() if delta.numel() else 0.0
         in_features, out_features = self._features()
         warnings.warn(
@@ -115,20 +92,12 @@ class QuantizedLoraMixin(LoraLinearMixin):
             f"{update:.3g}). Merged outputs differ from unmerged ones by that rounding; unmerge() restores "
             "the original quantized weight exactly",
             RequantizationWarning,
-            stacklevel=2,
+            stacklevel=5,  # the caller of merge(), past no_grad and the merge guard
         )
 
-    @writing
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        """Put back the quantized weight held before :meth:`merge`, bit for bit (peft instead
-        re-quantizes the merged weight minus the update, a second rounding). A no-op if not merged."""
-        if not self.merged:
-            return
-        name, self._merged_adapter = self._merged_adapter, None
-        if name is None:
-            self.merged = False
-            return
+    def _unmerge_adapter(self, name: str) -> None:
+        """Put back the quantized weight held before merging, bit for bit (peft instead re-quantizes the
+        merged weight minus the update, a second rounding)."""
         if self._unmerged_state is None:
             raise LoraMergeError(
                 f"cannot unmerge {type(self).__qualname__}: the weight was merged before this layer held it "
@@ -136,16 +105,11 @@ class QuantizedLoraMixin(LoraLinearMixin):
             )
         self._restore(self._unmerged_state)
         self._unmerged_state = None
-        self.merged = False
 
 
 class LoraLinear4bit(QuantizedLoraMixin, bnb.nn.Linear4bit):
-    """``bitsandbytes.nn.Linear4bit`` (nf4 or fp4, double quantization or not) with a LoRA adapter.
-    Shapes: x (..., in) -> y (..., out); lora_A (r, in), lora_B (out, r), float32.
-
-    The constructor is ``Linear4bit``'s plus the LoRA keywords; :meth:`from_module` converts a loaded
-    layer (what ``get_lora_model`` does).
-    """
+    """``bitsandbytes.nn.Linear4bit`` with a LoRA adapter: ``Linear4bit``'s constructor plus the LoRA keywords.
+    Shapes: x (..., in) -> y (..., out); lora_A (r, in), lora_B (out, r), float32."""
 
     base_class = bnb.nn.Linear4bit
 
@@ -191,9 +155,8 @@ class LoraLinear4bit(QuantizedLoraMixin, bnb.nn.Linear4bit):
         """The packed weight and its quant state in bitsandbytes' canonical layout."""
         data, state = self.weight.data, self._quant_state()
         if getattr(state, "packing_format_for_cpu", False):
-            # bitsandbytes repacks a weight in place for AVX512-BF16 CPUs at its first no-grad eval forward
-            # (bf16 block scales, no double quantization). Its inverse rewrites the state it is given, so
-            # it gets a copy: the layer's own weight and state stay as they are.
+            # bitsandbytes repacks a weight in place for AVX512-BF16 CPUs at its first no-grad eval forward;
+            # its inverse rewrites the state it is given, so it gets a copy
             from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
             data, state = _convert_weight_packed_for_cpu_inverse(data, copy.deepcopy(state))
@@ -217,35 +180,23 @@ class LoraLinear4bit(QuantizedLoraMixin, bnb.nn.Linear4bit):
 
     def _quantize_into(self, dense: Tensor) -> None:
         data, state = self._packed()
-        weight = self.weight
-        packed, new_state = bnb.functional.quantize_4bit(
-            dense.to(device=data.device, dtype=state.dtype),  # the dtype the weight was quantized from
-            blocksize=state.blocksize,
-            compress_statistics=state.nested,
-            quant_type=state.quant_type,
-            quant_storage=getattr(weight, "quant_storage", data.dtype),
-        )
+        settings: dict[str, Any] = {
+            "blocksize": state.blocksize,
+            "compress_statistics": state.nested,
+            "quant_type": state.quant_type,
+            "quant_storage": getattr(self.weight, "quant_storage", data.dtype),
+        }
+        dense = dense.to(data.device, state.dtype)  # the dtype the weight was quantized from
+        packed, new_state = bnb.functional.quantize_4bit(dense, **settings)
         self.weight = bnb.nn.Params4bit(
-            packed,
-            requires_grad=False,
-            quant_state=new_state,
-            blocksize=state.blocksize,
-            compress_statistics=state.nested,
-            quant_type=state.quant_type,
-            quant_storage=getattr(weight, "quant_storage", data.dtype),
-            module=self,
-            bnb_quantized=True,
+            packed, requires_grad=False, quant_state=new_state, module=self, bnb_quantized=True, **settings
         )
         self.quant_state = new_state
 
 
 class LoraLinear8bitLt(QuantizedLoraMixin, bnb.nn.Linear8bitLt):
-    """``bitsandbytes.nn.Linear8bitLt`` (LLM.int8(), int8 weight with per-row scales) with a LoRA adapter.
-    Shapes: x (..., in) -> y (..., out); lora_A (r, in), lora_B (out, r), float32.
-
-    The constructor is ``Linear8bitLt``'s plus the LoRA keywords; :meth:`from_module` converts a loaded
-    layer (what ``get_lora_model`` does).
-    """
+    """``bitsandbytes.nn.Linear8bitLt`` (LLM.int8()) with a LoRA adapter: its constructor plus the LoRA
+    keywords. Shapes: x (..., in) -> y (..., out); lora_A (r, in), lora_B (out, r), float32."""
 
     base_class = bnb.nn.Linear8bitLt
 

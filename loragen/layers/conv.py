@@ -55,18 +55,14 @@ class _LoraConvNd(LoraLayer):
         init_lora_weights: InitMode = True,
         use_dora: bool = False,
     ) -> None:
-        """The torch conv's constructor plus the LoRA keywords (:class:`LoraConv1d`, :class:`LoraConv2d`)."""
+        """The torch conv's constructor plus the LoRA keywords."""
         base = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode)
         self.base_class.__init__(self, *base, device, dtype)
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        ones = (1,) * len(self.kernel_size)
-        return (self.r, self.in_channels // self.groups, *self.kernel_size), (
-            self.out_channels,
-            self.r,
-            *ones,
-        )
+        a_shape = (self.r, self.in_channels // self.groups, *self.kernel_size)
+        return a_shape, (self.out_channels, self.r, *(1,) * len(self.kernel_size))
 
     def _adapter_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
         x_lora = x.to(adapter.factor_a.dtype)
@@ -78,11 +74,9 @@ class _LoraConvNd(LoraLayer):
         """``B A x_lora`` (unscaled) with every base setting."""
         a, b = adapter.factor_a, adapter.factor_b
         if self.groups == 1:
-            # A with every base setting (stride, padding, dilation, padding mode), then B as a 1x1 conv:
-            # the same linear map as convolving with B @ A, through an r-channel bottleneck.
+            # A with every base setting, then B as a 1x1 conv: convolving with B @ A through r channels
             return self._conv(self._conv_forward(x_lora, a, None), b)
-        # A grouped weight cannot be factored through r channels; convolve with the composed weight
-        # B @ A, (cout, cin // groups, *k): exactly what merging adds.
+        # a grouped weight cannot be factored through r channels: the composed B @ A, as merging adds it
         composed = (b.flatten(1) @ a.flatten(1)).view(self.out_channels, *a.shape[1:])
         return self._conv_forward(x_lora, composed, None)
 
@@ -92,8 +86,7 @@ class LoraConv1d(nn.Conv1d, _LoraConvNd):
 
     _conv = staticmethod(F.conv1d)
     base_class = nn.Conv1d
-    # the torch conv class comes first in the MRO (and calls its super().__init__()): take the LoRA
-    # constructor and forward explicitly
+    # the torch conv class comes first in the MRO: take the LoRA constructor and forward explicitly
     __init__ = _LoraConvNd._lora_conv_init
     forward = LoraLayer.forward
 

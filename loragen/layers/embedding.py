@@ -20,10 +20,9 @@ __all__ = ["LoraEmbedding"]
 class LoraEmbedding(nn.Embedding, LoraLayer):
     """``nn.Embedding`` with a LoRA adapter. Shapes: ids (...) -> y (..., embedding_dim).
 
-    As in peft, the LoRA branch of an embedding has no dropout (``lora_dropout`` is accepted and
-    ignored) and its factors are initialised A = 0, B ~ normal(0, 1). The branch looks up ids with the
-    base's ``padding_idx`` (that row of A gets no gradient). ``max_norm`` renormalises looked-up rows,
-    which is not linear: such a layer trains, but cannot be merged exactly and refuses to.
+    As in peft the branch has no dropout (``lora_dropout`` is ignored), A starts at 0 and B ~ normal(0, 1).
+    It looks ids up with the base's ``padding_idx`` (that row of A gets no gradient). ``max_norm``
+    renormalises looked-up rows, which is not linear: such a layer trains but refuses to merge.
     """
 
     lora_embedding_A: nn.Parameter

@@ -1,23 +1,22 @@
-"""LoRA on parameters a module reads itself (``LoraConfig.target_parameters``): MoE expert stacks.
-
-transformers 5 keeps the experts of Mixtral, Qwen3-MoE, OLMoE, ... as 3-D parameters of one ``experts``
-module (``gate_up_proj (E, 2*I, H)``, ``down_proj (E, H, I)``), which ``target_modules`` never reaches;
-peft adapts them through ``target_parameters``, and so does loragen, with peft's math and format.
+"""LoRA on parameters a module reads itself (``LoraConfig.target_parameters``): MoE expert stacks such as
+transformers 5's ``gate_up_proj (E, 2*I, H)`` / ``down_proj (E, H, I)``, with peft's math and format.
 
 The converted module is the experts module itself, of a LoRA class derived from its own class (keys,
 attributes and ``forward`` stay), with one :class:`ParameterLora` per targeted parameter under
-``lora_targets.<name>`` (``lora_A (r*E, in)``, ``lora_B (out, r*E)``, :class:`loragen.registry.ParameterLayout`).
-During the forward the module reads each targeted parameter as ``W + scaling * B_e @ A_e``, made in one
-batched product (:mod:`loragen.ops.expert_products`); no dropout (as in peft). Merging adds the same update.
-In an adapter file the factors of a module's ``k``-th of ``n`` targets are
-``<module>.{"base_layer." * (n-1-k)}lora_A.weight``: the keys of peft's nested ``ParamWrapper``.
+``lora_targets.<name>``. During the forward the module reads each one as ``W + scaling * B_e @ A_e``, all
+experts in one ``baddbmm`` (:func:`effective_weight`; no dropout, as in peft), so every experts
+implementation works without routing code of loragen's; merging adds the same update. With
+:data:`loragen.switches.fused` on, :func:`recompute_on_backward` saves ``W``, ``A``, ``B`` in place of the
+effective weight and rebuilds it once in the backward. In an adapter file the factors of a module's
+``k``-th of ``n`` targets are ``<module>.{"base_layer." * (n-1-k)}lora_A.weight``, as peft's nested
+``ParamWrapper`` saves them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -28,34 +27,26 @@ from typing_extensions import Self
 from loragen import switches
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
-from loragen.layers.base import LoraLayer, clone_as, reading, strip_to, writing
+from loragen.layers.base import LoraLayer, clone_as, reading, strip_to
 from loragen.layers.variants import LORA, Variant
-from loragen.ops.expert_products import effective_weight, recompute_on_backward
 from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 from loragen.validation import InitMode, check_lora_args
 
-__all__ = ["ParameterLora", "LoraParametersLayer", "lora_parameters_class", "scaling_owners"]
+__all__ = [
+    "LoraParametersLayer",
+    "ParameterLora",
+    "effective_weight",
+    "lora_parameters_class",
+    "recompute_on_backward",
+    "scaling_owners",
+]
 
 TARGETS = "lora_targets"
 
 
 class ParameterLora(nn.Module):
-    """The LoRA factors of one targeted parameter: ``lora_A (r*E, in)``, ``lora_B (out, r*E)``.
-
-    Attributes:
-        parameter_name: the targeted parameter's name on its module. layout: how the factors line up with it.
-        num_experts: ``E`` (1 for a 2-D parameter). r, lora_alpha, use_rslora, scaling: as on every LoRA layer.
-    """
-
-    lora_A: nn.Parameter
-    lora_B: nn.Parameter
-    parameter_name: str
-    layout: ParameterLayout
-    num_experts: int
-    r: int
-    lora_alpha: float
-    use_rslora: bool
-    scaling: float
+    """The LoRA factors of one targeted parameter: ``lora_A (r*E, in)``, ``lora_B (out, r*E)``, with its own
+    ``r``, ``lora_alpha``, ``use_rslora``, ``scaling``, ``layout`` and ``num_experts`` (1 for a 2-D one)."""
 
     def __init__(
         self,
@@ -83,8 +74,7 @@ class ParameterLora(nn.Module):
 
     @torch.no_grad()
     def reset(self, init_lora_weights: InitMode = True) -> None:
-        """(Re)initialise as peft does: A kaiming-uniform (normal(0, 1/r) for ``"gaussian"``), B zeros;
-        ``False``: both kaiming-uniform."""
+        """(Re)initialise as peft does (A kaiming-uniform or ``"gaussian"``, B zeros; ``False``: both random)."""
         PLAIN.init_factors(self.lora_A, self.lora_B, self.r, init_lora_weights)
 
     def delta(self, weight: Tensor) -> Tensor:
@@ -105,10 +95,9 @@ class ParameterLora(nn.Module):
 class LoraParametersLayer(LoraLayer):
     """A module whose targeted parameters carry LoRA factors (mixed into the module's own class).
 
-    ``r``, ``lora_alpha``, ``scaling`` and ``use_rslora`` on the layer are those of its first target (the
-    targets may differ through ``rank_pattern`` / ``alpha_pattern``, keyed by the parameter's full name);
-    each :class:`ParameterLora` holds its own. The module holds one adapter, itself (a further named adapter
-    cannot target parameters): :func:`loragen.layers.adapter_set.adapter_factors` returns the module.
+    It holds one adapter, itself (:func:`loragen.layers.adapter_set.adapter_factors` returns it); its
+    ``r``, ``lora_alpha``, ``scaling`` and ``use_rslora`` are its first target's (``rank_pattern`` /
+    ``alpha_pattern`` can give each target its own, keyed by the parameter's full name).
     """
 
     # its one adapter's settings, plain attributes here (a factor layer reads them from its first adapter)
@@ -120,8 +109,7 @@ class LoraParametersLayer(LoraLayer):
     adapter_name: str = DEFAULT_ADAPTER
     variant: Variant = LORA  # plain LoRA in weight space
 
-    # one adapter only, itself: no pair of factor shapes, no term added to an output, no single A or B
-    # (every targeted parameter has its own, :attr:`parameter_targets`); a further named adapter is refused
+    # one adapter only, itself, with factors per target: the single-adapter contract refuses
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise self._one_adapter_only()
 
@@ -142,7 +130,7 @@ class LoraParametersLayer(LoraLayer):
 
     @property
     def layout(self) -> Layout:
-        """PLAIN: the factors' names and peft suffixes (the per-parameter layout is each target's)."""
+        """PLAIN: the factors' names and peft suffixes (each target has its own layout for the maths)."""
         return PLAIN
 
     @property
@@ -160,8 +148,8 @@ class LoraParametersLayer(LoraLayer):
         use_rslora: bool = False,
         init_lora_weights: InitMode = True,
     ) -> Self:
-        """The LoRA module for ``base`` with factors on the parameters ``targets`` names,
-        ``{name: (r, lora_alpha)}``; it takes over ``base``'s state (nothing is copied).
+        """The LoRA module for ``base`` with factors on the parameters ``targets`` names, ``{name: (r, lora_alpha)}``,
+        taking over ``base``'s state.
 
         Raises:
             LoraConversionError: a name is not a 2-D or 3-D parameter of ``base``.
@@ -187,10 +175,8 @@ class LoraParametersLayer(LoraLayer):
         layer.use_rslora, layer.lora_dropout_p = bool(use_rslora), 0.0
         return layer
 
-    # ---- what save / load / mark_trainable read --------------------------------------------------
-
     def lora_parameters(self) -> dict[str, nn.Parameter]:
-        """``{"lora_targets.<name>.lora_A": ..., ...}``: the factors under their model keys below this module."""
+        """``{"lora_targets.<name>.lora_A": ..., ...}``: the factors by their keys below this module."""
         return {
             f"{TARGETS}.{name}.{attr}": getattr(target, attr)
             for name, target in self.parameter_targets.items()
@@ -198,7 +184,7 @@ class LoraParametersLayer(LoraLayer):
         }
 
     def peft_key_suffixes(self) -> dict[str, str]:
-        """Attribute path -> peft's key suffix: ``[base_layer.]*lora_A.weight`` per target (see module doc)."""
+        """Attribute path -> peft's key suffix, ``[base_layer.]*lora_A.weight`` (module docstring)."""
         names = list(self.parameter_targets)
         return {
             f"{TARGETS}.{name}.{attr}": "base_layer." * (len(names) - 1 - i) + f"{attr}.weight"
@@ -211,13 +197,10 @@ class LoraParametersLayer(LoraLayer):
         for target in self.parameter_targets.values():
             target.reset(init_lora_weights)
 
-    # ---- forward ----------------------------------------------------------------------------------
-
     @reading
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's own forward, reading ``W + scaling * B_e @ A_e`` for each targeted parameter ``W``.
-
-        Merged, disabled (``active_adapter`` None) or another adapter's turn: the stored parameters.
+        """The module's own forward, reading ``W + scaling * B_e @ A_e`` for each targeted parameter ``W`` (merged,
+        disabled or another adapter's turn: the stored parameters).
 
         Raises:
             MixedBatchError: inside ``loragen.mixed_batch`` (rows cannot take different weight updates).
@@ -227,7 +210,7 @@ class LoraParametersLayer(LoraLayer):
                 f"{type(self).__qualname__}: a mixed batch (loragen.mixed_batch) cannot route rows through LoRA on "
                 "parameters, whose update applies to the whole weight (peft refuses it too); run one adapter per batch"
             )
-        if self.merged or self.active_adapter != self.adapter_name:
+        if self.running_adapter() is None:
             return self.base_class.forward(self, *args, **kwargs)
         recipes = {
             name: (cast(Tensor, self._parameters[name]), t.lora_A, t.lora_B, t.scaling, t.layout)
@@ -242,8 +225,6 @@ class LoraParametersLayer(LoraLayer):
         with saving, _shadowed(self, made):
             return self.base_class.forward(self, *args, **kwargs)
 
-    # ---- merging ------------------------------------------------------------------------------------
-
     def _check_mergeable(self) -> None:
         for name in self.parameter_targets:
             weight = self._parameters[name]
@@ -257,29 +238,15 @@ class LoraParametersLayer(LoraLayer):
                     "parameter (a parametrization computes it, or it is quantized)"
                 )
 
-    @writing
-    @torch.no_grad()
-    def merge(self) -> None:
-        """Add every target's ``scaling * B_e @ A_e`` into its parameter (float32 math, rounded once)."""
-        if self.merged:
-            return
-        self._check_mergeable()
-        active = self.active_adapter == self.adapter_name  # else (disabled, another adapter) nothing to add
-        if active:
-            self._add_deltas(1.0)
-        self._merged_adapter = self.adapter_name if active else None
-        self.merged = True
+    def running_adapter(self) -> Any:
+        """Itself, its one adapter, when that is active and not merged; else None."""
+        return None if self.merged or self.active_adapter != self.adapter_name else self
 
-    @writing
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        """Subtract the updates again. A no-op if not merged."""
-        if not self.merged:
-            return
-        name, self._merged_adapter = self._merged_adapter, None
-        if name is not None:
-            self._add_deltas(-1.0)
-        self.merged = False
+    def _merge_adapter(self, adapter: Any) -> None:
+        self._add_deltas(1.0)
+
+    def _unmerge_adapter(self, name: str) -> None:
+        self._add_deltas(-1.0)
 
     def _add_deltas(self, sign: float) -> None:
         for name, target in self.parameter_targets.items():
@@ -297,11 +264,8 @@ class LoraParametersLayer(LoraLayer):
 
 @contextlib.contextmanager
 def _shadowed(module: nn.Module, values: dict[str, Tensor]) -> Iterator[None]:
-    """While active, ``module.<name>`` reads ``values[name]`` instead of the registered parameter.
-
-    The value goes into the instance ``__dict__``, which attribute lookup reads before ``nn.Module``'s
-    ``__getattr__`` finds the parameter; the parameter itself (and the state dict) is untouched.
-    """
+    """While active, ``module.<name>`` reads ``values[name]`` (from the instance ``__dict__``, which lookup reads
+    before ``nn.Module.__getattr__``); the registered parameter and the state dict are untouched."""
     for name, value in values.items():
         object.__setattr__(module, name, value)
     try:
@@ -322,15 +286,15 @@ def lora_parameters_class(base_type: type[nn.Module]) -> type[LoraParametersLaye
     with _lock:
         cls = _classes.get(base_type)
         if cls is None:
+            name = f"Lora{base_type.__name__}"
             namespace = {
                 "__module__": __name__,
-                "__qualname__": f"Lora{base_type.__name__}",
+                "__qualname__": name,
                 "__doc__": f"``{base_type.__module__}.{base_type.__qualname__}`` with LoRA on targeted parameters.",
                 "base_class": base_type,
                 "__reduce_ex__": _reduce_ex,
             }
-            cls = type(f"Lora{base_type.__name__}", (LoraParametersLayer, base_type), namespace)
-            _classes[base_type] = cls
+            cls = _classes[base_type] = type(name, (LoraParametersLayer, base_type), namespace)
     return cls
 
 
@@ -344,9 +308,90 @@ def _rebuild(base_type: type[nn.Module]) -> LoraParametersLayer:
 
 
 def scaling_owners(path: str, layer: Any) -> Sequence[tuple[str, Any]]:
-    """``(config key, object holding r / lora_alpha / use_rslora / scaling)`` for each adapted part of the
-    layer at ``path``: the layer itself, or each targeted parameter (keyed ``<path>.<name>``, the name
-    ``rank_pattern`` and ``alpha_pattern`` match, as in peft)."""
+    """``(config key, owner of r / lora_alpha / use_rslora / scaling)`` for each adapted part of the layer at
+    ``path``: the layer, or each targeted parameter (keyed ``<path>.<name>``, as ``rank_pattern`` matches)."""
     if isinstance(layer, LoraParametersLayer):
         return [(f"{path}.{name}", target) for name, target in layer.parameter_targets.items()]
     return [(path, layer)]
+
+
+def effective_weight(weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout) -> Tensor:
+    """``W + scaling * B_e @ A_e`` for every expert of ``weight`` (2-D or 3-D), in ``weight``'s dtype (factors
+    cast first, as peft does; autocast off: the module must see its parameter's own dtype)."""
+    shape = tuple(weight.shape)
+    experts = layout.features(shape)[0]
+    left, right = layout.expert_factors(a.to(weight.dtype), b.to(weight.dtype), experts, weight.dim())
+    stacked = weight if weight.dim() == 3 else weight.unsqueeze(0)
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        out = torch.baddbmm(stacked, left, right, alpha=scaling)
+    return out.view(shape)
+
+
+class _Recipe:
+    """How to rebuild one effective weight in the backward (once, then shared by every saved view)."""
+
+    def __init__(self, weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout):
+        self.args = (weight.detach(), a.detach(), b.detach(), scaling, layout)
+        self.value: Tensor | None = None
+
+    def get(self) -> Tensor:
+        if self.value is None:
+            with torch.no_grad():
+                self.value = effective_weight(*self.args)
+        return self.value
+
+
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that were active around :func:`recompute_on_backward`."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
+def _outer_hooks() -> tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None:
+    """The saved-tensor hooks active now (activation checkpointing's, ``save_on_cpu``'s), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        return top(False) if top is not None else None
+    except TypeError:  # older signature
+        return None
+
+
+@contextlib.contextmanager
+def recompute_on_backward(
+    recipes: dict[Tensor, tuple[Tensor, Tensor, Tensor, float, ParameterLayout]],
+) -> Iterator[None]:
+    """While active, tensors autograd saves that live in the storage of one of the effective weights
+    (``recipes``' keys, each mapped to the :func:`effective_weight` arguments that made it) are saved as a
+    recipe and rebuilt when the backward unpacks them. Every other saved tensor goes to the hooks active
+    outside (activation checkpointing still drops it), or is saved as usual. The factors must not change
+    between forward and backward, as with activation checkpointing.
+    """
+    # no reference to the effective weights themselves: autograd keeps the hooks with what it saved
+    by_storage = {
+        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _Recipe(*args))
+        for w, args in recipes.items()
+    }
+    outer = _outer_hooks()
+
+    def pack(t: Tensor) -> Any:
+        found = None
+        if t.layout == torch.strided and t.device.type != "meta":
+            found = by_storage.get(t.untyped_storage().data_ptr())
+        if found is None or t.dtype != found[0]:
+            return t if outer is None else _Outer(outer[0](t))
+        return (found[2], tuple(t.shape), tuple(t.stride()), t.storage_offset() - found[1])
+
+    def unpack(packed: Any) -> Tensor:
+        if isinstance(packed, _Outer):
+            return outer[1](packed.packed) if outer is not None else packed.packed
+        if not isinstance(packed, tuple):
+            return packed
+        recipe, size, stride, offset = packed
+        value = recipe.get()
+        return value.as_strided(size, stride, value.storage_offset() + offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

@@ -1,18 +1,11 @@
-"""LoRA on linear layers: ``nn.Linear``, its subclasses, layers that behave like a Linear, and
-transformers' ``Conv1D`` (:class:`LoraConv1D`, built on first use: transformers is optional and slow to
-import).
+"""LoRA on linear layers: ``nn.Linear``, its subclasses, layers that behave like a Linear, and transformers'
+``Conv1D`` (:class:`LoraConv1D`, built on first use: transformers is optional and slow to import).
 
-:class:`LoraLinearMixin` holds the LoRA behaviour of every layer whose weight is a Linear weight (stored
-``(out, in)``, or ``(in, out)`` for the TRANSPOSED layout of ``Conv1D``); a LoRA class is the mixin plus
-the base class. Its forward is :meth:`loragen.LoraLayer.forward`; with an adapter, two kinds of base,
-told apart once per class (:attr:`LoraLinearMixin.fused_base`):
-
-* the base's ``forward`` is ``nn.Linear``'s own (or ``Conv1D``'s): the whole layer runs as loragen's
-  fused op (:func:`loragen.ops.lora_linear`, or :func:`loragen.ops.dora_linear` for a DoRA adapter),
-  which computes ``x W^T + b`` and the LoRA term together;
-* any other ``forward`` (a subclass such as Falcon's ``FalconLinear``, a quantized layer, a user's
-  layer): the base output is the base's own ``forward``, and the adapter term
-  (:func:`loragen.reference.lora_term`) is added to it.
+:class:`LoraLinearMixin` is the LoRA behaviour of every layer with a Linear weight (``(out, in)``, or
+``(in, out)`` in ``Conv1D``'s TRANSPOSED layout). When the base's ``forward`` is ``nn.Linear``'s own (or
+``Conv1D``'s), the whole layer runs as loragen's fused op (:func:`loragen.ops.lora_linear`,
+:func:`loragen.ops.dora_linear`); any other ``forward`` (Falcon's ``FalconLinear``, a quantized layer, a
+user's layer) gives the base output, and :func:`loragen.reference.lora_term` is added to it.
 """
 
 from __future__ import annotations
@@ -36,38 +29,27 @@ __all__ = ["LoraLinear", "LoraLinearMixin", "build_lora_conv1d"]
 
 
 class LoraLinearMixin(LoraLayer):
-    """LoRA on a layer whose weight is a Linear weight. Shapes: x (..., in) -> y (..., out);
-    lora_A (r, in), lora_B (out, r).
-
-    ``in_features`` / ``out_features`` are the base's attributes when it has them, else read from the
-    weight (``(out, in)``; ``(in, out)`` in the TRANSPOSED layout). Set ``fused = False`` on a layer to
-    run peft's plain composition instead of the fused op.
-    """
+    """LoRA on a layer whose weight is a Linear weight. Shapes: x (..., in) -> y (..., out); lora_A (r, in),
+    lora_B (out, r). ``fused = False`` on a layer runs peft's plain composition instead of the fused op."""
 
     lora_A: nn.Parameter
     lora_B: nn.Parameter
 
     dora_variant: ClassVar[Variant | None] = LINEAR_DORA
-    linear_term = True  # a mixed batch stacks every adapter into two GEMMs
-    # True when the base class's forward is exactly x W^T + b as nn.Linear (or Conv1D) computes it
+    linear_term = True
+    # whether the base class's forward is one known to compute exactly x W^T + b (the fused op replaces it)
     fused_base: ClassVar[bool] = True
-    # base forwards known to compute exactly x W^T + b (the fused op replaces them)
     linear_forwards: ClassVar[set[object]] = {nn.Linear.forward}
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        base_forward = next(
-            (
-                vars(c)["forward"]
-                for c in cls.__mro__
-                if "forward" in vars(c) and not issubclass(c, LoraLayer)
-            ),
-            None,
-        )
-        cls.fused_base = base_forward in LoraLinearMixin.linear_forwards
+        base = [
+            vars(c)["forward"] for c in cls.__mro__ if "forward" in vars(c) and not issubclass(c, LoraLayer)
+        ]
+        cls.fused_base = bool(base) and base[0] in LoraLinearMixin.linear_forwards
 
     def _features(self) -> tuple[int, int]:
-        """``(in_features, out_features)``."""
+        """``(in_features, out_features)``: the base's attributes, else read from the weight."""
         in_features = getattr(self, "in_features", None)
         out_features = getattr(self, "out_features", None)
         if isinstance(in_features, int) and isinstance(out_features, int):
@@ -85,8 +67,8 @@ class LoraLinearMixin(LoraLayer):
         )
 
     def _adapted_output(self, x: Tensor, adapter: LoraAdapter) -> Tensor:
-        """``x W^T + b + scaling * B A dropout(x)`` as one fused op (DoRA: the fused DoRA op) when the
-        base is exactly ``x W^T + b`` and :attr:`fused` is on; else the base's own output plus the term."""
+        """The fused op (DoRA: the fused DoRA op) when the base is exactly ``x W^T + b`` and :attr:`fused` is on;
+        else the base's own output plus the term."""
         if not (self.fused and self.fused_base):
             return super()._adapted_output(x, adapter)
         fan_in_fan_out = isinstance(adapter.layout, TransposedLayout)  # Conv1D stores W as (in, out)
@@ -126,11 +108,8 @@ class LoraLinearMixin(LoraLayer):
 
 
 class LoraLinear(LoraLinearMixin, nn.Linear):
-    """``nn.Linear`` with a LoRA adapter. Shapes: x (..., in) -> y (..., out).
-
-    The constructor is ``nn.Linear``'s plus the LoRA keywords: ``nn.Linear(i, o)`` ->
-    ``LoraLinear(i, o, r=8)``. The forward runs the fused LoRA op (:func:`loragen.ops.lora_linear`).
-    """
+    """``nn.Linear`` with a LoRA adapter: ``nn.Linear(i, o)`` -> ``LoraLinear(i, o, r=8)``.
+    Shapes: x (..., in) -> y (..., out)."""
 
     base_class = nn.Linear
 
@@ -154,7 +133,7 @@ class LoraLinear(LoraLinearMixin, nn.Linear):
 
 
 def build_lora_conv1d() -> type[LoraLayer]:
-    """The ``LoraConv1D`` class (built once by :mod:`loragen.layers` on first use).
+    """The ``LoraConv1D`` class (built once, on first use, by :mod:`loragen.layers`).
 
     Raises:
         ImportError: transformers is not installed.
@@ -170,11 +149,8 @@ def build_lora_conv1d() -> type[LoraLayer]:
     LoraLinearMixin.linear_forwards.add(HFConv1D.forward)
 
     class LoraConv1D(LoraLinearMixin, HFConv1D):  # type: ignore[misc]
-        """transformers' ``Conv1D`` (GPT-2's c_attn, c_proj, c_fc) with a LoRA adapter.
-
-        ``Conv1D(nf, nx)`` stores its weight as (nx, nf) = (in, out); the LoRA factors keep the Linear
-        orientation, A (r, nx) and B (nf, r), as peft does, so adapters are interchangeable with peft.
-        """
+        """transformers' ``Conv1D`` (GPT-2's c_attn, c_proj, c_fc) with a LoRA adapter: the weight is
+        (nx, nf) = (in, out), the factors keep peft's Linear orientation, A (r, nx) and B (nf, r)."""
 
         base_class = HFConv1D
 

@@ -1,28 +1,14 @@
 """``mixed_batch``: one forward pass in which each row of the batch uses its own adapter.
 
-``with loragen.mixed_batch(model, ["a", "b", "__base__", "a"]): model(x)`` gives row ``i`` of ``x`` the
-output of the model with adapter ``names[i]`` active (``"__base__"``: no adapter), as peft's
-``model(x, adapter_names=names)`` does. A layer that does not hold a named adapter gives those rows its
-base output, as in peft.
+``with loragen.mixed_batch(model, ["a", "b", "__base__", "a"]): model(x)`` gives row ``i`` the output
+with adapter ``names[i]`` (``"__base__"``: none), as peft's ``model(x, adapter_names=names)``; a layer
+without a named adapter gives those rows its base output. As in peft it is for inference (eval mode,
+nothing merged; inside :func:`loragen.disable_adapter` every row gets the base). The names are state on
+the layers for the block: two threads running one model need one model each.
 
-As in peft, a mixed batch is for inference: the model must be in eval mode, and no layer may be merged;
-inside :func:`loragen.disable_adapter` every row gets the base model. The names are state on the model's
-layers (their ``mixed_route``) for the duration of the block: two threads running one model with
-different names at once need one model each.
-
-How it is computed. peft loops over the adapters of the batch: for each, it gathers that adapter's rows,
-runs its two factors on them and scatters the result back (k gathers, 2k small GEMMs and k scatters per
-layer). Here a layer whose term is ``scaling * (x A^T) B^T`` (``linear_term``) runs every adapter of the
-batch in two GEMMs, whatever k is::
-
-    H  = x [A_1; ...; A_k]^T              (rows, r_1 + ... + r_k)   one pass over x for every adapter
-    H *= M                                M[row, cols of adapter j] = scaling_j if the row uses j, else 0
-    y  = base(x) + H [B_1 ... B_k]^T      one GEMM adds every row's term
-
-The zeros in ``M`` make row ``i`` exactly ``scaling_j B_j A_j x_i`` for its adapter ``j``; the extra work
-is the other adapters' rank-r columns, small beside the base GEMM. Concatenated factors and masks are
-cached per layer for the duration of the context, keyed on the factors' versions. Other layers gather
-each adapter's rows (``index_select``) and add their term back (``index_add_``).
+A layer with a ``linear_term`` runs every adapter of the batch in two GEMMs, where peft gathers and
+scatters per adapter: ``y = base(x) + ((x [A_1; ...; A_k]^T) * M) [B_1 ... B_k]^T`` with
+``M[row, cols of adapter j] = scaling_j`` if the row uses ``j``, else 0 (cached per layer for the block).
 """
 
 from __future__ import annotations
@@ -40,7 +26,7 @@ from loragen.errors import MixedBatchError
 from loragen.layers.adapter_set import adapter_factors, adapter_names, records
 from loragen.layers.base import LoraLayer
 
-__all__ = ["BASE_NAME", "MixedRoute", "mixed_batch", "mixed_rows"]
+__all__ = ["BASE_NAME", "MixedRoute", "mixed_batch"]
 
 BASE_NAME = "__base__"
 
@@ -56,28 +42,40 @@ class MixedRoute:
     # per-layer cache of concatenated factors and masks, keyed by id(layer)
     cache: dict[int, tuple[tuple[int, ...], Tensor, Tensor, Tensor]] = field(default_factory=dict)
 
-    def output(self, layer: LoraLayer, x: Tensor) -> Tensor:
-        """``layer``'s output for the mixed batch ``x`` (:func:`mixed_rows`)."""
-        return mixed_rows(layer, x, self)
+    def output(self, layer: Any, x: Tensor) -> Tensor:
+        """``layer``'s output for a mixed batch ``x``: base output plus each row's adapter term.
 
-
-def _rows_by_adapter(names: Sequence[str]) -> dict[str, list[int]]:
-    rows: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        if name != BASE_NAME:
-            rows.setdefault(name, []).append(i)
-    return rows
+        Raises:
+            MixedBatchError: the batch has another number of rows than the mixed batch has names.
+        """
+        if x.shape[0] != len(self.names):
+            raise MixedBatchError(
+                f"{self.path or type(layer).__name__}: mixed_batch was given {len(self.names)} adapter names but "
+                f"the batch has {x.shape[0]} rows (input shape {tuple(x.shape)}); give one name per row"
+            )
+        result: Tensor = layer._base_output(x)
+        held = records(layer)
+        used = [name for name in self.rows if name in held]
+        if not used:
+            return result
+        if type(layer).linear_term:  # two GEMMs in all
+            return _stacked_rows(layer, x, result, used, self)
+        for name in used:
+            index = torch.tensor(self.rows[name], device=x.device)
+            term = layer._adapter_output(x.index_select(0, index), held[name])
+            result = result.index_add(0, index, term.to(result.dtype))
+        return result
 
 
 @contextmanager
 def mixed_batch(model: nn.Module, names: Sequence[str]) -> Iterator[nn.Module]:
-    """Within the block, row ``i`` of every batch given to ``model`` uses adapter ``names[i]``
-    (``"__base__"``: none); yields ``model``. Every LoRA layer's forward takes part; contexts nest.
+    """Within the block, row ``i`` of every batch given to ``model`` uses adapter ``names[i]`` (``"__base__"``:
+    none); yields ``model``. Every LoRA layer takes part; contexts nest.
 
     Raises:
-        MixedBatchError: ``names`` is not a sequence of strings, names an adapter the model does
-            not hold (the message lists the ones it holds) or a DoRA adapter, the model is in training mode or has merged
-            layers; later, a batch whose length differs from ``len(adapter_names)`` (names the layer).
+        MixedBatchError: ``names`` is not a sequence of strings, names an adapter the model does not hold
+            (the message lists those it holds) or a DoRA adapter, the model is in training mode or has
+            merged layers; later, a batch whose length differs from ``len(names)`` (names the layer).
     """
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise MixedBatchError(f"mixed_batch: expected a list of adapter names, one per row, got {names!r}")
@@ -110,7 +108,10 @@ def mixed_batch(model: nn.Module, names: Sequence[str]) -> Iterator[nn.Module]:
         raise MixedBatchError(
             f"mixed_batch: layers are merged ({', '.join(merged[:5])}); call loragen.unmerge_adapter(model) first"
         )
-    rows = _rows_by_adapter(names)
+    rows: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        if name != BASE_NAME:
+            rows.setdefault(name, []).append(i)
     cache: dict[int, Any] = {}
     previous = {}
     for path, layer in layers.items():
@@ -121,31 +122,6 @@ def mixed_batch(model: nn.Module, names: Sequence[str]) -> Iterator[nn.Module]:
     finally:
         for path, layer in layers.items():
             layer.mixed_route = previous[path]
-
-
-def mixed_rows(layer: Any, x: Tensor, route: MixedRoute) -> Tensor:
-    """``layer``'s output for a mixed batch ``x``: base output plus each row's adapter term.
-
-    Raises:
-        MixedBatchError: the batch has another number of rows than the mixed batch has names.
-    """
-    if x.shape[0] != len(route.names):
-        raise MixedBatchError(
-            f"{route.path or type(layer).__name__}: mixed_batch was given {len(route.names)} adapter names but "
-            f"the batch has {x.shape[0]} rows (input shape {tuple(x.shape)}); give one name per row"
-        )
-    result: Tensor = layer._base_output(x)
-    held = records(layer)
-    used = [name for name in route.rows if name in held]
-    if not used:
-        return result
-    if type(layer).linear_term:  # two GEMMs in all
-        return _stacked_rows(layer, x, result, used, route)
-    for name in used:
-        index = torch.tensor(route.rows[name], device=x.device)
-        term = layer._adapter_output(x.index_select(0, index), held[name])
-        result = result.index_add(0, index, term.to(result.dtype))
-    return result
 
 
 def _stacked_rows(layer: Any, x: Tensor, result: Tensor, used: list[str], route: MixedRoute) -> Tensor:

@@ -1,24 +1,19 @@
-"""Which LoRA class a layer type gets: loragen's own types (:func:`register_builtin_types`, run when
-:mod:`loragen.layers` is imported), a user's (:func:`register_layer`), and classes made on demand.
+"""Which LoRA class a layer type gets: loragen's own types (:func:`register_builtin_types`), a user's
+(:func:`register_layer`), and classes derived on demand.
 
-``register_layer(MyLinear)`` teaches a layer that behaves like a Linear (a ``weight`` stored ``(out, in)``,
-or ``(in, out)`` with ``layout="transposed"``, an optional ``bias``; its own ``forward`` computes the base
-output, merges are checked on a probe); ``register_layer(MyLayer, MyLoraLayer)`` takes a LoRA class of your
-own (a subclass of :class:`loragen.LoraLayer` and ``MyLayer``). Either then works in all three ways in,
-in save/load and in ``loragen merge``, like the built-in types::
+``register_layer(MyLinear)`` teaches a layer that behaves like a Linear (``weight`` ``(out, in)``, or
+``(in, out)`` with ``layout="transposed"``, optional ``bias``); ``register_layer(MyLayer, MyLoraLayer)``
+takes your own subclass of :class:`loragen.LoraLayer` and ``MyLayer``. Either then works in every way in,
+in save/load and in ``loragen merge``.
 
-    loragen.register_layer(ScaledLinear)
-    model = loragen.get_lora_model(model, LoraConfig(target_modules=["proj"]))
-
-Subclasses of a registered type (Falcon's ``FalconLinear``) and "behaves like a Linear" types get a LoRA
-class derived from the LoRA class and the base class (``class LoraFalconLinear(LoraLinear, FalconLinear)``:
-the base's ``forward`` and attributes stay), made once and cached (:func:`lora_class_for`). Its constructor
-is the base's plus the LoRA keywords, so ``loragen rewrite`` can swap the call; it is reachable by name in
-this module once made, and its objects pickle by rebuilding the class from the base class.
+Subclasses of a registered type (Falcon's ``FalconLinear``) get ``class LoraFalconLinear(LoraLinear,
+FalconLinear)``, made once (:func:`lora_class_for`), with the base's ``forward`` and the base's constructor
+plus the LoRA keywords; it is reachable by name in this module and pickles by rebuilding the class.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -48,9 +43,8 @@ __all__ = ["derive_lora_class", "lora_class_for", "register_builtin_types", "reg
 
 
 def register_builtin_types() -> None:
-    """Register loragen's own layer types (idempotent). transformers' ``Conv1D`` and bitsandbytes' quantized
-    linears are registered by name: their LoRA classes are imported (with transformers, bitsandbytes) only
-    when a model holds such a layer (bitsandbytes is the optional extra ``loragen[bnb]``)."""
+    """Register loragen's own layer types (idempotent); transformers' and bitsandbytes' by name, so they are
+    imported only when a model holds such a layer."""
     # (class, its module in torch.nn.modules, LoRA class, layout, all-linear and subclasses)
     torch_types: list[tuple[str, str, type[nn.Module], Layout, bool]] = [
         ("Conv1d", "conv", LoraConv1d, PLAIN, False),
@@ -107,9 +101,9 @@ def register_layer(
 
     Args:
         base_type: the layer class to convert.
-        lora_class: your LoRA class for it; None means "behaves like a Linear" (loragen makes the class).
-        layout: ``"plain"`` (weight ``(out, in, ...)``), ``"transposed"`` (weight ``(in, out)``) or
-            ``"embedding"``, or a :class:`loragen.registry.Layout`.
+        lora_class: your LoRA class for it; None: "behaves like a Linear" (loragen makes the class).
+        layout: ``"plain"`` (weight ``(out, in, ...)``), ``"transposed"`` (``(in, out)``), ``"embedding"``,
+            or a :class:`loragen.registry.Layout`.
         linear: whether ``target_modules="all-linear"`` selects it.
         subclasses: whether subclasses of ``base_type`` are converted too.
         aliases: other qualified names ``base_type`` is imported under (for the decorator and the rewriter).
@@ -117,8 +111,7 @@ def register_layer(
 
     Raises:
         TypeError: ``base_type`` is not an ``nn.Module`` class, or ``lora_class`` does not derive from
-            both :class:`loragen.LoraLayer` and ``base_type``, or lacks a method the contract asks for
-            (``_factor_shapes``, ``_adapter_output``; the message names it).
+            :class:`loragen.LoraLayer` and ``base_type`` or lacks a method of the contract (named).
         ValueError: an unknown ``layout``, or ``base_type`` is registered already (without ``replace``).
     """
     if not (isinstance(base_type, type) and issubclass(base_type, nn.Module)):
@@ -166,16 +159,11 @@ def register_layer(
     return register(spec, replace=replace)
 
 
-# ---- LoRA classes made on demand ------------------------------------------------------------------
-
-# the LoRA keywords a derived class's constructor takes, in _setup_lora's order, with their defaults
+# the LoRA keywords a derived class's constructor takes, with their defaults: from_module's, in its order
 _LORA_KEYWORDS: dict[str, Any] = {
-    "r": 8,
-    "lora_alpha": 8,
-    "lora_dropout": 0.0,
-    "use_rslora": False,
-    "init_lora_weights": True,
-    "use_dora": False,
+    name: p.default
+    for name, p in inspect.signature(LoraLayer.from_module).parameters.items()
+    if p.kind is p.KEYWORD_ONLY
 }
 _lock = threading.Lock()
 _derived: dict[tuple[type[LoraLayer], type[nn.Module]], type[LoraLayer]] = {}
@@ -183,11 +171,10 @@ _by_name: dict[str, type[LoraLayer]] = {}
 
 
 def lora_class_for(base_type: type[nn.Module]) -> type[LoraLayer]:
-    """The LoRA class that replaces modules of ``base_type``: the registered LoRA class for a
-    registered type, a derived class (see the module docstring) for a subclass of one.
+    """The LoRA class for modules of ``base_type``: the registered one, or a derived class for a subclass.
 
     Raises:
-        LoraConversionError: ``base_type`` is not registered and not an accepted subclass of a registered
+        LoraConversionError: ``base_type`` is neither registered nor an accepted subclass of a registered
             type; the message lists the supported types.
     """
     name = f"{base_type.__module__}.{base_type.__qualname__}"
@@ -210,14 +197,11 @@ def lora_class_for(base_type: type[nn.Module]) -> type[LoraLayer]:
 
 
 def derive_lora_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraLayer]:
-    """``class Lora<Base>(lora, base_type)`` with the base's constructor plus the LoRA keywords
-    (made once per pair and cached)."""
-    key = (lora, base_type)
+    """``class Lora<Base>(lora, base_type)`` with the base's constructor plus the LoRA keywords, made once."""
     with _lock:
-        cls = _derived.get(key)
+        cls = _derived.get((lora, base_type))
         if cls is None:
-            cls = _make_class(lora, base_type)
-            _derived[key] = cls
+            cls = _derived[lora, base_type] = _make_class(lora, base_type)
     return cls
 
 
@@ -230,7 +214,9 @@ def _make_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraL
     def __reduce_ex__(self: LoraLayer, protocol: Any) -> tuple[Any, ...]:
         return _rebuild, (lora, base_type), self.__getstate__()
 
-    name = _unique_name(f"Lora{base_type.__name__}")
+    name, n = f"Lora{base_type.__name__}", 2
+    while name in _by_name:  # another base class of the same name
+        name, n = f"Lora{base_type.__name__}{n}", n + 1
     __init__.__doc__ = (
         f"``{base_type.__qualname__}``'s constructor plus the LoRA keywords {', '.join(_LORA_KEYWORDS)}."
     )
@@ -246,13 +232,6 @@ def _make_class(lora: type[LoraLayer], base_type: type[nn.Module]) -> type[LoraL
     cls = type(name, (lora, base_type), namespace)
     _by_name[name] = cls
     return cls
-
-
-def _unique_name(name: str) -> str:
-    candidate, n = name, 2
-    while candidate in _by_name:
-        candidate, n = f"{name}{n}", n + 1
-    return candidate
 
 
 def _rebuild(lora: type[LoraLayer], base_type: type[nn.Module]) -> LoraLayer:

@@ -1,20 +1,16 @@
-"""Adapter variants: what plain LoRA and DoRA each add to a layer, one stateless strategy object per
-variant, chosen when the adapter is made (:func:`variant_for`, from ``use_dora``): ``check`` (refuse a
-layer it cannot run on), ``init`` (its own parameters: DoRA's magnitude), ``output`` (the layer's output
-given the base output), ``merge`` / ``unmerge``, and ``extra_parameters`` (saved under peft's names). A
-layer type names its DoRA variant in ``dora_variant`` (None: none); a fused op of a layer type
-(:class:`loragen.LoraLinear`'s) picks the plain or the DoRA op itself.
+"""Adapter variants, plain LoRA and DoRA: one stateless strategy object each, chosen when an adapter is made
+(:func:`variant_for`). A variant checks the layer, makes its own parameters, composes the output from the
+base output, merges and unmerges; a layer type names its DoRA in ``dora_variant``.
 
-DoRA follows peft's math per family: :class:`LinearDora` (Linear, ``Conv1D``, Linear-like types),
-:class:`EmbeddingDora`, :class:`ConvDora`. The magnitude ``lora_magnitude_vector`` has one value per output
-feature -- ``(out,)``, ``(embedding_dim,)``, ``(1, out, 1, ...)`` for ConvNd -- and starts as the norm of
-``W + s B A`` along the axis holding one output's weights (a new adapter is a no-op). Merging writes
-``(m / n) * (W + s B A)`` and keeps ``n`` on the layer, so unmerging divides by exactly that factor.
+DoRA follows peft per family (:class:`LinearDora`, :class:`EmbeddingDora`, :class:`ConvDora`): the
+magnitude ``lora_magnitude_vector`` has one value per output feature and starts as the norm of
+``W + s B A`` along one output's weights (a new adapter is a no-op). Merging writes ``(m / n) * (W + s B A)``
+and keeps ``n`` on the layer, so unmerging divides by exactly that factor.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +19,9 @@ from torch import Tensor, nn
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.reference import dora_linear_reference
 from loragen.registry import PlainLayout, TransposedLayout
+
+if TYPE_CHECKING:  # adapter_set imports this module
+    from loragen.layers.adapter_set import LoraAdapter
 
 __all__ = [
     "LORA",
@@ -38,35 +37,9 @@ __all__ = [
 MAGNITUDE = "lora_magnitude_vector"
 
 
-class LoraAdapter(Protocol):
-    """What a variant reads of one adapter (a :class:`loragen.layers.adapter_set.LoraAdapter`, which holds
-    its variant: this module cannot import it)."""
-
-    scaling: float
-    lora_dropout_p: float
-
-    @property
-    def factor_a(self) -> nn.Parameter: ...
-
-    @property
-    def factor_b(self) -> nn.Parameter: ...
-
-    @property
-    def magnitude(self) -> nn.Parameter: ...
-
-    def register(self, name: str, parameter: nn.Parameter) -> None: ...
-
-
-def _transposed(layer: Any) -> bool:
-    return isinstance(layer.layout, TransposedLayout)
-
-
 class Variant:
-    """Plain LoRA: ``y = base(x) + scaling * B A dropout(x)``; merging adds ``scaling * B @ A`` to the weight.
-
-    Subclasses (DoRA) override what differs. Variants hold no state: one object per variant serves
-    every layer and adapter.
-    """
+    """Plain LoRA: ``y = base(x) + scaling * B A dropout(x)``; merging adds ``scaling * B @ A``. One object
+    per variant serves every layer and adapter; subclasses (DoRA) override what differs."""
 
     name: ClassVar[str] = "lora"
     title: ClassVar[str] = "LoRA"  # for messages
@@ -80,14 +53,13 @@ class Variant:
     combinable: ClassVar[bool] = True
 
     def check(self, layer: Any) -> None:
-        """Raise if the variant cannot run on ``layer`` (plain LoRA runs on every layer type)."""
+        """Raise if the variant cannot run on ``layer``."""
 
     def init(self, layer: Any, adapter: LoraAdapter) -> None:
-        """Set up the variant's own parameters of a new ``adapter`` (after its factors are initialised)."""
+        """Set up the variant's own parameters of a new ``adapter`` (after its factors)."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
-        """The layer's output for ``x`` given its base output ``result``: ``result + scaling * B A dropout(x)``,
-        the term computed in the adapter's dtype and the sum cast back to ``result``'s dtype."""
+        """``result + scaling * B A dropout(x)`` for the base output ``result``, cast back to its dtype."""
         return (result + layer._adapter_output(x, adapter)).to(result.dtype)
 
     @torch.no_grad()
@@ -98,7 +70,7 @@ class Variant:
 
     @torch.no_grad()
     def unmerge(self, layer: Any, adapter: LoraAdapter) -> None:
-        """``W -= scaling * B @ A`` (the original weight up to rounding)."""
+        """``W -= scaling * B @ A``."""
         w = layer.weight
         w.copy_((w.to(layer._merge_dtype()) - layer.delta_weight_of(adapter)).to(w.dtype))
 
@@ -113,8 +85,8 @@ class Variant:
 
 
 class DoraVariant(Variant):
-    """DoRA (weight-decomposed LoRA) as peft computes it: a trained magnitude ``m`` per output feature
-    rescales ``W + scaling * B A`` to norm ``m`` (the norm detached)."""
+    """DoRA as peft computes it: a trained magnitude ``m`` per output rescales ``W + scaling * B A`` to norm
+    ``m`` (the norm detached)."""
 
     name = "dora"
     title = "DoRA"
@@ -124,11 +96,10 @@ class DoraVariant(Variant):
     combinable = False  # a sum of factors would leave out each adapter's magnitude
 
     def check(self, layer: Any) -> None:
-        """Raise unless DoRA can be set up on ``layer`` exactly as peft does.
+        """Raise unless DoRA can be set up on ``layer`` as peft does.
 
         Raises:
-            LoraConversionError: the base weight is not floating point (a quantized layer), or the layer is
-                a grouped convolution (peft has no DoRA for it either); the message names the type.
+            LoraConversionError: a non-floating (quantized) base weight, or a grouped convolution.
         """
         name = type(layer).__qualname__
         if not layer.weight.dtype.is_floating_point:
@@ -144,13 +115,12 @@ class DoraVariant(Variant):
             )
 
     def init(self, layer: Any, adapter: LoraAdapter) -> None:
-        """The magnitude: the current norm of ``W + s B A``, as peft does (the new adapter is a no-op)."""
+        """The magnitude: the current norm of ``W + s B A``, as peft does."""
         adapter.register(MAGNITUDE, nn.Parameter(weight_norm(layer, adapter).clone()))
 
     @torch.no_grad()
     def merge(self, layer: Any, adapter: LoraAdapter) -> None:
-        """``W <- (m / n) * (W + s B A)`` with ``n = ||W + s B A||``, in float32 (float64 for float64
-        weights), rounded once; keeps ``n`` on the layer for :meth:`unmerge`."""
+        """``W <- (m / n) * (W + s B A)``, ``n = ||W + s B A||``, rounded once; keeps ``n`` for :meth:`unmerge`."""
         w = layer.weight
         full = _directed(layer, adapter)
         norm = _norm_of(layer, full)
@@ -160,7 +130,7 @@ class DoraVariant(Variant):
 
     @torch.no_grad()
     def unmerge(self, layer: Any, adapter: LoraAdapter) -> None:
-        """Undo :meth:`merge`: ``W <- W / (m / n) - s B A`` with the ``n`` merging used.
+        """``W <- W / (m / n) - s B A`` with the ``n`` merging used.
 
         Raises:
             LoraMergeError: merging left no norm (the layer was not merged in this process).
@@ -172,24 +142,23 @@ class DoraVariant(Variant):
                 "known (the layer was not merged in this process); reload the base weights instead"
             )
         w = layer.weight
-        dtype = layer._merge_dtype()
         factor = adapter.magnitude.to(norm.dtype) / norm
-        delta = layer.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
-        w.copy_((w.to(norm.dtype) / _factor_view(layer, factor) - delta).to(w.dtype))
+        w.copy_((w.to(norm.dtype) / _factor_view(layer, factor) - layer.delta_weight_of(adapter)).to(w.dtype))
 
 
 class LinearDora(DoraVariant):
-    """DoRA on a Linear weight: peft's composition on the base output (:func:`loragen.reference.dora_linear_reference`)."""
+    """DoRA on a Linear weight: :func:`loragen.reference.dora_linear_reference` on the base output."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
         tensors = (x, layer.weight, layer.bias, adapter.factor_a, adapter.factor_b, adapter.magnitude)
         settings = (adapter.scaling, adapter.lora_dropout_p, layer.training)
-        return dora_linear_reference(*tensors, *settings, fan_in_fan_out=_transposed(layer), result=result)
+        return dora_linear_reference(
+            *tensors, *settings, fan_in_fan_out=isinstance(layer.layout, TransposedLayout), result=result
+        )
 
 
 class EmbeddingDora(DoraVariant):
-    """peft's DoRA for embeddings: ``c * (table row + s * lora row)``, ``c = m / ||W + s (B A)^T||`` per
-    embedding column, detached."""
+    """peft's DoRA for embeddings: ``c * (table row + s * lora row)``, ``c = m / ||W + s (B A)^T||`` detached."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
         c = adapter.magnitude / weight_norm(layer, adapter)
@@ -197,9 +166,8 @@ class EmbeddingDora(DoraVariant):
 
 
 class ConvDora(DoraVariant):
-    """peft's DoRA for convolutions: ``result + (c - 1) * base + c * s * lora`` with
-    ``c = m / ||W + s B A||`` per output channel (detached), shaped (1, cout, 1, ...); ``base`` is the
-    convolution without bias of the input, or of the dropped-out input with dropout."""
+    """peft's DoRA for convolutions: ``result + (c - 1) * base + c * s * lora``, ``c = m / ||W + s B A||``
+    (detached) per output channel; ``base`` is the convolution of the (dropped-out) input without bias."""
 
     def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
         x_lora = x.to(adapter.factor_a.dtype)
@@ -218,7 +186,7 @@ class ConvDora(DoraVariant):
 
 
 def _norm_of(layer: Any, full: Tensor) -> Tensor:
-    """The per-output norm of a full weight ``full`` in ``layer``'s layout, shaped like the magnitude."""
+    """The per-output norm of a full weight in ``layer``'s layout, shaped like the magnitude."""
     if isinstance(layer.layout, PlainLayout):
         norm = torch.linalg.vector_norm(full.flatten(1), dim=1)  # (out,)
         return norm if full.dim() == 2 else norm.view(1, -1, *([1] * (full.dim() - 2)))
@@ -234,28 +202,20 @@ def _factor_view(layer: Any, factor: Tensor) -> Tensor:
 
 
 def _directed(layer: Any, adapter: LoraAdapter) -> Tensor:
-    """``W + s B A`` in the weight's layout, in float32 (float64 for float64 weights)."""
-    dtype = layer._merge_dtype()
-    delta = layer.layout.delta(adapter.factor_a.to(dtype), adapter.factor_b.to(dtype)) * adapter.scaling
-    return layer.weight.to(dtype) + delta
+    """``W + s B A`` in the weight's layout, in the merge dtype."""
+    return layer.weight.to(layer._merge_dtype()) + layer.delta_weight_of(adapter)
 
 
 def weight_norm(layer: Any, adapter: LoraAdapter) -> Tensor:
-    """``||W + s B A||`` of ``adapter`` per output feature, detached, shaped like the magnitude, in the
-    adapter's dtype."""
+    """``||W + s B A||`` per output feature, detached, shaped like the magnitude, in the adapter's dtype."""
     with torch.no_grad():
         return _norm_of(layer, _directed(layer, adapter)).to(adapter.factor_a.dtype)
 
 
-LORA = Variant()
+LORA, LINEAR_DORA, EMBEDDING_DORA, CONV_DORA = Variant(), LinearDora(), EmbeddingDora(), ConvDora()
 _VARIANTS: dict[str, Variant] = {
-    type(v).__qualname__: v for v in (LORA, LinearDora(), EmbeddingDora(), ConvDora())
+    type(v).__qualname__: v for v in (LORA, LINEAR_DORA, EMBEDDING_DORA, CONV_DORA)
 }
-LINEAR_DORA, EMBEDDING_DORA, CONV_DORA = (
-    _VARIANTS["LinearDora"],
-    _VARIANTS["EmbeddingDora"],
-    _VARIANTS["ConvDora"],
-)
 
 
 def _variant_by_type(qualname: str) -> Variant:
@@ -263,11 +223,11 @@ def _variant_by_type(qualname: str) -> Variant:
 
 
 def variant_for(layer: Any, use_dora: bool) -> Variant:
-    """The variant an adapter of ``layer`` gets for the config value ``use_dora``, checked against the layer.
+    """The variant an adapter of ``layer`` gets for ``use_dora``, checked against the layer.
 
     Raises:
-        LoraConversionError: ``use_dora`` on a layer type without a DoRA variant, a non-floating (quantized)
-            weight, or a grouped convolution (the message names the type).
+        LoraConversionError: ``use_dora`` on a layer type without DoRA, a non-floating (quantized) weight, or
+            a grouped convolution (the message names the type).
     """
     if not use_dora:
         return LORA

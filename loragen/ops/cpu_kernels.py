@@ -1,22 +1,15 @@
-"""Compiled CPU kernels for the dropout path of the LoRA ops (``kernels/lora_dropout_cpu.c``).
-
-With dropout, each rank-r product that touches x goes through the packed keep-mask; in numpy/BLAS that is
-an unpack pass, a masked copy of x and a GEMM, on one core. The C kernels read the mask bits where they
-use them: x is read once per product, no masked copy exists, and all threads work (OpenMP):
+"""Compiled CPU kernels for the dropout path of the LoRA ops (``kernels/lora_dropout_cpu.c``): they read the
+packed keep-mask bits where they use them (no masked copy of x) on all threads (OpenMP):
 
 ``masked_down(x, bits, A, scale)``   ``scale * (x * m) A^T``   (N, r)
 ``masked_grad_a(x, bits, gh)``       ``gh^T (x * m)``          (r, in)
 ``masked_grad_x(gh, A, bits)``       ``(gh A) * m``            (N, in)
 
-The source is built in the best of two variants (:data:`VARIANTS`) the CPU supports (:func:`candidates`,
-from ``/proc/cpuinfo``): ``avx512`` (``-march=native -mprefer-vector-width=512``) or ``avx2`` (``-mavx2
--mfma``: x86-64 CPUs without AVX-512). ``LORAGEN_CPU_KERNEL_VARIANT`` (``auto`` or a variant's name)
-forces one; a CPU that cannot run it gets no kernels (that is how both are tested on one machine). Each
-variant is compiled on first use (``$CC``, else ``cc``) and cached in ``cpu/`` of
-:func:`loragen.resources.kernel_cache_dir`, keyed by the source, the flags, the compiler and the CPU's
-flags; a library must report the vector width of its variant. Without a compiler, for dtypes other than
-float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and the ops run the numpy/BLAS
-path, which computes the same products from the same mask bits.
+The source is built, on first use with ``$CC`` (else ``cc``), in the best :data:`VARIANTS` the CPU runs
+(``avx512``, else ``avx2``; ``LORAGEN_CPU_KERNEL_VARIANT`` forces one, which is how both are tested on one
+machine) and cached under :func:`loragen.resources.kernel_cache_dir`. Without a compiler, for dtypes
+other than float32, or with ``LORAGEN_CPU_KERNELS=0``, :func:`available` is False and the ops compute the
+same products from the same bits with numpy/BLAS.
 """
 
 from __future__ import annotations
@@ -59,15 +52,8 @@ _X86 = frozenset({"x86_64", "amd64", "i686", "i386"})
 
 @dataclass(frozen=True)
 class Variant:
-    """One build of the kernels.
-
-    Attributes:
-        name: the value of ``LORAGEN_CPU_KERNEL_VARIANT`` that forces it.
-        flags: compiler flags added to :data:`COMMON_FLAGS`.
-        isa: what the built library's ``lora_kernels_isa()`` returns (the vector width it targets).
-        cpu_flags: ``/proc/cpuinfo`` flags the CPU must have.
-        machines: ``platform.machine()`` values (lower case) it is for; empty: any.
-    """
+    """One build of the kernels: ``name`` (for ``LORAGEN_CPU_KERNEL_VARIANT``), compiler ``flags``, the
+    ``isa`` (vector width) its library must report, the ``cpu_flags`` and ``machines`` it needs."""
 
     name: str
     flags: tuple[str, ...]
@@ -91,10 +77,6 @@ _built: dict[str, ctypes.CDLL | str] = {}  # variant name -> its library, or why
 _chosen: dict[str, tuple[Variant | None, str]] = {}  # requested -> (variant, "") or (None, why not)
 
 
-def _cache_dir() -> Path:
-    return resources.kernel_cache_dir() / "cpu"
-
-
 def _cpu_flags_line() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -111,10 +93,9 @@ def cpu_features() -> frozenset[str]:
 
 
 def candidates(features: frozenset[str], machine: str, requested: str = "auto") -> list[Variant]:
-    """The variants to try on a CPU with ``features`` (:func:`cpu_features`) and ``platform.machine()``
-    ``machine``, best first. ``requested`` is ``"auto"`` or one variant's name: then that variant alone,
-    if this CPU can run it (else none). With no flags known (no ``/proc/cpuinfo``) only ``avx512`` is
-    tried: built with ``-march=native``, it proves itself (see :func:`_open`).
+    """The variants to try, best first, on a CPU with ``features`` (:func:`cpu_features`) and
+    ``platform.machine()`` ``machine``; ``requested`` (``"auto"`` or a name) keeps that one alone, if the CPU
+    runs it. With no flags known only ``avx512`` is tried: its ``-march=native`` build checks itself.
 
     Raises:
         ValueError: ``requested`` is neither ``"auto"`` nor a variant's name.
@@ -124,9 +105,7 @@ def candidates(features: frozenset[str], machine: str, requested: str = "auto") 
             f"loragen.ops.cpu_kernels: variant {requested!r}; expected 'auto' or one of "
             f"{', '.join(map(repr, VARIANTS))}"
         )
-    # flags unknown (no /proc/cpuinfo): only the -march=native build, which is safe on any CPU because
-    # its library reports 512 only when the compiler found AVX-512 here
-    unknown = not features
+    unknown = not features  # no /proc/cpuinfo: -march=native reports 512 only where it found AVX-512
     runnable = [
         v
         for v in VARIANTS.values()
@@ -143,7 +122,7 @@ def _compiler() -> str | None:
 def _build(source: str, compiler: str, variant: Variant) -> Path:
     flags = (COMMON_FLAGS[0], *variant.flags, *COMMON_FLAGS[1:])
     return resources.build_library(
-        _cache_dir(),
+        resources.kernel_cache_dir() / "cpu",
         f"lora_dropout_cpu.{variant.name}",
         SOURCE,
         source,
@@ -170,26 +149,20 @@ def _open(variant: Variant) -> ctypes.CDLL:
     return library
 
 
-def _variant_library(variant: Variant) -> ctypes.CDLL | str:
-    """The variant's library, built and loaded once per process, or why it could not be."""
-    if variant.name not in _built:
-        try:
-            _built[variant.name] = _open(variant)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            _built[variant.name] = f"{variant.name}: {error}"
-    return _built[variant.name]
-
-
 def _choice() -> Variant | None:
-    """The variant in use for the requested one (:data:`loragen.switches.cpu_kernel_variant`), building and loading the
-    candidates in order until one works; None when none does (the reasons are kept for :func:`status`)."""
+    """The variant in use for the requested one, the first candidate that builds and loads, or None."""
     requested = switches.cpu_kernel_variant.get()
     with _lock:
         if requested not in _chosen:
             tried = candidates(cpu_features(), platform.machine(), requested)
             reasons = []
             for candidate in tried:
-                library = _variant_library(candidate)
+                if candidate.name not in _built:  # built and loaded once per process, or why not
+                    try:
+                        _built[candidate.name] = _open(candidate)
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                        _built[candidate.name] = f"{candidate.name}: {error}"
+                library = _built[candidate.name]
                 if not isinstance(library, str):
                     _chosen[requested] = (candidate, "")
                     break
@@ -245,8 +218,7 @@ def _rank16(r: int) -> int:
 
 
 def status() -> str:
-    """ "loaded: <variant>", "disabled", or why no variant could be built or loaded (compiles on first
-    call)."""
+    """ "loaded: <variant>", "disabled", or why no variant could be had (compiles on first call)."""
     if not switches.cpu_kernels.get():
         return "disabled"
     if _load() is None:
@@ -254,16 +226,8 @@ def status() -> str:
     return f"loaded: {variant()}"
 
 
-def _lib() -> ctypes.CDLL:
-    library = _load()
-    if library is None:
-        raise RuntimeError(f"loragen.ops.cpu_kernels: not available: {status()}")
-    return library
-
-
 def _call(name: str, numel: int, *args: Tensor | int | float, **tensors: Tensor) -> None:
-    """Check ``tensors`` (contiguous CPU float32, ``bits`` uint8 covering ``numel`` elements), then call the
-    kernel ``lora_<name>`` with ``args`` (tensors as pointers) and the thread count."""
+    """Check ``tensors`` (contiguous CPU float32, ``bits`` uint8 covering ``numel``), call ``lora_<name>``."""
     for arg, t in tensors.items():
         expected = torch.uint8 if arg == "bits" else torch.float32
         if t.dtype != expected or t.device.type != "cpu" or not t.is_contiguous():
@@ -276,8 +240,11 @@ def _call(name: str, numel: int, *args: Tensor | int | float, **tensors: Tensor)
         raise ValueError(
             f"loragen.ops.cpu_kernels.{name}: bits has {bits.numel()} bytes for {numel} elements"
         )
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"loragen.ops.cpu_kernels: not available: {status()}")
     values = [a.data_ptr() if isinstance(a, Tensor) else a for a in args]
-    getattr(_lib(), f"lora_{name}")(*values, bits.numel(), torch.get_num_threads())
+    getattr(library, f"lora_{name}")(*values, bits.numel(), torch.get_num_threads())
 
 
 def masked_down(x: Tensor, bits: Tensor, lora_A: Tensor, scale: float) -> Tensor:

@@ -1,9 +1,6 @@
-"""Dropout keep-masks of the CPU ops as packed bits, and the row blocks masked products work in.
-
-A mask keeps each element with probability 1 - p rounded to a multiple of 2**-16 (as
-:func:`loragen.philox.keep_threshold` rounds p for the CUDA kernels). It is drawn from a PCG64 stream:
-64 elements per word operation, straight into packed bits (element i is bit i % 8 of byte i // 8,
-padded to whole 64-bit words), which the ops save for backward in place of an x-sized float mask.
+"""Dropout keep-masks of the CPU ops as packed bits (element i is bit i % 8 of byte i // 8, padded to whole
+64-bit words), drawn from a PCG64 stream, and the row blocks masked products work in. Each element is kept
+with probability 1 - p rounded to a multiple of 2**-16, as :func:`loragen.philox.keep_threshold` rounds p.
 """
 
 from __future__ import annotations
@@ -32,12 +29,10 @@ def _keep_fraction(p: float) -> tuple[int, int]:
 
 
 def dropout_keep_bits(numel: int, p: float, seed: int) -> Tensor:
-    """A keep-mask of ``numel`` elements packed into bits (uint8, padded to whole 64-bit words), each
-    kept with probability 1 - p rounded to a multiple of 2**-16.
+    """A keep-mask of ``numel`` elements packed into bits (uint8, padded to whole 64-bit words).
 
-    A PCG64 stream seeded with ``seed`` feeds the binary expansion of the keep probability: with random
-    words R_1..R_k and the bits b_1..b_k of ``t / 2**k``, ``acc = R_k`` and then ``acc = R_i | acc``
-    where b_i is 1 and ``R_i & acc`` where it is 0 leaves each bit of ``acc`` set with probability
+    With random words R_1..R_k and the bits b_1..b_k of the keep probability ``t / 2**k``, ``acc = R_k`` and
+    then ``acc = R_i | acc`` where b_i is 1, ``R_i & acc`` where it is 0, sets each bit with probability
     exactly ``t / 2**k``.
 
     Raises:
@@ -56,15 +51,14 @@ def dropout_keep_bits(numel: int, p: float, seed: int) -> Tensor:
 
 
 def unpack_keep_mask(bits: Tensor, numel: int) -> Tensor:
-    """The first ``numel`` elements of a packed mask (see :func:`dropout_keep_bits`) as bool: numpy's table
-    lookup, several times faster than torch's shifts."""
+    """The first ``numel`` elements of a packed mask as bool (numpy's table lookup beats torch's shifts)."""
     packed = bits[: (numel + 7) // 8].numpy()
     return torch.from_numpy(np.unpackbits(packed, count=numel, bitorder="little").view(np.bool_))
 
 
 class KeepMask:
-    """A packed keep-mask applied to row blocks of an (N, in) tensor: numpy multiplies by the bool mask
-    where it has the dtype (4-5x faster than torch's ``where``, which does bfloat16)."""
+    """A packed keep-mask applied to row blocks of an (N, in) tensor (numpy multiplies where it has the dtype:
+    4-5x faster than torch's ``where``)."""
 
     def __init__(self, bits: Tensor, in_features: int, dtype: torch.dtype) -> None:
         self.bits, self.in_features = bits, in_features
@@ -86,8 +80,7 @@ class KeepMask:
 
 
 def row_blocks(rows: int, row_elems: int) -> Iterator[tuple[int, int]]:
-    """(start, stop) row ranges of at most ``BLOCK_ELEMS`` elements (at least 8 rows); block starts are
-    multiples of 8 rows, so every block begins on a byte of the packed mask."""
+    """(start, stop) row ranges of at most ``BLOCK_ELEMS`` elements, starting on whole bytes of the mask."""
     step = block_rows(row_elems)
     for start in range(0, rows, step):
         yield start, min(start + step, rows)

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from loragen import philox
 from loragen.cuda.linear_op import lora_linear_cuda
 from loragen.cuda.selfcheck import TorchKernels
+from loragen.layers.expert_parameters import effective_weight, recompute_on_backward
 from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED, ParameterLayout
-from loragen.ops.dora import DoraLinearFunction
-from loragen.ops.expert_products import effective_weight, recompute_on_backward
-from loragen.ops.fused import LoraBranchFunction, LoraLinearFunction
+from loragen.ops.fused import DoraLinearFunction, LoraBranchFunction, LoraLinearFunction
 from loragen.ops.masks import dropout_keep_bits, unpack_keep_mask
 from loragen.reference import dora_linear_reference, lora_branch_reference, lora_linear_reference
 

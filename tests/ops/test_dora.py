@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loragen import switches
-from loragen.ops.dora import DoraLinearFunction, dora_linear
+from loragen.ops.fused import DoraLinearFunction, dora_linear
 from loragen.ops.masks import dropout_keep_bits, unpack_keep_mask
 from loragen.reference import dora_linear_reference, dora_weight_norm
 
