@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from typing_extensions import Self
 
+from loragen.config import InitMode
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers.adapter_set import (
     ADAPTERS_ATTR,
@@ -33,7 +34,6 @@ from loragen.layers.adapter_set import (
 )
 from loragen.layers.variants import Variant
 from loragen.registry import Layout, spec_for_lora_type
-from loragen.validation import InitMode
 
 __all__ = ["LoraLayer", "MergeGuard", "clone_as", "reading", "strip_to", "writing"]
 
