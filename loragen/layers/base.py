@@ -33,7 +33,8 @@ from loragen.layers.adapter_set import (
     describe,
 )
 from loragen.layers.variants import Variant
-from loragen.registry import Layout, spec_for_lora_type
+from loragen.layouts import Layout
+from loragen.registry import spec_for_lora_type
 
 __all__ = ["LoraLayer", "MergeGuard", "clone_as", "reading", "strip_to", "writing"]
 

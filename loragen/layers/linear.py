@@ -21,9 +21,9 @@ from loragen.errors import LoraMergeError
 from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import LoraLayer
 from loragen.layers.variants import LINEAR_DORA, LORA, Variant
+from loragen.layouts import TransposedLayout
 from loragen.ops import dora_linear, lora_linear
 from loragen.reference import lora_term
-from loragen.registry import TransposedLayout
 
 __all__ = ["LoraLinear", "LoraLinearMixin", "build_lora_conv1d"]
 
