@@ -6,18 +6,32 @@ a model is decided by :mod:`loragen.plan`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from loragen import validation
 from loragen.errors import LoraConfigError
-from loragen.validation import InitMode, check_rank
 
-__all__ = ["LoraConfig", "LoraConfigError", "LoraConfigWarning", "TargetWarning", "ALL_LINEAR", "FrozenDict"]
+__all__ = [
+    "LoraConfig",
+    "LoraConfigError",
+    "LoraConfigWarning",
+    "TargetWarning",
+    "ALL_LINEAR",
+    "FrozenDict",
+    "InitMode",
+    "check_rank",
+    "check_alpha",
+    "check_dropout",
+    "check_flag",
+    "check_init",
+    "check_lora_args",
+]
 
 ALL_LINEAR = "all-linear"
+InitMode = bool | Literal["gaussian"]
 BiasMode = Literal["none", "all", "lora_only"]
 _BIAS_MODES = ("none", "all", "lora_only")
 # peft's TaskType values (peft trains a task's head beside the adapter: see loragen.plan)
@@ -56,6 +70,79 @@ _PEFT_UNSUPPORTED_DEFAULTS: Mapping[str, Any] = {
     "qalora_group_size": 16,
     "ensure_weight_tying": False,
 }
+
+
+# Field checks, shared with every LoRA layer's constructor: each raises LoraConfigError naming the field,
+# the value and what would be accepted.
+INIT_MODES: tuple[InitMode, ...] = (True, False, "gaussian")
+
+
+def check_rank(value: Any, field: str = "r") -> int:
+    """A rank: a positive integer (``bool`` is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise LoraConfigError(f"{field}={value!r}: the rank must be a positive integer")
+    return value
+
+
+def check_alpha(value: Any, field: str = "lora_alpha") -> float:
+    """A LoRA alpha: a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise LoraConfigError(f"{field}={value!r}: expected a finite number")
+    return value
+
+
+def check_dropout(value: Any, field: str = "lora_dropout") -> float:
+    """A dropout probability ``p`` with ``0 <= p < 1``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise LoraConfigError(f"{field}={value!r}: expected a probability with 0 <= p < 1")
+    return float(value)
+
+
+def check_flag(value: Any, field: str) -> bool:
+    """A switch field: exactly ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise LoraConfigError(f"{field}={value!r}: expected True or False")
+    return value
+
+
+def check_init(value: Any, field: str = "init_lora_weights") -> InitMode:
+    """An init scheme loragen implements: ``True``, ``False`` or ``"gaussian"``."""
+    if not isinstance(value, (bool, str)) or value not in INIT_MODES:
+        raise LoraConfigError(
+            f"{field}={value!r}: expected True, False or 'gaussian' "
+            "(peft's other schemes - pissa, olora, loftq, eva, corda - are not supported)"
+        )
+    return value
+
+
+def check_lora_args(
+    r: Any, lora_alpha: Any, lora_dropout: Any, use_rslora: Any, init_lora_weights: Any
+) -> None:
+    """Check the LoRA arguments every LoRA layer takes (the same fields as the config)."""
+    check_rank(r)
+    check_alpha(lora_alpha)
+    check_dropout(lora_dropout)
+    check_flag(use_rslora, "use_rslora")
+    check_init(init_lora_weights)
+
+
+def _check_parameter_targets(value: Any) -> tuple[str, ...] | None:
+    """``target_parameters``: None or a list of parameter names (no regex string, as in peft), as a tuple."""
+    field = "target_parameters"
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise LoraConfigError(
+            f"{field}={value!r}: expected a list of parameter names such as ['experts.gate_up_proj'] "
+            "(a regex string is not accepted, as in peft)"
+        )
+    names = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+    for name in names:
+        if not isinstance(name, str) or not name or name.startswith(".") or name.endswith("."):
+            raise LoraConfigError(
+                f"{field}: {name!r} is not a parameter name (expected e.g. 'experts.down_proj')"
+            )
+    return tuple(names)
 
 
 class FrozenDict(dict):
@@ -208,20 +295,18 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        validation.check_lora_args(
-            self.r, self.lora_alpha, self.lora_dropout, self.use_rslora, self.init_lora_weights
-        )
+        check_lora_args(self.r, self.lora_alpha, self.lora_dropout, self.use_rslora, self.init_lora_weights)
         if self.bias not in _BIAS_MODES:
             raise LoraConfigError(f"bias={self.bias!r}: expected one of {', '.join(map(repr, _BIAS_MODES))}")
         for flag in ("fan_in_fan_out", "use_dora", "strict_targets"):
-            validation.check_flag(getattr(self, flag), flag)
+            check_flag(getattr(self, flag), flag)
         task = getattr(self.task_type, "value", self.task_type)  # peft's TaskType enum
         if task is not None and task not in TASK_TYPES:
             raise LoraConfigError(
                 f"task_type={task!r}: expected None or one of {', '.join(map(repr, TASK_TYPES))}"
             )
         set_(self, "task_type", task)
-        set_(self, "target_parameters", validation.check_parameter_targets(self.target_parameters))
+        set_(self, "target_parameters", _check_parameter_targets(self.target_parameters))
         for name in ("target_modules", "exclude_modules"):
             value = _freeze_names(name, getattr(self, name))
             if isinstance(value, str) and value != ALL_LINEAR:

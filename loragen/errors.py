@@ -1,8 +1,6 @@
-"""Every error loragen raises for a user's mistake derives from :class:`LoraError`.
-
-Catch ``loragen.LoraError`` to catch them all, or one of the subclasses below; each also derives from
-the built-in exception it replaced (``ValueError``, ``TypeError``, ``RuntimeError``). Messages name what
-was wrong (module path, config field, adapter key or ``file:line``) and what would be accepted.
+"""The errors loragen raises for a user's mistake: all derive from :class:`LoraError` and from a built-in
+exception (``ValueError``, ``TypeError``, ``RuntimeError``); messages name what was wrong (module path,
+config field, adapter key or ``file:line``) and what would be accepted.
 """
 
 from __future__ import annotations
@@ -29,19 +27,19 @@ class LoraError(Exception):
 
 
 class LoraConfigError(LoraError, ValueError):
-    """A LoRA configuration value is invalid; the message names the field and the value."""
+    """A LoRA configuration value is invalid."""
 
 
 class LoraConversionError(LoraError, ValueError):
-    """A model cannot be converted as asked; the message names the module paths involved."""
+    """A model cannot be converted as asked."""
 
 
 class LoraMergeError(LoraError, RuntimeError):
-    """A layer cannot be merged exactly (e.g. an Embedding with ``max_norm``); names the reason."""
+    """A layer cannot be merged exactly (e.g. an Embedding with ``max_norm``)."""
 
 
 class LoraConvertError(LoraError, TypeError):
-    """``@lora_convert`` cannot expand a class; the message names the class and ``file:line``."""
+    """``@lora_convert`` cannot expand a class."""
 
 
 class ScanError(LoraError, ValueError):
@@ -56,15 +54,15 @@ class ScanError(LoraError, ValueError):
 
 
 class AdapterError(LoraError, ValueError):
-    """An adapter folder cannot be read, or does not fit the model; the message names the file or key."""
+    """An adapter folder cannot be read, or does not fit the model."""
 
 
 class MergeError(LoraError, ValueError):
-    """An adapter does not fit a checkpoint, or the merged output cannot be written; names keys and paths."""
+    """An adapter does not fit a checkpoint, or the merged output cannot be written."""
 
 
 class TrainingSetupError(LoraError, ValueError):
-    """A training helper cannot be set up for this model; the message says why and what to change."""
+    """A training helper cannot be set up for this model."""
 
 
 class AdapterNameError(LoraError, ValueError):
@@ -72,7 +70,7 @@ class AdapterNameError(LoraError, ValueError):
 
 
 class AdapterMixError(LoraError, ValueError):
-    """Adapters cannot be combined by ``add_weighted_adapter``; names the adapters and what differs."""
+    """Adapters cannot be combined by ``add_weighted_adapter``."""
 
 
 class MixedBatchError(LoraError, ValueError):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from loragen.validation import InitMode
+from loragen.config import InitMode
 
 __all__ = [
     "EMBEDDING",

@@ -21,9 +21,8 @@ import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from loragen.config import ALL_LINEAR, BiasMode, LoraConfig, LoraConfigWarning, TargetWarning
+from loragen.config import ALL_LINEAR, BiasMode, InitMode, LoraConfig, LoraConfigWarning, TargetWarning
 from loragen.errors import LoraConfigError, LoraConversionError, LoraError
-from loragen.validation import InitMode
 
 if TYPE_CHECKING:
     from torch import nn

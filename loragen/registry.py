@@ -16,30 +16,9 @@ from functools import cache
 
 from torch import nn
 
-from loragen.layouts import (
-    EMBEDDING,
-    EXPERTS,
-    EXPERTS_TRANSPOSED,
-    LAYOUTS,
-    PLAIN,
-    TRANSPOSED,
-    EmbeddingLayout,
-    Layout,
-    ParameterLayout,
-    PlainLayout,
-    TransposedLayout,
-    factor_suffixes,
-)
+from loragen.layouts import PLAIN, Layout
 
 __all__ = [
-    "Layout",
-    "PlainLayout",
-    "TransposedLayout",
-    "EmbeddingLayout",
-    "PLAIN",
-    "TRANSPOSED",
-    "EMBEDDING",
-    "LAYOUTS",
     "LayerSpec",
     "register",
     "unregister",
@@ -50,10 +29,6 @@ __all__ = [
     "refusal_for",
     "spec_for_lora_type",
     "supported_type_names",
-    "factor_suffixes",
-    "ParameterLayout",
-    "EXPERTS",
-    "EXPERTS_TRANSPOSED",
 ]
 
 

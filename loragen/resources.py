@@ -1,6 +1,6 @@
-"""The non-Python files loragen ships (Jinja templates, CUDA kernel templates, C and C++ sources), read
-the same from a checkout (``templates/``, ``kernels/``) and from a wheel (``loragen._templates``,
-``loragen._kernels``), and :func:`build_library`, which compiles a C or C++ source into the kernel cache.
+"""The non-Python files loragen ships (Jinja templates, CUDA kernel templates, C and C++ sources), as the
+packages ``loragen._templates`` and ``loragen._kernels`` (``templates/`` and ``kernels/`` in a checkout),
+and :func:`build_library`, which compiles a C or C++ source into the kernel cache.
 """
 
 from __future__ import annotations
@@ -86,8 +86,7 @@ def build_library(
     key: Sequence[str] = (),
 ) -> Path:
     """``source`` compiled into ``folder/<stem>.<hash>.so`` with ``command`` (the compiler and its flags),
-    or the cached build of the same source, command, compiler version and ``key``. The library is moved
-    into place atomically.
+    or the cached build of the same source, command, compiler version and ``key``; written atomically.
 
     Raises:
         RuntimeError: the compiler failed (its messages' tail in the text).

@@ -29,8 +29,8 @@ from loragen.adapters.files import (
 )
 from loragen.config import LoraConfig
 from loragen.errors import AdapterError, LoraConfigError
+from loragen.layouts import EMBEDDING, LAYOUTS, Layout, factor_suffixes
 from loragen.plan import entry_for
-from loragen.registry import EMBEDDING, LAYOUTS, Layout, factor_suffixes
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",

@@ -36,8 +36,8 @@ from loragen.adapters.folder import Adapter, LoraFactors, read_adapter
 from loragen.atomic import WriteError, atomic_dir, atomic_file
 from loragen.config import LoraConfig
 from loragen.errors import AdapterError, MergeError
+from loragen.layouts import PLAIN, TRANSPOSED, Layout
 from loragen.plan import entry_for, targets_parameters_of
-from loragen.registry import PLAIN, TRANSPOSED, Layout
 
 __all__ = [
     "MERGEABLE_DTYPES",

@@ -30,8 +30,8 @@ from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, Factors, adapter_factors, has_adapter, key_prefix
 from loragen.layers.expert_parameters import LoraParametersLayer, scaling_owners
+from loragen.layouts import TRANSPOSED
 from loragen.plan import embedding_targeted, entry_for, saved_modules
-from loragen.registry import TRANSPOSED
 
 __all__ = ["adapter_config_for", "adapter_state_dict", "save_adapter"]
 

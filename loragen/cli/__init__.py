@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from loragen import __version__
-from loragen.config import LoraConfig
+from loragen.config import LoraConfig, check_dropout
 from loragen.errors import LoraConfigError
-from loragen.validation import check_dropout
 
 __all__ = [
     "EXIT_INPUT",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loragen.config import InitMode
 from loragen.errors import LoraMergeError
 from loragen.layers.adapter_set import LoraAdapter, adapter_dtype_for
 from loragen.layers.base import LoraLayer
@@ -22,7 +23,6 @@ from loragen.layers.conv import LoraConv1d, LoraConv2d
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear, LoraLinearMixin
 from loragen.layers.registration import lora_class_for, register_builtin_types, register_layer
-from loragen.validation import InitMode
 
 __all__ = [
     "InitMode",

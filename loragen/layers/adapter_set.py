@@ -18,10 +18,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from loragen.config import InitMode, check_flag, check_lora_args
 from loragen.errors import AdapterMixError, AdapterNameError, LoraConversionError
 from loragen.layers.variants import LORA, Variant, variant_for
-from loragen.registry import Layout
-from loragen.validation import InitMode, check_flag, check_lora_args
+from loragen.layouts import Layout
 
 __all__ = [
     "ADAPTERS_ATTR",

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from typing_extensions import Self
 
+from loragen.config import InitMode
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers.adapter_set import (
     ADAPTERS_ATTR,
@@ -32,8 +33,8 @@ from loragen.layers.adapter_set import (
     describe,
 )
 from loragen.layers.variants import Variant
-from loragen.registry import Layout, spec_for_lora_type
-from loragen.validation import InitMode
+from loragen.layouts import Layout
+from loragen.registry import spec_for_lora_type
 
 __all__ = ["LoraLayer", "MergeGuard", "clone_as", "reading", "strip_to", "writing"]
 

@@ -18,6 +18,7 @@ import bitsandbytes as bnb
 import torch
 from torch import Tensor
 
+from loragen.config import InitMode
 from loragen.errors import LoraMergeError, RequantizationWarning
 from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import LoraLayer
@@ -25,7 +26,6 @@ from loragen.layers.linear import LoraLinearMixin
 from loragen.layers.variants import LORA
 from loragen.ops import lora_branch
 from loragen.reference import lora_term
-from loragen.validation import InitMode
 
 __all__ = ["LoraLinear4bit", "LoraLinear8bitLt", "QuantizedLoraMixin", "RequantizationWarning"]
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen.config import InitMode
 from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import LoraLayer
 from loragen.layers.variants import CONV_DORA, Variant
-from loragen.validation import InitMode
 
 __all__ = ["LoraConv1d", "LoraConv2d"]
 

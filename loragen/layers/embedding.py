@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen.config import InitMode
 from loragen.errors import LoraMergeError
 from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import LoraLayer
 from loragen.layers.variants import EMBEDDING_DORA, Variant
-from loragen.validation import InitMode
 
 __all__ = ["LoraEmbedding"]
 

@@ -25,12 +25,12 @@ from torch.nn.utils import parametrize
 from typing_extensions import Self
 
 from loragen import switches
+from loragen.config import InitMode, check_lora_args
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
 from loragen.layers.base import LoraLayer, clone_as, reading, strip_to
 from loragen.layers.variants import LORA, Variant
-from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
-from loragen.validation import InitMode, check_lora_args
+from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 
 __all__ = [
     "LoraParametersLayer",

@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loragen.config import InitMode
 from loragen.errors import LoraMergeError
 from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import LoraLayer
 from loragen.layers.variants import LINEAR_DORA, LORA, Variant
+from loragen.layouts import TransposedLayout
 from loragen.ops import dora_linear, lora_linear
 from loragen.reference import lora_term
-from loragen.registry import TransposedLayout
-from loragen.validation import InitMode
 
 __all__ = ["LoraLinear", "LoraLinearMixin", "build_lora_conv1d"]
 

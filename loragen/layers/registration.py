@@ -25,19 +25,8 @@ from loragen.layers.base import LoraLayer
 from loragen.layers.conv import LoraConv1d, LoraConv2d
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear, LoraLinearMixin
-from loragen.registry import (
-    EMBEDDING,
-    LAYOUTS,
-    PLAIN,
-    TRANSPOSED,
-    EmbeddingLayout,
-    LayerSpec,
-    Layout,
-    refusal_for,
-    register,
-    spec_for_type,
-    supported_type_names,
-)
+from loragen.layouts import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, EmbeddingLayout, Layout
+from loragen.registry import LayerSpec, refusal_for, register, spec_for_type, supported_type_names
 
 __all__ = ["derive_lora_class", "lora_class_for", "register_builtin_types", "register_layer"]
 
@@ -103,7 +92,7 @@ def register_layer(
         base_type: the layer class to convert.
         lora_class: your LoRA class for it; None: "behaves like a Linear" (loragen makes the class).
         layout: ``"plain"`` (weight ``(out, in, ...)``), ``"transposed"`` (``(in, out)``), ``"embedding"``,
-            or a :class:`loragen.registry.Layout`.
+            or a :class:`loragen.layouts.Layout`.
         linear: whether ``target_modules="all-linear"`` selects it.
         subclasses: whether subclasses of ``base_type`` are converted too.
         aliases: other qualified names ``base_type`` is imported under (for the decorator and the rewriter).

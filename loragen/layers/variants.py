@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loragen.errors import LoraConversionError, LoraMergeError
+from loragen.layouts import PlainLayout, TransposedLayout
 from loragen.reference import dora_linear_reference
-from loragen.registry import PlainLayout, TransposedLayout
 
 if TYPE_CHECKING:  # adapter_set imports this module
     from loragen.layers.adapter_set import LoraAdapter

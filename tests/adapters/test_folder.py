@@ -19,7 +19,7 @@ from loragen.adapters.folder import (
 )
 from loragen.adapters.save import adapter_config_for
 from loragen.errors import AdapterError
-from loragen.registry import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, Layout, PlainLayout, factor_suffixes
+from loragen.layouts import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, Layout, PlainLayout, factor_suffixes
 from tests.adapters.helpers import CASES, main, make_model
 
 

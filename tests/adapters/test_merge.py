@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from loragen.adapters.offline_merge import MergeError, merge_checkpoint
-from loragen.registry import LAYOUTS
+from loragen.layouts import LAYOUTS
 from tests.adapters.helpers import (
     CASES,
     loragen_adapter,

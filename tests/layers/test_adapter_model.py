@@ -13,7 +13,7 @@ from loragen.errors import LoraConversionError
 from loragen.layers import LoraAdapter, LoraConv2d, LoraEmbedding, LoraLinear
 from loragen.layers.adapter_set import adapter_factors, add_factors, records, remove_factors
 from loragen.layers.variants import CONV_DORA, EMBEDDING_DORA, LINEAR_DORA, LORA
-from loragen.registry import EmbeddingLayout, Layout
+from loragen.layouts import EmbeddingLayout, Layout
 
 
 def _randomise(layer: nn.Module) -> None:

@@ -16,7 +16,7 @@ from loragen import switches
 from loragen.config import TargetWarning
 from loragen.errors import LoraConfigError, LoraConversionError, MixedBatchError
 from loragen.layers.expert_parameters import LoraParametersLayer
-from loragen.registry import EXPERTS, EXPERTS_TRANSPOSED
+from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED
 from tests.layers.experts_models import lora_grads, make, peft_grads, peft_twin, tokens
 
 BOTH = ["gate_up_proj", "down_proj"]
