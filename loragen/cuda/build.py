@@ -42,7 +42,6 @@ __all__ = [
     "cache_key",
     "compile_kernel",
     "default_cache",
-    "default_cache_dir",
     "nvrtc_version",
     "parse_ptxas_log",
     "render_common_header",
@@ -99,19 +98,14 @@ def _environment(search_path: str | None) -> jinja2.Environment:
     )
 
 
-def _template_variables(env: jinja2.Environment, template: str) -> frozenset[str]:
-    assert env.loader is not None
-    source = env.loader.get_source(env, template)[0]
-    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
-
-
 def _render(
     template: str, name: str, params: Mapping[str, object], search_path: str | None = None
 ) -> tuple[tuple[tuple[str, str], ...], str]:
     values = {key: _cpp_literal(key, value) for key, value in params.items()}
     env = _environment(search_path)
     try:
-        used = _template_variables(env, template)
+        assert env.loader is not None
+        used = jinja2.meta.find_undeclared_variables(env.parse(env.loader.get_source(env, template)[0]))
         unused = sorted(set(values) - used)
         if unused:
             raise KernelRenderError(
@@ -328,13 +322,6 @@ def compile_kernel(kernel: RenderedKernel, arch: str) -> CompiledKernel:
 
 CACHE_FORMAT = 1
 
-Compiler = Callable[[RenderedKernel, str], CompiledKernel]
-
-
-def default_cache_dir() -> Path:
-    """Where compiled kernels are stored by default (see the module docstring)."""
-    return resources.kernel_cache_dir()
-
 
 def cache_key(kernel: RenderedKernel, arch: str, nvrtc: tuple[int, int]) -> str:
     """SHA-256 (hex) of everything that determines the cubin of ``kernel`` for ``arch``."""
@@ -373,7 +360,7 @@ class KernelCache:
         self,
         directory: str | os.PathLike[str] | None,
         *,
-        compiler: Compiler = compile_kernel,
+        compiler: Callable[[RenderedKernel, str], CompiledKernel] = compile_kernel,
         nvrtc: tuple[int, int] | None = None,
     ) -> None:
         """``directory=None`` keeps kernels in memory only; ``nvrtc`` overrides the detected version."""
@@ -425,8 +412,6 @@ class KernelCache:
     def _load(self, path: Path, key: str, name: str, arch: str) -> CompiledKernel | None:
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
-            return None
         except OSError:
             return None
         newline = data.find(b"\n")
@@ -441,9 +426,8 @@ class KernelCache:
                 raise ValueError("checksum mismatch")
             log = str(header.get("log", ""))
         except (ValueError, TypeError, AttributeError):
-            # corrupt or foreign: rebuilt by the caller. A folder this process may not change (a shared,
-            # read-only cache) keeps the file; the caller's store then finds it cannot write either and
-            # keeps the rebuilt kernel in memory.
+            # corrupt or foreign: rebuilt by the caller (a read-only folder keeps the file; the rebuilt
+            # kernel then stays in memory)
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
             return None
@@ -476,9 +460,9 @@ _default_lock = threading.Lock()
 
 
 def default_cache() -> KernelCache:
-    """The process-wide cache in :func:`default_cache_dir`."""
+    """The process-wide cache in :func:`loragen.resources.kernel_cache_dir`."""
     global _default
     with _default_lock:
         if _default is None:
-            _default = KernelCache(default_cache_dir())
+            _default = KernelCache(resources.kernel_cache_dir())
         return _default

@@ -47,6 +47,7 @@ __all__ = [
     "grad_out_tile",
     "grad_out_uses_mma",
     "max_optimizer_block",
+    "optimizer_variant",
     "optimizer_variants",
     "pad_rank",
     "plan_down",
@@ -398,20 +399,22 @@ def all_variants() -> Iterator[tuple[KernelSpec, Variant]]:
                     yield spec, Variant(dtype, bucket, aligned)
 
 
-def optimizer_variants() -> Iterator[tuple[KernelSpec, Variant]]:
-    """Every (kernel, variant) pair of :data:`OPTIMIZER_KERNELS`: one per dtype.
+def optimizer_variant(dtype: str) -> Variant:
+    """The one variant of an optimizer kernel for ``dtype``: these kernels ignore the rank bucket and
+    alignment, so they carry fixed placeholders (the smallest bucket, aligned)."""
+    return Variant(dtype, RANK_BUCKETS[0], True)
 
-    These kernels ignore the rank bucket and alignment; their variants carry the smallest bucket and
-    ``aligned=True`` as fixed placeholders, so each dtype has exactly one variant (and cache entry).
-    """
+
+def optimizer_variants() -> Iterator[tuple[KernelSpec, Variant]]:
+    """Every (kernel, variant) pair of :data:`OPTIMIZER_KERNELS`: one per dtype."""
     for spec in OPTIMIZER_KERNELS.values():
         for dtype in DTYPES:
-            yield spec, Variant(dtype, RANK_BUCKETS[0], True)
+            yield spec, optimizer_variant(dtype)
 
 
 def max_optimizer_block(spec: KernelSpec) -> int:
     """The largest quantization block ``spec`` handles: threads per block times elements per thread."""
-    tile = spec.tile(Variant("float32", RANK_BUCKETS[0], True))
+    tile = spec.tile(optimizer_variant("float32"))
     return tile["warps"] * WARP * tile["per_thread"]
 
 

@@ -25,7 +25,6 @@ __all__ = [
     "KernelArgumentRangeError",
     "KernelLauncher",
     "capturing",
-    "current_handle",
     "default_launcher",
     "pack_arguments",
     "raw_handle",
@@ -43,13 +42,6 @@ def raw_handle(index: int) -> int:
     return int(torch.cuda.current_stream(index).cuda_stream)
 
 
-def current_handle(device: torch.device) -> int:
-    """:func:`raw_handle` of ``device`` (its index, or the current device's), 0 for a CPU device."""
-    if device.type != "cuda":
-        return 0
-    return raw_handle(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def capturing(device: torch.device) -> bool:
     """Whether work queued on ``device``'s current stream is being captured into a CUDA graph."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -57,13 +49,12 @@ def capturing(device: torch.device) -> bool:
 
 # ---- the driver launcher -----------------------------------------------------------------------------
 
-# each scalar C type's ``struct`` code (native size and alignment), for the parameter block
-_STRUCT_CODES = {"int": "i", "unsigned": "I", "float": "f", "u64": "Q"}
-_SCALAR_CTYPES: dict[str, type] = {
-    "int": ctypes.c_int,
-    "unsigned": ctypes.c_uint,
-    "float": ctypes.c_float,
-    "u64": ctypes.c_uint64,
+# each scalar C type's ``struct`` code (native size and alignment, for the parameter block) and ctype
+_SCALAR_TYPES: dict[str, tuple[str, type]] = {
+    "int": ("i", ctypes.c_int),
+    "unsigned": ("I", ctypes.c_uint),
+    "float": ("f", ctypes.c_float),
+    "u64": ("Q", ctypes.c_uint64),
 }
 # the values each integer C type holds: ctypes would wrap anything outside silently
 _INTEGER_RANGES: dict[str, tuple[int, int]] = {
@@ -107,18 +98,15 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
                 f"loragen.cuda: kernel {spec.name} parameter {param.name}={value} does not fit its C type "
                 f"{param.ctype} (accepted: {bounds[0]} .. {bounds[1]})"
             )
-        packed.append(_SCALAR_CTYPES[param.ctype](value))
+        packed.append(_SCALAR_TYPES[param.ctype][1](value))
     return packed
 
 
 class _LaunchRecord:
     """One kernel variant ready to launch on one device from one thread: the function handle, threads per
-    block, and a prebuilt kernel-parameter block whose values :meth:`fill` rewrites in place per launch.
-
-    The block holds every parameter's value at its C offset (native alignment, as ``struct`` lays out
-    ``"@"`` formats) and ``pointers`` holds each value's address, the ``void**`` that ``cuLaunchKernel``
-    takes. One ``pack_into`` writes all values per launch, and checks the integers' ranges on the way.
-    """
+    block, and a parameter block (every value at its C offset, native alignment as ``struct``'s ``"@"``)
+    that :meth:`fill` rewrites per launch with one ``pack_into``; ``pointers`` is the ``void**`` of the
+    values' addresses that ``cuLaunchKernel`` takes."""
 
     __slots__ = (
         "block",
@@ -139,7 +127,7 @@ class _LaunchRecord:
         self.function = function
         self.context = context
         self.threads = spec.threads(variant)
-        codes = ["P" if p.ctype.endswith("*") else _STRUCT_CODES[p.ctype] for p in spec.params]
+        codes = ["P" if p.ctype.endswith("*") else _SCALAR_TYPES[p.ctype][0] for p in spec.params]
         self.layout = struct.Struct("@" + "".join(codes))
         self.block = ctypes.create_string_buffer(max(self.layout.size, 1))
         base = ctypes.addressof(self.block)
@@ -172,10 +160,9 @@ class _LaunchRecord:
 class DriverLauncher:
     """Launches kernels through the CUDA driver API; modules are loaded once per device and variant.
 
-    Per launch: one dictionary lookup for the launch record, the argument values written into its
-    prebuilt parameter block (one ``struct.pack_into``), one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
-    device's primary context is not already current on the thread) and ``cuLaunchKernel`` on PyTorch's
-    current stream, passed as its raw handle. No lock and no error text unless something fails.
+    Per launch: one lookup of the launch record, its parameter block filled, one ``cuCtxGetCurrent`` (the
+    device's primary context is pushed only when it is not current) and ``cuLaunchKernel`` on PyTorch's
+    current stream. No lock and no error text unless something fails.
     """
 
     def __init__(self, cache: KernelCache | None = None) -> None:
@@ -264,13 +251,9 @@ class DriverLauncher:
             with self._lock:
                 function = self._function(spec, variant, index)
         record = self._records[key] = _LaunchRecord(spec, variant, function, context)
-        self._bind_calls()
-        return record
-
-    def _bind_calls(self) -> None:
-        """Look up the driver calls a launch makes once, not per launch."""
         driver = self._driver()
         self._calls = (driver.cuCtxGetCurrent, driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS)
+        return record
 
     def launch(
         self,
@@ -280,9 +263,7 @@ class DriverLauncher:
         args: Sequence[object],
         device: torch.device,
     ) -> None:
-        index = device.index
-        if index is None:
-            index = torch.cuda.current_device()
+        index = device.index if device.index is not None else torch.cuda.current_device()
         key = (spec.name, variant, index, threading.get_ident())
         record = self._records.get(key)
         if record is None:
@@ -291,35 +272,12 @@ class DriverLauncher:
         record.fill(args)
         get_current, launch_kernel, success = self._calls
         stream = raw_handle(index)
+        call = (record.function, *grid, 1, record.threads, 1, 1, 0, stream, record.params_address, 0)
         if get_current()[1] == record.context:
-            status = launch_kernel(
-                record.function,
-                grid[0],
-                grid[1],
-                1,
-                record.threads,
-                1,
-                1,
-                0,
-                stream,
-                record.params_address,
-                0,
-            )[0]
+            status = launch_kernel(*call)[0]
         else:  # another context (or none) is current on this thread: push the device's, pop it after
             with self._current(record.context, spec.name):
-                status = launch_kernel(
-                    record.function,
-                    grid[0],
-                    grid[1],
-                    1,
-                    record.threads,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    record.params_address,
-                    0,
-                )[0]
+                status = launch_kernel(*call)[0]
         if status != success:
             raise self._fail(status, "cuLaunchKernel", f"{spec.name} {record.label} grid={grid}")
 

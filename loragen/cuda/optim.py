@@ -1,9 +1,8 @@
 """The 8-bit AdamW step on CUDA: :func:`loragen.training.adamw8bit.adamw8bit_update_` as one kernel launch.
 
 The kernel (``kernels/adamw8bit.cu.j2``) runs one CUDA block per quantization block and reproduces the
-torch path's arithmetic operation by operation (see the template's header), so both paths store the same
-codes for the same inputs; the only differences are float32 roundings of the parameter update and codes
-of values that sit exactly on a midpoint of the table up to those roundings.
+torch path's arithmetic operation by operation, so both store the same codes up to float32 roundings of
+the update (and values on a midpoint of the table up to those roundings).
 """
 
 from __future__ import annotations
@@ -13,12 +12,17 @@ from typing import Any
 
 import torch
 
-from loragen.cuda.kernels import ADAMW8BIT, RANK_BUCKETS, KernelLauncher, Variant, max_optimizer_block
+from loragen.cuda.kernels import (
+    ADAMW8BIT,
+    DTYPE_NAMES,
+    KernelLauncher,
+    max_optimizer_block,
+    optimizer_variant,
+)
 from loragen.cuda.launch import default_launcher
 
 __all__ = ["adamw8bit_update_cuda", "kernel_supports"]
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _STATE_DTYPES = {
     "exp_avg_codes": torch.uint8,
     "exp_avg_absmax": torch.float32,
@@ -41,7 +45,7 @@ def kernel_supports(
     :func:`~loragen.cuda.kernels.max_optimizer_block` elements, and two float32 tables of 256 entries, all
     on the parameter's device.
     """
-    if param.dtype not in _DTYPE_NAMES or grad.dtype != param.dtype or grad.shape != param.shape:
+    if param.dtype not in DTYPE_NAMES or grad.dtype != param.dtype or grad.shape != param.shape:
         return False
     if not param.is_contiguous() or grad.is_sparse:
         return False
@@ -97,7 +101,7 @@ def adamw8bit_update_cuda(
     n_blocks, block_size = state["exp_avg_codes"].shape
     if n_blocks == 0:
         return True
-    variant = Variant(_DTYPE_NAMES[param.dtype], RANK_BUCKETS[0], True)
+    variant = optimizer_variant(DTYPE_NAMES[param.dtype])
     args = (
         param.detach(),
         grad.detach().contiguous(),
