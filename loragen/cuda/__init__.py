@@ -51,24 +51,15 @@ _available: bool | None = None
 
 
 def is_available() -> bool:
-    """True when PyTorch sees a CUDA device and cuda-python's bindings are installed.
-
-    Checks PyTorch first, so on a machine without a GPU nothing from ``cuda.bindings`` is imported. The
-    answer is computed once per process (neither changes while it runs).
-    """
+    """True when PyTorch sees a CUDA device and cuda-python's bindings are installed (PyTorch is asked
+    first, so without a GPU nothing from ``cuda.bindings`` is imported); computed once per process."""
     global _available
     if _available is None:
-        _available = _probe()
+        try:
+            _available = torch.cuda.is_available() and importlib.util.find_spec("cuda.bindings") is not None
+        except (ImportError, ValueError):  # a namespace "cuda" without the bindings
+            _available = False
     return _available
-
-
-def _probe() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return importlib.util.find_spec("cuda.bindings") is not None
-    except (ImportError, ValueError):  # a namespace "cuda" without the bindings
-        return False
 
 
 def __getattr__(name: str) -> Any:

@@ -270,10 +270,6 @@ class KernelSpec:
     tile: Callable[[Variant], dict[str, int]]
     by_rank: bool = True  # False: the template takes neither rank_bucket nor aligned (dtype-only variants)
 
-    @property
-    def template(self) -> str:
-        return f"{self.name}.cu.j2"
-
     def threads(self, variant: Variant) -> int:
         """Threads per block."""
         return self.tile(variant)["warps"] * WARP

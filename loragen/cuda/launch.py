@@ -170,8 +170,6 @@ class DriverLauncher:
         self._lock = threading.Lock()
         self._contexts: dict[int, Any] = {}
         self._functions: dict[tuple[int, str, Variant, str], Any] = {}
-        self._sm_counts: dict[int, int] = {}
-        self._archs: dict[int, str] = {}
         # (kernel name, variant, device index, thread id) -> record; a record's parameter block is
         # rewritten per launch, so each thread has its own
         self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
@@ -209,11 +207,7 @@ class DriverLauncher:
         return ctx
 
     def target_blocks(self, device: torch.device) -> int:
-        index = _index(device)
-        count = self._sm_counts.get(index)
-        if count is None:
-            count = self._sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return 2 * count
+        return 2 * torch.cuda.get_device_properties(_index(device)).multi_processor_count
 
     def _function(self, spec: KernelSpec, variant: Variant, index: int) -> Any:
         arch = self.arch(torch.device("cuda", index))
@@ -236,12 +230,8 @@ class DriverLauncher:
 
     def arch(self, device: torch.device) -> str:
         """The device's architecture as NVRTC names it: ``"sm_90"``."""
-        index = _index(device)
-        arch = self._archs.get(index)
-        if arch is None:
-            major, minor = torch.cuda.get_device_capability(index)
-            arch = self._archs[index] = f"sm_{major}{minor}"
-        return arch
+        major, minor = torch.cuda.get_device_capability(_index(device))
+        return f"sm_{major}{minor}"
 
     def _record(self, spec: KernelSpec, variant: Variant, index: int, key: tuple) -> _LaunchRecord:
         """Load the variant's module (in the device's context) and build this thread's launch record."""

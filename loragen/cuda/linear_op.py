@@ -338,7 +338,7 @@ def _lora_linear_impl(
     """y (..., out) in x's dtype and h (N, R) float32 (saved for backward)."""
     with _without_autocast(x):
         out, h, _, _ = _forward(
-            x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher
+            x, weight, bias, lora_A, lora_B, rng, (scaling, dropout_p, fan_in_fan_out, launcher)
         )
     return out, h
 
@@ -353,12 +353,10 @@ def _forward(
     lora_A: Tensor,
     lora_B: Tensor,
     rng: Tensor | None,
-    scaling: float,
-    dropout_p: float,
-    fan_in_fan_out: bool,
-    launcher: int,
+    args: tuple[float, float, bool, int],
 ) -> tuple[Tensor, Tensor, Tensor, _Prepared]:
-    """y, h, the 2-D x the kernels read, and what backward reuses."""
+    """y, h, the 2-D x the kernels read, and what backward reuses; ``args`` as :func:`_backward`'s."""
+    scaling, dropout_p, fan_in_fan_out, launcher = args
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
     plan = plan_for(x2, out_features, lora_A.shape[0], launcher)
@@ -543,7 +541,7 @@ class _LoraLinearFunction(torch.autograd.Function):
         args: tuple[float, float, bool, int],
     ) -> Tensor:
         with _without_autocast(x):
-            out, h, x2, ctx.prepared = _forward(x, weight, bias, lora_A, lora_B, rng, *args)
+            out, h, x2, ctx.prepared = _forward(x, weight, bias, lora_A, lora_B, rng, args)
         ctx.save_for_backward(x2, weight, lora_A, lora_B, h, rng)
         ctx.args = args
         ctx.has_bias = bias is not None

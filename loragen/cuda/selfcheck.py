@@ -245,14 +245,12 @@ KERNELS: dict[str, Callable[..., None]] = {
 
 
 class TorchKernels:
-    """Runs the LoRA kernels' computations with torch operations; see the module docstring.
+    """Runs the LoRA kernels' computations with torch operations.
 
     ``whole_op`` (the default): the eager op, routed here, runs the reference composition
     (:func:`loragen.reference.lora_linear_reference`, less host work per call) instead of the four
     passes; False keeps it on the passes (loragen's CPU tests run the op's host side through them).
     """
-
-    whole_op: bool = True
 
     def __init__(self, whole_op: bool = True) -> None:
         self.whole_op = whole_op
@@ -278,11 +276,6 @@ class TorchKernels:
         run = KERNELS.get(spec.name)
         if run is None:
             raise KeyError(f"loragen.cuda.selfcheck: no torch path for kernel {spec.name!r}")
-        if len(args) != len(spec.params):
-            raise TypeError(
-                f"loragen.cuda.selfcheck: kernel {spec.name} takes {len(spec.params)} arguments, "
-                f"got {len(args)}"
-            )
         with torch.no_grad():
             run(*args)
 
@@ -300,16 +293,9 @@ def check_in_child(
     calling ``launcher`` (``"module:attribute"``); None when it passed, else the reason (a child that
     crashed, timed out or could not be started included)."""
     index = _keyed(device).index if device.type == "cuda" else -1
-    command = [
-        sys.executable,
-        "-m",
-        "loragen.cuda.selfcheck",
-        variant.dtype,
-        str(variant.rank_bucket),
-        "aligned" if variant.aligned else "unaligned",
-        str(index),
-        launcher,
-    ]
+    alignment = "aligned" if variant.aligned else "unaligned"
+    args = [variant.dtype, str(variant.rank_bucket), alignment, str(index), launcher]
+    command = [sys.executable, "-m", "loragen.cuda.selfcheck", *args]
     # the caller's module search path: the child imports what the caller does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
