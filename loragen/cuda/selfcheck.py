@@ -252,6 +252,8 @@ class TorchKernels:
     passes; False keeps it on the passes (loragen's CPU tests run the op's host side through them).
     """
 
+    whole_op: bool = True  # also for subclasses that do not call __init__
+
     def __init__(self, whole_op: bool = True) -> None:
         self.whole_op = whole_op
 
