@@ -1,10 +1,8 @@
 """From kernel template to cubin: Jinja rendering, NVRTC compilation and the kernel cache.
 
-``kernels/*.cu.j2`` render with ``StrictUndefined`` and only ``{{ value }}`` substitutions: every
-decision is made in Python (:mod:`loragen.cuda.kernels`). NVRTC compiles the CUDA C to a cubin per
-architecture without a GPU or driver; a compile error carries the kernel, its parameters and the full
-log. Cubins are kept in memory and on disk, keyed by source, architecture and NVRTC version; an entry is
-written atomically with a checksum, and a corrupt one is rebuilt, never loaded.
+``kernels/*.cu.j2`` render with ``StrictUndefined`` and only ``{{ value }}`` substitutions (every
+decision is made in :mod:`loragen.cuda.kernels`); NVRTC compiles them without a GPU. Cubins are kept in
+memory and on disk, keyed by source, architecture and NVRTC version, written atomically with a checksum.
 """
 
 from __future__ import annotations
@@ -136,17 +134,9 @@ def render_kernel(
     template: str | None = None,
     search_path: str | os.PathLike[str] | None = None,
 ) -> RenderedKernel:
-    """Render kernel ``name`` from ``kernels/<name>.cu.j2`` (or ``template``) with ``params``.
-
-    Args:
-        name: the ``extern "C"`` function the template defines.
-        params: template variables; bools, ints and strings (C++ type names) only.
-        template: the template file name, default ``<name>.cu.j2``.
-        search_path: a folder searched for the template before loragen's own ``kernels/``
-            (experiments and tests).
-
-    Returns:
-        The source and the headers NVRTC needs, with the parameters recorded for error messages.
+    """Render the ``extern "C"`` kernel ``name`` from ``kernels/<name>.cu.j2`` (or ``template``) with
+    ``params`` (bools, ints and strings only), looking in ``search_path`` first where given; the result
+    records the parameters for error messages.
 
     Raises:
         KernelRenderError: a variable is missing, a parameter is unused or has an unsupported type,
@@ -160,8 +150,7 @@ def render_kernel(
 
 # ---- NVRTC -------------------------------------------------------------------------------------------
 
-# Options shared by every compile; the architecture is added per call. No fast-math: the kernels
-# accumulate in float32 and the mask comparison must match the CPU bit for bit.
+# the architecture is added per call; no fast-math: the mask comparison must match the CPU bit for bit
 NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", "--ptxas-options=-v")
 
 
@@ -234,11 +223,7 @@ def _check(nvrtc: ModuleType, result: tuple, what: str) -> tuple:
 
 
 def nvrtc_version() -> tuple[int, int]:
-    """The NVRTC library's (major, minor) version.
-
-    Raises:
-        NvrtcUnavailableError: cuda-python's NVRTC bindings are missing.
-    """
+    """The NVRTC library's (major, minor) version; :class:`NvrtcUnavailableError` without the bindings."""
     nvrtc = _nvrtc()
     major, minor = _check(nvrtc, nvrtc.nvrtcVersion(), "nvrtc.nvrtcVersion")
     return int(major), int(minor)
@@ -351,10 +336,8 @@ def _file_label(kernel: RenderedKernel) -> str:
 
 
 class KernelCache:
-    """Compile-once store of cubins: memory first, then the disk folder, then NVRTC.
-
-    Thread-safe (autograd runs backward on its own threads); safe across processes sharing a folder.
-    """
+    """Compile-once store of cubins: memory first, then the disk folder, then NVRTC. Thread-safe, and
+    safe across processes sharing a folder."""
 
     def __init__(
         self,
@@ -387,11 +370,8 @@ class KernelCache:
         return self.directory / f"{_file_label(kernel)}.{arch}.{self.key(kernel, arch)[:32]}.cubin"
 
     def get(self, kernel: RenderedKernel, arch: str) -> CompiledKernel:
-        """The compiled ``kernel`` for ``arch``, compiling it at most once per key.
-
-        Raises:
-            KernelCompileError: NVRTC rejected the kernel (nothing is cached).
-        """
+        """The compiled ``kernel`` for ``arch``, compiling it at most once per key (a
+        :class:`KernelCompileError` is not cached)."""
         key = self.key(kernel, arch)
         with self._lock:
             hit = self._memory.get(key)

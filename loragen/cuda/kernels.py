@@ -10,6 +10,7 @@ Shapes: x (N, in), A (r, in), B (out, r), h = dropout(x) A^T (N, R) in float32, 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -279,6 +280,7 @@ def _params(*pairs: tuple[str, str]) -> tuple[Param, ...]:
     return tuple(Param(name, ctype) for ctype, name in pairs)
 
 
+_SIZES = (("int", "rows"), ("int", "cols"), ("int", "rank"))
 # seed and offset are read through a pointer (rng[0], rng[1], int64 in device memory): CUDA-graph safe
 _DROPOUT = (("const u64*", "rng"), ("unsigned", "threshold"), ("float", "keep_scale"))
 
@@ -288,9 +290,7 @@ LORA_DOWN = KernelSpec(
         ("const scalar_t*", "x"),
         ("const float*", "lora_a"),
         ("float*", "h_part"),
-        ("int", "rows"),
-        ("int", "cols"),
-        ("int", "rank"),
+        *_SIZES,
         ("int", "cols_per_split"),
         *_DROPOUT,
     ),
@@ -303,9 +303,7 @@ LORA_UP = KernelSpec(
         ("const float*", "lora_bt"),
         ("const scalar_t*", "bias"),
         ("scalar_t*", "out"),
-        ("int", "rows"),
-        ("int", "cols"),
-        ("int", "rank"),
+        *_SIZES,
         ("float", "scaling"),
     ),
     up_tile,
@@ -318,9 +316,7 @@ LORA_GRAD_OUT = KernelSpec(
         ("const float*", "lora_bt"),
         ("float*", "dh_part"),
         ("float*", "db_part"),
-        ("int", "rows"),
-        ("int", "cols"),
-        ("int", "rank"),
+        *_SIZES,
         ("int", "rows_per_split"),
         ("float", "scaling"),
     ),
@@ -334,9 +330,7 @@ LORA_GRAD_IN = KernelSpec(
         ("const float*", "lora_a"),
         ("scalar_t*", "grad_x_lora"),
         ("float*", "da_part"),
-        ("int", "rows"),
-        ("int", "cols"),
-        ("int", "rank"),
+        *_SIZES,
         ("int", "rows_per_split"),
         *_DROPOUT,
     ),
@@ -388,11 +382,10 @@ def render_params(spec: KernelSpec, variant: Variant) -> dict[str, object]:
 
 def all_variants() -> Iterator[tuple[KernelSpec, Variant]]:
     """Every (kernel, variant) pair loragen can render: what CI compiles."""
-    for spec in KERNELS.values():
-        for dtype in DTYPES:
-            for bucket in RANK_BUCKETS:
-                for aligned in (True, False):
-                    yield spec, Variant(dtype, bucket, aligned)
+    for spec, dtype, bucket, aligned in itertools.product(
+        KERNELS.values(), DTYPES, RANK_BUCKETS, (True, False)
+    ):
+        yield spec, Variant(dtype, bucket, aligned)
 
 
 def optimizer_variant(dtype: str) -> Variant:
@@ -569,13 +562,8 @@ def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[Tensor | None, int,
         return x2.new_zeros((0, bucket), dtype=torch.float32)
     grid = plan.down_grid
     h_part = torch.empty(grid.splits, plan.rows, bucket, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_DOWN,
-        plan.variant,
-        grid.grid,
-        (x2, a32, h_part, plan.rows, plan.in_features, plan.rank, grid.cols_per_split, *dropout),
-        plan.device,
-    )
+    args = (x2, a32, h_part, plan.rows, plan.in_features, plan.rank, grid.cols_per_split, *dropout)
+    plan.launcher.launch(LORA_DOWN, plan.variant, grid.grid, args, plan.device)
     return h_part[0] if grid.splits == 1 else h_part.sum(0)
 
 
@@ -585,13 +573,8 @@ def up(plan: Plan, h: Tensor, bt32: Tensor, bias: Tensor | None, scaling: float,
     if plan.rows == 0:
         return
     bias_in = None if bias is None else plan.prepare(bias.detach().to(out.dtype))
-    plan.launcher.launch(
-        LORA_UP,
-        plan.variant,
-        plan.up_grid,
-        (h, bt32, bias_in, out, plan.rows, plan.out_features, plan.rank, float(scaling)),
-        plan.device,
-    )
+    args = (h, bt32, bias_in, out, plan.rows, plan.out_features, plan.rank, float(scaling))
+    plan.launcher.launch(LORA_UP, plan.variant, plan.up_grid, args, plan.device)
 
 
 def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
@@ -600,24 +583,8 @@ def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) ->
     grid = plan.grad_out_grid
     dh_part = torch.empty(grid.col_blocks, plan.rows, bucket, dtype=torch.float32, device=plan.device)
     db_part = torch.empty(grid.splits, plan.out_features, bucket, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_GRAD_OUT,
-        plan.variant,
-        grid.grid,
-        (
-            g2,
-            h,
-            bt32,
-            dh_part,
-            db_part,
-            plan.rows,
-            plan.out_features,
-            plan.rank,
-            grid.rows_per_split,
-            scaling,
-        ),
-        plan.device,
-    )
+    args = (g2, h, bt32, dh_part, db_part, plan.rows, plan.out_features, plan.rank, grid.rows_per_split)
+    plan.launcher.launch(LORA_GRAD_OUT, plan.variant, grid.grid, (*args, scaling), plan.device)
     dh = dh_part[0] if grid.col_blocks == 1 else dh_part.sum(0)
     db = db_part[0] if grid.splits == 1 else db_part.sum(0)
     return dh, db
@@ -631,11 +598,6 @@ def grad_in(
     grid = plan.grad_in_grid
     gx = torch.empty_like(x2) if need_x else None
     da_part = torch.empty(grid.splits, bucket, plan.in_features, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_GRAD_IN,
-        plan.variant,
-        grid.grid,
-        (x2, dh, a32, gx, da_part, plan.rows, plan.in_features, plan.rank, grid.rows_per_split, *dropout),
-        plan.device,
-    )
+    args = (x2, dh, a32, gx, da_part, plan.rows, plan.in_features, plan.rank, grid.rows_per_split, *dropout)
+    plan.launcher.launch(LORA_GRAD_IN, plan.variant, grid.grid, args, plan.device)
     return gx, (da_part[0] if grid.splits == 1 else da_part.sum(0))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -177,12 +178,11 @@ _handles: dict[int, int] = {}
 
 def launcher_handle(launcher: KernelLauncher | None) -> int:
     """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher), kept
-    for the life of the process. Under ``torch.compile`` the table is only read (the compiled graph runs
-    the op before the tracer's updates of module state are replayed).
+    for the life of the process.
 
     Raises:
-        CudaLoraError: ``launcher`` is first seen while ``torch.compile`` traces (call the op with it
-            once outside compilation first).
+        CudaLoraError: ``launcher`` is first seen while ``torch.compile`` traces (the compiled graph
+            runs the op before the tracer's updates of module state are replayed).
     """
     if launcher is None:
         return 0
@@ -229,22 +229,20 @@ def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _steps += 1
 
 
+@dataclass(slots=True)
 class _Factor:
     """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- refreshed when
     the parameter changed (``_version``, data pointer, rank), after an optimizer step, or on every call
     once a CUDA-graph capture has read it; ``zeroed``: the padding was zeroed outside a capture."""
 
-    __slots__ = ("buffer", "captured", "data_ptr", "rank", "source", "steps", "version", "zeroed")
-
-    def __init__(self, source: Tensor, buffer: Tensor) -> None:
-        self.source = weakref.ref(source)
-        self.buffer = buffer
-        self.version = -1
-        self.data_ptr = -1
-        self.rank = -1
-        self.steps = -1
-        self.captured = False
-        self.zeroed = False
+    source: weakref.ref[Tensor]
+    buffer: Tensor
+    version: int = -1
+    data_ptr: int = -1
+    rank: int = -1
+    steps: int = -1
+    captured: bool = False
+    zeroed: bool = False
 
 
 _factors: dict[tuple[int, bool], _Factor] = {}
@@ -264,14 +262,13 @@ def factor(t: Tensor, plan: Plan, transpose: bool, in_capture: bool) -> Tensor:
     if (
         entry is None
         or entry.source() is not t
-        or entry.buffer.shape[1] != features
-        or entry.buffer.shape[0] != bucket
+        or entry.buffer.shape != (bucket, features)
         or entry.buffer.device != t.device
     ):
         # made outside inference mode: such a tensor could never be written again outside it
         with torch.inference_mode(False):
             buffer = torch.empty(bucket, features, dtype=torch.float32, device=t.device)
-        entry = _factors[key] = _Factor(t, buffer)
+        entry = _factors[key] = _Factor(weakref.ref(t), buffer)
         weakref.finalize(t, _factors.pop, key, None)
         if not _step_hook:
             _step_hook.append(register_optimizer_step_post_hook(_stepped))
@@ -569,20 +566,17 @@ def lora_linear_cuda(
 ) -> Tensor:
     """LoRA linear ``x W^T + b + scaling * B A dropout(x)`` with loragen's CUDA kernels.
 
-    Same semantics as :func:`loragen.ops.lora_linear`: shapes x (..., in), weight (out, in) -- (in, out)
-    with ``fan_in_fan_out`` --, bias (out,) or None, lora_A (r, in), lora_B (out, r) -> (..., out) in x's
-    dtype; dropout (probability ``dropout_p``, only when ``training``) on the LoRA branch only, with
-    inverted scaling and the Philox mask of :mod:`loragen.philox`. Under autocast, x, weight and bias
-    are cast to the autocast dtype first, as ``F.linear`` would. Inputs the kernels do not take (see
-    :func:`unsupported_reason`) run through :func:`loragen.reference.lora_linear_reference` instead.
-    Works inside CUDA-graph capture (dropout included) and under ``torch.compile``.
+    Same semantics as :func:`loragen.ops.lora_linear`: x (..., in), weight (out, in) -- (in, out) with
+    ``fan_in_fan_out`` --, bias (out,) or None, lora_A (r, in), lora_B (out, r) -> (..., out) in x's
+    dtype; dropout (only when ``training``) on the LoRA branch, with the Philox mask of
+    :mod:`loragen.philox`. Under autocast, x, weight and bias are cast as ``F.linear`` would. Inputs the
+    kernels do not take (:func:`unsupported_reason`) run through
+    :func:`loragen.reference.lora_linear_reference`. Works in CUDA-graph capture and ``torch.compile``.
 
     Args:
-        seed: fixes the dropout mask (unsigned 64-bit, offset 0); None draws seed and offset with the
-            device's torch generator (:func:`draw_rng`).
-        launcher: runs the kernels (default: the self-checked CUDA driver launcher,
-            :func:`loragen.cuda.selfcheck.default_checker`); loragen's CPU tests pass an
-            emulator or a null driver here.
+        seed: fixes the dropout mask (unsigned 64-bit, offset 0); None draws it (:func:`draw_rng`).
+        launcher: runs the kernels (default: :func:`loragen.cuda.selfcheck.default_checker`); loragen's
+            CPU tests pass an emulator or a null driver.
 
     Raises:
         CudaLoraError: tensors not on one device, or not on a CUDA device when no launcher is given;
@@ -626,8 +620,7 @@ def _on_torch_route(x: Tensor, out_features: int, rank: int, handle: int) -> boo
     variant that fails later runs its passes on :class:`TorchKernels` through the self-check's guard.
 
     Raises:
-        RuntimeError: the variant is new and a CUDA graph is being captured (the self-check refuses to
-            run inside a capture).
+        RuntimeError: the variant is new and a CUDA graph is being captured.
     """
     key = (x.dtype, x.device, x.shape[-1], out_features, rank, handle, switches.cuda_kernels.get())
     found = _routes.get(key)

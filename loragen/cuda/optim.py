@@ -38,13 +38,9 @@ def kernel_supports(
     signed_code: torch.Tensor,
     unsigned_code: torch.Tensor,
 ) -> bool:
-    """Whether the kernel can run this update (else the torch path does it). Never synchronizes.
-
-    It needs a contiguous float32/float16/bfloat16 parameter, a gradient of the same dtype and shape,
-    contiguous states of the layout :class:`loragen.training.adamw8bit.AdamW8bit` creates with blocks of at most
-    :func:`~loragen.cuda.kernels.max_optimizer_block` elements, and two float32 tables of 256 entries, all
-    on the parameter's device.
-    """
+    """Whether the kernel can run this update (else the torch path does it); never synchronizes. It
+    needs contiguous tensors on one device in the layout :class:`loragen.training.adamw8bit.AdamW8bit`
+    creates, blocks of at most :func:`~loragen.cuda.kernels.max_optimizer_block` elements."""
     if param.dtype not in DTYPE_NAMES or grad.dtype != param.dtype or grad.shape != param.shape:
         return False
     if not param.is_contiguous() or grad.is_sparse:
@@ -89,8 +85,8 @@ def adamw8bit_update_cuda(
 ) -> bool:
     """One AdamW step with 8-bit moments as one kernel launch on PyTorch's current stream, in place.
 
-    Same arguments and state layout as :func:`loragen.training.adamw8bit.adamw8bit_update_`. ``launcher`` defaults
-    to the process-wide driver launcher (CUDA tensors); tests pass an emulator for CPU tensors.
+    Same arguments and state layout as :func:`loragen.training.adamw8bit.adamw8bit_update_`;
+    ``launcher`` defaults to the process-wide driver launcher.
 
     Returns:
         ``True`` when the kernel ran, ``False`` (nothing changed) when :func:`kernel_supports` refuses
