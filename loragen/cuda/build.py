@@ -27,14 +27,12 @@ from loragen import resources
 from loragen.atomic import atomic_write_bytes
 
 __all__ = [
-    "CACHE_FORMAT",
     "COMMON_HEADER",
     "CompiledKernel",
     "FunctionResources",
     "KernelCache",
     "KernelCompileError",
     "KernelRenderError",
-    "NVRTC_OPTIONS",
     "NvrtcUnavailableError",
     "RenderedKernel",
     "cache_key",

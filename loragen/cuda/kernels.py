@@ -22,7 +22,6 @@ from torch import Tensor
 __all__ = [
     "ADAMW8BIT",
     "ARCHS",
-    "CHUNK",
     "DTYPES",
     "DTYPE_NAMES",
     "DownPlan",
@@ -37,15 +36,11 @@ __all__ = [
     "RANK_BUCKETS",
     "SplitPlan",
     "Variant",
-    "WARP",
     "all_variants",
-    "backward_tile",
     "down",
-    "down_tile",
     "grad_in",
     "grad_in_uses_mma",
     "grad_out",
-    "grad_out_tile",
     "grad_out_uses_mma",
     "max_optimizer_block",
     "optimizer_variant",
@@ -59,7 +54,6 @@ __all__ = [
     "rank_tiles",
     "render_params",
     "up",
-    "up_tile",
     "up_uses_mma",
     "uses_mma",
 ]
@@ -119,7 +113,7 @@ def uses_mma(v: Variant) -> bool:
     return v.aligned and ELEMENT_BYTES[v.dtype] == 2 and v.rank_bucket >= 16
 
 
-def down_tile(v: Variant) -> dict[str, int]:
+def _down_tile(v: Variant) -> dict[str, int]:
     """``lora_down``'s block: few rows per warp (enough blocks for two waves without more column splits)
     and several 16-byte loads of x in flight per lane (``steps`` column steps before the first use)."""
     if uses_mma(v):  # R / 2 accumulators per lane for one 16-row tile
@@ -153,7 +147,7 @@ def up_uses_mma(v: Variant) -> bool:
 grad_in_uses_mma = grad_out_uses_mma = up_uses_mma
 
 
-def up_tile(v: Variant) -> dict[str, int]:
+def _up_tile(v: Variant) -> dict[str, int]:
     """``lora_up``'s block."""
     if up_uses_mma(v):  # rows_per_thread: 16-row tiles per warp; rank_step: unused by the mma pass
         # 128 rows x 128 columns (2 chunks of 32 columns at R = 16, where registers allow more blocks)
@@ -177,7 +171,7 @@ def up_tile(v: Variant) -> dict[str, int]:
     }
 
 
-def backward_tile(v: Variant) -> dict[str, int]:
+def _grad_in_tile(v: Variant) -> dict[str, int]:
     """``lora_grad_in``'s block: 4 warps sharing its columns (32 on tensor cores, 256 on the CUDA cores),
     taking turns over the rows, ``rows_per_step`` rows each (on tensor cores: 16-row tiles whose loads
     are all issued before the first mma, fewer as dA's R sums per lane grow)."""
@@ -202,7 +196,7 @@ def backward_tile(v: Variant) -> dict[str, int]:
     return {"warps": 4, "min_blocks": 3 if v.aligned else 2, "mma": False, "rank_tile": 8, "rows_per_step": 2}
 
 
-def grad_out_tile(v: Variant) -> dict[str, int]:
+def _grad_out_tile(v: Variant) -> dict[str, int]:
     """``lora_grad_out``'s block."""
     if grad_out_uses_mma(v):
         # 8 warps x 32 columns; R = 64 runs as two rank tiles of 32 (dB^T's R_tile / 2 sums per lane). A
@@ -294,7 +288,7 @@ LORA_DOWN = KernelSpec(
         ("int", "cols_per_split"),
         *_DROPOUT,
     ),
-    down_tile,
+    _down_tile,
 )
 LORA_UP = KernelSpec(
     "lora_up",
@@ -306,7 +300,7 @@ LORA_UP = KernelSpec(
         *_SIZES,
         ("float", "scaling"),
     ),
-    up_tile,
+    _up_tile,
 )
 LORA_GRAD_OUT = KernelSpec(
     "lora_grad_out",
@@ -320,7 +314,7 @@ LORA_GRAD_OUT = KernelSpec(
         ("int", "rows_per_split"),
         ("float", "scaling"),
     ),
-    grad_out_tile,
+    _grad_out_tile,
 )
 LORA_GRAD_IN = KernelSpec(
     "lora_grad_in",
@@ -334,7 +328,7 @@ LORA_GRAD_IN = KernelSpec(
         ("int", "rows_per_split"),
         *_DROPOUT,
     ),
-    backward_tile,
+    _grad_in_tile,
 )
 
 KERNELS: dict[str, KernelSpec] = {k.name: k for k in (LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN)}

@@ -16,14 +16,13 @@ from typing import Any
 import torch
 
 from loragen.cuda.build import KernelCache, default_cache, render_kernel
-from loragen.cuda.kernels import KernelLauncher, KernelSpec, Variant, render_params
+from loragen.cuda.kernels import KernelSpec, Variant, render_params
 from loragen.errors import LoraError
 
 __all__ = [
     "CudaDriverError",
     "DriverLauncher",
     "KernelArgumentRangeError",
-    "KernelLauncher",
     "capturing",
     "default_launcher",
     "pack_arguments",

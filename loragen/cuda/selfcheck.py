@@ -37,10 +37,8 @@ from loragen.cuda.launch import CudaDriverError, default_launcher
 __all__ = [
     "BLOCK_ELEMENTS",
     "CheckedLauncher",
-    "DRIVER_LAUNCHER",
     "OK",
     "TorchKernels",
-    "autocast_off",
     "check_in_child",
     "check_variant",
     "child_main",
