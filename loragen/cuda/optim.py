@@ -98,25 +98,13 @@ def adamw8bit_update_cuda(
     if n_blocks == 0:
         return True
     variant = optimizer_variant(DTYPE_NAMES[param.dtype])
-    args = (
-        param.detach(),
-        grad.detach().contiguous(),
-        state["exp_avg_codes"],
-        state["exp_avg_absmax"],
-        state["exp_avg_sq_codes"],
-        state["exp_avg_sq_absmax"],
-        signed_code,
-        unsigned_code,
-        param.numel(),
-        block_size,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        eps,
-        math.sqrt(1.0 - beta2**step),
-        1.0 - lr * weight_decay if weight_decay else 1.0,
-        -(lr / (1.0 - beta1**step)),
-    )
+    states = [state[key] for key in _STATE_DTYPES]  # m codes, m absmax, v codes, v absmax
+    tensors = (param.detach(), grad.detach().contiguous(), *states, signed_code, unsigned_code)
+    decay = 1.0 - lr * weight_decay if weight_decay else 1.0
+    sqrt_correction2 = math.sqrt(1.0 - beta2**step)
+    step_size = lr / (1.0 - beta1**step)
+    hyper = (1.0 - beta1, beta2, 1.0 - beta2, eps, sqrt_correction2, decay, -step_size)
+    args = (*tensors, param.numel(), block_size, *hyper)
     (launcher or default_launcher()).launch(ADAMW8BIT, variant, (n_blocks, 1), args, param.device)
     # the kernel writes through a raw pointer: tell autograd and version-keyed caches, as an in-place op does
     torch.autograd.graph.increment_version(param)
