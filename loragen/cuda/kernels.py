@@ -25,6 +25,7 @@ __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
     "DownPlan",
+    "Grid",
     "ELEMENT_BYTES",
     "KERNELS",
     "KernelLauncher",
@@ -66,6 +67,7 @@ ELEMENT_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 RANK_BUCKETS: tuple[int, ...] = (8, 16, 32, 64)
 MAX_RANK = RANK_BUCKETS[-1]
 WARP = 32
+Grid = tuple[int, int]  # blocks in x and y
 
 
 @dataclass(frozen=True)
@@ -408,14 +410,14 @@ def max_optimizer_block(spec: KernelSpec) -> int:
 
 @dataclass(frozen=True)
 class DownPlan:
-    grid: tuple[int, int]
+    grid: Grid
     splits: int
     cols_per_split: int
 
 
 @dataclass(frozen=True)
 class SplitPlan:
-    grid: tuple[int, int]
+    grid: Grid
     col_blocks: int
     splits: int
     rows_per_split: int
@@ -442,7 +444,7 @@ def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> Dow
     return DownPlan((row_blocks, splits), splits, cols_per_split)
 
 
-def plan_up(rows: int, cols: int, variant: Variant) -> tuple[int, int]:
+def plan_up(rows: int, cols: int, variant: Variant) -> Grid:
     """Grid of ``lora_up`` for out of (rows, cols): row tiles x column tiles of 256 columns."""
     tile = LORA_UP.tile(variant)
     if tile["mma"]:  # a warp: rows_per_thread tiles of 16 rows x col_chunks chunks of 32 columns
@@ -506,12 +508,7 @@ class KernelLauncher(Protocol):
         ...
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
         """Launch ``spec`` for ``variant`` on ``grid`` with ``spec.threads(variant)`` threads per block."""
         ...

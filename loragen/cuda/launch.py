@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from loragen.cuda.build import KernelCache, default_cache, render_kernel
-from loragen.cuda.kernels import KernelSpec, Variant, render_params
+from loragen.cuda.kernels import Grid, KernelSpec, Variant, render_params
 from loragen.errors import LoraError
 
 __all__ = [
@@ -245,12 +245,7 @@ class DriverLauncher:
         return record
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (spec.name, variant, index, threading.get_ident())

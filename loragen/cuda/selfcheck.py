@@ -31,7 +31,7 @@ from torch import Tensor
 from loragen import philox, switches
 from loragen.cuda import kernels, launch
 from loragen.cuda.build import KernelCompileError, NvrtcUnavailableError
-from loragen.cuda.kernels import KernelLauncher, KernelSpec, Variant
+from loragen.cuda.kernels import Grid, KernelLauncher, KernelSpec, Variant
 from loragen.cuda.launch import CudaDriverError, default_launcher
 
 __all__ = [
@@ -260,12 +260,7 @@ class TorchKernels:
         return 1
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
         """Compute what kernel ``spec`` computes for ``args`` (``variant`` and ``grid`` do not matter).
 
@@ -481,12 +476,7 @@ class _Guarded:
         return self._checker.kernels.target_blocks(device)
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
         if self._checker.outcome(*self._key) == OK:
             try:
@@ -607,12 +597,7 @@ class CheckedLauncher:
         return self.kernels.target_blocks(device)
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
         self.route(variant, device).launch(spec, variant, grid, args, device)
 
