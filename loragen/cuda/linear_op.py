@@ -313,6 +313,7 @@ _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every c
 # what an eager forward hands its backward: the plan, A and B^T as the kernels read them (autograd
 # refuses a backward whose saved A or B changed) and x's shape (the Function saves the kernels' 2-D x)
 _Prepared = tuple[kernels.Plan, Tensor, Tensor, torch.Size]
+_Scalars = tuple[float, float, bool, int]  # scaling, dropout_p, fan_in_fan_out, launcher handle
 
 
 def _without_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
@@ -350,9 +351,9 @@ def _forward(
     lora_A: Tensor,
     lora_B: Tensor,
     rng: Tensor | None,
-    args: tuple[float, float, bool, int],
+    args: _Scalars,
 ) -> tuple[Tensor, Tensor, Tensor, _Prepared]:
-    """y, h, the 2-D x the kernels read, and what backward reuses; ``args`` as :func:`_backward`'s."""
+    """y, h, the 2-D x the kernels read, and what backward reuses."""
     scaling, dropout_p, fan_in_fan_out, launcher = args
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
@@ -373,19 +374,10 @@ def _forward(
 
 @_lora_linear_op.register_fake
 def _lora_linear_fake(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    rng: Tensor | None,
-    scaling: float,
-    dropout_p: float,
-    fan_in_fan_out: bool,
-    launcher: int,
+    x: Tensor, weight: Tensor, bias: Tensor | None, lora_A: Tensor, lora_B: Tensor, *scalars: Any
 ) -> tuple[Tensor, Tensor]:
-    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
-    out = x.new_empty((*x.shape[:-1], out_features))
+    """The outputs' shapes, for ``torch.compile``."""
+    out = x.new_empty((*x.shape[:-1], lora_B.shape[0]))
     h = x.new_empty((math.prod(x.shape[:-1]), kernels.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
     return out, h
 
@@ -416,14 +408,9 @@ _lora_linear_backward_op = torch.library.custom_op(
 
 
 def _backward(
-    grad_out: Tensor,
-    saved: tuple[Any, ...],
-    args: tuple[float, float, bool, int],
-    needs: list[bool],
-    prepared: _Prepared | None,
+    grad_out: Tensor, saved: tuple[Any, ...], args: _Scalars, needs: list[bool], prepared: _Prepared | None
 ) -> list[Tensor]:
-    """The gradients flagged in ``needs``. ``saved``: (x, weight, lora_A, lora_B, h, rng); ``args``:
-    (scaling, dropout_p, fan_in_fan_out, launcher). ``prepared``: what the eager forward worked out, ``x``
+    """The gradients flagged in ``needs``. ``saved``: (x, weight, lora_A, lora_B, h, rng). ``prepared``: what the eager forward worked out, ``x``
     then being the 2-D x the kernels read; None: ``x`` as the op took it (the traced backward)."""
     x, weight, lora_A, lora_B, h, rng = saved
     scaling, dropout_p, fan_in_fan_out, launcher = args
@@ -475,22 +462,12 @@ def _backward(
 
 @_lora_linear_backward_op.register_fake
 def _lora_linear_backward_fake(
-    grad_out: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    h: Tensor,
-    rng: Tensor | None,
-    scaling: float,
-    dropout_p: float,
-    fan_in_fan_out: bool,
-    needs: list[bool],
-    launcher: int,
+    grad_out: Tensor, x: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, *rest: Any
 ) -> list[Tensor]:
-    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
-    shapes = (x, weight, x.new_empty((out_features,)), lora_A, lora_B)
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t, n in zip(shapes, needs) if n]
+    """The gradients' shapes, for ``torch.compile``; ``rest``: h, rng, the scalars with ``needs`` second
+    to last."""
+    shapes = (x, weight, x.new_empty((lora_B.shape[0],)), lora_A, lora_B)
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t, n in zip(shapes, rest[-2]) if n]
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
@@ -535,7 +512,7 @@ class _LoraLinearFunction(torch.autograd.Function):
         lora_A: Tensor,
         lora_B: Tensor,
         rng: Tensor | None,
-        args: tuple[float, float, bool, int],
+        args: _Scalars,
     ) -> Tensor:
         with _without_autocast(x):
             out, h, x2, ctx.prepared = _forward(x, weight, bias, lora_A, lora_B, rng, args)

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from loragen.cuda.kernels import (
     ADAMW8BIT,
@@ -32,11 +33,7 @@ _STATE_DTYPES = {
 
 
 def kernel_supports(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict[str, Any],
-    signed_code: torch.Tensor,
-    unsigned_code: torch.Tensor,
+    param: Tensor, grad: Tensor, state: dict[str, Any], signed_code: Tensor, unsigned_code: Tensor
 ) -> bool:
     """Whether the kernel can run this update (else the torch path does it); never synchronizes. It
     needs contiguous tensors on one device in the layout :class:`loragen.training.adamw8bit.AdamW8bit`
@@ -48,7 +45,7 @@ def kernel_supports(
     tensors = [grad, signed_code, unsigned_code]
     for key, dtype in _STATE_DTYPES.items():
         value = state.get(key)
-        if not isinstance(value, torch.Tensor) or value.dtype != dtype or not value.is_contiguous():
+        if not isinstance(value, Tensor) or value.dtype != dtype or not value.is_contiguous():
             return False
         tensors.append(value)
     if any(t.device != param.device for t in tensors):
@@ -69,12 +66,12 @@ def kernel_supports(
 
 
 def adamw8bit_update_cuda(
-    param: torch.Tensor,
-    grad: torch.Tensor,
+    param: Tensor,
+    grad: Tensor,
     state: dict[str, Any],
     *,
-    signed_code: torch.Tensor,
-    unsigned_code: torch.Tensor,
+    signed_code: Tensor,
+    unsigned_code: Tensor,
     lr: float,
     beta1: float,
     beta2: float,
