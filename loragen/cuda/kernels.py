@@ -224,11 +224,7 @@ def _grad_out_tile(v: Variant) -> dict[str, int]:
 
 
 def rank_bucket(rank: int) -> int:
-    """The smallest rank bucket holding ``rank``.
-
-    Raises:
-        ValueError: ``rank`` < 1 or > :data:`MAX_RANK`.
-    """
+    """The smallest rank bucket holding ``rank``; ValueError when ``rank`` < 1 or > :data:`MAX_RANK`."""
     for bucket in RANK_BUCKETS:
         if 1 <= rank <= bucket:
             return bucket
@@ -335,9 +331,8 @@ LORA_GRAD_IN = KernelSpec(
 
 KERNELS: dict[str, KernelSpec] = {k.name: k for k in (LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN)}
 
-# One block of 8 warps per quantization block; each thread keeps PER_THREAD elements' moments in
-# registers between the block-max reduction and the requantization, so blocks of up to
-# 256 * 8 = 2048 elements run on the GPU (loragen.training.adamw8bit falls back to torch for larger ones).
+# One block of 8 warps per quantization block, PER_THREAD elements' moments per thread in registers:
+# blocks of up to 2048 elements (loragen.training.adamw8bit falls back to torch for larger ones).
 ADAMW8BIT = KernelSpec(
     "adamw8bit",
     _params(
@@ -429,10 +424,8 @@ def rank_tiles(spec: KernelSpec, variant: Variant) -> int:
 
 
 def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> DownPlan:
-    """Grid of ``lora_down`` for x of (rows, cols): (row tiles x rank tiles) x column splits.
-
-    The h partials (splits x rows x R float32, written and read back) are kept under a quarter of x's bytes.
-    """
+    """Grid of ``lora_down`` for x of (rows, cols): (row tiles x rank tiles) x column splits, the h
+    partials (splits x rows x R float32) under a quarter of x's bytes."""
     tile = LORA_DOWN.tile(variant)
     row_blocks = math.ceil(rows / (tile["warps"] * tile["rows_per_warp"])) * rank_tiles(LORA_DOWN, variant)
     lane_cols = (32 if tile["mma"] else WARP * CHUNK) * tile["steps"]  # columns a warp covers per step
@@ -457,9 +450,7 @@ def _split_plan(
     spec: KernelSpec, rows: int, cols: int, variant: Variant, target_blocks: int, max_splits: int
 ) -> SplitPlan:
     tile = spec.tile(variant)
-    # lora_grad_out: every lane of the block has its own columns; lora_grad_in: the warps share 256
-    # columns and take turns over the rows, ROWS_PER_STEP each
-    shared = spec is LORA_GRAD_IN
+    shared = spec is LORA_GRAD_IN  # its warps share their columns and take turns over the rows
     if tile.get("mma") and shared:  # lora_grad_in on tensor cores: the warps share 32 columns
         block_cols = WARP
     elif tile.get("mma"):  # lora_grad_out on tensor cores: each warp col_chunks chunks of 32 columns
@@ -477,31 +468,23 @@ def _split_plan(
 
 
 def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
-    """Grid of ``lora_grad_out`` for g of (rows, cols): (column blocks x rank tiles) x row splits.
-
-    The dB partials (splits x cols x R float32) are kept under half of g's bytes (the row splits are what
-    fills the GPU).
-    """
+    """Grid of ``lora_grad_out`` for g of (rows, cols): (column blocks x rank tiles) x row splits, the
+    dB partials (splits x cols x R float32) under half of g's bytes."""
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // (16 * variant.rank_bucket)
     return _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
 
 
 def plan_grad_in(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
-    """Grid of ``lora_grad_in`` for x of (rows, cols): (column blocks x rank tiles) x row splits.
-
-    The dA partials (splits x R x cols float32) are kept under a quarter of the bytes of x plus grad_x.
-    """
+    """Grid of ``lora_grad_in`` for x of (rows, cols): (column blocks x rank tiles) x row splits, the
+    dA partials (splits x R x cols float32) under a quarter of the bytes of x plus grad_x."""
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // (8 * variant.rank_bucket)
     return _split_plan(LORA_GRAD_IN, rows, cols, variant, target_blocks, max_splits)
 
 
 class KernelLauncher(Protocol):
     """Runs a kernel variant: :class:`loragen.cuda.launch.DriverLauncher`, the torch products of
-    :class:`loragen.cuda.selfcheck.TorchKernels`, or an emulator in loragen's CPU tests.
-
-    Optional methods others look for: ``arch(device) -> "sm_90"`` and ``route(variant, device) ->
-    KernelLauncher`` (:class:`loragen.cuda.selfcheck.CheckedLauncher`).
-    """
+    :class:`loragen.cuda.selfcheck.TorchKernels`, or an emulator in loragen's CPU tests. Optional:
+    ``arch(device) -> "sm_90"``, ``route(variant, device) -> KernelLauncher`` (``CheckedLauncher``)."""
 
     def target_blocks(self, device: torch.device) -> int:
         """About two blocks per multiprocessor: how many blocks a grid should have to fill the device."""

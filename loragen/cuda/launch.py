@@ -140,11 +140,7 @@ class _LaunchRecord:
         self.pointer_params = tuple(i for i, code in enumerate(codes) if code == "P")
 
     def fill(self, args: Sequence[object]) -> None:
-        """Write ``args`` into the parameter block.
-
-        Raises:
-            TypeError, KernelArgumentRangeError: as :func:`pack_arguments` (which words the message).
-        """
+        """Write ``args`` into the parameter block; raises as :func:`pack_arguments`."""
         values = list(args)
         try:
             for i in self.pointer_params:
@@ -157,20 +153,16 @@ class _LaunchRecord:
 
 
 class DriverLauncher:
-    """Launches kernels through the CUDA driver API; modules are loaded once per device and variant.
-
-    Per launch: one lookup of the launch record, its parameter block filled, one ``cuCtxGetCurrent`` (the
-    device's primary context is pushed only when it is not current) and ``cuLaunchKernel`` on PyTorch's
-    current stream. No lock and no error text unless something fails.
-    """
+    """Launches kernels through the CUDA driver API on PyTorch's current stream; modules are loaded once
+    per device and variant. A launch takes no lock and pushes the device's primary context only when it
+    is not current."""
 
     def __init__(self, cache: KernelCache | None = None) -> None:
         self._cache = cache
         self._lock = threading.Lock()
         self._contexts: dict[int, Any] = {}
         self._functions: dict[tuple[int, str, Variant, str], Any] = {}
-        # (kernel name, variant, device index, thread id) -> record; a record's parameter block is
-        # rewritten per launch, so each thread has its own
+        # (kernel name, variant, device index, thread id) -> record: each thread fills its own block
         self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
         # the driver's cuCtxGetCurrent, cuLaunchKernel and CUDA_SUCCESS, looked up with the first record
         self._calls: tuple[Any, Any, Any] = (None, None, None)

@@ -217,9 +217,8 @@ def plan_for(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
     return found
 
 
-# Optimizer steps, counted from the first cached factor on: some optimizers write parameters without
-# moving their version counters (kernels writing through raw pointers, FSDP2), so a cached factor is
-# copied again after every step as well.
+# Optimizer steps, counted from the first cached factor on: a cached factor is copied again after each
+# (some optimizers write parameters without moving their version counters).
 _steps = 0
 _step_hook: list[Any] = []
 
@@ -310,8 +309,7 @@ def dropout_args(rng: Tensor | None, p: float) -> tuple[Tensor | None, int, floa
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every call
 
-# what an eager forward hands its backward: the plan, A and B^T as the kernels read them (autograd
-# refuses a backward whose saved A or B changed) and x's shape (the Function saves the kernels' 2-D x)
+# what an eager forward hands its backward: the plan, A and B^T as the kernels read them, x's shape
 _Prepared = tuple[kernels.Plan, Tensor, Tensor, torch.Size]
 _Scalars = tuple[float, float, bool, int]  # scaling, dropout_p, fan_in_fan_out, launcher handle
 

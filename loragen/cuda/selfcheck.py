@@ -233,7 +233,6 @@ def _grad_in(
 
 
 # each kernel's computation, taking the kernel's arguments in the order of its parameters
-# (tests/cuda/test_cuda_selfcheck.py checks the names against the kernel specs)
 KERNELS: dict[str, Callable[..., None]] = {
     "lora_down": _down,
     "lora_up": _up,
@@ -262,12 +261,8 @@ class TorchKernels:
     def launch(
         self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
-        """Compute what kernel ``spec`` computes for ``args`` (``variant`` and ``grid`` do not matter).
-
-        Raises:
-            KeyError: ``spec`` is not one of the four LoRA kernels.
-            TypeError: ``args`` does not match the kernel's parameter list.
-        """
+        """Compute what kernel ``spec`` computes for ``args`` (``variant`` and ``grid`` do not matter);
+        KeyError for a kernel other than the four LoRA kernels."""
         run = KERNELS.get(spec.name)
         if run is None:
             raise KeyError(f"loragen.cuda.selfcheck: no torch path for kernel {spec.name!r}")
