@@ -321,15 +321,12 @@ _P = 0.25
 def _shape(variant: Variant) -> tuple[int, int, int, int]:
     """rows, in, out, rank of the check problem: odd rows and rank, partial tiles everywhere."""
     rank = max(1, variant.rank_bucket - 3)
-    if variant.aligned:
-        return 67, 264, 136, rank
-    return 67, 263, 133, rank
+    return (67, 264, 136, rank) if variant.aligned else (67, 263, 133, rank)
 
 
 def _offset_view(values: Tensor, dtype: torch.dtype, device: torch.device, aligned: bool) -> Tensor:
     """``values`` as a contiguous view 16 bytes (aligned) or one element into its storage."""
-    element = torch.empty((), dtype=dtype).element_size()
-    offset = 16 // element if aligned else 1
+    offset = 16 // dtype.itemsize if aligned else 1
     storage = torch.zeros(values.numel() + offset, dtype=dtype, device=device)
     view = storage[offset:].view(values.shape)
     view.copy_(values)
