@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -273,12 +274,7 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-_default: DriverLauncher | None = None
-
-
+@functools.cache
 def default_launcher() -> DriverLauncher:
     """The process-wide :class:`DriverLauncher` (kernels cached in :func:`~loragen.cuda.build.default_cache`)."""
-    global _default
-    if _default is None:
-        _default = DriverLauncher()
-    return _default
+    return DriverLauncher()
