@@ -103,10 +103,8 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
 
 
 class _LaunchRecord:
-    """One kernel variant ready to launch on one device from one thread: the function handle, threads per
-    block, and a parameter block (every value at its C offset, native alignment as ``struct``'s ``"@"``)
-    that :meth:`fill` rewrites per launch with one ``pack_into``; ``pointers`` is the ``void**`` of the
-    values' addresses that ``cuLaunchKernel`` takes."""
+    """One kernel variant ready to launch on one device from one thread: its function, threads per block
+    and parameter block (``struct``'s native ``"@"`` layout), with ``pointers`` the ``void**`` to it."""
 
     __slots__ = (
         "block",
@@ -260,8 +258,7 @@ class DriverLauncher:
 
     @contextlib.contextmanager
     def _current(self, context: Any, kernel: str) -> Iterator[None]:
-        """``context`` is current inside; the thread's previous one (or none) is current again
-        afterwards, also when the body raises."""
+        """``context`` is current inside; the thread's previous one (or none) again afterwards."""
         driver = self._driver()
         self._check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent", kernel)
         try:

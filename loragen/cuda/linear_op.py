@@ -462,8 +462,7 @@ def _backward(
 def _lora_linear_backward_fake(
     grad_out: Tensor, x: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, *rest: Any
 ) -> list[Tensor]:
-    """The gradients' shapes, for ``torch.compile``; ``rest``: h, rng, the scalars with ``needs`` second
-    to last."""
+    """The gradients' shapes, for ``torch.compile``; ``needs`` is ``rest``'s second to last."""
     shapes = (x, weight, x.new_empty((lora_B.shape[0],)), lora_A, lora_B)
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t, n in zip(shapes, rest[-2]) if n]
 
@@ -590,13 +589,8 @@ _routes: dict[tuple[Any, ...], bool] = {}
 
 
 def _on_torch_route(x: Tensor, out_features: int, rank: int, handle: int) -> bool:
-    """Whether a call's variant runs on the torch route: its plan's routed launcher is a whole-op
-    :class:`TorchKernels`. Decided with the first call's plan (which self-checks a new variant); a
-    variant that fails later runs its passes on :class:`TorchKernels` through the self-check's guard.
-
-    Raises:
-        RuntimeError: the variant is new and a CUDA graph is being captured.
-    """
+    """Whether the first call's plan routed this variant to a whole-op :class:`TorchKernels` (the
+    self-check of a new variant raises RuntimeError inside a CUDA-graph capture)."""
     key = (x.dtype, x.device, x.shape[-1], out_features, rank, handle, switches.cuda_kernels.get())
     found = _routes.get(key)
     if found is None:

@@ -449,8 +449,7 @@ def check_variant(
 
 
 def _keyed(device: torch.device | str) -> torch.device:
-    """``device`` as the checker keys its decisions: a CUDA device without an index is the current one;
-    other devices are kept as given (``cpu`` and ``cpu:0`` are two)."""
+    """``device`` with a CUDA device's index made explicit; others kept as given (``cpu``, ``cpu:0``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
