@@ -1,22 +1,13 @@
 """loragen's CUDA path: LoRA kernels rendered from Jinja templates, compiled by NVRTC, launched on
 PyTorch's current stream.
 
-========== ========================================================================================
-module     concern
-========== ========================================================================================
-kernels    the kernel variants, their tiles, parameter lists and grids, and the op's four passes
-build      kernels/*.cu.j2 -> CUDA C (Jinja) -> cubin (NVRTC), kept in memory and on disk
-launch     the driver side: modules and launches in PyTorch's primary context and current stream
-selfcheck  each variant checked on first use per device (in a child process on a GPU); the torch
-           products a failing variant falls back to
-linear_op  :func:`lora_linear_cuda`: the one dispatcher, its checks, what it caches between calls, the
-           autograd Function and the custom ops for ``torch.compile``
-optim      the 8-bit AdamW step (:func:`loragen.training.adamw8bit.adamw8bit_update_` on CUDA tensors)
-========== ========================================================================================
+Modules: ``kernels`` (variants, tiles, parameter lists, grids, the op's four passes), ``build``
+(template -> CUDA C -> cubin, cached), ``launch`` (the driver side), ``selfcheck`` (each variant checked
+on first use; the torch products it falls back to), ``linear_op`` (:func:`lora_linear_cuda`, its
+autograd Function and custom ops), ``optim`` (the 8-bit AdamW step).
 
-cuda-python is an optional extra (``pip install -e '.[cuda]'`` from the loragen checkout). Nothing here imports
-``cuda.bindings`` or touches the driver unless :func:`is_available` is true and a CUDA tensor arrives;
-compiling (``nvrtc``) needs no GPU and no driver.
+cuda-python is an optional extra (``pip install -e '.[cuda]'``). Nothing here imports ``cuda.bindings``
+unless :func:`is_available` is true and a CUDA tensor arrives; compiling needs no GPU and no driver.
 """
 
 from __future__ import annotations
@@ -51,24 +42,15 @@ _available: bool | None = None
 
 
 def is_available() -> bool:
-    """True when PyTorch sees a CUDA device and cuda-python's bindings are installed.
-
-    Checks PyTorch first, so on a machine without a GPU nothing from ``cuda.bindings`` is imported. The
-    answer is computed once per process (neither changes while it runs).
-    """
+    """True when PyTorch sees a CUDA device and cuda-python's bindings are installed (PyTorch is asked
+    first, so without a GPU nothing from ``cuda.bindings`` is imported); computed once per process."""
     global _available
     if _available is None:
-        _available = _probe()
+        try:
+            _available = torch.cuda.is_available() and importlib.util.find_spec("cuda.bindings") is not None
+        except (ImportError, ValueError):  # a namespace "cuda" without the bindings
+            _available = False
     return _available
-
-
-def _probe() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return importlib.util.find_spec("cuda.bindings") is not None
-    except (ImportError, ValueError):  # a namespace "cuda" without the bindings
-        return False
 
 
 def __getattr__(name: str) -> Any:

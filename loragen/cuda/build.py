@@ -1,10 +1,8 @@
 """From kernel template to cubin: Jinja rendering, NVRTC compilation and the kernel cache.
 
-``kernels/*.cu.j2`` render with ``StrictUndefined`` and only ``{{ value }}`` substitutions: every
-decision is made in Python (:mod:`loragen.cuda.kernels`). NVRTC compiles the CUDA C to a cubin per
-architecture without a GPU or driver; a compile error carries the kernel, its parameters and the full
-log. Cubins are kept in memory and on disk, keyed by source, architecture and NVRTC version; an entry is
-written atomically with a checksum, and a corrupt one is rebuilt, never loaded.
+``kernels/*.cu.j2`` render with ``StrictUndefined`` and only ``{{ value }}`` substitutions (every
+decision is made in :mod:`loragen.cuda.kernels`); NVRTC compiles them without a GPU. Cubins are kept in
+memory and on disk, keyed by source, architecture and NVRTC version, written atomically with a checksum.
 """
 
 from __future__ import annotations
@@ -29,20 +27,17 @@ from loragen import resources
 from loragen.atomic import atomic_write_bytes
 
 __all__ = [
-    "CACHE_FORMAT",
     "COMMON_HEADER",
     "CompiledKernel",
     "FunctionResources",
     "KernelCache",
     "KernelCompileError",
     "KernelRenderError",
-    "NVRTC_OPTIONS",
     "NvrtcUnavailableError",
     "RenderedKernel",
     "cache_key",
     "compile_kernel",
     "default_cache",
-    "default_cache_dir",
     "nvrtc_version",
     "parse_ptxas_log",
     "render_common_header",
@@ -99,19 +94,14 @@ def _environment(search_path: str | None) -> jinja2.Environment:
     )
 
 
-def _template_variables(env: jinja2.Environment, template: str) -> frozenset[str]:
-    assert env.loader is not None
-    source = env.loader.get_source(env, template)[0]
-    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
-
-
 def _render(
     template: str, name: str, params: Mapping[str, object], search_path: str | None = None
 ) -> tuple[tuple[tuple[str, str], ...], str]:
     values = {key: _cpp_literal(key, value) for key, value in params.items()}
     env = _environment(search_path)
     try:
-        used = _template_variables(env, template)
+        assert env.loader is not None
+        used = jinja2.meta.find_undeclared_variables(env.parse(env.loader.get_source(env, template)[0]))
         unused = sorted(set(values) - used)
         if unused:
             raise KernelRenderError(
@@ -142,17 +132,9 @@ def render_kernel(
     template: str | None = None,
     search_path: str | os.PathLike[str] | None = None,
 ) -> RenderedKernel:
-    """Render kernel ``name`` from ``kernels/<name>.cu.j2`` (or ``template``) with ``params``.
-
-    Args:
-        name: the ``extern "C"`` function the template defines.
-        params: template variables; bools, ints and strings (C++ type names) only.
-        template: the template file name, default ``<name>.cu.j2``.
-        search_path: a folder searched for the template before loragen's own ``kernels/``
-            (experiments and tests).
-
-    Returns:
-        The source and the headers NVRTC needs, with the parameters recorded for error messages.
+    """Render the ``extern "C"`` kernel ``name`` from ``kernels/<name>.cu.j2`` (or ``template``) with
+    ``params`` (bools, ints and strings only), looking in ``search_path`` first where given; the result
+    records the parameters for error messages.
 
     Raises:
         KernelRenderError: a variable is missing, a parameter is unused or has an unsupported type,
@@ -166,8 +148,7 @@ def render_kernel(
 
 # ---- NVRTC -------------------------------------------------------------------------------------------
 
-# Options shared by every compile; the architecture is added per call. No fast-math: the kernels
-# accumulate in float32 and the mask comparison must match the CPU bit for bit.
+# the architecture is added per call; no fast-math: the mask comparison must match the CPU bit for bit
 NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", "--ptxas-options=-v")
 
 
@@ -240,11 +221,7 @@ def _check(nvrtc: ModuleType, result: tuple, what: str) -> tuple:
 
 
 def nvrtc_version() -> tuple[int, int]:
-    """The NVRTC library's (major, minor) version.
-
-    Raises:
-        NvrtcUnavailableError: cuda-python's NVRTC bindings are missing.
-    """
+    """The NVRTC library's (major, minor) version; :class:`NvrtcUnavailableError` without the bindings."""
     nvrtc = _nvrtc()
     major, minor = _check(nvrtc, nvrtc.nvrtcVersion(), "nvrtc.nvrtcVersion")
     return int(major), int(minor)
@@ -328,13 +305,6 @@ def compile_kernel(kernel: RenderedKernel, arch: str) -> CompiledKernel:
 
 CACHE_FORMAT = 1
 
-Compiler = Callable[[RenderedKernel, str], CompiledKernel]
-
-
-def default_cache_dir() -> Path:
-    """Where compiled kernels are stored by default (see the module docstring)."""
-    return resources.kernel_cache_dir()
-
 
 def cache_key(kernel: RenderedKernel, arch: str, nvrtc: tuple[int, int]) -> str:
     """SHA-256 (hex) of everything that determines the cubin of ``kernel`` for ``arch``."""
@@ -364,16 +334,14 @@ def _file_label(kernel: RenderedKernel) -> str:
 
 
 class KernelCache:
-    """Compile-once store of cubins: memory first, then the disk folder, then NVRTC.
-
-    Thread-safe (autograd runs backward on its own threads); safe across processes sharing a folder.
-    """
+    """Compile-once store of cubins: memory first, then the disk folder, then NVRTC. Thread-safe, and
+    safe across processes sharing a folder."""
 
     def __init__(
         self,
         directory: str | os.PathLike[str] | None,
         *,
-        compiler: Compiler = compile_kernel,
+        compiler: Callable[[RenderedKernel, str], CompiledKernel] = compile_kernel,
         nvrtc: tuple[int, int] | None = None,
     ) -> None:
         """``directory=None`` keeps kernels in memory only; ``nvrtc`` overrides the detected version."""
@@ -400,11 +368,8 @@ class KernelCache:
         return self.directory / f"{_file_label(kernel)}.{arch}.{self.key(kernel, arch)[:32]}.cubin"
 
     def get(self, kernel: RenderedKernel, arch: str) -> CompiledKernel:
-        """The compiled ``kernel`` for ``arch``, compiling it at most once per key.
-
-        Raises:
-            KernelCompileError: NVRTC rejected the kernel (nothing is cached).
-        """
+        """The compiled ``kernel`` for ``arch``, compiling it at most once per key (a
+        :class:`KernelCompileError` is not cached)."""
         key = self.key(kernel, arch)
         with self._lock:
             hit = self._memory.get(key)
@@ -425,8 +390,6 @@ class KernelCache:
     def _load(self, path: Path, key: str, name: str, arch: str) -> CompiledKernel | None:
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
-            return None
         except OSError:
             return None
         newline = data.find(b"\n")
@@ -441,9 +404,8 @@ class KernelCache:
                 raise ValueError("checksum mismatch")
             log = str(header.get("log", ""))
         except (ValueError, TypeError, AttributeError):
-            # corrupt or foreign: rebuilt by the caller. A folder this process may not change (a shared,
-            # read-only cache) keeps the file; the caller's store then finds it cannot write either and
-            # keeps the rebuilt kernel in memory.
+            # corrupt or foreign: rebuilt by the caller (a read-only folder keeps the file; the rebuilt
+            # kernel then stays in memory)
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
             return None
@@ -476,9 +438,9 @@ _default_lock = threading.Lock()
 
 
 def default_cache() -> KernelCache:
-    """The process-wide cache in :func:`default_cache_dir`."""
+    """The process-wide cache in :func:`loragen.resources.kernel_cache_dir`."""
     global _default
     with _default_lock:
         if _default is None:
-            _default = KernelCache(default_cache_dir())
+            _default = KernelCache(resources.kernel_cache_dir())
         return _default

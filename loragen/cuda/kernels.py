@@ -1,18 +1,16 @@
 """The LoRA kernels as Python sees them: variants, tiles, parameter lists, grids and the four passes.
 
-A :class:`Variant` (dtype, rank bucket, alignment) picks one rendering of each kernel template; the tile
-functions fix each kernel's threads and per-thread work; a :class:`KernelSpec` lists a kernel's
-parameters in the template's order; the ``plan_*`` functions size each pass's grid. :class:`Plan` keeps
-what one call's shapes decide, and :func:`down`, :func:`up`, :func:`grad_out`, :func:`grad_in` launch a
-pass through a :class:`KernelLauncher` -- the CUDA driver, the torch products of
-:class:`loragen.cuda.selfcheck.TorchKernels`, or in loragen's CPU tests an emulator -- and add up its
-float32 partial sums with torch (deterministic: no atomics).
+A :class:`Variant` (dtype, rank bucket, alignment) picks one rendering of each template; a
+:class:`KernelSpec` lists a kernel's parameters and tile; :class:`Plan` keeps what a call's shapes decide,
+and :func:`down`, :func:`up`, :func:`grad_out`, :func:`grad_in` launch a pass through a
+:class:`KernelLauncher` and add up its float32 partial sums with torch (deterministic: no atomics).
 
 Shapes: x (N, in), A (r, in), B (out, r), h = dropout(x) A^T (N, R) in float32, R = the rank bucket.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +22,10 @@ from torch import Tensor
 __all__ = [
     "ADAMW8BIT",
     "ARCHS",
-    "CHUNK",
     "DTYPES",
     "DTYPE_NAMES",
     "DownPlan",
+    "Grid",
     "ELEMENT_BYTES",
     "KERNELS",
     "KernelLauncher",
@@ -39,18 +37,14 @@ __all__ = [
     "RANK_BUCKETS",
     "SplitPlan",
     "Variant",
-    "WARP",
-    "add_base",
     "all_variants",
-    "backward_tile",
     "down",
-    "down_tile",
     "grad_in",
     "grad_in_uses_mma",
     "grad_out",
-    "grad_out_tile",
     "grad_out_uses_mma",
     "max_optimizer_block",
+    "optimizer_variant",
     "optimizer_variants",
     "pad_rank",
     "plan_down",
@@ -61,10 +55,8 @@ __all__ = [
     "rank_tiles",
     "render_params",
     "up",
-    "up_tile",
     "up_uses_mma",
     "uses_mma",
-    "wanted_blocks",
 ]
 
 # ---- variants and tiles -----------------------------------------------------------------------------
@@ -75,6 +67,7 @@ ELEMENT_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 RANK_BUCKETS: tuple[int, ...] = (8, 16, 32, 64)
 MAX_RANK = RANK_BUCKETS[-1]
 WARP = 32
+Grid = tuple[int, int]  # blocks in x and y
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,6 @@ class Variant:
     dtype: str  # a key of DTYPES
     rank_bucket: int  # one of RANK_BUCKETS
     aligned: bool  # every row length % 8 == 0 and every pointer 16-byte aligned: vector accesses
-    # the hash, worked out once: launchers look variants up in dicts on every launch
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,32 +103,21 @@ class Variant:
         return f"{self.dtype}-r{self.rank_bucket}-{'aligned' if self.aligned else 'unaligned'}"
 
 
-# Register budget: each thread keeps at most 64 accumulators (and, in the backward kernels, 64 more
-# values of B^T or of x), so the kernels tile the rank: a block covers RANK_TILE ranks, the tiles of one
-# row or column block are neighbours in the grid (their repeated reads of x or g come from L2), and
-# every lane keeps 8 columns -- one 16-byte load of 16-bit x or g per row -- at every rank.
-_ACCUMULATORS = 64
-_DOWN_ACCUMULATORS = 32  # lora_down's CUDA-core pass: 32 partial sums per lane, for 3 blocks per SM
+# The tile functions give each kernel's block: warps, ``min_blocks`` blocks per multiprocessor (its
+# __launch_bounds__, so the register budget) and per-thread work. Rank tiles of one row or column block
+# are neighbours in the grid, so their repeated reads of x or g come from L2.
 CHUNK = 8  # columns per lane and row: 16 bytes of a 16-bit dtype, one Philox call
 
 
 def uses_mma(v: Variant) -> bool:
-    """Whether ``lora_down`` runs on tensor cores for ``v``: 16-bit x, vector accesses, R >= 16.
-
-    At R = 8 the CUDA cores keep up with HBM (R FLOP per byte of x against a ridge of about 20, less
-    the issue slots of Philox, shuffles and address arithmetic).
-    """
+    """Whether ``lora_down`` runs on tensor cores for ``v``: 16-bit x, vector accesses, R >= 16 (at R = 8
+    the CUDA cores keep up with HBM)."""
     return v.aligned and ELEMENT_BYTES[v.dtype] == 2 and v.rank_bucket >= 16
 
 
-def down_tile(v: Variant) -> dict[str, int]:
-    """``lora_down``'s block: 4 warps, and registers for ``min_blocks`` blocks per multiprocessor.
-
-    A warp owns few rows (16 on tensor cores, 32 / rank tile on the CUDA cores) so that the grid has
-    enough blocks for two waves without more column splits (whose partial sums cost traffic); each lane
-    keeps several 16-byte loads of x in flight (STEPS column steps before the first use): eight on tensor
-    cores, four chunks of 8 columns on the CUDA cores.
-    """
+def _down_tile(v: Variant) -> dict[str, int]:
+    """``lora_down``'s block: few rows per warp (enough blocks for two waves without more column splits)
+    and several 16-byte loads of x in flight per lane (``steps`` column steps before the first use)."""
     if uses_mma(v):  # R / 2 accumulators per lane for one 16-row tile
         return {
             "warps": 4,
@@ -147,39 +128,31 @@ def down_tile(v: Variant) -> dict[str, int]:
             "steps": 4,  # 2 rows x 4 steps = 8 loads of 16 bytes of x in flight per lane
         }
     rank_tile = min(v.rank_bucket, 16)
-    rows_per_warp = _DOWN_ACCUMULATORS // rank_tile
+    rows_per_warp = 32 // rank_tile  # 32 partial sums per lane, for 3 blocks per SM
     return {
         "warps": 4,
         "min_blocks": 3,
         "mma": False,
         "rank_tile": rank_tile,
         "rows_per_warp": rows_per_warp,
-        # rows x steps = 64 bytes of x in flight per lane (4 chunks of 8 16-bit columns, 2 of float32), in
-        # the 168 registers of 3 blocks per SM (scalar loads of unaligned rows need them: one step)
+        # 64 bytes of x in flight per lane; scalar loads of unaligned rows need the registers: one step
         "steps": max(1, 64 // (CHUNK * ELEMENT_BYTES[v.dtype] * rows_per_warp)) if v.aligned else 1,
     }
 
 
 def up_uses_mma(v: Variant) -> bool:
-    """Whether ``lora_up`` runs on tensor cores for ``v``: bf16 (h is split into two bf16 terms, whose
-    range is float32's), vector accesses, R >= 16."""
+    """Whether ``lora_up``, ``lora_grad_in`` and ``lora_grad_out`` run on tensor cores for ``v``: bf16 (a
+    float32 operand is split into two bf16 terms, whose range is float32's), vector accesses, R >= 16."""
     return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 16
 
 
-def _up_min_blocks(v: Variant) -> int:
-    """Blocks of 128 threads per multiprocessor ``lora_up``'s CUDA-core pass asks registers for: three
-    (<= 168 registers) where out moves 16 bytes at a time, two (<= 255) where float32 rows or scalar
-    accesses of unaligned rows need more registers for the same loads. (Four, <= 128 registers, spill
-    on sm_80.)"""
-    return 3 if v.aligned and ELEMENT_BYTES[v.dtype] == 2 else 2
+grad_in_uses_mma = grad_out_uses_mma = up_uses_mma
 
 
-def up_tile(v: Variant) -> dict[str, int]:
+def _up_tile(v: Variant) -> dict[str, int]:
+    """``lora_up``'s block."""
     if up_uses_mma(v):  # rows_per_thread: 16-row tiles per warp; rank_step: unused by the mma pass
-        # a block: 128 rows x 128 columns, so h and B^T are each read from L2 about R / 32 times per byte
-        # of out (4 chunks of 32 columns per warp, B^T from L1 for the block's other warps); 4 chunks
-        # rather than 8 so that a 4096 x 4096 output is 1024 blocks, two waves. At R = 16 the registers
-        # leave room for five blocks per multiprocessor: 2 chunks, 2048 blocks, three waves
+        # 128 rows x 128 columns (2 chunks of 32 columns at R = 16, where registers allow more blocks)
         return {
             "warps": 4,
             "min_blocks": 4 if v.rank_bucket <= 32 else 3,
@@ -188,11 +161,11 @@ def up_tile(v: Variant) -> dict[str, int]:
             "rank_step": 4,
             "col_chunks": 2 if v.rank_bucket == 16 else 4,
         }
-    # 4 rows x 8 columns: 32 accumulators and the 32 values of out they are added to, so that three
-    # blocks fit a multiprocessor (<= 168 registers) and each thread has four 16-byte loads of out in flight
+    # 4 rows x 8 columns: 32 accumulators and the 32 values of out they are added to; float32 rows and
+    # scalar accesses of unaligned rows need more registers for the same loads: two blocks
     return {
         "warps": 4,
-        "min_blocks": _up_min_blocks(v),
+        "min_blocks": 3 if v.aligned and ELEMENT_BYTES[v.dtype] == 2 else 2,
         "mma": False,
         "rows_per_thread": 4,
         "rank_step": 4,
@@ -200,26 +173,10 @@ def up_tile(v: Variant) -> dict[str, int]:
     }
 
 
-def grad_in_uses_mma(v: Variant) -> bool:
-    """Whether ``lora_grad_in`` runs on tensor cores for ``v``: bf16 (dh is split into two bf16 terms,
-    whose range is float32's), vector accesses, R >= 16."""
-    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 16
-
-
-def backward_tile(v: Variant) -> dict[str, int]:
-    """``lora_grad_in``'s block: 4 warps sharing its columns, taking turns over the rows.
-
-    On tensor cores (:func:`grad_in_uses_mma`) a block owns 32 columns and every rank, and each warp
-    step covers ``rows_per_step`` = 16 x M rows: M 16-row tiles whose loads of x (16 bytes per lane and
-    row) and dh are all issued before the first mma -- 4 tiles (128 bytes of x in flight per lane) at
-    R = 16, 2 at R = 32, 1 at R = 64, where dA's R float32 sums and A's R / 2 fragment registers per
-    lane leave less room; R = 64 keeps two blocks per multiprocessor (<= 255 registers), the others three.
-
-    On the CUDA cores a block owns 256 columns: ``lora_grad_in`` keeps RANK_TILE x 8 dA sums per lane
-    and ROWS_PER_STEP rows of x and dh: rank tiles of 4 at R <= 16 (x is then read R / 4 times, the
-    repeats from L2) and of 8 with 2 rows per step above, so that three blocks fit a multiprocessor
-    (<= 168 registers) where two did.
-    """
+def _grad_in_tile(v: Variant) -> dict[str, int]:
+    """``lora_grad_in``'s block: 4 warps sharing its columns (32 on tensor cores, 256 on the CUDA cores),
+    taking turns over the rows, ``rows_per_step`` rows each (on tensor cores: 16-row tiles whose loads
+    are all issued before the first mma, fewer as dA's R sums per lane grow)."""
     if grad_in_uses_mma(v):
         tiles = {16: 4, 32: 2, 64: 1}[v.rank_bucket]
         return {
@@ -230,33 +187,22 @@ def backward_tile(v: Variant) -> dict[str, int]:
             "rows_per_step": 16 * tiles,
         }
     if v.rank_bucket <= 16:  # scalar loads of unaligned rows need more registers: 2 rows per step there
-        rows = 4 if v.aligned else 2
-        # unaligned at R = 8 the whole grad_x rank loop unrolls, and 168 registers would spill: two blocks
-        blocks = 2 if not v.aligned and v.rank_bucket == 8 else 3
         return {
             "warps": 4,
-            "min_blocks": blocks,
+            # unaligned at R = 8 the whole grad_x rank loop unrolls: two blocks, or it spills
+            "min_blocks": 2 if not v.aligned and v.rank_bucket == 8 else 3,
             "mma": False,
             "rank_tile": min(v.rank_bucket, 4),
-            "rows_per_step": rows,
+            "rows_per_step": 4 if v.aligned else 2,
         }
-    # unaligned above R = 16 the scalar loads and the rng pointer's loads push past 168 registers: two blocks
     return {"warps": 4, "min_blocks": 3 if v.aligned else 2, "mma": False, "rank_tile": 8, "rows_per_step": 2}
 
 
-def grad_out_uses_mma(v: Variant) -> bool:
-    """Whether ``lora_grad_out`` runs on tensor cores for ``v``: bf16, vector accesses, R >= 16."""
-    return v.aligned and v.dtype == "bfloat16" and v.rank_bucket >= 16
-
-
-def grad_out_tile(v: Variant) -> dict[str, int]:
+def _grad_out_tile(v: Variant) -> dict[str, int]:
+    """``lora_grad_out``'s block."""
     if grad_out_uses_mma(v):
-        # 8 warps x 1 chunk of 32 columns = 256 columns per block: twice the warps per multiprocessor of
-        # 2 chunks per warp for the same partial sums; dB^T keeps R_tile / 2 accumulators per lane, so
-        # R = 64 runs as two rank tiles of 32 (g read again from L2). At R = 16 a step is 2 tiles of 16
-        # rows: 64 bytes of g in flight per lane in the 128 registers of two blocks per multiprocessor
-        # (one tile fit three blocks: 1.5x the warps, half the bytes in flight per lane). With rank tiles
-        # of 32, two tiles' dh exchange would pass the 48 KB of static shared memory: one tile.
+        # 8 warps x 32 columns; R = 64 runs as two rank tiles of 32 (dB^T's R_tile / 2 sums per lane). A
+        # step is 2 tiles of 16 rows at R = 16, one at 32 (two tiles' dh would pass 48 KB of shared memory)
         rank_tile = min(v.rank_bucket, 32)
         return {
             "warps": 8,
@@ -278,11 +224,7 @@ def grad_out_tile(v: Variant) -> dict[str, int]:
 
 
 def rank_bucket(rank: int) -> int:
-    """The smallest rank bucket holding ``rank``.
-
-    Raises:
-        ValueError: ``rank`` < 1 or > :data:`MAX_RANK`.
-    """
+    """The smallest rank bucket holding ``rank``; ValueError when ``rank`` < 1 or > :data:`MAX_RANK`."""
     for bucket in RANK_BUCKETS:
         if 1 <= rank <= bucket:
             return bucket
@@ -292,10 +234,8 @@ def rank_bucket(rank: int) -> int:
 
 
 def pad_rank(adapter: Tensor, variant: Variant) -> Tensor:
-    """``adapter`` (r, features) as a fresh contiguous (R, features) tensor, R = the rank bucket.
-
-    The kernels read A and B^T for every rank of the bucket with no rank test: rows r..R-1 are zero.
-    """
+    """``adapter`` (r, features) as a fresh contiguous (R, features) tensor with rows r..R-1 zero (the
+    kernels read every rank of the bucket)."""
     padded = adapter.new_zeros(variant.rank_bucket, adapter.shape[1])
     padded[: adapter.shape[0]] = adapter
     return padded
@@ -323,10 +263,6 @@ class KernelSpec:
     tile: Callable[[Variant], dict[str, int]]
     by_rank: bool = True  # False: the template takes neither rank_bucket nor aligned (dtype-only variants)
 
-    @property
-    def template(self) -> str:
-        return f"{self.name}.cu.j2"
-
     def threads(self, variant: Variant) -> int:
         """Threads per block."""
         return self.tile(variant)["warps"] * WARP
@@ -336,6 +272,7 @@ def _params(*pairs: tuple[str, str]) -> tuple[Param, ...]:
     return tuple(Param(name, ctype) for ctype, name in pairs)
 
 
+_SIZES = (("int", "rows"), ("int", "cols"), ("int", "rank"))
 # seed and offset are read through a pointer (rng[0], rng[1], int64 in device memory): CUDA-graph safe
 _DROPOUT = (("const u64*", "rng"), ("unsigned", "threshold"), ("float", "keep_scale"))
 
@@ -345,13 +282,11 @@ LORA_DOWN = KernelSpec(
         ("const scalar_t*", "x"),
         ("const float*", "lora_a"),
         ("float*", "h_part"),
-        ("int", "rows"),
-        ("int", "cols"),
-        ("int", "rank"),
+        *_SIZES,
         ("int", "cols_per_split"),
         *_DROPOUT,
     ),
-    down_tile,
+    _down_tile,
 )
 LORA_UP = KernelSpec(
     "lora_up",
@@ -360,12 +295,10 @@ LORA_UP = KernelSpec(
         ("const float*", "lora_bt"),
         ("const scalar_t*", "bias"),
         ("scalar_t*", "out"),
-        ("int", "rows"),
-        ("int", "cols"),
-        ("int", "rank"),
+        *_SIZES,
         ("float", "scaling"),
     ),
-    up_tile,
+    _up_tile,
 )
 LORA_GRAD_OUT = KernelSpec(
     "lora_grad_out",
@@ -375,13 +308,11 @@ LORA_GRAD_OUT = KernelSpec(
         ("const float*", "lora_bt"),
         ("float*", "dh_part"),
         ("float*", "db_part"),
-        ("int", "rows"),
-        ("int", "cols"),
-        ("int", "rank"),
+        *_SIZES,
         ("int", "rows_per_split"),
         ("float", "scaling"),
     ),
-    grad_out_tile,
+    _grad_out_tile,
 )
 LORA_GRAD_IN = KernelSpec(
     "lora_grad_in",
@@ -391,20 +322,17 @@ LORA_GRAD_IN = KernelSpec(
         ("const float*", "lora_a"),
         ("scalar_t*", "grad_x_lora"),
         ("float*", "da_part"),
-        ("int", "rows"),
-        ("int", "cols"),
-        ("int", "rank"),
+        *_SIZES,
         ("int", "rows_per_split"),
         *_DROPOUT,
     ),
-    backward_tile,
+    _grad_in_tile,
 )
 
 KERNELS: dict[str, KernelSpec] = {k.name: k for k in (LORA_DOWN, LORA_UP, LORA_GRAD_OUT, LORA_GRAD_IN)}
 
-# One block of 8 warps per quantization block; each thread keeps PER_THREAD elements' moments in
-# registers between the block-max reduction and the requantization, so blocks of up to
-# 256 * 8 = 2048 elements run on the GPU (loragen.training.adamw8bit falls back to torch for larger ones).
+# One block of 8 warps per quantization block, PER_THREAD elements' moments per thread in registers:
+# blocks of up to 2048 elements (loragen.training.adamw8bit falls back to torch for larger ones).
 ADAMW8BIT = KernelSpec(
     "adamw8bit",
     _params(
@@ -445,54 +373,46 @@ def render_params(spec: KernelSpec, variant: Variant) -> dict[str, object]:
 
 def all_variants() -> Iterator[tuple[KernelSpec, Variant]]:
     """Every (kernel, variant) pair loragen can render: what CI compiles."""
-    for spec in KERNELS.values():
-        for dtype in DTYPES:
-            for bucket in RANK_BUCKETS:
-                for aligned in (True, False):
-                    yield spec, Variant(dtype, bucket, aligned)
+    for spec, dtype, bucket, aligned in itertools.product(
+        KERNELS.values(), DTYPES, RANK_BUCKETS, (True, False)
+    ):
+        yield spec, Variant(dtype, bucket, aligned)
+
+
+def optimizer_variant(dtype: str) -> Variant:
+    """The one variant of an optimizer kernel for ``dtype``: these kernels ignore the rank bucket and
+    alignment, so they carry fixed placeholders (the smallest bucket, aligned)."""
+    return Variant(dtype, RANK_BUCKETS[0], True)
 
 
 def optimizer_variants() -> Iterator[tuple[KernelSpec, Variant]]:
-    """Every (kernel, variant) pair of :data:`OPTIMIZER_KERNELS`: one per dtype.
-
-    These kernels ignore the rank bucket and alignment; their variants carry the smallest bucket and
-    ``aligned=True`` as fixed placeholders, so each dtype has exactly one variant (and cache entry).
-    """
+    """Every (kernel, variant) pair of :data:`OPTIMIZER_KERNELS`: one per dtype."""
     for spec in OPTIMIZER_KERNELS.values():
         for dtype in DTYPES:
-            yield spec, Variant(dtype, RANK_BUCKETS[0], True)
+            yield spec, optimizer_variant(dtype)
 
 
 def max_optimizer_block(spec: KernelSpec) -> int:
     """The largest quantization block ``spec`` handles: threads per block times elements per thread."""
-    tile = spec.tile(Variant("float32", RANK_BUCKETS[0], True))
+    tile = spec.tile(optimizer_variant("float32"))
     return tile["warps"] * WARP * tile["per_thread"]
 
 
 # ---- grids --------------------------------------------------------------------------------------------
-# ``target_blocks`` is two blocks per multiprocessor; a grid aims at ``target_blocks * min_blocks`` blocks:
-# two waves of the ``min_blocks`` blocks per multiprocessor the kernel's registers allow (its
-# __launch_bounds__), so that a multiprocessor finishing early takes another block and the last wave is
-# not a long tail. Split reductions write float32 partial sums that torch adds up afterwards
-# (deterministic, no atomics); the splits are capped so the partials stay a small fraction of the
-# pass's main traffic, which can leave a grid short of two waves.
-
-
-def wanted_blocks(spec: KernelSpec, variant: Variant, target_blocks: int) -> int:
-    """The blocks a grid of ``spec`` aims at: two waves of ``min_blocks`` blocks per multiprocessor."""
-    return target_blocks * spec.tile(variant)["min_blocks"]
+# A grid aims at ``target_blocks`` (two per multiprocessor) times ``min_blocks``: two waves, so the last
+# is not a long tail. Splits are capped so their float32 partial sums stay a small part of the traffic.
 
 
 @dataclass(frozen=True)
 class DownPlan:
-    grid: tuple[int, int]
+    grid: Grid
     splits: int
     cols_per_split: int
 
 
 @dataclass(frozen=True)
 class SplitPlan:
-    grid: tuple[int, int]
+    grid: Grid
     col_blocks: int
     splits: int
     rows_per_split: int
@@ -504,22 +424,20 @@ def rank_tiles(spec: KernelSpec, variant: Variant) -> int:
 
 
 def plan_down(rows: int, cols: int, variant: Variant, target_blocks: int) -> DownPlan:
-    """Grid of ``lora_down`` for x of (rows, cols): (row tiles x rank tiles) x column splits.
-
-    The h partials (splits x rows x R float32, written and read back) are kept under a quarter of x's bytes.
-    """
+    """Grid of ``lora_down`` for x of (rows, cols): (row tiles x rank tiles) x column splits, the h
+    partials (splits x rows x R float32) under a quarter of x's bytes."""
     tile = LORA_DOWN.tile(variant)
     row_blocks = math.ceil(rows / (tile["warps"] * tile["rows_per_warp"])) * rank_tiles(LORA_DOWN, variant)
     lane_cols = (32 if tile["mma"] else WARP * CHUNK) * tile["steps"]  # columns a warp covers per step
     max_splits = max(1, cols * ELEMENT_BYTES[variant.dtype] // (32 * variant.rank_bucket))
-    wanted = wanted_blocks(LORA_DOWN, variant, target_blocks)
+    wanted = target_blocks * tile["min_blocks"]
     splits = min(math.ceil(cols / lane_cols), max_splits, max(1, math.ceil(wanted / max(row_blocks, 1))))
     cols_per_split = math.ceil(cols / splits / lane_cols) * lane_cols
     splits = math.ceil(cols / cols_per_split)
     return DownPlan((row_blocks, splits), splits, cols_per_split)
 
 
-def plan_up(rows: int, cols: int, variant: Variant) -> tuple[int, int]:
+def plan_up(rows: int, cols: int, variant: Variant) -> Grid:
     """Grid of ``lora_up`` for out of (rows, cols): row tiles x column tiles of 256 columns."""
     tile = LORA_UP.tile(variant)
     if tile["mma"]:  # a warp: rows_per_thread tiles of 16 rows x col_chunks chunks of 32 columns
@@ -528,21 +446,11 @@ def plan_up(rows: int, cols: int, variant: Variant) -> tuple[int, int]:
     return math.ceil(rows / (tile["warps"] * tile["rows_per_thread"])), math.ceil(cols / (WARP * CHUNK))
 
 
-def _row_splits(
-    rows: int, col_blocks: int, target_blocks: int, max_splits: int, step: int
-) -> tuple[int, int]:
-    splits = max(1, min(max_splits, math.ceil(target_blocks / col_blocks), math.ceil(rows / step)))
-    rows_per_split = math.ceil(math.ceil(rows / splits) / step) * step
-    return math.ceil(rows / rows_per_split) if rows else 1, max(rows_per_split, step)
-
-
 def _split_plan(
     spec: KernelSpec, rows: int, cols: int, variant: Variant, target_blocks: int, max_splits: int
 ) -> SplitPlan:
     tile = spec.tile(variant)
-    # lora_grad_out: every lane of the block has its own columns; lora_grad_in: the warps share 256
-    # columns and take turns over the rows, ROWS_PER_STEP each
-    shared = spec is LORA_GRAD_IN
+    shared = spec is LORA_GRAD_IN  # its warps share their columns and take turns over the rows
     if tile.get("mma") and shared:  # lora_grad_in on tensor cores: the warps share 32 columns
         block_cols = WARP
     elif tile.get("mma"):  # lora_grad_out on tensor cores: each warp col_chunks chunks of 32 columns
@@ -552,52 +460,38 @@ def _split_plan(
     col_blocks = math.ceil(cols / block_cols)
     blocks = col_blocks * rank_tiles(spec, variant)
     step = tile["rows_per_step"] * (tile["warps"] if shared else 1)
-    splits, rows_per_split = _row_splits(
-        rows, blocks, wanted_blocks(spec, variant, target_blocks), max_splits, step
-    )
-    return SplitPlan((blocks, splits), col_blocks, splits, rows_per_split)
+    wanted = target_blocks * tile["min_blocks"]
+    splits = max(1, min(max_splits, math.ceil(wanted / blocks), math.ceil(rows / step)))
+    rows_per_split = math.ceil(math.ceil(rows / splits) / step) * step
+    splits = math.ceil(rows / rows_per_split) if rows else 1
+    return SplitPlan((blocks, splits), col_blocks, splits, max(rows_per_split, step))
 
 
 def plan_grad_out(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
-    """Grid of ``lora_grad_out`` for g of (rows, cols): (column blocks x rank tiles) x row splits.
-
-    The dB partials (splits x cols x R float32, written and read back) are kept under half of g's bytes:
-    with 256 columns per block the column blocks alone give a 4096-feature layer 16 blocks, so the row
-    splits are what fills the GPU (32 splits at R = 16: 1.3 waves instead of 0.65 with a quarter).
-    """
-    per_split = 16 * variant.rank_bucket
-    max_splits = rows * ELEMENT_BYTES[variant.dtype] // per_split
+    """Grid of ``lora_grad_out`` for g of (rows, cols): (column blocks x rank tiles) x row splits, the
+    dB partials (splits x cols x R float32) under half of g's bytes."""
+    max_splits = rows * ELEMENT_BYTES[variant.dtype] // (16 * variant.rank_bucket)
     return _split_plan(LORA_GRAD_OUT, rows, cols, variant, target_blocks, max_splits)
 
 
 def plan_grad_in(rows: int, cols: int, variant: Variant, target_blocks: int) -> SplitPlan:
-    """Grid of ``lora_grad_in`` for x of (rows, cols): (column blocks x rank tiles) x row splits.
-
-    The dA partials (splits x R x cols float32) are kept under a quarter of the bytes of x plus grad_x.
-    """
+    """Grid of ``lora_grad_in`` for x of (rows, cols): (column blocks x rank tiles) x row splits, the
+    dA partials (splits x R x cols float32) under a quarter of the bytes of x plus grad_x."""
     max_splits = rows * ELEMENT_BYTES[variant.dtype] // (8 * variant.rank_bucket)
     return _split_plan(LORA_GRAD_IN, rows, cols, variant, target_blocks, max_splits)
 
 
 class KernelLauncher(Protocol):
-    """Runs a kernel variant; :class:`loragen.cuda.launch.DriverLauncher` on a GPU, an emulator in loragen's CPU tests.
-
-    Optional methods others look for: ``arch(device) -> "sm_90"`` (the self-check refuses bfloat16
-    before sm_80 without compiling), ``route(variant, device) -> KernelLauncher``
-    (:class:`loragen.cuda.selfcheck.CheckedLauncher`: which launcher runs a variant).
-    """
+    """Runs a kernel variant: :class:`loragen.cuda.launch.DriverLauncher`, the torch products of
+    :class:`loragen.cuda.selfcheck.TorchKernels`, or an emulator in loragen's CPU tests. Optional:
+    ``arch(device) -> "sm_90"``, ``route(variant, device) -> KernelLauncher`` (``CheckedLauncher``)."""
 
     def target_blocks(self, device: torch.device) -> int:
         """About two blocks per multiprocessor: how many blocks a grid should have to fill the device."""
         ...
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
         """Launch ``spec`` for ``variant`` on ``grid`` with ``spec.threads(variant)`` threads per block."""
         ...
@@ -608,18 +502,9 @@ class KernelLauncher(Protocol):
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def _aligned16(t: Tensor) -> Tensor:
-    """``t`` itself, or a fresh copy when its data is not 16-byte aligned (vector loads need it)."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 class Plan:
-    """What forward decides and backward reuses: sizes, the variant, the launcher that runs it, and each
-    pass's grid (all fixed by the sizes, so worked out once per plan rather than per call).
-
-    A launcher with a ``route(variant, device)`` method (:class:`loragen.cuda.selfcheck.CheckedLauncher`)
-    is asked which launcher runs this variant on this device: the kernels, or the torch path.
-    """
+    """What the sizes decide, worked out once: the variant, the launcher that runs it (asked of a
+    launcher's ``route(variant, device)`` where it has one) and each pass's grid."""
 
     def __init__(self, x2: Tensor, out_features: int, rank: int, launcher: KernelLauncher) -> None:
         self.rows, self.in_features = x2.shape
@@ -638,9 +523,9 @@ class Plan:
         self.grad_in_grid = plan_grad_in(rows, cols, variant, blocks)
 
     def prepare(self, t: Tensor) -> Tensor:
-        """``t`` contiguous, and 16-byte aligned for an aligned variant."""
+        """``t`` contiguous, and 16-byte aligned for an aligned variant (vector loads need it)."""
         t = t.contiguous()
-        return _aligned16(t) if self.variant.aligned else t
+        return t.clone() if self.variant.aligned and t.data_ptr() % 16 else t
 
 
 def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[Tensor | None, int, float]) -> Tensor:
@@ -651,40 +536,19 @@ def down(plan: Plan, x2: Tensor, a32: Tensor, dropout: tuple[Tensor | None, int,
         return x2.new_zeros((0, bucket), dtype=torch.float32)
     grid = plan.down_grid
     h_part = torch.empty(grid.splits, plan.rows, bucket, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_DOWN,
-        plan.variant,
-        grid.grid,
-        (x2, a32, h_part, plan.rows, plan.in_features, plan.rank, grid.cols_per_split, *dropout),
-        plan.device,
-    )
+    args = (x2, a32, h_part, plan.rows, plan.in_features, plan.rank, grid.cols_per_split, *dropout)
+    plan.launcher.launch(LORA_DOWN, plan.variant, grid.grid, args, plan.device)
     return h_part[0] if grid.splits == 1 else h_part.sum(0)
 
 
 def up(plan: Plan, h: Tensor, bt32: Tensor, bias: Tensor | None, scaling: float, out: Tensor) -> None:
-    """out += bias + s h B^T in place (rows, out), in x's dtype: ``lora_up`` reads the base product that
-    :func:`add_base` wrote into ``out``, adds bias and the rank-r term in float32 and rounds once."""
+    """out += bias + s h B^T in place (rows, out), in x's dtype: ``lora_up`` reads the base product in
+    ``out``, adds bias and the rank-r term in float32 and rounds once."""
     if plan.rows == 0:
         return
     bias_in = None if bias is None else plan.prepare(bias.detach().to(out.dtype))
-    plan.launcher.launch(
-        LORA_UP,
-        plan.variant,
-        plan.up_grid,
-        (h, bt32, bias_in, out, plan.rows, plan.out_features, plan.rank, float(scaling)),
-        plan.device,
-    )
-
-
-def add_base(x2: Tensor, w_t: Tensor, out: Tensor) -> None:
-    """out = x2 w_t, written once in out's dtype by cuBLAS: the base product, rounded as peft's base
-    layer rounds it; :func:`up` then adds bias + s h B^T to it in float32 before the one more rounding.
-
-    Bytes of the output (N x out elements of x's dtype, E bytes each): this write, then ``lora_up``'s
-    read and write -- 3 E per element, against 4 + 4 + 4 + 4 + E for a float32 term, a float32 cuBLAS
-    C/D and a copy into x's dtype.
-    """
-    torch.mm(x2, w_t, out=out)
+    args = (h, bt32, bias_in, out, plan.rows, plan.out_features, plan.rank, float(scaling))
+    plan.launcher.launch(LORA_UP, plan.variant, plan.up_grid, args, plan.device)
 
 
 def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
@@ -693,24 +557,8 @@ def grad_out(plan: Plan, g2: Tensor, h: Tensor, bt32: Tensor, scaling: float) ->
     grid = plan.grad_out_grid
     dh_part = torch.empty(grid.col_blocks, plan.rows, bucket, dtype=torch.float32, device=plan.device)
     db_part = torch.empty(grid.splits, plan.out_features, bucket, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_GRAD_OUT,
-        plan.variant,
-        grid.grid,
-        (
-            g2,
-            h,
-            bt32,
-            dh_part,
-            db_part,
-            plan.rows,
-            plan.out_features,
-            plan.rank,
-            grid.rows_per_split,
-            scaling,
-        ),
-        plan.device,
-    )
+    args = (g2, h, bt32, dh_part, db_part, plan.rows, plan.out_features, plan.rank, grid.rows_per_split)
+    plan.launcher.launch(LORA_GRAD_OUT, plan.variant, grid.grid, (*args, scaling), plan.device)
     dh = dh_part[0] if grid.col_blocks == 1 else dh_part.sum(0)
     db = db_part[0] if grid.splits == 1 else db_part.sum(0)
     return dh, db
@@ -724,11 +572,6 @@ def grad_in(
     grid = plan.grad_in_grid
     gx = torch.empty_like(x2) if need_x else None
     da_part = torch.empty(grid.splits, bucket, plan.in_features, dtype=torch.float32, device=plan.device)
-    plan.launcher.launch(
-        LORA_GRAD_IN,
-        plan.variant,
-        grid.grid,
-        (x2, dh, a32, gx, da_part, plan.rows, plan.in_features, plan.rank, grid.rows_per_split, *dropout),
-        plan.device,
-    )
+    args = (x2, dh, a32, gx, da_part, plan.rows, plan.in_features, plan.rank, grid.rows_per_split, *dropout)
+    plan.launcher.launch(LORA_GRAD_IN, plan.variant, grid.grid, args, plan.device)
     return gx, (da_part[0] if grid.splits == 1 else da_part.sum(0))

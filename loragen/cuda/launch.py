@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -16,16 +17,14 @@ from typing import Any
 import torch
 
 from loragen.cuda.build import KernelCache, default_cache, render_kernel
-from loragen.cuda.kernels import KernelLauncher, KernelSpec, Variant, render_params
+from loragen.cuda.kernels import Grid, KernelSpec, Variant, render_params
 from loragen.errors import LoraError
 
 __all__ = [
     "CudaDriverError",
     "DriverLauncher",
     "KernelArgumentRangeError",
-    "KernelLauncher",
     "capturing",
-    "current_handle",
     "default_launcher",
     "pack_arguments",
     "raw_handle",
@@ -43,13 +42,6 @@ def raw_handle(index: int) -> int:
     return int(torch.cuda.current_stream(index).cuda_stream)
 
 
-def current_handle(device: torch.device) -> int:
-    """:func:`raw_handle` of ``device`` (its index, or the current device's), 0 for a CPU device."""
-    if device.type != "cuda":
-        return 0
-    return raw_handle(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def capturing(device: torch.device) -> bool:
     """Whether work queued on ``device``'s current stream is being captured into a CUDA graph."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -57,13 +49,12 @@ def capturing(device: torch.device) -> bool:
 
 # ---- the driver launcher -----------------------------------------------------------------------------
 
-# each scalar C type's ``struct`` code (native size and alignment), for the parameter block
-_STRUCT_CODES = {"int": "i", "unsigned": "I", "float": "f", "u64": "Q"}
-_SCALAR_CTYPES: dict[str, type] = {
-    "int": ctypes.c_int,
-    "unsigned": ctypes.c_uint,
-    "float": ctypes.c_float,
-    "u64": ctypes.c_uint64,
+# each scalar C type's ``struct`` code (native size and alignment, for the parameter block) and ctype
+_SCALAR_TYPES: dict[str, tuple[str, type]] = {
+    "int": ("i", ctypes.c_int),
+    "unsigned": ("I", ctypes.c_uint),
+    "float": ("f", ctypes.c_float),
+    "u64": ("Q", ctypes.c_uint64),
 }
 # the values each integer C type holds: ctypes would wrap anything outside silently
 _INTEGER_RANGES: dict[str, tuple[int, int]] = {
@@ -107,18 +98,13 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
                 f"loragen.cuda: kernel {spec.name} parameter {param.name}={value} does not fit its C type "
                 f"{param.ctype} (accepted: {bounds[0]} .. {bounds[1]})"
             )
-        packed.append(_SCALAR_CTYPES[param.ctype](value))
+        packed.append(_SCALAR_TYPES[param.ctype][1](value))
     return packed
 
 
 class _LaunchRecord:
-    """One kernel variant ready to launch on one device from one thread: the function handle, threads per
-    block, and a prebuilt kernel-parameter block whose values :meth:`fill` rewrites in place per launch.
-
-    The block holds every parameter's value at its C offset (native alignment, as ``struct`` lays out
-    ``"@"`` formats) and ``pointers`` holds each value's address, the ``void**`` that ``cuLaunchKernel``
-    takes. One ``pack_into`` writes all values per launch, and checks the integers' ranges on the way.
-    """
+    """One kernel variant ready to launch on one device from one thread: its function, threads per block
+    and parameter block (``struct``'s native ``"@"`` layout), with ``pointers`` the ``void**`` to it."""
 
     __slots__ = (
         "block",
@@ -139,7 +125,7 @@ class _LaunchRecord:
         self.function = function
         self.context = context
         self.threads = spec.threads(variant)
-        codes = ["P" if p.ctype.endswith("*") else _STRUCT_CODES[p.ctype] for p in spec.params]
+        codes = ["P" if p.ctype.endswith("*") else _SCALAR_TYPES[p.ctype][0] for p in spec.params]
         self.layout = struct.Struct("@" + "".join(codes))
         self.block = ctypes.create_string_buffer(max(self.layout.size, 1))
         base = ctypes.addressof(self.block)
@@ -153,11 +139,7 @@ class _LaunchRecord:
         self.pointer_params = tuple(i for i, code in enumerate(codes) if code == "P")
 
     def fill(self, args: Sequence[object]) -> None:
-        """Write ``args`` into the parameter block.
-
-        Raises:
-            TypeError, KernelArgumentRangeError: as :func:`pack_arguments` (which words the message).
-        """
+        """Write ``args`` into the parameter block; raises as :func:`pack_arguments`."""
         values = list(args)
         try:
             for i in self.pointer_params:
@@ -170,23 +152,16 @@ class _LaunchRecord:
 
 
 class DriverLauncher:
-    """Launches kernels through the CUDA driver API; modules are loaded once per device and variant.
-
-    Per launch: one dictionary lookup for the launch record, the argument values written into its
-    prebuilt parameter block (one ``struct.pack_into``), one ``cuCtxGetCurrent`` (the context is pushed and popped only when the
-    device's primary context is not already current on the thread) and ``cuLaunchKernel`` on PyTorch's
-    current stream, passed as its raw handle. No lock and no error text unless something fails.
-    """
+    """Launches kernels through the CUDA driver API on PyTorch's current stream; modules are loaded once
+    per device and variant. A launch takes no lock and pushes the device's primary context only when it
+    is not current."""
 
     def __init__(self, cache: KernelCache | None = None) -> None:
         self._cache = cache
         self._lock = threading.Lock()
         self._contexts: dict[int, Any] = {}
         self._functions: dict[tuple[int, str, Variant, str], Any] = {}
-        self._sm_counts: dict[int, int] = {}
-        self._archs: dict[int, str] = {}
-        # (kernel name, variant, device index, thread id) -> record; a record's parameter block is
-        # rewritten per launch, so each thread has its own
+        # (kernel name, variant, device index, thread id) -> record: each thread fills its own block
         self._records: dict[tuple[str, Variant, int, int], _LaunchRecord] = {}
         # the driver's cuCtxGetCurrent, cuLaunchKernel and CUDA_SUCCESS, looked up with the first record
         self._calls: tuple[Any, Any, Any] = (None, None, None)
@@ -222,11 +197,7 @@ class DriverLauncher:
         return ctx
 
     def target_blocks(self, device: torch.device) -> int:
-        index = _index(device)
-        count = self._sm_counts.get(index)
-        if count is None:
-            count = self._sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return 2 * count
+        return 2 * torch.cuda.get_device_properties(_index(device)).multi_processor_count
 
     def _function(self, spec: KernelSpec, variant: Variant, index: int) -> Any:
         arch = self.arch(torch.device("cuda", index))
@@ -249,12 +220,8 @@ class DriverLauncher:
 
     def arch(self, device: torch.device) -> str:
         """The device's architecture as NVRTC names it: ``"sm_90"``."""
-        index = _index(device)
-        arch = self._archs.get(index)
-        if arch is None:
-            major, minor = torch.cuda.get_device_capability(index)
-            arch = self._archs[index] = f"sm_{major}{minor}"
-        return arch
+        major, minor = torch.cuda.get_device_capability(_index(device))
+        return f"sm_{major}{minor}"
 
     def _record(self, spec: KernelSpec, variant: Variant, index: int, key: tuple) -> _LaunchRecord:
         """Load the variant's module (in the device's context) and build this thread's launch record."""
@@ -264,25 +231,14 @@ class DriverLauncher:
             with self._lock:
                 function = self._function(spec, variant, index)
         record = self._records[key] = _LaunchRecord(spec, variant, function, context)
-        self._bind_calls()
-        return record
-
-    def _bind_calls(self) -> None:
-        """Look up the driver calls a launch makes once, not per launch."""
         driver = self._driver()
         self._calls = (driver.cuCtxGetCurrent, driver.cuLaunchKernel, driver.CUresult.CUDA_SUCCESS)
+        return record
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
-        index = device.index
-        if index is None:
-            index = torch.cuda.current_device()
+        index = device.index if device.index is not None else torch.cuda.current_device()
         key = (spec.name, variant, index, threading.get_ident())
         record = self._records.get(key)
         if record is None:
@@ -291,42 +247,18 @@ class DriverLauncher:
         record.fill(args)
         get_current, launch_kernel, success = self._calls
         stream = raw_handle(index)
+        call = (record.function, *grid, 1, record.threads, 1, 1, 0, stream, record.params_address, 0)
         if get_current()[1] == record.context:
-            status = launch_kernel(
-                record.function,
-                grid[0],
-                grid[1],
-                1,
-                record.threads,
-                1,
-                1,
-                0,
-                stream,
-                record.params_address,
-                0,
-            )[0]
+            status = launch_kernel(*call)[0]
         else:  # another context (or none) is current on this thread: push the device's, pop it after
             with self._current(record.context, spec.name):
-                status = launch_kernel(
-                    record.function,
-                    grid[0],
-                    grid[1],
-                    1,
-                    record.threads,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    record.params_address,
-                    0,
-                )[0]
+                status = launch_kernel(*call)[0]
         if status != success:
             raise self._fail(status, "cuLaunchKernel", f"{spec.name} {record.label} grid={grid}")
 
     @contextlib.contextmanager
     def _current(self, context: Any, kernel: str) -> Iterator[None]:
-        """``context`` is current inside; the thread's previous one (or none) is current again
-        afterwards, also when the body raises."""
+        """``context`` is current inside; the thread's previous one (or none) again afterwards."""
         driver = self._driver()
         self._check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent", kernel)
         try:
@@ -339,12 +271,7 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-_default: DriverLauncher | None = None
-
-
+@functools.cache
 def default_launcher() -> DriverLauncher:
     """The process-wide :class:`DriverLauncher` (kernels cached in :func:`~loragen.cuda.build.default_cache`)."""
-    global _default
-    if _default is None:
-        _default = DriverLauncher()
-    return _default
+    return DriverLauncher()

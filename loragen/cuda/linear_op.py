@@ -1,18 +1,10 @@
 """The LoRA linear op on CUDA: :func:`lora_linear_cuda`, its one dispatcher, and the op it runs.
 
-Routes, chosen per call:
-
-* **kernels** (the fast op): loragen's four kernels for the rank-r part, cuBLAS for the base GEMMs,
-  through :class:`_LoraLinearFunction` (eager) or the custom ops ``loragen::lora_linear`` and
-  ``loragen::lora_linear_backward`` (under ``torch.compile``; the same implementation, with fake
-  implementations so ``fullgraph=True`` traces through it);
-* **the torch composition** (:func:`loragen.reference.lora_linear_reference`, the oracle every fast
-  op is held to): inputs the kernels do not take (:func:`unsupported_reason`), and a variant on the
-  torch route (``LORAGEN_CUDA_KERNELS=torch`` or a failed self-check), where dropout keeps the
-  kernels' Philox mask (:func:`loragen.philox.rng_keep_mask`, made on the device).
-
-Shapes: x (..., in) flattened to (N, in), weight (out, in) -- (in, out) with ``fan_in_fan_out`` --,
-A (r, in), B (out, r), h = dropout(x) A^T (N, R) in float32, R = the rank bucket (columns past r are 0).
+Routes, chosen per call: loragen's four kernels for the rank-r part and cuBLAS for the base GEMMs,
+through :class:`_LoraLinearFunction` (eager) or the custom ops ``loragen::lora_linear`` and
+``loragen::lora_linear_backward`` (under ``torch.compile``); or the torch composition
+(:func:`loragen.reference.lora_linear_reference`) for inputs the kernels do not take
+(:func:`unsupported_reason`) and variants on the torch route, where dropout keeps the kernels' Philox mask.
 
 forward   h   = lora_down(x)                  one pass over x, Philox mask regenerated
           y   = x W^T                         cuBLAS, written in x's dtype
@@ -22,21 +14,17 @@ backward  dh, dB = lora_grad_out(g)           one pass over g (dh carries s)
           gx += g W                           cuBLAS, beta = 1
           dW = g^T x, db = sum(g)             only when the base is trainable
 
-LoRA parameters may be float32 or x's dtype; the kernels read them as float32 and accumulate in float32.
-The output is a fresh tensor. What depends only on (shapes, dtype, device, launcher) -- the variant, the
-routed launcher, the grids -- is kept in a :class:`~loragen.cuda.kernels.Plan`; A and B^T padded to the
-rank bucket in float32 are kept per parameter and refreshed when its ``_version``, data pointer or rank
-changes, after any optimizer step (an optimizer may write through raw pointers), and on every call
-inside and after a CUDA-graph capture. Dropout's seed and offset are drawn per forward by one
-device-side torch RNG op into an int64 tensor the kernels read through a pointer (:func:`draw_rng`), so
-``torch.manual_seed`` reproduces a run, ``torch.utils.checkpoint`` recomputes the mask and a captured
-graph draws a fresh mask per replay; nothing on the op's path reads a device value on the host.
+h is (N, R) float32, R the rank bucket (columns past r are 0). Dropout's seed and offset are drawn per
+forward on the device (:func:`draw_rng`), so ``torch.manual_seed`` reproduces a run, checkpointing
+recomputes the mask and a captured CUDA graph draws a fresh one per replay.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,21 +42,14 @@ from loragen.reference import lora_linear_reference
 __all__ = [
     "CudaLoraError",
     "MAX_PLANS",
-    "autocast_anywhere",
-    "autocast_dtype",
-    "check_inputs",
     "draw_rng",
     "dropout_args",
-    "dropout_constants",
     "factor",
     "launcher_handle",
     "lora_linear_cuda",
-    "new_buffer",
-    "optimizer_steps",
     "plan_for",
     "seed_rng",
     "unsupported_reason",
-    "watch_optimizer_steps",
 ]
 
 # ---- what the op accepts ---------------------------------------------------------------------------
@@ -89,10 +70,8 @@ def unsupported_reason(
     *,
     fan_in_fan_out: bool = False,
 ) -> str | None:
-    """Why the CUDA kernels cannot run on these inputs, or None when they can.
-
-    :func:`lora_linear_cuda` falls back to the plain composition for the reasons returned here.
-    """
+    """Why the CUDA kernels cannot run on these inputs (:func:`lora_linear_cuda` then runs the torch
+    composition), or None when they can."""
     if x.dtype not in DTYPE_NAMES:
         return f"x dtype {x.dtype} (kernels exist for float32, float16, bfloat16)"
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
@@ -111,12 +90,7 @@ def unsupported_reason(
     return None
 
 
-def _devices(tensors: tuple[Tensor | None, ...]) -> str:
-    names = ("x", "weight", "bias", "lora_A", "lora_B")
-    return ", ".join(f"{n}: {t.device}" for n, t in zip(names, tensors) if t is not None)
-
-
-def check_inputs(
+def _check_inputs(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
@@ -126,7 +100,7 @@ def check_inputs(
     p: float,
     require_cuda: bool,
 ) -> None:
-    """Raise :class:`CudaLoraError` naming the first bad argument; messages are built only on failure."""
+    """Raise :class:`CudaLoraError` naming the first bad argument."""
     if not 0.0 <= p < 1.0:
         raise CudaLoraError(f"{_WHERE}: dropout_p={p!r}; expected 0 <= p < 1")
     device = x.device
@@ -137,9 +111,9 @@ def check_inputs(
         or lora_B.device != device
         or (bias is not None and bias.device != device)
     ):
-        raise CudaLoraError(
-            f"{_WHERE}: all tensors must be on one CUDA device, got {_devices((x, weight, bias, lora_A, lora_B))}"
-        )
+        tensors = zip(("x", "weight", "bias", "lora_A", "lora_B"), (x, weight, bias, lora_A, lora_B))
+        devices = ", ".join(f"{n}: {t.device}" for n, t in tensors if t is not None)
+        raise CudaLoraError(f"{_WHERE}: all tensors must be on one CUDA device, got {devices}")
     in_features = x.shape[-1]
     if weight.dim() != 2 or weight.shape[0 if fan_in_fan_out else 1] != in_features:
         layout = "(in, out) with fan_in_fan_out" if fan_in_fan_out else "(out, in)"
@@ -158,19 +132,14 @@ def check_inputs(
         )
 
 
-#: Whether autocast is on for any device: torch's own argument-free check where it has one (a hot path
-#: asks this before :func:`autocast_dtype`, which it then need not call in the common case).
-autocast_anywhere = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+# whether autocast is on for any device: torch's argument-free check, cheap in the common case
+_autocast_anywhere = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
-def autocast_dtype(x: Tensor) -> torch.dtype | None:
-    """The dtype the op casts x, weight and bias to under autocast on x's device (as ``F.linear`` takes
-    them there), or None where autocast is off for x's device.
-
-    The op runs on CUDA tensors; loragen's CPU tests run it on CPU tensors, which follow the same rule
-    with the CPU's autocast (and its host benchmarks on meta tensors, which have no autocast).
-    """
-    if not autocast_anywhere():  # one call without arguments: the common case costs next to nothing
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype autocast on x's device casts ``F.linear``'s inputs to, or None (CPU tensors follow the
+    CPU's autocast, meta tensors have none)."""
+    if not _autocast_anywhere():
         return None
     if x.is_cuda:
         device = "cuda"
@@ -183,14 +152,13 @@ def autocast_dtype(x: Tensor) -> torch.dtype | None:
 
 def draw_rng(device: torch.device) -> Tensor:
     """A fresh (seed, offset) pair for one forward's dropout mask: int64 (2,) on ``device``, drawn by
-    torch's generator of that device (the CUDA generator on a GPU: safe inside CUDA-graph capture, fresh
-    values on every replay)."""
+    that device's torch generator (safe inside CUDA-graph capture, fresh values on every replay)."""
     return torch.randint(0, (1 << 63) - 1, (2,), dtype=torch.int64, device=device)
 
 
 def seed_rng(seed: int, device: torch.device, offset: int = 0) -> Tensor:
     """The rng tensor for an explicit unsigned 64-bit ``seed`` and ``offset`` (stored as int64 bits),
-    made on ``device`` without a host-to-device copy (so without waiting for the device).
+    filled on ``device`` (no host-to-device copy).
 
     Raises:
         CudaLoraError: ``seed`` or ``offset`` is not an unsigned 64-bit integer.
@@ -198,27 +166,23 @@ def seed_rng(seed: int, device: torch.device, offset: int = 0) -> Tensor:
     for name, value in (("seed", seed), ("offset", offset)):
         if not 0 <= value < 1 << 64:
             raise CudaLoraError(f"{_WHERE}: {name}={value}; expected an unsigned 64-bit integer")
-    return rng_tensor(seed, offset, device)  # filled on the device: no host-to-device copy
+    return rng_tensor(seed, offset, device)
 
 
 # ---- what the op keeps between calls ---------------------------------------------------------------
 
-# A custom op takes only tensors and scalars, so the launcher travels as an int: 0 is the default
-# self-checked driver launcher, others are launchers callers passed in (tests, the null driver).
+# A custom op takes only tensors and scalars, so the launcher travels as an int (0: the default).
 _launchers: list[KernelLauncher | None] = [None]
 _handles: dict[int, int] = {}
 
 
 def launcher_handle(launcher: KernelLauncher | None) -> int:
-    """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher).
-
-    A launcher passed once is kept for the life of the process. Under ``torch.compile`` the table is
-    only read: the compiled graph runs the custom op before the tracer's own updates of module state
-    are replayed, so a launcher first seen while tracing could not be found by the op.
+    """The int that stands for ``launcher`` in the custom op's arguments (0: the default launcher), kept
+    for the life of the process.
 
     Raises:
-        CudaLoraError: ``launcher`` is first seen while ``torch.compile`` traces (call the op with it
-            once outside compilation first).
+        CudaLoraError: ``launcher`` is first seen while ``torch.compile`` traces (the compiled graph
+            runs the op before the tracer's updates of module state are replayed).
     """
     if launcher is None:
         return 0
@@ -236,39 +200,25 @@ def launcher_handle(launcher: KernelLauncher | None) -> int:
     return handle
 
 
-def launcher_of(handle: int) -> KernelLauncher:
-    launcher = _launchers[handle]
-    return default_checker() if launcher is None else launcher
-
-
 _plans: dict[tuple[Any, ...], Plan] = {}
-# Plans are kept per shape: a run whose batches take ever new sequence lengths would add one per length
-# and layer shape for good. Past this many the table starts again (a plan is rebuilt in microseconds, and
-# the self-check's routing it reads is kept elsewhere); calls in flight keep the plans they hold.
+# past this many plans (ever new sequence lengths) the table starts again; a plan is cheap to rebuild
 MAX_PLANS = 4096
 
 
 def plan_for(x2: Tensor, out_features: int, rank: int, handle: int) -> Plan:
-    """The cached :class:`Plan` for these sizes, dtype, device, launcher and kernel switch.
-
-    The routed launcher it holds stays right when a variant fails later: the self-check's guarded
-    launcher moves its launches to the torch path itself.
-    """
+    """The cached :class:`Plan` for these sizes, dtype, device, launcher and kernel switch."""
     key = (x2.shape, x2.dtype, x2.device, out_features, rank, handle, switches.cuda_kernels.get())
     found = _plans.get(key)
     if found is None:
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
-        found = _plans[key] = Plan(x2, out_features, rank, launcher_of(handle))
+        launcher = _launchers[handle]
+        found = _plans[key] = Plan(x2, out_features, rank, launcher or default_checker())
     return found
 
 
-# Optimizer steps taken in this process, counted by torch.optim's global step hook from the first cached
-# factor on. Some optimizers write parameters without moving their version counters (bitsandbytes' 8-bit
-# optimizers and other kernels that write through a raw pointer; FSDP2 copies gathered values into its
-# parameters with the counter kept), so a cached factor is copied again after every step as well. That
-# costs nothing more in training, where a torch optimizer's in-place update moves the counter anyway, and
-# nothing in inference, where no step is taken.
+# Optimizer steps, counted from the first cached factor on: a cached factor is copied again after each
+# (some optimizers write parameters without moving their version counters).
 _steps = 0
 _step_hook: list[Any] = []
 
@@ -278,35 +228,20 @@ def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _steps += 1
 
 
-def watch_optimizer_steps() -> None:
-    """Count optimizer steps from now on (:func:`optimizer_steps`; the hook is registered once per
-    process)."""
-    if not _step_hook:
-        _step_hook.append(register_optimizer_step_post_hook(_stepped))
-
-
-def optimizer_steps() -> int:
-    """How many ``torch.optim.Optimizer`` steps this process has taken since :func:`watch_optimizer_steps`."""
-    return _steps
-
-
+@dataclass(slots=True)
 class _Factor:
-    """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- kept in one
-    buffer per parameter and refreshed only when the parameter changed (``_version``, data pointer,
-    rank), after an optimizer step (``steps``), or on every call once a CUDA-graph capture has read it
-    (``captured``); ``zeroed``: the padding rows' zeros have been written outside a capture."""
+    """A LoRA factor as the kernels read it -- float32, (R, features), rows r..R-1 zero -- refreshed when
+    the parameter changed (``_version``, data pointer, rank), after an optimizer step, or on every call
+    once a CUDA-graph capture has read it; ``zeroed``: the padding was zeroed outside a capture."""
 
-    __slots__ = ("buffer", "captured", "data_ptr", "rank", "source", "steps", "version", "zeroed")
-
-    def __init__(self, source: Tensor, buffer: Tensor) -> None:
-        self.source = weakref.ref(source)
-        self.buffer = buffer
-        self.version = -1
-        self.data_ptr = -1
-        self.rank = -1
-        self.steps = -1
-        self.captured = False
-        self.zeroed = False
+    source: weakref.ref[Tensor]
+    buffer: Tensor
+    version: int = -1
+    data_ptr: int = -1
+    rank: int = -1
+    steps: int = -1
+    captured: bool = False
+    zeroed: bool = False
 
 
 _factors: dict[tuple[int, bool], _Factor] = {}
@@ -326,13 +261,16 @@ def factor(t: Tensor, plan: Plan, transpose: bool, in_capture: bool) -> Tensor:
     if (
         entry is None
         or entry.source() is not t
-        or entry.buffer.shape[1] != features
-        or entry.buffer.shape[0] != bucket
+        or entry.buffer.shape != (bucket, features)
         or entry.buffer.device != t.device
     ):
-        entry = _factors[key] = _Factor(t, new_buffer(bucket, features, device=t.device))
+        # made outside inference mode: such a tensor could never be written again outside it
+        with torch.inference_mode(False):
+            buffer = torch.empty(bucket, features, dtype=torch.float32, device=t.device)
+        entry = _factors[key] = _Factor(weakref.ref(t), buffer)
         weakref.finalize(t, _factors.pop, key, None)
-        watch_optimizer_steps()
+        if not _step_hook:
+            _step_hook.append(register_optimizer_step_post_hook(_stepped))
     rank = t.shape[1] if transpose else t.shape[0]
     if (
         in_capture
@@ -355,24 +293,15 @@ def factor(t: Tensor, plan: Plan, transpose: bool, in_capture: bool) -> Tensor:
     return entry.buffer
 
 
-def new_buffer(*shape: int, device: torch.device) -> Tensor:
-    """A fresh float32 buffer for the caches (16-byte aligned, as every fresh allocation), made outside
-    inference mode: a tensor made under ``torch.inference_mode`` can never be written again outside it,
-    so a cache first filled during an evaluation would break the next training step."""
-    with torch.inference_mode(False):
-        return torch.empty(*shape, dtype=torch.float32, device=device)
-
-
-# (threshold, keep_scale) per dropout probability that a call has validated and passed to dropout_args: a
-# probability found here is one the op's checks accept
-dropout_constants: dict[float, tuple[int, float]] = {0.0: (0, 1.0)}
+# (threshold, keep_scale) per dropout probability the op has validated
+_dropout_constants: dict[float, tuple[int, float]] = {0.0: (0, 1.0)}
 
 
 def dropout_args(rng: Tensor | None, p: float) -> tuple[Tensor | None, int, float]:
     """The kernels' dropout arguments ``(rng, threshold, keep_scale)`` (p validated by the caller)."""
-    constants = dropout_constants.get(p)
+    constants = _dropout_constants.get(p)
     if constants is None:
-        constants = dropout_constants[p] = (philox.keep_threshold(p), philox.keep_scale(p))
+        constants = _dropout_constants[p] = (philox.keep_threshold(p), philox.keep_scale(p))
     return (rng if constants[0] else None, *constants)
 
 
@@ -380,17 +309,14 @@ def dropout_args(rng: Tensor | None, p: float) -> tuple[Tensor | None, int, floa
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every call
 
-# what an eager forward hands its backward: the plan, A and B^T as the kernels read them (the cached
-# buffers cannot change in between: A and B are saved for backward, so autograd refuses a step whose
-# parameters were modified after the forward) and x's shape (the eager Function saves x as the 2-D,
-# contiguous, aligned view or copy the kernels read)
+# what an eager forward hands its backward: the plan, A and B^T as the kernels read them, x's shape
 _Prepared = tuple[kernels.Plan, Tensor, Tensor, torch.Size]
+_Scalars = tuple[float, float, bool, int]  # scaling, dropout_p, fan_in_fan_out, launcher handle
 
 
 def _without_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
-    """The kernels run in the dtypes they are given: autocast off inside the op (a no-op context when it
-    is not on, which is the common case and costs nothing)."""
-    return _NO_CONTEXT if autocast_dtype(x) is None else torch.autocast(x.device.type, enabled=False)
+    """Autocast off inside the op: the kernels run in the dtypes they are given."""
+    return _NO_CONTEXT if _autocast_dtype(x) is None else torch.autocast(x.device.type, enabled=False)
 
 
 def _lora_linear_impl(
@@ -408,7 +334,7 @@ def _lora_linear_impl(
     """y (..., out) in x's dtype and h (N, R) float32 (saved for backward)."""
     with _without_autocast(x):
         out, h, _, _ = _forward(
-            x, weight, bias, lora_A, lora_B, rng, scaling, dropout_p, fan_in_fan_out, launcher
+            x, weight, bias, lora_A, lora_B, rng, (scaling, dropout_p, fan_in_fan_out, launcher)
         )
     return out, h
 
@@ -423,12 +349,10 @@ def _forward(
     lora_A: Tensor,
     lora_B: Tensor,
     rng: Tensor | None,
-    scaling: float,
-    dropout_p: float,
-    fan_in_fan_out: bool,
-    launcher: int,
+    args: _Scalars,
 ) -> tuple[Tensor, Tensor, Tensor, _Prepared]:
     """y, h, the 2-D x the kernels read, and what backward reuses."""
+    scaling, dropout_p, fan_in_fan_out, launcher = args
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
     plan = plan_for(x2, out_features, lora_A.shape[0], launcher)
@@ -437,35 +361,22 @@ def _forward(
     a32 = factor(lora_A, plan, False, in_capture)
     bt32 = factor(lora_B, plan, True, in_capture)
     h = kernels.down(plan, x2, a32, dropout_args(rng, dropout_p))
-    # the output in its final shape, written through a 2-D view: no view of it escapes
     out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
     out2 = out.view(plan.rows, out_features)
-    # cuBLAS writes the base product in x's dtype, then lora_up adds bias + s h B^T in float32 and
-    # writes the output once more: no float32 (N, out) temporary
-    kernels.add_base(x2, weight if fan_in_fan_out else weight.t(), out2)
+    # the base product in x's dtype (rounded as peft's base layer rounds it), then lora_up adds
+    # bias + s h B^T in float32 and rounds once more: no float32 (N, out) temporary
+    torch.mm(x2, weight if fan_in_fan_out else weight.t(), out=out2)
     kernels.up(plan, h, bt32, bias, scaling, out2)
     return out, h, x2, (plan, a32, bt32, x.shape)
 
 
 @_lora_linear_op.register_fake
 def _lora_linear_fake(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    rng: Tensor | None,
-    scaling: float,
-    dropout_p: float,
-    fan_in_fan_out: bool,
-    launcher: int,
+    x: Tensor, weight: Tensor, bias: Tensor | None, lora_A: Tensor, lora_B: Tensor, *scalars: Any
 ) -> tuple[Tensor, Tensor]:
-    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
-    rows = 1
-    for size in x.shape[:-1]:
-        rows = rows * size
-    out = x.new_empty((*x.shape[:-1], out_features))
-    h = x.new_empty((rows, kernels.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
+    """The outputs' shapes, for ``torch.compile``."""
+    out = x.new_empty((*x.shape[:-1], lora_B.shape[0]))
+    h = x.new_empty((math.prod(x.shape[:-1]), kernels.rank_bucket(lora_A.shape[0])), dtype=torch.float32)
     return out, h
 
 
@@ -484,22 +395,9 @@ def _lora_linear_backward_impl(
     launcher: int,
 ) -> list[Tensor]:
     """The gradients of (x, weight, bias, lora_A, lora_B) flagged in ``needs``, in that order."""
+    saved = (x, weight, lora_A, lora_B, h, rng)
     with _without_autocast(x):
-        return _backward(
-            grad_out,
-            x,
-            weight,
-            lora_A,
-            lora_B,
-            h,
-            rng,
-            scaling,
-            dropout_p,
-            fan_in_fan_out,
-            needs,
-            launcher,
-            None,
-        )
+        return _backward(grad_out, saved, (scaling, dropout_p, fan_in_fan_out, launcher), needs, None)
 
 
 _lora_linear_backward_op = torch.library.custom_op(
@@ -508,23 +406,12 @@ _lora_linear_backward_op = torch.library.custom_op(
 
 
 def _backward(
-    grad_out: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    h: Tensor,
-    rng: Tensor | None,
-    scaling: float,
-    dropout_p: float,
-    fan_in_fan_out: bool,
-    needs: list[bool],
-    launcher: int,
-    prepared: _Prepared | None,
+    grad_out: Tensor, saved: tuple[Any, ...], args: _Scalars, needs: list[bool], prepared: _Prepared | None
 ) -> list[Tensor]:
-    """The gradients flagged in ``needs``. ``prepared``: what the eager forward worked out, ``x`` then
-    being the 2-D x the kernels read; None: ``x`` as the op took it, the rest looked up again (the
-    traced backward)."""
+    """The gradients flagged in ``needs``. ``saved``: (x, weight, lora_A, lora_B, h, rng). ``prepared``: what the eager forward worked out, ``x``
+    then being the 2-D x the kernels read; None: ``x`` as the op took it (the traced backward)."""
+    x, weight, lora_A, lora_B, h, rng = saved
+    scaling, dropout_p, fan_in_fan_out, launcher = args
     need_x, need_w, need_b, need_a, need_bb = needs
     out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
     if prepared is None:
@@ -573,22 +460,11 @@ def _backward(
 
 @_lora_linear_backward_op.register_fake
 def _lora_linear_backward_fake(
-    grad_out: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    lora_A: Tensor,
-    lora_B: Tensor,
-    h: Tensor,
-    rng: Tensor | None,
-    scaling: float,
-    dropout_p: float,
-    fan_in_fan_out: bool,
-    needs: list[bool],
-    launcher: int,
+    grad_out: Tensor, x: Tensor, weight: Tensor, lora_A: Tensor, lora_B: Tensor, *rest: Any
 ) -> list[Tensor]:
-    out_features = weight.shape[1] if fan_in_fan_out else weight.shape[0]
-    shapes = (x, weight, x.new_empty((out_features,)), lora_A, lora_B)
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t, n in zip(shapes, needs) if n]
+    """The gradients' shapes, for ``torch.compile``; ``needs`` is ``rest``'s second to last."""
+    shapes = (x, weight, x.new_empty((lora_B.shape[0],)), lora_A, lora_B)
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t, n in zip(shapes, rest[-2]) if n]
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
@@ -599,48 +475,22 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
     ctx.mark_non_differentiable(output[1])
 
 
-def _gradients(ctx: Any, grad_out: Tensor, backward: Any) -> tuple[Tensor | None, ...]:
-    """The autograd formula shared by the custom op and the eager Function: ``backward(grad_out, saved
-    tensors, needs, ctx)`` is :func:`_traced_backward` or :func:`_eager_backward`."""
+def _gradients(ctx: Any, grad_out: Tensor, traced: bool) -> tuple[Tensor | None, ...]:
+    """The autograd formula shared by the custom op (``traced``: through the backward custom op, what
+    torch.compile traces) and the eager Function (reusing what its forward prepared)."""
     needs = list(ctx.needs_input_grad[:5])
     needs[2] = needs[2] and ctx.has_bias
-    grads = iter(backward(grad_out, ctx.saved_tensors, needs, ctx))
-    return (*[next(grads) if needed else None for needed in needs], None, None, None, None, None)
-
-
-def _traced_backward(grad_out: Tensor, saved: tuple[Any, ...], needs: list[bool], ctx: Any) -> list[Tensor]:
-    """The backward custom op (what torch.compile traces)."""
-    x, weight, lora_A, lora_B, h, rng = saved
-    scaling, dropout_p, fan_in_fan_out, launcher = ctx.args
-    return _lora_linear_backward_op(
-        grad_out, x, weight, lora_A, lora_B, h, rng, scaling, dropout_p, fan_in_fan_out, needs, launcher
-    )
-
-
-def _eager_backward(grad_out: Tensor, saved: tuple[Any, ...], needs: list[bool], ctx: Any) -> list[Tensor]:
-    """The backward implementation, reusing what the eager forward prepared (``saved`` holds its 2-D x)."""
-    x2, weight, lora_A, lora_B, h, rng = saved
-    scaling, dropout_p, fan_in_fan_out, launcher = ctx.args
-    with _without_autocast(grad_out):
-        return _backward(
-            grad_out,
-            x2,
-            weight,
-            lora_A,
-            lora_B,
-            h,
-            rng,
-            scaling,
-            dropout_p,
-            fan_in_fan_out,
-            needs,
-            launcher,
-            ctx.prepared,
-        )
+    if traced:
+        grads = _lora_linear_backward_op(grad_out, *ctx.saved_tensors, *ctx.args[:3], needs, ctx.args[3])
+    else:
+        with _without_autocast(grad_out):
+            grads = _backward(grad_out, ctx.saved_tensors, ctx.args, needs, ctx.prepared)
+    found = iter(grads)
+    return (*[next(found) if needed else None for needed in needs], None, None, None, None, None)
 
 
 def _autograd_backward(ctx: Any, grad_out: Tensor, grad_h: Tensor | None) -> tuple[Tensor | None, ...]:
-    return _gradients(ctx, grad_out, _traced_backward)
+    return _gradients(ctx, grad_out, traced=True)
 
 
 _lora_linear_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -648,9 +498,7 @@ _lora_linear_op.register_autograd(_autograd_backward, setup_context=_setup_conte
 
 class _LoraLinearFunction(torch.autograd.Function):
     """The eager path: the same forward, backward and saved tensors as ``loragen::lora_linear``, without
-    the custom-op dispatch (whose Python wrappers cost more host time per call than the whole op). The
-    scalars travel as one tuple ``(scaling, dropout_p, fan_in_fan_out, launcher)``: autograd looks at
-    every argument of ``apply``, so fewer arguments cost less."""
+    the custom-op dispatch's host time. The scalars travel as one tuple (fewer arguments for autograd)."""
 
     @staticmethod
     def forward(
@@ -661,10 +509,10 @@ class _LoraLinearFunction(torch.autograd.Function):
         lora_A: Tensor,
         lora_B: Tensor,
         rng: Tensor | None,
-        args: tuple[float, float, bool, int],
+        args: _Scalars,
     ) -> Tensor:
         with _without_autocast(x):
-            out, h, x2, ctx.prepared = _forward(x, weight, bias, lora_A, lora_B, rng, *args)
+            out, h, x2, ctx.prepared = _forward(x, weight, bias, lora_A, lora_B, rng, args)
         ctx.save_for_backward(x2, weight, lora_A, lora_B, h, rng)
         ctx.args = args
         ctx.has_bias = bias is not None
@@ -673,7 +521,7 @@ class _LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        return _gradients(ctx, grad_out, _eager_backward)[:7]
+        return _gradients(ctx, grad_out, traced=False)[:7]
 
 
 def lora_linear_cuda(
@@ -692,27 +540,24 @@ def lora_linear_cuda(
 ) -> Tensor:
     """LoRA linear ``x W^T + b + scaling * B A dropout(x)`` with loragen's CUDA kernels.
 
-    Same semantics as :func:`loragen.ops.lora_linear`: shapes x (..., in), weight (out, in) -- (in, out)
-    with ``fan_in_fan_out`` --, bias (out,) or None, lora_A (r, in), lora_B (out, r) -> (..., out) in x's
-    dtype; dropout (probability ``dropout_p``, only when ``training``) on the LoRA branch only, with
-    inverted scaling and the Philox mask of :mod:`loragen.philox`. Under autocast, x, weight and bias
-    are cast to the autocast dtype first, as ``F.linear`` would. Inputs the kernels do not take (see
-    :func:`unsupported_reason`) run through :func:`loragen.reference.lora_linear_reference` instead.
-    Works inside CUDA-graph capture (dropout included) and under ``torch.compile``.
+    Same semantics as :func:`loragen.ops.lora_linear`: x (..., in), weight (out, in) -- (in, out) with
+    ``fan_in_fan_out`` --, bias (out,) or None, lora_A (r, in), lora_B (out, r) -> (..., out) in x's
+    dtype; dropout (only when ``training``) on the LoRA branch, with the Philox mask of
+    :mod:`loragen.philox`. Under autocast, x, weight and bias are cast as ``F.linear`` would. Inputs the
+    kernels do not take (:func:`unsupported_reason`) run through
+    :func:`loragen.reference.lora_linear_reference`. Works in CUDA-graph capture and ``torch.compile``.
 
     Args:
-        seed: fixes the dropout mask (unsigned 64-bit, offset 0); None draws seed and offset with the
-            device's torch generator (:func:`draw_rng`).
-        launcher: runs the kernels (default: the self-checked CUDA driver launcher,
-            :func:`loragen.cuda.selfcheck.default_checker`); loragen's CPU tests pass an
-            emulator or a null driver here.
+        seed: fixes the dropout mask (unsigned 64-bit, offset 0); None draws it (:func:`draw_rng`).
+        launcher: runs the kernels (default: :func:`loragen.cuda.selfcheck.default_checker`); loragen's
+            CPU tests pass an emulator or a null driver.
 
     Raises:
         CudaLoraError: tensors not on one device, or not on a CUDA device when no launcher is given;
             mismatched shapes; ``dropout_p`` outside [0, 1); ``seed`` not unsigned 64-bit.
     """
-    check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
-    cast = autocast_dtype(x)
+    _check_inputs(x, weight, bias, lora_A, lora_B, fan_in_fan_out, dropout_p, require_cuda=launcher is None)
+    cast = _autocast_dtype(x)
     if cast is not None:
         x, weight = x.to(cast), weight.to(cast)
         bias = None if bias is None else bias.to(cast)
@@ -726,9 +571,9 @@ def lora_linear_cuda(
     if p > 0:
         rng = draw_rng(x.device) if seed is None else seed_rng(seed, x.device)
     scalars = (float(scaling), p, fan_in_fan_out, launcher_handle(launcher))
-    if torch.compiler.is_compiling():  # traced: the custom op, which torch.compile sees through its fake
+    if torch.compiler.is_compiling():
         return _lora_linear_op(x, weight, bias, lora_A, lora_B, rng, *scalars)[0]
-    if _on_torch_route(x, lora_B.shape[0], lora_A.shape[0], scalars[3]):  # the composition, the kernels' mask
+    if _on_torch_route(x, lora_B.shape[0], lora_A.shape[0], scalars[3]):  # the kernels' mask
         keep = None
         if rng is not None:
             keep = philox.rng_keep_mask(rng, 0, x.numel(), dropout_args(rng, p)[1]).view(x.shape)
@@ -744,16 +589,8 @@ _routes: dict[tuple[Any, ...], bool] = {}
 
 
 def _on_torch_route(x: Tensor, out_features: int, rank: int, handle: int) -> bool:
-    """Whether a call's variant runs on the torch route: its plan's routed launcher is a whole-op
-    :class:`TorchKernels` (``LORAGEN_CUDA_KERNELS=torch``, a failed self-check, or one passed in).
-    Decided once per (dtype, device, sizes but the row count, launcher, switch) with the first call's
-    plan, which self-checks a new variant; a variant that fails later, at a launch, runs its passes on
-    :class:`TorchKernels` through the self-check's guard.
-
-    Raises:
-        RuntimeError: the variant is new and a CUDA graph is being captured (the self-check refuses to
-            run inside a capture).
-    """
+    """Whether the first call's plan routed this variant to a whole-op :class:`TorchKernels` (the
+    self-check of a new variant raises RuntimeError inside a CUDA-graph capture)."""
     key = (x.dtype, x.device, x.shape[-1], out_features, rank, handle, switches.cuda_kernels.get())
     found = _routes.get(key)
     if found is None:

@@ -1,9 +1,8 @@
 """The 8-bit AdamW step on CUDA: :func:`loragen.training.adamw8bit.adamw8bit_update_` as one kernel launch.
 
 The kernel (``kernels/adamw8bit.cu.j2``) runs one CUDA block per quantization block and reproduces the
-torch path's arithmetic operation by operation (see the template's header), so both paths store the same
-codes for the same inputs; the only differences are float32 roundings of the parameter update and codes
-of values that sit exactly on a midpoint of the table up to those roundings.
+torch path's arithmetic operation by operation, so both store the same codes up to float32 roundings of
+the update (and values on a midpoint of the table up to those roundings).
 """
 
 from __future__ import annotations
@@ -12,13 +11,19 @@ import math
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from loragen.cuda.kernels import ADAMW8BIT, RANK_BUCKETS, KernelLauncher, Variant, max_optimizer_block
+from loragen.cuda.kernels import (
+    ADAMW8BIT,
+    DTYPE_NAMES,
+    KernelLauncher,
+    max_optimizer_block,
+    optimizer_variant,
+)
 from loragen.cuda.launch import default_launcher
 
 __all__ = ["adamw8bit_update_cuda", "kernel_supports"]
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _STATE_DTYPES = {
     "exp_avg_codes": torch.uint8,
     "exp_avg_absmax": torch.float32,
@@ -28,27 +33,19 @@ _STATE_DTYPES = {
 
 
 def kernel_supports(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict[str, Any],
-    signed_code: torch.Tensor,
-    unsigned_code: torch.Tensor,
+    param: Tensor, grad: Tensor, state: dict[str, Any], signed_code: Tensor, unsigned_code: Tensor
 ) -> bool:
-    """Whether the kernel can run this update (else the torch path does it). Never synchronizes.
-
-    It needs a contiguous float32/float16/bfloat16 parameter, a gradient of the same dtype and shape,
-    contiguous states of the layout :class:`loragen.training.adamw8bit.AdamW8bit` creates with blocks of at most
-    :func:`~loragen.cuda.kernels.max_optimizer_block` elements, and two float32 tables of 256 entries, all
-    on the parameter's device.
-    """
-    if param.dtype not in _DTYPE_NAMES or grad.dtype != param.dtype or grad.shape != param.shape:
+    """Whether the kernel can run this update (else the torch path does it); never synchronizes. It
+    needs contiguous tensors on one device in the layout :class:`loragen.training.adamw8bit.AdamW8bit`
+    creates, blocks of at most :func:`~loragen.cuda.kernels.max_optimizer_block` elements."""
+    if param.dtype not in DTYPE_NAMES or grad.dtype != param.dtype or grad.shape != param.shape:
         return False
     if not param.is_contiguous() or grad.is_sparse:
         return False
     tensors = [grad, signed_code, unsigned_code]
     for key, dtype in _STATE_DTYPES.items():
         value = state.get(key)
-        if not isinstance(value, torch.Tensor) or value.dtype != dtype or not value.is_contiguous():
+        if not isinstance(value, Tensor) or value.dtype != dtype or not value.is_contiguous():
             return False
         tensors.append(value)
     if any(t.device != param.device for t in tensors):
@@ -69,12 +66,12 @@ def kernel_supports(
 
 
 def adamw8bit_update_cuda(
-    param: torch.Tensor,
-    grad: torch.Tensor,
+    param: Tensor,
+    grad: Tensor,
     state: dict[str, Any],
     *,
-    signed_code: torch.Tensor,
-    unsigned_code: torch.Tensor,
+    signed_code: Tensor,
+    unsigned_code: Tensor,
     lr: float,
     beta1: float,
     beta2: float,
@@ -85,8 +82,8 @@ def adamw8bit_update_cuda(
 ) -> bool:
     """One AdamW step with 8-bit moments as one kernel launch on PyTorch's current stream, in place.
 
-    Same arguments and state layout as :func:`loragen.training.adamw8bit.adamw8bit_update_`. ``launcher`` defaults
-    to the process-wide driver launcher (CUDA tensors); tests pass an emulator for CPU tensors.
+    Same arguments and state layout as :func:`loragen.training.adamw8bit.adamw8bit_update_`;
+    ``launcher`` defaults to the process-wide driver launcher.
 
     Returns:
         ``True`` when the kernel ran, ``False`` (nothing changed) when :func:`kernel_supports` refuses
@@ -97,26 +94,14 @@ def adamw8bit_update_cuda(
     n_blocks, block_size = state["exp_avg_codes"].shape
     if n_blocks == 0:
         return True
-    variant = Variant(_DTYPE_NAMES[param.dtype], RANK_BUCKETS[0], True)
-    args = (
-        param.detach(),
-        grad.detach().contiguous(),
-        state["exp_avg_codes"],
-        state["exp_avg_absmax"],
-        state["exp_avg_sq_codes"],
-        state["exp_avg_sq_absmax"],
-        signed_code,
-        unsigned_code,
-        param.numel(),
-        block_size,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        eps,
-        math.sqrt(1.0 - beta2**step),
-        1.0 - lr * weight_decay if weight_decay else 1.0,
-        -(lr / (1.0 - beta1**step)),
-    )
+    variant = optimizer_variant(DTYPE_NAMES[param.dtype])
+    states = [state[key] for key in _STATE_DTYPES]  # m codes, m absmax, v codes, v absmax
+    tensors = (param.detach(), grad.detach().contiguous(), *states, signed_code, unsigned_code)
+    decay = 1.0 - lr * weight_decay if weight_decay else 1.0
+    sqrt_correction2 = math.sqrt(1.0 - beta2**step)
+    step_size = lr / (1.0 - beta1**step)
+    hyper = (1.0 - beta1, beta2, 1.0 - beta2, eps, sqrt_correction2, decay, -step_size)
+    args = (*tensors, param.numel(), block_size, *hyper)
     (launcher or default_launcher()).launch(ADAMW8BIT, variant, (n_blocks, 1), args, param.device)
     # the kernel writes through a raw pointer: tell autograd and version-keyed caches, as an in-place op does
     torch.autograd.graph.increment_version(param)

@@ -1,18 +1,11 @@
 """Each kernel variant checked on its first use on a device, and the torch products it falls back to.
 
-loragen's CUDA kernels cannot be run where they are developed (no GPU), so they prove themselves where
-they first run. :class:`CheckedLauncher` (the default launcher of :func:`loragen.cuda.lora_linear_cuda`)
-is asked by each call which launcher runs its variant -- (dtype, rank bucket, alignment) -- on its
-device. On the first ask per variant and device it runs the variant's four passes on a small problem
-with odd sizes, an odd rank, dropout, and x and g at a storage offset (unaligned pointers for an
-unaligned variant), and compares every pass's outputs with :class:`TorchKernels`, the same computation
-as torch products (cuBLAS), in full float32 and without the caller's autocast. On a GPU the check runs
-first in a child process, so a kernel that faults takes only the child down.
-
-Any failure -- NVRTC missing, an unknown architecture, bfloat16 before sm_80, a compile, load or launch
-error, numbers that differ -- gives one ``RuntimeWarning`` naming the variant, the device and the reason,
-and the variant runs on the torch route for the rest of the process (a later launch error does the
-same). :meth:`CheckedLauncher.outcomes` lists what was decided.
+:class:`CheckedLauncher` (the default launcher of :func:`loragen.cuda.lora_linear_cuda`) runs a new
+variant's four passes on a small problem with odd sizes, an odd rank, dropout and offset pointers, and
+compares them with :class:`TorchKernels` (the same computation as torch products) in full float32 and
+without autocast; on a GPU first in a child process, so a kernel that faults takes only the child down.
+Any failure gives one ``RuntimeWarning`` naming the variant, the device and the reason, and the variant
+runs on the torch route for the rest of the process (a later launch error does the same).
 
 :data:`loragen.switches.cuda_kernels` (``LORAGEN_CUDA_KERNELS``): ``check`` (default) as above;
 ``trust`` runs the kernels unchecked, their errors raise (kernel development, sanitizers, profiling);
@@ -38,16 +31,14 @@ from torch import Tensor
 from loragen import philox, switches
 from loragen.cuda import kernels, launch
 from loragen.cuda.build import KernelCompileError, NvrtcUnavailableError
-from loragen.cuda.kernels import KernelLauncher, KernelSpec, Variant, rank_bucket
+from loragen.cuda.kernels import Grid, KernelLauncher, KernelSpec, Variant
 from loragen.cuda.launch import CudaDriverError, default_launcher
 
 __all__ = [
     "BLOCK_ELEMENTS",
     "CheckedLauncher",
-    "DRIVER_LAUNCHER",
     "OK",
     "TorchKernels",
-    "autocast_off",
     "check_in_child",
     "check_variant",
     "child_main",
@@ -58,21 +49,8 @@ __all__ = [
 
 # ---- what the check computes under ----------------------------------------------------------------
 
-# torch >= 2.9 keeps a float32 precision per backend and operation as well (``torch.backends.cuda.matmul.
-# fp32_precision``, "none" meaning "as the level above says"); older torch has only the process-wide one
+# torch >= 2.9 keeps a float32 precision per backend as well (``fp32_precision``, "none": as above)
 _PER_BACKEND_PRECISION = hasattr(torch.backends.cuda.matmul, "fp32_precision")
-
-
-def _matmul_precisions() -> list[Any]:
-    """The per-backend settings the torch path's float32 products read (none before torch 2.9): cuBLAS's
-    on a GPU, oneDNN's on the CPU (where the tests check emulated kernels)."""
-    if not _PER_BACKEND_PRECISION:
-        return []
-    found: list[Any] = [torch.backends.cuda.matmul]
-    onednn = getattr(torch.backends.mkldnn, "matmul", None)
-    if onednn is not None and hasattr(onednn, "fp32_precision"):
-        found.append(onednn)
-    return found
 
 
 @contextlib.contextmanager
@@ -80,21 +58,21 @@ def exact_float32_products() -> Iterator[None]:
     """Float32 matrix products in full float32 inside the block (no TF32, no bfloat16 passes), and every
     precision setting back as it was found afterwards.
 
-    The process-wide setting goes to ``"highest"`` and back, and on torch >= 2.9 the cuBLAS and oneDNN
-    matmul settings go to ``"ieee"`` and back to their own values (``"none"`` included), in that order,
-    so that every reading -- :func:`torch.get_float32_matmul_precision`, ``allow_tf32``, each
-    ``fp32_precision`` -- answers inside the block without raising and afterwards as before. Where the
-    caller's per-backend settings already disagree with the process-wide one (reading it raises), that
-    one is left alone. The legacy ``allow_tf32`` flag is never set: on torch >= 2.9 that mixes the two
-    APIs, after which :func:`torch.get_float32_matmul_precision` can raise for the rest of the process;
-    before, it is only a view of the process-wide setting, and setting it back turns ``"medium"`` into
-    ``"high"``. cuDNN's settings are not touched.
+    The process-wide setting goes to ``"highest"`` (unless reading it raises: per-backend settings that
+    disagree) and, on torch >= 2.9, cuBLAS's and oneDNN's ``fp32_precision`` to ``"ieee"``, so every
+    reading answers inside the block without raising. The legacy ``allow_tf32`` flag is never set
+    (mixing the two APIs can make :func:`torch.get_float32_matmul_precision` raise for good).
     """
     try:
         process_wide: str | None = torch.get_float32_matmul_precision()
     except RuntimeError:
         process_wide = None
-    settings = _matmul_precisions()
+    settings: list[Any] = []
+    if _PER_BACKEND_PRECISION:  # cuBLAS's on a GPU, oneDNN's on the CPU (emulated kernels in tests)
+        settings.append(torch.backends.cuda.matmul)
+        onednn = getattr(torch.backends.mkldnn, "matmul", None)
+        if hasattr(onednn, "fp32_precision"):
+            settings.append(onednn)
     found = [setting.fp32_precision for setting in settings]
     try:
         if process_wide is not None:
@@ -112,8 +90,7 @@ def exact_float32_products() -> Iterator[None]:
 @contextlib.contextmanager
 def autocast_off(device: torch.device) -> Iterator[None]:
     """No autocast inside the block for ``device``'s type or for the CPU (where the check builds its
-    problem, and where the tests check emulated kernels), whichever the caller had on; the caller's
-    autocast is back as found afterwards."""
+    problem), whichever the caller had on."""
     with contextlib.ExitStack() as stack:
         for device_type in dict.fromkeys(("cpu", device.type)):
             if torch.is_autocast_enabled(device_type):
@@ -123,26 +100,23 @@ def autocast_off(device: torch.device) -> Iterator[None]:
 
 # ---- TorchKernels: each kernel's computation as torch products ------------------------------------
 
-# elements per row block: a float32 block is 128 MiB, and a batch of 16k rows of 2048 features is one
-# block (the Philox temporaries of the torch formulation stay < 1 GiB); blocks start on a multiple of 8
-# rows, so each starts on a whole Philox group
+# elements per row block (128 MiB of float32, so Philox temporaries stay < 1 GiB); blocks start on a
+# multiple of 8 rows, so each starts on a whole Philox group
 BLOCK_ELEMENTS = 1 << 25
 _MASK64 = (1 << 64) - 1
 
 
 def rng_values(rng: Tensor) -> tuple[int, int]:
-    """The (seed, offset) pair the kernels read through their ``rng`` pointer, as unsigned 64-bit ints.
-
-    For tests and tools on the host: reading a CUDA tensor waits for the device, so the op itself never
-    calls this (the torch path reads ``rng`` on the device, like the kernels).
-    """
+    """The (seed, offset) pair the kernels read through their ``rng`` pointer, as unsigned 64-bit ints
+    (for tests and tools: reading a CUDA tensor waits for the device)."""
     seed, offset = rng.tolist()
     return seed & _MASK64, offset & _MASK64
 
 
 def _row_blocks(rows: int, cols: int) -> list[tuple[int, int]]:
+    """Row ranges of at most BLOCK_ELEMENTS elements; one (empty) range for no rows."""
     step = max(8, BLOCK_ELEMENTS // max(cols, 1) // 8 * 8)
-    return [(begin, min(rows, begin + step)) for begin in range(0, rows, step)]
+    return [(begin, min(rows, begin + step)) for begin in range(0, max(rows, 1), step)]
 
 
 def _first_partial(parts: Tensor) -> Tensor:
@@ -152,30 +126,25 @@ def _first_partial(parts: Tensor) -> Tensor:
     return parts[0]
 
 
-def _f32(t: Tensor) -> Tensor:
-    """``t`` in float32: itself when it already is (no dispatch at all), else a float32 copy."""
-    return t if t.dtype == torch.float32 else t.float()
-
-
 class _Dropout:
-    """The dropout of one block of a masked tensor whose element [0, 0] is flat element ``start``: the
-    Philox keep-mask (:func:`loragen.philox.rng_keep_mask`, made on the block's device from the op's
-    ``rng`` tensor) applied to x and, in backward, to the x-shaped product dh A alike."""
+    """Dropout of one row block whose element [0, 0] is flat element ``start``: the Philox keep-mask
+    (made on the device from the op's ``rng`` tensor) applied to x and, in backward, to dh A alike;
+    without dropout only the cast to float32."""
 
-    def __init__(self, rng: Tensor, start: int, threshold: int, keep_scale: float) -> None:
+    def __init__(self, rng: Tensor | None, start: int, threshold: int, keep_scale: float) -> None:
+        self.on = threshold != 0 and rng is not None
         self.rng, self.start, self.threshold, self.keep_scale = rng, start, threshold, keep_scale
         self._keep: Tensor | None = None
 
     def __call__(self, values: Tensor) -> Tensor:
         """``values`` in float32, kept elements times keep_scale, dropped ones 0."""
+        if not self.on:
+            return values if values.dtype == torch.float32 else values.float()
         if self._keep is None:
+            assert self.rng is not None
             keep = philox.rng_keep_mask(self.rng, self.start, values.numel(), self.threshold)
             self._keep = keep.view(values.shape)
         return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
-
-
-def _dropout(rng: Tensor | None, start: int, threshold: int, keep_scale: float) -> _Dropout | None:
-    return None if threshold == 0 or rng is None else _Dropout(rng, start, threshold, keep_scale)
 
 
 def _down(
@@ -192,26 +161,9 @@ def _down(
 ) -> None:
     """h = dropout(x) A^T (rows, R) into partial 0."""
     h = _first_partial(h_part)
-    if rows * cols <= BLOCK_ELEMENTS:
-        drop = _dropout(rng, 0, threshold, keep_scale)
-        torch.mm(_f32(x) if drop is None else drop(x), lora_a.mT, out=h)
-        return
     for begin, end in _row_blocks(rows, cols):
-        drop = _dropout(rng, begin * cols, threshold, keep_scale)
-        block = x[begin:end]
-        torch.mm(_f32(block) if drop is None else drop(block), lora_a.mT, out=h[begin:end])
-
-
-def _up_block(h: Tensor, bt: Tensor, bias: Tensor | None, out: Tensor, scaling: float) -> None:
-    if out.dtype == torch.float32:  # the op's float32 variant: in place, no temporary
-        if bias is not None:
-            out.add_(bias)
-        out.addmm_(h, bt, alpha=scaling)
-        return
-    term = out.float()  # the base product, as cuBLAS wrote it
-    if bias is not None:
-        term.add_(bias)
-    out.copy_(term.addmm_(h, bt, alpha=scaling))  # onto the base product, one rounding
+        drop = _Dropout(rng, begin * cols, threshold, keep_scale)
+        torch.mm(drop(x[begin:end]), lora_a.mT, out=h[begin:end])
 
 
 def _up(
@@ -224,12 +176,15 @@ def _up(
     rank: int,
     scaling: float,
 ) -> None:
-    """out = round(out + bias + s h B^T) (rows, out) in place."""
-    if rows * cols <= BLOCK_ELEMENTS:
-        _up_block(h, lora_bt, bias, out, scaling)
-        return
+    """out = round(out + bias + s h B^T) (rows, out) in place, onto the base product with one rounding."""
     for begin, end in _row_blocks(rows, cols):
-        _up_block(h[begin:end], lora_bt, bias, out[begin:end], scaling)
+        block = out[begin:end]
+        term = block if block.dtype == torch.float32 else block.float()
+        if bias is not None:
+            term.add_(bias)
+        term.addmm_(h[begin:end], lora_bt, alpha=scaling)
+        if term is not block:
+            block.copy_(term)
 
 
 def _grad_out(
@@ -248,33 +203,10 @@ def _grad_out(
     dh = _first_partial(dh_part)
     db = _first_partial(db_part)
     b = lora_bt.mT  # (out, R)
-    if rows * cols <= BLOCK_ELEMENTS:
-        g = _f32(grad)
-        dh.addmm_(g, b, beta=0, alpha=scaling)  # beta=0: what dh held (uninitialised) is not read
-        db.addmm_(g.mT, h, beta=0, alpha=scaling)
-        return
     for index, (begin, end) in enumerate(_row_blocks(rows, cols)):
-        g = _f32(grad[begin:end])
-        dh[begin:end].addmm_(g, b, beta=0, alpha=scaling)
+        g = grad[begin:end].float()
+        dh[begin:end].addmm_(g, b, beta=0, alpha=scaling)  # beta=0: the uninitialised dh is not read
         db.addmm_(g.mT, h[begin:end], beta=1 if index else 0, alpha=scaling)
-
-
-def _grad_in_block(
-    x: Tensor, dh: Tensor, a: Tensor, gx: Tensor | None, da: Tensor, first: bool, drop: _Dropout | None
-) -> None:
-    if gx is None:
-        da.addmm_(dh.mT, _f32(x) if drop is None else drop(x), beta=0 if first else 1)
-        return
-    if drop is None:
-        da.addmm_(dh.mT, _f32(x), beta=0 if first else 1)
-        if gx.dtype == torch.float32:
-            torch.mm(dh, a, out=gx)
-        else:
-            gx.copy_(torch.mm(dh, a))  # one rounding into gx
-        return
-    xd, product = drop(x), drop(torch.mm(dh, a))  # one keep-mask for both
-    da.addmm_(dh.mT, xd, beta=0 if first else 1)
-    gx.copy_(product)  # one rounding into gx
 
 
 def _grad_in(
@@ -293,17 +225,14 @@ def _grad_in(
 ) -> None:
     """gx = dropout(dh A) (rows, in) in x's dtype, and dA = dh^T dropout(x) (R, in) into partial 0."""
     da = _first_partial(da_part)
-    if rows * cols <= BLOCK_ELEMENTS:
-        _grad_in_block(x, dh, lora_a, grad_x_lora, da, True, _dropout(rng, 0, threshold, keep_scale))
-        return
     for begin, end in _row_blocks(rows, cols):
-        gx = None if grad_x_lora is None else grad_x_lora[begin:end]
-        drop = _dropout(rng, begin * cols, threshold, keep_scale)
-        _grad_in_block(x[begin:end], dh[begin:end], lora_a, gx, da, begin == 0, drop)
+        drop = _Dropout(rng, begin * cols, threshold, keep_scale)  # one keep-mask for x and dh A
+        da.addmm_(dh[begin:end].mT, drop(x[begin:end]), beta=0 if begin == 0 else 1)
+        if grad_x_lora is not None:
+            grad_x_lora[begin:end].copy_(drop(torch.mm(dh[begin:end], lora_a)))  # one rounding
 
 
 # each kernel's computation, taking the kernel's arguments in the order of its parameters
-# (tests/cuda/test_cuda_selfcheck.py checks the names against the kernel specs)
 KERNELS: dict[str, Callable[..., None]] = {
     "lora_down": _down,
     "lora_up": _up,
@@ -313,14 +242,14 @@ KERNELS: dict[str, Callable[..., None]] = {
 
 
 class TorchKernels:
-    """Runs the LoRA kernels' computations with torch operations; see the module docstring.
+    """Runs the LoRA kernels' computations with torch operations.
 
     ``whole_op`` (the default): the eager op, routed here, runs the reference composition
     (:func:`loragen.reference.lora_linear_reference`, less host work per call) instead of the four
     passes; False keeps it on the passes (loragen's CPU tests run the op's host side through them).
     """
 
-    whole_op: bool = True
+    whole_op: bool = True  # also for subclasses that do not call __init__
 
     def __init__(self, whole_op: bool = True) -> None:
         self.whole_op = whole_op
@@ -330,30 +259,13 @@ class TorchKernels:
         return 1
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
-        """Compute what kernel ``spec`` computes for ``args`` (``variant`` and ``grid`` do not matter).
-
-        Raises:
-            KeyError: ``spec`` is not one of the four LoRA kernels.
-            TypeError: ``args`` does not match the kernel's parameter list.
-        """
+        """Compute what kernel ``spec`` computes for ``args`` (``variant`` and ``grid`` do not matter);
+        KeyError for a kernel other than the four LoRA kernels."""
         run = KERNELS.get(spec.name)
         if run is None:
             raise KeyError(f"loragen.cuda.selfcheck: no torch path for kernel {spec.name!r}")
-        if len(args) != len(spec.params):
-            raise TypeError(
-                f"loragen.cuda.selfcheck: kernel {spec.name} takes {len(spec.params)} arguments, "
-                f"got {len(args)}"
-            )
-        if not torch.is_grad_enabled():  # the op's own calls: autograd already off
-            run(*args)
-            return
         with torch.no_grad():
             run(*args)
 
@@ -364,46 +276,20 @@ DRIVER_LAUNCHER = "loragen.cuda.launch:DriverLauncher"
 TIMEOUT_S = 300.0  # imports, CUDA start, five NVRTC compiles and tiny launches: a hung kernel is a failure
 
 
-def _tail(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "(no output)"
-
-
-def _child_environment() -> dict[str, str]:
-    """The caller's environment, with its module search path: the child imports what the caller does."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    return env
-
-
 def check_in_child(
     variant: Variant, device: torch.device, launcher: str = DRIVER_LAUNCHER, timeout: float = TIMEOUT_S
 ) -> str | None:
-    """:func:`loragen.cuda.selfcheck.check_variant` of ``variant`` on ``device`` in a child process
-    whose launcher is made by calling ``launcher`` (``"module:attribute"``); None when it passed, else
-    the reason (a crash or a timeout of the child included, and a child that could not be started: the
-    variant is then not run unchecked, and the reason says why)."""
-    index = (
-        -1
-        if device.type != "cuda"
-        else device.index
-        if device.index is not None
-        else torch.cuda.current_device()
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "loragen.cuda.selfcheck",
-        variant.dtype,
-        str(variant.rank_bucket),
-        "aligned" if variant.aligned else "unaligned",
-        str(index),
-        launcher,
-    ]
+    """:func:`check_variant` of ``variant`` on ``device`` in a child process whose launcher is made by
+    calling ``launcher`` (``"module:attribute"``); None when it passed, else the reason (a child that
+    crashed, timed out or could not be started included)."""
+    index = _keyed(device).index if device.type == "cuda" else -1
+    alignment = "aligned" if variant.aligned else "unaligned"
+    args = [variant.dtype, str(variant.rank_bucket), alignment, str(index), launcher]
+    command = [sys.executable, "-m", "loragen.cuda.selfcheck", *args]
+    # the caller's module search path: the child imports what the caller does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, check=False, env=_child_environment()
-        )
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except subprocess.TimeoutExpired:
         return f"crashed: the isolated self-check did not finish in {timeout:.0f} s"
     except OSError as exc:  # no interpreter at sys.executable, a process limit reached, no memory to fork
@@ -415,16 +301,16 @@ def check_in_child(
             continue
         if isinstance(answer, dict) and "reason" in answer:
             return None if answer["reason"] is None else str(answer["reason"])
-    return f"crashed: the isolated self-check's process exited with status {done.returncode}: {_tail(done.stderr)}"
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    tail = lines[-1][:300] if lines else "(no output)"
+    return f"crashed: the isolated self-check's process exited with status {done.returncode}: {tail}"
 
 
 # ---- the checked launcher --------------------------------------------------------------------------
 
 OK = "ok"
-# largest |kernel - torch path| relative to the largest |torch path| value, by the variant's dtype. Both
-# sides read the same inputs and accumulate in float32; they differ by summation order, by the rounding
-# of 16-bit outputs (2**-8 for bfloat16, 2**-11 for float16), and where a kernel runs on tensor cores,
-# by A or B^T rounded to the 16-bit dtype (seen: 1.5e-3 for bfloat16, 2.3e-4 for float16 at R = 32-64).
+# largest |kernel - torch path| relative to the largest |torch path| value, by dtype: summation order,
+# rounding of 16-bit outputs and, on tensor cores, A or B^T rounded to the 16-bit dtype
 BOUNDS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 _TORCH_DTYPES = {name: dtype for dtype, name in kernels.DTYPE_NAMES.items()}
 _SEED = 0x0123_4567_89AB_CDEF  # both key words non-zero
@@ -435,16 +321,12 @@ _P = 0.25
 def _shape(variant: Variant) -> tuple[int, int, int, int]:
     """rows, in, out, rank of the check problem: odd rows and rank, partial tiles everywhere."""
     rank = max(1, variant.rank_bucket - 3)
-    if variant.aligned:
-        return 67, 264, 136, rank
-    return 67, 263, 133, rank
+    return (67, 264, 136, rank) if variant.aligned else (67, 263, 133, rank)
 
 
 def _offset_view(values: Tensor, dtype: torch.dtype, device: torch.device, aligned: bool) -> Tensor:
-    """``values`` as a contiguous view at a storage offset: 16 bytes in (aligned) or one element in
-    (the data pointer is then not 16-byte aligned)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    offset = 16 // element if aligned else 1
+    """``values`` as a contiguous view 16 bytes (aligned) or one element into its storage."""
+    offset = 16 // dtype.itemsize if aligned else 1
     storage = torch.zeros(values.numel() + offset, dtype=dtype, device=device)
     view = storage[offset:].view(values.shape)
     view.copy_(values)
@@ -524,12 +406,8 @@ def check_variant(
     variant: Variant, device: torch.device, kernels: KernelLauncher, torch_path: KernelLauncher | None = None
 ) -> str | None:
     """Run ``variant``'s passes through ``kernels`` on the self-check problem on ``device`` and compare
-    them with the torch path; None when they agree, else the reason (stage and message).
-
-    ``kernels`` may have an ``arch(device)`` method (``"sm_90"``); bfloat16 then needs sm_80 or newer.
-    Both sides run with full float32 products and without autocast, whatever the caller set
-    (:mod:`loragen.cuda.selfcheck`).
-    """
+    them with the torch path; None when they agree, else the reason (stage and message). Where
+    ``kernels`` has an ``arch(device)`` method, bfloat16 needs sm_80 or newer."""
     arch_of = getattr(kernels, "arch", None)
     if variant.dtype == "bfloat16" and arch_of is not None:
         arch = str(arch_of(device))
@@ -571,9 +449,7 @@ def check_variant(
 
 
 def _keyed(device: torch.device | str) -> torch.device:
-    """``device`` as the checker keys its decisions: a CUDA device without an index is the current one, as
-    on the op's tensors (so ``check_all("cuda")`` covers the op's calls on ``cuda:N``). Other devices are
-    kept as given: the tests emulate launches on ``cpu`` and ``cpu:0`` as two devices."""
+    """``device`` with a CUDA device's index made explicit; others kept as given (``cpu``, ``cpu:0``)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -591,12 +467,7 @@ class _Guarded:
         return self._checker.kernels.target_blocks(device)
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
         if self._checker.outcome(*self._key) == OK:
             try:
@@ -609,7 +480,7 @@ class _Guarded:
 
 class CheckedLauncher:
     """Chooses, per kernel variant and device, between the kernels and the torch path; see the module
-    docstring. ``kernels`` defaults to :func:`loragen.cuda.launch.default_launcher` (made on first use)."""
+    docstring. ``kernels`` defaults to :func:`loragen.cuda.launch.default_launcher`."""
 
     def __init__(
         self,
@@ -619,9 +490,8 @@ class CheckedLauncher:
         isolate: bool | None = None,
         child_launcher: str = DRIVER_LAUNCHER,
     ) -> None:
-        """``isolate``: check in a child process first (:mod:`loragen.cuda.selfcheck`); default: on CUDA
-        devices when ``kernels`` is the default driver launcher. ``child_launcher`` ("module:callable")
-        makes the child's launcher."""
+        """``isolate``: check in a child process first (default: on CUDA devices when ``kernels`` is the
+        default driver launcher). ``child_launcher`` ("module:callable") makes the child's launcher."""
         self._kernels = kernels
         self.torch_path: KernelLauncher = torch_path or TorchKernels()
         self._isolate = isolate if isolate is not None else (None if kernels is None else False)
@@ -633,7 +503,6 @@ class CheckedLauncher:
 
     @property
     def kernels(self) -> KernelLauncher:
-        """The launcher that runs the compiled kernels."""
         if self._kernels is None:
             self._kernels = default_launcher()
         return self._kernels
@@ -641,7 +510,6 @@ class CheckedLauncher:
     def outcome(self, variant: Variant, device: torch.device | str) -> str | None:
         """``"ok"``, the reason the variant runs on the torch path, or None when not checked yet
         (``"cuda"``: the current CUDA device)."""
-        # the guarded launches ask with the name the decision is kept under: one lookup, nothing built
         found = self._outcomes.get((variant, str(device)))
         return found if found is not None else self._outcomes.get((variant, str(_keyed(device))))
 
@@ -670,8 +538,7 @@ class CheckedLauncher:
         )
 
     def route(self, variant: Variant, device: torch.device) -> KernelLauncher:
-        """The launcher that runs ``variant`` on ``device`` now (checking it first when it is new); a CUDA
-        device without an index is the current one.
+        """The launcher that runs ``variant`` on ``device`` now, checking it first when it is new.
 
         Raises:
             RuntimeError: the variant has not been checked yet and a CUDA graph is being captured.
@@ -681,7 +548,6 @@ class CheckedLauncher:
             return self.torch_path
         if mode == "trust":
             return self.kernels
-        # fast path after a variant's first use: one dict lookup, no lock, nothing allocated
         routed = self._routes.get((variant, device))
         if routed is not None:
             return routed
@@ -711,9 +577,9 @@ class CheckedLauncher:
         return routed
 
     def check_all(self, device: torch.device, variants: Sequence[Variant] | None = None) -> dict[str, str]:
-        """Check every variant (or ``variants``) on ``device`` now (``"cuda"``: the current CUDA device);
-        :meth:`outcomes` afterwards."""
-        for variant in variants or all_lora_variants():
+        """Check every LoRA variant (or ``variants``) on ``device`` now; :meth:`outcomes` afterwards."""
+        lora_variants = [v for spec, v in kernels.all_variants() if spec is kernels.LORA_DOWN]
+        for variant in variants or lora_variants:
             self.route(variant, device)
         return self.outcomes()
 
@@ -722,21 +588,9 @@ class CheckedLauncher:
         return self.kernels.target_blocks(device)
 
     def launch(
-        self,
-        spec: KernelSpec,
-        variant: Variant,
-        grid: tuple[int, int],
-        args: Sequence[object],
-        device: torch.device,
+        self, spec: KernelSpec, variant: Variant, grid: Grid, args: Sequence[object], device: torch.device
     ) -> None:
         self.route(variant, device).launch(spec, variant, grid, args, device)
-
-
-def all_lora_variants() -> list[Variant]:
-    """Every (dtype, rank bucket, alignment) the LoRA op can ask for."""
-    from loragen.cuda.kernels import DTYPES, RANK_BUCKETS
-
-    return [Variant(d, rank_bucket(b), a) for d in DTYPES for b in RANK_BUCKETS for a in (True, False)]
 
 
 _default: CheckedLauncher | None = None
@@ -753,9 +607,8 @@ def default_checker() -> CheckedLauncher:
 
 
 def child_main(argv: list[str]) -> int:
-    """The child side of :func:`loragen.cuda.selfcheck.check_in_child`:
-    ``DTYPE BUCKET aligned|unaligned DEVICE_INDEX MODULE:LAUNCHER`` (index -1: the CPU); writes one JSON
-    line ``{"reason": ...}`` to stdout."""
+    """The child side of :func:`check_in_child`: ``DTYPE BUCKET aligned|unaligned DEVICE_INDEX
+    MODULE:LAUNCHER`` (index -1: the CPU); writes one JSON line ``{"reason": ...}`` to stdout."""
     dtype, bucket, alignment, index, launcher_path = argv
     module, _, attribute = launcher_path.partition(":")
     launcher = getattr(importlib.import_module(module), attribute)()
