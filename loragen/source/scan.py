@@ -2,20 +2,9 @@
 libcst, for both code generators (:func:`loragen.lora_convert`, :func:`loragen.rewrite_source`).
 
 A *layer field* is a module attribute built in ``__init__`` by a constructor of a registered layer type,
-matched by *qualified name* (``nn.Linear``, ``torch.nn.Linear`` and ``from torch.nn import Linear as L``
-are the same; a user's class called ``Linear`` is not), followed through locals, containers and both
-branches of conditionals (:class:`InitWalker`). The file's own layer subclasses (``class
-FalconLinear(nn.Linear)``) are layer types too; sub-models built by transformers' auto classes are
-:class:`FactoryCall`; a previous rewrite's lines are recognised, so a second rewrite changes nothing. What
-cannot be resolved statically is reported as :class:`Unresolved` with ``file:line``, never guessed.
-
-Python's parser checks the code first (its message for invalid code; nesting deeper than
-:data:`MAX_NESTING` is refused before libcst, whose parser crashes the process on it). Scope analysis runs on
-a :func:`skeleton` whose function bodies, but for ``__init__`` and ``get_output_embeddings``, are stubbed
-out; everything found is keyed by the full tree's own nodes (which hash by identity), so nothing is copied.
-Layer types are read without importing torch until :mod:`loragen.layers` is (:func:`layer_types`).
-Files Python reads but libcst cannot keep as they are (a byte order mark, ``\r`` line ends, some mixes of
-tabs and spaces) are scanned as :func:`source_text` gives them, which also gives the way back to their form.
+matched by qualified name and followed through locals, containers and conditionals (:class:`InitWalker`).
+What cannot be resolved statically is reported as :class:`Unresolved` with ``file:line``, never guessed.
+Everything found is keyed by the parsed tree's own nodes (which hash by identity).
 """
 
 from __future__ import annotations
@@ -33,7 +22,7 @@ import re
 import sys
 import tokenize
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import libcst as cst
 import libcst.metadata as md
@@ -79,10 +68,8 @@ __all__ = [
     "source_text",
 ]
 
-
-# ---- syntax helpers: a node's code, dotted names, string literals, nested statements -----------------------
-
 _EMPTY = cst.Module(body=[])
+_Node = TypeVar("_Node", bound=cst.CSTNode)
 
 
 def code_of(node: cst.CSTNode) -> str:
@@ -109,13 +96,15 @@ def string_value(node: cst.BaseExpression) -> str | None:
 
 
 def absolute_module(package: str, level: int, name: str | None) -> str | None:
-    """The absolute module a relative import names (``level`` dots inside ``package``), or None if it
-    reaches above the package's top."""
+    """The absolute module a relative import names, or None if it reaches above ``package``'s top."""
     parts = package.split(".") if package else []
     if level - 1 >= len(parts):
         return None
     base = parts[: len(parts) - (level - 1)]
     return ".".join(base + ([name] if name else []))
+
+
+_COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
 
 
 def _block_statements(block: cst.BaseSuite) -> list[cst.CSTNode]:
@@ -151,9 +140,9 @@ def nested_statements(stmt: cst.CSTNode) -> list[cst.CSTNode]:
     return [s for block in blocks for s in _block_statements(block)]
 
 
-def nodes_of(node: cst.CSTNode, kind: type[cst.CSTNode]) -> list[cst.CSTNode]:
+def nodes_of(node: cst.CSTNode, kind: type[_Node]) -> list[_Node]:
     """Every node of type ``kind`` inside ``node`` (itself included), in source order."""
-    found: list[cst.CSTNode] = []
+    found: list[_Node] = []
 
     class Collect(cst.CSTVisitor):
         def on_visit(self, child: cst.CSTNode) -> bool:
@@ -163,11 +152,6 @@ def nodes_of(node: cst.CSTNode, kind: type[cst.CSTNode]) -> list[cst.CSTNode]:
 
     node.visit(Collect())
     return found
-
-
-def calls_in(node: cst.CSTNode) -> Sequence[cst.Call]:
-    """Every call inside ``node``, in source order."""
-    return [call for call in nodes_of(node, cst.Call) if isinstance(call, cst.Call)]
 
 
 def class_definitions(body: Sequence[cst.CSTNode], prefix: str = "") -> dict[str, cst.ClassDef]:
@@ -180,12 +164,10 @@ def class_definitions(body: Sequence[cst.CSTNode], prefix: str = "") -> dict[str
             found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}."))
         elif isinstance(stmt, cst.FunctionDef):
             found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}.<locals>."))
-        elif isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)):
+        elif isinstance(stmt, _COMPOUND):
             found.update(class_definitions(nested_statements(stmt), prefix))
     return found
 
-
-# ---- the text as read: byte order mark, line ends, indentation ---------------------------------------------
 
 _LINE_END = re.compile(r"\r\n?|\n")
 _LINE = re.compile(r"[^\r\n]*(?:\r\n?|\n)|[^\r\n]+\Z")
@@ -204,15 +186,10 @@ _BEFORE_A_STATEMENT = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
 
 @dataclasses.dataclass(frozen=True)
 class SourceText:
-    """A source file's text in the form the scanner and the rewriter work on, and the way back to the file's.
+    """A source file's text as libcst can keep it, and the way back to the file's form.
 
-    Python reads a UTF-8 byte order mark, ``\r\n``, ``\r`` and ``\n`` line ends (mixed, even), and
-    indentation that mixes tabs and spaces consistently. libcst keeps neither a lone ``\r`` nor a block
-    whose indentation does not start with the indentation of the block around it (``\t`` under ``" \t"``).
-    ``code`` is the text without the mark, with ``\n`` line ends and, only where libcst needs it, the
-    indentation of statements as spaces (a tab to the next multiple of 8 columns, as Python counts);
-    its lines are the file's lines one for one. :meth:`restore` gives a rewrite of ``code`` the file's mark,
-    line ends and indentation back.
+    ``code`` is the text without a byte order mark, with ``\n`` line ends and, only where libcst needs it
+    (tabs mixed into indentation), statements indented by spaces; its lines are the file's one for one.
     """
 
     code: str
@@ -222,11 +199,7 @@ class SourceText:
     statements: frozenset[int] = frozenset()  # where reindented: the lines (from 0) that start statements
 
     def restore(self, rewritten: str) -> str:
-        """``rewritten`` (a rewrite of :attr:`code`) with the file's mark, line ends and indentation.
-
-        Lines the rewrite kept are the file's own lines; a new or changed line gets the file's first kind
-        of line end, and the file's indentation for the same column where ``code`` was re-indented.
-        """
+        """``rewritten`` (a rewrite of :attr:`code`) with the file's mark, line ends and indentation."""
         mark = "\ufeff" if self.bom else ""
         if rewritten == self.code:
             return mark + self.original
@@ -241,13 +214,11 @@ class SourceText:
         original, ours, theirs = (_LINE.findall(text) for text in (self.original, self.code, rewritten))
         first_end = _LINE_END.search(self.original)
         newline = first_end.group() if first_end else "\n"
-        # the column of each statement's indentation in ``code`` and the file's indentation for it
         columns = {i: len(_indent(ours[i])) for i in self.statements}
         indents = {i: _indent(original[i]) for i in self.statements}
 
         def indent_for(column: int, following: int) -> str:
-            """The file's indentation for a new statement at ``column`` before line ``following``: that of
-            its next sibling, else of its previous one, else its parent's and spaces to the column."""
+            # that of the next sibling, else of the previous one, else the parent's and spaces
             for i in range(following, len(ours)):
                 if i in columns and columns[i] <= column:
                     if columns[i] == column:
@@ -300,10 +271,8 @@ def _indent(line: str) -> str:
 
 
 def _reindented(code: str) -> tuple[str, frozenset[int]] | None:
-    """``code`` with its statements (and comment lines) indented by spaces, and the lines (from 0) that start
-    statements, when tabs in their indentation are mixed in a way Python accepts and libcst cannot keep;
-    None when there is nothing to do (or Python refuses the code: the scanner then reports Python's own
-    message and line)."""
+    """``code`` with statements and comment lines indented by spaces, and the lines that start statements,
+    when tabs are mixed in a way libcst cannot keep; None when there is nothing to do or Python refuses it."""
     if not _TAB_IN_INDENT.search(code):
         return None
     lines = code.split("\n")
@@ -329,11 +298,8 @@ def _reindented(code: str) -> tuple[str, frozenset[int]] | None:
 
 
 def _libcst_cannot_keep(indents: list[tuple[str, bool]]) -> bool:
-    """Whether a block's indentation does not start with the indentation of the block around it, or a
-    comment line's is neither a block's nor one of those continued (libcst loses some of those comments).
-
-    ``indents``: the indentation of each statement (True) and comment line (False), in order.
-    """
+    """Whether a block's indentation (``indents``: statements True, comment lines False) does not extend
+    the enclosing block's, or a comment line's is neither a block's nor an extension of one."""
     stack = [""]
     for indent, statement in indents:
         if not statement:
@@ -366,8 +332,6 @@ def _same_program(a: str, b: str) -> bool:
         return False
 
 
-# ---- parsing: Python's check, libcst's tree, the skeleton, positions ---------------------------------------
-
 MAX_NESTING = 100
 
 KEPT_BODIES = ("__init__", "get_output_embeddings")
@@ -375,22 +339,13 @@ _DEFINES_CLASS = re.compile(r"^[ \t]*class[ \t]", re.MULTILINE)
 
 
 def parse(code: str, filename: str) -> cst.Module:
-    """Parse ``code`` into a libcst module.
+    """Parse ``code`` into a libcst module, checked by Python's parser first.
 
     Raises:
-        ScanError: ``code`` is not valid Python, holds a NUL character or text that is not Unicode, or is
-            nested deeper than :data:`MAX_NESTING`; names ``filename:line`` and what is wrong (Python's own
-            message for invalid code).
+        ScanError: ``code`` is not valid Python (Python's message), holds a NUL character or text that is not
+            Unicode, is nested deeper than :data:`MAX_NESTING`, or libcst cannot parse it; names
+            ``filename:line``.
     """
-    _check_with_python(code, filename)
-    try:
-        return cst.parse_module(code)
-    except (cst.ParserSyntaxError, SyntaxError, ValueError, RecursionError) as exc:
-        raise _libcst_error(filename, exc) from None
-
-
-def _check_with_python(code: str, filename: str) -> None:
-    """Python's parser on ``code``, then the nesting depth of its tree; raises :class:`ScanError`."""
     nul = code.find("\0")
     if nul >= 0:  # Python's message for it has no line
         line = code.count("\n", 0, nul) + 1
@@ -416,6 +371,23 @@ def _check_with_python(code: str, filename: str) -> None:
             filename=filename,
             line=deep,
         )
+    try:
+        return cst.parse_module(code)
+    except cst.ParserSyntaxError as exc:  # syntax newer than libcst knows
+        raise ScanError(
+            f"libcst cannot parse this: {exc.message}",
+            filename=filename,
+            line=exc.raw_line,
+            column=exc.raw_column,
+        ) from None
+    except RecursionError:
+        raise ScanError(
+            f"nesting deeper than libcst can parse ({MAX_NESTING} at most)", filename=filename, line=1
+        ) from None
+    except (SyntaxError, ValueError) as exc:
+        raise ScanError(
+            f"libcst cannot parse this: {exc}", filename=filename, line=getattr(exc, "lineno", None) or 1
+        ) from None
 
 
 def _deeper_than(tree: ast.AST, limit: int) -> int | None:
@@ -430,34 +402,12 @@ def _deeper_than(tree: ast.AST, limit: int) -> int | None:
     return None
 
 
-def _libcst_error(filename: str, exc: Exception) -> ScanError:
-    """libcst refusing code that Python's parser accepts (syntax newer than libcst knows)."""
-    if isinstance(exc, cst.ParserSyntaxError):
-        return ScanError(
-            f"libcst cannot parse this: {exc.message}",
-            filename=filename,
-            line=exc.raw_line,
-            column=exc.raw_column,
-        )
-    if isinstance(exc, RecursionError):
-        return ScanError(
-            f"nesting deeper than libcst can parse ({MAX_NESTING} at most)", filename=filename, line=1
-        )
-    return ScanError(
-        f"libcst cannot parse this: {exc}", filename=filename, line=getattr(exc, "lineno", None) or 1
-    )
-
-
 def skeleton(
     tree: cst.Module,
 ) -> tuple[cst.Module, dict[cst.FunctionDef, cst.FunctionDef], dict[cst.FunctionDef, str]]:
     """``tree`` with function bodies stubbed out (same line count), ``function -> its stub``, and
-    ``function -> the source of its body`` for the functions whose whole body was stubbed (keyed by the
-    nodes of ``tree``, which hash by identity).
-
-    Kept whole: the bodies named in :data:`KEPT_BODIES`, and the bodies of functions that define classes
-    (whose methods are stubbed in turn). Nothing the scanner follows lies in a wholly stubbed body, so
-    later passes may skip those bodies when their source shows nothing they look for.
+    ``function -> the source of its body`` for the wholly stubbed ones; kept: the bodies named in
+    :data:`KEPT_BODIES` and those of functions that define classes (whose methods are stubbed in turn).
     """
     stubs: dict[cst.FunctionDef, cst.FunctionDef] = {}
     hidden: dict[cst.FunctionDef, str] = {}
@@ -470,8 +420,7 @@ def skeleton(
             if _DEFINES_CLASS.search(text):
                 new = stmt.with_changes(body=stmt.body.with_changes(body=[strip(s) for s in stmt.body.body]))
             else:
-                # one string literal spanning the body's lines keeps the line count in a single node
-                # (blank lines would be three nodes each, for every pass over the skeleton)
+                # one string literal keeps the line count in a single node
                 lines = "\n" * max(text.count("\n") - 2, 0)
                 stub = cst.SimpleStatementLine(body=[cst.Expr(cst.SimpleString(f'"""{lines}"""'))])
                 body = cst.IndentedBlock(body=[stub], header=stmt.body.header, indent=stmt.body.indent)
@@ -487,13 +436,8 @@ def skeleton(
 
 
 def without_signatures(skeleton: cst.Module, stubbed: set[cst.FunctionDef]) -> cst.Module:
-    """``skeleton`` with the ``stubbed`` functions' parameters, return annotations and decorators dropped.
-
-    What scope analysis needs: the names each scope binds, and the kept bodies. A stubbed function still
-    binds its name; its signature binds nothing outside it and holds no field, so analysing it is wasted
-    (about a third of a modeling file's skeleton). Names in those signatures then resolve at module level
-    (:meth:`Resolver.qualnames`). Everything else is ``skeleton``'s own nodes.
-    """
+    """``skeleton`` without the ``stubbed`` functions' parameters, return annotations and decorators, which
+    scope analysis need not see (they hold no field); everything else is ``skeleton``'s own nodes."""
 
     def strip(stmt: cst.BaseStatement) -> cst.BaseStatement:
         if isinstance(stmt, cst.FunctionDef) and stmt in stubbed:
@@ -507,14 +451,9 @@ def without_signatures(skeleton: cst.Module, stubbed: set[cst.FunctionDef]) -> c
     return skeleton.with_changes(body=[strip(s) for s in skeleton.body])
 
 
-_NEWLINE = re.compile(r"\r\n?|\n")
-
-
 class _TokenState(CodegenState):
-    """Code generation that notes, for every node, the indices of the tokens its range starts and ends at:
-    the syntactic range where the node records one, else all the whitespace it owns (as
-    :class:`~libcst.metadata.PositionProvider` decides). Line and column are worked out only for the nodes
-    asked about, so a pass costs little more than printing the code."""
+    """Code generation noting each node's range as token indices, as
+    :class:`~libcst.metadata.PositionProvider` decides it; lines and columns are worked out on demand."""
 
     def __init__(self, module: cst.Module) -> None:
         super().__init__(default_indent=module.default_indent, default_newline=module.default_newline)
@@ -549,15 +488,15 @@ class _TokenState(CodegenState):
 
 
 class SourcePositions(Mapping[cst.CSTNode, CodeRange]):
-    """``node -> CodeRange`` for every node of ``module``: what ``MetadataWrapper(module).resolve(PositionProvider)``
-    gives, keyed by the module's own nodes (nothing is copied)."""
+    """``node -> CodeRange`` for every node of ``module``, as libcst's ``PositionProvider`` gives it, keyed by
+    the module's own nodes (nothing is copied)."""
 
     def __init__(self, module: cst.Module) -> None:
         state = _TokenState(module)
         module._codegen(state)
         self._ranges = state.ranges
         self._offsets = list(itertools.accumulate(map(len, state.tokens), initial=0))
-        self._line_ends = [match.end() for match in _NEWLINE.finditer("".join(state.tokens))]
+        self._line_ends = [match.end() for match in _LINE_END.finditer("".join(state.tokens))]
 
     def _position(self, token: int) -> CodePosition:
         offset = self._offsets[token]
@@ -568,9 +507,6 @@ class SourcePositions(Mapping[cst.CSTNode, CodeRange]):
         start, end = self._ranges[node]
         return CodeRange(self._position(start), self._position(end))
 
-    def __contains__(self, node: object) -> bool:
-        return node in self._ranges
-
     def __iter__(self) -> Iterator[cst.CSTNode]:
         return iter(self._ranges)
 
@@ -578,26 +514,20 @@ class SourcePositions(Mapping[cst.CSTNode, CodeRange]):
         return len(self._ranges)
 
 
-# ---- the layer types matched, read without importing torch -------------------------------------------------
-
 NO_DEFAULT = inspect.Parameter.empty  # a keyword-only parameter without a default
 Keywords = tuple[tuple[str, object], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerType:
-    """One layer type as the source tools see it: the registry's :class:`~loragen.registry.LayerSpec` facts
-    that matching and rewriting use, and what the LoRA class's signature says.
+    """One layer type as the source tools see it.
 
     Attributes:
         base_qualname, lora_qualname, aliases, linear, subclasses: as in :class:`~loragen.registry.LayerSpec`.
-        protocol: the keyword-only parameters of the LoRA class's ``from_module`` (the LoRA protocol) and
-            their defaults (:data:`NO_DEFAULT` if none).
-        defaults: the keyword-only parameters of the LoRA class's constructor and their defaults.
-        takes_any: whether the constructor takes arbitrary keywords (``**kwargs``).
-        requires: the packages the LoRA class's module needs (it cannot be imported without them).
-        spec: the registry's spec this was read from (None: from :data:`BUILTIN`); its LoRA class is
-            imported on first use of :meth:`signature`.
+        protocol / defaults: the keyword-only parameters of the LoRA class's ``from_module`` / constructor
+            and their defaults (:data:`NO_DEFAULT` if none); ``takes_any``: the constructor takes ``**kwargs``.
+        requires: the packages the LoRA class's module needs.
+        spec: the registry's spec (None: from :data:`BUILTIN`); its LoRA class is imported by :meth:`signature`.
     """
 
     base_qualname: str
@@ -637,8 +567,7 @@ class LayerType:
         return _signature(self.spec.lora_type())
 
     def importable(self) -> bool:
-        """Whether a rewritten file can import the LoRA class by its name (a registered type: checked by
-        importing it; a built-in type: its module's packages are installed)."""
+        """Whether a rewritten file can import the LoRA class by its name."""
         if self.spec is None:
             return all(importlib.util.find_spec(package) is not None for package in self.requires)
         try:
@@ -739,16 +668,13 @@ _BUILTIN_TYPES = LayerTypes(BUILTIN)
 
 
 def layer_types() -> LayerTypes:
-    """The layer types to match now: the registry's once :mod:`loragen.layers` is imported (it registers
-    loragen's own types; a user's need it too), else :data:`BUILTIN`, without importing torch."""
+    """The layer types to match: the registry's once :mod:`loragen.layers` is imported, else :data:`BUILTIN`
+    (without importing torch)."""
     if "loragen.layers" not in sys.modules:
         return _BUILTIN_TYPES
     from loragen.registry import specs
 
     return LayerTypes(from_spec(spec) for spec in specs())
-
-
-# ---- what the scanner reports ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -770,17 +696,15 @@ class LayerField:
     Attributes:
         owner: qualified name of the class in its module (``"LlamaAttention"``, ``"Outer.Inner"``).
         attribute: the attribute of ``self`` that holds it or its container (``"layers"``).
-        path: module path relative to an instance of ``owner``; ``{i}`` stands for a list index and
-            ``{key}`` for a dictionary key only known at run time (``"layers.{i}.0"``).
-        layer: qualified name of the base layer type (``"torch.nn.Linear"``).
-        lora_name: the loragen class that replaces it (``"LoraLinear"``).
+        path: module path relative to an instance of ``owner``; ``{i}`` / ``{key}`` stand for a list index /
+            dictionary key known only at run time (``"layers.{i}.0"``).
+        layer: qualified name of the base layer type; ``lora_name``: the class that replaces it.
         location: position of the constructor call.
         conditional: built under ``if``/``else``, a conditional expression, ``try`` or a loop body.
         container: ``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when built inside one.
         is_lora: the call already builds the loragen layer (a rewritten file).
-        subclass: for a layer subclass defined in the scanned file (``FalconLinear``), its name; ``layer`` is
-            then the registered type it derives from and ``lora_name`` the name the file binds its LoRA
-            class to (``LoraFalconLinear = lora_class_for(FalconLinear)``).
+        subclass: the name of a layer subclass defined in the scanned file (``FalconLinear``); ``layer`` is
+            then the registered type it derives from.
     """
 
     owner: str
@@ -802,11 +726,8 @@ class LayerField:
 
 @dataclasses.dataclass(frozen=True)
 class SubmoduleField:
-    """A child module built from a class constructor that is not a layer (``self.mlp = LlamaMLP(config)``).
-
-    ``callee`` is the qualified name of the constructor; ``local_class`` the qualified name of the class
-    in the scanned module when it is defined there (used to follow containment inside one file).
-    """
+    """A child module built from a class constructor that is not a layer (``self.mlp = LlamaMLP(config)``);
+    ``local_class``: the constructor's qualified name in the scanned module when it is defined there."""
 
     owner: str
     attribute: str
@@ -819,11 +740,8 @@ class SubmoduleField:
 
 @dataclasses.dataclass(frozen=True)
 class FactoryCall:
-    """A sub-model built by a transformers auto class: ``self.language_model = AutoModel.from_config(...)``.
-
-    ``auto_class`` is the auto class as the file spells it (``"AutoModel"``), ``lora_name`` the LoRA auto class
-    a rewrite builds it with (``"LoraAutoModel"``), ``is_lora`` whether the call does so already.
-    """
+    """A sub-model built by a transformers auto class: ``self.language_model = AutoModel.from_config(...)``;
+    ``lora_name``: the LoRA auto class a rewrite builds it with, ``is_lora``: the call does so already."""
 
     owner: str
     attribute: str
@@ -849,17 +767,9 @@ class Unresolved:
 
 @dataclasses.dataclass(frozen=True)
 class ClassScan:
-    """What the scanner found in one class.
-
-    Attributes:
-        name: the class's qualified name in its module; ``location``: where it is defined.
-        local_bases: the classes of the same file it derives from; ``base_names``: the qualified names of
-            all its bases.
-        fields / submodules / unresolved: what its ``__init__`` builds, and what could not be followed.
-        output_head: what ``get_output_embeddings`` returns when the class defines it: ``("lm_head",)``
-            for ``return self.lm_head``, ``()`` for ``return None`` or anything not a ``self.<path>``; None
-            when the class does not define it.
-    """
+    """What the scanner found in one class: its bases (``local_bases``: those of the same file), what its
+    ``__init__`` builds, and ``output_head``: what ``get_output_embeddings`` returns (``("lm_head",)`` for
+    ``return self.lm_head``, ``()`` for anything else, None when the class does not define it)."""
 
     name: str
     location: SourceLocation
@@ -891,15 +801,9 @@ class ScanResult:
         return [f for c in self.classes for f in c.fields]
 
     def contexts(self, name: str, *, limit: int = 64) -> list[tuple[str, str]]:
-        """Where instances of class ``name`` appear, following containment in this file.
-
-        Returns ``(root class, path prefix)`` pairs: the fields of ``name`` sit at ``prefix + field.path``
-        inside an instance of the root class. ``(name, "")`` (the class on its own) comes first. For
-        ``LlamaAttention`` in ``modeling_llama.py``: ``("LlamaAttention", "")``,
-        ``("LlamaDecoderLayer", "self_attn.")``, ``("LlamaModel", "layers.{i}.self_attn.")``,
-        ``("LlamaForCausalLM", "model.layers.{i}.self_attn.")``, ... Subclasses defined in the file run
-        their base's ``__init__``, so they share its placements.
-        """
+        """Where instances of class ``name`` appear, following containment in this file: ``(root class,
+        path prefix)`` pairs, ``(name, "")`` first, then e.g. ``("LlamaModel", "layers.{i}.self_attn.")``.
+        Subclasses defined in the file run their base's ``__init__``, so they share its placements."""
         subclasses: dict[str, set[str]] = {c.name: set() for c in self.classes}
         for c in self.classes:
             for base in c.local_bases:
@@ -936,15 +840,9 @@ class ScanResult:
 
 @dataclasses.dataclass
 class ScannedModule:
-    """A parsed module and its scan, kept together for the rewriter; every map is keyed by the nodes of
-    ``tree`` itself (identity: two equal calls on two lines are two keys).
-
-    ``calls`` maps every followed layer constructor call to the fields it builds; ``positions`` gives the
-    source range of the nodes inside those calls; ``lora_bindings`` / ``auto_bindings`` are a previous
-    rewrite's module-level lines (name -> subclass / ``AutoX``), ``factories`` the auto-class calls.
-    ``hidden`` maps each function whose body the scanner did not read (:func:`skeleton`) to that body's
-    source: no followed call lies inside one, so the rewriter skips those without a relative import.
-    """
+    """A parsed module and its scan for the rewriter, every map keyed by the nodes of ``tree``: ``calls``
+    (followed layer calls -> their fields), a previous rewrite's ``lora_bindings`` / ``auto_bindings``
+    (name -> subclass / ``AutoX``), ``factories``, and ``hidden`` (see :func:`skeleton`)."""
 
     tree: cst.Module
     result: ScanResult
@@ -956,14 +854,11 @@ class ScannedModule:
     hidden: dict[cst.FunctionDef, str] = dataclasses.field(default_factory=dict)
 
 
-# ---- names: what a name in the module denotes, and where a node is ------------------------------------
-
 CONTAINERS = {
     "ModuleList": ("torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"),
     "Sequential": ("torch.nn.Sequential", "torch.nn.modules.container.Sequential"),
     "ModuleDict": ("torch.nn.ModuleDict", "torch.nn.modules.container.ModuleDict"),
 }
-_COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
 AUTO_METHODS = ("from_config",)
 LORA_AUTO_CLASS = ("loragen.source.composite", "lora_auto_class")  # where a rewritten file imports it from
 _LORA_AUTO_CLASS_NAMES = frozenset({".".join(LORA_AUTO_CLASS), "loragen.lora_auto_class"})
@@ -976,8 +871,7 @@ _LORA_CLASS_FOR_NAMES = frozenset(
 
 
 class LayerMatch(NamedTuple):
-    """What a constructor call builds: the registered type's spec, whether the call builds the LoRA class
-    already, and for a layer subclass defined in the file its name and the name of its LoRA class."""
+    """What a constructor call builds, whether it is the LoRA class already, and a file's own subclass."""
 
     spec: LayerType
     is_lora: bool
@@ -986,7 +880,6 @@ class LayerMatch(NamedTuple):
 
 
 def _layer_names() -> dict[str, tuple[LayerType, bool]]:
-    """Every qualified name a registered base type or its LoRA class is reachable under."""
     names: dict[str, tuple[LayerType, bool]] = {}
     for spec in layer_types().all:
         for qualname in spec.qualnames:
@@ -1003,7 +896,7 @@ def lora_auto_name(auto_spelling: str) -> str:
 
 
 def _assignments(body: Sequence[cst.CSTNode]) -> Iterator[tuple[str, cst.Call, bool]]:
-    """``(name, call, alone on its line)`` for every module-level ``name = call(argument, ...)`` in ``body``."""
+    """``(name, call, alone on its line)`` for every ``name = call(argument, ...)`` in ``body``."""
     for stmt in body:
         if not isinstance(stmt, cst.SimpleStatementLine):
             continue
@@ -1015,15 +908,10 @@ def _assignments(body: Sequence[cst.CSTNode]) -> Iterator[tuple[str, cst.Call, b
 
 
 class Resolver:
-    """Names, definitions and positions of one parsed module: the qualified names a ``Name`` /
-    ``Attribute`` denotes, which registered layer type a constructor call builds, the classes and functions
-    the module defines, and ``file:line`` positions, also inside stubbed function bodies.
-
-    Args:
-        tree: the full module; ``skeleton`` / ``stubs`` / ``hidden``: its skeleton, stubbed functions and
-            wholly stubbed ones (as :func:`skeleton` gives them).
-        filename: for locations. ``module``: the module's dotted name (None: ``__scanned__``).
-        package: the module's package, to resolve relative imports (None: keep them relative).
+    """Names, definitions and positions of one parsed module: what a name denotes, which layer type a call
+    builds, the classes and functions defined, and ``file:line`` positions (also in stubbed bodies).
+    ``skeleton`` / ``stubs`` / ``hidden``: as :func:`skeleton` gives them; ``package``: to resolve relative
+    imports (None: keep them relative).
     """
 
     def __init__(
@@ -1042,9 +930,6 @@ class Resolver:
         self.package = package
         self.module_prefix = (module or "__scanned__") + "."
         self._qualnames: dict[cst.CSTNode, frozenset[str]] = {}
-        # The scopes give a node's qualified names on demand (what QualifiedNameProvider and
-        # FullyQualifiedNameProvider wrap, at the cost of a whole-tree pass each); ``_normalise`` makes
-        # local names and relative imports absolute as the latter would.
         stubbed = {stubs[function] for function in hidden or ()}
         scoped = without_signatures(skeleton, stubbed)
         wrapper = md.MetadataWrapper(scoped, unsafe_skip_copy=True)  # node identity: see module docstring
@@ -1057,15 +942,13 @@ class Resolver:
         self.skeleton = skeleton
         self.layer_names = _layer_names()
         self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
-        # qualified name -> ClassDef / FunctionDef, with Python-style qualnames ("f.<locals>.C")
         self.class_defs = class_definitions(self.skeleton.body)
         self.function_defs: dict[str, cst.FunctionDef] = {}
         top = list(self.skeleton.body)
         self.layer_subclasses = self._layer_subclasses(
             {s.name.value: s for s in top if isinstance(s, cst.ClassDef)}
         )
-        # a previous rewrite's module-level lines: ``LoraFalconLinear = lora_class_for(FalconLinear)`` (name ->
-        # subclass) and ``LoraAutoModel = lora_auto_class(AutoModel, ...)`` (name -> the auto class's spelling)
+        # a previous rewrite's ``LoraFalconLinear = lora_class_for(FalconLinear)`` and ``LoraAutoModel = ...``
         self.lora_bindings = {
             name: call.args[0].value.value
             for name, call, _ in _assignments(top)
@@ -1083,11 +966,8 @@ class Resolver:
         self._index_star_imports(self.skeleton.body)
         self._index_functions(tree.body, "")
 
-    # ---- definitions ---------------------------------------------------------------------------------
-
     def _layer_subclasses(self, class_defs: Mapping[str, cst.ClassDef]) -> dict[str, LayerType]:
-        """The file's top-level classes that derive (directly or through other classes of the file) from a
-        registered type accepting subclasses: class name -> that type (LoRA classes do not count)."""
+        """Top-level class name -> the registered type accepting subclasses it derives from, maybe indirectly."""
         found: dict[str, LayerType] = {}
         changed = True
         while changed:  # a subclass of a subclass of the file: repeat until nothing new is found
@@ -1107,7 +987,6 @@ class Resolver:
         return found
 
     def _index_star_imports(self, body: Sequence[cst.CSTNode]) -> None:
-        """``from x import *`` at module level (also inside ``if`` / ``try``: Python allows no others)."""
         for stmt in body:
             if isinstance(stmt, _COMPOUND):
                 self._index_star_imports(nested_statements(stmt))
@@ -1117,7 +996,6 @@ class Resolver:
                         self.star_imports.append(code_of(small.module) if small.module else ".")
 
     def _index_functions(self, body: Sequence[cst.CSTNode], prefix: str) -> None:
-        """Functions and methods of the full tree (their bodies intact) by qualified name."""
         for stmt in body:
             if isinstance(stmt, cst.ClassDef):
                 self._index_functions(stmt.body.body, prefix + stmt.name.value + ".")
@@ -1141,13 +1019,9 @@ class Resolver:
                 return name[len(self.module_prefix) :]
         return None
 
-    # ---- names -----------------------------------------------------------------------------------------
-
     def qualnames(self, node: cst.CSTNode) -> set[str]:
-        """The absolute qualified names ``node`` may denote (relative ones when no package is known).
-
-        Remembered per node: the scan asks about a call's callee several times (layer, container, factory,
-        submodule), and libcst's scope lookup is its costliest step."""
+        """The absolute qualified names ``node`` may denote (relative ones when no package is known);
+        remembered per node, as libcst's scope lookup is the scan's costliest step."""
         found = self._qualnames.get(node)
         if found is None:
             found = self._qualnames[node] = self._lookup(node)
@@ -1162,7 +1036,6 @@ class Resolver:
         return frozenset(self._normalise(q) for q in scope.get_qualified_names_for(node))
 
     def _normalise(self, q: md.QualifiedName) -> str:
-        """``q`` as an absolute name: a local name gets the module's, a relative import the package's."""
         if q.source is md.QualifiedNameSource.LOCAL:
             return self.module_prefix + q.name
         if q.name.startswith(".") and self.package is not None:
@@ -1191,9 +1064,8 @@ class Resolver:
         return None
 
     def auto_factory(self, call: cst.Call) -> tuple[str, bool] | None:
-        """``(the auto class as the file spells it, whether the call goes through the file's LoRA auto class
-        already)`` when ``call`` builds a sub-model with a transformers auto class
-        (``AutoModel.from_config(...)``), else None."""
+        """``(auto class as spelled, whether it is the file's LoRA auto class already)`` for a call like
+        ``AutoModel.from_config(...)``, else None."""
         func = call.func
         if not (isinstance(func, cst.Attribute) and func.attr.value in AUTO_METHODS):
             return None
@@ -1208,8 +1080,6 @@ class Resolver:
         """``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when ``call`` builds one."""
         names = self.qualnames(call.func)
         return next((kind for kind, qualnames in CONTAINERS.items() if names & set(qualnames)), None)
-
-    # ---- positions -------------------------------------------------------------------------------------
 
     def loc(self, node: cst.CSTNode, within: cst.FunctionDef | None = None) -> SourceLocation:
         """Position of ``node``; ``within`` is the enclosing function when its body was stubbed."""
@@ -1227,8 +1097,6 @@ class Resolver:
             return SourceLocation(self.filename, 1, 0)
         return SourceLocation(self.filename, pos.start.line, pos.start.column)
 
-
-# ---- the __init__ walk -------------------------------------------------------------------------------------
 
 _SETATTR = "builtins.setattr"
 _ORDERED_DICT = ("collections.OrderedDict", "builtins.dict", "typing.OrderedDict")
@@ -1251,12 +1119,7 @@ class Site:
 
 @dataclasses.dataclass
 class Findings:
-    """What the walks of all classes of a module found, by call node.
-
-    ``calls`` maps every followed layer constructor call (the node itself) to the fields it builds,
-    ``claimed`` holds the calls accounted for (followed or reported) and ``unresolved`` everything
-    reported; ``factories`` the sub-models built by auto classes.
-    """
+    """What the walks of all classes of a module found, by call node; ``claimed``: the calls accounted for."""
 
     calls: dict[cst.Call, list[LayerField]] = dataclasses.field(default_factory=dict)
     claimed: set[cst.Call] = dataclasses.field(default_factory=set)
@@ -1265,10 +1128,8 @@ class Findings:
 
 
 class InitWalker:
-    """Walks one class's ``__init__`` statement by statement (every branch of ``if`` / ``try`` / loops /
-    ``match`` marked conditional) and follows each value stored on ``self`` through conditional expressions,
-    locals and containers to the constructor calls it holds; the fields, submodules, factories and
-    unresolved items land on the instance."""
+    """Walks one class's ``__init__`` (branches and loops marked conditional), following each value stored on
+    ``self`` through conditional expressions, locals and containers to the constructor calls it holds."""
 
     def __init__(self, names: Resolver, found: Findings, owner: str) -> None:
         self.names = names
@@ -1367,7 +1228,6 @@ class InitWalker:
             self.value(arg.value, site.child(str(index), kind))
 
     def items(self, node: cst.BaseExpression, site: Site) -> None:
-        """A list-like value whose items land at ``site.path`` (already ending in ``.{i}``)."""
         base = site.path.removesuffix(".{i}")
         if isinstance(node, (cst.List, cst.Tuple)):
             if any(isinstance(e, cst.StarredElement) for e in node.elements):
@@ -1389,8 +1249,6 @@ class InitWalker:
             )
 
     def mapping(self, node: cst.BaseExpression, site: Site, kind: str) -> None:
-        """A dict-like value (dict literal, comprehension, OrderedDict([...]), list of pairs)."""
-
         def at(key: cst.BaseExpression | None) -> Site:  # a key known statically, else ``{key}``
             text = None if key is None else string_value(key)
             return site.child("{key}" if text is None else text, kind)
@@ -1424,7 +1282,6 @@ class InitWalker:
             )
 
     def other_call(self, call: cst.Call, site: Site) -> None:
-        """A call that is neither a layer nor a container: a submodule, a factory, or unrelated."""
         func = call.func
         factory = self.names.auto_factory(call)
         if factory is not None:  # self.language_model = AutoModel.from_config(config.text_config)
@@ -1488,7 +1345,7 @@ class InitWalker:
         )
 
     def alias_classes(self, name: str) -> list[str] | None:
-        """The local classes a local variable may hold (``cls = A if c else B``), or None if not only those."""
+        """The local classes local ``name`` may hold (``cls = A if c else B``), or None if not only those."""
         found: list[str] = []
         todo = [value for value, _ in self.locals[name]]
         while todo:
@@ -1512,10 +1369,9 @@ class InitWalker:
         return helper is not None and self.builds_layer(self.names.function_defs[helper])
 
     def builds_layer(self, node: cst.CSTNode) -> bool:
-        return any(self.names.layer(c) is not None for c in calls_in(node))
+        return any(self.names.layer(c) is not None for c in nodes_of(node, cst.Call))
 
     def scan_init(self, init: cst.FunctionDef) -> None:
-        """Walk ``init`` (the class's ``__init__``) and collect its fields."""
         params = init.params
         positional = [*params.posonly_params, *params.params]
         if positional:
@@ -1616,9 +1472,6 @@ class InitWalker:
         self.value(value_arg, Site(name, name, conditional))
 
 
-# ---- the scan ----------------------------------------------------------------------------------------------
-
-
 def scan_source(
     code: str, *, filename: str = "<string>", module: str | None = None, package: str | None = None
 ) -> ScanResult:
@@ -1639,7 +1492,7 @@ def scan_source(
 def scan_module(
     code: str, *, filename: str = "<string>", module: str | None = None, package: str | None = None
 ) -> ScannedModule:
-    """Parse and scan ``code``; like :func:`scan_source` but also returns the tree and the call nodes.
+    """Like :func:`scan_source`, but also returns the tree and the call nodes.
 
     Raises:
         ScanError: ``code`` is not valid Python.
@@ -1679,12 +1532,10 @@ def _method(node: cst.ClassDef, name: str) -> cst.FunctionDef | None:
 
 
 def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
-    """What ``get_output_embeddings`` returns: ``("lm_head",)`` for ``return self.lm_head``, ``()`` for
-    anything else, None when the class does not define it."""
     method = _method(node, "get_output_embeddings")
     if method is None:
         return None
-    returns = [r for r in nodes_of(method, cst.Return) if isinstance(r, cst.Return)]
+    returns = nodes_of(method, cst.Return)
     if len(returns) != 1 or returns[0].value is None:
         return ()
     parts: list[str] = []
@@ -1698,14 +1549,9 @@ def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
 
 
 class _Unclaimed(cst.CSTVisitor):
-    """The last pass: an :class:`Unresolved` for every layer call that no ``__init__`` walk claimed (built in a
-    helper, at module level, in another method), and for calls whose name may be a layer type but cannot be
-    resolved (a relative import without the module's package, a star import).
-
-    ``hidden`` maps each function to the source of the body the scanner did not read: a body that names no
-    layer type under any name the module binds one to (``Linear as L``, its subclasses and LoRA bindings) is
-    skipped unread; in a stubbed body names resolve at module level (:meth:`Resolver.qualnames`).
-    """
+    """The last pass: an :class:`Unresolved` for every layer call no ``__init__`` walk claimed, and for calls
+    that may build a layer but cannot be resolved (relative or star imports); a ``hidden`` body naming no
+    layer type under any name the module binds one to is skipped unread."""
 
     def __init__(self, names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str]) -> None:
         self.names = names
@@ -1737,12 +1583,9 @@ class _Unclaimed(cst.CSTVisitor):
         self.scopes.pop()
         self.functions.pop()
 
-    def _where(self, node: cst.CSTNode) -> SourceLocation:
-        stubbed = next((f for f in self.functions if f in self.names.stubs), None)
-        return self.names.loc(node, stubbed)
-
     def _report(self, node: cst.CSTNode, reason: str) -> None:
-        self.found.unresolved.append(Unresolved(None, None, self._where(node), reason))
+        stubbed = next((f for f in self.functions if f in self.names.stubs), None)
+        self.found.unresolved.append(Unresolved(None, None, self.names.loc(node, stubbed), reason))
 
     def visit_Call(self, node: cst.Call) -> None:
         if node in self.found.claimed:
