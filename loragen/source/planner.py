@@ -38,8 +38,8 @@ from loragen.source.scan import (
     LORA_CLASS_FOR,
     LayerField,
     ScannedModule,
-    class_definitions,
     code_of,
+    definitions,
     nested_statements,
 )
 from loragen.source.targets import PRETRAINED, Targets, instances
@@ -153,7 +153,7 @@ class RewritePlanner:
     def _functions_to_edit(self, classes: set[cst.ClassDef]) -> set[cst.FunctionDef]:
         """The functions holding an edit: the ``__init__`` of each class with an edited call (where the
         scanner found it), and every function around those and around the edited ``classes``."""
-        nodes = class_definitions(self.scanned.tree.body)
+        nodes = definitions(self.scanned.tree.body, cst.ClassDef)
         owners = {f.owner for call in self.edits for f in self.scanned.calls[call]}
         owners.update(self.scanned.factories[call].owner for call in self.factory_edits)
         targets: set[cst.CSTNode] = set(classes)
@@ -310,7 +310,7 @@ class RewritePlanner:
     def _class_edits(self) -> tuple[dict[cst.ClassDef, str], set[cst.ClassDef]]:
         """The classes that get the transformers init hook, and those that get ``loragen_config``: the
         owners of rewritten fields and the hook's class, each unless it inherits it from one of them."""
-        nodes = class_definitions(self.scanned.tree.body)
+        nodes = definitions(self.scanned.tree.body, cst.ClassDef)
         hooks: dict[cst.ClassDef, str] = {}
         holders = {c.field.owner for c in self.rewritten} | {f.owner for f in self.scanned.factories.values()}
         for scan in self.result.classes:

@@ -55,8 +55,8 @@ __all__ = [
     "SubmoduleField",
     "Unresolved",
     "absolute_module",
-    "class_definitions",
     "code_of",
+    "definitions",
     "from_spec",
     "importable",
     "layer_types",
@@ -154,18 +154,19 @@ def nodes_of(node: cst.CSTNode, kind: type[_Node]) -> list[_Node]:
     return found
 
 
-def class_definitions(body: Sequence[cst.CSTNode], prefix: str = "") -> dict[str, cst.ClassDef]:
-    """The classes defined in ``body`` (and nested in them, in functions, in compound statements) by
-    qualified name, as Python spells it: ``"Outer.Inner"``, ``"make.<locals>.Local"``."""
-    found: dict[str, cst.ClassDef] = {}
+def definitions(body: Sequence[cst.CSTNode], kind: type[_Node], prefix: str = "") -> dict[str, _Node]:
+    """The classes or functions (``kind``) defined in ``body``, nested ones too, by qualified name as Python
+    spells it: ``"Outer.Inner"``, ``"make.<locals>.Local"``."""
+    found: dict[str, _Node] = {}
     for stmt in body:
-        if isinstance(stmt, cst.ClassDef):
-            found[prefix + stmt.name.value] = stmt
-            found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}."))
-        elif isinstance(stmt, cst.FunctionDef):
-            found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}.<locals>."))
+        if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
+            name = prefix + stmt.name.value
+            if isinstance(stmt, kind):
+                found[name] = stmt
+            inner = "." if isinstance(stmt, cst.ClassDef) else ".<locals>."
+            found.update(definitions(stmt.body.body, kind, name + inner))
         elif isinstance(stmt, _COMPOUND):
-            found.update(class_definitions(nested_statements(stmt), prefix))
+            found.update(definitions(nested_statements(stmt), kind, prefix))
     return found
 
 
@@ -890,11 +891,6 @@ def _layer_names() -> dict[str, tuple[LayerType, bool]]:
     return names
 
 
-def lora_auto_name(auto_spelling: str) -> str:
-    """The name a rewrite binds the LoRA auto class to: ``AutoModel`` -> ``LoraAutoModel``."""
-    return "Lora" + auto_spelling.rpartition(".")[2]
-
-
 def _assignments(body: Sequence[cst.CSTNode]) -> Iterator[tuple[str, cst.Call, bool]]:
     """``(name, call, alone on its line)`` for every ``name = call(argument, ...)`` in ``body``."""
     for stmt in body:
@@ -942,8 +938,8 @@ class Resolver:
         self.skeleton = skeleton
         self.layer_names = _layer_names()
         self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
-        self.class_defs = class_definitions(self.skeleton.body)
-        self.function_defs: dict[str, cst.FunctionDef] = {}
+        self.class_defs = definitions(self.skeleton.body, cst.ClassDef)
+        self.function_defs = definitions(tree.body, cst.FunctionDef)  # bodies intact
         top = list(self.skeleton.body)
         self.layer_subclasses = self._layer_subclasses(
             {s.name.value: s for s in top if isinstance(s, cst.ClassDef)}
@@ -964,7 +960,6 @@ class Resolver:
         }
         self.star_imports: list[str] = []
         self._index_star_imports(self.skeleton.body)
-        self._index_functions(tree.body, "")
 
     def _layer_subclasses(self, class_defs: Mapping[str, cst.ClassDef]) -> dict[str, LayerType]:
         """Top-level class name -> the registered type accepting subclasses it derives from, maybe indirectly."""
@@ -974,7 +969,7 @@ class Resolver:
             changed = False
             for name, node in class_defs.items():
                 for base in node.bases if name not in found else ():
-                    local = self.local_class(base.value)
+                    local = self.local(base.value)
                     if local is not None:
                         spec = found.get(local)
                     else:
@@ -995,25 +990,9 @@ class Resolver:
                     if isinstance(small, cst.ImportFrom) and isinstance(small.names, cst.ImportStar):
                         self.star_imports.append(code_of(small.module) if small.module else ".")
 
-    def _index_functions(self, body: Sequence[cst.CSTNode], prefix: str) -> None:
-        for stmt in body:
-            if isinstance(stmt, cst.ClassDef):
-                self._index_functions(stmt.body.body, prefix + stmt.name.value + ".")
-            elif isinstance(stmt, cst.FunctionDef):
-                self.function_defs[prefix + stmt.name.value] = stmt
-                self._index_functions(stmt.body.body, prefix + stmt.name.value + ".<locals>.")
-            elif isinstance(stmt, _COMPOUND):
-                self._index_functions(nested_statements(stmt), prefix)
-
-    def local_class(self, node: cst.CSTNode) -> str | None:
-        """The qualified name (in this module) of the class ``node`` denotes when the module defines it."""
-        return self._local(node, self.class_defs)
-
-    def local_function(self, node: cst.CSTNode) -> str | None:
-        """The qualified name of the function ``node`` denotes when the module defines it."""
-        return self._local(node, self.function_defs)
-
-    def _local(self, node: cst.CSTNode, defs: Mapping[str, object]) -> str | None:
+    def local(self, node: cst.CSTNode, defs: Mapping[str, object] | None = None) -> str | None:
+        """The name in this module of what ``node`` denotes when it is a key of ``defs`` (None: the classes)."""
+        defs = self.class_defs if defs is None else defs
         for name in self.qualnames(node):
             if name.startswith(self.module_prefix) and name[len(self.module_prefix) :] in defs:
                 return name[len(self.module_prefix) :]
@@ -1024,16 +1003,14 @@ class Resolver:
         remembered per node, as libcst's scope lookup is the scan's costliest step."""
         found = self._qualnames.get(node)
         if found is None:
-            found = self._qualnames[node] = self._lookup(node)
+            scope = self.scopes.get(node)
+            if scope is None:  # in a stubbed body: resolve the dotted name at module level
+                dotted = dotted_name(node)
+                names = self.global_scope.get_qualified_names_for(dotted) if dotted else ()
+            else:
+                names = scope.get_qualified_names_for(node)
+            found = self._qualnames[node] = frozenset(self._normalise(q) for q in names)
         return set(found)
-
-    def _lookup(self, node: cst.CSTNode) -> frozenset[str]:
-        scope = self.scopes.get(node)
-        if scope is None:  # in a stubbed body: resolve the dotted name at module level
-            dotted = dotted_name(node)
-            at_top = self.global_scope.get_qualified_names_for(dotted) if dotted else ()
-            return frozenset(self._normalise(q) for q in at_top)
-        return frozenset(self._normalise(q) for q in scope.get_qualified_names_for(node))
 
     def _normalise(self, q: md.QualifiedName) -> str:
         if q.source is md.QualifiedNameSource.LOCAL:
@@ -1043,17 +1020,13 @@ class Resolver:
             return absolute_module(self.package, level, q.name.lstrip(".")) or q.name
         return q.name
 
-    def lora_name_for(self, subclass: str) -> str:
-        """The name the file binds ``subclass``'s LoRA class to: its existing binding, or ``Lora<subclass>``."""
-        bound = sorted(name for name, sub in self.lora_bindings.items() if sub == subclass)
-        return bound[0] if bound else f"Lora{subclass}"
-
     def layer(self, call: cst.Call) -> LayerMatch | None:
         """The registered layer type ``call`` constructs (and whether it is already the LoRA class)."""
-        subclass = self._local(call.func, self.layer_subclasses)
-        if subclass is not None:
-            return LayerMatch(self.layer_subclasses[subclass], False, subclass, self.lora_name_for(subclass))
-        bound = self._local(call.func, self.lora_bindings)
+        subclass = self.local(call.func, self.layer_subclasses)
+        if subclass is not None:  # its LoRA class: the file's binding, else Lora<subclass>
+            bound = min((n for n, sub in self.lora_bindings.items() if sub == subclass), default=None)
+            return LayerMatch(self.layer_subclasses[subclass], False, subclass, bound or f"Lora{subclass}")
+        bound = self.local(call.func, self.lora_bindings)
         if bound is not None:
             subclass = self.lora_bindings[bound]
             return LayerMatch(self.layer_subclasses[subclass], True, subclass, bound)
@@ -1069,7 +1042,7 @@ class Resolver:
         func = call.func
         if not (isinstance(func, cst.Attribute) and func.attr.value in AUTO_METHODS):
             return None
-        bound = self._local(func.value, self.auto_bindings)
+        bound = self.local(func.value, self.auto_bindings)
         if bound is not None:
             return self.auto_bindings[bound], True
         if any(_AUTO_CLASS.match(name) for name in self.qualnames(func.value)):
@@ -1289,7 +1262,7 @@ class InitWalker:
             name = (
                 code_of(func.value)
                 if is_lora and isinstance(func, cst.Attribute)
-                else lora_auto_name(auto_class)
+                else "Lora" + auto_class.rpartition(".")[2]
             )
             item = FactoryCall(
                 self.owner, site.attribute, site.path, auto_class, name, self.names.loc(call), is_lora
@@ -1298,7 +1271,7 @@ class InitWalker:
             self.found.factories[call] = item
             return
         names = self.names.qualnames(func)
-        local = self.names.local_class(func)
+        local = self.names.local(func)
         if local is not None:
             self._submodule(site, call, local, local, site.conditional)
             return
@@ -1353,7 +1326,7 @@ class InitWalker:
             if isinstance(node, cst.IfExp):
                 todo.extend((node.body, node.orelse))
                 continue
-            local = self.names.local_class(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
+            local = self.names.local(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
             if local is None:
                 return None
             found.append(local)
@@ -1362,7 +1335,7 @@ class InitWalker:
     def calls_layer_helper(self, node: cst.BaseExpression) -> bool:
         if not isinstance(node, cst.Call):
             return False
-        helper = self.names.local_function(node.func)
+        helper = self.names.local(node.func, self.names.function_defs)
         method = self.is_self_attr(node.func)
         if method is not None and f"{self.owner}.{method}" in self.names.function_defs:
             helper = f"{self.owner}.{method}"
@@ -1517,7 +1490,7 @@ def _scan_class(names: Resolver, found: Findings, name: str, node: cst.ClassDef)
     return ClassScan(
         name=name,
         location=names.loc(node),
-        local_bases=tuple(filter(None, (names.local_class(b.value) for b in node.bases))),
+        local_bases=tuple(filter(None, (names.local(b.value) for b in node.bases))),
         base_names=tuple(sorted({q for b in node.bases for q in names.qualnames(b.value)})),
         fields=tuple(walker.fields),
         submodules=tuple(walker.submodules),
