@@ -25,7 +25,6 @@ from loragen.source.scan import NO_DEFAULT, LayerField, LayerType, absolute_modu
 __all__ = [
     "CONFIG_ATTR",
     "CONFIG_NAME",
-    "DOCSTRING",
     "Binding",
     "Diagnostic",
     "Editor",
@@ -39,7 +38,6 @@ __all__ = [
     "edit_call",
     "environment",
     "has_lora_hook",
-    "is_config_assignment",
     "is_identifier",
     "lora_keywords",
     "py_literal",
@@ -64,7 +62,7 @@ def environment() -> jinja2.Environment:
 
 
 def render(template: str, **values: Any) -> str:
-    """Render the template named ``template`` (e.g. ``"decorator.py.j2"``) with ``values``.
+    """Render the template named ``template`` (``"decorator.py.j2"``) with ``values``.
 
     Raises:
         jinja2.UndefinedError: the template uses a value that was not passed.
@@ -164,13 +162,13 @@ _CONFIG_ASSIGNMENT = m.SimpleStatementLine(
         )
     ]
 )
-DOCSTRING = m.SimpleStatementLine(
+_DOCSTRING = m.SimpleStatementLine(
     body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString()), m.ZeroOrMore()]
 )
 _IMPORT = m.SimpleStatementLine(body=[m.ZeroOrMore(), m.Import() | m.ImportFrom(), m.ZeroOrMore()])
 
 
-def is_config_assignment(stmt: cst.CSTNode) -> bool:
+def _is_config_assignment(stmt: cst.CSTNode) -> bool:
     """Whether ``stmt`` is ``LORA_CONFIG = LoraConfig(...)`` (a previous rewrite's)."""
     return m.matches(stmt, _CONFIG_ASSIGNMENT)
 
@@ -181,7 +179,7 @@ def top_level_bindings(module: cst.Module) -> dict[str, Binding]:
     for stmt in module.body:
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
             names[stmt.name.value] = Binding()
-        elif is_config_assignment(stmt):
+        elif _is_config_assignment(stmt):
             names[CONFIG_NAME] = Binding("<loragen rewrite>", CONFIG_NAME)
         elif isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
@@ -215,7 +213,7 @@ def _import_position(body: Sequence[Statement]) -> int:
             break
         if m.matches(stmt, _IMPORT):
             position = index + 1
-        elif index == 0 and m.matches(stmt, DOCSTRING):
+        elif index == 0 and m.matches(stmt, _DOCSTRING):
             position = 1  # after the module docstring
     return position
 
@@ -260,7 +258,7 @@ def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_
         new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
     body[position:position] = new
     position += len(new)
-    existing = next((i for i, s in enumerate(body) if is_config_assignment(s)), None)
+    existing = next((i for i, s in enumerate(body) if _is_config_assignment(s)), None)
     if existing is not None:
         _set_value(body, existing, config_code)
     else:
@@ -460,7 +458,7 @@ def has_lora_hook(node: cst.ClassDef) -> bool:
 
 
 def _with_config_attribute(body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
-    index = 1 if body and m.matches(body[0], DOCSTRING) else 0
+    index = 1 if body and m.matches(body[0], _DOCSTRING) else 0
     line = cst.parse_statement(f"{CONFIG_ATTR} = {CONFIG_NAME}  # added by loragen rewrite\n")
     if index:
         line = line.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
@@ -589,16 +587,12 @@ class RewriteResult:
     """What :func:`~loragen.source.rewriter.rewrite_source` did.
 
     Attributes:
-        code: the rewritten source; the input unchanged when there are errors or nothing to do.
-        changed: whether ``code`` differs from the input.
-        filename: the name used in messages.
+        code: the rewritten source; the input unchanged when there are ``errors`` or nothing to do.
         rewritten: the targeted calls (``changed=False`` for those already up to date).
         fields: every layer field the scanner found, targeted or not.
         unmatched_targets: the entries of ``target_modules`` that select no layer field of this file.
         warnings: things left alone that a reader should know about (unresolvable layers, ...).
-        errors: reasons the file could not be rewritten; when not empty, ``code`` is the input.
-        sub_models: the sub-models built by transformers' auto classes (``"Gemma3Model.language_model"``),
-            which the rewritten file builds through LoRA auto classes.
+        sub_models: the sub-models built by transformers' auto classes (``"Gemma3Model.language_model"``).
     """
 
     code: str

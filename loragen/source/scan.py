@@ -45,7 +45,6 @@ __all__ = [
     "LayerField",
     "LayerType",
     "LayerTypes",
-    "Resolver",
     "ScanError",
     "ScanResult",
     "ScannedModule",
@@ -699,13 +698,9 @@ class LayerField:
         attribute: the attribute of ``self`` that holds it or its container (``"layers"``).
         path: module path relative to an instance of ``owner``; ``{i}`` / ``{key}`` stand for a list index /
             dictionary key known only at run time (``"layers.{i}.0"``).
-        layer: qualified name of the base layer type; ``lora_name``: the class that replaces it.
-        location: position of the constructor call.
-        conditional: built under ``if``/``else``, a conditional expression, ``try`` or a loop body.
-        container: ``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when built inside one.
-        is_lora: the call already builds the loragen layer (a rewritten file).
-        subclass: the name of a layer subclass defined in the scanned file (``FalconLinear``); ``layer`` is
-            then the registered type it derives from.
+        layer / lora_name: the base layer type's qualified name / the class that replaces it.
+        conditional: built under a branch, a conditional expression or a loop; ``container``: built in one.
+        is_lora: the call already builds the loragen layer; ``subclass``: the file's own layer subclass.
     """
 
     owner: str
@@ -1122,6 +1117,12 @@ class InitWalker:
         self.unresolved.append(item)
         self.found.unresolved.append(item)
 
+    def opaque(self, node: cst.BaseExpression, site: Site, what: str) -> None:
+        """Report the ``what`` of a container built from ``node`` when it builds layers."""
+        if self.builds_layer(node):
+            reason = f"the {what} of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically"
+            self.report(node, site.attribute, reason)
+
     def is_self_attr(self, node: cst.BaseExpression) -> str | None:
         """``"x"`` for ``self.x``, None for anything else."""
         if (
@@ -1214,12 +1215,8 @@ class InitWalker:
         elif isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add):
             self.items(node.left, site)
             self.items(node.right, site)
-        elif self.builds_layer(node):
-            self.report(
-                node,
-                site.attribute,
-                f"the items of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically",
-            )
+        else:
+            self.opaque(node, site, "items")
 
     def mapping(self, node: cst.BaseExpression, site: Site, kind: str) -> None:
         def at(key: cst.BaseExpression | None) -> Site:  # a key known statically, else ``{key}``
@@ -1247,12 +1244,8 @@ class InitWalker:
             for pair in pairs:
                 if isinstance(pair, (cst.Tuple, cst.List)) and len(pair.elements) == 2:
                     self.value(pair.elements[1].value, at(pair.elements[0].value if literal else None))
-        elif self.builds_layer(node):
-            self.report(
-                node,
-                site.attribute,
-                f"the entries of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically",
-            )
+        else:
+            self.opaque(node, site, "entries")
 
     def other_call(self, call: cst.Call, site: Site) -> None:
         func = call.func
@@ -1358,24 +1351,19 @@ class InitWalker:
         self.statements(init.body.body, conditional=False)
 
     def statements(self, body: Sequence[cst.CSTNode], conditional: bool) -> None:
-        for stmt in body:
-            if isinstance(stmt, cst.SimpleStatementLine):
-                for small in stmt.body:
-                    self.small_statement(small, conditional)
-            elif isinstance(stmt, (cst.If, cst.Try, cst.For, cst.While, cst.Match)):
+        for stmt in body:  # a nested def/class's layer calls are reported as unclaimed
+            if isinstance(stmt, (cst.If, cst.Try, cst.For, cst.While, cst.Match)):
                 self.statements(nested_statements(stmt), True)
             elif isinstance(stmt, cst.With):
                 self.statements(nested_statements(stmt), conditional)
-            # nested def/class inside __init__: their layer calls are reported as unclaimed
-
-    def small_statement(self, small: cst.BaseSmallStatement, conditional: bool) -> None:
-        if isinstance(small, cst.Assign):
-            for target in small.targets:
-                self.assign(target.target, small.value, conditional)
-        elif isinstance(small, cst.AnnAssign) and small.value is not None:
-            self.assign(small.target, small.value, conditional)
-        elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
-            self.call_statement(small.value, conditional)
+            for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+                if isinstance(small, cst.Assign):
+                    for target in small.targets:
+                        self.assign(target.target, small.value, conditional)
+                elif isinstance(small, cst.AnnAssign) and small.value is not None:
+                    self.assign(small.target, small.value, conditional)
+                elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+                    self.call_statement(small.value, conditional)
 
     def assign(self, target: cst.BaseExpression, value: cst.BaseExpression, conditional: bool) -> None:
         attribute = self.is_self_attr(target)
@@ -1448,13 +1436,8 @@ class InitWalker:
 def scan_source(
     code: str, *, filename: str = "<string>", module: str | None = None, package: str | None = None
 ) -> ScanResult:
-    """Scan Python source for the layer fields of every class in it.
-
-    Args:
-        code: the module's source; ``filename``: used in locations and messages.
-        module: the module's dotted name (``"transformers.models.gpt2.modeling_gpt2"``), for names.
-        package: the module's package, needed to resolve relative imports (``from ...pytorch_utils
-            import Conv1D`` inside ``transformers.models.gpt2``).
+    """Scan Python source for the layer fields of every class in it; ``module``: its dotted name,
+    ``package``: its package, needed to resolve relative imports.
 
     Raises:
         ScanError: ``code`` is not valid Python; the message starts with ``filename:line:``.
