@@ -197,11 +197,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             itemsize = _ST_DTYPES[dtype][0]
-            ok = (
-                all(isinstance(d, int) and d >= 0 for d in shape)
-                and isinstance(begin, int)
-                and isinstance(end, int)
-            )
+            ok = all(isinstance(x, int) for x in (*shape, begin, end)) and all(d >= 0 for d in shape)
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:

@@ -106,37 +106,20 @@ def absolute_module(package: str, level: int, name: str | None) -> str | None:
 _COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
 
 
-def _block_statements(block: cst.BaseSuite) -> list[cst.CSTNode]:
-    if isinstance(block, cst.SimpleStatementSuite):  # `if x: a = 1`
-        return [cst.SimpleStatementLine(body=block.body)]
-    return list(block.body)
+_CLAUSES = (cst.If, cst.Else, cst.ExceptHandler, cst.Finally, cst.MatchCase)
 
 
 def nested_statements(stmt: cst.CSTNode) -> list[cst.CSTNode]:
     """The statements nested in an ``if`` / ``try`` / ``with`` / ``for`` / ``while`` / ``match``, all branches."""
-    blocks: list[cst.BaseSuite] = []
-    if isinstance(stmt, cst.If):
-        blocks.append(stmt.body)
-        orelse: cst.If | cst.Else | None = stmt.orelse
-        while orelse is not None:
-            blocks.append(orelse.body)
-            orelse = orelse.orelse if isinstance(orelse, cst.If) else None
-    elif isinstance(stmt, cst.Try):
-        blocks.append(stmt.body)
-        blocks.extend(h.body for h in stmt.handlers)
-        if stmt.orelse is not None:
-            blocks.append(stmt.orelse.body)
-        if stmt.finalbody is not None:
-            blocks.append(stmt.finalbody.body)
-    elif isinstance(stmt, (cst.For, cst.While)):
-        blocks.append(stmt.body)
-        if stmt.orelse is not None:
-            blocks.append(stmt.orelse.body)
-    elif isinstance(stmt, cst.With):
-        blocks.append(stmt.body)
-    elif isinstance(stmt, cst.Match):
-        blocks.extend(case.body for case in stmt.cases)
-    return [s for block in blocks for s in _block_statements(block)]
+    found: list[cst.CSTNode] = []
+    for child in stmt.children if isinstance(stmt, (*_COMPOUND, *_CLAUSES)) else ():
+        if isinstance(child, cst.SimpleStatementSuite):  # `if x: a = 1`
+            found.append(cst.SimpleStatementLine(body=child.body))
+        elif isinstance(child, cst.IndentedBlock):
+            found += child.body
+        elif isinstance(child, _CLAUSES):
+            found += nested_statements(child)
+    return found
 
 
 def nodes_of(node: cst.CSTNode, kind: type[_Node]) -> list[_Node]:
