@@ -71,17 +71,6 @@ def render(template: str, **values: Any) -> str:
     return environment().get_template(template).render(**values)
 
 
-def _string_literal(text: str) -> str:
-    if "\\" in text and '"' not in text and not text.endswith("\\") and text.isprintable():
-        raw = f'r"{text}"'  # a regex reads best as a raw string
-        if ast.literal_eval(raw) == text:
-            return raw
-    quoted = repr(text)
-    if quoted.startswith("'") and '"' not in text and "'" not in text:
-        return f'"{quoted[1:-1]}"'
-    return quoted
-
-
 def py_literal(value: Any) -> str:
     """Python source for a config value: ``16`` for ``16.0``, ``r"(.*\\.)?q_proj"``, tuples as lists.
 
@@ -95,7 +84,14 @@ def py_literal(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return _string_literal(value)
+        if "\\" in value and '"' not in value and not value.endswith("\\") and value.isprintable():
+            raw = f'r"{value}"'  # a regex reads best as a raw string
+            if ast.literal_eval(raw) == value:
+                return raw
+        quoted = repr(value)
+        if quoted.startswith("'") and '"' not in value and "'" not in value:
+            return f'"{quoted[1:-1]}"'
+        return quoted
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(py_literal(v) for v in value) + "]"
     if isinstance(value, Mapping):
@@ -366,7 +362,11 @@ def edit_call(
             arg = args[present[key]]
             if code_of(arg.value) != text:
                 args[present[key]] = arg.with_changes(value=_expression(text))
-    new = [_keyword_arg(k, t) for k, t in keywords.items() if k not in present]
+    new = [
+        cst.Arg(_expression(t), keyword=cst.Name(k), equal=_EQUAL)
+        for k, t in keywords.items()
+        if k not in present
+    ]
     changes: dict[str, object] = {}
     if new and args:
         hanging = isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace)
@@ -384,6 +384,9 @@ def edit_call(
 
 
 _COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+_EQUAL = cst.AssignEqual(
+    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+)
 
 
 @functools.lru_cache(maxsize=256)
@@ -394,15 +397,6 @@ def _expression(text: str) -> cst.BaseExpression:
 
 def _newline(indent: str) -> cst.ParenthesizedWhitespace:
     return cst.ParenthesizedWhitespace(indent=False, last_line=cst.SimpleWhitespace(indent))
-
-
-def _keyword_arg(key: str, text: str) -> cst.Arg:
-    no_space = cst.SimpleWhitespace("")
-    return cst.Arg(
-        value=_expression(text),
-        keyword=cst.Name(key),
-        equal=cst.AssignEqual(whitespace_before=no_space, whitespace_after=no_space),
-    )
 
 
 def _one_per_line(args: Sequence[cst.Arg]) -> bool:
@@ -449,35 +443,13 @@ def config_attribute(node: cst.ClassDef) -> str | None:
     return None
 
 
+_INIT_WEIGHTS = m.FunctionDef(name=m.Name("_init_weights"))
+
+
 def has_lora_hook(node: cst.ClassDef) -> bool:
     """Whether the class's ``_init_weights`` already initialises LoRA factors (a rewritten file)."""
-    for stmt in node.body.body:
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "_init_weights":
-            return "reset_lora_parameters" in code_of(stmt)
-    return False
-
-
-def _with_config_attribute(body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
-    index = 1 if body and m.matches(body[0], _DOCSTRING) else 0
-    line = cst.parse_statement(f"{CONFIG_ATTR} = {CONFIG_NAME}  # added by loragen rewrite\n")
-    if index:
-        line = line.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-    after = body[index] if index < len(body) else None
-    if isinstance(after, (cst.FunctionDef, cst.ClassDef)) and not after.leading_lines:
-        body[index] = after.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-    return [*body[:index], line, *body[index:]]
-
-
-def _with_init_hook(body: list[cst.BaseStatement], init: str) -> list[cst.BaseStatement]:
-    note = {"True": "A random, B zero", '"gaussian"': "A gaussian, B zero", "False": "A and B random"}[init]
-    values = {"init_lora_weights": init, "init_note": note}
-    for index, stmt in enumerate(body):
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "_init_weights":
-            hook = cst.parse_module(render("rewrite_init_weights_hook.py.j2", **values)).body
-            body[index] = stmt.with_changes(body=stmt.body.with_changes(body=[*stmt.body.body, *hook]))
-            return body
-    method = cst.parse_statement(render("rewrite_init_weights.py.j2", **values))
-    return [*body, method.with_changes(leading_lines=[cst.EmptyLine(indent=False)])]
+    method = next((s for s in node.body.body if m.matches(s, _INIT_WEIGHTS)), None)
+    return method is not None and "reset_lora_parameters" in code_of(method)
 
 
 class Editor(cst.CSTTransformer):
@@ -553,9 +525,30 @@ class Editor(cst.CSTTransformer):
             return updated_node
         body = list(block.body)
         if original_node in self.config_classes:
-            body = _with_config_attribute(body)
-        if original_node in self.hooks:
-            body = _with_init_hook(body, self.hooks[original_node])
+            index = 1 if body and m.matches(body[0], _DOCSTRING) else 0
+            line = cst.parse_statement(f"{CONFIG_ATTR} = {CONFIG_NAME}  # added by loragen rewrite\n")
+            if index:
+                line = line.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+            after = body[index] if index < len(body) else None
+            if isinstance(after, (cst.FunctionDef, cst.ClassDef)) and not after.leading_lines:
+                body[index] = after.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+            body.insert(index, line)
+        init = self.hooks.get(original_node)
+        if init is not None:
+            notes = {
+                "True": "A random, B zero",
+                '"gaussian"': "A gaussian, B zero",
+                "False": "A and B random",
+            }
+            values = {"init_lora_weights": init, "init_note": notes[init]}
+            at = next((i for i, s in enumerate(body) if m.matches(s, _INIT_WEIGHTS)), None)
+            if at is None:
+                method = cst.parse_statement(render("rewrite_init_weights.py.j2", **values))
+                body.append(method.with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
+            else:
+                stmt = cast(cst.FunctionDef, body[at])
+                hook = cst.parse_module(render("rewrite_init_weights_hook.py.j2", **values)).body
+                body[at] = stmt.with_changes(body=stmt.body.with_changes(body=[*stmt.body.body, *hook]))
         return updated_node.with_changes(body=block.with_changes(body=body))
 
 
