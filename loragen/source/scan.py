@@ -858,17 +858,6 @@ class LayerMatch(NamedTuple):
     lora_name: str | None = None
 
 
-def _layer_names() -> dict[str, tuple[LayerType, bool]]:
-    names: dict[str, tuple[LayerType, bool]] = {}
-    for spec in layer_types().all:
-        for qualname in spec.qualnames:
-            names[qualname] = (spec, False)
-        names[spec.lora_qualname] = (spec, True)
-        if spec.lora_module.startswith("loragen."):
-            names[f"loragen.{spec.lora_name}"] = (spec, True)  # ``from loragen import LoraLinear``
-    return names
-
-
 def _assignments(body: Sequence[cst.CSTNode]) -> Iterator[tuple[str, cst.Call, bool]]:
     """``(name, call, alone on its line)`` for every ``name = call(argument, ...)`` in ``body``."""
     for stmt in body:
@@ -898,7 +887,6 @@ class Resolver:
         package: str | None,
         hidden: Mapping[cst.FunctionDef, str] | None = None,
     ) -> None:
-        self.tree = tree
         self.stubs = stubs
         self.filename = filename
         self.package = package
@@ -913,12 +901,17 @@ class Resolver:
         if scope is None:  # libcst gives every module a global scope
             raise ScanError("libcst found no module scope", filename=filename, line=1)
         self.global_scope = scope
-        self.skeleton = skeleton
-        self.layer_names = _layer_names()
+        # every qualified name a registered base type or its LoRA class is reachable under
+        self.layer_names: dict[str, tuple[LayerType, bool]] = {}
+        for spec in layer_types().all:
+            self.layer_names.update((qualname, (spec, False)) for qualname in spec.qualnames)
+            self.layer_names[spec.lora_qualname] = (spec, True)
+            if spec.lora_module.startswith("loragen."):  # ``from loragen import LoraLinear``
+                self.layer_names[f"loragen.{spec.lora_name}"] = (spec, True)
         self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
-        self.class_defs = definitions(self.skeleton.body, cst.ClassDef)
+        self.class_defs = definitions(skeleton.body, cst.ClassDef)
         self.function_defs = definitions(tree.body, cst.FunctionDef)  # bodies intact
-        top = list(self.skeleton.body)
+        top = list(skeleton.body)
         self.layer_subclasses = self._layer_subclasses(
             {s.name.value: s for s in top if isinstance(s, cst.ClassDef)}
         )
@@ -937,7 +930,7 @@ class Resolver:
             if alone and self.qualnames(call.func) & _LORA_AUTO_CLASS_NAMES
         }
         self.star_imports: list[str] = []
-        self._index_star_imports(self.skeleton.body)
+        self._index_star_imports(skeleton.body)
 
     def _layer_subclasses(self, class_defs: Mapping[str, cst.ClassDef]) -> dict[str, LayerType]:
         """Top-level class name -> the registered type accepting subclasses it derives from, maybe indirectly."""
