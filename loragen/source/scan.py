@@ -1239,18 +1239,9 @@ class InitWalker:
             self.factories.append(item)
             self.found.factories[call] = item
             return
-        names = self.names.qualnames(func)
         local = self.names.local(func)
         if local is not None:
             self._submodule(site, call, local, local, site.conditional)
-            return
-        if isinstance(func, cst.Call) and _GETATTR in self.names.qualnames(func.func):
-            self.report(
-                call,
-                site.attribute,
-                f"{site.path} is built by {code_of(func)}(...); a constructor looked up "
-                "with getattr is known only at run time",
-            )
             return
         if isinstance(func, cst.Name) and func.value in self.locals and func.value not in self.params:
             classes = self.alias_classes(func.value)
@@ -1258,22 +1249,21 @@ class InitWalker:
                 for local in classes:
                     self._submodule(site, call, local, local, True)
                 return
-        if isinstance(func, cst.Name) and (func.value in self.params or func.value in self.locals):
+        reason = None
+        if isinstance(func, cst.Call) and _GETATTR in self.names.qualnames(func.func):
+            reason = f"{code_of(func)}(...); a constructor looked up with getattr is known only at run time"
+        elif isinstance(func, cst.Name) and (func.value in self.params or func.value in self.locals):
             what = "a parameter of __init__" if func.value in self.params else "a local variable"
-            self.report(
-                call,
-                site.attribute,
-                f"{site.path} is built by {func.value}(...), {what}; its type is known only at run time",
+            reason = f"{func.value}(...), {what}; its type is known only at run time"
+        elif self.calls_layer_helper(call):
+            reason = (
+                f"the helper {code_of(func)}(...), which constructs layers; "
+                "move the constructor into __init__ to convert it"
             )
+        if reason is not None:
+            self.report(call, site.attribute, f"{site.path} is built by {reason}")
             return
-        if self.calls_layer_helper(call):
-            self.report(
-                call,
-                site.attribute,
-                f"{site.path} is built by the helper {code_of(func)}(...), which "
-                "constructs layers; move the constructor into __init__ to convert it",
-            )
-            return
+        names = self.names.qualnames(func)
         external = sorted(n for n in names if not n.startswith(self.names.module_prefix))
         if external and external[0].rpartition(".")[2][:1].isupper():  # a class, by its name
             self._submodule(site, call, external[0], None, site.conditional)
