@@ -1375,17 +1375,13 @@ class InitWalker:
                     self.value(arg, site)
             return
         # self.add_module("x", ...), self.register_module("x", ...), setattr(self, "x", ...)
-        name_arg = value_arg = None
-
-        def is_self(node: cst.BaseExpression) -> bool:
-            return isinstance(node, cst.Name) and node.value == self.self_name
-
-        if isinstance(func, cst.Attribute) and func.attr.value in ("add_module", "register_module"):
-            if is_self(func.value) and len(call.args) == 2:
-                name_arg, value_arg = call.args[0].value, call.args[1].value
-        elif _SETATTR in self.names.qualnames(func) and len(call.args) == 3 and is_self(call.args[0].value):
-            name_arg, value_arg = call.args[1].value, call.args[2].value
-        if value_arg is None or name_arg is None:
+        args = [a.value for a in call.args]
+        me = self.self_name
+        if dotted_name(func) in (f"{me}.add_module", f"{me}.register_module") and len(args) == 2:
+            name_arg, value_arg = args
+        elif _SETATTR in self.names.qualnames(func) and len(args) == 3 and dotted_name(args[0]) == me:
+            _, name_arg, value_arg = args
+        else:
             return
         name = string_value(name_arg)
         if name is None:
