@@ -1101,11 +1101,7 @@ class InitWalker:
 
     def is_self_attr(self, node: cst.BaseExpression) -> str | None:
         """``"x"`` for ``self.x``, None for anything else."""
-        if (
-            isinstance(node, cst.Attribute)
-            and isinstance(node.value, cst.Name)
-            and node.value.value == self.self_name
-        ):
+        if isinstance(node, cst.Attribute) and dotted_name(node.value) == self.self_name:
             return node.attr.value
         return None
 
