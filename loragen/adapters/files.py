@@ -1,17 +1,9 @@
 """The files loragen reads, read defensively: JSON (adapter configs, shard indexes, safetensors headers) and
-safetensors files from their header, with tensor data read lazily.
+safetensors files, parsed and validated from their header with tensor data read lazily.
 
-Every failure is a :class:`~loragen.errors.LoraError` naming the file. JSON: bytes that are not UTF-8 (a
-UTF-8 byte order mark is accepted in files people edit; UTF-16 is named as such), invalid JSON
-(``file:line:column``), nesting deeper than :data:`MAX_DEPTH` (checked before parsing, where Python's parser
-would raise ``RecursionError``, by a scan linear in the input's size), an integer longer than Python converts
-(``sys.get_int_max_str_digits()``). Every JSON file a user hands loragen goes through :func:`parse_json`.
-
-A safetensors file is an 8-byte little-endian header length, a JSON header
-(``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {...}}``) and the data section:
-:func:`read_safetensors_header` parses and validates the header alone; :class:`SafetensorsReader` reads
-tensors, or ranges of their rows, from disk on access (adapters read lazily, checkpoints merged a block of
-rows at a time).
+Every failure is a :class:`~loragen.errors.LoraError` naming the file: bytes that are not UTF-8, invalid JSON
+(``file:line:column``), nesting deeper than :data:`MAX_DEPTH` (checked in linear time before parsing), an
+integer longer than Python converts, a header that does not describe the file's data.
 """
 
 from __future__ import annotations
@@ -44,9 +36,6 @@ __all__ = [
     "read_safetensors_header",
 ]
 
-
-# ---- JSON --------------------------------------------------------------------------------------------------
-
 # Real configs, indexes and headers nest a few levels; anything this deep is not one of them.
 MAX_DEPTH = 64
 # A string, or an unterminated one to the end of the data: one way to match each byte, so the scan is linear
@@ -57,38 +46,26 @@ _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # an opening bracket is 
 
 
 def _depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects in ``data`` (brackets inside strings do not count).
-
-    Linear in ``len(data)``: two regular-expression passes and a running sum over the brackets.
-    """
+    """The deepest nesting of arrays and objects in ``data`` (brackets inside strings do not count)."""
     brackets = _NOT_BRACKET.sub(b"", _STRING.sub(b"", data))
     return max(accumulate(array("b", brackets.translate(_STEPS))), default=0)
 
 
-def _decode(data: bytes, source: str, error: type[LoraError], bom: bool) -> str:
-    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or (len(data) > 1 and (data[0] == 0 or data[1] == 0)):
-        raise error(f"{source}: the file is UTF-16 (or another wide encoding); save it as UTF-8")
-    try:
-        return data.decode("utf-8-sig" if bom else "utf-8")
-    except UnicodeDecodeError as exc:
-        raise error(f"{source}: not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
-
-
 def parse_json(data: bytes, source: str, error: type[LoraError], *, bom: bool = True, label: str = "") -> Any:
-    """Parse the JSON document ``data`` read from ``source`` (a file name, for messages).
-
-    ``bom``: accept a leading UTF-8 byte order mark (files people edit); safetensors headers may not have one.
-    ``label``: what the document is, for messages (``"corrupt safetensors header"``: ``source: label: ...``).
+    """Parse the JSON document ``data`` read from ``source`` (a file name, for messages); ``bom``: accept a
+    UTF-8 byte order mark; ``label``: what the document is, for messages (``source: label: ...``).
 
     Raises:
         error: the bytes are not UTF-8, nest deeper than :data:`MAX_DEPTH`, or are not valid JSON; the
             message starts with ``source`` (and the line and column for a syntax error).
     """
     head = f"{source}: {label}: " if label else f"{source}: "
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or (len(data) > 1 and (data[0] == 0 or data[1] == 0)):
+        raise error(f"{head}the file is UTF-16 (or another wide encoding); save it as UTF-8")
     try:
-        text = _decode(data, source, error, bom)
-    except LoraError as exc:
-        raise error(head + str(exc).removeprefix(f"{source}: ")) from None
+        text = data.decode("utf-8-sig" if bom else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{head}not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
     depth = _depth(data)
     if depth > MAX_DEPTH:
         raise error(f"{head}JSON nested {depth} levels deep (at most {MAX_DEPTH} are accepted)")
@@ -111,7 +88,7 @@ def read_json_file(path: str | os.PathLike[str], error: type[LoraError]) -> Any:
     """Read and parse the JSON file at ``path`` (see :func:`parse_json`).
 
     Raises:
-        error: the file cannot be read, is not UTF-8, nests too deeply or is not valid JSON (names the file).
+        error: the file cannot be read, or :func:`parse_json` refuses it.
     """
     path = Path(path)
     try:
@@ -120,8 +97,6 @@ def read_json_file(path: str | os.PathLike[str], error: type[LoraError]) -> Any:
         raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
     return parse_json(data, str(path), error)
 
-
-# ---- safetensors files -------------------------------------------------------------------------------------
 
 # safetensors dtype string -> (bytes per element, torch dtype name; a torch build may lack it)
 _ST_DTYPES: dict[str, tuple[int, str]] = {
@@ -171,11 +146,7 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
-    """The parsed header of a safetensors file (no tensor data is read).
-
-    ``header_bytes`` is the file's first ``data_start`` bytes verbatim (length prefix + JSON), so a
-    file with the same tensors can be rewritten byte for byte.
-    """
+    """The parsed header of a safetensors file; ``header_bytes``: its first ``data_start`` bytes verbatim."""
 
     path: Path
     header_bytes: bytes
@@ -186,15 +157,11 @@ class SafetensorsHeader:
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """Read and validate the header of the safetensors file at ``path`` (tensor data is not read).
-
-    Checks that the header is complete JSON, every dtype is known, every shape matches its byte range,
-    and the byte ranges tile the data section exactly (as the safetensors library requires).
+    """Read and validate the header of the safetensors file at ``path``: every dtype known, every shape
+    matching its byte range, the byte ranges tiling the data section exactly.
 
     Raises:
-        AdapterError: the file is truncated or corrupt (a header that is not UTF-8 JSON, nests too deeply,
-            or whose ``__metadata__`` is not a string-to-string object); the message names the file and
-            what is wrong.
+        AdapterError: the file is truncated or corrupt; the message names the file and what is wrong.
         OSError: the file cannot be opened.
     """
     path = Path(path)
@@ -230,11 +197,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             itemsize = _ST_DTYPES[dtype][0]
-            ok = (
-                all(isinstance(d, int) and d >= 0 for d in shape)
-                and isinstance(begin, int)
-                and isinstance(end, int)
-            )
+            ok = all(isinstance(x, int) for x in (*shape, begin, end)) and all(d >= 0 for d in shape)
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -266,11 +229,8 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
 
 
 class SafetensorsReader(Mapping[str, "torch.Tensor"]):
-    """The tensors of a safetensors file, read from disk on access (nothing is cached or mapped).
-
-    ``reader[name]`` reads a whole tensor; :meth:`rows` reads a range of its leading dimension, so a
-    caller can stream a large tensor block by block with bounded memory.
-    """
+    """The tensors of a safetensors file, read from disk on access (nothing is cached or mapped);
+    :meth:`rows` reads a range of a tensor's leading dimension, to stream it with bounded memory."""
 
     def __init__(self, header: SafetensorsHeader) -> None:
         self.header = header

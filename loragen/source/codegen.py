@@ -1,14 +1,7 @@
-"""Generated Python: the Jinja templates in ``templates/`` (they only substitute values; ``StrictUndefined``),
-Python literals written as a person would (``16`` for ``16.0``, ``r"..."`` for a regex, a
-:class:`~loragen.config.LoraConfig` with the fields that differ from the defaults), and the edits a rewrite
-makes in a file, each keeping the surrounding formatting and comments (:class:`Editor`,
-:func:`add_preamble`, :func:`add_module_lines`): a targeted constructor gets its LoRA class and keywords
-(``nn.Linear(a, b)`` -> ``LoraLinear(a, b, r=8, lora_alpha=16)``), relative imports become absolute, a class
-holding LoRA layers gets ``loragen_config = LORA_CONFIG``, the topmost ``PreTrainedModel`` the LoRA init in
-``_init_weights``, the module its imports, ``LORA_CONFIG = LoraConfig(...)`` and the bindings
-``LoraFalconLinear = lora_class_for(FalconLinear)`` / ``LoraAutoModel = lora_auto_class(AutoModel, ...)``
-(:mod:`loragen.source.composite`), each under a comment saying why. A line the file has already (a previous
-rewrite's) is updated in place, so rewriting again changes nothing.
+"""Generated Python: the Jinja templates in ``templates/``, Python literals written as a person would, and the
+edits a rewrite makes in a file, keeping the surrounding formatting and comments (:class:`Editor`,
+:func:`add_preamble`, :func:`add_module_lines`). A line the file has already (a previous rewrite's) is
+updated in place, so rewriting again changes nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +25,6 @@ from loragen.source.scan import NO_DEFAULT, LayerField, LayerType, absolute_modu
 __all__ = [
     "CONFIG_ATTR",
     "CONFIG_NAME",
-    "DOCSTRING",
     "Binding",
     "Diagnostic",
     "Editor",
@@ -46,16 +38,12 @@ __all__ = [
     "edit_call",
     "environment",
     "has_lora_hook",
-    "is_config_assignment",
     "is_identifier",
     "lora_keywords",
     "py_literal",
     "render",
     "top_level_bindings",
 ]
-
-
-# ---- templates and literals --------------------------------------------------------------------------------
 
 _WIDTH = 100  # a generated line longer than this is split, one argument per line
 
@@ -74,7 +62,7 @@ def environment() -> jinja2.Environment:
 
 
 def render(template: str, **values: Any) -> str:
-    """Render the template named ``template`` (e.g. ``"decorator.py.j2"``) with ``values``.
+    """Render the template named ``template`` (``"decorator.py.j2"``) with ``values``.
 
     Raises:
         jinja2.UndefinedError: the template uses a value that was not passed.
@@ -83,23 +71,8 @@ def render(template: str, **values: Any) -> str:
     return environment().get_template(template).render(**values)
 
 
-def _string_literal(text: str) -> str:
-    if "\\" in text and '"' not in text and not text.endswith("\\") and text.isprintable():
-        raw = f'r"{text}"'  # a regex reads best as a raw string
-        if ast.literal_eval(raw) == text:
-            return raw
-    quoted = repr(text)
-    if quoted.startswith("'") and '"' not in text and "'" not in text:
-        return f'"{quoted[1:-1]}"'
-    return quoted
-
-
 def py_literal(value: Any) -> str:
-    """Python source for a config value: ``8``, ``16``, ``0.05``, ``True``, ``"gaussian"``,
-    ``["q_proj", "v_proj"]``, ``{"fc1": 4}``, ``r"(.*\\.)?q_proj"``.
-
-    Floats with an integral value are written as integers (``lora_alpha=16``), as a person would;
-    tuples as lists (peft's configs hold lists).
+    """Python source for a config value: ``16`` for ``16.0``, ``r"(.*\\.)?q_proj"``, tuples as lists.
 
     Raises:
         TypeError: a value that has no literal (an object).
@@ -111,7 +84,14 @@ def py_literal(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return _string_literal(value)
+        if "\\" in value and '"' not in value and not value.endswith("\\") and value.isprintable():
+            raw = f'r"{value}"'  # a regex reads best as a raw string
+            if ast.literal_eval(raw) == value:
+                return raw
+        quoted = repr(value)
+        if quoted.startswith("'") and '"' not in value and "'" not in value:
+            return f'"{quoted[1:-1]}"'
+        return quoted
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(py_literal(v) for v in value) + "]"
     if isinstance(value, Mapping):
@@ -120,12 +100,8 @@ def py_literal(value: Any) -> str:
 
 
 def config_literal(config: LoraConfig, *, indent: str = "", column: int = 0) -> str:
-    """``LoraConfig(r=16, target_modules=["q_proj", "v_proj"])``: the call that builds ``config``, with
-    the fields that differ from their defaults, in the dataclass's order.
-
-    The call is on one line when it fits in 100 columns after ``column`` characters, else one field per
-    line indented by ``indent`` plus four spaces. Evaluated with ``LoraConfig`` in scope it gives a config
-    equal to ``config``.
+    """``LoraConfig(r=16, ...)``: the call that builds ``config``, with the fields that differ from their
+    defaults; on one line if it fits in 100 columns after ``column``, else one field per line under ``indent``.
     """
     default = LoraConfig()
     arguments = [
@@ -145,13 +121,10 @@ def is_identifier(name: str) -> bool:
     return name.isidentifier() and not keyword.iskeyword(name)
 
 
-# ---- module-level lines: imports, LORA_CONFIG, bindings ----------------------------------------------------
-
 Statement = cst.SimpleStatementLine | cst.BaseCompoundStatement
 
 CONFIG_NAME = "LORA_CONFIG"
-# the class attribute that holds it, read by loragen.mark_trainable (loragen.convert.CONFIG_ATTR, which imports
-# torch; a test holds the two equal)
+# loragen.convert.CONFIG_ATTR, which imports torch; a test holds the two equal
 CONFIG_ATTR = "loragen_config"
 _COMMENT = (
     "# Added by loragen rewrite: the LoRA config this file's LoRA layers were written with.",
@@ -161,15 +134,13 @@ _COMMENT = (
 
 @dataclasses.dataclass(frozen=True)
 class Binding:
-    """What a module-level name is bound to: an import from ``module`` (``name`` is the imported name), or
-    something else (``module`` None)."""
+    """What a module-level name is bound to: an import of ``name`` from ``module``, or something else (None)."""
 
     module: str | None = None
     name: str | None = None
 
     def imports(self, module: str, name: str) -> bool:
-        """Whether this binding already imports ``name`` from ``module`` (loragen's modules re-export each
-        other's layers, so any loragen module counts for another)."""
+        """Whether this binding imports ``name`` from ``module`` (any loragen module counts for another)."""
         if self.module is None or self.name != name:
             return False
         return self.module == module or (_is_loragen(self.module) and _is_loragen(module))
@@ -179,7 +150,6 @@ def _is_loragen(module: str) -> bool:
     return module == "loragen" or module.startswith("loragen.")
 
 
-# one-line module-level statements, looked at by shape (a module has a few hundred at most)
 _ASSIGNMENT = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])
 _CONFIG_ASSIGNMENT = m.SimpleStatementLine(
     body=[
@@ -188,13 +158,13 @@ _CONFIG_ASSIGNMENT = m.SimpleStatementLine(
         )
     ]
 )
-DOCSTRING = m.SimpleStatementLine(
+_DOCSTRING = m.SimpleStatementLine(
     body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString()), m.ZeroOrMore()]
 )
 _IMPORT = m.SimpleStatementLine(body=[m.ZeroOrMore(), m.Import() | m.ImportFrom(), m.ZeroOrMore()])
 
 
-def is_config_assignment(stmt: cst.CSTNode) -> bool:
+def _is_config_assignment(stmt: cst.CSTNode) -> bool:
     """Whether ``stmt`` is ``LORA_CONFIG = LoraConfig(...)`` (a previous rewrite's)."""
     return m.matches(stmt, _CONFIG_ASSIGNMENT)
 
@@ -205,7 +175,7 @@ def top_level_bindings(module: cst.Module) -> dict[str, Binding]:
     for stmt in module.body:
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
             names[stmt.name.value] = Binding()
-        elif is_config_assignment(stmt):
+        elif _is_config_assignment(stmt):
             names[CONFIG_NAME] = Binding("<loragen rewrite>", CONFIG_NAME)
         elif isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
@@ -233,20 +203,18 @@ def _bound_by(small: cst.BaseSmallStatement) -> dict[str, Binding]:
 
 
 def _import_position(body: Sequence[Statement]) -> int:
-    """Where new imports go: after the module's leading imports (or its docstring)."""
     position = 0
     for index, stmt in enumerate(body):
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
             break
         if m.matches(stmt, _IMPORT):
             position = index + 1
-        elif index == 0 and m.matches(stmt, DOCSTRING):
+        elif index == 0 and m.matches(stmt, _DOCSTRING):
             position = 1  # after the module docstring
     return position
 
 
 def _extend_import(stmt: Statement, module: str, names: Sequence[str]) -> Statement | None:
-    """``stmt`` importing ``names`` too when it is a one-line ``from <module> import ...``, else None."""
     if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
         return None
     small = stmt.body[0]
@@ -268,8 +236,7 @@ def _extend_import(stmt: Statement, module: str, names: Sequence[str]) -> Statem
 
 def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_code: str) -> cst.Module:
     """``tree`` with ``from <module> import <names>`` for every entry of ``imports`` (joined to an existing
-    one-line import of that module when there is one) and ``LORA_CONFIG = <config_code>`` after the imports
-    (replacing a previous rewrite's)."""
+    one-line import) and ``LORA_CONFIG = <config_code>`` after the imports (replacing a previous one)."""
     body: list[Statement] = list(tree.body)
     new: list[Statement] = []
     for module in sorted(imports):
@@ -283,12 +250,11 @@ def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_
             new.append(cst.parse_statement(f"from {module} import {', '.join(names)}\n"))
     position = _import_position(body)
     if new and position > 0 and not _is_loragen_import(body[position - 1]):
-        new[0] = new[0].with_changes(
-            leading_lines=[cst.EmptyLine(indent=False)]
-        )  # loragen's imports in a group of their own
+        # loragen's imports in a group of their own
+        new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
     body[position:position] = new
     position += len(new)
-    existing = next((i for i, s in enumerate(body) if is_config_assignment(s)), None)
+    existing = next((i for i, s in enumerate(body) if _is_config_assignment(s)), None)
     if existing is not None:
         _set_value(body, existing, config_code)
     else:
@@ -321,7 +287,6 @@ class ModuleLine:
 
 
 def _set_value(body: list[Statement], index: int, code: str) -> None:
-    """Make the one-line assignment ``body[index]`` assign ``code`` (unless it does already)."""
     stmt = cast(cst.SimpleStatementLine, body[index])
     assign = cast(cst.Assign, stmt.body[0])
     if code_of(assign.value) != code:
@@ -329,7 +294,6 @@ def _set_value(body: list[Statement], index: int, code: str) -> None:
 
 
 def _assigned_name(stmt: cst.CSTNode) -> str | None:
-    """``x`` for a line ``x = ...`` (one target, one statement), else None."""
     if not m.matches(stmt, _ASSIGNMENT):
         return None
     target = cast(cst.Assign, cast(cst.SimpleStatementLine, stmt).body[0]).targets[0].target
@@ -358,8 +322,6 @@ def add_module_lines(tree: cst.Module, lines: list[ModuleLine]) -> cst.Module:
     return tree.with_changes(body=body)
 
 
-# ---- edits inside the file ---------------------------------------------------------------------------------
-
 _ALWAYS = ("r", "lora_alpha")
 _RELATIVE_IMPORT = re.compile(r"\bfrom[\s\\]+\.")
 
@@ -367,11 +329,8 @@ _RELATIVE_IMPORT = re.compile(r"\bfrom[\s\\]+\.")
 def lora_keywords(
     spec: LayerType, r: int, alpha: float, config: LoraConfig, existing: set[str]
 ) -> dict[str, str]:
-    """The LoRA keywords, as source text, that a targeted call of ``spec``'s type gets; ``existing`` holds the
-    keywords the call passes already. A keyword of the LoRA protocol (:meth:`loragen.LoraLayer.from_module`)
-    is written when the call passes it already, for ``r`` and ``lora_alpha``, and when the config's value
-    differs from the default in the LoRA class's signature (or the signature shows none), so the defaults
-    cannot drift from the layers'.
+    """The LoRA keywords, as source text, that a targeted call of ``spec``'s type gets: ``r``, ``lora_alpha``,
+    those the call passes already (``existing``) and those whose value differs from the LoRA class's default.
 
     Raises:
         ImportError: the LoRA class cannot be imported.
@@ -394,12 +353,8 @@ def lora_keywords(
 def edit_call(
     call: cst.Call, lora_name: str | None, keywords: dict[str, str], wrap: str | None = None
 ) -> cst.Call:
-    """``call`` with callee ``lora_name`` (None: keep it) and ``keywords`` set, formatting kept.
-
-    ``wrap`` (the indentation of the call's statement) says the line would grow too long: a call laid out
-    over several lines gets the new keywords on a line of their own, a call on one line is laid out as
-    ``Layer(`` / its arguments one level deeper / ``)``.
-    """
+    """``call`` with callee ``lora_name`` (None: keep it) and ``keywords`` set, formatting kept; ``wrap`` (the
+    statement's indentation) says the line would grow too long, so the arguments go on lines of their own."""
     args = list(call.args)
     present = {a.keyword.value: i for i, a in enumerate(args) if a.keyword is not None}
     for key, text in keywords.items():
@@ -407,7 +362,11 @@ def edit_call(
             arg = args[present[key]]
             if code_of(arg.value) != text:
                 args[present[key]] = arg.with_changes(value=_expression(text))
-    new = [_keyword_arg(k, t) for k, t in keywords.items() if k not in present]
+    new = [
+        cst.Arg(_expression(t), keyword=cst.Name(k), equal=_EQUAL)
+        for k, t in keywords.items()
+        if k not in present
+    ]
     changes: dict[str, object] = {}
     if new and args:
         hanging = isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace)
@@ -425,12 +384,14 @@ def edit_call(
 
 
 _COMMA = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+_EQUAL = cst.AssignEqual(
+    whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")
+)
 
 
 @functools.lru_cache(maxsize=256)
 def _expression(text: str) -> cst.BaseExpression:
-    """``text`` parsed; cached, as a file's hundreds of calls get the same few keyword values (libcst
-    nodes are immutable, so one node may stand in many places of a tree)."""
+    # cached: a file's calls get the same few values, and libcst nodes are immutable
     return cst.parse_expression(text)
 
 
@@ -438,17 +399,7 @@ def _newline(indent: str) -> cst.ParenthesizedWhitespace:
     return cst.ParenthesizedWhitespace(indent=False, last_line=cst.SimpleWhitespace(indent))
 
 
-def _keyword_arg(key: str, text: str) -> cst.Arg:
-    no_space = cst.SimpleWhitespace("")
-    return cst.Arg(
-        value=_expression(text),
-        keyword=cst.Name(key),
-        equal=cst.AssignEqual(whitespace_before=no_space, whitespace_after=no_space),
-    )
-
-
 def _one_per_line(args: Sequence[cst.Arg]) -> bool:
-    """Whether the arguments are laid out one per line with a trailing comma."""
     last = args[-1]
     return isinstance(last.comma, cst.Comma) and isinstance(
         last.comma.whitespace_after, cst.ParenthesizedWhitespace
@@ -458,7 +409,6 @@ def _one_per_line(args: Sequence[cst.Arg]) -> bool:
 def _append_args(
     call: cst.Call, args: list[cst.Arg], new: Sequence[cst.Arg], own_line: bool
 ) -> list[cst.Arg]:
-    """``args`` followed by ``new``, laid out like ``args``; ``own_line``: ``new`` on a line of its own."""
     last = args[-1]
     if _one_per_line(args):  # one argument per line with a trailing comma: add ours the same way
         if isinstance(call.whitespace_before_args, cst.ParenthesizedWhitespace):
@@ -478,8 +428,6 @@ def _append_args(
     return [*args[:-1], last.with_changes(comma=first, whitespace_after_arg=cst.SimpleWhitespace("")), *added]
 
 
-# matchers for the few statements of a class body or a module looked at by shape (not on the hot path, where
-# isinstance checks are several times cheaper)
 _CONFIG_ATTRIBUTE = m.Assign(
     targets=[m.ZeroOrMore(), m.AssignTarget(target=m.Name(CONFIG_ATTR)), m.ZeroOrMore()]
 )
@@ -495,52 +443,27 @@ def config_attribute(node: cst.ClassDef) -> str | None:
     return None
 
 
+_INIT_WEIGHTS = m.FunctionDef(name=m.Name("_init_weights"))
+
+
 def has_lora_hook(node: cst.ClassDef) -> bool:
     """Whether the class's ``_init_weights`` already initialises LoRA factors (a rewritten file)."""
-    for stmt in node.body.body:
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "_init_weights":
-            return "reset_lora_parameters" in code_of(stmt)
-    return False
-
-
-def _with_config_attribute(body: list[cst.BaseStatement]) -> list[cst.BaseStatement]:
-    index = 1 if body and m.matches(body[0], DOCSTRING) else 0
-    line = cst.parse_statement(f"{CONFIG_ATTR} = {CONFIG_NAME}  # added by loragen rewrite\n")
-    if index:
-        line = line.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-    after = body[index] if index < len(body) else None
-    if isinstance(after, (cst.FunctionDef, cst.ClassDef)) and not after.leading_lines:
-        body[index] = after.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-    return [*body[:index], line, *body[index:]]
-
-
-def _with_init_hook(body: list[cst.BaseStatement], init: str) -> list[cst.BaseStatement]:
-    note = {"True": "A random, B zero", '"gaussian"': "A gaussian, B zero", "False": "A and B random"}[init]
-    values = {"init_lora_weights": init, "init_note": note}
-    for index, stmt in enumerate(body):
-        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == "_init_weights":
-            hook = cst.parse_module(render("rewrite_init_weights_hook.py.j2", **values)).body
-            body[index] = stmt.with_changes(body=stmt.body.with_changes(body=[*stmt.body.body, *hook]))
-            return body
-    method = cst.parse_statement(render("rewrite_init_weights.py.j2", **values))
-    return [*body, method.with_changes(leading_lines=[cst.EmptyLine(indent=False)])]
+    method = next((s for s in node.body.body if m.matches(s, _INIT_WEIGHTS)), None)
+    return method is not None and "reset_lora_parameters" in code_of(method)
 
 
 class Editor(cst.CSTTransformer):
     """Applies the planned edits to the full tree.
 
     Args:
-        calls: call node -> (the LoRA class's name, or None to keep the callee; the keywords; the
-            ``wrap`` of :func:`edit_call`).
+        calls: call node -> the arguments of :func:`edit_call`.
         package: make relative imports absolute inside this package (None: leave them).
         hooks: class node -> the ``init_lora_weights`` literal of the ``_init_weights`` hook it gets.
         config_classes: the class nodes that get ``loragen_config = LORA_CONFIG``.
         factories: call node -> the LoRA auto class that ``AutoModel.from_config(...)`` calls build with.
-        hidden: function node -> body source of the functions the scanner did not read; no planned edit
-            lies inside one, so those are skipped unless they hold a relative import to make absolute.
-        functions: the functions that hold a planned edit (or a class that gets one); the other
-            functions are skipped, unless ``nested_imports`` says some function or class holds a relative
-            import (then those the scanner read are visited too).
+        hidden: function node -> body source of the functions the scanner did not read.
+        functions: the functions that hold a planned edit; the others are visited only for relative imports
+            (``nested_imports``: some function or class holds one).
     """
 
     def __init__(
@@ -574,9 +497,7 @@ class Editor(cst.CSTTransformer):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         factory = self.factories.get(original_node)
-        if factory is not None and isinstance(
-            updated_node.func, cst.Attribute
-        ):  # LoraAutoModel.from_config(...)
+        if factory is not None and isinstance(updated_node.func, cst.Attribute):
             return updated_node.with_changes(func=updated_node.func.with_changes(value=cst.Name(factory)))
         edit = self.calls.get(original_node)
         if edit is None:
@@ -598,21 +519,37 @@ class Editor(cst.CSTTransformer):
         )
 
     def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> cst.ClassDef:
-        key = original_node
         block = updated_node.body
-        if (key not in self.config_classes and key not in self.hooks) or not isinstance(
-            block, cst.IndentedBlock
-        ):
+        edited = original_node in self.config_classes or original_node in self.hooks
+        if not edited or not isinstance(block, cst.IndentedBlock):
             return updated_node
         body = list(block.body)
-        if key in self.config_classes:
-            body = _with_config_attribute(body)
-        if key in self.hooks:
-            body = _with_init_hook(body, self.hooks[key])
+        if original_node in self.config_classes:
+            index = 1 if body and m.matches(body[0], _DOCSTRING) else 0
+            line = cst.parse_statement(f"{CONFIG_ATTR} = {CONFIG_NAME}  # added by loragen rewrite\n")
+            if index:
+                line = line.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+            after = body[index] if index < len(body) else None
+            if isinstance(after, (cst.FunctionDef, cst.ClassDef)) and not after.leading_lines:
+                body[index] = after.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+            body.insert(index, line)
+        init = self.hooks.get(original_node)
+        if init is not None:
+            notes = {
+                "True": "A random, B zero",
+                '"gaussian"': "A gaussian, B zero",
+                "False": "A and B random",
+            }
+            values = {"init_lora_weights": init, "init_note": notes[init]}
+            at = next((i for i, s in enumerate(body) if m.matches(s, _INIT_WEIGHTS)), None)
+            if at is None:
+                method = cst.parse_statement(render("rewrite_init_weights.py.j2", **values))
+                body.append(method.with_changes(leading_lines=[cst.EmptyLine(indent=False)]))
+            else:
+                stmt = cast(cst.FunctionDef, body[at])
+                hook = cst.parse_module(render("rewrite_init_weights_hook.py.j2", **values)).body
+                body[at] = stmt.with_changes(body=stmt.body.with_changes(body=[*stmt.body.body, *hook]))
         return updated_node.with_changes(body=block.with_changes(body=body))
-
-
-# ---- what a rewrite returns --------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -643,19 +580,12 @@ class RewriteResult:
     """What :func:`~loragen.source.rewriter.rewrite_source` did.
 
     Attributes:
-        code: the rewritten source; the input unchanged when there are errors or nothing to do.
-        changed: whether ``code`` differs from the input.
-        filename: the name used in messages.
+        code: the rewritten source; the input unchanged when there are ``errors`` or nothing to do.
         rewritten: the targeted calls (``changed=False`` for those already up to date).
         fields: every layer field the scanner found, targeted or not.
-        unmatched_targets: the entries of ``target_modules`` that select no layer field of this file (the
-            regex or ``"all-linear"`` as a whole); ``loragen rewrite`` reports those that match nothing
-            in any of its files as errors.
-        warnings: things left alone that a reader should know about (unresolvable layers, sub-models built by
-            transformers' auto classes, ...).
-        errors: reasons the file could not be rewritten; when not empty, ``code`` is the input.
-        sub_models: the sub-models built by transformers' auto classes (``"Gemma3Model.language_model"``),
-            which the rewritten file builds through its LoRA auto classes (:mod:`loragen.source.composite`).
+        unmatched_targets: the entries of ``target_modules`` that select no layer field of this file.
+        warnings: things left alone that a reader should know about (unresolvable layers, ...).
+        sub_models: the sub-models built by transformers' auto classes (``"Gemma3Model.language_model"``).
     """
 
     code: str

@@ -43,8 +43,8 @@ from loragen.source.scan import (
     LayerField,
     ScanError,
     ScannedModule,
-    class_definitions,
     code_of,
+    definitions,
     nested_statements,
     scan_module,
     source_text,
@@ -253,7 +253,7 @@ class _RewritePlanner:
 
     def _functions_to_edit(self, classes: set[cst.ClassDef]) -> set[cst.FunctionDef]:
         """Each edited class's ``__init__``, and every function around those and ``classes``."""
-        nodes = class_definitions(self.scanned.tree.body)
+        nodes = definitions(self.scanned.tree.body, cst.ClassDef)
         owners = {f.owner for call in self.edits for f in self.scanned.calls[call]}
         owners.update(self.scanned.factories[call].owner for call in self.factory_edits)
         targets: set[cst.CSTNode] = set(classes)
@@ -401,7 +401,7 @@ class _RewritePlanner:
 
     def _class_edits(self) -> tuple[dict[cst.ClassDef, str], set[cst.ClassDef]]:
         """The classes that get the init hook, and those that get ``loragen_config`` (unless inherited)."""
-        nodes = class_definitions(self.scanned.tree.body)
+        nodes = definitions(self.scanned.tree.body, cst.ClassDef)
         hooks: dict[cst.ClassDef, str] = {}
         holders = {c.field.owner for c in self.rewritten} | {f.owner for f in self.scanned.factories.values()}
         for scan in self.result.classes:

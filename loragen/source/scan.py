@@ -2,20 +2,9 @@
 libcst, for both code generators (:func:`loragen.lora_convert`, :func:`loragen.rewrite_source`).
 
 A *layer field* is a module attribute built in ``__init__`` by a constructor of a registered layer type,
-matched by *qualified name* (``nn.Linear``, ``torch.nn.Linear`` and ``from torch.nn import Linear as L``
-are the same; a user's class called ``Linear`` is not), followed through locals, containers and both
-branches of conditionals (:class:`InitWalker`). The file's own layer subclasses (``class
-FalconLinear(nn.Linear)``) are layer types too; sub-models built by transformers' auto classes are
-:class:`FactoryCall`; a previous rewrite's lines are recognised, so a second rewrite changes nothing. What
-cannot be resolved statically is reported as :class:`Unresolved` with ``file:line``, never guessed.
-
-Python's parser checks the code first (its message for invalid code; nesting deeper than
-:data:`MAX_NESTING` is refused before libcst, whose parser crashes the process on it). Scope analysis runs on
-a :func:`skeleton` whose function bodies, but for ``__init__`` and ``get_output_embeddings``, are stubbed
-out; everything found is keyed by the full tree's own nodes (which hash by identity), so nothing is copied.
-Layer types are read without importing torch until :mod:`loragen.layers` is (:func:`layer_types`).
-Files Python reads but libcst cannot keep as they are (a byte order mark, ``\r`` line ends, some mixes of
-tabs and spaces) are scanned as :func:`source_text` gives them, which also gives the way back to their form.
+matched by qualified name and followed through locals, containers and conditionals (:class:`InitWalker`).
+What cannot be resolved statically is reported as :class:`Unresolved` with ``file:line``, never guessed.
+Everything found is keyed by the parsed tree's own nodes (which hash by identity).
 """
 
 from __future__ import annotations
@@ -33,7 +22,7 @@ import re
 import sys
 import tokenize
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import libcst as cst
 import libcst.metadata as md
@@ -56,7 +45,6 @@ __all__ = [
     "LayerField",
     "LayerType",
     "LayerTypes",
-    "Resolver",
     "ScanError",
     "ScanResult",
     "ScannedModule",
@@ -66,8 +54,8 @@ __all__ = [
     "SubmoduleField",
     "Unresolved",
     "absolute_module",
-    "class_definitions",
     "code_of",
+    "definitions",
     "from_spec",
     "importable",
     "layer_types",
@@ -79,10 +67,8 @@ __all__ = [
     "source_text",
 ]
 
-
-# ---- syntax helpers: a node's code, dotted names, string literals, nested statements -----------------------
-
 _EMPTY = cst.Module(body=[])
+_Node = TypeVar("_Node", bound=cst.CSTNode)
 
 
 def code_of(node: cst.CSTNode) -> str:
@@ -109,8 +95,7 @@ def string_value(node: cst.BaseExpression) -> str | None:
 
 
 def absolute_module(package: str, level: int, name: str | None) -> str | None:
-    """The absolute module a relative import names (``level`` dots inside ``package``), or None if it
-    reaches above the package's top."""
+    """The absolute module a relative import names, or None if it reaches above ``package``'s top."""
     parts = package.split(".") if package else []
     if level - 1 >= len(parts):
         return None
@@ -118,42 +103,28 @@ def absolute_module(package: str, level: int, name: str | None) -> str | None:
     return ".".join(base + ([name] if name else []))
 
 
-def _block_statements(block: cst.BaseSuite) -> list[cst.CSTNode]:
-    if isinstance(block, cst.SimpleStatementSuite):  # `if x: a = 1`
-        return [cst.SimpleStatementLine(body=block.body)]
-    return list(block.body)
+_COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
+
+
+_CLAUSES = (cst.If, cst.Else, cst.ExceptHandler, cst.Finally, cst.MatchCase)
 
 
 def nested_statements(stmt: cst.CSTNode) -> list[cst.CSTNode]:
     """The statements nested in an ``if`` / ``try`` / ``with`` / ``for`` / ``while`` / ``match``, all branches."""
-    blocks: list[cst.BaseSuite] = []
-    if isinstance(stmt, cst.If):
-        blocks.append(stmt.body)
-        orelse: cst.If | cst.Else | None = stmt.orelse
-        while orelse is not None:
-            blocks.append(orelse.body)
-            orelse = orelse.orelse if isinstance(orelse, cst.If) else None
-    elif isinstance(stmt, cst.Try):
-        blocks.append(stmt.body)
-        blocks.extend(h.body for h in stmt.handlers)
-        if stmt.orelse is not None:
-            blocks.append(stmt.orelse.body)
-        if stmt.finalbody is not None:
-            blocks.append(stmt.finalbody.body)
-    elif isinstance(stmt, (cst.For, cst.While)):
-        blocks.append(stmt.body)
-        if stmt.orelse is not None:
-            blocks.append(stmt.orelse.body)
-    elif isinstance(stmt, cst.With):
-        blocks.append(stmt.body)
-    elif isinstance(stmt, cst.Match):
-        blocks.extend(case.body for case in stmt.cases)
-    return [s for block in blocks for s in _block_statements(block)]
-
-
-def nodes_of(node: cst.CSTNode, kind: type[cst.CSTNode]) -> list[cst.CSTNode]:
-    """Every node of type ``kind`` inside ``node`` (itself included), in source order."""
     found: list[cst.CSTNode] = []
+    for child in stmt.children if isinstance(stmt, (*_COMPOUND, *_CLAUSES)) else ():
+        if isinstance(child, cst.SimpleStatementSuite):  # `if x: a = 1`
+            found.append(cst.SimpleStatementLine(body=child.body))
+        elif isinstance(child, cst.IndentedBlock):
+            found += child.body
+        elif isinstance(child, _CLAUSES):
+            found += nested_statements(child)
+    return found
+
+
+def nodes_of(node: cst.CSTNode, kind: type[_Node]) -> list[_Node]:
+    """Every node of type ``kind`` inside ``node`` (itself included), in source order."""
+    found: list[_Node] = []
 
     class Collect(cst.CSTVisitor):
         def on_visit(self, child: cst.CSTNode) -> bool:
@@ -165,27 +136,21 @@ def nodes_of(node: cst.CSTNode, kind: type[cst.CSTNode]) -> list[cst.CSTNode]:
     return found
 
 
-def calls_in(node: cst.CSTNode) -> Sequence[cst.Call]:
-    """Every call inside ``node``, in source order."""
-    return [call for call in nodes_of(node, cst.Call) if isinstance(call, cst.Call)]
-
-
-def class_definitions(body: Sequence[cst.CSTNode], prefix: str = "") -> dict[str, cst.ClassDef]:
-    """The classes defined in ``body`` (and nested in them, in functions, in compound statements) by
-    qualified name, as Python spells it: ``"Outer.Inner"``, ``"make.<locals>.Local"``."""
-    found: dict[str, cst.ClassDef] = {}
+def definitions(body: Sequence[cst.CSTNode], kind: type[_Node], prefix: str = "") -> dict[str, _Node]:
+    """The classes or functions (``kind``) defined in ``body``, nested ones too, by qualified name as Python
+    spells it: ``"Outer.Inner"``, ``"make.<locals>.Local"``."""
+    found: dict[str, _Node] = {}
     for stmt in body:
-        if isinstance(stmt, cst.ClassDef):
-            found[prefix + stmt.name.value] = stmt
-            found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}."))
-        elif isinstance(stmt, cst.FunctionDef):
-            found.update(class_definitions(stmt.body.body, f"{prefix}{stmt.name.value}.<locals>."))
-        elif isinstance(stmt, (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)):
-            found.update(class_definitions(nested_statements(stmt), prefix))
+        if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
+            name = prefix + stmt.name.value
+            if isinstance(stmt, kind):
+                found[name] = stmt
+            inner = "." if isinstance(stmt, cst.ClassDef) else ".<locals>."
+            found.update(definitions(stmt.body.body, kind, name + inner))
+        elif isinstance(stmt, _COMPOUND):
+            found.update(definitions(nested_statements(stmt), kind, prefix))
     return found
 
-
-# ---- the text as read: byte order mark, line ends, indentation ---------------------------------------------
 
 _LINE_END = re.compile(r"\r\n?|\n")
 _LINE = re.compile(r"[^\r\n]*(?:\r\n?|\n)|[^\r\n]+\Z")
@@ -204,15 +169,10 @@ _BEFORE_A_STATEMENT = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
 
 @dataclasses.dataclass(frozen=True)
 class SourceText:
-    """A source file's text in the form the scanner and the rewriter work on, and the way back to the file's.
+    """A source file's text as libcst can keep it, and the way back to the file's form.
 
-    Python reads a UTF-8 byte order mark, ``\r\n``, ``\r`` and ``\n`` line ends (mixed, even), and
-    indentation that mixes tabs and spaces consistently. libcst keeps neither a lone ``\r`` nor a block
-    whose indentation does not start with the indentation of the block around it (``\t`` under ``" \t"``).
-    ``code`` is the text without the mark, with ``\n`` line ends and, only where libcst needs it, the
-    indentation of statements as spaces (a tab to the next multiple of 8 columns, as Python counts);
-    its lines are the file's lines one for one. :meth:`restore` gives a rewrite of ``code`` the file's mark,
-    line ends and indentation back.
+    ``code`` is the text without a byte order mark, with ``\n`` line ends and, only where libcst needs it
+    (tabs mixed into indentation), statements indented by spaces; its lines are the file's one for one.
     """
 
     code: str
@@ -222,11 +182,7 @@ class SourceText:
     statements: frozenset[int] = frozenset()  # where reindented: the lines (from 0) that start statements
 
     def restore(self, rewritten: str) -> str:
-        """``rewritten`` (a rewrite of :attr:`code`) with the file's mark, line ends and indentation.
-
-        Lines the rewrite kept are the file's own lines; a new or changed line gets the file's first kind
-        of line end, and the file's indentation for the same column where ``code`` was re-indented.
-        """
+        """``rewritten`` (a rewrite of :attr:`code`) with the file's mark, line ends and indentation."""
         mark = "\ufeff" if self.bom else ""
         if rewritten == self.code:
             return mark + self.original
@@ -241,13 +197,11 @@ class SourceText:
         original, ours, theirs = (_LINE.findall(text) for text in (self.original, self.code, rewritten))
         first_end = _LINE_END.search(self.original)
         newline = first_end.group() if first_end else "\n"
-        # the column of each statement's indentation in ``code`` and the file's indentation for it
         columns = {i: len(_indent(ours[i])) for i in self.statements}
         indents = {i: _indent(original[i]) for i in self.statements}
 
         def indent_for(column: int, following: int) -> str:
-            """The file's indentation for a new statement at ``column`` before line ``following``: that of
-            its next sibling, else of its previous one, else its parent's and spaces to the column."""
+            # that of the next sibling, else of the previous one, else the parent's and spaces
             for i in range(following, len(ours)):
                 if i in columns and columns[i] <= column:
                     if columns[i] == column:
@@ -300,10 +254,8 @@ def _indent(line: str) -> str:
 
 
 def _reindented(code: str) -> tuple[str, frozenset[int]] | None:
-    """``code`` with its statements (and comment lines) indented by spaces, and the lines (from 0) that start
-    statements, when tabs in their indentation are mixed in a way Python accepts and libcst cannot keep;
-    None when there is nothing to do (or Python refuses the code: the scanner then reports Python's own
-    message and line)."""
+    """``code`` with statements and comment lines indented by spaces, and the lines that start statements,
+    when tabs are mixed in a way libcst cannot keep; None when there is nothing to do or Python refuses it."""
     if not _TAB_IN_INDENT.search(code):
         return None
     lines = code.split("\n")
@@ -329,11 +281,8 @@ def _reindented(code: str) -> tuple[str, frozenset[int]] | None:
 
 
 def _libcst_cannot_keep(indents: list[tuple[str, bool]]) -> bool:
-    """Whether a block's indentation does not start with the indentation of the block around it, or a
-    comment line's is neither a block's nor one of those continued (libcst loses some of those comments).
-
-    ``indents``: the indentation of each statement (True) and comment line (False), in order.
-    """
+    """Whether a block's indentation (``indents``: statements True, comment lines False) does not extend
+    the enclosing block's, or a comment line's is neither a block's nor an extension of one."""
     stack = [""]
     for indent, statement in indents:
         if not statement:
@@ -366,8 +315,6 @@ def _same_program(a: str, b: str) -> bool:
         return False
 
 
-# ---- parsing: Python's check, libcst's tree, the skeleton, positions ---------------------------------------
-
 MAX_NESTING = 100
 
 KEPT_BODIES = ("__init__", "get_output_embeddings")
@@ -375,22 +322,13 @@ _DEFINES_CLASS = re.compile(r"^[ \t]*class[ \t]", re.MULTILINE)
 
 
 def parse(code: str, filename: str) -> cst.Module:
-    """Parse ``code`` into a libcst module.
+    """Parse ``code`` into a libcst module, checked by Python's parser first.
 
     Raises:
-        ScanError: ``code`` is not valid Python, holds a NUL character or text that is not Unicode, or is
-            nested deeper than :data:`MAX_NESTING`; names ``filename:line`` and what is wrong (Python's own
-            message for invalid code).
+        ScanError: ``code`` is not valid Python (Python's message), holds a NUL character or text that is not
+            Unicode, is nested deeper than :data:`MAX_NESTING`, or libcst cannot parse it; names
+            ``filename:line``.
     """
-    _check_with_python(code, filename)
-    try:
-        return cst.parse_module(code)
-    except (cst.ParserSyntaxError, SyntaxError, ValueError, RecursionError) as exc:
-        raise _libcst_error(filename, exc) from None
-
-
-def _check_with_python(code: str, filename: str) -> None:
-    """Python's parser on ``code``, then the nesting depth of its tree; raises :class:`ScanError`."""
     nul = code.find("\0")
     if nul >= 0:  # Python's message for it has no line
         line = code.count("\n", 0, nul) + 1
@@ -416,6 +354,23 @@ def _check_with_python(code: str, filename: str) -> None:
             filename=filename,
             line=deep,
         )
+    try:
+        return cst.parse_module(code)
+    except cst.ParserSyntaxError as exc:  # syntax newer than libcst knows
+        raise ScanError(
+            f"libcst cannot parse this: {exc.message}",
+            filename=filename,
+            line=exc.raw_line,
+            column=exc.raw_column,
+        ) from None
+    except RecursionError:
+        raise ScanError(
+            f"nesting deeper than libcst can parse ({MAX_NESTING} at most)", filename=filename, line=1
+        ) from None
+    except (SyntaxError, ValueError) as exc:
+        raise ScanError(
+            f"libcst cannot parse this: {exc}", filename=filename, line=getattr(exc, "lineno", None) or 1
+        ) from None
 
 
 def _deeper_than(tree: ast.AST, limit: int) -> int | None:
@@ -430,34 +385,12 @@ def _deeper_than(tree: ast.AST, limit: int) -> int | None:
     return None
 
 
-def _libcst_error(filename: str, exc: Exception) -> ScanError:
-    """libcst refusing code that Python's parser accepts (syntax newer than libcst knows)."""
-    if isinstance(exc, cst.ParserSyntaxError):
-        return ScanError(
-            f"libcst cannot parse this: {exc.message}",
-            filename=filename,
-            line=exc.raw_line,
-            column=exc.raw_column,
-        )
-    if isinstance(exc, RecursionError):
-        return ScanError(
-            f"nesting deeper than libcst can parse ({MAX_NESTING} at most)", filename=filename, line=1
-        )
-    return ScanError(
-        f"libcst cannot parse this: {exc}", filename=filename, line=getattr(exc, "lineno", None) or 1
-    )
-
-
 def skeleton(
     tree: cst.Module,
 ) -> tuple[cst.Module, dict[cst.FunctionDef, cst.FunctionDef], dict[cst.FunctionDef, str]]:
     """``tree`` with function bodies stubbed out (same line count), ``function -> its stub``, and
-    ``function -> the source of its body`` for the functions whose whole body was stubbed (keyed by the
-    nodes of ``tree``, which hash by identity).
-
-    Kept whole: the bodies named in :data:`KEPT_BODIES`, and the bodies of functions that define classes
-    (whose methods are stubbed in turn). Nothing the scanner follows lies in a wholly stubbed body, so
-    later passes may skip those bodies when their source shows nothing they look for.
+    ``function -> the source of its body`` for the wholly stubbed ones; kept: the bodies named in
+    :data:`KEPT_BODIES` and those of functions that define classes (whose methods are stubbed in turn).
     """
     stubs: dict[cst.FunctionDef, cst.FunctionDef] = {}
     hidden: dict[cst.FunctionDef, str] = {}
@@ -470,8 +403,7 @@ def skeleton(
             if _DEFINES_CLASS.search(text):
                 new = stmt.with_changes(body=stmt.body.with_changes(body=[strip(s) for s in stmt.body.body]))
             else:
-                # one string literal spanning the body's lines keeps the line count in a single node
-                # (blank lines would be three nodes each, for every pass over the skeleton)
+                # one string literal keeps the line count in a single node
                 lines = "\n" * max(text.count("\n") - 2, 0)
                 stub = cst.SimpleStatementLine(body=[cst.Expr(cst.SimpleString(f'"""{lines}"""'))])
                 body = cst.IndentedBlock(body=[stub], header=stmt.body.header, indent=stmt.body.indent)
@@ -487,13 +419,8 @@ def skeleton(
 
 
 def without_signatures(skeleton: cst.Module, stubbed: set[cst.FunctionDef]) -> cst.Module:
-    """``skeleton`` with the ``stubbed`` functions' parameters, return annotations and decorators dropped.
-
-    What scope analysis needs: the names each scope binds, and the kept bodies. A stubbed function still
-    binds its name; its signature binds nothing outside it and holds no field, so analysing it is wasted
-    (about a third of a modeling file's skeleton). Names in those signatures then resolve at module level
-    (:meth:`Resolver.qualnames`). Everything else is ``skeleton``'s own nodes.
-    """
+    """``skeleton`` without the ``stubbed`` functions' parameters, return annotations and decorators, which
+    scope analysis need not see (they hold no field); everything else is ``skeleton``'s own nodes."""
 
     def strip(stmt: cst.BaseStatement) -> cst.BaseStatement:
         if isinstance(stmt, cst.FunctionDef) and stmt in stubbed:
@@ -507,14 +434,9 @@ def without_signatures(skeleton: cst.Module, stubbed: set[cst.FunctionDef]) -> c
     return skeleton.with_changes(body=[strip(s) for s in skeleton.body])
 
 
-_NEWLINE = re.compile(r"\r\n?|\n")
-
-
 class _TokenState(CodegenState):
-    """Code generation that notes, for every node, the indices of the tokens its range starts and ends at:
-    the syntactic range where the node records one, else all the whitespace it owns (as
-    :class:`~libcst.metadata.PositionProvider` decides). Line and column are worked out only for the nodes
-    asked about, so a pass costs little more than printing the code."""
+    """Code generation noting each node's range as token indices, as
+    :class:`~libcst.metadata.PositionProvider` decides it; lines and columns are worked out on demand."""
 
     def __init__(self, module: cst.Module) -> None:
         super().__init__(default_indent=module.default_indent, default_newline=module.default_newline)
@@ -549,15 +471,15 @@ class _TokenState(CodegenState):
 
 
 class SourcePositions(Mapping[cst.CSTNode, CodeRange]):
-    """``node -> CodeRange`` for every node of ``module``: what ``MetadataWrapper(module).resolve(PositionProvider)``
-    gives, keyed by the module's own nodes (nothing is copied)."""
+    """``node -> CodeRange`` for every node of ``module``, as libcst's ``PositionProvider`` gives it, keyed by
+    the module's own nodes (nothing is copied)."""
 
     def __init__(self, module: cst.Module) -> None:
         state = _TokenState(module)
         module._codegen(state)
         self._ranges = state.ranges
         self._offsets = list(itertools.accumulate(map(len, state.tokens), initial=0))
-        self._line_ends = [match.end() for match in _NEWLINE.finditer("".join(state.tokens))]
+        self._line_ends = [match.end() for match in _LINE_END.finditer("".join(state.tokens))]
 
     def _position(self, token: int) -> CodePosition:
         offset = self._offsets[token]
@@ -568,9 +490,6 @@ class SourcePositions(Mapping[cst.CSTNode, CodeRange]):
         start, end = self._ranges[node]
         return CodeRange(self._position(start), self._position(end))
 
-    def __contains__(self, node: object) -> bool:
-        return node in self._ranges
-
     def __iter__(self) -> Iterator[cst.CSTNode]:
         return iter(self._ranges)
 
@@ -578,26 +497,20 @@ class SourcePositions(Mapping[cst.CSTNode, CodeRange]):
         return len(self._ranges)
 
 
-# ---- the layer types matched, read without importing torch -------------------------------------------------
-
 NO_DEFAULT = inspect.Parameter.empty  # a keyword-only parameter without a default
 Keywords = tuple[tuple[str, object], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerType:
-    """One layer type as the source tools see it: the registry's :class:`~loragen.registry.LayerSpec` facts
-    that matching and rewriting use, and what the LoRA class's signature says.
+    """One layer type as the source tools see it.
 
     Attributes:
         base_qualname, lora_qualname, aliases, linear, subclasses: as in :class:`~loragen.registry.LayerSpec`.
-        protocol: the keyword-only parameters of the LoRA class's ``from_module`` (the LoRA protocol) and
-            their defaults (:data:`NO_DEFAULT` if none).
-        defaults: the keyword-only parameters of the LoRA class's constructor and their defaults.
-        takes_any: whether the constructor takes arbitrary keywords (``**kwargs``).
-        requires: the packages the LoRA class's module needs (it cannot be imported without them).
-        spec: the registry's spec this was read from (None: from :data:`BUILTIN`); its LoRA class is
-            imported on first use of :meth:`signature`.
+        protocol / defaults: the keyword-only parameters of the LoRA class's ``from_module`` / constructor
+            and their defaults (:data:`NO_DEFAULT` if none); ``takes_any``: the constructor takes ``**kwargs``.
+        requires: the packages the LoRA class's module needs.
+        spec: the registry's spec (None: from :data:`BUILTIN`); its LoRA class is imported by :meth:`signature`.
     """
 
     base_qualname: str
@@ -637,8 +550,7 @@ class LayerType:
         return _signature(self.spec.lora_type())
 
     def importable(self) -> bool:
-        """Whether a rewritten file can import the LoRA class by its name (a registered type: checked by
-        importing it; a built-in type: its module's packages are installed)."""
+        """Whether a rewritten file can import the LoRA class by its name."""
         if self.spec is None:
             return all(importlib.util.find_spec(package) is not None for package in self.requires)
         try:
@@ -739,16 +651,13 @@ _BUILTIN_TYPES = LayerTypes(BUILTIN)
 
 
 def layer_types() -> LayerTypes:
-    """The layer types to match now: the registry's once :mod:`loragen.layers` is imported (it registers
-    loragen's own types; a user's need it too), else :data:`BUILTIN`, without importing torch."""
+    """The layer types to match: the registry's once :mod:`loragen.layers` is imported, else :data:`BUILTIN`
+    (without importing torch)."""
     if "loragen.layers" not in sys.modules:
         return _BUILTIN_TYPES
     from loragen.registry import specs
 
     return LayerTypes(from_spec(spec) for spec in specs())
-
-
-# ---- what the scanner reports ------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -770,17 +679,11 @@ class LayerField:
     Attributes:
         owner: qualified name of the class in its module (``"LlamaAttention"``, ``"Outer.Inner"``).
         attribute: the attribute of ``self`` that holds it or its container (``"layers"``).
-        path: module path relative to an instance of ``owner``; ``{i}`` stands for a list index and
-            ``{key}`` for a dictionary key only known at run time (``"layers.{i}.0"``).
-        layer: qualified name of the base layer type (``"torch.nn.Linear"``).
-        lora_name: the loragen class that replaces it (``"LoraLinear"``).
-        location: position of the constructor call.
-        conditional: built under ``if``/``else``, a conditional expression, ``try`` or a loop body.
-        container: ``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when built inside one.
-        is_lora: the call already builds the loragen layer (a rewritten file).
-        subclass: for a layer subclass defined in the scanned file (``FalconLinear``), its name; ``layer`` is
-            then the registered type it derives from and ``lora_name`` the name the file binds its LoRA
-            class to (``LoraFalconLinear = lora_class_for(FalconLinear)``).
+        path: module path relative to an instance of ``owner``; ``{i}`` / ``{key}`` stand for a list index /
+            dictionary key known only at run time (``"layers.{i}.0"``).
+        layer / lora_name: the base layer type's qualified name / the class that replaces it.
+        conditional: built under a branch, a conditional expression or a loop; ``container``: built in one.
+        is_lora: the call already builds the loragen layer; ``subclass``: the file's own layer subclass.
     """
 
     owner: str
@@ -802,11 +705,8 @@ class LayerField:
 
 @dataclasses.dataclass(frozen=True)
 class SubmoduleField:
-    """A child module built from a class constructor that is not a layer (``self.mlp = LlamaMLP(config)``).
-
-    ``callee`` is the qualified name of the constructor; ``local_class`` the qualified name of the class
-    in the scanned module when it is defined there (used to follow containment inside one file).
-    """
+    """A child module built from a class constructor that is not a layer (``self.mlp = LlamaMLP(config)``);
+    ``local_class``: the constructor's qualified name in the scanned module when it is defined there."""
 
     owner: str
     attribute: str
@@ -819,11 +719,8 @@ class SubmoduleField:
 
 @dataclasses.dataclass(frozen=True)
 class FactoryCall:
-    """A sub-model built by a transformers auto class: ``self.language_model = AutoModel.from_config(...)``.
-
-    ``auto_class`` is the auto class as the file spells it (``"AutoModel"``), ``lora_name`` the LoRA auto class
-    a rewrite builds it with (``"LoraAutoModel"``), ``is_lora`` whether the call does so already.
-    """
+    """A sub-model built by a transformers auto class: ``self.language_model = AutoModel.from_config(...)``;
+    ``lora_name``: the LoRA auto class a rewrite builds it with, ``is_lora``: the call does so already."""
 
     owner: str
     attribute: str
@@ -849,17 +746,9 @@ class Unresolved:
 
 @dataclasses.dataclass(frozen=True)
 class ClassScan:
-    """What the scanner found in one class.
-
-    Attributes:
-        name: the class's qualified name in its module; ``location``: where it is defined.
-        local_bases: the classes of the same file it derives from; ``base_names``: the qualified names of
-            all its bases.
-        fields / submodules / unresolved: what its ``__init__`` builds, and what could not be followed.
-        output_head: what ``get_output_embeddings`` returns when the class defines it: ``("lm_head",)``
-            for ``return self.lm_head``, ``()`` for ``return None`` or anything not a ``self.<path>``; None
-            when the class does not define it.
-    """
+    """What the scanner found in one class: its bases (``local_bases``: those of the same file), what its
+    ``__init__`` builds, and ``output_head``: what ``get_output_embeddings`` returns (``("lm_head",)`` for
+    ``return self.lm_head``, ``()`` for anything else, None when the class does not define it)."""
 
     name: str
     location: SourceLocation
@@ -891,15 +780,9 @@ class ScanResult:
         return [f for c in self.classes for f in c.fields]
 
     def contexts(self, name: str, *, limit: int = 64) -> list[tuple[str, str]]:
-        """Where instances of class ``name`` appear, following containment in this file.
-
-        Returns ``(root class, path prefix)`` pairs: the fields of ``name`` sit at ``prefix + field.path``
-        inside an instance of the root class. ``(name, "")`` (the class on its own) comes first. For
-        ``LlamaAttention`` in ``modeling_llama.py``: ``("LlamaAttention", "")``,
-        ``("LlamaDecoderLayer", "self_attn.")``, ``("LlamaModel", "layers.{i}.self_attn.")``,
-        ``("LlamaForCausalLM", "model.layers.{i}.self_attn.")``, ... Subclasses defined in the file run
-        their base's ``__init__``, so they share its placements.
-        """
+        """Where instances of class ``name`` appear, following containment in this file: ``(root class,
+        path prefix)`` pairs, ``(name, "")`` first, then e.g. ``("LlamaModel", "layers.{i}.self_attn.")``.
+        Subclasses defined in the file run their base's ``__init__``, so they share its placements."""
         subclasses: dict[str, set[str]] = {c.name: set() for c in self.classes}
         for c in self.classes:
             for base in c.local_bases:
@@ -936,15 +819,9 @@ class ScanResult:
 
 @dataclasses.dataclass
 class ScannedModule:
-    """A parsed module and its scan, kept together for the rewriter; every map is keyed by the nodes of
-    ``tree`` itself (identity: two equal calls on two lines are two keys).
-
-    ``calls`` maps every followed layer constructor call to the fields it builds; ``positions`` gives the
-    source range of the nodes inside those calls; ``lora_bindings`` / ``auto_bindings`` are a previous
-    rewrite's module-level lines (name -> subclass / ``AutoX``), ``factories`` the auto-class calls.
-    ``hidden`` maps each function whose body the scanner did not read (:func:`skeleton`) to that body's
-    source: no followed call lies inside one, so the rewriter skips those without a relative import.
-    """
+    """A parsed module and its scan for the rewriter, every map keyed by the nodes of ``tree``: ``calls``
+    (followed layer calls -> their fields), a previous rewrite's ``lora_bindings`` / ``auto_bindings``
+    (name -> subclass / ``AutoX``), ``factories``, and ``hidden`` (see :func:`skeleton`)."""
 
     tree: cst.Module
     result: ScanResult
@@ -956,14 +833,11 @@ class ScannedModule:
     hidden: dict[cst.FunctionDef, str] = dataclasses.field(default_factory=dict)
 
 
-# ---- names: what a name in the module denotes, and where a node is ------------------------------------
-
 CONTAINERS = {
     "ModuleList": ("torch.nn.ModuleList", "torch.nn.modules.container.ModuleList"),
     "Sequential": ("torch.nn.Sequential", "torch.nn.modules.container.Sequential"),
     "ModuleDict": ("torch.nn.ModuleDict", "torch.nn.modules.container.ModuleDict"),
 }
-_COMPOUND = (cst.If, cst.Try, cst.With, cst.For, cst.While, cst.Match)
 AUTO_METHODS = ("from_config",)
 LORA_AUTO_CLASS = ("loragen.source.composite", "lora_auto_class")  # where a rewritten file imports it from
 _LORA_AUTO_CLASS_NAMES = frozenset({".".join(LORA_AUTO_CLASS), "loragen.lora_auto_class"})
@@ -976,8 +850,7 @@ _LORA_CLASS_FOR_NAMES = frozenset(
 
 
 class LayerMatch(NamedTuple):
-    """What a constructor call builds: the registered type's spec, whether the call builds the LoRA class
-    already, and for a layer subclass defined in the file its name and the name of its LoRA class."""
+    """What a constructor call builds, whether it is the LoRA class already, and a file's own subclass."""
 
     spec: LayerType
     is_lora: bool
@@ -985,25 +858,8 @@ class LayerMatch(NamedTuple):
     lora_name: str | None = None
 
 
-def _layer_names() -> dict[str, tuple[LayerType, bool]]:
-    """Every qualified name a registered base type or its LoRA class is reachable under."""
-    names: dict[str, tuple[LayerType, bool]] = {}
-    for spec in layer_types().all:
-        for qualname in spec.qualnames:
-            names[qualname] = (spec, False)
-        names[spec.lora_qualname] = (spec, True)
-        if spec.lora_module.startswith("loragen."):
-            names[f"loragen.{spec.lora_name}"] = (spec, True)  # ``from loragen import LoraLinear``
-    return names
-
-
-def lora_auto_name(auto_spelling: str) -> str:
-    """The name a rewrite binds the LoRA auto class to: ``AutoModel`` -> ``LoraAutoModel``."""
-    return "Lora" + auto_spelling.rpartition(".")[2]
-
-
 def _assignments(body: Sequence[cst.CSTNode]) -> Iterator[tuple[str, cst.Call, bool]]:
-    """``(name, call, alone on its line)`` for every module-level ``name = call(argument, ...)`` in ``body``."""
+    """``(name, call, alone on its line)`` for every ``name = call(argument, ...)`` in ``body``."""
     for stmt in body:
         if not isinstance(stmt, cst.SimpleStatementLine):
             continue
@@ -1015,15 +871,10 @@ def _assignments(body: Sequence[cst.CSTNode]) -> Iterator[tuple[str, cst.Call, b
 
 
 class Resolver:
-    """Names, definitions and positions of one parsed module: the qualified names a ``Name`` /
-    ``Attribute`` denotes, which registered layer type a constructor call builds, the classes and functions
-    the module defines, and ``file:line`` positions, also inside stubbed function bodies.
-
-    Args:
-        tree: the full module; ``skeleton`` / ``stubs`` / ``hidden``: its skeleton, stubbed functions and
-            wholly stubbed ones (as :func:`skeleton` gives them).
-        filename: for locations. ``module``: the module's dotted name (None: ``__scanned__``).
-        package: the module's package, to resolve relative imports (None: keep them relative).
+    """Names, definitions and positions of one parsed module: what a name denotes, which layer type a call
+    builds, the classes and functions defined, and ``file:line`` positions (also in stubbed bodies).
+    ``skeleton`` / ``stubs`` / ``hidden``: as :func:`skeleton` gives them; ``package``: to resolve relative
+    imports (None: keep them relative).
     """
 
     def __init__(
@@ -1036,15 +887,11 @@ class Resolver:
         package: str | None,
         hidden: Mapping[cst.FunctionDef, str] | None = None,
     ) -> None:
-        self.tree = tree
         self.stubs = stubs
         self.filename = filename
         self.package = package
         self.module_prefix = (module or "__scanned__") + "."
         self._qualnames: dict[cst.CSTNode, frozenset[str]] = {}
-        # The scopes give a node's qualified names on demand (what QualifiedNameProvider and
-        # FullyQualifiedNameProvider wrap, at the cost of a whole-tree pass each); ``_normalise`` makes
-        # local names and relative imports absolute as the latter would.
         stubbed = {stubs[function] for function in hidden or ()}
         scoped = without_signatures(skeleton, stubbed)
         wrapper = md.MetadataWrapper(scoped, unsafe_skip_copy=True)  # node identity: see module docstring
@@ -1054,18 +901,21 @@ class Resolver:
         if scope is None:  # libcst gives every module a global scope
             raise ScanError("libcst found no module scope", filename=filename, line=1)
         self.global_scope = scope
-        self.skeleton = skeleton
-        self.layer_names = _layer_names()
+        # every qualified name a registered base type or its LoRA class is reachable under
+        self.layer_names: dict[str, tuple[LayerType, bool]] = {}
+        for spec in layer_types().all:
+            self.layer_names.update((qualname, (spec, False)) for qualname in spec.qualnames)
+            self.layer_names[spec.lora_qualname] = (spec, True)
+            if spec.lora_module.startswith("loragen."):  # ``from loragen import LoraLinear``
+                self.layer_names[f"loragen.{spec.lora_name}"] = (spec, True)
         self.short_layer_names = {q.rpartition(".")[2] for q in self.layer_names}
-        # qualified name -> ClassDef / FunctionDef, with Python-style qualnames ("f.<locals>.C")
-        self.class_defs = class_definitions(self.skeleton.body)
-        self.function_defs: dict[str, cst.FunctionDef] = {}
-        top = list(self.skeleton.body)
+        self.class_defs = definitions(skeleton.body, cst.ClassDef)
+        self.function_defs = definitions(tree.body, cst.FunctionDef)  # bodies intact
+        top = list(skeleton.body)
         self.layer_subclasses = self._layer_subclasses(
             {s.name.value: s for s in top if isinstance(s, cst.ClassDef)}
         )
-        # a previous rewrite's module-level lines: ``LoraFalconLinear = lora_class_for(FalconLinear)`` (name ->
-        # subclass) and ``LoraAutoModel = lora_auto_class(AutoModel, ...)`` (name -> the auto class's spelling)
+        # a previous rewrite's ``LoraFalconLinear = lora_class_for(FalconLinear)`` and ``LoraAutoModel = ...``
         self.lora_bindings = {
             name: call.args[0].value.value
             for name, call, _ in _assignments(top)
@@ -1080,21 +930,17 @@ class Resolver:
             if alone and self.qualnames(call.func) & _LORA_AUTO_CLASS_NAMES
         }
         self.star_imports: list[str] = []
-        self._index_star_imports(self.skeleton.body)
-        self._index_functions(tree.body, "")
-
-    # ---- definitions ---------------------------------------------------------------------------------
+        self._index_star_imports(skeleton.body)
 
     def _layer_subclasses(self, class_defs: Mapping[str, cst.ClassDef]) -> dict[str, LayerType]:
-        """The file's top-level classes that derive (directly or through other classes of the file) from a
-        registered type accepting subclasses: class name -> that type (LoRA classes do not count)."""
+        """Top-level class name -> the registered type accepting subclasses it derives from, maybe indirectly."""
         found: dict[str, LayerType] = {}
         changed = True
         while changed:  # a subclass of a subclass of the file: repeat until nothing new is found
             changed = False
             for name, node in class_defs.items():
                 for base in node.bases if name not in found else ():
-                    local = self.local_class(base.value)
+                    local = self.local(base.value)
                     if local is not None:
                         spec = found.get(local)
                     else:
@@ -1107,7 +953,6 @@ class Resolver:
         return found
 
     def _index_star_imports(self, body: Sequence[cst.CSTNode]) -> None:
-        """``from x import *`` at module level (also inside ``if`` / ``try``: Python allows no others)."""
         for stmt in body:
             if isinstance(stmt, _COMPOUND):
                 self._index_star_imports(nested_statements(stmt))
@@ -1116,53 +961,29 @@ class Resolver:
                     if isinstance(small, cst.ImportFrom) and isinstance(small.names, cst.ImportStar):
                         self.star_imports.append(code_of(small.module) if small.module else ".")
 
-    def _index_functions(self, body: Sequence[cst.CSTNode], prefix: str) -> None:
-        """Functions and methods of the full tree (their bodies intact) by qualified name."""
-        for stmt in body:
-            if isinstance(stmt, cst.ClassDef):
-                self._index_functions(stmt.body.body, prefix + stmt.name.value + ".")
-            elif isinstance(stmt, cst.FunctionDef):
-                self.function_defs[prefix + stmt.name.value] = stmt
-                self._index_functions(stmt.body.body, prefix + stmt.name.value + ".<locals>.")
-            elif isinstance(stmt, _COMPOUND):
-                self._index_functions(nested_statements(stmt), prefix)
-
-    def local_class(self, node: cst.CSTNode) -> str | None:
-        """The qualified name (in this module) of the class ``node`` denotes when the module defines it."""
-        return self._local(node, self.class_defs)
-
-    def local_function(self, node: cst.CSTNode) -> str | None:
-        """The qualified name of the function ``node`` denotes when the module defines it."""
-        return self._local(node, self.function_defs)
-
-    def _local(self, node: cst.CSTNode, defs: Mapping[str, object]) -> str | None:
+    def local(self, node: cst.CSTNode, defs: Mapping[str, object] | None = None) -> str | None:
+        """The name in this module of what ``node`` denotes when it is a key of ``defs`` (None: the classes)."""
+        defs = self.class_defs if defs is None else defs
         for name in self.qualnames(node):
             if name.startswith(self.module_prefix) and name[len(self.module_prefix) :] in defs:
                 return name[len(self.module_prefix) :]
         return None
 
-    # ---- names -----------------------------------------------------------------------------------------
-
     def qualnames(self, node: cst.CSTNode) -> set[str]:
-        """The absolute qualified names ``node`` may denote (relative ones when no package is known).
-
-        Remembered per node: the scan asks about a call's callee several times (layer, container, factory,
-        submodule), and libcst's scope lookup is its costliest step."""
+        """The absolute qualified names ``node`` may denote (relative ones when no package is known);
+        remembered per node, as libcst's scope lookup is the scan's costliest step."""
         found = self._qualnames.get(node)
         if found is None:
-            found = self._qualnames[node] = self._lookup(node)
+            scope = self.scopes.get(node)
+            if scope is None:  # in a stubbed body: resolve the dotted name at module level
+                dotted = dotted_name(node)
+                names = self.global_scope.get_qualified_names_for(dotted) if dotted else ()
+            else:
+                names = scope.get_qualified_names_for(node)
+            found = self._qualnames[node] = frozenset(self._normalise(q) for q in names)
         return set(found)
 
-    def _lookup(self, node: cst.CSTNode) -> frozenset[str]:
-        scope = self.scopes.get(node)
-        if scope is None:  # in a stubbed body: resolve the dotted name at module level
-            dotted = dotted_name(node)
-            at_top = self.global_scope.get_qualified_names_for(dotted) if dotted else ()
-            return frozenset(self._normalise(q) for q in at_top)
-        return frozenset(self._normalise(q) for q in scope.get_qualified_names_for(node))
-
     def _normalise(self, q: md.QualifiedName) -> str:
-        """``q`` as an absolute name: a local name gets the module's, a relative import the package's."""
         if q.source is md.QualifiedNameSource.LOCAL:
             return self.module_prefix + q.name
         if q.name.startswith(".") and self.package is not None:
@@ -1170,17 +991,13 @@ class Resolver:
             return absolute_module(self.package, level, q.name.lstrip(".")) or q.name
         return q.name
 
-    def lora_name_for(self, subclass: str) -> str:
-        """The name the file binds ``subclass``'s LoRA class to: its existing binding, or ``Lora<subclass>``."""
-        bound = sorted(name for name, sub in self.lora_bindings.items() if sub == subclass)
-        return bound[0] if bound else f"Lora{subclass}"
-
     def layer(self, call: cst.Call) -> LayerMatch | None:
         """The registered layer type ``call`` constructs (and whether it is already the LoRA class)."""
-        subclass = self._local(call.func, self.layer_subclasses)
-        if subclass is not None:
-            return LayerMatch(self.layer_subclasses[subclass], False, subclass, self.lora_name_for(subclass))
-        bound = self._local(call.func, self.lora_bindings)
+        subclass = self.local(call.func, self.layer_subclasses)
+        if subclass is not None:  # its LoRA class: the file's binding, else Lora<subclass>
+            bound = min((n for n, sub in self.lora_bindings.items() if sub == subclass), default=None)
+            return LayerMatch(self.layer_subclasses[subclass], False, subclass, bound or f"Lora{subclass}")
+        bound = self.local(call.func, self.lora_bindings)
         if bound is not None:
             subclass = self.lora_bindings[bound]
             return LayerMatch(self.layer_subclasses[subclass], True, subclass, bound)
@@ -1191,13 +1008,12 @@ class Resolver:
         return None
 
     def auto_factory(self, call: cst.Call) -> tuple[str, bool] | None:
-        """``(the auto class as the file spells it, whether the call goes through the file's LoRA auto class
-        already)`` when ``call`` builds a sub-model with a transformers auto class
-        (``AutoModel.from_config(...)``), else None."""
+        """``(auto class as spelled, whether it is the file's LoRA auto class already)`` for a call like
+        ``AutoModel.from_config(...)``, else None."""
         func = call.func
         if not (isinstance(func, cst.Attribute) and func.attr.value in AUTO_METHODS):
             return None
-        bound = self._local(func.value, self.auto_bindings)
+        bound = self.local(func.value, self.auto_bindings)
         if bound is not None:
             return self.auto_bindings[bound], True
         if any(_AUTO_CLASS.match(name) for name in self.qualnames(func.value)):
@@ -1208,8 +1024,6 @@ class Resolver:
         """``"ModuleList"``, ``"Sequential"`` or ``"ModuleDict"`` when ``call`` builds one."""
         names = self.qualnames(call.func)
         return next((kind for kind, qualnames in CONTAINERS.items() if names & set(qualnames)), None)
-
-    # ---- positions -------------------------------------------------------------------------------------
 
     def loc(self, node: cst.CSTNode, within: cst.FunctionDef | None = None) -> SourceLocation:
         """Position of ``node``; ``within`` is the enclosing function when its body was stubbed."""
@@ -1227,8 +1041,6 @@ class Resolver:
             return SourceLocation(self.filename, 1, 0)
         return SourceLocation(self.filename, pos.start.line, pos.start.column)
 
-
-# ---- the __init__ walk -------------------------------------------------------------------------------------
 
 _SETATTR = "builtins.setattr"
 _ORDERED_DICT = ("collections.OrderedDict", "builtins.dict", "typing.OrderedDict")
@@ -1251,12 +1063,7 @@ class Site:
 
 @dataclasses.dataclass
 class Findings:
-    """What the walks of all classes of a module found, by call node.
-
-    ``calls`` maps every followed layer constructor call (the node itself) to the fields it builds,
-    ``claimed`` holds the calls accounted for (followed or reported) and ``unresolved`` everything
-    reported; ``factories`` the sub-models built by auto classes.
-    """
+    """What the walks of all classes of a module found, by call node; ``claimed``: the calls accounted for."""
 
     calls: dict[cst.Call, list[LayerField]] = dataclasses.field(default_factory=dict)
     claimed: set[cst.Call] = dataclasses.field(default_factory=set)
@@ -1265,10 +1072,8 @@ class Findings:
 
 
 class InitWalker:
-    """Walks one class's ``__init__`` statement by statement (every branch of ``if`` / ``try`` / loops /
-    ``match`` marked conditional) and follows each value stored on ``self`` through conditional expressions,
-    locals and containers to the constructor calls it holds; the fields, submodules, factories and
-    unresolved items land on the instance."""
+    """Walks one class's ``__init__`` (branches and loops marked conditional), following each value stored on
+    ``self`` through conditional expressions, locals and containers to the constructor calls it holds."""
 
     def __init__(self, names: Resolver, found: Findings, owner: str) -> None:
         self.names = names
@@ -1288,13 +1093,15 @@ class InitWalker:
         self.unresolved.append(item)
         self.found.unresolved.append(item)
 
+    def opaque(self, node: cst.BaseExpression, site: Site, what: str) -> None:
+        """Report the ``what`` of a container built from ``node`` when it builds layers."""
+        if self.builds_layer(node):
+            reason = f"the {what} of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically"
+            self.report(node, site.attribute, reason)
+
     def is_self_attr(self, node: cst.BaseExpression) -> str | None:
         """``"x"`` for ``self.x``, None for anything else."""
-        if (
-            isinstance(node, cst.Attribute)
-            and isinstance(node.value, cst.Name)
-            and node.value.value == self.self_name
-        ):
+        if isinstance(node, cst.Attribute) and dotted_name(node.value) == self.self_name:
             return node.attr.value
         return None
 
@@ -1367,7 +1174,6 @@ class InitWalker:
             self.value(arg.value, site.child(str(index), kind))
 
     def items(self, node: cst.BaseExpression, site: Site) -> None:
-        """A list-like value whose items land at ``site.path`` (already ending in ``.{i}``)."""
         base = site.path.removesuffix(".{i}")
         if isinstance(node, (cst.List, cst.Tuple)):
             if any(isinstance(e, cst.StarredElement) for e in node.elements):
@@ -1381,16 +1187,10 @@ class InitWalker:
         elif isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add):
             self.items(node.left, site)
             self.items(node.right, site)
-        elif self.builds_layer(node):
-            self.report(
-                node,
-                site.attribute,
-                f"the items of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically",
-            )
+        else:
+            self.opaque(node, site, "items")
 
     def mapping(self, node: cst.BaseExpression, site: Site, kind: str) -> None:
-        """A dict-like value (dict literal, comprehension, OrderedDict([...]), list of pairs)."""
-
         def at(key: cst.BaseExpression | None) -> Site:  # a key known statically, else ``{key}``
             text = None if key is None else string_value(key)
             return site.child("{key}" if text is None else text, kind)
@@ -1416,15 +1216,10 @@ class InitWalker:
             for pair in pairs:
                 if isinstance(pair, (cst.Tuple, cst.List)) and len(pair.elements) == 2:
                     self.value(pair.elements[1].value, at(pair.elements[0].value if literal else None))
-        elif self.builds_layer(node):
-            self.report(
-                node,
-                site.attribute,
-                f"the entries of {site.attribute} come from {code_of(node)!s:.60}; cannot follow them statically",
-            )
+        else:
+            self.opaque(node, site, "entries")
 
     def other_call(self, call: cst.Call, site: Site) -> None:
-        """A call that is neither a layer nor a container: a submodule, a factory, or unrelated."""
         func = call.func
         factory = self.names.auto_factory(call)
         if factory is not None:  # self.language_model = AutoModel.from_config(config.text_config)
@@ -1432,7 +1227,7 @@ class InitWalker:
             name = (
                 code_of(func.value)
                 if is_lora and isinstance(func, cst.Attribute)
-                else lora_auto_name(auto_class)
+                else "Lora" + auto_class.rpartition(".")[2]
             )
             item = FactoryCall(
                 self.owner, site.attribute, site.path, auto_class, name, self.names.loc(call), is_lora
@@ -1440,18 +1235,9 @@ class InitWalker:
             self.factories.append(item)
             self.found.factories[call] = item
             return
-        names = self.names.qualnames(func)
-        local = self.names.local_class(func)
+        local = self.names.local(func)
         if local is not None:
             self._submodule(site, call, local, local, site.conditional)
-            return
-        if isinstance(func, cst.Call) and _GETATTR in self.names.qualnames(func.func):
-            self.report(
-                call,
-                site.attribute,
-                f"{site.path} is built by {code_of(func)}(...); a constructor looked up "
-                "with getattr is known only at run time",
-            )
             return
         if isinstance(func, cst.Name) and func.value in self.locals and func.value not in self.params:
             classes = self.alias_classes(func.value)
@@ -1459,22 +1245,21 @@ class InitWalker:
                 for local in classes:
                     self._submodule(site, call, local, local, True)
                 return
-        if isinstance(func, cst.Name) and (func.value in self.params or func.value in self.locals):
+        reason = None
+        if isinstance(func, cst.Call) and _GETATTR in self.names.qualnames(func.func):
+            reason = f"{code_of(func)}(...); a constructor looked up with getattr is known only at run time"
+        elif isinstance(func, cst.Name) and (func.value in self.params or func.value in self.locals):
             what = "a parameter of __init__" if func.value in self.params else "a local variable"
-            self.report(
-                call,
-                site.attribute,
-                f"{site.path} is built by {func.value}(...), {what}; its type is known only at run time",
+            reason = f"{func.value}(...), {what}; its type is known only at run time"
+        elif self.calls_layer_helper(call):
+            reason = (
+                f"the helper {code_of(func)}(...), which constructs layers; "
+                "move the constructor into __init__ to convert it"
             )
+        if reason is not None:
+            self.report(call, site.attribute, f"{site.path} is built by {reason}")
             return
-        if self.calls_layer_helper(call):
-            self.report(
-                call,
-                site.attribute,
-                f"{site.path} is built by the helper {code_of(func)}(...), which "
-                "constructs layers; move the constructor into __init__ to convert it",
-            )
-            return
+        names = self.names.qualnames(func)
         external = sorted(n for n in names if not n.startswith(self.names.module_prefix))
         if external and external[0].rpartition(".")[2][:1].isupper():  # a class, by its name
             self._submodule(site, call, external[0], None, site.conditional)
@@ -1488,7 +1273,7 @@ class InitWalker:
         )
 
     def alias_classes(self, name: str) -> list[str] | None:
-        """The local classes a local variable may hold (``cls = A if c else B``), or None if not only those."""
+        """The local classes local ``name`` may hold (``cls = A if c else B``), or None if not only those."""
         found: list[str] = []
         todo = [value for value, _ in self.locals[name]]
         while todo:
@@ -1496,7 +1281,7 @@ class InitWalker:
             if isinstance(node, cst.IfExp):
                 todo.extend((node.body, node.orelse))
                 continue
-            local = self.names.local_class(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
+            local = self.names.local(node) if isinstance(node, (cst.Name, cst.Attribute)) else None
             if local is None:
                 return None
             found.append(local)
@@ -1505,17 +1290,16 @@ class InitWalker:
     def calls_layer_helper(self, node: cst.BaseExpression) -> bool:
         if not isinstance(node, cst.Call):
             return False
-        helper = self.names.local_function(node.func)
+        helper = self.names.local(node.func, self.names.function_defs)
         method = self.is_self_attr(node.func)
         if method is not None and f"{self.owner}.{method}" in self.names.function_defs:
             helper = f"{self.owner}.{method}"
         return helper is not None and self.builds_layer(self.names.function_defs[helper])
 
     def builds_layer(self, node: cst.CSTNode) -> bool:
-        return any(self.names.layer(c) is not None for c in calls_in(node))
+        return any(self.names.layer(c) is not None for c in nodes_of(node, cst.Call))
 
     def scan_init(self, init: cst.FunctionDef) -> None:
-        """Walk ``init`` (the class's ``__init__``) and collect its fields."""
         params = init.params
         positional = [*params.posonly_params, *params.params]
         if positional:
@@ -1529,24 +1313,19 @@ class InitWalker:
         self.statements(init.body.body, conditional=False)
 
     def statements(self, body: Sequence[cst.CSTNode], conditional: bool) -> None:
-        for stmt in body:
-            if isinstance(stmt, cst.SimpleStatementLine):
-                for small in stmt.body:
-                    self.small_statement(small, conditional)
-            elif isinstance(stmt, (cst.If, cst.Try, cst.For, cst.While, cst.Match)):
+        for stmt in body:  # a nested def/class's layer calls are reported as unclaimed
+            if isinstance(stmt, (cst.If, cst.Try, cst.For, cst.While, cst.Match)):
                 self.statements(nested_statements(stmt), True)
             elif isinstance(stmt, cst.With):
                 self.statements(nested_statements(stmt), conditional)
-            # nested def/class inside __init__: their layer calls are reported as unclaimed
-
-    def small_statement(self, small: cst.BaseSmallStatement, conditional: bool) -> None:
-        if isinstance(small, cst.Assign):
-            for target in small.targets:
-                self.assign(target.target, small.value, conditional)
-        elif isinstance(small, cst.AnnAssign) and small.value is not None:
-            self.assign(small.target, small.value, conditional)
-        elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
-            self.call_statement(small.value, conditional)
+            for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+                if isinstance(small, cst.Assign):
+                    for target in small.targets:
+                        self.assign(target.target, small.value, conditional)
+                elif isinstance(small, cst.AnnAssign) and small.value is not None:
+                    self.assign(small.target, small.value, conditional)
+                elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+                    self.call_statement(small.value, conditional)
 
     def assign(self, target: cst.BaseExpression, value: cst.BaseExpression, conditional: bool) -> None:
         attribute = self.is_self_attr(target)
@@ -1592,17 +1371,13 @@ class InitWalker:
                     self.value(arg, site)
             return
         # self.add_module("x", ...), self.register_module("x", ...), setattr(self, "x", ...)
-        name_arg = value_arg = None
-
-        def is_self(node: cst.BaseExpression) -> bool:
-            return isinstance(node, cst.Name) and node.value == self.self_name
-
-        if isinstance(func, cst.Attribute) and func.attr.value in ("add_module", "register_module"):
-            if is_self(func.value) and len(call.args) == 2:
-                name_arg, value_arg = call.args[0].value, call.args[1].value
-        elif _SETATTR in self.names.qualnames(func) and len(call.args) == 3 and is_self(call.args[0].value):
-            name_arg, value_arg = call.args[1].value, call.args[2].value
-        if value_arg is None or name_arg is None:
+        args = [a.value for a in call.args]
+        me = self.self_name
+        if dotted_name(func) in (f"{me}.add_module", f"{me}.register_module") and len(args) == 2:
+            name_arg, value_arg = args
+        elif _SETATTR in self.names.qualnames(func) and len(args) == 3 and dotted_name(args[0]) == me:
+            _, name_arg, value_arg = args
+        else:
             return
         name = string_value(name_arg)
         if name is None:
@@ -1616,19 +1391,11 @@ class InitWalker:
         self.value(value_arg, Site(name, name, conditional))
 
 
-# ---- the scan ----------------------------------------------------------------------------------------------
-
-
 def scan_source(
     code: str, *, filename: str = "<string>", module: str | None = None, package: str | None = None
 ) -> ScanResult:
-    """Scan Python source for the layer fields of every class in it.
-
-    Args:
-        code: the module's source; ``filename``: used in locations and messages.
-        module: the module's dotted name (``"transformers.models.gpt2.modeling_gpt2"``), for names.
-        package: the module's package, needed to resolve relative imports (``from ...pytorch_utils
-            import Conv1D`` inside ``transformers.models.gpt2``).
+    """Scan Python source for the layer fields of every class in it; ``module``: its dotted name,
+    ``package``: its package, needed to resolve relative imports.
 
     Raises:
         ScanError: ``code`` is not valid Python; the message starts with ``filename:line:``.
@@ -1639,7 +1406,7 @@ def scan_source(
 def scan_module(
     code: str, *, filename: str = "<string>", module: str | None = None, package: str | None = None
 ) -> ScannedModule:
-    """Parse and scan ``code``; like :func:`scan_source` but also returns the tree and the call nodes.
+    """Like :func:`scan_source`, but also returns the tree and the call nodes.
 
     Raises:
         ScanError: ``code`` is not valid Python.
@@ -1664,7 +1431,7 @@ def _scan_class(names: Resolver, found: Findings, name: str, node: cst.ClassDef)
     return ClassScan(
         name=name,
         location=names.loc(node),
-        local_bases=tuple(filter(None, (names.local_class(b.value) for b in node.bases))),
+        local_bases=tuple(filter(None, (names.local(b.value) for b in node.bases))),
         base_names=tuple(sorted({q for b in node.bases for q in names.qualnames(b.value)})),
         fields=tuple(walker.fields),
         submodules=tuple(walker.submodules),
@@ -1679,12 +1446,10 @@ def _method(node: cst.ClassDef, name: str) -> cst.FunctionDef | None:
 
 
 def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
-    """What ``get_output_embeddings`` returns: ``("lm_head",)`` for ``return self.lm_head``, ``()`` for
-    anything else, None when the class does not define it."""
     method = _method(node, "get_output_embeddings")
     if method is None:
         return None
-    returns = [r for r in nodes_of(method, cst.Return) if isinstance(r, cst.Return)]
+    returns = nodes_of(method, cst.Return)
     if len(returns) != 1 or returns[0].value is None:
         return ()
     parts: list[str] = []
@@ -1698,14 +1463,9 @@ def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
 
 
 class _Unclaimed(cst.CSTVisitor):
-    """The last pass: an :class:`Unresolved` for every layer call that no ``__init__`` walk claimed (built in a
-    helper, at module level, in another method), and for calls whose name may be a layer type but cannot be
-    resolved (a relative import without the module's package, a star import).
-
-    ``hidden`` maps each function to the source of the body the scanner did not read: a body that names no
-    layer type under any name the module binds one to (``Linear as L``, its subclasses and LoRA bindings) is
-    skipped unread; in a stubbed body names resolve at module level (:meth:`Resolver.qualnames`).
-    """
+    """The last pass: an :class:`Unresolved` for every layer call no ``__init__`` walk claimed, and for calls
+    that may build a layer but cannot be resolved (relative or star imports); a ``hidden`` body naming no
+    layer type under any name the module binds one to is skipped unread."""
 
     def __init__(self, names: Resolver, found: Findings, hidden: dict[cst.FunctionDef, str]) -> None:
         self.names = names
@@ -1737,12 +1497,9 @@ class _Unclaimed(cst.CSTVisitor):
         self.scopes.pop()
         self.functions.pop()
 
-    def _where(self, node: cst.CSTNode) -> SourceLocation:
-        stubbed = next((f for f in self.functions if f in self.names.stubs), None)
-        return self.names.loc(node, stubbed)
-
     def _report(self, node: cst.CSTNode, reason: str) -> None:
-        self.found.unresolved.append(Unresolved(None, None, self._where(node), reason))
+        stubbed = next((f for f in self.functions if f in self.names.stubs), None)
+        self.found.unresolved.append(Unresolved(None, None, self.names.loc(node, stubbed), reason))
 
     def visit_Call(self, node: cst.Call) -> None:
         if node in self.found.claimed:
