@@ -133,8 +133,6 @@ def rng_keep_mask(rng: Tensor, start: int, numel: int, threshold: int) -> Tensor
     (2,), :func:`rng_tensor`), bool on ``rng``'s device; ``threshold`` is :func:`keep_threshold` of p.
     Seed and offset are read on the device, never by the host."""
     device = rng.device
-    if threshold == 0:
-        return torch.ones(numel, dtype=torch.bool, device=device)
     seed, offset = rng.unbind()
     key = (seed & _MASK32, (seed >> 32) & _MASK32)
     offset_words = (offset & _MASK32, (offset >> 32) & _MASK32)
@@ -143,7 +141,7 @@ def rng_keep_mask(rng: Tensor, start: int, numel: int, threshold: int) -> Tensor
     first = start // ELEMENTS_PER_CALL
     last = (start + numel + ELEMENTS_PER_CALL - 1) // ELEMENTS_PER_CALL
     chunks = []
-    for begin in range(first, last, _CHUNK_GROUPS):
+    for begin in range(first, max(last, first + 1), _CHUNK_GROUPS):  # one group at least: numel may be 0
         q = torch.arange(begin, min(begin + _CHUNK_GROUPS, last), dtype=torch.int64, device=device)
         words = torch.stack(
             _rounds(q & _MASK32, q >> 32, offset_words[0].expand_as(q), offset_words[1].expand_as(q), *key),
@@ -151,8 +149,6 @@ def rng_keep_mask(rng: Tensor, start: int, numel: int, threshold: int) -> Tensor
         )  # (G, 4)
         bits16 = (words[:, lane_word] >> lane_shift) & 0xFFFF  # (G, 8): lane j of group q
         chunks.append((bits16 >= threshold).reshape(-1))
-    if not chunks:
-        return torch.zeros(0, dtype=torch.bool, device=device)
     keep = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     skip = start - first * ELEMENTS_PER_CALL
     return keep[skip : skip + numel]
