@@ -126,25 +126,17 @@ def _first_partial(parts: Tensor) -> Tensor:
     return parts[0]
 
 
-class _Dropout:
-    """Dropout of one row block whose element [0, 0] is flat element ``start``: the Philox keep-mask
-    (made on the device from the op's ``rng`` tensor) applied to x and, in backward, to dh A alike;
-    without dropout only the cast to float32."""
+def _keep(rng: Tensor | None, start: int, values: Tensor, threshold: int) -> Tensor | None:
+    """The Philox keep-mask of a row block whose element [0, 0] is flat element ``start`` (made on the
+    device from the op's ``rng`` tensor), shaped as ``values``; None without dropout."""
+    if threshold == 0 or rng is None:
+        return None
+    return philox.rng_keep_mask(rng, start, values.numel(), threshold).view(values.shape)
 
-    def __init__(self, rng: Tensor | None, start: int, threshold: int, keep_scale: float) -> None:
-        self.on = threshold != 0 and rng is not None
-        self.rng, self.start, self.threshold, self.keep_scale = rng, start, threshold, keep_scale
-        self._keep: Tensor | None = None
 
-    def __call__(self, values: Tensor) -> Tensor:
-        """``values`` in float32, kept elements times keep_scale, dropped ones 0."""
-        if not self.on:
-            return values if values.dtype == torch.float32 else values.float()
-        if self._keep is None:
-            assert self.rng is not None
-            keep = philox.rng_keep_mask(self.rng, self.start, values.numel(), self.threshold)
-            self._keep = keep.view(values.shape)
-        return torch.where(self._keep, values.float() * self.keep_scale, 0.0)
+def _dropped(values: Tensor, keep: Tensor | None, keep_scale: float) -> Tensor:
+    """``values`` in float32, kept elements times keep_scale, dropped ones 0 (``keep`` None: all kept)."""
+    return values.float() if keep is None else torch.where(keep, values.float() * keep_scale, 0.0)
 
 
 def _down(
@@ -162,8 +154,8 @@ def _down(
     """h = dropout(x) A^T (rows, R) into partial 0."""
     h = _first_partial(h_part)
     for begin, end in _row_blocks(rows, cols):
-        drop = _Dropout(rng, begin * cols, threshold, keep_scale)
-        torch.mm(drop(x[begin:end]), lora_a.mT, out=h[begin:end])
+        keep = _keep(rng, begin * cols, x[begin:end], threshold)
+        torch.mm(_dropped(x[begin:end], keep, keep_scale), lora_a.mT, out=h[begin:end])
 
 
 def _up(
@@ -179,7 +171,7 @@ def _up(
     """out = round(out + bias + s h B^T) (rows, out) in place, onto the base product with one rounding."""
     for begin, end in _row_blocks(rows, cols):
         block = out[begin:end]
-        term = block if block.dtype == torch.float32 else block.float()
+        term = block.float()  # block itself when float32
         if bias is not None:
             term.add_(bias)
         term.addmm_(h[begin:end], lora_bt, alpha=scaling)
@@ -226,10 +218,10 @@ def _grad_in(
     """gx = dropout(dh A) (rows, in) in x's dtype, and dA = dh^T dropout(x) (R, in) into partial 0."""
     da = _first_partial(da_part)
     for begin, end in _row_blocks(rows, cols):
-        drop = _Dropout(rng, begin * cols, threshold, keep_scale)  # one keep-mask for x and dh A
-        da.addmm_(dh[begin:end].mT, drop(x[begin:end]), beta=0 if begin == 0 else 1)
-        if grad_x_lora is not None:
-            grad_x_lora[begin:end].copy_(drop(torch.mm(dh[begin:end], lora_a)))  # one rounding
+        keep = _keep(rng, begin * cols, x[begin:end], threshold)  # one keep-mask for x and dh A
+        da.addmm_(dh[begin:end].mT, _dropped(x[begin:end], keep, keep_scale), beta=0 if begin == 0 else 1)
+        if grad_x_lora is not None:  # one rounding
+            grad_x_lora[begin:end].copy_(_dropped(torch.mm(dh[begin:end], lora_a), keep, keep_scale))
 
 
 # each kernel's computation, taking the kernel's arguments in the order of its parameters
