@@ -139,14 +139,9 @@ _autocast_anywhere = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 def _autocast_dtype(x: Tensor) -> torch.dtype | None:
     """The dtype autocast on x's device casts ``F.linear``'s inputs to, or None (CPU tensors follow the
     CPU's autocast, meta tensors have none)."""
-    if not _autocast_anywhere():
+    if not _autocast_anywhere() or x.device.type not in ("cuda", "cpu"):
         return None
-    if x.is_cuda:
-        device = "cuda"
-    elif x.is_cpu:
-        device = "cpu"
-    else:
-        return None
+    device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
@@ -236,10 +231,8 @@ class _Factor:
 
     source: weakref.ref[Tensor]
     buffer: Tensor
-    version: int = -1
-    data_ptr: int = -1
     rank: int = -1
-    steps: int = -1
+    seen: tuple[int, int, int] = (-1, -1, -1)  # the parameter's _version and data pointer, the step count
     captured: bool = False
     zeroed: bool = False
 
@@ -272,23 +265,14 @@ def factor(t: Tensor, plan: Plan, transpose: bool, in_capture: bool) -> Tensor:
         if not _step_hook:
             _step_hook.append(register_optimizer_step_post_hook(_stepped))
     rank = t.shape[1] if transpose else t.shape[0]
-    if (
-        in_capture
-        or entry.captured
-        or entry.version != t._version
-        or entry.data_ptr != t.data_ptr()
-        or entry.steps != _steps
-        or entry.rank != rank
-    ):
+    seen = (t._version, t.data_ptr(), _steps)
+    if in_capture or entry.captured or entry.seen != seen or entry.rank != rank:
         with torch.no_grad():
             if not entry.zeroed or rank < entry.rank:  # a zero_ inside a capture writes only on replay
                 entry.buffer.zero_()
                 entry.zeroed = not in_capture
             entry.buffer[:rank].copy_(t.t() if transpose else t)
-        entry.version = t._version
-        entry.data_ptr = t.data_ptr()
-        entry.steps = _steps
-        entry.rank = rank
+        entry.seen, entry.rank = seen, rank
         entry.captured = entry.captured or in_capture
     return entry.buffer
 
@@ -437,17 +421,13 @@ def _backward(
             bt32 = factor(lora_B, plan, True, in_capture)
         dh, db = kernels.grad_out(plan, g2, h, bt32, scaling)
         if need_bb:  # columns past the rank only when the rank is not a bucket; at most one copy
-            grad_bb = db if plan.rank == db.shape[1] else db[:, : plan.rank].contiguous()
-            if grad_bb.dtype != lora_B.dtype:
-                grad_bb = grad_bb.to(lora_B.dtype)
+            grad_bb = (db if plan.rank == db.shape[1] else db[:, : plan.rank].contiguous()).to(lora_B.dtype)
         if need_x or need_a:
             if a32 is None:
                 a32 = factor(lora_A, plan, False, in_capture)
             gx, da = kernels.grad_in(plan, x2, dh, a32, dropout_args(rng, dropout_p), need_x)
             if need_a:  # rows past the rank only when the rank is not a bucket
-                grad_a = da if plan.rank == da.shape[0] else da[: plan.rank]
-                if grad_a.dtype != lora_A.dtype:
-                    grad_a = grad_a.to(lora_A.dtype)
+                grad_a = (da if plan.rank == da.shape[0] else da[: plan.rank]).to(lora_A.dtype)
             if gx is not None:
                 gx.addmm_(g2, weight.t() if fan_in_fan_out else weight)
                 grad_x = gx.view(x_shape)
