@@ -49,18 +49,13 @@ def capturing(device: torch.device) -> bool:
 
 # ---- the driver launcher -----------------------------------------------------------------------------
 
-# each scalar C type's ``struct`` code (native size and alignment, for the parameter block) and ctype
-_SCALAR_TYPES: dict[str, tuple[str, type]] = {
-    "int": ("i", ctypes.c_int),
-    "unsigned": ("I", ctypes.c_uint),
-    "float": ("f", ctypes.c_float),
-    "u64": ("Q", ctypes.c_uint64),
-}
-# the values each integer C type holds: ctypes would wrap anything outside silently
-_INTEGER_RANGES: dict[str, tuple[int, int]] = {
-    "int": (-(2**31), 2**31 - 1),
-    "unsigned": (0, 2**32 - 1),
-    "u64": (0, 2**64 - 1),
+# each scalar C type's ``struct`` code (native size and alignment, for the parameter block), ctype and,
+# for an integer type, the values it holds (ctypes would wrap anything outside silently)
+_SCALAR_TYPES: dict[str, tuple[str, type, tuple[int, int] | None]] = {
+    "int": ("i", ctypes.c_int, (-(2**31), 2**31 - 1)),
+    "unsigned": ("I", ctypes.c_uint, (0, 2**32 - 1)),
+    "float": ("f", ctypes.c_float, None),
+    "u64": ("Q", ctypes.c_uint64, (0, 2**64 - 1)),
 }
 
 
@@ -92,13 +87,13 @@ def pack_arguments(spec: KernelSpec, args: Sequence[object]) -> list[Any]:
                 )
             packed.append(ctypes.c_void_p(0 if value is None else value.data_ptr()))
             continue
-        bounds = _INTEGER_RANGES.get(param.ctype)
+        _, ctype, bounds = _SCALAR_TYPES[param.ctype]
         if bounds is not None and not bounds[0] <= int(value) <= bounds[1]:  # type: ignore[call-overload]
             raise KernelArgumentRangeError(
                 f"loragen.cuda: kernel {spec.name} parameter {param.name}={value} does not fit its C type "
                 f"{param.ctype} (accepted: {bounds[0]} .. {bounds[1]})"
             )
-        packed.append(_SCALAR_TYPES[param.ctype][1](value))
+        packed.append(ctype(value))
     return packed
 
 
