@@ -83,12 +83,9 @@ def _cpp_literal(name: str, value: object) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _environment(search_path: str | None) -> jinja2.Environment:
-    shipped = jinja2.FunctionLoader(resources.read_kernel)
-    loader = (
-        shipped
-        if search_path is None
-        else jinja2.ChoiceLoader([jinja2.FileSystemLoader(search_path), shipped])
-    )
+    loader: jinja2.BaseLoader = jinja2.FunctionLoader(resources.read_kernel)
+    if search_path is not None:  # the caller's folder first, then the shipped templates
+        loader = jinja2.ChoiceLoader([jinja2.FileSystemLoader(search_path), loader])
     return jinja2.Environment(
         loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
     )
@@ -433,14 +430,7 @@ class KernelCache:
             self.directory = None
 
 
-_default: KernelCache | None = None
-_default_lock = threading.Lock()
-
-
+@functools.cache
 def default_cache() -> KernelCache:
     """The process-wide cache in :func:`loragen.resources.kernel_cache_dir`."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = KernelCache(resources.kernel_cache_dir())
-        return _default
+    return KernelCache(resources.kernel_cache_dir())
