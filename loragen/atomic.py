@@ -20,6 +20,7 @@ import secrets
 import shutil
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loragen.errors import LoraError
@@ -59,25 +60,21 @@ def _final_mode(target: Path, is_dir: bool) -> int:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # not supported on every platform / filesystem
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not supported on every platform / filesystem
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
+@dataclass
 class _FolderLock:
     """A process-wide reentrant lock on one folder, holding ``flock`` on it while any thread holds it."""
 
-    def __init__(self) -> None:
-        self.thread_lock = threading.RLock()
-        self.depth = 0
-        self.fd: int | None = None
+    thread_lock: threading.RLock = field(default_factory=threading.RLock)
+    depth: int = 0
+    fd: int | None = None
 
 
 _LOCKS: dict[str, _FolderLock] = {}
@@ -92,16 +89,14 @@ def _folder_locked(folder: Path) -> Iterator[bool]:
         lock = _LOCKS.setdefault(os.path.realpath(folder), _FolderLock())
     with lock.thread_lock:
         if lock.depth == 0 and fcntl is not None:
-            try:
+            with contextlib.suppress(OSError):  # an unreadable folder, a filesystem without flock
                 fd = os.open(folder, os.O_RDONLY)
-            except OSError:
-                fd = -1
-            if fd >= 0:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX)
-                    lock.fd = fd
-                except OSError:  # a filesystem without flock
+                except OSError:
                     os.close(fd)
+                    raise
+                lock.fd = fd
         lock.depth += 1
         try:
             yield lock.fd is not None
@@ -120,14 +115,10 @@ def _own_temporaries(target: Path) -> dict[str, list[Path]]:
     """loragen's temporary entries for ``target`` in its folder, by kind (``tmp``, ``new``, ``old``)."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.loragen-\d+-[0-9a-f]+\.(tmp|new|old)")
     found: dict[str, list[Path]] = {"tmp": [], "new": [], "old": []}
-    try:
-        entries = list(os.scandir(target.parent))
-    except OSError:
-        return found
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match:
-            found[match.group(1)].append(Path(entry.path))
+    with contextlib.suppress(OSError):
+        for name in os.listdir(target.parent):
+            if match := pattern.fullmatch(name):
+                found[match.group(1)].append(target.parent / name)
     for paths in found.values():
         paths.sort(key=lambda p: p.lstat().st_mtime if p.exists() else 0.0)
     return found
