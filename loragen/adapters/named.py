@@ -207,8 +207,7 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
         set_submodule(model, path, layer)
     for path, module in targets.items():
         if isinstance(module, LoraLayer):
-            factors = add_factors(module, adapter_name, **plan.entries[path].layer_kwargs())
-            factors.requires_grad_(False)
+            add_factors(module, adapter_name, **plan.entries[path].layer_kwargs()).requires_grad_(False)
     record_config(model, adapter_name, config)
     return model
 
