@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import re
 import secrets
@@ -159,30 +160,19 @@ def _libc_renameat2() -> object | None:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
+    arguments = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     function = getattr(libc, "renameat2", None)
     if function is not None:
-        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.argtypes = arguments
         function.restype = ctypes.c_int
         return function
     number = _SYSCALL_RENAMEAT2.get(os.uname().machine) if hasattr(os, "uname") else None
     syscall = getattr(libc, "syscall", None)
     if number is None or syscall is None:
         return None
+    syscall.argtypes = [ctypes.c_long, *arguments]  # syscall(number, then renameat2's arguments)
     syscall.restype = ctypes.c_long
-
-    def via_syscall(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
-        return int(
-            syscall(
-                ctypes.c_long(number),
-                ctypes.c_int(olddirfd),
-                ctypes.c_char_p(old),
-                ctypes.c_int(newdirfd),
-                ctypes.c_char_p(new),
-                ctypes.c_uint(flags),
-            )
-        )
-
-    return via_syscall
+    return functools.partial(syscall, number)
 
 
 _RENAMEAT2 = _libc_renameat2() if os.name == "posix" else None
