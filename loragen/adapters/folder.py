@@ -443,8 +443,7 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 
 def format_summary(summary: AdapterSummary) -> str:
     """The human-readable report ``loragen inspect`` prints: config, one row per module, totals."""
-    lines = [f"adapter: {summary.folder}"]
-    lines.append(f"weights: {summary.weights_file} ({_size(summary.file_size)})")
+    lines = [f"adapter: {summary.folder}", f"weights: {summary.weights_file} ({_size(summary.file_size)})"]
     for name, value in summary.config.items():
         if value not in (None, {}, [], False) or name in ("use_rslora", "r", "lora_alpha"):
             lines.append(f"  {name}: {value}")

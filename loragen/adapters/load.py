@@ -39,19 +39,14 @@ __all__ = ["load_adapter"]
 M = TypeVar("M", bound=nn.Module)
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    # tied parameters appear under every name they have, as in a state dict
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    return tensors
-
-
 def _plan_load(
     model: nn.Module, adapter: Adapter, config: LoraConfig, layers: Mapping[str, Factors], strict: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(model tensor, value)`` for every adapter tensor, values in the target's dtype and device;
     raises listing every problem. ``layers``: the LoRA layers the model has or will have once converted."""
-    named = _named_tensors(model)
+    # tied parameters appear under every name they have, as in a state dict
+    named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
     plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     mismatched: list[str] = []
     wrong_rank: list[str] = []

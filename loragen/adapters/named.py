@@ -78,9 +78,7 @@ def list_adapters(model: nn.Module) -> list[str]:
 
 def active_adapter(model: nn.Module) -> str | None:
     """The name of the adapter ``model``'s LoRA layers add (None: none, or no LoRA layers)."""
-    for layer in find_lora_layers(model).values():
-        return layer.active_adapter
-    return None
+    return next((layer.active_adapter for layer in find_lora_layers(model).values()), None)
 
 
 def adapter_configs(model: nn.Module) -> dict[str, LoraConfig | None]:

@@ -216,9 +216,7 @@ class KeyMap:
     def apply(self, path: str) -> str:
         """The checkpoint key for ``path``: rewritten by the matching rule with the longest ``old``."""
         matching = [rule for rule in self.rules if rule.matches(path)]
-        if not matching:
-            return path
-        return max(matching, key=lambda rule: len(rule.old)).apply(path)
+        return max(matching, key=lambda rule: len(rule.old)).apply(path) if matching else path
 
     def describe(self) -> str:
         """One line for messages and the CLI's report."""
