@@ -139,11 +139,9 @@ def _recover_and_clean(target: Path) -> None:
     found = _own_temporaries(target)
     if not os.path.lexists(target):
         for candidate in (*reversed(found["new"]), *reversed(found["old"])):
-            try:
+            with contextlib.suppress(OSError):
                 os.rename(candidate, target)
                 break
-            except OSError:
-                continue
     for paths in found.values():
         for path in paths:
             if os.path.lexists(path) and path != target:

@@ -198,10 +198,10 @@ def load_adapter(
     existing_layers = find_lora_layers(model)
     originals: dict[str, nn.Module] = {}  # path -> the plain module a new LoRA layer replaces
     new_layers: dict[str, LoraLayer] = {}
-    added = False  # a further adapter added for this load: deleted again on failure
-    if existing_layers and adapter_name not in list_adapters(model):
+    # a further adapter added for this load: deleted again on failure
+    added = bool(existing_layers) and adapter_name not in list_adapters(model)
+    if added:
         add_adapter(model, config, adapter_name)
-        added = True
         existing_layers = find_lora_layers(model)
     # the factors this load writes: the named adapter's in every layer that holds it
     existing: dict[str, Factors] = {

@@ -135,8 +135,7 @@ def check_adapter_name(name: object) -> str:
 
 def _check_new_adapter(model: nn.Module, config: LoraConfig, name: str) -> None:
     check_adapter_name(name)
-    known = list_adapters(model)
-    if name in known:
+    if name in list_adapters(model):
         raise AdapterNameError(f"{type(model).__name__} holds an adapter {name!r} already; pick another name")
     others = {n: c for n, c in adapter_configs(model).items() if c is not None}
     biased = [n for n, c in [*others.items(), (name, config)] if c.bias != "none"]

@@ -465,12 +465,8 @@ def _evidence(adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str]) ->
     for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None or TRANSPOSED not in factors.layouts:
             continue
-        target = keys.get(f"{module}.weight")
-        if target is None or target not in checkpoint.owner:
-            continue
-        fits = _fitting(
-            factors, adapter.shapes[factors.key_a], adapter.shapes[factors.key_b], checkpoint.entry(target)
-        )
+        entry = checkpoint.entry(keys[f"{module}.weight"])  # resolve_keys mapped every target
+        fits = _fitting(factors, adapter.shapes[factors.key_a], adapter.shapes[factors.key_b], entry)
         if len(fits) == 1:
             for name in (module.rpartition(".")[2], "*"):
                 evidence.setdefault(name, set()).add(fits[0])
