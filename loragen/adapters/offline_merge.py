@@ -641,7 +641,7 @@ class MergeReport:
     copied: int
     bytes_written: int
     mapping: str = ""
-    extra_files: tuple[str, ...] = field(default_factory=tuple)
+    extra_files: tuple[str, ...] = ()
     keys: dict[str, str] = field(default_factory=dict)
 
 

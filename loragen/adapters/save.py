@@ -179,10 +179,9 @@ def adapter_state_dict(
             if layer.bias is not None:
                 wanted[f"{PEFT_PREFIX}{path}.base_layer.bias"] = f"{path}.bias"
 
-    for path in saved:
-        for name in full:
-            if name.startswith(path + "."):
-                wanted[f"{PEFT_PREFIX}{name}"] = name
+    wanted.update(
+        {f"{PEFT_PREFIX}{name}": name for path in saved for name in full if name.startswith(path + ".")}
+    )
 
     if save_embedding_layers == "auto":
         paths = [path for path, _ in model.named_modules()]
