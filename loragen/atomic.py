@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import re
 import secrets
 import shutil
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loragen.errors import LoraError
@@ -59,25 +61,21 @@ def _final_mode(target: Path, is_dir: bool) -> int:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # not supported on every platform / filesystem
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not supported on every platform / filesystem
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
+@dataclass
 class _FolderLock:
     """A process-wide reentrant lock on one folder, holding ``flock`` on it while any thread holds it."""
 
-    def __init__(self) -> None:
-        self.thread_lock = threading.RLock()
-        self.depth = 0
-        self.fd: int | None = None
+    thread_lock: threading.RLock = field(default_factory=threading.RLock)
+    depth: int = 0
+    fd: int | None = None
 
 
 _LOCKS: dict[str, _FolderLock] = {}
@@ -92,16 +90,14 @@ def _folder_locked(folder: Path) -> Iterator[bool]:
         lock = _LOCKS.setdefault(os.path.realpath(folder), _FolderLock())
     with lock.thread_lock:
         if lock.depth == 0 and fcntl is not None:
-            try:
+            with contextlib.suppress(OSError):  # an unreadable folder, a filesystem without flock
                 fd = os.open(folder, os.O_RDONLY)
-            except OSError:
-                fd = -1
-            if fd >= 0:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX)
-                    lock.fd = fd
-                except OSError:  # a filesystem without flock
+                except OSError:
                     os.close(fd)
+                    raise
+                lock.fd = fd
         lock.depth += 1
         try:
             yield lock.fd is not None
@@ -120,14 +116,10 @@ def _own_temporaries(target: Path) -> dict[str, list[Path]]:
     """loragen's temporary entries for ``target`` in its folder, by kind (``tmp``, ``new``, ``old``)."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.loragen-\d+-[0-9a-f]+\.(tmp|new|old)")
     found: dict[str, list[Path]] = {"tmp": [], "new": [], "old": []}
-    try:
-        entries = list(os.scandir(target.parent))
-    except OSError:
-        return found
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match:
-            found[match.group(1)].append(Path(entry.path))
+    with contextlib.suppress(OSError):
+        for name in os.listdir(target.parent):
+            if match := pattern.fullmatch(name):
+                found[match.group(1)].append(target.parent / name)
     for paths in found.values():
         paths.sort(key=lambda p: p.lstat().st_mtime if p.exists() else 0.0)
     return found
@@ -147,11 +139,9 @@ def _recover_and_clean(target: Path) -> None:
     found = _own_temporaries(target)
     if not os.path.lexists(target):
         for candidate in (*reversed(found["new"]), *reversed(found["old"])):
-            try:
+            with contextlib.suppress(OSError):
                 os.rename(candidate, target)
                 break
-            except OSError:
-                continue
     for paths in found.values():
         for path in paths:
             if os.path.lexists(path) and path != target:
@@ -168,30 +158,19 @@ def _libc_renameat2() -> object | None:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
+    arguments = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     function = getattr(libc, "renameat2", None)
     if function is not None:
-        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.argtypes = arguments
         function.restype = ctypes.c_int
         return function
     number = _SYSCALL_RENAMEAT2.get(os.uname().machine) if hasattr(os, "uname") else None
     syscall = getattr(libc, "syscall", None)
     if number is None or syscall is None:
         return None
+    syscall.argtypes = [ctypes.c_long, *arguments]  # syscall(number, then renameat2's arguments)
     syscall.restype = ctypes.c_long
-
-    def via_syscall(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int) -> int:
-        return int(
-            syscall(
-                ctypes.c_long(number),
-                ctypes.c_int(olddirfd),
-                ctypes.c_char_p(old),
-                ctypes.c_int(newdirfd),
-                ctypes.c_char_p(new),
-                ctypes.c_uint(flags),
-            )
-        )
-
-    return via_syscall
+    return functools.partial(syscall, number)
 
 
 _RENAMEAT2 = _libc_renameat2() if os.name == "posix" else None

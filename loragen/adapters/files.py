@@ -182,12 +182,10 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raise AdapterError(f"{path}: corrupt safetensors header (expected a JSON object)")
 
     data_start = 8 + header_len
-    data_len = file_size - data_start
-    metadata = header.pop("__metadata__", None)
-    if metadata is None:
-        metadata = {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    metadata = header.pop("__metadata__", None)  # optional
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
     ):
         raise AdapterError(
             f"{path}: corrupt safetensors header: __metadata__ must map strings to strings, got {metadata!r:.200}"
@@ -219,13 +217,13 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     if position > file_size:
         raise AdapterError(
             f"{path}: truncated safetensors file: the tensors need {position - data_start} data bytes, "
-            f"the file has {data_len}"
+            f"the file has {file_size - data_start}"
         )
     if position < file_size:
         raise AdapterError(
             f"{path}: corrupt safetensors file: {file_size - position} trailing bytes after the tensors"
         )
-    return SafetensorsHeader(path, prefix + raw, data_start, file_size, tensors, dict(metadata))
+    return SafetensorsHeader(path, prefix + raw, data_start, file_size, tensors, dict(metadata or {}))
 
 
 class SafetensorsReader(Mapping[str, "torch.Tensor"]):

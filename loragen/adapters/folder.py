@@ -269,11 +269,7 @@ def read_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False, la
     else:
         raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS_NAME} (nor {ADAPTER_PICKLE_NAME})")
 
-    keys: dict[str, AdapterKey] = {}
-    for key in tensors:
-        info = parse_adapter_key(key)
-        if info is not None:
-            keys[key] = info
+    keys = {key: info for key in tensors if (info := parse_adapter_key(key)) is not None}
     adapter = Adapter(folder, config, config_dict, weights_path, tensors, shapes, keys, metadata)
     _check_pairs(adapter)
     return adapter
@@ -426,12 +422,12 @@ def inspect_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False)
     )
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
@@ -447,8 +443,7 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
 
 def format_summary(summary: AdapterSummary) -> str:
     """The human-readable report ``loragen inspect`` prints: config, one row per module, totals."""
-    lines = [f"adapter: {summary.folder}"]
-    lines.append(f"weights: {summary.weights_file} ({_size(summary.file_size)})")
+    lines = [f"adapter: {summary.folder}", f"weights: {summary.weights_file} ({_size(summary.file_size)})"]
     for name, value in summary.config.items():
         if value not in (None, {}, [], False) or name in ("use_rslora", "r", "lora_alpha"):
             lines.append(f"  {name}: {value}")

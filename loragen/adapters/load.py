@@ -39,19 +39,14 @@ __all__ = ["load_adapter"]
 M = TypeVar("M", bound=nn.Module)
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    # tied parameters appear under every name they have, as in a state dict
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    return tensors
-
-
 def _plan_load(
     model: nn.Module, adapter: Adapter, config: LoraConfig, layers: Mapping[str, Factors], strict: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(model tensor, value)`` for every adapter tensor, values in the target's dtype and device;
     raises listing every problem. ``layers``: the LoRA layers the model has or will have once converted."""
-    named = _named_tensors(model)
+    # tied parameters appear under every name they have, as in a state dict
+    named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
     plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     mismatched: list[str] = []
     wrong_rank: list[str] = []
@@ -203,10 +198,10 @@ def load_adapter(
     existing_layers = find_lora_layers(model)
     originals: dict[str, nn.Module] = {}  # path -> the plain module a new LoRA layer replaces
     new_layers: dict[str, LoraLayer] = {}
-    added = False  # a further adapter added for this load: deleted again on failure
-    if existing_layers and adapter_name not in list_adapters(model):
+    # a further adapter added for this load: deleted again on failure
+    added = bool(existing_layers) and adapter_name not in list_adapters(model)
+    if added:
         add_adapter(model, config, adapter_name)
-        added = True
         existing_layers = find_lora_layers(model)
     # the factors this load writes: the named adapter's in every layer that holds it
     existing: dict[str, Factors] = {

@@ -78,9 +78,7 @@ def list_adapters(model: nn.Module) -> list[str]:
 
 def active_adapter(model: nn.Module) -> str | None:
     """The name of the adapter ``model``'s LoRA layers add (None: none, or no LoRA layers)."""
-    for layer in find_lora_layers(model).values():
-        return layer.active_adapter
-    return None
+    return next((layer.active_adapter for layer in find_lora_layers(model).values()), None)
 
 
 def adapter_configs(model: nn.Module) -> dict[str, LoraConfig | None]:
@@ -137,8 +135,7 @@ def check_adapter_name(name: object) -> str:
 
 def _check_new_adapter(model: nn.Module, config: LoraConfig, name: str) -> None:
     check_adapter_name(name)
-    known = list_adapters(model)
-    if name in known:
+    if name in list_adapters(model):
         raise AdapterNameError(f"{type(model).__name__} holds an adapter {name!r} already; pick another name")
     others = {n: c for n, c in adapter_configs(model).items() if c is not None}
     biased = [n for n, c in [*others.items(), (name, config)] if c.bias != "none"]
@@ -207,8 +204,7 @@ def add_adapter(model: M, config: LoraConfig, adapter_name: str = DEFAULT_ADAPTE
         set_submodule(model, path, layer)
     for path, module in targets.items():
         if isinstance(module, LoraLayer):
-            factors = add_factors(module, adapter_name, **plan.entries[path].layer_kwargs())
-            factors.requires_grad_(False)
+            add_factors(module, adapter_name, **plan.entries[path].layer_kwargs()).requires_grad_(False)
     record_config(model, adapter_name, config)
     return model
 

@@ -216,9 +216,7 @@ class KeyMap:
     def apply(self, path: str) -> str:
         """The checkpoint key for ``path``: rewritten by the matching rule with the longest ``old``."""
         matching = [rule for rule in self.rules if rule.matches(path)]
-        if not matching:
-            return path
-        return max(matching, key=lambda rule: len(rule.old)).apply(path)
+        return max(matching, key=lambda rule: len(rule.old)).apply(path) if matching else path
 
     def describe(self) -> str:
         """One line for messages and the CLI's report."""
@@ -467,12 +465,8 @@ def _evidence(adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str]) ->
     for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None or TRANSPOSED not in factors.layouts:
             continue
-        target = keys.get(f"{module}.weight")
-        if target is None or target not in checkpoint.owner:
-            continue
-        fits = _fitting(
-            factors, adapter.shapes[factors.key_a], adapter.shapes[factors.key_b], checkpoint.entry(target)
-        )
+        entry = checkpoint.entry(keys[f"{module}.weight"])  # resolve_keys mapped every target
+        fits = _fitting(factors, adapter.shapes[factors.key_a], adapter.shapes[factors.key_b], entry)
         if len(fits) == 1:
             for name in (module.rpartition(".")[2], "*"):
                 evidence.setdefault(name, set()).add(fits[0])
@@ -647,7 +641,7 @@ class MergeReport:
     copied: int
     bytes_written: int
     mapping: str = ""
-    extra_files: tuple[str, ...] = field(default_factory=tuple)
+    extra_files: tuple[str, ...] = ()
     keys: dict[str, str] = field(default_factory=dict)
 
 

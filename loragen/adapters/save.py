@@ -40,8 +40,7 @@ _EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 
 
 def _most_common(values: list[Any]) -> Any:
-    counts = Counter(values)
-    return max(counts, key=lambda v: (counts[v], -values.index(v)))
+    return Counter(values).most_common(1)[0][0]  # ties: the first value met
 
 
 def _derived_config(model: nn.Module, layers: Mapping[str, Factors]) -> LoraConfig:
@@ -180,19 +179,16 @@ def adapter_state_dict(
             if layer.bias is not None:
                 wanted[f"{PEFT_PREFIX}{path}.base_layer.bias"] = f"{path}.bias"
 
-    for path in saved:
-        for name in full:
-            if name.startswith(path + "."):
-                wanted[f"{PEFT_PREFIX}{name}"] = name
+    wanted.update(
+        {f"{PEFT_PREFIX}{name}": name for path in saved for name in full if name.startswith(path + ".")}
+    )
 
     if save_embedding_layers == "auto":
         paths = [path for path, _ in model.named_modules()]
         save_embedding_layers = embedding_targeted(config, paths, _EMBEDDING_LAYER_NAMES)
     if save_embedding_layers:
-        embeddings = []
-        for getter in ("get_input_embeddings", "get_output_embeddings"):
-            fn = getattr(model, getter, None)
-            embeddings.append(fn() if callable(fn) else None)
+        getters = (getattr(model, name, None) for name in ("get_input_embeddings", "get_output_embeddings"))
+        embeddings = [get() for get in getters if callable(get)]
         for path, layer in layers.items():
             if any(layer is e for e in embeddings):
                 wanted[f"{PEFT_PREFIX}{path}.base_layer.weight"] = f"{path}.weight"
