@@ -28,7 +28,7 @@ from loragen import switches
 from loragen.config import InitMode, check_lora_args
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
-from loragen.layers.base import LoraLayer, clone_as, reading, strip_to
+from loragen.layers.base import LoraLayer, clone_as, reading
 from loragen.layers.variants import LORA, Variant
 from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 
@@ -108,6 +108,7 @@ class LoraParametersLayer(LoraLayer):
     use_rslora: bool = False
     adapter_name: str = DEFAULT_ADAPTER
     variant: Variant = LORA  # plain LoRA in weight space
+    _lora_modules = (TARGETS,)
 
     # one adapter only, itself, with factors per target: the single-adapter contract refuses
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -252,10 +253,6 @@ class LoraParametersLayer(LoraLayer):
         for name, target in self.parameter_targets.items():
             w = cast(Tensor, self._parameters[name])
             w.copy_((w.to(torch.promote_types(w.dtype, torch.float32)) + sign * target.delta(w)).to(w.dtype))
-
-    def to_base(self) -> nn.Module:
-        """The base module again (its class), with its current, possibly merged, parameters."""
-        return strip_to(self, self.base_class, (), (TARGETS,), self._lora_attributes)
 
     def extra_repr(self) -> str:
         own = super().extra_repr()
