@@ -15,6 +15,7 @@ effective weight and rebuilds it once in the backward. In an adapter file the fa
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -324,18 +325,12 @@ def effective_weight(weight: Tensor, a: Tensor, b: Tensor, scaling: float, layou
     return out.view(shape)
 
 
-class _Recipe:
+def _recipe(
+    weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout
+) -> Callable[[], Tensor]:
     """How to rebuild one effective weight in the backward (once, then shared by every saved view)."""
-
-    def __init__(self, weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout):
-        self.args = (weight.detach(), a.detach(), b.detach(), scaling, layout)
-        self.value: Tensor | None = None
-
-    def get(self) -> Tensor:
-        if self.value is None:
-            with torch.no_grad():
-                self.value = effective_weight(*self.args)
-        return self.value
+    args = (weight.detach(), a.detach(), b.detach(), scaling, layout)
+    return functools.cache(torch.no_grad()(functools.partial(effective_weight, *args)))
 
 
 class _Outer:
@@ -368,7 +363,7 @@ def recompute_on_backward(
     """
     # no reference to the effective weights themselves: autograd keeps the hooks with what it saved
     by_storage = {
-        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _Recipe(*args))
+        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _recipe(*args))
         for w, args in recipes.items()
     }
     outer = _outer_hooks()
@@ -387,7 +382,7 @@ def recompute_on_backward(
         if not isinstance(packed, tuple):
             return packed
         recipe, size, stride, offset = packed
-        value = recipe.get()
+        value = recipe()
         return value.as_strided(size, stride, value.storage_offset() + offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
