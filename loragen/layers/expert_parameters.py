@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -30,6 +29,7 @@ from loragen.config import InitMode, check_lora_args
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
 from loragen.layers.base import LoraLayer, clone_as, reading
+from loragen.layers.registration import derive_lora_class
 from loragen.layers.variants import LORA, Variant
 from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 
@@ -273,36 +273,12 @@ def _shadowed(module: nn.Module, values: dict[str, Tensor]) -> Iterator[None]:
             module.__dict__.pop(name, None)
 
 
-_lock = threading.Lock()
-_classes: dict[type[nn.Module], type[LoraParametersLayer]] = {}
-
-
 def lora_parameters_class(base_type: type[nn.Module]) -> type[LoraParametersLayer]:
-    """``class Lora<Base>(LoraParametersLayer, base_type)``, made once per base class."""
+    """``class Lora<Base>(LoraParametersLayer, base_type)``, made once per base class
+    (:func:`loragen.layers.registration.derive_lora_class`)."""
     if issubclass(base_type, LoraParametersLayer):
         return base_type
-    with _lock:
-        cls = _classes.get(base_type)
-        if cls is None:
-            name = f"Lora{base_type.__name__}"
-            namespace = {
-                "__module__": __name__,
-                "__qualname__": name,
-                "__doc__": f"``{base_type.__module__}.{base_type.__qualname__}`` with LoRA on targeted parameters.",
-                "base_class": base_type,
-                "__reduce_ex__": _reduce_ex,
-            }
-            cls = _classes[base_type] = type(name, (LoraParametersLayer, base_type), namespace)
-    return cls
-
-
-def _reduce_ex(self: LoraParametersLayer, protocol: Any) -> tuple[Any, ...]:
-    return _rebuild, (self.base_class,), self.__getstate__()
-
-
-def _rebuild(base_type: type[nn.Module]) -> LoraParametersLayer:
-    cls = lora_parameters_class(base_type)
-    return cls.__new__(cls)
+    return cast(type[LoraParametersLayer], derive_lora_class(LoraParametersLayer, base_type))
 
 
 def scaling_owners(path: str, layer: Any) -> Sequence[tuple[str, Any]]:
