@@ -108,13 +108,11 @@ def _layer_index(config: LoraConfig, path: str) -> int | None:
     """The layer index of ``path`` as peft finds it."""
     patterns = config.layers_pattern
     if not patterns:
-        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)
+        found = [re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)]
     else:
-        m = None
-        for pattern in (patterns,) if isinstance(patterns, str) else patterns:
-            m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path)
-            if m is not None:
-                break
+        names = (patterns,) if isinstance(patterns, str) else patterns
+        found = [re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path) for pattern in names]
+    m = next((m for m in found if m is not None), None)
     return None if m is None else int(m.group("idx"))
 
 
@@ -526,12 +524,7 @@ def _unmatched(config: LoraConfig, paths: Sequence[str], targets: str | Sequence
         return ()
     if isinstance(listed, str):
         return () if any(_matches(config, p, targets) for p in paths) else (listed,)
-    remaining = list(listed)
-    for path in paths:
-        if not remaining:
-            break
-        remaining = [entry for entry in remaining if not _matches(config, path, (entry,))]
-    return tuple(remaining)
+    return tuple(entry for entry in listed if not any(_matches(config, p, (entry,)) for p in paths))
 
 
 def _selected(entries: Iterable[str], key: str) -> list[str]:
@@ -710,14 +703,15 @@ def _expand_all_linear(
             ranks.setdefault(key, config.r * count)
             alphas.setdefault(key, config.lora_alpha * count)
     conflict = _parameter_conflict(config, str([entry for entry, _ in added]))
-    if conflict is None and converts:
-        # named, as peft saves it after its own conversion (a string would make peft convert again on load)
+    if conflict is None:
+        # named where peft converts, as peft saves it then (a string would make peft convert again on load)
         names = sorted({p.rpartition(".")[2] for p in linear if p.rpartition(".")[2] not in moved})
         return config.replace(
-            target_modules=names, target_parameters=entries, rank_pattern=ranks, alpha_pattern=alphas
+            target_modules=names if converts else config.target_modules,
+            target_parameters=entries,
+            rank_pattern=ranks,
+            alpha_pattern=alphas,
         )
-    if conflict is None:
-        return config.replace(target_parameters=entries, rank_pattern=ranks, alpha_pattern=alphas)
     if not converts:
         warnings.warn(
             f"target_modules='all-linear' leaves the fused expert parameters {[e for e, _ in added]} out, as "

@@ -244,18 +244,17 @@ def add_factors(
     held[name] = adapter
     try:
         a_shape, b_shape = layer._factor_shapes()  # at the layer's (first adapter's) rank
-        a_shape, b_shape = (r, *a_shape[1:]), (b_shape[0], r, *b_shape[2:])
         weight = layer.weight
         dtype = existing.factor_a.dtype if existing is not None else adapter_dtype_for(weight.dtype)
-        a = torch.empty(a_shape, device=weight.device, dtype=dtype)
-        b = torch.empty(b_shape, device=weight.device, dtype=dtype)
+        a = torch.empty((r, *a_shape[1:]), device=weight.device, dtype=dtype)
+        b = torch.empty((b_shape[0], r, *b_shape[2:]), device=weight.device, dtype=dtype)
         if weight.device.type != "meta":
             layout.init_factors(a, b, r, init_lora_weights)
         if not first:  # further adapters register on a module of their own
             adapter.holder = AdapterParameters()
             adapter.holder.adapter = adapter
-        adapter.register(layout.factor_names[0], nn.Parameter(a))
-        adapter.register(layout.factor_names[1], nn.Parameter(b))
+        for attr, factor in zip(layout.factor_names, (a, b)):
+            adapter.register(attr, nn.Parameter(factor))
         variant.init(layer, adapter)
     except BaseException:
         del held[name]

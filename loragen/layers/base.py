@@ -1,6 +1,6 @@
 """What every LoRA layer is (:class:`LoraLayer`): the contract a layer type fulfils, the behaviour all
 share (adapters, the forward, merging and its thread guard), and turning a module into a LoRA layer
-(:func:`clone_as`: the same state, nothing copied) and back (:func:`strip_to`).
+(:func:`clone_as`: the same state, nothing copied) and back (:meth:`LoraLayer.to_base`).
 
 A layer type derives from :class:`LoraLayer` and the base class it replaces, and provides ``base_class``,
 ``_factor_shapes()`` and ``_adapter_output(x, adapter)``; optionally ``_base_output(x)``,
@@ -36,7 +36,7 @@ from loragen.layers.variants import Variant
 from loragen.layouts import Layout
 from loragen.registry import spec_for_lora_type
 
-__all__ = ["LoraLayer", "MergeGuard", "clone_as", "reading", "strip_to", "writing"]
+__all__ = ["LoraLayer", "MergeGuard", "clone_as", "reading", "writing"]
 
 M = TypeVar("M", bound=nn.Module)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -169,24 +169,6 @@ def clone_as(module: nn.Module, cls: type[M]) -> M:
     return clone
 
 
-def strip_to(
-    layer: nn.Module,
-    cls: type[M],
-    parameters: tuple[str, ...],
-    modules: tuple[str, ...],
-    attributes: tuple[str, ...],
-) -> M:
-    """A ``cls`` object with ``layer``'s state minus the named LoRA ``parameters``, ``modules`` and ``attributes``."""
-    base = clone_as(layer, cls)
-    for name in parameters:
-        base._parameters.pop(name, None)
-    for name in modules:
-        base._modules.pop(name, None)
-    for name in attributes:
-        base.__dict__.pop(name, None)
-    return base
-
-
 def _first_adapter_setting(name: str, doc: str, *, settable: bool = True) -> property:
     """A layer attribute that reads (and sets) the setting ``name`` of the layer's first adapter."""
 
@@ -223,6 +205,8 @@ class LoraLayer(nn.Module, ABC):
         "_merged_adapter",
         "_dora_merged_norm",
     )
+    # submodules the LoRA setup adds: to_base() removes them
+    _lora_modules: ClassVar[tuple[str, ...]] = (ADAPTERS_ATTR,)
 
     weight: Tensor
     merged: bool
@@ -314,9 +298,14 @@ class LoraLayer(nn.Module, ABC):
     def to_base(self) -> nn.Module:
         """The base layer again (:attr:`base_class`) with this layer's current, possibly merged, parameters and
         state, minus the LoRA parts."""
-        return strip_to(
-            self, self.base_class, tuple(self.lora_parameters()), (ADAPTERS_ATTR,), self._lora_attributes
-        )
+        base = clone_as(self, self.base_class)
+        for name in self.lora_parameters():
+            base._parameters.pop(name, None)
+        for name in self._lora_modules:
+            base._modules.pop(name, None)
+        for name in self._lora_attributes:
+            base.__dict__.pop(name, None)
+        return base
 
     @property
     def layout(self) -> Layout:

@@ -15,7 +15,7 @@ effective weight and rebuilds it once in the backward. In an adapter file the fa
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -28,7 +28,8 @@ from loragen import switches
 from loragen.config import InitMode, check_lora_args
 from loragen.errors import LoraConversionError, LoraMergeError, MixedBatchError
 from loragen.layers.adapter_set import DEFAULT_ADAPTER, LoraAdapter, adapter_dtype_for, lora_scaling
-from loragen.layers.base import LoraLayer, clone_as, reading, strip_to
+from loragen.layers.base import LoraLayer, clone_as, reading
+from loragen.layers.registration import derive_lora_class
 from loragen.layers.variants import LORA, Variant
 from loragen.layouts import EXPERTS, EXPERTS_TRANSPOSED, PLAIN, Layout, ParameterLayout
 
@@ -108,6 +109,7 @@ class LoraParametersLayer(LoraLayer):
     use_rslora: bool = False
     adapter_name: str = DEFAULT_ADAPTER
     variant: Variant = LORA  # plain LoRA in weight space
+    _lora_modules = (TARGETS,)
 
     # one adapter only, itself, with factors per target: the single-adapter contract refuses
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -253,10 +255,6 @@ class LoraParametersLayer(LoraLayer):
             w = cast(Tensor, self._parameters[name])
             w.copy_((w.to(torch.promote_types(w.dtype, torch.float32)) + sign * target.delta(w)).to(w.dtype))
 
-    def to_base(self) -> nn.Module:
-        """The base module again (its class), with its current, possibly merged, parameters."""
-        return strip_to(self, self.base_class, (), (TARGETS,), self._lora_attributes)
-
     def extra_repr(self) -> str:
         own = super().extra_repr()
         return f"{own}, merged" if own and self.merged else own or ("merged" if self.merged else "")
@@ -275,36 +273,12 @@ def _shadowed(module: nn.Module, values: dict[str, Tensor]) -> Iterator[None]:
             module.__dict__.pop(name, None)
 
 
-_lock = threading.Lock()
-_classes: dict[type[nn.Module], type[LoraParametersLayer]] = {}
-
-
 def lora_parameters_class(base_type: type[nn.Module]) -> type[LoraParametersLayer]:
-    """``class Lora<Base>(LoraParametersLayer, base_type)``, made once per base class."""
+    """``class Lora<Base>(LoraParametersLayer, base_type)``, made once per base class
+    (:func:`loragen.layers.registration.derive_lora_class`)."""
     if issubclass(base_type, LoraParametersLayer):
         return base_type
-    with _lock:
-        cls = _classes.get(base_type)
-        if cls is None:
-            name = f"Lora{base_type.__name__}"
-            namespace = {
-                "__module__": __name__,
-                "__qualname__": name,
-                "__doc__": f"``{base_type.__module__}.{base_type.__qualname__}`` with LoRA on targeted parameters.",
-                "base_class": base_type,
-                "__reduce_ex__": _reduce_ex,
-            }
-            cls = _classes[base_type] = type(name, (LoraParametersLayer, base_type), namespace)
-    return cls
-
-
-def _reduce_ex(self: LoraParametersLayer, protocol: Any) -> tuple[Any, ...]:
-    return _rebuild, (self.base_class,), self.__getstate__()
-
-
-def _rebuild(base_type: type[nn.Module]) -> LoraParametersLayer:
-    cls = lora_parameters_class(base_type)
-    return cls.__new__(cls)
+    return cast(type[LoraParametersLayer], derive_lora_class(LoraParametersLayer, base_type))
 
 
 def scaling_owners(path: str, layer: Any) -> Sequence[tuple[str, Any]]:
@@ -327,18 +301,12 @@ def effective_weight(weight: Tensor, a: Tensor, b: Tensor, scaling: float, layou
     return out.view(shape)
 
 
-class _Recipe:
+def _recipe(
+    weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout
+) -> Callable[[], Tensor]:
     """How to rebuild one effective weight in the backward (once, then shared by every saved view)."""
-
-    def __init__(self, weight: Tensor, a: Tensor, b: Tensor, scaling: float, layout: ParameterLayout):
-        self.args = (weight.detach(), a.detach(), b.detach(), scaling, layout)
-        self.value: Tensor | None = None
-
-    def get(self) -> Tensor:
-        if self.value is None:
-            with torch.no_grad():
-                self.value = effective_weight(*self.args)
-        return self.value
+    args = (weight.detach(), a.detach(), b.detach(), scaling, layout)
+    return functools.cache(torch.no_grad()(functools.partial(effective_weight, *args)))
 
 
 class _Outer:
@@ -371,7 +339,7 @@ def recompute_on_backward(
     """
     # no reference to the effective weights themselves: autograd keeps the hooks with what it saved
     by_storage = {
-        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _Recipe(*args))
+        w.untyped_storage().data_ptr(): (w.dtype, w.storage_offset(), _recipe(*args))
         for w, args in recipes.items()
     }
     outer = _outer_hooks()
@@ -390,7 +358,7 @@ def recompute_on_backward(
         if not isinstance(packed, tuple):
             return packed
         recipe, size, stride, offset = packed
-        value = recipe.get()
+        value = recipe()
         return value.as_strided(size, stride, value.storage_offset() + offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

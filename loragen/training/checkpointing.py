@@ -76,7 +76,6 @@ def checkpoint_modules(model: nn.Module, names: Iterable[str], *, use_reentrant:
             on the frozen layer feeding the first checkpointed module; gradients then flow only through
             positional inputs (keyword arguments are bound to the forward).
 
-
     Raises:
         TrainingSetupError: a name is not a submodule of ``model`` (the message lists close names), or a
             module is already checkpointed.

@@ -51,7 +51,6 @@ def wrap_ddp(
     trains, with ``find_unused_parameters=False`` unless ``ddp_kwargs`` say; ``reentrant_checkpointing``
     (the model uses ``use_reentrant=True``) declares the graph static, so each parameter is reduced once.
 
-
     Raises:
         TrainingSetupError: ``torch.distributed`` is not initialized, or nothing in ``model`` trains.
     """
@@ -115,7 +114,6 @@ def save_adapter_main_process(
         target = Path(path)
         try:
             save_adapter(inner, target, **save_kwargs)
-
         except Exception as exc:
             failure = exc
     if dist.is_available() and dist.is_initialized():

@@ -14,15 +14,10 @@ __all__ = ["make_optimizer", "optimizer_state_bytes", "trainable_parameters"]
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by any torch optimizer's per-parameter state tensors (and :class:`AdamW8bit`'s tables)."""
-    total = 0
-    for entry in optimizer.state.values():
-        for value in entry.values():
-            if torch.is_tensor(value):
-                total += value.numel() * value.element_size()
+    tensors = [v for entry in optimizer.state.values() for v in entry.values() if torch.is_tensor(v)]
     if isinstance(optimizer, AdamW8bit):
-        for tables in optimizer._codes.values():
-            total += sum(t.numel() * t.element_size() for t in tables)
-    return total
+        tensors += [t for tables in optimizer._codes.values() for t in tables]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -70,20 +65,19 @@ def make_optimizer(
             f"make_optimizer: {sorted(eight_bit_options)} only apply with eight_bit=True "
             "(accepted: block_size, min_8bit_size)"
         )
-    groups: list[dict[str, Any]] = [{"params": [p for _, p in named], "weight_decay": weight_decay}]
+    unknown = set(eight_bit_options) - {"block_size", "min_8bit_size"}
+    if unknown:
+        raise ValueError(
+            f"make_optimizer: unknown 8-bit option(s) {sorted(unknown)}; accepted: block_size, min_8bit_size"
+        )
+    params = [p for _, p in named]
+    groups: list[dict[str, Any]] = [{"params": params, "weight_decay": weight_decay}]
     if weight_decay > 0 and not decay_1d:
         groups = [
-            {"params": [p for _, p in named if p.ndim > 1], "weight_decay": weight_decay},
-            {"params": [p for _, p in named if p.ndim <= 1], "weight_decay": 0.0},
+            {"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
-
     if eight_bit:
-        unknown = set(eight_bit_options) - {"block_size", "min_8bit_size"}
-        if unknown:
-            raise ValueError(
-                f"make_optimizer: unknown 8-bit option(s) {sorted(unknown)}; "
-                "accepted: block_size, min_8bit_size"
-            )
         return AdamW8bit(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **eight_bit_options)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
