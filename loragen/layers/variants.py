@@ -10,7 +10,7 @@ and keeps ``n`` on the layer, so unmerging divides by exactly that factor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +19,6 @@ from torch import Tensor, nn
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layouts import PlainLayout, TransposedLayout
 from loragen.reference import dora_linear_reference
-
-if TYPE_CHECKING:  # adapter_set imports this module
-    from loragen.layers.adapter_set import LoraAdapter
 
 __all__ = [
     "LORA",
@@ -55,21 +52,21 @@ class Variant:
     def check(self, layer: Any) -> None:
         """Raise if the variant cannot run on ``layer``."""
 
-    def init(self, layer: Any, adapter: LoraAdapter) -> None:
+    def init(self, layer: Any, adapter: Any) -> None:
         """Set up the variant's own parameters of a new ``adapter`` (after its factors)."""
 
-    def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
+    def output(self, layer: Any, x: Tensor, adapter: Any, result: Tensor) -> Tensor:
         """``result + scaling * B A dropout(x)`` for the base output ``result``, cast back to its dtype."""
         return (result + layer._adapter_output(x, adapter)).to(result.dtype)
 
     @torch.no_grad()
-    def merge(self, layer: Any, adapter: LoraAdapter) -> None:
+    def merge(self, layer: Any, adapter: Any) -> None:
         """``W += scaling * B @ A`` in float32 (float64 for float64 weights), rounded once."""
         w = layer.weight
         w.copy_((w.to(layer._merge_dtype()) + layer.delta_weight_of(adapter)).to(w.dtype))
 
     @torch.no_grad()
-    def unmerge(self, layer: Any, adapter: LoraAdapter) -> None:
+    def unmerge(self, layer: Any, adapter: Any) -> None:
         """``W -= scaling * B @ A``."""
         w = layer.weight
         w.copy_((w.to(layer._merge_dtype()) - layer.delta_weight_of(adapter)).to(w.dtype))
@@ -114,12 +111,12 @@ class DoraVariant(Variant):
                 "not supported (peft has none either); set use_dora=False or exclude the layer"
             )
 
-    def init(self, layer: Any, adapter: LoraAdapter) -> None:
+    def init(self, layer: Any, adapter: Any) -> None:
         """The magnitude: the current norm of ``W + s B A``, as peft does."""
         adapter.register(MAGNITUDE, nn.Parameter(weight_norm(layer, adapter).clone()))
 
     @torch.no_grad()
-    def merge(self, layer: Any, adapter: LoraAdapter) -> None:
+    def merge(self, layer: Any, adapter: Any) -> None:
         """``W <- (m / n) * (W + s B A)``, ``n = ||W + s B A||``, rounded once; keeps ``n`` for :meth:`unmerge`."""
         w = layer.weight
         full = _directed(layer, adapter)
@@ -129,7 +126,7 @@ class DoraVariant(Variant):
         layer._dora_merged_norm = norm
 
     @torch.no_grad()
-    def unmerge(self, layer: Any, adapter: LoraAdapter) -> None:
+    def unmerge(self, layer: Any, adapter: Any) -> None:
         """``W <- W / (m / n) - s B A`` with the ``n`` merging used.
 
         Raises:
@@ -149,7 +146,7 @@ class DoraVariant(Variant):
 class LinearDora(DoraVariant):
     """DoRA on a Linear weight: :func:`loragen.reference.dora_linear_reference` on the base output."""
 
-    def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
+    def output(self, layer: Any, x: Tensor, adapter: Any, result: Tensor) -> Tensor:
         tensors = (x, layer.weight, layer.bias, adapter.factor_a, adapter.factor_b, adapter.magnitude)
         settings = (adapter.scaling, adapter.lora_dropout_p, layer.training)
         return dora_linear_reference(
@@ -160,7 +157,7 @@ class LinearDora(DoraVariant):
 class EmbeddingDora(DoraVariant):
     """peft's DoRA for embeddings: ``c * (table row + s * lora row)``, ``c = m / ||W + s (B A)^T||`` detached."""
 
-    def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
+    def output(self, layer: Any, x: Tensor, adapter: Any, result: Tensor) -> Tensor:
         c = adapter.magnitude / weight_norm(layer, adapter)
         return (c * result + c * layer._adapter_output(x, adapter)).to(result.dtype)
 
@@ -169,7 +166,7 @@ class ConvDora(DoraVariant):
     """peft's DoRA for convolutions: ``result + (c - 1) * base + c * s * lora``, ``c = m / ||W + s B A||``
     (detached) per output channel; ``base`` is the convolution of the (dropped-out) input without bias."""
 
-    def output(self, layer: Any, x: Tensor, adapter: LoraAdapter, result: Tensor) -> Tensor:
+    def output(self, layer: Any, x: Tensor, adapter: Any, result: Tensor) -> Tensor:
         x_lora = x.to(adapter.factor_a.dtype)
         dropout = adapter.lora_dropout_p > 0 and layer.training
         if dropout:
@@ -201,12 +198,12 @@ def _factor_view(layer: Any, factor: Tensor) -> Tensor:
     return flat.view(1, -1)
 
 
-def _directed(layer: Any, adapter: LoraAdapter) -> Tensor:
+def _directed(layer: Any, adapter: Any) -> Tensor:
     """``W + s B A`` in the weight's layout, in the merge dtype."""
     return layer.weight.to(layer._merge_dtype()) + layer.delta_weight_of(adapter)
 
 
-def weight_norm(layer: Any, adapter: LoraAdapter) -> Tensor:
+def weight_norm(layer: Any, adapter: Any) -> Tensor:
     """``||W + s B A||`` per output feature, detached, shaped like the magnitude, in the adapter's dtype."""
     with torch.no_grad():
         return _norm_of(layer, _directed(layer, adapter)).to(adapter.factor_a.dtype)
