@@ -1028,18 +1028,16 @@ class Resolver:
     def loc(self, node: cst.CSTNode, within: cst.FunctionDef | None = None) -> SourceLocation:
         """Position of ``node``; ``within`` is the enclosing function when its body was stubbed."""
         pos = self.positions.get(node)
-        if pos is None and within is not None:
-            stub = self.stubs.get(within)
-            if stub is None or stub not in self.positions:
-                return SourceLocation(self.filename, 1, 0)
-            mini = SourcePositions(cst.Module(body=[within]))
-            offset = mini[node].start.line - mini[within].start.line
-            return SourceLocation(
-                self.filename, self.positions[stub].start.line + offset, mini[node].start.column
-            )
-        if pos is None:
+        if pos is not None:
+            return SourceLocation(self.filename, pos.start.line, pos.start.column)
+        stub = None if within is None else self.stubs.get(within)
+        if within is None or stub is None or stub not in self.positions:
             return SourceLocation(self.filename, 1, 0)
-        return SourceLocation(self.filename, pos.start.line, pos.start.column)
+        mini = SourcePositions(cst.Module(body=[within]))
+        offset = mini[node].start.line - mini[within].start.line
+        return SourceLocation(
+            self.filename, self.positions[stub].start.line + offset, mini[node].start.column
+        )
 
 
 _SETATTR = "builtins.setattr"
@@ -1304,12 +1302,8 @@ class InitWalker:
         positional = [*params.posonly_params, *params.params]
         if positional:
             self.self_name = positional[0].name.value
-        for p in [*positional, *params.kwonly_params]:
-            self.params.add(p.name.value)
-        for star in (params.star_arg, params.star_kwarg):
-            if isinstance(star, cst.Param):
-                self.params.add(star.name.value)
-        self.params.discard(self.self_name)
+        stars = [star for star in (params.star_arg, params.star_kwarg) if isinstance(star, cst.Param)]
+        self.params = {p.name.value for p in [*positional, *params.kwonly_params, *stars]} - {self.self_name}
         self.statements(init.body.body, conditional=False)
 
     def statements(self, body: Sequence[cst.CSTNode], conditional: bool) -> None:
@@ -1452,14 +1446,8 @@ def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
     returns = nodes_of(method, cst.Return)
     if len(returns) != 1 or returns[0].value is None:
         return ()
-    parts: list[str] = []
-    value: cst.BaseExpression = returns[0].value
-    while isinstance(value, cst.Attribute):
-        parts.append(value.attr.value)
-        value = value.value
-    if isinstance(value, cst.Name) and value.value == "self" and parts:
-        return (".".join(reversed(parts)),)
-    return ()
+    dotted = dotted_name(returns[0].value) or ""
+    return (dotted.removeprefix("self."),) if dotted.startswith("self.") else ()
 
 
 class _Unclaimed(cst.CSTVisitor):
