@@ -217,10 +217,8 @@ class _RewritePlanner:
             )
         self._plan_factories()
         active = bool(self.rewritten or self.auto_classes)
-        hooks: dict[cst.ClassDef, str] = {}
-        config_classes: set[cst.ClassDef] = set()
+        hooks, config_classes = self._class_edits() if active else ({}, set())
         if active:
-            hooks, config_classes = self._class_edits()
             self.imports.setdefault(_CONFIG_IMPORT[0], set()).add(_CONFIG_IMPORT[1])
             if hooks:
                 self.imports.setdefault(_HOOK_IMPORT[0], set()).add(_HOOK_IMPORT[1])

@@ -1145,12 +1145,10 @@ class InitWalker:
 
     def container(self, call: cst.Call, kind: str, site: Site) -> None:
         positional = [a for a in call.args if a.keyword is None]
-        if kind == "ModuleList":
-            if positional:
+        if kind != "Sequential":
+            if positional and kind == "ModuleList":
                 self.items(positional[0].value, site.child("{i}", kind))
-            return
-        if kind == "ModuleDict":
-            if positional:
+            elif positional:
                 self.mapping(positional[0].value, site, kind)
             return
         # Sequential(a, b, c) or Sequential(OrderedDict([...]))
