@@ -259,9 +259,7 @@ def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_
 
 
 def _is_loragen_import(stmt: Statement) -> bool:
-    if not isinstance(stmt, cst.SimpleStatementLine):
-        return False
-    return any(
+    return isinstance(stmt, cst.SimpleStatementLine) and any(
         isinstance(s, cst.ImportFrom)
         and s.module is not None
         and not s.relative

@@ -439,15 +439,12 @@ class _RewritePlanner:
             wanted.append(("<loragen rewrite>", CONFIG_NAME))
         if any(name not in self.scanned.auto_bindings for name in self.auto_classes):
             wanted.append(LORA_AUTO_CLASS)
+        autos, subclasses = self.scanned.auto_bindings, self.scanned.lora_bindings
         clashes = [
-            (
-                name,
-                f"the LoRA auto class of {auto} ({name} = lora_auto_class(...))",
-                self.scanned.auto_bindings,
-            )
+            (name, f"the LoRA auto class of {auto} ({name} = lora_auto_class(...))", autos)
             for name, auto in sorted(self.auto_classes.items())
         ] + [
-            (name, f"the LoRA class of {sub} ({name} = lora_class_for({sub}))", self.scanned.lora_bindings)
+            (name, f"the LoRA class of {sub} ({name} = lora_class_for({sub}))", subclasses)
             for sub, name in sorted(self.derived.items())
         ]
         for name, what, ours in clashes:

@@ -88,10 +88,8 @@ def dotted_name(node: cst.CSTNode) -> str | None:
 
 def string_value(node: cst.BaseExpression) -> str | None:
     """The value of a plain string literal (``"x"``, ``'x'``), None for anything else."""
-    if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
-        return value if isinstance(value, str) else None
-    return None
+    value = node.evaluated_value if isinstance(node, cst.SimpleString) else None
+    return value if isinstance(value, str) else None
 
 
 def absolute_module(package: str, level: int, name: str | None) -> str | None:
@@ -1007,17 +1005,18 @@ class Resolver:
                 return LayerMatch(*hit)
         return None
 
-    def auto_factory(self, call: cst.Call) -> tuple[str, bool] | None:
-        """``(auto class as spelled, whether it is the file's LoRA auto class already)`` for a call like
-        ``AutoModel.from_config(...)``, else None."""
+    def auto_factory(self, call: cst.Call) -> tuple[str, str, bool] | None:
+        """``(auto class as spelled, the LoRA auto class's name, whether the call names that already)`` for
+        a call like ``AutoModel.from_config(...)``, else None."""
         func = call.func
         if not (isinstance(func, cst.Attribute) and func.attr.value in AUTO_METHODS):
             return None
         bound = self.local(func.value, self.auto_bindings)
         if bound is not None:
-            return self.auto_bindings[bound], True
+            return self.auto_bindings[bound], code_of(func.value), True
         if any(_AUTO_CLASS.match(name) for name in self.qualnames(func.value)):
-            return code_of(func.value), False
+            auto_class = code_of(func.value)
+            return auto_class, "Lora" + auto_class.rpartition(".")[2], False
         return None
 
     def container_kind(self, call: cst.Call) -> str | None:
@@ -1219,15 +1218,9 @@ class InitWalker:
         func = call.func
         factory = self.names.auto_factory(call)
         if factory is not None:  # self.language_model = AutoModel.from_config(config.text_config)
-            auto_class, is_lora = factory
-            name = (
-                code_of(func.value)
-                if is_lora and isinstance(func, cst.Attribute)
-                else "Lora" + auto_class.rpartition(".")[2]
-            )
-            item = FactoryCall(
-                self.owner, site.attribute, site.path, auto_class, name, self.names.loc(call), is_lora
-            )
+            auto_class, lora_name, is_lora = factory
+            where = self.names.loc(call)
+            item = FactoryCall(self.owner, site.attribute, site.path, auto_class, lora_name, where, is_lora)
             self.factories.append(item)
             self.found.factories[call] = item
             return
