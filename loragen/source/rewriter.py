@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import libcst as cst
+import libcst.matchers as m
 
 from loragen.config import LoraConfig
 from loragen.plan import fused_expert_parameters
@@ -58,6 +59,7 @@ _CONFIG_IMPORT = ("loragen", "LoraConfig")
 _HOOK_IMPORT = ("loragen.layers", "LoraLayer")
 # a relative import inside a function or class (indented), which an absolute-imports rewrite must reach
 _NESTED_RELATIVE_IMPORT = re.compile(r"^[ \t]+from[\s\\]+\.", re.MULTILINE)
+_INIT = m.FunctionDef(name=m.Name("__init__"))
 # a class header and a ``self.x = nn.Parameter(`` line, to find the parameters a class declares
 _CLASS = re.compile(r"class\s+(\w+)\b")
 _PARAMETER = re.compile(r"\s+self\.(\w+)\s*(?::[^=]+)?=\s*(?:torch\.)?(?:nn\.)?Parameter\(")
@@ -256,11 +258,7 @@ class _RewritePlanner:
         owners.update(self.scanned.factories[call].owner for call in self.factory_edits)
         targets: set[cst.CSTNode] = set(classes)
         for owner in owners & nodes.keys():
-            targets.update(
-                s
-                for s in nodes[owner].body.body
-                if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"
-            )
+            targets.update(s for s in nodes[owner].body.body if m.matches(s, _INIT))
         found: set[cst.FunctionDef] = set()
 
         def walk(body: Sequence[cst.CSTNode]) -> bool:

@@ -786,20 +786,20 @@ class ScanResult:
             for base in c.local_bases:
                 subclasses.setdefault(base, set()).add(c.name)
 
-        def family(cls: str) -> set[str]:  # cls and its local subclasses: they all run cls.__init__
+        def family(cls: str) -> list[str]:  # cls, then its local subclasses: they all run cls.__init__
             seen, todo = set(), [cls]
             while todo:
                 item = todo.pop()
                 if item not in seen:
                     seen.add(item)
                     todo.extend(subclasses.get(item, ()))
-            return seen
+            return [cls, *sorted(seen - {cls})]
 
         result: list[tuple[str, str]] = []
 
         def walk(cls: str, suffix: str, stack: tuple[str, ...]) -> None:
             members = family(cls)
-            for member in [cls, *sorted(members - {cls})]:  # a subclass instance holds the same fields
+            for member in members:  # a subclass instance holds the same fields
                 if (member, suffix) not in result:
                     result.append((member, suffix))
             if len(result) >= limit or cls in stack:
@@ -808,7 +808,7 @@ class ScanResult:
                 for sub in owner.submodules:
                     if sub.local_class in members:
                         # the owner's subclasses run the owner's __init__ and hold the child too
-                        for holder in [owner.name, *sorted(family(owner.name) - {owner.name})]:
+                        for holder in family(owner.name):
                             walk(holder, f"{sub.path}.{suffix}", (*stack, cls))
 
         walk(name, "", ())
@@ -1171,12 +1171,10 @@ class InitWalker:
     def items(self, node: cst.BaseExpression, site: Site) -> None:
         base = site.path.removesuffix(".{i}")
         if isinstance(node, (cst.List, cst.Tuple)):
-            if any(isinstance(e, cst.StarredElement) for e in node.elements):
-                for element in node.elements:
-                    self.value(element.value, site)
-                return
+            starred = any(isinstance(e, cst.StarredElement) for e in node.elements)  # run-time indices
             for index, element in enumerate(node.elements):
-                self.value(element.value, dataclasses.replace(site, path=f"{base}.{index}"))
+                item = site if starred else dataclasses.replace(site, path=f"{base}.{index}")
+                self.value(element.value, item)
         elif isinstance(node, (cst.ListComp, cst.GeneratorExp)):
             self.value(node.elt, site)
         elif isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add):
