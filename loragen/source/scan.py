@@ -289,12 +289,10 @@ def _libcst_cannot_keep(indents: list[tuple[str, bool]]) -> bool:
             continue
         while len(stack) > 1 and _columns(indent) < _columns(stack[-1]):
             stack.pop()
-        if indent == stack[-1]:
-            continue
-        if _columns(indent) > _columns(stack[-1]) and indent.startswith(stack[-1]):
+        if indent != stack[-1]:
+            if _columns(indent) <= _columns(stack[-1]) or not indent.startswith(stack[-1]):
+                return True
             stack.append(indent)
-            continue
-        return True
     return False
 
 
@@ -460,11 +458,8 @@ class _TokenState(CodegenState):
         try:
             yield
         finally:
-            end = len(self.tokens)
-            if start_node is not None:
-                start = self.ranges[start_node][0]
-            if end_node is not None:
-                end = self.ranges[end_node][1]
+            start = start if start_node is None else self.ranges[start_node][0]
+            end = len(self.tokens) if end_node is None else self.ranges[end_node][1]
             self.ranges[node] = (start, end)
 
 
