@@ -151,6 +151,7 @@ def _is_loragen(module: str) -> bool:
 
 
 _ASSIGNMENT = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(target=m.Name())])])
+# a previous rewrite's `LORA_CONFIG = LoraConfig(...)`
 _CONFIG_ASSIGNMENT = m.SimpleStatementLine(
     body=[
         m.Assign(
@@ -164,18 +165,13 @@ _DOCSTRING = m.SimpleStatementLine(
 _IMPORT = m.SimpleStatementLine(body=[m.ZeroOrMore(), m.Import() | m.ImportFrom(), m.ZeroOrMore()])
 
 
-def _is_config_assignment(stmt: cst.CSTNode) -> bool:
-    """Whether ``stmt`` is ``LORA_CONFIG = LoraConfig(...)`` (a previous rewrite's)."""
-    return m.matches(stmt, _CONFIG_ASSIGNMENT)
-
-
 def top_level_bindings(module: cst.Module) -> dict[str, Binding]:
     """The names bound at module level, and to what."""
     names: dict[str, Binding] = {}
     for stmt in module.body:
         if isinstance(stmt, (cst.ClassDef, cst.FunctionDef)):
             names[stmt.name.value] = Binding()
-        elif _is_config_assignment(stmt):
+        elif m.matches(stmt, _CONFIG_ASSIGNMENT):
             names[CONFIG_NAME] = Binding("<loragen rewrite>", CONFIG_NAME)
         elif isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
@@ -186,12 +182,10 @@ def top_level_bindings(module: cst.Module) -> dict[str, Binding]:
 def _bound_by(small: cst.BaseSmallStatement) -> dict[str, Binding]:
     if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar):
         source = None if small.relative or small.module is None else code_of(small.module)
-        out = {}
-        for alias in small.names:
-            imported = code_of(alias.name)
-            bound = code_of(alias.asname.name) if alias.asname else imported
-            out[bound] = Binding(source, imported)
-        return out
+        return {
+            code_of(a.asname.name if a.asname else a.name): Binding(source, code_of(a.name))
+            for a in small.names
+        }
     if isinstance(small, cst.Import):
         return {
             code_of(a.asname.name if a.asname else a.name).partition(".")[0]: Binding() for a in small.names
@@ -254,7 +248,7 @@ def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_
         new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine(indent=False)])
     body[position:position] = new
     position += len(new)
-    existing = next((i for i, s in enumerate(body) if _is_config_assignment(s)), None)
+    existing = next((i for i, s in enumerate(body) if m.matches(s, _CONFIG_ASSIGNMENT)), None)
     if existing is not None:
         _set_value(body, existing, config_code)
     else:
@@ -265,9 +259,7 @@ def add_preamble(tree: cst.Module, imports: Mapping[str, Sequence[str]], config_
 
 
 def _is_loragen_import(stmt: Statement) -> bool:
-    if not isinstance(stmt, cst.SimpleStatementLine):
-        return False
-    return any(
+    return isinstance(stmt, cst.SimpleStatementLine) and any(
         isinstance(s, cst.ImportFrom)
         and s.module is not None
         and not s.relative

@@ -33,6 +33,7 @@ from loragen.source.scan import (
     LayerField,
     ScanError,
     ScanResult,
+    from_spec,
     importable,
     scan_source,
 )
@@ -226,11 +227,7 @@ def _spellings(
             return None
         derived[field.lora_name] = f"{field.lora_name} = lora_class_for({subclass})"
         return subclass, field.lora_name
-    try:
-        lora_ok = importable(spec.lora_qualname, spec.lora_type())
-    except ImportError:
-        lora_ok = False
-    if not lora_ok or not importable(spec.base_qualname, spec.base_type()):
+    if not from_spec(spec).importable() or not importable(spec.base_qualname, spec.base_type()):
         return None
     module, _, name = spec.base_qualname.rpartition(".")
     if module == "torch.nn":  # as model code spells it: nn.Linear

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import libcst as cst
+import libcst.matchers as m
 
 from loragen.config import LoraConfig
 from loragen.plan import fused_expert_parameters
@@ -58,6 +59,7 @@ _CONFIG_IMPORT = ("loragen", "LoraConfig")
 _HOOK_IMPORT = ("loragen.layers", "LoraLayer")
 # a relative import inside a function or class (indented), which an absolute-imports rewrite must reach
 _NESTED_RELATIVE_IMPORT = re.compile(r"^[ \t]+from[\s\\]+\.", re.MULTILINE)
+_INIT = m.FunctionDef(name=m.Name("__init__"))
 # a class header and a ``self.x = nn.Parameter(`` line, to find the parameters a class declares
 _CLASS = re.compile(r"class\s+(\w+)\b")
 _PARAMETER = re.compile(r"\s+self\.(\w+)\s*(?::[^=]+)?=\s*(?:torch\.)?(?:nn\.)?Parameter\(")
@@ -217,10 +219,8 @@ class _RewritePlanner:
             )
         self._plan_factories()
         active = bool(self.rewritten or self.auto_classes)
-        hooks: dict[cst.ClassDef, str] = {}
-        config_classes: set[cst.ClassDef] = set()
+        hooks, config_classes = self._class_edits() if active else ({}, set())
         if active:
-            hooks, config_classes = self._class_edits()
             self.imports.setdefault(_CONFIG_IMPORT[0], set()).add(_CONFIG_IMPORT[1])
             if hooks:
                 self.imports.setdefault(_HOOK_IMPORT[0], set()).add(_HOOK_IMPORT[1])
@@ -258,11 +258,7 @@ class _RewritePlanner:
         owners.update(self.scanned.factories[call].owner for call in self.factory_edits)
         targets: set[cst.CSTNode] = set(classes)
         for owner in owners & nodes.keys():
-            targets.update(
-                s
-                for s in nodes[owner].body.body
-                if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"
-            )
+            targets.update(s for s in nodes[owner].body.body if m.matches(s, _INIT))
         found: set[cst.FunctionDef] = set()
 
         def walk(body: Sequence[cst.CSTNode]) -> bool:
@@ -441,15 +437,12 @@ class _RewritePlanner:
             wanted.append(("<loragen rewrite>", CONFIG_NAME))
         if any(name not in self.scanned.auto_bindings for name in self.auto_classes):
             wanted.append(LORA_AUTO_CLASS)
+        autos, subclasses = self.scanned.auto_bindings, self.scanned.lora_bindings
         clashes = [
-            (
-                name,
-                f"the LoRA auto class of {auto} ({name} = lora_auto_class(...))",
-                self.scanned.auto_bindings,
-            )
+            (name, f"the LoRA auto class of {auto} ({name} = lora_auto_class(...))", autos)
             for name, auto in sorted(self.auto_classes.items())
         ] + [
-            (name, f"the LoRA class of {sub} ({name} = lora_class_for({sub}))", self.scanned.lora_bindings)
+            (name, f"the LoRA class of {sub} ({name} = lora_class_for({sub}))", subclasses)
             for sub, name in sorted(self.derived.items())
         ]
         for name, what, ours in clashes:

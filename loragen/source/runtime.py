@@ -57,8 +57,7 @@ def convert_child(
         return
     prefix = path + "."
     for sub_path in [p for p in planned if p.startswith(prefix)]:
-        relative = sub_path[len(prefix) :]
-        parent_path, _, leaf = relative.rpartition(".")
+        parent_path, _, leaf = sub_path.removeprefix(prefix).rpartition(".")
         holder = child.get_submodule(parent_path) if parent_path else child
         # a shared module may already have been converted under another path
         if holder._modules.get(leaf) is planned[sub_path]:

@@ -88,10 +88,8 @@ def dotted_name(node: cst.CSTNode) -> str | None:
 
 def string_value(node: cst.BaseExpression) -> str | None:
     """The value of a plain string literal (``"x"``, ``'x'``), None for anything else."""
-    if isinstance(node, cst.SimpleString):
-        value = node.evaluated_value
-        return value if isinstance(value, str) else None
-    return None
+    value = node.evaluated_value if isinstance(node, cst.SimpleString) else None
+    return value if isinstance(value, str) else None
 
 
 def absolute_module(package: str, level: int, name: str | None) -> str | None:
@@ -291,12 +289,10 @@ def _libcst_cannot_keep(indents: list[tuple[str, bool]]) -> bool:
             continue
         while len(stack) > 1 and _columns(indent) < _columns(stack[-1]):
             stack.pop()
-        if indent == stack[-1]:
-            continue
-        if _columns(indent) > _columns(stack[-1]) and indent.startswith(stack[-1]):
+        if indent != stack[-1]:
+            if _columns(indent) <= _columns(stack[-1]) or not indent.startswith(stack[-1]):
+                return True
             stack.append(indent)
-            continue
-        return True
     return False
 
 
@@ -462,11 +458,8 @@ class _TokenState(CodegenState):
         try:
             yield
         finally:
-            end = len(self.tokens)
-            if start_node is not None:
-                start = self.ranges[start_node][0]
-            if end_node is not None:
-                end = self.ranges[end_node][1]
+            start = start if start_node is None else self.ranges[start_node][0]
+            end = len(self.tokens) if end_node is None else self.ranges[end_node][1]
             self.ranges[node] = (start, end)
 
 
@@ -788,20 +781,20 @@ class ScanResult:
             for base in c.local_bases:
                 subclasses.setdefault(base, set()).add(c.name)
 
-        def family(cls: str) -> set[str]:  # cls and its local subclasses: they all run cls.__init__
+        def family(cls: str) -> list[str]:  # cls, then its local subclasses: they all run cls.__init__
             seen, todo = set(), [cls]
             while todo:
                 item = todo.pop()
                 if item not in seen:
                     seen.add(item)
                     todo.extend(subclasses.get(item, ()))
-            return seen
+            return [cls, *sorted(seen - {cls})]
 
         result: list[tuple[str, str]] = []
 
         def walk(cls: str, suffix: str, stack: tuple[str, ...]) -> None:
             members = family(cls)
-            for member in [cls, *sorted(members - {cls})]:  # a subclass instance holds the same fields
+            for member in members:  # a subclass instance holds the same fields
                 if (member, suffix) not in result:
                     result.append((member, suffix))
             if len(result) >= limit or cls in stack:
@@ -810,7 +803,7 @@ class ScanResult:
                 for sub in owner.submodules:
                     if sub.local_class in members:
                         # the owner's subclasses run the owner's __init__ and hold the child too
-                        for holder in [owner.name, *sorted(family(owner.name) - {owner.name})]:
+                        for holder in family(owner.name):
                             walk(holder, f"{sub.path}.{suffix}", (*stack, cls))
 
         walk(name, "", ())
@@ -1007,17 +1000,18 @@ class Resolver:
                 return LayerMatch(*hit)
         return None
 
-    def auto_factory(self, call: cst.Call) -> tuple[str, bool] | None:
-        """``(auto class as spelled, whether it is the file's LoRA auto class already)`` for a call like
-        ``AutoModel.from_config(...)``, else None."""
+    def auto_factory(self, call: cst.Call) -> tuple[str, str, bool] | None:
+        """``(auto class as spelled, the LoRA auto class's name, whether the call names that already)`` for
+        a call like ``AutoModel.from_config(...)``, else None."""
         func = call.func
         if not (isinstance(func, cst.Attribute) and func.attr.value in AUTO_METHODS):
             return None
         bound = self.local(func.value, self.auto_bindings)
         if bound is not None:
-            return self.auto_bindings[bound], True
+            return self.auto_bindings[bound], code_of(func.value), True
         if any(_AUTO_CLASS.match(name) for name in self.qualnames(func.value)):
-            return code_of(func.value), False
+            auto_class = code_of(func.value)
+            return auto_class, "Lora" + auto_class.rpartition(".")[2], False
         return None
 
     def container_kind(self, call: cst.Call) -> str | None:
@@ -1028,18 +1022,16 @@ class Resolver:
     def loc(self, node: cst.CSTNode, within: cst.FunctionDef | None = None) -> SourceLocation:
         """Position of ``node``; ``within`` is the enclosing function when its body was stubbed."""
         pos = self.positions.get(node)
-        if pos is None and within is not None:
-            stub = self.stubs.get(within)
-            if stub is None or stub not in self.positions:
-                return SourceLocation(self.filename, 1, 0)
-            mini = SourcePositions(cst.Module(body=[within]))
-            offset = mini[node].start.line - mini[within].start.line
-            return SourceLocation(
-                self.filename, self.positions[stub].start.line + offset, mini[node].start.column
-            )
-        if pos is None:
+        if pos is not None:
+            return SourceLocation(self.filename, pos.start.line, pos.start.column)
+        stub = None if within is None else self.stubs.get(within)
+        if within is None or stub is None or stub not in self.positions:
             return SourceLocation(self.filename, 1, 0)
-        return SourceLocation(self.filename, pos.start.line, pos.start.column)
+        mini = SourcePositions(cst.Module(body=[within]))
+        offset = mini[node].start.line - mini[within].start.line
+        return SourceLocation(
+            self.filename, self.positions[stub].start.line + offset, mini[node].start.column
+        )
 
 
 _SETATTR = "builtins.setattr"
@@ -1147,12 +1139,10 @@ class InitWalker:
 
     def container(self, call: cst.Call, kind: str, site: Site) -> None:
         positional = [a for a in call.args if a.keyword is None]
-        if kind == "ModuleList":
-            if positional:
+        if kind != "Sequential":
+            if positional and kind == "ModuleList":
                 self.items(positional[0].value, site.child("{i}", kind))
-            return
-        if kind == "ModuleDict":
-            if positional:
+            elif positional:
                 self.mapping(positional[0].value, site, kind)
             return
         # Sequential(a, b, c) or Sequential(OrderedDict([...]))
@@ -1176,12 +1166,10 @@ class InitWalker:
     def items(self, node: cst.BaseExpression, site: Site) -> None:
         base = site.path.removesuffix(".{i}")
         if isinstance(node, (cst.List, cst.Tuple)):
-            if any(isinstance(e, cst.StarredElement) for e in node.elements):
-                for element in node.elements:
-                    self.value(element.value, site)
-                return
+            starred = any(isinstance(e, cst.StarredElement) for e in node.elements)  # run-time indices
             for index, element in enumerate(node.elements):
-                self.value(element.value, dataclasses.replace(site, path=f"{base}.{index}"))
+                item = site if starred else dataclasses.replace(site, path=f"{base}.{index}")
+                self.value(element.value, item)
         elif isinstance(node, (cst.ListComp, cst.GeneratorExp)):
             self.value(node.elt, site)
         elif isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add):
@@ -1223,15 +1211,9 @@ class InitWalker:
         func = call.func
         factory = self.names.auto_factory(call)
         if factory is not None:  # self.language_model = AutoModel.from_config(config.text_config)
-            auto_class, is_lora = factory
-            name = (
-                code_of(func.value)
-                if is_lora and isinstance(func, cst.Attribute)
-                else "Lora" + auto_class.rpartition(".")[2]
-            )
-            item = FactoryCall(
-                self.owner, site.attribute, site.path, auto_class, name, self.names.loc(call), is_lora
-            )
+            auto_class, lora_name, is_lora = factory
+            where = self.names.loc(call)
+            item = FactoryCall(self.owner, site.attribute, site.path, auto_class, lora_name, where, is_lora)
             self.factories.append(item)
             self.found.factories[call] = item
             return
@@ -1304,12 +1286,8 @@ class InitWalker:
         positional = [*params.posonly_params, *params.params]
         if positional:
             self.self_name = positional[0].name.value
-        for p in [*positional, *params.kwonly_params]:
-            self.params.add(p.name.value)
-        for star in (params.star_arg, params.star_kwarg):
-            if isinstance(star, cst.Param):
-                self.params.add(star.name.value)
-        self.params.discard(self.self_name)
+        stars = [star for star in (params.star_arg, params.star_kwarg) if isinstance(star, cst.Param)]
+        self.params = {p.name.value for p in [*positional, *params.kwonly_params, *stars]} - {self.self_name}
         self.statements(init.body.body, conditional=False)
 
     def statements(self, body: Sequence[cst.CSTNode], conditional: bool) -> None:
@@ -1452,14 +1430,8 @@ def _output_head(node: cst.ClassDef) -> tuple[str, ...] | None:
     returns = nodes_of(method, cst.Return)
     if len(returns) != 1 or returns[0].value is None:
         return ()
-    parts: list[str] = []
-    value: cst.BaseExpression = returns[0].value
-    while isinstance(value, cst.Attribute):
-        parts.append(value.attr.value)
-        value = value.value
-    if isinstance(value, cst.Name) and value.value == "self" and parts:
-        return (".".join(reversed(parts)),)
-    return ()
+    dotted = dotted_name(returns[0].value) or ""
+    return (dotted.removeprefix("self."),) if dotted.startswith("self.") else ()
 
 
 class _Unclaimed(cst.CSTVisitor):

@@ -40,9 +40,10 @@ def _instances(template: str, extra_keys: Iterable[str]) -> list[str]:
     if "{i}" not in template and "{key}" not in template:
         return [template]
     keys = list(dict.fromkeys([*_SAMPLE_KEYS, *extra_keys]))
-    out = []
-    for index, key in itertools.product(_SAMPLE_INDICES, keys if "{key}" in template else keys[:1]):
-        out.append(template.replace("{i}", str(index)).replace("{key}", key))
+    out = [
+        template.replace("{i}", str(index)).replace("{key}", key)
+        for index, key in itertools.product(_SAMPLE_INDICES, keys if "{key}" in template else keys[:1])
+    ]
     if template.count("{i}") > 1:  # nested lists: also differing indices
         first, _, rest = template.partition("{i}")
         out.append(first + "0" + rest.replace("{i}", "1").replace("{key}", keys[0]))
@@ -114,8 +115,7 @@ class Targets:
     def paths(self, owner: str, path: str) -> Iterator[tuple[str, str]]:
         """``(root class, sample module path)`` for ``path`` in class ``owner``, under each of its contexts."""
         for root, prefix in self.contexts.get(owner, [(owner, "")]):
-            for sample in _instances(prefix + path, self.extra_keys):
-                yield root, sample
+            yield from ((root, sample) for sample in _instances(prefix + path, self.extra_keys))
 
     def selected_non_layers(self, paths: Iterable[str]) -> str | None:
         """The first of ``paths`` (of modules that are not layers: containers, sub-models) the config's
