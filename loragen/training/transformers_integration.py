@@ -3,9 +3,9 @@
 Once a transformers model holds loragen LoRA layers, its class is switched to a subclass of the same
 name whose ``PeftAdapterMixin`` methods (``load_adapter``, ``add_adapter``, ``set_adapter``,
 ``disable_adapters`` / ``enable_adapters``, ``active_adapters``, ``get_adapter_state_dict``,
-``delete_adapter``, ``save_pretrained``) call loragen's functions with peft's semantics instead of
-driving peft; what cannot match raises an :class:`~loragen.errors.AdapterError` naming the loragen call
-to use. A subclass, not per-instance methods, so that deepcopy and pickling work and ``isinstance`` and
+``delete_adapter``, ``save_pretrained``) and attributes (``peft_config``, ``_hf_peft_config_loaded``) call
+loragen's functions with peft's semantics instead of driving peft; what cannot match raises an
+:class:`~loragen.errors.AdapterError` naming the loragen call to use. A subclass, not per-instance methods, so that deepcopy and pickling work and ``isinstance`` and
 ``type(model).__name__`` are unchanged.
 
 ``LoraTrainerCallback`` makes every Trainer checkpoint hold the peft adapter and, for resuming, a
@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -51,10 +52,58 @@ def _refuse(where: str, what: str, instead: str) -> LoraError:
     return AdapterError(f"{where}: {what} is not supported on a loragen model; {instead}")
 
 
+# transformers' message for an adapter method called on a model without adapters
+NO_ADAPTER = "No adapter loaded. Please load an adapter first."
+
+
+def _require_adapters(model: nn.Module, where: str) -> list[str]:
+    """The names of ``model``'s adapters, or transformers' error when it has none."""
+    from loragen.adapters.named import list_adapters
+
+    names = list_adapters(model)
+    if not names:
+        raise AdapterError(f"{where}: {NO_ADAPTER}")
+    return names
+
+
 class LoragenAdapterMethods:
     """The adapter methods of a loragen model's transformers class (see the module docstring)."""
 
     _loragen_base: type
+
+    @property
+    def peft_config(self) -> dict[str, LoraConfig]:
+        """Each adapter's config by name, in the model's order (transformers' ``peft_config``): the
+        ``LoraConfig`` that ``save_pretrained`` writes for it, with peft's field names. No attribute when
+        the model holds no adapter (after the last ``delete_adapter``), as in transformers.
+
+        Raises:
+            AttributeError: the model holds no adapter.
+        """
+        from loragen.adapters.named import list_adapters
+        from loragen.adapters.save import adapter_config_for
+
+        model = self._as_module()
+        names = list_adapters(model)
+        if not names:
+            raise AttributeError(f"{type(model).__name__} holds no adapter: it has no peft_config")
+        return {name: adapter_config_for(model, name) for name in names}
+
+    @property
+    def _hf_peft_config_loaded(self) -> bool:
+        """transformers' flag for a model holding adapters: true while the model holds one. transformers
+        reads it (gradient checkpointing, Trainer's check that a quantized model has something to train);
+        a value assigned to it holds until another is assigned."""
+        forced = self.__dict__.get("_loragen_peft_loaded")
+        if forced is not None:
+            return bool(forced)
+        from loragen.adapters.named import list_adapters
+
+        return bool(list_adapters(self._as_module()))
+
+    @_hf_peft_config_loaded.setter
+    def _hf_peft_config_loaded(self, value: bool) -> None:
+        self.__dict__["_loragen_peft_loaded"] = bool(value)
 
     def load_adapter(
         self,
@@ -171,11 +220,12 @@ class LoragenAdapterMethods:
         """Make ``adapter_name`` the active adapter (its factors train, the others' are frozen).
 
         Raises:
-            AdapterError: several names (loragen has one active adapter).
+            AdapterError: several names (loragen has one active adapter), or the model holds no adapter.
             AdapterNameError: an unknown name.
         """
         from loragen.adapters.named import set_adapter
 
+        _require_adapters(self._as_module(), f"{type(self).__name__}.set_adapter")
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
         if len(names) != 1:
             raise _refuse(
@@ -189,10 +239,15 @@ class LoragenAdapterMethods:
 
     def disable_adapters(self) -> None:
         """Compute the base model exactly until :meth:`enable_adapters` (merged layers are unmerged and
-        merged again then); ``loragen.disable_adapter(model)`` is the context-manager form."""
+        merged again then); ``loragen.disable_adapter(model)`` is the context-manager form.
+
+        Raises:
+            AdapterError: the model holds no adapter (transformers' message).
+        """
         from loragen.adapters.named import disable_adapter
 
         model = self._as_module()
+        _require_adapters(model, f"{type(model).__name__}.disable_adapters")
         if model in _DISABLED:
             return
         context = disable_adapter(model)
@@ -200,17 +255,43 @@ class LoragenAdapterMethods:
         _DISABLED[model] = context
 
     def enable_adapters(self) -> None:
-        """Undo :meth:`disable_adapters` (nothing to do when the adapters are on)."""
+        """Undo :meth:`disable_adapters` (nothing to do when the adapters are on).
+
+        Raises:
+            AdapterError: the model holds no adapter (transformers' message).
+        """
+        _require_adapters(self._as_module(), f"{type(self).__name__}.enable_adapters")
         context = _DISABLED.pop(self._as_module(), None)
         if context is not None:
             context.__exit__(None, None, None)
 
     def active_adapters(self) -> list[str]:
-        """The active adapter's name in a list (transformers' form; loragen has one active adapter)."""
+        """The active adapter's name in a list (transformers' form; loragen has one active adapter).
+
+        Raises:
+            AdapterError: the model holds no adapter (transformers' message).
+        """
         from loragen.adapters.named import active_adapter
 
-        name = active_adapter(self._as_module())
-        return [] if name is None else [name]
+        model = self._as_module()
+        names = _require_adapters(model, f"{type(model).__name__}.active_adapters")
+        name = active_adapter(model)
+        return [name if name is not None else names[0]]
+
+    def active_adapter(self) -> str:
+        """The active adapter's name: transformers 4's deprecated form of ``active_adapters()[0]``, with its
+        ``FutureWarning``.
+
+        Raises:
+            AdapterError: the model holds no adapter.
+        """
+        warnings.warn(
+            "The `active_adapter` method is deprecated and will be removed in a future version; use "
+            "`active_adapters()`",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.active_adapters()[0]
 
     def get_adapter_state_dict(
         self, adapter_name: str | None = None, state_dict: Any = None
@@ -219,6 +300,7 @@ class LoragenAdapterMethods:
         file keys without ``base_model.model.``.
 
         Raises:
+            AdapterError: the model holds no adapter (transformers' message).
             AdapterNameError: an unknown name.
         """
         from loragen.adapters.folder import PEFT_PREFIX
@@ -226,6 +308,7 @@ class LoragenAdapterMethods:
         from loragen.adapters.save import adapter_config_for, adapter_state_dict
 
         model = self._as_module()
+        _require_adapters(model, f"{type(model).__name__}.get_adapter_state_dict")
         name = require_adapter(model, adapter_name if adapter_name is not None else active_adapter(model))
         config = adapter_config_for(model, name)
         tensors = adapter_state_dict(model, config, adapter_name=name, state_dict=state_dict)
@@ -236,16 +319,23 @@ class LoragenAdapterMethods:
         their ``modules_to_save`` stop training, as in peft.
 
         Raises:
-            AdapterNameError: a name the model does not hold (nothing is deleted then).
+            AdapterError: the model holds no adapter (transformers' message).
+            AdapterNameError: a name the model does not hold (nothing is deleted then; transformers' message).
         """
-        from loragen.adapters.named import delete_adapter, require_adapter
+        from loragen.adapters.named import delete_adapter
 
         model = self._as_module()
+        where = f"{type(model).__name__}.delete_adapter"
+        known = _require_adapters(model, where)
         if adapter_names is None:
             return
         names = list(dict.fromkeys([adapter_names] if isinstance(adapter_names, str) else adapter_names))
-        for name in names:
-            require_adapter(model, name)
+        missing = [name for name in names if name not in known]
+        if missing:
+            raise AdapterNameError(
+                f"{where}: The following adapter(s) are not present and cannot be deleted: "
+                f"{', '.join(map(str, missing))} (the model holds {', '.join(map(repr, known))})"
+            )
         with _enabled_while(model):
             for name in names:
                 delete_adapter(model, name)
@@ -280,13 +370,20 @@ class LoragenAdapterMethods:
 
         if full_model or not find_lora_layers(self._as_module()):
             base_save = super().save_pretrained  # type: ignore[misc]
-            base_save(
-                save_directory,
-                is_main_process=is_main_process,
-                state_dict=state_dict,
-                safe_serialization=safe_serialization,
-                **kwargs,
-            )
+            forced = self.__dict__.pop("_loragen_peft_loaded", None)
+            self.__dict__["_loragen_peft_loaded"] = False  # transformers' full save, not its adapter save
+            try:
+                base_save(
+                    save_directory,
+                    is_main_process=is_main_process,
+                    state_dict=state_dict,
+                    safe_serialization=safe_serialization,
+                    **kwargs,
+                )
+            finally:
+                self.__dict__.pop("_loragen_peft_loaded", None)
+                if forced is not None:
+                    self.__dict__["_loragen_peft_loaded"] = forced
             return
         where = f"{type(self).__name__}.save_pretrained"
         if kwargs:
