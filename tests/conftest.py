@@ -9,7 +9,7 @@ others are assigned here by file and fixture, or by a ``@pytest.mark.<tier>`` on
 - ``packaging``: builds the wheel and runs loragen from it;
 - ``lint``: ruff, mypy, import-linter and the other static checks of the source;
 - ``distributed``: several processes working together or killed mid-write (DDP, FSDP, fork);
-- ``slow``: slow integration tests (a child interpreter or pytest, the demo, the README's code).
+- ``slow``: slow integration tests (a child interpreter or pytest, the demo, the snippets of README and docs/).
 
 ``pytest -m ""`` runs every tier. Under pytest-xdist (``-n 2 --dist loadgroup``) the tests that compile
 into the same cache run in one worker, so no build is made twice, and the distributed tests run one at a
