@@ -169,3 +169,45 @@ def _environment() -> dict[str, str]:
         "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     }
+
+
+# ---- shell snippets: every `loragen ...` command line the pages show is one loragen's parser accepts -----
+
+
+def _loragen_command_lines() -> list[tuple[str, list[str]]]:
+    """``(where, argv)`` for each ``loragen`` command in the pages' ```bash blocks (after ``&&`` too)."""
+    import shlex
+
+    found = []
+    for page in PAGES:
+        for snippet in snippets(page):
+            if snippet.language != "bash":
+                continue
+            for offset, line in enumerate(snippet.code.splitlines(), start=1):
+                for command in line.split("&&"):
+                    tokens = shlex.split(command, comments=True)
+                    if tokens[:1] == ["loragen"]:
+                        found.append((f"{_page_id(page)}:{snippet.line + offset}", tokens[1:]))
+    return found
+
+
+def test_the_pages_show_loragen_commands() -> None:
+    commands = {argv[0] for _, argv in _loragen_command_lines()}
+    assert {"rewrite", "merge", "inspect", "bench", "demo"} <= commands
+
+
+@pytest.mark.parametrize(
+    ("where", "argv"), _loragen_command_lines(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_loragen_command_line_parses(
+    where: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loragen.cli import build_parser
+
+    parser = build_parser([argv[0]])
+    try:
+        args, extras = parser.parse_known_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: loragen {' '.join(argv)}: {capsys.readouterr().err.strip()}")
+    assert not extras, f"{where}: loragen {' '.join(argv)}: unrecognized arguments {extras}"
+    assert getattr(args, "func", None) is not None, f"{where}: loragen {' '.join(argv)} runs no command"
