@@ -80,9 +80,10 @@ def _base(folder: Path, transformers_class: str = "OPTForCausalLM", **kwargs: ob
 
 
 def _lora(base_folder: Path, **config: object) -> nn.Module:
-    """The tiny OPT with a fresh loragen adapter from a peft config (``add_adapter``'s start)."""
+    """The tiny OPT with a fresh loragen adapter from a peft config (``add_adapter``'s start); no
+    ``target_modules``, as in transformers' cases: peft's default targets for OPT."""
     torch.manual_seed(2)
-    settings: dict[str, object] = {"init_lora_weights": False, "target_modules": TARGETS, **config}
+    settings: dict[str, object] = {"init_lora_weights": False, **config}
     return loragen.get_lora_model(_base(base_folder), peft.LoraConfig(**settings))
 
 
@@ -151,16 +152,24 @@ def test_peft_enable_disable_adapters(base_folder: Path) -> None:
     torch.testing.assert_close(disabled, _logits(_base(base_folder)), rtol=0, atol=0)
 
 
-def test_get_lora_model_takes_a_peft_config_as_add_adapter_does(base_folder: Path, tmp_path: Path) -> None:
-    model = _lora(base_folder, r=4, lora_alpha=8)
-    assert find_lora_layers(model) and model.loragen_config.r == 4
+def test_peft_add_adapter(base_folder: Path) -> None:
+    model = _lora(base_folder)  # peft.LoraConfig(init_lora_weights=False): peft's default targets
+    assert {path.rpartition(".")[2] for path in find_lora_layers(model)} == set(TARGETS)
+    assert set(model.peft_config["default"].target_modules) == set(TARGETS)
     model.generate(input_ids=DUMMY_INPUT, max_new_tokens=2, do_sample=False)
+
+
+def test_peft_add_adapter_from_pretrained(base_folder: Path, tmp_path: Path) -> None:
+    model = _lora(base_folder, r=4, lora_alpha=8)  # loragen.get_lora_model takes a peft config
+    assert find_lora_layers(model) and model.loragen_config.r == 4
     # a model saved after add_adapter loads back through transformers' from_pretrained
     model.save_pretrained(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        again = transformers.OPTForCausalLM.from_pretrained(tmp_path)
-    torch.testing.assert_close(_logits(again), _logits(model))
+    for transformers_class in CLASSES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again = getattr(transformers, transformers_class).from_pretrained(tmp_path)
+        assert any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in again.modules())
+        torch.testing.assert_close(_logits(again), _logits(model))
 
 
 def test_peft_add_adapter_modules_to_save(base_folder: Path) -> None:
@@ -423,6 +432,19 @@ def test_peft_save_quantized(
         torch.testing.assert_close(value, original[key], rtol=0, atol=0)
 
 
+def test_peft_save_quantized_regression(
+    wide_base_folder: Path, wide_peft_adapter: Path, tmp_path: Path
+) -> None:
+    """A quantized model's adapter saved and loaded into another quantized base gives the same logits."""
+    model = loragen.load_adapter(_quantized(wide_base_folder, 8), wide_peft_adapter)
+    model.save_pretrained(tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+    again = loragen.load_adapter(_quantized(wide_base_folder, 8), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bitsandbytes: inputs cast to float16
+        torch.testing.assert_close(_logits(again), _logits(model), rtol=0, atol=0)
+
+
 def test_trainer_fine_tunes_a_quantized_loragen_model(
     wide_base_folder: Path, wide_peft_adapter: Path, tmp_path: Path
 ) -> None:
@@ -554,6 +576,16 @@ def _peft_folder(base_folder: Path, folder: Path, config: object) -> Path:
     return folder
 
 
+def _ranked(base_folder: Path, folder: Path, r: int) -> nn.Module:
+    """transformers' hotswap start: adapters of ranks 13 and 7 saved in ``folder``, and a model holding the
+    one of rank ``r`` as "adapter_1"."""
+    for rank, seed in ((13, 3), (7, 4)):
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(r=rank, init_lora_weights=False)
+        loragen.get_lora_model(_base(base_folder), config).save_pretrained(folder / f"r{rank}")
+    return loragen.load_adapter(_base(base_folder), folder / f"r{r}", adapter_name="adapter_1")
+
+
 REFUSALS: dict[str, Callable[[Path, Path, Path], object]] = {
     "test_peft_save_pretrained": lambda base, adapter, tmp: _lora(base).save_pretrained(
         tmp, safe_serialization=False
@@ -601,6 +633,24 @@ REFUSALS: dict[str, Callable[[Path, Path, Path], object]] = {
     "test_hotswap_without_existing_adapter_raises": lambda base, adapter, tmp: _lora(base).load_adapter(
         str(adapter), "adapter_1", hotswap=True
     ),
+    "test_hotswap_different_adapter_name_raises": lambda base, adapter, tmp: _lora(base).load_adapter(
+        str(adapter), "does_not_exist_yet", hotswap=True
+    ),
+    "test_hotswap_without_compile_and_with_lower_rank_works": lambda base, adapter, tmp: loragen.load_adapter(
+        _ranked(base, tmp, 13), tmp / "r7", adapter_name="adapter_1"
+    ),
+    "test_hotswap_without_compile_and_with_higher_rank_works": lambda base, adapter, tmp: (
+        loragen.load_adapter(_ranked(base, tmp, 7), tmp / "r13", adapter_name="adapter_1")
+    ),
+    "test_hotswap_with_compile_and_same_ranks_works": lambda base, adapter, tmp: _lora(
+        base
+    ).enable_peft_hotswap(target_rank=8),
+    "test_hotswap_with_compile_and_lower_rank_works": lambda base, adapter, tmp: _lora(
+        base
+    ).enable_peft_hotswap(target_rank=13),
+    "test_hotswap_with_compile_and_higher_rank_works": lambda base, adapter, tmp: _lora(
+        base
+    ).enable_peft_hotswap(target_rank=13),
     "test_enable_peft_hotswap_called_after_adapter_added_raises": lambda base, adapter, tmp: _lora(
         base
     ).enable_peft_hotswap(target_rank=32),
