@@ -288,6 +288,20 @@ def test_adapter_methods_without_an_adapter_raise_transformers_error(base_folder
             call()
 
 
+def test_hf_peft_config_loaded_follows_the_adapters_and_takes_an_assignment(
+    base_folder: Path, tmp_path: Path
+) -> None:
+    """Some transformers models switch the flag off around a full save (Granite Speech's save_pretrained)."""
+    model = _lora(base_folder)
+    assert model._hf_peft_config_loaded
+    model._hf_peft_config_loaded = False
+    assert not model._hf_peft_config_loaded
+    model.save_pretrained(tmp_path, full_model=True)  # transformers' full save, whatever the flag says
+    assert (tmp_path / "model.safetensors").is_file() and not model._hf_peft_config_loaded
+    model._hf_peft_config_loaded = True
+    assert model._hf_peft_config_loaded
+
+
 def test_delete_adapter_with_modules_to_save(base_folder: Path) -> None:
     model = loragen.get_lora_model(
         _base(base_folder),
