@@ -119,10 +119,11 @@ def test_save_onto_a_full_disk_is_a_write_error_and_leaves_nothing(tmp_path: Pat
     save_adapter(tiny_lora(0), tmp_path / "adapter")
     before = tree_snapshot(tmp_path)
 
-    def full(*args, **kwargs):
+    def full(fd: int, data: bytes) -> None:
+        os.write(fd, data[:10])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("safetensors.torch.save_file", full)
+    monkeypatch.setattr("loragen.atomic._write_all", full)
     with pytest.raises(WriteError, match=r"adapter: cannot write the adapter .*No space left") as caught:
         save_adapter(tiny_lora(1), tmp_path / "adapter")
     assert caught.value.errno == errno.ENOSPC and isinstance(caught.value, OSError)
