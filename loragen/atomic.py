@@ -335,14 +335,16 @@ def _open_folder(shown: Path, name: str, dir_fd: int | None) -> int:
         except OSError as exc:
             if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
                 raise WriteError(exc.errno, f"{shown}: cannot open the folder ({exc.strerror})") from None
+            where = None
             with contextlib.suppress(OSError):
                 if stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
                     where = os.readlink(name, dir_fd=dir_fd)
-                    raise WriteError(
-                        errno.ELOOP,
-                        f"{shown} is a symbolic link (to {where}); refusing to write through it, outside the "
-                        "folder: remove the link or write elsewhere",
-                    ) from None
+            if where is not None:
+                raise WriteError(
+                    errno.ELOOP,
+                    f"{shown} is a symbolic link (to {where}); refusing to write through it, outside the "
+                    "folder: remove the link or write elsewhere",
+                ) from None
             raise WriteError(
                 errno.ENOTDIR, f"{shown} exists and is not a folder; refusing to write into it"
             ) from None
