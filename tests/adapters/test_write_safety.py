@@ -7,8 +7,10 @@ subfolders stay as they are, and a check against links holds when the files are 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -26,10 +28,11 @@ from loragen import (
     load_adapter,
     save_adapter,
 )
+from loragen.adapters.folder import read_adapter
 from loragen.adapters.offline_merge import MergeError, merge_checkpoint
 from loragen.atomic import WriteError
 from loragen.cli import main
-from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
+from tests.adapters.helpers import TinyNet, perturb_trainable, tiny_lora, tree_snapshot
 from tests.test_atomic import fake_mount
 
 # ---- adapter names ---------------------------------------------------------------------------------
@@ -385,3 +388,91 @@ def test_a_subfolder_swapped_for_a_link_while_the_save_waits_is_refused(tmp_path
     assert re.search(r"T/other is a symbolic link .*refusing to write through it", str(errors[0]))
     assert tree_snapshot(outside) == {"keep.txt": b"keep"}
     assert tree_snapshot(target) == root_before  # nothing written before the refusal
+
+
+# ---- a reader pairs the weights with the config saved with them --------------------------------------
+
+
+def _alpha8(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = get_lora_model(TinyNet(), LoraConfig(r=2, lora_alpha=8, target_modules=["q", "v"]))
+    perturb_trainable(model, seed)
+    return model
+
+
+def _assert_same_adapter(loaded: torch.nn.Module, model: torch.nn.Module) -> None:
+    for name in ("q", "v"):
+        got, want = getattr(loaded, name), getattr(model, name)
+        assert got.scaling == want.scaling
+        torch.testing.assert_close((got.lora_A, got.lora_B), (want.lora_A, want.lora_B), rtol=0, atol=0)
+
+
+def test_a_save_killed_between_its_renames_still_reads_as_one_adapter(tmp_path: Path) -> None:
+    """New weights beside the old config (the save died before renaming the config): the reader takes the
+    config saved with the weights, complete in the killed save's temporary, not the older one."""
+    old, new, target = tmp_path / "old", tmp_path / "new", tmp_path / "adapter"
+    save_adapter(tiny_lora(0), old)
+    model = _alpha8(1)
+    save_adapter(model, new)
+    shutil.copytree(old, target)
+    shutil.copy(new / "adapter_model.safetensors", target / "adapter_model.safetensors")
+    (target / ".adapter_config.json.loragen-99-0abc.tmp").write_bytes(
+        (new / "adapter_config.json").read_bytes()
+    )
+    (target / ".adapter_config.json.loragen-98-0def.tmp").write_bytes(b'{"r": 2, "lora_al')  # cut off
+    adapter = read_adapter(target)
+    assert adapter.config_dict == json.loads((new / "adapter_config.json").read_text())
+    _assert_same_adapter(load_adapter(TinyNet(), target), model)
+    save_adapter(model, target)  # the next save deletes the leftovers
+    assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_a_config_edited_by_hand_is_read_as_it_is(tmp_path: Path) -> None:
+    model = _alpha8(2)
+    save_adapter(model, tmp_path / "adapter")
+    config = tmp_path / "adapter" / "adapter_config.json"
+    data = json.loads(config.read_text())
+    data["base_model_name_or_path"] = "my-org/my-base"
+    config.write_text(json.dumps(data))
+    (tmp_path / "adapter" / ".adapter_config.json.loragen-99-0abc.tmp").write_text("{}")  # matches nothing
+    assert read_adapter(tmp_path / "adapter").config_dict["base_model_name_or_path"] == "my-org/my-base"
+    _assert_same_adapter(load_adapter(TinyNet(), tmp_path / "adapter"), model)
+
+
+def test_readers_never_see_a_torn_adapter_while_saves_run(tmp_path: Path) -> None:
+    """One thread saves two different adapters (different lora_alpha, different weights) in turn while
+    another reads the folder: every read is one of the two, config and weights together."""
+    models = [tiny_lora(0), _alpha8(1)]
+    references = []
+    for i, model in enumerate(models):
+        save_adapter(model, tmp_path / f"reference{i}")
+        adapter = read_adapter(tmp_path / f"reference{i}")
+        references.append((adapter.config_dict, dict(adapter.tensors)))
+    target = tmp_path / "adapter"
+    save_adapter(models[0], target)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def saves() -> None:
+        try:
+            for i in range(30):
+                save_adapter(models[i % 2], target)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    thread = threading.Thread(target=saves)
+    thread.start()
+    reads = 0
+    while not stop.is_set() or reads == 0:
+        adapter = read_adapter(target)
+        matches = [
+            config == adapter.config_dict
+            and all(torch.equal(tensors[k], adapter.tensors[k]) for k in tensors)
+            for config, tensors in references
+        ]
+        assert any(matches), f"read {reads}: a config and weights that were not saved together"
+        reads += 1
+    thread.join()
+    assert not errors and reads > 0
