@@ -206,6 +206,18 @@ def adapter_state_dict(
     return {file_key: _tensor_for_file(model_key, full[model_key]) for file_key, model_key in wanted.items()}
 
 
+def _serialised(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """The safetensors file of ``tensors``, the same bytes for the same tensors (safetensors writes the
+    metadata in hash order: here it is sorted by key)."""
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data stays 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text + data[8 + size :]
+
+
 def save_adapter(
     model: nn.Module,
     path: str | os.PathLike[str],
@@ -256,7 +268,7 @@ def save_adapter(
             data = {**config.to_peft(), "base_model_name_or_path": model.__dict__.get("name_or_path") or None}
             config_bytes = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
             metadata = {"format": "pt", CONFIG_DIGEST_KEY: hashlib.sha256(config_bytes).hexdigest()}
-            written.append((name, config_bytes, safetensors.torch.save(tensors, metadata=metadata)))
+            written.append((name, config_bytes, _serialised(tensors, metadata)))
         with locked_folder(target) as root, contextlib.ExitStack() as stack:
             # every subfolder opened (no link, checked now) before the first file is written
             folders: list[Folder] = [
