@@ -40,6 +40,11 @@ try:
 except ImportError:  # not on Windows: writers are then serialised only within a process
     fcntl = None  # type: ignore[assignment]
 
+# (flags a platform lacks are 0: on Windows folders are then opened as paths are)
+_O_DIRECTORY, _O_NOFOLLOW, _O_CLOEXEC = (
+    getattr(os, f"O_{n}", 0) for n in ("DIRECTORY", "NOFOLLOW", "CLOEXEC")
+)
+
 __all__ = [
     "WriteError",
     "Folder",
@@ -140,7 +145,7 @@ def _exclusive(fd: int) -> Iterator[bool]:
 def _folder_locked(folder: Path) -> Iterator[bool]:
     """Hold the writers' lock of ``folder`` (see :func:`_exclusive`); False where it cannot be opened."""
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(folder, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     except OSError:  # an unreadable folder: no lock to take
         yield False
         return
@@ -158,7 +163,7 @@ def shared_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     writer holds the lock. No lock where the folder cannot be opened (the reader then reads as is), and none
     needed where this thread holds the writers' lock of the folder itself."""
     try:
-        fd: int | None = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd: int | None = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     except OSError:
         fd = None
     try:
@@ -236,7 +241,7 @@ def _mount_inside(path: Path) -> Path | None:
     return None
 
 
-_OPEN_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FOLDER = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
 
 
 def _remove_tree_at(
@@ -422,7 +427,7 @@ class Folder:
         try:
             for name, data in files:
                 tmp = _temp_name(self.path / name, "tmp").name
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
                 fd = os.open(tmp, flags, 0o600, dir_fd=self.fd)
                 staged.append(tmp)
                 try:
