@@ -145,8 +145,10 @@ def _exclusive(fd: int) -> Iterator[bool]:
 def _folder_locked(folder: Path) -> Iterator[bool]:
     """Hold the writers' lock of ``folder`` (see :func:`_exclusive`); False where it cannot be opened."""
     try:
-        fd = os.open(folder, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        fd: int | None = os.open(folder, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     except OSError:  # an unreadable folder: no lock to take
+        fd = None
+    if fd is None:
         yield False
         return
     try:
@@ -230,13 +232,17 @@ def _mount_inside(path: Path) -> Path | None:
     stack = [Path(path)]
     while stack:
         folder = stack.pop()
-        with contextlib.suppress(OSError):
-            for name in os.listdir(folder):
-                child = folder / name
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            child = folder / name
+            with contextlib.suppress(OSError):
                 info = os.lstat(child)
+                if stat.S_ISDIR(info.st_mode) and info.st_dev != root.st_dev:
+                    return child
                 if stat.S_ISDIR(info.st_mode):
-                    if info.st_dev != root.st_dev:
-                        return child
                     stack.append(child)
     return None
 
