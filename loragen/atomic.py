@@ -544,7 +544,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     with _locked(path) as target:
         tmp = _temp_name(target, "tmp")
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o600))
         try:
             yield tmp
             with open(tmp, "rb+") as fh:
@@ -609,8 +609,9 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     holds the old or the new folder; on an exception the temporary folder is removed.
 
     Raises:
-        WriteError: ``path`` names no folder (``""``, ``.``, ``..``), is a symbolic link, or exists and is
-            not a folder; or the new folder cannot be swapped in (the old one is then in place).
+        WriteError: ``path`` names no folder (``""``, ``.``, ``..``), is a symbolic link, exists and is
+            not a folder, or holds a mount point; or the new folder cannot be swapped in (the old one is
+            then in place).
     """
     with _locked(path) as target:
         if target.is_symlink():
