@@ -1,6 +1,8 @@
 """Atomic writes keep sensible file modes: the umask's for new files and folders (not tempfile's private
 0600 / 0700), the replaced file's for an existing one — so ``loragen rewrite --in-place`` keeps a
-script's executable bit — and a failed write leaves the old content."""
+script's executable bit — and a failed write leaves the old content. Removals never follow a link nor
+enter a mount point; per-file writes replace links instead of writing through them and touch nothing
+else; readers wait for a writer holding the folder."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+import loragen.atomic
 from loragen.atomic import WriteError, atomic_dir, atomic_write_text
 from loragen.cli import main as cli_main
+from tests.adapters.helpers import tree_snapshot
 
 
 @pytest.fixture(params=[0o022, 0o077, 0o002])
@@ -21,6 +25,29 @@ def umask(request):
     previous = os.umask(request.param)
     yield request.param
     os.umask(previous)
+
+
+def fake_mount(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Make every folder named ``name`` look like a mount point of another filesystem (``st_dev`` differs),
+    as a bind mount would; mounting for real needs root."""
+    real_stat, real_lstat = os.stat, os.lstat
+    extra = "st_atime st_mtime st_ctime st_atime_ns st_mtime_ns st_ctime_ns st_blksize st_blocks st_rdev"
+
+    def moved(info: os.stat_result) -> os.stat_result:
+        values = list(info[:10])
+        values[2] += 1  # st_dev
+        return os.stat_result(values, {key: getattr(info, key) for key in extra.split()})
+
+    def stat(path, *args, **kwargs):
+        info = real_stat(path, *args, **kwargs)
+        return moved(info) if os.path.basename(os.fspath(path)) == name else info
+
+    def lstat(path, *args, **kwargs):
+        info = real_lstat(path, *args, **kwargs)
+        return moved(info) if os.path.basename(os.fspath(path)) == name else info
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "lstat", lstat)
 
 
 def _mode(path: Path) -> int:
@@ -187,3 +214,128 @@ def test_atomic_dir_refuses_links_and_dot_paths(tmp_path: Path, monkeypatch) -> 
         with pytest.raises(WriteError, match="names no file or folder of its own"), atomic_dir(path):
             pass
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+# ---- removals never follow a link nor enter a mount -------------------------------------------------
+
+
+def _leftover_with_a_mount_and_a_link(tmp_path: Path) -> tuple[Path, Path]:
+    """A killed writer's leftover folder holding ``mnt/`` (a mount point, as faked by the caller) and a link
+    to a folder outside; returns (the leftover, the outside folder)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "mine.txt").write_text("mine")
+    leftover = tmp_path / ".adapter.loragen-4242-00ff.tmp"
+    (leftover / "mnt").mkdir(parents=True)
+    (leftover / "mnt" / "volume.bin").write_bytes(b"data on the mounted volume")
+    (leftover / "link").symlink_to(outside, target_is_directory=True)
+    (leftover / "stale.bin").write_bytes(b"x")
+    return leftover, outside
+
+
+@pytest.mark.parametrize("how", ["device", "mountinfo"])
+def test_leftovers_are_removed_without_entering_a_mount_or_following_a_link(
+    tmp_path: Path, monkeypatch, how: str
+) -> None:
+    leftover, outside = _leftover_with_a_mount_and_a_link(tmp_path)
+    if how == "device":  # another filesystem mounted there
+        fake_mount(monkeypatch, "mnt")
+    else:  # a bind mount of the same filesystem: the same st_dev, listed in /proc/self/mountinfo
+        points = frozenset({os.path.realpath(leftover / "mnt")})
+        monkeypatch.setattr(loragen.atomic, "_mount_points", lambda: points, raising=False)
+    with atomic_dir(tmp_path / "adapter") as folder:
+        (folder / "a.json").write_text("{}")
+    monkeypatch.undo()
+    assert (leftover / "mnt" / "volume.bin").read_bytes() == b"data on the mounted volume"
+    assert tree_snapshot(outside) == {"mine.txt": b"mine"}
+    # what is not under the mount is gone; the folders holding the mount stay
+    assert sorted(p.name for p in leftover.iterdir()) == ["mnt"]
+
+
+def test_atomic_dir_refuses_to_replace_a_folder_holding_a_mount(tmp_path: Path, monkeypatch) -> None:
+    target = tmp_path / "out"
+    (target / "cache").mkdir(parents=True)
+    (target / "cache" / "volume.bin").write_bytes(b"data")
+    (target / "model.safetensors").write_bytes(b"old")
+    before = tree_snapshot(tmp_path)
+    fake_mount(monkeypatch, "cache")
+    with (
+        pytest.raises(WriteError, match=r"out/cache is a mount point; refusing to replace .*out"),
+        atomic_dir(target) as folder,
+    ):
+        (folder / "model.safetensors").write_bytes(b"new")
+    monkeypatch.undo()
+    assert tree_snapshot(tmp_path) == before
+
+
+# ---- per-file writes into a locked folder ------------------------------------------------------------
+
+
+def test_write_files_replaces_links_and_keeps_every_other_file(tmp_path: Path, umask: int) -> None:
+    from loragen.atomic import locked_folder
+
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not yours")
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "weights").symlink_to(outside)
+    (folder / "config").write_text("old")
+    os.chmod(folder / "config", 0o640)
+    (folder / "README.md").write_text("notes")
+    (folder / ".weights.loragen-17-beef.tmp").write_bytes(b"a killed writer's")
+    with locked_folder(folder) as handle:
+        handle.write_files([("weights", b"W"), ("config", b"C")])
+    assert outside.read_bytes() == b"not yours"  # the link was replaced, not written through
+    assert tree_snapshot(folder) == {"README.md": b"notes", "config": b"C", "weights": b"W"}
+    assert _mode(folder / "weights") == 0o666 & ~umask and _mode(folder / "config") == 0o640
+
+
+def test_locked_folder_and_subfolder_refuse_links_and_files(tmp_path: Path) -> None:
+    from loragen.atomic import locked_folder
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    (tmp_path / "real" / "sub").symlink_to(tmp_path, target_is_directory=True)
+    (tmp_path / "real" / "file").write_text("x")
+    before = tree_snapshot(tmp_path)
+    with pytest.raises(
+        WriteError, match=r"link is a symbolic link \(to .*real\); refusing to write through it"
+    ):
+        with locked_folder(tmp_path / "link"):
+            pass
+    with locked_folder(tmp_path / "real") as folder:
+        with pytest.raises(WriteError, match=r"real/sub is a symbolic link"), folder.subfolder("sub"):
+            pass
+        with (
+            pytest.raises(WriteError, match=r"real/file exists and is not a folder"),
+            folder.subfolder("file"),
+        ):
+            pass
+        for name in ("..", "a/b", ""):
+            with pytest.raises(WriteError, match="is not a name of an entry"), folder.subfolder(name):
+                pass
+    assert tree_snapshot(tmp_path) == before
+
+
+def test_a_reader_waits_for_the_writer_holding_the_folder(tmp_path: Path) -> None:
+    from loragen.atomic import locked_folder, shared_lock
+
+    order: list[str] = []
+    inside = threading.Event()
+
+    def write() -> None:
+        with locked_folder(tmp_path / "adapter") as folder:
+            inside.set()
+            time.sleep(0.3)
+            folder.write_files([("a", b"1")])
+            order.append("written")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert inside.wait(10)
+    with shared_lock(tmp_path / "adapter"):
+        order.append("read")
+    writer.join(10)
+    assert order == ["written", "read"]
+    with locked_folder(tmp_path / "adapter"), shared_lock(tmp_path / "adapter"):
+        pass  # the writer's own thread reads without waiting for itself

@@ -7,10 +7,19 @@ Layouts), ``...lora_magnitude_vector`` (DoRA), ``...<module>.weight`` (saved in 
 ``...<module>.base_layer.bias`` (a trained bias). A model key drops the prefix, peft's ``base_layer`` /
 ``modules_to_save`` infixes and the factor suffix. ``adapter_model.bin`` is read only with
 ``allow_pickle=True`` (unpickling can run arbitrary code).
+
+A folder is read under its readers' lock (:func:`loragen.atomic.shared_lock`), so a loragen save, which
+renames its files under the writers' lock, is never seen half-done. A save killed between renaming the
+weights and the config leaves new weights beside the old config; the weights' metadata
+:data:`CONFIG_DIGEST_KEY` (the SHA-256 of the config saved with them) then finds that save's complete
+config among its temporaries. A config that matches no digest (edited by hand, written by another program)
+is read as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -24,9 +33,10 @@ import torch
 
 from loragen.adapters.files import (
     SafetensorsReader,
-    read_json_file,
+    parse_json,
     read_safetensors_header,
 )
+from loragen.atomic import leftover_temporaries, shared_lock
 from loragen.config import LoraConfig
 from loragen.errors import AdapterError, LoraConfigError
 from loragen.layouts import EMBEDDING, LAYOUTS, Layout, factor_suffixes
@@ -36,6 +46,7 @@ __all__ = [
     "ADAPTER_CONFIG_NAME",
     "ADAPTER_PICKLE_NAME",
     "ADAPTER_WEIGHTS_NAME",
+    "CONFIG_DIGEST_KEY",
     "MAGNITUDE",
     "PEFT_PREFIX",
     "Adapter",
@@ -151,6 +162,8 @@ def group_lora_keys(keys: Iterable[AdapterKey], source: object) -> dict[str, Lor
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_PICKLE_NAME = "adapter_model.bin"
+# safetensors metadata of a saved adapter's weights: the SHA-256 (hex) of the adapter_config.json saved with them
+CONFIG_DIGEST_KEY = "loragen_config_sha256"
 
 
 @dataclass(frozen=True)
@@ -179,29 +192,67 @@ class Adapter:
         return {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}.get(name, name)
 
 
-def read_adapter_config(path: str | os.PathLike[str]) -> tuple[LoraConfig, dict[str, Any]]:
-    """Read ``adapter_config.json`` from the adapter folder ``path``: the :class:`LoraConfig` and the raw JSON.
-
-    Raises:
-        AdapterError: the folder or the file is missing, or the file is not a JSON object (names file:line).
-        LoraConfigError: a field is invalid or an unsupported peft feature is switched on (names the field).
-    """
-    folder = Path(path)
+def _check_folder(folder: Path) -> None:
     if not folder.is_dir():
         what = "does not exist" if not folder.exists() else "is not a folder"
         raise AdapterError(
             f"{folder} {what}: an adapter is a folder with {ADAPTER_CONFIG_NAME} and {ADAPTER_WEIGHTS_NAME}"
         )
+
+
+def _saved_digest(weights_path: Path) -> str | None:
+    """The config digest in the metadata of the weights at ``weights_path``; None where there is none (a
+    file another program wrote) or the file cannot be read (:func:`read_adapter` then says why)."""
+    try:
+        return read_safetensors_header(weights_path).metadata.get(CONFIG_DIGEST_KEY)
+    except (OSError, AdapterError):
+        return None
+
+
+def _config_bytes(config_path: Path, digest: str | None) -> bytes:
+    """The bytes of the config saved with weights whose digest is ``digest`` (lock held): the file's, else a
+    killed save's complete temporary that matches; the file's when none matches (a config edited by hand)."""
+    try:
+        data = config_path.read_bytes()
+    except OSError as exc:
+        raise AdapterError(f"{config_path}: cannot be read ({exc.strerror or exc})") from None
+    if digest is None or hashlib.sha256(data).hexdigest() == digest:
+        return data
+    for leftover in leftover_temporaries(config_path):
+        with contextlib.suppress(OSError):
+            saved = leftover.read_bytes()
+            if hashlib.sha256(saved).hexdigest() == digest:
+                return saved
+    return data
+
+
+def _read_config(folder: Path) -> tuple[LoraConfig, dict[str, Any]]:
+    """:func:`read_adapter_config`, for a folder checked and locked by the caller."""
     config_path = folder / ADAPTER_CONFIG_NAME
     if not config_path.exists():
         raise AdapterError(f"{folder}: no {ADAPTER_CONFIG_NAME} (not an adapter folder)")
-    data = read_json_file(config_path, AdapterError)
+    raw = _config_bytes(config_path, _saved_digest(folder / ADAPTER_WEIGHTS_NAME))
+    data = parse_json(raw, str(config_path), AdapterError)
     if not isinstance(data, dict):
         raise AdapterError(
             f"{config_path}: expected a JSON object of peft's fields, got a {type(data).__name__}"
         )
     _check_ranks(data, config_path)
     return LoraConfig.from_peft(data, source=str(config_path)), data
+
+
+def read_adapter_config(path: str | os.PathLike[str]) -> tuple[LoraConfig, dict[str, Any]]:
+    """Read ``adapter_config.json`` from the adapter folder ``path``: the :class:`LoraConfig` and the raw JSON
+    (the config saved with the folder's weights: see the module's docstring).
+
+    Raises:
+        AdapterError: the folder or the file is missing, or the file is not a JSON object (names file:line).
+        LoraConfigError: a field is invalid or an unsupported peft feature is switched on (names the field).
+    """
+    folder = Path(path)
+    _check_folder(folder)
+    with shared_lock(folder):
+        return _read_config(folder)
 
 
 # No layer is wider than this; a rank beyond it is a typo or a hostile file, refused before torch allocates it.
@@ -233,7 +284,13 @@ def read_adapter(path: str | os.PathLike[str], *, allow_pickle: bool = False, la
         LoraConfigError: an invalid or unsupported config field (names the field).
     """
     folder = Path(path)
-    config, config_dict = read_adapter_config(folder)
+    _check_folder(folder)
+    with shared_lock(folder):  # no save renames a file meanwhile
+        return _read_adapter(folder, allow_pickle, lazy)
+
+
+def _read_adapter(folder: Path, allow_pickle: bool, lazy: bool) -> Adapter:
+    config, config_dict = _read_config(folder)
     weights_path = folder / ADAPTER_WEIGHTS_NAME
     metadata: dict[str, str] = {}
     tensors: Mapping[str, torch.Tensor]

@@ -1,13 +1,20 @@
 """Writing a model's adapters in peft's format: :func:`adapter_config_for` (``adapter_config.json``),
-:func:`adapter_state_dict` (the tensors under peft's keys) and :func:`save_adapter` (the folder, atomically).
+:func:`adapter_state_dict` (the tensors under peft's keys) and :func:`save_adapter` (the files).
+
+A save replaces only the files it writes, each atomically (:meth:`loragen.atomic.Folder.write_files`), under
+the adapter folder's writers' lock: ``adapter_model.safetensors`` first, then ``adapter_config.json``. The
+weights' safetensors metadata carries the SHA-256 of the config bytes written with them
+(:data:`~loragen.adapters.folder.CONFIG_DIGEST_KEY`), so a reader tells the pair apart from a config a
+killed save left behind (see :func:`loragen.adapters.folder.read_adapter`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import os
-import shutil
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,12 +26,12 @@ from torch import nn
 
 from loragen.adapters.folder import (
     ADAPTER_CONFIG_NAME,
-    ADAPTER_PICKLE_NAME,
     ADAPTER_WEIGHTS_NAME,
+    CONFIG_DIGEST_KEY,
     PEFT_PREFIX,
 )
 from loragen.adapters.named import adapter_configs, check_adapter_name, list_adapters, require_adapter
-from loragen.atomic import WriteError, atomic_dir
+from loragen.atomic import Folder, WriteError, locked_folder
 from loragen.config import LoraConfig
 from loragen.convert import CONFIG_ATTR, find_lora_layers
 from loragen.errors import AdapterError
@@ -199,26 +206,16 @@ def adapter_state_dict(
     return {file_key: _tensor_for_file(model_key, full[model_key]) for file_key, model_key in wanted.items()}
 
 
-def _carry_over(old: Path, new: Path) -> None:
-    """Keep the files that are not the adapter's own (a README...) when replacing a folder, hard-linked
-    where possible."""
-    ours = {ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, ADAPTER_PICKLE_NAME}
-
-    def link_or_copy(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    for item in old.iterdir():
-        if item.name in ours:
-            continue
-        if item.is_dir() and not item.is_symlink():
-            shutil.copytree(item, new / item.name, copy_function=link_or_copy, symlinks=True)
-        elif item.is_symlink():
-            os.symlink(os.readlink(item), new / item.name)
-        else:
-            link_or_copy(str(item), str(new / item.name))
+def _serialised(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """The safetensors file of ``tensors``, the same bytes for the same tensors (safetensors writes the
+    metadata in hash order: here it is sorted by key)."""
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data stays 8-byte aligned, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text + data[8 + size :]
 
 
 def save_adapter(
@@ -235,16 +232,19 @@ def save_adapter(
     Each adapter gets ``adapter_config.json`` (:func:`adapter_config_for`, with the model's
     ``name_or_path`` as ``base_model_name_or_path``) and ``adapter_model.safetensors``
     (:func:`adapter_state_dict`), in ``path`` for ``root_adapter`` and in ``path/<name>/`` for the others,
-    as peft's ``save_pretrained``. ``selected_adapters`` picks some (default: all). The folder appears
-    atomically, only once complete; other files already in it are kept.
+    as peft's ``save_pretrained``. ``selected_adapters`` picks some (default: all). Only these files are
+    written, each atomically; every other file in the folders (another adapter's, a README, what other
+    processes write meanwhile) is left as it is. The folders are opened without following links and checked
+    under their writers' lock, just before the files are written.
 
     Raises:
         AdapterError: the model has no LoRA layers, its config disagrees with its layers, ``state_dict``
             lacks a tensor, a tensor is on the meta device; ``path`` is ``.``/``..``, a symbolic link, a
             file, or holds a link or a file where an adapter's subfolder goes.
         AdapterNameError: an unknown name in ``selected_adapters``, or a name that cannot be a folder name.
-        WriteError: the folder cannot be written (no space left, no permission; an ``OSError`` too): the
-            old one is then untouched and no temporary folder is left.
+        WriteError: a folder cannot be written (no space left, no permission; an ``OSError`` too), or became
+            a link or a file while the save waited for the lock: the adapter's old files are then unchanged
+            and no temporary file is left.
     """
     if not find_lora_layers(model):
         raise AdapterError(f"{type(model).__name__} has no LoRA layers: nothing to save")
@@ -253,39 +253,38 @@ def save_adapter(
         if selected_adapters is None
         else [require_adapter(model, n) for n in selected_adapters]
     )
+    target = _check_target(path, names, root_adapter)
     written = []
-    for name in names:
-        config = adapter_config_for(model, name)
-        tensors = adapter_state_dict(
-            model,
-            config,
-            save_embedding_layers=save_embedding_layers,
-            state_dict=state_dict,
-            adapter_name=name,
-        )
-        data = {**config.to_peft(), "base_model_name_or_path": model.__dict__.get("name_or_path") or None}
-        written.append((name, json.dumps(data, indent=2, sort_keys=True) + "\n", tensors))
-    target = _check_target(path, [name for name, _, _ in written], root_adapter)
     try:
-        with atomic_dir(target) as tmp:
-            if target.is_dir():
-                _carry_over(target, tmp)
-            for name, config_text, tensors in written:
-                folder = tmp if name == root_adapter else tmp / name
-                folder.mkdir(exist_ok=True)
-                for file_name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME, ADAPTER_PICKLE_NAME):
-                    # a subfolder carried over holds hard links to the old files: never write through them
-                    (folder / file_name).unlink(missing_ok=True)
-                safetensors.torch.save_file(
-                    tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"}
+        for name in names:
+            config = adapter_config_for(model, name)
+            tensors = adapter_state_dict(
+                model,
+                config,
+                save_embedding_layers=save_embedding_layers,
+                state_dict=state_dict,
+                adapter_name=name,
+            )
+            data = {**config.to_peft(), "base_model_name_or_path": model.__dict__.get("name_or_path") or None}
+            config_bytes = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+            metadata = {"format": "pt", CONFIG_DIGEST_KEY: hashlib.sha256(config_bytes).hexdigest()}
+            written.append((name, config_bytes, _serialised(tensors, metadata)))
+        with locked_folder(target) as root, contextlib.ExitStack() as stack:
+            # every subfolder opened (no link, checked now) before the first file is written
+            folders: list[Folder] = [
+                root if name == root_adapter else stack.enter_context(root.subfolder(name))
+                for name, _, _ in written
+            ]
+            for folder, (_, config_bytes, weights_bytes) in zip(folders, written):
+                folder.write_files(
+                    [(ADAPTER_WEIGHTS_NAME, weights_bytes), (ADAPTER_CONFIG_NAME, config_bytes)]
                 )
-                (folder / ADAPTER_CONFIG_NAME).write_text(config_text, encoding="utf-8")
     except WriteError:
         raise
     except (OSError, safetensors.SafetensorError) as exc:
         code = exc.errno if isinstance(exc, OSError) else None
         raise WriteError(
-            code, f"{target}: cannot write the adapter ({exc}); the old folder is unchanged"
+            code, f"{target}: cannot write the adapter ({exc}); its old files are unchanged"
         ) from exc
     return target
 
@@ -295,7 +294,7 @@ def _check_target(path: str | os.PathLike[str], names: list[str], root_adapter: 
     raw = os.fspath(path)
     if not raw or Path(raw).name in ("", ".", ".."):
         raise AdapterError(
-            f"save_adapter: {raw!r} names no folder of its own (saving replaces the folder); give a path "
+            f"save_adapter: {raw!r} names no folder of its own (an adapter is a folder); give a path "
             "ending in the adapter folder's name, e.g. 'out/my-adapter'"
         )
     target = Path(raw)
@@ -303,7 +302,7 @@ def _check_target(path: str | os.PathLike[str], names: list[str], root_adapter: 
         where = os.readlink(target)
         state = "" if target.exists() else ", which does not exist"
         raise AdapterError(
-            f"{target} is a symbolic link (to {where}{state}); save_adapter replaces a folder, never a link: "
+            f"{target} is a symbolic link (to {where}{state}); save_adapter writes a folder, never a link: "
             "save to the folder it points to, or remove the link"
         )
     if target.exists() and not target.is_dir():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -26,6 +27,7 @@ from loragen import (
     get_lora_model,
     merge_adapter,
 )
+from loragen.adapters.folder import CONFIG_DIGEST_KEY
 from loragen.adapters.load import load_adapter
 from loragen.adapters.save import adapter_state_dict, save_adapter
 from loragen.convert import find_lora_layers
@@ -123,8 +125,11 @@ def test_saved_file_format(tmp_path: Path) -> None:
     model = loragen_adapter(kind, kwargs, tmp_path)
 
     with safe_open(tmp_path / WEIGHTS, "pt") as fh:
-        assert fh.metadata() == {"format": "pt"}
-    config = json.loads((tmp_path / "adapter_config.json").read_text())
+        metadata = fh.metadata()
+    config_bytes = (tmp_path / "adapter_config.json").read_bytes()
+    # peft's format marker, and the digest tying the weights to the config saved with them
+    assert metadata == {"format": "pt", CONFIG_DIGEST_KEY: hashlib.sha256(config_bytes).hexdigest()}
+    config = json.loads(config_bytes)
     assert config["peft_type"] == "LORA" and config["inference_mode"] is True
     assert config["target_modules"] == ["embed_tokens", "q_proj"]
     assert config["modules_to_save"] == ["lm_head"]
@@ -142,11 +147,11 @@ def test_save_failure_keeps_old_adapter(tmp_path: Path, monkeypatch: pytest.Monk
     (tmp_path / "adapter" / "README.md").write_text("notes")
     before = {p.name: p.read_bytes() for p in (tmp_path / "adapter").iterdir()}
 
-    def save_half_then_fail(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"\x00" * 100)
+    def write_half_then_fail(fd: int, data: bytes) -> None:
+        os.write(fd, data[: len(data) // 2])
         raise OSError("disk full")
 
-    monkeypatch.setattr("safetensors.torch.save_file", save_half_then_fail)
+    monkeypatch.setattr("loragen.atomic._write_all", write_half_then_fail)
     perturb_trainable(model, seed=5)
     with pytest.raises(OSError, match="disk full"):
         save_adapter(model, tmp_path / "adapter")
@@ -168,7 +173,8 @@ def test_save_over_existing_keeps_other_files(tmp_path: Path) -> None:
 
     assert (tmp_path / "adapter" / "README.md").read_text() == "notes"
     assert (tmp_path / "adapter" / "extra" / "tokenizer.json").read_text() == "{}"
-    assert not (tmp_path / "adapter" / "adapter_model.bin").exists()
+    # not a file the save writes: kept (the safetensors file is read first, by loragen as by peft)
+    assert (tmp_path / "adapter" / "adapter_model.bin").read_bytes() == b"stale pickle"
     loaded = load_adapter(make_model(kind), tmp_path / "adapter")
     torch.testing.assert_close(run_model(loaded, kind), run_model(model, kind))
 
