@@ -14,6 +14,8 @@ import os
 import re
 import struct
 import sys
+import threading
+import weakref
 from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -154,6 +156,7 @@ class SafetensorsHeader:
     file_size: int
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str] = field(default_factory=dict)
+    identity: tuple[int, int, int] = (0, 0, 0)  # (device, inode, mtime_ns) of the file the header came from
 
 
 def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
@@ -165,8 +168,9 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         OSError: the file cannot be opened.
     """
     path = Path(path)
-    file_size = path.stat().st_size
     with open(path, "rb") as fh:
+        stat = os.fstat(fh.fileno())
+        file_size = stat.st_size
         prefix = fh.read(8)
         if len(prefix) < 8:
             raise AdapterError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
@@ -223,15 +227,38 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         raise AdapterError(
             f"{path}: corrupt safetensors file: {file_size - position} trailing bytes after the tensors"
         )
-    return SafetensorsHeader(path, prefix + raw, data_start, file_size, tensors, dict(metadata or {}))
+    identity = (stat.st_dev, stat.st_ino, stat.st_mtime_ns)
+    return SafetensorsHeader(
+        path, prefix + raw, data_start, file_size, tensors, dict(metadata or {}), identity
+    )
 
 
 class SafetensorsReader(Mapping[str, "torch.Tensor"]):
     """The tensors of a safetensors file, read from disk on access (nothing is cached or mapped);
-    :meth:`rows` reads a range of a tensor's leading dimension, to stream it with bounded memory."""
+    :meth:`rows` reads a range of a tensor's leading dimension, to stream it with bounded memory.
+
+    The file is opened once, when the reader is made, and must be the file its header was read from: a
+    save that replaces the path later (by a rename) does not change what the reader reads, so the tensors
+    always belong to the header and the config read with it.
+
+    Raises:
+        AdapterError: the file at the path is no longer the one the header was read from.
+        OSError: the file cannot be opened.
+    """
 
     def __init__(self, header: SafetensorsHeader) -> None:
         self.header = header
+        self._file = open(header.path, "rb", buffering=0)  # kept open for the reader's life
+        stat = os.fstat(self._file.fileno())
+        if (
+            stat.st_dev,
+            stat.st_ino,
+            stat.st_mtime_ns,
+        ) != header.identity or stat.st_size != header.file_size:
+            self._file.close()
+            raise AdapterError(f"{header.path}: the file changed after its header was read; read it again")
+        self._lock = threading.Lock()
+        weakref.finalize(self, self._file.close)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         entry = self.header.tensors[name]
@@ -260,10 +287,16 @@ class SafetensorsReader(Mapping[str, "torch.Tensor"]):
         row_shape = entry.shape[1:]
         row_bytes = math.prod(row_shape) * _ST_DTYPES[entry.dtype][0]
         buffer = bytearray((stop - start) * row_bytes)
-        with open(self.header.path, "rb") as fh:
-            fh.seek(entry.start + start * row_bytes)
-            if fh.readinto(buffer) != len(buffer):
-                raise AdapterError(f"{self.header.path}: file ended while reading {name!r} (was it changed?)")
+        with self._lock:  # threads may read one reader at once
+            self._file.seek(entry.start + start * row_bytes)
+            view = memoryview(buffer)
+            while view:  # unbuffered: every read sees the file as it is now
+                count = self._file.readinto(view)
+                if not count:
+                    raise AdapterError(
+                        f"{self.header.path}: file ended while reading {name!r} (was it changed?)"
+                    )
+                view = view[count:]
         shape = (stop - start, *row_shape) if entry.shape else ()
         if not buffer:
             return torch.empty(shape, dtype=dtype)

@@ -44,3 +44,26 @@ def test_reader_reads_tensors_and_row_ranges_from_disk(tmp_path: Path, dtype: to
     (tmp_path / "x.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes()[:cut])
     with pytest.raises(AdapterError, match=r"x\.safetensors: file ended while reading 'w'"):
         reader.rows("w", 0, 5)
+
+
+def test_a_reader_keeps_reading_the_file_its_header_came_from(tmp_path: Path) -> None:
+    """A save replaces the weights by a rename: a lazy reader made before it still reads the old tensors."""
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(3, 2)}, str(path))
+    reader = SafetensorsReader(read_safetensors_header(path))
+    replacement = tmp_path / "new.safetensors"
+    save_file({"a": torch.ones(3, 2)}, str(replacement))
+    replacement.replace(path)
+    assert torch.equal(reader["a"], torch.zeros(3, 2))
+    assert torch.equal(reader.rows("a", 1, 3), torch.zeros(2, 2))
+
+
+def test_a_reader_refuses_a_file_replaced_after_its_header_was_read(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(3, 2)}, str(path))
+    header = read_safetensors_header(path)
+    replacement = tmp_path / "new.safetensors"
+    save_file({"a": torch.ones(3, 2)}, str(replacement))
+    replacement.replace(path)
+    with pytest.raises(AdapterError, match="changed after its header was read"):
+        SafetensorsReader(header)
