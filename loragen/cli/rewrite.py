@@ -16,6 +16,7 @@ from loragen.atomic import atomic_file
 from loragen.cli import EXIT_INPUT, EXIT_OK, EXIT_USAGE, SUBCOMMANDS, add_lora_arguments, error
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConfigError
+from loragen.plan import check_pattern
 from loragen.source.rewriter import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
 
 __all__ = ["register", "run"]
@@ -155,6 +156,10 @@ def _config(args: argparse.Namespace) -> LoraConfig:
     if args.target_modules is not None:
         changes["target_modules"] = _target_names(args.target_modules)
     if args.target_regex is not None:
+        try:
+            check_pattern("--target-regex", args.target_regex)
+        except LoraConfigError as exc:
+            raise _Refused(str(exc), EXIT_USAGE) from None
         changes["target_modules"] = args.target_regex
     for flag in ("r", "lora_alpha", "lora_dropout"):
         if getattr(args, flag) is not None:

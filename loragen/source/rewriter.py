@@ -20,6 +20,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from loragen.config import LoraConfig
+from loragen.errors import LoraError
 from loragen.plan import fused_expert_parameters
 from loragen.source.codegen import (
     CONFIG_NAME,
@@ -150,6 +151,8 @@ def rewrite_source(
         return dataclasses.replace(result, code=text.restore(result.code))
     except ScanError as exc:
         return failed(exc.line, exc.reason)
+    except LoraError as exc:  # the config's patterns, refused where they are matched (loragen.plan)
+        return failed(1, str(exc))
     except RecursionError:  # the parser's guard keeps far from this; a last line of defence
         return failed(1, "the source is nested too deeply to rewrite")
     except Exception as exc:  # a bug in loragen must not crash the caller with bad input
