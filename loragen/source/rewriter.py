@@ -8,10 +8,12 @@ as errors with ``file:line``, never as an exception. The planner here decides wh
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import gc
 import os
+import pkgutil
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -53,7 +55,15 @@ from loragen.source.scan import (
 )
 from loragen.source.targets import PRETRAINED, Targets
 
-__all__ = ["Diagnostic", "RewriteResult", "RewrittenCall", "module_name_for_path", "rewrite_source"]
+__all__ = [
+    "Diagnostic",
+    "RewriteResult",
+    "RewrittenCall",
+    "module_name_for_path",
+    "installed_packages",
+    "relative_imports",
+    "rewrite_source",
+]
 
 # names the rewritten file imports besides the LoRA classes: (module, name)
 _CONFIG_IMPORT = ("loragen", "LoraConfig")
@@ -83,6 +93,68 @@ def module_name_for_path(path: str | os.PathLike[str]) -> tuple[str | None, str 
         return None, None
     package = ".".join(reversed(parts))
     return (package if file.stem == "__init__" else f"{package}.{file.stem}"), package
+
+
+def relative_imports(code: str) -> list[tuple[int, int, str | None]]:
+    """``(line, level, module)`` of every relative import in ``code`` (``from ...modeling_utils import X``
+    gives ``(line, 3, "modeling_utils")``); none for code that does not parse (the rewrite reports that)."""
+    try:
+        tree = ast.parse(code.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n"))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    return [
+        (node.lineno, node.level, node.module)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level
+    ]
+
+
+def installed_packages(path: str | os.PathLike[str], code: str) -> list[tuple[str, Path]]:
+    """``(package, file)`` for each installed package (on ``sys.path``) that holds a file named like ``path``
+    beside every module the relative imports of ``code`` name: the packages a copied file (such as
+    transformers' ``modeling_llama.py``) may come from. Nothing is imported; an empty list for a file
+    without relative imports.
+
+    The package is looked for as deep as the deepest relative import reaches, and one level deeper.
+    """
+    imports = relative_imports(code)
+    if not imports:
+        return []
+    source = Path(path).resolve()
+    reach = max(level for _, level, _ in imports)
+    top_module = next((module for _, level, module in imports if level == reach and module), None)
+    found: list[tuple[str, Path]] = []
+    for info in pkgutil.iter_modules():
+        where = getattr(info.module_finder, "path", None)
+        if not info.ispkg or not where:
+            continue
+        top = Path(where) / info.name
+        for extra in range(2):
+            for ancestor in top.glob("/".join(["*"] * extra)) if extra else [top]:
+                if top_module is not None and not _module_exists(ancestor, top_module):
+                    continue
+                pattern = "/".join(["*"] * (reach - 1) + [f"{source.stem}.py"])
+                for file in ancestor.glob(pattern):
+                    folder = file.parent
+                    parts = folder.relative_to(top).parts
+                    chain = [top.joinpath(*parts[:i]) for i in range(len(parts) + 1)]
+                    if (
+                        file.resolve() != source
+                        and all(p.name.isidentifier() and (p / "__init__.py").is_file() for p in chain)
+                        and all(
+                            module is None
+                            or _module_exists(folder.parents[level - 2] if level > 1 else folder, module)
+                            for _, level, module in imports
+                        )
+                    ):
+                        found.append((".".join((info.name, *parts)), file))
+    return found
+
+
+def _module_exists(folder: Path, module: str) -> bool:
+    """Whether ``module`` (dotted, relative to ``folder``) is a file or package there."""
+    target = folder.joinpath(*module.split("."))
+    return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
 
 
 def _module_name(filename: str | None, package: str | None) -> str | None:

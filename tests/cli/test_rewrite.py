@@ -252,3 +252,95 @@ def test_flags_are_peft_field_names_and_the_help_shows_the_defaults():
         f"--r {defaults.r} --lora-alpha {defaults.lora_alpha:g} -o" in text
     )  # the example uses the defaults
     assert f"lora_alpha={defaults.lora_alpha:g})" in text
+
+
+# ---- a copy of a package's file: the output works where it is written ----------------------------
+
+
+def _llama_copy(tmp_path: Path) -> Path:
+    import transformers.models.llama.modeling_llama as installed
+
+    copy = tmp_path / "modeling_llama.py"
+    copy.write_text(Path(installed.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    return copy
+
+
+def test_a_copied_transformers_file_is_rewritten_into_a_module_that_works_where_it_is_written(
+    tmp_path: Path, capsys, monkeypatch
+):
+    import importlib
+    import sys
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loragen.layers import LoraLayer
+
+    copy = _llama_copy(tmp_path)
+    out = tmp_path / "lora_llama.py"
+    args = ("--target-modules", "q_proj,v_proj", "--r", "16", "--lora-alpha", "32")
+    assert run_cli(str(copy), *args, "-o", str(out)) == 0
+    err = capsys.readouterr().err
+    assert "relative imports resolved in the installed package transformers.models.llama" in err
+    text = out.read_text()
+    assert "from ..." not in text and "from .configuration_llama" not in text
+    assert "from transformers.models.llama.configuration_llama import LlamaConfig" in text
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lora_llama", raising=False)
+    rewritten = importlib.import_module("lora_llama")
+    monkeypatch.delitem(sys.modules, "lora_llama")
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config).eval()
+    base.save_pretrained(tmp_path / "base")
+    model = rewritten.LlamaForCausalLM.from_pretrained(tmp_path / "base").eval()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert sorted({name.rpartition(".")[2] for name in layers}) == ["q_proj", "v_proj"] and len(layers) == 4
+    for name, layer in layers.items():
+        a, b = layer.lora_A, layer.lora_B
+        assert a.shape[0] == 16 and torch.isfinite(a).all() and a.abs().max() > 0, name
+        bound = 1 / a.shape[1] ** 0.5  # kaiming-uniform(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
+        assert a.abs().max() <= bound, name
+        assert torch.equal(b, torch.zeros_like(b)), name
+    tokens = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, base(tokens).logits)  # B = 0: the LoRA term is exactly 0
+
+
+def test_package_names_the_package_of_a_copied_file(tmp_path: Path, capsys):
+    copy = _llama_copy(tmp_path)
+    args = ("--target-modules", "q_proj,v_proj", "--r", "16", "--lora-alpha", "32")
+    assert run_cli(str(copy), *args, "-o", str(tmp_path / "found.py")) == 0
+    capsys.readouterr()
+    named = tmp_path / "named.py"
+    assert run_cli(str(copy), *args, "--package", "transformers.models.llama", "-o", str(named)) == 0
+    assert "relative imports resolved" not in capsys.readouterr().err
+    assert named.read_text() == (tmp_path / "found.py").read_text()
+    assert "module.reset_lora_parameters(True)" in named.read_text()
+
+
+def test_a_file_with_relative_imports_and_no_package_is_refused_naming_package(tmp_path: Path, capsys):
+    source = tmp_path / "model_of_mine.py"
+    source.write_text(
+        "from torch import nn\n\nfrom .blocks_of_mine import Block\n\n\nclass A(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.q = nn.Linear(2, 2)\n"
+    )
+    for where in (("-o", str(tmp_path / "out.py")), ("--in-place",), ("--diff",)):
+        assert run_cli(str(source), "--target-modules", "q", *where) == EXIT_INPUT
+        err = capsys.readouterr().err
+        assert f"{source}:3: relative import (from .blocks_of_mine import ...)" in err
+        assert "pass --package PKG" in err
+    assert not (tmp_path / "out.py").exists() and "LoraLinear" not in source.read_text()
+    assert (
+        run_cli(str(source), "--target-modules", "q", "--package", "mine", "-o", str(tmp_path / "out.py"))
+        == 0
+    )
+    assert "from mine.blocks_of_mine import Block" in (tmp_path / "out.py").read_text()
