@@ -407,8 +407,9 @@ def run(args: argparse.Namespace) -> int:
             continue
         if note is not None and not args.quiet:
             print(note, file=sys.stderr)
+        # a copy outside any package folder: relative imports cannot work where it is, in place or not
         result = rewrite_source(
-            code, config, filename=str(path), package=package, absolute_imports=standalone
+            code, config, filename=str(path), package=package, absolute_imports=standalone or note is not None
         )
         results.append((path, relative, code, result))
 

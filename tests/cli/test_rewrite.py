@@ -325,6 +325,9 @@ def test_package_names_the_package_of_a_copied_file(tmp_path: Path, capsys):
     assert "relative imports resolved" not in capsys.readouterr().err
     assert named.read_text() == (tmp_path / "found.py").read_text()
     assert "module.reset_lora_parameters(True)" in named.read_text()
+    # in place too: relative imports cannot work in a file outside any package folder
+    assert run_cli(str(copy), *args, "--in-place", "-q") == 0
+    assert copy.read_text() == named.read_text()
 
 
 def test_a_file_with_relative_imports_and_no_package_is_refused_naming_package(tmp_path: Path, capsys):
