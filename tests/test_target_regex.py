@@ -12,13 +12,15 @@ from pathlib import Path
 
 import peft
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from peft.tuners.tuners_utils import check_target_module_exists
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import loragen
 from loragen import LoraConfig
 from loragen.errors import LoraConfigError
-from loragen.plan import Candidate, check_pattern, entry_for, resolve_candidates
+from loragen.plan import Candidate, _analysed, check_pattern, entry_for, resolve_candidates
 from tests.cli.test_rewrite import run_cli
 
 # Patterns from peft's tests and docs, transformers' and other projects' LoRA recipes, and loragen's own
@@ -284,3 +286,51 @@ def test_rewrite_refuses_a_catastrophic_pattern_from_a_config_file(
 def test_rewrite_takes_a_realistic_target_regex(model_file: Path, capsys) -> None:
     assert run_cli(str(model_file), "--target-regex", r"^(?!.*vision).*(q_proj|v_proj)$") == 0
     assert capsys.readouterr().out.count("LoraLinear(2, 2") == 2
+
+
+# ---- any pattern: the check never fails on it, and what it accepts matches as re does -------------
+
+_ATOMS = ["a", "b", ".", r"\.", r"\d", "[ab]", "[^.]", r"\w", "_proj"]
+
+
+def _patterns() -> st.SearchStrategy[str]:
+    def extend(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        return st.one_of(
+            st.tuples(inner, inner).map("".join),
+            st.tuples(inner, inner).map(lambda p: f"(?:{p[0]}|{p[1]})"),
+            inner.map(lambda p: f"({p})"),
+            st.tuples(inner, st.sampled_from(["*", "+", "?", "{1,3}", "{2,}", "*?", "{0,6}"])).map(
+                lambda p: f"(?:{p[0]}){p[1]}"
+            ),
+            st.tuples(st.sampled_from(["(?=", "(?!", "(?<=a)", "(?>"]), inner).map(
+                lambda p: f"{p[0]}{p[1]})" if p[0] != "(?<=a)" else f"{p[0]}{p[1]}"
+            ),
+            inner.map(lambda p: f"^{p}$"),
+        )
+
+    return st.recursive(st.sampled_from(_ATOMS), extend, max_leaves=8)
+
+
+_SHORT_NAMES = ["a", "ab", "a.b", "a1.b_proj", "q_proj", "x.y.z", "aaaa", "ab.ab.ab", "a_proj.b", ""]
+
+
+@given(pattern=_patterns())
+def test_any_pattern_is_checked_without_error_and_accepted_ones_match_as_re(pattern: str) -> None:
+    if _analysed(pattern).refusal is not None:
+        with pytest.raises(LoraConfigError, match=r"can backtrack catastrophically|too large to check"):
+            check_pattern("target_modules", pattern)
+        return
+    candidates = [Candidate(n, "torch.nn.Linear") for n in _SHORT_NAMES if n]
+    plan = resolve_candidates(LoraConfig(target_modules=pattern), candidates)
+    assert list(plan.entries) == [c.path for c in candidates if re.fullmatch(pattern, c.path)]
+
+
+@given(atom=st.sampled_from(_ATOMS), repeat=st.sampled_from(["*", "+", "{1,9}"]))
+def test_a_repeat_of_two_ways_to_match_the_same_text_is_always_refused(atom: str, repeat: str) -> None:
+    for pattern in (
+        f"(?:{atom}|{atom}){repeat}Z",
+        f"(?:(?:{atom})+){repeat}Z",
+        f"(?:{atom}(?:{atom})?){repeat}Z",
+    ):
+        with pytest.raises(LoraConfigError, match="can backtrack catastrophically"):
+            check_pattern("target_modules", pattern)
