@@ -312,7 +312,10 @@ def test_a_copied_transformers_file_is_rewritten_into_a_module_that_works_where_
         assert torch.equal(b, torch.zeros_like(b)), name
     tokens = torch.randint(0, 64, (2, 7))
     with torch.no_grad():
-        assert torch.equal(model(tokens).logits, base(tokens).logits)  # B = 0: the LoRA term is exactly 0
+        logits = model(tokens).logits
+        assert torch.isfinite(logits).all()
+        # B = 0: the LoRA term is exactly 0, so only the base GEMMs' summation order may differ
+        torch.testing.assert_close(logits, base(tokens).logits)
 
 
 def test_package_names_the_package_of_a_copied_file(tmp_path: Path, capsys):
