@@ -5,7 +5,8 @@ against a model and returns a :class:`LoraPlan` (per module path: layer kind, ra
 variant; what else trains; the config the converted model keeps). It raises every error up front and
 changes nothing; :mod:`loragen.convert` applies plans. The rules work on :class:`Candidate` descriptions,
 so the source rewriter asks :func:`resolve_candidates` the same questions about source text. The functions
-at the end answer questions about module paths read from an adapter file.
+at the end answer questions about module paths read from an adapter file. Every pattern field is matched
+here, by ``re``, after a check that refuses patterns which backtrack catastrophically (:func:`check_pattern`).
 
 ``all-linear`` follows peft 0.21, including on transformers 5 MoE models of the ``mixtral`` /
 ``qwen2_moe`` conversion families, where it also adapts the fused expert parameters and the router.
@@ -88,9 +89,12 @@ _TASK_HEADS: Mapping[str, tuple[str, ...]] = {
 #
 # Python's `re` backtracks: a pattern in which a repeated part can match the same text in two ways
 # ("(.|.)*Z", "(a+)+Z") takes time exponential in the length of a name it fails on, and one with k chained
-# repeats that can share text (".*.*.*Z") time of the order of n**(k+1). _analyse builds the pattern's
+# repeats that can share text (".*.*.*Z") time of the order of n**(k+1). _analysed builds the pattern's
 # position automaton (Glushkov's, counting the ways each transition arises) and finds both: the first is
 # refused, the second bounds the length of the names the pattern is matched against (_MATCH_BUDGET steps).
+# Where the analysis approximates, it errs towards refusing: character classes overlap when they share one
+# of the _PROBES characters (or a character the pattern names), lookarounds and anchors never block a path,
+# atomic groups and possessive repeats backtrack like plain ones, a back reference matches anything.
 # Accepted patterns are matched by `re` itself, so every result is re's.
 
 
@@ -109,9 +113,10 @@ _sre_compile = _sre_module("compiler")
 _MATCH_BUDGET = 10**8
 # bounded repeats up to this count are unrolled; larger ones are analysed as unbounded loops
 _UNROLL = 4
-# the largest automaton (positions) and product graph (pairs or triples of positions) analysed
+# the largest automaton (positions, loops) and product graph (pairs or triples of positions) analysed
 _MAX_POSITIONS = 100_000
 _MAX_PRODUCT = 400_000
+_MAX_LOOPS = 1_000
 # characters a character class is tried on, besides the pattern's own literals and their case variants:
 # ASCII and representatives of Unicode's digits, letters, spaces, line ends and case folds
 _PROBES = "".join(map(chr, range(128))) + "\x85\xa0\xb5\xdf\xe9\u0130\u0131\u017f\u0660\u2028\u212a\u4e2d"
@@ -318,7 +323,7 @@ class _Automaton:
                     todo.append(pair)
         return False
 
-    def chained(self, first: list[int], second: list[int], between: set[int]) -> bool:
+    def chained(self, first: list[int], second: list[int]) -> bool:
         """Whether some word loops at a position of ``first``, leads from there to one of ``second``, and
         loops there too: the backtracking matcher then tries every split of such text between the two."""
         one, two = set(first), set(second)
@@ -335,12 +340,11 @@ class _Automaton:
                     if c not in two or not self.masks[a] & self.masks[c]:
                         continue
                     for b in self.follow[y]:
-                        if b in between and self.masks[a] & self.masks[b] & self.masks[c]:
-                            if (a, b, c) not in seen:
-                                if len(seen) >= _MAX_PRODUCT:
-                                    raise _TooLarge
-                                seen.add((a, b, c))
-                                todo.append((a, b, c))
+                        if self.masks[a] & self.masks[b] & self.masks[c] and (a, b, c) not in seen:
+                            if len(seen) >= _MAX_PRODUCT:
+                                raise _TooLarge
+                            seen.add((a, b, c))
+                            todo.append((a, b, c))
         return False
 
     def degree(self) -> int | None:
@@ -354,26 +358,24 @@ class _Automaton:
             for i, component in enumerate(components)
             if len(component) > 1 or component[0] in self.follow[component[0]]
         ]
+        if len(loops) > _MAX_LOOPS:
+            raise _TooLarge
         if any(self.exponential(components[i]) for i in loops):
             return None
-        below = {i: {i} for i in range(len(components))}  # components reachable from each
+        bit = {i: 1 << k for k, i in enumerate(loops)}
+        reach = [0] * len(components)  # per component: the loops reachable from it, as bits
         for i in reversed(range(len(components))):
+            reach[i] = bit.get(i, 0)
             for p in components[i]:
                 for q in self.follow[p]:
                     if where[q] != i:
-                        below[i] |= below[where[q]]
+                        reach[i] |= reach[where[q]]
         chain: dict[int, int] = {}
         for i in reversed(loops):
             chain[i] = 0
             for j in loops:
-                if j > i and j in below[i] and chain[j] + 1 > chain[i]:
-                    between = {
-                        p
-                        for k in range(len(components))
-                        if k in below[i] and j in below[k]
-                        for p in components[k]
-                    }
-                    if self.chained(components[i], components[j], between):
+                if j > i and reach[i] & bit[j] and chain[j] + 1 > chain[i]:
+                    if self.chained(components[i], components[j]):
                         chain[i] = chain[j] + 1
         own = max(chain.values(), default=0)
         for inner in self.lookarounds:  # a lookaround runs once per position reached: one degree more
