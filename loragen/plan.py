@@ -131,7 +131,7 @@ class _Regex:
     """A pattern as loragen runs it: ``compiled`` and the longest name it may be matched against within
     the budget (None: any), or why it is refused (``refusal``)."""
 
-    compiled: re.Pattern[str]
+    compiled: re.Pattern[str] | None
     longest: int | None = None
     refusal: str | None = None
 
@@ -400,7 +400,10 @@ def _longest_name(degree: int) -> int | None:
 @functools.lru_cache(maxsize=1024)
 def _analysed(pattern: str) -> _Regex:
     """``pattern`` compiled, with the longest name it may be matched against, or why it is refused."""
-    compiled = re.compile(pattern)
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:  # a key within peft's wrapper: "(?i)" no longer opens the expression
+        return _Regex(None, refusal=f"is not a valid regular expression where peft puts it ({exc})")
     try:
         parsed = _sre_parse.parse(pattern)
         named = set(_characters(parsed))
@@ -448,7 +451,8 @@ def check_pattern(field: str, pattern: str) -> None:
     polynomial is run, on names up to the length its degree allows within :data:`_MATCH_BUDGET` steps.)
 
     Raises:
-        LoraConfigError: naming ``field`` and ``pattern``.
+        LoraConfigError: naming ``field`` and ``pattern`` (also for a pattern that is not a valid regular
+            expression).
     """
     refusal = _analysed(pattern).refusal
     if refusal is not None:
@@ -472,7 +476,9 @@ def _run(field: str, shown: str, pattern: str, path: str, full: bool) -> re.Matc
             f"as '.*' after '.*'), and a name it may be matched against has at most {regex.longest} characters. "
             "Anchor the repeats to literal text (e.g. '.*\\.layers\\.\\d+\\.q_proj')"
         )
-    return regex.compiled.fullmatch(path) if full else regex.compiled.match(path)
+    compiled = regex.compiled
+    assert compiled is not None  # a pattern that does not compile is refused above
+    return compiled.fullmatch(path) if full else compiled.match(path)
 
 
 def _name_matches(names: str | Sequence[str], path: str, field: str) -> bool:

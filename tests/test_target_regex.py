@@ -334,3 +334,16 @@ def test_a_repeat_of_two_ways_to_match_the_same_text_is_always_refused(atom: str
     ):
         with pytest.raises(LoraConfigError, match="can backtrack catastrophically"):
             check_pattern("target_modules", pattern)
+
+
+def test_a_pattern_key_that_is_no_regex_inside_peft_wrapper_is_an_error_naming_it() -> None:
+    config = LoraConfig(target_modules=["q_proj"], rank_pattern={"(?i)Q_PROJ": 4})
+    with pytest.raises(
+        LoraConfigError, match=r"rank_pattern key '\(\?i\)Q_PROJ' is not a valid regular expression"
+    ):
+        entry_for(config, "model.layers.0.q_proj")
+
+
+def test_rewrite_reports_an_invalid_target_regex_as_the_config_does(model_file: Path, capsys) -> None:
+    assert run_cli(str(model_file), "--target-regex", "(q_proj", "--diff") == 2
+    assert "target_modules='(q_proj' is not a valid regular expression" in capsys.readouterr().err

@@ -166,10 +166,6 @@ def _config(args: argparse.Namespace) -> LoraConfig:
     if args.target_modules is not None:
         changes["target_modules"] = _target_names(args.target_modules)
     if args.target_regex is not None:
-        try:
-            check_pattern("--target-regex", args.target_regex)
-        except LoraConfigError as exc:
-            raise _Refused(str(exc), EXIT_USAGE) from None
         changes["target_modules"] = args.target_regex
     for flag in ("r", "lora_alpha", "lora_dropout"):
         if getattr(args, flag) is not None:
@@ -183,6 +179,8 @@ def _config(args: argparse.Namespace) -> LoraConfig:
             raise _Refused(str(exc), EXIT_INPUT) from None
     try:
         config = LoraConfig(**changes) if config is None else config.replace(**changes)
+        if args.target_regex is not None:  # valid, as the config checked: can it backtrack catastrophically?
+            check_pattern("--target-regex", args.target_regex)
     except LoraConfigError as exc:
         raise _Refused(str(exc), EXIT_USAGE) from None
     if config.target_modules is None:
