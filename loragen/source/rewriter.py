@@ -123,6 +123,7 @@ def installed_packages(path: str | os.PathLike[str], code: str) -> list[tuple[st
     source = Path(path).resolve()
     reach = max(level for _, level, _ in imports)
     top_module = next((module for _, level, module in imports if level == reach and module), None)
+    pattern = "/".join(["*"] * (reach - 1) + [f"{source.stem}.py"])  # from the furthest ancestor reached
     found: list[tuple[str, Path]] = []
     for info in pkgutil.iter_modules():
         where = getattr(info.module_finder, "path", None)
@@ -133,7 +134,6 @@ def installed_packages(path: str | os.PathLike[str], code: str) -> list[tuple[st
             for ancestor in top.glob("/".join(["*"] * extra)) if extra else [top]:
                 if top_module is not None and not _module_exists(ancestor, top_module):
                     continue
-                pattern = "/".join(["*"] * (reach - 1) + [f"{source.stem}.py"])
                 for file in ancestor.glob(pattern):
                     folder = file.parent
                     parts = folder.relative_to(top).parts
