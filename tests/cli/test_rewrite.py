@@ -350,3 +350,42 @@ def test_a_file_with_relative_imports_and_no_package_is_refused_naming_package(t
         == 0
     )
     assert "from mine.blocks_of_mine import Block" in (tmp_path / "out.py").read_text()
+
+
+def _installed(root: Path, package: str) -> None:
+    """A package ``package.sub`` under ``root`` holding ``model.py``, ``config.py`` and ``package/utils.py``."""
+    sub = root / package / "sub"
+    sub.mkdir(parents=True)
+    for folder in (root / package, sub):
+        (folder / "__init__.py").write_text("")
+    (root / package / "utils.py").write_text("def helper():\n    return 1\n")
+    (sub / "config.py").write_text("class Config:\n    pass\n")
+    (sub / "model.py").write_text("")
+
+
+def test_a_copy_is_resolved_in_the_one_installed_package_that_holds_it(tmp_path: Path, capsys, monkeypatch):
+    site = tmp_path / "site"
+    _installed(site, "first_pkg")
+    (site / "other_pkg" / "sub").mkdir(parents=True)  # holds model.py, but not the modules it imports
+    (site / "other_pkg" / "__init__.py").write_text("")
+    (site / "other_pkg" / "sub" / "__init__.py").write_text("")
+    (site / "other_pkg" / "sub" / "model.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    copy = tmp_path / "work" / "model.py"
+    copy.parent.mkdir()
+    copy.write_text(
+        "from torch import nn\n\nfrom ..utils import helper\nfrom .config import Config\n\n\nclass A(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.q = nn.Linear(2, 2)\n"
+    )
+    out = tmp_path / "out.py"
+    assert run_cli(str(copy), "--target-modules", "q", "-o", str(out)) == 0
+    assert "relative imports resolved in the installed package first_pkg.sub" in capsys.readouterr().err
+    text = out.read_text()
+    assert "from first_pkg.utils import helper" in text and "from first_pkg.sub.config import Config" in text
+    _installed(site, "second_pkg")  # now two packages hold it: the choice is the user's
+    assert run_cli(str(copy), "--target-modules", "q", "-o", str(out)) == EXIT_INPUT
+    err = capsys.readouterr().err
+    assert f"{copy}:3: relative import (from ..utils import ...)" in err
+    assert "several installed packages hold a model.py" in err and "first_pkg.sub, second_pkg.sub" in err
+    assert run_cli(str(copy), "--target-modules", "q", "--package", "second_pkg.sub", "-o", str(out)) == 0
+    assert "from second_pkg.utils import helper" in out.read_text()
