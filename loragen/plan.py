@@ -5,7 +5,8 @@ against a model and returns a :class:`LoraPlan` (per module path: layer kind, ra
 variant; what else trains; the config the converted model keeps). It raises every error up front and
 changes nothing; :mod:`loragen.convert` applies plans. The rules work on :class:`Candidate` descriptions,
 so the source rewriter asks :func:`resolve_candidates` the same questions about source text. The functions
-at the end answer questions about module paths read from an adapter file.
+at the end answer questions about module paths read from an adapter file. Every pattern field is matched
+here, by ``re``, after a check that refuses patterns which backtrack catastrophically (:func:`check_pattern`).
 
 ``all-linear`` follows peft 0.21, including on transformers 5 MoE models of the ``mixtral`` /
 ``qwen2_moe`` conversion families, where it also adapts the fused expert parameters and the router.
@@ -14,11 +15,13 @@ at the end answer questions about module paths read from an adapter file.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
 import math
 import re
 import sys
 import warnings
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from loragen.config import ALL_LINEAR, BiasMode, InitMode, LoraConfig, LoraConfigWarning, TargetWarning
@@ -43,6 +46,7 @@ __all__ = [
     "targets_parameters_of",
     "fused_expert_parameters",
     "max_rank",
+    "check_pattern",
 ]
 
 _SHOWN = 20
@@ -81,17 +85,414 @@ _TASK_HEADS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def _name_matches(names: str | Sequence[str], path: str) -> bool:
+# ---- regular expressions: each pattern is checked once for catastrophic backtracking, then run by `re`
+#
+# Python's `re` backtracks: a pattern in which a repeated part can match the same text in two ways
+# ("(.|.)*Z", "(a+)+Z") takes time exponential in the length of a name it fails on, and one with k chained
+# repeats that can share text (".*.*.*Z") time of the order of n**(k+1). _analysed builds the pattern's
+# position automaton (Glushkov's, counting the ways each transition arises) and finds both: the first is
+# refused, the second bounds the length of the names the pattern is matched against (_MATCH_BUDGET steps).
+# Where the analysis approximates, it errs towards refusing: character classes overlap when they share one
+# of the _PROBES characters (or a character the pattern names), lookarounds and anchors never block a path,
+# atomic groups and possessive repeats backtrack like plain ones, a back reference matches anything.
+# Accepted patterns are matched by `re` itself, so every result is re's.
+
+
+def _sre_module(name: str) -> Any:
+    """The standard library's regex parser or compiler module (``re._parser``; ``sre_parse`` before 3.11)."""
+    try:
+        return importlib.import_module(f"re._{name}")
+    except ImportError:  # Python 3.10
+        return importlib.import_module(f"sre_{name}")
+
+
+_sre_parse = _sre_module("parser")
+_sre_compile = _sre_module("compiler")
+
+# the most backtracking steps (an estimate from above) one match may take: at most about a second of `re`
+_MATCH_BUDGET = 10**8
+# bounded repeats up to this count are unrolled; larger ones are analysed as unbounded loops
+_UNROLL = 4
+# the largest automaton (positions, loops) and product graph (pairs or triples of positions) analysed
+_MAX_POSITIONS = 100_000
+_MAX_PRODUCT = 400_000
+_MAX_LOOPS = 1_000
+# characters a character class is tried on, besides the pattern's own literals and their case variants:
+# ASCII and representatives of Unicode's digits, letters, spaces, line ends and case folds
+_PROBES = "".join(map(chr, range(128))) + "\x85\xa0\xb5\xdf\xe9\u0130\u0131\u017f\u0660\u2028\u212a\u4e2d"
+
+
+class _TooLarge(Exception):
+    """The pattern's automaton is larger than loragen analyses."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Regex:
+    """A pattern as loragen runs it: ``compiled`` and the longest name it may be matched against within
+    the budget (None: any), or why it is refused (``refusal``)."""
+
+    compiled: re.Pattern[str] | None
+    longest: int | None = None
+    refusal: str | None = None
+
+
+@dataclasses.dataclass
+class _Fragment:
+    """A sub-pattern in the automaton: the ways to start at / end at each position, and to match ''."""
+
+    first: dict[int, int]
+    last: dict[int, int]
+    empty: int
+
+
+def _ways(*terms: tuple[dict[int, int], int]) -> dict[int, int]:
+    """``sum(count * scale)`` position-wise over ``terms``, capped at 2 (two ways is already ambiguous)."""
+    out: dict[int, int] = {}
+    for count, scale in terms:
+        if scale:
+            for p, k in count.items():
+                out[p] = min(2, out.get(p, 0) + k * scale)
+    return out
+
+
+class _Automaton:
+    """The position automaton of a parsed pattern; its lookaround bodies are automata of their own."""
+
+    def __init__(self, items: Any, flags: int, probes: str, masks: dict[tuple[str, int], int]) -> None:
+        self.probes = probes
+        self.masks: list[int] = []  # per position: which probe characters it matches
+        self.follow: list[dict[int, int]] = []  # per position: next position -> ways (at most 2)
+        self.lookarounds: list[_Automaton] = []
+        self._known_masks = masks
+        self.build(items, flags)
+
+    def _mask(self, item: Any, flags: int) -> int:
+        key = (repr(item), flags)
+        if key not in self._known_masks:
+            try:
+                state = _sre_parse.State()
+                state.flags = flags
+                test = _sre_compile.compile(_sre_parse.SubPattern(state, [item]), flags).match
+                mask = sum(1 << i for i, ch in enumerate(self.probes) if test(ch))
+            except Exception:  # an item this Python does not compile alone: it may match anything
+                mask = (1 << len(self.probes)) - 1
+            self._known_masks[key] = mask
+        return self._known_masks[key]
+
+    def _link(self, last: dict[int, int], first: dict[int, int]) -> None:
+        for p, k in last.items():
+            follow = self.follow[p]
+            for q, m in first.items():
+                follow[q] = min(2, follow.get(q, 0) + k * m)
+
+    def concat(self, a: _Fragment, b: _Fragment) -> _Fragment:
+        self._link(a.last, b.first)
+        return _Fragment(
+            _ways((a.first, 1), (b.first, a.empty)),
+            _ways((b.last, 1), (a.last, b.empty)),
+            min(2, a.empty * b.empty),
+        )
+
+    def build(self, items: Any, flags: int) -> _Fragment:
+        out = _Fragment({}, {}, 1)
+        for item in items:
+            out = self.concat(out, self.item(item, flags))
+        return out
+
+    def item(self, item: Any, flags: int) -> _Fragment:
+        op, av = item
+        kind = op.name
+        if kind in ("LITERAL", "NOT_LITERAL", "ANY", "IN"):
+            if len(self.masks) >= _MAX_POSITIONS:
+                raise _TooLarge
+            self.masks.append(self._mask(item, flags))
+            self.follow.append({})
+            return _Fragment({len(self.masks) - 1: 1}, {len(self.masks) - 1: 1}, 0)
+        if kind == "SUBPATTERN":
+            _, add, remove, body = av
+            return self.build(body, (flags | add) & ~remove)
+        if kind == "ATOMIC_GROUP":  # analysed as a plain group: that errs only towards refusing
+            return self.build(av, flags)
+        if kind in ("BRANCH", "GROUPREF_EXISTS"):
+            parts = [
+                self.build(alt, flags) for alt in (av[1] if kind == "BRANCH" else av[1:]) if alt is not None
+            ]
+            empty = sum(part.empty for part in parts) + (kind == "GROUPREF_EXISTS" and av[2] is None)
+            return _Fragment(
+                _ways(*((part.first, 1) for part in parts)),
+                _ways(*((part.last, 1) for part in parts)),
+                min(2, empty),
+            )
+        if kind in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, high, body = av
+            return self.repeat(low, high, body, flags)
+        if kind == "GROUPREF":  # the group's text, whatever it is: any characters, repeated
+            return self.repeat(0, _sre_parse.MAXREPEAT, [(_sre_parse.ANY, None)], flags | re.DOTALL)
+        if kind in ("ASSERT", "ASSERT_NOT"):  # tried at each position it is reached at: analysed apart
+            self.lookarounds.append(_Automaton(av[1], flags, self.probes, self._known_masks))
+        return _Fragment({}, {}, 1)  # lookarounds, anchors (AT): zero-width
+
+    def repeat(self, low: int, high: int, body: Any, flags: int) -> _Fragment:
+        if high <= _UNROLL:  # x{1,3} = x(x(x)?)?, each copy with positions of its own
+            tail = _Fragment({}, {}, 1)
+            for _ in range(high - low):
+                tail = self.concat(self.build(body, flags), tail)
+                tail.empty = min(2, tail.empty + 1)
+            out = _Fragment({}, {}, 1)
+            for _ in range(low):
+                out = self.concat(out, self.build(body, flags))
+            return self.concat(out, tail)
+        inner = self.build(body, flags)
+        self._link(inner.last, inner.first)  # from each end of the body back to each start
+        return _Fragment(inner.first, inner.last, 1 if low == 0 else inner.empty)
+
+    def components(self) -> list[list[int]]:
+        """The strongly connected components of the positions (Tarjan's), those later in the pattern's
+        order first; a position on no loop is a component of its own."""
+        index: dict[int, int] = {}
+        low: dict[int, int] = {}
+        stack: list[int] = []
+        on_stack: set[int] = set()
+        out: list[list[int]] = []
+        for root in range(len(self.masks)):
+            if root in index:
+                continue
+            work = [(root, iter(self.follow[root]))]
+            index[root] = low[root] = len(index)
+            stack.append(root)
+            on_stack.add(root)
+            while work:
+                node, successors = work[-1]
+                for nxt in successors:
+                    if nxt not in index:
+                        index[nxt] = low[nxt] = len(index)
+                        stack.append(nxt)
+                        on_stack.add(nxt)
+                        work.append((nxt, iter(self.follow[nxt])))
+                        break
+                    if nxt in on_stack:
+                        low[node] = min(low[node], index[nxt])
+                else:
+                    work.pop()
+                    if work:
+                        low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                    if low[node] == index[node]:
+                        component = []
+                        while True:
+                            member = stack.pop()
+                            on_stack.discard(member)
+                            component.append(member)
+                            if member == node:
+                                break
+                        out.append(component)
+        return out
+
+    def exponential(self, loop: list[int]) -> bool:
+        """Whether a word leads from a position of ``loop`` back to it along two different paths: some
+        transition inside the loop arises two ways, or the pairs of positions two paths reach on the same
+        word go from equal to unequal and back to equal."""
+        members = set(loop)
+        if any(k > 1 and q in members for p in loop for q, k in self.follow[p].items()):
+            return True
+        inside = {p: [q for q in self.follow[p] if q in members] for p in loop}
+        edges: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        todo = [(p, p) for p in loop]
+        seen = set(todo)
+        while todo:
+            x, y = pair = todo.pop()
+            nxt = [(a, b) for a in inside[x] for b in inside[y] if self.masks[a] & self.masks[b]]
+            edges[pair] = nxt
+            for other in nxt:
+                if other not in seen:
+                    if len(seen) >= _MAX_PRODUCT:
+                        raise _TooLarge
+                    seen.add(other)
+                    todo.append(other)
+        back: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for pair, nxt in edges.items():
+            for other in nxt:
+                back.setdefault(other, []).append(pair)
+        todo = [(p, p) for p in loop]
+        reached = set(todo)
+        while todo:
+            for pair in back.get(todo.pop(), ()):
+                if pair not in reached:
+                    if pair[0] != pair[1]:
+                        return True  # reached from equal positions, and leads back to equal ones
+                    reached.add(pair)
+                    todo.append(pair)
+        return False
+
+    def chained(self, first: list[int], second: list[int]) -> bool:
+        """Whether some word loops at a position of ``first``, leads from there to one of ``second``, and
+        loops there too: the backtracking matcher then tries every split of such text between the two."""
+        one, two = set(first), set(second)
+        todo = [(p, p, q) for p in first for q in second]
+        seen = set(todo)
+        while todo:
+            x, y, z = todo.pop()
+            if y == z:
+                return True
+            for a in self.follow[x]:
+                if a not in one:
+                    continue
+                for c in self.follow[z]:
+                    if c not in two or not self.masks[a] & self.masks[c]:
+                        continue
+                    for b in self.follow[y]:
+                        if self.masks[a] & self.masks[b] & self.masks[c] and (a, b, c) not in seen:
+                            if len(seen) >= _MAX_PRODUCT:
+                                raise _TooLarge
+                            seen.add((a, b, c))
+                            todo.append((a, b, c))
+        return False
+
+    def degree(self) -> int | None:
+        """How many chained loops beyond the first can share a failing name's text (its matching takes
+        of the order of ``n ** (degree + 1)`` steps on a name of ``n`` characters), or None if a loop can
+        match the same text two ways (exponential)."""
+        components = self.components()[::-1]  # in the pattern's order: every transition goes forward
+        where = {p: i for i, component in enumerate(components) for p in component}
+        loops = [
+            i
+            for i, component in enumerate(components)
+            if len(component) > 1 or component[0] in self.follow[component[0]]
+        ]
+        if len(loops) > _MAX_LOOPS:
+            raise _TooLarge
+        if any(self.exponential(components[i]) for i in loops):
+            return None
+        bit = {i: 1 << k for k, i in enumerate(loops)}
+        reach = [0] * len(components)  # per component: the loops reachable from it, as bits
+        for i in reversed(range(len(components))):
+            reach[i] = bit.get(i, 0)
+            for p in components[i]:
+                for q in self.follow[p]:
+                    if where[q] != i:
+                        reach[i] |= reach[where[q]]
+        chain: dict[int, int] = {}
+        for i in reversed(loops):
+            chain[i] = 0
+            for j in loops:
+                if j > i and reach[i] & bit[j] and chain[j] + 1 > chain[i]:
+                    if self.chained(components[i], components[j]):
+                        chain[i] = chain[j] + 1
+        own = max(chain.values(), default=0)
+        for inner in self.lookarounds:  # a lookaround runs once per position reached: one degree more
+            found = inner.degree()
+            if found is None:
+                return None
+            own = max(own, found + 1 if inner.masks else 0)
+        return own
+
+
+def _longest_name(degree: int) -> int | None:
+    """The longest name a pattern of ``degree`` is matched against within :data:`_MATCH_BUDGET` steps
+    (estimated from above by the number of ways to split it between ``degree + 2`` chained parts)."""
+    if degree == 0:
+        return None
+    n = 0
+    while math.comb(n + 1 + degree + 1, degree + 1) * (degree + 1) <= _MATCH_BUDGET:
+        n += 1
+    return n
+
+
+@functools.lru_cache(maxsize=1024)
+def _analysed(pattern: str) -> _Regex:
+    """``pattern`` compiled, with the longest name it may be matched against, or why it is refused."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:  # a key within peft's wrapper: "(?i)" no longer opens the expression
+        return _Regex(None, refusal=f"is not a valid regular expression where peft puts it ({exc})")
+    try:
+        parsed = _sre_parse.parse(pattern)
+        named = set(_characters(parsed))
+        literals = named | {c for ch in named for c in (ch.lower(), ch.upper(), ch.casefold()) if len(c) == 1}
+        probes = _PROBES + "".join(sorted(literals - set(_PROBES)))
+        degree = _Automaton(parsed, parsed.state.flags, probes, {}).degree()
+    except (_TooLarge, RecursionError):
+        return _Regex(compiled, refusal="is too large to check for catastrophic backtracking; split it up")
+    if degree is None:
+        return _Regex(
+            compiled,
+            refusal=(
+                "can backtrack catastrophically: a repeated part of it can match the same text in more than "
+                "one way (as in '(.|.)*' or '(a+)+'), so a name it does not match takes time exponential in "
+                "the name's length. Write it so that each character can be matched only one way (e.g. "
+                r"'.*\.(q_proj|v_proj)', '(.*\.)?q_proj')"
+            ),
+        )
+    return _Regex(compiled, longest=_longest_name(degree))
+
+
+def _characters(items: Any) -> Iterator[str]:
+    """The characters a parsed pattern names (literals and range ends), nested ones included."""
+    for op, av in items:
+        kind = op.name
+        if kind in ("LITERAL", "NOT_LITERAL"):
+            yield chr(av)
+        elif kind == "RANGE":
+            yield from map(chr, av)
+        elif kind in ("IN", "ATOMIC_GROUP"):
+            yield from _characters(av)
+        elif kind == "BRANCH":
+            for alt in av[1]:
+                yield from _characters(alt)
+        elif kind == "GROUPREF_EXISTS":
+            for alt in av[1:]:
+                yield from _characters(alt or ())
+        elif kind in ("SUBPATTERN", "MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT", "ASSERT", "ASSERT_NOT"):
+            yield from _characters(av[-1])
+
+
+def check_pattern(field: str, pattern: str) -> None:
+    """Refuse ``pattern`` (the value of ``field``, as the user names it) if matching it can backtrack
+    catastrophically: take time exponential in the length of a name it fails on. (A pattern whose time is
+    polynomial is run, on names up to the length its degree allows within :data:`_MATCH_BUDGET` steps.)
+
+    Raises:
+        LoraConfigError: naming ``field`` and ``pattern`` (also for a pattern that is not a valid regular
+            expression).
+    """
+    refusal = _analysed(pattern).refusal
+    if refusal is not None:
+        raise LoraConfigError(f"{field} {pattern!r} {refusal}")
+
+
+def _run(field: str, shown: str, pattern: str, path: str, full: bool) -> re.Match[str] | None:
+    """``re.fullmatch`` (``full``) or ``re.match`` of ``pattern`` (``shown`` to the user, as ``field``'s
+    value) on ``path``, after the checks for catastrophic backtracking.
+
+    Raises:
+        LoraConfigError: the pattern is refused, or ``path`` is longer than it may be matched against.
+    """
+    regex = _analysed(pattern)
+    if regex.refusal is not None:
+        raise LoraConfigError(f"{field} {shown!r} {regex.refusal}")
+    if regex.longest is not None and len(path) > regex.longest:
+        raise LoraConfigError(
+            f"{field} {shown!r}: matching it against the module path {path!r} ({len(path)} characters) could "
+            f"take more than {_MATCH_BUDGET:.0e} steps: it chains repeats that can match the same text (such "
+            f"as '.*' after '.*'), and a name it may be matched against has at most {regex.longest} characters. "
+            "Anchor the repeats to literal text (e.g. '.*\\.layers\\.\\d+\\.q_proj')"
+        )
+    compiled = regex.compiled
+    assert compiled is not None  # a pattern that does not compile is refused above
+    return compiled.fullmatch(path) if full else compiled.match(path)
+
+
+def _name_matches(names: str | Sequence[str], path: str, field: str) -> bool:
     """peft's rule: a string is a full-match regex; a list matches a name exactly or as a dotted suffix."""
     if isinstance(names, str):
-        return re.fullmatch(names, path) is not None
+        return _run(field, names, names, path, full=True) is not None
     return any(path == n or path.endswith("." + n) for n in names)
 
 
-def _pattern_value(patterns: Mapping[str, Any], path: str, default: Any) -> Any:
-    """The first ``rank_pattern`` / ``alpha_pattern`` value whose key matches ``path`` as peft matches it."""
+def _pattern_value(field: str, patterns: Mapping[str, Any], path: str, default: Any) -> Any:
+    """The first ``rank_pattern`` / ``alpha_pattern`` (``field``) value whose key matches ``path`` as peft
+    matches it."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", path):
+        if _run(f"{field} key", key, rf"(.*\.)?({key})$", path, full=False):
             return value
     return default
 
@@ -99,7 +500,7 @@ def _pattern_value(patterns: Mapping[str, Any], path: str, default: Any) -> Any:
 def _is_excluded(config: LoraConfig, path: str) -> bool:
     """``exclude_modules`` or ``modules_to_save`` (trained in full, with all inside it) rule ``path`` out."""
     excluded = config.exclude_modules
-    if excluded is not None and _name_matches(excluded, path):
+    if excluded is not None and _name_matches(excluded, path, "exclude_modules"):
         return True
     return any(re.match(rf"(^|.*\.){re.escape(name)}($|\..*)", path) for name in config.modules_to_save or ())
 
@@ -111,7 +512,10 @@ def _layer_index(config: LoraConfig, path: str) -> int | None:
         found = [re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)]
     else:
         names = (patterns,) if isinstance(patterns, str) else patterns
-        found = [re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path) for pattern in names]
+        found = [
+            _run("layers_pattern", pattern, rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path, full=False)
+            for pattern in names
+        ]
     m = next((m for m in found if m is not None), None)
     return None if m is None else int(m.group("idx"))
 
@@ -121,8 +525,8 @@ def _matches(config: LoraConfig, path: str, targets: str | Sequence[str]) -> boo
     if _is_excluded(config, path):
         return False
     if isinstance(targets, str) or path in targets:  # an exact path ignores layers_to_transform (as peft)
-        return _name_matches(targets, path)
-    if not _name_matches(targets, path):
+        return _name_matches(targets, path, "target_modules")
+    if not _name_matches(targets, path, "target_modules"):
         return False
     layers = config.layers_to_transform
     if layers is None or (not isinstance(layers, int) and len(layers) == 0):
@@ -133,8 +537,8 @@ def _matches(config: LoraConfig, path: str, targets: str | Sequence[str]) -> boo
 
 def _values(config: LoraConfig, path: str) -> tuple[int, float, float]:
     """``(r, lora_alpha, scaling)`` for the module (or ``<module>.<parameter>``) at ``path``."""
-    r = int(_pattern_value(config.rank_pattern, path, config.r))
-    alpha = float(_pattern_value(config.alpha_pattern, path, config.lora_alpha))
+    r = int(_pattern_value("rank_pattern", config.rank_pattern, path, config.r))
+    alpha = float(_pattern_value("alpha_pattern", config.alpha_pattern, path, config.lora_alpha))
     return r, alpha, alpha / (math.sqrt(r) if config.use_rslora else r)
 
 
@@ -286,7 +690,8 @@ def resolve(
             is listed, with the supported types); nothing matches (the patterns are repeated and some of the
             model's module names shown); with ``strict_targets=True``, an entry matches nothing; a targeted
             parameter is the top-level module's or not 2-D/3-D; a module is targeted twice.
-        LoraConfigError: the config cannot adapt the parameters it (or ``all-linear``) selects.
+        LoraConfigError: the config cannot adapt the parameters it (or ``all-linear``) selects; a pattern
+            field could backtrack catastrophically on the model's module paths (:func:`check_pattern`).
     """
     if not isinstance(config, LoraConfig):
         raise TypeError(
@@ -415,14 +820,16 @@ def resolve_candidates(
     model_type: str | None = None,
     moe: tuple[str, bool] | None = None,
 ) -> LoraPlan:
-    """Interpret ``config`` against module descriptions; never raises for what it finds (the plan lists it).
+    """Interpret ``config`` against module descriptions; raises only for what it cannot run (the plan lists
+    what it finds).
 
     ``model_type`` gives peft's default targets when ``target_modules`` is None; ``moe`` (``(family, peft
     converts it)`` for a transformers 5 MoE model) makes ``all-linear`` adapt the fused expert parameters.
 
     Raises:
         LoraConfigError: ``all-linear`` adds expert parameters this config cannot adapt on a family peft
-            converts too (peft refuses it).
+            converts too (peft refuses it); a pattern field could backtrack catastrophically on the
+            described paths (:func:`check_pattern`).
     """
     cands = list(candidates)
     config, no_targets = _with_defaults(config, model_type)
@@ -737,7 +1144,7 @@ def saved_modules(config: LoraConfig, paths: Iterable[str]) -> tuple[str, ...]:
     """The module ``paths`` that ``modules_to_save`` names (exact name or dotted suffix): trained in full
     and saved whole."""
     names = tuple(config.modules_to_save or ())
-    return tuple(p for p in paths if p and _name_matches(names, p)) if names else ()
+    return tuple(p for p in paths if p and _name_matches(names, p, "modules_to_save")) if names else ()
 
 
 def embedding_targeted(config: LoraConfig, paths: Iterable[str], names: Collection[str]) -> bool:

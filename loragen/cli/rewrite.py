@@ -16,7 +16,15 @@ from loragen.atomic import atomic_file
 from loragen.cli import EXIT_INPUT, EXIT_OK, EXIT_USAGE, SUBCOMMANDS, add_lora_arguments, error
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import LoraConfigError
-from loragen.source.rewriter import Diagnostic, RewriteResult, module_name_for_path, rewrite_source
+from loragen.plan import check_pattern
+from loragen.source.rewriter import (
+    Diagnostic,
+    RewriteResult,
+    installed_packages,
+    module_name_for_path,
+    relative_imports,
+    rewrite_source,
+)
 
 __all__ = ["register", "run"]
 
@@ -30,7 +38,10 @@ r={_DEFAULTS.r}, lora_alpha={_DEFAULTS.lora_alpha:g})). The file also gets the l
 LORA_CONFIG = LoraConfig(...), carried by its LoRA classes as `loragen_config` (so
 loragen.mark_trainable(model) needs no config). Formatting and comments are kept; rewriting is
 idempotent. A package file (e.g. transformers' modeling_llama.py) written elsewhere gets absolute
-imports, so the output is standalone.
+imports, so the output is standalone. The package is --package, else the one the file's __init__.py
+folders name, else, for a copy outside any package folder, the installed package that holds a file of
+that name beside the modules its relative imports name (a note on stderr says which); a file with relative
+imports and no such package is an input error that asks for --package.
 
 An nn.Linear subclass defined in the file gets its LoRA class bound after it (LoraFalconLinear =
 lora_class_for(FalconLinear)). Sub-models built with AutoModel.from_config (Gemma 3, LLaVA, ...) are
@@ -168,6 +179,8 @@ def _config(args: argparse.Namespace) -> LoraConfig:
             raise _Refused(str(exc), EXIT_INPUT) from None
     try:
         config = LoraConfig(**changes) if config is None else config.replace(**changes)
+        if args.target_regex is not None:  # valid, as the config checked: can it backtrack catastrophically?
+            check_pattern("--target-regex", args.target_regex)
     except LoraConfigError as exc:
         raise _Refused(str(exc), EXIT_USAGE) from None
     if config.target_modules is None:
@@ -213,6 +226,45 @@ def _read(path: Path) -> tuple[str, tuple[int, str] | None]:
             line,
             f"not UTF-8 text: byte 0x{data[exc.start]:02x} at column {column + 1} ({exc.reason})",
         )
+
+
+def _package_of(path: Path, code: str, given: str | None) -> tuple[str | None, str | None, Diagnostic | None]:
+    """``(package, note, error)``: the package ``path`` belongs to: ``--package``, else the one its
+    ``__init__.py`` folders name, else, for a file with relative imports outside any package folder (a
+    copy), the installed package that holds a file of that name beside the modules it imports (``note``
+    says which). A file with relative imports and no such package, or several, is an ``error``."""
+    if given:
+        return given, None, None
+    package = module_name_for_path(path)[1]
+    imports = relative_imports(code) if package is None else []
+    if not imports:
+        return package, None, None
+    found = installed_packages(path, code)
+    if len(found) == 1:
+        package, file = found[0]
+        return (
+            package,
+            f"{path}: relative imports resolved in the installed package {package}, which holds {file}; "
+            "pass --package PKG to name another",
+            None,
+        )
+    line, level, module = imports[0]
+    where = (
+        f"several installed packages hold a {path.name} beside the modules it imports ({', '.join(p for p, _ in found)})"
+        if found
+        else f"no installed package holds a {path.name} beside the modules it imports"
+    )
+    return (
+        None,
+        None,
+        Diagnostic(
+            str(path),
+            line,
+            f"relative import (from {'.' * level}{module or ''} import ...) in a file outside any package folder, "
+            f"and {where}: pass --package PKG, the package the file comes from (e.g. --package "
+            "transformers.models.llama for a copy of transformers' modeling_llama.py)",
+        ),
+    )
 
 
 def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
@@ -345,9 +397,17 @@ def run(args: argparse.Namespace) -> int:
             diagnostic = Diagnostic(str(path), *problem)
             results.append((path, relative, "", RewriteResult("", False, str(path), errors=(diagnostic,))))
             continue
-        package = args.package or module_name_for_path(path)[1]
+        package, note, problem_at = _package_of(path, code, args.package)
+        if problem_at is not None:
+            results.append(
+                (path, relative, code, RewriteResult(code, False, str(path), errors=(problem_at,)))
+            )
+            continue
+        if note is not None and not args.quiet:
+            print(note, file=sys.stderr)
+        # a copy outside any package folder: relative imports cannot work where it is, in place or not
         result = rewrite_source(
-            code, config, filename=str(path), package=package, absolute_imports=standalone
+            code, config, filename=str(path), package=package, absolute_imports=standalone or note is not None
         )
         results.append((path, relative, code, result))
 

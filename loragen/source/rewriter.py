@@ -8,10 +8,12 @@ as errors with ``file:line``, never as an exception. The planner here decides wh
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import gc
 import os
+import pkgutil
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,6 +22,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from loragen.config import LoraConfig
+from loragen.errors import LoraError
 from loragen.plan import fused_expert_parameters
 from loragen.source.codegen import (
     CONFIG_NAME,
@@ -52,7 +55,15 @@ from loragen.source.scan import (
 )
 from loragen.source.targets import PRETRAINED, Targets
 
-__all__ = ["Diagnostic", "RewriteResult", "RewrittenCall", "module_name_for_path", "rewrite_source"]
+__all__ = [
+    "Diagnostic",
+    "RewriteResult",
+    "RewrittenCall",
+    "module_name_for_path",
+    "installed_packages",
+    "relative_imports",
+    "rewrite_source",
+]
 
 # names the rewritten file imports besides the LoRA classes: (module, name)
 _CONFIG_IMPORT = ("loragen", "LoraConfig")
@@ -82,6 +93,68 @@ def module_name_for_path(path: str | os.PathLike[str]) -> tuple[str | None, str 
         return None, None
     package = ".".join(reversed(parts))
     return (package if file.stem == "__init__" else f"{package}.{file.stem}"), package
+
+
+def relative_imports(code: str) -> list[tuple[int, int, str | None]]:
+    """``(line, level, module)`` of every relative import in ``code`` (``from ...modeling_utils import X``
+    gives ``(line, 3, "modeling_utils")``); none for code that does not parse (the rewrite reports that)."""
+    try:
+        tree = ast.parse(code.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n"))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    return [
+        (node.lineno, node.level, node.module)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level
+    ]
+
+
+def installed_packages(path: str | os.PathLike[str], code: str) -> list[tuple[str, Path]]:
+    """``(package, file)`` for each installed package (on ``sys.path``) that holds a file named like ``path``
+    beside every module the relative imports of ``code`` name: the packages a copied file (such as
+    transformers' ``modeling_llama.py``) may come from. Nothing is imported; an empty list for a file
+    without relative imports.
+
+    The package is looked for as deep as the deepest relative import reaches, and one level deeper.
+    """
+    imports = relative_imports(code)
+    if not imports:
+        return []
+    source = Path(path).resolve()
+    reach = max(level for _, level, _ in imports)
+    top_module = next((module for _, level, module in imports if level == reach and module), None)
+    pattern = "/".join(["*"] * (reach - 1) + [f"{source.stem}.py"])  # from the furthest ancestor reached
+    found: list[tuple[str, Path]] = []
+    for info in pkgutil.iter_modules():
+        where = getattr(info.module_finder, "path", None)
+        if not info.ispkg or not where:
+            continue
+        top = Path(where) / info.name
+        for extra in range(2):
+            for ancestor in top.glob("/".join(["*"] * extra)) if extra else [top]:
+                if top_module is not None and not _module_exists(ancestor, top_module):
+                    continue
+                for file in ancestor.glob(pattern):
+                    folder = file.parent
+                    parts = folder.relative_to(top).parts
+                    chain = [top.joinpath(*parts[:i]) for i in range(len(parts) + 1)]
+                    if (
+                        file.resolve() != source
+                        and all(p.name.isidentifier() and (p / "__init__.py").is_file() for p in chain)
+                        and all(
+                            module is None
+                            or _module_exists(folder.parents[level - 2] if level > 1 else folder, module)
+                            for _, level, module in imports
+                        )
+                    ):
+                        found.append((".".join((info.name, *parts)), file))
+    return found
+
+
+def _module_exists(folder: Path, module: str) -> bool:
+    """Whether ``module`` (dotted, relative to ``folder``) is a file or package there."""
+    target = folder.joinpath(*module.split("."))
+    return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
 
 
 def _module_name(filename: str | None, package: str | None) -> str | None:
@@ -150,6 +223,8 @@ def rewrite_source(
         return dataclasses.replace(result, code=text.restore(result.code))
     except ScanError as exc:
         return failed(exc.line, exc.reason)
+    except LoraError as exc:  # the config's patterns, refused where they are matched (loragen.plan)
+        return failed(1, str(exc))
     except RecursionError:  # the parser's guard keeps far from this; a last line of defence
         return failed(1, "the source is nested too deeply to rewrite")
     except Exception as exc:  # a bug in loragen must not crash the caller with bad input

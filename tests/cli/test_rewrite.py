@@ -252,3 +252,140 @@ def test_flags_are_peft_field_names_and_the_help_shows_the_defaults():
         f"--r {defaults.r} --lora-alpha {defaults.lora_alpha:g} -o" in text
     )  # the example uses the defaults
     assert f"lora_alpha={defaults.lora_alpha:g})" in text
+
+
+# ---- a copy of a package's file: the output works where it is written ----------------------------
+
+
+def _llama_copy(tmp_path: Path) -> Path:
+    import transformers.models.llama.modeling_llama as installed
+
+    copy = tmp_path / "modeling_llama.py"
+    copy.write_text(Path(installed.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    return copy
+
+
+def test_a_copied_transformers_file_is_rewritten_into_a_module_that_works_where_it_is_written(
+    tmp_path: Path, capsys, monkeypatch
+):
+    import importlib
+    import sys
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loragen.layers import LoraLayer
+
+    copy = _llama_copy(tmp_path)
+    out = tmp_path / "lora_llama.py"
+    args = ("--target-modules", "q_proj,v_proj", "--r", "16", "--lora-alpha", "32")
+    assert run_cli(str(copy), *args, "-o", str(out)) == 0
+    err = capsys.readouterr().err
+    assert "relative imports resolved in the installed package transformers.models.llama" in err
+    text = out.read_text()
+    assert "from ..." not in text and "from .configuration_llama" not in text
+    assert "from transformers.models.llama.configuration_llama import LlamaConfig" in text
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lora_llama", raising=False)
+    rewritten = importlib.import_module("lora_llama")
+    monkeypatch.delitem(sys.modules, "lora_llama")
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config).eval()
+    base.save_pretrained(tmp_path / "base")
+    model = rewritten.LlamaForCausalLM.from_pretrained(tmp_path / "base").eval()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert sorted({name.rpartition(".")[2] for name in layers}) == ["q_proj", "v_proj"] and len(layers) == 4
+    for name, layer in layers.items():
+        a, b = layer.lora_A, layer.lora_B
+        assert a.shape[0] == 16 and torch.isfinite(a).all() and a.abs().max() > 0, name
+        bound = 1 / a.shape[1] ** 0.5  # kaiming-uniform(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
+        assert a.abs().max() <= bound, name
+        assert torch.equal(b, torch.zeros_like(b)), name
+    tokens = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        logits = model(tokens).logits
+        assert torch.isfinite(logits).all()
+        # B = 0: the LoRA term is exactly 0, so only the base GEMMs' summation order may differ
+        torch.testing.assert_close(logits, base(tokens).logits)
+
+
+def test_package_names_the_package_of_a_copied_file(tmp_path: Path, capsys):
+    copy = _llama_copy(tmp_path)
+    args = ("--target-modules", "q_proj,v_proj", "--r", "16", "--lora-alpha", "32")
+    assert run_cli(str(copy), *args, "-o", str(tmp_path / "found.py")) == 0
+    capsys.readouterr()
+    named = tmp_path / "named.py"
+    assert run_cli(str(copy), *args, "--package", "transformers.models.llama", "-o", str(named)) == 0
+    assert "relative imports resolved" not in capsys.readouterr().err
+    assert named.read_text() == (tmp_path / "found.py").read_text()
+    assert "module.reset_lora_parameters(True)" in named.read_text()
+    # in place too: relative imports cannot work in a file outside any package folder
+    assert run_cli(str(copy), *args, "--in-place", "-q") == 0
+    assert copy.read_text() == named.read_text()
+
+
+def test_a_file_with_relative_imports_and_no_package_is_refused_naming_package(tmp_path: Path, capsys):
+    source = tmp_path / "model_of_mine.py"
+    source.write_text(
+        "from torch import nn\n\nfrom .blocks_of_mine import Block\n\n\nclass A(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.q = nn.Linear(2, 2)\n"
+    )
+    for where in (("-o", str(tmp_path / "out.py")), ("--in-place",), ("--diff",)):
+        assert run_cli(str(source), "--target-modules", "q", *where) == EXIT_INPUT
+        err = capsys.readouterr().err
+        assert f"{source}:3: relative import (from .blocks_of_mine import ...)" in err
+        assert "pass --package PKG" in err
+    assert not (tmp_path / "out.py").exists() and "LoraLinear" not in source.read_text()
+    assert (
+        run_cli(str(source), "--target-modules", "q", "--package", "mine", "-o", str(tmp_path / "out.py"))
+        == 0
+    )
+    assert "from mine.blocks_of_mine import Block" in (tmp_path / "out.py").read_text()
+
+
+def _installed(root: Path, package: str) -> None:
+    """A package ``package.sub`` under ``root`` holding ``model.py``, ``config.py`` and ``package/utils.py``."""
+    sub = root / package / "sub"
+    sub.mkdir(parents=True)
+    for folder in (root / package, sub):
+        (folder / "__init__.py").write_text("")
+    (root / package / "utils.py").write_text("def helper():\n    return 1\n")
+    (sub / "config.py").write_text("class Config:\n    pass\n")
+    (sub / "model.py").write_text("")
+
+
+def test_a_copy_is_resolved_in_the_one_installed_package_that_holds_it(tmp_path: Path, capsys, monkeypatch):
+    site = tmp_path / "site"
+    _installed(site, "first_pkg")
+    (site / "other_pkg" / "sub").mkdir(parents=True)  # holds model.py, but not the modules it imports
+    (site / "other_pkg" / "__init__.py").write_text("")
+    (site / "other_pkg" / "sub" / "__init__.py").write_text("")
+    (site / "other_pkg" / "sub" / "model.py").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    copy = tmp_path / "work" / "model.py"
+    copy.parent.mkdir()
+    copy.write_text(
+        "from torch import nn\n\nfrom ..utils import helper\nfrom .config import Config\n\n\nclass A(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.q = nn.Linear(2, 2)\n"
+    )
+    out = tmp_path / "out.py"
+    assert run_cli(str(copy), "--target-modules", "q", "-o", str(out)) == 0
+    assert "relative imports resolved in the installed package first_pkg.sub" in capsys.readouterr().err
+    text = out.read_text()
+    assert "from first_pkg.utils import helper" in text and "from first_pkg.sub.config import Config" in text
+    _installed(site, "second_pkg")  # now two packages hold it: the choice is the user's
+    assert run_cli(str(copy), "--target-modules", "q", "-o", str(out)) == EXIT_INPUT
+    err = capsys.readouterr().err
+    assert f"{copy}:3: relative import (from ..utils import ...)" in err
+    assert "several installed packages hold a model.py" in err and "first_pkg.sub, second_pkg.sub" in err
+    assert run_cli(str(copy), "--target-modules", "q", "--package", "second_pkg.sub", "-o", str(out)) == 0
+    assert "from second_pkg.utils import helper" in out.read_text()
