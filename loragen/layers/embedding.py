@@ -22,7 +22,9 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
 
     As in peft the branch has no dropout (``lora_dropout`` is ignored), A starts at 0 and B ~ normal(0, 1).
     It looks ids up with the base's ``padding_idx`` (that row of A gets no gradient). ``max_norm``
-    renormalises looked-up rows, which is not linear: such a layer trains but refuses to merge.
+    renormalises looked-up rows, which is not linear: such a layer trains but refuses to merge. A subclass of
+    ``nn.Embedding`` gets a class derived from this one whose base output is the subclass's own forward (as in
+    peft); it merges only if that forward is the plain row lookup (checked on probe ids).
     """
 
     lora_embedding_A: nn.Parameter
@@ -82,10 +84,25 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
         return (after_a @ adapter.factor_b.t()) * adapter.scaling  # (..., embedding_dim)
 
     def _check_mergeable(self) -> None:
+        super()._check_mergeable()
         if self.max_norm is not None:
             raise LoraMergeError(
                 f"cannot merge a LoRA Embedding with max_norm={self.max_norm}: the renormalisation of looked-up "
                 "rows is not linear, so merged and unmerged outputs would differ"
+            )
+        if self.base_class.forward is nn.Embedding.forward:
+            return
+        # a subclass with its own forward: merging is exact only if that forward looks rows up in the stored
+        # weight. Check on a few ids rather than assume it.
+        ids = torch.arange(min(self.num_embeddings, 8), device=self.weight.device)
+        with torch.no_grad():
+            actual = self._base_output(ids)
+            expected = F.embedding(ids, self.weight, self.padding_idx)
+        if actual.shape != expected.shape or not torch.allclose(actual, expected, rtol=1e-3, atol=1e-4):
+            raise LoraMergeError(
+                f"cannot merge into {type(self).__qualname__}: its forward does not look ids up as rows of its "
+                "stored weight (checked on probe ids), so adding the update to the weight would change what the "
+                "layer computes. Keep the adapter unmerged"
             )
 
     def extra_repr(self) -> str:

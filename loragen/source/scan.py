@@ -603,8 +603,14 @@ _LINEAR: dict[str, Any] = {**_PLAIN, "linear": True, "subclasses": True}
 # as loragen.layers.registration.register_builtin_types registers them, in its order
 BUILTIN: tuple[LayerType, ...] = (
     *(
-        LayerType(f"torch.nn.{n}", f"loragen.layers.Lora{n}", (f"torch.nn.modules.{m}.{n}",), **_PLAIN)
-        for n, m in (("Conv1d", "conv"), ("Conv2d", "conv"), ("Embedding", "sparse"))
+        LayerType(
+            f"torch.nn.{n}",
+            f"loragen.layers.Lora{n}",
+            (f"torch.nn.modules.{m}.{n}",),
+            **_PLAIN,
+            subclasses=True,
+        )
+        for n, m in (("Conv1d", "conv"), ("Conv2d", "conv"), ("Conv3d", "conv"), ("Embedding", "sparse"))
     ),
     LayerType("torch.nn.Linear", "loragen.layers.LoraLinear", ("torch.nn.modules.linear.Linear",), **_LINEAR),
     LayerType(
