@@ -217,3 +217,179 @@ def test_a_linear_subclass_returning_several_values_says_so_at_its_first_forward
         Routed(), LoraConfig(target_modules="all-linear", exclude_modules=["router"], init_lora_weights=False)
     )
     assert excluded(torch.randn(2, 6)).shape == (2, 6)
+
+
+# ---- subclasses of the torch convolutions and of nn.Embedding ---------------------------------------------
+
+
+class TaggedConv2d(nn.Conv2d):
+    """A subclass that keeps nn.Conv2d's forward (adds an attribute only)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.tag = "patch"
+
+
+class TaggedConv3d(nn.Conv3d):
+    """A subclass that keeps nn.Conv3d's forward."""
+
+
+class ScaledStdConv2d(nn.Conv2d):
+    """timm's ScaledStdConv2d (timm.layers.std_conv), as timm writes it: a forward of its own that standardises
+    the weight per output channel and scales it by a learned gain."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int = 1,
+        padding: int | None = None,
+        dilation: int = 1,
+        groups: int = 1,
+        bias: bool = True,
+        gamma: float = 1.0,
+        eps: float = 1e-6,
+        gain_init: float = 1.0,
+    ) -> None:
+        if padding is None:
+            padding = ((stride - 1) + dilation * (kernel_size - 1)) // 2
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
+        self.gain = nn.Parameter(torch.full((self.out_channels, 1, 1, 1), gain_init))
+        self.scale = gamma * self.weight[0].numel() ** -0.5
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = torch.nn.functional.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            weight=(self.gain * self.scale).view(-1),
+            training=True,
+            momentum=0.0,
+            eps=self.eps,
+        ).reshape_as(self.weight)
+        return torch.nn.functional.conv2d(
+            x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+        )
+
+
+class PaddedConv2d(nn.Conv2d):
+    """A subclass that replaces only ``_conv_forward`` (reflect-pads by hand)."""
+
+    def _conv_forward(
+        self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return super()._conv_forward(
+            torch.nn.functional.pad(input, (1, 1, 1, 1), mode="reflect"), weight, bias
+        )
+
+
+class ScaledEmbedding(nn.Embedding):
+    """An embedding that scales its rows in its forward (as Gemma's scaled word embedding does)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 3.0
+
+
+class TaggedEmbedding(nn.Embedding):
+    """A subclass that keeps nn.Embedding's forward."""
+
+
+SUBCLASSES = {
+    # kind -> (module factory, input factory, whether merging is exact)
+    "conv2d": (lambda: TaggedConv2d(3, 4, 3, stride=2, padding=1), lambda: torch.randn(2, 3, 7, 7), True),
+    "conv3d": (lambda: TaggedConv3d(3, 4, (2, 3, 3), stride=2), lambda: torch.randn(2, 3, 4, 7, 7), True),
+    "embedding": (lambda: TaggedEmbedding(10, 4, padding_idx=1), lambda: torch.randint(0, 10, (2, 5)), True),
+    "scaled_embedding": (lambda: ScaledEmbedding(10, 4), lambda: torch.randint(0, 10, (2, 5)), False),
+}
+
+
+def _perturb_peft(model: nn.Module) -> None:
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("kind", sorted(SUBCLASSES))
+def test_conv_and_embedding_subclasses_adapt_as_peft_does(kind: str, use_dora: bool, tmp_path) -> None:
+    peft = pytest.importorskip("peft")
+    make, inputs, mergeable = SUBCLASSES[kind]
+    torch.manual_seed(0)
+    base = nn.Sequential(make()).double().eval()
+    x = inputs()
+    x = x.double() if x.is_floating_point() else x
+    settings = dict(r=2, lora_alpha=4, target_modules=["0"], init_lora_weights=False, use_dora=use_dora)
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**settings))
+    _perturb_peft(theirs)
+    theirs.save_pretrained(tmp_path)
+    ours = loragen.load_adapter(copy.deepcopy(base), tmp_path)
+    layer = ours[0]
+    assert isinstance(layer, type(base[0])) and isinstance(layer, loragen.LoraLayer)
+    assert type(layer).__name__ == f"Lora{type(base[0]).__name__}"
+    assert getattr(layer, "tag", None) == getattr(base[0], "tag", None)  # the module's own state is kept
+    expected = theirs(x)
+    torch.testing.assert_close(ours(x), expected, rtol=1e-10, atol=1e-12)
+    if mergeable:
+        loragen.merge_adapter(ours)
+        torch.testing.assert_close(ours(x), expected, rtol=1e-10, atol=1e-12)
+        unloaded = loragen.merge_and_unload(ours)
+        assert type(unloaded[0]) is type(base[0])
+        torch.testing.assert_close(unloaded(x), expected, rtol=1e-10, atol=1e-12)
+    else:
+        with pytest.raises(
+            LoraMergeError, match=r"0: cannot merge into LoraScaledEmbedding: its forward does not"
+        ):
+            loragen.merge_adapter(ours)
+        assert not layer.merged
+        torch.testing.assert_close(ours(x), expected, rtol=1e-10, atol=1e-12)
+    clone = pickle.loads(pickle.dumps(loragen.load_adapter(copy.deepcopy(base), tmp_path)))
+    torch.testing.assert_close(clone(x), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("make", "method"),
+    [(lambda: ScaledStdConv2d(3, 4, 3), "forward"), (lambda: PaddedConv2d(3, 4, 3), "_conv_forward")],
+    ids=["scaled_std_conv2d", "own_conv_forward"],
+)
+def test_a_conv_subclass_with_its_own_forward_is_refused_naming_path_class_and_why(make, method: str) -> None:
+    model = nn.ModuleDict({"stem": nn.ModuleDict({"conv": make()}), "plain": nn.Conv2d(3, 4, 3)})
+    name = type(model["stem"]["conv"]).__qualname__
+    with pytest.raises(
+        LoraConversionError,
+        match=rf"stem\.conv \(tests\.layers\.test_derived\.{name}\): it overrides Conv2d\.{method}, and peft "
+        rf"builds the LoRA factors of such a layer as {name} layers",
+    ):
+        loragen.get_lora_model(model, LoraConfig(target_modules=["conv", "plain"]))
+    assert type(model["plain"]) is nn.Conv2d  # all-or-nothing: nothing was converted
+    with pytest.raises(LoraConversionError, match=rf"{name} is not converted: it overrides Conv2d\.{method}"):
+        lora_class_for(type(model["stem"]["conv"]))
+    # the other layers still convert when it is not targeted
+    loragen.get_lora_model(model, LoraConfig(target_modules=["plain"]))
+    assert isinstance(model["plain"], loragen.LoraConv2d) and type(model["stem"]["conv"]) is type(make())
+
+
+def test_a_file_s_own_conv_subclass_is_rewritten_like_the_runtime_converts_it(tmp_path) -> None:
+    source = (
+        "from torch import nn\n\n\n"
+        "class Patch(nn.Conv3d):\n    pass\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.patch = Patch(3, 4, 2, stride=2)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.patch(x)\n"
+    )
+    config = LoraConfig(r=2, target_modules=["patch"])
+    result = loragen.rewrite_source(source, config, filename="net.py")
+    assert result.ok, [str(e) for e in result.errors]
+    assert "LoraPatch = lora_class_for(Patch)" in result.code
+    assert "self.patch = LoraPatch(3, 4, 2, stride=2, r=2, lora_alpha=8)" in result.code
+    namespace: dict[str, object] = {"__name__": "net_lora"}
+    exec(compile(result.code, str(tmp_path / "net_lora.py"), "exec"), namespace)
+    rewritten = namespace["Net"]()  # type: ignore[operator]
+    assert isinstance(rewritten.patch, loragen.LoraConv3d) and type(rewritten.patch).__name__ == "LoraPatch"
+    assert sorted(rewritten.state_dict()) == ["patch.bias", "patch.lora_A", "patch.lora_B", "patch.weight"]
