@@ -26,6 +26,8 @@ class _LoraConvNd(LoraLayer):
 
     _conv = staticmethod(F.conv2d)
     dora_variant: ClassVar[Variant | None] = CONV_DORA
+    # methods of the torch convolution that a subclass must keep to be converted (see subclass_refusal)
+    refused_overrides: ClassVar[tuple[str, ...]] = ("forward", "_conv_forward")
 
     in_channels: int
     out_channels: int
@@ -74,9 +76,7 @@ class _LoraConvNd(LoraLayer):
         if issubclass(base_type, LoraLayer):
             return None
         torch_conv = cls.base_class
-        overridden = [
-            m for m in ("forward", "_conv_forward") if getattr(base_type, m) is not getattr(torch_conv, m)
-        ]
+        overridden = [m for m in cls.refused_overrides if getattr(base_type, m) is not getattr(torch_conv, m)]
         if not overridden:
             return None
         return (

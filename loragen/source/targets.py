@@ -132,6 +132,29 @@ class Targets:
                 seen.setdefault(c.path, c)
         return resolve_candidates(self.config, list(seen.values())).unmatched
 
+    def subclass_refusal(self, field: LayerField) -> str | None:
+        """Why ``field``'s layer subclass (a class of the file) is not adapted, as the runtime refuses it: it, or
+        a class of the file between it and the layer type, replaces a method the type's LoRA class needs kept."""
+        layer_type = self.types.for_qualname(field.layer)
+        refused = layer_type.refused_overrides if layer_type is not None else ()
+        name, seen = field.subclass, set()
+        while refused and name is not None and name not in seen:
+            seen.add(name)
+            cls = self.by_name.get(name)
+            if cls is None:
+                return None
+            method = next((m for m in refused if m in cls.methods), None)
+            if method is not None:
+                base = field.layer.rpartition(".")[2]
+                return (
+                    f"{name} overrides {base}.{method}, and peft builds the LoRA factors of such a layer as "
+                    f"{field.subclass} layers, so that method acts on the factors too; loragen's factors are plain "
+                    "convolutions and could not give peft's outputs or files (get_lora_model refuses it too). "
+                    "Leave the field out of target_modules"
+                )
+            name = cls.local_bases[0] if cls.local_bases else None
+        return None
+
     def decide(self, field: LayerField) -> Decision:
         """Whether ``field`` is rewritten, with which rank and alpha, or why it cannot be."""
         plan = self.plan(field)
@@ -156,6 +179,9 @@ class Targets:
                 chosen.append(root)
         if not chosen:
             return Decision(False)
+        refusal = self.subclass_refusal(field)
+        if refusal is not None:
+            return Decision(True, error=f"{where}: {refusal}")
         per_root: dict[str, tuple[int, float]] = {}
         for root in chosen:
             root_values = {(plan.entries[p].r, plan.entries[p].lora_alpha) for p in by_root[root]}

@@ -393,3 +393,28 @@ def test_a_file_s_own_conv_subclass_is_rewritten_like_the_runtime_converts_it(tm
     rewritten = namespace["Net"]()  # type: ignore[operator]
     assert isinstance(rewritten.patch, loragen.LoraConv3d) and type(rewritten.patch).__name__ == "LoraPatch"
     assert sorted(rewritten.state_dict()) == ["patch.bias", "patch.lora_A", "patch.lora_B", "patch.weight"]
+
+
+def test_a_rewrite_refuses_a_file_s_conv_subclass_with_its_own_forward_as_the_runtime_does() -> None:
+    source = (
+        "from torch import nn\n\n\n"
+        "class Std(nn.Conv2d):\n    def forward(self, x):\n        return super().forward(x) * 2.0\n\n\n"
+        "class Deeper(Std):\n    pass\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.conv = Deeper(3, 4, 3)\n"
+        "        self.emb = nn.Embedding(5, 3)\n"
+    )
+    result = loragen.rewrite_source(source, LoraConfig(target_modules=["conv", "emb"]), filename="net.py")
+    assert not result.ok and result.code == source
+    assert [(e.line, e.message) for e in result.errors] == [
+        (
+            16,  # self.conv = Deeper(3, 4, 3)
+            "Net.conv: Std overrides Conv2d.forward, and peft builds the LoRA factors of such a layer as Deeper "
+            "layers, so that method acts on the factors too; loragen's factors are plain convolutions and could "
+            "not give peft's outputs or files (get_lora_model refuses it too). Leave the field out of "
+            "target_modules",
+        )
+    ]
+    assert loragen.rewrite_source(source, LoraConfig(target_modules=["emb"]), filename="net.py").ok
