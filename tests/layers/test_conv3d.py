@@ -1,7 +1,7 @@
 """``nn.Conv3d`` (a video model's patch embedding) as peft adapts it: the same factors, keys and outputs as
 peft's ``Conv3d`` LoRA layer (and its DoRA), in both directions; merged and unmerged outputs agree; ``loragen
-merge`` merges it offline; the three ways in give the same model; transformers' VideoMAE and ViViT patch
-embeddings adapt as in peft."""
+merge`` merges it offline; the three ways in give the same model; the patch embeddings of transformers'
+VideoMAE, ViViT and Qwen2-VL's vision tower adapt as in peft."""
 
 from __future__ import annotations
 
@@ -233,20 +233,49 @@ def _vivit() -> nn.Module:
     return transformers.VivitForVideoClassification(config)
 
 
+def _qwen2_vl_vision() -> nn.Module:
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    config = Qwen2VLVisionConfig(
+        depth=1, embed_dim=16, hidden_size=16, num_heads=2, mlp_ratio=2, patch_size=4, temporal_patch_size=2
+    )
+    return Qwen2VisionTransformerPretrainedModel(config)
+
+
+def _clips() -> dict[str, torch.Tensor]:
+    """Two clips of 4 frames, 3 x 16 x 16: (N, T, C, H, W)."""
+    g = torch.Generator().manual_seed(1)
+    return {"pixel_values": torch.randn(2, 4, 3, 16, 16, dtype=torch.float64, generator=g)}
+
+
+def _patches() -> dict[str, torch.Tensor]:
+    """Qwen2-VL's flattened patches: one 2-frame 16 x 16 clip as 4 x 4 patches of (C=3, 2, 4, 4)."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(16, 3 * 2 * 4 * 4, dtype=torch.float64, generator=g),
+        "grid_thw": torch.tensor([[1, 4, 4]]),
+    }
+
+
 VIDEO_MODELS = {
-    # model, the patch embedding's path, the attention's query projection
-    "videomae": (_videomae, "videomae.embeddings.patch_embeddings.projection", "query"),
-    "vivit": (_vivit, "vivit.embeddings.patch_embeddings.projection", "q_proj"),
+    # model, the patch embedding's path, the attention's query projection, inputs, the output compared
+    "videomae": (_videomae, "videomae.embeddings.patch_embeddings.projection", "query", _clips, "logits"),
+    "vivit": (_vivit, "vivit.embeddings.patch_embeddings.projection", "q_proj", _clips, "logits"),
+    "qwen2_vl_vision": (_qwen2_vl_vision, "patch_embed.proj", "qkv", _patches, "last_hidden_state"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(VIDEO_MODELS))
 def test_video_models_patch_embeddings_adapt_as_in_peft(name: str, tmp_path: Path) -> None:
-    make, path, query = VIDEO_MODELS[name]
+    make, path, query, inputs, output = VIDEO_MODELS[name]
     torch.manual_seed(0)
     base = make().double().eval()
-    targets = dict(r=4, lora_alpha=8, target_modules=["projection", query], init_lora_weights=False)
-    videos = torch.randn(2, 4, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    targets = dict(r=4, lora_alpha=8, target_modules=[path, query], init_lora_weights=False)
+    x = inputs()
+
+    def run(model: nn.Module) -> torch.Tensor:
+        return getattr(model(**x), output)
 
     theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**targets))
     _perturb(lambda: _peft_lora_parameters(theirs))
@@ -254,7 +283,7 @@ def test_video_models_patch_embeddings_adapt_as_in_peft(name: str, tmp_path: Pat
     ours = loragen.load_adapter(copy.deepcopy(base), tmp_path / "peft", trainable=True)
     assert isinstance(ours.get_submodule(path), LoraConv3d)
     assert sum(isinstance(m, loragen.LoraLinear) for m in ours.modules()) == 1  # the one layer's query
-    torch.testing.assert_close(ours(videos).logits, theirs(videos).logits, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(run(ours), run(theirs), rtol=1e-10, atol=1e-12)
     peft_trainable = {n.replace(".default", "") for n, p in theirs.named_parameters() if p.requires_grad}
     assert {f"base_model.model.{n}" for n, p in ours.named_parameters() if p.requires_grad} == {
         n.replace(".lora_A.weight", ".lora_A").replace(".lora_B.weight", ".lora_B") for n in peft_trainable
@@ -265,4 +294,4 @@ def test_video_models_patch_embeddings_adapt_as_in_peft(name: str, tmp_path: Pat
     assert sorted(written) == sorted(load_file(str(tmp_path / "peft" / "adapter_model.safetensors")))
     assert f"base_model.model.{path}.lora_A.weight" in written
     again = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "loragen")
-    torch.testing.assert_close(again(videos).logits, theirs(videos).logits, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(run(again), run(theirs), rtol=1e-10, atol=1e-12)

@@ -13,7 +13,7 @@ from torch import nn
 
 import loragen
 from loragen import LoraConfig
-from loragen.errors import LoraConversionError, LoraMergeError
+from loragen.errors import AdapterError, LoraConversionError, LoraMergeError
 from loragen.layers import LoraLinear, lora_class_for
 from loragen.registry import unregister
 
@@ -242,18 +242,19 @@ class ScaledStdConv2d(nn.Conv2d):
         self,
         in_channels: int,
         out_channels: int,
-        kernel_size: int,
-        stride: int = 1,
-        padding: int | None = None,
-        dilation: int = 1,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, ...] | None = None,
+        dilation: int | tuple[int, int] = 1,
         groups: int = 1,
         bias: bool = True,
         gamma: float = 1.0,
         eps: float = 1e-6,
         gain_init: float = 1.0,
     ) -> None:
-        if padding is None:
-            padding = ((stride - 1) + dilation * (kernel_size - 1)) // 2
+        if padding is None:  # timm's get_padding, per dimension
+            dims = [d if isinstance(d, tuple) else (d, d) for d in (kernel_size, stride, dilation)]
+            padding = tuple(((s - 1) + d * (k - 1)) // 2 for k, s, d in zip(*dims))
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
         self.gain = nn.Parameter(torch.full((self.out_channels, 1, 1, 1), gain_init))
         self.scale = gamma * self.weight[0].numel() ** -0.5
@@ -355,7 +356,9 @@ def test_conv_and_embedding_subclasses_adapt_as_peft_does(kind: str, use_dora: b
     [(lambda: ScaledStdConv2d(3, 4, 3), "forward"), (lambda: PaddedConv2d(3, 4, 3), "_conv_forward")],
     ids=["scaled_std_conv2d", "own_conv_forward"],
 )
-def test_a_conv_subclass_with_its_own_forward_is_refused_naming_path_class_and_why(make, method: str) -> None:
+def test_a_conv_subclass_with_its_own_forward_is_refused_naming_path_class_and_why(
+    make, method: str, tmp_path
+) -> None:
     model = nn.ModuleDict({"stem": nn.ModuleDict({"conv": make()}), "plain": nn.Conv2d(3, 4, 3)})
     name = type(model["stem"]["conv"]).__qualname__
     with pytest.raises(
@@ -367,6 +370,18 @@ def test_a_conv_subclass_with_its_own_forward_is_refused_naming_path_class_and_w
     assert type(model["plain"]) is nn.Conv2d  # all-or-nothing: nothing was converted
     with pytest.raises(LoraConversionError, match=rf"{name} is not converted: it overrides Conv2d\.{method}"):
         lora_class_for(type(model["stem"]["conv"]))
+    # why: peft's factors are layers of the subclass (its forward runs on them), and its adapter holds the
+    # extra parameters of those layers, which loragen refuses to load
+    peft = pytest.importorskip("peft")
+    if method == "forward":
+        folder = tmp_path / "peft"
+        theirs = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(target_modules=["conv"]))
+        assert type(theirs.base_model.model["stem"]["conv"].lora_A["default"]) is ScaledStdConv2d
+        theirs.save_pretrained(folder)
+        with pytest.raises(
+            AdapterError, match=r"base_model\.model\.stem\.conv\.lora_[AB]\.gain: unsupported"
+        ):
+            loragen.load_adapter(copy.deepcopy(model), folder)
     # the other layers still convert when it is not targeted
     loragen.get_lora_model(model, LoraConfig(target_modules=["plain"]))
     assert isinstance(model["plain"], loragen.LoraConv2d) and type(model["stem"]["conv"]) is type(make())
