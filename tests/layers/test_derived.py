@@ -297,12 +297,27 @@ class TaggedEmbedding(nn.Embedding):
     """A subclass that keeps nn.Embedding's forward."""
 
 
+def _bart_embedding() -> nn.Module:
+    from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+
+    return BartScaledWordEmbedding(10, 4, padding_idx=1, embed_scale=2.5)
+
+
+def _gemma3_embedding() -> nn.Module:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    return Gemma3TextScaledWordEmbedding(10, 4, padding_idx=0, embed_scale=4**0.5)
+
+
 SUBCLASSES = {
     # kind -> (module factory, input factory, whether merging is exact)
     "conv2d": (lambda: TaggedConv2d(3, 4, 3, stride=2, padding=1), lambda: torch.randn(2, 3, 7, 7), True),
     "conv3d": (lambda: TaggedConv3d(3, 4, (2, 3, 3), stride=2), lambda: torch.randn(2, 3, 4, 7, 7), True),
     "embedding": (lambda: TaggedEmbedding(10, 4, padding_idx=1), lambda: torch.randint(0, 10, (2, 5)), True),
     "scaled_embedding": (lambda: ScaledEmbedding(10, 4), lambda: torch.randint(0, 10, (2, 5)), False),
+    # transformers' scaled word embeddings: embed_scale (a float; a tensor buffer) scales the LoRA rows too
+    "bart_embedding": (_bart_embedding, lambda: torch.randint(0, 10, (2, 5)), True),
+    "gemma3_embedding": (_gemma3_embedding, lambda: torch.randint(0, 10, (2, 5)), True),
 }
 
 
