@@ -448,3 +448,33 @@ def test_a_rewrite_refuses_a_file_s_conv_subclass_with_its_own_forward_as_the_ru
         )
     ]
     assert loragen.rewrite_source(source, LoraConfig(target_modules=["emb"]), filename="net.py").ok
+
+
+def test_gemma3_s_scaled_embedding_adapts_as_in_peft(tmp_path) -> None:
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    base = transformers.Gemma3ForCausalLM(config).double().eval()
+    settings = dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False)
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**settings))
+    _perturb_peft(theirs)
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = loragen.load_adapter(copy.deepcopy(base), tmp_path / "peft")
+    assert isinstance(ours.model.embed_tokens, loragen.LoraEmbedding)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    expected = theirs(ids).logits
+    torch.testing.assert_close(ours(ids).logits, expected, rtol=1e-10, atol=1e-10)
+    loragen.save_adapter(ours, tmp_path / "loragen")
+    again = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "loragen")
+    torch.testing.assert_close(again(ids).logits, expected, rtol=1e-10, atol=1e-10)
