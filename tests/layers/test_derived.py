@@ -478,3 +478,28 @@ def test_gemma3_s_scaled_embedding_adapts_as_in_peft(tmp_path) -> None:
     loragen.save_adapter(ours, tmp_path / "loragen")
     again = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "loragen")
     torch.testing.assert_close(again(ids).logits, expected, rtol=1e-10, atol=1e-10)
+
+
+class StdNet(nn.Module):
+    """A model of this file holding a conv subclass with its own forward (for the decorator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = ScaledStdConv2d(3, 4, 3)
+        self.plain = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.plain(self.stem(x))
+
+
+def test_the_decorator_leaves_a_refused_conv_subclass_to_the_runtime_path_which_refuses_it() -> None:
+    decorated = loragen.lora_convert(StdNet)  # decorating never fails on it
+    assert "stem   ScaledStdConv2d(torch.nn.Conv2d)" in decorated.__lora_source__
+    assert "runtime path, which refuses it: ScaledStdConv2d overrides forward" in decorated.__lora_source__
+    assert "lora_class_for(ScaledStdConv2d)" not in decorated.__lora_source__
+    with pytest.raises(
+        LoraConversionError, match=r"stem \(tests\.layers\.test_derived\.ScaledStdConv2d\): it overrides"
+    ):
+        decorated().get_lora_model(LoraConfig(target_modules=["stem", "plain"]))
+    model = decorated().get_lora_model(LoraConfig(target_modules=["plain"]))
+    assert isinstance(model.plain, loragen.LoraConv2d) and type(model.stem) is ScaledStdConv2d
