@@ -201,6 +201,28 @@ def test_the_three_ways_in_give_the_same_model(video_module, tmp_path: Path) -> 
         torch.testing.assert_close(model.eval()(x), expected)
 
 
+def test_a_second_adapter_and_a_mixed_batch_equal_peft(video_module, tmp_path: Path) -> None:
+    rows = ["default", "__base__", "other"]
+    x = torch.randn(3, 3, 4, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    first = dict(r=2, lora_alpha=4, target_modules=["patch", "mix"], init_lora_weights=False)
+    second = dict(r=3, lora_alpha=3, target_modules=["patch"], init_lora_weights=False)
+    theirs = peft.get_peft_model(_base(video_module), peft.LoraConfig(**first))
+    theirs.add_adapter("other", peft.LoraConfig(**second))
+    theirs.eval()
+    _perturb(lambda: _peft_lora_parameters(theirs))
+    theirs.save_pretrained(tmp_path)  # the default adapter at the root, "other" in its subfolder
+    ours = loragen.load_adapter(_base(video_module), tmp_path)
+    loragen.load_adapter(ours, tmp_path / "other", adapter_name="other")
+    with torch.no_grad():
+        expected = theirs(x, adapter_names=rows)
+        with loragen.mixed_batch(ours, rows):
+            actual = ours(x)
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+    theirs.set_adapter("other")
+    loragen.set_adapter(ours, "other")
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-10, atol=1e-12)
+
+
 # ---- transformers' video models: the patch embedding's Conv3d -------------------------------------------
 
 
