@@ -503,3 +503,29 @@ def test_the_decorator_leaves_a_refused_conv_subclass_to_the_runtime_path_which_
         decorated().get_lora_model(LoraConfig(target_modules=["stem", "plain"]))
     model = decorated().get_lora_model(LoraConfig(target_modules=["plain"]))
     assert isinstance(model.plain, loragen.LoraConv2d) and type(model.stem) is ScaledStdConv2d
+
+
+def test_parametrized_convolutions_and_embeddings_convert_and_refuse_to_merge() -> None:
+    """torch.nn.utils.parametrize makes the layer's class a subclass (ParametrizedConv2d) that keeps the torch
+    forward: it converts, the term is added to the parametrized output, and merging (no stored weight) is
+    refused."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"conv": weight_norm(nn.Conv3d(3, 4, 2)), "emb": weight_norm(nn.Embedding(6, 3))})
+    base = copy.deepcopy(model)
+    loragen.get_lora_model(model, LoraConfig(r=2, target_modules=["conv", "emb"], init_lora_weights=False))
+    conv, emb = model["conv"], model["emb"]
+    assert (
+        type(conv).__name__ == "LoraParametrizedConv3d" and type(emb).__name__ == "LoraParametrizedEmbedding"
+    )
+    x, ids = torch.randn(2, 3, 3, 4, 4), torch.tensor([[0, 5, 2]])
+    term = torch.nn.functional.conv3d(torch.nn.functional.conv3d(x, conv.lora_A), conv.lora_B) * conv.scaling
+    torch.testing.assert_close(conv(x), base["conv"](x) + term)
+    rows = emb.lora_embedding_A.t()[ids] @ emb.lora_embedding_B.t() * emb.scaling
+    torch.testing.assert_close(emb(ids), base["emb"](ids) + rows)
+    for path in ("conv", "emb"):
+        with pytest.raises(
+            LoraMergeError, match=rf"^{path}: cannot merge into the weight of this LoraParametrized"
+        ):
+            loragen.merge_adapter(nn.ModuleDict({path: model[path]}))
