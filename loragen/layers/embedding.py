@@ -104,10 +104,10 @@ class LoraEmbedding(nn.Embedding, LoraLayer):
                 f"cannot merge a LoRA Embedding with max_norm={self.max_norm}: the renormalisation of looked-up "
                 "rows is not linear, so merged and unmerged outputs would differ"
             )
-        if self.base_class.forward is nn.Embedding.forward:
+        if self.base_class.forward is nn.Embedding.forward and self._embed_scale() is None:
             return
-        # a subclass with its own forward: merging is exact only if that forward looks rows up in the stored
-        # weight (times embed_scale, which scales the LoRA rows too). Check on a few ids rather than assume it.
+        # a subclass with its own forward (or an embed_scale): merging is exact only if the forward looks rows up
+        # in the stored weight times embed_scale, which scales the LoRA rows. Check on a few ids, not assume it.
         ids = torch.arange(min(self.num_embeddings, 8), device=self.weight.device)
         with torch.no_grad():
             actual = self._base_output(ids)

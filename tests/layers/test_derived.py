@@ -529,3 +529,19 @@ def test_parametrized_convolutions_and_embeddings_convert_and_refuse_to_merge() 
             LoraMergeError, match=rf"^{path}: cannot merge into the weight of this LoraParametrized"
         ):
             loragen.merge_adapter(nn.ModuleDict({path: model[path]}))
+
+
+def test_a_plain_embedding_with_an_embed_scale_attribute_scales_its_rows_and_refuses_to_merge() -> None:
+    """peft scales the LoRA rows by any layer's scalar ``embed_scale``; nn.Embedding's own forward does not
+    scale the base rows, so no merged weight could give the same output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 3))
+    model[0].embed_scale = 2.0
+    loragen.get_lora_model(model, LoraConfig(r=2, target_modules=["0"], init_lora_weights=False))
+    layer, ids = model[0], torch.tensor([[1, 4]])
+    rows = layer.lora_embedding_A.t()[ids] @ layer.lora_embedding_B.t() * layer.scaling * 2.0
+    torch.testing.assert_close(model(ids), layer.weight[ids] + rows)
+    with pytest.raises(
+        LoraMergeError, match=r"^0: cannot merge into LoraEmbedding: .* times its embed_scale"
+    ):
+        loragen.merge_adapter(model)
