@@ -45,6 +45,7 @@ _LAZY = {
     "LoraEmbedding": "loragen.layers",
     "LoraConv1d": "loragen.layers",
     "LoraConv2d": "loragen.layers",
+    "LoraConv3d": "loragen.layers",
     "register_layer": "loragen.layers",
     "LoraConv1D": "loragen.layers",  # imports transformers
     "make_optimizer": "loragen.training.optimizers",
@@ -85,6 +86,7 @@ __all__ = [
     "LoraEmbedding",
     "LoraConv1d",
     "LoraConv2d",
+    "LoraConv3d",
     "get_lora_model",
     "mark_trainable",
     "merge_adapter",
@@ -145,6 +147,7 @@ if TYPE_CHECKING:  # pragma: no cover
         LoraConv1D,
         LoraConv1d,
         LoraConv2d,
+        LoraConv3d,
         LoraEmbedding,
         LoraLayer,
         LoraLinear,

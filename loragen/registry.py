@@ -178,8 +178,16 @@ _refusals: dict[str, str] = {
 
 
 def refusal_for(module_type: type[nn.Module]) -> str | None:
-    """Why modules of exactly ``module_type`` are never converted, or None."""
-    return _refusals.get(f"{module_type.__module__}.{module_type.__qualname__}")
+    """Why modules of exactly ``module_type`` are never converted, or None: a type refused by name, or a
+    subclass its spec's LoRA class refuses (its classmethod ``subclass_refusal(module_type)``, if it has one)."""
+    reason = _refusals.get(f"{module_type.__module__}.{module_type.__qualname__}")
+    if reason is not None:
+        return reason
+    spec = spec_for_type(module_type)
+    if spec is None or spec.lora_class is None or module_type is spec.base_type():
+        return None
+    refuse = getattr(spec.lora_class, "subclass_refusal", None)
+    return refuse(module_type) if callable(refuse) else None
 
 
 def spec_for_qualname(qualname: str) -> LayerSpec | None:

@@ -1,4 +1,4 @@
-"""LoRA layers: Linear, Embedding, Conv1d, Conv2d and transformers' Conv1D.
+"""LoRA layers: Linear, Embedding, Conv1d, Conv2d, Conv3d and transformers' Conv1D.
 
 Each subclasses the torch layer it replaces (``weight`` / ``bias`` keep their keys; the constructor is
 the torch one plus LoRA keywords: ``nn.Linear(i, o)`` -> ``LoraLinear(i, o, r=8)``) and holds its first
@@ -19,7 +19,7 @@ from loragen.config import InitMode
 from loragen.errors import LoraMergeError
 from loragen.layers.adapter_set import LoraAdapter, adapter_dtype_for
 from loragen.layers.base import LoraLayer
-from loragen.layers.conv import LoraConv1d, LoraConv2d
+from loragen.layers.conv import LoraConv1d, LoraConv2d, LoraConv3d
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear, LoraLinearMixin
 from loragen.layers.registration import lora_class_for, register_builtin_types, register_layer
@@ -33,6 +33,7 @@ __all__ = [
     "LoraEmbedding",
     "LoraConv1d",
     "LoraConv2d",
+    "LoraConv3d",
     "LoraConv1D",
     "LoraMergeError",
     "adapter_dtype_for",

@@ -1,4 +1,5 @@
-"""``LoraConv1d`` and ``LoraConv2d``: convolutions with a LoRA adapter that honours every base setting."""
+"""``LoraConv1d``, ``LoraConv2d`` and ``LoraConv3d``: convolutions with a LoRA adapter that honours every base
+setting."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ from loragen.layers.adapter_set import LoraAdapter
 from loragen.layers.base import LoraLayer
 from loragen.layers.variants import CONV_DORA, Variant
 
-__all__ = ["LoraConv1d", "LoraConv2d"]
+__all__ = ["LoraConv1d", "LoraConv2d", "LoraConv3d"]
 
 PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
 
 
 class _LoraConvNd(LoraLayer):
-    """Shared code of :class:`LoraConv1d` and :class:`LoraConv2d` (mixed into the torch conv class)."""
+    """Shared code of :class:`LoraConv1d`, :class:`LoraConv2d` and :class:`LoraConv3d` (mixed into the torch conv
+    class)."""
 
     _conv = staticmethod(F.conv2d)
     dora_variant: ClassVar[Variant | None] = CONV_DORA
+    # methods of the torch convolution that a subclass must keep to be converted (see subclass_refusal)
+    refused_overrides: ClassVar[tuple[str, ...]] = ("forward", "_conv_forward")
 
     in_channels: int
     out_channels: int
@@ -59,6 +63,28 @@ class _LoraConvNd(LoraLayer):
         base = (in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode)
         self.base_class.__init__(self, *base, device, dtype)
         self._setup_lora(r, lora_alpha, lora_dropout, use_rslora, init_lora_weights, use_dora)
+
+    @classmethod
+    def subclass_refusal(cls, base_type: type[nn.Module]) -> str | None:
+        """Why a subclass ``base_type`` of this class's torch convolution gets no LoRA class, or None.
+
+        A subclass that keeps the torch ``forward`` and ``_conv_forward`` converts. One that replaces them is
+        refused: peft builds such a layer's LoRA factors as layers of the subclass itself (so its forward, and
+        any parameters its constructor adds, act on the factors too), which plain factor convolutions cannot
+        reproduce; loading or saving such an adapter could not match peft's.
+        """
+        if issubclass(base_type, LoraLayer):
+            return None
+        torch_conv = cls.base_class
+        overridden = [m for m in cls.refused_overrides if getattr(base_type, m) is not getattr(torch_conv, m)]
+        if not overridden:
+            return None
+        return (
+            f"it overrides {torch_conv.__name__}.{overridden[0]}, and peft builds the LoRA factors of such a "
+            f"layer as {base_type.__name__} layers, so that method (and any parameter its constructor adds) "
+            "acts on the factors too; loragen's factors are plain convolutions and could not give peft's outputs "
+            "or files"
+        )
 
     def _factor_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         a_shape = (self.r, self.in_channels // self.groups, *self.kernel_size)
@@ -104,3 +130,16 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
 
     def extra_repr(self) -> str:
         return f"{nn.Conv2d.extra_repr(self)}, {self.lora_extra_repr()}"
+
+
+class LoraConv3d(nn.Conv3d, _LoraConvNd):
+    """``nn.Conv3d`` with a LoRA adapter (a video model's patch embedding). Shapes: x (N, C_in, D, H, W) ->
+    y (N, C_out, D_out, H_out, W_out); lora_A (r, C_in // groups, kD, kH, kW), lora_B (C_out, r, 1, 1, 1)."""
+
+    _conv = staticmethod(F.conv3d)
+    base_class = nn.Conv3d
+    __init__ = _LoraConvNd._lora_conv_init
+    forward = LoraLayer.forward
+
+    def extra_repr(self) -> str:
+        return f"{nn.Conv3d.extra_repr(self)}, {self.lora_extra_repr()}"

@@ -22,7 +22,7 @@ from torch import nn
 
 from loragen.errors import LoraConversionError
 from loragen.layers.base import LoraLayer
-from loragen.layers.conv import LoraConv1d, LoraConv2d
+from loragen.layers.conv import LoraConv1d, LoraConv2d, LoraConv3d
 from loragen.layers.embedding import LoraEmbedding
 from loragen.layers.linear import LoraLinear, LoraLinearMixin
 from loragen.layouts import EMBEDDING, LAYOUTS, PLAIN, TRANSPOSED, EmbeddingLayout, Layout
@@ -34,10 +34,11 @@ __all__ = ["derive_lora_class", "lora_class_for", "register_builtin_types", "reg
 def register_builtin_types() -> None:
     """Register loragen's own layer types (idempotent); transformers' and bitsandbytes' by name, so they are
     imported only when a model holds such a layer."""
-    # (class, its module in torch.nn.modules, LoRA class, layout, all-linear and subclasses)
+    # (class, its module in torch.nn.modules, LoRA class, layout, all-linear); subclasses of each convert too
     torch_types: list[tuple[str, str, type[nn.Module], Layout, bool]] = [
         ("Conv1d", "conv", LoraConv1d, PLAIN, False),
         ("Conv2d", "conv", LoraConv2d, PLAIN, False),
+        ("Conv3d", "conv", LoraConv3d, PLAIN, False),
         ("Embedding", "sparse", LoraEmbedding, EMBEDDING, False),
         ("Linear", "linear", LoraLinear, PLAIN, True),
     ]
@@ -49,7 +50,7 @@ def register_builtin_types() -> None:
                 (f"torch.nn.modules.{module}.{name}",),
                 layout,
                 linear=linear,
-                subclasses=linear,
+                subclasses=True,
                 lora_class=lora,
             )
             for name, module, lora, layout, linear in torch_types

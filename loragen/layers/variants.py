@@ -232,7 +232,7 @@ def variant_for(layer: Any, use_dora: bool) -> Variant:
     if variant is None:
         raise LoraConversionError(
             f"use_dora=True on {type(layer).__qualname__}: this LoRA class does not implement DoRA (loragen does "
-            "for Linear, transformers Conv1D, Embedding, Conv1d and Conv2d); set use_dora=False"
+            "for Linear, transformers Conv1D, Embedding, Conv1d, Conv2d and Conv3d); set use_dora=False"
         )
     variant.check(layer)
     return variant

@@ -35,9 +35,10 @@ from loragen.source.scan import (
     ScanResult,
     from_spec,
     importable,
+    layer_types,
     scan_source,
 )
-from loragen.source.targets import Targets
+from loragen.source.targets import Targets, overridden_method
 
 __all__ = ["GENERATED_METHODS", "LoraConvertError", "expansion_source", "lora_convert"]
 
@@ -271,6 +272,8 @@ def _render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lo
             reason = f"not targeted by {CONFIG_NAME}"
         elif depth > 1:
             reason = "runtime path: nested in more than one container"
+        elif (overridden := overridden_method(fields[0], result, layer_types())) is not None:
+            reason = f"runtime path, which refuses it: {overridden[0]} overrides {overridden[1]}"
         elif (spelled := _spellings(fields[0], cls.__module__, imports, derived)) is None:
             reason = "runtime path: its classes cannot be imported by name"
         else:

@@ -503,6 +503,8 @@ class LayerType:
         protocol / defaults: the keyword-only parameters of the LoRA class's ``from_module`` / constructor
             and their defaults (:data:`NO_DEFAULT` if none); ``takes_any``: the constructor takes ``**kwargs``.
         requires: the packages the LoRA class's module needs.
+        refused_overrides: methods of the base type a subclass must keep to be converted (the LoRA class's
+            ``refused_overrides``; a convolution's ``forward`` and ``_conv_forward``).
         spec: the registry's spec (None: from :data:`BUILTIN`); its LoRA class is imported by :meth:`signature`.
     """
 
@@ -515,6 +517,7 @@ class LayerType:
     defaults: Keywords = ()
     takes_any: bool = False
     requires: tuple[str, ...] = ()
+    refused_overrides: tuple[str, ...] = ()
     spec: LayerSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -584,7 +587,13 @@ def _signature(lora_class: type) -> tuple[dict[str, object], dict[str, object], 
 def from_spec(spec: LayerSpec) -> LayerType:
     """The :class:`LayerType` of a registry spec (its LoRA class is read on first use)."""
     return LayerType(
-        spec.base_qualname, spec.lora_qualname, spec.aliases, spec.linear, spec.subclasses, spec=spec
+        spec.base_qualname,
+        spec.lora_qualname,
+        spec.aliases,
+        spec.linear,
+        spec.subclasses,
+        refused_overrides=tuple(getattr(spec.lora_class, "refused_overrides", ())),
+        spec=spec,
     )
 
 
@@ -603,8 +612,15 @@ _LINEAR: dict[str, Any] = {**_PLAIN, "linear": True, "subclasses": True}
 # as loragen.layers.registration.register_builtin_types registers them, in its order
 BUILTIN: tuple[LayerType, ...] = (
     *(
-        LayerType(f"torch.nn.{n}", f"loragen.layers.Lora{n}", (f"torch.nn.modules.{m}.{n}",), **_PLAIN)
-        for n, m in (("Conv1d", "conv"), ("Conv2d", "conv"), ("Embedding", "sparse"))
+        LayerType(
+            f"torch.nn.{n}",
+            f"loragen.layers.Lora{n}",
+            (f"torch.nn.modules.{m}.{n}",),
+            **_PLAIN,
+            subclasses=True,
+            refused_overrides=("forward", "_conv_forward") if m == "conv" else (),
+        )
+        for n, m in (("Conv1d", "conv"), ("Conv2d", "conv"), ("Conv3d", "conv"), ("Embedding", "sparse"))
     ),
     LayerType("torch.nn.Linear", "loragen.layers.LoraLinear", ("torch.nn.modules.linear.Linear",), **_LINEAR),
     LayerType(
@@ -752,6 +768,7 @@ class ClassScan:
     unresolved: tuple[Unresolved, ...]
     output_head: tuple[str, ...] | None = None
     factories: tuple[FactoryCall, ...] = ()
+    methods: tuple[str, ...] = ()  # the names of the methods its body defines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1416,6 +1433,7 @@ def _scan_class(names: Resolver, found: Findings, name: str, node: cst.ClassDef)
         unresolved=tuple(walker.unresolved),
         output_head=_output_head(node),
         factories=tuple(walker.factories),
+        methods=tuple(s.name.value for s in node.body.body if isinstance(s, cst.FunctionDef)),
     )
 
 

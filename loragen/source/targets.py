@@ -15,9 +15,9 @@ from collections.abc import Iterable, Iterator
 from loragen.config import LoraConfig
 from loragen.plan import Candidate, LoraPlan, resolve_candidates
 from loragen.source.codegen import py_literal
-from loragen.source.scan import LayerField, ScanResult, layer_types
+from loragen.source.scan import LayerField, LayerTypes, ScanResult, layer_types
 
-__all__ = ["PRETRAINED", "Decision", "Targets"]
+__all__ = ["PRETRAINED", "Decision", "Targets", "overridden_method"]
 
 PRETRAINED = ("transformers.modeling_utils.PreTrainedModel", "transformers.PreTrainedModel")
 _SAMPLE_INDICES = (0, 1, 2, 3, 7, 10, 11, 99)
@@ -48,6 +48,25 @@ def _instances(template: str, extra_keys: Iterable[str]) -> list[str]:
         first, _, rest = template.partition("{i}")
         out.append(first + "0" + rest.replace("{i}", "1").replace("{key}", keys[0]))
     return out
+
+
+def overridden_method(field: LayerField, result: ScanResult, types: LayerTypes) -> tuple[str, str] | None:
+    """``(class, method)`` when ``field``'s layer subclass, or a class of the file between it and the layer type,
+    replaces a method the type's LoRA class needs kept (its ``refused_overrides``: a convolution's ``forward``
+    and ``_conv_forward``), so the runtime refuses to convert it; else None."""
+    layer_type = types.for_qualname(field.layer)
+    refused = layer_type.refused_overrides if layer_type is not None else ()
+    name, seen = field.subclass, set()
+    while refused and name is not None and name not in seen:
+        seen.add(name)
+        cls = result.get(name)
+        if cls is None:
+            return None
+        method = next((m for m in refused if m in cls.methods), None)
+        if method is not None:
+            return name, method
+        name = cls.local_bases[0] if cls.local_bases else None
+    return None
 
 
 class Targets:
@@ -132,6 +151,20 @@ class Targets:
                 seen.setdefault(c.path, c)
         return resolve_candidates(self.config, list(seen.values())).unmatched
 
+    def subclass_refusal(self, field: LayerField) -> str | None:
+        """Why ``field``'s layer subclass (a class of the file) is not adapted, as the runtime refuses it (see
+        :func:`overridden_method`), or None."""
+        found = overridden_method(field, self.result, self.types)
+        if found is None:
+            return None
+        name, method = found
+        return (
+            f"{name} overrides {field.layer.rpartition('.')[2]}.{method}, and peft builds the LoRA factors of such "
+            f"a layer as {field.subclass} layers, so that method acts on the factors too; loragen's factors are "
+            "plain convolutions and could not give peft's outputs or files (get_lora_model refuses it too). Leave "
+            "the field out of target_modules"
+        )
+
     def decide(self, field: LayerField) -> Decision:
         """Whether ``field`` is rewritten, with which rank and alpha, or why it cannot be."""
         plan = self.plan(field)
@@ -156,6 +189,9 @@ class Targets:
                 chosen.append(root)
         if not chosen:
             return Decision(False)
+        refusal = self.subclass_refusal(field)
+        if refusal is not None:
+            return Decision(True, error=f"{where}: {refusal}")
         per_root: dict[str, tuple[int, float]] = {}
         for root in chosen:
             root_values = {(plan.entries[p].r, plan.entries[p].lora_alpha) for p in by_root[root]}

@@ -38,6 +38,11 @@ KINDS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], bool
     "embedding": (lambda: nn.Embedding(10, 6), lambda: torch.randint(0, 10, (2, 5)), True),
     "conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=1), lambda: torch.randn(2, 4, 9), True),
     "conv2d": (lambda: nn.Conv2d(4, 6, 3, stride=2), lambda: torch.randn(2, 4, 9, 9), True),
+    "conv3d": (
+        lambda: nn.Conv3d(4, 6, (2, 3, 3), stride=(2, 2, 2)),
+        lambda: torch.randn(2, 4, 4, 7, 7),
+        True,
+    ),
 }
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from loragen import LoraConfigError, LoraConv1D, LoraConv1d, LoraConv2d, LoraEmbedding, LoraLinear
+from loragen import LoraConfigError, LoraConv1D, LoraConv1d, LoraConv2d, LoraConv3d, LoraEmbedding, LoraLinear
 from loragen.layers import LoraMergeError, adapter_dtype_for
 
 LORA_CLASSES = {
@@ -22,6 +22,7 @@ LORA_CLASSES = {
     nn.Embedding: LoraEmbedding,
     nn.Conv1d: LoraConv1d,
     nn.Conv2d: LoraConv2d,
+    nn.Conv3d: LoraConv3d,
     Conv1D: LoraConv1D,
 }
 
@@ -69,6 +70,10 @@ BASES = {
     "embedding": (lambda: nn.Embedding(11, 6, padding_idx=2), lambda: torch.randint(0, 11, (3, 4))),
     "conv1d": (lambda: nn.Conv1d(4, 5, 3, stride=2, padding=1), lambda: torch.randn(2, 4, 9)),
     "conv2d": (lambda: nn.Conv2d(4, 5, 3, padding=1), lambda: torch.randn(2, 4, 6, 7)),
+    "conv3d": (
+        lambda: nn.Conv3d(4, 5, (2, 3, 3), stride=(1, 2, 2), padding=1),
+        lambda: torch.randn(2, 4, 3, 6, 7),
+    ),
     "conv1D": (lambda: Conv1D(5, 6), lambda: torch.randn(3, 4, 6)),
 }
 
@@ -116,6 +121,7 @@ def test_from_module_shares_parameters() -> None:
         (lambda: LoraEmbedding(11, 6, r=3), (3, 11), (6, 3)),
         (lambda: LoraConv1d(4, 6, 5, groups=2, r=3), (3, 2, 5), (6, 3, 1)),
         (lambda: LoraConv2d(4, 6, (3, 2), r=3), (3, 4, 3, 2), (6, 3, 1, 1)),
+        (lambda: LoraConv3d(4, 6, (2, 3, 2), groups=2, r=3), (3, 2, 2, 3, 2), (6, 3, 1, 1, 1)),
         (lambda: LoraConv1D(5, 6, r=3), (3, 6), (5, 3)),
     ],
 )
@@ -130,7 +136,7 @@ def test_factor_shapes(layer, a_shape, b_shape) -> None:
 
 conv_settings = st.fixed_dictionaries(
     {
-        "dims": st.sampled_from([1, 2]),
+        "dims": st.sampled_from([1, 2, 3]),
         "kernel": st.integers(1, 4),
         "stride": st.integers(1, 3),
         "dilation": st.integers(1, 3),
@@ -146,8 +152,8 @@ conv_settings = st.fixed_dictionaries(
 def _build_conv(s: dict) -> tuple[nn.Module, torch.Tensor]:
     dims, k = s["dims"], s["kernel"]
     stride = 1 if s["padding"] == "same" else s["stride"]  # torch forbids 'same' with stride > 1
-    padding = (1, 2)[:dims] if s["padding"] == "tuple" else s["padding"]
-    cls = LoraConv1d if dims == 1 else LoraConv2d
+    padding = (1, 2, 0)[:dims] if s["padding"] == "tuple" else s["padding"]
+    cls = {1: LoraConv1d, 2: LoraConv2d, 3: LoraConv3d}[dims]
     layer = cls(
         4,
         8,

@@ -82,7 +82,7 @@ def test_builtin_table_is_the_registry():
     for builtin in BUILTIN:
         spec = registered[builtin.base_qualname]
         read = from_spec(spec)
-        fields = ("base_qualname", "lora_qualname", "aliases", "linear", "subclasses")
+        fields = ("base_qualname", "lora_qualname", "aliases", "linear", "subclasses", "refused_overrides")
         assert {f: getattr(builtin, f) for f in fields} == {f: getattr(read, f) for f in fields}
         if all(importlib.util.find_spec(package) for package in builtin.requires):
             assert builtin.signature() == read.signature(), builtin.base_qualname

@@ -135,14 +135,15 @@ def test_subclasses_of_types_without_subclass_support_stay_submodules():
     code = textwrap.dedent(
         """\
         from torch import nn
+        from transformers.pytorch_utils import Conv1D
 
-        class MyEmbedding(nn.Embedding):
+        class MyConv1D(Conv1D):
             pass
 
         class M(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.e = MyEmbedding(10, 4)
+                self.e = MyConv1D(10, 4)
         """
     )
     scan = scan_source(code, filename="m.py", module="m").get("M")
