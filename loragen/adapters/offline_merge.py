@@ -34,10 +34,10 @@ from loragen.adapters.files import (
 )
 from loragen.adapters.folder import Adapter, LoraFactors, read_adapter
 from loragen.atomic import WriteError, atomic_dir, atomic_file
-from loragen.config import LoraConfig
+from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import AdapterError, MergeError
 from loragen.layouts import PLAIN, TRANSPOSED, Layout
-from loragen.plan import entry_for, targets_parameters_of
+from loragen.plan import Candidate, entry_for, resolve_candidates, targets_parameters_of
 
 __all__ = [
     "MERGEABLE_DTYPES",
@@ -401,10 +401,75 @@ def _targets(adapter: Adapter) -> dict[str, list[str]]:
     return targets
 
 
+def _adapter_path(key_map: KeyMap, key: str) -> str | None:
+    """The adapter path that ``key_map`` sends to the checkpoint key ``key`` (through a rule rather than
+    unchanged, where both would), or None."""
+    inverse = [PrefixRule(rule.new, rule.old) for rule in key_map.rules]
+    paths = [rule.apply(key) for rule in inverse if rule.matches(key)] + [key]
+    return next((p for p in paths if key_map.apply(p) == key), None)
+
+
+def _target_problems(adapter: Adapter, checkpoint: Checkpoint, key_map: KeyMap) -> list[str]:
+    """Where the adapter's config and weights disagree as ``load_adapter`` finds it on the checkpoint's model:
+    LoRA factors of a module its ``target_modules`` / ``layers_to_transform`` / ``exclude_modules`` do not
+    select (unexpected keys), and a checkpoint module they select with no factors (missing keys). The
+    modules are those of the checkpoint (each tensor ``M.weight`` of two or more dimensions, under the
+    adapter's paths) and of the adapter; :func:`loragen.plan.resolve_candidates` selects among them."""
+    targets = adapter.config.target_modules
+    if targets is None or targets == ALL_LINEAR:  # resolved per model type / layer type: not told by names
+        return []
+    modules = adapter.lora_modules()
+    paths = dict.fromkeys(modules)
+    for name in checkpoint.owner:
+        if name.endswith(".weight") and len(checkpoint.entry(name).shape) >= 2:
+            path = _adapter_path(key_map, name.removesuffix(".weight"))
+            if path:
+                paths.setdefault(path)
+    candidates = [Candidate(path=path, layer="checkpoint module", linear=True) for path in paths]
+    plan = resolve_candidates(adapter.config, candidates)
+    config = plan.config
+    selection = f"target_modules={list(targets) if not isinstance(targets, str) else targets!r}"
+    if config.layers_to_transform is not None:
+        selection += f", layers_to_transform={config.layers_to_transform!r}"
+        if config.layers_pattern is not None:
+            selection += f", layers_pattern={config.layers_pattern!r}"
+    if config.exclude_modules is not None:
+        selection += f", exclude_modules={config.exclude_modules!r}"
+    problems = [
+        f"{', '.join(factors.keys)}: LoRA factors of {module}, which {selection} does not select "
+        "(unexpected keys)"
+        for module, factors in modules.items()
+        if module not in plan.entries
+    ]
+    missing = [path for path in plan.entries if path not in modules]
+    problems += [
+        f"{path}: {selection} selects it (checkpoint tensor {key_map.apply(path)}.weight), but the adapter "
+        "has no LoRA factors for it (missing keys)"
+        for path in missing[:20]
+    ]
+    if len(missing) > 20:
+        problems.append(f"... and {len(missing) - 20} more modules without factors")
+    return problems
+
+
 def _fitting(
-    factors: LoraFactors, a: tuple[int, ...], b: tuple[int, ...], entry: TensorEntry
+    factors: LoraFactors, a: tuple[int, ...], b: tuple[int, ...], entry: TensorEntry, transposed: bool
 ) -> list[Layout]:
-    return [lay for lay in factors.layouts if lay.fits(a, b) and lay.weight_shape(a, b) == entry.shape]
+    """The layouts of ``factors`` in which ``B @ A`` has ``entry``'s shape; TRANSPOSED (a transformers
+    ``Conv1D``, weight stored (in, out)) only where ``transposed`` says the module may be one."""
+    return [
+        lay
+        for lay in factors.layouts
+        if lay.fits(a, b) and lay.weight_shape(a, b) == entry.shape and (transposed or lay is not TRANSPOSED)
+    ]
+
+
+def _transposed_allowed(config: LoraConfig, architecture: Callable[[], Layout | None]) -> bool:
+    """Whether a module may be a transformers ``Conv1D``, as ``load_adapter`` would find it: the checkpoint's
+    architecture decides where it is known (a model without ``Conv1D`` has none), else ``fan_in_fan_out``
+    (peft and ``save_adapter`` write true for ``Conv1D`` models)."""
+    known = architecture()
+    return known is TRANSPOSED if known is not None else config.fan_in_fan_out
 
 
 def _layout(
@@ -427,7 +492,8 @@ def _layout(
         MergeError: no layout of the module's factor names gives the tensor's shape (names both shapes),
             or a square weight whose layer type cannot be told (names the module).
     """
-    fits = _fitting(factors, a, b, entry)
+    transposed = _transposed_allowed(config, architecture)
+    fits = _fitting(factors, a, b, entry, transposed)
     if len(fits) > 1:
         leaf = factors.module.rpartition(".")[2]
         for seen in (evidence.get(leaf, set()), evidence.get("*", set())):
@@ -449,24 +515,41 @@ def _layout(
         fits = [lay for lay in fits if lay is PLAIN] or fits[:1]
     if fits:
         return fits[0]
-    needed = " or ".join(
-        f"{list(lay.weight_shape(a, b))} ({lay.name})" for lay in factors.layouts if lay.fits(a, b)
-    )
     a_name, b_name = factors.names
+    if any(lay.weight_shape(a, b) == entry.shape for lay in factors.layouts if lay.fits(a, b)):
+        why = (
+            "the checkpoint's config.json names an architecture without Conv1D layers"
+            if architecture() is not None
+            else "fan_in_fan_out=false in adapter_config.json and no config.json architecture says otherwise"
+        )
+        raise MergeError(
+            f"{entry.name}: the checkpoint tensor has shape {list(entry.shape)}, which the adapter's "
+            f"{factors.module} ({a_name} {a}, {b_name} {b}) fits only as a transformers Conv1D weight stored "
+            f"(in, out), but {factors.module} is an nn.Linear ({why}): load_adapter refuses this adapter "
+            f"(shape mismatch), so the merge does too; were lora_A and lora_B swapped?"
+        )
+    needed = " or ".join(
+        f"{list(lay.weight_shape(a, b))} ({lay.name})"
+        for lay in factors.layouts
+        if lay.fits(a, b) and (transposed or lay is not TRANSPOSED)
+    )
     raise MergeError(
         f"{entry.name}: the checkpoint tensor has shape {list(entry.shape)} but the adapter's "
         f"{factors.module} ({a_name} {a}, {b_name} {b}) needs {needed or 'a LoRA pair'}"
     )
 
 
-def _evidence(adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str]) -> dict[str, set[Layout]]:
+def _evidence(
+    adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str], transposed: bool
+) -> dict[str, set[Layout]]:
     """The layouts of the unambiguous LoRA modules, by leaf name and under ``"*"``."""
     evidence: dict[str, set[Layout]] = {}
     for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None or TRANSPOSED not in factors.layouts:
             continue
         entry = checkpoint.entry(keys[f"{module}.weight"])  # resolve_keys mapped every target
-        fits = _fitting(factors, adapter.shapes[factors.key_a], adapter.shapes[factors.key_b], entry)
+        a, b = adapter.shapes[factors.key_a], adapter.shapes[factors.key_b]
+        fits = _fitting(factors, a, b, entry, transposed)
         if len(fits) == 1:
             for name in (module.rpartition(".")[2], "*"):
                 evidence.setdefault(name, set()).add(fits[0])
@@ -564,9 +647,20 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
             "scale m / ||W + s B A|| needs the whole weight. Load it (loragen.load_adapter) and call "
             "loragen.merge_and_unload, then save the model"
         )
+    if not adapter.keys:
+        raise MergeError(
+            f"{adapter.weights_path}: the adapter holds no tensors (no LoRA factors, nothing saved in full); "
+            "there is nothing to merge, and load_adapter refuses it too (missing keys)"
+        )
     used_map, keys = resolve_keys(_targets(adapter), checkpoint, key_map)
-    evidence = _evidence(adapter, checkpoint, keys)
+    target_problems = _target_problems(adapter, checkpoint, used_map)
+    if target_problems:
+        raise MergeError(
+            f"{adapter.folder}: the adapter's config and its weights disagree, so load_adapter refuses it and "
+            "the merge does too:\n  " + "\n  ".join(target_problems)
+        )
     architecture = functools.cache(lambda: _architecture_layout(checkpoint))
+    evidence = _evidence(adapter, checkpoint, keys, _transposed_allowed(config, architecture))
     ops: dict[str, list[MergeOp]] = {}
     problems: list[str] = []
     for key, info in sorted(adapter.keys.items()):
