@@ -978,6 +978,28 @@ def _owned(folder: Path, marker: MergeMarker | None) -> dict[str, FileIdentity]:
     return owned
 
 
+def _leftover(path: Path) -> bool:
+    """Whether ``path`` is what a merge killed before its marker was written leaves: a loragen temporary,
+    or a plain folder holding nothing else."""
+    if _TEMPORARY.fullmatch(path.name):
+        return True
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        for root, folders, files in os.walk(path, onerror=_raise):
+            if any(Path(root, name).is_symlink() for name in folders):
+                return False
+            if not all(_TEMPORARY.fullmatch(name) for name in files):
+                return False
+    except OSError:  # unreadable: not known to hold nothing
+        return False
+    return True
+
+
+def _raise(error: OSError) -> None:
+    raise error
+
+
 def _check_output(base: Path, adapter: Path, out: Path, ours: Iterable[str] = ()) -> MergeMarker | None:
     """Refuse an output that would write into or onto the base or the adapter, or replace other files
     (see :func:`merge_checkpoint`), raising MergeError; returns the marker of a previous merge into the
@@ -1005,7 +1027,7 @@ def _check_output(base: Path, adapter: Path, out: Path, ours: Iterable[str] = ()
         marker, why = read_marker(out)
         if marker is not None:
             return marker
-        held = sorted(n for n in os.listdir(out) if not _TEMPORARY.fullmatch(n) and n not in set(ours))
+        held = sorted(n for n in os.listdir(out) if n not in set(ours) and not _leftover(out / n))
         if held:
             shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
             raise MergeError(
