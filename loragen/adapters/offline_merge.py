@@ -434,14 +434,13 @@ def _target_problems(adapter: Adapter, checkpoint: Checkpoint, key_map: KeyMap) 
                 paths.setdefault(path)
     candidates = [Candidate(path=path, layer="checkpoint module", linear=True) for path in paths]
     plan = resolve_candidates(adapter.config, candidates)
-    config = plan.config
-    selection = f"target_modules={list(targets) if not isinstance(targets, str) else targets!r}"
-    if config.layers_to_transform is not None:
-        selection += f", layers_to_transform={config.layers_to_transform!r}"
-        if config.layers_pattern is not None:
-            selection += f", layers_pattern={config.layers_pattern!r}"
-    if config.exclude_modules is not None:
-        selection += f", exclude_modules={config.exclude_modules!r}"
+    fields = ("target_modules", "layers_to_transform", "layers_pattern", "exclude_modules")
+    values = {name: getattr(adapter.config, name) for name in fields}  # as adapter_config.json gives them
+    selection = ", ".join(
+        f"{name}={list(value) if isinstance(value, tuple) else value!r}"
+        for name, value in values.items()
+        if value is not None
+    )
     problems = [
         f"{', '.join(factors.keys)}: LoRA factors of {module}, which {selection} does not select "
         "(unexpected keys)"
