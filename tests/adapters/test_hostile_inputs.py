@@ -278,7 +278,9 @@ def _edit_config(adapter: Path, **changes: object) -> None:
     config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
 
 
-@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN", "1" + "0" * 400])
+@pytest.mark.parametrize(
+    "value", ["Infinity", "-Infinity", "NaN", "1" + "0" * 400], ids=["inf", "-inf", "nan", "401-digits"]
+)
 def test_a_non_finite_alpha_pattern_value_is_refused_by_merge_as_by_load(
     files, tmp_path, capsys, value
 ) -> None:
