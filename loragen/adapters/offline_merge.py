@@ -1153,6 +1153,7 @@ def _write_folder(
     created = not os.path.lexists(out)
     out.mkdir(parents=True, exist_ok=True)
     made: list[Path] = []  # folders this merge created inside ``out``
+    committing = False  # whether files are being renamed into place
     record = {"base": str(checkpoint.root.resolve()), "adapter": str(plan.adapter.folder.resolve())}
     try:
         with _folder_locked(out):
@@ -1180,19 +1181,24 @@ def _write_folder(
                 }
                 journal.update((name, (identity,)) for name, identity in stale.items())
                 atomic_write_bytes(out / MERGE_MARKER_NAME, MergeMarker(journal, False, **record).to_json())
+                committing = True
             removed = [name for name, identity in stale.items() if _remove_own(out, name, identity)]
             done = {name: _file_identity(out / name) or identity for name, identity in new.items()}
             atomic_write_bytes(
                 out / MERGE_MARKER_NAME,
                 MergeMarker({n: (i,) for n, i in done.items()}, True, **record).to_json(),
             )
+    except OSError as exc:
+        _undo(out, made, created)
+        if committing and not isinstance(exc, WriteError):
+            raise WriteError(
+                exc.errno,
+                f"{out}: the merged files could not all be renamed into place ({exc}); it holds some new files and "
+                f"some old ones, all listed in its {MERGE_MARKER_NAME}: run the merge again to finish it",
+            ) from exc
+        raise
     except BaseException:
-        for folder in reversed(made):
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only if empty: the merge failed before any file was renamed into it
-        if created:
-            with contextlib.suppress(OSError):
-                out.rmdir()
+        _undo(out, made, created)
         raise
     return _Written(
         files=tuple(out / shard.name for shard in checkpoint.files),
@@ -1201,6 +1207,13 @@ def _write_folder(
         removed=tuple(removed),
         nbytes=sum(size for size, _ in done.values()),
     )
+
+
+def _undo(out: Path, made: list[Path], created: bool) -> None:
+    """Remove the folders a failed merge created, where they are empty (no file was renamed into them)."""
+    for folder in [*reversed(made), *([out] if created else [])]:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def _remove_own(out: Path, name: str, identity: FileIdentity) -> bool:

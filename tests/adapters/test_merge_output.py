@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from loragen import save_adapter
 from loragen.adapters import offline_merge
 from loragen.adapters.offline_merge import MERGE_MARKER_NAME, MergeError, merge_checkpoint, read_marker
+from loragen.atomic import WriteError
 from loragen.cli import main
 from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
 
@@ -307,3 +308,42 @@ def test_files_others_write_into_a_merge_output_during_re_merges_all_survive(fil
     assert written
     for i, path in enumerate(written):
         assert path.read_text() == str(i)
+
+
+def test_a_file_that_appears_at_a_one_file_output_during_the_merge_is_kept(
+    files, tmp_path, monkeypatch
+) -> None:
+    _, adapter, _ = files
+    save_file({k: v.contiguous() for k, v in TinyNet().state_dict().items()}, tmp_path / "one.safetensors")
+    out = tmp_path / "merged.safetensors"
+    _during_the_merge(monkeypatch, lambda: out.write_text("my notes"))
+    with pytest.raises(MergeError, match="not a safetensors checkpoint"):
+        merge_checkpoint(tmp_path / "one.safetensors", adapter, out)
+    assert out.read_text() == "my notes"
+
+
+def test_a_merge_cut_off_while_renaming_its_files_is_finished_by_the_next(
+    files, tmp_path, monkeypatch
+) -> None:
+    base, adapter, out = files
+    merge_checkpoint(base, adapter, out)
+    (out / "notes.txt").write_text("mine")
+    save_adapter(tiny_lora(7), tmp_path / "newer")
+    merge_checkpoint(base, tmp_path / "newer", tmp_path / "reference")
+    replace = os.replace
+    calls = []
+
+    def failing(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:  # the marker listing old and new files, then one file, then none
+            raise OSError(28, "No space left on device")
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(WriteError, match="run the merge again to finish it"):
+        merge_checkpoint(base, tmp_path / "newer", out)
+    monkeypatch.setattr(os, "replace", replace)
+    merge_checkpoint(base, tmp_path / "newer", out)
+    expected = tree_snapshot(tmp_path / "reference")
+    del expected[MARKER]
+    assert {k: v for k, v in tree_snapshot(out).items() if k != MARKER} == {**expected, "notes.txt": b"mine"}
