@@ -470,12 +470,11 @@ def _fitting(
     ]
 
 
-def _transposed_allowed(config: LoraConfig, architecture: Callable[[], Layout | None]) -> bool:
-    """Whether a module may be a transformers ``Conv1D``, as ``load_adapter`` would find it: the checkpoint's
-    architecture decides where it is known (a model without ``Conv1D`` has none), else ``fan_in_fan_out``
-    (peft and ``save_adapter`` write true for ``Conv1D`` models)."""
-    known = architecture()
-    return known is TRANSPOSED if known is not None else config.fan_in_fan_out
+def _transposed_allowed(architecture: Callable[[], Layout | None]) -> bool:
+    """Whether a module may be stored transposed, (in, out), as a transformers ``Conv1D``: not in a checkpoint
+    whose ``config.json`` architecture has no ``Conv1D`` layers, where ``load_adapter`` finds an ``nn.Linear``;
+    elsewhere the shapes decide (a model of unknown type may hold a layer type registered as transposed)."""
+    return architecture() is not PLAIN
 
 
 def _layout(
@@ -498,7 +497,7 @@ def _layout(
         MergeError: no layout of the module's factor names gives the tensor's shape (names both shapes),
             or a square weight whose layer type cannot be told (names the module).
     """
-    transposed = _transposed_allowed(config, architecture)
+    transposed = _transposed_allowed(architecture)
     fits = _fitting(factors, a, b, entry, transposed)
     if len(fits) > 1:
         leaf = factors.module.rpartition(".")[2]
@@ -523,16 +522,12 @@ def _layout(
         return fits[0]
     a_name, b_name = factors.names
     if any(lay.weight_shape(a, b) == entry.shape for lay in factors.layouts if lay.fits(a, b)):
-        why = (
-            "the checkpoint's config.json names an architecture without Conv1D layers"
-            if architecture() is not None
-            else "fan_in_fan_out=false in adapter_config.json and no config.json architecture says otherwise"
-        )
         raise MergeError(
             f"{entry.name}: the checkpoint tensor has shape {list(entry.shape)}, which the adapter's "
             f"{factors.module} ({a_name} {a}, {b_name} {b}) fits only as a transformers Conv1D weight stored "
-            f"(in, out), but {factors.module} is an nn.Linear ({why}): load_adapter refuses this adapter "
-            f"(shape mismatch), so the merge does too; were lora_A and lora_B swapped?"
+            f"(in, out), but {factors.module} is an nn.Linear (the checkpoint's config.json names an "
+            "architecture without Conv1D layers): load_adapter refuses this adapter (shape mismatch), so the "
+            "merge does too; were lora_A and lora_B swapped?"
         )
     needed = " or ".join(
         f"{list(lay.weight_shape(a, b))} ({lay.name})"
@@ -666,7 +661,7 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
             "the merge does too:\n  " + "\n  ".join(target_problems)
         )
     architecture = functools.cache(lambda: _architecture_layout(checkpoint))
-    evidence = _evidence(adapter, checkpoint, keys, _transposed_allowed(config, architecture))
+    evidence = _evidence(adapter, checkpoint, keys, _transposed_allowed(architecture))
     ops: dict[str, list[MergeOp]] = {}
     problems: list[str] = []
     for key, info in sorted(adapter.keys.items()):
