@@ -944,11 +944,25 @@ def read_marker(folder: str | os.PathLike[str]) -> tuple[MergeMarker | None, str
     ), ""
 
 
+def _mount_points() -> frozenset[str]:
+    """Every mount point of this process (Linux's ``/proc/self/mountinfo``, which also shows bind mounts of a
+    folder of the same file system); empty where it cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as info:
+            fields = [line.split(" ") for line in info]
+    except OSError:
+        return frozenset()
+    # the mount point is the fifth field, with space, tab, newline and backslash escaped in octal
+    unescape = functools.partial(re.sub, r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)))
+    return frozenset(unescape(f[4]) for f in fields if len(f) > 4)
+
+
 def _crossing(folder: Path, path: Path) -> Path | None:
     """The first entry between ``folder`` and ``path`` (``path``'s parents inside ``folder``) that is not a
     plain folder of ``folder``'s file system (a link, a mount point, a file), or None."""
     device = os.lstat(folder).st_dev
     current = folder
+    mounts: frozenset[str] | None = None
     for part in path.relative_to(folder).parts[:-1]:
         current = current / part
         try:
@@ -956,6 +970,9 @@ def _crossing(folder: Path, path: Path) -> Path | None:
         except FileNotFoundError:
             return None  # the merge creates it
         if not stat.S_ISDIR(st.st_mode) or st.st_dev != device or os.path.ismount(current):
+            return current
+        mounts = _mount_points() if mounts is None else mounts
+        if os.path.realpath(current) in mounts:  # a bind mount of a folder of the same file system
             return current
     return None
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -347,3 +349,43 @@ def test_a_merge_cut_off_while_renaming_its_files_is_finished_by_the_next(
     expected = tree_snapshot(tmp_path / "reference")
     del expected[MARKER]
     assert {k: v for k, v in tree_snapshot(out).items() if k != MARKER} == {**expected, "notes.txt": b"mine"}
+
+
+@pytest.fixture
+def bind_mount():
+    """``bind_mount(source, target)``: a real bind mount, undone after the test (skips where not permitted)."""
+    mounted: list[Path] = []
+
+    def mount(source: Path, target: Path) -> None:
+        if shutil.which("mount") is None:
+            pytest.skip("no mount command")
+        done = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True, check=False)
+        if done.returncode:
+            pytest.skip(f"bind mounts are not permitted here: {done.stderr.decode().strip()}")
+        mounted.append(target)
+
+    yield mount
+    for target in reversed(mounted):
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def test_a_real_bind_mount_in_the_output_is_never_emptied_nor_written_into(
+    files, tmp_path, bind_mount
+) -> None:
+    base, adapter, out = files
+    merge_checkpoint(base, adapter, out)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "data.bin").write_bytes(b"on the volume")
+    (out / "cache").mkdir()
+    bind_mount(volume, out / "cache")
+    merge_checkpoint(base, adapter, out)
+    assert (volume / "data.bin").read_bytes() == b"on the volume"
+
+    for path in sorted((out / "tokenizer").rglob("*"), reverse=True):
+        path.rmdir() if path.is_dir() else path.unlink()
+    bind_mount(volume, out / "tokenizer")  # the same file system: only the mount table tells
+    before = tree_snapshot(volume)
+    with pytest.raises(MergeError, match="is a link, a mount point or not a folder"):
+        merge_checkpoint(base, adapter, out)
+    assert tree_snapshot(volume) == before
