@@ -86,9 +86,18 @@ def check_rank(value: Any, field: str = "r") -> int:
 
 def check_alpha(value: Any, field: str = "lora_alpha") -> float:
     """A LoRA alpha: a finite number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise LoraConfigError(f"{field}={value!r}: expected a finite number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        shown = f"an integer of {len(str(value))} digits" if isinstance(value, int) else repr(value)
+        raise LoraConfigError(f"{field}={shown}: expected a finite number")
     return value
+
+
+def _finite(value: float) -> bool:
+    """Whether ``value`` is finite as a float (an integer too large for one is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_dropout(value: Any, field: str = "lora_dropout") -> float:
@@ -199,6 +208,8 @@ def _freeze_pattern(field: str, value: Any, kind: type) -> Mapping[str, Any]:
             raise LoraConfigError(f"{field}[{key!r}]={item!r}: expected a {kind.__name__}")
         if kind is int:
             check_rank(item, f"{field}[{key!r}]")
+        else:
+            check_alpha(item, f"{field}[{key!r}]")
     return FrozenDict({k: kind(v) for k, v in value.items()})
 
 

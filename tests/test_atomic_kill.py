@@ -1,8 +1,8 @@
 """Writers killed at any moment leave the old or the new content, complete, and nothing else changed.
 
-A forked child writes (``atomic_dir``, ``save_adapter``, ``merge_checkpoint``) with every file-system
-step loragen's writer takes (rename, exchange, fsync, chmod, write, delete, the tensor file write...)
-counted; it SIGKILLs itself before step ``k``, which hypothesis draws. Then:
+A forked child writes (``atomic_dir``, ``save_adapter``) with every file-system
+step loragen's writer takes (rename, exchange, fsync, chmod, delete, the tensor file write...) counted;
+it SIGKILLs itself before step ``k``, which hypothesis draws. Then:
 
 - a folder swapped in whole: with the exchange rename, the target holds the old or the new content at once
   (never missing); without it (the journalled fallback), the next write completes or rolls back the swap;
@@ -31,15 +31,13 @@ import safetensors.torch
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
 from torch import nn
 
 import loragen.atomic
 from loragen import LoraConfig, add_adapter, get_lora_model, save_adapter
 from loragen.adapters.folder import read_adapter
-from loragen.adapters.offline_merge import merge_checkpoint
 from loragen.atomic import atomic_dir
-from tests.adapters.helpers import TinyNet, perturb_trainable, tiny_lora, tree_snapshot
+from tests.adapters.helpers import TinyNet, perturb_trainable, tree_snapshot
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
@@ -215,32 +213,6 @@ def test_save_adapter_killed_anywhere(tmp_path_factory, existing: bool, step: in
 
     save_adapter(new_model, target)  # the next save: the new adapter, no leftovers
     assert tree_snapshot(target) == new_state
-
-
-@_SETTINGS
-@given(previous=st.booleans(), step=st.integers(0, 20), journal=st.booleans())
-def test_merge_killed_anywhere(tmp_path_factory, previous: bool, step: int, journal: bool) -> None:
-    parent = tmp_path_factory.mktemp("parent")
-    (parent / "base").mkdir()
-    save_file(
-        {k: v.contiguous() for k, v in TinyNet().state_dict().items()}, parent / "base" / "model.safetensors"
-    )
-    save_adapter(tiny_lora(3), parent / "adapter")
-    target = parent / "merged"
-    if previous:
-        save_adapter(tiny_lora(4), parent / "older")
-        merge_checkpoint(parent / "base", parent / "older", target, progress=False)
-        shutil.rmtree(parent / "older")
-    old_state = tree_snapshot(target) if target.exists() else None
-    reference = tmp_path_factory.mktemp("reference") / "merged"
-    merge_checkpoint(parent / "base", parent / "adapter", reference, progress=False)
-    before = tree_snapshot(parent)
-
-    # the reference merged the same base and adapter, so even the marker is the same
-    _run_killed(
-        lambda: merge_checkpoint(parent / "base", parent / "adapter", target, progress=False), step, journal
-    )
-    _check(parent, target, before, old_state, tree_snapshot(reference), journal)
 
 
 def _child(work: Callable[[], None]) -> int:

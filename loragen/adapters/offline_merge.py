@@ -5,17 +5,21 @@ to its own checkpoint tensor (:func:`resolve_keys`: one to one, explained, never
 change is decided before a byte is written (:func:`plan_merge`). Each output file gets the input's header
 verbatim (same names, dtypes, shapes, so the same offsets); untouched byte ranges are copied, and each
 touched tensor is merged a block of rows at a time in fp32 and rounded once. Peak memory is a few blocks
-plus one module's factors; the output appears atomically (:mod:`loragen.atomic`).
+plus one module's factors. Each output file appears atomically (:mod:`loragen.atomic`); an output folder's
+``loragen_merge.json`` lists the files the merge wrote, the only ones a later merge replaces or removes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
 import math
 import os
+import re
 import shutil
+import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,17 +37,19 @@ from loragen.adapters.files import (
     read_safetensors_header,
 )
 from loragen.adapters.folder import Adapter, LoraFactors, read_adapter
-from loragen.atomic import WriteError, atomic_dir, atomic_file
-from loragen.config import LoraConfig
+from loragen.atomic import WriteError, _folder_locked, atomic_file, atomic_write_bytes
+from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import AdapterError, MergeError
 from loragen.layouts import PLAIN, TRANSPOSED, Layout
-from loragen.plan import entry_for, targets_parameters_of
+from loragen.plan import Candidate, entry_for, resolve_candidates, targets_parameters_of
 
 __all__ = [
     "MERGEABLE_DTYPES",
+    "MERGE_MARKER_NAME",
     "Checkpoint",
     "KeyMap",
     "MergeError",
+    "MergeMarker",
     "MergeOp",
     "MergePlan",
     "MergeReport",
@@ -53,6 +59,7 @@ __all__ = [
     "merge_checkpoint",
     "open_checkpoint",
     "plan_merge",
+    "read_marker",
     "resolve_keys",
 ]
 
@@ -62,7 +69,7 @@ _BLOCK_BYTES = 4 << 20
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MODEL_CONFIG_NAME = "config.json"
-# every folder loragen merge writes holds this file; a later merge may replace such a folder
+# every folder loragen merge writes holds this file, listing the files it wrote (see MergeMarker)
 MERGE_MARKER_NAME = "loragen_merge.json"
 
 
@@ -401,10 +408,73 @@ def _targets(adapter: Adapter) -> dict[str, list[str]]:
     return targets
 
 
+def _adapter_path(key_map: KeyMap, key: str) -> str | None:
+    """The adapter path that ``key_map`` sends to the checkpoint key ``key`` (through a rule rather than
+    unchanged, where both would), or None."""
+    inverse = [PrefixRule(rule.new, rule.old) for rule in key_map.rules]
+    paths = [rule.apply(key) for rule in inverse if rule.matches(key)] + [key]
+    return next((p for p in paths if key_map.apply(p) == key), None)
+
+
+def _target_problems(adapter: Adapter, checkpoint: Checkpoint, key_map: KeyMap) -> list[str]:
+    """Where the adapter's config and weights disagree as ``load_adapter`` finds it on the checkpoint's model:
+    LoRA factors of a module its ``target_modules`` / ``layers_to_transform`` / ``exclude_modules`` do not
+    select (unexpected keys), and a checkpoint module they select with no factors (missing keys). The
+    modules are those of the checkpoint (each tensor ``M.weight`` of two or more dimensions, under the
+    adapter's paths) and of the adapter; :func:`loragen.plan.resolve_candidates` selects among them."""
+    targets = adapter.config.target_modules
+    if targets is None or targets == ALL_LINEAR:  # resolved per model type / layer type: not told by names
+        return []
+    modules = adapter.lora_modules()
+    paths = dict.fromkeys(modules)
+    for name in checkpoint.owner:
+        if name.endswith(".weight") and len(checkpoint.entry(name).shape) >= 2:
+            path = _adapter_path(key_map, name.removesuffix(".weight"))
+            if path:
+                paths.setdefault(path)
+    candidates = [Candidate(path=path, layer="checkpoint module", linear=True) for path in paths]
+    plan = resolve_candidates(adapter.config, candidates)
+    fields = ("target_modules", "layers_to_transform", "layers_pattern", "exclude_modules")
+    values = {name: getattr(adapter.config, name) for name in fields}  # as adapter_config.json gives them
+    selection = ", ".join(
+        f"{name}={list(value) if isinstance(value, tuple) else value!r}"
+        for name, value in values.items()
+        if value is not None
+    )
+    problems = [
+        f"{', '.join(factors.keys)}: LoRA factors of {module}, which {selection} does not select "
+        "(unexpected keys)"
+        for module, factors in modules.items()
+        if module not in plan.entries
+    ]
+    missing = [path for path in plan.entries if path not in modules]
+    problems += [
+        f"{path}: {selection} selects it (checkpoint tensor {key_map.apply(path)}.weight), but the adapter "
+        "has no LoRA factors for it (missing keys)"
+        for path in missing[:20]
+    ]
+    if len(missing) > 20:
+        problems.append(f"... and {len(missing) - 20} more modules without factors")
+    return problems
+
+
 def _fitting(
-    factors: LoraFactors, a: tuple[int, ...], b: tuple[int, ...], entry: TensorEntry
+    factors: LoraFactors, a: tuple[int, ...], b: tuple[int, ...], entry: TensorEntry, transposed: bool
 ) -> list[Layout]:
-    return [lay for lay in factors.layouts if lay.fits(a, b) and lay.weight_shape(a, b) == entry.shape]
+    """The layouts of ``factors`` in which ``B @ A`` has ``entry``'s shape; TRANSPOSED (a transformers
+    ``Conv1D``, weight stored (in, out)) only where ``transposed`` says the module may be one."""
+    return [
+        lay
+        for lay in factors.layouts
+        if lay.fits(a, b) and lay.weight_shape(a, b) == entry.shape and (transposed or lay is not TRANSPOSED)
+    ]
+
+
+def _transposed_allowed(architecture: Callable[[], Layout | None]) -> bool:
+    """Whether a module may be stored transposed, (in, out), as a transformers ``Conv1D``: not in a checkpoint
+    whose ``config.json`` architecture has no ``Conv1D`` layers, where ``load_adapter`` finds an ``nn.Linear``;
+    elsewhere the shapes decide (a model of unknown type may hold a layer type registered as transposed)."""
+    return architecture() is not PLAIN
 
 
 def _layout(
@@ -427,7 +497,8 @@ def _layout(
         MergeError: no layout of the module's factor names gives the tensor's shape (names both shapes),
             or a square weight whose layer type cannot be told (names the module).
     """
-    fits = _fitting(factors, a, b, entry)
+    transposed = _transposed_allowed(architecture)
+    fits = _fitting(factors, a, b, entry, transposed)
     if len(fits) > 1:
         leaf = factors.module.rpartition(".")[2]
         for seen in (evidence.get(leaf, set()), evidence.get("*", set())):
@@ -449,24 +520,37 @@ def _layout(
         fits = [lay for lay in fits if lay is PLAIN] or fits[:1]
     if fits:
         return fits[0]
-    needed = " or ".join(
-        f"{list(lay.weight_shape(a, b))} ({lay.name})" for lay in factors.layouts if lay.fits(a, b)
-    )
     a_name, b_name = factors.names
+    if any(lay.weight_shape(a, b) == entry.shape for lay in factors.layouts if lay.fits(a, b)):
+        raise MergeError(
+            f"{entry.name}: the checkpoint tensor has shape {list(entry.shape)}, which the adapter's "
+            f"{factors.module} ({a_name} {a}, {b_name} {b}) fits only as a transformers Conv1D weight stored "
+            f"(in, out), but {factors.module} is an nn.Linear (the checkpoint's config.json names an "
+            "architecture without Conv1D layers): load_adapter refuses this adapter (shape mismatch), so the "
+            "merge does too; were lora_A and lora_B swapped?"
+        )
+    needed = " or ".join(
+        f"{list(lay.weight_shape(a, b))} ({lay.name})"
+        for lay in factors.layouts
+        if lay.fits(a, b) and (transposed or lay is not TRANSPOSED)
+    )
     raise MergeError(
         f"{entry.name}: the checkpoint tensor has shape {list(entry.shape)} but the adapter's "
         f"{factors.module} ({a_name} {a}, {b_name} {b}) needs {needed or 'a LoRA pair'}"
     )
 
 
-def _evidence(adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str]) -> dict[str, set[Layout]]:
+def _evidence(
+    adapter: Adapter, checkpoint: Checkpoint, keys: dict[str, str], transposed: bool
+) -> dict[str, set[Layout]]:
     """The layouts of the unambiguous LoRA modules, by leaf name and under ``"*"``."""
     evidence: dict[str, set[Layout]] = {}
     for module, factors in adapter.lora_modules().items():
         if factors.key_a is None or factors.key_b is None or TRANSPOSED not in factors.layouts:
             continue
         entry = checkpoint.entry(keys[f"{module}.weight"])  # resolve_keys mapped every target
-        fits = _fitting(factors, adapter.shapes[factors.key_a], adapter.shapes[factors.key_b], entry)
+        a, b = adapter.shapes[factors.key_a], adapter.shapes[factors.key_b]
+        fits = _fitting(factors, a, b, entry, transposed)
         if len(fits) == 1:
             for name in (module.rpartition(".")[2], "*"):
                 evidence.setdefault(name, set()).add(fits[0])
@@ -564,9 +648,20 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
             "scale m / ||W + s B A|| needs the whole weight. Load it (loragen.load_adapter) and call "
             "loragen.merge_and_unload, then save the model"
         )
+    if not adapter.keys:
+        raise MergeError(
+            f"{adapter.weights_path}: the adapter holds no tensors (no LoRA factors, nothing saved in full); "
+            "there is nothing to merge, and load_adapter refuses it too (missing keys)"
+        )
     used_map, keys = resolve_keys(_targets(adapter), checkpoint, key_map)
-    evidence = _evidence(adapter, checkpoint, keys)
+    target_problems = _target_problems(adapter, checkpoint, used_map)
+    if target_problems:
+        raise MergeError(
+            f"{adapter.folder}: the adapter's config and its weights disagree, so load_adapter refuses it and "
+            "the merge does too:\n  " + "\n  ".join(target_problems)
+        )
     architecture = functools.cache(lambda: _architecture_layout(checkpoint))
+    evidence = _evidence(adapter, checkpoint, keys, _transposed_allowed(architecture))
     ops: dict[str, list[MergeOp]] = {}
     problems: list[str] = []
     for key, info in sorted(adapter.keys.items()):
@@ -632,7 +727,10 @@ def plan_merge(checkpoint: Checkpoint, adapter: Adapter, key_map: KeyMap | None 
 
 @dataclass(frozen=True)
 class MergeReport:
-    """What :func:`merge_checkpoint` wrote (or, with ``dry_run=True``, would write: ``files`` empty)."""
+    """What :func:`merge_checkpoint` wrote (or, with ``dry_run=True``, would write: ``files`` empty):
+    ``extra_files`` the base folder's other files copied (relative paths), ``skipped`` those left out
+    (``"name (why)"``), ``removed`` the files of a previous merge into the folder that this one does not
+    write."""
 
     output: Path
     files: tuple[Path, ...]
@@ -643,6 +741,8 @@ class MergeReport:
     mapping: str = ""
     extra_files: tuple[str, ...] = ()
     keys: dict[str, str] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
 
 
 def _rows(tensors: Mapping[str, torch.Tensor], key: str, start: int, stop: int) -> torch.Tensor:
@@ -736,9 +836,185 @@ def _overlaps(a: Path, b: Path) -> bool:
     return resolved_a == resolved_b or resolved_b in resolved_a.parents
 
 
-def _check_output(base: Path, adapter: Path, out: Path) -> None:
+# ---- the output folder: what a previous merge wrote ------------------------------------------------
+
+MARKER_FORMAT = "loragen merge output"
+MARKER_VERSION = 2
+_MARKER_MAX_BYTES = 64 << 20
+# loragen's temporary names beside a file being written (.NAME.loragen-PID-RANDOM.tmp, see loragen.atomic)
+_TEMPORARY = re.compile(r"\..+\.loragen-\d+-[0-9a-f]+\.(tmp|new|old)")
+
+FileIdentity = tuple[int, int]  # (size, mtime_ns) of a file as a merge wrote it
+
+
+def _file_identity(path: Path) -> FileIdentity | None:
+    """``(size, mtime_ns)`` of ``path`` if it is a regular file (links not followed), else None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
+
+
+def _is_relative_name(name: object) -> bool:
+    """Whether ``name`` is a path inside a folder: ``/``-separated parts, none empty, ``.`` or ``..``."""
+    return (
+        isinstance(name, str)
+        and not any(c in name for c in "\\\0")
+        and all(part not in ("", ".", "..") for part in name.split("/"))
+        and name != MERGE_MARKER_NAME
+    )
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class MergeMarker:
+    """``loragen_merge.json``: the files a merge wrote into its output folder (paths relative to it), each
+    with the identities ``(size, mtime_ns)`` it may have (two while a merge replaces it: the old and the
+    new), and whether that merge completed. A later merge replaces or removes a listed file only while it
+    still has one of its identities, and never touches anything else."""
+
+    files: dict[str, tuple[FileIdentity, ...]]
+    complete: bool
+    base: str = ""
+    adapter: str = ""
+
+    def to_json(self) -> bytes:
+        """The marker file's content."""
+        record = {
+            "format": MARKER_FORMAT,
+            "version": MARKER_VERSION,
+            "complete": self.complete,
+            "base": self.base,
+            "adapter": self.adapter,
+            "files": {name: [list(i) for i in ids] for name, ids in sorted(self.files.items())},
+            "note": (
+                "written by loragen merge: a later loragen merge into this folder replaces or removes the files "
+                "listed here (while they are as this merge wrote them), and nothing else"
+            ),
+        }
+        return (json.dumps(record, indent=2) + "\n").encode("utf-8")
+
+
+def read_marker(folder: str | os.PathLike[str]) -> tuple[MergeMarker | None, str]:
+    """The marker of a previous ``loragen merge`` into ``folder``, or None and why there is none (a missing,
+    empty, linked, malformed or foreign ``loragen_merge.json``). Never raises for the file's content."""
+    path = Path(folder) / MERGE_MARKER_NAME
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None, f"no {MERGE_MARKER_NAME}"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{path} is not a regular file"
+    if st.st_size > _MARKER_MAX_BYTES:
+        return None, f"{path} is too large ({st.st_size} bytes) to be loragen's"
+    try:
+        data = read_json_file(path, MergeError)
+    except MergeError as exc:
+        return None, f"{path} is not loragen's ({exc})"
+    if not isinstance(data, dict) or data.get("format") != MARKER_FORMAT:
+        older = isinstance(data, dict) and "loragen_merge" in data
+        return None, (
+            f"{path} was written by an older loragen merge, which did not record the files it wrote"
+            if older
+            else f'{path} is not loragen\'s (no "format": "{MARKER_FORMAT}")'
+        )
+    if data.get("version") != MARKER_VERSION or not isinstance(data.get("complete"), bool):
+        return None, f"{path}: unknown version {data.get('version')!r} (this loragen writes {MARKER_VERSION})"
+    files = data.get("files")
+    if not isinstance(files, dict):
+        return None, f'{path}: "files" is not {{relative path: [[size, mtime_ns], ...]}}'
+    valid = all(
+        _is_relative_name(name)
+        and isinstance(ids, list)
+        and 1 <= len(ids) <= 2
+        and all(isinstance(i, list) and len(i) == 2 and all(map(_is_count, i)) for i in ids)
+        for name, ids in files.items()
+    )
+    if not valid:
+        return None, f'{path}: "files" is not {{relative path: [[size, mtime_ns], ...]}}'
+    return MergeMarker(
+        {name: tuple((i[0], i[1]) for i in ids) for name, ids in files.items()},
+        data["complete"],
+        str(data.get("base", "")),
+        str(data.get("adapter", "")),
+    ), ""
+
+
+def _mount_points() -> frozenset[str]:
+    """Every mount point of this process (Linux's ``/proc/self/mountinfo``, which also shows bind mounts of a
+    folder of the same file system); empty where it cannot be read."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as info:
+            fields = [line.split(" ") for line in info]
+    except OSError:
+        return frozenset()
+    # the mount point is the fifth field, with space, tab, newline and backslash escaped in octal
+    unescape = functools.partial(re.sub, r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)))
+    return frozenset(unescape(f[4]) for f in fields if len(f) > 4)
+
+
+def _crossing(folder: Path, path: Path) -> Path | None:
+    """The first entry between ``folder`` and ``path`` (``path``'s parents inside ``folder``) that is not a
+    plain folder of ``folder``'s file system (a link, a mount point, a file), or None."""
+    device = os.lstat(folder).st_dev
+    current = folder
+    mounts: frozenset[str] | None = None
+    for part in path.relative_to(folder).parts[:-1]:
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return None  # the merge creates it
+        if not stat.S_ISDIR(st.st_mode) or st.st_dev != device or os.path.ismount(current):
+            return current
+        mounts = _mount_points() if mounts is None else mounts
+        if os.path.realpath(current) in mounts:  # a bind mount of a folder of the same file system
+            return current
+    return None
+
+
+def _owned(folder: Path, marker: MergeMarker | None) -> dict[str, FileIdentity]:
+    """The files ``marker`` lists that are still as a merge wrote them (a regular file with a listed identity,
+    reached through plain folders): ``{name: identity}``."""
+    owned = {}
+    for name, identities in (marker.files if marker else {}).items():
+        path = folder / name
+        identity = _file_identity(path) if _crossing(folder, path) is None else None
+        if identity is not None and identity in identities:
+            owned[name] = identity
+    return owned
+
+
+def _leftover(path: Path) -> bool:
+    """Whether ``path`` is what a merge killed before its marker was written leaves: a loragen temporary,
+    or a plain folder holding nothing else."""
+    if _TEMPORARY.fullmatch(path.name):
+        return True
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        for root, folders, files in os.walk(path, onerror=_raise):
+            if any(Path(root, name).is_symlink() for name in folders):
+                return False
+            if not all(_TEMPORARY.fullmatch(name) for name in files):
+                return False
+    except OSError:  # unreadable: not known to hold nothing
+        return False
+    return True
+
+
+def _raise(error: OSError) -> None:
+    raise error
+
+
+def _check_output(base: Path, adapter: Path, out: Path, ours: Iterable[str] = ()) -> MergeMarker | None:
     """Refuse an output that would write into or onto the base or the adapter, or replace other files
-    (see :func:`merge_checkpoint`), raising MergeError."""
+    (see :func:`merge_checkpoint`), raising MergeError; returns the marker of a previous merge into the
+    output folder. ``ours``: entries of the output folder the running merge made."""
     for what, other in (("base checkpoint", base), ("adapter", adapter)):
         if _overlaps(out, other):
             raise MergeError(
@@ -746,7 +1022,7 @@ def _check_output(base: Path, adapter: Path, out: Path) -> None:
             )
         if os.path.lexists(out) and _overlaps(other, out):
             raise MergeError(
-                f"refusing to write {out}: it contains the {what} {other}, which replacing it would delete"
+                f"refusing to write {out}: it contains the {what} {other}, which writing it could change"
             )
     if out.is_symlink():
         raise MergeError(
@@ -757,16 +1033,19 @@ def _check_output(base: Path, adapter: Path, out: Path) -> None:
             raise MergeError(
                 f"{out} is a file, but the base {base} is a folder of shards: the output must be a folder"
             )
-        marker = out / MERGE_MARKER_NAME
-        if out.is_dir() and not (marker.is_file() and not marker.is_symlink()):
-            held = sorted(p.name for p in out.iterdir())
-            if held:
-                shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-                raise MergeError(
-                    f"refusing to write {out}: the folder holds other files ({shown}) and is not a previous "
-                    f"loragen merge output (no {MERGE_MARKER_NAME}); give a new or empty folder"
-                )
-        return
+        if not out.is_dir():
+            return None
+        marker, why = read_marker(out)
+        if marker is not None:
+            return marker
+        held = sorted(n for n in os.listdir(out) if n not in set(ours) and not _leftover(out / n))
+        if held:
+            shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+            raise MergeError(
+                f"refusing to write {out}: the folder holds other files ({shown}) and is not a previous loragen "
+                f"merge output ({why}); give a new or empty folder"
+            )
+        return None
     if out.is_dir():
         raise MergeError(f"{out} is a folder, but the base {base} is one file: give an output file path")
     if out.exists():
@@ -776,45 +1055,195 @@ def _check_output(base: Path, adapter: Path, out: Path) -> None:
             raise MergeError(
                 f"refusing to overwrite {out}: it is not a safetensors checkpoint; give a new file path"
             ) from None
+    return None
 
 
-def _write(plan: MergePlan, out_path: Path, progress: bool | None) -> tuple[tuple[Path, ...], list[str]]:
-    """Write the merged checkpoint atomically; returns its files and the extra files copied."""
+def _check_names(out: Path, names: Iterable[str], owned: Mapping[str, FileIdentity]) -> None:
+    """Refuse to write a file of ``names`` through a link or mount point, or onto a file a previous merge
+    did not write (or that changed since)."""
+    for name in names:
+        path = out / name
+        crossing = _crossing(out, path)
+        if crossing is not None:
+            raise MergeError(
+                f"refusing to write {path}: {crossing} is a link, a mount point or not a folder; the merge "
+                f"writes only into plain folders of {out}"
+            )
+        if os.path.lexists(path) and name not in owned:
+            raise MergeError(
+                f"refusing to replace {path}: the previous loragen merge into {out} did not write it, or it was "
+                "changed since; move it away or choose another output"
+            )
+
+
+def _base_files(root: Path) -> tuple[list[tuple[str, Path]], list[str]]:
+    """The files of the base folder the merge copies beside its shards (``(relative name, source)``: the
+    index, ``config.json``, tokenizer files, subfolders file by file), and those it leaves out, each as
+    ``"name (why)"``: weights it does not merge, links to folders, hidden folders, special files."""
+    copies: list[tuple[str, Path]] = []
+    skipped: list[str] = []
+
+    def visit(folder: Path, prefix: str) -> None:
+        for item in sorted(folder.iterdir()):
+            name, rel = item.name, prefix + item.name
+            if (not prefix and name == MERGE_MARKER_NAME) or _TEMPORARY.fullmatch(name):
+                continue
+            if item.is_symlink() and item.is_dir():
+                skipped.append(f"{rel}/ (a link to a folder, not followed)")
+            elif item.is_dir():
+                if name.startswith("."):
+                    skipped.append(f"{rel}/ (a hidden folder)")
+                else:
+                    visit(item, rel + "/")
+            elif not item.is_file():
+                skipped.append(f"{rel} (not a regular file)")
+            elif name.endswith(_WEIGHT_SUFFIXES) and not name.endswith(INDEX_SUFFIX):
+                skipped.append(f"{rel} (weights this merge does not change)")
+            else:
+                copies.append((rel, item))
+
+    visit(root, "")
+    return copies, skipped
+
+
+@dataclass
+class _Written:
+    """What :func:`_write` wrote: the checkpoint files, the other files copied, those left out, those a
+    previous merge wrote that were removed, and the bytes written."""
+
+    files: tuple[Path, ...] = ()
+    extra: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    nbytes: int = 0
+
+
+def _write(plan: MergePlan, base: Path, adapter: Path, out: Path, progress: bool | None) -> _Written:
+    """Write the merged checkpoint: one file atomically, or a folder's files each atomically in place."""
     checkpoint = plan.checkpoint
     from tqdm.auto import tqdm  # only a merge that writes needs it
 
     total = sum(h.file_size for h in checkpoint.headers.values())
     shown = sys.stderr.isatty() if progress is None else progress
-    extra: list[str] = []
     with tqdm(
         total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="merging", disable=not shown
     ) as bar:
-        if not checkpoint.root.is_dir():
-            with atomic_file(out_path) as tmp:
-                _write_file(checkpoint.headers[checkpoint.root], tmp, plan, bar.update)
-            return (out_path,), extra
-        with atomic_dir(out_path) as tmp:
-            for shard in checkpoint.files:
-                _write_file(checkpoint.headers[shard], tmp / shard.name, plan, bar.update)
-            # the index, config.json, tokenizer files; not the shards, nor (unmerged) weights of other formats
-            written = {p.name for p in checkpoint.files} | {MERGE_MARKER_NAME}
-            for item in sorted(checkpoint.root.iterdir()):
-                name = item.name
-                if (
-                    item.is_file()
-                    and name not in written
-                    and (name.endswith(INDEX_SUFFIX) or not name.endswith(_WEIGHT_SUFFIXES))
-                ):
-                    shutil.copy2(item, tmp / name)  # the index is unchanged: same names, shards, sizes
-                    extra.append(name)
-            record = {
-                "loragen_merge": 1,
-                "base": str(checkpoint.root.resolve()),
-                "adapter": str(plan.adapter.folder.resolve()),
-                "note": "written by loragen merge; a later loragen merge may replace this folder",
-            }
-            (tmp / MERGE_MARKER_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        return tuple(out_path / shard.name for shard in checkpoint.files), extra
+        if checkpoint.root.is_dir():
+            return _write_folder(plan, base, adapter, out, bar.update)
+        with atomic_file(out) as tmp:
+            _write_file(checkpoint.headers[checkpoint.root], tmp, plan, bar.update)
+            _check_output(base, adapter, out)  # again: under the writers' lock, right before the replace
+        return _Written(files=(out,), nbytes=total)
+
+
+def _make_parents(out: Path, path: Path, made: list[Path]) -> None:
+    """Create the folders between ``out`` and ``path`` one by one, refusing links and mount points."""
+    current = out
+    for part in path.relative_to(out).parts[:-1]:
+        current = current / part
+        with contextlib.suppress(FileExistsError):
+            current.mkdir()
+            made.append(current)
+        crossing = _crossing(out, current / "_")
+        if crossing is not None:
+            raise MergeError(
+                f"refusing to write {path}: {crossing} is a link, a mount point or not a folder; the merge "
+                f"writes only into plain folders of {out}"
+            )
+
+
+def _write_folder(
+    plan: MergePlan, base: Path, adapter: Path, out: Path, advance: Callable[[int], None]
+) -> _Written:
+    """Write a folder of shards in place: every file to a temporary beside it, then, once all are complete
+    and the output checked again under the writers' lock, renamed into place; the marker records them
+    (first with the files they replace, so a merge cut off by a crash is finished by the next one). Files of
+    the previous merge that this one does not write are removed; nothing else is touched."""
+    checkpoint = plan.checkpoint
+    copies, skipped = _base_files(checkpoint.root)
+    names = [p.name for p in checkpoint.files] + [rel for rel, _ in copies]
+    created = not os.path.lexists(out)
+    out.mkdir(parents=True, exist_ok=True)
+    made: list[Path] = []  # folders this merge created inside ``out``
+    committing = False  # whether files are being renamed into place
+    record = {"base": str(checkpoint.root.resolve()), "adapter": str(plan.adapter.folder.resolve())}
+    try:
+        with _folder_locked(out):
+            marker = _check_output(base, adapter, out)  # again, now that other merges wait
+            _check_names(out, names, _owned(out, marker))
+            new: dict[str, FileIdentity] = {}
+            with contextlib.ExitStack() as stack:  # leaving it renames every file into place
+                for shard in checkpoint.files:
+                    tmp = stack.enter_context(atomic_file(out / shard.name))
+                    _write_file(checkpoint.headers[shard], tmp, plan, advance)
+                    new[shard.name] = _file_identity(tmp) or (0, 0)
+                for rel, source in copies:
+                    _make_parents(out, out / rel, made)
+                    tmp = stack.enter_context(atomic_file(out / rel))
+                    shutil.copyfile(source, tmp)
+                    new[rel] = _file_identity(tmp) or (0, 0)
+                # all written beside their targets: check once more, right before anything is replaced
+                marker = _check_output(base, adapter, out, ours=[p.name for p in made if p.parent == out])
+                owned = _owned(out, marker)
+                _check_names(out, names, owned)
+                stale = {name: identity for name, identity in owned.items() if name not in new}
+                journal = {
+                    name: (identity, *((owned[name],) if name in owned else ()))
+                    for name, identity in new.items()
+                }
+                journal.update((name, (identity,)) for name, identity in stale.items())
+                atomic_write_bytes(out / MERGE_MARKER_NAME, MergeMarker(journal, False, **record).to_json())
+                committing = True
+            removed = [name for name, identity in stale.items() if _remove_own(out, name, identity)]
+            done = {name: _file_identity(out / name) or identity for name, identity in new.items()}
+            atomic_write_bytes(
+                out / MERGE_MARKER_NAME,
+                MergeMarker({n: (i,) for n, i in done.items()}, True, **record).to_json(),
+            )
+    except OSError as exc:
+        _undo(out, made, created)
+        if committing and not isinstance(exc, WriteError):
+            raise WriteError(
+                exc.errno,
+                f"{out}: the merged files could not all be renamed into place ({exc}); it holds some new files and "
+                f"some old ones, all listed in its {MERGE_MARKER_NAME}: run the merge again to finish it",
+            ) from exc
+        raise
+    except BaseException:
+        _undo(out, made, created)
+        raise
+    return _Written(
+        files=tuple(out / shard.name for shard in checkpoint.files),
+        extra=tuple(rel for rel, _ in copies),
+        skipped=tuple(skipped),
+        removed=tuple(removed),
+        nbytes=sum(size for size, _ in done.values()),
+    )
+
+
+def _undo(out: Path, made: list[Path], created: bool) -> None:
+    """Remove the folders a failed merge created, where they are empty (no file was renamed into them)."""
+    for folder in [*reversed(made), *([out] if created else [])]:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _remove_own(out: Path, name: str, identity: FileIdentity) -> bool:
+    """Unlink the file ``name`` a previous merge wrote if it is still as it wrote it, then its folders that
+    this leaves empty (``rmdir``: never a folder that holds anything); whether it was removed."""
+    path = out / name
+    if _crossing(out, path) is not None or _file_identity(path) != identity:
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    for folder in path.parents:
+        if folder == out or out not in folder.parents:
+            break
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+    return True
 
 
 def merge_checkpoint(
@@ -831,27 +1260,31 @@ def merge_checkpoint(
 ) -> MergeReport:
     """Merge ``adapter`` into the safetensors checkpoint ``base``, writing ``output``.
 
-    ``base`` is a ``.safetensors`` file (``output`` is then a file) or a folder of shards with an index
-    (``output`` is then a folder with the same shards, index and other non-weight files such as
-    ``config.json``). Untouched tensors are copied byte for byte; merged ones keep their dtype. The
-    output appears atomically, only once complete. ``progress``: a bar on stderr (default: on a terminal).
+    ``base`` is a ``.safetensors`` file (``output`` is then a file, replaced atomically) or a folder of
+    shards with an index (``output`` is then a folder with the same shards, index and the other files such
+    as ``config.json`` and ``tokenizer/``, copied file by file; weights of other formats, hidden folders and
+    links to folders are left out and listed in ``report.skipped``). Untouched tensors are copied byte for
+    byte; merged ones keep their dtype. ``progress``: a bar on stderr (default: on a terminal).
 
     Adapter paths map to checkpoint keys one to one: as they are, or under the checkpoint's known wrapper
     (see :func:`resolve_keys`); else only through ``key_map`` (``{OLD: NEW}``
     prefix rewrites) and ``strip_prefix``. ``dry_run=True`` decides everything and writes nothing
     (``report.keys`` holds the key map).
 
-    Only a new path, an empty folder, a previous merge output (its ``loragen_merge.json``) or, for a
-    one-file base, an existing safetensors file is written; never the base or the adapter, nothing inside
-    or containing them. Adapter tensors must be floating point and finite (``allow_nonfinite=True`` lets
-    NaN and inf through).
+    Only a new path, an empty folder, a previous merge output (a valid ``loragen_merge.json``, which lists
+    the files that merge wrote) or, for a one-file base, an existing safetensors file is written; never the
+    base or the adapter, nothing inside or containing them. In an output folder, each file is written to a
+    temporary beside it and renamed into place once every file is complete and the output has been checked
+    again under the writers' lock; the files of the previous merge that this one does not write are
+    removed, and nothing else is touched (other files, links, mount points). Adapter tensors must be
+    floating point and finite (``allow_nonfinite=True`` lets NaN and inf through).
 
     Raises:
         MergeError: the output is refused, an adapter tensor is not floating point or not finite, does not
-            find its own checkpoint tensor, shapes or ranks do not fit, or the checkpoint is corrupt
-            (names the keys). Nothing is written then.
+            find its own checkpoint tensor, shapes or ranks do not fit, the adapter's config and weights
+            disagree, or the checkpoint is corrupt (names the keys). Nothing is written then.
         AdapterError, LoraConfigError: the adapter folder cannot be read.
-        WriteError: the output cannot be written (an ``OSError`` too); it is then left as it was.
+        WriteError: the output cannot be written (an ``OSError`` too); no file is replaced then.
     """
     base_path, out_path = Path(base), Path(output)
     if not base_path.exists():
@@ -868,14 +1301,13 @@ def merge_checkpoint(
     plan = plan_merge(checkpoint, loaded, rules)
     check_adapter_values(plan, allow_nonfinite=allow_nonfinite)
 
-    files: tuple[Path, ...] = ()
-    extra: list[str] = []
+    written = _Written()
     if not dry_run:
         try:
-            files, extra = _write(plan, out_path, progress)
-        except WriteError:
+            written = _write(plan, base_path, adapter_folder, out_path, progress)
+        except (WriteError, MergeError):
             raise
-        except OSError as exc:  # no space left, no permission: the output was not touched
+        except OSError as exc:  # no space left, no permission: no file was replaced
             raise WriteError(
                 exc.errno, f"{out_path}: cannot write the merged checkpoint ({exc}); nothing was replaced"
             ) from exc
@@ -883,15 +1315,16 @@ def merge_checkpoint(
         kind: tuple(sorted(t for t, ops in plan.ops.items() if any(op.kind == kind for op in ops)))
         for kind in ("lora", "replace")
     }
-    total = sum(h.file_size for h in checkpoint.headers.values())
     return MergeReport(
         output=out_path,
-        files=files,
+        files=written.files,
         merged=kinds["lora"],
         replaced=kinds["replace"],
         copied=len(checkpoint.owner) - len(plan.ops),
-        bytes_written=0 if dry_run else total + sum(os.path.getsize(out_path / n) for n in extra),
+        bytes_written=written.nbytes,
         mapping=plan.mapping,
-        extra_files=tuple(extra),
+        extra_files=written.extra,
         keys=plan.keys,
+        skipped=written.skipped,
+        removed=written.removed,
     )

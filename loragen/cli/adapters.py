@@ -27,8 +27,11 @@ def register_merge(subparsers: argparse._SubParsersAction) -> None:
             "wrapper: the base_model_prefix of the architecture its config.json names ('model.' for\n"
             "LlamaForCausalLM, whose checkpoint stores model.layers.* while LlamaModel's stores layers.*).\n"
             "Any other naming needs --key-map / --strip-prefix. On any error nothing is written.\n\n"
-            "OUT must be new, an empty folder, or a previous loragen merge output (its loragen_merge.json);\n"
-            "never BASE, ADAPTER, or a folder inside or around them."
+            "OUT must be new, an empty folder, or a previous loragen merge output (its loragen_merge.json,\n"
+            "which lists the files that merge wrote: only those are replaced or removed, each file atomically;\n"
+            "other files, links and mount points in OUT are left alone); never BASE, ADAPTER, or a folder\n"
+            "inside or around them. A BASE folder's other files (config.json, tokenizer/, ...) are copied;\n"
+            "weights of other formats, hidden folders and links to folders are not (the report lists them)."
         ),
         epilog=(
             "examples:\n"
@@ -135,6 +138,10 @@ def run_merge(args: argparse.Namespace) -> int:
             f"into {report.output} ({len(report.files)} file{'s' * (len(report.files) != 1)}; "
             f"{report.mapping})"
         )
+        if report.skipped:
+            print(f"not copied from {args.base}: {', '.join(report.skipped)}")
+        if report.removed:
+            print(f"removed from the previous merge into {report.output}: {', '.join(report.removed)}")
     return EXIT_OK
 
 

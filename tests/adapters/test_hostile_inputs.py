@@ -1,7 +1,8 @@
 """Hostile or broken inputs get a ``LoraError`` naming the file and what is wrong, never a traceback and
 never partial output: safetensors headers, shard indexes and adapter configs (bad metadata, deep nesting,
 wrong encodings, wrong types, paths out of the folder), non-float or non-finite adapter tensors, and a
-``fan_in_fan_out`` flag that ``load_adapter`` would ignore."""
+``fan_in_fan_out`` flag that ``load_adapter`` would ignore. What ``load_adapter`` refuses (non-finite alphas, a
+layout the layer does not have, no tensors, a config its weights contradict), the merge refuses too."""
 
 from __future__ import annotations
 
@@ -14,11 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from loragen import AdapterError, LoraConfigError, LoraError, load_adapter, merge_and_unload, save_adapter
 from loragen.adapters.offline_merge import merge_checkpoint
 from loragen.cli import main
-from tests.adapters.helpers import TinyNet, tiny_lora, tree_snapshot
+from tests.adapters.helpers import (
+    TinyNet,
+    loragen_adapter,
+    make_model,
+    save_checkpoint,
+    tiny_lora,
+    tree_snapshot,
+)
 
 DEEP = 100_000  # far past Python's recursion limit
 # ``{"a": "\"\"\"...`` unterminated: a reader that retries a string from every quote takes minutes on it
@@ -259,6 +268,112 @@ def test_every_refusal_is_a_lora_error(files, tmp_path) -> None:
     _set_fan_in_fan_out(adapter)
     with pytest.raises(LoraError):
         merge_checkpoint(base, adapter, tmp_path / "out")
+
+
+# ---- what load_adapter refuses, the merge refuses ------------------------------------------------------
+
+
+def _edit_config(adapter: Path, **changes: object) -> None:
+    config = adapter / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(
+    "value", ["Infinity", "-Infinity", "NaN", "1" + "0" * 400], ids=["inf", "-inf", "nan", "401-digits"]
+)
+def test_a_non_finite_alpha_pattern_value_is_refused_by_merge_as_by_load(
+    files, tmp_path, capsys, value
+) -> None:
+    base, adapter = files
+    _edit_config(adapter, alpha_pattern={"q": "VALUE"})
+    config = adapter / "adapter_config.json"
+    config.write_text(config.read_text().replace('"VALUE"', value))
+    shown = "an integer of 401 digits" if value.startswith("1") else repr(float(value))
+    match = f"alpha_pattern['q']={shown}: expected a finite number"
+    with pytest.raises(LoraConfigError, match=re.escape(match)):
+        load_adapter(TinyNet(), adapter)
+    _merge_fails(base, adapter, tmp_path / "out", capsys, match)
+    _merge_fails(base, adapter, tmp_path / "out", capsys, match, "--allow-nonfinite")
+
+
+class _ValueProjection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v_proj = nn.Linear(16, 24)  # weight (24, 16)
+
+
+def test_an_adapter_with_swapped_factors_is_refused_by_merge_as_by_load(tmp_path, capsys) -> None:
+    """The factors of an nn.Linear(16, 24) swapped: they fit its (24, 16) weight only as a Conv1D's (in, out)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in _ValueProjection().state_dict().items()}, base / "model.safetensors"
+    )
+    (base / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    factors = {"lora_A": torch.randn(4, 24), "lora_B": torch.randn(16, 4)}  # B @ A is (16, 24): (in, out)
+    save_file(
+        {f"base_model.model.v_proj.{k}.weight": v for k, v in factors.items()},
+        adapter / "adapter_model.safetensors",
+    )
+    config = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["v_proj"],
+        "fan_in_fan_out": False,
+    }
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match="shape mismatch"):
+        load_adapter(_ValueProjection(), adapter)
+    _merge_fails(
+        base,
+        adapter,
+        tmp_path / "out",
+        capsys,
+        "v_proj.weight: the checkpoint tensor has shape [24, 16], which the adapter's v_proj (lora_A (4, 24), "
+        "lora_B (16, 4)) fits only as a transformers Conv1D weight",
+    )
+
+
+def test_an_adapter_without_tensors_is_refused_by_merge_as_by_load(files, tmp_path, capsys) -> None:
+    base, adapter = files
+    save_file({}, adapter / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="missing keys"):
+        load_adapter(TinyNet(), adapter)
+    _merge_fails(base, adapter, tmp_path / "out", capsys, "the adapter holds no tensors")
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (
+            {"layers_to_transform": [99]},
+            "which target_modules=['q_proj', 'v_proj'], layers_to_transform=[99] does",
+        ),
+        ({"target_modules": ["k_proj"]}, "which target_modules=['k_proj'] does not select (unexpected keys)"),
+        (
+            {"target_modules": ["q_proj", "v_proj", "o_proj"]},
+            "model.layers.0.self_attn.o_proj: target_modules=['q_proj', 'v_proj', 'o_proj'] selects it",
+        ),
+        ({"exclude_modules": ["v_proj"]}, "exclude_modules=['v_proj'] does not select"),
+    ],
+    ids=["layers-to-transform", "other-targets", "more-targets", "excluded"],
+)
+def test_an_adapter_whose_config_contradicts_its_weights_is_refused_by_merge_as_by_load(
+    tmp_path, capsys, changes, match
+) -> None:
+    base = save_checkpoint(make_model("llama"), tmp_path / "base", sharded=True)
+    adapter = tmp_path / "adapter"
+    loragen_adapter("llama", {"r": 4, "target_modules": ["q_proj", "v_proj"]}, adapter)
+    assert (
+        main(["merge", "--base", str(base), "--adapter", str(adapter), "-o", str(tmp_path / "ok"), "-q"]) == 0
+    )
+    _edit_config(adapter, **changes)
+    with pytest.raises(LoraError):
+        load_adapter(make_model("llama"), adapter)
+    _merge_fails(base, adapter, tmp_path / "out", capsys, match)
 
 
 # ---- loragen rewrite --config: the same reader -----------------------------------------------------
