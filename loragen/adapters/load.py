@@ -179,8 +179,10 @@ def load_adapter(
     A model without LoRA layers is first converted per the saved config; one with LoRA layers is loaded
     into (its ranks must be the adapter's; it takes the adapter's alpha and ``use_rslora``). An
     ``adapter_name`` the model does not hold is added beside the others (not made active). One folder
-    holds one adapter (load ``path/<name>`` subfolders one by one). ``trainable=False`` freezes every
-    parameter; ``True`` sets ``requires_grad`` as :func:`~loragen.get_lora_model` does.
+    holds one adapter (load ``path/<name>`` subfolders one by one). As peft's ``is_trainable``:
+    ``trainable=False`` freezes every parameter and puts the model in eval mode; ``True`` sets
+    ``requires_grad`` as :func:`~loragen.get_lora_model` does and puts the LoRA layers that hold the adapter
+    in train mode (the rest keeps its mode).
 
     All or nothing: everything is checked before the model is touched; on any error it is left as it was.
 
@@ -255,6 +257,8 @@ def load_adapter(
             set_trainable(model, adapter_name)
         else:
             model.requires_grad_(False)
+        if not trainable:
+            model.eval()
     except BaseException:
         for p, module in originals.items():
             set_submodule(model, p, module)
@@ -262,5 +266,9 @@ def load_adapter(
         if added:
             delete_adapter(model, adapter_name)
         raise
+    if trainable:
+        for layer in find_lora_layers(model).values():
+            if has_adapter(layer, adapter_name):
+                layer.train()
     run_conversion_hooks(model)  # only once the load succeeded (e.g. transformers' adapter methods)
     return model

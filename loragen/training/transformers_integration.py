@@ -130,7 +130,6 @@ class LoragenAdapterMethods:
         """
         from loragen.adapters.load import load_adapter
         from loragen.adapters.named import list_adapters
-        from loragen.layers.adapter_set import has_adapter
 
         where = f"{type(self).__name__}.load_adapter"
         name = adapter_name or "default"
@@ -168,12 +167,6 @@ class LoragenAdapterMethods:
             )
         with _enabled_while(model):
             load_adapter(model, folder, adapter_name=name, trainable=bool(is_trainable))
-        if not is_trainable:
-            model.eval()
-            return
-        for layer in find_lora_layers(model).values():
-            if has_adapter(layer, name):
-                layer.train()
 
     def enable_peft_hotswap(self, target_rank: int = 128, check_compiled: str = "error") -> None:
         """Refused: transformers allows it only before the first adapter, and a loragen model holds one.

@@ -460,3 +460,25 @@ def test_failure_while_applying_restores_the_model(converted: bool, tmp_path: Pa
 def test_missing_folder_is_named(tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match=r"nowhere does not exist: an adapter is a folder"):
         load_adapter(make_model("llama"), tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("base_mode", ["train", "eval"])
+@pytest.mark.parametrize("trainable", [False, True])
+def test_load_adapter_sets_modes_as_peft_is_trainable_does(
+    tmp_path: Path, base_mode: str, trainable: bool
+) -> None:
+    """peft's ``is_trainable=False`` puts the model in eval mode; ``True`` leaves the base's mode and its new
+    LoRA layers train. loragen's ``trainable`` does the same, so dropout is on where peft's is."""
+
+    def base() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.1), nn.Linear(6, 3))
+        return model.train(base_mode == "train")
+
+    peft.get_peft_model(base(), peft.LoraConfig(target_modules=["0", "2"], r=2)).save_pretrained(tmp_path)
+    theirs = peft.PeftModel.from_pretrained(base(), tmp_path, is_trainable=trainable).base_model.model
+    ours = load_adapter(base(), tmp_path, trainable=trainable)
+    modes = {name: module.training for name, module in ours.named_modules()}
+    assert modes[""] == (base_mode == "train" and trainable)
+    for name in ("0", "1", "2"):
+        assert modes[name] == theirs.get_submodule(name).training, name
