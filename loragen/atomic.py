@@ -1,29 +1,22 @@
-"""Atomic writes that touch only what they write: a crash or an exception leaves each file with its old
+"""Atomic file writes that touch only what they write: a crash or an exception leaves each file with its old
 content or its new one, never half-written and never missing, and leaves every other file alone.
 
-A file is written to a temporary file beside it (``.NAME.loragen-PID-RANDOM.tmp``), fsynced and renamed
-onto it, so files other programs create in the same folder meanwhile (loggers, other ranks' checkpoint
-files) stay. :func:`locked_folder` opens a folder without following a link and holds its writers' lock
-(``flock(LOCK_EX)`` on the folder itself, reentrant within a process); :meth:`Folder.subfolder` opens a
-subfolder the same way, so a check that it is no link holds when the write happens, and
-:meth:`Folder.write_files` replaces several files by name relative to the open folder, every temporary
-complete and fsynced before the first rename (a writer killed between two renames leaves the rest of its
-new content complete in :func:`leftover_temporaries`). Readers that need a stable view of several files
-(an adapter's config and weights) hold :func:`shared_lock` of the folder: no writer renames meanwhile.
-A writer deletes the temporaries killed writers left for the names it writes.
-
-:func:`atomic_dir` builds a whole folder and swaps it in (one exchange rename, or a swap journalled in the
-names that the next write finishes). Removing a folder never follows a link and never enters another
-mount: a folder holding a mount point is not replaced. Written files get the mode of the file they
-replace, else what the umask gives a new one.
+A file is written to a temporary file beside it (``.NAME.loragen-PID-RANDOM.tmp``), fsynced, given the mode
+of the file it replaces (else what the umask gives a new one) and renamed onto it, so files other programs
+create in the same folder meanwhile (loggers, other ranks' checkpoint files) stay. Writers to a folder take
+turns under its :func:`writers_lock`. :func:`atomic_file` writes one file by path; :func:`locked_folder`
+opens a folder without following a link, and :meth:`Folder.write_files` replaces several files in it, every
+temporary complete before the first rename (a writer killed between two renames leaves the rest of its new
+content in :func:`leftover_temporaries`). Readers that need a stable view of several files hold
+:func:`shared_lock` of the folder. A writer deletes the temporary files killed writers left for the names it
+writes, and nothing else. :func:`mount_points` lists the mount points, for a writer that must not write
+into a mounted subfolder.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import functools
 import os
 import re
 import secrets
@@ -44,6 +37,7 @@ except ImportError:  # not on Windows: writers are then serialised only within a
 _O_DIRECTORY, _O_NOFOLLOW, _O_CLOEXEC = (
     getattr(os, f"O_{n}", 0) for n in ("DIRECTORY", "NOFOLLOW", "CLOEXEC")
 )
+_OPEN_FOLDER = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
 
 __all__ = [
     "WriteError",
@@ -51,10 +45,11 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_file",
-    "atomic_dir",
     "leftover_temporaries",
     "locked_folder",
+    "mount_points",
     "shared_lock",
+    "writers_lock",
 ]
 
 
@@ -76,21 +71,28 @@ def _umask() -> int:
     return mask
 
 
-def _final_mode(target: Path, is_dir: bool) -> int:
-    """The mode of the existing ``target`` if there is one, else what the umask gives a new one."""
+def _final_mode(path: str | Path, dir_fd: int | None = None) -> int:
+    """The mode of the regular file ``path`` (in ``dir_fd``) that a write replaces, else what the umask gives
+    a new one (not the writer's: safetensors and the temporaries are 0600)."""
+    with contextlib.suppress(OSError):
+        info = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISREG(info.st_mode):
+            return info.st_mode & 0o7777
+    return 0o666 & ~_umask()
+
+
+def mount_points() -> frozenset[str]:
+    """Every mount point of this process (Linux's ``/proc/self/mountinfo``, which also shows bind mounts of a
+    folder of the same file system, invisible to ``st_dev``); empty where it cannot be read."""
     try:
-        return target.stat().st_mode & 0o7777
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as info:
+            fields = [line.split(" ") for line in info]
     except OSError:
-        return (0o777 if is_dir else 0o666) & ~_umask()
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not supported on every platform / filesystem
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        return frozenset()
+    # the mount point is the fifth field, with space, tab, newline and backslash escaped in octal
+    return frozenset(
+        re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), f[4]) for f in fields if len(f) > 4
+    )
 
 
 # ---- the writers' lock -------------------------------------------------------------------------------
@@ -142,8 +144,16 @@ def _exclusive(fd: int) -> Iterator[bool]:
 
 
 @contextlib.contextmanager
-def _folder_locked(folder: Path) -> Iterator[bool]:
-    """Hold the writers' lock of ``folder`` (see :func:`_exclusive`); False where it cannot be opened."""
+def writers_lock(folder: str | os.PathLike[str]) -> Iterator[bool]:
+    """Hold the writers' lock of the folder ``folder`` (``flock(LOCK_EX)`` on it) until the block ends:
+    loragen's writers into the folder (:func:`atomic_file`, :func:`locked_folder`) and its readers
+    (:func:`shared_lock`) in other threads and processes wait meanwhile, so several files written in the
+    block change together for them. Reentrant within a thread: writes inside the block take it again
+    without waiting.
+
+    Yields whether other processes are locked out: False where the filesystem has no ``flock`` (threads of
+    this process still take turns) or where ``folder`` cannot be opened (no lock is then held).
+    """
     try:
         fd: int | None = os.open(folder, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     except OSError:  # an unreadable folder: no lock to take
@@ -178,141 +188,44 @@ def shared_lock(path: str | os.PathLike[str]) -> Iterator[None]:
             os.close(fd)  # closing releases the flock
 
 
-# ---- temporaries and removal -------------------------------------------------------------------------
+# ---- temporaries ---------------------------------------------------------------------------------------
 
 
-def _temp_name(target: Path, kind: str) -> Path:
-    return target.with_name(f".{target.name}.loragen-{os.getpid()}-{secrets.token_hex(4)}.{kind}")
+def _temp_name(name: str) -> str:
+    return f".{name}.loragen-{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
-def _temporaries_pattern(name: str) -> re.Pattern[str]:
-    return re.compile(rf"\.{re.escape(name)}\.loragen-\d+-[0-9a-f]+\.(tmp|new|old)")
-
-
-def _own_temporaries(target: Path) -> dict[str, list[Path]]:
-    """loragen's temporary entries for ``target`` in its folder, by kind (``tmp``, ``new``, ``old``)."""
-    pattern = _temporaries_pattern(target.name)
-    found: dict[str, list[Path]] = {"tmp": [], "new": [], "old": []}
+def _temporaries(folder: Path | int, name: str) -> list[tuple[str, os.stat_result]]:
+    """loragen's temporary files for the entry ``name`` of ``folder`` (a path, or an open folder's ``fd``):
+    each one's path (relative to the ``fd``) and ``lstat``; regular files only, a folder or a link of such a
+    name is none of loragen's."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.loragen-\d+-[0-9a-f]+\.tmp")
+    dir_fd, base = (folder, "") if isinstance(folder, int) else (None, os.fspath(folder))
+    found = []
     with contextlib.suppress(OSError):
-        for name in os.listdir(target.parent):
-            if match := pattern.fullmatch(name):
-                found[match.group(1)].append(target.parent / name)
-    for paths in found.values():
-        paths.sort(key=lambda p: p.lstat().st_mtime if p.exists() else 0.0)
+        for entry in os.listdir(folder):
+            if pattern.fullmatch(entry):
+                with contextlib.suppress(OSError):
+                    info = os.stat(os.path.join(base, entry), dir_fd=dir_fd, follow_symlinks=False)
+                    if stat.S_ISREG(info.st_mode):
+                        found.append((os.path.join(base, entry), info))
     return found
+
+
+def _delete_temporaries(folder: Path | int, name: str) -> None:
+    """Delete the temporary files killed writers left for ``name`` in ``folder`` (writers' lock held, so none
+    is a live writer's): each is unlinked, nothing is removed recursively."""
+    for path, _ in _temporaries(folder, name):
+        with contextlib.suppress(OSError):
+            os.unlink(path, dir_fd=folder if isinstance(folder, int) else None)
 
 
 def leftover_temporaries(path: str | os.PathLike[str]) -> list[Path]:
     """loragen's temporary files for the file ``path`` in its folder, newest first: a live writer's, or
     what a killed writer left (complete or not: a reader checks the content before using it)."""
     target = Path(path)
-    found = _own_temporaries(target)["tmp"]
-    return [p for p in reversed(found) if p.is_file() and not p.is_symlink()]
-
-
-def _mount_points() -> frozenset[str]:
-    """The mount points of this process (Linux ``/proc/self/mountinfo``; empty elsewhere)."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as info:
-            points = [line.split()[4] for line in info if len(line.split()) > 4]
-    except OSError:
-        return frozenset()
-    # the file escapes space, tab, newline and backslash as \ooo
-    return frozenset(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), p) for p in points)
-
-
-def _mount_inside(path: Path) -> Path | None:
-    """A mount point inside the folder ``path`` (links not followed), or None."""
-    root = os.lstat(path)
-    points = _mount_points()
-    real = os.path.realpath(path)
-    for point in points:
-        if point.startswith(real.rstrip("/") + "/"):
-            return Path(path) / os.path.relpath(point, real)
-    stack = [Path(path)]
-    while stack:
-        folder = stack.pop()
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            continue
-        for name in names:
-            child = folder / name
-            with contextlib.suppress(OSError):
-                info = os.lstat(child)
-                if stat.S_ISDIR(info.st_mode) and info.st_dev != root.st_dev:
-                    return child
-                if stat.S_ISDIR(info.st_mode):
-                    stack.append(child)
-    return None
-
-
-_OPEN_FOLDER = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
-
-
-def _remove_tree_at(
-    parent_fd: int | None, name: str, shown: Path, device: int, points: frozenset[str]
-) -> bool:
-    """Delete the folder ``name`` (in ``parent_fd``) and its tree without following a link or entering
-    another mount; True if it is gone (a mount point, and the folders holding it, are kept)."""
-    if os.path.realpath(shown) in points:
-        return False
-    try:
-        fd = os.open(name, _OPEN_FOLDER, dir_fd=parent_fd)
-    except OSError:
-        return False
-    complete = True
-    try:
-        if os.fstat(fd).st_dev != device:
-            return False
-        for child in os.listdir(fd):
-            try:
-                info = os.stat(child, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISDIR(info.st_mode):
-                    os.unlink(child, dir_fd=fd)
-                elif info.st_dev != device:
-                    complete = False
-                else:
-                    complete &= _remove_tree_at(fd, child, shown / child, device, points)
-            except OSError:
-                complete = False
-    finally:
-        os.close(fd)
-    if complete:
-        try:
-            os.rmdir(name, dir_fd=parent_fd)
-        except OSError:
-            return False
-    return complete
-
-
-def _remove(path: Path) -> None:
-    """Delete ``path``: a file or a link is unlinked (never followed); a folder with its tree, never
-    following a link nor entering another mount (a mount point and the folders holding it are kept)."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return
-    if not stat.S_ISDIR(info.st_mode):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return
-    _remove_tree_at(None, os.fspath(path), path, info.st_dev, _mount_points())
-
-
-def _recover_and_clean(target: Path) -> None:
-    """Finish a folder swap a killed writer cut off (the target missing: ``.new`` is put in place, else
-    ``.old`` back), then delete its leftovers (lock held)."""
-    found = _own_temporaries(target)
-    if not os.path.lexists(target):
-        for candidate in (*reversed(found["new"]), *reversed(found["old"])):
-            with contextlib.suppress(OSError):
-                os.rename(candidate, target)
-                break
-    for paths in found.values():
-        for path in paths:
-            if os.path.lexists(path) and path != target:
-                _remove(path)
+    found = sorted(_temporaries(target.parent, target.name), key=lambda item: item[1].st_mtime, reverse=True)
+    return [Path(entry) for entry, _ in found]
 
 
 # ---- per-file writes into an open folder --------------------------------------------------------------
@@ -371,10 +284,12 @@ def _write_all(fd: int, data: bytes) -> None:
 @dataclass(frozen=True)
 class Folder:
     """A folder opened without following a link, with its writers' lock held (:func:`locked_folder`,
-    :meth:`subfolder`); ``fd`` is valid inside the ``with`` block that yielded it."""
+    :meth:`subfolder`); ``fd`` is valid inside the ``with`` block that yielded it. ``exclusive``: whether
+    other processes are locked out too (see :func:`writers_lock`)."""
 
     path: Path
     fd: int
+    exclusive: bool
 
     @contextlib.contextmanager
     def subfolder(self, name: str) -> Iterator[Folder]:
@@ -387,32 +302,10 @@ class Folder:
         _check_entry_name(name, self.path)
         fd = _open_folder(self.path / name, name, self.fd)
         try:
-            with _exclusive(fd):
-                yield Folder(self.path / name, fd)
+            with _exclusive(fd) as exclusive:
+                yield Folder(self.path / name, fd, exclusive)
         finally:
             os.close(fd)
-
-    def _mode(self, name: str) -> int:
-        """The mode of the regular file ``name`` replaced, else what the umask gives a new one."""
-        with contextlib.suppress(OSError):
-            info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-            if stat.S_ISREG(info.st_mode):
-                return info.st_mode & 0o7777
-        return 0o666 & ~_umask()
-
-    def _clean(self, name: str) -> None:
-        """Delete the temporaries killed writers left for ``name`` (never a live writer's: lock held)."""
-        pattern = _temporaries_pattern(name)
-        with contextlib.suppress(OSError):
-            for entry in os.listdir(self.fd):
-                if not pattern.fullmatch(entry):
-                    continue
-                with contextlib.suppress(OSError):
-                    info = os.stat(entry, dir_fd=self.fd, follow_symlinks=False)
-                    if stat.S_ISDIR(info.st_mode):
-                        _remove_tree_at(self.fd, entry, self.path / entry, info.st_dev, _mount_points())
-                    else:
-                        os.unlink(entry, dir_fd=self.fd)
 
     def write_files(self, files: Sequence[tuple[str, bytes]]) -> None:
         """Replace the files ``name`` of this folder with ``data``, renaming them into place in the order
@@ -427,19 +320,20 @@ class Folder:
         names = [name for name, _ in files]
         for name in names:
             _check_entry_name(name, self.path)
-            self._clean(name)
+            if self.exclusive:
+                _delete_temporaries(self.fd, name)
         staged: list[str] = []
         renamed = 0
         try:
             for name, data in files:
-                tmp = _temp_name(self.path / name, "tmp").name
+                tmp = _temp_name(name)
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
                 fd = os.open(tmp, flags, 0o600, dir_fd=self.fd)
                 staged.append(tmp)
                 try:
                     _write_all(fd, data)
                     os.fsync(fd)
-                    os.fchmod(fd, self._mode(name))
+                    os.fchmod(fd, _final_mode(name, self.fd))
                 finally:
                     os.close(fd)
             for name, tmp in zip(names, staged):
@@ -471,90 +365,48 @@ def locked_folder(path: str | os.PathLike[str]) -> Iterator[Folder]:
         raise WriteError(exc.errno, f"{target.parent}: cannot create the folder ({exc.strerror})") from None
     fd = _open_folder(target, os.fspath(target), None)
     try:
-        with _exclusive(fd):
-            yield Folder(target, fd)
+        with _exclusive(fd) as exclusive:
+            yield Folder(target, fd, exclusive)
     finally:
         os.close(fd)
 
 
-# ---- whole files and folders by path ---------------------------------------------------------------------
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-_SYSCALL_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347, "riscv64": 276}
-
-
-def _libc_renameat2() -> object | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    arguments = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function = getattr(libc, "renameat2", None)
-    if function is not None:
-        function.argtypes = arguments
-        function.restype = ctypes.c_int
-        return function
-    number = _SYSCALL_RENAMEAT2.get(os.uname().machine) if hasattr(os, "uname") else None
-    syscall = getattr(libc, "syscall", None)
-    if number is None or syscall is None:
-        return None
-    syscall.argtypes = [ctypes.c_long, *arguments]  # syscall(number, then renameat2's arguments)
-    syscall.restype = ctypes.c_long
-    return functools.partial(syscall, number)
-
-
-_RENAMEAT2 = _libc_renameat2() if os.name == "posix" else None
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the names ``a`` and ``b`` in one step; False where the system or filesystem cannot."""
-    if _RENAMEAT2 is None:
-        return False
-    ctypes.set_errno(0)
-    result = _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)  # type: ignore[operator]
-    if result == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise WriteError(code, f"cannot swap {b} for its new content: {os.strerror(code)}", str(b))
-
-
-@contextlib.contextmanager
-def _locked(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield ``path`` made absolute (links not followed) with its folder's writers' lock held and the
-    leftovers of killed writers to it cleaned; refuses a path naming no entry of a folder."""
-    target = _target(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _folder_locked(target.parent) as exclusive:
-        if exclusive:
-            _recover_and_clean(target)
-        yield target
+# ---- one file by path ----------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``path`` for the caller to write; on success it is fsynced, given its
-    final mode and renamed onto ``path``; on an exception it is removed and ``path`` is untouched.
+    """Yield a temporary path beside ``path`` for the caller to write, holding the writers' lock of its
+    folder (created with its parents if missing); on success the file is fsynced, given its final mode and
+    renamed onto ``path`` (a link there is replaced, not written through); on an exception it is removed
+    and ``path`` is untouched.
 
     Raises:
-        WriteError: ``path`` names no file (``""``, ``.``, ``..``), or the file cannot be renamed into place.
+        WriteError: ``path`` names no file (``""``, ``.``, ``..``).
+        OSError: the file cannot be written or renamed into place (``path`` is then untouched).
     """
-    with _locked(path) as target:
-        tmp = _temp_name(target, "tmp")
+    target = _target(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with writers_lock(target.parent) as exclusive:
+        if exclusive:
+            _delete_temporaries(target.parent, target.name)
+        tmp = target.with_name(_temp_name(target.name))
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o600))
         try:
             yield tmp
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
-            os.chmod(tmp, _final_mode(target, is_dir=False))
+            os.chmod(tmp, _final_mode(target))
             os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(target.parent)
+        with contextlib.suppress(OSError):  # not supported on every platform / filesystem
+            fd = os.open(target.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -566,75 +418,3 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> None:
     """Write ``text`` to ``path`` atomically; see :func:`atomic_write_bytes`."""
     atomic_write_bytes(path, text.encode(encoding))
-
-
-def _finish_files(tmp: Path, target: Path) -> None:
-    """fsync every file built in ``tmp`` and give it the mode the same file has under ``target``."""
-    for root, _, files in os.walk(tmp):
-        relative = Path(root).relative_to(tmp)
-        if relative != Path("."):
-            os.chmod(root, _final_mode(target / relative, is_dir=True))
-        for name in files:
-            child = Path(root) / name
-            if child.is_symlink():
-                continue
-            with open(child, "rb") as fh:
-                os.fsync(fh.fileno())
-            # not the writer's mode (safetensors writes 0600): the replaced file's, else the umask's
-            os.chmod(child, _final_mode(target / relative / name, is_dir=False))
-    os.chmod(tmp, _final_mode(target, is_dir=True))
-
-
-def _swap_in(tmp: Path, target: Path) -> None:
-    """Put the complete folder ``tmp`` at ``target`` with no moment where ``target`` is missing."""
-    if not os.path.lexists(target):
-        os.rename(tmp, target)
-        return
-    if _exchange(tmp, target):
-        _remove(tmp)  # the old content, now under the temporary name
-        return
-    new = _temp_name(target, "new")
-    old = _temp_name(target, "old")
-    os.rename(tmp, new)  # the journal: a complete new folder exists
-    os.rename(target, old)
-    os.rename(new, target)
-    _remove(old)
-
-
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Build a folder atomically: yield an empty temporary folder beside ``path``, swap it in on success.
-
-    Its files get the mode the same file had in the folder replaced, else the umask's. ``path`` always
-    holds the old or the new folder; on an exception the temporary folder is removed.
-
-    Raises:
-        WriteError: ``path`` names no folder (``""``, ``.``, ``..``), is a symbolic link, exists and is
-            not a folder, or holds a mount point; or the new folder cannot be swapped in (the old one is
-            then in place).
-    """
-    with _locked(path) as target:
-        if target.is_symlink():
-            raise WriteError(
-                errno.EEXIST,
-                f"{target} is a symbolic link (to {os.readlink(target)}); refusing to replace it: write to "
-                "the folder it points to, or remove the link",
-            )
-        if target.exists() and not target.is_dir():
-            raise WriteError(errno.ENOTDIR, f"{target} exists and is not a folder; refusing to replace it")
-        if target.is_dir() and (mount := _mount_inside(target)) is not None:
-            raise WriteError(
-                errno.EBUSY,
-                f"{mount} is a mount point; refusing to replace {target}, which holds it (its volume would "
-                "be emptied): unmount it, or write elsewhere",
-            )
-        tmp = _temp_name(target, "tmp")
-        tmp.mkdir(mode=0o700)
-        try:
-            yield tmp
-            _finish_files(tmp, target)
-            _swap_in(tmp, target)
-        except BaseException:
-            _remove(tmp)
-            raise
-        _fsync_dir(target.parent)

@@ -1,11 +1,13 @@
 """Atomic writes keep sensible file modes: the umask's for new files and folders (not tempfile's private
 0600 / 0700), the replaced file's for an existing one — so ``loragen rewrite --in-place`` keeps a
-script's executable bit — and a failed write leaves the old content. Removals never follow a link nor
-enter a mount point; per-file writes replace links instead of writing through them and touch nothing
-else; readers wait for a writer holding the folder."""
+script's executable bit — and a failed write leaves the old content. Writes replace links instead of
+writing through them, delete only loragen's own temporary files of the names they write (never a folder,
+never through a link) and touch nothing else; writers take turns and readers wait for a writer holding the
+folder."""
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import threading
@@ -15,7 +17,16 @@ from pathlib import Path
 import pytest
 
 import loragen.atomic
-from loragen.atomic import WriteError, atomic_dir, atomic_write_text
+from loragen.atomic import (
+    WriteError,
+    atomic_file,
+    atomic_write_text,
+    leftover_temporaries,
+    locked_folder,
+    mount_points,
+    shared_lock,
+    writers_lock,
+)
 from loragen.cli import main as cli_main
 from tests.adapters.helpers import tree_snapshot
 
@@ -27,39 +38,20 @@ def umask(request):
     os.umask(previous)
 
 
-def fake_mount(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    """Make every folder named ``name`` look like a mount point of another filesystem (``st_dev`` differs),
-    as a bind mount would; mounting for real needs root."""
-    real_stat, real_lstat = os.stat, os.lstat
-    extra = "st_atime st_mtime st_ctime st_atime_ns st_mtime_ns st_ctime_ns st_blksize st_blocks st_rdev"
-
-    def moved(info: os.stat_result) -> os.stat_result:
-        values = list(info[:10])
-        values[2] += 1  # st_dev
-        return os.stat_result(values, {key: getattr(info, key) for key in extra.split()})
-
-    def stat(path, *args, **kwargs):
-        info = real_stat(path, *args, **kwargs)
-        return moved(info) if os.path.basename(os.fspath(path)) == name else info
-
-    def lstat(path, *args, **kwargs):
-        info = real_lstat(path, *args, **kwargs)
-        return moved(info) if os.path.basename(os.fspath(path)) == name else info
-
-    monkeypatch.setattr(os, "stat", stat)
-    monkeypatch.setattr(os, "lstat", lstat)
-
-
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
 def test_new_files_and_folders_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
-    atomic_write_text(tmp_path / "new.txt", "x")
-    assert _mode(tmp_path / "new.txt") == 0o666 & ~umask
-    with atomic_dir(tmp_path / "adapter") as folder:
-        (folder / "a.json").write_text("{}")
-    assert _mode(tmp_path / "adapter") == 0o777 & ~umask
+    atomic_write_text(tmp_path / "made" / "new.txt", "x")
+    assert _mode(tmp_path / "made" / "new.txt") == 0o666 & ~umask
+    assert _mode(tmp_path / "made") == 0o777 & ~umask
+    with locked_folder(tmp_path / "adapter") as folder, folder.subfolder("other") as other:
+        folder.write_files([("a.json", b"{}")])
+        other.write_files([("b.json", b"{}")])
+    assert _mode(tmp_path / "adapter") == _mode(tmp_path / "adapter" / "other") == 0o777 & ~umask
+    assert _mode(tmp_path / "adapter" / "a.json") == _mode(tmp_path / "adapter" / "other" / "b.json")
+    assert _mode(tmp_path / "adapter" / "a.json") == 0o666 & ~umask
 
 
 def test_replacing_a_file_keeps_its_mode(tmp_path: Path, umask: int) -> None:
@@ -71,11 +63,18 @@ def test_replacing_a_file_keeps_its_mode(tmp_path: Path, umask: int) -> None:
 
 
 def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
+    def half_write(path: Path) -> None:
+        with atomic_file(path) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("boom")
+
     target = tmp_path / "keep.txt"
     target.write_text("old")
-    with pytest.raises(RuntimeError, match="boom"), atomic_dir(tmp_path / "d"):
-        raise RuntimeError("boom")
-    assert target.read_text() == "old" and not (tmp_path / "d").exists()
+    with pytest.raises(RuntimeError, match="boom"):
+        half_write(target)
+    with pytest.raises(RuntimeError, match="boom"):
+        half_write(tmp_path / "new.txt")
+    assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
@@ -90,19 +89,19 @@ def test_rewrite_in_place_keeps_the_executable_bit(tmp_path: Path, umask: int) -
     assert "LoraLinear" in model.read_text() and _mode(model) == 0o755
 
 
-def test_files_written_privately_into_a_folder_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
-    """safetensors creates its files 0600; in a folder loragen writes they end with the umask's mode,
-    or with the mode the same file had in the folder replaced."""
-    with atomic_dir(tmp_path / "adapter") as folder:
-        private = folder / "weights.bin"
-        private.write_bytes(b"x")
-        os.chmod(private, 0o600)
-    assert _mode(tmp_path / "adapter" / "weights.bin") == 0o666 & ~umask
-    os.chmod(tmp_path / "adapter" / "weights.bin", 0o640)
-    with atomic_dir(tmp_path / "adapter") as folder:
-        (folder / "weights.bin").write_bytes(b"y")
-        os.chmod(folder / "weights.bin", 0o600)
-    assert _mode(tmp_path / "adapter" / "weights.bin") == 0o640
+def test_files_written_privately_get_the_umask_mode(tmp_path: Path, umask: int) -> None:
+    """safetensors creates its files 0600; written through ``atomic_file`` they end with the umask's mode,
+    or with the mode of the file they replace."""
+    target = tmp_path / "weights.bin"
+    with atomic_file(target) as tmp:
+        tmp.write_bytes(b"x")
+        os.chmod(tmp, 0o600)
+    assert _mode(target) == 0o666 & ~umask
+    os.chmod(target, 0o640)
+    with atomic_file(target) as tmp:
+        tmp.write_bytes(b"y")
+        os.chmod(tmp, 0o600)
+    assert target.read_bytes() == b"y" and _mode(target) == 0o640
 
 
 def test_every_file_of_a_saved_adapter_and_merged_checkpoint_honours_the_umask(
@@ -135,145 +134,122 @@ def test_every_file_of_a_saved_adapter_and_merged_checkpoint_honours_the_umask(
     assert {p.name: _mode(p) for p in written} == {p.name: 0o666 & ~umask for p in written}
 
 
-def test_only_loragens_own_leftovers_of_that_target_are_cleaned(tmp_path: Path) -> None:
-    stale = {
-        ".adapter.loragen-4242-00ff.tmp": "dir",  # a killed build of the new folder
-        ".adapter.loragen-4242-0a0b.old": "dir",  # a killed journalled swap (the target exists: obsolete)
-        ".out.safetensors.loragen-17-beef.tmp": "file",
-    }
-    kept = [
-        ".adapter.abc.tmp",
-        ".adapter.loragen-x.tmp",
+def _write_one_file(path: Path, data: bytes) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def _write_in_folder(path: Path, data: bytes) -> None:
+    with locked_folder(path.parent) as folder:
+        folder.write_files([(path.name, data)])
+
+
+@pytest.mark.parametrize("write", [_write_one_file, _write_in_folder], ids=["atomic_file", "write_files"])
+def test_only_loragens_own_leftover_files_of_that_target_are_deleted(tmp_path: Path, write) -> None:
+    """Killed writers' ``.NAME.loragen-PID-RANDOM.tmp`` files are deleted by the next write of NAME; a folder
+    or a link of such a name (an older loragen's leftover, or someone else's) is left as it is, and so is
+    whatever it holds or points to."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "mine.txt").write_text("mine")
+    folder = tmp_path / "work"
+    folder.mkdir()
+    stale = [".out.safetensors.loragen-17-beef.tmp", ".out.safetensors.loragen-4242-00ff.tmp"]
+    for name in stale:
+        (folder / name).write_bytes(b"partial")
+    old_folder = folder / ".out.safetensors.loragen-4242-0a0b.tmp"
+    (old_folder / "sub").mkdir(parents=True)
+    (old_folder / "sub" / "volume.bin").write_bytes(b"data")
+    (old_folder / "link").symlink_to(outside, target_is_directory=True)
+    (folder / ".out.safetensors.loragen-4242-0c0d.tmp").symlink_to(outside / "mine.txt")
+    for name in (
+        ".out.safetensors.abc.tmp",
+        ".out.safetensors.loragen-x.tmp",
         ".other.loragen-4242-00ff.tmp",
-        "adapter.loragen-1-ab.tmp",
-    ]
-    (tmp_path / "adapter").mkdir()
-    for name, kind in stale.items():
-        if kind == "dir":
-            (tmp_path / name).mkdir()
-            (tmp_path / name / "adapter_model.safetensors").write_bytes(b"x" * 100)
-        else:
-            (tmp_path / name).write_bytes(b"partial")
-    for name in kept:
-        (tmp_path / name).write_text("the user's")
-    with atomic_dir(tmp_path / "adapter") as folder:
-        (folder / "a.json").write_text("{}")
-    atomic_write_text(tmp_path / "out.safetensors", "new")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "adapter", "out.safetensors"])
+        "out.safetensors.loragen-1-ab.tmp",
+        ".out.safetensors.loragen-1-ab.new",
+    ):
+        (folder / name).write_text("the user's")
+    before = tree_snapshot(tmp_path)
+    write(folder / "out.safetensors", b"new")
+    expected = {k: v for k, v in before.items() if not any(k == f"work/{name}" for name in stale)}
+    assert tree_snapshot(tmp_path) == {**expected, "work/out.safetensors": b"new"}
 
 
-def test_a_journalled_swap_cut_off_is_finished_by_the_next_write(tmp_path: Path) -> None:
-    # killed after renaming the old folder aside, before renaming the complete new one into place
-    (tmp_path / ".adapter.loragen-7-aa.new").mkdir()
-    (tmp_path / ".adapter.loragen-7-aa.new" / "v").write_text("new")
-    (tmp_path / ".adapter.loragen-7-bb.old").mkdir()
-    (tmp_path / ".adapter.loragen-7-bb.old" / "v").write_text("old")
-    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "adapter"):
-        raise RuntimeError("a write that fails: the recovery alone")
-    assert (tmp_path / "adapter" / "v").read_text() == "new"
-    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
-
-
-def test_a_live_writers_folder_is_not_cleaned_and_writers_take_turns(tmp_path: Path) -> None:
+def test_a_live_writers_temporary_is_not_deleted_and_writers_take_turns(tmp_path: Path) -> None:
+    """A writer holding the folder's writers' lock (as a merge does, across several files) keeps every other
+    writer of the folder waiting, and its temporary file is not taken for a killed writer's."""
+    target = tmp_path / "model.safetensors"
     inside, release, second_done = threading.Event(), threading.Event(), threading.Event()
     building: list[Path] = []
 
     def first() -> None:
-        with atomic_dir(tmp_path / "adapter") as folder:
-            (folder / "v").write_text("first")
-            building.append(folder)
+        with writers_lock(tmp_path) as exclusive, atomic_file(target) as tmp:  # the lock is reentrant
+            assert exclusive
+            tmp.write_text("first")
+            building.append(tmp)
             inside.set()
             release.wait(10)
 
     def second() -> None:
-        with atomic_dir(tmp_path / "adapter") as folder:
-            (folder / "v").write_text("second")
+        atomic_write_text(target, "second")
         second_done.set()
 
     one = threading.Thread(target=first)
     one.start()
-    inside.wait(10)
+    assert inside.wait(10)
     two = threading.Thread(target=second)
     two.start()
     time.sleep(0.2)
-    assert building[0].is_dir() and not second_done.is_set()  # the second waits; nothing is cleaned
+    assert building[0].read_text() == "first" and not second_done.is_set()  # the second waits
+    assert leftover_temporaries(target) == building
     release.set()
     one.join(10)
     two.join(10)
-    assert (tmp_path / "adapter" / "v").read_text() == "second"
-    assert [p.name for p in tmp_path.iterdir()] == ["adapter"]
+    assert target.read_text() == "second"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
 
 
-def test_atomic_dir_refuses_links_and_dot_paths(tmp_path: Path, monkeypatch) -> None:
+def test_writes_replace_links_and_refuse_dot_paths(tmp_path: Path, monkeypatch) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not yours")
     (tmp_path / "real").mkdir()
-    (tmp_path / "link").symlink_to(tmp_path / "real")
-    with pytest.raises(WriteError, match="is a symbolic link"), atomic_dir(tmp_path / "link"):
-        pass
+    (tmp_path / "real" / "link.txt").symlink_to(outside)
+    atomic_write_text(tmp_path / "real" / "link.txt", "new")
+    assert outside.read_text() == "not yours"  # replaced, not written through
+    assert not (tmp_path / "real" / "link.txt").is_symlink()
+    assert (tmp_path / "real" / "link.txt").read_text() == "new"
+    before = tree_snapshot(tmp_path)
     monkeypatch.chdir(tmp_path / "real")
     for path in (".", "..", ""):
-        with pytest.raises(WriteError, match="names no file or folder of its own"), atomic_dir(path):
+        with pytest.raises(WriteError, match="names no file or folder of its own"), atomic_file(path):
             pass
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
-
-
-# ---- removals never follow a link nor enter a mount -------------------------------------------------
-
-
-def _leftover_with_a_mount_and_a_link(tmp_path: Path) -> tuple[Path, Path]:
-    """A killed writer's leftover folder holding ``mnt/`` (a mount point, as faked by the caller) and a link
-    to a folder outside; returns (the leftover, the outside folder)."""
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "mine.txt").write_text("mine")
-    leftover = tmp_path / ".adapter.loragen-4242-00ff.tmp"
-    (leftover / "mnt").mkdir(parents=True)
-    (leftover / "mnt" / "volume.bin").write_bytes(b"data on the mounted volume")
-    (leftover / "link").symlink_to(outside, target_is_directory=True)
-    (leftover / "stale.bin").write_bytes(b"x")
-    return leftover, outside
-
-
-@pytest.mark.parametrize("how", ["device", "mountinfo"])
-def test_leftovers_are_removed_without_entering_a_mount_or_following_a_link(
-    tmp_path: Path, monkeypatch, how: str
-) -> None:
-    leftover, outside = _leftover_with_a_mount_and_a_link(tmp_path)
-    if how == "device":  # another filesystem mounted there
-        fake_mount(monkeypatch, "mnt")
-    else:  # a bind mount of the same filesystem: the same st_dev, listed in /proc/self/mountinfo
-        points = frozenset({os.path.realpath(leftover / "mnt")})
-        monkeypatch.setattr(loragen.atomic, "_mount_points", lambda: points, raising=False)
-    with atomic_dir(tmp_path / "adapter") as folder:
-        (folder / "a.json").write_text("{}")
-    monkeypatch.undo()
-    assert (leftover / "mnt" / "volume.bin").read_bytes() == b"data on the mounted volume"
-    assert tree_snapshot(outside) == {"mine.txt": b"mine"}
-    # what is not under the mount is gone; the folders holding the mount stay
-    assert sorted(p.name for p in leftover.iterdir()) == ["mnt"]
-
-
-def test_atomic_dir_refuses_to_replace_a_folder_holding_a_mount(tmp_path: Path, monkeypatch) -> None:
-    target = tmp_path / "out"
-    (target / "cache").mkdir(parents=True)
-    (target / "cache" / "volume.bin").write_bytes(b"data")
-    (target / "model.safetensors").write_bytes(b"old")
-    before = tree_snapshot(tmp_path)
-    fake_mount(monkeypatch, "cache")
-    with (
-        pytest.raises(WriteError, match=r"out/cache is a mount point; refusing to replace .*out"),
-        atomic_dir(target) as folder,
-    ):
-        (folder / "model.safetensors").write_bytes(b"new")
-    monkeypatch.undo()
+        with pytest.raises(WriteError, match="names no file or folder of its own"), locked_folder(path):
+            pass
     assert tree_snapshot(tmp_path) == before
+
+
+def test_mount_points_reads_the_mount_table_with_its_escapes(monkeypatch) -> None:
+    """``/proc/self/mountinfo`` escapes space, tab, newline and backslash in octal (a bind mount of a folder
+    of the same file system shows only there)."""
+    table = (
+        "22 1 0:21 / / rw - ext4 /dev/sda1 rw\n"
+        "36 22 0:31 /data /mnt/my\\040disk\\134x rw shared:1 - ext4 /dev/sdb1 rw\n"
+    )
+    monkeypatch.setattr(loragen.atomic, "open", lambda *a, **k: io.StringIO(table), raising=False)
+    assert mount_points() == frozenset({"/", "/mnt/my disk\\x"})
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError("no /proc here")
+
+    monkeypatch.setattr(loragen.atomic, "open", unreadable, raising=False)
+    assert mount_points() == frozenset()
 
 
 # ---- per-file writes into a locked folder ------------------------------------------------------------
 
 
 def test_write_files_replaces_links_and_keeps_every_other_file(tmp_path: Path, umask: int) -> None:
-    from loragen.atomic import locked_folder
-
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"not yours")
     folder = tmp_path / "adapter"
@@ -291,8 +267,6 @@ def test_write_files_replaces_links_and_keeps_every_other_file(tmp_path: Path, u
 
 
 def test_locked_folder_and_subfolder_refuse_links_and_files(tmp_path: Path) -> None:
-    from loragen.atomic import locked_folder
-
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
     (tmp_path / "real" / "sub").symlink_to(tmp_path, target_is_directory=True)
@@ -318,8 +292,6 @@ def test_locked_folder_and_subfolder_refuse_links_and_files(tmp_path: Path) -> N
 
 
 def test_a_reader_waits_for_the_writer_holding_the_folder(tmp_path: Path) -> None:
-    from loragen.atomic import locked_folder, shared_lock
-
     order: list[str] = []
     inside = threading.Event()
 

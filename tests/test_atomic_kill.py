@@ -1,13 +1,12 @@
 """Writers killed at any moment leave the old or the new content, complete, and nothing else changed.
 
-A forked child writes (``atomic_dir``, ``save_adapter``) with every file-system
-step loragen's writer takes (rename, exchange, fsync, chmod, delete, the tensor file write...) counted;
-it SIGKILLs itself before step ``k``, which hypothesis draws. Then:
+A forked child writes (``atomic_write_bytes``, ``save_adapter``) with every file-system step loragen's
+writer takes (rename, replace, fsync, chmod, open, delete, the tensor file write...) counted; it SIGKILLs
+itself before step ``k``, which hypothesis draws. Then:
 
-- a folder swapped in whole: with the exchange rename, the target holds the old or the new content at once
-  (never missing); without it (the journalled fallback), the next write completes or rolls back the swap;
-  after that next write, no temporary entry is left and every entry beside the target is unchanged;
-- a save (per-file writes): every file holds its old or its new content, each adapter folder reads as the
+- one file: the target holds its old or its new content at every moment (never missing once it exists);
+  the next write deletes the killed writer's temporary file, and every entry beside the target is unchanged;
+- a save (several files): every file holds its old or its new content, each adapter folder reads as the
   old or the new adapter (config and weights together), other files are unchanged, and the next save
   leaves the new adapter and no temporary.
 
@@ -18,6 +17,7 @@ adapter, no file of the other process is lost.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -36,7 +36,7 @@ from torch import nn
 import loragen.atomic
 from loragen import LoraConfig, add_adapter, get_lora_model, save_adapter
 from loragen.adapters.folder import read_adapter
-from loragen.atomic import atomic_dir
+from loragen.atomic import atomic_file, atomic_write_bytes
 from tests.adapters.helpers import TinyNet, perturb_trainable, tree_snapshot
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -47,7 +47,7 @@ _SETTINGS = settings(
 )
 
 
-def _arm(step: int, journal: bool) -> None:
+def _arm(step: int) -> None:
     """In the child: SIGKILL this process before the ``step``-th counted file-system step."""
     left = [step]
 
@@ -69,21 +69,16 @@ def _arm(step: int, journal: bool) -> None:
             return counted(value) if name in _COUNTED_OS else value
 
     loragen.atomic.os = CountingOs()  # type: ignore[assignment]
-    for name in ("_remove", "_exchange"):  # the steps of the folder swap
-        if hasattr(loragen.atomic, name):
-            setattr(loragen.atomic, name, counted(getattr(loragen.atomic, name)))
     safetensors.torch.save_file = counted(safetensors.torch.save_file)
-    if journal:
-        loragen.atomic._RENAMEAT2 = None
 
 
-def _run_killed(action: Callable[[], None], step: int, journal: bool) -> bool:
+def _run_killed(action: Callable[[], None], step: int) -> bool:
     """Run ``action`` in a forked child armed to die at ``step``; True if it was killed."""
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest
         code = 0
         try:
-            _arm(step, journal)
+            _arm(step)
             action()
         except BaseException:
             code = 3
@@ -106,56 +101,40 @@ def _run_killed(action: Callable[[], None], step: int, journal: bool) -> bool:
 
 
 def _next_access(target: Path) -> None:
-    """A write to ``target`` that changes nothing (it fails on purpose): it finishes a cut-off swap and
-    deletes the leftovers of killed writers."""
-    with contextlib.suppress(RuntimeError), atomic_dir(target):
+    """A write to ``target`` that changes nothing (it fails on purpose): it deletes the temporary files of
+    killed writers."""
+    with contextlib.suppress(RuntimeError), atomic_file(target):
         raise RuntimeError("no change")
 
 
-def _check(parent: Path, target: Path, before: dict, old: dict | None, new: dict, journal: bool) -> None:
-    name = target.name
-    if not journal and old is not None:  # the exchange rename: never a moment without the target
-        assert target.is_dir()
-        assert tree_snapshot(target) in (old, new)
-    _next_access(target)
-    state = tree_snapshot(target) if target.exists() else None
-    assert state in (old, new)
-    after = tree_snapshot(parent)
-    outside = {k: v for k, v in after.items() if k != name and not k.startswith(name + os.sep)}
-    assert outside == {k: v for k, v in before.items() if k != name and not k.startswith(name + os.sep)}
+@pytest.mark.parametrize("old", [None, b"old weights"], ids=["new", "replaced"])
+def test_atomic_file_killed_anywhere(tmp_path: Path, old: bytes | None) -> None:
+    """Killed before each of its steps in turn, until one write runs to its end."""
+    new = b"new weights"
+    for step in itertools.count():
+        parent = tmp_path / f"killed-at-{step}"
+        parent.mkdir()
+        (parent / "sibling.txt").write_text("untouched")
+        (parent / ".sibling.txt.loragen-7-ab.tmp").write_text("another file's write, not this one's")
+        target = parent / "model.safetensors"
+        if old is not None:
+            target.write_bytes(old)
+        before = tree_snapshot(parent)
 
+        killed = _run_killed(lambda target=target: atomic_write_bytes(target, new), step)
 
-_files = st.dictionaries(
-    st.sampled_from(["a.bin", "b.json", "README.md", "sub/c.bin"]), st.binary(max_size=64), max_size=4
-)
-
-
-@_SETTINGS
-@given(old=st.none() | _files, new=_files, step=st.integers(0, 40), journal=st.booleans())
-def test_atomic_dir_killed_anywhere(tmp_path_factory, old, new, step: int, journal: bool) -> None:
-    parent = tmp_path_factory.mktemp("parent")
-    (parent / "sibling.txt").write_text("untouched")
-    target = parent / "target"
-
-    def write(folder: Path, files: dict[str, bytes]) -> None:
-        for rel, data in files.items():
-            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            (folder / rel).write_bytes(data)
-
-    if old is not None:
-        target.mkdir()
-        write(target, old)
-    old_state = tree_snapshot(target) if old is not None else None
-    reference = tmp_path_factory.mktemp("reference")
-    write(reference, new)
-    before = tree_snapshot(parent)
-
-    def action() -> None:
-        with atomic_dir(target) as tmp:
-            write(tmp, new)
-
-    _run_killed(action, step, journal)
-    _check(parent, target, before, old_state, tree_snapshot(reference), journal)
+        if old is not None:  # never a moment without the file
+            assert target.read_bytes() in (old, new)
+        elif target.exists():
+            assert target.read_bytes() == new
+        _next_access(target)  # no temporary left, nothing else changed
+        after = tree_snapshot(parent)
+        assert after.pop(target.name, None) in (old, new)
+        assert after == {k: v for k, v in before.items() if k != target.name}
+        if not killed:
+            assert target.read_bytes() == new
+            break
+    assert step >= 5  # open, fsync, chmod, rename, fsync the folder: each one cut off once
 
 
 _TEMPORARY = re.compile(r"(.*/)?\.[^/]+\.loragen-\d+-[0-9a-f]+\.tmp")
@@ -199,7 +178,7 @@ def test_save_adapter_killed_anywhere(tmp_path_factory, existing: bool, step: in
     new_pairs = {rel: _pair(reference / rel) for rel in ("", "other")}
     before = tree_snapshot(parent)
 
-    _run_killed(lambda: save_adapter(new_model, target), step, journal=False)
+    _run_killed(lambda: save_adapter(new_model, target), step)
 
     state = {k: v for k, v in tree_snapshot(target).items() if not _TEMPORARY.fullmatch(k)}
     for key in {*state, *old_state, *new_state}:  # each file old or new, never half-written

@@ -37,7 +37,7 @@ from loragen.adapters.files import (
     read_safetensors_header,
 )
 from loragen.adapters.folder import Adapter, LoraFactors, read_adapter
-from loragen.atomic import WriteError, _folder_locked, atomic_file, atomic_write_bytes
+from loragen.atomic import WriteError, atomic_file, atomic_write_bytes, mount_points, writers_lock
 from loragen.config import ALL_LINEAR, LoraConfig
 from loragen.errors import AdapterError, MergeError
 from loragen.layouts import PLAIN, TRANSPOSED, Layout
@@ -944,19 +944,6 @@ def read_marker(folder: str | os.PathLike[str]) -> tuple[MergeMarker | None, str
     ), ""
 
 
-def _mount_points() -> frozenset[str]:
-    """Every mount point of this process (Linux's ``/proc/self/mountinfo``, which also shows bind mounts of a
-    folder of the same file system); empty where it cannot be read."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as info:
-            fields = [line.split(" ") for line in info]
-    except OSError:
-        return frozenset()
-    # the mount point is the fifth field, with space, tab, newline and backslash escaped in octal
-    unescape = functools.partial(re.sub, r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)))
-    return frozenset(unescape(f[4]) for f in fields if len(f) > 4)
-
-
 def _crossing(folder: Path, path: Path) -> Path | None:
     """The first entry between ``folder`` and ``path`` (``path``'s parents inside ``folder``) that is not a
     plain folder of ``folder``'s file system (a link, a mount point, a file), or None."""
@@ -971,7 +958,7 @@ def _crossing(folder: Path, path: Path) -> Path | None:
             return None  # the merge creates it
         if not stat.S_ISDIR(st.st_mode) or st.st_dev != device or os.path.ismount(current):
             return current
-        mounts = _mount_points() if mounts is None else mounts
+        mounts = mount_points() if mounts is None else mounts
         if os.path.realpath(current) in mounts:  # a bind mount of a folder of the same file system
             return current
     return None
@@ -1168,7 +1155,7 @@ def _write_folder(
     committing = False  # whether files are being renamed into place
     record = {"base": str(checkpoint.root.resolve()), "adapter": str(plan.adapter.folder.resolve())}
     try:
-        with _folder_locked(out):
+        with writers_lock(out):
             marker = _check_output(base, adapter, out)  # again, now that other merges wait
             _check_names(out, names, _owned(out, marker))
             new: dict[str, FileIdentity] = {}

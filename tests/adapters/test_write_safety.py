@@ -33,7 +33,6 @@ from loragen.adapters.offline_merge import MergeError, merge_checkpoint
 from loragen.atomic import WriteError
 from loragen.cli import main
 from tests.adapters.helpers import TinyNet, perturb_trainable, tiny_lora, tree_snapshot
-from tests.test_atomic import fake_mount
 
 # ---- adapter names ---------------------------------------------------------------------------------
 
@@ -320,6 +319,29 @@ def test_files_created_in_the_folder_during_saves_are_kept(tmp_path: Path) -> No
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         ["adapter_config.json", "adapter_model.safetensors", *created]
     )
+
+
+def fake_mount(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Make every folder named ``name`` look like a mount point of another filesystem (``st_dev`` differs),
+    as a bind mount would; mounting for real needs root."""
+    real_stat, real_lstat = os.stat, os.lstat
+    extra = "st_atime st_mtime st_ctime st_atime_ns st_mtime_ns st_ctime_ns st_blksize st_blocks st_rdev"
+
+    def moved(info: os.stat_result) -> os.stat_result:
+        values = list(info[:10])
+        values[2] += 1  # st_dev
+        return os.stat_result(values, {key: getattr(info, key) for key in extra.split()})
+
+    def stat(path, *args, **kwargs):
+        info = real_stat(path, *args, **kwargs)
+        return moved(info) if os.path.basename(os.fspath(path)) == name else info
+
+    def lstat(path, *args, **kwargs):
+        info = real_lstat(path, *args, **kwargs)
+        return moved(info) if os.path.basename(os.fspath(path)) == name else info
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(os, "lstat", lstat)
 
 
 def test_a_save_leaves_a_mounted_subfolder_as_it_is(tmp_path: Path, monkeypatch) -> None:
