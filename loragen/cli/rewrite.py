@@ -45,6 +45,13 @@ folders name, else, for a copy outside any package folder, the installed package
 that name beside the modules its relative imports name (a note on stderr says which); a file with relative
 imports and no such package is an input error that asks for --package.
 
+The PreTrainedModel classes of a file holding LoRA layers get an _init_weights hook, with which
+from_pretrained gives the LoRA factors a checkpoint lacks peft's initialisation. The files of one run are
+one model: when any gets LoRA layers, the PreTrainedModel classes of all of them get the hook (for a model
+split into blocks.py and modeling.py, rewrite both, or the folder). A model file left out of the run that
+imports a rewritten file is named in a warning, as is a rewritten file that imports transformers in a run
+without PreTrainedModel classes.
+
 An nn.Linear subclass defined in the file gets its LoRA class bound after it (LoraFalconLinear =
 lora_class_for(FalconLinear)). Sub-models built with AutoModel.from_config (Gemma 3, LLaVA, ...) are
 built through a LoRA auto class (LoraAutoModel = lora_auto_class(AutoModel, [...], LORA_CONFIG)),
