@@ -325,19 +325,45 @@ def _models_using(path: Path, package: str | None, run: set[Path]) -> list[tuple
                 for name, names in imported_modules(code, importer)
             )
             if classes and uses:
-                found.append((other, classes))
+                found.append((other, list(classes)))
     return found
 
 
 def _uninitialised_lora(
     results: list[tuple[Path, Path, str, RewriteResult]], packages: dict[Path, tuple[str | None, bool]]
 ) -> list[str]:
-    """Warnings for the LoRA layers that ``from_pretrained`` may leave uninitialised: those of a file whose
-    classes a ``PreTrainedModel`` file outside the run imports, and those of a file that imports transformers
-    when no file of the run defines a ``PreTrainedModel`` class (so none got the ``_init_weights`` hook)."""
+    """Warnings for the LoRA layers that ``from_pretrained`` may leave uninitialised: a model of the run whose
+    ``PreTrainedModel`` base class is in a file outside the run, a ``PreTrainedModel`` file outside the run
+    that imports a rewritten file, a rewritten file that imports transformers when no file of the run defines a
+    ``PreTrainedModel`` class (so none got the ``_init_weights`` hook)."""
+    if not any(_holds_lora(result) for *_, result in results):
+        return []
     run = {path.resolve() for path, *_ in results}
-    hooked = any(result.init_hooks for *_, result in results)
+    hooked = {name for *_, result in results for name in result.init_hooks}
     messages: list[str] = []
+    for path, _, code, result in results:
+        # models of the run whose PreTrainedModel base class comes from a file the run does not hold
+        models = model_classes(code) if not result.init_hooks and "PreTrainedModel" in code else {}
+        foreign = sorted(
+            {
+                base
+                for base in models.values()
+                if base not in models.keys() | hooked and base != "PreTrainedModel"
+            }
+        )
+        if foreign:
+            origins = [
+                f"{base} (from {module})"
+                for base in foreign
+                for module, names in imported_modules(code, packages[path][0])
+                if base in names
+            ]
+            messages.append(
+                f"{path}: warning: the PreTrainedModel base class {', '.join(origins or foreign)} of "
+                f"{', '.join(models)} is in a file not rewritten in this run: its _init_weights has no LoRA hook, so "
+                "from_pretrained leaves the LoRA factors a checkpoint lacks uninitialised. Rewrite that file in the "
+                "same run"
+            )
     for path, _, code, result in results:
         if not result.rewritten:
             continue

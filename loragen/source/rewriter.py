@@ -134,12 +134,13 @@ def imported_modules(code: str, package: str | None) -> list[tuple[str, tuple[st
     return found
 
 
-def model_classes(code: str) -> list[str]:
-    """The classes ``code`` derives from a class named ``PreTrainedModel`` or ``...PreTrainedModel``
-    (transformers' base, a model's own base of another file), directly or through classes of ``code``:
-    the models whose ``_init_weights`` ``from_pretrained`` uses. Empty for code that does not parse."""
+def model_classes(code: str) -> dict[str, str]:
+    """The classes of ``code`` that derive from a class named ``PreTrainedModel`` or ``...PreTrainedModel``
+    (transformers' base, a model's own base class), directly or through classes of ``code``: the models whose
+    ``_init_weights`` ``from_pretrained`` uses. Each maps to the name of that base as written (a class of
+    ``code`` or an imported name). Empty for code that does not parse."""
     tree = _parse(code)
-    found: list[str] = []
+    found: dict[str, str] = {}
     for node in tree.body if tree is not None else ():
         if not isinstance(node, ast.ClassDef):
             continue
@@ -148,8 +149,9 @@ def model_classes(code: str) -> list[str]:
             for b in node.bases
             if isinstance(b, (ast.Name, ast.Attribute))
         ]
-        if any(n.endswith("PreTrainedModel") or n in found for n in names):
-            found.append(node.name)
+        base = next((n for n in names if n.endswith("PreTrainedModel") or n in found), None)
+        if base is not None:
+            found[node.name] = base
     return found
 
 

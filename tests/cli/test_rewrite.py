@@ -566,3 +566,31 @@ def test_a_plain_torch_file_does_not_warn(tmp_path: Path, capsys):
         == 0
     )
     assert capsys.readouterr().err == f"{folder / 'net.py'}: 2 layers -> LoRA (q_proj, v_proj)\n"
+
+
+def test_a_model_whose_pretrained_base_class_is_left_out_warns_and_the_folder_gets_the_hook_there(
+    tmp_path: Path, capsys
+):
+    source = _two_file_package(tmp_path / "src", "tiny_three")
+    modeling = (source / "modeling.py").read_text()
+    start, end = modeling.index("class TinyPreTrainedModel"), modeling.index("class TinyModel")
+    (source / "base.py").write_text(
+        "from transformers import PreTrainedModel\n\nfrom .modeling import TinyConfig\n\n\n"
+        + modeling[start:end]
+    )
+    (source / "modeling.py").write_text(
+        modeling[:start].replace("from .blocks", "from .base import TinyPreTrainedModel\nfrom .blocks")
+        + modeling[end:]
+    )
+    args = ("--target-modules", "q_proj,v_proj", "--diff")
+    assert run_cli(str(source / "blocks.py"), str(source / "modeling.py"), *args) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"{source / 'modeling.py'}: warning: the PreTrainedModel base class TinyPreTrainedModel "
+        "(from tiny_three.base) of TinyModel is in a file not rewritten in this run"
+    ) in err
+    assert run_cli(str(source), *args) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err
+    assert f"{source / 'base.py'}: no layer fields; TinyPreTrainedModel._init_weights initialises" in err
+    assert out.count("module.reset_lora_parameters(True)") == 1
