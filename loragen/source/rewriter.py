@@ -330,9 +330,8 @@ class _RewritePlanner:
         self.factory_edits: dict[cst.Call, str] = {}  # AutoModel.from_config(...) call -> LoraAutoModel
         self.init_hook = init_hook
         self.active = False  # whether the file gets the config (and its models the hook): set by run()
-        self.hooked: list[
-            str
-        ] = []  # the PreTrainedModel classes whose _init_weights initialises LoRA factors
+        # the PreTrainedModel classes whose _init_weights initialises LoRA factors
+        self.hooked: list[str] = []
 
     def _error(self, line: int, message: str) -> None:
         self.errors.append(Diagnostic(self.filename, line, message))
