@@ -20,7 +20,9 @@ from loragen.plan import check_pattern
 from loragen.source.rewriter import (
     Diagnostic,
     RewriteResult,
+    imported_modules,
     installed_packages,
+    model_classes,
     module_name_for_path,
     relative_imports,
     rewrite_source,
@@ -42,6 +44,13 @@ imports, so the output is standalone. The package is --package, else the one the
 folders name, else, for a copy outside any package folder, the installed package that holds a file of
 that name beside the modules its relative imports name (a note on stderr says which); a file with relative
 imports and no such package is an input error that asks for --package.
+
+The PreTrainedModel classes of a file holding LoRA layers get an _init_weights hook, with which
+from_pretrained gives the LoRA factors a checkpoint lacks peft's initialisation. The files of one run are
+one model: when any gets LoRA layers, the PreTrainedModel classes of all of them get the hook (for a model
+split into blocks.py and modeling.py, rewrite both, or the folder). A model file left out of the run that
+imports a rewritten file is named in a warning, as is a rewritten file that imports transformers in a run
+without PreTrainedModel classes.
 
 An nn.Linear subclass defined in the file gets its LoRA class bound after it (LoraFalconLinear =
 lora_class_for(FalconLinear)). Sub-models built with AutoModel.from_config (Gemma 3, LLaVA, ...) are
@@ -282,6 +291,107 @@ def _unmatched(config: LoraConfig, results: list[RewriteResult]) -> list[str]:
     ]
 
 
+def _holds_lora(result: RewriteResult) -> bool:
+    """Whether a rewritten file holds LoRA layers (or builds sub-models through LoRA auto classes)."""
+    return bool(result.rewritten or result.sub_models)
+
+
+def _search_folders(path: Path) -> list[Path]:
+    """The folder of ``path`` and the folders of its package above it (each holding an ``__init__.py``)."""
+    folders = [path.resolve().parent]
+    while (folders[-1] / "__init__.py").is_file() and (folders[-1].parent / "__init__.py").is_file():
+        folders.append(folders[-1].parent)
+    return folders
+
+
+def _models_using(path: Path, package: str | None, run: set[Path]) -> list[tuple[Path, list[str]]]:
+    """``(file, model classes)`` for each file outside ``run``, in ``path``'s folder or a folder of its
+    package above it, that defines ``PreTrainedModel`` classes and imports ``path``'s module."""
+    module = f"{package}.{path.stem}" if package else path.stem
+    found: list[tuple[Path, list[str]]] = []
+    for folder in _search_folders(path):
+        for other in sorted(folder.glob("*.py")):
+            if other.resolve() in run:
+                continue
+            code, problem = _read(other)
+            if problem is not None or "PreTrainedModel" not in code or path.stem not in code:
+                continue
+            classes = model_classes(code)
+            importer = module_name_for_path(other)[1]
+            if importer is None and other.parent.resolve() == path.resolve().parent:
+                importer = package  # a copy outside any package folder: its neighbours are copies too
+            uses = any(
+                name == module or (name == package and path.stem in names)
+                for name, names in imported_modules(code, importer)
+            )
+            if classes and uses:
+                found.append((other, list(classes)))
+    return found
+
+
+def _uninitialised_lora(
+    results: list[tuple[Path, Path, str, RewriteResult]], packages: dict[Path, tuple[str | None, bool]]
+) -> list[str]:
+    """Warnings for the LoRA layers that ``from_pretrained`` may leave uninitialised: a model of the run whose
+    ``PreTrainedModel`` base class is in a file outside the run, a ``PreTrainedModel`` file outside the run
+    that imports a rewritten file, a rewritten file that imports transformers when no file of the run defines a
+    ``PreTrainedModel`` class (so none got the ``_init_weights`` hook)."""
+    if not any(_holds_lora(result) for *_, result in results):
+        return []
+    run = {path.resolve() for path, *_ in results}
+    hooked = {name for *_, result in results for name in result.init_hooks}
+    messages: list[str] = []
+    for path, _, code, result in results:
+        # models of the run whose PreTrainedModel base class comes from a file the run does not hold
+        models = model_classes(code) if not result.init_hooks and "PreTrainedModel" in code else {}
+        foreign = sorted(
+            {
+                base
+                for base in models.values()
+                if base not in models.keys() | hooked and base != "PreTrainedModel"
+            }
+        )
+        if foreign:
+            origins = [
+                f"{base} (from {module})"
+                for base in foreign
+                for module, names in imported_modules(code, packages[path][0])
+                if base in names
+            ]
+            messages.append(
+                f"{path}: warning: the PreTrainedModel base class {', '.join(origins or foreign)} of "
+                f"{', '.join(models)} is in a file not rewritten in this run: its _init_weights has no LoRA hook, so "
+                "from_pretrained leaves the LoRA factors a checkpoint lacks uninitialised. Rewrite that file in the "
+                "same run"
+            )
+    for path, _, code, result in results:
+        if not result.rewritten:
+            continue
+        package = packages[path][0]
+        users = _models_using(path, package, run)
+        for user, classes in users:
+            shown = ", ".join(classes[:3]) + (", ..." if len(classes) > 3 else "")
+            messages.append(
+                f"{path}: warning: {user} defines {shown} (transformers PreTrainedModel) and imports this file's "
+                "classes, but is not rewritten in this run: its _init_weights has no LoRA hook, so from_pretrained "
+                f"leaves the LoRA factors a checkpoint lacks uninitialised. Rewrite both in one run "
+                f"(loragen rewrite {path} {user} ...) or the whole folder (loragen rewrite {user.parent} ...)"
+            )
+        transformers = any(
+            name == "transformers" or name.startswith("transformers.")
+            for name, _ in imported_modules(code, package)
+        )
+        if not users and not hooked and transformers:
+            messages.append(
+                f"{path}: warning: LoRA layers in a file that imports transformers, and no file of this run "
+                "defines a PreTrainedModel class: if a transformers model of another file builds these layers, its "
+                "_init_weights has no LoRA hook, so from_pretrained leaves the LoRA factors a checkpoint lacks "
+                "uninitialised. Rewrite the file that defines the model's PreTrainedModel class in the same run, "
+                "or the model's whole folder (loragen rewrite DIR ...)"
+            )
+    return messages
+
+
 def _blocking_file(path: Path) -> Path | None:
     """The nearest existing ancestor of ``path`` when it is not a folder (so ``path`` cannot be created)."""
     for parent in path.parents:
@@ -391,6 +501,7 @@ def run(args: argparse.Namespace) -> int:
     standalone = not (args.in_place or args.diff)
 
     results: list[tuple[Path, Path, str, RewriteResult]] = []
+    packages: dict[Path, tuple[str | None, bool]] = {}  # file -> (its package, absolute imports)
     for path, relative in files:
         code, problem = _read(path)
         if problem is not None:
@@ -406,10 +517,26 @@ def run(args: argparse.Namespace) -> int:
         if note is not None and not args.quiet:
             print(note, file=sys.stderr)
         # a copy outside any package folder: relative imports cannot work where it is, in place or not
+        packages[path] = (package, standalone or note is not None)
         result = rewrite_source(
-            code, config, filename=str(path), package=package, absolute_imports=standalone or note is not None
+            code, config, filename=str(path), package=package, absolute_imports=packages[path][1]
         )
         results.append((path, relative, code, result))
+    if any(_holds_lora(result) for *_, result in results):
+        # from_pretrained fills the LoRA factors a checkpoint lacks with the model's _init_weights: every
+        # PreTrainedModel class of the run gets the hook, whichever file holds the layers it builds
+        for index, (path, relative, code, result) in enumerate(results):
+            if not result.errors and not _holds_lora(result) and "PreTrainedModel" in code:
+                package, absolute = packages[path]
+                hooked = rewrite_source(
+                    code,
+                    config,
+                    filename=str(path),
+                    package=package,
+                    absolute_imports=absolute,
+                    init_hook=True,
+                )
+                results[index] = (path, relative, code, hooked)
 
     unmatched = _unmatched(config, [r for *_, r in results])
     failed = [r for *_, r in results if r.errors]
@@ -420,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
             for warning in result.warnings:
                 print(f"{warning.filename}:{warning.line}: warning: {warning.message}", file=sys.stderr)
             # a file without layers has nothing to say
-            if result.fields or result.sub_models or result.errors or len(results) == 1:
+            if result.fields or result.sub_models or result.init_hooks or result.errors or len(results) == 1:
                 print(result.summary(), file=sys.stderr)
     for message in unmatched:
         error("rewrite", message)
@@ -432,6 +559,9 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"loragen rewrite: {what}; nothing was written", file=sys.stderr)
         return EXIT_INPUT
+    if not args.quiet:
+        for message in _uninitialised_lora(results, packages):
+            print(message, file=sys.stderr)
 
     if to_stdout or args.diff:
         for path, _, code, result in results:

@@ -578,6 +578,8 @@ class RewriteResult:
         unmatched_targets: the entries of ``target_modules`` that select no layer field of this file.
         warnings: things left alone that a reader should know about (unresolvable layers, ...).
         sub_models: the sub-models built by transformers' auto classes (``"Gemma3Model.language_model"``).
+        init_hooks: the ``PreTrainedModel`` classes whose ``_init_weights`` gives LoRA factors a checkpoint
+            lacks peft's initialisation in ``from_pretrained`` (the hook added now, or there already).
     """
 
     code: str
@@ -589,6 +591,7 @@ class RewriteResult:
     warnings: tuple[Diagnostic, ...] = ()
     errors: tuple[Diagnostic, ...] = ()
     sub_models: tuple[str, ...] = ()
+    init_hooks: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -607,6 +610,12 @@ class RewriteResult:
             text = f"{self.filename}: no targeted layers"
         else:
             text = f"{self.filename}: {_plural(len(self.rewritten), 'layer')} -> LoRA ({shown})"
+            if not self.changed:
+                text += ", already up to date"
+        if self.init_hooks and not self.rewritten and not self.sub_models:
+            # the hook for the LoRA layers of other files that these models may build
+            hooked = ", ".join(f"{name}._init_weights" for name in self.init_hooks)
+            text += f"; {hooked} initialises the LoRA layers of other files"
             if not self.changed:
                 text += ", already up to date"
         if self.sub_models:

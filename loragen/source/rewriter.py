@@ -47,6 +47,7 @@ from loragen.source.scan import (
     LayerField,
     ScanError,
     ScannedModule,
+    absolute_module,
     code_of,
     definitions,
     nested_statements,
@@ -59,8 +60,10 @@ __all__ = [
     "Diagnostic",
     "RewriteResult",
     "RewrittenCall",
-    "module_name_for_path",
+    "imported_modules",
     "installed_packages",
+    "model_classes",
+    "module_name_for_path",
     "relative_imports",
     "rewrite_source",
 ]
@@ -98,15 +101,58 @@ def module_name_for_path(path: str | os.PathLike[str]) -> tuple[str | None, str 
 def relative_imports(code: str) -> list[tuple[int, int, str | None]]:
     """``(line, level, module)`` of every relative import in ``code`` (``from ...modeling_utils import X``
     gives ``(line, 3, "modeling_utils")``); none for code that does not parse (the rewrite reports that)."""
-    try:
-        tree = ast.parse(code.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n"))
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return []
+    tree = _parse(code)
     return [
         (node.lineno, node.level, node.module)
-        for node in ast.walk(tree)
+        for node in (ast.walk(tree) if tree is not None else ())
         if isinstance(node, ast.ImportFrom) and node.level
     ]
+
+
+def _parse(code: str) -> ast.Module | None:
+    try:
+        return ast.parse(code.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n"))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def imported_modules(code: str, package: str | None) -> list[tuple[str, tuple[str, ...]]]:
+    """``(module, names)`` for every import in ``code``, relative ones resolved in ``package`` (left out
+    without one): ``from .blocks import Attention`` in package ``pkg`` gives ``("pkg.blocks", ("Attention",))``,
+    ``import torch.nn`` gives ``("torch.nn", ())``. Empty for code that does not parse."""
+    tree = _parse(code)
+    found: list[tuple[str, tuple[str, ...]]] = []
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, ()) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module if not node.level else None
+            if node.level and package:
+                module = absolute_module(package, node.level, node.module)
+            if module:
+                found.append((module, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def model_classes(code: str) -> dict[str, str]:
+    """The classes of ``code`` that derive from a class named ``PreTrainedModel`` or ``...PreTrainedModel``
+    (transformers' base, a model's own base class), directly or through classes of ``code``: the models whose
+    ``_init_weights`` ``from_pretrained`` uses. Each maps to the name of that base as written (a class of
+    ``code`` or an imported name). Empty for code that does not parse."""
+    tree = _parse(code)
+    found: dict[str, str] = {}
+    for node in tree.body if tree is not None else ():
+        if not isinstance(node, ast.ClassDef):
+            continue
+        names = [
+            b.id if isinstance(b, ast.Name) else b.attr
+            for b in node.bases
+            if isinstance(b, (ast.Name, ast.Attribute))
+        ]
+        base = next((n for n in names if n.endswith("PreTrainedModel") or n in found), None)
+        if base is not None:
+            found[node.name] = base
+    return found
 
 
 def installed_packages(path: str | os.PathLike[str], code: str) -> list[tuple[str, Path]]:
@@ -173,6 +219,7 @@ def rewrite_source(
     filename: str | None = None,
     package: str | None = None,
     absolute_imports: bool = True,
+    init_hook: bool = False,
 ) -> RewriteResult:
     """Rewrite the constructor calls of ``config``'s target layers in ``code`` into loragen layers.
 
@@ -193,6 +240,9 @@ def rewrite_source(
             imports (``from ...pytorch_utils import Conv1D``).
         absolute_imports: with ``package``, write relative imports as absolute ones (a standalone output);
             ``False`` for a file rewritten in place.
+        init_hook: give the file's ``PreTrainedModel`` classes the ``_init_weights`` hook (and the config)
+            even when the file has no targeted layer: another file rewritten with it holds LoRA layers that
+            these models may build (``loragen rewrite`` on several files).
 
     Returns:
         a :class:`RewriteResult`; never raises for bad input: errors are in ``result.errors``.
@@ -218,7 +268,7 @@ def rewrite_source(
                 text.code, filename=name, module=_module_name(filename, package), package=package
             )
             result = _RewritePlanner(
-                text.code, config, name, package if absolute_imports else None, scanned
+                text.code, config, name, package if absolute_imports else None, scanned, init_hook
             ).run()
         return dataclasses.replace(result, code=text.restore(result.code))
     except ScanError as exc:
@@ -246,10 +296,17 @@ def _collector_paused() -> Iterator[None]:
 class _RewritePlanner:
     """Plans and applies the rewrite of one scanned file: which constructor calls change and how, which
     classes record the config and get the transformers init hook, which imports the file needs; errors
-    leave it unchanged. ``package`` (or None) makes relative imports absolute in the output."""
+    leave it unchanged. ``package`` (or None) makes relative imports absolute in the output; ``init_hook``
+    gives the file's ``PreTrainedModel`` classes the init hook even without targeted layers in the file."""
 
     def __init__(
-        self, code: str, config: LoraConfig, filename: str, package: str | None, scanned: ScannedModule
+        self,
+        code: str,
+        config: LoraConfig,
+        filename: str,
+        package: str | None,
+        scanned: ScannedModule,
+        init_hook: bool = False,
     ) -> None:
         self.code = code
         self.config = config
@@ -271,6 +328,10 @@ class _RewritePlanner:
         # LoRA auto class -> the auto class (LoraAutoModel -> AutoModel)
         self.auto_classes: dict[str, str] = {}
         self.factory_edits: dict[cst.Call, str] = {}  # AutoModel.from_config(...) call -> LoraAutoModel
+        self.init_hook = init_hook
+        self.active = False  # whether the file gets the config (and its models the hook): set by run()
+        # the PreTrainedModel classes whose _init_weights initialises LoRA factors
+        self.hooked: list[str] = []
 
     def _error(self, line: int, message: str) -> None:
         self.errors.append(Diagnostic(self.filename, line, message))
@@ -293,9 +354,10 @@ class _RewritePlanner:
                 "parameters with loragen.get_lora_model or @lora_convert on the original classes",
             )
         self._plan_factories()
-        active = bool(self.rewritten or self.auto_classes)
-        hooks, config_classes = self._class_edits() if active else ({}, set())
-        if active:
+        # a file edits its classes when it holds LoRA layers, or when its models may hold another file's
+        self.active = bool(self.rewritten or self.auto_classes or (self.init_hook and self._model_roots()))
+        hooks, config_classes = self._class_edits() if self.active else ({}, set())
+        if self.active:
             self.imports.setdefault(_CONFIG_IMPORT[0], set()).add(_CONFIG_IMPORT[1])
             if hooks:
                 self.imports.setdefault(_HOOK_IMPORT[0], set()).add(_HOOK_IMPORT[1])
@@ -317,7 +379,7 @@ class _RewritePlanner:
             self._error(1, message)
         if self.errors:
             return self._result(self.code)
-        if active:
+        if self.active:
             tree = add_preamble(
                 tree,
                 missing,
@@ -475,15 +537,11 @@ class _RewritePlanner:
         nodes = definitions(self.scanned.tree.body, cst.ClassDef)
         hooks: dict[cst.ClassDef, str] = {}
         holders = {c.field.owner for c in self.rewritten} | {f.owner for f in self.scanned.factories.values()}
-        for scan in self.result.classes:
-            # the topmost PreTrainedModel subclass of the file gets the hook; its subclasses inherit it
-            if not any(b in PRETRAINED for b in scan.base_names) or any(
-                self.targets.is_pretrained(base) for base in scan.local_bases
-            ):
-                continue
-            node = nodes.get(scan.name)
+        for name in self._model_roots():
+            node = nodes.get(name)
             if node is not None:
-                holders.add(scan.name)
+                holders.add(name)
+                self.hooked.append(name)
                 if not has_lora_hook(node):
                     hooks[node] = py_literal(self.config.init_lora_weights)
         config_classes: set[cst.ClassDef] = set()
@@ -503,12 +561,22 @@ class _RewritePlanner:
                 )
         return hooks, config_classes
 
+    def _model_roots(self) -> list[str]:
+        """The topmost ``PreTrainedModel`` subclasses of the file: they get the init hook, and their
+        subclasses inherit it."""
+        return [
+            scan.name
+            for scan in self.result.classes
+            if any(b in PRETRAINED for b in scan.base_names)
+            and not any(self.targets.is_pretrained(base) for base in scan.local_bases)
+        ]
+
     def _missing_imports(self) -> dict[str, list[str]]:
         """The needed names the file does not import yet; a needed name bound to something else is an error."""
         bindings = top_level_bindings(self.scanned.tree)
         missing: dict[str, list[str]] = {}
         wanted = [(module, name) for module, names in self.imports.items() for name in names]
-        if self.rewritten or self.auto_classes:
+        if self.active:  # the file gets LORA_CONFIG
             wanted.append(("<loragen rewrite>", CONFIG_NAME))
         if any(name not in self.scanned.auto_bindings for name in self.auto_classes):
             wanted.append(LORA_AUTO_CLASS)
@@ -594,6 +662,7 @@ class _RewritePlanner:
             unmatched_targets=() if self.auto_classes else self.targets.unmatched(),
             warnings=tuple(sorted(set(self.warnings), key=lambda d: d.line)),
             errors=errors,
+            init_hooks=() if errors else tuple(self.hooked),
             sub_models=tuple(
                 f"{f.owner}.{f.path}"
                 for f in sorted(self.scanned.factories.values(), key=lambda f: f.location.line)

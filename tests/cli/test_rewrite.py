@@ -389,3 +389,208 @@ def test_a_copy_is_resolved_in_the_one_installed_package_that_holds_it(tmp_path:
     assert "several installed packages hold a model.py" in err and "first_pkg.sub, second_pkg.sub" in err
     assert run_cli(str(copy), "--target-modules", "q", "--package", "second_pkg.sub", "-o", str(out)) == 0
     assert "from second_pkg.utils import helper" in out.read_text()
+
+
+# ---- a model split into files: the LoRA layers in one, the PreTrainedModel class in another --------------
+
+_BLOCKS = '''"""The blocks of a tiny model."""
+
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, hidden)
+        self.v_proj = nn.Linear(hidden, hidden)
+        self.o_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(torch.tanh(self.q_proj(x)) * self.v_proj(x))
+'''
+
+_MODELING = '''"""A tiny transformers model built from the blocks of blocks.py."""
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .blocks import Attention
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "loragen-tiny-two-files"
+
+    def __init__(self, hidden: int = 16, layers: int = 2, **kwargs) -> None:
+        self.hidden = hidden
+        self.layers = layers
+        super().__init__(**kwargs)
+
+
+class TinyPreTrainedModel(PreTrainedModel):
+    config_class = TinyConfig
+    base_model_prefix = "tiny"
+
+
+class TinyModel(TinyPreTrainedModel):
+    def __init__(self, config: TinyConfig) -> None:
+        super().__init__(config)
+        self.blocks = nn.ModuleList([Attention(config.hidden) for _ in range(config.layers)])
+        self.head = nn.Linear(config.hidden, 3)
+        self.post_init()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+'''
+
+
+def _two_file_package(root: Path, name: str) -> Path:
+    """A package ``name`` under ``root``: ``blocks.py`` holds the attention layers, ``modeling.py`` the
+    ``PreTrainedModel`` class that builds them."""
+    package = root / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "blocks.py").write_text(_BLOCKS)
+    (package / "modeling.py").write_text(_MODELING)
+    return package
+
+
+def _import_fresh(monkeypatch, folder: Path, module: str):
+    import importlib
+    import sys
+
+    monkeypatch.syspath_prepend(str(folder))
+    for name in [
+        n
+        for n in sys.modules
+        if n == module.partition(".")[0] or n.startswith(module.partition(".")[0] + ".")
+    ]:
+        monkeypatch.delitem(sys.modules, name)
+    return importlib.import_module(module)
+
+
+def test_a_folder_rewrite_gives_the_model_file_the_init_hook_for_the_layers_of_another_file(
+    tmp_path: Path, capsys, monkeypatch
+):
+    """``from_pretrained`` fills the LoRA factors a base checkpoint lacks with the model's ``_init_weights``:
+    the model file gets the hook although its own file has no targeted layer."""
+    import torch
+
+    from loragen.layers import LoraLayer
+
+    base_module = _import_fresh(
+        monkeypatch, _two_file_package(tmp_path / "base", "tiny_base").parent, "tiny_base.modeling"
+    )
+    source = _two_file_package(tmp_path / "src", "tiny_lora")
+    out = tmp_path / "out" / "tiny_lora"
+    args = ("--target-modules", "q_proj,v_proj", "--r", "4", "--lora-alpha", "8")
+    assert run_cli(str(source), *args, "-o", str(out)) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err
+    assert (
+        f"{source / 'modeling.py'}: no targeted layers; TinyPreTrainedModel._init_weights initialises the "
+        "LoRA layers of other files"
+    ) in err
+    modeling = (out / "modeling.py").read_text()
+    assert "module.reset_lora_parameters(True)" in modeling and "loragen_config = LORA_CONFIG" in modeling
+    assert "LoraLayer" not in (out / "blocks.py").read_text()  # no PreTrainedModel class there
+
+    torch.manual_seed(0)
+    base = base_module.TinyModel(base_module.TinyConfig()).eval()
+    base.save_pretrained(tmp_path / "checkpoint")
+    rewritten = _import_fresh(monkeypatch, out.parent, "tiny_lora.modeling")
+    model = rewritten.TinyModel.from_pretrained(tmp_path / "checkpoint").eval()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert sorted(layers) == [f"blocks.{i}.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    for name, layer in layers.items():
+        a, b = layer.lora_A, layer.lora_B
+        assert a.shape == (4, 16) and torch.isfinite(a).all() and a.abs().max() > 0, name
+        assert a.abs().max() <= 1 / a.shape[1] ** 0.5, name  # kaiming-uniform(a=sqrt(5)): U(-1/sqrt(in), ..)
+        assert torch.equal(b, torch.zeros_like(b)), name
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), base(x))  # B = 0: the LoRA term is exactly zero
+
+    # rewriting the output again changes nothing
+    assert run_cli(str(out), *args, "--in-place") == 0
+    assert "already up to date" in capsys.readouterr().err
+    assert (out / "modeling.py").read_text() == modeling
+
+
+def test_rewriting_only_the_layer_file_warns_naming_the_model_file(tmp_path: Path, capsys):
+    source = _two_file_package(tmp_path / "src", "tiny_warned")
+    args = ("--target-modules", "q_proj,v_proj")
+    assert run_cli(str(source / "blocks.py"), *args, "-o", str(tmp_path / "blocks.py")) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"{source / 'blocks.py'}: warning: {source / 'modeling.py'} defines TinyPreTrainedModel, TinyModel "
+        "(transformers PreTrainedModel) and imports this file's classes, but is not rewritten in this run"
+    ) in err
+    assert "from_pretrained leaves the LoRA factors a checkpoint lacks uninitialised" in err
+    assert f"(loragen rewrite {source})" not in err and f"loragen rewrite {source} ...)" in err
+    assert (tmp_path / "blocks.py").is_file()  # a warning, not a refusal
+    # both files in one run: the model file gets the hook, and nothing to warn about
+    assert (
+        run_cli(str(source / "blocks.py"), str(source / "modeling.py"), *args, "-o", str(tmp_path / "both"))
+        == 0
+    )
+    assert "warning" not in capsys.readouterr().err
+    assert "module.reset_lora_parameters(True)" in (tmp_path / "both" / "modeling.py").read_text()
+
+
+def test_a_layer_file_that_imports_transformers_and_no_model_in_the_run_warns(tmp_path: Path, capsys):
+    source = tmp_path / "layers.py"
+    source.write_text(
+        _BLOCKS.replace(
+            "from torch import nn\n", "from torch import nn\nfrom transformers import activations\n"
+        )
+    )
+    assert run_cli(str(source), "--target-modules", "q_proj", "--diff") == 0
+    err = capsys.readouterr().err
+    assert (
+        f"{source}: warning: LoRA layers in a file that imports transformers, and no file of this run" in err
+    )
+    assert "loragen rewrite DIR" in err
+
+
+def test_a_plain_torch_file_does_not_warn(tmp_path: Path, capsys):
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "net.py").write_text(_BLOCKS)
+    (folder / "train.py").write_text("from net import Attention\n\nmodel = Attention(16)\n")
+    assert (
+        run_cli(str(folder / "net.py"), "--target-modules", "q_proj,v_proj", "-o", str(tmp_path / "out.py"))
+        == 0
+    )
+    assert capsys.readouterr().err == f"{folder / 'net.py'}: 2 layers -> LoRA (q_proj, v_proj)\n"
+
+
+def test_a_model_whose_pretrained_base_class_is_left_out_warns_and_the_folder_gets_the_hook_there(
+    tmp_path: Path, capsys
+):
+    source = _two_file_package(tmp_path / "src", "tiny_three")
+    modeling = (source / "modeling.py").read_text()
+    start, end = modeling.index("class TinyPreTrainedModel"), modeling.index("class TinyModel")
+    (source / "base.py").write_text(
+        "from transformers import PreTrainedModel\n\nfrom .modeling import TinyConfig\n\n\n"
+        + modeling[start:end]
+    )
+    (source / "modeling.py").write_text(
+        modeling[:start].replace("from .blocks", "from .base import TinyPreTrainedModel\nfrom .blocks")
+        + modeling[end:]
+    )
+    args = ("--target-modules", "q_proj,v_proj", "--diff")
+    assert run_cli(str(source / "blocks.py"), str(source / "modeling.py"), *args) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"{source / 'modeling.py'}: warning: the PreTrainedModel base class TinyPreTrainedModel "
+        "(from tiny_three.base) of TinyModel is in a file not rewritten in this run"
+    ) in err
+    assert run_cli(str(source), *args) == 0
+    out, err = capsys.readouterr()
+    assert "warning" not in err
+    assert f"{source / 'base.py'}: no layer fields; TinyPreTrainedModel._init_weights initialises" in err
+    assert out.count("module.reset_lora_parameters(True)") == 1

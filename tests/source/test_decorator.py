@@ -433,3 +433,57 @@ def test_golden_expansions(case):
     assert case.generate() == case.path.read_text(), (
         f"{case.path.name} is stale; if the change is intended run: python scripts/regen_golden.py"
     )
+
+
+def test_a_decorated_block_in_an_undecorated_pretrained_model_loaded_with_from_pretrained(tmp_path: Path):
+    """``from_pretrained`` builds the model with plain layers (the decorator converts nothing at construction);
+    converting after loading gives the LoRA factors peft's initialisation on the loaded weights."""
+    transformers = pytest.importorskip("transformers")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+    @lora_convert(config)
+    class Attention(nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.q_proj = nn.Linear(hidden, hidden)
+            self.v_proj = nn.Linear(hidden, hidden)
+            self.o_proj = nn.Linear(hidden, hidden)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.o_proj(torch.tanh(self.q_proj(x)) * self.v_proj(x))
+
+    class TinyConfig(transformers.PretrainedConfig):
+        model_type = "loragen-tiny-decorated"
+
+        def __init__(self, hidden: int = 16, **kwargs) -> None:
+            self.hidden = hidden
+            super().__init__(**kwargs)
+
+    class TinyModel(transformers.PreTrainedModel):
+        config_class = TinyConfig
+
+        def __init__(self, config: TinyConfig) -> None:
+            super().__init__(config)
+            self.blocks = nn.ModuleList([Attention(config.hidden) for _ in range(2)])
+            self.post_init()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    torch.manual_seed(0)
+    base = TinyModel(TinyConfig()).eval()
+    base.save_pretrained(tmp_path)
+    model = TinyModel.from_pretrained(tmp_path).eval()
+    for block in model.blocks:
+        block.get_lora_model()
+    layers = find_lora_layers(model)
+    assert sorted(layers) == [f"blocks.{i}.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    for name, layer in layers.items():
+        a, b = layer.lora_A, layer.lora_B
+        assert torch.isfinite(a).all() and 0 < a.abs().max() <= 1 / a.shape[1] ** 0.5, name  # kaiming-uniform
+        assert torch.equal(b, torch.zeros_like(b)), name
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), base(x))

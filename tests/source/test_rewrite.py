@@ -364,6 +364,40 @@ def test_transformers_models_get_the_lora_init_hook_once():
     assert rewrite_source(out, LoraConfig(target_modules=["fc"]), filename="hf.py").code == out
 
 
+def test_init_hook_gives_a_model_without_targeted_layers_the_hook_and_the_config():
+    """``init_hook``: the file's models build LoRA layers of another file of the same rewrite."""
+    model = (
+        "from torch import nn\nfrom transformers import PreTrainedModel\n\nfrom pkg.blocks import Block\n\n\n"
+        "class BasePreTrainedModel(PreTrainedModel):\n    base_model_prefix = 'model'\n\n\n"
+        "class Net(BasePreTrainedModel):\n    def __init__(self, config):\n        super().__init__(config)\n"
+        "        self.block = Block()\n        self.head = nn.Linear(2, 2)\n"
+    )
+    config = LoraConfig(r=4, target_modules=["q_proj"])
+    alone = rewrite_source(model, config, filename="modeling.py")
+    assert alone.ok and not alone.changed and alone.init_hooks == ()
+    hooked = rewrite_source(model, config, filename="modeling.py", init_hook=True)
+    assert hooked.ok and hooked.changed and hooked.init_hooks == ("BasePreTrainedModel",)
+    assert (
+        "from pkg.blocks import Block\n\nfrom loragen import LoraConfig\nfrom loragen.layers import LoraLayer\n"
+        in (hooked.code)
+    )
+    assert 'LORA_CONFIG = LoraConfig(r=4, target_modules=["q_proj"])' in hooked.code
+    assert (
+        "    loragen_config = LORA_CONFIG  # added by loragen rewrite\n    base_model_prefix" in hooked.code
+    )
+    assert hooked.code.count("module.reset_lora_parameters(True)") == 1 and "LoraLinear" not in hooked.code
+    assert hooked.summary() == (
+        "modeling.py: no targeted layers; BasePreTrainedModel._init_weights initialises the LoRA layers of other files"
+    )
+    again = rewrite_source(hooked.code, config, filename="modeling.py", init_hook=True)
+    assert (
+        again.code == hooked.code and not again.changed and again.summary().endswith(", already up to date")
+    )
+    plain = "from torch import nn\n\n\nclass Block(nn.Module):\n    def __init__(self):\n        self.k = nn.Linear(2, 2)\n"
+    untouched = rewrite_source(plain, config, filename="other.py", init_hook=True)
+    assert untouched.ok and untouched.code == plain and untouched.init_hooks == ()
+
+
 def test_module_name_for_path(tmp_path: Path):
     package = tmp_path / "pkg" / "sub"
     package.mkdir(parents=True)
