@@ -96,6 +96,10 @@ class _LoraConvNd(LoraLayer):
             x_lora = F.dropout(x_lora, adapter.lora_dropout_p, self.training)
         return self._unscaled_term(x_lora, adapter) * adapter.scaling
 
+    def _lora_conv_repr(self) -> str:
+        """The torch conv's repr, then the LoRA settings."""
+        return f"{self.base_class.extra_repr(self)}, {self.lora_extra_repr()}"
+
     def _unscaled_term(self, x_lora: Tensor, adapter: LoraAdapter) -> Tensor:
         """``B A x_lora`` (unscaled) with every base setting."""
         a, b = adapter.factor_a, adapter.factor_b
@@ -112,12 +116,10 @@ class LoraConv1d(nn.Conv1d, _LoraConvNd):
 
     _conv = staticmethod(F.conv1d)
     base_class = nn.Conv1d
-    # the torch conv class comes first in the MRO: take the LoRA constructor and forward explicitly
+    # the torch conv class comes first in the MRO: take the LoRA constructor, forward and repr explicitly
     __init__ = _LoraConvNd._lora_conv_init
     forward = LoraLayer.forward
-
-    def extra_repr(self) -> str:
-        return f"{nn.Conv1d.extra_repr(self)}, {self.lora_extra_repr()}"
+    extra_repr = _LoraConvNd._lora_conv_repr
 
 
 class LoraConv2d(nn.Conv2d, _LoraConvNd):
@@ -127,9 +129,7 @@ class LoraConv2d(nn.Conv2d, _LoraConvNd):
     base_class = nn.Conv2d
     __init__ = _LoraConvNd._lora_conv_init
     forward = LoraLayer.forward
-
-    def extra_repr(self) -> str:
-        return f"{nn.Conv2d.extra_repr(self)}, {self.lora_extra_repr()}"
+    extra_repr = _LoraConvNd._lora_conv_repr
 
 
 class LoraConv3d(nn.Conv3d, _LoraConvNd):
@@ -140,6 +140,4 @@ class LoraConv3d(nn.Conv3d, _LoraConvNd):
     base_class = nn.Conv3d
     __init__ = _LoraConvNd._lora_conv_init
     forward = LoraLayer.forward
-
-    def extra_repr(self) -> str:
-        return f"{nn.Conv3d.extra_repr(self)}, {self.lora_extra_repr()}"
+    extra_repr = _LoraConvNd._lora_conv_repr
