@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TextIO, TypeVar
 
+import torch
 from torch import nn
 
-from loragen.config import LoraConfig
+from loragen.config import InitMode, LoraConfig
 from loragen.errors import LoraConversionError, LoraMergeError
 from loragen.layers import LoraLayer, lora_class_for
 from loragen.layers.adapter_set import adapter_factors, has_adapter
@@ -26,6 +28,7 @@ __all__ = [
     "get_lora_model",
     "convert_module",
     "apply_plan",
+    "initialise_when_loaded",
     "mark_trainable",
     "carried_config",
     "find_lora_layers",
@@ -105,6 +108,51 @@ def apply_plan(model: nn.Module, plan: LoraPlan) -> dict[str, LoraLayer]:
     for path, layer in replacements.items():
         set_submodule(model, path, layer)
     return replacements
+
+
+class _LoraInitWeights:
+    """``model._init_weights`` of a model whose LoRA layers exist before its weights do: the class's own
+    initialisation, then peft's for the LoRA factors (``init_lora_weights``)."""
+
+    def __init__(self, model: nn.Module, init_lora_weights: InitMode) -> None:
+        self.model = model
+        self.init_lora_weights = init_lora_weights
+
+    def __call__(self, module: nn.Module) -> None:
+        type(self.model)._init_weights(self.model, module)  # type: ignore[attr-defined]
+        if isinstance(module, LoraLayer):
+            with torch.no_grad():
+                module.reset_lora_parameters(self.init_lora_weights)
+
+
+def initialise_when_loaded(model: nn.Module, config: LoraConfig, *, always: bool = False) -> None:
+    """Make sure LoRA factors built before their weights exist get peft's initialisation.
+
+    transformers' ``from_pretrained`` builds a model on the meta device and fills what the checkpoint lacks
+    (the LoRA factors of a model converted in its ``__init__``) through ``_init_weights`` of the nearest
+    ``PreTrainedModel`` holding each module. When the LoRA factors are on the meta device (``always``: in
+    any case), ``model`` and every module in it that has an ``_init_weights`` and holds LoRA layers get one
+    that also initialises LoRA layers; with no such module, a warning says nothing would initialise them.
+    """
+    layers = find_lora_layers(model)
+    deferred = any(t.is_meta for layer in layers.values() for t in layer.lora_parameters().values())
+    if not (deferred or always):
+        return
+    hooked = False
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        holds_layers = any(p.startswith(prefix) for p in layers)
+        if holds_layers and callable(getattr(type(module), "_init_weights", None)):
+            object.__setattr__(module, "_init_weights", _LoraInitWeights(module, config.init_lora_weights))
+            hooked = True
+    if deferred and not hooked:
+        warnings.warn(
+            f"{type(model).__name__}: its LoRA factors are made on the meta device (inside a model's __init__ "
+            "under from_pretrained?) and nothing will initialise them; convert the PreTrainedModel itself "
+            "(loragen.get_lora_model(model, config) in its __init__, or after loading), or load a checkpoint "
+            "that holds the factors",
+            stacklevel=3,
+        )
 
 
 def carried_config(model: nn.Module) -> LoraConfig:
@@ -188,6 +236,7 @@ def get_lora_model(model: M, config: LoraConfig) -> M:
     apply_plan(model, plan)
     mark_trainable(model, plan.config)
     setattr(model, CONFIG_ATTR, plan.config)
+    initialise_when_loaded(model, plan.config)
     return model
 
 

@@ -8,16 +8,13 @@ converts the layers the config targets in it, as :func:`loragen.get_lora_model` 
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from loragen.config import LoraConfig
-from loragen.convert import apply_plan
-from loragen.layers import LoraLayer
+from loragen.convert import apply_plan, initialise_when_loaded
 from loragen.plan import resolve
 
 __all__ = ["convert_sub_model", "lora_auto_class"]
@@ -35,17 +32,7 @@ def convert_sub_model(model: nn.Module, config: LoraConfig) -> nn.Module:
     if not plan.entries:
         return model
     apply_plan(model, plan)
-    class_init = getattr(type(model), "_init_weights", None)
-    if class_init is not None:
-        # from_pretrained fills the LoRA factors a checkpoint lacks with _init_weights: give this instance the
-        # LoRA initialisation the rewritten classes' hook has
-        def _init_weights(self: nn.Module, module: nn.Module) -> None:
-            class_init(self, module)
-            if isinstance(module, LoraLayer):
-                with torch.no_grad():
-                    module.reset_lora_parameters(config.init_lora_weights)
-
-        object.__setattr__(model, "_init_weights", types.MethodType(_init_weights, model))
+    initialise_when_loaded(model, config, always=True)
     return model
 
 

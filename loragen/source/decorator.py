@@ -252,6 +252,7 @@ def _render_expansion(cls: type, scan: ClassScan, result: ScanResult, config: Lo
     of ``get_lora_model()`` when given."""
     imports = _Imports()
     imports.add("loragen.convert", "mark_trainable")
+    imports.add("loragen.convert", "initialise_when_loaded")
     imports.add("loragen.plan", "resolve")
     imports.add("loragen.source", "runtime")
     if config is not None:

@@ -12,7 +12,7 @@
 
 from transformers.pytorch_utils import Conv1D
 
-from loragen.convert import mark_trainable
+from loragen.convert import initialise_when_loaded, mark_trainable
 from loragen.layers import LoraConv1D
 from loragen.plan import resolve
 from loragen.source import runtime
@@ -34,6 +34,7 @@ def get_lora_model(self, config=None):
     self._lora_convert(plan, plan.modules(self), "")
     mark_trainable(self, plan.config)
     self.loragen_config = plan.config
+    initialise_when_loaded(self, plan.config)
     return self
 
 

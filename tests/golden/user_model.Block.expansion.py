@@ -15,7 +15,7 @@
 from torch import nn
 
 from loragen import LoraConfig
-from loragen.convert import mark_trainable
+from loragen.convert import initialise_when_loaded, mark_trainable
 from loragen.layers import LoraEmbedding, LoraLinear
 from loragen.plan import resolve
 from loragen.source import runtime
@@ -45,6 +45,7 @@ def get_lora_model(self, config=LORA_CONFIG):
     self._lora_convert(plan, plan.modules(self), "")
     mark_trainable(self, plan.config)
     self.loragen_config = plan.config
+    initialise_when_loaded(self, plan.config)
     return self
 
 
