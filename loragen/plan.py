@@ -98,16 +98,16 @@ _TASK_HEADS: Mapping[str, tuple[str, ...]] = {
 # Accepted patterns are matched by `re` itself, so every result is re's.
 
 
-def _sre_module(name: str) -> Any:
-    """The standard library's regex parser or compiler module (``re._parser``; ``sre_parse`` before 3.11)."""
+def _sre_module(name: str, before_3_11: str) -> Any:
+    """The standard library's regex module ``re._<name>`` (``before_3_11``: its name on Python 3.10)."""
     try:
         return importlib.import_module(f"re._{name}")
     except ImportError:  # Python 3.10
-        return importlib.import_module(f"sre_{name}")
+        return importlib.import_module(before_3_11)
 
 
-_sre_parse = _sre_module("parser")
-_sre_compile = _sre_module("compiler")
+_sre_parse = _sre_module("parser", "sre_parse")
+_sre_compile = _sre_module("compiler", "sre_compile")
 
 # the most backtracking steps (an estimate from above) one match may take: at most about a second of `re`
 _MATCH_BUDGET = 10**8

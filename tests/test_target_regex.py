@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import loragen
 from loragen import LoraConfig
 from loragen.errors import LoraConfigError
-from loragen.plan import Candidate, _analysed, check_pattern, entry_for, resolve_candidates
+from loragen.plan import Candidate, _analysed, _sre_module, check_pattern, entry_for, resolve_candidates
 from tests.cli.test_rewrite import run_cli
 
 # Patterns from peft's tests and docs, transformers' and other projects' LoRA recipes, and loragen's own
@@ -347,3 +347,23 @@ def test_a_pattern_key_that_is_no_regex_inside_peft_wrapper_is_an_error_naming_i
 def test_rewrite_reports_an_invalid_target_regex_as_the_config_does(model_file: Path, capsys) -> None:
     assert run_cli(str(model_file), "--target-regex", "(q_proj", "--diff") == 2
     assert "target_modules='(q_proj' is not a valid regular expression" in capsys.readouterr().err
+
+
+def test_the_regex_modules_are_found_by_their_python_3_10_names_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.10 has no ``re._parser`` / ``re._compiler``: the check then uses ``sre_parse`` / ``sre_compile``."""
+    import importlib
+    import warnings
+
+    real = importlib.import_module
+
+    def without_re_private(name: str, package: str | None = None) -> object:
+        if name.startswith("re._"):
+            raise ImportError(name)
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", without_re_private)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the 3.10 names are deprecated aliases later
+        parser = _sre_module("parser", "sre_parse")
+        compiler = _sre_module("compiler", "sre_compile")
+    assert hasattr(parser, "parse") and hasattr(compiler, "compile")
