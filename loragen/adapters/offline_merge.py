@@ -12,6 +12,7 @@ plus one module's factors. Each output file appears atomically (:mod:`loragen.at
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -422,10 +423,15 @@ def _target_problems(adapter: Adapter, checkpoint: Checkpoint, key_map: KeyMap) 
     select (unexpected keys), and a checkpoint module they select with no factors (missing keys). The
     modules are those of the checkpoint (each tensor ``M.weight`` of two or more dimensions, under the
     adapter's paths) and of the adapter; :func:`loragen.plan.resolve_candidates` selects among them."""
-    targets = adapter.config.target_modules
-    if targets is None or targets == ALL_LINEAR:  # resolved per model type / layer type: not told by names
-        return []
     modules = adapter.lora_modules()
+    config = adapter.config
+    # None / all-linear select per model type / layer type, which names do not tell: then only the other
+    # fields (layers_to_transform, layers_pattern, exclude_modules) are checked against the factors, with
+    # the factors' own leaf names as targets (a suffix target, to which layers_to_transform applies)
+    by_type = config.target_modules is None or config.target_modules == ALL_LINEAR
+    if by_type:
+        leaves = tuple(dict.fromkeys(path.rsplit(".", 1)[-1] for path in modules))
+        config = dataclasses.replace(config, target_modules=leaves)
     paths = dict.fromkeys(modules)
     for name in checkpoint.owner:
         if name.endswith(".weight") and len(checkpoint.entry(name).shape) >= 2:
@@ -433,7 +439,7 @@ def _target_problems(adapter: Adapter, checkpoint: Checkpoint, key_map: KeyMap) 
             if path:
                 paths.setdefault(path)
     candidates = [Candidate(path=path, layer="checkpoint module", linear=True) for path in paths]
-    plan = resolve_candidates(adapter.config, candidates)
+    plan = resolve_candidates(config, candidates)
     fields = ("target_modules", "layers_to_transform", "layers_pattern", "exclude_modules")
     values = {name: getattr(adapter.config, name) for name in fields}  # as adapter_config.json gives them
     selection = ", ".join(
@@ -447,7 +453,7 @@ def _target_problems(adapter: Adapter, checkpoint: Checkpoint, key_map: KeyMap) 
         for module, factors in modules.items()
         if module not in plan.entries
     ]
-    missing = [path for path in plan.entries if path not in modules]
+    missing = [] if by_type else [path for path in plan.entries if path not in modules]
     problems += [
         f"{path}: {selection} selects it (checkpoint tensor {key_map.apply(path)}.weight), but the adapter "
         "has no LoRA factors for it (missing keys)"

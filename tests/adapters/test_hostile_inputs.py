@@ -358,8 +358,23 @@ def test_an_adapter_without_tensors_is_refused_by_merge_as_by_load(files, tmp_pa
             "model.layers.0.self_attn.o_proj: target_modules=['q_proj', 'v_proj', 'o_proj'] selects it",
         ),
         ({"exclude_modules": ["v_proj"]}, "exclude_modules=['v_proj'] does not select"),
+        (
+            {"target_modules": "all-linear", "exclude_modules": ["v_proj"]},
+            "which target_modules='all-linear', exclude_modules=['v_proj'] does not select",
+        ),
+        (
+            {"target_modules": None, "layers_to_transform": [99]},
+            "which layers_to_transform=[99] does not select",
+        ),
     ],
-    ids=["layers-to-transform", "other-targets", "more-targets", "excluded"],
+    ids=[
+        "layers-to-transform",
+        "other-targets",
+        "more-targets",
+        "excluded",
+        "all-linear-layers",
+        "default-layers",
+    ],
 )
 def test_an_adapter_whose_config_contradicts_its_weights_is_refused_by_merge_as_by_load(
     tmp_path, capsys, changes, match
