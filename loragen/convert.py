@@ -140,9 +140,10 @@ def initialise_when_loaded(model: nn.Module, config: LoraConfig, *, always: bool
         return
     hooked = False
     for path, module in model.named_modules():
+        if not callable(getattr(type(module), "_init_weights", None)):
+            continue  # (a model has few PreTrainedModels: test those alone against every layer path)
         prefix = f"{path}." if path else ""
-        holds_layers = any(p.startswith(prefix) for p in layers)
-        if holds_layers and callable(getattr(type(module), "_init_weights", None)):
+        if any(p.startswith(prefix) for p in layers):
             object.__setattr__(module, "_init_weights", _LoraInitWeights(module, config.init_lora_weights))
             hooked = True
     if deferred and not hooked:
